@@ -1,0 +1,17 @@
+"""lightning_zero: ZeRO stages 1-3 for PyTorch Lightning, with nothing but PyTorch underneath.
+
+``import lightning_zero`` registers the strategy names ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
+``zero3_offload`` with Lightning, so ``Trainer(strategy="zero3")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.config import ZeroConfig, ZeroConfigError
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.strategy import ZeroStrategy
+
+__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroPrecision", "ZeroStrategy"]
+__version__ = "0.1.0"
+
+if "zero1" not in StrategyRegistry:
+    ZeroStrategy.register_strategies(StrategyRegistry)

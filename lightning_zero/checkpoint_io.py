@@ -1,0 +1,257 @@
+"""Saving and loading ZeroStrategy checkpoints.
+
+Two formats, one naming: entries are keyed by the module's own parameter names whatever the stage.
+
+* ``"full"``: one Lightning ``.ckpt`` file written by rank 0 (temporary file, then rename), with a plain
+  ``state_dict`` and ``torch.optim`` optimizer states holding full tensors.
+* ``"sharded"``: a directory written with ``torch.distributed.checkpoint``; every rank writes only its own
+  rows of each parameter and optimizer-state tensor, expressed as a dim-0 sharded DTensor so the same
+  directory loads at any world size and stage. The directory appears under its final name only once every
+  rank has finished (temporary sibling, barrier, rename on rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.state_dict import full_optimizer_state_dict, shard_rows
+
+META_FILE = "meta.pt"
+SHARDED_MARKER = "lightning_zero_sharded"
+
+
+# ---------------------------------------------------------------------- who hosts which tensor
+def _hosted(optimizer: Optimizer, engine) -> dict[int, torch.Tensor]:
+    """``id(param)`` -> the tensor the optimizer keys that parameter's state by."""
+    if engine is None or engine.stage == 3:
+        return {}
+    sharded = engine.sharded(optimizer)
+    return {id(engine.params[i]): sharded.shards[i] for i in sharded.indices}
+
+
+def _param_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def _mesh(device: torch.device):
+    return init_device_mesh(device.type, (collectives.world_size(),))
+
+
+def _as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tensor:
+    if len(full_shape) == 0:
+        return local
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride)
+
+
+# ---------------------------------------------------------------------- state for saving
+def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> dict:
+    hosted = _hosted(optimizer, engine)
+    shapes = {id(p): p.shape for p in module.parameters() if id(p) in hosted or isinstance(p, DTensor)}
+    return full_optimizer_state_dict(optimizer, hosted, shapes)
+
+
+def sharded_model_state(module: nn.Module, engine) -> dict[str, Any]:
+    """Parameter name -> this rank's rows (as a DTensor); buffers and frozen parameters as they are."""
+    state = module.state_dict()
+    if engine is None or engine.stage == 3:
+        return state
+    mesh = _mesh(engine.params[0].device)
+    trainable = {engine.names[i]: i for i in range(len(engine.params))}
+    for name in list(state):
+        i = trainable.get(name)
+        if i is not None and engine.params[i].dim() > 0:
+            sharded = _as_sharded(engine.local_rows(i), engine.params[i].shape, mesh)
+            state[name] = sharded
+    return state
+
+
+def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> dict[str, Any]:
+    """``{"state": {param_name: {key: rows}}, "param_groups": [... "params": [names]]}``."""
+    hosted = _hosted(optimizer, engine)
+    names = _param_names(module)
+    mesh = _mesh(next(iter(module.parameters())).device) if hosted else None
+    state: dict[str, dict] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        group_names = []
+        for param in group["params"]:
+            name = names[id(param)]
+            group_names.append(name)
+            entry = optimizer.state.get(hosted.get(id(param), param))
+            if entry is None:
+                continue
+            state[name] = {
+                key: _as_sharded(value, param.shape, mesh)
+                if id(param) in hosted and isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in entry.items()
+            }
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
+    return {"state": state, "param_groups": groups}
+
+
+# ---------------------------------------------------------------------- writing
+def save_full(checkpoint: dict[str, Any], path: Path) -> None:
+    """Rank 0 only. Written to a temporary sibling and renamed, so ``path`` is never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        torch.save(checkpoint, tmp)
+        if path.is_dir():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
+    """Collective. See the module docstring for the atomicity protocol."""
+    tmp = Path(collectives.broadcast_object(str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"))))
+    tensors = {"state_dict": checkpoint.pop("state_dict")}
+    for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        tensors[f"optimizer_{i}"] = optim_state["state"]
+        checkpoint.setdefault("optimizer_param_groups", []).append(optim_state["param_groups"])
+    if collectives.rank() == 0:
+        tmp.mkdir(parents=True)
+    collectives.barrier()
+    try:
+        dcp.save(tensors, checkpoint_id=tmp)
+        if collectives.rank() == 0:
+            torch.save(checkpoint, tmp / META_FILE)
+        collectives.barrier()
+        if collectives.rank() == 0:
+            _replace_dir(tmp, path)
+    finally:
+        if collectives.rank() == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    collectives.barrier()
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+    os.replace(new, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+# ---------------------------------------------------------------------- reading
+def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine) -> dict[str, Any]:
+    """Read a checkpoint. A sharded directory is loaded into the live shards here; a full file is returned
+    for Lightning to hand to :func:`load_model_state` / :func:`load_optimizer_state`."""
+    if path.is_dir():
+        meta = path / META_FILE
+        if not meta.is_file():
+            raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint directory (no {META_FILE}).")
+        checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
+        state = {"state_dict": sharded_model_state(module, engine)}
+        for i, optimizer in enumerate(optimizers):
+            if f"optimizer_{i}" not in _saved_keys(path):
+                continue
+            _materialize_optimizer_state(optimizer, engine)
+            state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
+        dcp.load(state, checkpoint_id=path)
+        for i, optimizer in enumerate(optimizers):
+            groups = checkpoint.get("optimizer_param_groups", [])
+            if i < len(groups):
+                _load_param_group_hyperparameters(optimizer, groups[i])
+        # Already loaded in place: leave Lightning's model/optimizer restore nothing to do.
+        checkpoint["state_dict"] = {}
+        checkpoint["optimizer_states"] = [{SHARDED_MARKER: True} for _ in optimizers]
+        return checkpoint
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint {path} does not exist.")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _saved_keys(path: Path) -> set[str]:
+    reader = dcp.FileSystemReader(path)
+    return {key.split(".", 1)[0] for key in reader.read_metadata().state_dict_metadata}
+
+
+def _materialize_optimizer_state(optimizer: Optimizer, engine) -> None:
+    """Create zero-valued optimizer state (shard-sized) so a checkpoint can be loaded into it in place."""
+    if engine is not None and engine.stage != 3:
+        with engine.sharded(optimizer).hosted_on_shards():
+            _init_optim_state(optimizer)
+    else:
+        _init_optim_state(optimizer)
+
+
+def _load_param_group_hyperparameters(optimizer: Optimizer, groups: list[dict]) -> None:
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(groups)} param groups but the current one has "
+            f"{len(optimizer.param_groups)}."
+        )
+    for live, saved in zip(optimizer.param_groups, groups):
+        live.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, strict: bool = True) -> None:
+    """Load a full (unsharded) ``state_dict`` into the live model, keeping only this rank's rows."""
+    if not state_dict:
+        return
+    live = module.state_dict()
+    missing = sorted(set(live) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(live))
+    if strict and (missing or unexpected):
+        raise KeyError(f"Checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
+    rank, world = collectives.rank(), collectives.world_size()
+    with torch.no_grad():
+        for name, target in live.items():
+            if name not in state_dict:
+                continue
+            full = state_dict[name]
+            if isinstance(target, DTensor):
+                target.to_local().copy_(shard_rows(full, rank, world))
+            else:
+                target.copy_(full)
+
+
+def load_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any], module: nn.Module, engine) -> None:
+    """Load a ``torch.optim``-format state (full tensors, index keys) into the sharded optimizer."""
+    if SHARDED_MARKER in saved:
+        return
+    hosted = _hosted(optimizer, engine)
+    rank, world = collectives.rank(), collectives.world_size()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    _load_param_group_hyperparameters(optimizer, saved["param_groups"])
+    for index, entry in saved["state"].items():
+        param = params[int(index)]
+        key = hosted.get(id(param), param)
+        restored = {}
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
+                local = shard_rows(value, rank, world).to(param.device, copy=True)
+                if isinstance(param, DTensor):
+                    local = DTensor.from_local(
+                        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                    )
+                value = local
+            restored[name] = value
+        optimizer.state[key] = restored

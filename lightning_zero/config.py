@@ -1,0 +1,137 @@
+"""Typed, validated settings for :class:`~lightning_zero.ZeroStrategy`.
+
+Every check here runs when the strategy object is built, on every rank, before any process group exists:
+a bad value must fail fast with a message naming the setting, never surface later as a hang inside a
+collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any, Literal, Union
+
+from torch import nn
+
+StateDictType = Literal["sharded", "full"]
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+
+#: What a user may pass to pick modules: one class, several classes, or a predicate on modules.
+ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Module], bool], None]
+
+SUPPORTED_STAGES = (1, 2, 3)
+
+
+class ZeroConfigError(ValueError):
+    """A ZeroStrategy setting has a value we cannot honour; the message names the setting and the fix."""
+
+
+def _closest(value: str, choices: Iterable[str]) -> str:
+    matches = difflib.get_close_matches(value, list(choices), n=1)
+    return f" Did you mean {matches[0]!r}?" if matches else ""
+
+
+def check_choice(setting: str, value: Any, choices: Iterable[Any]) -> None:
+    """Raise a :class:`ZeroConfigError` naming ``setting`` unless ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        hint = _closest(value, [str(c) for c in choices]) if isinstance(value, str) else ""
+        raise ZeroConfigError(f"`{setting}={value!r}` is not supported; choose one of {choices}.{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """The settings of one ZeroStrategy, validated on construction."""
+
+    stage: int = 2
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+
+    offload_optimizer: bool = False
+    """Keep fp32 master shards and optimizer state in host memory (ZeRO-Offload)."""
+
+    offload_params: bool = False
+    """Stage 3 only: keep sharded parameters in host memory between uses."""
+
+    activation_checkpointing: Any = None
+    """Module classes, a predicate or a dict (``{"classes": [...], "every": k}``) whose forward is recomputed in
+    backward instead of storing activations."""
+
+    wrap_policy: ModulePolicy = None
+    """Stage 3 only: the modules that become one all-gather unit. ``None`` picks every element of an
+    ``nn.ModuleList`` (the transformer blocks of most models); the root module is always a unit."""
+
+    pipeline_stages: int = 1
+    """Number of pipeline stages the model is split into."""
+
+    microbatches: int | None = None
+    """Micro-batches per batch for the pipeline schedule."""
+
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule name."""
+
+    bucket_size_mb: float = 25.0
+    """Size of one gradient communication bucket (stages 1-2); larger buckets mean fewer, bigger collectives."""
+
+    overlap_comm: bool = True
+    """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward."""
+
+    reduce_every_microbatch: bool = False
+    """Stage 2: reduce-scatter on every micro-batch under gradient accumulation, so full gradients never
+    outlive one backward (less memory, k times the gradient traffic)."""
+
+    state_dict_type: StateDictType = "sharded"
+    """``"sharded"`` writes a directory of per-rank shards; ``"full"`` writes one file from rank 0."""
+
+    process_group_backend: str | None = None
+    """``torch.distributed`` backend; ``None`` picks ``nccl`` on CUDA and ``gloo`` otherwise."""
+
+    timeout: timedelta = timedelta(minutes=30)
+    """How long a collective may wait for a peer before the run fails."""
+
+    start_method: StartMethod = "popen"
+    """How Lightning starts the processes: re-run the script (``popen``) or ``spawn``/``fork``/``forkserver``."""
+
+    def __post_init__(self) -> None:
+        check_choice("stage", self.stage, SUPPORTED_STAGES)
+        for flag in ("offload_optimizer", "offload_params", "overlap_comm", "reduce_every_microbatch"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ZeroConfigError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
+        if self.offload_params and self.stage != 3:
+            raise ZeroConfigError(
+                f"`offload_params=True` needs `stage=3` (got stage={self.stage}): only stage 3 shards parameters."
+            )
+        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)):
+            raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb!r}.")
+        if not self.bucket_size_mb > 0:
+            raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb}.")
+        if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
+            raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
+        if self.pipeline_stages > 1:
+            raise ZeroConfigError(
+                f"`pipeline_stages={self.pipeline_stages}` is not available in this version; use pipeline_stages=1."
+            )
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
+        check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
+        check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
+        check_choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
+        if self.process_group_backend is not None:
+            check_choice("process_group_backend", self.process_group_backend, ("gloo", "nccl", "mpi", "cuda:nccl,cpu:gloo"))
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ZeroConfigError(f"`timeout` must be a positive datetime.timedelta, got {self.timeout!r}.")
+        if self.offload_optimizer or self.offload_params:
+            raise ZeroConfigError(
+                "`offload_optimizer`/`offload_params` are not available in this version; set them to False."
+            )
+        if self.activation_checkpointing is not None:
+            raise ZeroConfigError(
+                "`activation_checkpointing` is not available in this version; leave it as None."
+            )
+
+    @property
+    def bucket_numel(self) -> int:
+        """Elements of one fp32 gradient bucket."""
+        return max(1, int(self.bucket_size_mb * 2**20) // 4)

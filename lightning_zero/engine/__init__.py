@@ -1,0 +1,1 @@
+"""The sharding engine. No Lightning imports: everything here is testable with plain torch."""

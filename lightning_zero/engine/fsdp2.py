@@ -1,0 +1,169 @@
+"""Stage 3: parameters, gradients and optimizer state sharded by ``torch.distributed.fsdp.fully_shard``.
+
+FSDP2 already shards per parameter along dim 0 (our convention), prefetches, and reshards after backward.
+This adapter adds what ZeroStrategy promises on top: the wrap policy, shard-by-shard materialisation of
+meta-device models with the values an eager build would have had, counted collectives, no-sync under
+gradient accumulation, and the shard-level view the precision plugin needs for clipping.
+
+[Note: materialising meta modules in construction order]
+Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, which is the order an eager
+build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
+sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
+plus one unit exist at full size at any time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.sharded_optimizer import check_elementwise
+
+
+def default_units(root: nn.Module) -> list[nn.Module]:
+    """Every element of an ``nn.ModuleList`` (the blocks of most transformers); a model without one gets
+    each direct child that holds parameters (e.g. a generator and a discriminator), so every sub-network
+    gathers its parameters around its own forward and backward."""
+    listed = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m}
+    if listed:
+        return [m for m in root.modules() if id(m) in listed]
+    return [child for child in root.children() if any(True for _ in child.parameters())]
+
+
+def resolve_wrap_policy(policy) -> Callable[[nn.Module], bool]:
+    """A predicate from a class, an iterable of classes or a callable."""
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        return lambda module: isinstance(module, policy)
+    if callable(policy):
+        return policy
+    classes = tuple(policy)
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(f"`wrap_policy` must be a module class, classes or a callable, got {policy!r}")
+    return lambda module: isinstance(module, classes)
+
+
+def select_units(root: nn.Module, policy) -> list[nn.Module]:
+    """Modules (other than the root) that become one all-gather unit each, in pre-order."""
+    if policy is None:
+        units = default_units(root)
+    else:
+        predicate = resolve_wrap_policy(policy)
+        units = [m for m in root.modules() if m is not root and predicate(m)]
+    return [m for m in units if any(True for _ in m.parameters())]
+
+
+def _has_meta(module: nn.Module, recurse: bool) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
+
+
+class FullyShardedEngine:
+    """ZeRO stage 3 over FSDP2, with the interface of :class:`~lightning_zero.engine.zero_dp.ZeroDataParallel`."""
+
+    stage = 3
+
+    def __init__(self, module: nn.Module, *, device: torch.device, wrap_policy=None) -> None:
+        self.module = module
+        self.world_size = collectives.world_size()
+        self.rank = collectives.rank()
+        self.mesh = init_device_mesh(device.type, (self.world_size,))
+        self.units = select_units(module, wrap_policy)
+        if isinstance(module, FSDPModule):
+            return  # sharded by an earlier fit/validate/test on this module
+        if _has_meta(module, recurse=True):
+            self._materialize_and_shard(device)
+        else:
+            module.to(device)
+            # Every rank must start from the same values before it keeps only its rows.
+            collectives.broadcast([t.data for t in (*module.parameters(), *module.buffers())], src=0)
+            for unit in reversed(self.units):
+                self._shard(unit)
+        self._shard(module)
+
+    # ------------------------------------------------------------------ sharding
+    def _shard(self, module: nn.Module) -> None:
+        if isinstance(module, FSDPModule):
+            return
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=True)
+        module.set_custom_all_gather(collectives.CountingAllGather())
+        module.set_custom_reduce_scatter(collectives.CountingReduceScatter())
+
+    def _materialize_and_shard(self, device: torch.device) -> None:
+        """See [Note: materialising meta modules in construction order]."""
+        state = collectives.broadcast_object(torch.get_rng_state(), src=0)
+        torch.set_rng_state(state)
+        last_of_unit = {id(list(unit.modules())[-1]): [] for unit in self.units}
+        for unit in self.units:
+            last_of_unit[id(list(unit.modules())[-1])].append(unit)
+        missing = set()
+        for sub in self.module.modules():
+            if _has_meta(sub, recurse=False):
+                sub.to_empty(device=device, recurse=False)
+                reset = getattr(sub, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+                else:
+                    missing.add(type(sub).__name__)
+            # Innermost units end first; shard children before the parents that contain them.
+            for unit in reversed(last_of_unit.get(id(sub), [])):
+                self._shard(unit)
+        if missing:
+            raise TypeError(
+                f"Cannot materialise the meta-device model: {sorted(missing)} define parameters or buffers but no "
+                "`reset_parameters()`; add one, or build those modules outside `configure_model`."
+            )
+
+    # ------------------------------------------------------------------ optimizers
+    def wrap_optimizer(self, optimizer: Optimizer) -> None:
+        check_elementwise(optimizer, self.stage)
+
+    @staticmethod
+    def _params(optimizer: Optimizer) -> Iterable[torch.Tensor]:
+        return (p for group in optimizer.param_groups for p in group["params"])
+
+    def step(self, optimizer: Optimizer, **kwargs) -> object:
+        return optimizer.step(**kwargs)
+
+    def discard_gradients(self, optimizer: Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def finalize_gradients(self, optimizer: Optimizer, scale: float = 1.0) -> None:
+        # FSDP2 already averaged over ranks in its reduce-scatter.
+        if scale != 1.0:
+            grads = self.local_gradients(optimizer)
+            if grads:
+                torch._foreach_mul_(grads, scale)
+
+    def local_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        grads = (p.grad for p in self._params(optimizer))
+        return [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
+
+    def named_gradient_shards(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        out = []
+        for p in self._params(optimizer):
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            out.append((names[id(p)], grad, p.shape))
+        return out
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def post_backward(self) -> None:
+        """FSDP2 lands its reduce-scatters in its own post-backward callback."""
+
+    def teardown(self) -> None:
+        """FSDP2's hooks live as long as the module."""

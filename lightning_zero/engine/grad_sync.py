@@ -1,0 +1,218 @@
+"""Gradient reduction for stages 1 and 2: post-accumulate-grad hooks fill rank-major buckets, each bucket
+is reduce-scattered as soon as all of its gradients are ready, and this rank keeps only its shard.
+
+[Note: gradients are held as sums until finalized]
+Reduce-scatter runs with ``SUM``; the average over ranks (and, later, a loss-scale unscale) is applied once
+per optimizer step by :meth:`GradientReducer.finalize`, just before clipping and the step. Holding sums lets
+several synchronising backwards accumulate exactly: in stage 1 a rank's own chunk of ``p.grad`` holds the
+reduced sum while the other chunks restart from zero, so the next reduce-scatter adds ``previous sum + new
+local gradients of every rank``. Pre-dividing instead would divide the previous sum again.
+
+Stage 1 keeps the full ``p.grad`` (its own chunk holds the reduced gradient); stage 2 copies the gradient
+into the bucket, drops ``p.grad`` and receives the reduced shard into one flat per-rank storage, so full
+gradients never outlive the bucket they are reduced in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.buckets import local_rows, pack_bucket, segment_view
+from lightning_zero.engine.layout import ShardLayout
+
+
+@dataclasses.dataclass
+class _Inflight:
+    bucket: int
+    work: object | None
+    comm: torch.Tensor
+    out: torch.Tensor
+    direct: bool
+    """True when ``out`` already is the storage slice (stage 2, clean bucket): nothing to add afterwards."""
+
+
+class GradientReducer:
+    """Reduce-scatters the gradients of ``params`` (the trainable parameters, in layout order)."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        layout: ShardLayout,
+        *,
+        rank: int,
+        shard_gradients: bool,
+        overlap_comm: bool = True,
+        group=None,
+    ) -> None:
+        self.params = list(params)
+        self.layout = layout
+        self.rank = rank
+        self.world_size = layout.world_size
+        self.shard_gradients = shard_gradients
+        self.overlap_comm = overlap_comm
+        self.group = group
+        self.require_sync = True
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._ready = [0] * len(layout.buckets)
+        self._launched = [False] * len(layout.buckets)
+        self._inflight: list[_Inflight] = []
+        self._synced_since_consume = [False] * len(self.params)
+        self._finalized = [False] * len(self.params)
+        self._dirty = [set() for _ in layout.buckets]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        dtype = self.params[0].dtype if self.params else torch.float32
+        # Stage 2: one flat storage for this rank's gradient shards, viewed per parameter.
+        self.storage = torch.zeros(layout.shard_numel, device=device, dtype=dtype) if shard_gradients else None
+        self._storage_views = (
+            [self._storage_view(i) for i in range(len(self.params))] if shard_gradients else None
+        )
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params if p.requires_grad
+        ]
+
+    # ------------------------------------------------------------------ views
+    def _bucket_storage(self, bucket: int) -> torch.Tensor:
+        start = self.layout.bucket_offset(bucket)
+        return self.storage[start : start + self.layout.buckets[bucket].segment_numel]
+
+    def _storage_view(self, index: int) -> torch.Tensor:
+        spec = self.layout.params[index]
+        return segment_view(self.layout, self._bucket_storage(spec.bucket), index, self.rank)
+
+    def local_grad(self, index: int) -> torch.Tensor | None:
+        """This rank's shard of parameter ``index``'s gradient (a view), or None if it has none."""
+        if self.shard_gradients:
+            return self._storage_views[index] if self._synced_since_consume[index] else None
+        grad = self.params[index].grad
+        if grad is None:
+            return None
+        return local_rows(grad, self.layout.params[index], self.rank)
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate into ``p.grad`` locally and communicate nothing."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.require_sync:
+            return
+        index = self._index[id(param)]
+        if self._finalized[index]:
+            raise RuntimeError(
+                f"Parameter {self.layout.params[index].name!r} received a new gradient after its gradients were "
+                "finalized for an optimizer step (clipping or unscaling) but before that step ran. Call "
+                "`optimizer.step()` (or skip it) before the next backward."
+            )
+        bucket = self.layout.params[index].bucket
+        self._ready[bucket] += 1
+        if self.overlap_comm and self._ready[bucket] == len(self.layout.buckets[bucket].params):
+            self._launch(bucket)
+
+    def _launch(self, bucket_index: int) -> None:
+        bucket = self.layout.buckets[bucket_index]
+        sources = [None] * len(self.params)
+        for i in bucket.params:
+            sources[i] = self.params[i].grad
+        comm = pack_bucket(self.layout, bucket, sources, torch.empty(bucket.numel, dtype=self.storage_dtype, device=self.device))
+        direct = False
+        if self.shard_gradients:
+            for i in bucket.params:
+                self.params[i].grad = None
+            direct = not self._dirty[bucket_index]
+            out = self._bucket_storage(bucket_index) if direct else torch.empty_like(self._bucket_storage(bucket_index))
+        else:
+            out = torch.empty(bucket.segment_numel, dtype=comm.dtype, device=comm.device)
+        work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
+        self._launched[bucket_index] = True
+        self._inflight.append(_Inflight(bucket_index, work, comm, out, direct))
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    def flush(self) -> None:
+        """End of a synchronising backward: reduce buckets that never filled (parameters unused in this
+        backward contribute ``p.grad`` or zeros) and land every reduced shard."""
+        if not self.require_sync:
+            return
+        for bucket in range(len(self.layout.buckets)):
+            if not self._launched[bucket]:
+                self._launch(bucket)
+        for flight in self._inflight:
+            if flight.work is not None:
+                flight.work.wait()
+            self._land(flight)
+        self._inflight.clear()
+        self._ready = [0] * len(self.layout.buckets)
+        self._launched = [False] * len(self.layout.buckets)
+
+    def _land(self, flight: _Inflight) -> None:
+        bucket = self.layout.buckets[flight.bucket]
+        if self.shard_gradients:
+            if not flight.direct:
+                self._bucket_storage(flight.bucket).add_(flight.out)
+        else:
+            for i in bucket.params:
+                param = self.params[i]
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                spec = self.layout.params[i]
+                start, end = spec.element_range(self.rank)
+                flat = param.grad.view(-1)
+                flat[:start].zero_()
+                flat[end:].zero_()
+                flat[start:end].copy_(segment_view(self.layout, flight.out, i, self.rank).reshape(-1))
+        for i in bucket.params:
+            self._synced_since_consume[i] = True
+        self._dirty[flight.bucket].update(bucket.params)
+
+    # ------------------------------------------------------------------ step
+    def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:
+        """Turn the held sums of ``indices`` into the averaged gradient (times ``scale``), once."""
+        if self._inflight or any(self._ready):
+            # A backward ran outside ``strategy.backward`` (e.g. a bare ``loss.backward()``): land it now.
+            self.flush()
+        grads = []
+        for i in indices:
+            if self._finalized[i]:
+                continue
+            self._finalized[i] = True
+            grad = self.local_grad(i)
+            if grad is not None:
+                grads.append(grad)
+        if grads:
+            torch._foreach_mul_(grads, scale / self.world_size)
+
+    def consume(self, indices: Iterable[int]) -> None:
+        """The optimizer step used (or skipped) these gradients: clear them for the next window."""
+        indices = list(indices)
+        if self.shard_gradients:
+            views = [self._storage_views[i] for i in indices if self._synced_since_consume[i]]
+            if views:
+                torch._foreach_zero_(views)
+        for i in indices:
+            if not self.shard_gradients:
+                self.params[i].grad = None
+            self._synced_since_consume[i] = False
+            self._finalized[i] = False
+            self._dirty[self.layout.params[i].bucket].discard(i)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,180 @@
+"""Pure arithmetic of the shard convention: which rows of which parameter each rank owns, and how
+parameters are packed into communication buckets.
+
+[Note: one shard convention for every stage]
+Every parameter is split along dim 0 into ``world_size`` chunks of ``ceil(rows / world_size)`` rows (the
+last chunks may be short or empty, as ``torch.chunk`` and FSDP2 do); rank ``r`` owns chunk ``r``. Stages 1-2
+keep the whole parameter resident and let the optimizer update a *view* of rank ``r``'s rows; stage 3 (FSDP2)
+keeps only those rows. Checkpoints, clipping and offload therefore see the same per-parameter shards
+whatever the stage.
+
+[Note: rank-major buckets]
+``reduce_scatter_tensor`` hands rank ``r`` the ``r``-th contiguous segment of its input, and
+``all_gather_into_tensor`` concatenates one segment per rank. A bucket is therefore laid out rank-major:
+segment ``r`` holds chunk ``r`` of every parameter of the bucket, each padded to the full chunk length, at
+the same offset in every segment. Packing a gradient into a bucket is one strided copy per parameter.
+
+Nothing here touches tensors' data or processes, so the plan can be printed and tested on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShardSpec:
+    """Where one parameter's chunks live."""
+
+    index: int
+    """Position of the parameter in the list the layout was planned from."""
+    name: str
+    shape: tuple[int, ...]
+    world_size: int
+    bucket: int
+    """Index of the bucket holding this parameter."""
+    offset: int
+    """Element offset of this parameter's chunk inside each rank segment of its bucket."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        """Length of dim 0 (a 0-dim parameter counts as one row)."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def rows_per_rank(self) -> int:
+        return math.ceil(self.rows / self.world_size)
+
+    @property
+    def chunk_numel(self) -> int:
+        """Padded length of every rank's chunk."""
+        return self.rows_per_rank * self.row_numel
+
+    def row_range(self, rank: int) -> tuple[int, int]:
+        """Rows ``[start, end)`` owned by ``rank`` (empty when the parameter has fewer rows than ranks)."""
+        start = min(rank * self.rows_per_rank, self.rows)
+        return start, min(start + self.rows_per_rank, self.rows)
+
+    def element_range(self, rank: int) -> tuple[int, int]:
+        """Elements ``[start, end)`` of the flattened parameter owned by ``rank``."""
+        start, end = self.row_range(rank)
+        return start * self.row_numel, end * self.row_numel
+
+    def local_numel(self, rank: int) -> int:
+        start, end = self.element_range(rank)
+        return end - start
+
+    @property
+    def full_chunks(self) -> int:
+        """Number of ranks whose chunk is not short (they get exactly ``chunk_numel`` elements)."""
+        return self.numel // self.chunk_numel if self.chunk_numel else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """One communication bucket: a rank-major buffer of ``world_size`` segments."""
+
+    index: int
+    params: tuple[int, ...]
+    """Indices (into :attr:`ShardLayout.params`) of the parameters in this bucket, in packing order."""
+    segment_numel: int
+    """Elements of one rank's segment (sum of the padded chunk lengths)."""
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.segment_numel * self.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """The whole plan: per-parameter shards and the buckets they are communicated in."""
+
+    params: tuple[ParamShardSpec, ...]
+    buckets: tuple[BucketSpec, ...]
+    world_size: int
+
+    @property
+    def total_numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements communicated by one reduce-scatter (or all-gather) of every bucket."""
+        return sum(b.numel for b in self.buckets)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one rank's flat shard storage (padded)."""
+        return sum(b.segment_numel for b in self.buckets)
+
+    def bucket_offset(self, bucket: int) -> int:
+        """Offset of ``bucket``'s segment inside a rank's flat shard storage."""
+        return sum(b.segment_numel for b in self.buckets[:bucket])
+
+    def describe(self, rank: int = 0) -> str:
+        """A printable plan, for debugging and for the docs."""
+        lines = [
+            f"ShardLayout: {len(self.params)} params, {self.total_numel:,} elements, "
+            f"{len(self.buckets)} buckets, world_size={self.world_size}, "
+            f"padding={self.padded_numel - self.total_numel:,} elements"
+        ]
+        for bucket in self.buckets:
+            lines.append(f"  bucket {bucket.index}: {bucket.numel:,} elements ({bucket.segment_numel:,} per rank)")
+            for i in bucket.params:
+                p = self.params[i]
+                start, end = p.row_range(rank)
+                lines.append(
+                    f"    {p.name} {list(p.shape)}: offset {p.offset}, chunk {p.chunk_numel}, "
+                    f"rank {rank} rows [{start}, {end})"
+                )
+        return "\n".join(lines)
+
+
+def plan_layout(
+    named_shapes: Sequence[tuple[str, Sequence[int]]], world_size: int, bucket_numel: int
+) -> ShardLayout:
+    """Assign parameters to buckets in reverse order (gradients arrive roughly last layer first, as DDP
+    assumes), closing a bucket once its full size reaches ``bucket_numel`` elements."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+
+    order = list(reversed(range(len(named_shapes))))
+    assignments: dict[int, tuple[int, int]] = {}
+    buckets: list[BucketSpec] = []
+    current: list[int] = []
+    segment = 0
+
+    def close() -> None:
+        nonlocal current, segment
+        if current:
+            buckets.append(BucketSpec(len(buckets), tuple(current), segment, world_size))
+        current, segment = [], 0
+
+    for i in order:
+        _, shape = named_shapes[i]
+        probe = ParamShardSpec(i, "", tuple(shape), world_size, 0, 0)
+        assignments[i] = (len(buckets), segment)
+        current.append(i)
+        segment += probe.chunk_numel
+        if segment * world_size >= bucket_numel:
+            close()
+    close()
+
+    params = tuple(
+        ParamShardSpec(i, name, tuple(shape), world_size, *assignments[i])
+        for i, (name, shape) in enumerate(named_shapes)
+    )
+    return ShardLayout(params, tuple(buckets), world_size)

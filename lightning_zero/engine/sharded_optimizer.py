@@ -1,0 +1,137 @@
+"""The user's optimizer, stepping only this rank's shard of every parameter (stages 1 and 2).
+
+[Note: re-hosting without replacing the optimizer]
+The optimizer object the user built stays the one Lightning, LR schedulers and ``toggle_optimizer`` see:
+its ``param_groups`` keep the real parameters. For the duration of ``step`` each trainable parameter in
+``param_groups`` is swapped for a persistent *view* of this rank's rows of it (its gradient set to this
+rank's reduced gradient shard), so the optimizer reads and writes shard-sized tensors and keys its state
+by those views: optimizer state is born sharded and never exists at full size. Because the views alias the
+resident parameters, no fp32 master copy exists; after the step the updated rows are all-gathered back
+into every rank's parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.buckets import local_rows, pack_segment, unpack_bucket
+from lightning_zero.engine.grad_sync import GradientReducer
+from lightning_zero.engine.layout import ShardLayout
+
+#: Optimizers whose update of an element depends only on that element's gradient and state, so stepping
+#: each rank's shard separately equals stepping the whole tensor.
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
+    if hasattr(torch.optim, name)
+)
+#: Optimizers known to couple elements (line searches, factored or matrix-wise statistics, sparse updates).
+NON_ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon") if hasattr(torch.optim, name)
+)
+
+
+def check_elementwise(optimizer: Optimizer, stage: int) -> None:
+    """Refuse optimizers whose sharded step would differ from the unsharded one."""
+    if isinstance(optimizer, NON_ELEMENTWISE_OPTIMIZERS) and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(
+            f"ZeroStrategy(stage={stage}) cannot shard `{type(optimizer).__name__}`: each rank steps only its own "
+            f"shard of every parameter, which is exact only for element-wise optimizers. "
+            f"Use an element-wise optimizer ({allowed}, or a subclass of one) returned from `configure_optimizers`."
+        )
+
+
+class ShardedOptimizer:
+    """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        params: Sequence[nn.Parameter],
+        layout: ShardLayout,
+        reducer: GradientReducer,
+        *,
+        rank: int,
+        group=None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.layout = layout
+        self.reducer = reducer
+        self.rank = rank
+        self.group = group
+        self.params = list(params)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
+        self.indices = [index[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in index]
+        #: Persistent shard views (stable identity: the optimizer keys its state by them).
+        self.shards = {i: local_rows(self.params[i].detach(), layout.params[i], rank) for i in self.indices}
+        self._index = index
+        self.buckets = sorted({layout.params[i].bucket for i in self.indices})
+
+    @contextlib.contextmanager
+    def hosted_on_shards(self) -> Iterator[None]:
+        """Swap trainable parameters in ``param_groups`` for their shard views (see the module note)."""
+        saved = [group["params"] for group in self.optimizer.param_groups]
+        try:
+            for group in self.optimizer.param_groups:
+                hosted = []
+                for p in group["params"]:
+                    i = self._index.get(id(p))
+                    if i is None:
+                        hosted.append(p)
+                        continue
+                    shard = self.shards[i]
+                    shard.grad = self.reducer.local_grad(i)
+                    hosted.append(shard)
+                group["params"] = hosted
+            yield
+        finally:
+            for group, params in zip(self.optimizer.param_groups, saved):
+                group["params"] = params
+            for shard in self.shards.values():
+                shard.grad = None
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient shards (for the global norm)."""
+        grads = (self.reducer.local_grad(i) for i in self.indices)
+        return [g for g in grads if g is not None]
+
+    def step(self, **kwargs) -> object:
+        self.reducer.finalize(self.indices)
+        with self.hosted_on_shards():
+            result = self.optimizer.step(**kwargs)
+        self.reducer.consume(self.indices)
+        self.all_gather_params()
+        return result
+
+    def discard_gradients(self) -> None:
+        """A skipped step: drop the gradients as the step would have consumed them."""
+        self.reducer.consume(self.indices)
+
+    def all_gather_params(self) -> None:
+        """Bring every rank's updated rows into the resident parameters, one bucket at a time, overlapping
+        the packing of the next bucket with the in-flight gather of the previous one."""
+        if self.layout.world_size == 1:
+            return
+        flights = []
+        sources = [p.detach() for p in self.params]
+        for b in self.buckets:
+            bucket = self.layout.buckets[b]
+            segment = pack_segment(
+                self.layout, bucket, self.rank, sources, torch.empty(bucket.segment_numel, dtype=sources[0].dtype, device=sources[0].device)
+            )
+            full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
+            work = collectives.all_gather(full, segment, group=self.group, async_op=True)
+            flights.append((bucket, work, full))
+        with torch.no_grad():
+            for bucket, work, full in flights:
+                if work is not None:
+                    work.wait()
+                unpack_bucket(self.layout, bucket, full, sources)

@@ -1,0 +1,100 @@
+"""Per-parameter views of shards, gathered into full tensors (or sliced back) for checkpoints.
+
+Every stage uses the dim-0 convention (see ``layout.py``), so one pair of functions serves them all:
+:func:`gather_full` rebuilds a full tensor from each rank's rows, :func:`shard_rows` takes a rank's rows of a
+full tensor. Full state dicts are produced in the plain formats (``module.state_dict()`` keys and
+``torch.optim.Optimizer.state_dict()`` layout) so a file written here loads into a model and optimizer with
+no ZeroStrategy at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+
+
+def _rows_per_rank(shape: torch.Size | tuple[int, ...], world_size: int) -> int:
+    rows = shape[0] if len(shape) else 1
+    return math.ceil(rows / world_size)
+
+
+def shard_rows(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """``rank``'s rows of ``full`` under the dim-0 convention (a view)."""
+    if full.dim() == 0:
+        return full.view(1)[: 1 if rank == 0 else 0]
+    per = _rows_per_rank(full.shape, world_size)
+    start = min(rank * per, full.shape[0])
+    return full[start : min(start + per, full.shape[0])]
+
+
+def gather_full(local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], group=None) -> torch.Tensor:
+    """All ranks' rows of a tensor, concatenated on every rank (collective: every rank must call it)."""
+    world = collectives.world_size(group)
+    full_shape = torch.Size(full_shape)
+    if world == 1:
+        return local.reshape(full_shape).clone()
+    row_numel = math.prod(full_shape[1:]) if len(full_shape) else 1
+    chunk = _rows_per_rank(full_shape, world) * row_numel
+    send = torch.zeros(chunk, dtype=local.dtype, device=local.device)
+    send[: local.numel()].copy_(local.reshape(-1))
+    out = torch.empty(chunk * world, dtype=local.dtype, device=local.device)
+    collectives.all_gather(out, send, group=group)
+    return out[: math.prod(full_shape)].view(full_shape)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The module's ``state_dict`` with every sharded tensor gathered, on CPU (empty on other ranks when
+    ``rank0_only``). Collective."""
+    keep = not rank0_only or collectives.rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for name, value in module.state_dict().items():
+        if isinstance(value, DTensor):
+            value = gather_full(value.to_local(), value.shape)
+        if keep and isinstance(value, torch.Tensor):
+            out[name] = value.detach().to("cpu", copy=True)
+        elif keep:
+            out[name] = value
+    return out
+
+
+def full_optimizer_state_dict(
+    optimizer: Optimizer, hosted: Mapping[int, torch.Tensor], full_shapes: Mapping[int, torch.Size], rank0_only: bool = True
+) -> dict:
+    """``optimizer.state_dict()`` as an unsharded optimizer would return it. Collective.
+
+    ``hosted`` maps ``id(param)`` to the tensor the optimizer keys that parameter's state by (its shard view
+    in stages 1-2, the DTensor itself in stage 3); ``full_shapes`` maps ``id(param)`` to the full shape.
+    """
+    keep = not rank0_only or collectives.rank() == 0
+    state: dict[int, dict] = {}
+    groups = []
+    index = 0
+    for group in optimizer.param_groups:
+        ids = []
+        for param in group["params"]:
+            key = hosted.get(id(param), param)
+            entry = optimizer.state.get(key)
+            if entry is not None:
+                shape = full_shapes.get(id(param), param.shape)
+                full_entry = {}
+                for name, value in entry.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and id(param) in full_shapes:
+                        value = gather_full(_local(value), shape)
+                    if keep:
+                        full_entry[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+                state[index] = full_entry
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups} if keep else {}

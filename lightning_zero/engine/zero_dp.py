@@ -1,0 +1,102 @@
+"""Stages 1 and 2: parameters stay whole on every rank, gradients and optimizer state are sharded.
+
+One class serves both stages; they differ only in what the gradient reduction keeps (see
+``grad_sync.py``): stage 1 the full ``p.grad`` with the reduced own rows, stage 2 the reduced shard alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.buckets import local_rows
+from lightning_zero.engine.grad_sync import GradientReducer
+from lightning_zero.engine.layout import ShardLayout, plan_layout
+from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, check_elementwise
+
+
+class ZeroDataParallel:
+    """Gradient sharding and sharded optimizer steps for a module whose parameters stay resident."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        bucket_numel: int,
+        overlap_comm: bool = True,
+        group=None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
+        self.module = module
+        self.stage = stage
+        self.group = group
+        self.rank = collectives.rank(group)
+        self.world_size = collectives.world_size(group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for name, param in named:
+            if not param.is_contiguous():
+                raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.layout: ShardLayout = plan_layout(
+            [(n, tuple(p.shape)) for n, p in named], self.world_size, bucket_numel
+        )
+        self.reducer = GradientReducer(
+            self.params, self.layout, rank=self.rank, shard_gradients=stage == 2, overlap_comm=overlap_comm, group=group
+        )
+        self._optimizers: dict[int, ShardedOptimizer] = {}
+
+    # ------------------------------------------------------------------ optimizers
+    def wrap_optimizer(self, optimizer: Optimizer) -> None:
+        check_elementwise(optimizer, self.stage)
+        self._optimizers[id(optimizer)] = ShardedOptimizer(
+            optimizer, self.params, self.layout, self.reducer, rank=self.rank, group=self.group
+        )
+
+    def sharded(self, optimizer: Optimizer) -> ShardedOptimizer:
+        try:
+            return self._optimizers[id(optimizer)]
+        except KeyError:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} was not set up by ZeroStrategy; return every optimizer from "
+                "`configure_optimizers` so it can be sharded."
+            ) from None
+
+    def step(self, optimizer: Optimizer, **kwargs) -> object:
+        return self.sharded(optimizer).step(**kwargs)
+
+    def discard_gradients(self, optimizer: Optimizer) -> None:
+        self.sharded(optimizer).discard_gradients()
+
+    def finalize_gradients(self, optimizer: Optimizer, scale: float = 1.0) -> None:
+        self.reducer.finalize(self.sharded(optimizer).indices, scale)
+
+    def local_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        return self.sharded(optimizer).local_grads()
+
+    def named_gradient_shards(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
+        """(parameter name, this rank's gradient rows or None, full shape) for the optimizer's parameters."""
+        return [(self.names[i], self.reducer.local_grad(i), self.params[i].shape) for i in self.sharded(optimizer).indices]
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.reducer.no_sync():
+            yield
+
+    def post_backward(self) -> None:
+        self.reducer.flush()
+
+    def local_rows(self, index: int) -> torch.Tensor:
+        """This rank's rows of trainable parameter ``index`` (a view of the resident parameter)."""
+        return local_rows(self.params[index].detach(), self.layout.params[index], self.rank)
+
+    def teardown(self) -> None:
+        self.reducer.remove_hooks()

@@ -1,0 +1,443 @@
+"""ZeroStrategy: Lightning hook wiring for ZeRO stages 1-3. The sharding itself lives in ``engine/``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero import checkpoint_io, failures
+from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
+from lightning_zero.engine import collectives
+from lightning_zero.engine.fsdp2 import FullyShardedEngine
+from lightning_zero.engine.state_dict import full_model_state_dict, gather_full
+from lightning_zero.engine.zero_dp import ZeroDataParallel
+from lightning_zero.launcher import ZeroMultiProcessingLauncher
+from lightning_zero.precision import ZeroPrecision
+
+_PRECISION_NAMES = {"32-true": "32-true", "32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO data parallelism for any LightningModule.
+
+    Stage 1 shards optimizer state, stage 2 also gradients, stage 3 also parameters (over FSDP2). Every
+    setting is validated here, on every rank, before any process group exists.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        activation_checkpointing: Any = None,
+        wrap_policy: ModulePolicy = None,
+        pipeline_stages: int = 1,
+        microbatches: int | None = None,
+        pipeline_schedule: PipelineSchedule = "1f1b",
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+        reduce_every_microbatch: bool = False,
+        state_dict_type: StateDictType = "sharded",
+        config: dict | str | Path | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = timedelta(minutes=30),
+        start_method: StartMethod = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        if config is not None:
+            raise ZeroConfigError("`config=` (DeepSpeed-style JSON) is not available in this version; pass arguments.")
+        self.zero_config = ZeroConfig(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            activation_checkpointing=activation_checkpointing,
+            wrap_policy=wrap_policy,
+            pipeline_stages=pipeline_stages,
+            microbatches=microbatches,
+            pipeline_schedule=pipeline_schedule,
+            bucket_size_mb=bucket_size_mb,
+            overlap_comm=overlap_comm,
+            reduce_every_microbatch=reduce_every_microbatch,
+            state_dict_type=state_dict_type,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._engine: ZeroDataParallel | FullyShardedEngine | None = None
+        self._buffers: list[Tensor] = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def engine(self) -> ZeroDataParallel | FullyShardedEngine | None:
+        """The sharding engine (exists after ``setup``)."""
+        return self._engine
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to give every rank its own part of the data (a DistributedSampler)."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self.zero_config.process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Optimizer state is restored into shards, which exist only after `setup`.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = _as_zero_precision(precision_plugin)
+
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.zero_config.start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = ZeroMultiProcessingLauncher(self, start_method=self.zero_config.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.zero_config.timeout)
+        failures.install()
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        failures.report(exception, self.global_rank)
+
+    # ------------------------------------------------------------------ model and optimizers
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3 builds ``configure_model`` on the meta device; shards are materialised one unit at a time."""
+        if self.stage == 3:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if fitting:
+            _check_trainable(self.model)
+        if self.stage == 3:
+            self._engine = FullyShardedEngine(
+                self.model, device=self.root_device, wrap_policy=self.zero_config.wrap_policy
+            )
+        else:
+            self.model_to_device()
+            collectives.broadcast([t.data for t in (*self.model.parameters(), *self.model.buffers())], src=0)
+            if fitting:
+                self._engine = ZeroDataParallel(
+                    self.model,
+                    stage=self.stage,
+                    bucket_numel=self.zero_config.bucket_numel,
+                    overlap_comm=self.zero_config.overlap_comm,
+                )
+        self._buffers = [b for b in self.model.buffers() if not b.is_meta]
+        if fitting:
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                self._engine.wrap_optimizer(_unwrap(optimizer))
+        self.setup_precision_plugin()
+        if self._engine is not None:
+            self.precision_plugin.attach(self._engine)
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.teardown()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------ steps
+    def _call_module(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Stage 3's root is the LightningModule itself: route the step through its ``__call__`` so FSDP2's
+        root hooks (unshard, lazy init, reshard) run around it."""
+        module = self.lightning_module
+        assert module is not None
+        # As DDP's `broadcast_buffers=True`: every rank steps with rank 0's buffers (e.g. BatchNorm running
+        # statistics), so evaluation and checkpoints agree whichever rank they come from.
+        if self._buffers:
+            collectives.broadcast(self._buffers, src=0)
+        if self.stage == 3:
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._call_module("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._call_module("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._call_module("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._call_module("predict_step", *args, **kwargs)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation: no gradient communication."""
+        if self._engine is None or self.zero_config.reduce_every_microbatch:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """As Lightning's, but the reduced gradient shards land before ``on_after_backward`` runs, so hooks
+        (and memory probes) see the state a step will use."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self._engine is not None:
+            self._engine.post_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
+        """Full (unsharded) gradients by parameter name, on every rank. Collective; for debugging and tests:
+        call it where gradients are final, e.g. in ``on_before_optimizer_step``."""
+        if self._engine is None:
+            raise RuntimeError("gather_gradients() needs a fitted ZeroStrategy (call it during `fit`).")
+        optimizers = [optimizer] if optimizer is not None else self.optimizers
+        out: dict[str, Tensor] = {}
+        for opt in optimizers:
+            opt = _unwrap(opt)
+            self._engine.finalize_gradients(opt)
+            for name, local, shape in self._engine.named_gradient_shards(opt):
+                if local is not None:
+                    out[name] = gather_full(local, shape)
+        return out
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            collectives.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        return collectives.broadcast_object(obj, src=src, group=_group.WORLD)
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere). Collective."""
+        assert self.lightning_module is not None
+        return full_model_state_dict(self.lightning_module)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if self.zero_config.state_dict_type == "full":
+            return self.full_state_dict()
+        return checkpoint_io.sharded_model_state(self.lightning_module, self._engine)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = _unwrap(optimizer)
+        if self.zero_config.state_dict_type == "full":
+            return checkpoint_io.full_optimizer_state(optimizer, self.lightning_module, self._engine)
+        return checkpoint_io.sharded_optimizer_state(optimizer, self.lightning_module, self._engine)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        if self.zero_config.state_dict_type == "full":
+            if self.is_global_zero:
+                checkpoint_io.save_full(checkpoint, path)
+            self.barrier()
+        else:
+            checkpoint_io.save_sharded(checkpoint, path)
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            checkpoint_io.remove(Path(filepath))
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return checkpoint_io.load(path, self.lightning_module, [_unwrap(o) for o in self.optimizers], self._engine)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.lightning_module is not None
+        checkpoint_io.load_model_state(self.lightning_module, checkpoint["state_dict"], self._engine, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            checkpoint_io.load_optimizer_state(_unwrap(optimizer), state, self.lightning_module, self._engine)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        entries = {
+            "zero1": dict(stage=1),
+            "zero2": dict(stage=2),
+            "zero2_offload": dict(stage=2, offload_optimizer=True),
+            "zero3": dict(stage=3),
+            "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
+        }
+        for name, kwargs in entries.items():
+            strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
+
+
+def _unwrap(optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
+    """Lightning hands a strategy the generic plugin for ``Trainer(precision=...)``; convert it."""
+    if plugin is None or isinstance(plugin, ZeroPrecision):
+        return plugin
+    name = getattr(plugin, "precision", "32-true")
+    name = _PRECISION_NAMES.get(str(name), str(name))
+    return ZeroPrecision(name)
+
+
+def _check_trainable(module: torch.nn.Module) -> None:
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"ZeroStrategy found no trainable parameters in {type(module).__name__}: every parameter has "
+            "`requires_grad=False` (or the model has none). Build the layers in `__init__` or `configure_model`, "
+            "and leave at least one parameter trainable."
+        )

@@ -1,0 +1,258 @@
+"""Small LightningModules and their plain-PyTorch references, shared by the distributed workers."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import lightning as L
+import torch
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+IN, OUT = 8, 3
+
+
+class IndexedData(Dataset):
+    """Sample i is a pure function of i, so any rank (and the reference) can rebuild any batch."""
+
+    def __init__(self, n: int = 64, dim: int = IN, out: int = OUT) -> None:
+        self.n, self.dim, self.out = n, dim, out
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(1000 + i)
+        x = torch.randn(self.dim, generator=g)
+        y = torch.randn(self.out, generator=g)
+        return x, y
+
+
+def global_microbatches(dataset: Dataset, world: int, batch: int, count: int) -> list[list[tuple]]:
+    """The first ``count`` micro-batches of every rank as Lightning deals them: through a shuffling
+    DistributedSampler seeded with the global seed, reshuffled each epoch."""
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    out, epoch = [], 0
+    while len(out) < count:
+        per_rank = []
+        for r in range(world):
+            sampler = DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True, seed=seed)
+            sampler.set_epoch(epoch)
+            per_rank.append(list(sampler))
+        for j in range(len(per_rank[0]) // batch):
+            ranks = []
+            for r in range(world):
+                xs, ys = zip(*(dataset[i] for i in per_rank[r][j * batch : (j + 1) * batch]))
+                ranks.append((torch.stack(xs), torch.stack(ys)))
+            out.append(ranks)
+        epoch += 1
+    return out[:count]
+
+
+class Net(nn.Module):
+    """Odd row counts (padding), a LayerNorm, a 0-dim-free set of shapes FSDP2 accepts."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, 7)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(7, width), nn.GELU(), nn.Linear(width, 7)) for _ in range(2)])
+        self.norm = nn.LayerNorm(7)
+        self.head = nn.Linear(7, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.norm(h))
+
+
+def param_groups(module: nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def make_optimizer(module: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    opt = torch.optim.AdamW(param_groups(module), lr=1e-2, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+class Regression(L.LightningModule):
+    def __init__(self, build_in_configure_model: bool = False) -> None:
+        super().__init__()
+        self.build_in_configure_model = build_in_configure_model
+        self.net = None if build_in_configure_model else Net()
+        self.init_rng_state = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.init_rng_state = torch.get_rng_state()
+            self.net = Net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt, sched = make_optimizer(self)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def reference_run(
+    initial: dict[str, torch.Tensor], dataset: Dataset, *, world: int, batch: int, steps: int, accumulate: int, clip: float
+) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
+    """Plain single-process PyTorch on the same global batches: final parameters and per-step gradients
+    (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict."""
+    model = Regression()
+    model.load_state_dict(copy.deepcopy(initial))
+    opt, sched = make_optimizer(model)
+    batches = global_microbatches(dataset, world, batch, steps * accumulate)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            per_rank = batches[step * accumulate + micro]
+            loss = sum(nn.functional.mse_loss(model(x), y) for x, y in per_rank) / world / accumulate
+            loss.backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}, grads, opt.state_dict()
+
+
+# ---------------------------------------------------------------------- manual optimization (GAN-style)
+class TwoPlayer(L.LightningModule):
+    """Generator/discriminator with two optimizers, toggled as Lightning's GAN example does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(3)
+        self.gen = nn.Sequential(nn.Linear(IN, 9), nn.Tanh(), nn.Linear(9, IN))
+        self.disc = nn.Sequential(nn.Linear(IN, 5), nn.Tanh(), nn.Linear(5, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        g_opt, d_opt = self.optimizers()
+        self.toggle_optimizer(g_opt)
+        g_loss = -self.disc(self.gen(x)).mean()
+        g_opt.zero_grad()
+        self.manual_backward(g_loss)
+        self.clip_gradients(g_opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        g_opt.step()
+        self.untoggle_optimizer(g_opt)
+
+        self.toggle_optimizer(d_opt)
+        fake = self.gen(x).detach()
+        d_loss = (self.disc(fake) - self.disc(x)).mean()
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        self.untoggle_optimizer(d_opt)
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.gen.parameters(), lr=1e-2), torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9)
+
+
+def two_player_reference(initial: dict, dataset: Dataset, *, world: int, batch: int, steps: int) -> dict:
+    model = TwoPlayer()
+    model.load_state_dict(copy.deepcopy(initial))
+    g_opt, d_opt = model.configure_optimizers()
+    for (per_rank,) in zip(global_microbatches(dataset, world, batch, steps)):
+        for p in model.disc.parameters():
+            p.requires_grad_(False)
+        g_opt.zero_grad()
+        sum(-model.disc(model.gen(x)).mean() for x, _ in per_rank).div(world).backward()
+        torch.nn.utils.clip_grad_norm_(model.gen.parameters(), 0.5)
+        g_opt.step()
+        for p in model.disc.parameters():
+            p.requires_grad_(True)
+        for p in model.gen.parameters():
+            p.requires_grad_(False)
+        d_opt.zero_grad()
+        sum((model.disc(model.gen(x).detach()) - model.disc(x)).mean() for x, _ in per_rank).div(world).backward()
+        d_opt.step()
+        for p in model.gen.parameters():
+            p.requires_grad_(True)
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------- the feature tour
+class Tour(L.LightningModule):
+    """Frozen parameters, BatchNorm buffers, SGD with momentum, an epoch-interval scheduler, torchmetrics,
+    validation/test/predict steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(IN, IN)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(IN, 12), nn.BatchNorm1d(12), nn.ReLU(), nn.Linear(12, OUT))
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+    def forward(self, x):
+        return self.body(self.frozen(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_mse(self(x), y)
+        self.log("val_mse", self.val_mse, on_epoch=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        return [opt], [{"scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, 0.5), "interval": "epoch"}]
+
+
+class Wide(L.LightningModule):
+    """~5M parameters for the memory formulas; batches are made on the fly so no dataset tensor lingers."""
+
+    def __init__(self, width: int = 1024, depth: int = 5) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.width = width
+
+    def training_step(self, batch, batch_idx):
+        x = batch
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class WideData(Dataset):
+    def __init__(self, width: int, n: int = 32) -> None:
+        self.width, self.n = width, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.randn(self.width, generator=torch.Generator().manual_seed(i))
+
+
+def loader(dataset: Dataset, batch: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch, shuffle=False, num_workers=0)

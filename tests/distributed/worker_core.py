@@ -1,0 +1,241 @@
+"""Rank program for the core distributed tests: many Trainer runs in one process group.
+
+Run by ``tests/launch.py`` (``python -m tests.distributed.worker_core GROUP``); rank 0 writes a JSON report
+of measured values, and the pytest modules assert on it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import sys
+import tempfile
+import traceback
+
+import lightning as L
+import torch
+from torch.distributed.tensor import DTensor
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.engine.collectives import comm_stats
+from tests.distributed import models
+from tests.launch import write_report
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def trainer(strategy, **kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=WORLD,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    common = set(a) & set(b)
+    if set(a) != set(b):
+        raise KeyError(f"name mismatch: only in run {sorted(set(a) - common)}, only in reference {sorted(set(b) - common)}")
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in common)
+
+
+class GradientRecorder(L.Callback):
+    """Full gradients by name at every optimizer step, before clipping (collective on every rank)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append({k: v.clone() for k, v in trainer.strategy.gather_gradients(optimizer).items()})
+
+
+# ---------------------------------------------------------------------- cases
+def exactness(stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0) -> dict:
+    steps, accumulate, batch, clip = 4, 2, 4, 0.5
+    L.seed_everything(7)
+    module = models.Regression(build_in_configure_model=build_in_configure_model)
+    initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
+    recorder = GradientRecorder()
+    strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
+    t = trainer(strategy, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=[recorder])
+    data = models.IndexedData()
+    t.fit(module, models.loader(data, batch))
+    final = t.strategy.full_state_dict()
+    out = {"steps": t.global_step}
+    if build_in_configure_model:
+        # The values an eager build would have drawn from the same RNG state on rank 0.
+        state = torch.get_rng_state()
+        torch.set_rng_state(module.init_rng_state)
+        eager = models.Regression()
+        torch.set_rng_state(state)
+        initial = {k: v.clone() for k, v in eager.state_dict().items()}
+        out["dtensor_params"] = all(isinstance(p, DTensor) for p in module.parameters())
+        out["local_numel"] = sum(p.to_local().numel() for p in module.parameters())
+        out["full_numel"] = sum(p.numel() for p in module.parameters())
+    if RANK == 0:
+        ref_params, ref_grads, _ = models.reference_run(
+            initial, data, world=WORLD, batch=batch, steps=steps, accumulate=accumulate, clip=clip
+        )
+        out["param_diff"] = max_diff({k: v for k, v in final.items()}, ref_params)
+        out["grad_diff"] = max(max_diff(g, r) for g, r in zip(recorder.steps, ref_grads))
+        out["grad_steps"] = len(recorder.steps)
+        out["param_change"] = max_diff(ref_params, initial)
+    return out
+
+
+def manual_two_optimizers(stage) -> dict:
+    L.seed_everything(11)
+    module = models.TwoPlayer()
+    initial = copy.deepcopy(module.state_dict())
+    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_steps=6)
+    data = models.IndexedData()
+    t.fit(module, models.loader(data, 4))
+    final = t.strategy.full_state_dict()
+    out = {"steps": t.global_step}
+    if RANK == 0:
+        ref = models.two_player_reference(initial, data, world=WORLD, batch=4, steps=3)
+        out["param_diff"] = max_diff(final, ref)
+    return out
+
+
+def tour(stage) -> dict:
+    L.seed_everything(5)
+    module = models.Tour()
+    frozen_before = module.frozen.weight.detach().clone()
+    data = models.IndexedData()
+    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_epochs=2, limit_val_batches=2)
+    t.fit(module, models.loader(data, 4), models.loader(data, 4))
+    out = {
+        "epochs": t.current_epoch,
+        "lr": t.optimizers[0].param_groups[0]["lr"],
+        "val_mse": float(t.callback_metrics["val_mse"]),
+        "train_loss": float(t.callback_metrics["train_loss"]),
+    }
+    state = t.strategy.full_state_dict()
+    if RANK == 0:
+        out["frozen_unchanged"] = bool(torch.equal(state["frozen.weight"], frozen_before))
+        out["bn_batches"] = int(state["body.1.num_batches_tracked"])
+    tested = t.test(module, models.loader(data, 4), verbose=False)
+    out["test_loss"] = tested[0]["test_loss"]
+    predictions = t.predict(module, models.loader(data, 8))
+    out["predictions"] = [list(p.shape) for p in predictions]
+    validated = t.validate(module, models.loader(data, 4), verbose=False)
+    out["validate_mse"] = validated[0]["val_mse"]
+    return out
+
+
+class StateBytesProbe(L.Callback):
+    """Bytes of every live tensor storage right after backward, counted from outside via the GC."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+        self.bytes = None
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.at_step and self.bytes is None:
+            self.bytes = live_tensor_bytes()
+
+
+def live_tensor_bytes() -> int:
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor):
+                continue
+            tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
+            if tensor.device.type == "meta":
+                continue
+            storage = tensor.untyped_storage()
+        except Exception:
+            continue
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def memory(stage) -> dict:
+    L.seed_everything(0)
+    module = models.Wide()
+    params = sum(p.numel() for p in module.parameters())
+    probe = StateBytesProbe(at_step=2)
+    t = trainer(ZeroStrategy(stage=stage), max_steps=3, callbacks=[probe])
+    t.fit(module, models.loader(models.WideData(module.width), 8))
+    return {"bytes": probe.bytes, "params": params}
+
+
+class CommProbe(L.Callback):
+    """Collective elements issued during each micro-batch (forward + backward) and each optimizer step."""
+
+    def __init__(self) -> None:
+        self.micro = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        comm_stats().reset()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.micro.append(comm_stats().snapshot())
+
+
+def communication(stage, accumulate) -> dict:
+    L.seed_everything(0)
+    module = models.Wide(width=64, depth=3)
+    params = sum(p.numel() for p in module.parameters())
+    probe = CommProbe()
+    t = trainer(ZeroStrategy(stage=stage), max_steps=2, accumulate_grad_batches=accumulate, callbacks=[probe])
+    t.fit(module, models.loader(models.WideData(module.width), 4))
+    return {"micro": probe.micro, "params": params}
+
+
+def registered_name() -> dict:
+    return exactness(2, strategy="zero2")
+
+
+CASES = {
+    "exact": lambda: {
+        **{f"stage{s}": exactness(s) for s in (1, 2, 3)},
+        **{f"stage{s}_small_buckets": exactness(s, bucket_size_mb=0.0005) for s in (1, 2)},
+        "stage3_configure_model": exactness(3, build_in_configure_model=True),
+        "registered_zero2": registered_name(),
+    },
+    "features": lambda: {
+        **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
+        **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
+    },
+    "costs": lambda: {
+        **{f"memory_stage{s}": memory(s) for s in (1, 2, 3)},
+        **{f"comm_stage{s}": communication(s, 1) for s in (1, 2, 3)},
+        **{f"comm_accum_stage{s}": communication(s, 3) for s in (1, 2, 3)},
+    },
+    "single": lambda: {f"stage{s}": exactness(s) for s in (1, 2, 3)},
+}
+
+
+def main(groups: list[str]) -> None:
+    report = {}
+    for group in groups:
+        try:
+            report[group] = CASES[group]()
+        except Exception:
+            report[group] = {"error": traceback.format_exc()}
+            if RANK == 0:
+                write_report(report)
+            raise
+    if RANK == 0:
+        write_report(report)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1:])

@@ -1,0 +1,125 @@
+"""Rank program for full checkpoints, bad input and failing ranks (see ``worker_core.py`` for the pattern)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from tests.distributed import models
+from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
+from tests.launch import write_report
+
+
+def full_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> dict:
+    """Train 4 steps at ``save_stage``, save a full checkpoint, resume at ``resume_stage`` for 2 more."""
+    steps, accumulate, batch, clip = 4, 2, 4, 0.5
+    L.seed_everything(7)
+    module = models.Regression()
+    initial = copy.deepcopy(module.state_dict())
+    data = models.IndexedData()
+    common = dict(accumulate_grad_batches=accumulate, gradient_clip_val=clip)
+    t = trainer(ZeroStrategy(stage=save_stage, state_dict_type="full"), max_steps=steps, **common)
+    t.fit(module, models.loader(data, batch))
+    path = directory / f"s{save_stage}.ckpt"
+    t.save_checkpoint(path)
+    out = {}
+    if RANK == 0:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ref_params, _, ref_optim = models.reference_run(
+            initial, data, world=WORLD, batch=batch, steps=steps, accumulate=accumulate, clip=clip
+        )
+        out["keys_match"] = sorted(ckpt["state_dict"]) == sorted(ref_params)
+        out["param_diff"] = max_diff(ckpt["state_dict"], ref_params)
+        plain = models.Regression()
+        plain.load_state_dict(ckpt["state_dict"])  # loads into a model that never saw ZeroStrategy
+        saved = ckpt["optimizer_states"][0]
+        out["optim_state_diff"] = max(
+            (saved["state"][i][k] - ref_optim["state"][i][k]).abs().max().item()
+            for i in ref_optim["state"]
+            for k in ("exp_avg", "exp_avg_sq")
+        )
+        out["optim_groups_match"] = [g["params"] for g in saved["param_groups"]] == [
+            g["params"] for g in ref_optim["param_groups"]
+        ]
+        opt, _ = models.make_optimizer(plain)
+        opt.load_state_dict(saved)  # and into a plain optimizer
+    probe = RestoredProbe()
+    t2 = trainer(ZeroStrategy(stage=resume_stage, state_dict_type="full"), max_steps=steps + 2, callbacks=[probe], **common)
+    t2.fit(models.Regression(), models.loader(data, batch), ckpt_path=str(t.strategy.broadcast(str(path))))
+    out["resumed_steps"] = t2.global_step
+    if RANK == 0:
+        out["restored_param_diff"] = max_diff(probe.params, ckpt["state_dict"])
+        out["restored_optim_diff"] = max(
+            (probe.optim["state"][i][k] - saved["state"][i][k]).abs().max().item()
+            for i in saved["state"]
+            for k in saved["state"][i]
+        )
+        out["restored_lr"] = [g["lr"] for g in probe.optim["param_groups"]]
+        out["saved_lr"] = [g["lr"] for g in saved["param_groups"]]
+    return out
+
+
+class RestoredProbe(L.Callback):
+    """What a resumed run holds before its first step, gathered back to full tensors."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.params = trainer.strategy.full_state_dict()
+        self.optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
+
+
+class LBFGSModule(models.Regression):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+class FrozenModule(models.Regression):
+    def __init__(self):
+        super().__init__()
+        self.requires_grad_(False)
+
+
+class FailingModule(models.Regression):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            raise ValueError("boom from rank 1 at batch 2")
+        return super().training_step(batch, batch_idx)
+
+
+def expect_error(module_cls) -> dict:
+    try:
+        trainer(ZeroStrategy(stage=2), max_steps=2).fit(module_cls(), models.loader(models.IndexedData(), 4))
+    except Exception as err:  # the behaviour under test: a clear error, on every rank, no hang
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None}
+
+
+CASES = {
+    "checkpoint": lambda directory: {
+        "stage2_to_stage3": full_checkpoint(2, 3, directory),
+        "stage3_to_stage1": full_checkpoint(3, 1, directory),
+    },
+    "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule)},
+    "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
+}
+
+
+def expect_error_free_failure() -> dict:
+    trainer(ZeroStrategy(stage=2), max_steps=6).fit(FailingModule(), models.loader(models.IndexedData(), 4))
+    return {}
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(os.environ.get("LZ_SHARED_DIR", tmp))
+        report = {group: CASES[group](directory) for group in sys.argv[1:]}
+    if RANK == 0:
+        write_report(report)

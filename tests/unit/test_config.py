@@ -1,0 +1,64 @@
+"""Settings are checked when the strategy is built, before any process group exists."""
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_zero
+from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needles"),
+    [
+        (dict(stage=4), ["stage=4", "(1, 2, 3)"]),
+        (dict(stage="3"), ["stage='3'", "(1, 2, 3)"]),
+        (dict(bucket_size_mb=-1), ["bucket_size_mb", "positive"]),
+        (dict(bucket_size_mb=0), ["bucket_size_mb", "positive"]),
+        (dict(state_dict_type="shraded"), ["state_dict_type", "'sharded'", "Did you mean 'sharded'"]),
+        (dict(start_method="thread"), ["start_method", "'spawn'"]),
+        (dict(stage=2, offload_params=True), ["offload_params", "stage=3"]),
+        (dict(overlap_comm="yes"), ["overlap_comm", "True or False"]),
+    ],
+)
+def test_bad_settings_name_the_setting_and_the_allowed_values(kwargs, needles):
+    with pytest.raises(ZeroConfigError) as err:
+        ZeroStrategy(**kwargs)
+    for needle in needles:
+        assert needle in str(err.value)
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_config_errors_are_value_errors():
+    assert issubclass(ZeroConfigError, ValueError)
+
+
+@pytest.mark.parametrize(("name", "stage"), [("zero1", 1), ("zero2", 2), ("zero3", 3)])
+def test_registered_names_build_the_strategy(name, stage):
+    assert name in StrategyRegistry
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy)
+    assert trainer.strategy.stage == stage
+    assert isinstance(trainer.strategy.precision_plugin, ZeroPrecision)
+
+
+def test_offload_names_are_registered():
+    assert {"zero2_offload", "zero3_offload"} <= set(StrategyRegistry)
+
+
+def test_unknown_registered_name_fails_before_any_process_starts():
+    with pytest.raises(ValueError, match="zero4"):
+        L.Trainer(strategy="zero4", accelerator="cpu", devices=2)
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_precision_plugin_is_converted_and_unsupported_values_listed():
+    trainer = L.Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=2, precision="32-true", logger=False)
+    assert isinstance(trainer.strategy.precision_plugin, ZeroPrecision)
+    with pytest.raises(ValueError, match="32-true"):
+        ZeroPrecision("64-true")
+
+
+def test_public_names():
+    assert set(lightning_zero.__all__) >= {"ZeroStrategy", "ZeroPrecision", "ZeroConfig"}

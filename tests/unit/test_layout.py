@@ -1,0 +1,72 @@
+"""The shard arithmetic and bucket copies, without processes."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_zero.engine.buckets import local_rows, pack_bucket, pack_segment, segment_view, unpack_bucket
+from lightning_zero.engine.layout import plan_layout
+from lightning_zero.engine.state_dict import shard_rows
+
+SHAPES = [("emb", (10, 3)), ("w", (7, 5)), ("b", (7,)), ("tiny", (1,)), ("scalar", ())]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rows_partition_every_parameter_like_torch_chunk(world):
+    layout = plan_layout(SHAPES, world, bucket_numel=10**9)
+    for spec in layout.params:
+        covered = [spec.row_range(r) for r in range(world)]
+        rows = [r for start, end in covered for r in range(start, end)]
+        assert rows == list(range(spec.rows)), spec.name
+        if spec.shape:  # FSDP2 shards with torch.chunk; our rows must match it
+            chunks = torch.empty(spec.shape).chunk(world)
+            sizes = [c.shape[0] for c in chunks] + [0] * (world - len(chunks))
+            assert [end - start for start, end in covered] == sizes
+
+
+def test_buckets_close_at_the_size_limit_in_reverse_order():
+    layout = plan_layout(SHAPES, 2, bucket_numel=40)
+    order = [i for b in layout.buckets for i in b.params]
+    assert order == [4, 3, 2, 1, 0]
+    assert all(b.numel >= 40 for b in layout.buckets[:-1])
+    for b in layout.buckets:
+        assert b.segment_numel == sum(layout.params[i].chunk_numel for i in b.params)
+    assert layout.padded_numel >= layout.total_numel
+    assert "bucket 0" in layout.describe(rank=1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pack_then_reduce_scatter_segments_hold_each_ranks_rows(world):
+    torch.manual_seed(0)
+    layout = plan_layout(SHAPES, world, bucket_numel=64)
+    tensors = [torch.randn(shape) for _, shape in SHAPES]
+    for bucket in layout.buckets:
+        buf = pack_bucket(layout, bucket, tensors, torch.full((bucket.numel,), float("nan")))
+        assert not buf.isnan().any(), "padding must be zeroed"
+        for rank in range(world):
+            segment = buf.view(world, -1)[rank]
+            for i in bucket.params:
+                expected = local_rows(tensors[i], layout.params[i], rank)
+                assert torch.equal(segment_view(layout, segment, i, rank), expected)
+                assert torch.equal(shard_rows(tensors[i], rank, world), expected)
+        # all-gather input (one segment per rank) reassembles the same buffer; unpack restores the tensors
+        gathered = torch.cat([pack_segment(layout, bucket, r, tensors, torch.empty(bucket.segment_numel)) for r in range(world)])
+        assert torch.equal(gathered, buf)
+        restored = [torch.zeros(shape) for _, shape in SHAPES]
+        unpack_bucket(layout, bucket, gathered, restored)
+        for i in bucket.params:
+            assert torch.equal(restored[i], tensors[i])
+
+
+def test_none_sources_pack_as_zeros():
+    layout = plan_layout(SHAPES, 2, bucket_numel=10**9)
+    bucket = layout.buckets[0]
+    buf = pack_bucket(layout, bucket, [None] * len(SHAPES), torch.ones(bucket.numel))
+    assert torch.count_nonzero(buf) == 0
+
+
+def test_shard_numel_is_a_world_size_fraction_of_padded_total():
+    layout = plan_layout(SHAPES, 4, bucket_numel=16)
+    assert layout.shard_numel * 4 == layout.padded_numel
+    assert layout.padded_numel - layout.total_numel < sum(math.prod(s[1:]) * 4 for _, s in SHAPES if s) + 4
