@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from contextlib import nullcontext
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
@@ -175,6 +175,8 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine) -> 
             _materialize_optimizer_state(optimizer, engine)
             state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
         dcp.load(state, checkpoint_id=path)
+        if engine is not None and engine.stage != 3:
+            engine.gather_params()  # each rank loaded only its rows of the resident parameters
         for i, optimizer in enumerate(optimizers):
             groups = checkpoint.get("optimizer_param_groups", [])
             if i < len(groups):
@@ -194,12 +196,27 @@ def _saved_keys(path: Path) -> set[str]:
 
 
 def _materialize_optimizer_state(optimizer: Optimizer, engine) -> None:
-    """Create zero-valued optimizer state (shard-sized) so a checkpoint can be loaded into it in place."""
-    if engine is not None and engine.stage != 3:
-        with engine.sharded(optimizer).hosted_on_shards():
-            _init_optim_state(optimizer)
-    else:
-        _init_optim_state(optimizer)
+    """Create optimizer state (shard-sized, values to be overwritten) so a checkpoint loads into it in
+    place: one step on zero gradients with the learning rate set to zero."""
+    if optimizer.state:
+        return
+    hosting = engine.sharded(optimizer).hosted_on_shards() if engine is not None and engine.stage != 3 else nullcontext()
+    with hosting:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(p.grad is not None for p in params):
+            return
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        lrs = [group.get("lr") for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p in params:
+            p.grad = None
 
 
 def _load_param_group_hyperparameters(optimizer: Optimizer, groups: list[dict]) -> None:

@@ -116,22 +116,26 @@ class ShardedOptimizer:
         self.reducer.consume(self.indices)
 
     def all_gather_params(self) -> None:
-        """Bring every rank's updated rows into the resident parameters, one bucket at a time, overlapping
-        the packing of the next bucket with the in-flight gather of the previous one."""
-        if self.layout.world_size == 1:
-            return
-        flights = []
-        sources = [p.detach() for p in self.params]
-        for b in self.buckets:
-            bucket = self.layout.buckets[b]
-            segment = pack_segment(
-                self.layout, bucket, self.rank, sources, torch.empty(bucket.segment_numel, dtype=sources[0].dtype, device=sources[0].device)
-            )
-            full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
-            work = collectives.all_gather(full, segment, group=self.group, async_op=True)
-            flights.append((bucket, work, full))
-        with torch.no_grad():
-            for bucket, work, full in flights:
-                if work is not None:
-                    work.wait()
-                unpack_bucket(self.layout, bucket, full, sources)
+        all_gather_params(self.layout, self.params, self.buckets, rank=self.rank, group=self.group)
+
+
+def all_gather_params(layout: ShardLayout, params: Sequence[nn.Parameter], buckets: Sequence[int], *, rank: int, group=None) -> None:
+    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time,
+    overlapping the packing of the next bucket with the in-flight gather of the previous one."""
+    if layout.world_size == 1:
+        return
+    flights = []
+    sources = [p.detach() for p in params]
+    for b in buckets:
+        bucket = layout.buckets[b]
+        segment = pack_segment(
+            layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=sources[0].dtype, device=sources[0].device)
+        )
+        full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
+        work = collectives.all_gather(full, segment, group=group, async_op=True)
+        flights.append((bucket, work, full))
+    with torch.no_grad():
+        for bucket, work, full in flights:
+            if work is not None:
+                work.wait()
+            unpack_bucket(layout, bucket, full, sources)

@@ -17,7 +17,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.buckets import local_rows
 from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
-from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, check_elementwise
+from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, all_gather_params, check_elementwise
 
 
 class ZeroDataParallel:
@@ -93,6 +93,10 @@ class ZeroDataParallel:
 
     def post_backward(self) -> None:
         self.reducer.flush()
+
+    def gather_params(self) -> None:
+        """Every rank's rows into every rank's resident parameters (after loading shards in place)."""
+        all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
 
     def local_rows(self, index: int) -> torch.Tensor:
         """This rank's rows of trainable parameter ``index`` (a view of the resident parameter)."""

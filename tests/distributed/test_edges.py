@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def edges():
-    return launch("tests.distributed.worker_edges", "checkpoint", "bad_input", nprocs=2)
+    return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", nprocs=2)
 
 
 @pytest.mark.parametrize("case", ["stage2_to_stage3", "stage3_to_stage1"])
@@ -21,6 +21,19 @@ def test_full_checkpoint_is_plain_and_resumes_at_another_stage(edges, case):
     assert result["optim_state_diff"] <= 1e-6  # torch.optim format, full tensors, equal to plain AdamW's
     assert result["restored_param_diff"] == 0.0
     assert result["restored_optim_diff"] == 0.0
+    assert result["restored_lr"] == result["saved_lr"]
+    assert result["resumed_steps"] == 6
+
+
+@pytest.mark.parametrize("case", ["stage2_to_stage3", "stage3_to_stage1"])
+def test_sharded_checkpoint_directory_resumes_at_another_stage(edges, case):
+    result = edges["sharded"][case]
+    assert result["is_dir"]
+    assert result["leftovers"] == []  # no temporary or old directories left beside it
+    assert result["restored_param_diff"] == 0.0
+    assert result["restored_optim_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert result["restored_optim_diff"] == 0.0
+    assert result["optim_entries"] == 14
     assert result["restored_lr"] == result["saved_lr"]
     assert result["resumed_steps"] == 6
 

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroStrategy, checkpoint_io
 from tests.distributed import models
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
 from tests.launch import write_report
@@ -67,6 +67,37 @@ def full_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> dict
     return out
 
 
+def sharded_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> dict:
+    """The default format: a directory of shards written by every rank, read back at another stage."""
+    L.seed_everything(7)
+    data = models.IndexedData()
+    common = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+    t = trainer(ZeroStrategy(stage=save_stage), max_steps=4, **common)
+    t.fit(models.Regression(), models.loader(data, 4))
+    path = Path(t.strategy.broadcast(str(directory / f"sharded-s{save_stage}")))
+    t.save_checkpoint(path)
+    t.save_checkpoint(path)  # overwriting an existing checkpoint directory is atomic too
+    full = t.strategy.full_state_dict()
+    optim = checkpoint_io.full_optimizer_state(t.optimizers[0], t.lightning_module, t.strategy.engine)
+    probe = RestoredProbe()
+    t2 = trainer(ZeroStrategy(stage=resume_stage, state_dict_type="full"), max_steps=6, callbacks=[probe], **common)
+    t2.fit(models.Regression(), models.loader(data, 4), ckpt_path=str(path))
+    out = {"is_dir": path.is_dir(), "resumed_steps": t2.global_step}
+    if RANK == 0:
+        out["leftovers"] = sorted(p.name for p in path.parent.iterdir() if p.name.startswith("."))
+        out["restored_param_diff"] = max_diff(probe.params, full)
+        out["restored_optim_keys"] = sorted(probe.optim["state"][0])
+        out["restored_optim_diff"] = max(
+            (probe.optim["state"][i][k].float() - optim["state"][i][k].float()).abs().max().item()
+            for i in optim["state"]
+            for k in optim["state"][i]
+        )
+        out["restored_lr"] = [g["lr"] for g in probe.optim["param_groups"]]
+        out["saved_lr"] = [g["lr"] for g in optim["param_groups"]]
+        out["optim_entries"] = len(probe.optim["state"])
+    return out
+
+
 class RestoredProbe(L.Callback):
     """What a resumed run holds before its first step, gathered back to full tensors."""
 
@@ -105,6 +136,10 @@ CASES = {
     "checkpoint": lambda directory: {
         "stage2_to_stage3": full_checkpoint(2, 3, directory),
         "stage3_to_stage1": full_checkpoint(3, 1, directory),
+    },
+    "sharded": lambda directory: {
+        "stage2_to_stage3": sharded_checkpoint(2, 3, directory),
+        "stage3_to_stage1": sharded_checkpoint(3, 1, directory),
     },
     "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule)},
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
