@@ -106,7 +106,15 @@ class Regression(L.LightningModule):
 
 
 def reference_run(
-    initial: dict[str, torch.Tensor], dataset: Dataset, *, world: int, batch: int, steps: int, accumulate: int, clip: float
+    initial: dict[str, torch.Tensor],
+    dataset: Dataset,
+    *,
+    world: int,
+    batch: int,
+    steps: int,
+    accumulate: int,
+    clip: float,
+    clip_algorithm: str = "norm",
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
     """Plain single-process PyTorch on the same global batches: final parameters and per-step gradients
     (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict."""
@@ -122,8 +130,10 @@ def reference_run(
             loss = sum(nn.functional.mse_loss(model(x), y) for x, y in per_rank) / world / accumulate
             loss.backward()
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        if clip:
+        if clip and clip_algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        elif clip:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip)
         opt.step()
         sched.step()
     return {n: p.detach().clone() for n, p in model.state_dict().items()}, grads, opt.state_dict()

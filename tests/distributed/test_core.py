@@ -26,12 +26,24 @@ def costs():
     return launch("tests.distributed.worker_core", "costs", nprocs=WORLD)["costs"]
 
 
-EXACT_CASES = ["stage1", "stage2", "stage3", "stage1_small_buckets", "stage2_small_buckets", "stage3_configure_model", "registered_zero2"]
+EXACT_CASES = [
+    "stage1",
+    "stage2",
+    "stage3",
+    "stage1_small_buckets",
+    "stage2_small_buckets",
+    "stage3_configure_model",
+    "stage2_configure_model",
+    "stage1_clip_value",
+    "stage2_clip_value",
+    "stage3_clip_value",
+    "registered_zero2",
+]
 
 
 @pytest.mark.parametrize("case", EXACT_CASES)
 def test_parameters_and_gradients_match_plain_pytorch(exact, case):
-    """4 optimizer steps, accumulation 2, clipping by norm 0.5, two param groups, StepLR."""
+    """4 optimizer steps, accumulation 2, clipping (by norm 0.5 or by value 0.05), two param groups, StepLR."""
     result = exact[case]
     assert result["steps"] == 4
     assert result["grad_steps"] == 4

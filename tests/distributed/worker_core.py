@@ -59,14 +59,22 @@ class GradientRecorder(L.Callback):
 
 
 # ---------------------------------------------------------------------- cases
-def exactness(stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0) -> dict:
-    steps, accumulate, batch, clip = 4, 2, 4, 0.5
+def exactness(stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm") -> dict:
+    steps, accumulate, batch = 4, 2, 4
+    clip = 0.5 if clip_algorithm == "norm" else 0.05
     L.seed_everything(7)
     module = models.Regression(build_in_configure_model=build_in_configure_model)
     initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
     recorder = GradientRecorder()
     strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
-    t = trainer(strategy, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip, callbacks=[recorder])
+    t = trainer(
+        strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=clip_algorithm,
+        callbacks=[recorder],
+    )
     data = models.IndexedData()
     t.fit(module, models.loader(data, batch))
     final = t.strategy.full_state_dict()
@@ -78,12 +86,12 @@ def exactness(stage, strategy=None, build_in_configure_model=False, bucket_size_
         eager = models.Regression()
         torch.set_rng_state(state)
         initial = {k: v.clone() for k, v in eager.state_dict().items()}
-        out["dtensor_params"] = all(isinstance(p, DTensor) for p in module.parameters())
-        out["local_numel"] = sum(p.to_local().numel() for p in module.parameters())
+        out["dtensor_params"] = all(isinstance(p, DTensor) for p in module.parameters())  # stage 3 only
+        out["local_numel"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
         out["full_numel"] = sum(p.numel() for p in module.parameters())
     if RANK == 0:
         ref_params, ref_grads, _ = models.reference_run(
-            initial, data, world=WORLD, batch=batch, steps=steps, accumulate=accumulate, clip=clip
+            initial, data, world=WORLD, batch=batch, steps=steps, accumulate=accumulate, clip=clip, clip_algorithm=clip_algorithm
         )
         out["param_diff"] = max_diff({k: v for k, v in final.items()}, ref_params)
         out["grad_diff"] = max(max_diff(g, r) for g, r in zip(recorder.steps, ref_grads))
@@ -207,6 +215,8 @@ CASES = {
         **{f"stage{s}": exactness(s) for s in (1, 2, 3)},
         **{f"stage{s}_small_buckets": exactness(s, bucket_size_mb=0.0005) for s in (1, 2)},
         "stage3_configure_model": exactness(3, build_in_configure_model=True),
+        "stage2_configure_model": exactness(2, build_in_configure_model=True),
+        **{f"stage{s}_clip_value": exactness(s, clip_algorithm="value") for s in (1, 2, 3)},
         "registered_zero2": registered_name(),
     },
     "features": lambda: {

@@ -1,0 +1,19 @@
+# The two commands of the README. Each installs what it needs first: torch pinned (a CPU wheel; an
+# unpinned torch would pull gigabytes of CUDA packages), then this package and its dependencies.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: install run test bench
+
+install:
+	$(PIP) torch==2.13.0
+	$(PIP) -e ".[test]"
+
+run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes
+	$(PYTHON) examples/gpt_zero3.py
+
+test: install  ## the whole test suite (about 4 minutes on 2 cores)
+	$(PYTHON) -m pytest -q tests
+
+bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks
+	$(PYTHON) benchmarks/bench_core.py
