@@ -1,0 +1,41 @@
+"""`start_method="spawn"` inside one Python process: the trained, unsharded weights come back to the
+user's module in the main process, for every stage."""
+
+import copy
+
+import lightning as L
+import pytest
+
+from lightning_zero import ZeroStrategy
+from tests.distributed import models
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("stage", [3])
+def test_spawned_training_returns_full_weights_to_the_main_process(stage, tmp_path):
+    L.seed_everything(7)
+    module = models.Regression()
+    initial = copy.deepcopy(module.state_dict())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=stage, start_method="spawn"),
+        max_steps=4,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, models.loader(models.IndexedData(), 4))
+    assert trainer.state.finished
+    reference, _, _ = models.reference_run(
+        initial, models.IndexedData(), world=2, batch=4, steps=4, accumulate=2, clip=0.5
+    )
+    trained = module.state_dict()
+    assert sorted(trained) == sorted(reference)
+    for name, value in reference.items():
+        assert (trained[name] - value).abs().max().item() <= 1e-5, name
