@@ -15,12 +15,11 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from torch.distributed import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -164,7 +163,9 @@ class ZeroStrategy(ParallelStrategy):
     @property  # type: ignore[override]
     @override
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision()
+        return self._precision_plugin
 
     @precision_plugin.setter
     @override
@@ -351,9 +352,15 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Reduce a tensor over ranks (``self.log(..., sync_dist=True)`` and metrics come through here)."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        op, divide = _reduce_op(reduce_op)
+        out = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
+        if not out.is_floating_point() and divide:
+            out = out.float()
+        collectives.all_reduce(out, op=op, group=group)
+        return out / self.world_size if divide else out
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self) -> dict[str, Tensor]:
@@ -419,6 +426,18 @@ class ZeroStrategy(ParallelStrategy):
         }
         for name, kwargs in entries.items():
             strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
+
+
+def _reduce_op(reduce_op: ReduceOp | str | None) -> tuple[ReduceOp, bool]:
+    """Lightning's reduce names ("mean", "sum", "max", "min") or a ReduceOp -> (op, divide by world)."""
+    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+        return ReduceOp.SUM, True
+    if isinstance(reduce_op, str):
+        ops = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}
+        if reduce_op.lower() not in ops:
+            raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
+        return ops[reduce_op.lower()], False
+    return reduce_op, False
 
 
 def _unwrap(optimizer) -> Optimizer:

@@ -48,19 +48,32 @@ def pack_bucket(
 
 
 def unpack_bucket(
-    layout: ShardLayout, bucket: BucketSpec, full: torch.Tensor, targets: Sequence[torch.Tensor]
+    layout: ShardLayout,
+    bucket: BucketSpec,
+    full: torch.Tensor,
+    targets: Sequence[torch.Tensor],
+    skip_rank: int | None = None,
 ) -> None:
-    """Inverse of :func:`pack_bucket`: copy every rank's chunk from ``full`` into ``targets[i]``."""
+    """Inverse of :func:`pack_bucket`: copy every rank's chunk from ``full`` into ``targets[i]``
+    (except ``skip_rank``'s, when the target already holds it)."""
     for i in bucket.params:
         spec = layout.params[i]
         cols = _columns(full, bucket, spec)
         flat = targets[i].view(-1)
-        k, c = spec.full_chunks, spec.chunk_numel
-        if k:
-            flat[: k * c].view(k, c).copy_(cols[:k])
-        rest = spec.numel - k * c
-        if rest:
-            flat[k * c :].copy_(cols[k, :rest])
+        for start, end in _row_blocks(spec, skip_rank):
+            flat[start * spec.chunk_numel : end * spec.chunk_numel].view(end - start, spec.chunk_numel).copy_(cols[start:end])
+        rest = spec.numel - spec.full_chunks * spec.chunk_numel
+        if rest and spec.full_chunks != skip_rank:
+            k = spec.full_chunks
+            flat[k * spec.chunk_numel :].copy_(cols[k, :rest])
+
+
+def _row_blocks(spec: ParamShardSpec, skip_rank: int | None) -> list[tuple[int, int]]:
+    """Runs of full chunks ``[start, end)`` to copy, leaving out ``skip_rank``."""
+    k = spec.full_chunks
+    if skip_rank is None or skip_rank >= k:
+        return [(0, k)] if k else []
+    return [(a, b) for a, b in ((0, skip_rank), (skip_rank + 1, k)) if b > a]
 
 
 def pack_segment(

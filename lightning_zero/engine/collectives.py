@@ -80,26 +80,116 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> dist.Work | None:
-    """Sum ``input`` over ranks and leave rank r's segment in ``output``."""
+) -> dist.Work | _Ring | None:
+    """Sum ``input`` over ranks and leave rank r's segment in ``output``. ``input`` may be overwritten."""
     _STATS.record("reduce_scatter", input)
     with record_function("lightning_zero::reduce_scatter"):
         if world_size(group) == 1:
             output.copy_(input)
             return None
-        return dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
+        if _use_ring(group):
+            work = _RingReduceScatter(output, input, group)
+        else:
+            work = dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
+        return work if async_op else _finish(work)
 
 
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> dist.Work | None:
+) -> dist.Work | _Ring | None:
     """Concatenate every rank's ``input`` into ``output``."""
     _STATS.record("all_gather", output)
     with record_function("lightning_zero::all_gather"):
         if world_size(group) == 1:
             output.copy_(input)
             return None
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        if _use_ring(group):
+            work = _RingAllGather(output, input, group)
+        else:
+            work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        return work if async_op else _finish(work)
+
+
+def _finish(work) -> None:
+    if work is not None:
+        work.wait()
+    return None
+
+
+# [Note: ring collectives over gloo]
+# gloo's reduce_scatter_tensor and all_gather_into_tensor are 1.5-2x slower on CPU than a ring of
+# point-to-point transfers moving the same bytes (measured on 2 ranks, 25 MB buckets: reduce-scatter 35 ms
+# vs 19 ms, all-gather 23 ms vs 17 ms; gloo's own all_reduce is a ring and takes 33 ms). Over gloo we
+# therefore run the textbook ring: N-1 steps, each sending one segment to the next rank and receiving one
+# from the previous. The first step's transfers are posted at once and proceed in gloo's threads, so a
+# bucket's reduction overlaps backward; with 2 ranks that is the whole collective.
+def _use_ring(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+class _Ring:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
+        self.step = 0
+        self.pending: list = []
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self.pending = [dist.isend(send, self.next, group=self.group), dist.irecv(recv, self.prev, group=self.group)]
+
+    def _complete(self) -> None:
+        for request in self.pending:
+            request.wait()
+        self.pending = []
+
+
+class _RingReduceScatter(_Ring):
+    """Segment ``(rank - k - 1)`` travels at step k; after N-1 steps rank r holds the sum of segment r."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
+        super().__init__(group)
+        self.output = output
+        self.acc = input.view(self.size, -1)
+        self.recv = torch.empty_like(self.acc[0])
+        self._post()
+
+    def _post(self) -> None:
+        self._exchange(self.acc[(self.rank - self.step - 1) % self.size], self.recv)
+
+    def wait(self) -> bool:
+        while self.pending:
+            self._complete()
+            self.acc[(self.rank - self.step - 2) % self.size].add_(self.recv)
+            self.step += 1
+            if self.step < self.size - 1:
+                self._post()
+        self.output.copy_(self.acc[self.rank])
+        return True
+
+
+class _RingAllGather(_Ring):
+    """Segment ``(rank - k)`` travels at step k, received straight into its place in ``output``."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
+        super().__init__(group)
+        self.acc = output.view(self.size, -1)
+        self.acc[self.rank].copy_(input)
+        self._post()
+
+    def _post(self) -> None:
+        k = self.step
+        self._exchange(self.acc[(self.rank - k) % self.size], self.acc[(self.rank - k - 1) % self.size])
+
+    def wait(self) -> bool:
+        while self.pending:
+            self._complete()
+            self.step += 1
+            if self.step < self.size - 1:
+                self._post()
+        return True
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -146,7 +236,9 @@ class CountingAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
+        work = all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return work if isinstance(work, dist.Work) else _finish(work)
 
 
 class CountingReduceScatter(ReduceScatter):
@@ -156,6 +248,8 @@ class CountingReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if op == ReduceOp.SUM and not async_op:
+            return reduce_scatter(output_tensor, input_tensor, group=group)
         _STATS.record("reduce_scatter", input_tensor)
         with record_function("lightning_zero::reduce_scatter"):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)

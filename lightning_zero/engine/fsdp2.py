@@ -97,6 +97,8 @@ class FullyShardedEngine:
 
     def _materialize_and_shard(self, device: torch.device) -> None:
         """See [Note: materialising meta modules in construction order]."""
+        real = [t.data for t in (*self.module.parameters(), *self.module.buffers()) if not t.is_meta]
+        collectives.broadcast(real, src=0)  # parts built eagerly must agree across ranks too
         state = collectives.broadcast_object(torch.get_rng_state(), src=0)
         torch.set_rng_state(state)
         last_of_unit = {id(list(unit.modules())[-1]): [] for unit in self.units}

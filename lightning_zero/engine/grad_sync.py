@@ -65,10 +65,12 @@ class GradientReducer:
         self._synced_since_consume = [False] * len(self.params)
         self._finalized = [False] * len(self.params)
         self._dirty = [set() for _ in layout.buckets]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        dtype = self.params[0].dtype if self.params else torch.float32
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        self.dtype = self.params[0].dtype if self.params else torch.float32
         # Stage 2: one flat storage for this rank's gradient shards, viewed per parameter.
-        self.storage = torch.zeros(layout.shard_numel, device=device, dtype=dtype) if shard_gradients else None
+        self.storage = (
+            torch.zeros(layout.shard_numel, device=self.device, dtype=self.dtype) if shard_gradients else None
+        )
         self._storage_views = (
             [self._storage_view(i) for i in range(len(self.params))] if shard_gradients else None
         )
@@ -124,7 +126,8 @@ class GradientReducer:
         sources = [None] * len(self.params)
         for i in bucket.params:
             sources[i] = self.params[i].grad
-        comm = pack_bucket(self.layout, bucket, sources, torch.empty(bucket.numel, dtype=self.storage_dtype, device=self.device))
+        comm = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+        pack_bucket(self.layout, bucket, sources, comm)
         direct = False
         if self.shard_gradients:
             for i in bucket.params:
@@ -136,14 +139,6 @@ class GradientReducer:
         work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
         self._launched[bucket_index] = True
         self._inflight.append(_Inflight(bucket_index, work, comm, out, direct))
-
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
-
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        return self.params[0].dtype
 
     def flush(self) -> None:
         """End of a synchronising backward: reduce buckets that never filled (parameters unused in this
@@ -201,16 +196,18 @@ class GradientReducer:
     def consume(self, indices: Iterable[int]) -> None:
         """The optimizer step used (or skipped) these gradients: clear them for the next window."""
         indices = list(indices)
-        if self.shard_gradients:
-            views = [self._storage_views[i] for i in indices if self._synced_since_consume[i]]
-            if views:
-                torch._foreach_zero_(views)
         for i in indices:
             if not self.shard_gradients:
                 self.params[i].grad = None
             self._synced_since_consume[i] = False
             self._finalized[i] = False
             self._dirty[self.layout.params[i].bucket].discard(i)
+        if self.shard_gradients:
+            # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
+            # buckets still holding another optimizer's gradients need their consumed slices zeroed.
+            views = [self._storage_views[i] for i in indices if self._dirty[self.layout.params[i].bucket]]
+            if views:
+                torch._foreach_zero_(views)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

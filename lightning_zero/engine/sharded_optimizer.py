@@ -138,4 +138,4 @@ def all_gather_params(layout: ShardLayout, params: Sequence[nn.Parameter], bucke
         for bucket, work, full in flights:
             if work is not None:
                 work.wait()
-            unpack_bucket(layout, bucket, full, sources)
+            unpack_bucket(layout, bucket, full, sources, skip_rank=rank)  # own rows are already in place

@@ -7,7 +7,6 @@ of measured values, and the pytest modules assert on it.
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.engine.collectives import comm_stats
+from lightning_zero.memory import live_tensor_bytes
 from tests.distributed import models
 from tests.launch import write_report
 
@@ -151,26 +151,6 @@ class StateBytesProbe(L.Callback):
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == self.at_step and self.bytes is None:
             self.bytes = live_tensor_bytes()
-
-
-def live_tensor_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor):
-                continue
-            tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
-            if tensor.device.type == "meta":
-                continue
-            storage = tensor.untyped_storage()
-        except Exception:
-            continue
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
 
 
 def memory(stage) -> dict:

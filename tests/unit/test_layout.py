@@ -70,3 +70,21 @@ def test_shard_numel_is_a_world_size_fraction_of_padded_total():
     layout = plan_layout(SHAPES, 4, bucket_numel=16)
     assert layout.shard_numel * 4 == layout.padded_numel
     assert layout.padded_numel - layout.total_numel < sum(math.prod(s[1:]) * 4 for _, s in SHAPES if s) + 4
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unpack_can_leave_one_ranks_rows_alone(world):
+    torch.manual_seed(1)
+    layout = plan_layout(SHAPES, world, bucket_numel=10**9)
+    bucket = layout.buckets[0]
+    tensors = [torch.randn(shape) for _, shape in SHAPES]
+    full = pack_bucket(layout, bucket, tensors, torch.empty(bucket.numel))
+    for skip in range(world):
+        targets = [torch.full(shape, 7.0) for _, shape in SHAPES]
+        unpack_bucket(layout, bucket, full, targets, skip_rank=skip)
+        for i in bucket.params:
+            spec = layout.params[i]
+            for rank in range(world):
+                got = local_rows(targets[i], spec, rank)
+                want = torch.full_like(got, 7.0) if rank == skip else local_rows(tensors[i], spec, rank)
+                assert torch.equal(got, want), (spec.name, rank, skip)

@@ -1,0 +1,460 @@
+"""Core benchmark: one GPT, five data-parallel systems, same hardware, same batch.
+
+    python benchmarks/bench_core.py                              # all systems, ~27M-param GPT
+    python benchmarks/bench_core.py --systems ddp,fsdp2 --quick  # tiny model smoke test
+
+Systems (2 CPU ranks, fp32 AdamW, batch 8 per rank, random tokens):
+
+    ddp     Lightning "ddp"
+    fsdp2   Lightning ModelParallelStrategy + torch.distributed.fsdp.fully_shard per Block, then root
+    zero1   lightning_zero.ZeroStrategy(stage=1)
+    zero2   lightning_zero.ZeroStrategy(stage=2)
+    zero3   lightning_zero.ZeroStrategy(stage=3)
+
+Each system runs in its own fresh subprocess (the script re-invokes itself with
+``--system NAME``), so every run has a clean process group, its own peak RSS and no
+leftover process-group state. Lightning's launcher then re-runs that command for the
+other ranks. Rank 0 gathers every rank's measurements and writes one JSON line to
+``--out``; the parent prints all JSON lines and then a table.
+
+What is measured (see :class:`BenchCallback`):
+
+* step time: wall time from ``on_train_batch_start`` to ``on_train_batch_end`` (forward,
+  backward, gradient sync and optimizer step), median over the measured steps;
+* model-state bytes right after backward, counted from outside the strategy: the
+  module's parameters and ``.grad`` plus every tensor reachable from the optimizers
+  (param groups, their grads, state), deduplicated by storage, DTensors by local shard;
+* the ZeRO-paper formula for the same quantity (fp32 weights + fp32 grads + Adam's
+  two fp32 moments = 16 bytes/param without sharding);
+* peak RSS of each rank process (``ru_maxrss``);
+* bytes communicated per step: measured by ``lightning_zero``'s ``comm_stats`` for the
+  ZeRO systems, analytic for ddp/fsdp2 (marked so), in the convention of
+  ``lightning_zero/engine/collectives.py``: a reduce-scatter counts its full input, an
+  all-gather its full output, and an all-reduce is costed as the reduce-scatter +
+  all-gather it amounts to. For fp32 that makes ddp 8P bytes, ZeRO-1/2 8P and ZeRO-3 12P
+  (the ZeRO paper's 2P / 2P / 3P elements). Ring algorithms put (N-1)/N of it on the wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+# Make `import lightning_zero` work from a plain checkout (no `pip install -e .` needed).
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_zero.memory import live_tensor_bytes  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
+
+ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+
+# ~27M parameters: 6 x 12*512^2 in the blocks + 2 x 8192*512 for embedding and (untied) head.
+FULL_MODEL = dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512)
+QUICK_MODEL = dict(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64)
+
+
+# --------------------------------------------------------------------------- systems
+
+
+class FSDP2GPTModule(GPTLightningModule):
+    """The demo GPT sharded with FSDP2 (``fully_shard``), the torchtitan way.
+
+    The model is built on the meta device, each ``Block`` becomes its own FSDP unit
+    (gathered just before use, freed right after), then the root takes the remaining
+    parameters (embeddings, final norm, head). ``ModelParallelStrategy.setup`` then
+    materialises the local shards with ``to_empty`` + ``reset_parameters``. (On a CPU
+    mesh DTensor warns that its random ops are not fully supported, so the shards'
+    random init may not equal a slice of one full init; irrelevant for timing/memory.)
+    """
+
+    def configure_model(self) -> None:
+        if self.model is not None:  # hook can run again (e.g. validate after fit)
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):
+            super().configure_model()
+        assert self.model is not None
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def build_strategy(system: str, devices: int) -> Any:
+    if system == "ddp":
+        return "ddp"
+    if system == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # "auto" would make data_parallel_size = num_nodes (1) and put both ranks on the
+        # tensor-parallel axis; we want pure data parallelism across all ranks.
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    if system.startswith("zero") and system[4:] in ("1", "2", "3"):
+        from lightning_zero import ZeroStrategy  # lazy: lets ddp/fsdp2 run before it exists
+
+        return ZeroStrategy(stage=int(system[4:]))
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(ALL_SYSTEMS)}")
+
+
+def formula_bytes(system: str, P: int, N: int) -> float:
+    """ZeRO paper's model-state memory per rank for fp32 params + grads + Adam (m, v)."""
+    return {
+        "ddp": 16 * P,
+        "zero1": 8 * P + 8 * P / N,  # params + grads replicated, optimizer state sharded
+        "zero2": 4 * P + 12 * P / N,  # params replicated, grads + optimizer state sharded
+        "zero3": 16 * P / N,
+        "fsdp2": 16 * P / N,
+    }[system]
+
+
+def analytic_comm_bytes(system: str, config: GPTConfig) -> int:
+    """Per-rank collective volume per step (fp32), in collectives.py's convention (module docstring)."""
+    P = count_parameters(config)
+    if system == "ddp":
+        return 8 * P  # one all-reduce of all grads = reduce-scatter + all-gather
+    if system in ("zero1", "zero2"):
+        return 8 * P  # reduce-scatter grads + all-gather updated params
+    if system == "zero3":
+        return 12 * P  # all-gather (fwd) + all-gather (bwd) + reduce-scatter grads
+    if system == "fsdp2":
+        # Blocks: gather in forward, re-gather in backward, reduce-scatter grads. The root
+        # unit (embeddings, ln_f, head) is not resharded after forward: gather once + RS.
+        one_block = count_parameters(replace(config, n_layer=1)) - count_parameters(
+            replace(config, n_layer=0)
+        )
+        p_blocks = one_block * config.n_layer
+        return 4 * (3 * p_blocks + 2 * (P - p_blocks))
+    raise ValueError(system)
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's memory on this rank is its local shard."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _optimizer_tree(opt: Any) -> Iterable[Any]:
+    """The optimizer and any optimizer it wraps (ZeRO and precision wrappers often do)."""
+    seen: set[int] = set()
+    stack = [opt]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        yield o
+        for name in ("optimizer", "optim", "_optimizer", "inner_optimizer", "base_optimizer"):
+            inner = getattr(o, name, None)
+            if inner is not None and hasattr(inner, "param_groups"):
+                stack.append(inner)
+
+
+def model_state_bytes(module: torch.nn.Module, optimizers: Iterable[Any]) -> dict[str, int]:
+    """Bytes of params, grads and optimizer state held by this rank, seen from outside.
+
+    Each storage is counted once (by ``data_ptr``) under the first category that
+    reaches it, so views into flat buffers are not double counted. Freed storages
+    (resized to 0 bytes, as ZeRO-3/FSDP do with gathered params) count as 0.
+    """
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+
+    def add(kind: str, t: Any) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        t = _local(t)
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in seen:
+            return
+        seen.add(ptr)
+        out[kind] += storage.nbytes()
+
+    for p in module.parameters():
+        add("params", p)
+    for p in module.parameters():
+        add("grads", p.grad)
+    for opt in optimizers:
+        for o in _optimizer_tree(opt):
+            for group in o.param_groups:
+                for p in group["params"]:
+                    add("params", p)
+                    add("grads", getattr(p, "grad", None))
+            for state in o.state.values():
+                for v in state.values() if isinstance(state, dict) else ():
+                    add("optimizer", v)
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return out
+
+
+def _load_comm_stats() -> Any:
+    try:
+        from lightning_zero.engine.collectives import comm_stats
+
+        return comm_stats()
+    except Exception:  # not written yet, or a different API: fall back to the analytic value
+        return None
+
+
+class BenchCallback(L.Callback):
+    """Times steps and records memory/communication on every rank; rank 0 writes the JSON line."""
+
+    def __init__(self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str) -> None:
+        self.system = system
+        self.config = config
+        self.batch_size = batch_size
+        self.warmup = warmup
+        self.steps = steps
+        self.out = out
+        self.times: list[float] = []
+        self.state: dict[str, int] = {}
+        self.comm = _load_comm_stats() if system.startswith("zero") else None
+        self.comm_snapshot: dict[str, Any] | None = None
+        self._t0 = 0.0
+        self._batch_idx = -1
+        self._excluded = 0.0
+
+    def _measured(self, batch_idx: int) -> bool:
+        return self.warmup <= batch_idx < self.warmup + self.steps
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == self.warmup and self.comm is not None:
+            self.comm.reset()
+        self._batch_idx = batch_idx
+        self._excluded = 0.0
+        self._t0 = time.perf_counter()
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        # Before the strategy sets up: everything alive now that is not a parameter (data, buffers,
+        # caches) is not model state, and nothing of the strategy's exists yet.
+        params = sum(_local(p).untyped_storage().nbytes() for p in pl_module.parameters() if not p.is_meta)
+        self._baseline = live_tensor_bytes() - params
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # Count once, on the last measured step: by then optimizer state exists.
+        if self._batch_idx == self.warmup + self.steps - 1:
+            t = time.perf_counter()
+            self.state = model_state_bytes(pl_module, trainer.optimizers)
+            self.state["live_total"] = live_tensor_bytes() - self._baseline
+            self._excluded += time.perf_counter() - t  # bookkeeping is not part of the step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        dt = time.perf_counter() - self._t0 - self._excluded
+        if self._measured(batch_idx):
+            self.times.append(dt)
+        if batch_idx == self.warmup + self.steps - 1 and self.comm is not None:
+            self.comm_snapshot = dict(self.comm.snapshot())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        rank_result = {
+            "rank": trainer.global_rank,
+            "step_ms_median": 1e3 * statistics.median(self.times) if self.times else None,
+            "step_ms_min": 1e3 * min(self.times) if self.times else None,
+            "step_ms_max": 1e3 * max(self.times) if self.times else None,
+            "state_bytes": self.state,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # KiB on Linux
+            "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self.steps) if self.comm_snapshot else None,
+            "comm_elements_per_step": (self.comm_snapshot["elements"] / self.steps) if self.comm_snapshot else None,
+            "torch_threads": torch.get_num_threads(),
+        }
+        if dist.is_available() and dist.is_initialized():
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, rank_result)
+        else:
+            ranks = [rank_result]
+        if trainer.is_global_zero:
+            Path(self.out).write_text(json.dumps(self.summarise(ranks, trainer.world_size)) + "\n")
+
+    def summarise(self, ranks: list[dict[str, Any]], N: int) -> dict[str, Any]:
+        P = count_parameters(self.config)
+        step_ms = max(r["step_ms_median"] for r in ranks if r["step_ms_median"] is not None)  # slowest rank
+        state = max(r["state_bytes"].get("live_total", 0) for r in ranks)  # worst rank
+        formula = formula_bytes(self.system, P, N)
+        measured_comm = [r["comm_bytes_per_step"] for r in ranks if r["comm_bytes_per_step"] is not None]
+        return {
+            "system": self.system,
+            "world_size": N,
+            "params": P,
+            "config": asdict(self.config),
+            "batch_per_rank": self.batch_size,
+            "warmup_steps": self.warmup,
+            "measured_steps": self.steps,
+            "step_ms": step_ms,
+            "tokens_per_s": self.batch_size * self.config.block_size * N / (step_ms / 1e3),
+            "state_bytes": state,
+            "formula_bytes": formula,
+            "delta_pct": 100.0 * (state - formula) / formula,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+            "comm_bytes_per_step": max(measured_comm) if measured_comm else analytic_comm_bytes(self.system, self.config),
+            "comm_source": "measured" if measured_comm else "analytic",
+            "comm_analytic_bytes_per_step": analytic_comm_bytes(self.system, self.config),
+            "per_rank": ranks,
+            "torch": torch.__version__,
+            "lightning": L.__version__,
+        }
+
+
+# --------------------------------------------------------------------------- one system (child)
+
+
+def run_system(args: argparse.Namespace) -> None:
+    # 2 ranks on 2 cores: more than one intra-op thread per rank oversubscribes the CPU.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.devices))
+    L.seed_everything(0, verbose=False)
+    model_kw = QUICK_MODEL if args.quick else FULL_MODEL
+    config = GPTConfig(**model_kw, dropout=0.0, bias=True)
+    total_steps = args.warmup + args.steps
+    data = RandomTokenDataModule(
+        vocab_size=config.vocab_size,
+        block_size=config.block_size,
+        batch_size=args.batch_size,
+        num_samples=2 * total_steps * args.batch_size * args.devices,
+    )
+    module_cls = FSDP2GPTModule if args.system == "fsdp2" else GPTLightningModule
+    model = module_cls(**model_kw, dropout=0.0, bias=True, build_in_configure_model=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=build_strategy(args.system, args.devices),
+        precision="32-true",
+        max_steps=total_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,  # the GPT module has a validation_step; the benchmark data has no val set
+        callbacks=[BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out)],
+    )
+    trainer.fit(model, datamodule=data)
+
+
+# --------------------------------------------------------------------------- driver (parent)
+
+
+def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any] | None:
+    out = workdir / f"{system}.json"
+    log = workdir / f"{system}.log"
+    cmd = [
+        sys.executable, os.path.abspath(__file__), "--system", system, "--out", str(out),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
+        "--batch-size", str(args.batch_size),
+    ] + (["--quick"] if args.quick else [])
+    print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as logf:
+        # New session = new process group, so a hung run (all its ranks) can be killed as one.
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = f"timeout after {args.timeout}s"
+    elapsed = time.perf_counter() - t0
+    if rc == 0 and out.exists():
+        print(f"   {system}: ok in {elapsed:.0f}s", file=sys.stderr, flush=True)
+        return json.loads(out.read_text())
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+    print(f"!! {system} FAILED (rc={rc}, {elapsed:.0f}s); last lines of its log:\n{tail}\n", file=sys.stderr, flush=True)
+    return None
+
+
+def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
+    ddp = next((r for r in results if r["system"] == "ddp"), None)
+    cols = ["system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "peak_RSS_MB", "comm_MB/step"]
+    rows = []
+    for r in results:
+        comm = f"{r['comm_bytes_per_step'] / 1e6:.1f}" + (" (analytic)" if r["comm_source"] == "analytic" else "")
+        rows.append([
+            r["system"],
+            f"{r['step_ms']:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-",
+            f"{r['state_bytes'] / 1e6:.2f}",
+            f"{r['formula_bytes'] / 1e6:.2f}",
+            f"{r['delta_pct']:+.1f}",
+            f"{r['peak_rss_mb']:.0f}",
+            comm,
+        ])
+    rows += [[name, "FAILED"] + [""] * (len(cols) - 2) for name in failed]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    print(line)
+    print("-" * len(line))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    if results:
+        r = results[0]
+        print(
+            f"\nP = {r['params']:,} params, {r['world_size']} ranks, batch {r['batch_per_rank']}/rank x "
+            f"{r['config']['block_size']} tokens, median of {r['measured_steps']} steps after {r['warmup_steps']} "
+            f"warmup; step_ms/state/RSS are the worst rank; MB = 1e6 bytes."
+        )
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="ddp vs FSDP2 vs ZeRO-1/2/3 on one GPT (CPU)")
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
+    p.add_argument("--steps", type=int, default=15, help="measured steps")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank")
+    p.add_argument("--quick", action="store_true", help="tiny model: a smoke test, not a benchmark")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
+    p.add_argument("--system", help=argparse.SUPPRESS)  # internal: run one system (child mode)
+    p.add_argument("--out", help=argparse.SUPPRESS)  # internal: where rank 0 writes its JSON line
+    args = p.parse_args()
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.system:
+        run_system(args)
+        return
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    if unknown:
+        sys.exit(f"unknown system(s): {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
+    results, failed = [], []
+    with tempfile.TemporaryDirectory(prefix="bench_core_") as tmp:
+        for system in systems:
+            result = run_child(system, args, Path(tmp))
+            if result is None:
+                failed.append(system)
+            else:
+                results.append(result)
+    for r in results:
+        print(json.dumps(r))
+    print()
+    print_table(results, failed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Demo model and data used by the examples, benchmarks and tests of lightning_zero."""
+
+from __future__ import annotations
+
+from lightning_zero.demo.data import CharDataModule, RandomTokenDataModule
+from lightning_zero.demo.gpt import GPT, Block, GPTConfig, GPTLightningModule, count_parameters
+
+__all__ = [
+    "GPT",
+    "Block",
+    "CharDataModule",
+    "GPTConfig",
+    "GPTLightningModule",
+    "RandomTokenDataModule",
+    "count_parameters",
+]

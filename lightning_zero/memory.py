@@ -1,0 +1,36 @@
+"""Counting the bytes of tensors a process holds, from outside any strategy.
+
+The count walks every live tensor the garbage collector knows, counts each storage once (views of one flat
+buffer share it), counts a DTensor by its local shard, and skips freed storages (FSDP2 resizes gathered
+parameters to zero bytes). It sees whatever a strategy keeps, wherever it keeps it.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def live_tensor_bytes(device: str | None = None) -> int:
+    """Bytes of all live tensor storages (optionally only those on ``device``'s type)."""
+    gc.collect()
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor):
+                continue
+            tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
+            if tensor.is_meta or (device is not None and tensor.device.type != device):
+                continue
+            storage = tensor.untyped_storage()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+            continue
+        if size == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        total += size
+    return total
