@@ -356,6 +356,7 @@ def run_system(args: argparse.Namespace) -> None:
 
 
 def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any] | None:
+    workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / f"{system}.json"
     log = workdir / f"{system}.log"
     cmd = [
@@ -381,6 +382,14 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
     print(f"!! {system} FAILED (rc={rc}, {elapsed:.0f}s); last lines of its log:\n{tail}\n", file=sys.stderr, flush=True)
     return None
+
+
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result per system: the median step time over rounds, everything else from the median round."""
+    ordered = sorted(rounds, key=lambda r: r["step_ms"])
+    result = dict(ordered[len(ordered) // 2])
+    result["rounds_step_ms"] = [r["step_ms"] for r in rounds]
+    return result
 
 
 def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
@@ -412,7 +421,8 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
         print(
             f"\nP = {r['params']:,} params, {r['world_size']} ranks, batch {r['batch_per_rank']}/rank x "
             f"{r['config']['block_size']} tokens, median of {r['measured_steps']} steps after {r['warmup_steps']} "
-            f"warmup; step_ms/state/RSS are the worst rank; MB = 1e6 bytes."
+            f"warmup ({len(r['rounds_step_ms'])} interleaved round(s), median); step_ms/state/RSS are the worst "
+            f"rank; MB = 1e6 bytes."
         )
 
 
@@ -425,11 +435,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--quick", action="store_true", help="tiny model: a smoke test, not a benchmark")
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="run the systems this many times, interleaved (A B C, A B C); step time is the median over rounds",
+    )
     p.add_argument("--system", help=argparse.SUPPRESS)  # internal: run one system (child mode)
     p.add_argument("--out", help=argparse.SUPPRESS)  # internal: where rank 0 writes its JSON line
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     return args
 
 
@@ -442,14 +456,16 @@ def main() -> None:
     unknown = [s for s in systems if s not in ALL_SYSTEMS]
     if unknown:
         sys.exit(f"unknown system(s): {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
-    results, failed = [], []
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="bench_core_") as tmp:
-        for system in systems:
-            result = run_child(system, args, Path(tmp))
-            if result is None:
-                failed.append(system)
-            else:
-                results.append(result)
+        # Interleaved rounds: a slow spell of a shared machine then hits every system alike.
+        for round_index in range(args.rounds):
+            for system in systems:
+                result = run_child(system, args, Path(tmp) / f"round{round_index}")
+                if result is not None:
+                    runs[system].append(result)
+    results = [combine_rounds(runs[s]) for s in systems if runs[s]]
+    failed = [s for s in systems if not runs[s]]
     for r in results:
         print(json.dumps(r))
     print()

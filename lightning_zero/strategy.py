@@ -259,6 +259,10 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.teardown()
+        module = self.lightning_module
+        fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitted and self._layer_sync and self.stage != 3:
+            self.model = self._layer_sync.revert(self.model)  # give the user back their BatchNorm layers, as DDP
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

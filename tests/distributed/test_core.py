@@ -38,6 +38,8 @@ EXACT_CASES = [
     "stage2_clip_value",
     "stage3_clip_value",
     "registered_zero2",
+    "stage2_reduce_every_microbatch",
+    "stage1_no_overlap",
 ]
 
 

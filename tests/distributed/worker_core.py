@@ -198,6 +198,10 @@ CASES = {
         "stage2_configure_model": exactness(2, build_in_configure_model=True),
         **{f"stage{s}_clip_value": exactness(s, clip_algorithm="value") for s in (1, 2, 3)},
         "registered_zero2": registered_name(),
+        "stage2_reduce_every_microbatch": exactness(
+            2, strategy=ZeroStrategy(stage=2, reduce_every_microbatch=True, state_dict_type="full")
+        ),
+        "stage1_no_overlap": exactness(1, strategy=ZeroStrategy(stage=1, overlap_comm=False, state_dict_type="full")),
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
