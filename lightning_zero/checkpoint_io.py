@@ -167,7 +167,7 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine) -> 
         meta = path / META_FILE
         if not meta.is_file():
             raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint directory (no {META_FILE}).")
-        checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
+        checkpoint = torch.load(meta, map_location="cpu", weights_only=True)
         state = {"state_dict": sharded_model_state(module, engine)}
         for i, optimizer in enumerate(optimizers):
             if f"optimizer_{i}" not in _saved_keys(path):
@@ -187,7 +187,7 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine) -> 
         return checkpoint
     if not path.is_file():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _saved_keys(path: Path) -> set[str]:

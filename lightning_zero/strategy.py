@@ -39,6 +39,7 @@ from lightning_zero.engine.state_dict import full_model_state_dict, gather_full
 from lightning_zero.engine.zero_dp import ZeroDataParallel
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.rng import collect_rng_state, restore_rng_state
 
 _PRECISION_NAMES = {"32-true": "32-true", "32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 
@@ -391,6 +392,7 @@ class ZeroStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
+        checkpoint["rng_states"] = collectives.all_gather_objects(collect_rng_state())
         if self.zero_config.state_dict_type == "full":
             if self.is_global_zero:
                 checkpoint_io.save_full(checkpoint, path)
@@ -406,7 +408,11 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        return checkpoint_io.load(path, self.lightning_module, [_unwrap(o) for o in self.optimizers], self._engine)
+        checkpoint = checkpoint_io.load(path, self.lightning_module, [_unwrap(o) for o in self.optimizers], self._engine)
+        states = checkpoint.get("rng_states")
+        if states:
+            restore_rng_state(states[self.global_rank % len(states)])
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -223,6 +223,16 @@ def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None 
     return holder[0]
 
 
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (small, picklable), in rank order, on every rank."""
+    if world_size(group) == 1:
+        return [obj]
+    out = [None] * world_size(group)
+    with record_function("lightning_zero::all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if world_size(group) > 1:
         with record_function("lightning_zero::barrier"):
