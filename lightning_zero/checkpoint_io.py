@@ -12,6 +12,7 @@ Two formats, one naming: entries are keyed by the module's own parameter names w
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -27,10 +28,20 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint_verify import (
+    MANIFEST_FILE,
+    META_FILE,
+    CheckpointError,
+    check_compatible,
+    check_complete,
+    describe_files,
+    saved_tensor_shapes,
+    verify_files,
+    write_manifest,
+)
 from lightning_zero.engine import collectives
 from lightning_zero.engine.state_dict import full_optimizer_state_dict, shard_rows
 
-META_FILE = "meta.pt"
 SHARDED_MARKER = "lightning_zero_sharded"
 
 
@@ -126,18 +137,24 @@ def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
     for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = optim_state["state"]
         checkpoint.setdefault("optimizer_param_groups", []).append(optim_state["param_groups"])
-    if collectives.rank() == 0:
+    rank = collectives.rank()
+    if rank == 0:
         tmp.mkdir(parents=True)
     collectives.barrier()
     try:
         dcp.save(tensors, checkpoint_id=tmp)
-        if collectives.rank() == 0:
+        if rank == 0:
             torch.save(checkpoint, tmp / META_FILE)
+        # Each rank checksums the shard files it wrote; rank 0 also the metadata files.
+        mine = [p.name for p in tmp.glob(f"__{rank}_*")] + ([".metadata", META_FILE] if rank == 0 else [])
+        described = collectives.all_gather_objects(describe_files(tmp, mine))
+        if rank == 0:
+            write_manifest(tmp, {name: entry for files in described for name, entry in files.items()})
         collectives.barrier()
-        if collectives.rank() == 0:
+        if rank == 0:
             _replace_dir(tmp, path)
     finally:
-        if collectives.rank() == 0 and tmp.exists():
+        if rank == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     collectives.barrier()
 
@@ -160,39 +177,59 @@ def remove(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- reading
-def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine) -> dict[str, Any]:
-    """Read a checkpoint. A sharded directory is loaded into the live shards here; a full file is returned
-    for Lightning to hand to :func:`load_model_state` / :func:`load_optimizer_state`."""
-    if path.is_dir():
-        meta = path / META_FILE
-        if not meta.is_file():
-            raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint directory (no {META_FILE}).")
-        checkpoint = torch.load(meta, map_location="cpu", weights_only=True)
-        state = {"state_dict": sharded_model_state(module, engine)}
-        for i, optimizer in enumerate(optimizers):
-            if f"optimizer_{i}" not in _saved_keys(path):
-                continue
-            _materialize_optimizer_state(optimizer, engine)
-            state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
-        dcp.load(state, checkpoint_id=path)
-        if engine is not None and engine.stage != 3:
-            engine.gather_params()  # each rank loaded only its rows of the resident parameters
-        for i, optimizer in enumerate(optimizers):
-            groups = checkpoint.get("optimizer_param_groups", [])
-            if i < len(groups):
-                _load_param_group_hyperparameters(optimizer, groups[i])
-        # Already loaded in place: leave Lightning's model/optimizer restore nothing to do.
-        checkpoint["state_dict"] = {}
-        checkpoint["optimizer_states"] = [{SHARDED_MARKER: True} for _ in optimizers]
-        return checkpoint
-    if not path.is_file():
-        raise FileNotFoundError(f"Checkpoint {path} does not exist.")
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine, strict: bool = True) -> dict[str, Any]:
+    """Read a checkpoint. A sharded directory is verified, checked against the model and loaded into the live
+    shards here; a full file is returned for Lightning to hand to :func:`load_model_state` and
+    :func:`load_optimizer_state`."""
+    check_complete(path)
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=True)
+    _verify_in_parallel(path)
+    checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    model_state = sharded_model_state(module, engine)
+    check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(model_state), "model", strict=strict)
+    state = {"state_dict": model_state}
+    names = _param_names(module)
+    for i, optimizer in enumerate(optimizers):
+        saved = saved_tensor_shapes(path, f"optimizer_{i}")
+        if not saved:
+            continue
+        saved_params = {key.rsplit(".", 1)[0]: None for key in saved}
+        live_params = {names[id(p)]: None for group in optimizer.param_groups for p in group["params"]}
+        check_compatible(saved_params, live_params, f"optimizer {i}'s parameters")
+        _materialize_optimizer_state(optimizer, engine)
+        state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
+        live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
+        check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state")
+    dcp.load(state, checkpoint_id=path)
+    if engine is not None and engine.stage != 3:
+        engine.gather_params()  # each rank loaded only its rows of the resident parameters
+    for i, optimizer in enumerate(optimizers):
+        groups = checkpoint.get("optimizer_param_groups", [])
+        if i < len(groups):
+            _load_param_group_hyperparameters(optimizer, groups[i])
+    # Already loaded in place: leave Lightning's model/optimizer restore nothing to do.
+    checkpoint["state_dict"] = {}
+    checkpoint["optimizer_states"] = [{SHARDED_MARKER: True} for _ in optimizers]
+    return checkpoint
 
 
-def _saved_keys(path: Path) -> set[str]:
-    reader = dcp.FileSystemReader(path)
-    return {key.split(".", 1)[0] for key in reader.read_metadata().state_dict_metadata}
+def _shapes(state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
+    return {k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in state.items()}
+
+
+def _verify_in_parallel(path: Path) -> None:
+    """Every rank checks a share of the files against the manifest; all ranks raise the same first error."""
+    names = sorted(json.loads((path / MANIFEST_FILE).read_text())["files"])
+    rank, world = collectives.rank(), collectives.world_size()
+    try:
+        verify_files(path, names[rank::world])
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    errors = [e for e in collectives.all_gather_objects(error) if e]
+    if errors:
+        raise CheckpointError(errors[0])
 
 
 def _materialize_optimizer_state(optimizer: Optimizer, engine) -> None:
@@ -234,10 +271,7 @@ def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, s
     if not state_dict:
         return
     live = module.state_dict()
-    missing = sorted(set(live) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(live))
-    if strict and (missing or unexpected):
-        raise KeyError(f"Checkpoint does not match the model: missing {missing}, unexpected {unexpected}.")
+    check_compatible(_shapes(state_dict), _shapes(live), "model", strict=strict)
     rank, world = collectives.rank(), collectives.world_size()
     with torch.no_grad():
         for name, target in live.items():

@@ -408,7 +408,14 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        checkpoint = checkpoint_io.load(path, self.lightning_module, [_unwrap(o) for o in self.optimizers], self._engine)
+        assert self.lightning_module is not None
+        checkpoint = checkpoint_io.load(
+            path,
+            self.lightning_module,
+            [_unwrap(o) for o in self.optimizers],
+            self._engine,
+            strict=self.lightning_module.strict_loading,
+        )
         states = checkpoint.get("rng_states")
         if states:
             restore_rng_state(states[self.global_rank % len(states)])

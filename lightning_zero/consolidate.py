@@ -1,0 +1,105 @@
+"""Turn a sharded checkpoint directory into one plain ``state_dict`` file, one tensor at a time.
+
+No process group is needed (it runs in a single process, anywhere). The output is an ordinary
+``torch.save`` file that ``torch.load(dst, weights_only=True)`` reads into a dict of full tensors, and
+``model.load_state_dict`` accepts as is.
+
+[Note: streaming the output file]
+``torch.save`` needs every tensor in memory at once. Instead the file is first written with
+``torch.serialization.skip_data`` from shape-only (fake) tensors, which lays out the archive with space
+reserved for every tensor; then, for one tensor at a time, the shards are read with
+``torch.distributed.checkpoint`` into a full-size buffer and copied into the file through a shared memory
+map (``torch.load(mmap=True)`` with ``MAP_SHARED``), which is closed before the next tensor. Peak memory is
+about the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from lightning_zero.checkpoint_verify import META_FILE, check_complete, verify_files
+
+
+def _entries(src: Path, prefix: str) -> Iterator[tuple[str, TensorStorageMetadata]]:
+    metadata = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    for key, item in metadata.items():
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata):
+            yield key, item
+
+
+def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optimizer: bool = False) -> Path:
+    """Write the full model ``state_dict`` of the sharded checkpoint ``src`` to the file ``dst``.
+
+    With ``include_optimizer=True`` the file holds ``{"state_dict": ..., "optimizer_states": [...]}`` where
+    each optimizer state is in ``torch.optim`` format (integer keys in ``param_groups`` order), loadable by
+    ``optimizer.load_state_dict`` of the unsharded model's optimizer.
+    """
+    src, dst = Path(src), Path(dst)
+    check_complete(src)
+    if not src.is_dir():
+        raise ValueError(f"{src} is a single-file checkpoint already; consolidate takes a sharded directory.")
+    verify_files(src)
+    meta = torch.load(src / META_FILE, map_location="cpu", weights_only=True)
+
+    # key in the DCP archive -> (path of keys in the output object, metadata)
+    layout: dict[str, tuple[tuple, TensorStorageMetadata]] = {}
+    for key, item in _entries(src, "state_dict."):
+        name = key[len("state_dict.") :]
+        layout[key] = (("state_dict", name) if include_optimizer else (name,), item)
+    optimizer_states = []
+    if include_optimizer:
+        for i, groups in enumerate(meta.get("optimizer_param_groups", [])):
+            index = {name: n for n, name in enumerate(name for g in groups for name in g["params"])}
+            state: dict[int, dict] = {}
+            for key, item in _entries(src, f"optimizer_{i}."):
+                param, field = key[len(f"optimizer_{i}.") :].rsplit(".", 1)
+                state.setdefault(index[param], {})[field] = None
+                layout[key] = (("optimizer_states", i, "state", index[param], field), item)
+            renumbered = [{**g, "params": [index[name] for name in g["params"]]} for g in groups]
+            optimizer_states.append({"state": state, "param_groups": renumbered})
+
+    # 1. the archive, with room for every tensor (fake tensors carry shapes only)
+    with FakeTensorMode():  # CPU tensors without memory
+        skeleton: dict = {"state_dict": {}, "optimizer_states": optimizer_states} if include_optimizer else {}
+        for path, item in layout.values():
+            _assign(skeleton, path, torch.empty(item.size, dtype=item.properties.dtype))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(skeleton, tmp)
+    del skeleton
+
+    # 2. one tensor at a time: read its shards, write it through a shared map of the file
+    previous = torch.serialization.get_default_mmap_options()
+    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
+    try:
+        for key, (path, item) in layout.items():
+            buffer = torch.empty(item.size, dtype=item.properties.dtype)
+            dcp.load({key: buffer}, checkpoint_id=src, no_dist=True)
+            mapped = torch.load(tmp, mmap=True, weights_only=True, map_location="cpu")
+            _lookup(mapped, path).copy_(buffer)
+            del mapped, buffer
+    finally:
+        torch.serialization.set_default_mmap_options(previous)
+    os.replace(tmp, dst)
+    return dst
+
+
+def _assign(tree: dict, path: tuple, value) -> None:
+    for part in path[:-1]:
+        tree = tree[part] if not isinstance(tree, dict) or part in tree else tree.setdefault(part, {})
+    tree[path[-1]] = value
+
+
+def _lookup(tree, path: tuple):
+    for part in path:
+        tree = tree[part]
+    return tree
