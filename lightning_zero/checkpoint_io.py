@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -177,15 +178,17 @@ def remove(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- reading
-def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine, strict: bool = True) -> dict[str, Any]:
+def load(
+    path: Path, module: nn.Module, optimizers: list[Optimizer], engine, strict: bool = True, weights_only: bool = True
+) -> dict[str, Any]:
     """Read a checkpoint. A sharded directory is verified, checked against the model and loaded into the live
     shards here; a full file is returned for Lightning to hand to :func:`load_model_state` and
     :func:`load_optimizer_state`."""
     check_complete(path)
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
     _verify_in_parallel(path)
-    checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     model_state = sharded_model_state(module, engine)
     check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(model_state), "model", strict=strict)
     state = {"state_dict": model_state}
@@ -195,13 +198,19 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], engine, str
         if not saved:
             continue
         saved_params = {key.rsplit(".", 1)[0]: None for key in saved}
-        live_params = {names[id(p)]: None for group in optimizer.param_groups for p in group["params"]}
+        hosted = _hosted(optimizer, engine)
+        live_params = {
+            names[id(p)]: None
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.requires_grad or id(p) in hosted  # frozen parameters have no state to restore
+        }
         check_compatible(saved_params, live_params, f"optimizer {i}'s parameters")
         _materialize_optimizer_state(optimizer, engine)
         state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
         live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
         check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state")
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
     if engine is not None and engine.stage != 3:
         engine.gather_params()  # each rank loaded only its rows of the resident parameters
     for i, optimizer in enumerate(optimizers):
@@ -237,9 +246,11 @@ def _materialize_optimizer_state(optimizer: Optimizer, engine) -> None:
     place: one step on zero gradients with the learning rate set to zero."""
     if optimizer.state:
         return
-    hosting = engine.sharded(optimizer).hosted_on_shards() if engine is not None and engine.stage != 3 else nullcontext()
+    hosted = _hosted(optimizer, engine)
+    hosting = engine.sharded(optimizer).hosted_on_shards() if hosted else nullcontext()
+    shards = set(map(id, hosted.values()))
     with hosting:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad or id(p) in shards]
         if any(p.grad is not None for p in params):
             return
         for p in params:

@@ -82,6 +82,10 @@ class ZeroConfig:
     """Stage 2: reduce-scatter on every micro-batch under gradient accumulation, so full gradients never
     outlive one backward (less memory, k times the gradient traffic)."""
 
+    elementwise_optimizers: tuple = ()
+    """Extra optimizer classes you vouch update every element independently (beyond torch's SGD, Adam,
+    AdamW, ...), so stepping each rank's shard separately is exact."""
+
     state_dict_type: StateDictType = "sharded"
     """``"sharded"`` writes a directory of per-rank shards; ``"full"`` writes one file from rank 0."""
 
@@ -124,7 +128,14 @@ class ZeroConfig:
             raise ZeroConfigError(f"`timeout` must be a positive datetime.timedelta, got {self.timeout!r}.")
         if self.offload_optimizer or self.offload_params:
             raise ZeroConfigError(
-                "`offload_optimizer`/`offload_params` are not available in this version; set them to False."
+                "CPU offload (`offload_optimizer`/`offload_params`, also selected by the names 'zero2_offload' "
+                "and 'zero3_offload') is not available in this version; use stage 1, 2 or 3 without offload."
+            )
+        if not isinstance(self.elementwise_optimizers, tuple) or not all(
+            isinstance(c, type) for c in self.elementwise_optimizers
+        ):
+            raise ZeroConfigError(
+                f"`elementwise_optimizers` must be a tuple of optimizer classes, got {self.elementwise_optimizers!r}."
             )
         if self.activation_checkpointing is not None:
             raise ZeroConfigError(

@@ -67,6 +67,7 @@ class ZeroStrategy(ParallelStrategy):
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         reduce_every_microbatch: bool = False,
+        elementwise_optimizers: tuple[type, ...] = (),
         state_dict_type: StateDictType = "sharded",
         config: dict | str | Path | None = None,
         process_group_backend: str | None = None,
@@ -92,6 +93,7 @@ class ZeroStrategy(ParallelStrategy):
             bucket_size_mb=bucket_size_mb,
             overlap_comm=overlap_comm,
             reduce_every_microbatch=reduce_every_microbatch,
+            elementwise_optimizers=tuple(elementwise_optimizers),
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -221,6 +223,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._engine = None  # never reuse an earlier run's engine (it may belong to another module)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -244,7 +247,7 @@ class ZeroStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
-                self._engine.wrap_optimizer(_unwrap(optimizer))
+                self._engine.wrap_optimizer(_unwrap(optimizer), self.zero_config.elementwise_optimizers)
         self.setup_precision_plugin()
         if self._engine is not None:
             self.precision_plugin.attach(self._engine)
@@ -275,16 +278,32 @@ class ZeroStrategy(ParallelStrategy):
         root hooks (unshard, lazy init, reshard) run around it."""
         module = self.lightning_module
         assert module is not None
-        # As DDP's `broadcast_buffers=True`: every rank steps with rank 0's buffers (e.g. BatchNorm running
-        # statistics), so evaluation and checkpoints agree whichever rank they come from.
-        if self._buffers:
-            collectives.broadcast(self._buffers, src=0)
         if self.stage == 3:
             return self._forward_redirection(module, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
+    def _sync_buffers(self) -> None:
+        """As DDP's ``broadcast_buffers=True``: rank 0's buffers (e.g. BatchNorm running statistics) before every
+        training step and before evaluation, so results and checkpoints agree whichever rank they come from.
+        Never per evaluation step: prediction may give ranks different numbers of batches."""
+        if self._buffers:
+            collectives.broadcast(self._buffers, src=0)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_buffers()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_buffers()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sync_buffers()
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sync_buffers()
         with self.precision_plugin.train_step_context():
             return self._call_module("training_step", *args, **kwargs)
 
@@ -415,6 +434,7 @@ class ZeroStrategy(ParallelStrategy):
             [_unwrap(o) for o in self.optimizers],
             self._engine,
             strict=self.lightning_module.strict_loading,
+            weights_only=True if weights_only is None else weights_only,
         )
         states = checkpoint.get("rng_states")
         if states:
@@ -471,6 +491,12 @@ def _as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
 
 
 def _check_trainable(module: torch.nn.Module) -> None:
+    scalars = [n for n, p in module.named_parameters() if p.requires_grad and p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"ZeroStrategy shards parameters by rows (dim 0); the trainable 0-dim parameters {scalars} have none. "
+            "Give them shape (1,) (e.g. `nn.Parameter(torch.tensor([1.0]))`)."
+        )
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError(
             f"ZeroStrategy found no trainable parameters in {type(module).__name__}: every parameter has "

@@ -99,8 +99,12 @@ class FullyShardedEngine:
         """See [Note: materialising meta modules in construction order]."""
         real = [t.data for t in (*self.module.parameters(), *self.module.buffers()) if not t.is_meta]
         collectives.broadcast(real, src=0)  # parts built eagerly must agree across ranks too
-        state = collectives.broadcast_object(torch.get_rng_state(), src=0)
-        torch.set_rng_state(state)
+        cpu_state, device_state = collectives.broadcast_object(
+            (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None), src=0
+        )
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            torch.cuda.set_rng_state(device_state)
         last_of_unit = {id(list(unit.modules())[-1]): [] for unit in self.units}
         for unit in self.units:
             last_of_unit[id(list(unit.modules())[-1])].append(unit)
@@ -123,8 +127,8 @@ class FullyShardedEngine:
             )
 
     # ------------------------------------------------------------------ optimizers
-    def wrap_optimizer(self, optimizer: Optimizer) -> None:
-        check_elementwise(optimizer, self.stage)
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
+        check_elementwise(optimizer, self.stage, elementwise)
 
     @staticmethod
     def _params(optimizer: Optimizer) -> Iterable[torch.Tensor]:

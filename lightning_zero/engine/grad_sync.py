@@ -27,6 +27,10 @@ from lightning_zero.engine.buckets import local_rows, pack_bucket, segment_view
 from lightning_zero.engine.layout import ShardLayout
 
 
+#: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
 @dataclasses.dataclass
 class _Inflight:
     bucket: int
@@ -60,7 +64,7 @@ class GradientReducer:
         self.require_sync = True
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._ready = [0] * len(layout.buckets)
-        self._launched = [False] * len(layout.buckets)
+        self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
         self._inflight: list[_Inflight] = []
         self._synced_since_consume = [False] * len(self.params)
         self._finalized = [False] * len(self.params)
@@ -116,9 +120,24 @@ class GradientReducer:
                 "finalized for an optimizer step (clipping or unscaling) but before that step ran. Call "
                 "`optimizer.step()` (or skip it) before the next backward."
             )
-        bucket = self.layout.params[index].bucket
-        self._ready[bucket] += 1
-        if self.overlap_comm and self._ready[bucket] == len(self.layout.buckets[bucket].params):
+        self._ready[self.layout.params[index].bucket] += 1
+        if self.overlap_comm:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch full buckets strictly in bucket order.
+
+        [Note: every rank launches buckets in the same order]
+        The ring transfers of concurrent reduce-scatters are matched by posting order alone, so a rank that
+        launched bucket 1 before bucket 0 (say, a parameter unused only on that rank) would pair its
+        segments with another bucket's on its peers. Launching in index order, and only once every earlier
+        bucket is launched, keeps the order identical everywhere; buckets are planned in the order
+        gradients usually arrive, so this rarely delays one.
+        """
+        while self._next < len(self.layout.buckets):
+            bucket = self._next
+            if self._ready[bucket] < len(self.layout.buckets[bucket].params):
+                return
             self._launch(bucket)
 
     def _launch(self, bucket_index: int) -> None:
@@ -137,26 +156,28 @@ class GradientReducer:
         else:
             out = torch.empty(bucket.segment_numel, dtype=comm.dtype, device=comm.device)
         work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
-        self._launched[bucket_index] = True
+        self._next = bucket_index + 1
         self._inflight.append(_Inflight(bucket_index, work, comm, out, direct))
+        # Bound the full-size communication buffers alive at once (stage 2 must not hold a whole
+        # gradient copy at the end of backward): land the oldest reductions first.
+        while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
+            self._land(self._inflight.pop(0))
 
     def flush(self) -> None:
         """End of a synchronising backward: reduce buckets that never filled (parameters unused in this
         backward contribute ``p.grad`` or zeros) and land every reduced shard."""
         if not self.require_sync:
             return
-        for bucket in range(len(self.layout.buckets)):
-            if not self._launched[bucket]:
-                self._launch(bucket)
-        for flight in self._inflight:
-            if flight.work is not None:
-                flight.work.wait()
-            self._land(flight)
-        self._inflight.clear()
+        while self._next < len(self.layout.buckets):
+            self._launch(self._next)
+        while self._inflight:
+            self._land(self._inflight.pop(0))
         self._ready = [0] * len(self.layout.buckets)
-        self._launched = [False] * len(self.layout.buckets)
+        self._next = 0
 
     def _land(self, flight: _Inflight) -> None:
+        if flight.work is not None:
+            flight.work.wait()
         bucket = self.layout.buckets[flight.bucket]
         if self.shard_gradients:
             if not flight.direct:

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.buckets import local_rows, pack_segment, unpack_bucket
-from lightning_zero.engine.grad_sync import GradientReducer
+from lightning_zero.engine.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
 from lightning_zero.engine.layout import ShardLayout
 
 #: Optimizers whose update of an element depends only on that element's gradient and state, so stepping
@@ -37,15 +37,19 @@ NON_ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
 )
 
 
-def check_elementwise(optimizer: Optimizer, stage: int) -> None:
-    """Refuse optimizers whose sharded step would differ from the unsharded one."""
-    if isinstance(optimizer, NON_ELEMENTWISE_OPTIMIZERS) and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
-        raise TypeError(
-            f"ZeroStrategy(stage={stage}) cannot shard `{type(optimizer).__name__}`: each rank steps only its own "
-            f"shard of every parameter, which is exact only for element-wise optimizers. "
-            f"Use an element-wise optimizer ({allowed}, or a subclass of one) returned from `configure_optimizers`."
-        )
+def check_elementwise(optimizer: Optimizer, stage: int, extra: tuple[type, ...] = ()) -> None:
+    """Refuse optimizers whose sharded step could differ from the unsharded one: known non-element-wise
+    ones, and any class neither we nor the user (``elementwise_optimizers=``) vouch for, since per-tensor
+    statistics (LAMB's trust ratio, Shampoo's preconditioners) are silently wrong on shards."""
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(extra)) and not isinstance(optimizer, NON_ELEMENTWISE_OPTIMIZERS):
+        return
+    allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+    raise TypeError(
+        f"ZeroStrategy(stage={stage}) cannot shard `{type(optimizer).__name__}`: each rank steps only its own "
+        f"shard of every parameter, which is exact only for element-wise optimizers. Use one of {allowed} "
+        "(or a subclass), or, if your optimizer updates every element independently, pass "
+        f"`ZeroStrategy(elementwise_optimizers=({type(optimizer).__name__},))`."
+    )
 
 
 class ShardedOptimizer:
@@ -67,13 +71,32 @@ class ShardedOptimizer:
         self.rank = rank
         self.group = group
         self.params = list(params)
-        index = {id(p): i for i, p in enumerate(self.params)}
-        #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
-        self.indices = [index[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in index]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         #: Persistent shard views (stable identity: the optimizer keys its state by them).
-        self.shards = {i: local_rows(self.params[i].detach(), layout.params[i], rank) for i in self.indices}
-        self._index = index
-        self.buckets = sorted({layout.params[i].bucket for i in self.indices})
+        self.shards: dict[int, torch.Tensor] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training)."""
+        indices = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                i = self._index.get(id(p))
+                if i is None:
+                    if p.requires_grad:
+                        raise RuntimeError(
+                            f"A parameter of shape {tuple(p.shape)} in {type(self.optimizer).__name__}'s param_groups "
+                            "was frozen (or not part of the model) when ZeroStrategy set up, so it has no shard and "
+                            "no gradient reduction. Unfreeze parameters before `fit`, or freeze them with "
+                            "`requires_grad=False` for the whole run."
+                        )
+                    continue
+                indices.append(i)
+                if i not in self.shards:
+                    self.shards[i] = local_rows(self.params[i].detach(), self.layout.params[i], self.rank)
+        #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
+        self.indices = indices
+        self.buckets = sorted({self.layout.params[i].bucket for i in indices})
 
     @contextlib.contextmanager
     def hosted_on_shards(self) -> Iterator[None]:
@@ -104,6 +127,7 @@ class ShardedOptimizer:
         return [g for g in grads if g is not None]
 
     def step(self, **kwargs) -> object:
+        self.refresh()
         self.reducer.finalize(self.indices)
         with self.hosted_on_shards():
             result = self.optimizer.step(**kwargs)
@@ -124,18 +148,23 @@ def all_gather_params(layout: ShardLayout, params: Sequence[nn.Parameter], bucke
     overlapping the packing of the next bucket with the in-flight gather of the previous one."""
     if layout.world_size == 1:
         return
-    flights = []
+    flights: list = []
     sources = [p.detach() for p in params]
+
+    def land(bucket, work, full) -> None:
+        if work is not None:
+            work.wait()
+        with torch.no_grad():
+            unpack_bucket(layout, bucket, full, sources, skip_rank=rank)  # own rows are already in place
+
     for b in buckets:
         bucket = layout.buckets[b]
         segment = pack_segment(
             layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=sources[0].dtype, device=sources[0].device)
         )
         full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
-        work = collectives.all_gather(full, segment, group=group, async_op=True)
-        flights.append((bucket, work, full))
-    with torch.no_grad():
-        for bucket, work, full in flights:
-            if work is not None:
-                work.wait()
-            unpack_bucket(layout, bucket, full, sources, skip_rank=rank)  # own rows are already in place
+        flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full))
+        if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers alive at once
+            land(*flights.pop(0))
+    for flight in flights:
+        land(*flight)

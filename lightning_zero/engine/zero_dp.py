@@ -54,8 +54,8 @@ class ZeroDataParallel:
         self._optimizers: dict[int, ShardedOptimizer] = {}
 
     # ------------------------------------------------------------------ optimizers
-    def wrap_optimizer(self, optimizer: Optimizer) -> None:
-        check_elementwise(optimizer, self.stage)
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
+        check_elementwise(optimizer, self.stage, elementwise)
         self._optimizers[id(optimizer)] = ShardedOptimizer(
             optimizer, self.params, self.layout, self.reducer, rank=self.rank, group=self.group
         )
