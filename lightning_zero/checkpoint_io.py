@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -143,7 +144,13 @@ def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
         tmp.mkdir(parents=True)
     collectives.barrier()
     try:
-        dcp.save(tensors, checkpoint_id=tmp)
+        try:
+            dcp.save(tensors, checkpoint_id=tmp)
+        except CheckpointException as err:  # a BaseException in torch: make it an ordinary error
+            raise RuntimeError(
+                f"Saving the checkpoint {path} failed on rank(s) {sorted(err.failures)}; nothing was written under "
+                f"that name and any earlier checkpoint there is intact.\n{err}"
+            ) from None
         if rank == 0:
             torch.save(checkpoint, tmp / META_FILE)
         # Each rank checksums the shard files it wrote; rank 0 also the metadata files.

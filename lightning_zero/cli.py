@@ -2,6 +2,7 @@
 
     lightning-zero fit --config conf/gpt_zero3.yaml --trainer.max_steps 100
     lightning-zero estimate --params 7e9 --devices 8
+    lightning-zero consolidate CHECKPOINT_DIR model.pt
 """
 
 from __future__ import annotations
@@ -36,6 +37,22 @@ def estimate(argv: Sequence[str]) -> int:
     return 0
 
 
+def consolidate_command(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero consolidate",
+        description="Turn a sharded checkpoint directory into one plain state_dict file (torch.load(..., weights_only=True)).",
+    )
+    parser.add_argument("src", help="sharded checkpoint directory")
+    parser.add_argument("dst", help="output file")
+    parser.add_argument("--optimizer", action="store_true", help="also write the optimizer states (torch.optim format)")
+    args = parser.parse_args(argv)
+    from lightning_zero.consolidate import consolidate
+
+    out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
 def fit_like(argv: Sequence[str]) -> int:
     """LightningCLI over any LightningModule / LightningDataModule, with our strategies registered."""
     import lightning.pytorch as pl
@@ -58,10 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "estimate":
         return estimate(argv[1:])
+    if argv and argv[0] == "consolidate":
+        return consolidate_command(argv[1:])
     if argv and argv[0] in ("fit", "validate", "test", "predict"):
         return fit_like(argv)
     print(__doc__.strip())
-    print("\ncommands: fit, validate, test, predict, estimate")
+    print("\ncommands: fit, validate, test, predict, estimate, consolidate")
     return 0 if argv in ([], ["-h"], ["--help"]) else 2
 
 

@@ -38,6 +38,9 @@ def _entries(src: Path, prefix: str) -> Iterator[tuple[str, TensorStorageMetadat
 def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optimizer: bool = False) -> Path:
     """Write the full model ``state_dict`` of the sharded checkpoint ``src`` to the file ``dst``.
 
+    Tensors only: non-tensor entries (a module's ``get_extra_state``) would need unpickling arbitrary
+    objects, which this safe format never does.
+
     With ``include_optimizer=True`` the file holds ``{"state_dict": ..., "optimizer_states": [...]}`` where
     each optimizer state is in ``torch.optim`` format (integer keys in ``param_groups`` order), loadable by
     ``optimizer.load_state_dict`` of the unsharded model's optimizer.

@@ -29,7 +29,7 @@ class LaunchError(RuntimeError):
     pass
 
 
-def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600) -> dict:
+def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: dict | None = None) -> dict:
     """Run ``python -m module args`` on ``nprocs`` ranks; return rank 0's JSON report.
 
     Raises :class:`LaunchError` with every rank's output if a rank fails or the run exceeds ``timeout``.
@@ -40,7 +40,7 @@ def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600) -> di
     procs = []
     logs = []
     for rank in range(nprocs):
-        env = dict(
+        rank_env = dict(
             os.environ,
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
@@ -51,11 +51,12 @@ def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600) -> di
             LZ_REPORT=str(report),
             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             OMP_NUM_THREADS="1",
+            **(env or {}),
         )
         log = open(out_dir / f"rank{rank}.log", "w+")
         logs.append(log)
         procs.append(
-            subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT)
         )
     deadline = time.monotonic() + timeout
     try:

@@ -68,7 +68,148 @@ def exact_resume(directory: Path) -> dict:
     return out
 
 
-CASES = {"exact_resume": exact_resume}
+class RestoredProbe(L.Callback):
+    """What a resumed run holds before its first step, gathered back to full tensors."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.params = trainer.strategy.full_state_dict()
+        self.optim = checkpoint_io.full_optimizer_state(trainer.optimizers[0], pl_module, trainer.strategy.engine)
+
+
+def save_for_other_world(directory: Path) -> dict:
+    """2 ranks, stage 2: a sharded directory and a full file, plus the full state they hold."""
+    L.seed_everything(7)
+    t = trainer(ZeroStrategy(stage=2), max_steps=3, **COMMON)
+    t.fit(models.Regression(), models.loader(DATA, 4))
+    t.save_checkpoint(directory / "sharded")
+    t.strategy.zero_config = ZeroStrategy(stage=2, state_dict_type="full").zero_config
+    t.save_checkpoint(directory / "full.ckpt")
+    params, optim = final_state(t)
+    if RANK == 0:
+        torch.save({"params": params, "optim": optim}, directory / "expected.pt")
+    return {}
+
+
+def resume_in_other_world(directory: Path) -> dict:
+    """Whatever this world size is: resume both formats at stage 3 and compare with what was saved."""
+    expected = torch.load(directory / "expected.pt", weights_only=True)
+    out = {"world": WORLD}
+    for name in ("sharded", "full.ckpt"):
+        probe = RestoredProbe()
+        L.seed_everything(7)
+        t = trainer(ZeroStrategy(stage=3), max_steps=5, callbacks=[probe], **COMMON)
+        t.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=str(directory / name))
+        if RANK == 0:
+            out[name] = {
+                "param_diff": max_diff(probe.params, expected["params"]),
+                "optim_diff": optim_diff(probe.optim, expected["optim"]),
+                "steps": t.global_step,
+            }
+    return out
+
+
+class UnpicklableOnRank1(torch.nn.Module):
+    """Extra module state that cannot be serialised on rank 1: a writer failing mid-save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def get_extra_state(self):
+        return (lambda: None) if self.fail and RANK == 1 else {"ok": True}
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+class FragileRegression(models.Regression):
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = UnpicklableOnRank1()
+
+
+def crash_mid_save(directory: Path) -> dict:
+    L.seed_everything(7)
+    module = FragileRegression()
+    t = trainer(ZeroStrategy(stage=2), max_steps=2, **COMMON)
+    t.fit(module, models.loader(DATA, 4))
+    good = directory / "good"
+    t.save_checkpoint(good)
+    before = t.strategy.full_state_dict()
+    module.extra.fail = True
+    out = {}
+    try:
+        t.save_checkpoint(good)  # overwrite attempt that dies in rank 1's writer
+        t.save_checkpoint(directory / "new")
+        out["error"] = None
+    except Exception as err:  # the behaviour under test
+        out["error"] = type(err).__name__
+    t.strategy.barrier()
+    if RANK == 0:
+        out["entries"] = sorted(p.name for p in directory.iterdir())
+        from lightning_zero.consolidate import consolidate
+
+        restored = torch.load(consolidate(good, directory / "good.pt"), weights_only=True)
+        before = {k: v for k, v in before.items() if isinstance(v, torch.Tensor)}
+        out["good_diff"] = max_diff(restored, before)
+    return out
+
+
+def mismatched_model(directory: Path) -> dict:
+    L.seed_everything(7)
+    t = trainer(ZeroStrategy(stage=2), max_steps=1, **COMMON)
+    t.fit(models.Regression(), models.loader(DATA, 4))
+    t.save_checkpoint(directory / "m")
+
+    class Wider(models.Regression):
+        def __init__(self):
+            super().__init__()
+            self.net.head = torch.nn.Linear(7, 5)
+            self.net.extra = torch.nn.Linear(2, 2)
+
+    try:
+        trainer(ZeroStrategy(stage=3), max_steps=2, **COMMON).fit(Wider(), models.loader(DATA, 4), ckpt_path=str(directory / "m"))
+        return {"error": None}
+    except Exception as err:  # the behaviour under test
+        return {"error": type(err).__name__, "message": str(err)}
+
+
+def top_k(directory: Path) -> dict:
+    L.seed_everything(7)
+    ckpt = ModelCheckpoint(dirpath=directory / "topk", monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_train_steps=1)
+    t = trainer(ZeroStrategy(stage=3), max_steps=5, enable_checkpointing=True, callbacks=[ckpt], **COMMON)
+    t.fit(models.Regression(), models.loader(DATA, 4))
+    t.strategy.barrier()
+    return {"entries": sorted(p.name for p in (directory / "topk").iterdir()), "best": Path(ckpt.best_model_path).name}
+
+
+def corrupted(directory: Path) -> dict:
+    """Resume from a copy of the sharded checkpoint whose first shard file was truncated."""
+    import shutil
+
+    broken = directory / "broken"
+    if RANK == 0:
+        shutil.copytree(directory / "sharded", broken)
+        shard = sorted(broken.glob("__*.distcp"))[0]
+        shard.write_bytes(shard.read_bytes()[:-16])
+    try:
+        trainer(ZeroStrategy(stage=2), max_steps=5, **COMMON).fit(
+            models.Regression(), models.loader(DATA, 4), ckpt_path=str(broken)
+        )
+        return {"error": None}
+    except Exception as err:  # the behaviour under test
+        return {"error": type(err).__name__, "message": str(err)}
+
+
+CASES = {
+    "corrupted": corrupted,
+    "exact_resume": exact_resume,
+    "save_for_other_world": save_for_other_world,
+    "resume_in_other_world": resume_in_other_world,
+    "crash_mid_save": crash_mid_save,
+    "mismatched_model": mismatched_model,
+    "top_k": top_k,
+}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

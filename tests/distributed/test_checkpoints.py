@@ -1,0 +1,123 @@
+"""Sharded and full checkpoints: exact resume, resharding, atomic saves, integrity and compatibility checks,
+consolidation. Two launches share one directory: 2 ranks write, 1 rank reads."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_zero.checkpoint_verify import CheckpointError, check_complete, verify_files
+from lightning_zero.consolidate import consolidate
+from tests.distributed import models
+from tests.launch import REPO, launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt")
+    env = {"LZ_SHARED_DIR": str(directory)}
+    two = launch(
+        "tests.distributed.worker_checkpoint",
+        "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "top_k",
+        nprocs=2, env=env,
+    )
+    one = launch("tests.distributed.worker_checkpoint", "resume_in_other_world", "corrupted", nprocs=1, env=env)
+    return {**two, **one, "dir": directory}
+
+
+@pytest.mark.parametrize("pair", ["1->1", "2->2", "3->3", "2->3", "2->1", "3->2"])
+def test_interrupted_run_equals_uninterrupted(shared, pair):
+    """1 epoch, ModelCheckpoint, new Trainer resumes (at the same or another stage) for epoch 2."""
+    result = shared["exact_resume"][pair]
+    assert result["steps"] == 6
+    assert result["param_diff"] <= 1e-6
+    assert result["optim_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["sharded", "full.ckpt"])
+def test_two_rank_checkpoint_resumes_in_one_process(shared, name):
+    result = shared["resume_in_other_world"]
+    assert result["world"] == 1
+    assert result[name]["param_diff"] == 0.0
+    assert result[name]["optim_diff"] == 0.0
+    assert result[name]["steps"] == 5
+
+
+def test_a_save_that_fails_mid_way_leaves_the_previous_checkpoint(shared):
+    result = shared["crash_mid_save"]
+    assert result["error"] == "RuntimeError"
+    assert "new" not in result["entries"]
+    assert not [e for e in result["entries"] if e.startswith(".")]  # no temporary directories left
+    assert result["good_diff"] == 0.0
+
+
+def test_checkpoint_of_another_model_lists_every_difference(shared):
+    result = shared["mismatched_model"]
+    assert result["error"] == "CheckpointError"
+    message = result["message"]
+    assert "missing (2): net.extra.bias, net.extra.weight" in message
+    assert "net.head.weight: checkpoint (3, 7) vs (5, 7)" in message
+
+
+def test_truncated_shard_is_named(shared):
+    result = shared["corrupted"]
+    assert result["error"] == "CheckpointError"
+    assert ".distcp" in result["message"] and "truncated" in result["message"]
+
+
+def test_model_checkpoint_top_k_and_last_with_directories(shared):
+    result = shared["top_k"]
+    assert result["entries"] == ["epoch=1-step=4.ckpt", "epoch=1-step=5.ckpt", "last.ckpt"]
+    assert result["best"] == "epoch=1-step=4.ckpt"
+
+
+def test_consolidated_file_is_a_plain_state_dict(shared, tmp_path):
+    expected = torch.load(shared["dir"] / "expected.pt", weights_only=True)
+    out = consolidate(shared["dir"] / "sharded", tmp_path / "model.pt", include_optimizer=True)
+    loaded = torch.load(out, weights_only=True)
+    model = models.Regression()
+    model.load_state_dict(loaded["state_dict"])
+    for name, value in expected["params"].items():
+        assert torch.equal(loaded["state_dict"][name], value), name
+    optimizer, _ = models.make_optimizer(model)
+    optimizer.load_state_dict(loaded["optimizer_states"][0])  # torch.optim format, integer keys
+    for index, entry in expected["optim"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(loaded["optimizer_states"][0]["state"][index][key], value)
+
+
+def test_consolidate_command_line(shared, tmp_path):
+    dst = tmp_path / "plain.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_zero", "consolidate", str(shared["dir"] / "sharded"), str(dst)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    state = torch.load(dst, weights_only=True)
+    models.Regression().load_state_dict(state)
+
+
+def test_integrity_and_completeness_checks(shared, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(shared["dir"] / "sharded", copy)
+    verify_files(copy)
+    shard = sorted(copy.glob("__*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard.name} is corrupted"):
+        verify_files(copy)
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        check_complete(tmp_path)
+    (tmp_path / ".later.tmp-0a1b2c3d").mkdir()
+    with pytest.raises(CheckpointError, match="still being written"):
+        check_complete(tmp_path / "later")
+    with pytest.raises(FileNotFoundError):
+        check_complete(tmp_path / "nowhere")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert manifest["format"].startswith("lightning_zero.sharded")
