@@ -15,6 +15,8 @@ from typing import Any, Literal, Union
 
 from torch import nn
 
+from lightning_zero.activation_checkpointing import CheckpointPolicy, resolve_policy
+
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
@@ -137,10 +139,13 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`elementwise_optimizers` must be a tuple of optimizer classes, got {self.elementwise_optimizers!r}."
             )
-        if self.activation_checkpointing is not None:
-            raise ZeroConfigError(
-                "`activation_checkpointing` is not available in this version; leave it as None."
-            )
+        # Resolved once here, so a bad policy fails when the strategy is built.
+        object.__setattr__(self, "_checkpoint_policy", resolve_policy(self.activation_checkpointing))
+
+    @property
+    def checkpoint_policy(self) -> CheckpointPolicy | None:
+        """The resolved activation-checkpointing policy (None: off)."""
+        return self._checkpoint_policy
 
     @property
     def bucket_numel(self) -> int:

@@ -7,7 +7,9 @@ parameters to zero bytes). It sees whatever a strategy keeps, wherever it keeps 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,3 +36,25 @@ def live_tensor_bytes(device: str | None = None) -> int:
         seen.add(ptr)
         total += size
     return total
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[str, int]]:
+    """Count the bytes autograd saves for backward inside the block (each storage once), leaving out the
+    storages of ``exclude`` (e.g. the parameters, which are held anyway). Activation checkpointing installs
+    its own hooks inside checkpointed modules, so what they drop is not counted: the count is what the
+    graph actually keeps."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: set[int] = set()
+    counter = {"bytes": 0}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in seen and ptr not in skip:
+            seen.add(ptr)
+            counter["bytes"] += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield counter

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint_io, failures
+from lightning_zero.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
@@ -229,6 +230,9 @@ class ZeroStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         if fitting:
             _check_trainable(self.model)
+        if self.zero_config.checkpoint_policy is not None:
+            # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
+            apply_activation_checkpointing(self.model, self.zero_config.checkpoint_policy)
         if self.stage == 3:
             self._engine = FullyShardedEngine(
                 self.model, device=self.root_device, wrap_policy=self.zero_config.wrap_policy

@@ -116,3 +116,18 @@ def test_no_gradient_collective_on_non_final_microbatches(costs, stage):
         if stage < 3:
             assert first["elements"] == 0
     assert micro[2]["calls"].get("reduce_scatter", 0) >= 1
+
+
+@pytest.fixture(scope="module")
+def checkpointing():
+    return launch("tests.distributed.worker_core", "checkpointing", nprocs=WORLD)["checkpointing"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_activation_checkpointing_changes_nothing_but_memory(checkpointing, stage):
+    """A dropout GPT trained with and without checkpointed blocks ends with identical parameters."""
+    result = checkpointing[f"stage{stage}"]
+    assert result["checkpointed_blocks"] == 2
+    assert result["trained"] == 3
+    assert result["param_names_equal"]
+    assert result["param_diff"] <= 1e-6

@@ -186,6 +186,35 @@ def communication(stage, accumulate) -> dict:
     return {"micro": probe.micro, "params": params}
 
 
+def checkpointing_is_exact(stage: int) -> dict:
+    """The same GPT (dropout 0.1) trained with and without activation checkpointing of its blocks."""
+    from torch.distributed._composable import checkpoint
+
+    from lightning_zero.demo import GPTLightningModule
+    from lightning_zero.demo.gpt import Block
+
+    finals = []
+    for policy in (None, {"classes": [Block]}):
+        L.seed_everything(3)
+        module = GPTLightningModule(vocab_size=16, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
+        t = trainer(
+            ZeroStrategy(stage=stage, activation_checkpointing=policy, state_dict_type="full"),
+            max_steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+            limit_val_batches=0,
+        )
+        data = [(torch.randint(0, 16, (16,), generator=torch.Generator().manual_seed(i)),) * 2 for i in range(48)]
+        t.fit(module, torch.utils.data.DataLoader([(x, torch.roll(x, -1)) for (x, _) in data], batch_size=4))
+        finals.append(t.strategy.full_state_dict())
+        checkpointed = [checkpoint.state(b) is not None for b in module.model.blocks]
+    out = {"checkpointed_blocks": sum(checkpointed), "trained": t.global_step}
+    if RANK == 0:
+        out["param_diff"] = max_diff(finals[0], finals[1])
+        out["param_names_equal"] = sorted(finals[0]) == sorted(finals[1])
+    return out
+
+
 def registered_name() -> dict:
     return exactness(2, strategy="zero2")
 
@@ -213,6 +242,7 @@ CASES = {
         **{f"comm_accum_stage{s}": communication(s, 3) for s in (1, 2, 3)},
     },
     "single": lambda: {f"stage{s}": exactness(s) for s in (1, 2, 3)},
+    "checkpointing": lambda: {f"stage{s}": checkpointing_is_exact(s) for s in (1, 2, 3)},
 }
 
 

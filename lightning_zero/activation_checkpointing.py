@@ -1,0 +1,152 @@
+"""Activation checkpointing: chosen modules keep only their inputs in forward and recompute in backward.
+
+Applied with torch's composable ``checkpoint`` (forward hooks, no wrapper module), before sharding, so
+parameter names, ``state_dict`` keys and logs are unchanged, and FSDP2 re-gathers stage-3 parameters for
+the recomputation like for any backward. Random state is saved and restored around the recomputation, so
+dropout masks (and so results) are the same as without checkpointing.
+
+A policy is one of: a module class, several classes (or ``"package.module.Class"`` strings, as YAML gives
+them), a predicate ``module -> bool``, or a dict ``{"classes": [...], "every": k}`` that checkpoints every
+k-th matching module (a memory/speed trade-off). DeepSpeed's ``activation_checkpointing`` keys are accepted
+in the dict where they have a meaning here: ``partition_activations`` and ``cpu_checkpointing`` must be
+false (activations are neither partitioned nor offloaded), ``contiguous_memory_optimization``,
+``synchronize_checkpoint_boundary`` and ``profile`` are CUDA-allocator and timing switches with no
+effect here and are ignored with a warning; ``number_checkpoints`` is refused (use ``every``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterable
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+_IGNORED_DEEPSPEED_KEYS = ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile")
+_FALSE_ONLY_DEEPSPEED_KEYS = ("partition_activations", "cpu_checkpointing")
+
+
+class ActivationCheckpointingError(ValueError):
+    """The ``activation_checkpointing`` setting cannot be understood; the message says what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+    predicate: Callable[[nn.Module], bool]
+    every: int = 1
+    description: str = ""
+
+    def select(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Every ``every``-th matching module in pre-order, skipping modules inside one already chosen."""
+        matches, chosen = [], set()
+        for name, module in root.named_modules():
+            if module is root or not self.predicate(module):
+                continue
+            if any(name.startswith(prefix + ".") for prefix in chosen):
+                continue
+            matches.append((name, module))
+            chosen.add(name)
+        return matches[:: self.every]
+
+
+def _import_class(path: str) -> type[nn.Module]:
+    module_name, _, class_name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name) if module_name else None
+    except (ImportError, AttributeError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ActivationCheckpointingError(
+            f"activation_checkpointing: {path!r} is not an importable nn.Module class; give its full path, "
+            "e.g. 'lightning_zero.demo.gpt.Block'."
+        )
+    return cls
+
+
+def _classes(items: Iterable) -> tuple[type[nn.Module], ...]:
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(_import_class(item))
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            out.append(item)
+        else:
+            raise ActivationCheckpointingError(
+                f"activation_checkpointing: {item!r} is neither an nn.Module class nor a 'package.Class' string."
+            )
+    if not out:
+        raise ActivationCheckpointingError("activation_checkpointing: the list of classes is empty.")
+    return tuple(out)
+
+
+def _from_classes(classes: tuple[type[nn.Module], ...], every: int = 1) -> CheckpointPolicy:
+    names = ", ".join(c.__name__ for c in classes)
+    suffix = f" (every {every})" if every > 1 else ""
+    return CheckpointPolicy(lambda m: isinstance(m, classes), every, f"classes [{names}]{suffix}")
+
+
+def resolve_policy(spec) -> CheckpointPolicy | None:
+    """Turn what the user passed into a policy (``None`` when checkpointing is off)."""
+    if spec is None or spec is False:
+        return None
+    if isinstance(spec, CheckpointPolicy):
+        return spec
+    if isinstance(spec, (str, type)):
+        return _from_classes(_classes([spec]))
+    if isinstance(spec, dict):
+        return _from_dict(spec)
+    if callable(spec):
+        return CheckpointPolicy(spec, 1, getattr(spec, "__name__", repr(spec)))
+    if isinstance(spec, Iterable):
+        return _from_classes(_classes(spec))
+    raise ActivationCheckpointingError(
+        f"activation_checkpointing={spec!r} is not supported; pass a module class, several classes, a callable "
+        "`module -> bool`, or a dict {'classes': [...], 'every': k}."
+    )
+
+
+def _from_dict(spec: dict) -> CheckpointPolicy:
+    allowed = {"classes", "every", *_IGNORED_DEEPSPEED_KEYS, *_FALSE_ONLY_DEEPSPEED_KEYS}
+    unknown = sorted(set(spec) - allowed)
+    if "number_checkpoints" in unknown:
+        raise ActivationCheckpointingError(
+            "activation_checkpointing: DeepSpeed's 'number_checkpoints' is not supported; use 'every': k to "
+            "checkpoint every k-th matching module."
+        )
+    if unknown:
+        raise ActivationCheckpointingError(
+            f"activation_checkpointing: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}."
+        )
+    for key in _FALSE_ONLY_DEEPSPEED_KEYS:
+        if spec.get(key):
+            raise ActivationCheckpointingError(
+                f"activation_checkpointing: {key}=True is not supported (activations are recomputed, not "
+                "partitioned across ranks or offloaded); set it to false."
+            )
+    for key in _IGNORED_DEEPSPEED_KEYS:
+        if key in spec:
+            rank_zero_warn(f"activation_checkpointing: {key!r} has no effect with ZeroStrategy and is ignored.")
+    if "classes" not in spec:
+        raise ActivationCheckpointingError("activation_checkpointing: the dict form needs 'classes': [...].")
+    every = spec.get("every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ActivationCheckpointingError(f"activation_checkpointing: 'every' must be an integer >= 1, got {every!r}.")
+    classes = spec["classes"]
+    return _from_classes(_classes([classes] if isinstance(classes, (str, type)) else classes), every)
+
+
+def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) -> list[str]:
+    """Checkpoint the modules ``policy`` selects (once: applying again to the same module is a no-op).
+    Returns their names; warns, naming the policy, when nothing matches."""
+    selected = policy.select(root)
+    if not selected:
+        rank_zero_warn(
+            f"activation_checkpointing policy {policy.description} matched no module of "
+            f"{type(root).__name__}; nothing is checkpointed."
+        )
+    for _, module in selected:
+        if checkpoint.state(module) is None:
+            checkpoint(module)
+    return [name for name, _ in selected]
