@@ -59,12 +59,18 @@ if _REPO_ROOT not in sys.path:
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_zero.memory import live_tensor_bytes  # noqa: E402
+from lightning_zero.memory import live_tensor_bytes, saved_tensor_bytes  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+#: Suffixes for ZeRO systems: "zero2+ac" checkpoints every Block, "zero2+ac2" every second one.
+AC_VARIANTS = {
+    "": None,
+    "ac": {"classes": ["lightning_zero.demo.gpt.Block"]},
+    "ac2": {"classes": ["lightning_zero.demo.gpt.Block"], "every": 2},
+}
 
 # ~27M parameters: 6 x 12*512^2 in the blocks + 2 x 8192*512 for embedding and (untied) head.
 FULL_MODEL = dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512)
@@ -108,15 +114,17 @@ def build_strategy(system: str, devices: int) -> Any:
         # "auto" would make data_parallel_size = num_nodes (1) and put both ranks on the
         # tensor-parallel axis; we want pure data parallelism across all ranks.
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
-    if system.startswith("zero") and system[4:] in ("1", "2", "3"):
+    base, _, variant = system.partition("+")
+    if base.startswith("zero") and base[4:] in ("1", "2", "3") and variant in AC_VARIANTS:
         from lightning_zero import ZeroStrategy  # lazy: lets ddp/fsdp2 run before it exists
 
-        return ZeroStrategy(stage=int(system[4:]))
+        return ZeroStrategy(stage=int(base[4:]), activation_checkpointing=AC_VARIANTS[variant])
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(ALL_SYSTEMS)}")
 
 
 def formula_bytes(system: str, P: int, N: int) -> float:
     """ZeRO paper's model-state memory per rank for fp32 params + grads + Adam (m, v)."""
+    system = system.partition("+")[0]
     return {
         "ddp": 16 * P,
         "zero1": 8 * P + 8 * P / N,  # params + grads replicated, optimizer state sharded
@@ -128,6 +136,7 @@ def formula_bytes(system: str, P: int, N: int) -> float:
 
 def analytic_comm_bytes(system: str, config: GPTConfig) -> int:
     """Per-rank collective volume per step (fp32), in collectives.py's convention (module docstring)."""
+    system = system.partition("+")[0]  # activation checkpointing recomputes, it does not communicate more
     P = count_parameters(config)
     if system == "ddp":
         return 8 * P  # one all-reduce of all grads = reduce-scatter + all-gather
@@ -237,6 +246,8 @@ class BenchCallback(L.Callback):
         self._t0 = 0.0
         self._batch_idx = -1
         self._excluded = 0.0
+        self._saved_ctx = None
+        self.saved_activation_bytes = None
 
     def _measured(self, batch_idx: int) -> bool:
         return self.warmup <= batch_idx < self.warmup + self.steps
@@ -244,6 +255,9 @@ class BenchCallback(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == self.warmup and self.comm is not None:
             self.comm.reset()
+        if batch_idx == self.warmup:  # what autograd keeps for backward, on one (unmeasured-time) step
+            self._saved_ctx = saved_tensor_bytes(exclude=list(pl_module.parameters()))
+            self._saved = self._saved_ctx.__enter__()
         self._batch_idx = batch_idx
         self._excluded = 0.0
         self._t0 = time.perf_counter()
@@ -253,6 +267,12 @@ class BenchCallback(L.Callback):
         # caches) is not model state, and nothing of the strategy's exists yet.
         params = sum(_local(p).untyped_storage().nbytes() for p in pl_module.parameters() if not p.is_meta)
         self._baseline = live_tensor_bytes() - params
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._saved_ctx is not None:
+            self.saved_activation_bytes = self._saved["bytes"]
+            self._saved_ctx.__exit__(None, None, None)
+            self._saved_ctx = None
 
     def on_after_backward(self, trainer, pl_module) -> None:
         # Count once, on the last measured step: by then optimizer state exists.
@@ -280,6 +300,7 @@ class BenchCallback(L.Callback):
             "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self.steps) if self.comm_snapshot else None,
             "comm_elements_per_step": (self.comm_snapshot["elements"] / self.steps) if self.comm_snapshot else None,
             "torch_threads": torch.get_num_threads(),
+            "saved_activation_bytes": self.saved_activation_bytes,
         }
         if dist.is_available() and dist.is_initialized():
             ranks: list[Any] = [None] * dist.get_world_size()
@@ -309,6 +330,7 @@ class BenchCallback(L.Callback):
             "formula_bytes": formula,
             "delta_pct": 100.0 * (state - formula) / formula,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
+            "saved_activation_mb": max((r["saved_activation_bytes"] or 0) for r in ranks) / 1e6,
             "comm_bytes_per_step": max(measured_comm) if measured_comm else analytic_comm_bytes(self.system, self.config),
             "comm_source": "measured" if measured_comm else "analytic",
             "comm_analytic_bytes_per_step": analytic_comm_bytes(self.system, self.config),
@@ -394,7 +416,10 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     ddp = next((r for r in results if r["system"] == "ddp"), None)
-    cols = ["system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "peak_RSS_MB", "comm_MB/step"]
+    cols = [
+        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "peak_RSS_MB",
+        "saved_act_MB", "comm_MB/step",
+    ]
     rows = []
     for r in results:
         comm = f"{r['comm_bytes_per_step'] / 1e6:.1f}" + (" (analytic)" if r["comm_source"] == "analytic" else "")
@@ -407,6 +432,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
             f"{r['formula_bytes'] / 1e6:.2f}",
             f"{r['delta_pct']:+.1f}",
             f"{r['peak_rss_mb']:.0f}",
+            f"{r.get('saved_activation_mb', 0):.0f}",
             comm,
         ])
     rows += [[name, "FAILED"] + [""] * (len(cols) - 2) for name in failed]
@@ -453,7 +479,10 @@ def main() -> None:
         run_system(args)
         return
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in ALL_SYSTEMS]
+    unknown = [
+        s for s in systems
+        if s not in ALL_SYSTEMS and not (s.partition("+")[0] in ALL_SYSTEMS[2:] and s.partition("+")[2] in AC_VARIANTS)
+    ]
     if unknown:
         sys.exit(f"unknown system(s): {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
