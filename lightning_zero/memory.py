@@ -15,6 +15,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of a tensor's storage; a DTensor's local shard; (0, 0) when there is none."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # meta tensors, wrapper subclasses without storage
+        return 0, 0
+
+
 def live_tensor_bytes(device: str | None = None) -> int:
     """Bytes of all live tensor storages (optionally only those on ``device``'s type)."""
     gc.collect()
@@ -27,10 +37,9 @@ def live_tensor_bytes(device: str | None = None) -> int:
             tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
             if tensor.is_meta or (device is not None and tensor.device.type != device):
                 continue
-            storage = tensor.untyped_storage()
-            ptr, size = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
+        except (RuntimeError, NotImplementedError):
             continue
+        ptr, size = _storage(tensor)
         if size == 0 or ptr in seen:
             continue
         seen.add(ptr)
@@ -44,16 +53,15 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[st
     storages of ``exclude`` (e.g. the parameters, which are held anyway). Activation checkpointing installs
     its own hooks inside checkpointed modules, so what they drop is not counted: the count is what the
     graph actually keeps."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    skip = {_storage(t)[0] for t in exclude}
     seen: set[int] = set()
     counter = {"bytes": 0}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in seen and ptr not in skip:
+        ptr, size = _storage(tensor)
+        if size and ptr not in seen and ptr not in skip:
             seen.add(ptr)
-            counter["bytes"] += storage.nbytes()
+            counter["bytes"] += size
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
