@@ -87,3 +87,16 @@ def _logs(logs) -> str:
 def write_report(data: dict) -> None:
     """Called by rank 0 of a worker."""
     Path(os.environ["LZ_REPORT"]).write_text(json.dumps(data))
+
+
+def run_cases_with_directory(cases: dict, groups: list[str]) -> None:
+    """Main of a rank program whose cases take a directory shared by the ranks (and by later launches
+    when ``LZ_SHARED_DIR`` is set); rank 0 reports."""
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(os.environ.get("LZ_SHARED_DIR", tmp))
+        report = {group: cases[group](directory) for group in groups}
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_report(report)

@@ -7,7 +7,7 @@ One class serves both stages; they differ only in what the gradient reduction ke
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 from torch import nn

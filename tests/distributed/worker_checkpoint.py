@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import lightning as L
@@ -14,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_zero import ZeroStrategy, checkpoint_io
 from tests.distributed import models
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
-from tests.launch import write_report
+from tests.launch import run_cases_with_directory
 
 COMMON = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
 DATA = models.IndexedData(n=48)  # 3 optimizer steps per epoch on 2 ranks: 48 / 2 ranks / 4 per batch / 2 micro
@@ -212,9 +210,4 @@ CASES = {
 }
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(os.environ.get("LZ_SHARED_DIR", tmp))
-        report = {group: CASES[group](directory) for group in sys.argv[1:]}
-    if RANK == 0:
-        write_report(report)
+    run_cases_with_directory(CASES, sys.argv[1:])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import tempfile
 import traceback
 
 import lightning as L

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import copy
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import lightning as L
 import torch
-from torch import nn
 
 from lightning_zero import ZeroStrategy, checkpoint_io
 from tests.distributed import models
+from tests.distributed.worker_checkpoint import RestoredProbe
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
-from tests.launch import write_report
+from tests.launch import run_cases_with_directory
 
 
 def full_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> dict:
@@ -98,14 +96,6 @@ def sharded_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> d
     return out
 
 
-class RestoredProbe(L.Callback):
-    """What a resumed run holds before its first step, gathered back to full tensors."""
-
-    def on_train_start(self, trainer, pl_module):
-        self.params = trainer.strategy.full_state_dict()
-        self.optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
-
-
 class LBFGSModule(models.Regression):
     def configure_optimizers(self):
         return torch.optim.LBFGS(self.parameters())
@@ -152,9 +142,4 @@ def expect_error_free_failure() -> dict:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(os.environ.get("LZ_SHARED_DIR", tmp))
-        report = {group: CASES[group](directory) for group in sys.argv[1:]}
-    if RANK == 0:
-        write_report(report)
+    run_cases_with_directory(CASES, sys.argv[1:])
