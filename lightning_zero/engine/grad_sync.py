@@ -67,6 +67,8 @@ class GradientReducer:
         self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
         self._inflight: list[_Inflight] = []
         self._synced_since_consume = [False] * len(self.params)
+        # Whether this rank produced a gradient for each parameter since its last consumption; see flush().
+        self._had_grad = torch.zeros(len(self.params), dtype=torch.int32)
         self._finalized = [False] * len(self.params)
         self._dirty = [set() for _ in layout.buckets]
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -145,6 +147,8 @@ class GradientReducer:
         sources = [None] * len(self.params)
         for i in bucket.params:
             sources[i] = self.params[i].grad
+            if sources[i] is not None:
+                self._had_grad[i] = 1
         comm = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
         pack_bucket(self.layout, bucket, sources, comm)
         direct = False
@@ -164,8 +168,8 @@ class GradientReducer:
             self._land(self._inflight.pop(0))
 
     def flush(self) -> None:
-        """End of a synchronising backward: reduce buckets that never filled (parameters unused in this
-        backward contribute ``p.grad`` or zeros) and land every reduced shard."""
+        """End of a synchronising backward: reduce buckets that never filled (parameters unused on this rank
+        contribute ``p.grad`` or zeros) and land every reduced shard."""
         if not self.require_sync:
             return
         while self._next < len(self.layout.buckets):
@@ -174,6 +178,17 @@ class GradientReducer:
             self._land(self._inflight.pop(0))
         self._ready = [0] * len(self.layout.buckets)
         self._next = 0
+        self._forget_gradients_no_rank_produced()
+
+    def _forget_gradients_no_rank_produced(self) -> None:
+        """A parameter no rank used has no gradient (``None``, as in plain PyTorch, so the optimizer skips it
+        instead of decaying it with a zero gradient); one used on any rank has the reduced gradient."""
+        used = self._had_grad.clone()
+        collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.group)
+        for i in torch.nonzero(used == 0).flatten().tolist():
+            self._synced_since_consume[i] = False
+            if not self.shard_gradients:
+                self.params[i].grad = None
 
     def _land(self, flight: _Inflight) -> None:
         if flight.work is not None:
@@ -221,6 +236,7 @@ class GradientReducer:
             if not self.shard_gradients:
                 self.params[i].grad = None
             self._synced_since_consume[i] = False
+            self._had_grad[i] = 0
             self._finalized[i] = False
             self._dirty[self.layout.params[i].bucket].discard(i)
         if self.shard_gradients:

@@ -80,10 +80,12 @@ def make_optimizer(module: nn.Module) -> tuple[torch.optim.Optimizer, torch.opti
 
 
 class Regression(L.LightningModule):
-    def __init__(self, build_in_configure_model: bool = False) -> None:
+    def __init__(self, build_in_configure_model: bool = False, unused_head: bool = False) -> None:
         super().__init__()
         self.build_in_configure_model = build_in_configure_model
         self.net = None if build_in_configure_model else Net()
+        # A parameter no batch ever uses: plain PyTorch leaves its grad None and AdamW never touches it.
+        self.unused = nn.Linear(IN, 4) if unused_head else None
         self.init_rng_state = None
 
     def configure_model(self) -> None:
@@ -115,10 +117,11 @@ def reference_run(
     accumulate: int,
     clip: float,
     clip_algorithm: str = "norm",
+    unused_head: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
     """Plain single-process PyTorch on the same global batches: final parameters and per-step gradients
     (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict."""
-    model = Regression()
+    model = Regression(unused_head=unused_head)
     model.load_state_dict(copy.deepcopy(initial))
     opt, sched = make_optimizer(model)
     batches = global_microbatches(dataset, world, batch, steps * accumulate)
@@ -129,7 +132,7 @@ def reference_run(
             per_rank = batches[step * accumulate + micro]
             loss = sum(nn.functional.mse_loss(model(x), y) for x, y in per_rank) / world / accumulate
             loss.backward()
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         if clip and clip_algorithm == "norm":
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         elif clip:

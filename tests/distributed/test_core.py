@@ -40,6 +40,9 @@ EXACT_CASES = [
     "registered_zero2",
     "stage2_reduce_every_microbatch",
     "stage1_no_overlap",
+    "stage1_unused_parameter",  # a parameter no rank uses keeps grad None: AdamW must not decay it
+    "stage2_unused_parameter",
+    "stage3_unused_parameter",
 ]
 
 

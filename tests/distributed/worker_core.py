@@ -58,11 +58,13 @@ class GradientRecorder(L.Callback):
 
 
 # ---------------------------------------------------------------------- cases
-def exactness(stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm") -> dict:
+def exactness(
+    stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm", unused_head=False
+) -> dict:
     steps, accumulate, batch = 4, 2, 4
     clip = 0.5 if clip_algorithm == "norm" else 0.05
     L.seed_everything(7)
-    module = models.Regression(build_in_configure_model=build_in_configure_model)
+    module = models.Regression(build_in_configure_model=build_in_configure_model, unused_head=unused_head)
     initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
     recorder = GradientRecorder()
     strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
@@ -90,7 +92,15 @@ def exactness(stage, strategy=None, build_in_configure_model=False, bucket_size_
         out["full_numel"] = sum(p.numel() for p in module.parameters())
     if RANK == 0:
         ref_params, ref_grads, _ = models.reference_run(
-            initial, data, world=WORLD, batch=batch, steps=steps, accumulate=accumulate, clip=clip, clip_algorithm=clip_algorithm
+            initial,
+            data,
+            world=WORLD,
+            batch=batch,
+            steps=steps,
+            accumulate=accumulate,
+            clip=clip,
+            clip_algorithm=clip_algorithm,
+            unused_head=unused_head,
         )
         out["param_diff"] = max_diff({k: v for k, v in final.items()}, ref_params)
         out["grad_diff"] = max(max_diff(g, r) for g, r in zip(recorder.steps, ref_grads))
@@ -230,6 +240,7 @@ CASES = {
             2, strategy=ZeroStrategy(stage=2, reduce_every_microbatch=True, state_dict_type="full")
         ),
         "stage1_no_overlap": exactness(1, strategy=ZeroStrategy(stage=1, overlap_comm=False, state_dict_type="full")),
+        **{f"stage{s}_unused_parameter": exactness(s, unused_head=True) for s in (1, 2, 3)},
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
