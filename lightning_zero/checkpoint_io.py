@@ -200,10 +200,12 @@ def load(
     check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(model_state), "model", strict=strict)
     state = {"state_dict": model_state}
     names = _param_names(module)
+    optimizer_entries = False
     for i, optimizer in enumerate(optimizers):
         saved = saved_tensor_shapes(path, f"optimizer_{i}")
         if not saved:
             continue
+        optimizer_entries = True
         saved_params = {key.rsplit(".", 1)[0]: None for key in saved}
         hosted = _hosted(optimizer, engine)
         live_params = {
@@ -224,9 +226,11 @@ def load(
         groups = checkpoint.get("optimizer_param_groups", [])
         if i < len(groups):
             _load_param_group_hyperparameters(optimizer, groups[i])
-    # Already loaded in place: leave Lightning's model/optimizer restore nothing to do.
+    # Already loaded in place: leave Lightning's model/optimizer restore nothing to do. A weights-only
+    # checkpoint has no optimizer entries, and Lightning then says so itself when asked to resume from it.
     checkpoint["state_dict"] = {}
-    checkpoint["optimizer_states"] = [{SHARDED_MARKER: True} for _ in optimizers]
+    if optimizer_entries:
+        checkpoint["optimizer_states"] = [{SHARDED_MARKER: True} for _ in optimizers]
     return checkpoint
 
 

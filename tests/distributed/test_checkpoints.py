@@ -23,7 +23,7 @@ def shared(tmp_path_factory):
     env = {"LZ_SHARED_DIR": str(directory)}
     two = launch(
         "tests.distributed.worker_checkpoint",
-        "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "top_k",
+        "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "top_k", "frozen_and_weights_only",
         nprocs=2, env=env,
     )
     one = launch("tests.distributed.worker_checkpoint", "resume_in_other_world", "corrupted", nprocs=1, env=env)
@@ -62,6 +62,14 @@ def test_checkpoint_of_another_model_lists_every_difference(shared):
     message = result["message"]
     assert "missing (2): net.extra.bias, net.extra.weight" in message
     assert "net.head.weight: checkpoint (3, 7) vs (5, 7)" in message
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameters_in_the_optimizer_and_weights_only_checkpoints(shared, stage):
+    result = shared["frozen_and_weights_only"][f"stage{stage}"]
+    assert result["resumed_steps"] == 3
+    assert result["param_diff"] == 0.0  # frozen layer has no optimizer state, and resuming does not miss it
+    assert "contains only the model" in result["weights_only_error"]  # nothing silently left un-restored
 
 
 def test_truncated_shard_is_named(shared):

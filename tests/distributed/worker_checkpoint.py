@@ -199,7 +199,43 @@ def corrupted(directory: Path) -> dict:
         return {"error": type(err).__name__, "message": str(err)}
 
 
+class PartlyFrozen(models.Regression):
+    """An optimizer built over all parameters while one layer is frozen for the whole run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.inp.requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def frozen_and_weights_only(directory: Path) -> dict:
+    out = {}
+    for stage in (2, 3):
+        L.seed_everything(7)
+        t = trainer(ZeroStrategy(stage=stage), max_steps=2, **COMMON)
+        t.fit(PartlyFrozen(), models.loader(DATA, 4))
+        t.save_checkpoint(directory / f"frozen{stage}")
+        t.save_checkpoint(directory / f"weights{stage}", weights_only=True)
+        probe = RestoredProbe()
+        t2 = trainer(ZeroStrategy(stage=stage), max_steps=3, callbacks=[probe], **COMMON)
+        t2.fit(PartlyFrozen(), models.loader(DATA, 4), ckpt_path=str(directory / f"frozen{stage}"))
+        saved = t.strategy.full_state_dict()
+        entry = {"resumed_steps": t2.global_step, "param_diff": max_diff(probe.params, saved) if RANK == 0 else None}
+        try:
+            trainer(ZeroStrategy(stage=stage), max_steps=3, **COMMON).fit(
+                PartlyFrozen(), models.loader(DATA, 4), ckpt_path=str(directory / f"weights{stage}")
+            )
+            entry["weights_only_error"] = None
+        except Exception as err:  # the behaviour under test: Lightning's own clear refusal
+            entry["weights_only_error"] = str(err)
+        out[f"stage{stage}"] = entry
+    return out
+
+
 CASES = {
+    "frozen_and_weights_only": frozen_and_weights_only,
     "corrupted": corrupted,
     "exact_resume": exact_resume,
     "save_for_other_world": save_for_other_world,
