@@ -81,8 +81,8 @@ class ZeroConfig:
     """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward."""
 
     reduce_every_microbatch: bool = False
-    """Stage 2: reduce-scatter on every micro-batch under gradient accumulation, so full gradients never
-    outlive one backward (less memory, k times the gradient traffic)."""
+    """Under gradient accumulation, reduce-scatter on every micro-batch instead of only the last, so full
+    gradients never outlive one backward in stages 2 and 3 (less memory, k times the gradient traffic)."""
 
     elementwise_optimizers: tuple = ()
     """Extra optimizer classes you vouch update every element independently (beyond torch's SGD, Adam,

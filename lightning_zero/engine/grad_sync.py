@@ -1,5 +1,6 @@
 """Gradient reduction for stages 1 and 2: post-accumulate-grad hooks fill rank-major buckets, each bucket
-is reduce-scattered as soon as all of its gradients are ready, and this rank keeps only its shard.
+is reduce-scattered during backward once it and every earlier bucket are full, and this rank keeps only
+its shard.
 
 [Note: gradients are held as sums until finalized]
 Reduce-scatter runs with ``SUM``; the average over ranks (and, later, a loss-scale unscale) is applied once
