@@ -258,8 +258,12 @@ class CountingReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        if op == ReduceOp.SUM and not async_op:
-            return reduce_scatter(output_tensor, input_tensor, group=group)
+        # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
+        if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
+            reduce_scatter(output_tensor, input_tensor, group=group)
+            if op == ReduceOp.AVG:
+                output_tensor.div_(world_size(group))
+            return None
         _STATS.record("reduce_scatter", input_tensor)
         with record_function("lightning_zero::reduce_scatter"):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
