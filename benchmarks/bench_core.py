@@ -407,10 +407,13 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
 
 
 def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result per system: the median step time over rounds, everything else from the median round."""
-    ordered = sorted(rounds, key=lambda r: r["step_ms"])
-    result = dict(ordered[len(ordered) // 2])
+    """One result per system: the median step time over rounds (the mean of the middle two for an even
+    count); memory and communication from the first round (they do not vary)."""
+    result = dict(rounds[0])
     result["rounds_step_ms"] = [r["step_ms"] for r in rounds]
+    result["step_ms"] = statistics.median(result["rounds_step_ms"])
+    config = result["config"]
+    result["tokens_per_s"] = result["batch_per_rank"] * config["block_size"] * result["world_size"] / (result["step_ms"] / 1e3)
     return result
 
 
