@@ -294,6 +294,18 @@ class ZeroStrategy(ParallelStrategy):
             collectives.broadcast(self._buffers, src=0)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Automatic optimization zeroes gradients at the first micro-batch of every accumulation window;
+        reduced shards live outside ``p.grad`` (stage 2), so drop them here too. Otherwise a window whose
+        step was skipped (e.g. an ``optimizer_step`` override that only runs the closure) would leak its
+        gradients into the next one."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None and module._trainer is not None else None
+        if self._engine is not None and trainer is not None and module.automatic_optimization:
+            if batch_idx % trainer.accumulate_grad_batches == 0:
+                self._engine.discard_all_gradients()
+
+    @override
     def on_validation_start(self) -> None:
         self._sync_buffers()
 

@@ -159,6 +159,9 @@ class FullyShardedEngine:
             out.append((names[id(p)], grad, p.shape))
         return out
 
+    def discard_all_gradients(self) -> None:
+        """Gradients are ordinary ``p.grad`` here; Lightning's ``zero_grad`` clears them."""
+
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -85,6 +85,10 @@ class ZeroDataParallel:
         """(parameter name, this rank's gradient rows or None, full shape) for the optimizer's parameters."""
         return [(self.names[i], self.reducer.local_grad(i), self.params[i].shape) for i in self.sharded(optimizer).indices]
 
+    def discard_all_gradients(self) -> None:
+        """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
+        self.reducer.consume(range(len(self.params)))
+
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

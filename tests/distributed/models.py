@@ -142,6 +142,16 @@ def reference_run(
     return {n: p.detach().clone() for n, p in model.state_dict().items()}, grads, opt.state_dict()
 
 
+class SkipsSomeSteps(Regression):
+    """Lightning's documented pattern for skipping a step: run the closure (forward + backward) only."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx % 4 == 1:  # every other accumulation window (accumulate_grad_batches=2)
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
 # ---------------------------------------------------------------------- manual optimization (GAN-style)
 class TwoPlayer(L.LightningModule):
     """Generator/discriminator with two optimizers, toggled as Lightning's GAN example does."""

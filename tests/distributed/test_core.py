@@ -86,6 +86,17 @@ def test_frozen_params_buffers_metrics_and_every_loop(features, stage):
         assert result[key] == pytest.approx(reference[key], abs=1e-5)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_skipped_steps_do_not_leak_gradients_into_the_next_window(features, stage):
+    """Stage 3 keeps ordinary `p.grad` (cleared by Lightning's zero_grad): the others must match it."""
+    import torch
+
+    reference = features["skipped_steps_stage3"]["state"]
+    result = features[f"skipped_steps_stage{stage}"]["state"]
+    for name, value in reference.items():
+        assert torch.allclose(torch.tensor(result[name]), torch.tensor(value), atol=1e-6), name
+
+
 FORMULAS = {1: lambda p, n: 8 * p + 8 * p / n, 2: lambda p, n: 4 * p + 12 * p / n, 3: lambda p, n: 16 * p / n}
 
 

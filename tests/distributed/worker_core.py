@@ -124,6 +124,15 @@ def manual_two_optimizers(stage) -> dict:
     return out
 
 
+def skipped_steps(stage) -> dict:
+    """Windows whose step is skipped must not leak their gradients into the next window."""
+    L.seed_everything(7)
+    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_epochs=1, accumulate_grad_batches=2)
+    t.fit(models.SkipsSomeSteps(), models.loader(models.IndexedData(), 4))
+    state = t.strategy.full_state_dict()
+    return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+
+
 def tour(stage) -> dict:
     L.seed_everything(5)
     module = models.Tour()
@@ -245,6 +254,7 @@ CASES = {
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
+        **{f"skipped_steps_stage{s}": skipped_steps(s) for s in (1, 2, 3)},
     },
     "costs": lambda: {
         **{f"memory_stage{s}": memory(s) for s in (1, 2, 3)},
