@@ -124,7 +124,7 @@ class ZeroStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
+        _require(self.parallel_devices, "parallel_devices")
         return self.parallel_devices[self.local_rank]
 
     @property
@@ -179,7 +179,7 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
+        _require(self.cluster_environment, "cluster_environment")
         if self.zero_config.start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -194,7 +194,7 @@ class ZeroStrategy(ParallelStrategy):
         backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        assert self.cluster_environment is not None
+        _require(self.cluster_environment, "cluster_environment")
         _init_dist_connection(self.cluster_environment, backend, timeout=self.zero_config.timeout)
         failures.install()
 
@@ -221,7 +221,8 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
+        _require(self.accelerator, "accelerator")
+        _require(self.model, "model")
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._engine = None  # never reuse an earlier run's engine (it may belong to another module)
@@ -260,7 +261,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
+        _require(self.model, "model")
         self.model.to(self.root_device)
 
     @override
@@ -271,7 +272,8 @@ class ZeroStrategy(ParallelStrategy):
         fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if fitted and self._layer_sync and self.stage != 3:
             self.model = self._layer_sync.revert(self.model)  # give the user back their BatchNorm layers, as DDP
-        assert self.cluster_environment is not None and self.accelerator is not None
+        _require(self.cluster_environment, "cluster_environment")
+        _require(self.accelerator, "accelerator")
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -281,7 +283,7 @@ class ZeroStrategy(ParallelStrategy):
         """Stage 3's root is the LightningModule itself: route the step through its ``__call__`` so FSDP2's
         root hooks (unshard, lazy init, reshard) run around it."""
         module = self.lightning_module
-        assert module is not None
+        _require(module, "lightning_module")
         if self.stage == 3:
             return self._forward_redirection(module, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
@@ -353,7 +355,7 @@ class ZeroStrategy(ParallelStrategy):
         """As Lightning's, but the reduced gradient shards land before ``on_after_backward`` runs, so hooks
         (and memory probes) see the state a step will use."""
         module = self.lightning_module
-        assert module is not None
+        _require(module, "lightning_module")
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
@@ -405,12 +407,12 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self) -> dict[str, Tensor]:
         """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere). Collective."""
-        assert self.lightning_module is not None
+        _require(self.lightning_module, "lightning_module")
         return full_model_state_dict(self.lightning_module)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
+        _require(self.lightning_module, "lightning_module")
         if self.zero_config.state_dict_type == "full":
             return self.full_state_dict()
         return checkpoint_io.sharded_model_state(self.lightning_module, self._engine)
@@ -443,7 +445,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.lightning_module is not None
+        _require(self.lightning_module, "lightning_module")
         checkpoint = checkpoint_io.load(
             path,
             self.lightning_module,
@@ -459,7 +461,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        assert self.lightning_module is not None
+        _require(self.lightning_module, "lightning_module")
         checkpoint_io.load_model_state(self.lightning_module, checkpoint["state_dict"], self._engine, strict=strict)
 
     @override
@@ -479,6 +481,12 @@ class ZeroStrategy(ParallelStrategy):
         }
         for name, kwargs in entries.items():
             strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
+
+
+def _require(value: Any, what: str) -> None:
+    """Lightning sets these up before calling the hook that needs them; say which one is missing if not."""
+    if value is None:
+        raise RuntimeError(f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer.")
 
 
 def _reduce_op(reduce_op: ReduceOp | str | None) -> tuple[ReduceOp, bool]:
