@@ -202,12 +202,14 @@ class CharDataModule(L.LightningDataModule):
         self.val_set = TokenWindowDataset(data[-n_val:], T, stride=T)
 
     def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
+        if self.train_set is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() has not run yet; pass the datamodule to a Trainer.")
         # drop_last keeps every step's batch shape identical on every rank.
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None
+        if self.val_set is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() has not run yet; pass the datamodule to a Trainer.")
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False, num_workers=0)
 
 
@@ -236,5 +238,6 @@ class RandomTokenDataModule(L.LightningDataModule):
             self.train_set = RandomTokenDataset(hp.num_samples, hp.block_size, hp.vocab_size, hp.seed)
 
     def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None
+        if self.train_set is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() has not run yet; pass the datamodule to a Trainer.")
         return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=0)

@@ -196,7 +196,8 @@ class GPTLightningModule(L.LightningModule):
             self.model = GPT(self.config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        assert self.model is not None, "model not built yet: call configure_model() first"
+        if self.model is None:
+            raise RuntimeError("The GPT is built in configure_model() (build_in_configure_model=True); call it first.")
         return self.model(idx)  # (B, T, V)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
