@@ -42,7 +42,7 @@ from lightning_zero.checkpoint_verify import (
     write_manifest,
 )
 from lightning_zero.engine import collectives
-from lightning_zero.engine.state_dict import full_optimizer_state_dict, shard_rows
+from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full, shard_rows
 
 SHARDED_MARKER = "lightning_zero_sharded"
 
@@ -78,18 +78,38 @@ def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> dic
     return full_optimizer_state_dict(optimizer, hosted, shapes)
 
 
+def _trainable_rows(engine) -> dict[str, int]:
+    """Stages 1-2: parameter name -> engine index, for parameters whose rows the engine owns (the fp32
+    master rows under mixed precision, which are what checkpoints hold)."""
+    if engine is None or engine.stage == 3:
+        return {}
+    return {engine.names[i]: i for i in range(len(engine.params)) if engine.params[i].dim() > 0}
+
+
+def full_model_state(module: nn.Module, engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The unsharded ``state_dict`` (collective; empty on other ranks when ``rank0_only``)."""
+    state = full_model_state_dict(module, rank0_only=rank0_only)
+    if getattr(engine, "masters", None) is None:
+        return state
+    keep = not rank0_only or collectives.rank() == 0
+    for name, i in _trainable_rows(engine).items():  # the resident parameters are rounded copies
+        full = gather_full(engine.local_rows(i), engine.params[i].shape)
+        if keep:
+            state[name] = full.to("cpu", copy=True)
+    return state
+
+
 def sharded_model_state(module: nn.Module, engine) -> dict[str, Any]:
     """Parameter name -> this rank's rows (as a DTensor); buffers and frozen parameters as they are."""
     state = module.state_dict()
-    if engine is None or engine.stage == 3:
+    trainable = _trainable_rows(engine)
+    if not trainable:
         return state
     mesh = _mesh(engine.params[0].device)
-    trainable = {engine.names[i]: i for i in range(len(engine.params))}
     for name in list(state):
         i = trainable.get(name)
-        if i is not None and engine.params[i].dim() > 0:
-            sharded = _as_sharded(engine.local_rows(i), engine.params[i].shape, mesh)
-            state[name] = sharded
+        if i is not None:
+            state[name] = _as_sharded(engine.local_rows(i), engine.params[i].shape, mesh)
     return state
 
 
@@ -295,6 +315,7 @@ def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, s
     live = module.state_dict()
     check_compatible(_shapes(state_dict), _shapes(live), "model", strict=strict)
     rank, world = collectives.rank(), collectives.world_size()
+    rows = _trainable_rows(engine)
     with torch.no_grad():
         for name, target in live.items():
             if name not in state_dict:
@@ -302,8 +323,12 @@ def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, s
             full = state_dict[name]
             if isinstance(target, DTensor):
                 target.to_local().copy_(shard_rows(full, rank, world))
+            elif name in rows:
+                engine.local_rows(rows[name]).copy_(shard_rows(full, rank, world))
             else:
                 target.copy_(full)
+    if rows:
+        engine.gather_params()
 
 
 def load_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any], module: nn.Module, engine) -> None:

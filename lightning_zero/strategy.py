@@ -20,7 +20,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -36,13 +36,12 @@ from lightning_zero.activation_checkpointing import apply_activation_checkpointi
 from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
-from lightning_zero.engine.state_dict import full_model_state_dict, gather_full
+from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.engine.zero_dp import ZeroDataParallel
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
-from lightning_zero.precision import ZeroPrecision
+from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.rng import collect_rng_state, restore_rng_state
 
-_PRECISION_NAMES = {"32-true": "32-true", "32": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -110,6 +109,7 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._engine: ZeroDataParallel | FullyShardedEngine | None = None
         self._buffers: list[Tensor] = []
+        self._failed = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -206,6 +206,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown must not start collectives a failed peer never joins
         failures.report(exception, self.global_rank)
 
     # ------------------------------------------------------------------ model and optimizers
@@ -226,9 +227,11 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._engine = None  # never reuse an earlier run's engine (it may belong to another module)
+        self._failed = False
+        precision = self.precision_plugin
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
-        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = precision.convert_module(self.model)
         if fitting:
             _check_trainable(self.model)
         if self.zero_config.checkpoint_policy is not None:
@@ -236,7 +239,7 @@ class ZeroStrategy(ParallelStrategy):
             apply_activation_checkpointing(self.model, self.zero_config.checkpoint_policy)
         if self.stage == 3:
             self._engine = FullyShardedEngine(
-                self.model, device=self.root_device, wrap_policy=self.zero_config.wrap_policy
+                self.model, device=self.root_device, wrap_policy=self.zero_config.wrap_policy, policy=precision.policy()
             )
         else:
             self.model_to_device()
@@ -247,6 +250,7 @@ class ZeroStrategy(ParallelStrategy):
                     stage=self.stage,
                     bucket_numel=self.zero_config.bucket_numel,
                     overlap_comm=self.zero_config.overlap_comm,
+                    policy=precision.policy(),
                 )
         self._buffers = [b for b in self.model.buffers() if not b.is_meta]
         if fitting:
@@ -254,8 +258,7 @@ class ZeroStrategy(ParallelStrategy):
             for optimizer in self.optimizers:
                 self._engine.wrap_optimizer(_unwrap(optimizer), self.zero_config.elementwise_optimizers)
         self.setup_precision_plugin()
-        if self._engine is not None:
-            self.precision_plugin.attach(self._engine)
+        precision.attach(self._engine, self.root_device)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -266,10 +269,12 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._engine is not None:
-            self._engine.teardown()
         module = self.lightning_module
         fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if self._engine is not None:
+            if fitted and not self._failed and isinstance(self._engine, ZeroDataParallel):
+                self._engine.restore_master_params()
+            self._engine.teardown()
         if fitted and self._layer_sync and self.stage != 3:
             self.model = self._layer_sync.revert(self.model)  # give the user back their BatchNorm layers, as DDP
         _require(self.cluster_environment, "cluster_environment")
@@ -374,7 +379,7 @@ class ZeroStrategy(ParallelStrategy):
         out: dict[str, Tensor] = {}
         for opt in optimizers:
             opt = _unwrap(opt)
-            self._engine.finalize_gradients(opt)
+            self.precision_plugin.finalize_gradients(opt)
             for name, local, shape in self._engine.named_gradient_shards(opt):
                 if local is not None:
                     out[name] = gather_full(local, shape)
@@ -406,9 +411,10 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere). Collective."""
+        """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
+        precision the optimizer updates them in. Collective."""
         _require(self.lightning_module, "lightning_module")
-        return full_model_state_dict(self.lightning_module)
+        return checkpoint_io.full_model_state(self.lightning_module, self._engine)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -506,11 +512,26 @@ def _unwrap(optimizer) -> Optimizer:
 
 
 def _as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
-    """Lightning hands a strategy the generic plugin for ``Trainer(precision=...)``; convert it."""
+    """Lightning hands a strategy the generic plugin for ``Trainer(precision=...)``; convert it (keeping a
+    ``GradScaler``'s settings), or say which precisions are supported."""
     if plugin is None or isinstance(plugin, ZeroPrecision):
         return plugin
-    name = getattr(plugin, "precision", "32-true")
-    name = _PRECISION_NAMES.get(str(name), str(name))
+    name = str(getattr(plugin, "precision", "32-true"))
+    name = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(name, name)
+    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
+        raise ZeroConfigError(
+            f"ZeroStrategy does not support precision {name!r} ({type(plugin).__name__}); choose one of "
+            f"{SUPPORTED_PRECISION} via `Trainer(precision=...)` or `plugins=[ZeroPrecision(...)]`."
+        )
+    scaler = getattr(plugin, "scaler", None)
+    if name == "16-mixed" and scaler is not None:
+        return ZeroPrecision(
+            name,
+            initial_scale=float(scaler._init_scale),
+            growth_factor=float(scaler._growth_factor),
+            backoff_factor=float(scaler._backoff_factor),
+            growth_interval=int(scaler._growth_interval),
+        )
     return ZeroPrecision(name)
 
 

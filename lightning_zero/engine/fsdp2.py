@@ -10,6 +10,13 @@ Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, whi
 build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
 sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
 plus one unit exist at full size at any time.
+
+[Note: stage 3 mixed precision]
+FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it
+is the master), gathers are cast to the 2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and
+land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py``) become units of their own
+with an fp32 policy. Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
+operation, exactly as in stages 1 and 2, so the three stages compute the same thing.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.sharded_optimizer import check_elementwise
 
 
@@ -69,12 +78,19 @@ class FullyShardedEngine:
 
     stage = 3
 
-    def __init__(self, module: nn.Module, *, device: torch.device, wrap_policy=None) -> None:
+    def __init__(
+        self, module: nn.Module, *, device: torch.device, wrap_policy=None, policy: PrecisionPolicy | None = None
+    ) -> None:
         self.module = module
         self.world_size = collectives.world_size()
         self.rank = collectives.rank()
         self.mesh = init_device_mesh(device.type, (self.world_size,))
-        self.units = select_units(module, wrap_policy)
+        self.policy = policy
+        units = select_units(module, wrap_policy)
+        fp32_units = policy.fp32_submodules(module) if policy is not None else []
+        self._fp32_units = {id(m) for m in fp32_units}
+        chosen = {id(m) for m in (*units, *fp32_units)}
+        self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
         if isinstance(module, FSDPModule):
             return  # sharded by an earlier fit/validate/test on this module
         if _has_meta(module, recurse=True):
@@ -91,9 +107,18 @@ class FullyShardedEngine:
     def _shard(self, module: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             return
-        fully_shard(module, mesh=self.mesh, reshard_after_forward=True)
+        fully_shard(module, mesh=self.mesh, reshard_after_forward=True, mp_policy=self._mp_policy(module))
         module.set_custom_all_gather(collectives.CountingAllGather())
         module.set_custom_reduce_scatter(collectives.CountingReduceScatter())
+
+    def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
+        """See [Note: stage 3 mixed precision]."""
+        policy = self.policy
+        if policy is None:
+            return FSDPMixedPrecisionPolicy()
+        if id(module) in self._fp32_units:
+            return FSDPMixedPrecisionPolicy(policy.master_dtype, policy.master_dtype, cast_forward_inputs=False)
+        return FSDPMixedPrecisionPolicy(policy.compute_dtype, policy.reduce_dtype, cast_forward_inputs=False)
 
     def _materialize_and_shard(self, device: torch.device) -> None:
         """See [Note: materialising meta modules in construction order]."""

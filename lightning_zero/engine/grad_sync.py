@@ -10,8 +10,12 @@ reduced sum while the other chunks restart from zero, so the next reduce-scatter
 local gradients of every rank``. Pre-dividing instead would divide the previous sum again.
 
 Stage 1 keeps the full ``p.grad`` (its own chunk holds the reduced gradient); stage 2 copies the gradient
-into the bucket, drops ``p.grad`` and receives the reduced shard into one flat per-rank storage, so full
+into the bucket, drops ``p.grad`` and receives the reduced shard into a flat per-bucket storage, so full
 gradients never outlive the bucket they are reduced in.
+
+Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype (the communication buffer
+may be wider, ``reduce_dtype``), and :meth:`GradientReducer.finalize` produces fresh fp32 gradients for the
+master shards: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values to zero.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class _Inflight:
     out: torch.Tensor
     direct: bool
     """True when ``out`` already is the storage slice (stage 2, clean bucket): nothing to add afterwards."""
+    accumulate: bool
+    """Stage 2: whether the storage slice holds earlier sums that ``out`` adds to (else it is overwritten)."""
 
 
 class GradientReducer:
@@ -53,6 +59,8 @@ class GradientReducer:
         rank: int,
         shard_gradients: bool,
         overlap_comm: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
         group=None,
     ) -> None:
         self.params = list(params)
@@ -71,12 +79,22 @@ class GradientReducer:
         # Whether this rank produced a gradient for each parameter since its last consumption; see flush().
         self._had_grad = torch.zeros(len(self.params), dtype=torch.int32)
         self._finalized = [False] * len(self.params)
+        #: The finalized gradient of each parameter (the held sum itself unless ``master_dtype`` differs).
+        self._final: dict[int, torch.Tensor] = {}
+        self.master_dtype = master_dtype
         self._dirty = [set() for _ in layout.buckets]
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.dtype = self.params[0].dtype if self.params else torch.float32
-        # Stage 2: one flat storage for this rank's gradient shards, viewed per parameter.
+        #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
+        self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
+        self.comm_dtypes = [_comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
+        # Stage 2: a flat storage per bucket for this rank's gradient shards, viewed per parameter.
         self.storage = (
-            torch.zeros(layout.shard_numel, device=self.device, dtype=self.dtype) if shard_gradients else None
+            [
+                torch.zeros(b.segment_numel, device=self.device, dtype=dtype)
+                for b, dtype in zip(layout.buckets, self.bucket_dtypes)
+            ]
+            if shard_gradients
+            else None
         )
         self._storage_views = (
             [self._storage_view(i) for i in range(len(self.params))] if shard_gradients else None
@@ -87,15 +105,17 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ views
     def _bucket_storage(self, bucket: int) -> torch.Tensor:
-        start = self.layout.bucket_offset(bucket)
-        return self.storage[start : start + self.layout.buckets[bucket].segment_numel]
+        return self.storage[bucket]
 
     def _storage_view(self, index: int) -> torch.Tensor:
         spec = self.layout.params[index]
         return segment_view(self.layout, self._bucket_storage(spec.bucket), index, self.rank)
 
     def local_grad(self, index: int) -> torch.Tensor | None:
-        """This rank's shard of parameter ``index``'s gradient (a view), or None if it has none."""
+        """This rank's shard of parameter ``index``'s gradient, or None if it has none: the held sum (a view)
+        until :meth:`finalize`, the finalized gradient after it."""
+        if self._finalized[index]:
+            return self._final.get(index)
         if self.shard_gradients:
             return self._storage_views[index] if self._synced_since_consume[index] else None
         grad = self.params[index].grad
@@ -150,19 +170,21 @@ class GradientReducer:
             sources[i] = self.params[i].grad
             if sources[i] is not None:
                 self._had_grad[i] = 1
-        comm = torch.empty(bucket.numel, dtype=self.dtype, device=self.device)
+        comm = torch.empty(bucket.numel, dtype=self.comm_dtypes[bucket_index], device=self.device)
         pack_bucket(self.layout, bucket, sources, comm)
-        direct = False
+        direct = accumulate = False
         if self.shard_gradients:
             for i in bucket.params:
                 self.params[i].grad = None
-            direct = not self._dirty[bucket_index]
-            out = self._bucket_storage(bucket_index) if direct else torch.empty_like(self._bucket_storage(bucket_index))
+            accumulate = bool(self._dirty[bucket_index])
+            direct = not accumulate and comm.dtype == self.bucket_dtypes[bucket_index]
+        if direct:
+            out = self._bucket_storage(bucket_index)
         else:
             out = torch.empty(bucket.segment_numel, dtype=comm.dtype, device=comm.device)
         work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
         self._next = bucket_index + 1
-        self._inflight.append(_Inflight(bucket_index, work, comm, out, direct))
+        self._inflight.append(_Inflight(bucket_index, work, comm, out, direct, accumulate))
         # Bound the full-size communication buffers alive at once (stage 2 must not hold a whole
         # gradient copy at the end of backward): land the oldest reductions first.
         while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
@@ -196,8 +218,10 @@ class GradientReducer:
             flight.work.wait()
         bucket = self.layout.buckets[flight.bucket]
         if self.shard_gradients:
-            if not flight.direct:
+            if flight.accumulate:
                 self._bucket_storage(flight.bucket).add_(flight.out)
+            elif not flight.direct:
+                self._bucket_storage(flight.bucket).copy_(flight.out)
         else:
             for i in bucket.params:
                 param = self.params[i]
@@ -215,7 +239,8 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ step
     def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:
-        """Turn the held sums of ``indices`` into the averaged gradient (times ``scale``), once."""
+        """Turn the held sums of ``indices`` into the averaged gradient (times ``scale``), once: in place, or
+        as fresh ``master_dtype`` tensors when the sums are held in another dtype."""
         if self._inflight or any(self._ready):
             # A backward ran outside ``strategy.backward`` (e.g. a bare ``loss.backward()``): land it now.
             self.flush()
@@ -223,10 +248,13 @@ class GradientReducer:
         for i in indices:
             if self._finalized[i]:
                 continue
+            held = self.local_grad(i)
             self._finalized[i] = True
-            grad = self.local_grad(i)
-            if grad is not None:
-                grads.append(grad)
+            if held is None:
+                continue
+            grad = held if self.master_dtype is None else held.to(self.master_dtype)
+            self._final[i] = grad
+            grads.append(grad)
         if grads:
             torch._foreach_mul_(grads, scale / self.world_size)
 
@@ -239,6 +267,7 @@ class GradientReducer:
             self._synced_since_consume[i] = False
             self._had_grad[i] = 0
             self._finalized[i] = False
+            self._final.pop(i, None)
             self._dirty[self.layout.params[i].bucket].discard(i)
         if self.shard_gradients:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
@@ -251,3 +280,10 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """Sum in ``reduce_dtype`` unless the gradients are held in a wider dtype (fp32 layers of a mixed run)."""
+    if reduce_dtype is None or held.itemsize > reduce_dtype.itemsize:
+        return held
+    return reduce_dtype

@@ -142,16 +142,27 @@ class ShardLayout:
 
 
 def plan_layout(
-    named_shapes: Sequence[tuple[str, Sequence[int]]], world_size: int, bucket_numel: int
+    named_shapes: Sequence[tuple[str, Sequence[int]]],
+    world_size: int,
+    bucket_numel: int,
+    classes: Sequence[int] | None = None,
 ) -> ShardLayout:
     """Assign parameters to buckets in reverse order (gradients arrive roughly last layer first, as DDP
-    assumes), closing a bucket once its full size reaches ``bucket_numel`` elements."""
+    assumes), closing a bucket once its full size reaches ``bucket_numel`` elements.
+
+    ``classes`` (one small integer per parameter, e.g. 0 for parameters held in bf16 and 1 for those kept
+    in fp32) keeps parameters of different classes out of each other's buckets, so a bucket has one dtype;
+    class 0's buckets come first.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    classes = list(classes) if classes is not None else [0] * len(named_shapes)
+    if len(classes) != len(named_shapes):
+        raise ValueError(f"got {len(classes)} classes for {len(named_shapes)} parameters")
 
-    order = list(reversed(range(len(named_shapes))))
+    order = sorted(reversed(range(len(named_shapes))), key=lambda i: classes[i])  # stable: reverse order within a class
     assignments: dict[int, tuple[int, int]] = {}
     buckets: list[BucketSpec] = []
     current: list[int] = []
@@ -164,6 +175,8 @@ def plan_layout(
         current, segment = [], 0
 
     for i in order:
+        if current and classes[current[-1]] != classes[i]:
+            close()
         _, shape = named_shapes[i]
         probe = ParamShardSpec(i, "", tuple(shape), world_size, 0, 0)
         assignments[i] = (len(buckets), segment)

@@ -8,6 +8,10 @@ rank's reduced gradient shard), so the optimizer reads and writes shard-sized te
 by those views: optimizer state is born sharded and never exists at full size. Because the views alias the
 resident parameters, no fp32 master copy exists; after the step the updated rows are all-gathered back
 into every rank's parameters.
+
+Under a mixed-precision policy the hosted tensors are instead this rank's fp32 *master* rows (owned by the
+engine, see ``mixed_precision.py``); after the step they are cast into the resident 2-byte parameters'
+rows, which are then all-gathered in that dtype.
 """
 
 from __future__ import annotations
@@ -63,9 +67,11 @@ class ShardedOptimizer:
         reducer: GradientReducer,
         *,
         rank: int,
+        masters: Sequence[torch.Tensor] | None = None,
         group=None,
     ) -> None:
         self.optimizer = optimizer
+        self.masters = masters
         self.layout = layout
         self.reducer = reducer
         self.rank = rank
@@ -93,7 +99,11 @@ class ShardedOptimizer:
                     continue
                 indices.append(i)
                 if i not in self.shards:
-                    self.shards[i] = local_rows(self.params[i].detach(), self.layout.params[i], self.rank)
+                    self.shards[i] = (
+                        self.masters[i]
+                        if self.masters is not None
+                        else local_rows(self.params[i].detach(), self.layout.params[i], self.rank)
+                    )
         #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
         self.indices = indices
         self.buckets = sorted({self.layout.params[i].bucket for i in indices})
@@ -140,7 +150,18 @@ class ShardedOptimizer:
         self.reducer.consume(self.indices)
 
     def all_gather_params(self) -> None:
+        if self.masters is not None:
+            copy_masters_to_params(self.layout, self.params, self.masters, self.indices, rank=self.rank)
         all_gather_params(self.layout, self.params, self.buckets, rank=self.rank, group=self.group)
+
+
+def copy_masters_to_params(
+    layout: ShardLayout, params: Sequence[nn.Parameter], masters: Sequence[torch.Tensor], indices, *, rank: int
+) -> None:
+    """Cast this rank's updated master rows into its rows of the resident parameters."""
+    with torch.no_grad():
+        for i in indices:
+            local_rows(params[i].detach(), layout.params[i], rank).copy_(masters[i])
 
 
 def all_gather_params(layout: ShardLayout, params: Sequence[nn.Parameter], buckets: Sequence[int], *, rank: int, group=None) -> None:
@@ -159,8 +180,9 @@ def all_gather_params(layout: ShardLayout, params: Sequence[nn.Parameter], bucke
 
     for b in buckets:
         bucket = layout.buckets[b]
+        like = sources[bucket.params[0]]  # a bucket holds one dtype
         segment = pack_segment(
-            layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=sources[0].dtype, device=sources[0].device)
+            layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
         )
         full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
         flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full))

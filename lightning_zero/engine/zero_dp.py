@@ -2,6 +2,7 @@
 
 One class serves both stages; they differ only in what the gradient reduction keeps (see
 ``grad_sync.py``): stage 1 the full ``p.grad`` with the reduced own rows, stage 2 the reduced shard alone.
+With a mixed-precision policy the engine also owns the fp32 master rows (see ``mixed_precision.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.buckets import local_rows
 from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
-from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, all_gather_params, check_elementwise
+from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
+from lightning_zero.engine.sharded_optimizer import (
+    ShardedOptimizer,
+    all_gather_params,
+    check_elementwise,
+    copy_masters_to_params,
+)
+from lightning_zero.engine.state_dict import gather_full
 
 
 class ZeroDataParallel:
@@ -30,6 +38,7 @@ class ZeroDataParallel:
         stage: int,
         bucket_numel: int,
         overlap_comm: bool = True,
+        policy: PrecisionPolicy | None = None,
         group=None,
     ) -> None:
         if stage not in (1, 2):
@@ -45,11 +54,32 @@ class ZeroDataParallel:
                 raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.policy = policy
+        dtypes = policy.param_dtypes(module) if policy is not None else {}
         self.layout: ShardLayout = plan_layout(
-            [(n, tuple(p.shape)) for n, p in named], self.world_size, bucket_numel
+            [(n, tuple(p.shape)) for n, p in named],
+            self.world_size,
+            bucket_numel,
+            # Parameters kept in fp32 get buckets of their own, so each bucket has one dtype.
+            classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else None,
         )
+        #: fp32 copies of this rank's rows, taken before the parameters are cast to their compute dtype.
+        self.masters: list[torch.Tensor] | None = None
+        if policy is not None:
+            self.masters = [
+                local_rows(p.detach(), spec, self.rank).to(policy.master_dtype, copy=True)
+                for p, spec in zip(self.params, self.layout.params)
+            ]
+            cast_parameters(module, policy)
         self.reducer = GradientReducer(
-            self.params, self.layout, rank=self.rank, shard_gradients=stage == 2, overlap_comm=overlap_comm, group=group
+            self.params,
+            self.layout,
+            rank=self.rank,
+            shard_gradients=stage == 2,
+            overlap_comm=overlap_comm,
+            reduce_dtype=policy.reduce_dtype if policy is not None else None,
+            master_dtype=policy.master_dtype if policy is not None else None,
+            group=group,
         )
         self._optimizers: dict[int, ShardedOptimizer] = {}
 
@@ -57,7 +87,7 @@ class ZeroDataParallel:
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
         check_elementwise(optimizer, self.stage, elementwise)
         self._optimizers[id(optimizer)] = ShardedOptimizer(
-            optimizer, self.params, self.layout, self.reducer, rank=self.rank, group=self.group
+            optimizer, self.params, self.layout, self.reducer, rank=self.rank, masters=self.masters, group=self.group
         )
 
     def sharded(self, optimizer: Optimizer) -> ShardedOptimizer:
@@ -100,11 +130,25 @@ class ZeroDataParallel:
 
     def gather_params(self) -> None:
         """Every rank's rows into every rank's resident parameters (after loading shards in place)."""
+        if self.masters is not None:
+            copy_masters_to_params(self.layout, self.params, self.masters, range(len(self.params)), rank=self.rank)
         all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
 
     def local_rows(self, index: int) -> torch.Tensor:
-        """This rank's rows of trainable parameter ``index`` (a view of the resident parameter)."""
+        """This rank's rows of trainable parameter ``index`` as the optimizer updates them: the fp32 master
+        under a mixed policy, else a view of the resident parameter. Checkpoints read and write these."""
+        if self.masters is not None:
+            return self.masters[index]
         return local_rows(self.params[index].detach(), self.layout.params[index], self.rank)
+
+    def restore_master_params(self) -> None:
+        """Give the module back its parameters at full precision (collective): the end of a mixed run leaves
+        the model as Lightning's own mixed modes do, in fp32."""
+        if self.masters is None:
+            return
+        with torch.no_grad():
+            for param, master, spec in zip(self.params, self.masters, self.layout.params):
+                param.data = gather_full(master, spec.shape, group=self.group)
 
     def teardown(self) -> None:
         self.reducer.remove_hooks()

@@ -1,0 +1,120 @@
+"""Single-process references for the mixed-precision tests.
+
+:func:`fp32_reference` is plain fp32 training on the same global batches. :func:`mixed_reference` does the
+arithmetic a ZeRO mixed-precision run does, in one process and written out step by step: fp32 master
+weights, a 2-byte compute copy (normalization layers kept fp32), each rank's micro-batch run separately
+under autocast with the loss scaled, per-rank gradients summed in the reduce dtype, the sum held in the
+dtype the stage holds it in, unscaled and averaged in fp32, an overflow check, clipping by global norm, and
+AdamW on the masters.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from lightning_zero.demo.gpt import GPTLightningModule
+from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from tests.distributed import models
+
+
+def _optimizer(module: GPTLightningModule):
+    conf = module.configure_optimizers()
+    if isinstance(conf, dict):
+        return conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    return conf, None
+
+
+def fp32_reference(initial: dict, model_kwargs: dict, dataset, *, world: int, batch: int, steps: int, clip: float) -> list[float]:
+    """Loss of every step (mean over the ranks' micro-batches) of plain fp32 training."""
+    model = GPTLightningModule(**model_kwargs)
+    model.load_state_dict(copy.deepcopy(initial))
+    opt, sched = _optimizer(model)
+    losses = []
+    for per_rank in models.global_microbatches(dataset, world, batch, steps):
+        opt.zero_grad()
+        parts = [model._loss(b) for b in per_rank]
+        loss = sum(parts) / world
+        loss.backward()
+        losses.append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return losses
+
+
+def mixed_reference(
+    initial: dict,
+    model_kwargs: dict,
+    dataset,
+    *,
+    world: int,
+    batch: int,
+    steps: int,
+    clip: float,
+    policy: PrecisionPolicy,
+    hold_sum_in_param_dtype: bool,
+    loss_scale: float = 1.0,
+    growth_interval: int = 2000,
+) -> dict:
+    """Final fp32 masters, per-step losses and the skipped-step count of the emulated mixed run.
+
+    ``hold_sum_in_param_dtype``: stages 1-2 keep the reduced gradient sum in the parameter's dtype before
+    unscaling it into fp32; stage 3 (FSDP2) receives it into an fp32 shard.
+    """
+    master = GPTLightningModule(**model_kwargs)
+    master.load_state_dict(copy.deepcopy(initial))
+    opt, sched = _optimizer(master)
+    compute = copy.deepcopy(master)
+    dtypes = policy.param_dtypes(compute)
+    with torch.no_grad():
+        for p in compute.parameters():
+            p.data = p.data.to(dtypes[id(p)])
+    named_master = dict(master.named_parameters())
+    losses, skipped, clean = [], 0, 0
+    for per_rank in models.global_microbatches(dataset, world, batch, steps):
+        with torch.no_grad():
+            for name, p in compute.named_parameters():
+                p.copy_(named_master[name])
+        sums: dict[str, torch.Tensor] = {}
+        step_losses = []
+        for micro in per_rank:
+            compute.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=policy.compute_dtype, cache_enabled=False):
+                loss = compute._loss(micro)
+            (loss * loss_scale).backward()
+            step_losses.append(loss.item())
+            for name, p in compute.named_parameters():
+                comm = policy.reduce_dtype if p.grad.dtype.itemsize <= policy.reduce_dtype.itemsize else p.grad.dtype
+                g = p.grad.to(comm)
+                sums[name] = g if name not in sums else sums[name] + g
+        losses.append(sum(step_losses) / world)
+        grads = {}
+        for name, p in compute.named_parameters():
+            held = sums[name].to(p.dtype) if hold_sum_in_param_dtype else sums[name]
+            grads[name] = held.float() * (1.0 / (world * loss_scale))
+        found_inf = any(not torch.isfinite(g).all() for g in grads.values())
+        if not found_inf:
+            if clip:
+                total = math.sqrt(sum(float(torch.linalg.vector_norm(g.float(), 2).double() ** 2) for g in grads.values()))
+                coef = torch.clamp(clip / (torch.tensor(total, dtype=torch.float32) + 1e-6), max=1.0)
+                for g in grads.values():
+                    g.mul_(coef)
+            for name, p in named_master.items():
+                p.grad = grads[name]
+            opt.step()
+            clean += 1
+            if clean == growth_interval:
+                loss_scale *= 2.0
+                clean = 0
+        else:
+            skipped += 1
+            clean = 0
+            loss_scale *= 0.5
+        if sched is not None:
+            sched.step()
+    return {"params": {n: p.detach().clone() for n, p in master.state_dict().items()}, "losses": losses, "skipped": skipped}
