@@ -2,11 +2,13 @@
 
     python benchmarks/bench_core.py                              # all systems, ~27M-param GPT
     python benchmarks/bench_core.py --systems ddp,fsdp2 --quick  # tiny model smoke test
+    python benchmarks/bench_core.py --precision bf16-mixed        # the same five systems in bf16-mixed
 
-Systems (2 CPU ranks, fp32 AdamW, batch 8 per rank, random tokens):
+Systems (2 CPU ranks, AdamW, batch 8 per rank, random tokens; ``--precision`` 32-true or bf16-mixed):
 
-    ddp     Lightning "ddp"
+    ddp     Lightning "ddp" (bf16-mixed: Lightning's autocast plugin, fp32 weights and gradients)
     fsdp2   Lightning ModelParallelStrategy + torch.distributed.fsdp.fully_shard per Block, then root
+            (bf16-mixed: MixedPrecisionPolicy(param_dtype=bf16), FSDP2's default bf16 reduction, autocast)
     zero1   lightning_zero.ZeroStrategy(stage=1)
     zero2   lightning_zero.ZeroStrategy(stage=2)
     zero3   lightning_zero.ZeroStrategy(stage=3)
@@ -25,7 +27,8 @@ What is measured (see :class:`BenchCallback`):
   module's parameters and ``.grad`` plus every tensor reachable from the optimizers
   (param groups, their grads, state), deduplicated by storage, DTensors by local shard;
 * the ZeRO-paper formula for the same quantity (fp32 weights + fp32 grads + Adam's
-  two fp32 moments = 16 bytes/param without sharding);
+  two fp32 moments = 16 bytes/param without sharding; bf16-mixed ZeRO: 2-byte weights and
+  gradients, 12 bytes of fp32 master + Adam per parameter, sharded as the stage says);
 * peak RSS of each rank process (``ru_maxrss``);
 * bytes communicated per step: measured by ``lightning_zero``'s ``comm_stats`` for the
   ZeRO systems, analytic for ddp/fsdp2 (marked so), in the convention of
@@ -100,9 +103,10 @@ class FSDP2GPTModule(GPTLightningModule):
             super().configure_model()
         assert self.model is not None
         mesh = self.device_mesh["data_parallel"]
+        kwargs = {"mp_policy": self.mp_policy} if getattr(self, "mp_policy", None) is not None else {}
         for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **kwargs)
+        fully_shard(self.model, mesh=mesh, **kwargs)
 
 
 def build_strategy(system: str, devices: int) -> Any:
@@ -122,9 +126,11 @@ def build_strategy(system: str, devices: int) -> Any:
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(ALL_SYSTEMS)}")
 
 
-def formula_bytes(system: str, P: int, N: int) -> float:
-    """ZeRO paper's model-state memory per rank for fp32 params + grads + Adam (m, v)."""
+def formula_bytes(system: str, P: int, N: int, precision: str = "32-true") -> float:
+    """ZeRO paper's model-state memory per rank for params + grads + Adam (m, v) (+ fp32 master when mixed)."""
     system = system.partition("+")[0]
+    if precision == "bf16-mixed" and system in ("zero1", "zero2"):
+        return {"zero1": 4 * P + 12 * P / N, "zero2": 2 * P + 14 * P / N}[system]
     return {
         "ddp": 16 * P,
         "zero1": 8 * P + 8 * P / N,  # params + grads replicated, optimizer state sharded
@@ -134,16 +140,17 @@ def formula_bytes(system: str, P: int, N: int) -> float:
     }[system]
 
 
-def analytic_comm_bytes(system: str, config: GPTConfig) -> int:
-    """Per-rank collective volume per step (fp32), in collectives.py's convention (module docstring)."""
+def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-true") -> int:
+    """Per-rank collective volume per step, in collectives.py's convention (module docstring)."""
     system = system.partition("+")[0]  # activation checkpointing recomputes, it does not communicate more
     P = count_parameters(config)
     if system == "ddp":
-        return 8 * P  # one all-reduce of all grads = reduce-scatter + all-gather
+        return 8 * P  # one all-reduce of all (fp32, also under autocast) grads = reduce-scatter + all-gather
+    width = 2 if precision == "bf16-mixed" else 4  # ZeRO and FSDP2 gather and reduce in bf16
     if system in ("zero1", "zero2"):
-        return 8 * P  # reduce-scatter grads + all-gather updated params
+        return 2 * width * P  # reduce-scatter grads + all-gather updated params
     if system == "zero3":
-        return 12 * P  # all-gather (fwd) + all-gather (bwd) + reduce-scatter grads
+        return 3 * width * P  # all-gather (fwd) + all-gather (bwd) + reduce-scatter grads
     if system == "fsdp2":
         # Blocks: gather in forward, re-gather in backward, reduce-scatter grads. The root
         # unit (embeddings, ln_f, head) is not resharded after forward: gather once + RS.
@@ -151,7 +158,7 @@ def analytic_comm_bytes(system: str, config: GPTConfig) -> int:
             replace(config, n_layer=0)
         )
         p_blocks = one_block * config.n_layer
-        return 4 * (3 * p_blocks + 2 * (P - p_blocks))
+        return width * (3 * p_blocks + 2 * (P - p_blocks))
     raise ValueError(system)
 
 
@@ -232,8 +239,11 @@ def _load_comm_stats() -> Any:
 class BenchCallback(L.Callback):
     """Times steps and records memory/communication on every rank; rank 0 writes the JSON line."""
 
-    def __init__(self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str) -> None:
+    def __init__(
+        self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str, precision: str
+    ) -> None:
         self.system = system
+        self.precision = precision
         self.config = config
         self.batch_size = batch_size
         self.warmup = warmup
@@ -314,10 +324,11 @@ class BenchCallback(L.Callback):
         P = count_parameters(self.config)
         step_ms = max(r["step_ms_median"] for r in ranks if r["step_ms_median"] is not None)  # slowest rank
         state = max(r["state_bytes"].get("live_total", 0) for r in ranks)  # worst rank
-        formula = formula_bytes(self.system, P, N)
+        formula = formula_bytes(self.system, P, N, self.precision)
         measured_comm = [r["comm_bytes_per_step"] for r in ranks if r["comm_bytes_per_step"] is not None]
         return {
             "system": self.system,
+            "precision": self.precision,
             "world_size": N,
             "params": P,
             "config": asdict(self.config),
@@ -331,9 +342,11 @@ class BenchCallback(L.Callback):
             "delta_pct": 100.0 * (state - formula) / formula,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
             "saved_activation_mb": max((r["saved_activation_bytes"] or 0) for r in ranks) / 1e6,
-            "comm_bytes_per_step": max(measured_comm) if measured_comm else analytic_comm_bytes(self.system, self.config),
+            "comm_bytes_per_step": max(measured_comm)
+            if measured_comm
+            else analytic_comm_bytes(self.system, self.config, self.precision),
             "comm_source": "measured" if measured_comm else "analytic",
-            "comm_analytic_bytes_per_step": analytic_comm_bytes(self.system, self.config),
+            "comm_analytic_bytes_per_step": analytic_comm_bytes(self.system, self.config, self.precision),
             "per_rank": ranks,
             "torch": torch.__version__,
             "lightning": L.__version__,
@@ -358,18 +371,24 @@ def run_system(args: argparse.Namespace) -> None:
     )
     module_cls = FSDP2GPTModule if args.system == "fsdp2" else GPTLightningModule
     model = module_cls(**model_kw, dropout=0.0, bias=True, build_in_configure_model=True)
+    if args.system == "fsdp2" and args.precision == "bf16-mixed":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        model.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=build_strategy(args.system, args.devices),
-        precision="32-true",
+        precision=args.precision,
         max_steps=total_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,  # the GPT module has a validation_step; the benchmark data has no val set
-        callbacks=[BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out)],
+        callbacks=[
+            BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision)
+        ],
     )
     trainer.fit(model, datamodule=data)
 
@@ -384,7 +403,7 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     cmd = [
         sys.executable, os.path.abspath(__file__), "--system", system, "--out", str(out),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
-        "--batch-size", str(args.batch_size),
+        "--batch-size", str(args.batch_size), "--precision", args.precision,
     ] + (["--quick"] if args.quick else [])
     print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -448,7 +467,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     if results:
         r = results[0]
         print(
-            f"\nP = {r['params']:,} params, {r['world_size']} ranks, batch {r['batch_per_rank']}/rank x "
+            f"\n{r['precision']}, P = {r['params']:,} params, {r['world_size']} ranks, batch {r['batch_per_rank']}/rank x "
             f"{r['config']['block_size']} tokens, median of {r['measured_steps']} steps after {r['warmup_steps']} "
             f"warmup ({len(r['rounds_step_ms'])} interleaved round(s), median); step_ms/state/RSS are the worst "
             f"rank; MB = 1e6 bytes."
@@ -463,6 +482,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--quick", action="store_true", help="tiny model: a smoke test, not a benchmark")
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"), help="Trainer precision")
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(
         "--rounds", type=int, default=1,

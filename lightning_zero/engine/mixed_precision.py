@@ -7,10 +7,13 @@ Parameters used in compute are held in a 2-byte dtype (``compute_dtype``); the o
 copies), 2 bytes of gradient (stage 1: full; stage 2: shard), 4/N of master and 8/N of Adam state:
 ``4P+12P/N``, ``2P+14P/N`` and ``16P/N`` for stages 1, 2, 3.
 
-Normalization layers keep fp32 parameters (``fp32_modules``): their kernels accept low-precision inputs with
-fp32 weights and statistics, BatchNorm's fp32 running statistics require it, and it is what their weights
-are in Lightning's own mixed modes. Their gradients are reduced and held in fp32 too; they are a tiny part
-of any model.
+Layers listed in ``fp32_modules`` keep fp32 parameters, reduced and held in fp32 too. By default these are
+the BatchNorm/InstanceNorm family, whose fp32 running statistics need fp32 weights (FSDP1 and Lightning's
+FSDP strategy make the same exception). LayerNorm, GroupNorm and RMSNorm weights are held in the compute
+dtype like every other weight, as FSDP2 and DeepSpeed do; their kernels normalize in fp32 internally, and
+on CUDA autocast runs ``layer_norm``/``group_norm`` in fp32 as in Lightning's own mixed modes. Keeping them
+fp32 as well (``ZeroPrecision(fp32_modules=...)``) costs stage 3 one extra all-gather unit per layer.
+Frozen parameters are never cast: their values would be rounded for good.
 """
 
 from __future__ import annotations
@@ -20,13 +23,8 @@ import dataclasses
 import torch
 from torch import nn
 
-#: Layers whose parameters stay fp32 under a mixed policy (see the module note).
-FP32_MODULES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
+#: Layers whose parameters stay fp32 under a mixed policy by default (see the module note).
+FP32_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +59,12 @@ class PrecisionPolicy:
         return [m for m in module.modules() if isinstance(m, self.fp32_modules) and any(True for _ in m.parameters(recurse=False))]
 
 
-def cast_parameters(module: nn.Module, policy: PrecisionPolicy) -> None:
-    """Hold every parameter in its compute dtype, in place (the ``Parameter`` objects, their hooks and the
-    optimizer's references stay the same). Buffers are left as they are."""
+def cast_parameters(module: nn.Module, params: list[nn.Parameter], policy: PrecisionPolicy) -> None:
+    """Hold ``params`` (the trainable parameters of ``module``) in their compute dtypes, in place: the
+    ``Parameter`` objects, their hooks and the optimizer's references stay the same. Buffers are left alone."""
     dtypes = policy.param_dtypes(module)
     with torch.no_grad():
-        for p in module.parameters():
+        for p in params:
             dtype = dtypes.get(id(p))
             if dtype is not None and p.dtype != dtype:
                 p.data = p.data.to(dtype)

@@ -70,7 +70,7 @@ class ZeroDataParallel:
                 local_rows(p.detach(), spec, self.rank).to(policy.master_dtype, copy=True)
                 for p, spec in zip(self.params, self.layout.params)
             ]
-            cast_parameters(module, policy)
+            cast_parameters(module, self.params, policy)
         self.reducer = GradientReducer(
             self.params,
             self.layout,

@@ -133,12 +133,18 @@ def skipped_steps(stage) -> dict:
     return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
 
 
-def tour(stage) -> dict:
+def tour(stage, precision: str = "32-true", callbacks=()) -> dict:
     L.seed_everything(5)
     module = models.Tour()
     frozen_before = module.frozen.weight.detach().clone()
     data = models.IndexedData()
-    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_epochs=2, limit_val_batches=2)
+    t = trainer(
+        ZeroStrategy(stage=stage, state_dict_type="full"),
+        max_epochs=2,
+        limit_val_batches=2,
+        precision=precision,
+        callbacks=list(callbacks),
+    )
     t.fit(module, models.loader(data, 4), models.loader(data, 4))
     out = {
         "epochs": t.current_epoch,

@@ -21,7 +21,7 @@ from lightning_zero.demo.gpt import GPTLightningModule
 from lightning_zero.engine.collectives import comm_stats
 from tests.distributed import models
 from tests.distributed.mixed_reference import fp32_reference, mixed_reference
-from tests.distributed.worker_core import StateBytesProbe, max_diff, trainer
+from tests.distributed.worker_core import StateBytesProbe, max_diff, tour, trainer
 from tests.launch import write_report
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -250,6 +250,13 @@ def scaler_checkpoint(stage: int) -> dict:
     return out
 
 
+def tour_mixed(stage: int) -> dict:
+    """Frozen layer, BatchNorm, SGD, epoch scheduler, metrics and every loop, in bf16-mixed."""
+    recorder = LossRecorder()
+    out = tour(stage, precision="bf16-mixed", callbacks=[recorder])
+    return {**out, "dtypes": recorder.dtypes}
+
+
 def collectives_tempdir() -> str:
     from lightning_zero.engine import collectives
 
@@ -265,6 +272,7 @@ CASES = {
         **{f"memory_stage{s}": memory(s) for s in (1, 2, 3)},
         **{f"comm_stage{s}_{p}": communication(s, p) for s in (1, 2, 3) for p in ("32-true", "bf16-mixed")},
         **{f"checkpoint_stage{s}": scaler_checkpoint(s) for s in (2, 3)},
+        **{f"tour_stage{s}": tour_mixed(s) for s in (1, 2, 3)},
     },
 }
 
