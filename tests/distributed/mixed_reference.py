@@ -27,18 +27,21 @@ def _optimizer(module: GPTLightningModule):
     return conf, None
 
 
-def fp32_reference(initial: dict, model_kwargs: dict, dataset, *, world: int, batch: int, steps: int, clip: float) -> list[float]:
-    """Loss of every step (mean over the ranks' micro-batches) of plain fp32 training."""
+def fp32_reference(
+    initial: dict, model_kwargs: dict, dataset, *, world: int, batch: int, steps: int, clip: float, accumulate: int = 1
+) -> list[float]:
+    """Loss of every micro-batch (mean over the ranks) of plain fp32 training."""
     model = GPTLightningModule(**model_kwargs)
     model.load_state_dict(copy.deepcopy(initial))
     opt, sched = _optimizer(model)
     losses = []
-    for per_rank in models.global_microbatches(dataset, world, batch, steps):
+    batches = models.global_microbatches(dataset, world, batch, steps * accumulate)
+    for step in range(steps):
         opt.zero_grad()
-        parts = [model._loss(b) for b in per_rank]
-        loss = sum(parts) / world
-        loss.backward()
-        losses.append(loss.item())
+        for per_rank in batches[step * accumulate : (step + 1) * accumulate]:
+            loss = sum(model._loss(b) for b in per_rank) / world
+            (loss / accumulate).backward()
+            losses.append(loss.item())
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()

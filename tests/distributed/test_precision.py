@@ -47,6 +47,15 @@ def test_loss_curve_tracks_fp32_training(tracking, stage, precision):
 
 @pytest.mark.parametrize("precision", MIXED)
 @pytest.mark.parametrize("stage", [1, 2, 3])
+def test_loss_curve_tracks_fp32_training_under_accumulation(tracking, stage, precision):
+    """10 steps of 2 accumulated micro-batches (the held sums accumulate in the compute dtype)."""
+    result = tracking[f"stage{stage}_{precision}_accumulate"]
+    assert len(result["losses"]) == 20
+    assert result["loss_diff"] <= LOSS_TOLERANCE[precision]
+
+
+@pytest.mark.parametrize("precision", MIXED)
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_master_weights_equal_single_process_mixed_arithmetic(tracking, stage, precision):
     """20 steps, clipping by norm, two param groups, an LR warmup schedule."""
     result = tracking[f"stage{stage}_{precision}"]

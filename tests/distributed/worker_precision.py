@@ -56,11 +56,13 @@ class LossRecorder(L.Callback):
             self.dtypes = {n: str(p.dtype) for n, p in pl_module.named_parameters()}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean").item())
+        # Lightning hands this hook the loss divided by `accumulate_grad_batches`.
+        loss = outputs["loss"].detach().float() * trainer.accumulate_grad_batches
+        self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
 
 
 # ---------------------------------------------------------------------- cases
-def tracks_reference(stage: int, precision: str, steps: int = 20) -> dict:
+def tracks_reference(stage: int, precision: str, steps: int = 20, accumulate: int = 1) -> dict:
     L.seed_everything(11)
     module = GPTLightningModule(**GPT_KWARGS)
     initial = copy.deepcopy(module.state_dict())
@@ -69,6 +71,7 @@ def tracks_reference(stage: int, precision: str, steps: int = 20) -> dict:
         ZeroStrategy(stage=stage, state_dict_type="full"),
         max_steps=steps,
         gradient_clip_val=CLIP,
+        accumulate_grad_batches=accumulate,
         callbacks=[recorder],
         **precision_kwargs(precision),
     )
@@ -87,11 +90,11 @@ def tracks_reference(stage: int, precision: str, steps: int = 20) -> dict:
     }
     if RANK == 0:
         kwargs = dict(world=WORLD, batch=BATCH, steps=steps, clip=CLIP)
-        reference = fp32_reference(initial, GPT_KWARGS, data, **kwargs)
+        reference = fp32_reference(initial, GPT_KWARGS, data, **kwargs, accumulate=accumulate)
         out["fp32_losses"] = reference
         out["loss_diff"] = max(abs(a - b) for a, b in zip(recorder.losses, reference))
         out["loss_drop_fp32"] = reference[0] - reference[-1]
-        if precision != "bf16-true":
+        if precision != "bf16-true" and accumulate == 1:
             emulated = mixed_reference(
                 initial,
                 GPT_KWARGS,
@@ -265,7 +268,8 @@ def collectives_tempdir() -> str:
 
 CASES = {
     "tracking": lambda: {
-        f"stage{s}_{p}": tracks_reference(s, p) for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed", "bf16-true")
+        **{f"stage{s}_{p}": tracks_reference(s, p) for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed", "bf16-true")},
+        **{f"stage{s}_{p}_accumulate": tracks_reference(s, p, steps=10, accumulate=2) for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed")},
     },
     "overflow": lambda: {f"stage{s}": overflow_skips_step(s) for s in (1, 2, 3)},
     "costs": lambda: {
