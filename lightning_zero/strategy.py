@@ -43,7 +43,6 @@ from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
 from lightning_zero.rng import collect_rng_state, restore_rng_state
 
 
-
 class ZeroStrategy(ParallelStrategy):
     """ZeRO data parallelism for any LightningModule.
 
