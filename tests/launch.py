@@ -89,6 +89,28 @@ def write_report(data: dict) -> None:
     Path(os.environ["LZ_REPORT"]).write_text(json.dumps(data))
 
 
+def run_cases(cases: dict, groups: list[str]) -> None:
+    """Main of a rank program: run each group's cases; rank 0 reports, including the traceback of a group
+    that failed (which then fails the launch)."""
+    import traceback
+
+    import torch
+
+    torch.set_num_threads(1)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    report = {}
+    for group in groups:
+        try:
+            report[group] = cases[group]()
+        except Exception:
+            report[group] = {"error": traceback.format_exc()}
+            if rank0:
+                write_report(report)
+            raise
+    if rank0:
+        write_report(report)
+
+
 def run_cases_with_directory(cases: dict, groups: list[str]) -> None:
     """Main of a rank program whose cases take a directory shared by the ranks (and by later launches
     when ``LZ_SHARED_DIR`` is set); rank 0 reports."""

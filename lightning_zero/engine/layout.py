@@ -115,12 +115,8 @@ class ShardLayout:
 
     @property
     def shard_numel(self) -> int:
-        """Elements of one rank's flat shard storage (padded)."""
+        """Elements of one rank's shards of every parameter, padded (its stage-2 gradient storage)."""
         return sum(b.segment_numel for b in self.buckets)
-
-    def bucket_offset(self, bucket: int) -> int:
-        """Offset of ``bucket``'s segment inside a rank's flat shard storage."""
-        return sum(b.segment_numel for b in self.buckets[:bucket])
 
     def describe(self, rank: int = 0) -> str:
         """A printable plan, for debugging and for the docs."""

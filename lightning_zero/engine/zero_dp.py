@@ -54,7 +54,6 @@ class ZeroDataParallel:
                 raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.policy = policy
         dtypes = policy.param_dtypes(module) if policy is not None else {}
         self.layout: ShardLayout = plan_layout(
             [(n, tuple(p.shape)) for n, p in named],

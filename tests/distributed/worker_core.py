@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
 
 import lightning as L
 import torch
@@ -19,7 +18,7 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.engine.collectives import comm_stats
 from lightning_zero.memory import live_tensor_bytes
 from tests.distributed import models
-from tests.launch import write_report
+from tests.launch import run_cases
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -272,20 +271,5 @@ CASES = {
 }
 
 
-def main(groups: list[str]) -> None:
-    report = {}
-    for group in groups:
-        try:
-            report[group] = CASES[group]()
-        except Exception:
-            report[group] = {"error": traceback.format_exc()}
-            if RANK == 0:
-                write_report(report)
-            raise
-    if RANK == 0:
-        write_report(report)
-
-
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main(sys.argv[1:])
+    run_cases(CASES, sys.argv[1:])

@@ -10,7 +10,6 @@ import copy
 import os
 import sys
 import tempfile
-import traceback
 
 import lightning as L
 import torch
@@ -22,7 +21,7 @@ from lightning_zero.engine.collectives import comm_stats
 from tests.distributed import models
 from tests.distributed.mixed_reference import fp32_reference, mixed_reference
 from tests.distributed.worker_core import StateBytesProbe, max_diff, tour, trainer
-from tests.launch import write_report
+from tests.launch import run_cases
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -281,20 +280,5 @@ CASES = {
 }
 
 
-def main(groups: list[str]) -> None:
-    report = {}
-    for group in groups:
-        try:
-            report[group] = CASES[group]()
-        except Exception:
-            report[group] = {"error": traceback.format_exc()}
-            if RANK == 0:
-                write_report(report)
-            raise
-    if RANK == 0:
-        write_report(report)
-
-
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main(sys.argv[1:])
+    run_cases(CASES, sys.argv[1:])
