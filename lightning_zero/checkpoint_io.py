@@ -49,11 +49,9 @@ SHARDED_MARKER = "lightning_zero_sharded"
 
 # ---------------------------------------------------------------------- who hosts which tensor
 def _hosted(optimizer: Optimizer, engine) -> dict[int, torch.Tensor]:
-    """``id(param)`` -> the tensor the optimizer keys that parameter's state by."""
-    if engine is None or engine.stage == 3:
-        return {}
-    sharded = engine.sharded(optimizer)
-    return {id(engine.params[i]): sharded.shards[i] for i in sharded.indices}
+    """``id(param)`` -> the tensor the optimizer keys that parameter's state by, where it is not the
+    parameter itself (a shard view, a master, a host copy)."""
+    return {} if engine is None else engine.hosted(optimizer)
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
@@ -240,8 +238,8 @@ def load(
         live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
         check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state")
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    if engine is not None and engine.stage != 3:
-        engine.gather_params()  # each rank loaded only its rows of the resident parameters
+    if engine is not None:
+        engine.params_loaded()  # e.g. each rank loaded only its rows of the resident parameters
     for i, optimizer in enumerate(optimizers):
         groups = checkpoint.get("optimizer_param_groups", [])
         if i < len(groups):
@@ -278,7 +276,7 @@ def _materialize_optimizer_state(optimizer: Optimizer, engine) -> None:
     if optimizer.state:
         return
     hosted = _hosted(optimizer, engine)
-    hosting = engine.sharded(optimizer).hosted_on_shards() if hosted else nullcontext()
+    hosting = engine.hosting(optimizer) if hosted else nullcontext()
     shards = set(map(id, hosted.values()))
     with hosting:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad or id(p) in shards]
@@ -327,8 +325,8 @@ def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, s
                 engine.local_rows(rows[name]).copy_(shard_rows(full, rank, world))
             else:
                 target.copy_(full)
-    if rows:
-        engine.gather_params()
+    if engine is not None:
+        engine.params_loaded()
 
 
 def load_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any], module: nn.Module, engine) -> None:
@@ -345,8 +343,8 @@ def load_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any], module:
         restored = {}
         for name, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
-                local = shard_rows(value, rank, world).to(param.device, copy=True)
-                if isinstance(param, DTensor):
+                local = shard_rows(value, rank, world).to(key.device, copy=True)
+                if key is param and isinstance(param, DTensor):
                     local = DTensor.from_local(
                         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
                     )

@@ -52,10 +52,17 @@ class ZeroConfig:
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
 
     offload_optimizer: bool = False
-    """Keep fp32 master shards and optimizer state in host memory (ZeRO-Offload)."""
+    """Keep master shards and optimizer state in host memory (ZeRO-Offload): gradient shards go to the host,
+    the optimizer steps there, updated shards come back."""
 
     offload_params: bool = False
-    """Stage 3 only: keep sharded parameters in host memory between uses."""
+    """Stage 3 only: keep sharded parameters in host memory between uses, copying each unit's shards to the
+    device just before its all-gather. The optimizer then steps on the host as well, so this implies
+    ``offload_optimizer``."""
+
+    pin_memory: bool | None = None
+    """Pin offloaded host memory for fast asynchronous copies. ``None``: pin when an accelerator exists (on a
+    CPU-only run pinning is impossible and ``True`` is ignored with a warning)."""
 
     activation_checkpointing: Any = None
     """Module classes, a predicate or a dict (``{"classes": [...], "every": k}``) whose forward is recomputed in
@@ -128,11 +135,8 @@ class ZeroConfig:
             check_choice("process_group_backend", self.process_group_backend, ("gloo", "nccl", "mpi", "cuda:nccl,cpu:gloo"))
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
             raise ZeroConfigError(f"`timeout` must be a positive datetime.timedelta, got {self.timeout!r}.")
-        if self.offload_optimizer or self.offload_params:
-            raise ZeroConfigError(
-                "CPU offload (`offload_optimizer`/`offload_params`, also selected by the names 'zero2_offload' "
-                "and 'zero3_offload') is not available in this version; use stage 1, 2 or 3 without offload."
-            )
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise ZeroConfigError(f"`pin_memory` must be None, True or False, got {self.pin_memory!r}.")
         if not isinstance(self.elementwise_optimizers, tuple) or not all(
             isinstance(c, type) for c in self.elementwise_optimizers
         ):
@@ -146,6 +150,11 @@ class ZeroConfig:
     def checkpoint_policy(self) -> CheckpointPolicy | None:
         """The resolved activation-checkpointing policy (None: off)."""
         return self._checkpoint_policy
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        """Whether the optimizer state lives in host memory (``offload_params`` puts it there too)."""
+        return self.offload_optimizer or self.offload_params
 
     @property
     def bucket_numel(self) -> int:

@@ -3,6 +3,9 @@
 The count walks every live tensor the garbage collector knows, counts each storage once (views of one flat
 buffer share it), counts a DTensor by its local shard, and skips freed storages (FSDP2 resizes gathered
 parameters to zero bytes). It sees whatever a strategy keeps, wherever it keeps it.
+
+:func:`model_state_bytes` instead asks a ZeroStrategy engine what it holds, so model state can be split by
+kind and by placement (device or host memory) even where both are the same memory (a CPU-only run).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import gc
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
@@ -66,3 +71,47 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[st
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield counter
+
+
+def model_state_bytes(module: nn.Module, optimizers: Iterable[Optimizer], engine=None) -> dict[str, int]:
+    """Bytes of model state this rank holds (each storage once): by kind (``params``, ``grads``,
+    ``masters``, ``optimizer``) and by placement (``device``, ``host``), the terms of the ZeRO formulas.
+
+    Placement is where the engine put a tensor: with ``offload_optimizer`` the masters, their gradient
+    buffers and the optimizer state are host memory; with ``offload_params`` the parameter shards and their
+    gradients too. On an accelerator this is the tensors' device type; on a CPU-only run, where host and
+    device are one memory, it is the only way to tell them apart.
+    """
+    masters = getattr(engine, "masters", None)
+    masters_on_host = masters is not None and masters.offloaded
+    params_on_host = bool(getattr(engine, "offload_params", False))
+    optimizer_on_host = masters_on_host or params_on_host
+    out = dict.fromkeys(("params", "grads", "masters", "optimizer", "device", "host"), 0)
+    seen: set[int] = set()
+
+    def add(kind: str, tensor: torch.Tensor, on_host: bool) -> None:
+        ptr, size = _storage(tensor)
+        if size == 0 or ptr in seen:
+            return
+        seen.add(ptr)
+        out[kind] += size
+        out["host" if on_host else "device"] += size
+
+    for p in module.parameters():
+        add("params", p, params_on_host)
+        if p.grad is not None:
+            add("grads", p.grad, params_on_host)
+    if masters is not None:
+        for master in masters:
+            add("masters", master, masters_on_host)
+        for grad in masters.gradient_buffers:
+            add("grads", grad, masters_on_host)
+    reducer = getattr(engine, "reducer", None)
+    for grad in reducer.held_gradients() if reducer is not None else ():
+        add("grads", grad, False)  # the host buffers among finalized gradients were counted just above
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    add("optimizer", value, optimizer_on_host)
+    return out

@@ -221,7 +221,8 @@ class ZeroPrecision(Precision):
 
     def _any_rank_found_inf(self, optimizer: Optimizer) -> bool:
         grads = self.engine.local_gradients(optimizer)
-        flag = torch.zeros(1, dtype=torch.float32, device=_device_of(optimizer))
+        # Offloaded gradients are host tensors: check them where they are.
+        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else _device_of(optimizer))
         if grads:
             # One fused pass that flags non-finite values (an unscale by 1 leaves the gradients as they are).
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -36,6 +36,7 @@ from lightning_zero.activation_checkpointing import apply_activation_checkpointi
 from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
+from lightning_zero.engine.offload import should_pin
 from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.engine.zero_dp import ZeroDataParallel
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
@@ -58,6 +59,7 @@ class ZeroStrategy(ParallelStrategy):
         *,
         offload_optimizer: bool = False,
         offload_params: bool = False,
+        pin_memory: bool | None = None,
         activation_checkpointing: Any = None,
         wrap_policy: ModulePolicy = None,
         pipeline_stages: int = 1,
@@ -84,6 +86,7 @@ class ZeroStrategy(ParallelStrategy):
             stage=stage,
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
+            pin_memory=pin_memory,
             activation_checkpointing=activation_checkpointing,
             wrap_policy=wrap_policy,
             pipeline_stages=pipeline_stages,
@@ -236,9 +239,17 @@ class ZeroStrategy(ParallelStrategy):
         if self.zero_config.checkpoint_policy is not None:
             # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
             apply_activation_checkpointing(self.model, self.zero_config.checkpoint_policy)
+        config = self.zero_config
+        pin = should_pin(self.root_device, config.pin_memory) if config.optimizer_on_host else False
         if self.stage == 3:
             self._engine = FullyShardedEngine(
-                self.model, device=self.root_device, wrap_policy=self.zero_config.wrap_policy, policy=precision.policy()
+                self.model,
+                device=self.root_device,
+                wrap_policy=config.wrap_policy,
+                policy=precision.policy(),
+                offload_optimizer=fitting and config.offload_optimizer,
+                offload_params=config.offload_params,
+                pin_memory=pin,
             )
         else:
             self.model_to_device()
@@ -247,9 +258,11 @@ class ZeroStrategy(ParallelStrategy):
                 self._engine = ZeroDataParallel(
                     self.model,
                     stage=self.stage,
-                    bucket_numel=self.zero_config.bucket_numel,
-                    overlap_comm=self.zero_config.overlap_comm,
+                    bucket_numel=config.bucket_numel,
+                    overlap_comm=config.overlap_comm,
                     policy=precision.policy(),
+                    offload_optimizer=config.offload_optimizer,
+                    pin_memory=pin,
                 )
         self._buffers = [b for b in self.model.buffers() if not b.is_meta]
         if fitting:
@@ -258,7 +271,7 @@ class ZeroStrategy(ParallelStrategy):
                 self._engine.wrap_optimizer(_unwrap(optimizer), self.zero_config.elementwise_optimizers)
         self.setup_precision_plugin()
         precision.attach(self._engine, self.root_device)
-        if fitting:
+        if fitting and not config.optimizer_on_host:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override

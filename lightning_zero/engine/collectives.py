@@ -103,6 +103,12 @@ def all_gather(
         if world_size(group) == 1:
             output.copy_(input)
             return None
+        staging = _staging_device(output, group)
+        if staging is not None:  # host tensors (offloaded state) over a device-only backend
+            staged = output.to(staging)
+            dist.all_gather_into_tensor(staged, input.to(staging), group=group)
+            output.copy_(staged)
+            return None
         if _use_ring(group):
             work = _RingAllGather(output, input, group)
         else:
@@ -196,9 +202,24 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     """In-place all-reduce (small tensors: norms, overflow flags)."""
     _STATS.record("all_reduce", tensor)
     with record_function("lightning_zero::all_reduce"):
-        if world_size(group) > 1:
+        if world_size(group) == 1:
+            return tensor
+        staging = _staging_device(tensor, group)
+        if staging is None:
             dist.all_reduce(tensor, op=op, group=group)
+        else:
+            staged = tensor.to(staging)
+            dist.all_reduce(staged, op=op, group=group)
+            tensor.copy_(staged)
     return tensor
+
+
+def _staging_device(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device | None:
+    """NCCL moves only CUDA tensors: host tensors (offloaded gradients and optimizer state) go through the
+    current CUDA device. None when the backend takes the tensor where it is."""
+    if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.ProcessGroup | None = None) -> None:

@@ -17,6 +17,14 @@ is the master), gathers are cast to the 2-byte compute dtype, gradients are redu
 land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py``) become units of their own
 with an fp32 policy. Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
 operation, exactly as in stages 1 and 2, so the three stages compute the same thing.
+
+[Note: stage 3 offload]
+``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
+precision), their gradients and therefore the optimizer state live in host memory; each unit's shards are
+copied to the device just before its all-gather, and reduced gradient shards come back to the host. The
+user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded parameters on
+the device and re-hosts the optimizer on host copies of them (see ``offload.py``), exactly as stages 1 and 2
+do: gradient shards go to the host, the host steps, updated shards come back.
 """
 
 from __future__ import annotations
@@ -27,14 +35,15 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
-from lightning_zero.engine.sharded_optimizer import check_elementwise
+from lightning_zero.engine.offload import MasterShards, host_kernel
+from lightning_zero.engine.sharded_optimizer import check_elementwise, hosted_params
 
 
 def default_units(root: nn.Module) -> list[nn.Module]:
@@ -79,9 +88,19 @@ class FullyShardedEngine:
     stage = 3
 
     def __init__(
-        self, module: nn.Module, *, device: torch.device, wrap_policy=None, policy: PrecisionPolicy | None = None
+        self,
+        module: nn.Module,
+        *,
+        device: torch.device,
+        wrap_policy=None,
+        policy: PrecisionPolicy | None = None,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         self.module = module
+        self.offload_params = offload_params
+        self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
         self.world_size = collectives.world_size()
         self.rank = collectives.rank()
         self.mesh = init_device_mesh(device.type, (self.world_size,))
@@ -91,23 +110,36 @@ class FullyShardedEngine:
         self._fp32_units = {id(m) for m in fp32_units}
         chosen = {id(m) for m in (*units, *fp32_units)}
         self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
-        if isinstance(module, FSDPModule):
-            return  # sharded by an earlier fit/validate/test on this module
-        if _has_meta(module, recurse=True):
-            self._materialize_and_shard(device)
-        else:
-            module.to(device)
-            # Every rank must start from the same values before it keeps only its rows.
-            collectives.broadcast([t.data for t in (*module.parameters(), *module.buffers())], src=0)
-            for unit in reversed(self.units):
-                self._shard(unit)
-        self._shard(module)
+        if not isinstance(module, FSDPModule):  # else sharded by an earlier fit/validate/test on this module
+            if _has_meta(module, recurse=True):
+                self._materialize_and_shard(device)
+            else:
+                module.to(device)
+                # Every rank must start from the same values before it keeps only its rows.
+                collectives.broadcast([t.data for t in (*module.parameters(), *module.buffers())], src=0)
+                for unit in reversed(self.units):
+                    self._shard(unit)
+            self._shard(module)
+        #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.masters: MasterShards | None = None
+        if offload_optimizer and not offload_params:
+            self.masters = MasterShards(
+                [_local(p) for p in self.params], dtype=None, offloaded=True, pin=pin_memory
+            )
 
     # ------------------------------------------------------------------ sharding
     def _shard(self, module: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             return
-        fully_shard(module, mesh=self.mesh, reshard_after_forward=True, mp_policy=self._mp_policy(module))
+        fully_shard(
+            module,
+            mesh=self.mesh,
+            reshard_after_forward=True,
+            mp_policy=self._mp_policy(module),
+            offload_policy=self._offload_policy,
+        )
         module.set_custom_all_gather(collectives.CountingAllGather())
         module.set_custom_reduce_scatter(collectives.CountingReduceScatter())
 
@@ -159,8 +191,36 @@ class FullyShardedEngine:
     def _params(optimizer: Optimizer) -> Iterable[torch.Tensor]:
         return (p for group in optimizer.param_groups for p in group["params"])
 
+    def _hosted_indices(self, optimizer: Optimizer) -> list[int]:
+        if self.masters is None:
+            return []
+        return [self._index[id(p)] for p in self._params(optimizer) if id(p) in self._index]
+
+    def hosted(self, optimizer: Optimizer) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the host master ``optimizer`` keys its state by (``offload_optimizer`` alone);
+        otherwise the optimizer steps the sharded parameters themselves."""
+        return {id(self.params[i]): self.masters[i] for i in self._hosted_indices(optimizer)}
+
+    @contextlib.contextmanager
+    def hosting(self, optimizer: Optimizer) -> Iterator[None]:
+        """A block in which ``optimizer`` holds the host masters, with host copies of the gradient shards."""
+        indices = self._hosted_indices(optimizer)
+        if not indices:
+            yield
+            return
+        grads = self.masters.receive_gradients({i: _local_grad(self.params[i]) for i in indices})
+        with hosted_params(optimizer, {id(self.params[i]): (self.masters[i], grads[i]) for i in indices}):
+            yield
+
     def step(self, optimizer: Optimizer, **kwargs) -> object:
-        return optimizer.step(**kwargs)
+        """See [Note: stage 3 offload]."""
+        on_host = self.masters is not None or self.offload_params
+        with self.hosting(optimizer), host_kernel(optimizer, enabled=on_host):
+            result = optimizer.step(**kwargs)
+        with torch.no_grad():
+            for i in self._hosted_indices(optimizer):
+                self.masters.copy_into(i, _local(self.params[i]))
+        return result
 
     def discard_gradients(self, optimizer: Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -173,16 +233,12 @@ class FullyShardedEngine:
                 torch._foreach_mul_(grads, scale)
 
     def local_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        grads = (p.grad for p in self._params(optimizer))
-        return [g.to_local() if isinstance(g, DTensor) else g for g in grads if g is not None]
+        grads = (_local_grad(p) for p in self._params(optimizer))
+        return [g for g in grads if g is not None]
 
     def named_gradient_shards(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
         names = {id(p): n for n, p in self.module.named_parameters()}
-        out = []
-        for p in self._params(optimizer):
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            out.append((names[id(p)], grad, p.shape))
-        return out
+        return [(names[id(p)], _local_grad(p), p.shape) for p in self._params(optimizer)]
 
     def discard_all_gradients(self) -> None:
         """Gradients are ordinary ``p.grad`` here; Lightning's ``zero_grad`` clears them."""
@@ -199,5 +255,19 @@ class FullyShardedEngine:
     def post_backward(self) -> None:
         """FSDP2 lands its reduce-scatters in its own post-backward callback."""
 
+    def params_loaded(self) -> None:
+        """A checkpoint was loaded into the sharded parameters: refresh the host masters from them."""
+        if self.masters is not None:
+            for i, p in enumerate(self.params):
+                self.masters.refresh_from(i, _local(p))
+
     def teardown(self) -> None:
         """FSDP2's hooks live as long as the module."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    return None if param.grad is None else _local(param.grad)

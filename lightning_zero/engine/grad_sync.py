@@ -15,7 +15,8 @@ gradients never outlive the bucket they are reduced in.
 
 Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype (the communication buffer
 may be wider, ``reduce_dtype``), and :meth:`GradientReducer.finalize` produces fresh fp32 gradients for the
-master shards: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values to zero.
+master shards: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values to zero. With
+``offload_optimizer`` those fresh gradients are made directly in host memory (see ``offload.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 from lightning_zero.engine import collectives
 from lightning_zero.engine.buckets import local_rows, pack_bucket, segment_view
 from lightning_zero.engine.layout import ShardLayout
+from lightning_zero.engine.offload import MasterShards
 
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
@@ -61,6 +63,7 @@ class GradientReducer:
         overlap_comm: bool = True,
         reduce_dtype: torch.dtype | None = None,
         master_dtype: torch.dtype | None = None,
+        host_gradients: MasterShards | None = None,
         group=None,
     ) -> None:
         self.params = list(params)
@@ -82,6 +85,8 @@ class GradientReducer:
         #: The finalized gradient of each parameter (the held sum itself unless ``master_dtype`` differs).
         self._final: dict[int, torch.Tensor] = {}
         self.master_dtype = master_dtype
+        #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
+        self.host_gradients = host_gradients
         self._dirty = [set() for _ in layout.buckets]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
@@ -122,6 +127,11 @@ class GradientReducer:
         if grad is None:
             return None
         return local_rows(grad, self.layout.params[index], self.rank)
+
+    def held_gradients(self) -> list[torch.Tensor]:
+        """Gradient tensors the reducer itself owns (stage 2's shard storage, finalized copies), for
+        memory accounting; stage 1's full gradients are the parameters' ``.grad``."""
+        return [*(self.storage or []), *self._final.values()]
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
@@ -252,9 +262,14 @@ class GradientReducer:
             self._finalized[i] = True
             if held is None:
                 continue
-            grad = held if self.master_dtype is None else held.to(self.master_dtype)
+            if self.host_gradients is not None:
+                grad = self.host_gradients.stage_gradient(i, held)
+            else:
+                grad = held if self.master_dtype is None else held.to(self.master_dtype)
             self._final[i] = grad
             grads.append(grad)
+        if self.host_gradients is not None:
+            self.host_gradients.gradients_ready()
         if grads:
             torch._foreach_mul_(grads, scale / self.world_size)
 

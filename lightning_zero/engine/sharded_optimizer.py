@@ -9,15 +9,16 @@ by those views: optimizer state is born sharded and never exists at full size. B
 resident parameters, no fp32 master copy exists; after the step the updated rows are all-gathered back
 into every rank's parameters.
 
-Under a mixed-precision policy the hosted tensors are instead this rank's fp32 *master* rows (owned by the
-engine, see ``mixed_precision.py``); after the step they are cast into the resident 2-byte parameters'
-rows, which are then all-gathered in that dtype.
+Under a mixed-precision policy, or with ``offload_optimizer``, the hosted tensors are instead this rank's
+*master* rows (owned by the engine, see ``offload.py``): fp32 copies on the device, or in host memory. After
+the step they are copied (and cast) into the resident parameters' rows, which are then all-gathered in the
+parameters' dtype.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from lightning_zero.engine import collectives
 from lightning_zero.engine.buckets import local_rows, pack_segment, unpack_bucket
 from lightning_zero.engine.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
 from lightning_zero.engine.layout import ShardLayout
+from lightning_zero.engine.offload import MasterShards, host_kernel
 
 #: Optimizers whose update of an element depends only on that element's gradient and state, so stepping
 #: each rank's shard separately equals stepping the whole tensor.
@@ -67,7 +69,7 @@ class ShardedOptimizer:
         reducer: GradientReducer,
         *,
         rank: int,
-        masters: Sequence[torch.Tensor] | None = None,
+        masters: MasterShards | None = None,
         group=None,
     ) -> None:
         self.optimizer = optimizer
@@ -108,28 +110,19 @@ class ShardedOptimizer:
         self.indices = indices
         self.buckets = sorted({self.layout.params[i].bucket for i in indices})
 
+    def hosted(self) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the shard tensor the optimizer keys that parameter's state by."""
+        return {id(self.params[i]): self.shards[i] for i in self.indices}
+
     @contextlib.contextmanager
     def hosted_on_shards(self) -> Iterator[None]:
         """Swap trainable parameters in ``param_groups`` for their shard views (see the module note)."""
-        saved = [group["params"] for group in self.optimizer.param_groups]
-        try:
-            for group in self.optimizer.param_groups:
-                hosted = []
-                for p in group["params"]:
-                    i = self._index.get(id(p))
-                    if i is None:
-                        hosted.append(p)
-                        continue
-                    shard = self.shards[i]
-                    shard.grad = self.reducer.local_grad(i)
-                    hosted.append(shard)
-                group["params"] = hosted
+        grads = {i: self.reducer.local_grad(i) for i in self.indices}
+        if self.masters is not None:
+            grads = self.masters.receive_gradients(grads)
+        standins = {id(self.params[i]): (self.shards[i], grads[i]) for i in self.indices}
+        with hosted_params(self.optimizer, standins):
             yield
-        finally:
-            for group, params in zip(self.optimizer.param_groups, saved):
-                group["params"] = params
-            for shard in self.shards.values():
-                shard.grad = None
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's gradient shards (for the global norm)."""
@@ -139,7 +132,8 @@ class ShardedOptimizer:
     def step(self, **kwargs) -> object:
         self.refresh()
         self.reducer.finalize(self.indices)
-        with self.hosted_on_shards():
+        offloaded = self.masters is not None and self.masters.offloaded
+        with self.hosted_on_shards(), host_kernel(self.optimizer, enabled=offloaded):
             result = self.optimizer.step(**kwargs)
         self.reducer.consume(self.indices)
         self.all_gather_params()
@@ -150,27 +144,65 @@ class ShardedOptimizer:
         self.reducer.consume(self.indices)
 
     def all_gather_params(self) -> None:
-        if self.masters is not None:
-            copy_masters_to_params(self.layout, self.params, self.masters, self.indices, rank=self.rank)
-        all_gather_params(self.layout, self.params, self.buckets, rank=self.rank, group=self.group)
+        all_gather_params(
+            self.layout, self.params, self.buckets, rank=self.rank, group=self.group, masters=self.masters, indices=self.indices
+        )
 
 
-def copy_masters_to_params(
-    layout: ShardLayout, params: Sequence[nn.Parameter], masters: Sequence[torch.Tensor], indices, *, rank: int
+@contextlib.contextmanager
+def hosted_params(optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
+    """For the duration of the block, ``optimizer.param_groups`` holds, in place of each parameter ``p`` with
+    ``id(p)`` in ``standins``, the stand-in tensor given for it, its ``.grad`` set to the gradient given."""
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            hosted = []
+            for p in group["params"]:
+                standin = standins.get(id(p))
+                if standin is None:
+                    hosted.append(p)
+                    continue
+                tensor, grad = standin
+                tensor.grad = grad
+                hosted.append(tensor)
+            group["params"] = hosted
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
+        for tensor, _ in standins.values():
+            tensor.grad = None
+
+
+def all_gather_params(
+    layout: ShardLayout,
+    params: Sequence[nn.Parameter],
+    buckets: Iterable[int],
+    *,
+    rank: int,
+    group=None,
+    masters: MasterShards | None = None,
+    indices: Iterable[int] | None = None,
 ) -> None:
-    """Cast this rank's updated master rows into its rows of the resident parameters."""
-    with torch.no_grad():
-        for i in indices:
-            local_rows(params[i].detach(), layout.params[i], rank).copy_(masters[i])
+    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time, overlapping
+    the packing of the next bucket with the in-flight gather of the previous one. With ``masters``, the
+    masters of ``indices`` (default: all) are first copied into this rank's rows, bucket by bucket, so the
+    host->device copy of one bucket overlaps the gather of the one before."""
+    sources = [p.detach() for p in params]
+    wanted = set(range(len(params)) if indices is None else indices)
 
+    def copy_masters(bucket) -> None:
+        if masters is not None:
+            with torch.no_grad():
+                for i in bucket.params:
+                    if i in wanted:
+                        masters.copy_into(i, local_rows(sources[i], layout.params[i], rank))
 
-def all_gather_params(layout: ShardLayout, params: Sequence[nn.Parameter], buckets: Sequence[int], *, rank: int, group=None) -> None:
-    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time,
-    overlapping the packing of the next bucket with the in-flight gather of the previous one."""
     if layout.world_size == 1:
+        for b in buckets:
+            copy_masters(layout.buckets[b])
         return
     flights: list = []
-    sources = [p.detach() for p in params]
 
     def land(bucket, work, full) -> None:
         if work is not None:
@@ -180,6 +212,7 @@ def all_gather_params(layout: ShardLayout, params: Sequence[nn.Parameter], bucke
 
     for b in buckets:
         bucket = layout.buckets[b]
+        copy_masters(bucket)
         like = sources[bucket.params[0]]  # a bucket holds one dtype
         segment = pack_segment(
             layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)

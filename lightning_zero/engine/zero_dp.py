@@ -2,7 +2,8 @@
 
 One class serves both stages; they differ only in what the gradient reduction keeps (see
 ``grad_sync.py``): stage 1 the full ``p.grad`` with the reduced own rows, stage 2 the reduced shard alone.
-With a mixed-precision policy the engine also owns the fp32 master rows (see ``mixed_precision.py``).
+With a mixed-precision policy or ``offload_optimizer`` the engine also owns master rows (see ``offload.py``),
+on the device or in host memory.
 """
 
 from __future__ import annotations
@@ -19,12 +20,8 @@ from lightning_zero.engine.buckets import local_rows
 from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
-from lightning_zero.engine.sharded_optimizer import (
-    ShardedOptimizer,
-    all_gather_params,
-    check_elementwise,
-    copy_masters_to_params,
-)
+from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, all_gather_params, check_elementwise
 from lightning_zero.engine.state_dict import gather_full
 
 
@@ -39,6 +36,8 @@ class ZeroDataParallel:
         bucket_numel: int,
         overlap_comm: bool = True,
         policy: PrecisionPolicy | None = None,
+        offload_optimizer: bool = False,
+        pin_memory: bool = False,
         group=None,
     ) -> None:
         if stage not in (1, 2):
@@ -62,13 +61,18 @@ class ZeroDataParallel:
             # Parameters kept in fp32 get buckets of their own, so each bucket has one dtype.
             classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else None,
         )
-        #: fp32 copies of this rank's rows, taken before the parameters are cast to their compute dtype.
-        self.masters: list[torch.Tensor] | None = None
+        self.mixed = policy is not None
+        #: This rank's rows as the optimizer updates them, when they are not the resident parameters: fp32
+        #: copies taken before the parameters are cast to their compute dtype, and/or held in host memory.
+        self.masters: MasterShards | None = None
+        if policy is not None or offload_optimizer:
+            self.masters = MasterShards(
+                [local_rows(p.detach(), spec, self.rank) for p, spec in zip(self.params, self.layout.params)],
+                dtype=policy.master_dtype if policy is not None else None,
+                offloaded=offload_optimizer,
+                pin=pin_memory,
+            )
         if policy is not None:
-            self.masters = [
-                local_rows(p.detach(), spec, self.rank).to(policy.master_dtype, copy=True)
-                for p, spec in zip(self.params, self.layout.params)
-            ]
             cast_parameters(module, self.params, policy)
         self.reducer = GradientReducer(
             self.params,
@@ -78,6 +82,7 @@ class ZeroDataParallel:
             overlap_comm=overlap_comm,
             reduce_dtype=policy.reduce_dtype if policy is not None else None,
             master_dtype=policy.master_dtype if policy is not None else None,
+            host_gradients=self.masters if offload_optimizer else None,
             group=group,
         )
         self._optimizers: dict[int, ShardedOptimizer] = {}
@@ -100,6 +105,14 @@ class ZeroDataParallel:
 
     def step(self, optimizer: Optimizer, **kwargs) -> object:
         return self.sharded(optimizer).step(**kwargs)
+
+    def hosted(self, optimizer: Optimizer) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the tensor ``optimizer`` keys that parameter's state by (its shard)."""
+        return self.sharded(optimizer).hosted()
+
+    def hosting(self, optimizer: Optimizer) -> contextlib.AbstractContextManager:
+        """A block in which ``optimizer`` holds the shards in place of the parameters."""
+        return self.sharded(optimizer).hosted_on_shards()
 
     def discard_gradients(self, optimizer: Optimizer) -> None:
         self.sharded(optimizer).discard_gradients()
@@ -127,15 +140,15 @@ class ZeroDataParallel:
     def post_backward(self) -> None:
         self.reducer.flush()
 
-    def gather_params(self) -> None:
-        """Every rank's rows into every rank's resident parameters (after loading shards in place)."""
-        if self.masters is not None:
-            copy_masters_to_params(self.layout, self.params, self.masters, range(len(self.params)), rank=self.rank)
-        all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
+    def params_loaded(self) -> None:
+        """Checkpoint rows were written into :meth:`local_rows`: give every rank every rank's rows (collective)."""
+        all_gather_params(
+            self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group, masters=self.masters
+        )
 
     def local_rows(self, index: int) -> torch.Tensor:
-        """This rank's rows of trainable parameter ``index`` as the optimizer updates them: the fp32 master
-        under a mixed policy, else a view of the resident parameter. Checkpoints read and write these."""
+        """This rank's rows of trainable parameter ``index`` as the optimizer updates them: its master when
+        there are masters, else a view of the resident parameter. Checkpoints read and write these."""
         if self.masters is not None:
             return self.masters[index]
         return local_rows(self.params[index].detach(), self.layout.params[index], self.rank)
@@ -143,11 +156,11 @@ class ZeroDataParallel:
     def restore_master_params(self) -> None:
         """Give the module back its parameters at full precision (collective): the end of a mixed run leaves
         the model as Lightning's own mixed modes do, in fp32."""
-        if self.masters is None:
-            return
+        if not self.mixed:
+            return  # the resident parameters already hold the masters' values
         with torch.no_grad():
             for param, master, spec in zip(self.params, self.masters, self.layout.params):
-                param.data = gather_full(master, spec.shape, group=self.group)
+                param.data = gather_full(master.to(param.device), spec.shape, group=self.group)
 
     def teardown(self) -> None:
         self.reducer.remove_hooks()

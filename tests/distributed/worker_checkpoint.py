@@ -30,24 +30,32 @@ def optim_diff(a: dict, b: dict) -> float:
     )
 
 
-def straight(stage: int) -> tuple[dict, dict]:
+def straight(stage: int, **strategy_kwargs) -> tuple[dict, dict]:
     L.seed_everything(7)
-    t = trainer(ZeroStrategy(stage=stage), max_epochs=2, **COMMON)
+    t = trainer(ZeroStrategy(stage=stage, **strategy_kwargs), max_epochs=2, **COMMON)
     t.fit(models.Regression(), models.loader(DATA, 4))
     return final_state(t)
 
 
-def interrupted(save_stage: int, resume_stage: int, directory: Path, state_dict_type: str = "sharded") -> tuple[dict, dict, int]:
-    """One epoch at ``save_stage`` with ModelCheckpoint, then a new Trainer resumes for the second epoch."""
+def interrupted(
+    save_stage: int,
+    resume_stage: int,
+    directory: Path,
+    state_dict_type: str = "sharded",
+    save_kwargs: dict | None = None,
+    resume_kwargs: dict | None = None,
+) -> tuple[dict, dict, int]:
+    """One epoch at ``save_stage`` with ModelCheckpoint, then a new Trainer resumes for the second epoch
+    (``*_kwargs``: more ZeroStrategy settings for either run)."""
     L.seed_everything(7)
     ckpt = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
-    strategy = ZeroStrategy(stage=save_stage, state_dict_type=state_dict_type)
+    strategy = ZeroStrategy(stage=save_stage, state_dict_type=state_dict_type, **(save_kwargs or {}))
     first = trainer(strategy, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt], **COMMON)
     first.fit(models.Regression(), models.loader(DATA, 4))
     path = first.strategy.broadcast(ckpt.best_model_path or str(directory / "epoch=0.ckpt"))
     L.seed_everything(7)  # same script, same seed (Lightning seeds the DistributedSampler with it)
     torch.manual_seed(123)  # ... but a different RNG state: the checkpoint's must be restored
-    second = trainer(ZeroStrategy(stage=resume_stage), max_epochs=2, **COMMON)
+    second = trainer(ZeroStrategy(stage=resume_stage, **(resume_kwargs or {})), max_epochs=2, **COMMON)
     second.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=path)
     return (*final_state(second), second.global_step)
 

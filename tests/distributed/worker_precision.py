@@ -151,12 +151,12 @@ def _poison(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def overflow_skips_step(stage: int, at: int = 2, steps: int = 5) -> dict:
+def overflow_skips_step(stage: int, at: int = 2, steps: int = 5, **strategy_kwargs) -> dict:
     L.seed_everything(3)
     module = OverflowsOnce(at)
     probe = OverflowProbe()
     t = trainer(
-        ZeroStrategy(stage=stage, state_dict_type="full"),
+        ZeroStrategy(stage=stage, state_dict_type="full", **strategy_kwargs),
         max_steps=steps,
         gradient_clip_val=0.5,
         callbacks=[probe],

@@ -20,6 +20,8 @@ from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
         (dict(start_method="thread"), ["start_method", "'spawn'"]),
         (dict(stage=2, offload_params=True), ["offload_params", "stage=3"]),
         (dict(overlap_comm="yes"), ["overlap_comm", "True or False"]),
+        (dict(offload_optimizer="cpu"), ["offload_optimizer", "True or False"]),
+        (dict(stage=3, offload_params=True, pin_memory="yes"), ["pin_memory", "None, True or False"]),
     ],
 )
 def test_bad_settings_name_the_setting_and_the_allowed_values(kwargs, needles):
@@ -43,8 +45,26 @@ def test_registered_names_build_the_strategy(name, stage):
     assert isinstance(trainer.strategy.precision_plugin, ZeroPrecision)
 
 
-def test_offload_names_are_registered():
-    assert {"zero2_offload", "zero3_offload"} <= set(StrategyRegistry)
+@pytest.mark.parametrize(
+    ("name", "stage", "offload_optimizer", "offload_params"),
+    [("zero2_offload", 2, True, False), ("zero3_offload", 3, True, True)],
+)
+def test_offload_names_build_the_strategy(name, stage, offload_optimizer, offload_params):
+    trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    config = trainer.strategy.zero_config
+    assert (trainer.strategy.stage, config.offload_optimizer, config.offload_params) == (stage, offload_optimizer, offload_params)
+    assert config.optimizer_on_host
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_offload_is_accepted_for_every_stage(stage):
+    config = ZeroStrategy(stage=stage, offload_optimizer=True).zero_config
+    assert config.offload_optimizer and config.optimizer_on_host and config.pin_memory is None
+
+
+def test_parameter_offload_puts_the_optimizer_on_the_host_too():
+    config = ZeroStrategy(stage=3, offload_params=True).zero_config
+    assert config.offload_params and config.optimizer_on_host
 
 
 def test_unknown_registered_name_fails_before_any_process_starts():

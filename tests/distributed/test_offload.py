@@ -1,0 +1,119 @@
+"""CPU offload through lightning.Trainer on 2 CPU ranks (gloo). Host and device are the same memory here,
+so the offload path runs with synchronous copies; everything else is the code an accelerator runs."""
+
+import pytest
+
+from tests.launch import launch
+
+WORLD = 2
+pytestmark = pytest.mark.slow
+
+CONFIGS = ["stage1_optimizer", "stage2_optimizer", "stage3_optimizer", "stage3_params"]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return launch("tests.distributed.worker_offload", "exact", "memory", "checkpoint", nprocs=WORLD)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_offload_equals_the_same_run_without_offload(report, config):
+    """4 steps of 2 accumulated micro-batches, clipping by norm, 2 param groups, a StepLR schedule."""
+    result = report["exact"][f"{config}_32-true"]
+    assert result["steps"] == 4
+    assert result["param_diff_no_offload"] <= 1e-6
+    assert result["param_diff_reference"] <= 1e-5
+    assert result["grad_diff_reference"] <= 1e-5
+
+
+@pytest.mark.parametrize("config", CONFIGS[1:])
+def test_offload_equals_the_same_run_without_offload_in_bf16_mixed(report, config):
+    assert report["exact"][f"{config}_bf16-mixed"]["param_diff_no_offload"] <= 1e-6
+
+
+#: Stage 1 shares the stage 2 offload path; its bf16 case is not run.
+RUNS = [*((c, "32-true") for c in CONFIGS), *((c, "bf16-mixed") for c in CONFIGS[1:])]
+
+
+@pytest.mark.parametrize(("config", "precision"), RUNS)
+def test_optimizer_state_lives_on_the_host_at_shard_size(report, config, precision):
+    where = report["exact"][f"{config}_{precision}"]["placement"]
+    assert where["state_devices"] == ["cpu"] and where["key_devices"] == ["cpu"]
+    assert where["state_numel_is_shard"]
+    assert where["max_shard_numel"] < where["max_full_numel"], "the model must have something to shard"
+    assert not where["state_shares_module_storage"]
+    if config == "stage3_params":
+        # The optimizer steps FSDP2's host-resident sharded parameters themselves.
+        assert where["state_is_dtensor"] and where["keys_share_module_storage"]
+    else:
+        # The optimizer steps host master copies, separate from the parameters the model computes with.
+        assert where["keys_are_masters"] and not where["keys_share_module_storage"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_no_full_size_optimizer_state_is_ever_allocated(report, config):
+    """Every tensor any optimizer step produced (state creation included) is at most one shard in size."""
+    result = report["exact"][f"{config}_32-true"]
+    assert 0 < result["largest_step_tensor"] <= result["placement"]["max_shard_numel"]
+
+
+@pytest.mark.parametrize("config", CONFIGS[1:])
+def test_overflow_skips_the_offloaded_step(report, config):
+    result = report["exact"][f"{config}_overflow"]
+    assert result["scales"] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+    assert result["skipped"] == 1
+    assert result["params_unchanged_at_k"] and result["optim_unchanged_at_k"]
+    assert result["params_changed_after_k"] > 0 and result["finite"]
+
+
+@pytest.mark.parametrize(("name", "stage", "params"), [("zero2_offload", 2, False), ("zero3_offload", 3, True)])
+def test_registered_offload_names_train_exactly(report, name, stage, params):
+    result = report["exact"][name]
+    assert (result["stage"], result["offload_optimizer"], result["offload_params"]) == (stage, True, params)
+    assert result["param_diff_no_offload"] <= 1e-6
+
+
+#: (device, host) bytes per parameter for fp32 AdamW on N ranks (ZeRO-Offload: 16P/N on the host).
+FP32_FORMULAS = {
+    "none_stage2": lambda n: (4 + 12 / n, 0),
+    "stage1_optimizer": lambda n: (8, 16 / n),
+    "stage2_optimizer": lambda n: (4 + 4 / n, 16 / n),
+    "stage3_optimizer": lambda n: (8 / n, 16 / n),
+    "stage3_params": lambda n: (0, 16 / n),
+}
+#: bf16-mixed: 2-byte parameters and gradient shards on the device, fp32 masters, gradients and Adam on the host.
+MIXED_FORMULAS = {
+    "stage2_optimizer": lambda n: (2 + 2 / n, 16 / n),
+    "stage3_params": lambda n: (0, 16 / n),
+}
+
+
+@pytest.mark.parametrize(
+    ("key", "formula"),
+    [*((f"{k}_32-true", f) for k, f in FP32_FORMULAS.items()), *((f"{k}_bf16-mixed", f) for k, f in MIXED_FORMULAS.items())],
+)
+def test_device_and_host_bytes_match_the_offload_formulas(report, key, formula):
+    measured = report["memory"][key]
+    params = measured["params_count"]
+    device, host = (per_param * params for per_param in formula(WORLD))
+    assert measured["device"] == pytest.approx(device, rel=0.02, abs=1024)
+    assert measured["host"] == pytest.approx(host, rel=0.02)
+    # Nothing is left out of the split: the garbage collector's count of every live tensor agrees.
+    assert measured["live"] == pytest.approx(measured["device"] + measured["host"], rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "stage2_offload->offload",
+        "stage2_offload->plain",
+        "stage3_plain->params",
+        "stage3_optimizer->optimizer_full",
+        "stage3_params->params",
+    ],
+)
+def test_offloaded_checkpoints_resume_exactly_with_or_without_offload(report, case):
+    result = report["checkpoint"][case]
+    assert result["steps"] == 6
+    assert result["param_diff"] <= 1e-6
+    assert result["optim_diff"] <= 1e-6

@@ -1,0 +1,213 @@
+"""Rank program for the CPU-offload tests (pattern: worker_core): exactness against the same run without
+offload, where every state tensor lives, the largest tensor the optimizer ever creates, bytes by placement,
+and checkpoints."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.memory import live_tensor_bytes, model_state_bytes
+from tests.distributed import models
+from tests.distributed.worker_checkpoint import interrupted, optim_diff, straight
+from tests.distributed.worker_core import RANK, WORLD, GradientRecorder, max_diff, trainer
+from tests.distributed.worker_precision import overflow_skips_step
+from tests.launch import run_cases_with_directory
+
+#: (name, stage, ZeroStrategy settings) of every offload configuration.
+CONFIGS = [
+    ("stage1_optimizer", 1, dict(offload_optimizer=True)),
+    ("stage2_optimizer", 2, dict(offload_optimizer=True)),
+    ("stage3_optimizer", 3, dict(offload_optimizer=True)),
+    ("stage3_params", 3, dict(offload_optimizer=True, offload_params=True)),
+]
+STEPS, ACCUMULATE, BATCH, CLIP = 4, 2, 4, 0.5
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class LargestTensor(TorchDispatchMode):
+    """The largest number of elements of any tensor an operation produces inside the block (a DTensor by
+    its local shard): state an optimizer allocates, temporaries of its kernels, the tensors it updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, _local(t).numel())
+        return out
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that remembers the largest tensor any of its steps produced."""
+
+    largest = 0
+
+    def step(self, closure=None):
+        with LargestTensor() as probe:
+            result = super().step(closure)
+        RecordingAdamW.largest = max(RecordingAdamW.largest, probe.numel)
+        return result
+
+
+class RecordedRegression(models.Regression):
+    def configure_optimizers(self):
+        opt = RecordingAdamW(models.param_groups(self), lr=1e-2, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _storages(tensors) -> set[int]:
+    return {_local(t).untyped_storage().data_ptr() for t in tensors}
+
+
+def placement(t: L.Trainer) -> dict:
+    """Where the optimizer's state and the tensors it keys that state by live, and their sizes."""
+    engine = t.strategy.engine
+    module = t.lightning_module
+    optimizer = t.optimizers[0]
+    hosted = engine.hosted(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    keys = [hosted.get(id(p), p) for p in params]
+    shard_numel = [_local(p).numel() for p in params] if engine.stage == 3 else [k.numel() for k in keys]
+    state = [optimizer.state[k] for k in keys]
+    tensors = [v for entry in state for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    module_storages = _storages([*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)])
+    return {
+        "state_devices": sorted({_local(v).device.type for v in tensors}),
+        "key_devices": sorted({_local(k).device.type for k in keys}),
+        "state_numel_is_shard": all(
+            _local(v).numel() == n for entry, n in zip(state, shard_numel) for v in entry.values() if v.dim() > 0
+        ),
+        "state_is_dtensor": all(isinstance(v, DTensor) for v in tensors),
+        "keys_are_masters": all(k is not p for k, p in zip(keys, params)),
+        "state_shares_module_storage": bool(_storages(tensors) & module_storages),
+        "keys_share_module_storage": bool(_storages(keys) & module_storages),
+        "max_shard_numel": max(shard_numel),
+        "max_full_numel": max(p.numel() for p in params),
+    }
+
+
+def run(stage: int, settings: dict, precision: str = "32-true", model=models.Regression) -> tuple[dict, dict]:
+    """4 steps of 2 accumulated micro-batches with clipping, 2 param groups and a StepLR schedule."""
+    L.seed_everything(7)
+    module = model()
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    recorder = GradientRecorder()
+    RecordingAdamW.largest = 0
+    t = trainer(
+        ZeroStrategy(stage=stage, state_dict_type="full", **settings),
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        precision=precision,
+        callbacks=[recorder],
+    )
+    data = models.IndexedData()
+    t.fit(module, models.loader(data, BATCH))
+    out = {"steps": t.global_step, "placement": placement(t), "largest_step_tensor": RecordingAdamW.largest}
+    out["bytes"] = model_state_bytes(module, [t.optimizers[0]], t.strategy.engine)
+    final = t.strategy.full_state_dict()
+    if RANK == 0 and precision == "32-true":
+        ref_params, ref_grads, _ = models.reference_run(
+            initial, data, world=WORLD, batch=BATCH, steps=STEPS, accumulate=ACCUMULATE, clip=CLIP
+        )
+        out["param_diff_reference"] = max_diff(final, ref_params)
+        out["grad_diff_reference"] = max(max_diff(g, r) for g, r in zip(recorder.steps, ref_grads))
+    return out, final
+
+
+def exactness() -> dict:
+    out = {}
+    plain: dict[tuple, dict] = {}
+    for precision in ("32-true", "bf16-mixed"):
+        for name, stage, settings in CONFIGS:
+            if precision != "32-true" and name == "stage1_optimizer":
+                continue  # stage 1 and 2 share the offload path; keep the bf16 cases few
+            if (stage, precision) not in plain:
+                plain[(stage, precision)] = run(stage, {}, precision)[1]
+            result, final = run(stage, settings, precision, model=RecordedRegression)
+            if RANK == 0:
+                result["param_diff_no_offload"] = max_diff(final, plain[(stage, precision)])
+            out[f"{name}_{precision}"] = result
+    for name, stage, settings in CONFIGS[1:]:
+        out[f"{name}_overflow"] = overflow_skips_step(stage, **settings)
+    for name in ("zero2_offload", "zero3_offload"):
+        L.seed_everything(7)
+        t = trainer(name, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP)
+        t.fit(models.Regression(), models.loader(models.IndexedData(), BATCH))
+        final = t.strategy.full_state_dict()
+        stage = t.strategy.stage
+        config = t.strategy.zero_config
+        out[name] = {"stage": stage, "offload_optimizer": config.offload_optimizer, "offload_params": config.offload_params}
+        if RANK == 0:
+            out[name]["param_diff_no_offload"] = max_diff(final, plain[(stage, "32-true")])
+    return out
+
+
+class PlacementProbe(L.Callback):
+    """Model-state bytes by placement, and the GC's count of every live tensor, before the third step (the
+    host gradient buffers exist from the first step on)."""
+
+    def __init__(self) -> None:
+        self.bytes = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 2:
+            self.bytes = model_state_bytes(pl_module, trainer.optimizers, trainer.strategy.engine)
+            self.bytes["live"] = live_tensor_bytes()
+
+
+def memory() -> dict:
+    out = {}
+    for precision in ("32-true", "bf16-mixed"):
+        for name, stage, settings in [("none_stage2", 2, {}), *CONFIGS]:
+            if precision != "32-true" and name not in ("stage2_optimizer", "stage3_params"):
+                continue
+            L.seed_everything(0)
+            module = models.Wide(width=512, depth=4)
+            probe = PlacementProbe()
+            t = trainer(ZeroStrategy(stage=stage, **settings), max_steps=3, precision=precision, callbacks=[probe])
+            t.fit(module, models.loader(models.WideData(module.width), 8))
+            out[f"{name}_{precision}"] = {**probe.bytes, "params_count": sum(p.numel() for p in module.parameters())}
+    return out
+
+
+def checkpoints(directory: Path) -> dict:
+    """Resume with and without offload on either side; compared with an uninterrupted run without offload."""
+    out = {}
+    cases = [
+        ("stage2_offload->offload", 2, dict(offload_optimizer=True), dict(offload_optimizer=True), "sharded"),
+        ("stage2_offload->plain", 2, dict(offload_optimizer=True), {}, "sharded"),
+        ("stage3_plain->params", 3, {}, dict(offload_optimizer=True, offload_params=True), "sharded"),
+        ("stage3_optimizer->optimizer_full", 3, dict(offload_optimizer=True), dict(offload_optimizer=True), "full"),
+        ("stage3_params->params", 3, dict(offload_params=True), dict(offload_params=True), "sharded"),
+    ]
+    references = {}
+    for name, stage, save, resume, fmt in cases:
+        if stage not in references:
+            references[stage] = straight(stage)
+        params, optim, steps = interrupted(stage, stage, directory / name, fmt, save_kwargs=save, resume_kwargs=resume)
+        if RANK == 0:
+            ref_params, ref_optim = references[stage]
+            out[name] = {"steps": steps, "param_diff": max_diff(params, ref_params), "optim_diff": optim_diff(optim, ref_optim)}
+    return out
+
+
+CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints}
+
+if __name__ == "__main__":
+    run_cases_with_directory(CASES, sys.argv[1:])

@@ -1,0 +1,77 @@
+"""Host-memory pieces of CPU offload that need no processes: pinning policy, host kernel choice, masters."""
+
+import pytest
+import torch
+
+from lightning_zero.engine.offload import MasterShards, host_kernel, should_pin
+
+
+def test_pinning_follows_the_accelerator():
+    assert should_pin(torch.device("cpu"), None) is False
+    assert should_pin(torch.device("cuda", 0), None) is True
+    assert should_pin(torch.device("cuda", 0), False) is False
+    with pytest.warns(UserWarning, match="pin_memory=True.*no accelerator"):
+        assert should_pin(torch.device("cpu"), True) is False
+
+
+def _adamw(**kwargs):
+    params = [torch.nn.Parameter(torch.randn(6, 3)), torch.nn.Parameter(torch.randn(3))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=1e-2, **kwargs)
+
+
+def test_host_kernel_uses_the_fused_cpu_kernel_and_restores_the_users_choice():
+    opt = _adamw()
+    seen = []
+    with host_kernel(opt):
+        seen = [g["fused"] for g in opt.param_groups]
+        opt.step()
+    assert seen == [True, True]
+    assert [g["fused"] for g in opt.param_groups] == [None, None]
+    assert opt.state_dict()["param_groups"][0]["fused"] is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(foreach=True), dict(foreach=False), dict(fused=False)])
+def test_host_kernel_keeps_an_explicit_kernel_choice(kwargs):
+    opt = _adamw(**kwargs)
+    before = [(g["foreach"], g["fused"]) for g in opt.param_groups]
+    with host_kernel(opt):
+        assert [(g["foreach"], g["fused"]) for g in opt.param_groups] == before
+
+
+def test_fused_host_step_matches_the_default_step():
+    torch.manual_seed(0)
+    a, b = _adamw(), _adamw()
+    for pa, pb in zip(a.param_groups, b.param_groups):
+        for x, y in zip(pa["params"], pb["params"]):
+            y.data.copy_(x.data)
+            y.grad.copy_(x.grad)
+    for _ in range(3):
+        with host_kernel(a):
+            a.step()
+        b.step()
+    for pa, pb in zip(a.param_groups, b.param_groups):
+        for x, y in zip(pa["params"], pb["params"]):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+
+
+def test_offloaded_masters_copy_gradients_into_reused_host_buffers():
+    shards = [torch.randn(4, 2, dtype=torch.bfloat16), torch.randn(3, dtype=torch.bfloat16)]
+    masters = MasterShards(shards, dtype=torch.float32, offloaded=True)
+    assert [m.dtype for m in masters] == [torch.float32, torch.float32]
+    assert all(m.untyped_storage().data_ptr() != s.untyped_storage().data_ptr() for m, s in zip(masters, shards))
+    grads = masters.receive_gradients({0: torch.ones(4, 2, dtype=torch.bfloat16), 1: None})
+    assert grads[1] is None and grads[0].dtype == torch.float32 and torch.equal(grads[0], torch.ones(4, 2))
+    again = masters.receive_gradients({0: torch.full((4, 2), 2.0, dtype=torch.bfloat16)})
+    assert again[0] is grads[0] and torch.equal(again[0], torch.full((4, 2), 2.0))
+    target = torch.zeros(4, 2, dtype=torch.bfloat16)
+    masters.copy_into(0, target)
+    assert torch.equal(target, shards[0])
+
+
+def test_device_masters_use_the_gradients_where_they_are():
+    masters = MasterShards([torch.randn(4)], dtype=torch.float32, offloaded=False)
+    grad = torch.randn(4)
+    assert masters.receive_gradients({0: grad})[0] is grad
+    assert masters.gradient_buffers == []
