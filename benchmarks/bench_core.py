@@ -13,6 +13,12 @@ Systems (2 CPU ranks, AdamW, batch 8 per rank, random tokens; ``--precision`` 32
     zero2   lightning_zero.ZeroStrategy(stage=2)
     zero3   lightning_zero.ZeroStrategy(stage=3)
 
+    and variants by suffix: ``zero2+ac`` (activation checkpointing of every Block, ``+ac2`` every
+    second), ``zero1+offload`` / ``zero2+offload`` / ``zero3+offload`` (``offload_optimizer=True``),
+    ``zero3+offload_params`` (``offload_params=True`` too). The offload benchmark of the README:
+
+    python benchmarks/bench_core.py --systems zero1,zero1+offload,zero2,zero2+offload,zero3,zero3+offload,zero3+offload_params
+
 Each system runs in its own fresh subprocess (the script re-invokes itself with
 ``--system NAME``), so every run has a clean process group, its own peak RSS and no
 leftover process-group state. Lightning's launcher then re-runs that command for the
@@ -63,16 +69,20 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_zero.memory import live_tensor_bytes, saved_tensor_bytes  # noqa: E402
+from lightning_zero.memory import model_state_bytes as placed_state_bytes  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
-#: Suffixes for ZeRO systems: "zero2+ac" checkpoints every Block, "zero2+ac2" every second one.
-AC_VARIANTS = {
-    "": None,
-    "ac": {"classes": ["lightning_zero.demo.gpt.Block"]},
-    "ac2": {"classes": ["lightning_zero.demo.gpt.Block"], "every": 2},
+#: Suffixes for ZeRO systems (extra ZeroStrategy settings): "zero2+ac" checkpoints every Block, "zero2+ac2"
+#: every second one; "zero2+offload" offloads the optimizer, "zero3+offload_params" the parameters too.
+VARIANTS = {
+    "": {},
+    "ac": {"activation_checkpointing": {"classes": ["lightning_zero.demo.gpt.Block"]}},
+    "ac2": {"activation_checkpointing": {"classes": ["lightning_zero.demo.gpt.Block"], "every": 2}},
+    "offload": {"offload_optimizer": True},
+    "offload_params": {"offload_optimizer": True, "offload_params": True},
 }
 
 # ~27M parameters: 6 x 12*512^2 in the blocks + 2 x 8192*512 for embedding and (untied) head.
@@ -119,16 +129,36 @@ def build_strategy(system: str, devices: int) -> Any:
         # tensor-parallel axis; we want pure data parallelism across all ranks.
         return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     base, _, variant = system.partition("+")
-    if base.startswith("zero") and base[4:] in ("1", "2", "3") and variant in AC_VARIANTS:
+    if base.startswith("zero") and base[4:] in ("1", "2", "3") and variant in VARIANTS:
         from lightning_zero import ZeroStrategy  # lazy: lets ddp/fsdp2 run before it exists
 
-        return ZeroStrategy(stage=int(base[4:]), activation_checkpointing=AC_VARIANTS[variant])
+        return ZeroStrategy(stage=int(base[4:]), **VARIANTS[variant])
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(ALL_SYSTEMS)}")
 
 
 def formula_bytes(system: str, P: int, N: int, precision: str = "32-true") -> float:
-    """ZeRO paper's model-state memory per rank for params + grads + Adam (m, v) (+ fp32 master when mixed)."""
-    system = system.partition("+")[0]
+    """ZeRO paper's model-state memory per rank for params + grads + Adam (m, v) (+ fp32 master when mixed),
+    device and host together."""
+    return sum(formula_split(system, P, N, precision))
+
+
+def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tuple[float, float]:
+    """(device, host) model-state bytes per rank. Offloading the optimizer (ZeRO-Offload) puts fp32 masters,
+    fp32 gradient shards and Adam's moments on the host, 16P/N; the device keeps the parameters it computes
+    with and their gradients (stage 3 with FSDP2: its fp32 parameter and gradient shards, 8P/N)."""
+    base, _, variant = system.partition("+")
+    if variant not in ("offload", "offload_params"):
+        return _formula_on_device(base, P, N, precision), 0.0
+    mixed = precision == "bf16-mixed"
+    device = {
+        "zero1": (4 if mixed else 8) * P,  # parameters and full gradients
+        "zero2": (2 + 2 / N if mixed else 4 + 4 / N) * P,  # parameters and the gradient shard
+        "zero3": 0.0 if variant == "offload_params" else 8 * P / N,
+    }[base]
+    return device, 16 * P / N
+
+
+def _formula_on_device(system: str, P: int, N: int, precision: str) -> float:
     if precision == "bf16-mixed" and system in ("zero1", "zero2"):
         return {"zero1": 4 * P + 12 * P / N, "zero2": 2 * P + 14 * P / N}[system]
     return {
@@ -290,6 +320,10 @@ class BenchCallback(L.Callback):
             t = time.perf_counter()
             self.state = model_state_bytes(pl_module, trainer.optimizers)
             self.state["live_total"] = live_tensor_bytes() - self._baseline
+            engine = getattr(trainer.strategy, "engine", None)
+            if engine is not None:  # ZeroStrategy: split by where the engine put each tensor
+                placed = placed_state_bytes(pl_module, [getattr(o, "_optimizer", o) for o in trainer.optimizers], engine)
+                self.state["device"], self.state["host"] = placed["device"], placed["host"]
             self._excluded += time.perf_counter() - t  # bookkeeping is not part of the step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -325,6 +359,7 @@ class BenchCallback(L.Callback):
         step_ms = max(r["step_ms_median"] for r in ranks if r["step_ms_median"] is not None)  # slowest rank
         state = max(r["state_bytes"].get("live_total", 0) for r in ranks)  # worst rank
         formula = formula_bytes(self.system, P, N, self.precision)
+        formula_device, formula_host = formula_split(self.system, P, N, self.precision)
         measured_comm = [r["comm_bytes_per_step"] for r in ranks if r["comm_bytes_per_step"] is not None]
         return {
             "system": self.system,
@@ -340,6 +375,11 @@ class BenchCallback(L.Callback):
             "state_bytes": state,
             "formula_bytes": formula,
             "delta_pct": 100.0 * (state - formula) / formula,
+            # Device and host parts (ZeroStrategy's own accounting; others hold everything on the device).
+            "device_bytes": max(r["state_bytes"].get("device", r["state_bytes"].get("live_total", 0)) for r in ranks),
+            "host_bytes": max(r["state_bytes"].get("host", 0) for r in ranks),
+            "formula_device_bytes": formula_device,
+            "formula_host_bytes": formula_host,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
             "saved_activation_mb": max((r["saved_activation_bytes"] or 0) for r in ranks) / 1e6,
             "comm_bytes_per_step": max(measured_comm)
@@ -439,8 +479,8 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     cols = [
-        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "peak_RSS_MB",
-        "saved_act_MB", "comm_MB/step",
+        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
+        "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step",
     ]
     rows = []
     for r in results:
@@ -453,6 +493,8 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
             f"{r['state_bytes'] / 1e6:.2f}",
             f"{r['formula_bytes'] / 1e6:.2f}",
             f"{r['delta_pct']:+.1f}",
+            f"{r['device_bytes'] / 1e6:.2f} ({r['formula_device_bytes'] / 1e6:.2f})",
+            f"{r['host_bytes'] / 1e6:.2f} ({r['formula_host_bytes'] / 1e6:.2f})",
             f"{r['peak_rss_mb']:.0f}",
             f"{r.get('saved_activation_mb', 0):.0f}",
             comm,
@@ -504,7 +546,7 @@ def main() -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [
         s for s in systems
-        if s not in ALL_SYSTEMS and not (s.partition("+")[0] in ALL_SYSTEMS[2:] and s.partition("+")[2] in AC_VARIANTS)
+        if s not in ALL_SYSTEMS and not (s.partition("+")[0] in ALL_SYSTEMS[2:] and s.partition("+")[2] in VARIANTS)
     ]
     if unknown:
         sys.exit(f"unknown system(s): {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")
