@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +26,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -34,6 +36,16 @@ from typing_extensions import override
 from lightning_zero import checkpoint_io, failures
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
+from lightning_zero.deepspeed_config import (
+    apply_to_trainer,
+    build_optimizer,
+    build_scheduler,
+    check_batch_sizes,
+    merge_strategy_arguments,
+    module_learning_rate,
+    parse_deepspeed_config,
+    precision_plugin_for,
+)
 from lightning_zero.engine import collectives
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.offload import should_pin
@@ -80,9 +92,9 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        if config is not None:
-            raise ZeroConfigError("`config=` (DeepSpeed-style JSON) is not available in this version; pass arguments.")
-        self.zero_config = ZeroConfig(
+        #: A DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
+        self._deepspeed = parse_deepspeed_config(config) if config is not None else None
+        arguments = dict(
             stage=stage,
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
@@ -101,6 +113,10 @@ class ZeroStrategy(ParallelStrategy):
             timeout=timeout,
             start_method=start_method,
         )
+        if self._deepspeed is not None:
+            defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+            arguments = merge_strategy_arguments(self._deepspeed, arguments, defaults)
+        self.zero_config = ZeroConfig(**arguments)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -176,7 +192,9 @@ class ZeroStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        self._precision_plugin = _as_zero_precision(precision_plugin)
+        if precision_plugin is not None and precision_plugin is self._precision_plugin:
+            return  # Lightning hands back the plugin this strategy chose
+        self._precision_plugin = _as_zero_precision(precision_plugin_for(getattr(self, "_deepspeed", None), precision_plugin))
 
     # ------------------------------------------------------------------ processes
     @override
@@ -228,6 +246,7 @@ class ZeroStrategy(ParallelStrategy):
         _require(self.model, "model")
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        apply_to_trainer(self._deepspeed, trainer)
         self._engine = None  # never reuse an earlier run's engine (it may belong to another module)
         self._failed = False
         precision = self.precision_plugin
@@ -273,6 +292,40 @@ class ZeroStrategy(ParallelStrategy):
         precision.attach(self._engine, self.root_device)
         if fitting and not config.optimizer_on_host:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """As Lightning's, or from the DeepSpeed config's ``optimizer``/``scheduler`` sections when
+        ``configure_optimizers`` returns None (as with Lightning's DeepSpeed strategy); both at once is an error."""
+        settings = self._deepspeed
+        module = self.lightning_module
+        if settings is None or (settings.optimizer is None and settings.scheduler is None):
+            return super().setup_optimizers(trainer)
+        if settings.optimizer is not None:
+            if module.configure_optimizers() is not None:
+                raise ZeroConfigError(
+                    "The optimizer is given both in the DeepSpeed config (`optimizer`) and by "
+                    f"{type(module).__name__}.configure_optimizers; return None from it, or drop the section."
+                )
+            params = [p for p in module.parameters() if p.requires_grad]
+            self.optimizers = [build_optimizer(settings.optimizer, params, default_lr=module_learning_rate(module))]
+            self.lr_scheduler_configs = []
+        else:
+            super().setup_optimizers(trainer)
+        if settings.scheduler is not None:
+            if self.lr_scheduler_configs or len(self.optimizers) != 1:
+                raise ZeroConfigError(
+                    "The LR scheduler is given both in the DeepSpeed config (`scheduler`) and by configure_optimizers "
+                    "(or there are several optimizers); set it in one place."
+                )
+            scheduler = build_scheduler(settings.scheduler, self.optimizers[0], total_steps=trainer.estimated_stepping_batches)
+            self.lr_scheduler_configs = [LRSchedulerConfig(scheduler, interval="step")]
+
+    @override
+    def on_train_start(self) -> None:
+        module = self.lightning_module
+        if module is not None and module._trainer is not None:
+            check_batch_sizes(self._deepspeed, module.trainer)
 
     @override
     def model_to_device(self) -> None:

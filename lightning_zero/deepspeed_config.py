@@ -1,0 +1,502 @@
+"""DeepSpeed-style JSON configs mapped onto ZeroStrategy, Trainer, precision, optimizer and scheduler settings.
+
+A DeepSpeed user already has a ``ds_config.json``; ``ZeroStrategy(config="ds_config.json")`` reads it so they do
+not have to translate it by hand. The rules:
+
+- every key is either mapped, or a *tuning* key that has no meaning here (a warning naming it), or refused
+  with an error naming it and the supported keys: nothing is silently ignored;
+- ``"auto"`` (as in Hugging Face configs) means "take it from the Trainer / LightningModule";
+- a setting given both in the JSON and explicitly (a ZeroStrategy argument, a Trainer argument, a
+  ``configure_optimizers``) is an error when the two differ, never a silent override.
+
+:func:`parse_deepspeed_config` only reads and checks; :class:`DeepSpeedSettings` holds the result, and the
+strategy applies the Trainer-level parts when it is attached to a Trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from lightning_zero.config import ZeroConfigError, _closest
+from lightning_zero.loss_scaler import LossScaleConfig, LossScaleConfigError
+
+AUTO = "auto"
+
+#: Top-level keys that only tune DeepSpeed's own logging, profiling or kernels.
+TUNING_KEYS = frozenset(
+    {
+        "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
+        "tensorboard", "wandb", "csv_monitor", "comms_logger", "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
+        "checkpoint", "data_types", "amp_enabled", "timers", "elasticity",
+    }
+)
+#: ``zero_optimization`` keys that tune DeepSpeed's buffers and prefetching.
+ZERO_TUNING_KEYS = frozenset(
+    {
+        "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "contiguous_gradients",
+        "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "cpu_offload_use_pin_memory",
+        "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+        "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
+    }
+)
+ZERO_KEYS = frozenset({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "cpu_offload"})
+OFFLOAD_KEYS = frozenset({"device", "pin_memory"})
+OFFLOAD_TUNING_KEYS = frozenset({"buffer_count", "buffer_size", "fast_init", "max_in_cpu", "nvme_path", "pipeline_read", "pipeline_write"})
+TOP_KEYS = frozenset(
+    {
+        "zero_optimization", "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps",
+        "train_micro_batch_size_per_gpu", "train_batch_size", "activation_checkpointing", "optimizer",
+        "scheduler", "communication_data_type",
+    }
+)
+#: DeepSpeed optimizer ``type`` -> the torch class and the ``params`` keys it takes.
+OPTIMIZERS = {
+    "adam": ("Adam", ("lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam")),
+    "adamw": ("AdamW", ("lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam")),
+    "sgd": ("SGD", ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+}
+SCHEDULERS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
+    "WarmupDecayLR": (
+        "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedSettings:
+    """What a DeepSpeed config asks for, split by who applies it. ``None``: the config does not say; ``"auto"``:
+    take it from the Trainer."""
+
+    strategy: dict[str, Any]
+    """ZeroStrategy keyword arguments (stage, offload, buckets, activation checkpointing)."""
+    precision: str | None = None
+    """``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"`` (both sections disabled) or ``"auto"``."""
+    loss_scale: LossScaleConfig | None = None
+    reduce_dtype: str | None = None
+    gradient_clip_val: float | str | None = None
+    accumulate_grad_batches: int | str | None = None
+    micro_batch_size: int | str | None = None
+    train_batch_size: int | str | None = None
+    optimizer: dict | None = None
+    scheduler: dict | None = None
+
+
+def load_json(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    """A dict as given, or the JSON file at a path."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    if not path.is_file():
+        raise ZeroConfigError(f"`config={str(config)!r}`: no such DeepSpeed JSON file.")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ZeroConfigError(f"`config={str(config)!r}` is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ZeroConfigError(f"`config={str(config)!r}` must hold a JSON object, got {type(data).__name__}.")
+    return data
+
+
+def _check_keys(section: str, given: Mapping[str, Any], supported: frozenset, tuning: frozenset = frozenset()) -> None:
+    for key in given:
+        if key in supported:
+            continue
+        if key in tuning:
+            rank_zero_warn(f"DeepSpeed config: `{section}{key}` tunes DeepSpeed itself and has no effect with ZeroStrategy; ignored.")
+            continue
+        raise ZeroConfigError(
+            f"DeepSpeed config: `{section}{key}` is not supported by ZeroStrategy.{_closest(key, supported)} "
+            f"Supported keys here: {sorted(supported)}."
+        )
+
+
+def _number(name: str, value: Any, kind: type, allow_auto: bool = True) -> Any:
+    if value == AUTO and allow_auto:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        expected = 'a number or "auto"' if allow_auto else "a number"
+        raise ZeroConfigError(f"DeepSpeed config: `{name}` must be {expected}, got {value!r}.")
+    if kind is int and float(value) != int(value):
+        raise ZeroConfigError(f"DeepSpeed config: `{name}` must be an integer, got {value!r}.")
+    return kind(value)
+
+
+def _offload(section: str, spec: Any) -> tuple[bool, bool | None]:
+    """(offload to the host?, pin_memory) from an ``offload_optimizer``/``offload_param`` section."""
+    if spec is None:
+        return False, None
+    if not isinstance(spec, Mapping):
+        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}` must be an object, got {spec!r}.")
+    _check_keys(f"zero_optimization.{section}.", spec, OFFLOAD_KEYS | {"ratio"}, OFFLOAD_TUNING_KEYS)
+    device = spec.get("device", "none")
+    if device not in ("cpu", "none", None):
+        raise ZeroConfigError(
+            f"DeepSpeed config: `zero_optimization.{section}.device={device!r}` is not supported; choose 'cpu' or 'none'."
+        )
+    if spec.get("ratio", 1.0) != 1.0:
+        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.ratio` (partial offload) must be 1.0.")
+    pin = spec.get("pin_memory")
+    if pin is not None and not isinstance(pin, bool):
+        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.pin_memory` must be true or false.")
+    return device == "cpu", pin
+
+
+def _zero_section(zero: Mapping[str, Any]) -> dict[str, Any]:
+    _check_keys("zero_optimization.", zero, ZERO_KEYS, ZERO_TUNING_KEYS)
+    out: dict[str, Any] = {}
+    if "stage" in zero:
+        stage = zero["stage"]
+        if stage not in (1, 2, 3):
+            raise ZeroConfigError(
+                f"DeepSpeed config: `zero_optimization.stage={stage!r}` is not supported; choose 1, 2 or 3 "
+                "(stage 0 is plain data parallelism: use Lightning's 'ddp')."
+            )
+        out["stage"] = stage
+    offload_optimizer, pin_optimizer = _offload("offload_optimizer", zero.get("offload_optimizer"))
+    if zero.get("cpu_offload"):  # DeepSpeed's older spelling of optimizer offload
+        offload_optimizer = True
+    offload_params, pin_params = _offload("offload_param", zero.get("offload_param"))
+    if offload_optimizer:
+        out["offload_optimizer"] = True
+    if offload_params:
+        out["offload_params"] = True
+    pins = {p for p in (pin_optimizer, pin_params) if p is not None}
+    if len(pins) > 1:
+        raise ZeroConfigError("DeepSpeed config: `pin_memory` differs between offload_optimizer and offload_param.")
+    if pins:
+        out["pin_memory"] = pins.pop()
+    if zero.get("reduce_bucket_size", AUTO) != AUTO:
+        elements = _number("zero_optimization.reduce_bucket_size", zero["reduce_bucket_size"], float)
+        out["bucket_size_mb"] = elements * 4 / 2**20  # DeepSpeed counts elements; ours are MiB of fp32
+    if "overlap_comm" in zero:
+        if not isinstance(zero["overlap_comm"], bool):
+            raise ZeroConfigError("DeepSpeed config: `zero_optimization.overlap_comm` must be true or false.")
+        out["overlap_comm"] = zero["overlap_comm"]
+    return out
+
+
+def _precision(config: Mapping[str, Any]) -> tuple[str | None, LossScaleConfig | None]:
+    fp16 = config.get("fp16") or {}
+    bf16 = config.get("bf16") or {}
+    if not isinstance(fp16, Mapping) or not isinstance(bf16, Mapping):
+        raise ZeroConfigError("DeepSpeed config: `fp16` and `bf16` must be objects.")
+    _check_keys("bf16.", bf16, frozenset({"enabled", "immediate_grad_update", "check_grad_overflow"}))
+    fp16_on, bf16_on = fp16.get("enabled", False), bf16.get("enabled", False)
+    if fp16_on is True and bf16_on is True:
+        raise ZeroConfigError("DeepSpeed config: `fp16.enabled` and `bf16.enabled` cannot both be true.")
+    try:
+        scale = LossScaleConfig.from_deepspeed(fp16) if fp16 else None
+    except LossScaleConfigError as err:
+        raise ZeroConfigError(f"DeepSpeed config: {err}") from None
+    if fp16_on is True:
+        return "16-mixed", scale
+    if bf16_on is True:
+        return "bf16-mixed", None
+    if AUTO in (fp16_on, bf16_on):
+        return AUTO, scale
+    if "fp16" in config or "bf16" in config:
+        return "32-true", None
+    return None, None
+
+
+def _optimizer(spec: Any) -> dict | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping) or "type" not in spec:
+        raise ZeroConfigError("DeepSpeed config: `optimizer` must be an object with a `type` and `params`.")
+    _check_keys("optimizer.", spec, frozenset({"type", "params"}))
+    kind = str(spec["type"]).lower()
+    if kind not in OPTIMIZERS:
+        raise ZeroConfigError(
+            f"DeepSpeed config: `optimizer.type={spec['type']!r}` is not supported; choose one of "
+            f"{sorted(v[0] for v in OPTIMIZERS.values())}.{_closest(kind, OPTIMIZERS)}"
+        )
+    params = dict(spec.get("params") or {})
+    _check_keys("optimizer.params.", params, frozenset(OPTIMIZERS[kind][1]))
+    return {"type": kind, "params": params}
+
+
+def _scheduler(spec: Any) -> dict | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, Mapping) or "type" not in spec:
+        raise ZeroConfigError("DeepSpeed config: `scheduler` must be an object with a `type` and `params`.")
+    _check_keys("scheduler.", spec, frozenset({"type", "params"}))
+    if spec["type"] not in SCHEDULERS:
+        raise ZeroConfigError(
+            f"DeepSpeed config: `scheduler.type={spec['type']!r}` is not supported; choose one of "
+            f"{sorted(SCHEDULERS)}.{_closest(str(spec['type']), SCHEDULERS)}"
+        )
+    params = dict(spec.get("params") or {})
+    _check_keys("scheduler.params.", params, frozenset(SCHEDULERS[spec["type"]]))
+    if params.get("warmup_type", "log") not in ("log", "linear"):
+        raise ZeroConfigError("DeepSpeed config: `scheduler.params.warmup_type` must be 'log' or 'linear'.")
+    return {"type": spec["type"], "params": params}
+
+
+def parse_deepspeed_config(config: Mapping[str, Any] | str | Path) -> DeepSpeedSettings:
+    """Read and check a DeepSpeed-style config (a dict or a JSON path); raise :class:`ZeroConfigError` naming the
+    first unsupported key or bad value."""
+    data = load_json(config)
+    _check_keys("", data, TOP_KEYS, TUNING_KEYS)
+    zero = data.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        raise ZeroConfigError("DeepSpeed config: `zero_optimization` must be an object.")
+    strategy = _zero_section(zero)
+    if "activation_checkpointing" in data:
+        strategy["activation_checkpointing"] = dict(data["activation_checkpointing"])
+    precision, loss_scale = _precision(data)
+    reduce_dtype = data.get("communication_data_type")
+    if reduce_dtype is not None and reduce_dtype not in ("fp32", "fp16", "bf16"):
+        raise ZeroConfigError(f"DeepSpeed config: `communication_data_type={reduce_dtype!r}`; choose fp32, fp16 or bf16.")
+    clip = data.get("gradient_clipping")
+    return DeepSpeedSettings(
+        strategy=strategy,
+        precision=precision,
+        loss_scale=loss_scale,
+        reduce_dtype=reduce_dtype,
+        gradient_clip_val=None if clip is None else _number("gradient_clipping", clip, float),
+        accumulate_grad_batches=_positive("gradient_accumulation_steps", data.get("gradient_accumulation_steps")),
+        micro_batch_size=_positive("train_micro_batch_size_per_gpu", data.get("train_micro_batch_size_per_gpu")),
+        train_batch_size=_positive("train_batch_size", data.get("train_batch_size")),
+        optimizer=_optimizer(data.get("optimizer")),
+        scheduler=_scheduler(data.get("scheduler")),
+    )
+
+
+def _positive(name: str, value: Any) -> int | str | None:
+    if value is None:
+        return None
+    value = _number(name, value, int)
+    if value != AUTO and value < 1:
+        raise ZeroConfigError(f"DeepSpeed config: `{name}` must be >= 1, got {value}.")
+    return value
+
+
+# ---------------------------------------------------------------------- optimizer and scheduler
+def build_optimizer(spec: Mapping[str, Any], params, *, default_lr: float | None = None) -> Optimizer:
+    """The torch optimizer a DeepSpeed ``optimizer`` section describes. DeepSpeed's ``Adam`` decouples weight
+    decay unless ``adam_w_mode: false`` (so it is torch's AdamW); ``"auto"`` takes the learning rate from the
+    LightningModule (``default_lr``) and torch's defaults for the rest."""
+    kind, options = spec["type"], dict(spec["params"])
+    adam_w = options.pop("adam_w_mode", True)
+    options.pop("torch_adam", None)
+    name = OPTIMIZERS[kind][0]
+    if kind == "adam" and adam_w:
+        name = "AdamW"
+    if options.get("lr") == AUTO:
+        if default_lr is None:
+            raise ZeroConfigError(
+                "DeepSpeed config: `optimizer.params.lr` is \"auto\" but the LightningModule has no `learning_rate` "
+                "or `lr` attribute or hyperparameter to take it from; give a number."
+            )
+        options["lr"] = default_lr
+    options = {k: (tuple(v) if k == "betas" else v) for k, v in options.items() if v != AUTO}
+    return getattr(torch.optim, name)(params, **options)
+
+
+class DeepSpeedWarmupLR(LRScheduler):
+    """DeepSpeed's ``WarmupLR`` / ``WarmupDecayLR``: from ``warmup_min_lr`` to ``warmup_max_lr`` over
+    ``warmup_num_steps`` (log or linear), then constant or (with ``total_num_steps``) linear decay to 0."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        warmup_min_lr: float = 0.0,
+        warmup_max_lr: float = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        total_num_steps: int | None = None,
+    ) -> None:
+        self.warmup_min_lr = warmup_min_lr
+        self.warmup_max_lr = warmup_max_lr
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer)
+
+    def _gamma(self, step: int) -> float:
+        if step < self.warmup_num_steps:
+            if self.warmup_type == "log":
+                return math.log(step + 1) / math.log(self.warmup_num_steps)
+            return step / self.warmup_num_steps
+        if self.total_num_steps is None:
+            return 1.0
+        return max(0.0, (self.total_num_steps - step) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+    def get_lr(self) -> list[float]:
+        lr = self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * self._gamma(self.last_epoch)
+        if self.total_num_steps is not None and self.last_epoch >= self.warmup_num_steps:
+            lr = self.warmup_max_lr * self._gamma(self.last_epoch)
+        return [lr for _ in self.optimizer.param_groups]
+
+
+def build_scheduler(spec: Mapping[str, Any], optimizer: Optimizer, *, total_steps: int | None) -> LRScheduler:
+    """The scheduler of a DeepSpeed ``scheduler`` section, stepped once per optimizer step. ``"auto"``:
+    ``warmup_max_lr`` is the optimizer's learning rate, ``total_num_steps`` the Trainer's estimate."""
+    options = dict(spec["params"])
+    options.pop("last_batch_iteration", None)
+    if options.get("warmup_max_lr") == AUTO:
+        options["warmup_max_lr"] = optimizer.param_groups[0]["lr"]
+    if spec["type"] == "WarmupDecayLR":
+        if options.get("total_num_steps", AUTO) == AUTO:
+            if total_steps is None or not math.isfinite(total_steps):
+                raise ZeroConfigError(
+                    "DeepSpeed config: `scheduler.params.total_num_steps` is \"auto\" but the Trainer has no finite "
+                    "number of steps; give a number or set `max_steps`."
+                )
+            options["total_num_steps"] = int(total_steps)
+    for key, value in options.items():
+        if value == AUTO:
+            raise ZeroConfigError(f"DeepSpeed config: `scheduler.params.{key}` cannot be \"auto\"; give a value.")
+    return DeepSpeedWarmupLR(optimizer, **options)
+
+
+# ---------------------------------------------------------------------- applying to a run
+def merge_strategy_arguments(settings: DeepSpeedSettings, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
+    """ZeroStrategy arguments: the explicit ones, completed by the config. An argument left at its default
+    takes the config's value; one set to something else must agree with the config."""
+    merged = dict(given)
+    for key, value in settings.strategy.items():
+        explicit = given.get(key, defaults.get(key))
+        if key == "activation_checkpointing" and "classes" not in value:
+            merged[key] = _merge_activation_checkpointing(value, explicit)  # the argument names the modules
+            continue
+        if explicit != defaults.get(key) and explicit != value:
+            raise ZeroConfigError(
+                f"`{key}` is given both in the DeepSpeed config ({value!r}) and as a ZeroStrategy argument "
+                f"({explicit!r}); set it in one place."
+            )
+        merged[key] = value
+    return merged
+
+
+def _merge_activation_checkpointing(section: dict, explicit: Any) -> Any:
+    """DeepSpeed's section tunes checkpoint calls the model makes itself, so it names no modules; ZeroStrategy
+    needs them: from a ``classes`` entry in the section, or from ``activation_checkpointing=``."""
+    if explicit is None:
+        raise ZeroConfigError(
+            "DeepSpeed config: `activation_checkpointing` does not say which modules to checkpoint; add "
+            '"classes": ["your.Block"] to the section, or pass ZeroStrategy(activation_checkpointing=Block).'
+        )
+    if isinstance(explicit, Mapping):
+        return {**section, **explicit}
+    return {**section, "classes": explicit}
+
+
+def precision_plugin_for(settings: DeepSpeedSettings | None, plugin):
+    """The precision plugin a run uses: the config's ``fp16``/``bf16`` choice in place of Lightning's default,
+    or ``plugin`` when the config does not say. Differing explicit choices are an error."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_zero.precision import ZeroPrecision
+
+    if settings is None or settings.precision is None or plugin is None:
+        return plugin  # None: the Trainer has not chosen yet (it hands its choice over later)
+    name = str(getattr(plugin, "precision", "32-true"))
+    wanted = settings.precision
+    if wanted == AUTO:
+        if name != "16-mixed" or settings.loss_scale is None:
+            return plugin
+        wanted = name
+    default = type(plugin) is Precision and name == "32-true"
+    if isinstance(plugin, ZeroPrecision) and (name != wanted or settings.loss_scale or settings.reduce_dtype):
+        raise ZeroConfigError(
+            f"Precision is given both in the DeepSpeed config ({wanted!r}) and as a ZeroPrecision plugin ({name!r}); "
+            "set it in one place."
+        )
+    if not default and name != wanted:
+        raise ZeroConfigError(
+            f"Precision is given both in the DeepSpeed config ({wanted!r}) and as Trainer(precision={name!r}); "
+            "set it in one place."
+        )
+    if isinstance(plugin, ZeroPrecision):
+        return plugin
+    scale = settings.loss_scale if wanted == "16-mixed" else None
+    kwargs = {}
+    if scale is not None:
+        kwargs = dict(
+            initial_scale=scale.initial_scale,
+            growth_factor=scale.growth_factor,
+            backoff_factor=scale.backoff_factor,
+            growth_interval=scale.growth_interval,
+            hysteresis=scale.hysteresis,
+            min_scale=scale.min_scale,
+            dynamic_loss_scale=scale.dynamic,
+        )
+    if settings.reduce_dtype is not None and wanted in ("16-mixed", "bf16-mixed"):
+        kwargs["reduce_dtype"] = settings.reduce_dtype
+    return ZeroPrecision(wanted, **kwargs)
+
+
+def apply_to_trainer(settings: DeepSpeedSettings | None, trainer) -> None:
+    """Gradient clipping and accumulation from the config, where the Trainer was left at its defaults."""
+    if settings is None:
+        return
+    clip = settings.gradient_clip_val
+    if clip is not None and clip != AUTO:
+        if trainer.gradient_clip_val is None:
+            trainer.gradient_clip_val = clip
+        elif float(trainer.gradient_clip_val) != clip:
+            raise ZeroConfigError(
+                f"Gradient clipping is given both in the DeepSpeed config (gradient_clipping={clip}) and as "
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}); set it in one place."
+            )
+    steps = settings.accumulate_grad_batches
+    if steps is not None and steps != AUTO:
+        if trainer.accumulate_grad_batches == 1:
+            trainer.accumulate_grad_batches = steps
+        elif trainer.accumulate_grad_batches != steps:
+            raise ZeroConfigError(
+                f"Gradient accumulation is given both in the DeepSpeed config (gradient_accumulation_steps={steps}) "
+                f"and as Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}); set it in one place."
+            )
+
+
+def check_batch_sizes(settings: DeepSpeedSettings | None, trainer) -> None:
+    """``train_micro_batch_size_per_gpu`` and ``train_batch_size`` must describe the run's data loader: the
+    batch size is the data's, so a config that disagrees is an error rather than a silent change."""
+    if settings is None or {settings.micro_batch_size, settings.train_batch_size} <= {None, AUTO}:
+        return
+    loader = trainer.train_dataloader
+    batch = getattr(loader, "batch_size", None)
+    if batch is None:
+        return  # not a plain DataLoader: nothing to compare with
+    micro = settings.micro_batch_size
+    if micro not in (None, AUTO) and micro != batch:
+        raise ZeroConfigError(
+            f"DeepSpeed config: `train_micro_batch_size_per_gpu={micro}` but the training DataLoader's batch_size "
+            f"is {batch}; make them agree (or use \"auto\")."
+        )
+    total = settings.train_batch_size
+    expected = batch * trainer.accumulate_grad_batches * trainer.world_size
+    if total not in (None, AUTO) and total != expected:
+        raise ZeroConfigError(
+            f"DeepSpeed config: `train_batch_size={total}` but batch {batch} x accumulation "
+            f"{trainer.accumulate_grad_batches} x {trainer.world_size} ranks = {expected}."
+        )
+
+
+def module_learning_rate(module) -> float | None:
+    """A LightningModule's learning rate, by Lightning's tuner conventions (attribute or hyperparameter)."""
+    for name in ("learning_rate", "lr"):
+        value = getattr(module, name, None)
+        if value is None:
+            value = getattr(module, "hparams", {}).get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None

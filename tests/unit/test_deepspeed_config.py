@@ -1,0 +1,202 @@
+"""DeepSpeed-style JSON configs: mapping, unsupported and conflicting keys, all before any process starts.
+
+``tests/data/ds_zero2_offload_fp16.json`` follows DeepSpeed's ZeRO-Offload tutorial and the Megatron GPT-2
+example configs of DeepSpeedExamples: ZeRO-2, optimizer offload to pinned CPU memory, fp16 with dynamic loss
+scaling, Adam, WarmupLR, clipping 1.0, two accumulation steps.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+
+from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
+from lightning_zero.deepspeed_config import DeepSpeedWarmupLR, parse_deepspeed_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "tests" / "data" / "ds_zero2_offload_fp16.json"
+
+
+def _trainer(strategy, **kwargs):
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, **kwargs)
+
+
+def test_real_example_maps_onto_the_same_strategy_and_precision_as_explicit_arguments():
+    from_json = _trainer(ZeroStrategy(config=str(EXAMPLE)))
+    explicit = _trainer(
+        ZeroStrategy(stage=2, offload_optimizer=True, pin_memory=True, bucket_size_mb=2e8 * 4 / 2**20),
+        plugins=[ZeroPrecision("16-mixed", initial_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)],
+    )
+    assert from_json.strategy.zero_config == explicit.strategy.zero_config
+    a, b = from_json.strategy.precision_plugin, explicit.strategy.precision_plugin
+    assert isinstance(a, ZeroPrecision) and a.precision == b.precision == "16-mixed"
+    assert a.scaler.config == b.scaler.config
+    assert not (dist.is_available() and dist.is_initialized())
+
+
+def test_settings_are_split_by_who_applies_them():
+    settings = parse_deepspeed_config(EXAMPLE)
+    assert settings.gradient_clip_val == 1.0
+    assert settings.accumulate_grad_batches == 2
+    assert settings.micro_batch_size == 4 and settings.train_batch_size == 16
+    assert settings.optimizer == {"type": "adam", "params": json.loads(EXAMPLE.read_text())["optimizer"]["params"]}
+    assert settings.scheduler["type"] == "WarmupLR"
+
+
+def test_a_dict_works_like_a_file():
+    assert parse_deepspeed_config(json.loads(EXAMPLE.read_text())) == parse_deepspeed_config(EXAMPLE)
+
+
+@pytest.mark.parametrize(
+    ("config", "needles"),
+    [
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, ["offload_optimizer.device", "'cpu'"]),
+        ({"zero_optimization": {"stage": 0}}, ["zero_optimization.stage=0", "1, 2 or 3"]),
+        ({"zero_optimization": {"stage": 2, "reduce_buket_size": 5e8}}, ["reduce_buket_size", "Did you mean 'reduce_bucket_size'"]),
+        ({"optimizer": {"type": "Lamb", "params": {}}}, ["optimizer.type='Lamb'", "AdamW"]),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}, ["optimizer.params.max_grad_norm"]),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, ["scheduler.type='OneCycle'", "WarmupLR"]),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["fp16.enabled", "bf16.enabled"]),
+        ({"fp16": {"enabled": True, "loss_scale_windw": 100}}, ["loss_scale_windw"]),
+        ({"pipeline": {"stages": 2}}, ["`pipeline`", "Supported keys"]),
+        ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps", ">= 1"]),
+        ({"activation_checkpointing": {"partition_activations": False}}, ["activation_checkpointing", "classes"]),
+    ],
+)
+def test_unsupported_keys_and_values_are_errors_naming_them(config, needles):
+    with pytest.raises(ZeroConfigError) as err:
+        ZeroStrategy(config=config)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_tuning_keys_are_warnings_naming_them():
+    with pytest.warns(UserWarning, match="steps_per_print"):
+        ZeroStrategy(config={"steps_per_print": 10, "zero_optimization": {"stage": 1}})
+
+
+@pytest.mark.parametrize(
+    ("strategy_kwargs", "trainer_kwargs", "needle"),
+    [
+        (dict(stage=3), {}, "`stage` is given both"),
+        (dict(overlap_comm=False), {}, "`overlap_comm` is given both"),
+        ({}, dict(precision="bf16-mixed"), "Precision is given both"),
+        ({}, dict(plugins=[ZeroPrecision("16-mixed", initial_scale=8.0)]), "Precision is given both"),
+    ],
+)
+def test_a_setting_given_twice_with_different_values_is_an_error(strategy_kwargs, trainer_kwargs, needle):
+    with pytest.raises(ZeroConfigError, match=needle):
+        _trainer(ZeroStrategy(config=str(EXAMPLE), **strategy_kwargs), **trainer_kwargs)
+
+
+def test_the_same_value_given_twice_is_fine():
+    strategy = ZeroStrategy(config=str(EXAMPLE), stage=2, offload_optimizer=True)
+    assert strategy.zero_config.stage == 2
+
+
+def test_activation_checkpointing_section_takes_its_modules_from_the_argument():
+    from lightning_zero.demo.gpt import Block
+
+    strategy = ZeroStrategy(config={"activation_checkpointing": {"partition_activations": False}}, activation_checkpointing=Block)
+    assert "Block" in strategy.zero_config.checkpoint_policy.description
+
+
+def test_warmup_schedules_follow_deepspeed():
+    import torch
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    linear = DeepSpeedWarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear")
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        linear.step()
+    assert lrs == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    decay = DeepSpeedWarmupLR(opt, warmup_max_lr=1.0, warmup_num_steps=2, warmup_type="linear", total_num_steps=6)
+    lrs = []
+    for _ in range(7):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        decay.step()
+    assert lrs == [0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+FIT_SCRIPT = r"""
+import json, sys, torch, lightning as L
+from lightning_zero import ZeroStrategy
+from tests.distributed import models
+
+class Probe(L.Callback):
+    def on_train_end(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        self.out = dict(
+            clip=trainer.gradient_clip_val, accumulate=trainer.accumulate_grad_batches,
+            optimizer=type(opt).__name__, betas=list(opt.param_groups[0]["betas"]),
+            weight_decay=opt.param_groups[0]["weight_decay"], lr=opt.param_groups[0]["lr"],
+            scheduler=type(trainer.lr_scheduler_configs[0].scheduler).__name__,
+            precision=trainer.strategy.precision_plugin.precision, offload=trainer.strategy.zero_config.offload_optimizer,
+            steps=trainer.global_step,
+        )
+
+class NoOptimizer(models.Regression):
+    def configure_optimizers(self):
+        return None  # the DeepSpeed config's optimizer and scheduler are used
+
+probe = Probe()
+batch = int(sys.argv[2])
+t = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(config=sys.argv[1]), max_steps=3, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
+try:
+    t.fit(NoOptimizer(), models.loader(models.IndexedData(), batch))
+    print("RESULT" + json.dumps(probe.out))
+except Exception as err:
+    print("ERROR" + type(err).__name__ + ": " + str(err))
+"""
+
+
+def _fit(config: dict, batch: int, tmp_path) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    out = subprocess.run(
+        [sys.executable, "-c", FIT_SCRIPT, str(path), str(batch)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("RESULT", "ERROR"))]
+    assert lines, out.stdout[-2000:] + out.stderr[-4000:]
+    return lines[-1]
+
+
+@pytest.mark.slow
+def test_trainer_level_settings_apply_in_a_real_fit(tmp_path):
+    """One process: clipping, accumulation, optimizer, scheduler and precision come from the JSON; a DataLoader
+    whose batch size contradicts `train_micro_batch_size_per_gpu` is an error naming both."""
+    config = json.loads(EXAMPLE.read_text())
+    config["train_batch_size"] = 8  # 4 per micro-batch x 2 accumulation x 1 process
+    line = _fit(config, 4, tmp_path)
+    assert line.startswith("RESULT"), line
+    result = json.loads(line[len("RESULT"):])
+    assert result == {
+        "clip": 1.0, "accumulate": 2, "optimizer": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.01,
+        "lr": pytest.approx(0.00015 * 3 / 4), "scheduler": "DeepSpeedWarmupLR", "precision": "16-mixed",
+        "offload": True, "steps": 3,
+    }
+    line = _fit(config, 2, tmp_path)
+    assert line.startswith("ERROR") and "train_micro_batch_size_per_gpu=4" in line and "batch_size is 2" in line
+
+
+def test_zero3_offload_sections_map_onto_parameter_and_optimizer_offload():
+    config = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            "offload_param": {"device": "cpu", "pin_memory": False},
+            "stage3_max_live_parameters": 1e9,
+        }
+    }
+    with pytest.warns(UserWarning, match="stage3_max_live_parameters"):
+        from_json = ZeroStrategy(config=config).zero_config
+    assert from_json == ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, pin_memory=False).zero_config
