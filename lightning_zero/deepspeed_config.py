@@ -311,7 +311,8 @@ def build_optimizer(spec: Mapping[str, Any], params, *, default_lr: float | None
 
 class DeepSpeedWarmupLR(LRScheduler):
     """DeepSpeed's ``WarmupLR`` / ``WarmupDecayLR``: from ``warmup_min_lr`` to ``warmup_max_lr`` over
-    ``warmup_num_steps`` (log or linear), then constant or (with ``total_num_steps``) linear decay to 0."""
+    ``warmup_num_steps`` (log or linear), then constant or (with ``total_num_steps``) linear decay back to
+    ``warmup_min_lr``, with DeepSpeed's formulas (absolute learning rates; every param group alike)."""
 
     def __init__(
         self,
@@ -340,8 +341,6 @@ class DeepSpeedWarmupLR(LRScheduler):
 
     def get_lr(self) -> list[float]:
         lr = self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * self._gamma(self.last_epoch)
-        if self.total_num_steps is not None and self.last_epoch >= self.warmup_num_steps:
-            lr = self.warmup_max_lr * self._gamma(self.last_epoch)
         return [lr for _ in self.optimizer.param_groups]
 
 
