@@ -499,3 +499,31 @@ def module_learning_rate(module) -> float | None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     return None
+
+
+def optimizers_from_config(settings: DeepSpeedSettings, module, trainer, from_module) -> tuple[list, list]:
+    """Optimizers and LR scheduler configs of a run whose DeepSpeed config has ``optimizer``/``scheduler``
+    sections: the config's optimizer when ``configure_optimizers`` returns None (as with Lightning's DeepSpeed
+    strategy), else ``from_module()``'s; the config's scheduler on top. Both sources at once is an error."""
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    if settings.optimizer is not None:
+        if module.configure_optimizers() is not None:
+            raise ZeroConfigError(
+                "The optimizer is given both in the DeepSpeed config (`optimizer`) and by "
+                f"{type(module).__name__}.configure_optimizers; return None from it, or drop the section."
+            )
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizers = [build_optimizer(settings.optimizer, params, default_lr=module_learning_rate(module))]
+        schedulers: list = []
+    else:
+        optimizers, schedulers = from_module()
+    if settings.scheduler is not None:
+        if schedulers or len(optimizers) != 1:
+            raise ZeroConfigError(
+                "The LR scheduler is given both in the DeepSpeed config (`scheduler`) and by configure_optimizers "
+                "(or there are several optimizers); set it in one place."
+            )
+        scheduler = build_scheduler(settings.scheduler, optimizers[0], total_steps=trainer.estimated_stepping_batches)
+        schedulers = [LRSchedulerConfig(scheduler, interval="step")]
+    return optimizers, schedulers

@@ -20,13 +20,12 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -38,11 +37,9 @@ from lightning_zero.activation_checkpointing import apply_activation_checkpointi
 from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
 from lightning_zero.deepspeed_config import (
     apply_to_trainer,
-    build_optimizer,
-    build_scheduler,
     check_batch_sizes,
     merge_strategy_arguments,
-    module_learning_rate,
+    optimizers_from_config,
     parse_deepspeed_config,
     precision_plugin_for,
 )
@@ -298,28 +295,12 @@ class ZeroStrategy(ParallelStrategy):
         """As Lightning's, or from the DeepSpeed config's ``optimizer``/``scheduler`` sections when
         ``configure_optimizers`` returns None (as with Lightning's DeepSpeed strategy); both at once is an error."""
         settings = self._deepspeed
-        module = self.lightning_module
         if settings is None or (settings.optimizer is None and settings.scheduler is None):
             return super().setup_optimizers(trainer)
-        if settings.optimizer is not None:
-            if module.configure_optimizers() is not None:
-                raise ZeroConfigError(
-                    "The optimizer is given both in the DeepSpeed config (`optimizer`) and by "
-                    f"{type(module).__name__}.configure_optimizers; return None from it, or drop the section."
-                )
-            params = [p for p in module.parameters() if p.requires_grad]
-            self.optimizers = [build_optimizer(settings.optimizer, params, default_lr=module_learning_rate(module))]
-            self.lr_scheduler_configs = []
-        else:
-            super().setup_optimizers(trainer)
-        if settings.scheduler is not None:
-            if self.lr_scheduler_configs or len(self.optimizers) != 1:
-                raise ZeroConfigError(
-                    "The LR scheduler is given both in the DeepSpeed config (`scheduler`) and by configure_optimizers "
-                    "(or there are several optimizers); set it in one place."
-                )
-            scheduler = build_scheduler(settings.scheduler, self.optimizers[0], total_steps=trainer.estimated_stepping_batches)
-            self.lr_scheduler_configs = [LRSchedulerConfig(scheduler, interval="step")]
+        module = self.lightning_module
+        self.optimizers, self.lr_scheduler_configs = optimizers_from_config(
+            settings, module, trainer, lambda: _init_optimizers_and_lr_schedulers(module)
+        )
 
     @override
     def on_train_start(self) -> None:
