@@ -12,7 +12,7 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes
 	$(PYTHON) examples/gpt_zero3.py
 
-test: install  ## the whole test suite (about 3 minutes on 2 cores)
+test: install  ## the whole test suite (about 7 minutes on 2 cores)
 	$(PYTHON) -m pytest -q tests
 
 bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks

@@ -40,7 +40,12 @@ def check_choice(setting: str, value: Any, choices: Iterable[Any]) -> None:
     """Raise a :class:`ZeroConfigError` naming ``setting`` unless ``value`` is one of ``choices``."""
     choices = tuple(choices)
     if value not in choices:
-        hint = _closest(value, [str(c) for c in choices]) if isinstance(value, str) else ""
+        if isinstance(value, str):
+            hint = _closest(value, [str(c) for c in choices])
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(type(c) is int for c in choices):
+            hint = f" Did you mean {min(choices, key=lambda c: abs(c - value))!r}?"
+        else:
+            hint = ""
         raise ZeroConfigError(f"`{setting}={value!r}` is not supported; choose one of {choices}.{hint}")
 
 

@@ -36,6 +36,7 @@ from lightning_zero import checkpoint_io, failures
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
 from lightning_zero.deepspeed_config import (
+    DeepSpeedSettings,
     apply_to_trainer,
     check_batch_sizes,
     merge_strategy_arguments,
@@ -125,6 +126,11 @@ class ZeroStrategy(ParallelStrategy):
         self._engine: ZeroDataParallel | FullyShardedEngine | None = None
         self._buffers: list[Tensor] = []
         self._failed = False
+
+    @property
+    def deepspeed_settings(self) -> DeepSpeedSettings | None:
+        """What ``config=`` asked for beyond the strategy's own arguments (precision, Trainer, optimizer)."""
+        return self._deepspeed
 
     # ------------------------------------------------------------------ properties
     @property
@@ -448,7 +454,7 @@ class ZeroStrategy(ParallelStrategy):
         """Reduce a tensor over ranks (``self.log(..., sync_dist=True)`` and metrics come through here)."""
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
-        op, divide = _reduce_op(reduce_op)
+        op, divide = collectives.reduce_op_from_name(reduce_op)
         out = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
         if not out.is_floating_point() and divide:
             out = out.float()
@@ -539,20 +545,6 @@ def _require(value: Any, what: str) -> None:
     """Lightning sets these up before calling the hook that needs them; say which one is missing if not."""
     if value is None:
         raise RuntimeError(f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer.")
-
-
-def _reduce_op(reduce_op: ReduceOp | str | None) -> tuple[ReduceOp, bool]:
-    """Lightning's reduce names ("mean", "sum", "max", "min") or a ReduceOp -> (op, divide by world)."""
-    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
-        return ReduceOp.SUM, True
-    if isinstance(reduce_op, str):
-        ops = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}
-        if reduce_op.lower() not in ops:
-            raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
-        return ops[reduce_op.lower()], False
-    return reduce_op, False
-
-
 def _unwrap(optimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 

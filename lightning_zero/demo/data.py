@@ -212,6 +212,11 @@ class CharDataModule(L.LightningDataModule):
             raise RuntimeError(f"{type(self).__name__}.setup() has not run yet; pass the datamodule to a Trainer.")
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False, num_workers=0)
 
+    # The held-out text serves `test` and `predict` too: the corpus is synthetic, so there is no
+    # separate test distribution to keep apart.
+    test_dataloader = val_dataloader
+    predict_dataloader = val_dataloader
+
 
 class RandomTokenDataModule(L.LightningDataModule):
     """Uniform random tokens with a fixed vocabulary: for benchmarks, where only speed matters.

@@ -215,6 +215,15 @@ class GPTLightningModule(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The most likely next token at every position, ``(B, T)``."""
+        return self(batch[0]).argmax(dim=-1)
+
     def configure_optimizers(self) -> Any:
         """AdamW with nanoGPT's split: weight decay on matrices (dim >= 2), none on
         biases and LayerNorm gains (dim < 2).

@@ -288,3 +288,15 @@ class CountingReduceScatter(ReduceScatter):
         _STATS.record("reduce_scatter", input_tensor)
         with record_function("lightning_zero::reduce_scatter"):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.ReduceOp, bool]:
+    """Lightning's reduce names ("mean", "sum", "max", "min") or a ReduceOp -> (op, divide by world)."""
+    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+        return dist.ReduceOp.SUM, True
+    if isinstance(reduce_op, str):
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+        if reduce_op.lower() not in ops:
+            raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
+        return ops[reduce_op.lower()], False
+    return reduce_op, False

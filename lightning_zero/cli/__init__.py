@@ -1,0 +1,65 @@
+"""``lightning-zero``: train with LightningCLI over composed YAML, estimate memory, consolidate checkpoints.
+
+    lightning-zero fit --config conf/gpt_zero3.yaml trainer.max_steps=100 strategy=zero2 model.n_layer=2
+    lightning-zero fit --config conf/gpt_zero3.yaml --print_config > run.yaml
+    lightning-zero validate --config run.yaml ckpt_path=runs/last.ckpt
+    lightning-zero estimate --params 7e9 --devices 8
+    lightning-zero consolidate CHECKPOINT_DIR model.pt
+
+Overrides after the config are Hydra's: `a.b=c` sets, `+a.b=c` adds, `++a.b=c` adds or sets, `~a.b`
+deletes, `group=option` picks conf/<group>/<option>.yaml; `strategy.X` is short for
+`trainer.strategy.init_args.X` and `model.X` for `model.init_args.X`. LightningCLI's own
+`--trainer.max_steps 100` keeps working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lightning_zero.cli.compose import SUBCOMMANDS, CLIConfigError
+
+
+def consolidate_command(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero consolidate",
+        description="Turn a sharded checkpoint directory into one plain state_dict file (torch.load(..., weights_only=True)).",
+    )
+    parser.add_argument("src", help="sharded checkpoint directory")
+    parser.add_argument("dst", help="output file")
+    parser.add_argument("--optimizer", action="store_true", help="also write the optimizer states (torch.optim format)")
+    args = parser.parse_args(argv)
+    from lightning_zero.consolidate import consolidate
+
+    out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else ""
+    if command == "estimate":
+        from lightning_zero.cli.estimate import estimate
+
+        return estimate(argv[1:])
+    if command == "consolidate":
+        return consolidate_command(argv[1:])
+    if command in SUBCOMMANDS:
+        from lightning_zero.cli.train import run
+        from lightning_zero.config import ZeroConfigError
+
+        try:
+            run(argv)
+        except (CLIConfigError, ZeroConfigError) as err:
+            print(f"lightning-zero {command}: error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    print(__doc__.strip())
+    print(f"\ncommands: {', '.join(SUBCOMMANDS)}, estimate, consolidate")
+    return 0 if argv in ([], ["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

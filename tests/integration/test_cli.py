@@ -1,0 +1,142 @@
+"""`lightning-zero fit|validate|test|predict` run as a user runs it: subprocesses, real Trainer runs on 2 ranks.
+
+The composition rules themselves are covered in-process by tests/unit/test_cli_compose.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from lightning_zero import ZeroPrecision, ZeroStrategy
+from tests.launch import REPO
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = "tests/data/ds_zero2_offload_fp16.json"
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_zero", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def overrides(out) -> list[str]:
+    """conf/gpt_zero3.yaml turned into cli_python_run.py's run with every override form; `${}` interpolation
+    carries model.block_size into the data and max_steps into val_check_interval."""
+    return [
+        "--config", "conf/gpt_zero3.yaml",
+        "model=gpt_tiny", "strategy=zero2_offload",  # group selection
+        "model.n_layer=1", "model.block_size=16", "data.batch_size=4", "trainer.max_steps=4",  # a.b=c (shorthands)
+        "+trainer.limit_val_batches=2",  # add a key
+        "~trainer.logger",  # drop a key
+        f"trainer.default_root_dir={out}", "trainer.enable_progress_bar=false",
+        f"+trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {out}/cli.pt}}}}]",
+    ]
+
+
+def test_fit_from_yaml_and_overrides_equals_the_same_run_configured_in_python(tmp_path):
+    ok(cli("fit", *overrides(tmp_path)))
+    ok(subprocess.run([sys.executable, "-m", "tests.integration.cli_python_run", str(tmp_path)], cwd=REPO,
+                      capture_output=True, text=True, timeout=300))
+    from_cli = torch.load(tmp_path / "cli.pt", weights_only=True)
+    from_python = torch.load(tmp_path / "python.pt", weights_only=True)
+    assert from_cli["info"] == from_python["info"]
+    assert from_cli["info"]["global_step"] == 4 and from_cli["info"]["data"]["block_size"] == 16
+    assert "stage=2" in from_cli["info"]["zero_config"] and "offload_optimizer=True" in from_cli["info"]["zero_config"]
+    assert from_cli["state"].keys() == from_python["state"].keys()
+    for name, value in from_cli["state"].items():
+        torch.testing.assert_close(value, from_python["state"][name], rtol=0, atol=0, msg=name)
+
+    # --print_config shows the merged result; fed back with --config it prints itself and trains the same run
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(ok(cli("fit", *overrides(tmp_path), "--print_config")).stdout)
+    config = yaml.safe_load(printed.read_text())
+    assert config["trainer"]["strategy"]["init_args"]["stage"] == 2
+    assert config["trainer"]["strategy"]["init_args"]["offload_optimizer"] is True
+    assert config["model"]["init_args"]["n_layer"] == 1 and config["data"]["init_args"]["block_size"] == 16
+    assert config["trainer"]["limit_val_batches"] == 2 and config["trainer"]["logger"] is None
+    assert ok(cli("fit", "--config", str(printed), "--print_config")).stdout == printed.read_text()
+    ok(cli("fit", "--config", str(printed), f"trainer.callbacks.0.init_args.path={tmp_path}/printed.pt"))
+    from_printed = torch.load(tmp_path / "printed.pt", weights_only=True)
+    assert from_printed["info"] == from_cli["info"]
+    for name, value in from_printed["state"].items():
+        torch.testing.assert_close(value, from_cli["state"][name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        ("trainer.max_stpes=3", ["unknown key 'trainer.max_stpes'", "Did you mean 'trainer.max_steps'?"]),
+        ("strategy.stage=7", ["trainer.strategy", "`stage=7` is not supported; choose one of (1, 2, 3). Did you mean 3?"]),
+        ("strategy=zero4", ["strategy=zero4", "choose one of ['ddp',", "Did you mean 'zero3'?"]),
+    ],
+)
+def test_bad_input_fails_before_any_process_starts_naming_the_key_and_a_suggestion(override, needles):
+    result = cli("fit", "--config", "conf/gpt_zero3.yaml", override)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("lightning-zero fit: error: ")
+    for needle in needles:
+        assert needle in error, error
+    assert "Initializing distributed" not in result.stdout + result.stderr
+
+
+def test_a_deepspeed_json_on_the_command_line_gives_the_explicit_arguments_run(tmp_path):
+    """DeepSpeed's ZeRO-2 + CPU optimizer offload + fp16 example as `strategy.config=`: the strategy, precision,
+    clipping, accumulation, optimizer and scheduler equal those of the explicit arguments."""
+    ok(cli(
+        "fit", "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "strategy=zero2", "~strategy.stage",
+        f"strategy.config={EXAMPLE}", "model.class_path=tests.integration.cli_support.OptimizerFromConfigGPT",
+        "data.batch_size=4", "trainer.max_steps=3", "+trainer.limit_val_batches=1", "~trainer.logger",
+        f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
+        f"+trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {tmp_path}/ds.pt}}}}]",
+    ))
+    info = torch.load(tmp_path / "ds.pt", weights_only=True)["info"]
+    explicit = ZeroStrategy(stage=2, offload_optimizer=True, pin_memory=True, bucket_size_mb=2e8 * 4 / 2**20)
+    precision = ZeroPrecision("16-mixed", initial_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)
+    assert info["zero_config"] == repr(explicit.zero_config)
+    assert info["precision"] == "16-mixed" and info["loss_scale"] == repr(precision.scaler.config)
+    assert (info["clip"], info["accumulate"], info["world_size"]) == (1.0, 2, 2)
+    assert info["optimizer"] == "AdamW" and info["schedulers"] == ["DeepSpeedWarmupLR"]
+    assert "('betas', (0.9, 0.95))" in info["param_group"] and "('weight_decay', 0.01)" in info["param_group"]
+
+
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        ("strategy.config={zero_optimization: {stage: 2, reduce_buket_size: 5}}",
+         ["zero_optimization.reduce_buket_size", "Did you mean 'reduce_bucket_size'"]),
+        ("trainer.gradient_clip_val=0.5", ["gradient_clipping=1.0", "gradient_clip_val=0.5", "set it in one place"]),
+        ("trainer.precision=bf16-mixed", ["DeepSpeed config ('16-mixed')", "trainer.precision='bf16-mixed'"]),
+    ],
+)
+def test_deepspeed_json_unsupported_and_conflicting_keys_are_errors(override, needles):
+    args = ["fit", "--config", "conf/gpt_zero3.yaml", "strategy=zero2", "~strategy.stage", f"strategy.config={EXAMPLE}"]
+    result = cli(*args, override)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    for needle in needles:
+        assert needle in error, error
+    assert "Initializing distributed" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("subcommand, metric", [("validate", "val_loss"), ("test", "test_loss"), ("predict", None)])
+def test_evaluation_subcommands_run_from_the_same_yaml(subcommand, metric, tmp_path):
+    limit = {"validate": "val", "test": "test", "predict": "predict"}[subcommand]
+    result = ok(cli(
+        subcommand, "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "trainer.devices=1", f"+trainer.limit_{limit}_batches=2",
+        "~trainer.logger", f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
+    ))
+    if metric:
+        assert metric in result.stdout

@@ -1,0 +1,232 @@
+"""Composition of `lightning-zero` configs: defaults lists, groups, overrides, shorthands and the errors.
+
+In-process and fast: these check the composed dict that LightningCLI would receive. The command run as
+a user runs it (subprocesses, real Trainer runs) is in tests/integration/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lightning_zero.cli.compose import CLIConfigError, CommandLine, Override, compose, merge, parse_value
+from lightning_zero.cli.schema import LightningSchema
+from tests.launch import REPO
+
+CONF = REPO / "conf"
+
+
+def composed(*args: str, roots=None, subcommand: str = "fit") -> dict:
+    return compose(CommandLine.parse([subcommand, *args]), LightningSchema(subcommand), roots=roots)
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+def test_command_line_splits_overrides_from_lightning_arguments():
+    command = CommandLine.parse(
+        ["fit", "--trainer.devices", "2", "--config", "a.yaml", "trainer.max_steps=5", "+x.y=1", "~trainer.logger",
+         "--trainer.strategy", "zero3", "++z=2", "-c", "b.yaml", "--print_config", "model.n_layer=4"]
+    )
+    assert command.configs == ["a.yaml", "b.yaml"]
+    assert [(o.op, o.key, o.value) for o in command.overrides] == [
+        ("set", "trainer.max_steps", "5"), ("add", "x.y", "1"), ("delete", "trainer.logger", None),
+        ("force", "z", "2"), ("set", "model.n_layer", "4"),
+    ]
+    assert command.cli_args == ["--trainer.devices", "2", "--trainer.strategy", "zero3", "--print_config"]
+    # the composed config goes where the first --config was, so later LightningCLI arguments still win
+    assert command.lightning_argv({"a": 1})[:5] == ["fit", "--trainer.devices", "2", "--config", "a: 1\n"]
+
+
+def test_a_value_of_a_lightning_option_is_not_taken_for_an_override():
+    command = CommandLine.parse(["fit", "--trainer.default_root_dir", "runs/a=b", "x=1"])
+    assert command.cli_args == ["--trainer.default_root_dir", "runs/a=b"]
+    assert [o.text for o in command.overrides] == ["x=1"]
+    assert not CommandLine.parse(["fit", "--trainer.max_steps", "3"]).composes
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("3", 3), ("1e-3", 1e-3), ("2.0e-3", 2e-3), ("true", True), ("null", None), ("[1, 2]", [1, 2]),
+     ("{a: 1}", {"a": 1}), ("zero3", "zero3"), ("${model.x}", "${model.x}"), ("", ""), ("'3'", "3")],
+)
+def test_override_values_read_as_yaml(text, value):
+    assert parse_value(text) == value
+
+
+def test_tokens_that_are_not_overrides():
+    assert Override.parse("plain") is None
+    assert Override.parse("--a=b") is None
+    assert Override.parse("~a.b").op == "delete"
+
+
+# ------------------------------------------------------------------------------------ defaults and groups
+
+
+def test_the_shipped_main_config_composes_its_groups_and_interpolations():
+    config = composed("--config", str(CONF / "gpt_zero3.yaml"))
+    assert config["trainer"]["strategy"] == {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 3}}
+    assert config["model"]["class_path"] == "lightning_zero.demo.GPTLightningModule"
+    assert config["data"]["init_args"]["block_size"] == config["model"]["init_args"]["block_size"] == 64
+    assert config["trainer"]["val_check_interval"] == config["trainer"]["max_steps"]
+    assert config["trainer"]["logger"]["init_args"]["save_dir"] == config["trainer"]["default_root_dir"]
+    assert "defaults" not in config
+
+
+def test_every_override_form_on_the_main_config():
+    config = composed(
+        "--config", str(CONF / "gpt_zero3.yaml"),
+        "strategy=zero2_offload", "model=gpt_tiny", "trainer.max_steps=7", "model.n_layer=3", "strategy.bucket_size_mb=5",
+        "+trainer.limit_val_batches=2", "~trainer.logger", "data.batch_size=4", "++seed_everything=7",
+    )
+    assert config["trainer"]["strategy"]["init_args"] == {"stage": 2, "offload_optimizer": True, "bucket_size_mb": 5}
+    assert config["model"]["init_args"]["n_embd"] == 32  # gpt_tiny
+    assert config["model"]["init_args"]["n_layer"] == 3
+    assert config["trainer"]["max_steps"] == 7 and config["trainer"]["val_check_interval"] == 7  # resolved late
+    assert config["data"]["init_args"] == {"block_size": 32, "batch_size": 4, "num_tokens": 200000}
+    assert config["trainer"]["limit_val_batches"] == 2
+    assert "logger" not in config["trainer"]
+    assert config["seed_everything"] == 7
+
+
+def test_defaults_order_self_packages_and_nested_files(tmp_path):
+    write(tmp_path, "base.yaml", "trainer: {max_steps: 1, devices: 1}\n")
+    write(tmp_path, "strategy/a.yaml", "# @package trainer.strategy\nclass_path: lightning_zero.ZeroStrategy\ninit_args: {stage: 1}\n")
+    write(tmp_path, "extra/opt.yaml", "# @package _global_\ntrainer: {max_steps: 9}\nseed_everything: 3\n")
+    write(tmp_path, "model/m.yaml", "class_path: lightning_zero.demo.GPTLightningModule\ninit_args: {n_layer: 1}\n")
+    main = write(
+        tmp_path, "main.yaml",
+        """
+        defaults:
+          - base
+          - _self_
+          - strategy: a
+          - optional missing: nothing
+          - extra: opt
+        trainer: {max_steps: 5, strategy: zero3}
+        """,
+    )
+    config = composed("--config", str(main), roots=[tmp_path])
+    # _self_ before the groups: the groups win; `# @package` places the files; optional + missing is skipped
+    assert config["trainer"] == {
+        "max_steps": 9, "devices": 1, "strategy": {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 1}}
+    }
+    assert config["seed_everything"] == 3
+    # a group picked on the command line that no defaults list names is merged last
+    assert composed("--config", str(main), "model=m", roots=[tmp_path])["model"]["init_args"] == {"n_layer": 1}
+    # ~group drops it from the defaults
+    assert composed("--config", str(main), "~extra", roots=[tmp_path])["trainer"]["max_steps"] == 5
+
+
+def test_a_changed_class_path_replaces_the_node_instead_of_merging_into_it():
+    old = {"class_path": "a.A", "init_args": {"x": 1}}
+    assert merge({"s": old}, {"s": {"class_path": "b.B"}}) == {"s": {"class_path": "b.B"}}
+    assert merge({"s": old}, {"s": {"class_path": "a.A", "init_args": {"y": 2}}})["s"]["init_args"] == {"x": 1, "y": 2}
+    assert merge({"s": "zero3"}, {"s": old}) == {"s": old}
+
+
+def test_a_registered_strategy_name_takes_shorthand_overrides(tmp_path):
+    main = write(tmp_path, "main.yaml", "trainer: {strategy: zero3_offload}\n")
+    config = composed("--config", str(main), "strategy.bucket_size_mb=2")
+    assert config["trainer"]["strategy"] == {
+        "class_path": "lightning_zero.strategy.ZeroStrategy",
+        "init_args": {"stage": 3, "offload_optimizer": True, "offload_params": True, "bucket_size_mb": 2},
+    }
+
+
+def test_groups_resolve_from_the_checkout_conf_when_the_config_lives_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main = write(tmp_path, "printed.yaml", "trainer: {max_steps: 2}\n")
+    config = composed("--config", str(main), "strategy=zero1", "model=gpt_tiny", "data=chars")
+    assert config["trainer"]["strategy"]["init_args"] == {"stage": 1}
+    assert config["data"]["init_args"]["block_size"] == 32
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_stpes=3", "unknown key 'trainer.max_stpes': lightning.pytorch.Trainer has no argument 'max_stpes'. Did you mean 'trainer.max_steps'?"),
+        ("+trainer.max_stpes=3", "Did you mean 'trainer.max_steps'?"),
+        ("strategy.stgae=2", "lightning_zero.ZeroStrategy has no argument 'stgae'. Did you mean 'strategy.stage'?"),
+        ("model.n_layr=2", "GPTLightningModule has no argument 'n_layr'. Did you mean 'model.n_layer'?"),
+        ("stratgy=zero3", "Did you mean 'strategy'?"),
+        ("strategy=zero4", "strategy=zero4 names no file"),
+        ("model=gpt_smal", "Did you mean 'gpt_small'?"),
+        ("+trainer.max_steps=3", "trainer.max_steps is already set (to 150); override it with 'trainer.max_steps=3'"),
+        ("~trainer.max_stpes", "Did you mean 'trainer.max_steps'?"),
+        ("trainer.max_steps.x=1", "`trainer.max_steps` is 150, not a mapping"),
+        ("trainer.max_steps=${nowhere}", "cannot resolve interpolation at trainer.max_steps"),
+    ],
+)
+def test_override_errors_name_the_key_and_the_nearest_valid_one(override, message):
+    with pytest.raises(CLIConfigError) as err:
+        composed("--config", str(CONF / "gpt_zero3.yaml"), override)
+    assert message in str(err.value)
+
+
+def test_unknown_group_option_lists_the_options():
+    with pytest.raises(CLIConfigError, match=r"choose one of \['ddp', .*'zero3', 'zero3_offload'\]\. Did you mean 'zero3'\?"):
+        composed("--config", str(CONF / "gpt_zero3.yaml"), "strategy=zero4")
+
+
+def test_typos_inside_yaml_files_are_found_too(tmp_path):
+    cases = {
+        "trainer: {max_stpes: 3}\n": "unknown key 'trainer.max_stpes'",
+        "modle: {}\n": "Did you mean 'model'?",
+        "model: {class_path: lightning_zero.demo.GPTLightningModul}\n": "Did you mean 'GPTLightningModule'?",
+        "model: {class_path: lightning_zero.demo.GPTLightningModule, init_args: {n_layr: 1}}\n": "model.init_args.n_layr",
+        "trainer: {callbacks: [{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {every_n_step: 1}}]}\n":
+            "Did you mean 'every_n_train_steps'?",
+        "model: {class_path: no_such_module.Model}\n": "cannot be imported",
+        "defaults: [{strategy: zero9}]\n": "main.yaml, defaults: strategy=zero9 names no file",
+    }
+    for text, message in cases.items():
+        main = write(tmp_path, "main.yaml", text)
+        with pytest.raises(CLIConfigError) as err:
+            composed("--config", str(main), roots=[tmp_path, CONF])
+        assert message in str(err.value), (text, str(err.value))
+
+
+def test_a_missing_config_file_suggests_the_nearest(tmp_path):
+    with pytest.raises(CLIConfigError, match="does not exist. Did you mean 'conf/gpt_zero3.yaml'"):
+        composed("--config", "conf/gpt_zero.yaml")
+
+
+def test_subcommand_keys_follow_the_subcommand():
+    main = str(CONF / "gpt_zero3.yaml")
+    assert composed("--config", main, "+ckpt_path=last.ckpt", subcommand="validate")["ckpt_path"] == "last.ckpt"
+    assert composed("--config", main, "+return_predictions=false", subcommand="predict")["return_predictions"] is False
+    with pytest.raises(CLIConfigError, match="the `fit` config has no key 'return_predictions'"):
+        composed("--config", main, "+return_predictions=false")
+
+
+def test_list_items_are_addressed_by_index():
+    main = str(CONF / "gpt_zero3.yaml")
+    callbacks = "+trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_top_k: 1}}]"
+    config = composed("--config", main, callbacks, "trainer.callbacks.0.save_top_k=3")
+    assert config["trainer"]["callbacks"] == [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_top_k": 3}}
+    ]
+    with pytest.raises(CLIConfigError, match="Did you mean 'trainer.callbacks.0.save_top_k'"):
+        composed("--config", main, callbacks, "trainer.callbacks.0.save_topk=3")
+
+
+def test_yaml_is_read_by_omegaconf_and_a_defaults_cycle_is_an_error(tmp_path):
+    main = write(tmp_path, "main.yaml", "defaults: [other]\nmodel: {class_path: lightning_zero.demo.GPTLightningModule, init_args: {learning_rate: 1e-3}}\n")
+    write(tmp_path, "other.yaml", "seed_everything: 1\n")
+    assert composed("--config", str(main), roots=[tmp_path])["model"]["init_args"]["learning_rate"] == 1e-3
+    write(tmp_path, "other.yaml", "defaults: [main]\n")
+    with pytest.raises(CLIConfigError, match="defaults cycle"):
+        composed("--config", str(main), roots=[tmp_path])
