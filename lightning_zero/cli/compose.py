@@ -37,7 +37,9 @@ GLOBAL_PACKAGE = "_global_"
 YAML_SUFFIXES = (".yaml", ".yml")
 _OVERRIDE = re.compile(r"(?P<prefix>\+\+|\+|~)?(?P<key>[A-Za-z_][\w-]*(?:\.[\w-]+)*)(?:=(?P<value>.*))?", re.DOTALL)
 _PACKAGE_HEADER = re.compile(r"#\s*@package\s+(\S+)")
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)")
+_INT = re.compile(r"[-+]?\d+")
+_FLOAT = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
+_NEGATIVE_NUMBER = re.compile(r"-\d[\d.eE+-]*")
 #: Options of LightningCLI that take no value, so a ``key=value`` after them is an override, not their value.
 _FLAGS = ("--print_config", "--help", "-h")
 
@@ -46,10 +48,27 @@ class CLIConfigError(ValueError):
     """A config file, group or override that cannot be composed; the message names it and suggests a fix."""
 
 
+class UnknownKeyError(CLIConfigError):
+    """A key that exists neither in the config nor in what LightningCLI accepts there."""
+
+    def __init__(self, message: str, suggestion: str | None) -> None:
+        super().__init__(message)
+        self.suggestion = suggestion
+
+
+def nearest(value: str, choices: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(value, sorted(set(map(str, choices))), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
 def closest(value: str, choices: Iterable[str]) -> str:
     """`` Did you mean 'x'?`` for the nearest choice, or an empty string."""
-    matches = difflib.get_close_matches(value, sorted(set(choices)), n=1, cutoff=0.6)
-    return f" Did you mean {matches[0]!r}?" if matches else ""
+    match = nearest(str(value), choices)
+    return f" Did you mean {match!r}?" if match else ""
+
+
+def _is_option(token: str) -> bool:
+    return token.startswith("-") and not _NEGATIVE_NUMBER.fullmatch(token)
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -78,17 +97,27 @@ class Override:
 
 
 def parse_value(text: str) -> Any:
-    """A command-line value as YAML would read it (``3``, ``true``, ``null``, ``[1, 2]``, ``{a: 1}``), with
-    ``1e-3`` a float as well (YAML 1.1 wants ``1.0e-3``), and ``${...}`` kept for interpolation."""
-    if text == "":
-        return ""
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str) and _FLOAT.fullmatch(value):
-        return float(value)
-    return value
+    """A command-line value by Hydra's rules: ``true``/``false``, ``null``, integers, floats (``1e-3``
+    too) and ``[...]``/``{...}`` collections are typed; quotes make a string; anything else stays the
+    string it is (``exp #1``, ``1:30``, ``yes``, ``2024-01-01``), and ``${...}`` is kept for interpolation."""
+    stripped = text.strip()
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+        return stripped[1:-1]
+    lowered = stripped.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "null":
+        return None
+    if _INT.fullmatch(stripped):
+        return int(stripped)
+    if _FLOAT.fullmatch(stripped):
+        return float(stripped)
+    if stripped[:1] in ("[", "{"):
+        try:
+            return yaml.safe_load(stripped)
+        except yaml.YAMLError as err:
+            raise CLIConfigError(f"cannot read {text!r} as a list or mapping: {err}") from None
+    return text
 
 
 @dataclasses.dataclass
@@ -113,19 +142,21 @@ class CommandLine:
         while i < len(rest):
             token = rest[i]
             if token in ("--config", "-c") or token.startswith("--config="):
-                if "=" in token:
-                    configs.append(token.split("=", 1)[1])
-                    i += 1
-                elif i + 1 < len(rest):
-                    configs.append(rest[i + 1])
-                    i += 2
-                else:
+                value = token.split("=", 1)[1] if "=" in token else (rest[i + 1] if i + 1 < len(rest) else "")
+                if not value:
                     raise CLIConfigError("--config needs a file: `--config conf/gpt_zero3.yaml`.")
+                if slot is not None and len(cli_args) > slot:
+                    raise CLIConfigError(
+                        f"{cli_args[slot]!r} stands between two --config files; every --config file is composed "
+                        "first, so put the --config files before other arguments."
+                    )
+                configs.append(value)
                 slot = len(cli_args) if slot is None else slot
+                i += 1 if "=" in token else 2
                 continue
             previous = rest[i - 1] if i else ""
-            is_value = previous.startswith("-") and "=" not in previous and previous not in _FLAGS
-            override = None if token.startswith("-") or is_value else Override.parse(token)
+            is_value = _is_option(previous) and "=" not in previous and previous not in _FLAGS
+            override = None if _is_option(token) or is_value else Override.parse(token)
             if override is not None:
                 overrides.append(override)
             else:
@@ -226,20 +257,23 @@ class Composer:
 
     def __init__(self, roots: Sequence[Path], choices: dict[str, Any] | None = None) -> None:
         self.roots = list(roots)
-        #: group -> option picked on the command line (None drops the group)
+        #: group -> option picked on the command line (None drops the group); wins over everything
         self.choices = dict(choices or {})
+        #: group -> option from an ``override group: option`` defaults entry; the outermost file wins
+        self.overrides: dict[str, Any] = {}
         self.used: set[str] = set()
         self._open: list[Path] = []  # files being composed, to refuse a defaults cycle
 
     def groups(self) -> list[str]:
-        return sorted({p.name for root in self.roots for p in root.iterdir() if p.is_dir()})
-
-    def folder(self, group: str) -> Path | None:
-        return next((root / group for root in self.roots if (root / group).is_dir()), None)
+        """Folders of YAML files under any root."""
+        return sorted({p.name for root in self.roots for p in root.iterdir() if p.is_dir() and _has_yaml(p)})
 
     def options(self, group: str) -> list[str]:
-        folder = self.folder(group)
-        return sorted(p.stem for p in folder.iterdir() if p.suffix in YAML_SUFFIXES) if folder else []
+        return sorted({p.stem for root in self.roots if (root / group).is_dir() for p in (root / group).iterdir() if p.suffix in YAML_SUFFIXES})
+
+    def option_file(self, group: str, option: Any) -> Path | None:
+        candidates = (root / group / f"{option}{suffix}" for root in self.roots for suffix in YAML_SUFFIXES)
+        return next((path for path in candidates if path.is_file()), None)
 
     def file(self, path: Path, package: str = "") -> dict:
         if path.resolve() in self._open:
@@ -252,62 +286,64 @@ class Composer:
 
     def _compose_file(self, path: Path, package: str) -> dict:
         data, header = load_yaml(path)
-        defaults = data.pop("defaults", [])
-        if not isinstance(defaults, list):
-            raise CLIConfigError(f"{path}: `defaults` must be a list, e.g. `defaults: [{{strategy: zero3}}, _self_]`.")
-        if "_self_" not in defaults:
-            defaults = [*defaults, "_self_"]
-        own = nest(data, header if header is not None else package)
+        package = header if header is not None else package
+        entries = [_DefaultsEntry.parse(entry, path) for entry in _defaults_list(data.pop("defaults", []), path)]
+        for entry in entries:
+            if entry.keyword == "override":
+                self.overrides.setdefault(entry.group, entry.option)
         composed: dict = {}
-        for entry in defaults:
-            if entry == "_self_":
-                composed = merge(composed, own)
-            elif isinstance(entry, str):
-                composed = merge(composed, self.file(self._sibling(path, entry)))
-            elif isinstance(entry, dict) and len(entry) == 1:
-                (key, option), = entry.items()
-                words = str(key).split()
-                group = words[-1].strip("/")
-                if len(words) > 2 or (len(words) == 2 and words[0] not in ("override", "optional")):
-                    raise CLIConfigError(f"{path}: defaults entry {entry!r} is not `group: option`.")
-                from_file = group not in self.choices
-                try:
-                    picked = self.group(group, self._choice(group, option), optional=words[0] == "optional")
-                except CLIConfigError as err:
-                    raise (CLIConfigError(f"{path}, defaults: {err}") if from_file else err) from None
-                composed = merge(composed, picked)
+        for entry in entries:
+            if entry.keyword == "override":
+                continue
+            if entry.group == "_self_":
+                composed = merge(composed, nest(data, package))
+            elif entry.group is None:
+                composed = merge(composed, self.file(self._sibling(path, entry.option), package))
             else:
-                raise CLIConfigError(f"{path}: defaults entry {entry!r} must be `_self_`, a file name or `group: option`.")
+                from_command_line = entry.group in self.choices
+                option = self._choice(entry.group, entry.option)
+                try:
+                    composed = merge(composed, self.group(entry.group, option, optional=entry.keyword == "optional")[0])
+                except CLIConfigError as err:
+                    raise (err if from_command_line else CLIConfigError(f"{path}, defaults: {err}")) from None
         return composed
 
-    def group(self, group: str, option: Any, optional: bool = False) -> dict:
+    def group(self, group: str, option: Any, optional: bool = False) -> tuple[dict, str]:
+        """The composed option file of ``group``, and the package it lands in."""
         if option is None:
-            return {}
-        folder = self.folder(group)
-        path = next((folder / f"{option}{s}" for s in YAML_SUFFIXES if (folder / f"{option}{s}").is_file()), None) if folder else None
+            return {}, group.replace("/", ".")
+        path = self.option_file(group, option)
         if path is None:
             if optional:
-                return {}
-            if folder is None:
+                return {}, group.replace("/", ".")
+            options = self.options(group)
+            if not options:
                 where = ", ".join(map(str, self.roots)) or "no conf/ folder"
                 raise CLIConfigError(
                     f"config group {group!r} does not exist (looked in {where}); groups: {self.groups()}.{closest(group, self.groups())}"
                 )
-            options = self.options(group)
             raise CLIConfigError(
-                f"{group}={option} names no file {folder}/{option}.yaml; choose one of {options}.{closest(str(option), options)}"
+                f"{group}={option} names no {group}/{option}.yaml (looked in {', '.join(map(str, self.roots))}); "
+                f"choose one of {options}.{closest(str(option), options)}"
             )
-        return self.file(path, package=group.replace("/", "."))
+        header = load_yaml(path)[1]
+        package = header if header is not None else group.replace("/", ".")
+        return self.file(path, package=group.replace("/", ".")), package
 
-    def unused(self) -> list[tuple[str, str | None]]:
+    def unused(self) -> list[tuple[str, Any]]:
         """Groups picked on the command line that no defaults list mentions, in command-line order."""
         return [(g, o) for g, o in self.choices.items() if g not in self.used]
 
+    def check_overrides_used(self) -> None:
+        for group in self.overrides:
+            if group not in self.used:
+                raise CLIConfigError(f"`override {group}: ...` in a defaults list matches no `{group}` entry of any defaults list.")
+
     def _choice(self, group: str, default: Any) -> Any:
+        self.used.add(group)
         if group in self.choices:
-            self.used.add(group)
             return self.choices[group]
-        return default
+        return self.overrides.get(group, default)
 
     def _sibling(self, path: Path, name: str) -> Path:
         for folder in (path.parent, *self.roots):
@@ -317,39 +353,94 @@ class Composer:
         raise CLIConfigError(f"{path}: defaults entry {name!r} names no file next to it or in {self.roots}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class _DefaultsEntry:
+    """``_self_``, a file name (``group`` None), or ``[override|optional] group: option``."""
+
+    group: str | None
+    option: Any
+    keyword: str | None = None
+
+    @classmethod
+    def parse(cls, entry: Any, path: Path) -> _DefaultsEntry:
+        if entry == "_self_":
+            return cls("_self_", None)
+        if isinstance(entry, str):
+            return cls(None, entry)
+        if isinstance(entry, dict) and len(entry) == 1:
+            ((key, option),) = entry.items()
+            words = str(key).split()
+            if len(words) == 1 or (len(words) == 2 and words[0] in ("override", "optional")):
+                return cls(words[-1].strip("/"), option, words[0] if len(words) == 2 else None)
+        raise CLIConfigError(
+            f"{path}: defaults entry {entry!r} must be `_self_`, a file name or `[override|optional] group: option`."
+        )
+
+
+def _defaults_list(defaults: Any, path: Path) -> list:
+    if not isinstance(defaults, list):
+        raise CLIConfigError(f"{path}: `defaults` must be a list, e.g. `defaults: [{{strategy: zero3}}, _self_]`.")
+    return defaults if "_self_" in defaults else [*defaults, "_self_"]
+
+
+def _has_yaml(folder: Path) -> bool:
+    return any(p.suffix in YAML_SUFFIXES for p in folder.iterdir())
+
+
 # ---------------------------------------------------------------------------------------------- overrides
 
 
-def _get(config: dict, path: Sequence[str]) -> Any:
+def _child(node: Any, part: str, path: Sequence[str]) -> Any:
+    if isinstance(node, list):
+        if not part.isdigit() or int(part) >= len(node):
+            raise CLIConfigError(f"`{'.'.join(path)}` is a list of {len(node)}; {part!r} is not an index of it.")
+        return node[int(part)]
+    return node[part]
+
+
+def get_path(config: dict, path: Sequence[str]) -> Any:
     node: Any = config
-    for part in path:
-        node = node[int(part)] if isinstance(node, list) else node[part]
+    for i, part in enumerate(path):
+        node = _child(node, part, path[:i])
     return node
+
+
+def set_path(config: dict, path: Sequence[str], value: Any) -> None:
+    """Set ``path`` to ``value``, creating mappings on the way; list items are addressed by index."""
+    node: Any = config
+    for i, part in enumerate(path[:-1]):
+        if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
+            node[part] = {}
+        node = _child(node, part, path[:i])
+    if isinstance(node, list):
+        _child(node, path[-1], path[:-1])  # an existing index, or the error
+        node[int(path[-1])] = value
+    else:
+        node[path[-1]] = value
+
+
+def delete_path(config: dict, path: Sequence[str]) -> None:
+    parent = get_path(config, path[:-1])
+    _child(parent, path[-1], path[:-1])
+    del parent[int(path[-1]) if isinstance(parent, list) else path[-1]]
 
 
 def apply_override(config: dict, override: Override, schema: Schema) -> None:
     path, exists = schema.locate(config, override.key)
-    *parents, last = path
     if override.op == "delete":
-        if exists:
-            if override.value is not None and _get(config, path) != override.parsed_value:
-                raise CLIConfigError(f"{override.text}: {override.key} is {_get(config, path)!r}, not {override.value}.")
-            del _get(config, parents)[last]
+        if not exists:
+            raise CLIConfigError(f"{override.text}: {override.key} is not in the config, so there is nothing to delete.")
+        current = get_path(config, path)
+        if override.value is not None and current != override.parsed_value:
+            raise CLIConfigError(f"{override.text}: {override.key} is {current!r}, not {override.value}.")
+        delete_path(config, path)
         return
     if exists and override.op == "add":
         raise CLIConfigError(
-            f"{override.text}: {override.key} is already set (to {_get(config, path)!r}); override it with "
+            f"{override.text}: {override.key} is already set (to {get_path(config, path)!r}); override it with "
             f"'{override.key}={override.value}' (or '++{override.key}={override.value}')."
         )
-    node = config
-    for part in parents:
-        if isinstance(node, list):
-            node = node[int(part)]
-            continue
-        if not isinstance(node.get(part), (dict, list)):
-            node[part] = {}
-        node = node[part]
-    node[last] = override.parsed_value
+    set_path(config, path, override.parsed_value)
 
 
 def resolve(config: dict) -> dict:
@@ -363,28 +454,41 @@ def resolve(config: dict) -> dict:
 
 
 def compose(command: CommandLine, schema: Schema, roots: Sequence[Path] | None = None) -> dict:
-    """The config LightningCLI receives: files, their defaults, then the overrides, in command-line order."""
+    """The config LightningCLI receives: files, their defaults, then the overrides, in command-line order.
+
+    A group picked on the command line that no defaults list names replaces what its package holds (so
+    ``strategy=zero2`` on a printed config swaps the whole strategy); ``~group`` then deletes that key.
+    """
     files = [config_file(c) for c in command.configs]
     composer = Composer(search_path(files) if roots is None else roots)
     groups = set(composer.groups())
     key_overrides = []
     for override in command.overrides:
         if override.key in groups and override.op != "force":
-            composer.choices[override.key] = None if override.op == "delete" else override.parsed_value
+            composer.choices[override.key] = None if override.op == "delete" else override.value
         else:
             key_overrides.append(override)
     config: dict = {}
     for path in files:
         config = merge(config, composer.file(path))
+    composer.check_overrides_used()
     for group, option in composer.unused():
-        config = merge(config, composer.group(group, option))
+        if option is None:
+            key_overrides.insert(0, Override(f"~{group}", "delete", group, None))
+            continue
+        content, package = composer.group(group, option)
+        if package not in ("", GLOBAL_PACKAGE):
+            located, exists = schema.locate(config, package)
+            if exists:
+                delete_path(config, located)
+        config = merge(config, content)
     for override in key_overrides:
         try:
             apply_override(config, override, schema)
-        except CLIConfigError as err:
-            if "." not in override.key and groups and "Did you mean" not in str(err):
-                err = CLIConfigError(f"{err} Config groups: {sorted(groups)}.{closest(override.key, groups)}")
-            raise err from None
+        except UnknownKeyError as err:
+            if "." in override.key or err.suggestion or not groups:
+                raise
+            raise CLIConfigError(f"{err} Config groups: {sorted(groups)}.{closest(override.key, groups)}") from None
     config = resolve(config)
     schema.check(config)
     return config

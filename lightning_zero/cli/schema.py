@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_zero.cli.compose import CLIConfigError, closest
+from lightning_zero.cli.compose import CLIConfigError, UnknownKeyError, closest, nearest, set_path
 
 #: Command-line shorthands: ``strategy.stage=2`` is ``trainer.strategy.init_args.stage=2``.
 ALIASES = {"strategy": ("trainer", "strategy")}
@@ -64,9 +64,7 @@ def init_parameters(cls: type) -> frozenset[str] | None:
 
 def expand_registered_name(name: str) -> dict | None:
     """``"zero3"`` as ``{class_path: ..., init_args: {stage: 3}}``, so ``strategy.stage=2`` can edit it."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    import lightning_zero  # noqa: F401  (registers the zero* names)
+    from lightning.pytorch.strategies import StrategyRegistry  # holds the zero* names: importing this package registered them
 
     if name not in StrategyRegistry:
         return None
@@ -109,8 +107,9 @@ class LightningSchema:
         return None, ".".join(path)
 
     def locate(self, config: dict, key: str) -> tuple[list[str], bool]:
-        """The path of ``key`` in ``config``: aliases expanded, ``init_args`` inserted below a
-        ``class_path``, and a registered strategy name turned into its class form (in ``config``)."""
+        """The path of ``key`` in ``config``: aliases expanded and ``init_args`` inserted below a
+        ``class_path``. A registered strategy name that the key reaches below is rewritten, in ``config``,
+        into its class form (the same strategy), so that its arguments can be set."""
         user = key.split(".")
         head = list(ALIASES.get(user[0], (user[0],)))
         target = head + user[1:]
@@ -122,7 +121,7 @@ class LightningSchema:
         for index, segment in enumerate(target):
             if isinstance(node, str) and tuple(path) in CLASS_SLOTS and (expanded := expand_registered_name(node)):
                 node = expanded
-                _set(config, path, node)
+                set_path(config, path, node)
             if tuple(path) in CLASS_SLOTS and node is None and index:
                 raise CLIConfigError(
                     f"{key}: `{'.'.join(path)}` is not set in the config, so there is no class to take {segment!r}; "
@@ -140,9 +139,9 @@ class LightningSchema:
             if allowed is not None and segment not in allowed and not present:
                 candidates = set(allowed) | (set(node) if isinstance(node, dict) else set()) | (set() if path else set(ALIASES))
                 what = "key" if place.startswith("the ") else "argument"
-                raise CLIConfigError(
-                    f"unknown key {key!r}: {place} has no {what} {segment!r}.{_suggest(user, index - offset, segment, candidates)}"
-                )
+                suggestion = _suggest(user, index - offset, segment, candidates)
+                hint = f" Did you mean {suggestion!r}?" if suggestion else ""
+                raise UnknownKeyError(f"unknown key {key!r}: {place} has no {what} {segment!r}.{hint}", suggestion)
             owner = node
             path.append(segment)
             exists = exists and present
@@ -151,24 +150,20 @@ class LightningSchema:
 
     def check(self, config: dict) -> None:
         _check_keys(config, self.top_keys, f"the `{self.subcommand}` config", "")
-        if isinstance(config.get("trainer"), dict):
-            _check_keys(config["trainer"], self.trainer_keys, "lightning.pytorch.Trainer", "trainer.")
+        trainer = config.get("trainer")
+        if trainer is not None and not isinstance(trainer, dict):
+            raise CLIConfigError(f"`trainer` must be a mapping of Trainer arguments, not {trainer!r}.")
+        if trainer:
+            _check_keys(trainer, self.trainer_keys, "lightning.pytorch.Trainer", "trainer.")
         _check_classes(config, [])
 
 
-def _set(config: dict, path: Sequence[str], value: Any) -> None:
-    node = config
-    for part in path[:-1]:
-        node = node[part]
-    node[path[-1]] = value
-
-
-def _suggest(user: list[str], index: int, segment: str, candidates: set[str]) -> str:
-    hint = closest(segment, candidates)
-    if not hint or not 0 <= index < len(user):
-        return hint
-    best = hint.split("'")[1]
-    return f" Did you mean {'.'.join([*user[:index], best, *user[index + 1:]])!r}?"
+def _suggest(user: list[str], index: int, segment: str, candidates: set[str]) -> str | None:
+    """The user's key with its unknown segment replaced by the nearest valid one."""
+    best = nearest(segment, candidates)
+    if best is None or not 0 <= index < len(user):
+        return best
+    return ".".join([*user[:index], best, *user[index + 1 :]])
 
 
 def _check_keys(node: dict, allowed: frozenset[str] | None, place: str, prefix: str) -> None:
@@ -176,7 +171,7 @@ def _check_keys(node: dict, allowed: frozenset[str] | None, place: str, prefix: 
         return
     for key in node:
         if key not in allowed:
-            raise CLIConfigError(f"unknown key {prefix + key!r}: {place} has no argument {key!r}.{closest(key, allowed)}")
+            raise CLIConfigError(f"unknown key {prefix + str(key)!r}: {place} has no argument {str(key)!r}.{closest(str(key), allowed)}")
 
 
 def _check_classes(node: Any, path: list[str]) -> None:

@@ -68,8 +68,6 @@ def check_precision_flag(settings: DeepSpeedSettings | None, flag: Any) -> None:
 
 def run(argv: Sequence[str]) -> None:
     """Compose ``--config`` files and Hydra-style overrides, then hand the result to LightningCLI."""
-    import lightning_zero  # noqa: F401  (registers zero1/zero2/zero3 names)
-
     command = CommandLine.parse(argv)
     args = list(argv)
     if command.composes:

@@ -6,6 +6,7 @@ a user runs it (subprocesses, real Trainer runs) is in tests/integration/test_cl
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def write(folder: Path, name: str, text: str) -> Path:
 
 def test_command_line_splits_overrides_from_lightning_arguments():
     command = CommandLine.parse(
-        ["fit", "--trainer.devices", "2", "--config", "a.yaml", "trainer.max_steps=5", "+x.y=1", "~trainer.logger",
-         "--trainer.strategy", "zero3", "++z=2", "-c", "b.yaml", "--print_config", "model.n_layer=4"]
+        ["fit", "--trainer.devices", "2", "--config", "a.yaml", "trainer.max_steps=5", "-c", "b.yaml", "+x.y=1",
+         "~trainer.logger", "--trainer.strategy", "zero3", "++z=2", "--print_config", "model.n_layer=4"]
     )
     assert command.configs == ["a.yaml", "b.yaml"]
     assert [(o.op, o.key, o.value) for o in command.overrides] == [
@@ -45,19 +46,26 @@ def test_command_line_splits_overrides_from_lightning_arguments():
     assert command.cli_args == ["--trainer.devices", "2", "--trainer.strategy", "zero3", "--print_config"]
     # the composed config goes where the first --config was, so later LightningCLI arguments still win
     assert command.lightning_argv({"a": 1})[:5] == ["fit", "--trainer.devices", "2", "--config", "a: 1\n"]
+    # every --config file is composed first, so a LightningCLI argument between two would lose its place
+    with pytest.raises(CLIConfigError, match="'--trainer.max_steps' stands between two --config files"):
+        CommandLine.parse(["fit", "--config", "a.yaml", "--trainer.max_steps", "3", "--config", "b.yaml"])
+    with pytest.raises(CLIConfigError, match="--config needs a file"):
+        CommandLine.parse(["fit", "--config="])
 
 
 def test_a_value_of_a_lightning_option_is_not_taken_for_an_override():
-    command = CommandLine.parse(["fit", "--trainer.default_root_dir", "runs/a=b", "x=1"])
-    assert command.cli_args == ["--trainer.default_root_dir", "runs/a=b"]
-    assert [o.text for o in command.overrides] == ["x=1"]
+    command = CommandLine.parse(["fit", "--trainer.default_root_dir", "runs/a=b", "x=1", "--trainer.max_steps", "-1", "y=2"])
+    assert command.cli_args == ["--trainer.default_root_dir", "runs/a=b", "--trainer.max_steps", "-1"]
+    assert [o.text for o in command.overrides] == ["x=1", "y=2"]
     assert not CommandLine.parse(["fit", "--trainer.max_steps", "3"]).composes
 
 
 @pytest.mark.parametrize(
     "text, value",
-    [("3", 3), ("1e-3", 1e-3), ("2.0e-3", 2e-3), ("true", True), ("null", None), ("[1, 2]", [1, 2]),
-     ("{a: 1}", {"a": 1}), ("zero3", "zero3"), ("${model.x}", "${model.x}"), ("", ""), ("'3'", "3")],
+    [("3", 3), ("-1", -1), ("1e-3", 1e-3), ("2.0e-3", 2e-3), ("true", True), ("False", False), ("null", None),
+     ("[1, 2]", [1, 2]), ("{a: 1}", {"a": 1}), ("zero3", "zero3"), ("${model.x}", "${model.x}"), ("", ""),
+     ("'3'", "3"), ("exp #1", "exp #1"), ("run: 2", "run: 2"), ("1:30", "1:30"), ("yes", "yes"),
+     ("2024-01-01", "2024-01-01"), ("01", 1)],
 )
 def test_override_values_read_as_yaml(text, value):
     assert parse_value(text) == value
@@ -162,7 +170,7 @@ def test_groups_resolve_from_the_checkout_conf_when_the_config_lives_elsewhere(t
         ("strategy.stgae=2", "lightning_zero.ZeroStrategy has no argument 'stgae'. Did you mean 'strategy.stage'?"),
         ("model.n_layr=2", "GPTLightningModule has no argument 'n_layr'. Did you mean 'model.n_layer'?"),
         ("stratgy=zero3", "Did you mean 'strategy'?"),
-        ("strategy=zero4", "strategy=zero4 names no file"),
+        ("strategy=zero4", "strategy=zero4 names no strategy/zero4.yaml"),
         ("model=gpt_smal", "Did you mean 'gpt_small'?"),
         ("+trainer.max_steps=3", "trainer.max_steps is already set (to 150); override it with 'trainer.max_steps=3'"),
         ("~trainer.max_stpes", "Did you mean 'trainer.max_steps'?"),
@@ -190,7 +198,7 @@ def test_typos_inside_yaml_files_are_found_too(tmp_path):
         "trainer: {callbacks: [{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {every_n_step: 1}}]}\n":
             "Did you mean 'every_n_train_steps'?",
         "model: {class_path: no_such_module.Model}\n": "cannot be imported",
-        "defaults: [{strategy: zero9}]\n": "main.yaml, defaults: strategy=zero9 names no file",
+        "defaults: [{strategy: zero9}]\n": "main.yaml, defaults: strategy=zero9 names no strategy/zero9.yaml",
     }
     for text, message in cases.items():
         main = write(tmp_path, "main.yaml", text)
@@ -230,3 +238,59 @@ def test_yaml_is_read_by_omegaconf_and_a_defaults_cycle_is_an_error(tmp_path):
     write(tmp_path, "other.yaml", "defaults: [main]\n")
     with pytest.raises(CLIConfigError, match="defaults cycle"):
         composed("--config", str(main), roots=[tmp_path])
+
+
+def test_override_in_a_defaults_list_replaces_the_option_of_a_nested_list(tmp_path):
+    write(tmp_path, "base.yaml", "defaults: [{model: gpt_small}, {strategy: zero3_offload}]\n")
+    main = write(tmp_path, "main.yaml", "defaults: [base, {override model: gpt_tiny}, {override strategy: zero2}]\n")
+    config = composed("--config", str(main), roots=[tmp_path, CONF])
+    assert "warmup_steps" not in config["model"]["init_args"]  # nothing of gpt_small leaks into gpt_tiny
+    assert config["trainer"]["strategy"]["init_args"] == {"stage": 2}
+    # the command line still wins over a file's override
+    assert composed("--config", str(main), "model=gpt_small", roots=[tmp_path, CONF])["model"]["init_args"]["n_layer"] == 4
+    write(tmp_path, "orphan.yaml", "defaults: [{override data: chars}]\n")
+    with pytest.raises(CLIConfigError, match="`override data: ...` in a defaults list matches no `data` entry"):
+        composed("--config", str(tmp_path / "orphan.yaml"), roots=[tmp_path, CONF])
+
+
+def test_a_group_picked_for_a_config_without_defaults_replaces_its_node(tmp_path):
+    printed = write(
+        tmp_path, "printed.yaml",
+        "trainer:\n  strategy: {class_path: lightning_zero.ZeroStrategy, init_args: {stage: 3, offload_optimizer: true, offload_params: true}}\n"
+        "model: {class_path: lightning_zero.demo.GPTLightningModule, init_args: {n_layer: 1}}\n",
+    )
+    config = composed("--config", str(printed), "strategy=zero2", roots=[CONF])
+    assert config["trainer"]["strategy"] == {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 2}}
+    assert "strategy" not in composed("--config", str(printed), "~strategy", roots=[CONF])["trainer"]
+    assert "model" not in composed("--config", str(printed), "~model", roots=[CONF])
+
+
+def test_list_items_and_missing_keys_are_errors_not_crashes():
+    main = str(CONF / "gpt_zero3.yaml")
+    callbacks = "+trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint}]"
+    assert composed("--config", main, callbacks, "~trainer.callbacks.0")["trainer"]["callbacks"] == []
+    replaced = composed("--config", main, callbacks, "trainer.callbacks.0={class_path: lightning.pytorch.callbacks.Timer}")
+    assert replaced["trainer"]["callbacks"] == [{"class_path": "lightning.pytorch.callbacks.Timer"}]
+    for override, message in [
+        ("trainer.callbacks.3.save_top_k=2", "`trainer.callbacks` is a list of 1; '3' is not an index of it"),
+        ("trainer.callbacks.foo=1", "'foo' is not an index of it"),
+        ("~trainer.gradient_clip_val", "not in the config, so there is nothing to delete"),
+        ("trainer=3", "`trainer` must be a mapping"),
+    ]:
+        with pytest.raises(CLIConfigError, match=re.escape(message)):
+            composed("--config", main, callbacks, override)
+
+
+def test_unrelated_folders_next_to_a_config_do_not_hide_the_groups(tmp_path):
+    (tmp_path / "model").mkdir()  # e.g. a folder of weights: no YAML in it
+    (tmp_path / "strategy").mkdir()
+    write(tmp_path, "strategy/mine.yaml", "# @package trainer.strategy\ndefaults: [common]\ninit_args: {stage: 1}\n")
+    write(tmp_path, "strategy/common.yaml", "class_path: lightning_zero.ZeroStrategy\ninit_args: {bucket_size_mb: 4}\n")
+    main = write(tmp_path, "run.yaml", "defaults: [{model: gpt_tiny}, {data: chars}, {strategy: mine}]\n")
+    config = composed("--config", str(main), roots=[tmp_path, CONF])
+    assert config["model"]["init_args"]["n_layer"] == 2
+    # a file named in a group file's defaults lands in that group's package
+    assert config["trainer"]["strategy"] == {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"bucket_size_mb": 4, "stage": 1}}
+    write(tmp_path, "odd.yaml", "1: 2\n")
+    with pytest.raises(CLIConfigError, match="unknown key '1'"):
+        composed("--config", str(tmp_path / "odd.yaml"), roots=[tmp_path])
