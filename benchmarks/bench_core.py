@@ -73,6 +73,8 @@ from lightning_zero.memory import model_state_bytes as placed_state_bytes  # noq
 import torch.distributed as dist  # noqa: E402
 
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
+from lightning_zero.estimate import CHOICES, model_state_split  # noqa: E402
+from lightning_zero.monitor import ZeroMonitor  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 #: Suffixes for ZeRO systems (extra ZeroStrategy settings): "zero2+ac" checkpoints every Block, "zero2+ac2"
@@ -136,38 +138,24 @@ def build_strategy(system: str, devices: int) -> Any:
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(ALL_SYSTEMS)}")
 
 
+#: bench system name -> the estimator's choice (fsdp2 holds what ZeRO-3 holds)
+_CHOICE_OF = {"ddp": "ddp", "fsdp2": "zero3", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+              "zero1+offload": "zero1_offload", "zero2+offload": "zero2_offload",
+              "zero3+offload": "zero3_offload_optimizer", "zero3+offload_params": "zero3_offload"}
+
+
 def formula_bytes(system: str, P: int, N: int, precision: str = "32-true") -> float:
-    """ZeRO paper's model-state memory per rank for params + grads + Adam (m, v) (+ fp32 master when mixed),
-    device and host together."""
+    """ZeRO paper's model-state memory per rank, device and host together (``lightning-zero estimate``'s)."""
     return sum(formula_split(system, P, N, precision))
 
 
 def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tuple[float, float]:
-    """(device, host) model-state bytes per rank. Offloading the optimizer (ZeRO-Offload) puts fp32 masters,
-    fp32 gradient shards and Adam's moments on the host, 16P/N; the device keeps the parameters it computes
-    with and their gradients (stage 3 with FSDP2: its fp32 parameter and gradient shards, 8P/N)."""
+    """(device, host) model-state bytes per rank, from :mod:`lightning_zero.estimate`; activation
+    checkpointing (``+ac``) changes activations only."""
     base, _, variant = system.partition("+")
-    if variant not in ("offload", "offload_params"):
-        return _formula_on_device(base, P, N, precision), 0.0
-    mixed = precision == "bf16-mixed"
-    device = {
-        "zero1": (4 if mixed else 8) * P,  # parameters and full gradients
-        "zero2": (2 + 2 / N if mixed else 4 + 4 / N) * P,  # parameters and the gradient shard
-        "zero3": 0.0 if variant == "offload_params" else 8 * P / N,
-    }[base]
-    return device, 16 * P / N
-
-
-def _formula_on_device(system: str, P: int, N: int, precision: str) -> float:
-    if precision == "bf16-mixed" and system in ("zero1", "zero2"):
-        return {"zero1": 4 * P + 12 * P / N, "zero2": 2 * P + 14 * P / N}[system]
-    return {
-        "ddp": 16 * P,
-        "zero1": 8 * P + 8 * P / N,  # params + grads replicated, optimizer state sharded
-        "zero2": 4 * P + 12 * P / N,  # params replicated, grads + optimizer state sharded
-        "zero3": 16 * P / N,
-        "fsdp2": 16 * P / N,
-    }[system]
+    name = system if variant in ("offload", "offload_params") else base
+    choice = next(c for c in CHOICES if c.name == _CHOICE_OF[name])
+    return model_state_split(choice, P, N, precision)
 
 
 def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-true") -> int:
@@ -270,8 +258,10 @@ class BenchCallback(L.Callback):
     """Times steps and records memory/communication on every rank; rank 0 writes the JSON line."""
 
     def __init__(
-        self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str, precision: str
+        self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str, precision: str,
+        monitor: Any = None,
     ) -> None:
+        self.monitor = monitor  # a ZeroMonitor in the same run (--monitor): its last logged figures are reported
         self.system = system
         self.precision = precision
         self.config = config
@@ -345,6 +335,7 @@ class BenchCallback(L.Callback):
             "comm_elements_per_step": (self.comm_snapshot["elements"] / self.steps) if self.comm_snapshot else None,
             "torch_threads": torch.get_num_threads(),
             "saved_activation_bytes": self.saved_activation_bytes,
+            "monitor": dict(self.monitor.last) if self.monitor is not None else None,
         }
         if dist.is_available() and dist.is_initialized():
             ranks: list[Any] = [None] * dist.get_world_size()
@@ -387,6 +378,7 @@ class BenchCallback(L.Callback):
             else analytic_comm_bytes(self.system, self.config, self.precision),
             "comm_source": "measured" if measured_comm else "analytic",
             "comm_analytic_bytes_per_step": analytic_comm_bytes(self.system, self.config, self.precision),
+            "monitor": ranks[0]["monitor"],
             "per_rank": ranks,
             "torch": torch.__version__,
             "lightning": L.__version__,
@@ -415,6 +407,7 @@ def run_system(args: argparse.Namespace) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         model.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    monitor = ZeroMonitor(log_every_n_steps=1, prog_bar=False) if args.monitor else None
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -426,8 +419,10 @@ def run_system(args: argparse.Namespace) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,  # the GPT module has a validation_step; the benchmark data has no val set
+        # The bench callback first: its step timer stops before the monitor gathers its figures.
         callbacks=[
-            BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision)
+            BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision, monitor),
+            *([monitor] if monitor is not None else []),
         ],
     )
     trainer.fit(model, datamodule=data)
@@ -444,7 +439,7 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         sys.executable, os.path.abspath(__file__), "--system", system, "--out", str(out),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
         "--batch-size", str(args.batch_size), "--precision", args.precision,
-    ] + (["--quick"] if args.quick else [])
+    ] + (["--quick"] if args.quick else []) + (["--monitor"] if args.monitor else [])
     print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as logf:
@@ -524,6 +519,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--quick", action="store_true", help="tiny model: a smoke test, not a benchmark")
+    p.add_argument("--monitor", action="store_true", help="also run lightning_zero.monitor.ZeroMonitor and report its figures")
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"), help="Trainer precision")
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(

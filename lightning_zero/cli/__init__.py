@@ -3,7 +3,7 @@
     lightning-zero fit --config conf/gpt_zero3.yaml trainer.max_steps=100 strategy=zero2 model.n_layer=2
     lightning-zero fit --config conf/gpt_zero3.yaml --print_config > run.yaml
     lightning-zero validate --config run.yaml ckpt_path=runs/last.ckpt
-    lightning-zero estimate --params 7e9 --devices 8
+    lightning-zero estimate --params 7e9 --devices 8 --memory-per-device 80GiB --plot memory.png
     lightning-zero consolidate CHECKPOINT_DIR model.pt
 
 Overrides after the config are Hydra's: `a.b=c` sets, `+a.b=c` adds, `++a.b=c` adds or sets, `~a.b`
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else ""
     if command == "estimate":
-        from lightning_zero.cli.estimate import estimate
+        from lightning_zero.cli.estimate import main as estimate
 
         return estimate(argv[1:])
     if command == "consolidate":

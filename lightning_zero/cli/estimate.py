@@ -1,31 +1,122 @@
-"""``lightning-zero estimate``: model-state memory per device for every ZeRO stage."""
+"""``lightning-zero estimate``: model-state memory per device and per host, for every stage and offload choice.
+
+    lightning-zero estimate --params 1.3e9 --devices 8 --nodes 2 --precision bf16-mixed
+    lightning-zero estimate --model conf/model/gpt_small.yaml --devices 2 --plot memory.png
+    lightning-zero estimate --params 7e9 --devices 8 --memory-per-device 80GiB --output conf/strategy/recommended.yaml
+
+DeepSpeed's estimator prints numbers; this one also draws them and writes the fastest strategy that fits as
+a config group file, ready for ``strategy=recommended``.
+"""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
-GIB = 2**30
+import yaml
 
-
-def model_state_bytes(params: float, devices: int, stage: int) -> float:
-    """Bytes of parameters, gradients and Adam state per device (fp32 or mixed precision: 16 bytes per
-    parameter in all, as in the ZeRO paper); stage 0 is plain data parallelism."""
-    p, n = params, devices
-    return {0: 16 * p, 1: 8 * p + 8 * p / n, 2: 4 * p + 12 * p / n, 3: 16 * p / n}[stage]
+from lightning_zero.estimate import GIB, PRECISIONS, Estimate, estimate, fastest_fitting, parse_bytes
 
 
-def estimate(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-zero estimate", description=__doc__)
-    parser.add_argument("--params", type=float, required=True, help="number of trainable parameters, e.g. 7e9")
-    parser.add_argument("--devices", type=int, default=1, help="devices per node")
+def count_model_parameters(path: str | Path) -> int:
+    """Trainable parameters of the model a YAML file describes, built on the meta device (nothing allocated).
+
+    The file is a model node (``class_path`` + ``init_args``, as in conf/model/) or a whole config with a
+    ``model`` key (composed with its defaults, as ``fit`` would)."""
+    import torch
+
+    from lightning_zero.cli.compose import CommandLine, compose, load_yaml, resolve
+    from lightning_zero.cli.schema import LightningSchema, import_class
+
+    data, _ = load_yaml(Path(path))
+    if "class_path" in data:
+        node = resolve(data)
+    else:
+        node = compose(CommandLine.parse(["fit", "--config", str(path)]), LightningSchema("fit")).get("model")
+    if not isinstance(node, dict) or "class_path" not in node:
+        raise ValueError(f"{path} describes no model: expected `class_path` (and `init_args`), or a `model:` key.")
+    cls = import_class(node["class_path"], "model")
+    with torch.device("meta"):
+        module = cls(**(node.get("init_args") or {}))
+        if callable(getattr(module, "configure_model", None)):
+            module.configure_model()  # models built lazily, as Lightning builds them inside the strategy
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def format_table(estimates: Sequence[Estimate], limit: float | None = None) -> str:
+    unit, scale = ("GiB", GIB) if max(e.device_bytes for e in estimates) >= GIB else ("MiB", 2**20)
+    header = f"{'strategy':<26}{'stage':>5}  {'offload':<18}{'per_device_' + unit:>18}{'per_host_' + unit:>16}"
+    if limit is not None:
+        header += f"{'fits':>6}"
+    lines = [header]
+    for e in estimates:
+        line = f"{e.choice.name:<26}{e.choice.stage:>5}  {e.choice.offload:<18}{e.device_bytes / scale:>18.2f}{e.host_bytes / scale:>16.2f}"
+        if limit is not None:
+            line += f"{'yes' if e.device_bytes <= limit else 'no':>6}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write_strategy(estimate_: Estimate, path: Path, summary: str) -> None:
+    """A config group file for ``trainer.strategy``: ``strategy=<file stem>`` on the command line picks it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = yaml.safe_dump(estimate_.choice.strategy(), sort_keys=False)
+    path.write_text(f"# @package trainer.strategy\n# {summary}\n{body}")
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-zero estimate", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=float, help="number of trainable parameters, e.g. 1.3e9")
+    size.add_argument("--model", help="a model YAML (conf/model/*.yaml or a full config); parameters counted on the meta device")
+    parser.add_argument("--devices", type=int, default=1, help="devices (ranks) per node")
     parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--precision", default="32-true", choices=PRECISIONS)
+    parser.add_argument("--plot", type=Path, help="write a bar chart (PNG) of the table")
+    parser.add_argument("--memory-per-device", type=parse_bytes, help="e.g. 80GiB: name the fastest choice that fits")
+    parser.add_argument("--memory-per-host", type=parse_bytes, help="e.g. 512GiB: host RAM of a node, for offloading choices")
+    parser.add_argument("--output", type=Path, help="write the fastest fitting choice as a strategy YAML (needs --memory-per-device)")
     args = parser.parse_args(argv)
-    if args.params <= 0 or args.devices < 1 or args.nodes < 1:
-        parser.error("--params must be > 0, --devices and --nodes >= 1")
+    if args.devices < 1 or args.nodes < 1:
+        parser.error("--devices and --nodes must be >= 1")
+    if args.output and args.memory_per_device is None:
+        parser.error("--output writes the fastest choice that fits: give --memory-per-device too")
+    if args.model:
+        try:
+            params = count_model_parameters(args.model)
+        except (OSError, ValueError) as err:
+            parser.error(str(err))
+        source = f" ({args.model})"
+    else:
+        params, source = args.params, ""
+    if params <= 0:
+        parser.error("--params must be > 0")
+    estimates = estimate(params, args.devices, args.nodes, args.precision)
     world = args.devices * args.nodes
-    print(f"model states per device for {args.params:.3g} parameters on {world} devices (fp32 AdamW)")
-    print(f"{'strategy':<12}{'per device':>14}")
-    for stage, name in ((0, "ddp"), (1, "zero1"), (2, "zero2"), (3, "zero3")):
-        print(f"{name:<12}{model_state_bytes(args.params, world, stage) / GIB:>10.2f} GiB")
+    print(f"Model states of {params:,.0f} parameters{source} on {args.nodes} node(s) x {args.devices} device(s) "
+          f"= {world} rank(s), {args.precision}, Adam:")
+    print(format_table(estimates, args.memory_per_device))
+    print("(parameters, gradients and optimizer state only: activations and temporary buffers come on top)")
+    if args.plot:
+        from lightning_zero.estimate_plot import plot_estimates
+
+        plot_estimates(estimates, args.plot, title=f"{params:.3g} parameters, {world} ranks, {args.precision}",
+                       limit=args.memory_per_device)
+        print(f"wrote {args.plot}")
+    if args.memory_per_device is None:
+        return 0
+    best = fastest_fitting(estimates, args.memory_per_device, args.memory_per_host)
+    if best is None:
+        host = f" and {args.memory_per_host / GIB:.2f} GiB per host" if args.memory_per_host is not None else ""
+        print(f"nothing fits in {args.memory_per_device / GIB:.2f} GiB per device{host}: add devices or nodes.")
+        return 1
+    summary = (f"fastest choice whose model states fit {args.memory_per_device / GIB:.2f} GiB per device for "
+               f"{params:.3g} parameters on {world} ranks ({args.precision}): {best.choice.name}, "
+               f"{best.device_bytes / GIB:.2f} GiB per device, {best.host_bytes / GIB:.2f} GiB per host")
+    print(summary[0].upper() + summary[1:])
+    if args.output:
+        write_strategy(best, args.output, summary)
+        print(f"wrote {args.output} (use it with `strategy={args.output.stem}` when it sits in conf/strategy/)")
     return 0

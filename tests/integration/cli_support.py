@@ -36,6 +36,7 @@ def describe_run(trainer: L.Trainer) -> dict:
         "model": _hparams(trainer.lightning_module),
         "data": _hparams(trainer.datamodule),
         "val_loss": float(trainer.callback_metrics.get("val_loss", math.nan)),
+        "progress_bar": sorted(trainer.progress_bar_metrics),
     }
 
 

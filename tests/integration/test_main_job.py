@@ -26,20 +26,6 @@ def test_gpt_zero3_example_trains_and_its_loss_falls():
     assert last < first - 0.5, summary.group(0)
 
 
-def test_estimate_command_prints_every_stage():
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_zero", "estimate", "--params", "1e9", "--devices", "8"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: float(line.split()[1]) for line in result.stdout.splitlines() if line.startswith(("ddp", "zero"))}
-    gib = 2**30
-    assert rows["ddp"] == pytest.approx(16e9 / gib, abs=0.01)
-    assert rows["zero1"] == pytest.approx((8e9 + 8e9 / 8) / gib, abs=0.01)
-    assert rows["zero2"] == pytest.approx((4e9 + 12e9 / 8) / gib, abs=0.01)
-    assert rows["zero3"] == pytest.approx(16e9 / 8 / gib, abs=0.01)
-
-
 def test_lightning_cli_fit_with_a_registered_strategy_name(tmp_path):
     """`lightning-zero fit` is LightningCLI: any LightningModule and DataModule by class path, `zero3` by name."""
     result = subprocess.run(

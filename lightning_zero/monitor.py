@@ -1,0 +1,157 @@
+"""ZeroMonitor: what a ZeRO run costs, per optimizer step, in the Trainer's own logs and progress bar.
+
+The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run can be checked against
+``lightning-zero estimate`` while it trains:
+
+* ``monitor/state_MiB_rank{r}``: model state (parameters, gradients, fp32 masters, optimizer state) each
+  rank holds right after backward, from :func:`lightning_zero.memory.model_state_bytes` (device and host
+  together; ``.../device_MiB_rank{r}`` and ``.../host_MiB_rank{r}`` split it when something is offloaded);
+* ``monitor/peak_MiB_rank{r}``: peak accelerator memory allocated since the last log, or on CPU the
+  process's peak resident memory (``ru_maxrss``, everything the process ever held);
+* ``monitor/tokens_per_s``: tokens (integer inputs: token ids) or samples per second, over all ranks;
+* ``monitor/comm_MiB_per_step``: bytes this rank's collectives moved in the step, as counted in
+  :mod:`lightning_zero.engine.collectives` (so ZeroStrategy runs only).
+
+The per-rank figures are gathered to every rank with one small all-gather at each logging step, made
+directly on the process group so that the monitor's own traffic is not counted as the model's.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_zero.engine.collectives import comm_stats
+from lightning_zero.memory import model_state_bytes
+
+MIB = 2**20
+
+
+def count_tokens(batch: Any) -> tuple[int, str]:
+    """(count, unit) of the first tensor in ``batch``: its elements if it holds token ids, else its rows."""
+    tensor = _first_tensor(batch)
+    if tensor is None:
+        return 0, "samples"
+    if not tensor.is_floating_point() and not tensor.is_complex():
+        return tensor.numel(), "tokens"
+    return (tensor.shape[0] if tensor.dim() else 1), "samples"
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated accelerator memory since the last call (resets it), or the process's peak RSS."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+class ZeroMonitor(pl.Callback):
+    """Logs model-state bytes per rank, peak memory, tokens/s and communication bytes per optimizer step.
+
+    Args:
+        log_every_n_steps: how often (in optimizer steps) to measure and log; the Trainer's
+            ``log_every_n_steps`` by default.
+        prog_bar: also show ``tok/s``, ``state_MiB`` (the largest rank's) and ``comm_MiB`` in the progress bar.
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"ZeroMonitor(log_every_n_steps={log_every_n_steps}) must be >= 1 (or None).")
+        self.log_every_n_steps = log_every_n_steps
+        self.prog_bar = prog_bar
+        #: the last logged figures, by metric name (also what was sent to the loggers)
+        self.last: dict[str, float] = {}
+        self._window_open = False
+        self._step_before = 0
+        self._started = 0.0
+        self._comm_before = 0
+        self._tokens = 0
+        self._unit = "tokens"
+        self._state: dict[str, int] | None = None
+
+    def _every(self, trainer: pl.Trainer) -> int:
+        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+
+    def _logs_this_step(self, trainer: pl.Trainer) -> bool:
+        return (trainer.global_step + 1) % self._every(trainer) == 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._window_open:  # the first micro-batch of an optimizer step
+            self._window_open = True
+            self._step_before = trainer.global_step
+            self._started = time.perf_counter()
+            self._comm_before = comm_stats().snapshot()["bytes"]
+            self._tokens = 0
+            self._state = None
+        count, self._unit = count_tokens(batch)
+        self._tokens += count
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Right after backward is when model state peaks (gradients exist) and what the formulas describe.
+        if self._logs_this_step(trainer):
+            engine = getattr(trainer.strategy, "engine", None)
+            self._state = model_state_bytes(pl_module, trainer.optimizers, engine)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step_before:
+            return  # an accumulation micro-batch: the step is not over yet
+        self._window_open = False
+        if trainer.global_step % self._every(trainer) != 0 or self._state is None:
+            return
+        seconds = time.perf_counter() - self._started
+        comm = comm_stats().snapshot()["bytes"] - self._comm_before
+        device = trainer.strategy.root_device
+        mine = torch.tensor(
+            [self._state["device"] + self._state["host"], self._state["device"], self._state["host"],
+             peak_memory_bytes(device), comm, self._tokens / max(seconds, 1e-9)],
+            dtype=torch.float64,
+        )
+        ranks = _gather(mine, device)  # (world, 6)
+        metrics: dict[str, float] = {}
+        offloaded = bool(ranks[:, 2].any())
+        for rank, row in enumerate(ranks.tolist()):
+            metrics[f"monitor/state_MiB_rank{rank}"] = row[0] / MIB
+            if offloaded:
+                metrics[f"monitor/device_MiB_rank{rank}"] = row[1] / MIB
+                metrics[f"monitor/host_MiB_rank{rank}"] = row[2] / MIB
+            metrics[f"monitor/peak_MiB_rank{rank}"] = row[3] / MIB
+        metrics["monitor/state_MiB_max"] = float(ranks[:, 0].max()) / MIB
+        metrics["monitor/comm_MiB_per_step"] = float(ranks[0, 4]) / MIB
+        metrics[f"monitor/{self._unit}_per_s"] = float(ranks[:, 5].sum())
+        self.last = metrics
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        if self.prog_bar:
+            short = {"state_MiB": "monitor/state_MiB_max", "comm_MiB": "monitor/comm_MiB_per_step",
+                     "tok/s" if self._unit == "tokens" else "samples/s": f"monitor/{self._unit}_per_s"}
+            for label, name in short.items():
+                pl_module.log(label, metrics[name], on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True)
+
+
+def _gather(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Every rank's row, on the CPU; the monitor's own collective, outside the counted ones."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor.unsqueeze(0)
+    local = tensor.to(device)
+    out = torch.empty((dist.get_world_size(), *local.shape), dtype=local.dtype, device=device)
+    dist.all_gather_into_tensor(out, local)
+    return out.cpu()

@@ -1,0 +1,128 @@
+"""`lightning-zero estimate`: the ZeRO formulas, the recommendation, the YAML it writes and the plot."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+import yaml
+
+from lightning_zero.cli.estimate import count_model_parameters
+from lightning_zero.demo import GPTConfig, count_parameters
+from lightning_zero.estimate import CHOICES, GIB, estimate, fastest_fitting, model_state_split, parse_bytes
+from tests.launch import REPO
+
+BY_NAME = {c.name: c for c in CHOICES}
+
+
+@pytest.mark.parametrize(
+    "params, world, choice, precision, device, host",
+    [
+        # the ZeRO paper's Figure 1 example: 7.5B parameters, 64 GPUs, mixed precision (K = 12)
+        (7.5e9, 64, "ddp", "bf16-mixed", 120e9, 0),
+        (7.5e9, 64, "zero1", "bf16-mixed", 2 * 7.5e9 + 2 * 7.5e9 + 12 * 7.5e9 / 64, 0),  # 31.4 GB
+        (7.5e9, 64, "zero2", "16-mixed", 2 * 7.5e9 + 14 * 7.5e9 / 64, 0),  # 16.6 GB
+        (7.5e9, 64, "zero3", "bf16-mixed", 16 * 7.5e9 / 64, 0),  # 1.9 GB
+        # fp32 Adam: 4 + 4 + 8 bytes
+        (1e9, 8, "zero1", "32-true", 8e9 + 8e9 / 8, 0),
+        (1e9, 8, "zero2", "32-true", 4e9 + 12e9 / 8, 0),
+        (1e9, 8, "zero3", "32-true", 16e9 / 8, 0),
+        # offload: fp32 masters, their gradients and Adam's moments on the host, 16P/N
+        (1e9, 8, "zero1_offload", "32-true", 8e9, 2e9),
+        (1e9, 8, "zero2_offload", "bf16-mixed", 2e9 + 2e9 / 8, 2e9),
+        (1e9, 8, "zero3_offload_optimizer", "32-true", 8e9 / 8, 2e9),
+        (1e9, 8, "zero3_offload", "bf16-mixed", 0, 2e9),
+    ],
+)
+def test_formulas(params, world, choice, precision, device, host):
+    assert model_state_split(BY_NAME[choice], params, world, precision) == pytest.approx((device, host))
+
+
+def test_host_memory_is_per_node_and_nodes_multiply_the_ranks():
+    rows = {e.choice.name: e for e in estimate(1.3e9, devices=8, nodes=2, precision="bf16-mixed")}
+    assert rows["zero3"].device_bytes == pytest.approx(16 * 1.3e9 / 16)
+    assert rows["zero2_offload"].host_bytes == pytest.approx(8 * 16 * 1.3e9 / 16)  # 8 devices share a node's RAM
+
+
+def test_the_fastest_fitting_choice_and_memory_sizes():
+    rows = estimate(7e9, devices=8)
+    assert fastest_fitting(rows, parse_bytes("80GiB")).choice.name == "zero1"  # ddp needs 112 GB
+    assert fastest_fitting(rows, parse_bytes("16GiB")).choice.name == "zero3"
+    assert fastest_fitting(rows, parse_bytes("8GiB")).choice.name == "zero3_offload_optimizer"
+    assert fastest_fitting(rows, parse_bytes("8GiB"), host_bytes=parse_bytes("64GiB")) is None  # 112 GB offloaded
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("24000MiB") == 24000 * 2**20 and parse_bytes("2") == 2 * GIB
+    with pytest.raises(ValueError, match="80GiB"):
+        parse_bytes("80 parsecs")
+
+
+def test_parameters_of_a_model_yaml_are_counted_on_the_meta_device():
+    expected = count_parameters(GPTConfig(vocab_size=34, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    assert count_model_parameters(REPO / "conf" / "model" / "gpt_small.yaml") == expected
+    assert count_model_parameters(REPO / "conf" / "gpt_zero3.yaml") == expected  # a whole config, composed
+
+
+def _png_text(path) -> dict[str, str]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, offset = {}, 8
+    while offset < len(data):
+        (length,), kind = struct.unpack(">I", data[offset:offset + 4]), data[offset + 4:offset + 8]
+        body = data[offset + 8:offset + 8 + length]
+        assert struct.unpack(">I", data[offset + 8 + length:offset + 12 + length])[0] == zlib.crc32(kind + body)
+        if kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            chunks[key.decode()] = value.decode("latin-1")
+        offset += 12 + length
+    assert kind == b"IEND"
+    return chunks
+
+
+def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_group_per_stage(tmp_path):
+    plot, output = tmp_path / "memory.png", tmp_path / "strategy" / "recommended.yaml"
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_zero", "estimate", "--params", "1.3e9", "--devices", "8", "--nodes", "2",
+         "--precision", "bf16-mixed", "--memory-per-device", "3GiB", "--plot", str(plot), "--output", str(output)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith(("ddp", "zero"))}
+    assert list(rows) == [c.name for c in CHOICES]
+    assert float(rows["zero2"][3]) == pytest.approx((2 * 1.3e9 + 14 * 1.3e9 / 16) / GIB, abs=0.01)
+    assert float(rows["zero2_offload"][4]) == pytest.approx(8 * 16 * 1.3e9 / 16 / GIB, abs=0.01)
+    assert "zero2_offload, 2.57 GiB per device" in result.stdout  # zero2 needs 3.48 GiB
+    written = yaml.safe_load(output.read_text())
+    assert written == {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 2, "offload_optimizer": True}}
+    assert output.read_text().startswith("# @package trainer.strategy\n")
+
+    shown = json.loads(_png_text(plot)["Description"])
+    assert shown["groups"] == ["DDP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    assert len(shown["bars"]) == len(CHOICES)
+    # and in the pixels: just above the x axis, the coloured columns form one cluster per stage
+    from matplotlib.image import imread
+
+    image = imread(plot)
+    x0, _, x1, bottom = shown["axes_px"]
+    row = image[bottom - 3, x0 + 2:x1 - 2, :3]
+    inked = [bool((pixel < 0.9).any()) for pixel in row]
+    unit = (x1 - x0) / len(shown["groups"])
+    clusters, last = 0, None
+    for x, ink in enumerate(inked):
+        if ink:
+            if last is None or x - last > 0.17 * unit:
+                clusters += 1
+            last = x
+    assert clusters == 4
+
+
+def test_nothing_fits_is_exit_status_1():
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_zero", "estimate", "--params", "7e9", "--devices", "1", "--memory-per-device", "1GiB",
+         "--memory-per-host", "64GiB"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "nothing fits in 1.00 GiB per device and 64.00 GiB per host" in result.stdout
