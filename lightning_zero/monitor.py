@@ -138,8 +138,10 @@ class ZeroMonitor(pl.Callback):
         metrics["monitor/comm_MiB_per_step"] = float(ranks[0, 4]) / MIB
         metrics[f"monitor/{self._unit}_per_s"] = float(ranks[:, 5].sum())
         self.last = metrics
-        for name, value in metrics.items():
-            pl_module.log(name, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        # Straight to the loggers: `self.log` would wait for the Trainer's own logging cadence. The step is
+        # the one Lightning writes its own metrics of this optimizer step under.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step - 1)
         if self.prog_bar:
             short = {"state_MiB": "monitor/state_MiB_max", "comm_MiB": "monitor/comm_MiB_per_step",
                      "tok/s" if self._unit == "tokens" else "samples/s": f"monitor/{self._unit}_per_s"}
@@ -152,6 +154,6 @@ def _gather(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor.unsqueeze(0)
     local = tensor.to(device)
-    out = torch.empty((dist.get_world_size(), *local.shape), dtype=local.dtype, device=device)
+    out = torch.empty(dist.get_world_size() * local.numel(), dtype=local.dtype, device=device)
     dist.all_gather_into_tensor(out, local)
-    return out.cpu()
+    return out.view(dist.get_world_size(), -1).cpu()
