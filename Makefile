@@ -9,10 +9,10 @@ install:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[test]"
 
-run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes
-	$(PYTHON) examples/gpt_zero3.py
+run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
+	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the whole test suite (about 7 minutes on 2 cores)
+test: install  ## the whole test suite (about 10 minutes on 2 cores)
 	$(PYTHON) -m pytest -q tests
 
 bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 # Make `import lightning_zero` work from a plain checkout (no `pip install -e .` needed).
@@ -27,46 +26,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
-from lightning_zero.demo import CharDataModule, GPTLightningModule, count_parameters  # noqa: E402
-
-
-class LossReport(L.Callback):
-    """Prints a compact loss trace from rank 0 and a ``loss A -> B`` summary at the end.
-
-    The per-step values are rank 0's local batch losses; the summary compares the
-    first step with the mean of the last ``tail`` steps to smooth out batch noise.
-    """
-
-    def __init__(self, every: int = 10, tail: int = 10) -> None:
-        self.every = every
-        self.tail = tail
-        self.losses: list[float] = []
-        self.t0 = 0.0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Read here, not at startup: Lightning's launcher sets threads per rank when it starts the ranks.
-        if trainer.is_global_zero:
-            print(f"torch threads per rank: {torch.get_num_threads()}", flush=True)
-        self.t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(outputs["loss"]))
-        step = trainer.global_step
-        if trainer.is_global_zero and (step % self.every == 0 or step == 1):
-            print(f"step {step:4d}  loss {self.losses[-1]:.3f}  ({time.perf_counter() - self.t0:.1f}s)", flush=True)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero or not self.losses:
-            return
-        end = sum(self.losses[-self.tail :]) / len(self.losses[-self.tail :])
-        val = trainer.callback_metrics.get("val_loss")
-        val_txt = f", val_loss {float(val):.2f}" if val is not None else ""
-        print(
-            f"loss {self.losses[0]:.2f} -> {end:.2f} "
-            f"(first step -> mean of last {min(self.tail, len(self.losses))}{val_txt}; "
-            f"{len(self.losses)} steps in {time.perf_counter() - self.t0:.1f}s)",
-            flush=True,
-        )
+from lightning_zero.demo import CharDataModule, GPTLightningModule, LossReport, count_parameters  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from lightning_zero.demo.bert import MaskedLMLightningModule
+from lightning_zero.demo.callbacks import LossReport
 from lightning_zero.demo.data import CharDataModule, RandomTokenDataModule
 from lightning_zero.demo.gpt import GPT, Block, GPTConfig, GPTLightningModule, count_parameters
+from lightning_zero.demo.vision import GratingsDataModule, ResNetClassifier
 
 __all__ = [
     "GPT",
@@ -11,6 +14,10 @@ __all__ = [
     "CharDataModule",
     "GPTConfig",
     "GPTLightningModule",
+    "GratingsDataModule",
+    "LossReport",
+    "MaskedLMLightningModule",
     "RandomTokenDataModule",
+    "ResNetClassifier",
     "count_parameters",
 ]

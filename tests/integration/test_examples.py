@@ -1,0 +1,71 @@
+"""Every example, in a short mode, run as a user runs it; each one's loss must fall.
+
+The README's first command (`make run`) is run too, exactly as written there, with a shorter run appended
+through `RUN_ARGS`.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args: str, cwd=REPO, timeout: float = 400) -> str:
+    result = subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    return result.stdout
+
+
+def loss_summary(stdout: str) -> tuple[float, float]:
+    """LossReport's `loss A -> B` (first step -> mean of the last steps)."""
+    found = re.findall(r"^loss (\d+\.\d+) -> (\d+\.\d+)", stdout, flags=re.MULTILINE)
+    assert found, stdout[-3000:]
+    return tuple(map(float, found[-1]))
+
+
+def test_readme_first_command_make_run(tmp_path):
+    out = run("make", "run", f"PYTHON={sys.executable}", f"RUN_ARGS=trainer.max_steps=40 trainer.default_root_dir={tmp_path}")
+    first, last = loss_summary(out)
+    assert last < first - 0.5, (first, last)
+    metrics = next(tmp_path.glob("logs/version_*/metrics.csv")).read_text()
+    assert "monitor/state_MiB_rank1" in metrics and "monitor/tokens_per_s" in metrics  # on by default
+
+
+def test_quickstart():
+    first, last = loss_summary(run(sys.executable, "examples/quickstart.py"))
+    assert last < first - 0.3, (first, last)
+
+
+def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints_and_resumes(tmp_path):
+    args = [sys.executable, "-m", "lightning_zero", "fit", "--config", "conf/bert_mlm_zero1.yaml",
+            f"trainer.default_root_dir={tmp_path}", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
+            "trainer.callbacks.0.every_n_train_steps=3"]
+    first_run = run(*args, "trainer.max_steps=6")
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert checkpoints == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    resumed = run(*args, "trainer.max_steps=10", f"+ckpt_path={tmp_path}/checkpoints/last.ckpt")
+    # the model's own state came back with the weights: 6 steps x 16 samples x 2 ranks
+    assert re.search(r"resumed at step 6: 192 samples seen, best val_loss \d+\.\d+", resumed), resumed[-2000:]
+    rows = list(csv.DictReader(open(sorted(tmp_path.glob("logs/version_*/metrics.csv"))[-1])))
+    assert max(float(r["samples_seen"]) for r in rows if r.get("samples_seen")) == 10 * 16 * 2
+    first, _ = loss_summary(first_run)
+    _, last = loss_summary(resumed)
+    assert last < first - 0.3, (first, last)
+
+
+def test_resnet_zero2_from_yaml_then_single_process_evaluation_of_the_consolidated_weights(tmp_path):
+    overrides = ["trainer.max_steps=40", f"trainer.default_root_dir={tmp_path}"]
+    first, last = loss_summary(run(sys.executable, "-m", "lightning_zero", "fit", "--config", "conf/resnet_zero2.yaml", *overrides))
+    assert last < first - 0.5, (first, last)
+    out = run(sys.executable, "examples/resnet_evaluate.py", str(tmp_path / "checkpoints" / "last.ckpt"), *overrides)
+    accuracy = float(re.search(r"single-process test: test_acc (\d\.\d+)", out)[1])
+    assert accuracy > 0.5, out  # chance is 0.1
+    assert (tmp_path / "checkpoints" / "last.pt").is_file()
