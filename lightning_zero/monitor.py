@@ -10,7 +10,8 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
   process's peak resident memory (``ru_maxrss``, everything the process ever held);
 * ``monitor/tokens_per_s``: tokens (integer inputs: token ids) or samples per second, over all ranks;
 * ``monitor/comm_MiB_per_step``: bytes this rank's collectives moved in the step, as counted in
-  :mod:`lightning_zero.engine.collectives` (so ZeroStrategy runs only).
+  :mod:`lightning_zero.engine.collectives` (so ZeroStrategy runs only);
+* ``monitor/loss_scale``: under fp16 with ``ZeroPrecision``, the dynamic loss scale.
 
 The per-rank figures are gathered to every rank with one small all-gather at each logging step, made
 directly on the process group so that the monitor's own traffic is not counted as the model's.
@@ -137,6 +138,9 @@ class ZeroMonitor(pl.Callback):
         metrics["monitor/state_MiB_max"] = float(ranks[:, 0].max()) / MIB
         metrics["monitor/comm_MiB_per_step"] = float(ranks[0, 4]) / MIB
         metrics[f"monitor/{self._unit}_per_s"] = float(ranks[:, 5].sum())
+        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        if scaler is not None:  # fp16: the dynamic loss scale, which falls when steps overflow
+            metrics["monitor/loss_scale"] = float(scaler.scale)
         self.last = metrics
         # Straight to the loggers: `self.log` would wait for the Trainer's own logging cadence. The step is
         # the one Lightning writes its own metrics of this optimizer step under.

@@ -47,7 +47,7 @@ def test_quickstart():
 def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints_and_resumes(tmp_path):
     args = [sys.executable, "-m", "lightning_zero", "fit", "--config", "conf/bert_mlm_zero1.yaml",
             f"trainer.default_root_dir={tmp_path}", "trainer.val_check_interval=3", "trainer.limit_val_batches=1",
-            "trainer.callbacks.0.every_n_train_steps=3"]
+            "trainer.callbacks.0.every_n_train_steps=3", "trainer.log_every_n_steps=1"]
     first_run = run(*args, "trainer.max_steps=6")
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert checkpoints == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
@@ -56,6 +56,7 @@ def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints_and_resumes(tmp_path
     assert re.search(r"resumed at step 6: 192 samples seen, best val_loss \d+\.\d+", resumed), resumed[-2000:]
     rows = list(csv.DictReader(open(sorted(tmp_path.glob("logs/version_*/metrics.csv"))[-1])))
     assert max(float(r["samples_seen"]) for r in rows if r.get("samples_seen")) == 10 * 16 * 2
+    assert any(float(r.get("monitor/loss_scale") or 0) >= 2**15 for r in rows)  # fp16 with loss scaling, not bf16
     first, _ = loss_summary(first_run)
     _, last = loss_summary(resumed)
     assert last < first - 0.3, (first, last)
