@@ -73,7 +73,7 @@ from lightning_zero.memory import model_state_bytes as placed_state_bytes  # noq
 import torch.distributed as dist  # noqa: E402
 
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
-from lightning_zero.estimate import CHOICES, model_state_split  # noqa: E402
+from lightning_zero.estimate import CHOICES_BY_NAME, model_state_split  # noqa: E402
 from lightning_zero.monitor import ZeroMonitor  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
@@ -154,8 +154,7 @@ def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tu
     checkpointing (``+ac``) changes activations only."""
     base, _, variant = system.partition("+")
     name = system if variant in ("offload", "offload_params") else base
-    choice = next(c for c in CHOICES if c.name == _CHOICE_OF[name])
-    return model_state_split(choice, P, N, precision)
+    return model_state_split(CHOICES_BY_NAME[_CHOICE_OF[name]], P, N, precision)
 
 
 def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-true") -> int:
@@ -519,7 +518,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--quick", action="store_true", help="tiny model: a smoke test, not a benchmark")
-    p.add_argument("--monitor", action="store_true", help="also run lightning_zero.monitor.ZeroMonitor and report its figures")
+    p.add_argument("--monitor", action="store_true",
+                   help="also run lightning_zero.monitor.ZeroMonitor every step and report its figures (its "
+                        "measurement runs inside the timed step: compare step times without it)")
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"), help="Trainer precision")
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(

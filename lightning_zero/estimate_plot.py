@@ -38,10 +38,10 @@ def plot_estimates(estimates: Sequence[Estimate], path: str | Path, title: str =
             x = g - 0.4 + width * (2 * offloads.index(item.choice.offload) + 0.5)
             color = _COLORS.get(item.choice.offload, "#8172B3")
             ax.bar(x, item.device_bytes / GIB, width, color=color)
-            if item.host_bytes:
-                ax.bar(x + width, item.host_bytes / GIB, width, color="white", edgecolor=color, hatch="//")
+            if item.host_bytes_per_node:
+                ax.bar(x + width, item.host_bytes_per_node / GIB, width, color="white", edgecolor=color, hatch="//")
             bars.append({"stage": stage, "choice": item.choice.name, "device_GiB": item.device_bytes / GIB,
-                         "host_GiB": item.host_bytes / GIB})
+                         "host_GiB": item.host_bytes_per_node / GIB})
     handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(o, "#8172B3")) for o in offloads]
     labels = [f"per device, {'no offload' if o == '-' else 'offload ' + o}" for o in offloads]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"))

@@ -8,9 +8,10 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
   together; ``.../device_MiB_rank{r}`` and ``.../host_MiB_rank{r}`` split it when something is offloaded);
 * ``monitor/peak_MiB_rank{r}``: peak accelerator memory allocated since the last log, or on CPU the
   process's peak resident memory (``ru_maxrss``, everything the process ever held);
-* ``monitor/tokens_per_s``: tokens (integer inputs: token ids) or samples per second, over all ranks;
-* ``monitor/comm_MiB_per_step``: bytes this rank's collectives moved in the step, as counted in
-  :mod:`lightning_zero.engine.collectives` (so ZeroStrategy runs only);
+* ``monitor/tokens_per_s`` (or ``samples_per_s`` for non-token inputs): over all ranks, across every step
+  since the previous log;
+* ``monitor/comm_MiB_per_step``: bytes the busiest rank's collectives moved in the logged step, as counted
+  in :mod:`lightning_zero.engine.collectives` (so ZeroStrategy runs only);
 * ``monitor/loss_scale``: under fp16 with ``ZeroPrecision``, the dynamic loss scale.
 
 The per-rank figures are gathered to every rank with one small all-gather at each logging step, made
@@ -19,6 +20,7 @@ directly on the process group so that the monitor's own traffic is not counted a
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -70,45 +72,50 @@ class ZeroMonitor(pl.Callback):
 
     Args:
         log_every_n_steps: how often (in optimizer steps) to measure and log; the Trainer's
-            ``log_every_n_steps`` by default.
+            ``log_every_n_steps`` by default (0 switches the monitor off, as it switches Lightning's logging off).
         prog_bar: also show ``tok/s``, ``state_MiB`` (the largest rank's) and ``comm_MiB`` in the progress bar.
+
+    Steps are counted by ``trainer.global_step``, which is one per optimizer step under automatic
+    optimization (accumulation included). The first logged step's state has no optimizer state yet if it
+    is the very first step: optimizers create theirs at their first ``step()``.
     """
 
     def __init__(self, log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"ZeroMonitor(log_every_n_steps={log_every_n_steps}) must be >= 1 (or None).")
+        if log_every_n_steps is not None and log_every_n_steps < 0:
+            raise ValueError(f"ZeroMonitor(log_every_n_steps={log_every_n_steps}) must be >= 0 (or None).")
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
         #: the last logged figures, by metric name (also what was sent to the loggers)
         self.last: dict[str, float] = {}
         self._window_open = False
         self._step_before = 0
-        self._started = 0.0
         self._comm_before = 0
-        self._tokens = 0
+        self._interval_started: float | None = None  # tokens/s runs over every step since the last log
+        self._interval_tokens = 0
         self._unit = "tokens"
         self._state: dict[str, int] | None = None
 
     def _every(self, trainer: pl.Trainer) -> int:
-        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+        return trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
 
-    def _logs_this_step(self, trainer: pl.Trainer) -> bool:
-        return (trainer.global_step + 1) % self._every(trainer) == 0
+    def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
+        every = self._every(trainer)
+        return every > 0 and step % every == 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._interval_started is None:
+            self._interval_started = _now(trainer.strategy.root_device)
         if not self._window_open:  # the first micro-batch of an optimizer step
             self._window_open = True
             self._step_before = trainer.global_step
-            self._started = time.perf_counter()
             self._comm_before = comm_stats().snapshot()["bytes"]
-            self._tokens = 0
             self._state = None
         count, self._unit = count_tokens(batch)
-        self._tokens += count
+        self._interval_tokens += count
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Right after backward is when model state peaks (gradients exist) and what the formulas describe.
-        if self._logs_this_step(trainer):
+        if self._logs_at(trainer, trainer.global_step + 1):
             engine = getattr(trainer.strategy, "engine", None)
             self._state = model_state_bytes(pl_module, trainer.optimizers, engine)
 
@@ -116,19 +123,22 @@ class ZeroMonitor(pl.Callback):
         if trainer.global_step == self._step_before:
             return  # an accumulation micro-batch: the step is not over yet
         self._window_open = False
-        if trainer.global_step % self._every(trainer) != 0 or self._state is None:
+        # Every rank decides from the step count alone, so all of them reach the gather below.
+        if not self._logs_at(trainer, trainer.global_step):
             return
-        seconds = time.perf_counter() - self._started
-        comm = comm_stats().snapshot()["bytes"] - self._comm_before
         device = trainer.strategy.root_device
+        comm = comm_stats().snapshot()["bytes"] - self._comm_before
+        seconds = _now(device) - (self._interval_started or 0.0)
+        state = self._state or dict.fromkeys(("device", "host"), math.nan)  # e.g. a step without backward
         mine = torch.tensor(
-            [self._state["device"] + self._state["host"], self._state["device"], self._state["host"],
-             peak_memory_bytes(device), comm, self._tokens / max(seconds, 1e-9)],
+            [state["device"] + state["host"], state["device"], state["host"], peak_memory_bytes(device), comm,
+             self._interval_tokens / max(seconds, 1e-9)],
             dtype=torch.float64,
         )
         ranks = _gather(mine, device)  # (world, 6)
+        self._interval_started, self._interval_tokens = _now(device), 0
         metrics: dict[str, float] = {}
-        offloaded = bool(ranks[:, 2].any())
+        offloaded = bool((ranks[:, 2] > 0).any())
         for rank, row in enumerate(ranks.tolist()):
             metrics[f"monitor/state_MiB_rank{rank}"] = row[0] / MIB
             if offloaded:
@@ -136,11 +146,11 @@ class ZeroMonitor(pl.Callback):
                 metrics[f"monitor/host_MiB_rank{rank}"] = row[2] / MIB
             metrics[f"monitor/peak_MiB_rank{rank}"] = row[3] / MIB
         metrics["monitor/state_MiB_max"] = float(ranks[:, 0].max()) / MIB
-        metrics["monitor/comm_MiB_per_step"] = float(ranks[0, 4]) / MIB
+        metrics["monitor/comm_MiB_per_step"] = float(ranks[:, 4].max()) / MIB
         metrics[f"monitor/{self._unit}_per_s"] = float(ranks[:, 5].sum())
-        scaler = getattr(trainer.strategy.precision_plugin, "scaler", None)
-        if scaler is not None:  # fp16: the dynamic loss scale, which falls when steps overflow
-            metrics["monitor/loss_scale"] = float(scaler.scale)
+        scale = loss_scale(trainer.strategy.precision_plugin)
+        if scale is not None:
+            metrics["monitor/loss_scale"] = scale
         self.last = metrics
         # Straight to the loggers: `self.log` would wait for the Trainer's own logging cadence. The step is
         # the one Lightning writes its own metrics of this optimizer step under.
@@ -151,6 +161,24 @@ class ZeroMonitor(pl.Callback):
                      "tok/s" if self._unit == "tokens" else "samples/s": f"monitor/{self._unit}_per_s"}
             for label, name in short.items():
                 pl_module.log(label, metrics[name], on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True)
+
+
+def loss_scale(plugin: Any) -> float | None:
+    """The current fp16 loss scale: ZeroPrecision's dynamic scaler, or Lightning's ``torch.amp.GradScaler``."""
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None:
+        return None
+    if callable(getattr(scaler, "get_scale", None)):
+        return float(scaler.get_scale()) if scaler.is_enabled() else None
+    value = getattr(scaler, "scale", None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _now(device: torch.device) -> float:
+    """Wall time, after the accelerator's queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _gather(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -533,8 +533,10 @@ class ZeroStrategy(ParallelStrategy):
         entries = {
             "zero1": dict(stage=1),
             "zero2": dict(stage=2),
+            "zero1_offload": dict(stage=1, offload_optimizer=True),
             "zero2_offload": dict(stage=2, offload_optimizer=True),
             "zero3": dict(stage=3),
+            "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
             "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
         }
         for name, kwargs in entries.items():

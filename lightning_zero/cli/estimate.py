@@ -44,16 +44,16 @@ def count_model_parameters(path: str | Path) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def format_table(estimates: Sequence[Estimate], limit: float | None = None) -> str:
+def format_table(estimates: Sequence[Estimate], limit: float | None = None, host_limit: float | None = None) -> str:
     unit, scale = ("GiB", GIB) if max(e.device_bytes for e in estimates) >= GIB else ("MiB", 2**20)
     header = f"{'strategy':<26}{'stage':>5}  {'offload':<18}{'per_device_' + unit:>18}{'per_host_' + unit:>16}"
     if limit is not None:
         header += f"{'fits':>6}"
     lines = [header]
     for e in estimates:
-        line = f"{e.choice.name:<26}{e.choice.stage:>5}  {e.choice.offload:<18}{e.device_bytes / scale:>18.2f}{e.host_bytes / scale:>16.2f}"
+        line = f"{e.choice.name:<26}{e.choice.stage:>5}  {e.choice.offload:<18}{e.device_bytes / scale:>18.2f}{e.host_bytes_per_node / scale:>16.2f}"
         if limit is not None:
-            line += f"{'yes' if e.device_bytes <= limit else 'no':>6}"
+            line += f"{'yes' if e.fits(limit, host_limit) else 'no':>6}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -97,13 +97,16 @@ def main(argv: Sequence[str]) -> int:
     world = args.devices * args.nodes
     print(f"Model states of {params:,.0f} parameters{source} on {args.nodes} node(s) x {args.devices} device(s) "
           f"= {world} rank(s), {args.precision}, Adam:")
-    print(format_table(estimates, args.memory_per_device))
+    print(format_table(estimates, args.memory_per_device, args.memory_per_host))
     print("(parameters, gradients and optimizer state only: activations and temporary buffers come on top)")
     if args.plot:
         from lightning_zero.estimate_plot import plot_estimates
 
-        plot_estimates(estimates, args.plot, title=f"{params:.3g} parameters, {world} ranks, {args.precision}",
-                       limit=args.memory_per_device)
+        try:
+            plot_estimates(estimates, args.plot, title=f"{params:.3g} parameters, {world} ranks, {args.precision}",
+                           limit=args.memory_per_device)
+        except RuntimeError as err:  # matplotlib missing
+            parser.error(str(err))
         print(f"wrote {args.plot}")
     if args.memory_per_device is None:
         return 0
@@ -114,7 +117,7 @@ def main(argv: Sequence[str]) -> int:
         return 1
     summary = (f"fastest choice whose model states fit {args.memory_per_device / GIB:.2f} GiB per device for "
                f"{params:.3g} parameters on {world} ranks ({args.precision}): {best.choice.name}, "
-               f"{best.device_bytes / GIB:.2f} GiB per device, {best.host_bytes / GIB:.2f} GiB per host")
+               f"{best.device_bytes / GIB:.2f} GiB per device, {best.host_bytes_per_node / GIB:.2f} GiB per host")
     print(summary[0].upper() + summary[1:])
     if args.output:
         write_strategy(best, args.output, summary)

@@ -41,7 +41,7 @@ def overrides(out) -> list[str]:
         "+trainer.limit_val_batches=2",  # add a key
         "~trainer.logger",  # drop a key
         f"trainer.default_root_dir={out}", "trainer.enable_progress_bar=false",
-        f"+trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {out}/cli.pt}}}}]",
+        f"++trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {out}/cli.pt}}}}]",
     ]
 
 
@@ -100,7 +100,7 @@ def test_a_deepspeed_json_on_the_command_line_gives_the_explicit_arguments_run(t
         f"strategy.config={EXAMPLE}", "model.class_path=tests.integration.cli_support.OptimizerFromConfigGPT",
         "data.batch_size=4", "trainer.max_steps=3", "+trainer.limit_val_batches=1", "~trainer.logger",
         f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
-        f"+trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {tmp_path}/ds.pt}}}}]",
+        f"++trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {tmp_path}/ds.pt}}}}]",
     ))
     info = torch.load(tmp_path / "ds.pt", weights_only=True)["info"]
     explicit = ZeroStrategy(stage=2, offload_optimizer=True, pin_memory=True, bucket_size_mb=2e8 * 4 / 2**20)

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from lightning_zero.cli.estimate import count_model_parameters
-from lightning_zero.estimate import CHOICES, model_state_split
+from lightning_zero.estimate import CHOICES_BY_NAME, MIB, model_state_split
 from tests.launch import REPO
 
 pytestmark = pytest.mark.slow
-MIB = 2**20
 
 
 def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_monitor(tmp_path):
@@ -35,13 +34,14 @@ def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_mo
     logged = [r for r in rows if r.get("monitor/state_MiB_rank0")]
     assert [int(r["step"]) for r in logged] == [1, 3]  # optimizer steps 2 and 4 (Lightning logs step - 1)
     params = count_model_parameters(REPO / "conf" / "model" / "gpt_tiny.yaml")
-    zero2 = next(c for c in CHOICES if c.name == "zero2")
-    expected = sum(model_state_split(zero2, params, 2)) / MIB
+    expected = sum(model_state_split(CHOICES_BY_NAME["zero2"], params, 2)) / MIB
     for row in logged:
         for rank in (0, 1):
-            assert float(row[f"monitor/state_MiB_rank{rank}"]) == pytest.approx(expected, rel=0.05)
-            assert float(row[f"monitor/peak_MiB_rank{rank}"]) > 0
-        assert float(row["monitor/tokens_per_s"]) > 0
+            state = float(row[f"monitor/state_MiB_rank{rank}"])
+            assert state == pytest.approx(expected, rel=0.05)
+            assert float(row[f"monitor/peak_MiB_rank{rank}"]) > 100 * state  # the whole process's peak RSS
+        # 2 ranks x 16 sequences x 32 tokens per step, a few steps per second on this machine
+        assert 100 < float(row["monitor/tokens_per_s"]) < 1e6
         # stage 2, fp32: a reduce-scatter of the gradients and an all-gather of the parameters, 2 x 4P bytes
         assert float(row["monitor/comm_MiB_per_step"]) == pytest.approx(8 * params / MIB, rel=0.05)
     info = torch.load(tmp_path / "run.pt", weights_only=True)["info"]
@@ -62,6 +62,6 @@ def test_monitor_figures_equal_the_benchmark_measurements_of_the_same_run():
         # the benchmark counts every live tensor (a GC walk); the monitor asks the engine: same bytes
         assert monitor["monitor/state_MiB_max"] * MIB == pytest.approx(run["state_bytes"], rel=0.01), run["system"]
         assert monitor["monitor/comm_MiB_per_step"] * MIB == pytest.approx(run["comm_bytes_per_step"], rel=0.01)
-        if run["system"].endswith("offload"):
-            assert monitor["monitor/device_MiB_rank0"] * MIB == pytest.approx(run["device_bytes"], rel=0.01)
-            assert monitor["monitor/host_MiB_rank0"] * MIB == pytest.approx(run["host_bytes"], rel=0.01)
+        if run["system"].endswith("offload"):  # the split by placement, against the formulas
+            assert monitor["monitor/device_MiB_rank0"] * MIB == pytest.approx(run["formula_device_bytes"], rel=0.01)
+            assert monitor["monitor/host_MiB_rank0"] * MIB == pytest.approx(run["formula_host_bytes"], rel=0.01)

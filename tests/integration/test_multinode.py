@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
-import re
+import csv
 import subprocess
 import sys
 
 import pytest
 
+from lightning_zero.cli.estimate import count_model_parameters
+from lightning_zero.estimate import CHOICES_BY_NAME, MIB, model_state_split
 from tests.launch import REPO, free_port
 
 pytestmark = pytest.mark.slow
@@ -19,6 +21,7 @@ def test_two_torchrun_nodes_train_one_zero3_run(tmp_path):
     command = [
         "-m", "lightning_zero", "fit", "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "trainer.max_steps=5",
         "+trainer.limit_val_batches=1", f"trainer.default_root_dir={tmp_path}", "trainer.num_nodes=2", "trainer.devices=1",
+        "trainer.log_every_n_steps=1",
     ]
     nodes = [
         subprocess.Popen(
@@ -28,8 +31,17 @@ def test_two_torchrun_nodes_train_one_zero3_run(tmp_path):
         )
         for rank in (0, 1)
     ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in outputs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]
-    first, last = map(float, re.search(r"^loss (\d+\.\d+) -> (\d+\.\d+)", outputs[0], flags=re.MULTILINE).groups())
-    assert last < first
+    # ZeRO-3 sharded over both nodes: each rank holds 16P/2 bytes of model state
+    params = count_model_parameters(REPO / "conf" / "model" / "gpt_tiny.yaml")
+    expected = sum(model_state_split(CHOICES_BY_NAME["zero3"], params, 2)) / MIB
+    rows = [r for r in csv.DictReader(open(next(tmp_path.glob("logs/version_*/metrics.csv")))) if r.get("monitor/state_MiB_rank1")]
+    assert len(rows) == 5
+    for rank in (0, 1):
+        assert float(rows[-1][f"monitor/state_MiB_rank{rank}"]) == pytest.approx(expected, rel=0.05)

@@ -185,7 +185,7 @@ def test_override_errors_name_the_key_and_the_nearest_valid_one(override, messag
 
 
 def test_unknown_group_option_lists_the_options():
-    with pytest.raises(CLIConfigError, match=r"choose one of \['ddp', .*'zero3', 'zero3_offload'\]\. Did you mean 'zero3'\?"):
+    with pytest.raises(CLIConfigError, match=r"choose one of \['ddp', .*'zero3', 'zero3_offload', 'zero3_offload_optimizer'\]\. Did you mean 'zero3'\?"):
         composed("--config", str(CONF / "gpt_zero3.yaml"), "strategy=zero4")
 
 
@@ -222,7 +222,7 @@ def test_subcommand_keys_follow_the_subcommand():
 
 def test_list_items_are_addressed_by_index():
     main = str(CONF / "gpt_zero3.yaml")
-    callbacks = "+trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_top_k: 1}}]"
+    callbacks = "++trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_top_k: 1}}]"
     config = composed("--config", main, callbacks, "trainer.callbacks.0.save_top_k=3")
     assert config["trainer"]["callbacks"] == [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_top_k": 3}}
@@ -267,7 +267,7 @@ def test_a_group_picked_for_a_config_without_defaults_replaces_its_node(tmp_path
 
 def test_list_items_and_missing_keys_are_errors_not_crashes():
     main = str(CONF / "gpt_zero3.yaml")
-    callbacks = "+trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint}]"
+    callbacks = "++trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint}]"
     assert composed("--config", main, callbacks, "~trainer.callbacks.0")["trainer"]["callbacks"] == []
     replaced = composed("--config", main, callbacks, "trainer.callbacks.0={class_path: lightning.pytorch.callbacks.Timer}")
     assert replaced["trainer"]["callbacks"] == [{"class_path": "lightning.pytorch.callbacks.Timer"}]

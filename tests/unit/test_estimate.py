@@ -13,10 +13,10 @@ import yaml
 
 from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.demo import GPTConfig, count_parameters
-from lightning_zero.estimate import CHOICES, GIB, estimate, fastest_fitting, model_state_split, parse_bytes
+from lightning_zero.estimate import CHOICES, CHOICES_BY_NAME, GIB, estimate, fastest_fitting, model_state_split, parse_bytes
 from tests.launch import REPO
 
-BY_NAME = {c.name: c for c in CHOICES}
+BY_NAME = CHOICES_BY_NAME
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_formulas(params, world, choice, precision, device, host):
 def test_host_memory_is_per_node_and_nodes_multiply_the_ranks():
     rows = {e.choice.name: e for e in estimate(1.3e9, devices=8, nodes=2, precision="bf16-mixed")}
     assert rows["zero3"].device_bytes == pytest.approx(16 * 1.3e9 / 16)
-    assert rows["zero2_offload"].host_bytes == pytest.approx(8 * 16 * 1.3e9 / 16)  # 8 devices share a node's RAM
+    assert rows["zero2_offload"].host_bytes_per_node == pytest.approx(8 * 16 * 1.3e9 / 16)  # 8 devices share a node's RAM
 
 
 def test_the_fastest_fitting_choice_and_memory_sizes():
@@ -53,10 +53,11 @@ def test_the_fastest_fitting_choice_and_memory_sizes():
     assert fastest_fitting(rows, parse_bytes("80GiB")).choice.name == "zero1"  # ddp needs 112 GB
     assert fastest_fitting(rows, parse_bytes("16GiB")).choice.name == "zero3"
     assert fastest_fitting(rows, parse_bytes("8GiB")).choice.name == "zero3_offload_optimizer"
-    assert fastest_fitting(rows, parse_bytes("8GiB"), host_bytes=parse_bytes("64GiB")) is None  # 112 GB offloaded
-    assert parse_bytes("80GB") == 80e9 and parse_bytes("24000MiB") == 24000 * 2**20 and parse_bytes("2") == 2 * GIB
-    with pytest.raises(ValueError, match="80GiB"):
-        parse_bytes("80 parsecs")
+    assert fastest_fitting(rows, parse_bytes("8GiB"), host_bytes_per_node=parse_bytes("64GiB")) is None  # 112 GB offloaded
+    assert parse_bytes("80GB") == 80e9 and parse_bytes("24000MiB") == 24000 * 2**20 and parse_bytes("2 GiB") == 2 * GIB
+    for bad in ("80 parsecs", "80", "1.2.3GiB"):
+        with pytest.raises(ValueError, match="write a number and a unit"):
+            parse_bytes(bad)
 
 
 def test_parameters_of_a_model_yaml_are_counted_on_the_meta_device():
@@ -126,3 +127,5 @@ def test_nothing_fits_is_exit_status_1():
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "nothing fits in 1.00 GiB per device and 64.00 GiB per host" in result.stdout
+    fits = [line.split()[-1] for line in result.stdout.splitlines() if line.startswith(("ddp", "zero"))]
+    assert fits == ["no"] * len(CHOICES)  # zero3_offload needs no device memory but 104 GiB of host
