@@ -31,9 +31,17 @@ class ZeroConfigError(ValueError):
     """A ZeroStrategy setting has a value we cannot honour; the message names the setting and the fix."""
 
 
-def _closest(value: str, choices: Iterable[str]) -> str:
-    matches = difflib.get_close_matches(value, list(choices), n=1)
-    return f" Did you mean {matches[0]!r}?" if matches else ""
+def nearest(value: str, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``value`` in spelling, if any is close."""
+    matches = difflib.get_close_matches(str(value), sorted(set(map(str, choices))), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def closest(value: str, choices: Iterable[str]) -> str:
+    """`` Did you mean 'x'?`` for the nearest choice, or an empty string: the tail of every error message
+    that rejects a name."""
+    match = nearest(value, choices)
+    return f" Did you mean {match!r}?" if match else ""
 
 
 def check_choice(setting: str, value: Any, choices: Iterable[Any]) -> None:
@@ -41,7 +49,7 @@ def check_choice(setting: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:
         if isinstance(value, str):
-            hint = _closest(value, [str(c) for c in choices])
+            hint = closest(value, [str(c) for c in choices])
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(type(c) is int for c in choices):
             hint = f" Did you mean {min(choices, key=lambda c: abs(c - value))!r}?"
         else:

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from lightning_zero.config import ZeroConfigError, _closest
+from lightning_zero.config import ZeroConfigError, closest
 from lightning_zero.loss_scaler import LossScaleConfig, LossScaleConfigError
 
 AUTO = "auto"
@@ -119,7 +119,7 @@ def _check_keys(section: str, given: Mapping[str, Any], supported: frozenset, tu
             rank_zero_warn(f"DeepSpeed config: `{section}{key}` tunes DeepSpeed itself and has no effect with ZeroStrategy; ignored.")
             continue
         raise ZeroConfigError(
-            f"DeepSpeed config: `{section}{key}` is not supported by ZeroStrategy.{_closest(key, supported)} "
+            f"DeepSpeed config: `{section}{key}` is not supported by ZeroStrategy.{closest(key, supported)} "
             f"Supported keys here: {sorted(supported)}."
         )
 
@@ -213,17 +213,24 @@ def _precision(config: Mapping[str, Any]) -> tuple[str | None, LossScaleConfig |
     return None, None
 
 
-def _optimizer(spec: Any) -> dict | None:
+def _typed_section(name: str, spec: Any) -> bool:
+    """Whether the ``optimizer``/``scheduler`` section is given; if so, it must be ``{type, params}``."""
     if spec is None:
-        return None
+        return False
     if not isinstance(spec, Mapping) or "type" not in spec:
-        raise ZeroConfigError("DeepSpeed config: `optimizer` must be an object with a `type` and `params`.")
-    _check_keys("optimizer.", spec, frozenset({"type", "params"}))
+        raise ZeroConfigError(f"DeepSpeed config: `{name}` must be an object with a `type` and `params`.")
+    _check_keys(f"{name}.", spec, frozenset({"type", "params"}))
+    return True
+
+
+def _optimizer(spec: Any) -> dict | None:
+    if not _typed_section("optimizer", spec):
+        return None
     kind = str(spec["type"]).lower()
     if kind not in OPTIMIZERS:
         raise ZeroConfigError(
             f"DeepSpeed config: `optimizer.type={spec['type']!r}` is not supported; choose one of "
-            f"{sorted(v[0] for v in OPTIMIZERS.values())}.{_closest(kind, OPTIMIZERS)}"
+            f"{sorted(v[0] for v in OPTIMIZERS.values())}.{closest(kind, OPTIMIZERS)}"
         )
     params = dict(spec.get("params") or {})
     _check_keys("optimizer.params.", params, frozenset(OPTIMIZERS[kind][1]))
@@ -231,15 +238,12 @@ def _optimizer(spec: Any) -> dict | None:
 
 
 def _scheduler(spec: Any) -> dict | None:
-    if spec is None:
+    if not _typed_section("scheduler", spec):
         return None
-    if not isinstance(spec, Mapping) or "type" not in spec:
-        raise ZeroConfigError("DeepSpeed config: `scheduler` must be an object with a `type` and `params`.")
-    _check_keys("scheduler.", spec, frozenset({"type", "params"}))
     if spec["type"] not in SCHEDULERS:
         raise ZeroConfigError(
             f"DeepSpeed config: `scheduler.type={spec['type']!r}` is not supported; choose one of "
-            f"{sorted(SCHEDULERS)}.{_closest(str(spec['type']), SCHEDULERS)}"
+            f"{sorted(SCHEDULERS)}.{closest(str(spec['type']), SCHEDULERS)}"
         )
     params = dict(spec.get("params") or {})
     _check_keys("scheduler.params.", params, frozenset(SCHEDULERS[spec["type"]]))

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from lightning_zero.config import closest
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 GLOBAL_PACKAGE = "_global_"
@@ -54,17 +55,6 @@ class UnknownKeyError(CLIConfigError):
     def __init__(self, message: str, suggestion: str | None) -> None:
         super().__init__(message)
         self.suggestion = suggestion
-
-
-def nearest(value: str, choices: Iterable[str]) -> str | None:
-    matches = difflib.get_close_matches(value, sorted(set(map(str, choices))), n=1, cutoff=0.6)
-    return matches[0] if matches else None
-
-
-def closest(value: str, choices: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for the nearest choice, or an empty string."""
-    match = nearest(str(value), choices)
-    return f" Did you mean {match!r}?" if match else ""
 
 
 def _is_option(token: str) -> bool:

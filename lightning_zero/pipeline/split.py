@@ -23,7 +23,7 @@ from typing import Union
 
 from torch import nn
 
-from lightning_zero.config import ZeroConfigError, _closest
+from lightning_zero.config import ZeroConfigError, closest
 
 SplitSpec = Union[str, Sequence[int], Sequence[str]]
 SPLIT_METHODS = ("layers", "params")
@@ -64,7 +64,7 @@ def split_bounds(layers: Sequence[nn.Module] | nn.Sequential, stages: int, how: 
             return _balanced_bounds(layer_parameters(layers), stages)
         raise ZeroConfigError(
             f"`pipeline_split={how!r}` is not supported; choose one of {SPLIT_METHODS} or a list of split points."
-            f"{_closest(how, SPLIT_METHODS)}"
+            f"{closest(how, SPLIT_METHODS)}"
         )
     return _explicit_bounds(list(how), n, stages, names)
 
@@ -113,7 +113,7 @@ def _explicit_bounds(points: list, n: int, stages: int, names: list[str] | None)
             if names is None or point not in names:
                 raise ZeroConfigError(
                     f"`pipeline_split` names layer {point!r}, which the model does not have."
-                    f"{_closest(point, names or [])}"
+                    f"{closest(point, names or [])}"
                 )
             point = names.index(point)
         elif not isinstance(point, int) or isinstance(point, bool):

@@ -3,6 +3,8 @@ exactly as the unsplit model does in one process. The Trainer integration is iss
 
 import pytest
 
+from lightning_zero.pipeline import layer_parameters, split_bounds
+from tests.distributed.worker_pipeline import build
 from tests.launch import launch
 
 pytestmark = pytest.mark.slow
@@ -30,4 +32,7 @@ def test_stages_keep_the_unsplit_parameter_names_and_hold_each_once(report, sche
 def test_the_cuts(report):
     assert report["gpipe"]["bounds"] == [0, 5, 9]  # 9 layers: 5 + 4
     assert report["interleaved"]["bounds"] == [0, 3, 5, 7, 9]  # 4 virtual stages
-    assert report["1f1b"]["bounds"][0] == 0 and report["1f1b"]["bounds"][-1] == 9
+    # by parameter count: the input layer (8x16) is lighter than a block, so the best cut takes 4 layers first
+    assert report["1f1b"]["bounds"] == split_bounds(build(), 2, "params") == [0, 4, 9]
+    weights = layer_parameters(build())
+    assert max(sum(weights[:4]), sum(weights[4:])) < max(sum(weights[:5]), sum(weights[5:]))
