@@ -6,7 +6,10 @@ Two formats, one naming: entries are keyed by the module's own parameter names w
   ``state_dict`` and ``torch.optim`` optimizer states holding full tensors.
 * ``"sharded"``: a directory written with ``torch.distributed.checkpoint``; every rank writes only its own
   rows of each parameter and optimizer-state tensor, expressed as a dim-0 sharded DTensor so the same
-  directory loads at any world size and stage. The directory appears under its final name only once every
+  directory loads at any world size and stage. Under pipeline stages a rank holds only its stages' layers
+  (the others are on the meta device) and its tensors are sharded over its stage's data-parallel ranks
+  (``engine.mesh``); the directory still holds every parameter once, under the unsplit model's names, so it
+  loads with or without pipelining. The directory appears under its final name only once every
   rank has finished (temporary sibling, barrier, rename on rank 0).
 """
 
@@ -58,8 +61,25 @@ def _param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def _mesh(device: torch.device):
-    return init_device_mesh(device.type, (collectives.world_size(),))
+def _mesh(engine):
+    """The ranks a parameter's rows are spread over: the engine's group (a pipeline stage's data-parallel
+    ranks), else every rank."""
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None:
+        return mesh
+    return init_device_mesh(engine.params[0].device.type, (collectives.world_size(),))
+
+
+def _held_state(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` without the entries another pipeline stage holds (meta tensors here)."""
+    return {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+
+
+def _shard_coords(engine) -> tuple[int, int]:
+    """(this rank's index, number of ranks) among those sharing each of its parameters."""
+    if engine is not None and getattr(engine, "group", None) is not None:
+        return engine.rank, engine.world_size
+    return collectives.rank(), collectives.world_size()
 
 
 def _as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tensor:
@@ -99,11 +119,11 @@ def full_model_state(module: nn.Module, engine, rank0_only: bool = True) -> dict
 
 def sharded_model_state(module: nn.Module, engine) -> dict[str, Any]:
     """Parameter name -> this rank's rows (as a DTensor); buffers and frozen parameters as they are."""
-    state = module.state_dict()
+    state = _held_state(module)
     trainable = _trainable_rows(engine)
     if not trainable:
         return state
-    mesh = _mesh(engine.params[0].device)
+    mesh = _mesh(engine)
     for name in list(state):
         i = trainable.get(name)
         if i is not None:
@@ -115,7 +135,7 @@ def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> 
     """``{"state": {param_name: {key: rows}}, "param_groups": [... "params": [names]]}``."""
     hosted = _hosted(optimizer, engine)
     names = _param_names(module)
-    mesh = _mesh(next(iter(module.parameters())).device) if hosted else None
+    mesh = _mesh(engine) if hosted else None
     state: dict[str, dict] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -215,7 +235,9 @@ def load(
     _verify_in_parallel(path)
     checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     model_state = sharded_model_state(module, engine)
-    check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(model_state), "model", strict=strict)
+    # Checked against the whole model (another pipeline stage's tensors are meta here, with their shapes).
+    check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(module.state_dict()), "model", strict=strict)
+    elsewhere = {n for n, p in module.named_parameters() if p.is_meta}
     state = {"state_dict": model_state}
     names = _param_names(module)
     optimizer_entries = False
@@ -224,13 +246,14 @@ def load(
         if not saved:
             continue
         optimizer_entries = True
+        saved = {key: shape for key, shape in saved.items() if key.rsplit(".", 1)[0] not in elsewhere}
         saved_params = {key.rsplit(".", 1)[0]: None for key in saved}
         hosted = _hosted(optimizer, engine)
         live_params = {
             names[id(p)]: None
             for group in optimizer.param_groups
             for p in group["params"]
-            if p.requires_grad or id(p) in hosted  # frozen parameters have no state to restore
+            if (p.requires_grad and not p.is_meta) or id(p) in hosted  # frozen parameters have no state to restore
         }
         check_compatible(saved_params, live_params, f"optimizer {i}'s parameters")
         _materialize_optimizer_state(optimizer, engine)
@@ -279,7 +302,9 @@ def _materialize_optimizer_state(optimizer: Optimizer, engine) -> None:
     hosting = engine.hosting(optimizer) if hosted else nullcontext()
     shards = set(map(id, hosted.values()))
     with hosting:
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad or id(p) in shards]
+        params = [
+            p for g in optimizer.param_groups for p in g["params"] if (p.requires_grad and not p.is_meta) or id(p) in shards
+        ]
         if any(p.grad is not None for p in params):
             return
         for p in params:
@@ -312,11 +337,11 @@ def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, s
         return
     live = module.state_dict()
     check_compatible(_shapes(state_dict), _shapes(live), "model", strict=strict)
-    rank, world = collectives.rank(), collectives.world_size()
+    rank, world = _shard_coords(engine)
     rows = _trainable_rows(engine)
     with torch.no_grad():
         for name, target in live.items():
-            if name not in state_dict:
+            if name not in state_dict or target.is_meta:  # meta: another pipeline stage's tensor
                 continue
             full = state_dict[name]
             if isinstance(target, DTensor):
@@ -334,11 +359,13 @@ def load_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any], module:
     if SHARDED_MARKER in saved:
         return
     hosted = _hosted(optimizer, engine)
-    rank, world = collectives.rank(), collectives.world_size()
+    rank, world = _shard_coords(engine)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     _load_param_group_hyperparameters(optimizer, saved["param_groups"])
     for index, entry in saved["state"].items():
         param = params[int(index)]
+        if param.is_meta:
+            continue  # another pipeline stage's parameter
         key = hosted.get(id(param), param)
         restored = {}
         for name, value in entry.items():

@@ -20,11 +20,23 @@ from lightning_zero.activation_checkpointing import CheckpointPolicy, resolve_po
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PipelineSplit = Union[Literal["layers", "params"], list[int], list[str]]
 
 #: What a user may pass to pick modules: one class, several classes, or a predicate on modules.
 ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Module], bool], None]
 
 SUPPORTED_STAGES = (1, 2, 3)
+
+#: ``Trainer(strategy=name)`` -> the ``ZeroStrategy`` arguments it stands for (after ``import lightning_zero``).
+REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
+    "zero1": dict(stage=1),
+    "zero2": dict(stage=2),
+    "zero1_offload": dict(stage=1, offload_optimizer=True),
+    "zero2_offload": dict(stage=2, offload_optimizer=True),
+    "zero3": dict(stage=3),
+    "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
+    "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
+}
 
 
 class ZeroConfigError(ValueError):
@@ -86,13 +98,27 @@ class ZeroConfig:
     ``nn.ModuleList`` (the transformer blocks of most models); the root module is always a unit."""
 
     pipeline_stages: int = 1
-    """Number of pipeline stages the model is split into."""
+    """Ranks per pipeline: the model (its ``pipeline_layers()``) is cut into this many stages, one per rank, and
+    the processes form ``world_size / pipeline_stages`` data-parallel replicas of that pipeline, across which
+    ZeRO stage 1 or 2 shards each stage's optimizer state (and gradients)."""
 
     microbatches: int | None = None
-    """Micro-batches per batch for the pipeline schedule."""
+    """Micro-batches each batch is cut into for the pipeline schedule; must divide the per-replica batch size.
+    ``None``: one per pipeline stage (``pipeline_stages x pipeline_virtual_stages``). More micro-batches shrink
+    the idle share of a step, ``(p - 1) / (m + p - 1)``."""
 
     pipeline_schedule: PipelineSchedule = "1f1b"
-    """Pipeline schedule name."""
+    """``torch.distributed.pipelining`` schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"``
+    (same bubble, activations of at most ``p`` micro-batches alive) or ``"interleaved_1f1b"`` (several virtual
+    stages per rank, a smaller bubble for more point-to-point traffic)."""
+
+    pipeline_split: PipelineSplit = "layers"
+    """Where the layers are cut: ``"layers"`` (the same number of layers per stage), ``"params"`` (stages with
+    parameter counts as equal as possible) or explicit split points, the index or (for an ``nn.Sequential``)
+    the name of the first layer of every stage but the first."""
+
+    pipeline_virtual_stages: int | None = None
+    """Stages per rank for ``"interleaved_1f1b"`` (``None``: 2); exactly 1 for the other schedules."""
 
     bucket_size_mb: float = 25.0
     """Size of one gradient communication bucket (stages 1-2); larger buckets mean fewer, bigger collectives."""
@@ -135,13 +161,10 @@ class ZeroConfig:
             raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb}.")
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
-        if self.pipeline_stages > 1:
-            raise ZeroConfigError(
-                f"`pipeline_stages={self.pipeline_stages}` is not available in this version; use pipeline_stages=1."
-            )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
         check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
+        self._check_pipeline()
         check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
         check_choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
         if self.process_group_backend is not None:
@@ -158,6 +181,57 @@ class ZeroConfig:
             )
         # Resolved once here, so a bad policy fails when the strategy is built.
         object.__setattr__(self, "_checkpoint_policy", resolve_policy(self.activation_checkpointing))
+
+    def _check_pipeline(self) -> None:
+        split = self.pipeline_split
+        if isinstance(split, str):
+            check_choice("pipeline_split", split, ("layers", "params"))
+        elif not isinstance(split, (list, tuple)) or not all(
+            isinstance(x, (int, str)) and not isinstance(x, bool) for x in split
+        ):
+            raise ZeroConfigError(
+                f"`pipeline_split` must be 'layers', 'params' or a list of layer indices or names, got {split!r}."
+            )
+        virtual = self.pipeline_virtual_stages
+        if virtual is not None and (not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1):
+            raise ZeroConfigError(f"`pipeline_virtual_stages` must be None or an integer >= 1, got {virtual!r}.")
+        interleaved = self.pipeline_schedule == "interleaved_1f1b"
+        if interleaved and virtual == 1:
+            raise ZeroConfigError(
+                "`pipeline_schedule='interleaved_1f1b'` runs several stages per rank; set `pipeline_virtual_stages` "
+                ">= 2 (or leave it None for 2), or use pipeline_schedule='1f1b'."
+            )
+        if not interleaved and virtual not in (None, 1):
+            raise ZeroConfigError(
+                f"`pipeline_virtual_stages={virtual}` needs `pipeline_schedule='interleaved_1f1b'`; "
+                f"{self.pipeline_schedule!r} runs one stage per rank."
+            )
+        if self.pipeline_stages == 1:
+            return
+        if self.stage == 3:
+            raise ZeroConfigError(
+                f"`pipeline_stages={self.pipeline_stages}` composes with ZeRO `stage=1` or `stage=2`, not stage=3: a "
+                "stage-3 pipeline would re-gather every stage's parameters once per micro-batch. Use stage=2, whose "
+                "memory per rank is already divided by the pipeline's stages."
+            )
+        if self.state_dict_type == "full":
+            raise ZeroConfigError(
+                "`state_dict_type='full'` is not available with `pipeline_stages > 1` (each stage's ranks hold only its "
+                "layers); use 'sharded' (the default), whose directory loads into a run with or without pipelining, "
+                "and `lightning-zero consolidate` for one plain file."
+            )
+
+    @property
+    def pipeline_virtual(self) -> int:
+        """Stages per rank (2 for ``interleaved_1f1b`` unless set, else 1)."""
+        if self.pipeline_virtual_stages is not None:
+            return self.pipeline_virtual_stages
+        return 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches per batch (one per pipeline stage unless set)."""
+        return self.microbatches or self.pipeline_stages * self.pipeline_virtual
 
     @property
     def checkpoint_policy(self) -> CheckpointPolicy | None:

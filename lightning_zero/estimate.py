@@ -16,6 +16,8 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
+from lightning_zero.config import REGISTERED_STRATEGIES
+
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 MIB = 2**20
 GIB = 2**30
@@ -50,15 +52,10 @@ class Choice:
 
 #: Every choice, fastest first: less communication first, offloading (host steps and copies) last, as
 #: DeepSpeed's and Hugging Face's guides order them (stage 0 > 1 > 2 > 2 + offload > 3 > 3 + offload).
+_FASTEST_FIRST = ("zero1", "zero2", "zero1_offload", "zero2_offload", "zero3", "zero3_offload_optimizer", "zero3_offload")
 CHOICES = (
     Choice("ddp", 0),
-    Choice("zero1", 1),
-    Choice("zero2", 2),
-    Choice("zero1_offload", 1, offload_optimizer=True),
-    Choice("zero2_offload", 2, offload_optimizer=True),
-    Choice("zero3", 3),
-    Choice("zero3_offload_optimizer", 3, offload_optimizer=True),
-    Choice("zero3_offload", 3, offload_optimizer=True, offload_params=True),
+    *(Choice(name, **REGISTERED_STRATEGIES[name]) for name in _FASTEST_FIRST),
 )
 #: Each name is also a registered strategy name and a conf/strategy file (``ddp`` is Lightning's).
 CHOICES_BY_NAME = {c.name: c for c in CHOICES}

@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
@@ -300,10 +300,35 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
+def as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
+    """Lightning hands a strategy the generic plugin for ``Trainer(precision=...)``; convert it (keeping a
+    ``GradScaler``'s settings), or say which precisions are supported."""
+    if plugin is None or isinstance(plugin, ZeroPrecision):
+        return plugin
+    name = str(getattr(plugin, "precision", "32-true"))
+    name = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(name, name)
+    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
+        raise ZeroConfigError(
+            f"ZeroStrategy does not support precision {name!r} ({type(plugin).__name__}); choose one of "
+            f"{SUPPORTED_PRECISION} via `Trainer(precision=...)` or `plugins=[ZeroPrecision(...)]`."
+        )
+    scaler = getattr(plugin, "scaler", None)
+    if name == "16-mixed" and scaler is not None:
+        return ZeroPrecision(
+            name,
+            initial_scale=float(scaler._init_scale),
+            growth_factor=float(scaler._growth_factor),
+            backoff_factor=float(scaler._backoff_factor),
+            growth_interval=int(scaler._growth_interval),
+        )
+    return ZeroPrecision(name)
+
+
 def _device_of(optimizer: Optimizer) -> torch.device:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            return p.device
+            if not p.is_meta:  # another pipeline stage's parameter
+                return p.device
     return torch.device("cpu")
 
 

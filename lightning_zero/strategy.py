@@ -21,7 +21,7 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,7 +34,16 @@ from typing_extensions import override
 
 from lightning_zero import checkpoint_io, failures
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing
-from lightning_zero.config import ModulePolicy, PipelineSchedule, StartMethod, StateDictType, ZeroConfig, ZeroConfigError
+from lightning_zero.config import (
+    ModulePolicy,
+    PipelineSchedule,
+    PipelineSplit,
+    REGISTERED_STRATEGIES,
+    StartMethod,
+    StateDictType,
+    ZeroConfig,
+    ZeroConfigError,
+)
 from lightning_zero.deepspeed_config import (
     DeepSpeedSettings,
     apply_to_trainer,
@@ -46,11 +55,14 @@ from lightning_zero.deepspeed_config import (
 )
 from lightning_zero.engine import collectives
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
+from lightning_zero.engine.layout import check_trainable
 from lightning_zero.engine.offload import should_pin
 from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.engine.zero_dp import ZeroDataParallel
 from lightning_zero.launcher import ZeroMultiProcessingLauncher
-from lightning_zero.precision import SUPPORTED_PRECISION, ZeroPrecision
+from lightning_zero.pipeline.parallel import PipelineParallel
+from lightning_zero.pipeline.split import PipelineLayout
+from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.rng import collect_rng_state, restore_rng_state
 
 
@@ -75,6 +87,8 @@ class ZeroStrategy(ParallelStrategy):
         pipeline_stages: int = 1,
         microbatches: int | None = None,
         pipeline_schedule: PipelineSchedule = "1f1b",
+        pipeline_split: PipelineSplit = "layers",
+        pipeline_virtual_stages: int | None = None,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         reduce_every_microbatch: bool = False,
@@ -102,6 +116,8 @@ class ZeroStrategy(ParallelStrategy):
             pipeline_stages=pipeline_stages,
             microbatches=microbatches,
             pipeline_schedule=pipeline_schedule,
+            pipeline_split=pipeline_split,
+            pipeline_virtual_stages=pipeline_virtual_stages,
             bucket_size_mb=bucket_size_mb,
             overlap_comm=overlap_comm,
             reduce_every_microbatch=reduce_every_microbatch,
@@ -124,6 +140,7 @@ class ZeroStrategy(ParallelStrategy):
         )
         self._num_nodes = 1
         self._engine: ZeroDataParallel | FullyShardedEngine | None = None
+        self._pipeline: PipelineParallel | None = None
         self._buffers: list[Tensor] = []
         self._failed = False
 
@@ -141,6 +158,11 @@ class ZeroStrategy(ParallelStrategy):
     def engine(self) -> ZeroDataParallel | FullyShardedEngine | None:
         """The sharding engine (exists after ``setup``)."""
         return self._engine
+
+    @property
+    def pipeline(self) -> PipelineParallel | None:
+        """This rank's pipeline stages (exists after ``setup`` when ``pipeline_stages > 1``)."""
+        return self._pipeline
 
     @property
     @override
@@ -168,6 +190,8 @@ class ZeroStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._pipeline is not None:
+            return self._pipeline.sampler_kwargs(self.global_rank)
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -197,12 +221,15 @@ class ZeroStrategy(ParallelStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         if precision_plugin is not None and precision_plugin is self._precision_plugin:
             return  # Lightning hands back the plugin this strategy chose
-        self._precision_plugin = _as_zero_precision(precision_plugin_for(getattr(self, "_deepspeed", None), precision_plugin))
+        self._precision_plugin = as_zero_precision(precision_plugin_for(getattr(self, "_deepspeed", None), precision_plugin))
 
     # ------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:
         _require(self.cluster_environment, "cluster_environment")
+        config = self.zero_config
+        if config.pipeline_stages > 1:  # before any process starts: devices x nodes must divide into pipelines
+            PipelineLayout(self.num_nodes * self.num_processes, config.pipeline_stages, config.pipeline_virtual)
         if self.zero_config.start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
@@ -214,9 +241,7 @@ class ZeroStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _require(self.cluster_environment, "cluster_environment")
         _init_dist_connection(self.cluster_environment, backend, timeout=self.zero_config.timeout)
         failures.install()
@@ -237,10 +262,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3 builds ``configure_model`` on the meta device; shards are materialised one unit at a time."""
-        if self.stage == 3:
-            with torch.device("meta"):
-                yield
-        else:
+        with torch.device("meta") if self.stage == 3 else contextlib.nullcontext():
             yield
 
     @override
@@ -250,14 +272,14 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         apply_to_trainer(self._deepspeed, trainer)
-        self._engine = None  # never reuse an earlier run's engine (it may belong to another module)
+        self._engine = self._pipeline = None  # never reuse an earlier run's (it may belong to another module)
         self._failed = False
         precision = self.precision_plugin
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = precision.convert_module(self.model)
         if fitting:
-            _check_trainable(self.model)
+            check_trainable(self.model)
         if self.zero_config.checkpoint_policy is not None:
             # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
             apply_activation_checkpointing(self.model, self.zero_config.checkpoint_policy)
@@ -274,8 +296,16 @@ class ZeroStrategy(ParallelStrategy):
                 pin_memory=pin,
             )
         else:
-            self.model_to_device()
-            collectives.broadcast([t.data for t in (*self.model.parameters(), *self.model.buffers())], src=0)
+            group, source = None, 0
+            if config.pipeline_stages > 1:
+                if self._layer_sync:
+                    raise ZeroConfigError("`sync_batchnorm=True` is not supported with `pipeline_stages > 1`.")
+                self._pipeline = PipelineParallel(self.model, config, self.global_rank, self.world_size, self.root_device)
+                group, source = self._pipeline.dp_group, self._pipeline.dp_source
+            else:
+                self.model_to_device()
+            held = [t.data for t in (*self.model.parameters(), *self.model.buffers()) if not t.is_meta]
+            collectives.broadcast(held, src=source, group=group)
             if fitting:
                 self._engine = ZeroDataParallel(
                     self.model,
@@ -285,7 +315,10 @@ class ZeroStrategy(ParallelStrategy):
                     policy=precision.policy(),
                     offload_optimizer=config.offload_optimizer,
                     pin_memory=pin,
+                    group=group,
                 )
+                if self._pipeline is not None:
+                    self._engine.mesh = self._pipeline.dp_mesh
         self._buffers = [b for b in self.model.buffers() if not b.is_meta]
         if fitting:
             self.setup_optimizers(trainer)
@@ -350,7 +383,9 @@ class ZeroStrategy(ParallelStrategy):
         training step and before evaluation, so results and checkpoints agree whichever rank they come from.
         Never per evaluation step: prediction may give ranks different numbers of batches."""
         if self._buffers:
-            collectives.broadcast(self._buffers, src=0)
+            # Under pipeline stages, each stage's replicas hold that stage's buffers.
+            group, source = (self._pipeline.dp_group, self._pipeline.dp_source) if self._pipeline else (None, 0)
+            collectives.broadcast(self._buffers, src=source, group=group)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -380,20 +415,33 @@ class ZeroStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._sync_buffers()
         with self.precision_plugin.train_step_context():
-            return self._call_module("training_step", *args, **kwargs)
+            if self._pipeline is None:
+                return self._call_module("training_step", *args, **kwargs)
+            # The schedule runs forward, loss and backward here; `backward` then hands the gradients on.
+            scale = self.precision_plugin.loss_scale / self.lightning_module.trainer.accumulate_grad_batches
+            return self._pipeline.training_step(_batch(args, kwargs), scale, self._engine)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
+            if self._pipeline is not None:
+                return self._pipeline.evaluation_step("val", _batch(args, kwargs))
             return self._call_module("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
+            if self._pipeline is not None:
+                return self._pipeline.evaluation_step("test", _batch(args, kwargs))
             return self._call_module("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            raise ZeroConfigError(
+                "`predict` is not available with `pipeline_stages > 1` (only the last stage sees the outputs): load the "
+                "checkpoint into a run without pipelining to predict."
+            )
         with self.precision_plugin.predict_step_context():
             return self._call_module("predict_step", *args, **kwargs)
 
@@ -415,7 +463,10 @@ class ZeroStrategy(ParallelStrategy):
         _require(module, "lightning_module")
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self._pipeline is not None:
+            self._pipeline.restore_gradients()  # the schedule ran backward inside `training_step`
+        else:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         if self._engine is not None:
             self._engine.post_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -530,16 +581,7 @@ class ZeroStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry) -> None:
-        entries = {
-            "zero1": dict(stage=1),
-            "zero2": dict(stage=2),
-            "zero1_offload": dict(stage=1, offload_optimizer=True),
-            "zero2_offload": dict(stage=2, offload_optimizer=True),
-            "zero3": dict(stage=3),
-            "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
-            "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
-        }
-        for name, kwargs in entries.items():
+        for name, kwargs in REGISTERED_STRATEGIES.items():
             strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
 
 
@@ -547,44 +589,11 @@ def _require(value: Any, what: str) -> None:
     """Lightning sets these up before calling the hook that needs them; say which one is missing if not."""
     if value is None:
         raise RuntimeError(f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer.")
+
+
 def _unwrap(optimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
-    """Lightning hands a strategy the generic plugin for ``Trainer(precision=...)``; convert it (keeping a
-    ``GradScaler``'s settings), or say which precisions are supported."""
-    if plugin is None or isinstance(plugin, ZeroPrecision):
-        return plugin
-    name = str(getattr(plugin, "precision", "32-true"))
-    name = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(name, name)
-    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
-        raise ZeroConfigError(
-            f"ZeroStrategy does not support precision {name!r} ({type(plugin).__name__}); choose one of "
-            f"{SUPPORTED_PRECISION} via `Trainer(precision=...)` or `plugins=[ZeroPrecision(...)]`."
-        )
-    scaler = getattr(plugin, "scaler", None)
-    if name == "16-mixed" and scaler is not None:
-        return ZeroPrecision(
-            name,
-            initial_scale=float(scaler._init_scale),
-            growth_factor=float(scaler._growth_factor),
-            backoff_factor=float(scaler._backoff_factor),
-            growth_interval=int(scaler._growth_interval),
-        )
-    return ZeroPrecision(name)
-
-
-def _check_trainable(module: torch.nn.Module) -> None:
-    scalars = [n for n, p in module.named_parameters() if p.requires_grad and p.dim() == 0]
-    if scalars:
-        raise ValueError(
-            f"ZeroStrategy shards parameters by rows (dim 0); the trainable 0-dim parameters {scalars} have none. "
-            "Give them shape (1,) (e.g. `nn.Parameter(torch.tensor([1.0]))`)."
-        )
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError(
-            f"ZeroStrategy found no trainable parameters in {type(module).__name__}: every parameter has "
-            "`requires_grad=False` (or the model has none). Build the layers in `__init__` or `configure_model`, "
-            "and leave at least one parameter trainable."
-        )
+def _batch(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs["batch"]

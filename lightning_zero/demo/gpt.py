@@ -141,6 +141,19 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+class Embeddings(nn.Module):
+    """Token and position embeddings as one pipeline layer, ``(B, T)`` ids -> ``(B, T, C)``. It holds the GPT's own
+    ``wte``/``wpe`` modules (not copies), so their parameters keep the GPT's names."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+
+
 def count_parameters(config: GPTConfig) -> int:
     """Exact parameter count of ``GPT(config)``, computed without allocating weights.
 
@@ -202,8 +215,18 @@ class GPTLightningModule(L.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch  # (B, T), (B, T)
-        logits = self(x)  # (B, T, V)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return self.pipeline_loss(self(x), y)
+
+    # Pipeline stages (ZeroStrategy(pipeline_stages=p)): the model as a chain of layers, and the loss of its output.
+    def pipeline_layers(self) -> list[nn.Module]:
+        """Embeddings, each block, then the final LayerNorm and head: ``n_layer + 2`` layers to cut into stages."""
+        if self.model is None or self.model.lm_head is None:
+            raise ValueError("The GPT pipelines once built and with `tie_weights=False` (a tied head spans two stages).")
+        gpt = self.model
+        return [Embeddings(gpt), *gpt.blocks, nn.Sequential(gpt.ln_f, gpt.lm_head)]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # (B*T, V) vs (B*T,)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

@@ -300,3 +300,11 @@ def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.Red
             raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
         return ops[reduce_op.lower()], False
     return reduce_op, False
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+    """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective:
+    every rank builds the same mesh at the same point."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -23,6 +23,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from torch import nn
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamShardSpec:
@@ -187,3 +189,18 @@ def plan_layout(
         for i, (name, shape) in enumerate(named_shapes)
     )
     return ShardLayout(params, tuple(buckets), world_size)
+
+
+def check_trainable(module: nn.Module) -> None:
+    scalars = [n for n, p in module.named_parameters() if p.requires_grad and p.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"ZeroStrategy shards parameters by rows (dim 0); the trainable 0-dim parameters {scalars} have none. "
+            "Give them shape (1,) (e.g. `nn.Parameter(torch.tensor([1.0]))`)."
+        )
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"ZeroStrategy found no trainable parameters in {type(module).__name__}: every parameter has "
+            "`requires_grad=False` (or the model has none). Build the layers in `__init__` or `configure_model`, "
+            "and leave at least one parameter trainable."
+        )

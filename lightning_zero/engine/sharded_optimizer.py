@@ -91,7 +91,7 @@ class ShardedOptimizer:
             for p in group["params"]:
                 i = self._index.get(id(p))
                 if i is None:
-                    if p.requires_grad:
+                    if p.requires_grad and not p.is_meta:  # meta: another pipeline stage's parameter
                         raise RuntimeError(
                             f"A parameter of shape {tuple(p.shape)} in {type(self.optimizer).__name__}'s param_groups "
                             "was frozen (or not part of the model) when ZeroStrategy set up, so it has no shard and "

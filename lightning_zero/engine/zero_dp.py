@@ -45,9 +45,12 @@ class ZeroDataParallel:
         self.module = module
         self.stage = stage
         self.group = group
+        #: The device mesh of ``group`` for sharded checkpoints (None: every rank, the default process group).
+        self.mesh = None
         self.rank = collectives.rank(group)
         self.world_size = collectives.world_size(group)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # Parameters on the meta device belong to another pipeline stage: this rank neither holds nor steps them.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and not p.is_meta]
         for name, param in named:
             if not param.is_contiguous():
                 raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")

@@ -3,8 +3,20 @@
 The layers a rank runs stay the model's own module objects (wrapped in an ``nn.Sequential`` per stage), so
 parameter identity, and with it the unsplit model's parameter names, survives the cut. ``step`` runs the
 schedule's forward, loss and backward over the micro-batches and returns the mean micro-batch loss on the
-last stage: the schedule scales each micro-batch loss by 1/m, so the gradients equal those of the mean
-loss over the whole batch, as an unsplit run computes them.
+last stage.
+
+[Note: the gradient is that of the mean loss, times a factor the caller chooses]
+The schedule runs with ``scale_grads=False`` and the loss it back-propagates is each micro-batch's loss times
+``factor / m``: the gradients then equal those of ``factor x`` the mean micro-batch loss, which is the
+batch loss an unsplit run computes (for a mean-reduced loss and equal micro-batches). torch's own
+``scale_grads=True`` divides ``p.grad`` after the step instead, which would also divide gradients held
+from earlier batches of a gradient-accumulation window. ``factor`` carries the accumulation's ``1/k`` and a
+``16-mixed`` loss scale.
+
+[Note: one schedule per micro-batch shape]
+A schedule infers the shapes of the activations it sends on its first step and keeps receive buffers of
+those shapes. A batch of another shape (validation's, a last partial batch) therefore gets a fresh
+schedule over the same stages; every rank of a pipeline sees the same batch, so all rebuild together.
 """
 
 from __future__ import annotations
@@ -48,42 +60,67 @@ class PipelineRunner:
         if len(bounds) != layout.num_stages + 1:
             raise ZeroConfigError(f"{len(bounds) - 1} stage bounds for a layout of {layout.num_stages} stages.")
         self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        self.schedule_class = SCHEDULES[schedule]
+        self.interleaved = interleaved
         self.stage_ids = layout.stages_of(layout.pipeline_rank(rank))
         self.modules = [nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in self.stage_ids]
         self.stages = [
             PipelineStage(module, s, layout.num_stages, device, group=group) for module, s in zip(self.modules, self.stage_ids)
         ]
-        stages = self.stages if interleaved else self.stages[0]
-        self.schedule = SCHEDULES[schedule](stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        self.schedule = None
+        self._shape_key: tuple | None = None
+        self._factor = 1.0
+        self._losses: list[Tensor] = []
         self.is_first = 0 in self.stage_ids
         self.is_last = layout.num_stages - 1 in self.stage_ids
+
+    def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
+        loss = self.loss_fn(output, target)
+        self._losses.append(loss.detach())
+        return loss * (self._factor / self.microbatches)
+
+    def _schedule_for(self, inputs: Tensor | None, target: Tensor | None):
+        key = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in (inputs, target))
+        if self.schedule is None or key != self._shape_key:
+            stages = self.stages if self.interleaved else self.stages[0]
+            self.schedule = self.schedule_class(
+                stages, n_microbatches=self.microbatches, loss_fn=self._scaled_loss, scale_grads=False
+            )
+            self._shape_key = key
+        return self.schedule
+
+    def _run(self, inputs: Tensor | None, target: Tensor | None, factor: float, train: bool) -> Tensor | None:
+        self._check_divisible(inputs, target)
+        schedule = self._schedule_for(inputs, target)
+        self._factor, self._losses = factor, []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": target} if self.is_last else {}
+        if train:
+            schedule.step(*args, **kwargs)
+        else:
+            with torch.no_grad():
+                schedule.eval(*args, **kwargs)
+        losses, self._losses = self._losses, []
+        return torch.stack(losses).mean() if self.is_last else None
 
     def parameters(self):
         for module in self.modules:
             yield from module.parameters()
 
-    def _arguments(self, inputs: Tensor | None, target: Tensor | None, losses: list) -> tuple[tuple, dict]:
-        for name, tensor in (("inputs", inputs if self.is_first else None), ("target", target if self.is_last else None)):
+    def _check_divisible(self, inputs: Tensor | None, target: Tensor | None) -> None:
+        for name, tensor in (("inputs", inputs), ("target", target)):
             if tensor is not None and tensor.shape[0] % self.microbatches:
                 raise ZeroConfigError(
-                    f"`microbatches={self.microbatches}` does not divide the batch of {tensor.shape[0]} ({name}); "
-                    "choose a divisor of the per-replica batch size."
+                    f"`microbatches={self.microbatches}` does not divide the batch of {tensor.shape[0]} ({name}): "
+                    "choose a divisor of the per-replica batch size (and `drop_last=True` if the last batch is short)."
                 )
-        args = (inputs,) if self.is_first else ()
-        kwargs = {"target": target, "losses": losses} if self.is_last else {}
-        return args, kwargs
 
-    def step(self, inputs: Tensor | None, target: Tensor | None) -> Tensor | None:
-        """Forward, loss and backward over the micro-batches; the mean micro-batch loss on the last stage."""
-        losses: list[Tensor] = []
-        args, kwargs = self._arguments(inputs, target, losses)
-        self.schedule.step(*args, **kwargs)
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+    def step(self, inputs: Tensor | None, target: Tensor | None, factor: float = 1.0) -> Tensor | None:
+        """Forward, loss and backward over the micro-batches; the mean micro-batch loss on the last stage.
+        Gradients are accumulated into ``p.grad`` as those of ``factor x`` that loss."""
+        return self._run(inputs, target, factor, train=True)
 
-    @torch.no_grad()
     def evaluate(self, inputs: Tensor | None, target: Tensor | None) -> Tensor | None:
         """Forward and loss only (validation); the mean micro-batch loss on the last stage."""
-        losses: list[Tensor] = []
-        args, kwargs = self._arguments(inputs, target, losses)
-        self.schedule.eval(*args, **kwargs)
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+        return self._run(inputs, target, 1.0, train=False)

@@ -55,7 +55,7 @@ def run_schedule(schedule: str, virtual: int, split: str) -> dict:
     optimizer = torch.optim.AdamW(list(runner.parameters()), lr=1e-2)
     losses = []
     for x, y in batches():
-        loss = runner.step(x if runner.is_first else None, y if runner.is_last else None)
+        loss = runner.step(x, y)
         optimizer.step()
         optimizer.zero_grad()
         if loss is not None:
@@ -71,7 +71,7 @@ def run_schedule(schedule: str, virtual: int, split: str) -> dict:
     last_losses = [None] * world
     dist.all_gather_object(last_losses, losses)
     x, y = batches()[0]
-    val = runner.evaluate(x if runner.is_first else None, y if runner.is_last else None)
+    val = runner.evaluate(x, y)
     vals = [None] * world
     dist.all_gather_object(vals, None if val is None else float(val))
     with torch.no_grad():

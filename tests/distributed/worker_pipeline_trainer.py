@@ -1,0 +1,229 @@
+"""Rank program for tests/distributed/test_pipeline_trainer.py: ``ZeroStrategy(pipeline_stages=2)`` inside
+``lightning.Trainer`` against plain single-process PyTorch on the same global batches.
+
+Every run sees global batches of 8 samples (8 per replica with one pipeline, 4 with two), so one reference
+serves every layout: with gradient accumulation 2, clipping by norm, two param groups and a StepLR.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.config import ZeroConfigError
+from lightning_zero.engine import collectives
+from tests.distributed import models
+from tests.distributed.worker_core import max_diff, trainer
+from tests.launch import run_cases_with_directory
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
+GLOBAL_BATCH, ACCUMULATE, CLIP, STEPS_PER_EPOCH = 8, 2, 0.5, 4  # 64 samples / 8 / 2
+WIDTH = 12
+
+
+class Chain(L.LightningModule):
+    """An ordinary LightningModule whose model is an ``nn.Sequential``: 8 layers to cut into stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        blocks = [nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(5)]
+        self.layers = nn.Sequential(nn.Linear(models.IN, WIDTH), *blocks, nn.LayerNorm(WIDTH), nn.Linear(WIDTH, models.OUT))
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):  # the run without pipelining
+        loss = self.pipeline_loss(self(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(self(batch[0]), batch[1])
+        self.log("val_loss", loss, sync_dist=True)
+
+    def pipeline_layers(self):
+        return self.layers
+
+    def pipeline_loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+
+    def configure_optimizers(self):
+        opt, sched = models.make_optimizer(self)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def initial_state() -> dict:
+    torch.manual_seed(3)
+    return copy.deepcopy(Chain().state_dict())
+
+
+def reference(steps: int) -> tuple[dict, float, float]:
+    """Parameters after ``steps`` optimizer steps, the last micro-batch's loss, and the loss on the two
+    validation batches."""
+    model = Chain()
+    model.load_state_dict(initial_state())
+    opt, sched = models.make_optimizer(model)
+    data = models.IndexedData()
+    batches = models.global_microbatches(data, 1, GLOBAL_BATCH, steps * ACCUMULATE)
+    loss = None
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(ACCUMULATE):
+            (x, y), = batches[step * ACCUMULATE + micro]
+            loss = nn.functional.mse_loss(model(x), y)
+            (loss / ACCUMULATE).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+    with torch.no_grad():
+        val = [nn.functional.mse_loss(model(x), y) for x, y in val_batches()]
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}, float(loss), float(sum(val) / len(val))
+
+
+def val_batches() -> list:
+    data = models.IndexedData()
+    return [tuple(torch.stack(t) for t in zip(*(data[i] for i in range(j * 8, j * 8 + 8)))) for j in range(2)]
+
+
+def loader(replicas: int):
+    return models.loader(models.IndexedData(), GLOBAL_BATCH // replicas)
+
+
+def val_loader(replicas: int):
+    # Sequential, so every layout validates on the same two global batches.
+    return torch.utils.data.DataLoader(models.IndexedData(16), batch_size=GLOBAL_BATCH // replicas)
+
+
+def held_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's parameters, from the ranks that hold each stage."""
+    mine = {n: t.detach().clone() for n, t in module.state_dict().items() if not t.is_meta}
+    merged: dict[str, torch.Tensor] = {}
+    for part in collectives.all_gather_objects(mine):
+        merged.update(part)
+    return merged
+
+
+def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, module=None) -> tuple[L.Trainer, Chain]:
+    module = module or Chain()
+    if ckpt_path is None:
+        module.load_state_dict(initial_state())
+    t = trainer(
+        strategy,
+        max_epochs=epochs,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        limit_val_batches=2,
+        check_val_every_n_epoch=1,
+    )
+    t.fit(module, loader(replicas), val_loader(replicas), ckpt_path=ckpt_path)
+    return t, module
+
+
+def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4) -> dict:
+    replicas = WORLD // 2
+    strategy = ZeroStrategy(
+        stage=stage, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split
+    )
+    t, module = fit(strategy, replicas, epochs=1)
+    params = held_parameters(module)
+    expected, last_loss, val_loss = reference(STEPS_PER_EPOCH)
+    logged = collectives.all_gather_objects(
+        {k: float(t.callback_metrics[k]) for k in ("train_loss", "val_loss") if k in t.callback_metrics}
+    )
+    held = collectives.all_gather_objects(sorted(n for n, p in module.named_parameters() if not p.is_meta))
+    return {
+        "steps": t.global_step,
+        "param_diff": max_diff(params, expected),
+        "param_change": max_diff(expected, initial_state()),
+        "logged": logged,
+        "reference_train_loss": last_loss,
+        "reference_val_loss": val_loss,
+        "held": held,
+        "names": sorted(expected),
+        "bounds": t.strategy.pipeline.bounds,
+        "engine_world": t.strategy.engine.world_size,
+    }
+
+
+def checkpoint_round_trip(directory: Path) -> dict:
+    """Pipelined -> plain ZeRO-2 on 2 ranks -> pipelined again, resuming (optimizer, scheduler, epoch) each
+    time; each leg against the uninterrupted reference."""
+    directory = Path(collectives.broadcast_object(str(directory)))
+    piped_ckpt, plain_ckpt = directory / "piped.ckpt", directory / "plain.ckpt"
+    t, module = fit(ZeroStrategy(stage=1, pipeline_stages=2, microbatches=4), WORLD // 2, epochs=1)
+    t.save_checkpoint(piped_ckpt)
+    saved_names = sorted(k[len("state_dict."):] for k in _checkpoint_keys(piped_ckpt) if k.startswith("state_dict."))
+
+    t, module = fit(ZeroStrategy(stage=2), WORLD, epochs=2, ckpt_path=piped_ckpt, module=Chain())
+    plain = t.strategy.full_state_dict()
+    plain_names = sorted(n for n, _ in module.named_parameters())
+    t.save_checkpoint(plain_ckpt)
+
+    t, module = fit(
+        ZeroStrategy(stage=2, pipeline_stages=2, microbatches=2, pipeline_schedule="gpipe"),
+        WORLD // 2,
+        epochs=3,
+        ckpt_path=plain_ckpt,
+        module=Chain(),
+    )
+    piped_again = held_parameters(module)
+    out = {"saved_names": saved_names, "plain_names": plain_names, "steps": t.global_step}
+    if RANK == 0:
+        out["plain_diff"] = max_diff(plain, reference(2 * STEPS_PER_EPOCH)[0])
+        out["piped_again_diff"] = max_diff(piped_again, reference(3 * STEPS_PER_EPOCH)[0])
+    return out
+
+
+def _checkpoint_keys(path: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def errors(directory: Path) -> dict:
+    """Bad pipelines fail with a clear error on every rank, and the process group lives on for the next case."""
+    out = {}
+
+    class Tiny(Chain):
+        def pipeline_layers(self):
+            return [self.layers[0]]  # one layer for two stages
+
+    class NoLoss(Chain):
+        pipeline_loss = None
+
+    for name, module, kwargs in (
+        ("stages_over_layers", Tiny(), {}),
+        ("no_loss_hook", NoLoss(), {}),
+        ("microbatches", Chain(), {"microbatches": 3}),
+    ):
+        try:
+            fit(ZeroStrategy(stage=1, pipeline_stages=2, **kwargs), WORLD // 2, epochs=1, module=module)
+            out[name] = None
+        except ZeroConfigError as err:
+            out[name] = str(err)
+    collectives.barrier()
+    return out
+
+
+def cases() -> dict:
+    return {
+        "gpipe": lambda d: exactness(1, "gpipe"),
+        "1f1b": lambda d: exactness(2, "1f1b", split="params"),
+        "interleaved": lambda d: exactness(1, "interleaved_1f1b", microbatches=4),
+        "gpipe_stage2": lambda d: exactness(2, "gpipe", microbatches=2),
+        "1f1b_stage1": lambda d: exactness(1, "1f1b", microbatches=2),
+        "round_trip": checkpoint_round_trip,
+        "errors": errors,
+    }
+
+
+if __name__ == "__main__":
+    run_cases_with_directory(cases(), sys.argv[1:])
