@@ -101,7 +101,8 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 schedule.eval(*args, **kwargs)
-        losses, self._losses = self._losses, []
+        # The last m: a fresh schedule first calls the loss once on placeholder outputs to infer shapes.
+        losses, self._losses = self._losses[-self.microbatches :], []
         return torch.stack(losses).mean() if self.is_last else None
 
     def parameters(self):

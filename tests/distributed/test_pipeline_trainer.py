@@ -1,0 +1,74 @@
+"""``ZeroStrategy(pipeline_stages=2)`` inside ``lightning.Trainer`` on CPU (gloo): 2 stages x 1 replica (2
+processes) and 2 stages x 2 replicas (4 processes, ZeRO across the replicas) train exactly as plain
+single-process PyTorch does on the same global batches, with accumulation, clipping by norm, two param groups
+and a StepLR; checkpoints move between pipelined and plain runs; bad pipelines fail clearly on every rank."""
+
+import pytest
+
+from tests.launch import launch
+
+pytestmark = pytest.mark.slow
+TWO = ["gpipe", "1f1b", "interleaved", "gpipe_stage2"]
+FOUR = ["gpipe", "1f1b", "interleaved"]
+BOUNDS = {"gpipe": [0, 4, 8], "gpipe_stage2": [0, 4, 8], "1f1b": [0, 3, 8], "interleaved": [0, 2, 4, 6, 8]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return launch("tests.distributed.worker_pipeline_trainer", *TWO, "round_trip", "errors", nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return launch("tests.distributed.worker_pipeline_trainer", *FOUR, nprocs=4)
+
+
+def _check_exact(result: dict, replicas: int) -> None:
+    assert result["steps"] == 4
+    assert result["param_change"] > 1e-2  # training moved the parameters
+    assert result["param_diff"] <= 1e-5, result["param_diff"]
+    assert result["engine_world"] == replicas  # ZeRO shards each stage over its replicas
+    logged = result["logged"]
+    # After every batch, every rank of a pipeline shows that pipeline's true mini-batch loss (not divided by the
+    # accumulation); the replicas' losses average to the global batch's.
+    per_replica = [logged[r * 2]["train_losses"] for r in range(replicas)]
+    assert all(logged[r * 2 + 1]["train_losses"] == per_replica[r] for r in range(replicas))
+    mean = [sum(losses) / replicas for losses in zip(*per_replica)]
+    assert mean == pytest.approx(result["reference_train_losses"], abs=1e-5)
+    assert all(entry["val_loss"] == pytest.approx(result["reference_val_loss"], abs=1e-5) for entry in logged)
+
+
+def _check_names(result: dict) -> None:
+    held = result["held"]
+    assert sorted(n for names in held[:2] for n in names) == result["names"]  # one pipeline: every name, once
+    assert not set(held[0]) & set(held[1])
+
+
+@pytest.mark.parametrize("case", TWO)
+def test_two_stages_one_replica_equal_plain_pytorch(two_ranks, case):
+    _check_exact(two_ranks[case], replicas=1)
+    _check_names(two_ranks[case])
+    assert two_ranks[case]["bounds"] == BOUNDS[case]  # 1f1b cuts by parameter count, interleaved 4 virtual stages
+
+
+@pytest.mark.parametrize("case", FOUR)
+def test_two_stages_two_replicas_equal_plain_pytorch(four_ranks, case):
+    _check_exact(four_ranks[case], replicas=2)
+    _check_names(four_ranks[case])
+    assert four_ranks[case]["held"][0] == four_ranks[case]["held"][2]  # replicas hold the same stage
+
+
+def test_pipelined_checkpoint_loads_into_a_plain_run_and_back(two_ranks):
+    result = two_ranks["round_trip"]
+    assert result["saved_names"] == result["plain_names"]  # the unsplit model's names, every one
+    assert result["steps"] == 12
+    assert result["plain_diff"] <= 1e-5  # 4 pipelined steps, then 4 plain ZeRO-2 steps
+    assert result["piped_again_diff"] <= 1e-5  # then 4 more, pipelined with another schedule and ZeRO stage
+
+
+def test_bad_pipelines_fail_clearly_on_every_rank(two_ranks):
+    errors = two_ranks["errors"]
+    assert "Cannot cut 1 layers into 2 pipeline stages" in errors["stages_over_layers"]
+    assert "needs NoLoss to define `pipeline_loss`" in errors["no_loss_hook"]
+    assert "`microbatches=3` does not divide the batch of 8" in errors["microbatches"]
+    assert errors["same_on_every_rank"]  # and the process group lived on: the launch finished

@@ -1,0 +1,43 @@
+"""Pipeline settings of ZeroStrategy: every bad value fails when the strategy (or the Trainer) is built, in
+the main process, before any process group or child process exists."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+from lightning_zero import ZeroConfigError, ZeroStrategy
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(stage=3, pipeline_stages=2), "composes with ZeRO `stage=1` or `stage=2`, not stage=3"),
+        (dict(pipeline_stages=2, state_dict_type="full"), "`state_dict_type='full'` is not available"),
+        (dict(pipeline_stages=2, pipeline_schedule="zero_bubble"), "choose one of ('gpipe', '1f1b', 'interleaved_1f1b')"),
+        (dict(pipeline_stages=2, pipeline_schedule="1fb1"), "Did you mean '1f1b'?"),
+        (dict(pipeline_stages=2, pipeline_split="parms"), "Did you mean 'params'?"),
+        (dict(pipeline_stages=2, pipeline_split=[1.5]), "list of layer indices or names"),
+        (dict(pipeline_stages=2, pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=1), ">= 2"),
+        (dict(pipeline_stages=2, pipeline_virtual_stages=2), "needs `pipeline_schedule='interleaved_1f1b'`"),
+        (dict(pipeline_stages=0), "`pipeline_stages` must be an integer >= 1"),
+        (dict(pipeline_stages=2, microbatches=0), "`microbatches` must be None or an integer >= 1"),
+    ],
+)
+def test_bad_pipeline_settings_fail_when_the_strategy_is_built(kwargs, message):
+    with pytest.raises(ZeroConfigError) as err:
+        ZeroStrategy(**kwargs)
+    assert message in str(err.value)
+
+
+def test_devices_not_divisible_by_stages_fail_when_the_trainer_is_built():
+    with pytest.raises(ZeroConfigError, match=r"3 processes cannot be divided into pipelines of 2 stages.*\(e\.g\. 2 or 4\)"):
+        L.Trainer(accelerator="cpu", devices=3, strategy=ZeroStrategy(stage=1, pipeline_stages=2), logger=False)
+
+
+def test_defaults_one_microbatch_per_stage_and_two_virtual_stages_when_interleaved():
+    config = ZeroStrategy(pipeline_stages=4).zero_config
+    assert (config.pipeline_microbatches, config.pipeline_virtual) == (4, 1)
+    config = ZeroStrategy(pipeline_stages=2, pipeline_schedule="interleaved_1f1b").zero_config
+    assert (config.pipeline_microbatches, config.pipeline_virtual) == (4, 2)
+    assert ZeroStrategy(pipeline_stages=2, microbatches=8).zero_config.pipeline_microbatches == 8
