@@ -85,6 +85,9 @@ VARIANTS = {
     "ac2": {"activation_checkpointing": {"classes": ["lightning_zero.demo.gpt.Block"], "every": 2}},
     "offload": {"offload_optimizer": True},
     "offload_params": {"offload_optimizer": True, "offload_params": True},
+    # Pipeline stages: the ranks form one pipeline of that many stages (1F1B, m micro-batches per batch), the
+    # same global batch (each replica's batch is batch_per_rank x stages); e.g. "zero1+pp2m8".
+    **{f"pp2m{m}": {"pipeline_stages": 2, "microbatches": m, "pipeline_schedule": "1f1b"} for m in (4, 8, 16)},
 }
 
 # ~27M parameters: 6 x 12*512^2 in the blocks + 2 x 8192*512 for embedding and (untied) head.
@@ -153,6 +156,8 @@ def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tu
     """(device, host) model-state bytes per rank, from :mod:`lightning_zero.estimate`; activation
     checkpointing (``+ac``) changes activations only."""
     base, _, variant = system.partition("+")
+    if variant.startswith("pp"):  # per stage: see BenchCallback.summarise
+        return float("nan"), float("nan")
     name = system if variant in ("offload", "offload_params") else base
     return model_state_split(CHOICES_BY_NAME[_CHOICE_OF[name]], P, N, precision)
 
@@ -333,6 +338,9 @@ class BenchCallback(L.Callback):
             "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self.steps) if self.comm_snapshot else None,
             "comm_elements_per_step": (self.comm_snapshot["elements"] / self.steps) if self.comm_snapshot else None,
             "torch_threads": torch.get_num_threads(),
+            # parameters this rank holds (one pipeline stage's, under pipelining)
+            "held_params": sum(_local(p).numel() for p in pl_module.parameters() if not p.is_meta)
+            * (trainer.world_size if self.system.startswith("zero3") else 1),
             "saved_activation_bytes": self.saved_activation_bytes,
             "monitor": dict(self.monitor.last) if self.monitor is not None else None,
         }
@@ -350,6 +358,13 @@ class BenchCallback(L.Callback):
         state = max(r["state_bytes"].get("live_total", 0) for r in ranks)  # worst rank
         formula = formula_bytes(self.system, P, N, self.precision)
         formula_device, formula_host = formula_split(self.system, P, N, self.precision)
+        stages = VARIANTS.get(self.system.partition("+")[2], {}).get("pipeline_stages", 1)
+        if stages > 1:  # the busiest stage's parameters, sharded over the N / stages replicas
+            choice = CHOICES_BY_NAME[_CHOICE_OF[self.system.partition("+")[0]]]
+            formula_device, formula_host = max(
+                (model_state_split(choice, r["held_params"], N // stages, self.precision) for r in ranks), key=sum
+            )
+            formula = formula_device + formula_host
         measured_comm = [r["comm_bytes_per_step"] for r in ranks if r["comm_bytes_per_step"] is not None]
         return {
             "system": self.system,
@@ -394,10 +409,11 @@ def run_system(args: argparse.Namespace) -> None:
     model_kw = QUICK_MODEL if args.quick else FULL_MODEL
     config = GPTConfig(**model_kw, dropout=0.0, bias=True)
     total_steps = args.warmup + args.steps
+    stages = VARIANTS.get(args.system.partition("+")[2], {}).get("pipeline_stages", 1)
     data = RandomTokenDataModule(
         vocab_size=config.vocab_size,
         block_size=config.block_size,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size * stages,  # the same global batch: the ranks of a pipeline share a batch
         num_samples=2 * total_steps * args.batch_size * args.devices,
     )
     module_cls = FSDP2GPTModule if args.system == "fsdp2" else GPTLightningModule

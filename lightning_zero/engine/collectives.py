@@ -82,11 +82,11 @@ def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> dist.Work | _Ring | None:
     """Sum ``input`` over ranks and leave rank r's segment in ``output``. ``input`` may be overwritten."""
+    if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
+        output.copy_(input)
+        return None
     _STATS.record("reduce_scatter", input)
     with record_function("lightning_zero::reduce_scatter"):
-        if world_size(group) == 1:
-            output.copy_(input)
-            return None
         if _use_ring(group):
             work = _RingReduceScatter(output, input, group)
         else:
@@ -98,11 +98,11 @@ def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
 ) -> dist.Work | _Ring | None:
     """Concatenate every rank's ``input`` into ``output``."""
+    if world_size(group) == 1:
+        output.copy_(input)
+        return None
     _STATS.record("all_gather", output)
     with record_function("lightning_zero::all_gather"):
-        if world_size(group) == 1:
-            output.copy_(input)
-            return None
         staging = _staging_device(output, group)
         if staging is not None:  # host tensors (offloaded state) over a device-only backend
             staged = output.to(staging)
@@ -200,10 +200,10 @@ class _RingAllGather(_Ring):
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """In-place all-reduce (small tensors: norms, overflow flags)."""
+    if world_size(group) == 1:
+        return tensor
     _STATS.record("all_reduce", tensor)
     with record_function("lightning_zero::all_reduce"):
-        if world_size(group) == 1:
-            return tensor
         staging = _staging_device(tensor, group)
         if staging is None:
             dist.all_reduce(tensor, op=op, group=group)
