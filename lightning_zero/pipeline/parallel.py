@@ -41,9 +41,9 @@ from lightning_zero.pipeline.split import PipelineLayout, split_bounds
 REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")
 
 
-def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
-    """The module's ``pipeline_layers()``, checked: a non-empty sequence of modules that between them hold
-    every trainable parameter, each in one layer."""
+def pipeline_layers_of(module: nn.Module) -> Sequence[nn.Module]:
+    """The module's ``pipeline_layers()``, checked to be a non-empty sequence of modules (an ``nn.Sequential``
+    is returned as it is: split points may name its children)."""
     missing = [hook for hook in REQUIRED_HOOKS if not callable(getattr(module, hook, None))]
     if missing:
         raise ZeroConfigError(
@@ -58,8 +58,9 @@ def pipeline_layers_of(module: nn.Module) -> list[nn.Module]:
             f"`{type(module).__name__}.pipeline_layers()` returned one {type(layers).__name__}; return a list, "
             "nn.Sequential or nn.ModuleList of the layers, in order."
         )
-    layers = list(layers)
-    if not layers or not all(isinstance(layer, nn.Module) for layer in layers):
+    if not isinstance(layers, (nn.Sequential, nn.ModuleList)):
+        layers = list(layers)
+    if not len(layers) or not all(isinstance(layer, nn.Module) for layer in layers):
         raise ZeroConfigError(f"`{type(module).__name__}.pipeline_layers()` must return a non-empty sequence of nn.Modules.")
     return layers
 
@@ -96,8 +97,9 @@ class PipelineParallel:
 
     def __init__(self, module: nn.Module, config: ZeroConfig, rank: int, world_size: int, device: torch.device) -> None:
         self.layout = PipelineLayout(world_size, config.pipeline_stages, config.pipeline_virtual)
-        layers = pipeline_layers_of(module)
-        bounds = split_bounds(layers, self.layout.num_stages, config.pipeline_split)
+        chain = pipeline_layers_of(module)
+        bounds = split_bounds(chain, self.layout.num_stages, config.pipeline_split)
+        layers = list(chain)
         _check_ownership(module, layers, bounds)
         self.bounds = bounds
         self.device = device
