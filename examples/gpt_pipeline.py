@@ -90,7 +90,7 @@ def main() -> None:
               f"replica(s), ZeRO-{args.stage}", flush=True)
     trainer.fit(model, datamodule=data)
     checkpoint = args.out / "last.ckpt"
-    trainer.save_checkpoint(checkpoint)
+    trainer.save_checkpoint(checkpoint, weights_only=False)
     if trainer.is_global_zero:
         print(f"rank 0 held {sorted({n.split('.')[1] for n, p in model.named_parameters() if not p.is_meta})} "
               f"of the GPT's {sorted({n.split('.')[1] for n, _ in model.named_parameters()})}")
