@@ -23,10 +23,12 @@ from torch.optim import Optimizer
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     """(data pointer, bytes) of a tensor's storage; a DTensor's local shard; (0, 0) when there is none."""
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    if local.is_meta:  # sizes without memory (e.g. another pipeline stage's layers)
+        return 0, 0
     try:
         storage = local.untyped_storage()
         return storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # meta tensors, wrapper subclasses without storage
+    except (RuntimeError, NotImplementedError):  # wrapper subclasses without storage
         return 0, 0
 
 

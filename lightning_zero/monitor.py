@@ -111,7 +111,9 @@ class ZeroMonitor(pl.Callback):
             self._comm_before = comm_stats().snapshot()["bytes"]
             self._state = None
         count, self._unit = count_tokens(batch)
-        self._interval_tokens += count
+        pipeline = getattr(trainer.strategy, "pipeline", None)
+        if pipeline is None or pipeline.runner.is_first:  # the ranks of one pipeline share their batches
+            self._interval_tokens += count
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Right after backward is when model state peaks (gradients exist) and what the formulas describe.

@@ -15,7 +15,7 @@ BOUNDS = {"gpipe": [0, 4, 8], "gpipe_stage2": [0, 4, 8], "1f1b": [0, 3, 8], "int
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch("tests.distributed.worker_pipeline_trainer", *TWO, "round_trip", "errors", nprocs=2)
+    return launch("tests.distributed.worker_pipeline_trainer", *TWO, "round_trip", "mixed", "errors", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,14 @@ def _check_exact(result: dict, replicas: int) -> None:
     assert all(entry["val_loss"] == pytest.approx(result["reference_val_loss"], abs=1e-5) for entry in logged)
 
 
+def _check_memory(result: dict, replicas: int) -> None:
+    """Each rank holds its stage's P_s parameters with ZeRO over the replicas: fp32 AdamW, stage 1
+    8P_s + 8P_s/d, stage 2 4P_s + 12P_s/d bytes (within 2%, the rest is AdamW's step counters)."""
+    for state, params in result["memory"]:
+        formula = (8 * params + 8 * params / replicas) if result["stage"] == 1 else (4 * params + 12 * params / replicas)
+        assert abs(state - formula) <= 0.02 * formula, (state, formula)  # shards of uneven rows differ by a few
+
+
 def _check_names(result: dict) -> None:
     held = result["held"]
     assert sorted(n for names in held[:2] for n in names) == result["names"]  # one pipeline: every name, once
@@ -48,6 +56,7 @@ def _check_names(result: dict) -> None:
 def test_two_stages_one_replica_equal_plain_pytorch(two_ranks, case):
     _check_exact(two_ranks[case], replicas=1)
     _check_names(two_ranks[case])
+    _check_memory(two_ranks[case], replicas=1)
     assert two_ranks[case]["bounds"] == BOUNDS[case]  # 1f1b cuts by parameter count, interleaved 4 virtual stages
 
 
@@ -55,6 +64,7 @@ def test_two_stages_one_replica_equal_plain_pytorch(two_ranks, case):
 def test_two_stages_two_replicas_equal_plain_pytorch(four_ranks, case):
     _check_exact(four_ranks[case], replicas=2)
     _check_names(four_ranks[case])
+    _check_memory(four_ranks[case], replicas=2)
     assert four_ranks[case]["held"][0] == four_ranks[case]["held"][2]  # replicas hold the same stage
 
 
@@ -64,6 +74,17 @@ def test_pipelined_checkpoint_loads_into_a_plain_run_and_back(two_ranks):
     assert result["steps"] == 12
     assert result["plain_diff"] <= 1e-5  # 4 pipelined steps, then 4 plain ZeRO-2 steps
     assert result["piped_again_diff"] <= 1e-5  # then 4 more, pipelined with another schedule and ZeRO stage
+
+
+@pytest.mark.parametrize("precision, tolerance", [("bf16-mixed", 0.05), ("16-mixed", 0.01)])
+def test_mixed_precision_pipelines_track_the_fp32_reference(two_ranks, precision, tolerance):
+    result = two_ranks["mixed"][precision]
+    assert result["param_diff"] < tolerance  # bf16 / fp16 compute, fp32 masters: close, not equal
+    assert result["dtypes"] == ["torch.float32"]  # the module is handed back in fp32, as Lightning's mixed modes do
+    expected = two_ranks["gpipe"]["reference_train_losses"]
+    assert result["losses"] == pytest.approx(expected, abs=5e-3)
+    if precision == "16-mixed":
+        assert result["loss_scale"] == 2.0**16  # the schedule's backward ran on the scaled loss: no overflow
 
 
 def test_bad_pipelines_fail_clearly_on_every_rank(two_ranks):

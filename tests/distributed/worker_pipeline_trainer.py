@@ -19,6 +19,7 @@ from torch import nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import ZeroConfigError
 from lightning_zero.engine import collectives
+from lightning_zero.memory import model_state_bytes
 from tests.distributed import models
 from tests.distributed.worker_core import max_diff, trainer
 from tests.launch import run_cases_with_directory
@@ -113,16 +114,22 @@ def held_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class LoggedLosses(L.Callback):
-    """What ``self.log("train_loss", ...)`` showed after every batch, on this rank."""
+    """What ``self.log("train_loss", ...)`` showed after every batch, and the model state right after the
+    last backward, on this rank."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.state_bytes = 0
+
+    def on_after_backward(self, trainer, pl_module):
+        optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        self.state_bytes = model_state_bytes(pl_module, optimizers, trainer.strategy.engine)["device"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
-def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, module=None) -> tuple[L.Trainer, Chain]:
+def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, module=None, **kwargs) -> tuple[L.Trainer, Chain]:
     module = module or Chain()
     if ckpt_path is None:
         module.load_state_dict(initial_state())
@@ -134,6 +141,7 @@ def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, modu
         limit_val_batches=2,
         check_val_every_n_epoch=1,
         callbacks=[LoggedLosses()],
+        **kwargs,
     )
     t.fit(module, loader(replicas), val_loader(replicas), ckpt_path=ckpt_path)
     return t, module
@@ -151,6 +159,9 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4) 
         {"train_losses": t.callbacks[0].losses, "val_loss": float(t.callback_metrics["val_loss"])}
     )
     held = collectives.all_gather_objects(sorted(n for n, p in module.named_parameters() if not p.is_meta))
+    memory = collectives.all_gather_objects(
+        (t.callbacks[0].state_bytes, sum(p.numel() for p in module.parameters() if not p.is_meta))
+    )
     return {
         "steps": t.global_step,
         "param_diff": max_diff(params, expected),
@@ -159,10 +170,30 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4) 
         "reference_train_losses": losses,
         "reference_val_loss": val_loss,
         "held": held,
+        "memory": memory,  # per rank: (model-state bytes after backward, parameters held)
+        "stage": stage,
         "names": sorted(expected),
         "bounds": t.strategy.pipeline.bounds,
         "engine_world": t.strategy.engine.world_size,
     }
+
+
+def mixed_precision() -> dict:
+    """bf16-mixed and (through the plugin, on CPU) 16-mixed with loss scaling: close to the fp32 reference."""
+    from lightning_zero import ZeroPrecision
+
+    expected = reference(STEPS_PER_EPOCH)[0]
+    out = {}
+    for name, kwargs in (("bf16-mixed", {"precision": "bf16-mixed"}), ("16-mixed", {"plugins": [ZeroPrecision("16-mixed")]})):
+        t, module = fit(ZeroStrategy(stage=2, pipeline_stages=2, microbatches=4), WORLD // 2, epochs=1, **kwargs)
+        params = held_parameters(module)
+        out[name] = {
+            "param_diff": max_diff({k: v.float() for k, v in params.items()}, expected),
+            "dtypes": sorted({str(p.dtype) for p in module.parameters() if not p.is_meta}),
+            "losses": t.callbacks[0].losses,
+            "loss_scale": t.strategy.precision_plugin.loss_scale,
+        }
+    return out
 
 
 def checkpoint_round_trip(directory: Path) -> dict:
@@ -232,6 +263,7 @@ def cases() -> dict:
         "interleaved": lambda d: exactness(1, "interleaved_1f1b", microbatches=4),
         "gpipe_stage2": lambda d: exactness(2, "gpipe", split=["4"], microbatches=2),  # cut before the child "4"
         "round_trip": checkpoint_round_trip,
+        "mixed": lambda d: mixed_precision(),
         "errors": errors,
     }
 
