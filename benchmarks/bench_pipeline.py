@@ -11,10 +11,11 @@ For each rank:
 * ``busy``: the CPU time the rank's main thread spent in that step (``time.thread_time``). The stage
   computes on that thread (one intra-op thread per rank), while waiting for the other stage blocks it
   without using CPU (gloo's transfers run on gloo's own threads);
-* measured bubble ``= 1 - busy / step`` of the busiest rank (the critical path: a lighter stage also waits
-  for the heavier one, which the formula, assuming equal stages, does not count), the step being the
-  slower rank's wall time: the share of the step the pipeline's bottleneck was not computing (waiting for
-  the other stage, the transfers, and, on a loaded machine, waiting for a core).
+* measured bubble, per step ``1 - busy / step`` of the busiest rank (the critical path: a lighter stage
+  also waits for the heavier one, which the formula, assuming equal stages, does not count), the step being
+  the slower rank's wall time, then the median over the steps: the share of the step the pipeline's
+  bottleneck was not computing (waiting for the other stage, the transfers, and, on a loaded machine,
+  waiting for a core).
 
 With equal stages the schedules' idle share is ``(p - 1) / (m + p - 1)``: 0.200, 0.111 and 0.059 for
 m = 4, 8, 16 on 2 stages. Rank 0 prints one JSON line per (schedule, m) and then a table.
@@ -68,7 +69,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
                 g = torch.Generator().manual_seed(1)
                 x = torch.randn(batch, args.width, generator=g)
                 y = torch.randn(batch, args.width, generator=g)
-                wall = busy = 0.0
+                walls, busys = [], []
                 for i in range(args.warmup + args.steps):
                     dist.barrier()
                     t0, c0 = time.perf_counter(), time.thread_time()
@@ -77,15 +78,19 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
                     for p in runner.parameters():
                         p.grad = None
                     if i >= args.warmup:
-                        wall, busy = wall + dt, busy + dc
-                n = args.steps
-                mine = {"rank": rank, "step_s": wall / n, "busy_s": busy / n, "bubble": 1 - busy / wall}
+                        walls.append(dt)
+                        busys.append(dc)
+                mine = {"rank": rank, "walls": walls, "busys": busys, "step_s": statistics.median(walls),
+                        "busy_s": statistics.median(busys)}
                 ranks = [None, None]
                 dist.all_gather_object(ranks, mine)
                 if rank == 0:
                     formula = bubble_fraction(2, m)
-                    busiest = max(ranks, key=lambda r: r["busy_s"])
-                    measured = 1 - busiest["busy_s"] / max(r["step_s"] for r in ranks)
+                    # per step: the busiest rank's busy time against the slower rank's wall time; median over steps
+                    per_step = [
+                        1 - max(r["busys"][i] for r in ranks) / max(r["walls"][i] for r in ranks) for i in range(args.steps)
+                    ]
+                    measured = statistics.median(per_step)
                     rows.append(
                         {
                             "schedule": schedule,
@@ -95,6 +100,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
                             "formula_bubble": formula,
                             "measured_bubble": measured,
                             "relative_error": (measured - formula) / formula,
+                            "per_step_bubble": per_step,
                             "per_rank": ranks,
                         }
                     )
@@ -107,7 +113,7 @@ def run_rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\n2 stages x {args.blocks} MLP blocks (width {args.width}), micro-batch {args.microbatch_size}, "
-          f"mean of {args.steps} steps after {args.warmup} warm-up; gloo, 1 thread per rank")
+          f"median of {args.steps} steps after {args.warmup} warm-up; gloo, 1 thread per rank")
     header = f"{'schedule':<10}{'m':>4}{'formula':>10}{'measured':>10}{'rel.err':>9}{'step_ms r0/r1':>18}{'busy_ms r0/r1':>18}"
     print(header)
     print("-" * len(header))
@@ -125,7 +131,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--blocks", type=int, default=1, help="MLP blocks per stage")
     p.add_argument("--microbatch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     args.microbatches = [int(m) for m in args.microbatches.split(",")]
