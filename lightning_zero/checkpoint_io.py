@@ -106,6 +106,8 @@ def _trainable_rows(engine) -> dict[str, int]:
 
 def full_model_state(module: nn.Module, engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded ``state_dict`` (collective; empty on other ranks when ``rank0_only``)."""
+    if any(t.is_meta for t in module.state_dict().values() if isinstance(t, torch.Tensor)):
+        return _pipelined_full_state(module, engine, rank0_only)
     state = full_model_state_dict(module, rank0_only=rank0_only)
     if getattr(engine, "masters", None) is None:
         return state
@@ -115,6 +117,22 @@ def full_model_state(module: nn.Module, engine, rank0_only: bool = True) -> dict
         if keep:
             state[name] = full.to("cpu", copy=True)
     return state
+
+
+def _pipelined_full_state(module: nn.Module, engine, rank0_only: bool) -> dict[str, torch.Tensor]:
+    """Pipeline stages: each rank's held tensors (masters gathered over its stage's replicas), then every
+    stage's, merged in the module's own order."""
+    rows = _trainable_rows(engine) if getattr(engine, "masters", None) is not None else {}
+    held = {}
+    for name, value in _held_state(module).items():
+        if name in rows:  # the resident parameters are rounded copies of the masters
+            value = gather_full(engine.local_rows(rows[name]), engine.params[rows[name]].shape, group=engine.group)
+        held[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+    parts = collectives.all_gather_objects(held)
+    if rank0_only and collectives.rank() != 0:
+        return {}
+    merged = {k: v for part in parts for k, v in part.items()}
+    return {name: merged[name] for name in module.state_dict() if name in merged}
 
 
 def sharded_model_state(module: nn.Module, engine) -> dict[str, Any]:

@@ -210,9 +210,9 @@ class ZeroConfig:
             return
         if self.stage == 3:
             raise ZeroConfigError(
-                f"`pipeline_stages={self.pipeline_stages}` composes with ZeRO `stage=1` or `stage=2`, not stage=3: a "
-                "stage-3 pipeline would re-gather every stage's parameters once per micro-batch. Use stage=2, whose "
-                "memory per rank is already divided by the pipeline's stages."
+                f"`pipeline_stages={self.pipeline_stages}` composes with ZeRO `stage=1` or `stage=2`, not stage=3 (FSDP2 "
+                "rooted at each pipeline stage is not implemented). Use stage=2: each rank already holds only its "
+                "stage's parameters, with gradients and optimizer state sharded over the replicas."
             )
         if self.state_dict_type == "full":
             raise ZeroConfigError(

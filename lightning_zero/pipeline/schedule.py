@@ -101,6 +101,8 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 schedule.eval(*args, **kwargs)
+        for stage in self.stages:  # the schedule keeps the step's outputs (the last stage's logits) until the next
+            stage.clear_runtime_states()
         # The last m: a fresh schedule first calls the loss once on placeholder outputs to infer shapes.
         losses, self._losses = self._losses[-self.microbatches :], []
         return torch.stack(losses).mean() if self.is_last else None

@@ -153,6 +153,7 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4) 
         stage=stage, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split
     )
     t, module = fit(strategy, replicas, epochs=1)
+    full = t.strategy.full_state_dict()  # every stage's parameters, on rank 0
     params = held_parameters(module)
     expected, losses, val_loss = reference(STEPS_PER_EPOCH)
     logged = collectives.all_gather_objects(
@@ -165,6 +166,7 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4) 
     return {
         "steps": t.global_step,
         "param_diff": max_diff(params, expected),
+        "full_state_dict_diff": max_diff(full, expected) if RANK == 0 else None,
         "param_change": max_diff(expected, initial_state()),
         "logged": logged,
         "reference_train_losses": losses,
