@@ -15,7 +15,7 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
 * ``monitor/loss_scale``: under fp16 with ``ZeroPrecision``, the dynamic loss scale.
 
 The per-rank figures are gathered to every rank with one small all-gather at each logging step, made
-directly on the process group so that the monitor's own traffic is not counted as the model's.
+with `collectives.all_gather_uncounted`, so that the monitor's own traffic is not counted as the model's.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
+from lightning_zero.engine import collectives
 from lightning_zero.engine.collectives import comm_stats
 from lightning_zero.memory import model_state_bytes
 
@@ -185,9 +185,4 @@ def _now(device: torch.device) -> float:
 
 def _gather(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Every rank's row, on the CPU; the monitor's own collective, outside the counted ones."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tensor.unsqueeze(0)
-    local = tensor.to(device)
-    out = torch.empty(dist.get_world_size() * local.numel(), dtype=local.dtype, device=device)
-    dist.all_gather_into_tensor(out, local)
-    return out.view(dist.get_world_size(), -1).cpu()
+    return collectives.all_gather_uncounted(tensor.to(device)).cpu()

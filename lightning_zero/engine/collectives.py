@@ -23,6 +23,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.profiler import record_function
 
 ReduceOp = dist.ReduceOp
+#: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclasses.dataclass
@@ -90,7 +93,7 @@ def reduce_scatter(
         if _use_ring(group):
             work = _RingReduceScatter(output, input, group)
         else:
-            work = dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
+            work = _reduce_scatter_flat(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
         return work if async_op else _finish(work)
 
 
@@ -106,13 +109,13 @@ def all_gather(
         staging = _staging_device(output, group)
         if staging is not None:  # host tensors (offloaded state) over a device-only backend
             staged = output.to(staging)
-            dist.all_gather_into_tensor(staged, input.to(staging), group=group)
+            _all_gather_flat(staged, input.to(staging), group=group)
             output.copy_(staged)
             return None
         if _use_ring(group):
             work = _RingAllGather(output, input, group)
         else:
-            work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+            work = _all_gather_flat(output, input, group=group, async_op=async_op)
         return work if async_op else _finish(work)
 
 
@@ -287,7 +290,7 @@ class CountingReduceScatter(ReduceScatter):
             return None
         _STATS.record("reduce_scatter", input_tensor)
         with record_function("lightning_zero::reduce_scatter"):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.ReduceOp, bool]:
@@ -308,3 +311,13 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def all_gather_uncounted(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked, ``(world, *shape)``: for bookkeeping (the monitor's figures) that must
+    not show up in the model's communication counts."""
+    if world_size() == 1:
+        return tensor.unsqueeze(0)
+    out = torch.empty(world_size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_flat(out, tensor.contiguous())
+    return out.view(world_size(), *tensor.shape)
