@@ -1,5 +1,6 @@
-"""PipelineRunner on 2 CPU ranks (gloo): one pipeline of 2 stages (and 2x2 interleaved virtual stages) trains
-exactly as the unsplit model does in one process. The Trainer integration is issue 7's remaining work."""
+"""PipelineRunner on 2 CPU ranks (gloo), without Lightning: one pipeline of 2 stages (and 2x2 interleaved
+virtual stages) trains exactly as the unsplit model does in one process. The Trainer integration is tested in
+test_pipeline_trainer.py."""
 
 import pytest
 
