@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Mapping
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -128,8 +128,10 @@ def _pipelined_full_state(module: nn.Module, engine, rank0_only: bool) -> dict[s
         if name in rows:  # the resident parameters are rounded copies of the masters
             value = gather_full(engine.local_rows(rows[name]), engine.params[rows[name]].shape, group=engine.group)
         held[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-    parts = collectives.all_gather_objects(held)
-    if rank0_only and collectives.rank() != 0:
+    # The first replica of every stage sends its stage; other replicas hold copies of the same tensors.
+    first_replica = engine is None or engine.group is None or engine.rank == 0
+    parts = collectives.gather_objects(held if first_replica else {}, dst=0, everywhere=not rank0_only)
+    if parts is None:
         return {}
     merged = {k: v for part in parts for k, v in part.items()}
     return {name: merged[name] for name in module.state_dict() if name in merged}
@@ -259,25 +261,27 @@ def load(
     state = {"state_dict": model_state}
     names = _param_names(module)
     optimizer_entries = False
-    for i, optimizer in enumerate(optimizers):
-        saved = saved_tensor_shapes(path, f"optimizer_{i}")
-        if not saved:
-            continue
-        optimizer_entries = True
-        saved = {key: shape for key, shape in saved.items() if key.rsplit(".", 1)[0] not in elsewhere}
-        saved_params = {key.rsplit(".", 1)[0]: None for key in saved}
-        hosted = _hosted(optimizer, engine)
-        live_params = {
-            names[id(p)]: None
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if (p.requires_grad and not p.is_meta) or id(p) in hosted  # frozen parameters have no state to restore
-        }
-        check_compatible(saved_params, live_params, f"optimizer {i}'s parameters")
-        _materialize_optimizer_state(optimizer, engine)
-        state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
-        live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
-        check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state")
+    # Under pipeline stages each stage's ranks check their own parameters: agree before loading together.
+    with _on_every_rank():
+        for i, optimizer in enumerate(optimizers):
+            saved = saved_tensor_shapes(path, f"optimizer_{i}")
+            if not saved:
+                continue
+            optimizer_entries = True
+            saved = {key: shape for key, shape in saved.items() if key.rsplit(".", 1)[0] not in elsewhere}
+            saved_params = {key.rsplit(".", 1)[0]: None for key in saved}
+            hosted = _hosted(optimizer, engine)
+            live_params = {
+                names[id(p)]: None
+                for group in optimizer.param_groups
+                for p in group["params"]
+                if (p.requires_grad and not p.is_meta) or id(p) in hosted  # frozen parameters have no state to restore
+            }
+            check_compatible(saved_params, live_params, f"optimizer {i}'s parameters")
+            _materialize_optimizer_state(optimizer, engine)
+            state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
+            live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
+            check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state")
     dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
     if engine is not None:
         engine.params_loaded()  # e.g. each rank loaded only its rows of the resident parameters
@@ -301,9 +305,17 @@ def _verify_in_parallel(path: Path) -> None:
     """Every rank checks a share of the files against the manifest; all ranks raise the same first error."""
     names = sorted(json.loads((path / MANIFEST_FILE).read_text())["files"])
     rank, world = collectives.rank(), collectives.world_size()
-    try:
+    with _on_every_rank():
         verify_files(path, names[rank::world])
-        error = None
+
+
+@contextmanager
+def _on_every_rank():
+    """A :class:`CheckpointError` raised in the block on any rank is raised on every rank (after the block),
+    so no rank goes on into a collective its peers never join."""
+    error = None
+    try:
+        yield
     except CheckpointError as err:
         error = str(err)
     errors = [e for e in collectives.all_gather_objects(error) if e]

@@ -98,9 +98,10 @@ class ZeroConfig:
     ``nn.ModuleList`` (the transformer blocks of most models); the root module is always a unit."""
 
     pipeline_stages: int = 1
-    """Ranks per pipeline: the model (its ``pipeline_layers()``) is cut into this many stages, one per rank, and
-    the processes form ``world_size / pipeline_stages`` data-parallel replicas of that pipeline, across which
-    ZeRO stage 1 or 2 shards each stage's optimizer state (and gradients)."""
+    """Ranks per pipeline: the model (its ``pipeline_layers()``) is cut into this many stages, one per rank
+    (``pipeline_stages x pipeline_virtual_stages`` with ``interleaved_1f1b``, several per rank), and the
+    processes form ``world_size / pipeline_stages`` data-parallel replicas of that pipeline, across which ZeRO
+    stage 1 or 2 shards each stage's optimizer state (and gradients)."""
 
     microbatches: int | None = None
     """Micro-batches each batch is cut into for the pipeline schedule; must divide the per-replica batch size.

@@ -296,12 +296,12 @@ class ZeroStrategy(ParallelStrategy):
                 pin_memory=pin,
             )
         else:
-            group, source = None, 0
+            group, source, mesh = None, 0, None
             if config.pipeline_stages > 1:
                 if self._layer_sync:
                     raise ZeroConfigError("`sync_batchnorm=True` is not supported with `pipeline_stages > 1`.")
                 self._pipeline = PipelineParallel(self.model, config, self.global_rank, self.world_size, self.root_device)
-                group, source = self._pipeline.dp_group, self._pipeline.dp_source
+                group, source, mesh = self._pipeline.dp_group, self._pipeline.dp_source, self._pipeline.dp_mesh
             else:
                 self.model_to_device()
             held = [t.data for t in (*self.model.parameters(), *self.model.buffers()) if not t.is_meta]
@@ -316,9 +316,8 @@ class ZeroStrategy(ParallelStrategy):
                     offload_optimizer=config.offload_optimizer,
                     pin_memory=pin,
                     group=group,
+                    mesh=mesh,
                 )
-                if self._pipeline is not None:
-                    self._engine.mesh = self._pipeline.dp_mesh
         self._buffers = [b for b in self.model.buffers() if not b.is_meta]
         if fitting:
             self.setup_optimizers(trainer)
@@ -485,7 +484,9 @@ class ZeroStrategy(ParallelStrategy):
             self.precision_plugin.finalize_gradients(opt)
             for name, local, shape in self._engine.named_gradient_shards(opt):
                 if local is not None:
-                    out[name] = gather_full(local, shape)
+                    out[name] = gather_full(local, shape, group=getattr(self._engine, "group", None))
+        if self._pipeline is not None:  # each stage's ranks gathered that stage's gradients
+            out = {k: v for part in collectives.all_gather_objects(out) for k, v in part.items()}
         return out
 
     # ------------------------------------------------------------------ collectives for Lightning

@@ -257,6 +257,19 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
     return out
 
 
+def gather_objects(obj: object, dst: int = 0, everywhere: bool = False) -> list | None:
+    """Every rank's ``obj`` in rank order on rank ``dst`` (None elsewhere), or on every rank with
+    ``everywhere``."""
+    if everywhere:
+        return all_gather_objects(obj)
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size() if rank() == dst else None
+    with record_function("lightning_zero::gather_object"):
+        dist.gather_object(obj, out, dst=dst)
+    return out
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if world_size(group) > 1:
         with record_function("lightning_zero::barrier"):

@@ -39,6 +39,7 @@ class ZeroDataParallel:
         offload_optimizer: bool = False,
         pin_memory: bool = False,
         group=None,
+        mesh=None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
@@ -46,7 +47,7 @@ class ZeroDataParallel:
         self.stage = stage
         self.group = group
         #: The device mesh of ``group`` for sharded checkpoints (None: every rank, the default process group).
-        self.mesh = None
+        self.mesh = mesh
         self.rank = collectives.rank(group)
         self.world_size = collectives.world_size(group)
         # Parameters on the meta device belong to another pipeline stage: this rank neither holds nor steps them.

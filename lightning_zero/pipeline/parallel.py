@@ -18,8 +18,9 @@ pipeline, to ``log_pipeline_loss`` and to Lightning as the step's output.
 
 [Note: layers of other stages live on the meta device]
 Every rank builds the whole model (same seed, same initial weights), then moves the layers of the stages it
-does not run to the meta device: their memory is freed while every parameter keeps its place, name and
-shape in the module. The engines skip meta parameters (another stage steps them), checkpoints write only
+does not run to the meta device: their memory is freed while every parameter keeps its name and shape in
+the module (as a new meta ``Parameter``: references taken before ``fit`` go stale, and the optimizer, built
+afterwards, holds the meta ones). The engines skip meta parameters (another stage steps them), checkpoints write only
 real tensors and check names against the whole model, so a pipelined checkpoint holds every parameter once
 under the unsplit names.
 """
@@ -32,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
@@ -96,6 +99,12 @@ class PipelineParallel:
     """
 
     def __init__(self, module: nn.Module, config: ZeroConfig, rank: int, world_size: int, device: torch.device) -> None:
+        if not getattr(module, "automatic_optimization", True):
+            raise ZeroConfigError(
+                "`pipeline_stages > 1` needs automatic optimization: the schedule runs forward and backward in place of "
+                "`training_step`, so `manual_backward` and your own `optimizer.step()` would never run. Set "
+                "`self.automatic_optimization = True` or train without pipelining."
+            )
         self.layout = PipelineLayout(world_size, config.pipeline_stages, config.pipeline_virtual)
         chain = pipeline_layers_of(module)
         bounds = split_bounds(chain, self.layout.num_stages, config.pipeline_split)
@@ -110,6 +119,7 @@ class PipelineParallel:
                     for layer in layers[bounds[s] : bounds[s + 1]]:
                         layer.to("meta")  # see [Note: layers of other stages live on the meta device]
             module._apply(lambda t: t if t.is_meta else t.to(device))
+        _update_properties(module, device=device)  # what `module.to(device)` would record (`self.device`)
         #: ("dp", "pp"): row r is replica r's pipeline, column s the data-parallel group of pipeline rank s.
         self.mesh = collectives.device_mesh(device.type, (self.layout.replicas, self.layout.ranks_per_pipeline), ("dp", "pp"))
         self.dp_mesh = self.mesh["dp"]

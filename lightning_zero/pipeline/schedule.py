@@ -15,8 +15,9 @@ from earlier batches of a gradient-accumulation window. ``factor`` carries the a
 
 [Note: one schedule per micro-batch shape]
 A schedule infers the shapes of the activations it sends on its first step and keeps receive buffers of
-those shapes. A batch of another shape (validation's, a last partial batch) therefore gets a fresh
-schedule over the same stages; every rank of a pipeline sees the same batch, so all rebuild together.
+those shapes. A batch of another shape (a last partial batch), or a switch between training and
+evaluation, therefore gets a fresh schedule over the same stages; every rank of a pipeline sees the same
+batch, so all rebuild together.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class PipelineRunner:
         self.schedule = None
         self._shape_key: tuple | None = None
         self._factor = 1.0
+        self._training = True
         self._losses: list[Tensor] = []
         self.is_first = 0 in self.stage_ids
         self.is_last = layout.num_stages - 1 in self.stage_ids
@@ -81,7 +83,9 @@ class PipelineRunner:
         return loss * (self._factor / self.microbatches)
 
     def _schedule_for(self, inputs: Tensor | None, target: Tensor | None):
-        key = tuple((tuple(t.shape), t.dtype) if t is not None else None for t in (inputs, target))
+        # Training and evaluation never share one: evaluation may run in inference mode (Lightning's default
+        # on CUDA), which would make the reused receive buffers inference tensors that backward cannot use.
+        key = (self._training, *((tuple(t.shape), t.dtype) if t is not None else None for t in (inputs, target)))
         if self.schedule is None or key != self._shape_key:
             stages = self.stages if self.interleaved else self.stages[0]
             self.schedule = self.schedule_class(
@@ -92,15 +96,16 @@ class PipelineRunner:
 
     def _run(self, inputs: Tensor | None, target: Tensor | None, factor: float, train: bool) -> Tensor | None:
         self._check_divisible(inputs, target)
+        self._training = train
         schedule = self._schedule_for(inputs, target)
         self._factor, self._losses = factor, []
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": target} if self.is_last else {}
         if train:
-            schedule.step(*args, **kwargs)
+            schedule.step(*args, **kwargs, return_outputs=False)  # the losses are all we need from the last stage
         else:
             with torch.no_grad():
-                schedule.eval(*args, **kwargs)
+                schedule.eval(*args, **kwargs, return_outputs=False)
         for stage in self.stages:  # the schedule keeps the step's outputs (the last stage's logits) until the next
             stage.clear_runtime_states()
         # The last m: a fresh schedule first calls the loss once on placeholder outputs to infer shapes.

@@ -28,6 +28,7 @@ def _check_exact(result: dict, replicas: int) -> None:
     assert result["param_change"] > 1e-2  # training moved the parameters
     assert result["param_diff"] <= 1e-5, result["param_diff"]
     assert result["full_state_dict_diff"] <= 1e-5  # strategy.full_state_dict() gathers every stage
+    assert result["grad_steps"] == 4 and result["grad_diff"] <= 1e-5  # gradients too, before clipping
     assert result["engine_world"] == replicas  # ZeRO shards each stage over its replicas
     logged = result["logged"]
     # After every batch, every rank of a pipeline shows that pipeline's true mini-batch loss (not divided by the
@@ -93,4 +94,5 @@ def test_bad_pipelines_fail_clearly_on_every_rank(two_ranks):
     assert "Cannot cut 1 layers into 2 pipeline stages" in errors["stages_over_layers"]
     assert "needs NoLoss to define `pipeline_loss`" in errors["no_loss_hook"]
     assert "`microbatches=3` does not divide the batch of 8" in errors["microbatches"]
+    assert "needs automatic optimization" in errors["manual_optimization"]
     assert errors["same_on_every_rank"]  # and the process group lived on: the launch finished

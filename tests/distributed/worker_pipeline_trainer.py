@@ -21,7 +21,7 @@ from lightning_zero.config import ZeroConfigError
 from lightning_zero.engine import collectives
 from lightning_zero.memory import model_state_bytes
 from tests.distributed import models
-from tests.distributed.worker_core import max_diff, trainer
+from tests.distributed.worker_core import GradientRecorder, max_diff, trainer
 from tests.launch import run_cases_with_directory
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -66,9 +66,9 @@ def initial_state() -> dict:
     return copy.deepcopy(Chain().state_dict())
 
 
-def reference(steps: int) -> tuple[dict, list[float], float]:
+def reference(steps: int, grads: list | None = None) -> tuple[dict, list[float], float]:
     """Parameters after ``steps`` optimizer steps, every batch's loss, and the loss on the two validation
-    batches."""
+    batches; each step's gradients (before clipping) appended to ``grads``."""
     model = Chain()
     model.load_state_dict(initial_state())
     opt, sched = models.make_optimizer(model)
@@ -82,6 +82,8 @@ def reference(steps: int) -> tuple[dict, list[float], float]:
             loss = nn.functional.mse_loss(model(x), y)
             (loss / ACCUMULATE).backward()
             losses.append(float(loss))
+        if grads is not None:
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
@@ -133,29 +135,30 @@ def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, modu
     module = module or Chain()
     if ckpt_path is None:
         module.load_state_dict(initial_state())
-    t = trainer(
-        strategy,
+    settings = dict(
         max_epochs=epochs,
         accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=CLIP,
         limit_val_batches=2,
         check_val_every_n_epoch=1,
         callbacks=[LoggedLosses()],
-        **kwargs,
     )
+    t = trainer(strategy, **{**settings, **kwargs})
     t.fit(module, loader(replicas), val_loader(replicas), ckpt_path=ckpt_path)
     return t, module
 
 
-def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4) -> dict:
+def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, **kwargs) -> dict:
     replicas = WORLD // 2
     strategy = ZeroStrategy(
         stage=stage, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split
     )
-    t, module = fit(strategy, replicas, epochs=1)
+    recorder = GradientRecorder()  # strategy.gather_gradients(): every stage's, reduced over the replicas
+    t, module = fit(strategy, replicas, epochs=1, callbacks=[LoggedLosses(), recorder], **kwargs)
     full = t.strategy.full_state_dict()  # every stage's parameters, on rank 0
     params = held_parameters(module)
-    expected, losses, val_loss = reference(STEPS_PER_EPOCH)
+    expected_grads: list[dict] = []
+    expected, losses, val_loss = reference(STEPS_PER_EPOCH, expected_grads)
     logged = collectives.all_gather_objects(
         {"train_losses": t.callbacks[0].losses, "val_loss": float(t.callback_metrics["val_loss"])}
     )
@@ -167,6 +170,8 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4) 
         "steps": t.global_step,
         "param_diff": max_diff(params, expected),
         "full_state_dict_diff": max_diff(full, expected) if RANK == 0 else None,
+        "grad_diff": max(max_diff(g, r) for g, r in zip(recorder.steps, expected_grads)),
+        "grad_steps": len(recorder.steps),
         "param_change": max_diff(expected, initial_state()),
         "logged": logged,
         "reference_train_losses": losses,
@@ -244,13 +249,20 @@ def errors(directory: Path) -> dict:
     class NoLoss(Chain):
         pipeline_loss = None
 
-    for name, module, kwargs in (
-        ("stages_over_layers", Tiny(), {}),
-        ("no_loss_hook", NoLoss(), {}),
-        ("microbatches", Chain(), {"microbatches": 3}),
+    class Manual(Chain):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    manual = {"gradient_clip_val": None, "accumulate_grad_batches": 1}  # Lightning's own rules for manual optimization
+    for name, module, kwargs, trainer_kwargs in (
+        ("stages_over_layers", Tiny(), {}, {}),
+        ("no_loss_hook", NoLoss(), {}, {}),
+        ("microbatches", Chain(), {"microbatches": 3}, {}),
+        ("manual_optimization", Manual(), {}, manual),
     ):
         try:
-            fit(ZeroStrategy(stage=1, pipeline_stages=2, **kwargs), WORLD // 2, epochs=1, module=module)
+            fit(ZeroStrategy(stage=1, pipeline_stages=2, **kwargs), WORLD // 2, epochs=1, module=module, **trainer_kwargs)
             out[name] = None
         except ZeroConfigError as err:
             out[name] = str(err)
@@ -261,7 +273,8 @@ def errors(directory: Path) -> dict:
 def cases() -> dict:
     return {
         "gpipe": lambda d: exactness(1, "gpipe"),
-        "1f1b": lambda d: exactness(2, "1f1b", split="params"),
+        # with Lightning's sanity check: evaluation schedules before the first training one
+        "1f1b": lambda d: exactness(2, "1f1b", split="params", num_sanity_val_steps=2),
         "interleaved": lambda d: exactness(1, "interleaved_1f1b", microbatches=4),
         "gpipe_stage2": lambda d: exactness(2, "gpipe", split=["4"], microbatches=2),  # cut before the child "4"
         "round_trip": checkpoint_round_trip,
