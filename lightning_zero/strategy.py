@@ -227,8 +227,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         _require(self.cluster_environment, "cluster_environment")
-        config = self.zero_config
-        if config.pipeline_stages > 1:  # before any process starts: devices x nodes must divide into pipelines
+        if (config := self.zero_config).pipeline_stages > 1:  # before any process starts: devices x nodes must divide
             PipelineLayout(self.num_nodes * self.num_processes, config.pipeline_stages, config.pipeline_virtual)
         if self.zero_config.start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
@@ -437,10 +436,8 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is not None:
-            raise ZeroConfigError(
-                "`predict` is not available with `pipeline_stages > 1` (only the last stage sees the outputs): load the "
-                "checkpoint into a run without pipelining to predict."
-            )
+            raise ZeroConfigError("`predict` is not available with `pipeline_stages > 1` (only the last stage sees the "
+                                  "outputs): load the checkpoint into a run without pipelining to predict.")
         with self.precision_plugin.predict_step_context():
             return self._call_module("predict_step", *args, **kwargs)
 
