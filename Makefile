@@ -12,7 +12,7 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the whole test suite (about 10 minutes on 2 cores)
+test: install  ## the whole test suite (about 10-13 minutes on 2 cores)
 	$(PYTHON) -m pytest -q tests
 
 bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks
