@@ -192,6 +192,7 @@ def plan_layout(
 
 
 def check_trainable(module: nn.Module) -> None:
+    """Refuse, before any sharding, models the dim-0 row convention cannot shard or that have nothing to train."""
     scalars = [n for n, p in module.named_parameters() if p.requires_grad and p.dim() == 0]
     if scalars:
         raise ValueError(
