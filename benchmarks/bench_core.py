@@ -147,6 +147,11 @@ _CHOICE_OF = {"ddp": "ddp", "fsdp2": "zero3", "zero1": "zero1", "zero2": "zero2"
               "zero3+offload": "zero3_offload_optimizer", "zero3+offload_params": "zero3_offload"}
 
 
+def pipeline_stages(system: str) -> int:
+    """Ranks per pipeline of a system ("zero1+pp2m8": 2; 1 without pipelining)."""
+    return VARIANTS.get(system.partition("+")[2], {}).get("pipeline_stages", 1)
+
+
 def formula_bytes(system: str, P: int, N: int, precision: str = "32-true") -> float:
     """ZeRO paper's model-state memory per rank, device and host together (``lightning-zero estimate``'s)."""
     return sum(formula_split(system, P, N, precision))
@@ -339,8 +344,7 @@ class BenchCallback(L.Callback):
             "comm_elements_per_step": (self.comm_snapshot["elements"] / self.steps) if self.comm_snapshot else None,
             "torch_threads": torch.get_num_threads(),
             # parameters this rank holds (one pipeline stage's, under pipelining)
-            "held_params": sum(_local(p).numel() for p in pl_module.parameters() if not p.is_meta)
-            * (trainer.world_size if self.system.startswith("zero3") else 1),
+            "held_params": sum(p.numel() for p in pl_module.parameters() if not p.is_meta),
             "saved_activation_bytes": self.saved_activation_bytes,
             "monitor": dict(self.monitor.last) if self.monitor is not None else None,
         }
@@ -358,7 +362,7 @@ class BenchCallback(L.Callback):
         state = max(r["state_bytes"].get("live_total", 0) for r in ranks)  # worst rank
         formula = formula_bytes(self.system, P, N, self.precision)
         formula_device, formula_host = formula_split(self.system, P, N, self.precision)
-        stages = VARIANTS.get(self.system.partition("+")[2], {}).get("pipeline_stages", 1)
+        stages = pipeline_stages(self.system)
         if stages > 1:  # the busiest stage's parameters, sharded over the N / stages replicas
             choice = CHOICES_BY_NAME[_CHOICE_OF[self.system.partition("+")[0]]]
             formula_device, formula_host = max(
@@ -409,7 +413,7 @@ def run_system(args: argparse.Namespace) -> None:
     model_kw = QUICK_MODEL if args.quick else FULL_MODEL
     config = GPTConfig(**model_kw, dropout=0.0, bias=True)
     total_steps = args.warmup + args.steps
-    stages = VARIANTS.get(args.system.partition("+")[2], {}).get("pipeline_stages", 1)
+    stages = pipeline_stages(args.system)
     data = RandomTokenDataModule(
         vocab_size=config.vocab_size,
         block_size=config.block_size,

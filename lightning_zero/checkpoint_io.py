@@ -130,7 +130,8 @@ def _pipelined_full_state(module: nn.Module, engine, rank0_only: bool) -> dict[s
         held[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
     # The first replica of every stage sends its stage; other replicas hold copies of the same tensors.
     first_replica = engine is None or engine.group is None or engine.rank == 0
-    parts = collectives.gather_objects(held if first_replica else {}, dst=0, everywhere=not rank0_only)
+    mine = held if first_replica else {}
+    parts = collectives.gather_objects(mine, dst=0) if rank0_only else collectives.all_gather_objects(mine)
     if parts is None:
         return {}
     merged = {k: v for part in parts for k, v in part.items()}

@@ -257,11 +257,8 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
     return out
 
 
-def gather_objects(obj: object, dst: int = 0, everywhere: bool = False) -> list | None:
-    """Every rank's ``obj`` in rank order on rank ``dst`` (None elsewhere), or on every rank with
-    ``everywhere``."""
-    if everywhere:
-        return all_gather_objects(obj)
+def gather_objects(obj: object, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` in rank order on rank ``dst``; None elsewhere."""
     if world_size() == 1:
         return [obj]
     out = [None] * world_size() if rank() == dst else None

@@ -174,7 +174,9 @@ class PipelineParallel:
         return loss
 
     def evaluation_step(self, split: str, batch: Any) -> Tensor:
-        loss = self.eval_step(batch)
+        """Forward and loss only (validation, test); the batch's mean loss on every rank, logged."""
+        inputs, target = self._split(batch)
+        loss = self._share(self.runner.evaluate(inputs, target))
         self.log_loss(split, loss)
         return loss
 
@@ -198,10 +200,6 @@ class PipelineParallel:
             for p, grad in self._stash:
                 p.grad = grad if p.grad is None else p.grad.add_(grad)
         self._stash = []
-
-    def eval_step(self, batch: Any) -> Tensor:
-        inputs, target = self._split(batch)
-        return self._share(self.runner.evaluate(inputs, target))
 
     def log_loss(self, split: str, loss: Tensor) -> None:
         hook = getattr(self.module, "log_pipeline_loss", None)
