@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install run test bench
+.PHONY: install run test test-all bench
 
 install:
 	$(PIP) torch==2.13.0
@@ -13,6 +13,9 @@ run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processe
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
 test: install  ## the whole test suite (about 10-13 minutes on 2 cores)
+	$(PYTHON) -m pytest -q -m "not full" tests
+
+test-all: install  ## everything, the full matrices (`full` marker) included
 	$(PYTHON) -m pytest -q tests
 
 bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks

@@ -11,8 +11,10 @@ rank; clipping by norm uses the global norm over every rank's shards.
   parameters held in bf16/fp16 for compute, fp32 master shards updated by the optimizer. Forward runs under
   ``torch.autocast`` as in Lightning's own mixed modes, so the operations autocast keeps in fp32 (losses such
   as ``cross_entropy``/``mse_loss``, and on CUDA softmax, ``layer_norm`` and the other reductions in its fp32
-  list) stay fp32. BatchNorm-family layers keep fp32 *parameters* (``fp32_modules``); frozen parameters are
-  left as they are. Gradients are summed over ranks in
+  list) stay fp32. Layers whose own parameters include a matrix hold them in the 2-byte dtype; layers with
+  vector parameters only (every normalization layer, learned scales) hold them in fp32, so they run on fp32
+  and 2-byte inputs alike, as under Lightning's DDP (see [Note: which parameters may be held in the compute
+  dtype] in ``engine/mixed_precision.py``); frozen parameters are left as they are. Gradients are summed over ranks in
   ``reduce_dtype``: fp32 by default for ``16-mixed`` (fp16's range and 11-bit mantissa make a sum of loss-scaled
   gradients the likeliest place to overflow or lose bits), bf16 by default for ``bf16-mixed`` (it has fp32's
   range, halves the gradient traffic, and stages 1-2 hold the reduced gradient in bf16 anyway; pass
@@ -79,7 +81,8 @@ class ZeroPrecision(Precision):
             or a ``torch.dtype``); default fp32 for ``16-mixed``, bf16 for ``bf16-mixed`` (see the module note).
         initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, dynamic_loss_scale:
             ``16-mixed`` loss scaling (see :class:`~lightning_zero.loss_scaler.LossScaleConfig`).
-        fp32_modules: Mixed modes: layer classes whose parameters stay fp32 (default: the BatchNorm family).
+        fp32_modules: Mixed modes: layer classes whose parameters stay fp32 whatever their shapes (layers with
+            vector parameters only always do; add e.g. ``nn.Embedding`` to keep embedding tables fp32).
     """
 
     def __init__(

@@ -78,6 +78,44 @@ def select_units(root: nn.Module, policy) -> list[nn.Module]:
     return [m for m in units if any(True for _ in m.parameters())]
 
 
+def one_dtype_units(root: nn.Module, units: list[nn.Module], policy: PrecisionPolicy) -> set[int]:
+    """``id`` of the extra units a mixed policy needs so that every unit holds one dtype (FSDP2 casts a unit
+    as a whole): each layer whose own parameters are held in another dtype than its enclosing unit's (see
+    ``mixed_precision.py``), e.g. a LayerNorm in a transformer block, or the Linear of a block that owns a gain
+    vector. A layer with a tied parameter anywhere in it stays in its enclosing unit, since FSDP2 cannot split
+    a parameter across units (nor nest the units of two of its owners); it then follows that unit's dtype,
+    which for a tied parameter is the compute dtype anyway (see ``PrecisionPolicy.param_dtypes``)."""
+    chosen = {id(m) for m in units}
+    owners: dict[int, int] = {}
+    for module in root.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+
+    def self_contained(module: nn.Module) -> bool:
+        return all(owners[id(p)] == 1 for m in module.modules() for p in m.parameters(recurse=False))
+
+    def kind(module: nn.Module) -> bool | None:
+        """True: own parameters held in fp32; False: in the compute dtype; None: no own parameters."""
+        return policy.holds_fp32(module) if any(True for _ in module.parameters(recurse=False)) else None
+
+    extra: set[int] = set()
+
+    def visit(module: nn.Module, enclosing_fp32: bool) -> None:
+        for child in module.children():
+            own = kind(child)
+            if id(child) in chosen:
+                fp32 = bool(own)
+            elif own is not None and own != enclosing_fp32 and self_contained(child):
+                extra.add(id(child))
+                fp32 = own
+            else:
+                fp32 = enclosing_fp32
+            visit(child, fp32)
+
+    visit(root, bool(kind(root)))
+    return extra
+
+
 def _has_meta(module: nn.Module, recurse: bool) -> bool:
     return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
 
@@ -106,10 +144,9 @@ class FullyShardedEngine:
         self.mesh = init_device_mesh(device.type, (self.world_size,))
         self.policy = policy
         units = select_units(module, wrap_policy)
-        fp32_units = policy.fp32_submodules(module) if policy is not None else []
-        self._fp32_units = {id(m) for m in fp32_units}
-        chosen = {id(m) for m in (*units, *fp32_units)}
+        chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
         self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
+        self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}
         if not isinstance(module, FSDPModule):  # else sharded by an earlier fit/validate/test on this module
             if _has_meta(module, recurse=True):
                 self._materialize_and_shard(device)

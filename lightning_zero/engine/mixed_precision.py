@@ -5,15 +5,39 @@ Parameters used in compute are held in a 2-byte dtype (``compute_dtype``); the o
 *master* copy of this rank's shard only and the updated rows are cast back. Per rank and parameter that is
 2 bytes of compute parameter (stages 1-2; stage 3 keeps only FSDP2's fp32 shard and gathers 2-byte
 copies), 2 bytes of gradient (stage 1: full; stage 2: shard), 4/N of master and 8/N of Adam state:
-``4P+12P/N``, ``2P+14P/N`` and ``16P/N`` for stages 1, 2, 3.
+``4P+12P/N``, ``2P+14P/N`` and ``16P/N`` for stages 1, 2, 3. Parameters held in fp32 (below) cost what they
+cost in a ``32-true`` run plus their master rows: ``8P+12P/N`` and ``4P+16P/N`` at stages 1-2, ``16P/N`` at
+stage 3 (:func:`mixed_state_bytes`).
 
-Layers listed in ``fp32_modules`` keep fp32 parameters, reduced and held in fp32 too. By default these are
-the BatchNorm/InstanceNorm family, whose fp32 running statistics need fp32 weights (FSDP1 and Lightning's
-FSDP strategy make the same exception). LayerNorm, GroupNorm and RMSNorm weights are held in the compute
-dtype like every other weight, as FSDP2 and DeepSpeed do; their kernels normalize in fp32 internally, and
-on CUDA autocast runs ``layer_norm``/``group_norm`` in fp32 as in Lightning's own mixed modes. Keeping them
-fp32 as well (``ZeroPrecision(fp32_modules=...)``) costs stage 3 one extra all-gather unit per layer.
-Frozen parameters are never cast: their values would be rounded for good.
+[Note: which parameters may be held in the compute dtype]
+Lightning's own mixed modes (and DDP with them) keep every parameter fp32 and let ``torch.autocast`` decide
+per operation. Autocast sorts operations into three classes, on CPU and CUDA alike:
+
+* *lower precision* (``linear``, ``matmul``/``mm``/``bmm``/``addmm``/``baddbmm``, the convolutions, ``prelu``,
+  ``scaled_dot_product_attention``): every floating argument is cast to the compute dtype, parameters
+  included. Holding such a parameter in the compute dtype changes no number (the cast of the fp32 master is
+  the held value) and is where ZeRO's mixed-precision saving comes from.
+* *fp32* (losses, softmax-like reductions; on CUDA also ``layer_norm``, ``group_norm``): every argument is
+  cast to fp32, whatever it is held in.
+* *everything else* (on CPU the normalization kernels ``layer_norm``/``group_norm``/``batch_norm``, and on
+  both ``embedding`` and elementwise arithmetic): runs in the dtypes of the tensors it is given. The fused
+  normalization kernels accept fp32 weights with inputs of any float dtype, but not 2-byte weights with an
+  fp32 input (``RuntimeError: mixed dtype (CPU): expect parameter to have scalar type of Float``), which is
+  what a norm fed by fp32 features, by a ``.float()`` upcast or by an fp32 residual stream meets.
+
+So the rule is a property of the tensor, not of a layer type: a layer whose own parameters include a
+matrix (two or more dimensions: ``Linear``, convolutions, ``Embedding``, attention projections, Hugging
+Face's ``Conv1D``) feeds them to lower-precision or table-lookup operations, and holds all its own parameters
+(the biases with them) in the compute dtype; a layer whose own parameters are vectors or scalars only
+(every normalization layer, ``RMSNorm`` variants, learned scales and gates) holds them in fp32, where both
+the CPU kernels and CUDA autocast accept them with any input and where Lightning's mixed modes hold them
+too. Those layers are ``O(width)`` per block, a fraction of a percent of a transformer's parameters. An
+embedding table is held in the compute dtype, as FSDP and DeepSpeed do, so its output is 2-byte where an
+fp32 table's would be fp32; list ``nn.Embedding`` in ``fp32_modules`` to keep it fp32. Frozen parameters
+are never cast: their values would be rounded for good.
+
+At stage 3 FSDP2 casts a whole unit to one dtype, so each layer held in fp32 is a unit of its own with an
+fp32 policy (see ``fsdp2.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +47,18 @@ import dataclasses
 import torch
 from torch import nn
 
-#: Layers whose parameters stay fp32 under a mixed policy by default (see the module note).
+#: Layers whose parameters stay fp32 under a mixed policy whatever their shapes (see the module note): the
+#: BatchNorm family, whose parameters the rule already keeps fp32, named for clarity and for users who extend it.
 FP32_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
+
+
+def holds_fp32(module: nn.Module, fp32_modules: tuple[type[nn.Module], ...] = FP32_MODULES) -> bool:
+    """Whether ``module``'s own floating parameters stay fp32 under a mixed policy: it is listed, or none of
+    them is a matrix (see [Note: which parameters may be held in the compute dtype])."""
+    own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+    if not own:
+        return False
+    return isinstance(module, fp32_modules) or all(p.dim() < 2 for p in own)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,31 +66,50 @@ class PrecisionPolicy:
     """Dtypes of a mixed-precision run, as the engines need them."""
 
     compute_dtype: torch.dtype
-    """Dtype parameters are held in for forward and backward (``torch.bfloat16`` or ``torch.float16``)."""
+    """Dtype parameters of matrix-holding layers are held in for forward and backward (``torch.bfloat16`` or
+    ``torch.float16``)."""
     reduce_dtype: torch.dtype
-    """Dtype gradients are summed over ranks in."""
+    """Dtype gradients are summed over ranks in (gradients of fp32-held parameters are summed in fp32)."""
     fp32_modules: tuple[type[nn.Module], ...] = FP32_MODULES
-    """Layers whose parameters stay fp32."""
+    """Layers whose parameters stay fp32 whatever their shapes (vector-only layers always do)."""
     master_dtype: torch.dtype = torch.float32
     """Dtype of the master shards, their gradients and the optimizer state."""
 
+    def holds_fp32(self, module: nn.Module) -> bool:
+        """Whether ``module``'s own parameters are held in fp32 (see :func:`holds_fp32`)."""
+        return holds_fp32(module, self.fp32_modules)
+
     def param_dtypes(self, module: nn.Module) -> dict[int, torch.dtype]:
-        """``id(param)`` -> the dtype it is held in for compute. A parameter shared with an fp32 layer stays fp32."""
+        """``id(param)`` -> the dtype it is held in for compute. A parameter shared by several layers (tied
+        weights, e.g. BERT's decoder bias, which its prediction head also owns) is held in the compute dtype
+        if any of them holds a matrix: it is consumed by that layer's lower-precision operation."""
         dtypes: dict[int, torch.dtype] = {}
         for sub in module.modules():
-            keep = isinstance(sub, self.fp32_modules)
+            dtype = self.master_dtype if self.holds_fp32(sub) else self.compute_dtype
             for p in sub.parameters(recurse=False):
-                if not p.is_floating_point():
-                    continue
-                if keep or dtypes.get(id(p)) == self.master_dtype:
-                    dtypes[id(p)] = self.master_dtype
-                else:
-                    dtypes[id(p)] = self.compute_dtype
+                if p.is_floating_point() and dtypes.get(id(p)) != self.compute_dtype:
+                    dtypes[id(p)] = dtype
         return dtypes
 
     def fp32_submodules(self, module: nn.Module) -> list[nn.Module]:
-        """The layers (with parameters) that keep fp32, in pre-order."""
-        return [m for m in module.modules() if isinstance(m, self.fp32_modules) and any(True for _ in m.parameters(recurse=False))]
+        """The layers (with parameters) held in fp32, in pre-order."""
+        return [m for m in module.modules() if self.holds_fp32(m)]
+
+
+def mixed_state_bytes(compute_params: int, fp32_params: int, world_size: int, stage: int, offload: bool = False) -> dict[str, float]:
+    """Model-state bytes per rank of a mixed run with AdamW, on the device and in host memory (see [Note: the
+    ZeRO mixed-precision memory model]): ``compute_params`` held in a 2-byte dtype, ``fp32_params`` held in
+    fp32 (with master rows). ``offload``: ``offload_optimizer`` at stages 1-2 (masters, their gradients and the
+    optimizer state on the host), ``offload_params`` at stage 3 (everything on the host)."""
+    n, c, f = world_size, compute_params, fp32_params
+    host = 16 * (c + f) / n if offload else 0.0
+    if stage == 1:
+        device = 4 * c + 8 * f if offload else 4 * c + 12 * c / n + 8 * f + 12 * f / n
+    elif stage == 2:
+        device = 2 * c + 2 * c / n + 4 * f + 4 * f / n if offload else 2 * c + 14 * c / n + 4 * f + 16 * f / n
+    else:
+        device = 0.0 if offload else 16 * (c + f) / n
+    return {"device": device, "host": host}
 
 
 def cast_parameters(module: nn.Module, params: list[nn.Parameter], policy: PrecisionPolicy) -> None:

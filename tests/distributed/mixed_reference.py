@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
+import lightning as L
 import torch
 
 from lightning_zero.demo.gpt import GPTLightningModule
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from tests.distributed import models
+
+
+def _build(model: dict | Callable[[], L.LightningModule]) -> L.LightningModule:
+    """The demo GPT from its keyword arguments, or any LightningModule with ``_loss(batch)`` from a factory."""
+    return model() if callable(model) else GPTLightningModule(**model)
 
 
 def _optimizer(module: GPTLightningModule):
@@ -28,10 +35,18 @@ def _optimizer(module: GPTLightningModule):
 
 
 def fp32_reference(
-    initial: dict, model_kwargs: dict, dataset, *, world: int, batch: int, steps: int, clip: float, accumulate: int = 1
+    initial: dict, model_kwargs, dataset, *, world: int, batch: int, steps: int, clip: float, accumulate: int = 1
 ) -> list[float]:
     """Loss of every micro-batch (mean over the ranks) of plain fp32 training."""
-    model = GPTLightningModule(**model_kwargs)
+    return fp32_run(initial, model_kwargs, dataset, world=world, batch=batch, steps=steps, clip=clip, accumulate=accumulate)[0]
+
+
+def fp32_run(
+    initial: dict, model_kwargs, dataset, *, world: int, batch: int, steps: int, clip: float, accumulate: int = 1
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain fp32 training on the same global batches: per-micro-batch losses (mean over the ranks) and the
+    final ``state_dict``."""
+    model = _build(model_kwargs)
     model.load_state_dict(copy.deepcopy(initial))
     opt, sched = _optimizer(model)
     losses = []
@@ -47,7 +62,7 @@ def fp32_reference(
         opt.step()
         if sched is not None:
             sched.step()
-    return losses
+    return losses, {n: t.detach().clone() for n, t in model.state_dict().items()}
 
 
 def mixed_reference(
@@ -69,7 +84,7 @@ def mixed_reference(
     ``hold_sum_in_param_dtype``: stages 1-2 keep the reduced gradient sum in the parameter's dtype before
     unscaling it into fp32; stage 3 (FSDP2) receives it into an fp32 shard.
     """
-    master = GPTLightningModule(**model_kwargs)
+    master = _build(model_kwargs)
     master.load_state_dict(copy.deepcopy(initial))
     opt, sched = _optimizer(master)
     compute = copy.deepcopy(master)

@@ -1,0 +1,78 @@
+"""Hugging Face ``transformers`` models from tiny configs (nothing is downloaded) inside a LightningModule.
+
+GPT-2 (tied input/output embeddings, ``Conv1D`` weights), BERT masked LM (tied decoder and its bias) and a
+Llama-style causal LM (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention). Dropout is off so a
+single process can replay the ranks' arithmetic exactly.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from tests.distributed import models
+
+VOCAB, LENGTH, MASK_ID = 64, 12, 63
+
+
+def tiny_config(kind: str):
+    from transformers import BertConfig, GPT2Config, LlamaConfig
+
+    if kind == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if kind == "bert":
+        return BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=64, max_position_embeddings=LENGTH,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if kind == "llama":
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH)
+    raise ValueError(kind)
+
+
+def model_class(kind: str):
+    import transformers
+
+    return {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM, "llama": transformers.LlamaForCausalLM}[kind]
+
+
+def block_class(kind: str):
+    """The library's own transformer block, for activation checkpointing."""
+    from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return {"gpt2": GPT2Block, "bert": BertLayer, "llama": LlamaDecoderLayer}[kind]
+
+
+class HFLightningModule(L.LightningModule):
+    """A causal or masked LM step on token windows; ``_loss`` is what the single-process references call."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.model = model_class(kind)(tiny_config(kind))
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch  # (B, T) tokens and the next tokens
+        if self.kind == "bert":
+            # A fixed 1-in-4 mask, a pure function of the batch so every replay masks the same positions.
+            masked = (x + torch.arange(x.shape[1])) % 4 == 0
+            logits = self.model(input_ids=x.masked_fill(masked, MASK_ID)).logits
+            labels = torch.where(masked, x, torch.full_like(x, -100))
+        else:
+            logits = self.model(input_ids=x).logits
+            labels = y
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(models.param_groups(self), lr=3e-3, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,54 @@
+"""Hugging Face GPT-2, BERT and Llama (tiny configs) under every stage, 2 CPU ranks, through Trainer.
+
+fp32 (2 accumulated micro-batches per step, activation checkpointing on ``GPT2Block``/``BertLayer``/
+``LlamaDecoderLayer``) against plain single-process PyTorch; bf16-mixed against a single-process emulation of
+the same mixed arithmetic (``mixed_reference.py``). Every run: clipping by norm, 2 param groups, a warmup
+schedule, 3 optimizer steps.
+"""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.launch import launch  # noqa: E402
+
+WORLD = 2
+pytestmark = pytest.mark.slow
+KINDS = ("gpt2", "bert", "llama")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return launch("tests.distributed.worker_hf_models", "default", nprocs=WORLD)["default"]
+
+
+@pytest.fixture(scope="module")
+def full_report():
+    return launch("tests.distributed.worker_hf_models", "full", nprocs=WORLD)["full"]
+
+
+def check(key: str, result: dict, tolerance: float) -> None:
+    assert result["steps"] == 3, key
+    assert result["change"] > 1e-3, f"{key}: the reference must move the parameters"
+    assert result["diff"] <= tolerance, f"{key}: max |param - reference| = {result['diff']:.3g}"
+    if key.startswith("gpt2"):
+        assert result["tied"], f"{key}: lm_head and wte stay tied"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp32_with_activation_checkpointing_equals_plain_pytorch(report, kind, stage):
+    check(f"{kind}/stage{stage}/32-true/ac", report[f"{kind}/stage{stage}/32-true/ac"], 1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_mixed_masters_equal_the_single_process_emulation(report, kind, stage):
+    check(f"{kind}/stage{stage}/bf16-mixed/plain", report[f"{kind}/stage{stage}/bf16-mixed/plain"], 1e-6)
+
+
+@pytest.mark.full
+def test_the_rest_of_the_matrix(full_report):
+    assert len(full_report) == 18
+    for key, result in full_report.items():
+        check(key, result, 1e-5 if "32-true" in key else 1e-6)

@@ -1,0 +1,79 @@
+"""Which parameters a mixed policy holds in fp32, and the extra stage-3 units that keeps one dtype per unit."""
+
+import torch
+from torch import nn
+
+from lightning_zero.engine.fsdp2 import one_dtype_units, select_units
+from lightning_zero.engine.mixed_precision import PrecisionPolicy, mixed_state_bytes
+
+POLICY = PrecisionPolicy(torch.bfloat16, torch.bfloat16)
+
+
+class GainBlock(nn.Module):
+    """Owns a gain vector itself and a Linear: the Linear must become a unit of its own at stage 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+
+
+class Tied(nn.Module):
+    """An embedding tied to a head whose bias is owned by a vector-only parent (BERT's prediction head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.head = nn.Module()
+        self.head.decoder = nn.Linear(4, 8)
+        self.head.bias = self.head.decoder.bias
+        self.head.decoder.weight = self.embed.weight
+
+
+def names(module, ids):
+    return sorted(n for n, m in module.named_modules() if id(m) in ids)
+
+
+def test_vector_only_layers_are_fp32_whatever_their_class():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.RMSNorm(4), nn.Embedding(3, 4),
+                          nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4), GainBlock())
+    dtypes = {n: POLICY.param_dtypes(model)[id(p)] for n, p in model.named_parameters()}
+    fp32 = sorted(n for n, d in dtypes.items() if d == torch.float32)
+    assert fp32 == ["1.bias", "1.weight", "2.bias", "2.weight", "3.weight", "6.bias", "6.weight",
+                    "7.gain", "7.norm.bias", "7.norm.weight"]
+    assert dtypes["0.bias"] == torch.bfloat16, "a Linear's bias goes through autocast's cast with its weight"
+    assert dtypes["4.weight"] == torch.bfloat16
+
+
+def test_fp32_modules_extends_the_rule():
+    policy = PrecisionPolicy(torch.bfloat16, torch.bfloat16, fp32_modules=(nn.Embedding,))
+    assert policy.param_dtypes(nn.Embedding(3, 4)).popitem()[1] == torch.float32
+
+
+def test_tied_parameters_follow_the_matrix_layer_and_stay_in_one_unit():
+    model = Tied()
+    dtypes = POLICY.param_dtypes(model)
+    assert dtypes[id(model.head.bias)] == torch.bfloat16
+    assert one_dtype_units(model, select_units(model, None), POLICY) == set()
+
+
+def test_stage3_units_hold_one_dtype_each():
+    model = nn.Module()
+    model.blocks = nn.ModuleList([GainBlock(), GainBlock()])
+    units = select_units(model, None)
+    extra = one_dtype_units(model, units, POLICY)
+    # The blocks own a gain vector, so they are fp32 units; their LayerNorms share that dtype, their Linears not.
+    assert names(model, extra) == ["blocks.0.proj", "blocks.1.proj"]
+    plain = nn.Module()
+    plain.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(2)])
+    assert names(plain, one_dtype_units(plain, select_units(plain, None), POLICY)) == ["blocks.0.0", "blocks.1.0"]
+
+
+def test_state_bytes_formulas():
+    assert mixed_state_bytes(100, 0, 2, 1) == {"device": 4 * 100 + 12 * 50, "host": 0.0}
+    assert mixed_state_bytes(100, 0, 2, 2) == {"device": 2 * 100 + 14 * 50, "host": 0.0}
+    assert mixed_state_bytes(100, 10, 2, 3) == {"device": 16 * 55, "host": 0.0}
+    assert mixed_state_bytes(100, 10, 2, 3, offload=True) == {"device": 0.0, "host": 16 * 55}
+    # fp32-held parameters cost their fp32 bytes plus master rows
+    assert mixed_state_bytes(0, 10, 2, 1)["device"] == 8 * 10 + 12 * 5
