@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -46,6 +45,7 @@ from lightning_zero.checkpoint_verify import (
 )
 from lightning_zero.engine import collectives
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full, shard_rows
+from lightning_zero.safe_load import dcp_load, load_weights_only
 
 SHARDED_MARKER = "lightning_zero_sharded"
 
@@ -251,10 +251,11 @@ def load(
     shards here; a full file is returned for Lightning to hand to :func:`load_model_state` and
     :func:`load_optimizer_state`."""
     check_complete(path)
+    _refuse_unsafe(weights_only)
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        return load_weights_only(path)
     _verify_in_parallel(path)
-    checkpoint = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+    checkpoint = load_weights_only(path / META_FILE)
     model_state = sharded_model_state(module, engine)
     # Checked against the whole model (another pipeline stage's tensors are meta here, with their shapes).
     check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(module.state_dict()), "model", strict=strict)
@@ -283,7 +284,7 @@ def load(
             state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
             live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
             check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state")
-    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    dcp_load(state, path, allow_partial_load=not strict)
     if engine is not None:
         engine.params_loaded()  # e.g. each rank loaded only its rows of the resident parameters
     for i, optimizer in enumerate(optimizers):
@@ -296,6 +297,14 @@ def load(
     if optimizer_entries:
         checkpoint["optimizer_states"] = [{SHARDED_MARKER: True} for _ in optimizers]
     return checkpoint
+
+
+def _refuse_unsafe(weights_only: bool) -> None:
+    if weights_only is False:
+        raise CheckpointError(
+            "ZeroStrategy reads checkpoints with `weights_only=True` only: loading with `weights_only=False` could "
+            "execute code from the file. Allow a type you trust with `torch.serialization.add_safe_globals([...])`."
+        )
 
 
 def _shapes(state: Mapping[str, Any]) -> dict[str, torch.Size | None]:

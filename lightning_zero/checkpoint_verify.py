@@ -16,7 +16,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 MANIFEST_FILE = "manifest.json"
@@ -78,7 +77,9 @@ def verify_files(path: Path, names: Iterable[str] | None = None) -> None:
 
 def saved_tensor_shapes(path: Path, prefix: str) -> dict[str, torch.Size | None]:
     """Entries under ``prefix.`` in a sharded checkpoint: name -> full shape (None for non-tensors)."""
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    from lightning_zero.safe_load import read_dcp_metadata  # it builds on this module's CheckpointError
+
+    metadata = read_dcp_metadata(path / ".metadata").state_dict_metadata
     out = {}
     for key, item in metadata.items():
         if key.startswith(prefix + "."):

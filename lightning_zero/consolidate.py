@@ -21,15 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero.checkpoint_verify import META_FILE, check_complete, verify_files
+from lightning_zero.safe_load import dcp_load, load_weights_only, read_dcp_metadata
 
 
 def _entries(src: Path, prefix: str) -> Iterator[tuple[str, TensorStorageMetadata]]:
-    metadata = dcp.FileSystemReader(src).read_metadata().state_dict_metadata
+    metadata = read_dcp_metadata(src / ".metadata").state_dict_metadata
     for key, item in metadata.items():
         if key.startswith(prefix) and isinstance(item, TensorStorageMetadata):
             yield key, item
@@ -50,7 +50,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optim
     if not src.is_dir():
         raise ValueError(f"{src} is a single-file checkpoint already; consolidate takes a sharded directory.")
     verify_files(src)
-    meta = torch.load(src / META_FILE, map_location="cpu", weights_only=True)
+    meta = load_weights_only(src / META_FILE)
 
     # key in the DCP archive -> (path of keys in the output object, metadata)
     layout: dict[str, tuple[tuple, TensorStorageMetadata]] = {}
@@ -86,7 +86,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optim
     try:
         for key, (path, item) in layout.items():
             buffer = torch.empty(item.size, dtype=item.properties.dtype)
-            dcp.load({key: buffer}, checkpoint_id=src, no_dist=True)
+            dcp_load({key: buffer}, src, no_dist=True)
             mapped = torch.load(tmp, mmap=True, weights_only=True, map_location="cpu")
             _lookup(mapped, path).copy_(buffer)
             del mapped, buffer

@@ -30,9 +30,14 @@ def consolidate_command(argv: Sequence[str]) -> int:
     parser.add_argument("dst", help="output file")
     parser.add_argument("--optimizer", action="store_true", help="also write the optimizer states (torch.optim format)")
     args = parser.parse_args(argv)
+    from lightning_zero.checkpoint_verify import CheckpointError
     from lightning_zero.consolidate import consolidate
 
-    out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
+    try:
+        out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
+    except (CheckpointError, FileNotFoundError) as err:
+        print(f"lightning-zero consolidate: error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
     return 0
 

@@ -242,7 +242,42 @@ def frozen_and_weights_only(directory: Path) -> dict:
     return out
 
 
+def malicious(directory: Path) -> dict:
+    """A good sharded checkpoint, then copies with a code-running payload in place of ``.metadata`` (plain
+    pickle) or ``meta.pt`` (a torch archive), manifest updated to match, and a full ``.ckpt`` file that is such
+    an archive: every resume refuses it on every rank, and the payload never runs."""
+    import shutil
+
+    from tests.distributed.malicious import RunsShell, plant
+
+    L.seed_everything(7)
+    first = trainer(ZeroStrategy(stage=2), max_steps=2, **COMMON)
+    first.fit(models.Regression(), models.loader(DATA, 4))
+    first.save_checkpoint(directory / "good")
+    cases = {"metadata": (".metadata", "pickle"), "meta": ("meta.pt", "torch"), "full": (None, "torch")}
+    if RANK == 0:
+        for name, (file, how) in cases.items():
+            target, marker = directory / f"evil_{name}", directory / f"PWNED_{name}"
+            if file is None:
+                torch.save({"state_dict": {}, "payload": RunsShell(marker)}, target)
+            else:
+                shutil.copytree(directory / "good", target)
+                plant(target, file, marker, how=how)
+    first.strategy.barrier()
+    out = {}
+    for name in cases:
+        second = trainer(ZeroStrategy(stage=2), max_steps=3, **COMMON)
+        try:
+            second.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=directory / f"evil_{name}")
+            out[name] = {"error": None}
+        except Exception as err:  # noqa: BLE001 - the test asserts on what the user sees
+            out[name] = {"error": type(err).__name__, "message": str(err).splitlines()[0]}
+        out[name]["ran"] = (directory / f"PWNED_{name}").exists()
+    return out
+
+
 CASES = {
+    "malicious": malicious,
     "frozen_and_weights_only": frozen_and_weights_only,
     "corrupted": corrupted,
     "exact_resume": exact_resume,

@@ -1,0 +1,57 @@
+"""A crafted checkpoint never runs code: every load path refuses the payload and names the file.
+
+An attacker with write access to a shared checkpoint directory replaces a file with a pickle whose
+``__reduce__`` calls ``os.system`` and updates the manifest (a checksum, not a signature). ``Trainer.fit(
+ckpt_path=...)`` on 2 ranks and ``lightning-zero consolidate`` must refuse it; the marker file the payload would
+create must not exist afterwards.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import REPO, launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("evil")
+    report = launch("tests.distributed.worker_checkpoint", "malicious", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})
+    return {**report, "dir": directory}
+
+
+@pytest.mark.parametrize(
+    ("case", "names"),
+    [("metadata", [".metadata", "posix.system"]), ("meta", ["meta.pt", "system"]), ("full", ["evil_full", "system"])],
+)
+def test_fit_with_ckpt_path_refuses_the_payload(shared, case, names):
+    result = shared["malicious"][case]
+    assert result["error"] == "UnsafeCheckpointError", result
+    for name in names:
+        assert name in result["message"], result["message"]
+    assert not result["ran"], "the payload ran"
+
+
+@pytest.mark.parametrize("case", ["metadata", "meta"])
+def test_consolidate_refuses_the_payload(shared, case, tmp_path):
+    directory = shared["dir"]
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_zero", "consolidate", str(directory / f"evil_{case}"), str(tmp_path / "model.pt")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "Refused to read" in out.stderr and "nothing in" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (directory / f"PWNED_{case}").exists()
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_the_untampered_checkpoint_still_consolidates(shared, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_zero", "consolidate", str(shared["dir"] / "good"), str(tmp_path / "model.pt")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
