@@ -9,7 +9,9 @@ gradient accumulation, and the shard-level view the precision plugin needs for c
 Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, which is the order an eager
 build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
 sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
-plus one unit exist at full size at any time.
+plus one unit exist at full size at any time. Inside a Hugging Face model the library's own initialisation
+runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN: one that no initialiser wrote is
+an error naming its layer, never silently trained on.
 
 [Note: stage 3 mixed precision]
 FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it
@@ -41,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.sharded_optimizer import check_elementwise, hosted_params
@@ -114,6 +117,10 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], policy: PrecisionPo
 
     visit(root, bool(kind(root)))
     return extra
+
+
+def _own_floating(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.is_floating_point()]
 
 
 def _has_meta(module: nn.Module, recurse: bool) -> bool:
@@ -199,26 +206,65 @@ class FullyShardedEngine:
         torch.set_rng_state(cpu_state)
         if device_state is not None:
             torch.cuda.set_rng_state(device_state)
-        last_of_unit = {id(list(unit.modules())[-1]): [] for unit in self.units}
-        for unit in self.units:
-            last_of_unit[id(list(unit.modules())[-1])].append(unit)
-        missing = set()
-        for sub in self.module.modules():
-            if _has_meta(sub, recurse=False):
-                sub.to_empty(device=device, recurse=False)
-                reset = getattr(sub, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-                else:
-                    missing.add(type(sub).__name__)
-            # Innermost units end first; shard children before the parents that contain them.
-            for unit in reversed(last_of_unit.get(id(sub), [])):
-                self._shard(unit)
+        units = {id(unit) for unit in self.units}
+        owners = hf_owners(self.module)
+        done: set[int] = set()
+        missing: set[str] = set()
+        tied: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised parameter
+
+        def materialize(sub: nn.Module) -> None:
+            """Construction order (pre-order) for ordinary modules; children first inside a Hugging Face model,
+            as its own initialisation visits them. A unit is sharded once its whole subtree exists."""
+            if id(sub) in done:
+                return
+            done.add(id(sub))
+            hf = owners.get(id(sub))
+            if hf is None:
+                self._initialize(sub, device, None, missing, tied)
+            for child in sub.children():
+                materialize(child)
+            if hf is not None:
+                self._initialize(sub, device, hf, missing, tied)
+            if id(sub) in units:
+                self._shard(sub)
+
+        materialize(self.module)
+        for sub in self.module.modules():  # after every initialiser ran: a parent's may set a child's tensors
+            if any(bool(torch.isnan(_local(t)).any()) for t in _own_floating(sub)):
+                missing.add(type(sub).__name__)
         if missing:
             raise TypeError(
                 f"Cannot materialise the meta-device model: {sorted(missing)} define parameters or buffers but no "
-                "`reset_parameters()`; add one, or build those modules outside `configure_model`."
+                "`reset_parameters()` (nor a Hugging Face `_init_weights` that sets them); add one, or build those "
+                "modules outside `configure_model`."
             )
+
+    @staticmethod
+    def _initialize(
+        sub: nn.Module, device: torch.device, hf_owner: nn.Module | None, missing: set[str], tied: dict[int, nn.Parameter]
+    ) -> None:
+        """Materialise ``sub``'s own meta tensors and initialise them: ``reset_parameters()``, then the owning
+        Hugging Face model's initialisation (see [Note: Hugging Face initialisation on the meta device]).
+        Floating tensors start as NaN so that one no initialiser wrote is caught, not trained on. A parameter
+        another module already materialised (tied weights) is shared, not materialised twice:
+        ``to_empty`` would give each owner a tensor of its own."""
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in tied:
+                sub._parameters[name] = tied[id(param)]
+        if _has_meta(sub, recurse=False):
+            before = {name: id(p) for name, p in sub._parameters.items() if p is not None and p.is_meta}
+            sub.to_empty(device=device, recurse=False)
+            tied.update({meta_id: sub._parameters[name] for name, meta_id in before.items()})
+            with torch.no_grad():
+                for tensor in _own_floating(sub):
+                    tensor.fill_(float("nan"))
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif hf_owner is None:
+                missing.add(type(sub).__name__)
+        if hf_owner is not None:  # every module, as the library's own pass: a block may set its children's weights
+            initialize(sub, hf_owner)
 
     # ------------------------------------------------------------------ optimizers
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:

@@ -47,6 +47,23 @@ def test_bf16_mixed_masters_equal_the_single_process_emulation(report, kind, sta
     check(f"{kind}/stage{stage}/bf16-mixed/plain", report[f"{kind}/stage{stage}/bf16-mixed/plain"], 1e-6)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_built_in_configure_model_under_stage_3_gets_the_library_initialisation(report, kind):
+    """Meta device, then each unit materialised sharded with ``_init_weights``: every deterministic tensor
+    (norms, biases, zeroed rows, rotary and position buffers) equals an eager build; every random one has the
+    library's distribution (GPT-2's residual projections at 0.02 / sqrt(2 n_layer))."""
+    result = report[f"{kind}/meta_init"]
+    assert result["steps"] == 2
+    assert result["not_equal"] == []
+    assert result["spread"], "the model has random weights"
+    for name, (std, eager_std, abs_mean, numel) in result["spread"].items():
+        # Two sample standard deviations of n draws each differ by about sqrt(2) / sqrt(2n): allow 5 of that.
+        assert std == pytest.approx(eager_std, rel=5 / numel**0.5), name
+        assert abs_mean <= 4 * eager_std / numel**0.5, name
+    if kind == "gpt2":
+        assert result["tied"], "lm_head.weight is still wte.weight"
+
+
 @pytest.mark.full
 def test_the_rest_of_the_matrix(full_report):
     assert len(full_report) == 18

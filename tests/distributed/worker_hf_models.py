@@ -12,11 +12,12 @@ import os
 import sys
 
 import lightning as L
+import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.data import RandomTokenDataset
 from tests.distributed import models
-from tests.distributed.hf_models import LENGTH, MASK_ID, HFLightningModule, block_class
+from tests.distributed.hf_models import LENGTH, MASK_ID, HFLightningModule, block_class, model_class, tiny_config
 from tests.distributed.mixed_reference import fp32_run, mixed_reference
 from tests.distributed.worker_core import max_diff, trainer
 from tests.launch import run_cases
@@ -59,6 +60,55 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool) -> dict:
     return out
 
 
+class BuiltInConfigureModel(HFLightningModule):
+    """Lightning's pattern for large models: the network is built in ``configure_model`` (on the meta device
+    under stage 3) and materialised sharded with the library's own initialisation."""
+
+    def __init__(self, kind: str) -> None:
+        L.LightningModule.__init__(self)
+        self.kind = kind
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = model_class(self.kind)(tiny_config(self.kind))
+
+
+class InitialState(L.Callback):
+    """The materialised model before any step, against an eager CPU build (rank 0)."""
+
+    def __init__(self) -> None:
+        self.out: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        full = trainer.strategy.full_state_dict()
+        buffers = {name: b.detach().cpu().clone() for name, b in pl_module.named_buffers()}
+        if RANK != 0:
+            return
+        eager = model_class(pl_module.kind)(tiny_config(pl_module.kind))
+        exact, spread = [], {}
+        for name, value in eager.state_dict().items():
+            got = full[f"model.{name}"]
+            if value.is_floating_point() and value.numel() > 1 and float(value.std()) > 0:
+                spread[name] = (float(got.std()), float(value.std()), abs(float(got.mean())), got.numel())
+            elif not torch.equal(got.to(value.dtype), value):
+                exact.append(name)
+        for name, value in eager.named_buffers():
+            if not torch.equal(buffers[f"model.{name}"].to(value.dtype), value):
+                exact.append(name)
+        self.out = {"not_equal": exact, "spread": spread}
+        if pl_module.kind == "gpt2":
+            self.out["tied"] = pl_module.model.lm_head.weight is pl_module.model.transformer.wte.weight
+
+
+def meta_init(kind: str) -> dict:
+    L.seed_everything(21)
+    probe = InitialState()
+    t = trainer(ZeroStrategy(stage=3), max_steps=2, callbacks=[probe], precision="bf16-mixed")
+    t.fit(BuiltInConfigureModel(kind), models.loader(data(), BATCH))
+    return {**probe.out, "steps": t.global_step}
+
+
 def cases(precisions, checkpointing) -> dict:
     return {
         f"{kind}/stage{stage}/{precision}/{'ac' if ac else 'plain'}": run(kind, stage, precision, ac)
@@ -71,7 +121,11 @@ def cases(precisions, checkpointing) -> dict:
 
 CASES = {
     # `make test`: every model at every stage, fp32 with activation checkpointing, bf16-mixed without.
-    "default": lambda: {**cases(["32-true"], [True]), **cases(["bf16-mixed"], [False])},
+    "default": lambda: {
+        **cases(["32-true"], [True]),
+        **cases(["bf16-mixed"], [False]),
+        **{f"{kind}/meta_init": meta_init(kind) for kind in KINDS},
+    },
     # `make test-all`: the rest of the matrix.
     "full": lambda: {**cases(["32-true"], [False]), **cases(["bf16-mixed"], [True])},
 }
