@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -375,21 +375,37 @@ def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, s
     """Load a full (unsharded) ``state_dict`` into the live model, keeping only this rank's rows."""
     if not state_dict:
         return
-    live = module.state_dict()
-    check_compatible(_shapes(state_dict), _shapes(live), "model", strict=strict)
+    check_compatible(_shapes(state_dict), _shapes(module.state_dict()), "model", strict=strict)
+    copy_into_model(
+        module, engine, {name: name for name in state_dict}, lambda key, rank, world: shard_rows(state_dict[key], rank, world),
+        lambda key: state_dict[key],
+    )
+
+
+def copy_into_model(
+    module: nn.Module,
+    engine,
+    sources: Mapping[str, str],
+    read_rows: Callable[[str, int, int], torch.Tensor],
+    read_full: Callable[[str], torch.Tensor],
+) -> None:
+    """Write tensors into the live model, each rank reading only what it holds: ``sources`` maps a live
+    ``state_dict`` name to a source key; ``read_rows(key, rank, world)`` returns that rank's dim-0 rows of a
+    sharded tensor (stage 3's DTensors, the engine's master rows at stages 1-2, which ``params_loaded`` then
+    all-gathers), ``read_full(key)`` a tensor every rank holds whole. Collective when there is an engine."""
     rank, world = _shard_coords(engine)
     rows = _trainable_rows(engine)
     with torch.no_grad():
-        for name, target in live.items():
-            if name not in state_dict or target.is_meta:  # meta: another pipeline stage's tensor
+        for name, target in module.state_dict().items():
+            key = sources.get(name)
+            if key is None or target.is_meta:  # meta: another pipeline stage's tensor
                 continue
-            full = state_dict[name]
             if isinstance(target, DTensor):
-                target.to_local().copy_(shard_rows(full, rank, world))
+                target.to_local().copy_(read_rows(key, rank, world))
             elif name in rows:
-                engine.local_rows(rows[name]).copy_(shard_rows(full, rank, world))
+                engine.local_rows(rows[name]).copy_(read_rows(key, rank, world))
             else:
-                target.copy_(full)
+                target.copy_(read_full(key))
     if engine is not None:
         engine.params_loaded()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Literal, Union
@@ -138,6 +139,25 @@ class ZeroConfig:
     state_dict_type: StateDictType = "sharded"
     """``"sharded"`` writes a directory of per-rank shards; ``"full"`` writes one file from rank 0."""
 
+    init_weights: str | None = None
+    """Pretrained weights to start from: a Hugging Face ``save_pretrained`` directory (safetensors, sharded or
+    not), a ``.safetensors`` file, or a plain ``state_dict`` / consolidated / Lightning checkpoint file. Read
+    after sharding, each rank only its rows (see ``pretrained.py``); a ``ckpt_path`` resume overrides it."""
+
+    init_weights_strict: bool = True
+    """Whether keys of the module missing from ``init_weights`` (or of the file missing from the module) are an
+    error, as ``load_state_dict(strict=True)``; shape mismatches always are."""
+
+    init_weights_prefix: str | None = None
+    """Prefix of the module's ``state_dict`` names that the file's keys go under (e.g. ``"model."``); ``None``
+    picks the submodule that matches the most keys."""
+
+    gather_16bit_weights_on_save: bool = False
+    """Every ``save_checkpoint`` also writes the consolidated weights in the run's 16-bit dtype (bf16 unless the
+    run is ``16-mixed``) to ``<checkpoint path>.hf/``: a Hugging Face directory (``config.json`` +
+    ``model.safetensors``) when the module holds a ``transformers`` model, else ``model.safetensors`` alone.
+    DeepSpeed's ``gather_16bit_weights_on_model_save`` (either spelling) sets it."""
+
     process_group_backend: str | None = None
     """``torch.distributed`` backend; ``None`` picks ``nccl`` on CUDA and ``gloo`` otherwise."""
 
@@ -149,7 +169,18 @@ class ZeroConfig:
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, SUPPORTED_STAGES)
-        for flag in ("offload_optimizer", "offload_params", "overlap_comm", "reduce_every_microbatch"):
+        if self.init_weights is not None:
+            if not isinstance(self.init_weights, (str, os.PathLike)) or not os.path.exists(self.init_weights):
+                raise ZeroConfigError(
+                    f"`init_weights={self.init_weights!r}` must be the path of a `save_pretrained` directory, a "
+                    ".safetensors file or a state_dict file, and it does not exist."
+                )
+            object.__setattr__(self, "init_weights", os.fspath(self.init_weights))
+        if self.init_weights_prefix is not None and not isinstance(self.init_weights_prefix, str):
+            raise ZeroConfigError(f"`init_weights_prefix` must be None or a string, got {self.init_weights_prefix!r}.")
+        flags = ("offload_optimizer", "offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
+                 "gather_16bit_weights_on_save")
+        for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ZeroConfigError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
         if self.offload_params and self.stage != 3:

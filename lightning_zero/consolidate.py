@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_zero.checkpoint_verify import META_FILE, check_complete, verify_files
+from lightning_zero.checkpoint_verify import META_FILE, CheckpointError, check_complete, verify_files
 from lightning_zero.safe_load import dcp_load, load_weights_only, read_dcp_metadata
 
 
@@ -106,3 +106,50 @@ def _lookup(tree, path: tuple):
     for part in path:
         tree = tree[part]
     return tree
+
+
+def iter_model_tensors(src: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` of a checkpoint's model ``state_dict``, one tensor in memory at a time (a sharded
+    directory), or from a full ``.ckpt`` file."""
+    src = Path(src)
+    check_complete(src)
+    if src.is_file():
+        yield from load_weights_only(src, mmap=True)["state_dict"].items()
+        return
+    verify_files(src)
+    for key, item in _entries(src, "state_dict."):
+        buffer = torch.empty(item.size, dtype=item.properties.dtype)
+        dcp_load({key: buffer}, src, no_dist=True)
+        yield key[len("state_dict.") :], buffer
+
+
+def export_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    hf_config: str | os.PathLike | None = None,
+    prefix: str | None = None,
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """Write the checkpoint ``src`` as a Hugging Face directory ``dst`` (see ``hf_export.py``). The model's class,
+    config and prefix come from the checkpoint (saved by a run whose module holds a ``transformers`` model), or
+    from ``hf_config`` (a directory with ``config.json``) and ``prefix``. ``dtype``: ``fp32``/``bf16``/``fp16``."""
+    from lightning_zero.hf_export import DTYPES, describe_config_dir, write_hf_dir
+
+    src = Path(src)
+    check_complete(src)
+    meta = load_weights_only(src / META_FILE if src.is_dir() else src, mmap=src.is_file())
+    record = describe_config_dir(hf_config, prefix or "") if hf_config is not None else meta.get("hf_export")
+    if record is None:
+        raise CheckpointError(
+            f"{src} does not say which Hugging Face model it holds (it was not saved from a module holding a "
+            "`transformers` model): pass `--hf-config DIR` (a directory with the model's config.json) and `--prefix`."
+        )
+    if prefix is not None:
+        record = {**record, "prefix": prefix}
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"`dtype={dtype!r}` is not supported; choose one of {tuple(DTYPES)}.")
+    return write_hf_dir(
+        iter_model_tensors(src), record, dst, dtype=DTYPES[dtype] if dtype else None, max_shard_size=max_shard_size
+    )

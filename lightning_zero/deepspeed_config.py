@@ -47,12 +47,18 @@ ZERO_TUNING_KEYS = frozenset(
         "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "contiguous_gradients",
         "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "cpu_offload_use_pin_memory",
         "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
-        "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+        "stage3_param_persistence_threshold", "ignore_unused_parameters", "legacy_stage1",
         "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
     }
 )
-ZERO_KEYS = frozenset({"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "cpu_offload"})
+#: DeepSpeed's (and Hugging Face's) spellings of "also write consolidated 16-bit weights on save".
+GATHER_16BIT_KEYS = (
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save",
+)
+ZERO_KEYS = frozenset(
+    {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "cpu_offload", *GATHER_16BIT_KEYS}
+)
 OFFLOAD_KEYS = frozenset({"device", "pin_memory"})
 OFFLOAD_TUNING_KEYS = frozenset({"buffer_count", "buffer_size", "fast_init", "max_in_cpu", "nvme_path", "pipeline_read", "pipeline_write"})
 TOP_KEYS = frozenset(
@@ -182,6 +188,14 @@ def _zero_section(zero: Mapping[str, Any]) -> dict[str, Any]:
     if zero.get("reduce_bucket_size", AUTO) != AUTO:
         elements = _number("zero_optimization.reduce_bucket_size", zero["reduce_bucket_size"], float)
         out["bucket_size_mb"] = elements * 4 / 2**20  # DeepSpeed counts elements; ours are MiB of fp32
+    gather = {zero[key] for key in GATHER_16BIT_KEYS if key in zero}
+    if gather:
+        if len(gather) > 1 or not all(isinstance(value, bool) for value in gather):
+            raise ZeroConfigError(
+                f"DeepSpeed config: `zero_optimization.{'/'.join(k for k in GATHER_16BIT_KEYS if k in zero)}` must be "
+                "one value, true or false."
+            )
+        out["gather_16bit_weights_on_save"] = gather.pop()
     if "overlap_comm" in zero:
         if not isinstance(zero["overlap_comm"], bool):
             raise ZeroConfigError("DeepSpeed config: `zero_optimization.overlap_comm` must be true or false.")

@@ -32,7 +32,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import checkpoint_io, failures
+from lightning_zero import checkpoint_io, failures, hf_export
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing
 from lightning_zero.config import (
     ModulePolicy,
@@ -63,6 +63,7 @@ from lightning_zero.launcher import ZeroMultiProcessingLauncher
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.pipeline.split import PipelineLayout
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
+from lightning_zero.pretrained import load_pretrained
 from lightning_zero.rng import collect_rng_state, restore_rng_state
 
 
@@ -93,6 +94,10 @@ class ZeroStrategy(ParallelStrategy):
         overlap_comm: bool = True,
         reduce_every_microbatch: bool = False,
         elementwise_optimizers: tuple[type, ...] = (),
+        init_weights: str | Path | None = None,
+        init_weights_strict: bool = True,
+        init_weights_prefix: str | None = None,
+        gather_16bit_weights_on_save: bool = False,
         state_dict_type: StateDictType = "sharded",
         config: dict | str | Path | None = None,
         process_group_backend: str | None = None,
@@ -122,6 +127,10 @@ class ZeroStrategy(ParallelStrategy):
             overlap_comm=overlap_comm,
             reduce_every_microbatch=reduce_every_microbatch,
             elementwise_optimizers=tuple(elementwise_optimizers),
+            init_weights=init_weights,
+            init_weights_strict=init_weights_strict,
+            init_weights_prefix=init_weights_prefix,
+            gather_16bit_weights_on_save=gather_16bit_weights_on_save,
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -317,6 +326,9 @@ class ZeroStrategy(ParallelStrategy):
                     group=group,
                     mesh=mesh,
                 )
+        if config.init_weights is not None:
+            load_pretrained(self.model, config.init_weights, strict=config.init_weights_strict,
+                            prefix=config.init_weights_prefix, engine=self._engine)
         self._buffers = [b for b in self.model.buffers() if not b.is_meta]
         if fitting:
             self.setup_optimizers(trainer)
@@ -537,17 +549,27 @@ class ZeroStrategy(ParallelStrategy):
             raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
         checkpoint["rng_states"] = collectives.all_gather_objects(collect_rng_state())
+        hf_model = hf_export.describe(self.lightning_module) if self.lightning_module is not None else None
+        if hf_model is not None:
+            checkpoint["hf_export"] = hf_model  # what `lightning-zero consolidate --hf` needs
         if self.zero_config.state_dict_type == "full":
             if self.is_global_zero:
                 checkpoint_io.save_full(checkpoint, path)
             self.barrier()
         else:
             checkpoint_io.save_sharded(checkpoint, path)
+        if self.zero_config.gather_16bit_weights_on_save:
+            state = self.full_state_dict()
+            if self.is_global_zero:
+                dtype = self.precision_plugin.compute_dtype if isinstance(self.precision_plugin, ZeroPrecision) else None
+                hf_export.save_16bit(state, hf_model, path, dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+            self.barrier()
 
     @override
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
             checkpoint_io.remove(Path(filepath))
+            checkpoint_io.remove(hf_export.sixteen_bit_dir(filepath))
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

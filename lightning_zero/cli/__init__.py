@@ -29,16 +29,28 @@ def consolidate_command(argv: Sequence[str]) -> int:
     parser.add_argument("src", help="sharded checkpoint directory")
     parser.add_argument("dst", help="output file")
     parser.add_argument("--optimizer", action="store_true", help="also write the optimizer states (torch.optim format)")
+    parser.add_argument("--hf", action="store_true", help="write a Hugging Face directory (config.json + safetensors) "
+                        "that from_pretrained reads, instead of one file")
+    parser.add_argument("--hf-config", help="--hf: a directory with the model's config.json, for checkpoints that do not "
+                        "describe their Hugging Face model")
+    parser.add_argument("--prefix", help="--hf: the prefix of the model's names in the LightningModule (e.g. 'model.')")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="--hf: dtype of the written weights")
+    parser.add_argument("--max-shard-size", default="5GB", help="--hf: largest safetensors file (default 5GB)")
     args = parser.parse_args(argv)
     from lightning_zero.checkpoint_verify import CheckpointError
-    from lightning_zero.consolidate import consolidate
+    from lightning_zero.consolidate import consolidate, export_hf
 
     try:
-        out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
-    except (CheckpointError, FileNotFoundError) as err:
+        if args.hf:
+            out = export_hf(args.src, args.dst, dtype=args.dtype, hf_config=args.hf_config, prefix=args.prefix,
+                            max_shard_size=args.max_shard_size)
+        else:
+            out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
         print(f"lightning-zero consolidate: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    size = sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
     return 0
 
 

@@ -1,0 +1,152 @@
+"""Rank program for ``test_pretrained.py``: ``ZeroStrategy(init_weights=...)`` from files written by
+``save_pretrained`` / ``torch.save``, a fine-tune, and the export back to Hugging Face.
+
+Run by ``tests/launch.py`` with a shared directory; rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.consolidate import export_hf
+from lightning_zero.demo.data import RandomTokenDataset
+from lightning_zero.engine.state_dict import shard_rows
+from lightning_zero.hf_export import sixteen_bit_dir
+from tests.distributed import models
+from tests.distributed.hf_models import LENGTH, MASK_ID, HFLightningModule, model_class, tiny_config
+from tests.distributed.worker_core import RANK, WORLD, trainer
+from tests.distributed.worker_hf_models import BuiltInConfigureModel
+from tests.launch import run_cases_with_directory
+
+
+def data() -> RandomTokenDataset:
+    return RandomTokenDataset(num_samples=16, block_size=LENGTH, vocab_size=MASK_ID, seed=3)
+
+
+def pretrained_model():
+    """The 'pretrained' GPT-2 (seed 99), the same in the test process and on every rank."""
+    torch.manual_seed(99)
+    return model_class("gpt2")(tiny_config("gpt2"))
+
+
+def save_pretrained_files(directory: Path) -> None:
+    """Called by the test before the launch: the model saved three ways."""
+    model = pretrained_model()
+    model.save_pretrained(directory / "single")
+    model.save_pretrained(directory / "sharded", max_shard_size="20KB")
+    torch.save({f"transformer.{k}": v for k, v in model.transformer.state_dict().items()}, directory / "plain.pt")
+
+
+def pretrained(directory: Path) -> dict[str, torch.Tensor]:
+    return pretrained_model().state_dict()
+
+
+class LoadedShards(L.Callback):
+    """Before any step: each rank's own rows of every parameter against the file's rows."""
+
+    def __init__(self, expected: dict[str, torch.Tensor]) -> None:
+        self.expected, self.out = expected, {}
+
+    def on_train_start(self, trainer, pl_module):
+        engine = trainer.strategy.engine
+        diff, checked = 0.0, 0
+        for name, param in pl_module.model.named_parameters():
+            if name not in self.expected:
+                continue
+            if hasattr(param, "to_local"):  # stage 3: this rank's rows only
+                local, want = param.to_local(), shard_rows(self.expected[name], RANK, WORLD)
+            else:  # stages 1-2: whole parameters (2-byte copies under bf16-mixed), fp32 master rows in the engine
+                i = engine.names.index(f"model.{name}")
+                local, want = engine.local_rows(i), shard_rows(self.expected[name], RANK, WORLD)
+            diff = max(diff, (local.float() - want.float()).abs().max().item() if want.numel() else 0.0)
+            checked += 1
+        self.out = {"diff": diff, "checked": checked, "tied": pl_module.model.lm_head.weight is pl_module.model.transformer.wte.weight}
+
+
+def load(directory: Path, stage: int, source: str, precision: str = "32-true", **options) -> dict:
+    expected = pretrained(directory)
+    L.seed_everything(5)
+    probe = LoadedShards(expected)
+    strategy = ZeroStrategy(stage=stage, init_weights=str(directory / source), **options)
+    t = trainer(strategy, max_steps=3, callbacks=[probe], precision=precision)
+    t.fit(BuiltInConfigureModel("gpt2"), models.loader(data(), 2))
+    return {**probe.out, "steps": t.global_step}
+
+
+def errors(directory: Path) -> dict:
+    pretrained(directory)
+    out = {}
+    for name, options in {"strict": {}, "prefix": {"init_weights_prefix": "model.transformer."}}.items():
+        L.seed_everything(5)
+        module = BuiltInConfigureModel("gpt2")
+        module.kind = "llama"  # another architecture: nothing matches
+        try:
+            trainer(ZeroStrategy(stage=3, init_weights=str(directory / "single"), **options), max_steps=1).fit(
+                module, models.loader(data(), 2)
+            )
+            out[name] = None
+        except Exception as err:  # noqa: BLE001 - asserted on in the test
+            out[name] = f"{type(err).__name__}: {err}"
+    # Not strict: a model with a third layer loads the two layers the file has.
+    L.seed_everything(5)
+    config = tiny_config("gpt2")
+    config.n_layer = 3
+    module = BuiltInConfigureModel("gpt2")
+    module.configure_model = lambda: setattr(module, "model", model_class("gpt2")(config)) if module.model is None else None
+    t = trainer(ZeroStrategy(stage=3, init_weights=str(directory / "single"), init_weights_strict=False), max_steps=1)
+    t.fit(module, models.loader(data(), 2))
+    out["lenient_steps"] = t.global_step
+    return out
+
+
+def finetune_and_export(directory: Path) -> dict:
+    """3 steps from the pretrained weights at stage 3, a sharded checkpoint with its 16-bit HF copy, then
+    the export that `from_pretrained` reads, compared with the trained module on one batch."""
+    pretrained(directory)
+    L.seed_everything(5)
+    strategy = ZeroStrategy(stage=3, init_weights=str(directory / "single"), gather_16bit_weights_on_save=True)
+    t = trainer(strategy, max_steps=3, precision="bf16-mixed")
+    module = BuiltInConfigureModel("gpt2")
+    t.fit(module, models.loader(data(), 2))
+    ckpt = directory / "finetuned"
+    t.save_checkpoint(ckpt)
+    state = t.strategy.full_state_dict()
+    out = {}
+    if RANK == 0:
+        export_hf(ckpt, directory / "exported")
+        trained = HFLightningModule("gpt2")
+        trained.load_state_dict(state)
+        batch = torch.stack([data()[i][0] for i in range(4)])
+        reference = trained.model(input_ids=batch).logits
+        cls = model_class("gpt2")
+        exported = cls.from_pretrained(directory / "exported")
+        half = cls.from_pretrained(sixteen_bit_dir(ckpt))
+        out = {
+            "logits_diff": (exported(input_ids=batch).logits - reference).abs().max().item(),
+            "half_dtype": str(next(half.parameters()).dtype),
+            "half_logits_diff": (half.float()(input_ids=batch).logits - reference).abs().max().item(),
+            "exported_tied": exported.lm_head.weight is exported.transformer.wte.weight,
+            "files": sorted(p.name for p in (directory / "exported").iterdir()),
+        }
+    return out
+
+
+CASES = {
+    "load": lambda d: {
+        **{f"stage{s}": load(d, s, "single") for s in (1, 2, 3)},
+        "stage3_sharded_dir": load(d, 3, "sharded"),
+        "stage2_plain_file": load(d, 2, "plain.pt"),
+        "stage3_bf16": load(d, 3, "single", precision="bf16-mixed"),
+        "stage2_bf16_offload": load(d, 2, "sharded", precision="bf16-mixed", offload_optimizer=True),
+    },
+    "errors": errors,
+    "export": finetune_and_export,
+}
+
+if __name__ == "__main__":
+    run_cases_with_directory(CASES, sys.argv[1:])
