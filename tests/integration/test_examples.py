@@ -82,3 +82,16 @@ def test_gpt_in_two_pipeline_stages_times_two_replicas_then_one_plain_process(tm
     alone = float(re.search(r"single-process val_loss (\d+\.\d+)", out)[1])
     piped = float(re.search(r"pipelined run: (\d+\.\d+)", out)[1])
     assert abs(alone - piped) < 0.15 and alone < first - 0.5, out[-2000:]
+
+
+def test_hf_finetune_loads_pretrained_weights_and_exports(tmp_path):
+    """A 'pretrained' Llama saved with save_pretrained, fine-tuned at ZeRO-3 + bf16-mixed + activation
+    checkpointing from init_weights, exported, reloaded with from_pretrained."""
+    pytest.importorskip("transformers")
+    out = run(sys.executable, "examples/hf_finetune.py", "--out", str(tmp_path), "--pretrain-steps", "30", "--max-steps", "20")
+    before, after, uniform = map(float, re.search(r"val_loss: pretrained (\S+) -> fine-tuned (\S+) \(uniform guess (\S+)\)", out).groups())
+    reloaded = float(re.search(r"from_pretrained on one process: val_loss (\S+)", out).group(1))
+    assert before < uniform - 0.5, "the fine-tune starts from the pretrained weights, not from scratch"
+    assert after < before - 0.1
+    assert abs(reloaded - after) < 0.05, "the exported model is the fine-tuned one"
+    assert (tmp_path / "exported" / "config.json").is_file()
