@@ -12,7 +12,7 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the whole test suite (about 10-13 minutes on 2 cores)
+test: install  ## the test suite (about 17 minutes on 2 cores), without the `full` matrices
 	$(PYTHON) -m pytest -q -m "not full" tests
 
 test-all: install  ## everything, the full matrices (`full` marker) included
