@@ -85,6 +85,8 @@ VARIANTS = {
     "ac2": {"activation_checkpointing": {"classes": ["lightning_zero.demo.gpt.Block"], "every": 2}},
     "offload": {"offload_optimizer": True},
     "offload_params": {"offload_optimizer": True, "offload_params": True},
+    # The collective watchdog (on by default) switched off: benchmarks/bench_watchdog.py compares the two.
+    "nowatchdog": {"watchdog": False},
     # Pipeline stages: the ranks form one pipeline of that many stages (1F1B, m micro-batches per batch), the
     # same global batch (each replica's batch is batch_per_rank x stages); e.g. "zero1+pp2m8".
     **{f"pp2m{m}": {"pipeline_stages": 2, "microbatches": m, "pipeline_schedule": "1f1b"} for m in (4, 8, 16)},

@@ -6,12 +6,16 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.checkpoint_list import CheckpointEntry, list_checkpoints
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy import ZeroStrategy
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroPrecision", "ZeroStrategy", "load_pretrained"]
+__all__ = [
+    "CheckpointEntry", "ZeroConfig", "ZeroConfigError", "ZeroPrecision", "ZeroStrategy", "list_checkpoints",
+    "load_pretrained",
+]
 __version__ = "0.1.0"
 
 if "zero1" not in StrategyRegistry:

@@ -9,43 +9,42 @@ Two formats, one naming: entries are keyed by the module's own parameter names w
   directory loads at any world size and stage. Under pipeline stages a rank holds only its stages' layers
   (the others are on the meta device) and its tensors are sharded over its stage's data-parallel ranks
   (``engine.mesh``); the directory still holds every parameter once, under the unsplit model's names, so it
-  loads with or without pipelining. The directory appears under its final name only once every
-  rank has finished (temporary sibling, barrier, rename on rank 0).
+  loads with or without pipelining.
+
+Writing (atomic, every rank raises when one fails) is in ``checkpoint_write.py``, asynchronous saves in
+``checkpoint_async.py``; this module builds the states to save and reads checkpoints back.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint_files import remove  # noqa: F401 (re-exported: the strategy's removals)
 from lightning_zero.checkpoint_verify import (
-    MANIFEST_FILE,
     META_FILE,
     CheckpointError,
     check_compatible,
     check_complete,
-    describe_files,
+    check_listed,
+    read_checkpoint_dict,
+    read_manifest,
     saved_tensor_shapes,
+    verify_archive,
     verify_files,
-    write_manifest,
 )
+from lightning_zero.checkpoint_write import save_full, save_sharded  # noqa: F401 (re-exported)
 from lightning_zero.engine import collectives
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full, shard_rows
-from lightning_zero.safe_load import dcp_load, load_weights_only
+from lightning_zero.safe_load import dcp_load
 
 SHARDED_MARKER = "lightning_zero_sharded"
 
@@ -177,72 +176,6 @@ def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> 
     return {"state": state, "param_groups": groups}
 
 
-# ---------------------------------------------------------------------- writing
-def save_full(checkpoint: dict[str, Any], path: Path) -> None:
-    """Rank 0 only. Written to a temporary sibling and renamed, so ``path`` is never half-written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        torch.save(checkpoint, tmp)
-        if path.is_dir():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def save_sharded(checkpoint: dict[str, Any], path: Path) -> None:
-    """Collective. See the module docstring for the atomicity protocol."""
-    tmp = Path(collectives.broadcast_object(str(path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"))))
-    tensors = {"state_dict": checkpoint.pop("state_dict")}
-    for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
-        tensors[f"optimizer_{i}"] = optim_state["state"]
-        checkpoint.setdefault("optimizer_param_groups", []).append(optim_state["param_groups"])
-    rank = collectives.rank()
-    if rank == 0:
-        tmp.mkdir(parents=True)
-    collectives.barrier()
-    try:
-        try:
-            dcp.save(tensors, checkpoint_id=tmp)
-        except CheckpointException as err:  # a BaseException in torch: make it an ordinary error
-            raise RuntimeError(
-                f"Saving the checkpoint {path} failed on rank(s) {sorted(err.failures)}; nothing was written under "
-                f"that name and any earlier checkpoint there is intact.\n{err}"
-            ) from None
-        if rank == 0:
-            torch.save(checkpoint, tmp / META_FILE)
-        # Each rank checksums the shard files it wrote; rank 0 also the metadata files.
-        mine = [p.name for p in tmp.glob(f"__{rank}_*")] + ([".metadata", META_FILE] if rank == 0 else [])
-        described = collectives.all_gather_objects(describe_files(tmp, mine))
-        if rank == 0:
-            write_manifest(tmp, {name: entry for files in described for name, entry in files.items()})
-        collectives.barrier()
-        if rank == 0:
-            _replace_dir(tmp, path)
-    finally:
-        if rank == 0 and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    collectives.barrier()
-
-
-def _replace_dir(new: Path, final: Path) -> None:
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(final, old)
-    os.replace(new, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-
-
-def remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
 # ---------------------------------------------------------------------- reading
 def load(
     path: Path, module: nn.Module, optimizers: list[Optimizer], engine, strict: bool = True, weights_only: bool = True
@@ -253,12 +186,15 @@ def load(
     check_complete(path)
     _refuse_unsafe(weights_only)
     if path.is_file():
-        return load_weights_only(path)
+        _verify_in_parallel(path)
+        return read_checkpoint_dict(path)
     _verify_in_parallel(path)
-    checkpoint = load_weights_only(path / META_FILE)
+    checkpoint = read_checkpoint_dict(path / META_FILE)
     model_state = sharded_model_state(module, engine)
     # Checked against the whole model (another pipeline stage's tensors are meta here, with their shapes).
-    check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(module.state_dict()), "model", strict=strict)
+    check_compatible(
+        saved_tensor_shapes(path, "state_dict"), _shapes(module.state_dict()), "model", strict=strict, checkpoint=path
+    )
     elsewhere = {n for n, p in module.named_parameters() if p.is_meta}
     state = {"state_dict": model_state}
     names = _param_names(module)
@@ -279,11 +215,11 @@ def load(
                 for p in group["params"]
                 if (p.requires_grad and not p.is_meta) or id(p) in hosted  # frozen parameters have no state to restore
             }
-            check_compatible(saved_params, live_params, f"optimizer {i}'s parameters")
+            check_compatible(saved_params, live_params, f"optimizer {i}'s parameters", checkpoint=path)
             _materialize_optimizer_state(optimizer, engine)
             state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
             live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
-            check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state")
+            check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state", checkpoint=path)
     dcp_load(state, path, allow_partial_load=not strict)
     if engine is not None:
         engine.params_loaded()  # e.g. each rank loaded only its rows of the resident parameters
@@ -312,11 +248,17 @@ def _shapes(state: Mapping[str, Any]) -> dict[str, torch.Size | None]:
 
 
 def _verify_in_parallel(path: Path) -> None:
-    """Every rank checks a share of the files against the manifest; all ranks raise the same first error."""
-    names = sorted(json.loads((path / MANIFEST_FILE).read_text())["files"])
+    """Every rank checks a share of the files against the manifest (a full checkpoint: a share of its
+    archive's records against their CRC-32s); all ranks raise the same first error."""
     rank, world = collectives.rank(), collectives.world_size()
     with _on_every_rank():
-        verify_files(path, names[rank::world])
+        if path.is_file():
+            verify_archive(path, verify_archive(path, ())[rank::world])
+            return
+        manifest = read_manifest(path)
+        if rank == 0:
+            check_listed(path, manifest)
+        verify_files(path, sorted(manifest)[rank::world])
 
 
 @contextmanager

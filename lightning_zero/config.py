@@ -158,14 +158,39 @@ class ZeroConfig:
     ``model.safetensors``) when the module holds a ``transformers`` model, else ``model.safetensors`` alone.
     DeepSpeed's ``gather_16bit_weights_on_model_save`` (either spelling) sets it."""
 
+    async_save: bool = False
+    """Write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save blocks
+    training only while this rank's shards are copied to host memory, and the checkpoint appears under its
+    name once every rank's files are written. Costs one host copy of this rank's shards, kept for reuse. The
+    next save, the end of training and teardown wait for it (giving up when its files stop growing for
+    ``timeout``) and raise its failure on every rank; ``save_top_k`` removals wait for it to succeed. Saves
+    outside ``fit`` are synchronous. Needs ``state_dict_type="sharded"``."""
+
     process_group_backend: str | None = None
     """``torch.distributed`` backend; ``None`` picks ``nccl`` on CUDA and ``gloo`` otherwise."""
 
-    timeout: timedelta = timedelta(minutes=30)
-    """How long a collective may wait for a peer before the run fails."""
+    timeout: timedelta | float = timedelta(seconds=60)
+    """The hang limit: how long a collective may wait for a peer while a run's loops run before every rank
+    fails with an error naming the rank and the collective (a ``timedelta`` or a number of seconds). A rank
+    that fails, dies, finishes early or diverges is named sooner. The rendezvous and setup (before the loops)
+    allow at least 10 minutes. For a known one-sided long phase, use ``lightning_zero.faults.extended``."""
+
+    watchdog: bool = True
+    """Run the collective watchdog thread (``lightning_zero/faults/``): it names the rank and collective of a
+    hang, ends blocked ranks (also under NCCL, where nothing raises), makes a rank that finished early fail,
+    and ends the process within 30 s of SIGTERM. ``False`` keeps only the process-group timeout."""
 
     start_method: StartMethod = "popen"
     """How Lightning starts the processes: re-run the script (``popen``) or ``spawn``/``fork``/``forkserver``."""
+
+    auto_resume: bool = True
+    """When a launcher restarts a failed job (``torchrun --max-restarts``: ``TORCHELASTIC_RESTART_COUNT`` > 0, or
+    the newest checkpoint was written by this torchrun job; SLURM: ``SLURM_RESTART_COUNT`` > 0) and ``fit`` got
+    no ``ckpt_path``, resume from the newest complete checkpoint in the trainer's ``ModelCheckpoint`` directories
+    (set ``dirpath``: without it the directory follows the logger's version, which changes on restart; see
+    ``lightning_zero/resume/``). Every rank resumes from the same checkpoint, mid-epoch exactly. ``False``: a
+    restart starts from the beginning. (Either way, on SIGTERM ``sigterm.ckpt`` is saved into the first
+    ``ModelCheckpoint``'s directory when that is safe, for a resume or ``ckpt_path="last"``.)"""
 
     def __post_init__(self) -> None:
         check_choice("stage", self.stage, SUPPORTED_STAGES)
@@ -179,7 +204,7 @@ class ZeroConfig:
         if self.init_weights_prefix is not None and not isinstance(self.init_weights_prefix, str):
             raise ZeroConfigError(f"`init_weights_prefix` must be None or a string, got {self.init_weights_prefix!r}.")
         flags = ("offload_optimizer", "offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
-                 "gather_16bit_weights_on_save")
+                 "gather_16bit_weights_on_save", "watchdog", "async_save", "auto_resume")
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ZeroConfigError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
@@ -198,11 +223,22 @@ class ZeroConfig:
         check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
         self._check_pipeline()
         check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
+        if self.async_save and self.state_dict_type != "sharded":
+            raise ZeroConfigError(
+                "`async_save=True` writes sharded checkpoints (each rank its own shards, in the background); "
+                f"`state_dict_type={self.state_dict_type!r}` has rank 0 write the whole model. Use "
+                "state_dict_type='sharded' (then `lightning-zero consolidate` for one file), or async_save=False."
+            )
         check_choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
         if self.process_group_backend is not None:
             check_choice("process_group_backend", self.process_group_backend, ("gloo", "nccl", "mpi", "cuda:nccl,cpu:gloo"))
+        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
+            if self.timeout > 0:  # seconds, as LightningCLI / YAML users write it
+                object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
         if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
-            raise ZeroConfigError(f"`timeout` must be a positive datetime.timedelta, got {self.timeout!r}.")
+            raise ZeroConfigError(
+                f"`timeout` must be a positive datetime.timedelta or number of seconds, got {self.timeout!r}."
+            )
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ZeroConfigError(f"`pin_memory` must be None, True or False, got {self.pin_memory!r}.")
         if not isinstance(self.elementwise_optimizers, tuple) or not all(

@@ -24,8 +24,16 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_zero.checkpoint_verify import META_FILE, CheckpointError, check_complete, verify_files
-from lightning_zero.safe_load import dcp_load, load_weights_only, read_dcp_metadata
+from lightning_zero.checkpoint_files import remove, temporary_path
+from lightning_zero.checkpoint_verify import (
+    META_FILE,
+    CheckpointError,
+    check_complete,
+    read_checkpoint_dict,
+    verify_archive,
+    verify_files,
+)
+from lightning_zero.safe_load import dcp_load, read_dcp_metadata
 
 
 def _entries(src: Path, prefix: str) -> Iterator[tuple[str, TensorStorageMetadata]]:
@@ -50,7 +58,7 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optim
     if not src.is_dir():
         raise ValueError(f"{src} is a single-file checkpoint already; consolidate takes a sharded directory.")
     verify_files(src)
-    meta = load_weights_only(src / META_FILE)
+    meta = read_checkpoint_dict(src / META_FILE)
 
     # key in the DCP archive -> (path of keys in the output object, metadata)
     layout: dict[str, tuple[tuple, TensorStorageMetadata]] = {}
@@ -75,12 +83,20 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optim
         for path, item in layout.values():
             _assign(skeleton, path, torch.empty(item.size, dtype=item.properties.dtype))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(skeleton, tmp)
-    del skeleton
+    tmp = temporary_path(dst)
+    try:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(skeleton, tmp)
+        del skeleton
+        _fill(tmp, src, layout)
+        os.replace(tmp, dst)
+    finally:
+        remove(tmp)  # a failed or interrupted run leaves no partial output
+    return dst
 
-    # 2. one tensor at a time: read its shards, write it through a shared map of the file
+
+def _fill(tmp: Path, src: Path, layout: dict) -> None:
+    """2. One tensor at a time: read its shards into a buffer, copy it into ``tmp`` through a shared map."""
     previous = torch.serialization.get_default_mmap_options()
     torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
     try:
@@ -92,8 +108,6 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optim
             del mapped, buffer
     finally:
         torch.serialization.set_default_mmap_options(previous)
-    os.replace(tmp, dst)
-    return dst
 
 
 def _assign(tree: dict, path: tuple, value) -> None:
@@ -114,7 +128,8 @@ def iter_model_tensors(src: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
     src = Path(src)
     check_complete(src)
     if src.is_file():
-        yield from load_weights_only(src, mmap=True)["state_dict"].items()
+        verify_archive(src)
+        yield from read_checkpoint_dict(src, mmap=True)["state_dict"].items()
         return
     verify_files(src)
     for key, item in _entries(src, "state_dict."):
@@ -139,7 +154,11 @@ def export_hf(
 
     src = Path(src)
     check_complete(src)
-    meta = load_weights_only(src / META_FILE if src.is_dir() else src, mmap=src.is_file())
+    if src.is_dir():
+        verify_files(src)
+    else:
+        verify_archive(src)
+    meta = read_checkpoint_dict(src / META_FILE if src.is_dir() else src, mmap=src.is_file())
     record = describe_config_dir(hf_config, prefix or "") if hf_config is not None else meta.get("hf_export")
     if record is None:
         raise CheckpointError(

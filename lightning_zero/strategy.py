@@ -22,7 +22,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -32,8 +31,10 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero import checkpoint_io, failures, hf_export
+from lightning_zero import checkpoint_io, checkpoint_write, hf_export
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.checkpoint_async import AsyncSaver, checkpoint_group
+from lightning_zero.checkpoint_files import clean_directory, remove
 from lightning_zero.config import (
     ModulePolicy,
     PipelineSchedule,
@@ -59,12 +60,15 @@ from lightning_zero.engine.layout import check_trainable
 from lightning_zero.engine.offload import should_pin
 from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.engine.zero_dp import ZeroDataParallel
-from lightning_zero.launcher import ZeroMultiProcessingLauncher
+from lightning_zero.fault_handling import FaultHandling
+from lightning_zero.faults.timeouts import extended_during, long_timeout
+from lightning_zero.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.pipeline.split import PipelineLayout
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.pretrained import load_pretrained
-from lightning_zero.rng import collect_rng_state, restore_rng_state
+from lightning_zero.resume import ResumeState
+from lightning_zero.rng import collect_rng_state
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -98,11 +102,14 @@ class ZeroStrategy(ParallelStrategy):
         init_weights_strict: bool = True,
         init_weights_prefix: str | None = None,
         gather_16bit_weights_on_save: bool = False,
+        async_save: bool = False,
         state_dict_type: StateDictType = "sharded",
         config: dict | str | Path | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta = timedelta(minutes=30),
+        timeout: timedelta | float = timedelta(seconds=60),
+        watchdog: bool = True,
         start_method: StartMethod = "popen",
+        auto_resume: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -131,10 +138,13 @@ class ZeroStrategy(ParallelStrategy):
             init_weights_strict=init_weights_strict,
             init_weights_prefix=init_weights_prefix,
             gather_16bit_weights_on_save=gather_16bit_weights_on_save,
+            async_save=async_save,
             state_dict_type=state_dict_type,
             process_group_backend=process_group_backend,
             timeout=timeout,
+            watchdog=watchdog,
             start_method=start_method,
+            auto_resume=auto_resume,
         )
         if self._deepspeed is not None:
             defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
@@ -152,6 +162,9 @@ class ZeroStrategy(ParallelStrategy):
         self._pipeline: PipelineParallel | None = None
         self._buffers: list[Tensor] = []
         self._failed = False
+        self._faults = FaultHandling()  # watchdog, timeouts, SIGTERM, first failure (fault_handling.py)
+        self._resume = ResumeState()  # auto-resume, exact mid-epoch resume, the SIGTERM checkpoint (resume/)
+        self._saver: AsyncSaver | None = None  # async_save: exists from setup to teardown of a fit
 
     @property
     def deepspeed_settings(self) -> DeepSpeedSettings | None:
@@ -239,8 +252,8 @@ class ZeroStrategy(ParallelStrategy):
         if (config := self.zero_config).pipeline_stages > 1:  # before any process starts: devices x nodes must divide
             PipelineLayout(self.num_nodes * self.num_processes, config.pipeline_stages, config.pipeline_virtual)
         if self.zero_config.start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            # Under torchrun/SLURM too (it then starts nothing): it resolves `ckpt_path` (auto-resume, "last").
+            self._launcher = ZeroScriptLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = ZeroMultiProcessingLauncher(self, start_method=self.zero_config.start_method)
 
@@ -251,8 +264,9 @@ class ZeroStrategy(ParallelStrategy):
         self.set_world_ranks()
         backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         _require(self.cluster_environment, "cluster_environment")
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.zero_config.timeout)
-        failures.install()
+        # A slow start is not a hang: `timeout` applies once the loops run (see faults/timeouts.py).
+        _init_dist_connection(self.cluster_environment, backend, timeout=long_timeout(self.zero_config.timeout))
+        self._faults.start(self.zero_config, self.global_rank, self.world_size)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -262,8 +276,9 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._resume.on_exception(_trainer_of(self.lightning_module), exception)  # the SIGTERM checkpoint
         self._failed = True  # teardown must not start collectives a failed peer never joins
-        failures.report(exception, self.global_rank)
+        self._faults.on_exception(exception)  # names the cause on every rank (faults/watchdog.py)
 
     # ------------------------------------------------------------------ model and optimizers
     @contextlib.contextmanager
@@ -275,6 +290,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._resume.check_agreement()  # auto-resume: every rank loads the same checkpoint (collective)
         _require(self.accelerator, "accelerator")
         _require(self.model, "model")
         self.accelerator.setup(trainer)
@@ -338,6 +354,18 @@ class ZeroStrategy(ParallelStrategy):
         precision.attach(self._engine, self.root_device)
         if fitting and not config.optimizer_on_host:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting:
+            self._setup_checkpoints(trainer)
+
+    def _setup_checkpoints(self, trainer: pl.Trainer) -> None:
+        """Rank 0 removes what interrupted saves left in the ModelCheckpoint directories (temporaries only, see
+        ``checkpoint_files.py``); with ``async_save`` every rank starts its background writer."""
+        if self.is_global_zero:
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(getattr(callback, "dirpath", None), (str, Path)):
+                    clean_directory(Path(callback.dirpath))
+        if self.zero_config.async_save:
+            self._saver = AsyncSaver(checkpoint_group(self.zero_config.timeout), self.zero_config.timeout)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -356,6 +384,13 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         if module is not None and module._trainer is not None:
             check_batch_sizes(self._deepspeed, module.trainer)
+        self._activate_fault_handling()
+        self._resume.on_train_start()  # a resumed fit's RNG state, right before its first batch
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """After a mid-epoch restore the train DataLoader continues its epoch where the checkpoint left it."""
+        return self._resume.process_dataloader(dataloader, _trainer_of(self.lightning_module))
 
     @override
     def model_to_device(self) -> None:
@@ -363,7 +398,22 @@ class ZeroStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     @override
+    def on_train_end(self) -> None:
+        self.wait_for_checkpoint()  # fit returns with its last checkpoint complete, or raises its failure everywhere
+
+    def _activate_fault_handling(self) -> None:
+        trainer = _trainer_of(self.lightning_module)
+        if trainer is not None:
+            self._faults.activate(trainer, self.stage)
+
+    @override
     def teardown(self) -> None:
+        # First the exit agreement: a rank that finished while a peer still waits must fail, not report success.
+        error = self._faults.finish(succeeded=not self._failed)
+        self._failed = self._failed or error is not None
+        saver, self._saver = self._saver, None
+        if saver is not None:  # normally idle (on_train_end waited); after a failure, without collectives
+            saver.close(agree=not self._failed)
         module = self.lightning_module
         fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if self._engine is not None:
@@ -377,6 +427,8 @@ class ZeroStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ steps
     def _call_module(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -405,24 +457,30 @@ class ZeroStrategy(ParallelStrategy):
         gradients into the next one."""
         module = self.lightning_module
         trainer = module.trainer if module is not None and module._trainer is not None else None
+        if trainer is not None:
+            self._resume.on_train_batch_start(trainer, batch_idx)
         if self._engine is not None and trainer is not None and module.automatic_optimization:
             if batch_idx % trainer.accumulate_grad_batches == 0:
                 self._engine.discard_all_gradients()
 
     @override
     def on_validation_start(self) -> None:
+        self._activate_fault_handling()
         self._sync_buffers()
 
     @override
     def on_test_start(self) -> None:
+        self._activate_fault_handling()
         self._sync_buffers()
 
     @override
     def on_predict_start(self) -> None:
+        self._activate_fault_handling()
         self._sync_buffers()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._faults.mark("train", args, kwargs)  # step marks: see faults/flight.py
         self._sync_buffers()
         with self.precision_plugin.train_step_context():
             if self._pipeline is None:
@@ -433,6 +491,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._faults.mark("val", args, kwargs)
         with self.precision_plugin.val_step_context():
             if self._pipeline is not None:
                 return self._pipeline.evaluation_step("val", _batch(args, kwargs))
@@ -440,6 +499,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._faults.mark("test", args, kwargs)
         with self.precision_plugin.test_step_context():
             if self._pipeline is not None:
                 return self._pipeline.evaluation_step("test", _batch(args, kwargs))
@@ -447,6 +507,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._faults.mark("predict", args, kwargs)
         if self._pipeline is not None:
             raise ZeroConfigError("`predict` is not available with `pipeline_stages > 1` (only the last stage sees the "
                                   "outputs): load the checkpoint into a run without pipelining to predict.")
@@ -544,20 +605,22 @@ class ZeroStrategy(ParallelStrategy):
         return checkpoint_io.sharded_optimizer_state(optimizer, self.lightning_module, self._engine)
 
     @override
+    @extended_during("saving a checkpoint")  # rank 0 may write alone while the others wait (faults/timeouts.py)
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported.")
         path = Path(self.broadcast(str(filepath)))
         checkpoint["rng_states"] = collectives.all_gather_objects(collect_rng_state())
+        self._resume.on_save(checkpoint, _trainer_of(self.lightning_module))  # what a resume replays (resume/state.py)
         hf_model = hf_export.describe(self.lightning_module) if self.lightning_module is not None else None
         if hf_model is not None:
             checkpoint["hf_export"] = hf_model  # what `lightning-zero consolidate --hf` needs
         if self.zero_config.state_dict_type == "full":
-            if self.is_global_zero:
-                checkpoint_io.save_full(checkpoint, path)
-            self.barrier()
+            checkpoint_write.save_full(checkpoint, path)  # rank 0 writes; every rank raises if that failed
+        elif self._saver is not None:
+            self._saver.save(checkpoint, path)  # returns once staged; the next save or teardown waits for it
         else:
-            checkpoint_io.save_sharded(checkpoint, path)
+            checkpoint_write.save_sharded(checkpoint, path)
         if self.zero_config.gather_16bit_weights_on_save:
             state = self.full_state_dict()
             if self.is_global_zero:
@@ -565,11 +628,19 @@ class ZeroStrategy(ParallelStrategy):
                 hf_export.save_16bit(state, hf_model, path, dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
             self.barrier()
 
+    def wait_for_checkpoint(self) -> None:
+        """With ``async_save``: block until the save in flight (if any) is complete, and raise its failure on
+        every rank. Collective. Fit already waits at each save and when training ends."""
+        if self._saver is not None:
+            self._saver.wait()
+
     @override
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            checkpoint_io.remove(Path(filepath))
-            checkpoint_io.remove(hf_export.sixteen_bit_dir(filepath))
+            # async_save: once the save in flight has succeeded (never the newest complete checkpoint)
+            removal = self._saver.remove if self._saver is not None else remove
+            for path in (Path(filepath), hf_export.sixteen_bit_dir(filepath)):
+                removal(path)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -584,8 +655,8 @@ class ZeroStrategy(ParallelStrategy):
             weights_only=True if weights_only is None else weights_only,
         )
         states = checkpoint.get("rng_states")
-        if states:
-            restore_rng_state(states[self.global_rank % len(states)])
+        # Put back later in a fit, where the uninterrupted run was: [Note: when the RNG state is restored].
+        self._resume.loaded(checkpoint, _trainer_of(self.lightning_module), states[self.global_rank % len(states)] if states else None)
         return checkpoint
 
     @override
@@ -609,6 +680,10 @@ def _require(value: Any, what: str) -> None:
     """Lightning sets these up before calling the hook that needs them; say which one is missing if not."""
     if value is None:
         raise RuntimeError(f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer.")
+
+
+def _trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
+    return module.trainer if module is not None and module._trainer is not None else None
 
 
 def _unwrap(optimizer) -> Optimizer:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +83,107 @@ def _logs(logs) -> str:
         log.seek(0)
         parts.append(f"----- rank {rank} -----\n{log.read()[-6000:]}")
     return "\n".join(parts)
+
+
+@dataclass
+class RankRun:
+    """One rank of :func:`launch_processes`: exit code (None if it had to be killed at ``timeout``), output,
+    and when it exited, in seconds since the launch."""
+
+    code: int | None
+    output: str
+    exited_at: float
+
+
+@dataclass
+class FaultRun:
+    ranks: list[RankRun]
+    fault_at: float | None  # seconds since the launch when the worker injected its fault (LZ_FAULT_FILE)
+    signalled_at: float | None  # when the harness sent `signal_on_fault`'s signal
+    report_file: Path
+
+    def report(self) -> dict:
+        """What rank 0 wrote with :func:`write_report`."""
+        return json.loads(self.report_file.read_text())
+
+    def output(self, rank: int) -> str:
+        return self.ranks[rank].output
+
+    def since_fault(self, rank: int) -> float:
+        return self.ranks[rank].exited_at - (self.fault_at or 0.0)
+
+
+def launch_processes(module: str, *args: str, nprocs: int = 2, timeout: float = 120, env: dict | None = None,
+                     signal_on_fault: int | None = None) -> FaultRun:
+    """Run ``python -m module args`` on ``nprocs`` ranks and return every rank's exit code, output and exit time,
+    whether or not they fail (for fault tests; :func:`launch` raises instead).
+
+    A worker announces its fault by writing ``time.time()`` to the file ``$LZ_FAULT_FILE``. With
+    ``signal_on_fault``, that signal goes to every rank still running as soon as the file appears (a
+    scheduler's SIGTERM). A rank left stopped (SIGSTOP) once every other rank has exited gets SIGCONT, so it
+    can show how it ends. Ranks still running at ``timeout`` are killed (code None).
+    """
+    import signal as signals
+
+    out_dir = Path(tempfile.mkdtemp(prefix="lz-fault-"))
+    fault_file = out_dir / "fault"
+    port = free_port()
+    procs, logs = [], []
+    start = time.monotonic()
+    wall_start = time.time()
+    for rank in range(nprocs):
+        rank_env = dict(
+            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs), RANK=str(rank),
+            LOCAL_RANK=str(rank), NODE_RANK="0", LZ_FAULT_FILE=str(fault_file), LZ_REPORT=str(out_dir / "report.json"),
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+            **(env or {}),
+        )
+        log = open(out_dir / f"rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env, stdout=log,
+                                      stderr=subprocess.STDOUT))
+    exited: dict[int, float] = {}
+    signalled_at = None
+    continued = set()
+    # Polling is the harness's job here: several processes, a file and signals, all bounded by `timeout`.
+    while len(exited) < nprocs and time.monotonic() - start < timeout:
+        for rank, proc in enumerate(procs):
+            if rank not in exited and proc.poll() is not None:
+                exited[rank] = time.monotonic() - start
+        if signal_on_fault is not None and signalled_at is None and fault_file.exists():
+            signalled_at = time.monotonic() - start
+            for rank, proc in enumerate(procs):
+                if rank not in exited:
+                    proc.send_signal(signal_on_fault)
+        running = [r for r in range(nprocs) if r not in exited]
+        if running and all(_stopped(procs[r].pid) for r in running):
+            for rank in running:
+                if rank not in continued:
+                    continued.add(rank)
+                    procs[rank].send_signal(signals.SIGCONT)
+        time.sleep(0.05)
+    for rank, proc in enumerate(procs):
+        if rank not in exited:
+            proc.kill()
+            proc.wait()
+    fault_at = None
+    if fault_file.exists():
+        text = fault_file.read_text().strip()
+        fault_at = float(text) - wall_start if text else None
+    ranks = []
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        log.flush()
+        log.seek(0)
+        ranks.append(RankRun(proc.returncode if rank in exited else None, log.read(), exited.get(rank, timeout)))
+    return FaultRun(ranks, fault_at, signalled_at, out_dir / "report.json")
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def write_report(data: dict) -> None:

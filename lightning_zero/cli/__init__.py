@@ -1,10 +1,11 @@
-"""``lightning-zero``: train with LightningCLI over composed YAML, estimate memory, consolidate checkpoints.
+"""``lightning-zero``: train with LightningCLI over composed YAML, estimate memory, consolidate and verify checkpoints.
 
     lightning-zero fit --config conf/gpt_zero3.yaml trainer.max_steps=100 strategy=zero2 model.n_layer=2
     lightning-zero fit --config conf/gpt_zero3.yaml --print_config > run.yaml
     lightning-zero validate --config run.yaml ckpt_path=runs/last.ckpt
     lightning-zero estimate --params 7e9 --devices 8 --memory-per-device 80GiB --plot memory.png
     lightning-zero consolidate CHECKPOINT_DIR model.pt
+    lightning-zero verify CHECKPOINT_DIR_OR_FILE   # whole, damaged or left by an interrupted save (exit 0/1)
 
 Overrides after the config are Hydra's: `a.b=c` sets, `+a.b=c` adds, `++a.b=c` adds or sets, `~a.b`
 deletes, `group=option` picks conf/<group>/<option>.yaml; `strategy.X` is short for
@@ -63,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return estimate(argv[1:])
     if command == "consolidate":
         return consolidate_command(argv[1:])
+    if command == "verify":
+        from lightning_zero.cli.verify import main as verify
+
+        return verify(argv[1:])
     if command in SUBCOMMANDS:
         from lightning_zero.cli.train import run
         from lightning_zero.config import ZeroConfigError
@@ -74,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
     print(__doc__.strip())
-    print(f"\ncommands: {', '.join(SUBCOMMANDS)}, estimate, consolidate")
+    print(f"\ncommands: {', '.join(SUBCOMMANDS)}, estimate, consolidate, verify")
     return 0 if argv in ([], ["-h"], ["--help"]) else 2
 
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import defaultdict
+from datetime import timedelta
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.profiler import record_function
+
+from lightning_zero.faults.flight import RECORDER as _FLIGHT
 
 ReduceOp = dist.ReduceOp
 #: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
@@ -62,6 +65,14 @@ class CommStats:
 
 
 _STATS = CommStats()
+#: How long a point-to-point wait (our ring collectives) may block: gloo applies the process group's timeout
+#: to collectives but not to isend/irecv waits. Set by ``faults/timeouts.py`` while a run is active.
+_WAIT_TIMEOUT: timedelta | None = None
+
+
+def set_wait_timeout(timeout: timedelta | None) -> None:
+    global _WAIT_TIMEOUT
+    _WAIT_TIMEOUT = timeout
 
 
 def comm_stats() -> CommStats:
@@ -88,13 +99,14 @@ def reduce_scatter(
     if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
         output.copy_(input)
         return None
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)  # see faults/flight.py
     _STATS.record("reduce_scatter", input)
     with record_function("lightning_zero::reduce_scatter"):
         if _use_ring(group):
-            work = _RingReduceScatter(output, input, group)
+            work = _RingReduceScatter(output, input, group, number)
         else:
             work = _reduce_scatter_flat(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
-        return work if async_op else _finish(work)
+        return work if async_op else _finish(work, number, "reduce_scatter")
 
 
 def all_gather(
@@ -104,24 +116,31 @@ def all_gather(
     if world_size(group) == 1:
         output.copy_(input)
         return None
+    number = _FLIGHT.issue("all_gather", output.numel(), output.dtype)
     _STATS.record("all_gather", output)
     with record_function("lightning_zero::all_gather"):
         staging = _staging_device(output, group)
         if staging is not None:  # host tensors (offloaded state) over a device-only backend
             staged = output.to(staging)
+            _FLIGHT.wait(number, "all_gather")
             _all_gather_flat(staged, input.to(staging), group=group)
+            _FLIGHT.done(number)
             output.copy_(staged)
             return None
         if _use_ring(group):
-            work = _RingAllGather(output, input, group)
+            work = _RingAllGather(output, input, group, number)
         else:
             work = _all_gather_flat(output, input, group=group, async_op=async_op)
-        return work if async_op else _finish(work)
+        return work if async_op else _finish(work, number, "all_gather")
 
 
-def _finish(work) -> None:
-    if work is not None:
+def _finish(work, number: int = 0, kind: str = "") -> None:
+    if isinstance(work, _Ring):
+        work.wait()  # records its own wait
+    elif work is not None:
+        _FLIGHT.wait(number, kind)
         work.wait()
+        _FLIGHT.done(number)
     return None
 
 
@@ -137,8 +156,11 @@ def _use_ring(group: dist.ProcessGroup | None) -> bool:
 
 
 class _Ring:
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    kind = ""
+
+    def __init__(self, group: dist.ProcessGroup | None, number: int) -> None:
         self.group = group
+        self.number = number  # in the flight recorder
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
@@ -151,15 +173,20 @@ class _Ring:
 
     def _complete(self) -> None:
         for request in self.pending:
-            request.wait()
+            if _WAIT_TIMEOUT is None:
+                request.wait()
+            else:
+                request.wait(_WAIT_TIMEOUT)
         self.pending = []
 
 
 class _RingReduceScatter(_Ring):
     """Segment ``(rank - k - 1)`` travels at step k; after N-1 steps rank r holds the sum of segment r."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
-        super().__init__(group)
+    kind = "reduce_scatter"
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
+        super().__init__(group, number)
         self.output = output
         self.acc = input.view(self.size, -1)
         self.recv = torch.empty_like(self.acc[0])
@@ -169,12 +196,14 @@ class _RingReduceScatter(_Ring):
         self._exchange(self.acc[(self.rank - self.step - 1) % self.size], self.recv)
 
     def wait(self) -> bool:
+        _FLIGHT.wait(self.number, self.kind)
         while self.pending:
             self._complete()
             self.acc[(self.rank - self.step - 2) % self.size].add_(self.recv)
             self.step += 1
             if self.step < self.size - 1:
                 self._post()
+        _FLIGHT.done(self.number)
         self.output.copy_(self.acc[self.rank])
         return True
 
@@ -182,8 +211,10 @@ class _RingReduceScatter(_Ring):
 class _RingAllGather(_Ring):
     """Segment ``(rank - k)`` travels at step k, received straight into its place in ``output``."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group) -> None:
-        super().__init__(group)
+    kind = "all_gather"
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
+        super().__init__(group, number)
         self.acc = output.view(self.size, -1)
         self.acc[self.rank].copy_(input)
         self._post()
@@ -193,11 +224,13 @@ class _RingAllGather(_Ring):
         self._exchange(self.acc[(self.rank - k) % self.size], self.acc[(self.rank - k - 1) % self.size])
 
     def wait(self) -> bool:
+        _FLIGHT.wait(self.number, self.kind)
         while self.pending:
             self._complete()
             self.step += 1
             if self.step < self.size - 1:
                 self._post()
+        _FLIGHT.done(self.number)
         return True
 
 
@@ -205,15 +238,18 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     """In-place all-reduce (small tensors: norms, overflow flags)."""
     if world_size(group) == 1:
         return tensor
+    number = _FLIGHT.issue("all_reduce", tensor.numel(), tensor.dtype)
     _STATS.record("all_reduce", tensor)
     with record_function("lightning_zero::all_reduce"):
         staging = _staging_device(tensor, group)
+        _FLIGHT.wait(number, "all_reduce")
         if staging is None:
             dist.all_reduce(tensor, op=op, group=group)
         else:
             staged = tensor.to(staging)
             dist.all_reduce(staged, op=op, group=group)
             tensor.copy_(staged)
+        _FLIGHT.done(number)
     return tensor
 
 
@@ -229,22 +265,34 @@ def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.Process
     """Broadcast ``tensors`` in place from global rank ``src``."""
     if world_size(group) == 1:
         return
+    number = _FLIGHT.issue("broadcast", sum(t.numel() for t in tensors), tensors[0].dtype if tensors else None)
     with record_function("lightning_zero::broadcast"):
         works = []
         for tensor in tensors:
             _STATS.record("broadcast", tensor)
             works.append(dist.broadcast(tensor, src=src, group=group, async_op=True))
+        _FLIGHT.wait(number, "broadcast")
         for work in works:
             work.wait()
+        _FLIGHT.done(number)
 
 
 def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
     if world_size(group) == 1:
         return obj
     holder = [obj]
+    number = _blocking("broadcast_object")
     with record_function("lightning_zero::broadcast_object"):
         dist.broadcast_object_list(holder, src=src, group=group)
+    _FLIGHT.done(number)
     return holder[0]
+
+
+def _blocking(kind: str, numel: int = 0, dtype: torch.dtype | None = None) -> int:
+    """Record a blocking collective (of pickled objects when there is no tensor to describe) and its wait."""
+    number = _FLIGHT.issue(kind, numel, dtype)
+    _FLIGHT.wait(number, kind)
+    return number
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
@@ -252,8 +300,10 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
     if world_size(group) == 1:
         return [obj]
     out = [None] * world_size(group)
+    number = _blocking("all_gather_object")
     with record_function("lightning_zero::all_gather_object"):
         dist.all_gather_object(out, obj, group=group)
+    _FLIGHT.done(number)
     return out
 
 
@@ -262,15 +312,19 @@ def gather_objects(obj: object, dst: int = 0) -> list | None:
     if world_size() == 1:
         return [obj]
     out = [None] * world_size() if rank() == dst else None
+    number = _blocking("gather_object")
     with record_function("lightning_zero::gather_object"):
         dist.gather_object(obj, out, dst=dst)
+    _FLIGHT.done(number)
     return out
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if world_size(group) > 1:
+        number = _blocking("barrier")
         with record_function("lightning_zero::barrier"):
             dist.barrier(group=group)
+        _FLIGHT.done(number)
 
 
 class CountingAllGather(AllGather):
@@ -298,9 +352,15 @@ class CountingReduceScatter(ReduceScatter):
             if op == ReduceOp.AVG:
                 output_tensor.div_(world_size(group))
             return None
+        number = _FLIGHT.issue("reduce_scatter", input_tensor.numel(), input_tensor.dtype)
         _STATS.record("reduce_scatter", input_tensor)
         with record_function("lightning_zero::reduce_scatter"):
-            return _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            if async_op:
+                return _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=True)
+            _FLIGHT.wait(number, "reduce_scatter")
+            _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group)
+            _FLIGHT.done(number)
+            return None
 
 
 def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.ReduceOp, bool]:
@@ -329,5 +389,17 @@ def all_gather_uncounted(tensor: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return tensor.unsqueeze(0)
     out = torch.empty(world_size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    number = _blocking("all_gather_uncounted", out.numel(), out.dtype)
     _all_gather_flat(out, tensor.contiguous())
+    _FLIGHT.done(number)
     return out.view(world_size(), *tensor.shape)
+
+
+def new_group(timeout=None, backend: str = "gloo") -> dist.ProcessGroup | None:
+    """A new process group of every rank (collective: every rank calls it at the same point), for work that
+    runs beside training (an asynchronous checkpoint's collectives, issued from a background thread) and so
+    must never interleave with the training collectives on the world group. gloo by default: such work
+    moves host-side objects. None when torch.distributed is not initialized."""
+    if not is_distributed():
+        return None
+    return dist.new_group(backend=backend, timeout=timeout)

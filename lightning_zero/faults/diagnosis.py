@@ -1,0 +1,351 @@
+"""Deciding that a run cannot go on, and saying why: pure functions over heartbeat records (no processes,
+no store, no clocks of their own), unit-tested in ``tests/unit/test_diagnosis.py``.
+
+Every decision names a rank (the *culprit*: the one that failed, died, stopped, left early or diverged),
+the collective by kind and number (``all_gather #412``, see ``flight.py``), the step, and the user's call
+site when the sample knows it. Designed for NCCL's semantics, where a peer that dies or diverges is not
+noticed by the transport: nothing here relies on a collective raising.
+
+Order of the checks (the first that applies wins): a failure some rank already reported; a peer that
+failed or whose process is gone; step marks that differ (silent divergence); a peer that finished while
+this rank waits in a collective (uneven data); a peer without heartbeat (stopped, hung in native code, lost
+with its node) or an unreachable store while this rank waits; finally this rank waiting in one collective
+for ``timeout``, explained by what every peer is doing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from lightning_zero.faults.flight import Mark, Op
+from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
+
+_EVAL = ("val", "test", "predict")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Every duration the watchdog uses, derived from ``timeout`` (seconds)."""
+
+    timeout: float
+    tick: float = 1.0
+    margin: float = 2.0  # the process-group timeout is timeout + margin: the watchdog's diagnosis comes first
+    stale_after: float = 4.0  # no heartbeat for this long while someone waits: that rank is stopped or lost
+    settle: float = 3.0  # a state must hold this long before it counts (ranks finish a few ms apart)
+    sigterm_grace: float = 25.0  # after SIGTERM the process ends by then, whatever the main thread does
+    sigterm_stall: float = 5.0  # ... and sooner if it waits in one collective this long after SIGTERM
+
+    @classmethod
+    def for_timeout(cls, seconds: float) -> Limits:
+        return cls(
+            timeout=seconds,
+            tick=min(1.0, max(0.25, seconds / 8)),
+            margin=min(10.0, max(2.0, seconds / 4)),
+            stale_after=min(15.0, max(4.0, seconds / 2)),
+            settle=min(3.0, max(1.0, seconds / 4)),
+            sigterm_stall=min(5.0, seconds),
+        )
+
+    @property
+    def pg_timeout(self) -> float:
+        return self.timeout + self.margin
+
+    @property
+    def abort_grace(self) -> float:
+        """After a decision, how long the main thread has to raise by itself before the process is ended."""
+        return self.margin
+
+    def extended(self, seconds: float) -> Limits:
+        """For a known one-sided phase (``faults.extended``): waits and silences up to ``seconds`` are fine."""
+        return dataclasses.replace(self, timeout=max(self.timeout, seconds), stale_after=max(self.stale_after, seconds))
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the strategy knows about the run."""
+
+    world_size: int
+    symmetric: bool = True  # every rank issues the same collectives (False under pipeline stages)
+    generate_hint: bool = False  # stage 3 and the module holds a Hugging Face model with generate()
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    kind: str  # failed, died, diverged, finished, stale, store, stuck, sigterm, error
+    culprit: int | None
+    summary: str
+    hint: str = ""
+
+    def text(self) -> str:
+        return f"{self.summary}\n{self.hint}" if self.hint else self.summary
+
+    def to_failure(self, reporter: int) -> dict:
+        return {"rank": reporter, "culprit": self.culprit, "kind": self.kind, "message": self.text()}
+
+
+def adopt(failure: dict, me: Record, kind: str | None = None) -> Diagnosis:
+    """The first failure (of any rank, possibly this one's watchdog) as this rank's diagnosis."""
+    summary = failure["message"]
+    if failure.get("rank") != me.rank:
+        reporter = failure.get("rank")
+        by = f" (diagnosed by rank {reporter})" if reporter != failure.get("culprit") else ""
+        summary = f"{summary}{by}\nThis rank ({me.rank}) was {me.where()}."
+    return Diagnosis(kind or failure.get("kind", "failed"), failure.get("culprit"), summary)
+
+
+def decide(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Limits, context: Context,
+           mark_peer: int | None = None, store_silent: float = 0.0) -> Diagnosis | None:
+    """The reason to end the run now, or None. Called every tick by the watchdog thread."""
+    if failure is not None:
+        return adopt(failure, me)
+    for rank, peer in sorted(peers.items()):
+        found = peer_failed(rank, peer)
+        if found is not None:
+            return found
+    if mark_peer is not None and mark_peer in peers:
+        found = compare_marks(me, peers[mark_peer].record, context)
+        if found is not None:
+            return found
+    waiting = me.activity.in_collective
+    for rank, peer in sorted(peers.items()):
+        record = peer.record
+        if record.state == FINISHED and waiting and (
+            me.activity.blocked_for >= limits.settle or (context.symmetric and me.activity.seq > record.seq)
+        ):
+            return finished_early(record, me, context)
+    # Under NCCL the CPU does not wait inside the collective but at the next synchronisation, so a rank that has
+    # made no progress for as long as a heartbeat may be missing counts as waiting too.
+    if waiting or me.stalled >= limits.stale_after:
+        for rank, peer in sorted(peers.items()):
+            if peer.record.state == RUNNING and peer.age >= limits.stale_after:
+                return stale(rank, peer, me)
+        if store_silent >= limits.stale_after:
+            return Diagnosis(
+                "store", 0,
+                f"rank {me.rank} cannot reach the rendezvous store for {store_silent:.0f} s while it waits in a "
+                f"collective ({me.where()}). The store lives in rank 0's process when Lightning or "
+                "MASTER_ADDR/MASTER_PORT started the run (torchrun's agent hosts it otherwise): rank 0 is "
+                "probably stopped or lost with its node.",
+            )
+        if waiting and me.activity.blocked_for >= limits.timeout:
+            return stuck(me, peers, limits, context)
+    return None
+
+
+def peer_failed(rank: int, peer: Peer) -> Diagnosis | None:
+    record = peer.record
+    if record.state == FAILED:
+        return Diagnosis("failed", rank, f"rank {rank} failed ({record.error or 'error'}); it was {record.where()}")
+    if peer.liveness == "dead" and record.state == RUNNING and record.signal:
+        return Diagnosis("sigterm", rank, f"rank {rank}'s process ended after it received {record.signal}; it was last "
+                                          f"seen {record.where()}.")
+    if peer.liveness == "dead" and record.state == RUNNING:
+        return Diagnosis(
+            "died", rank,
+            f"rank {rank}'s process ended without reporting an error (killed, e.g. by SIGKILL or the out-of-memory "
+            "killer, or crashed in native code: gloo aborts a process whose collective does not match its peer's, "
+            f"see that rank's output); it was last seen {record.where()}.",
+        )
+    return None
+
+
+def stale(rank: int, peer: Peer, me: Record) -> Diagnosis:
+    state = {"stopped": " (its process is stopped: SIGSTOP or a debugger)", "alive": " (its process exists but its "
+             "watchdog cannot run: hung in native code?)"}.get(peer.liveness, "")
+    return Diagnosis(
+        "stale", rank,
+        f"rank {rank} stopped responding: no heartbeat for {peer.age:.0f} s{state}. It was last seen "
+        f"{peer.record.where()}. This rank ({me.rank}) is {me.where()}.",
+        "If that rank is busy but healthy in a long one-sided phase, raise `ZeroStrategy(timeout=...)` or wrap the "
+        "phase in `lightning_zero.faults.extended(seconds, reason)` on every rank.",
+    )
+
+
+def finished_early(finished: Record, running: Record, context: Context) -> Diagnosis:
+    """``finished`` ended its loop while ``running`` still waits in a collective that rank never joins."""
+    phase = running.phase or finished.phase
+    summary = (
+        f"rank {finished.rank} finished ({finished.steps_in(phase)} {phase_name(phase)} batches, {finished.ops} "
+        f"collectives) while rank {running.rank} still runs: it is {running.where()}. Rank {running.rank} waits for a "
+        f"collective rank {finished.rank} will never join: the ranks ran different numbers of batches, or issued "
+        "different numbers of collectives in a batch."
+    )
+    hint = ("Give every rank the same number of batches: Lightning's DistributedSampler does "
+            "(`use_distributed_sampler=True`); with an IterableDataset or your own sampler, make the per-rank "
+            "lengths equal (drop or pad the remainder).")
+    if _generate_involved(phase, (finished, running), context):
+        hint = GENERATE_HINT
+    return Diagnosis("finished", finished.rank, summary, hint)
+
+
+GENERATE_HINT = (
+    "Under stage 3 every forward pass gathers parameters with collectives, so Hugging Face `generate()` must run "
+    "the same number of forward passes on every rank: pass `synced_gpus=True` to `generate()` (transformers "
+    "turns it on by itself for FSDP-managed models unless `synced_gpus=False` is passed)."
+)
+
+
+def _generate_involved(phase: str | None, records, context: Context) -> bool:
+    if any("generation" in (r.activity.via or "") for r in records):
+        return True
+    return context.generate_hint and phase in _EVAL
+
+
+def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) -> Diagnosis:
+    """This rank waited ``timeout`` in one collective: which peer is not in it, and what it does instead."""
+    mine = me.activity
+    absent, elsewhere, alongside = [], [], []
+    for rank, peer in sorted(peers.items()):
+        other = peer.record.activity
+        if not other.in_collective:
+            absent.append(rank)
+        elif other.kind == mine.kind and ((mine.op and other.op == mine.op) or other.seq == mine.seq):
+            alongside.append(rank)
+        else:
+            elsewhere.append(rank)
+    site = f", called from {mine.site}" if mine.site else ""
+    head = (f"rank {me.rank} waited {mine.blocked_for:.0f} s (timeout={limits.timeout:g} s) in {_collective(mine)}"
+            f"{site}, in {step_name(me.phase, me.batch)}")
+    hint = ("If that rank is just slow here (one-sided work such as evaluation on rank 0 only), raise "
+            "`ZeroStrategy(timeout=...)` or wrap the work in `lightning_zero.faults.extended(seconds, reason)` on "
+            "every rank.")
+    if elsewhere:
+        culprit = elsewhere[0]
+        other = peers[culprit].record
+        summary = (f"{head}; rank {culprit} is in a different collective: {other.where()}. The ranks issued "
+                   "different collectives (a collective issued on some ranks only: a skipped step, a conditional "
+                   "`self.log(..., sync_dist=True)`, a submodule used on some ranks only under stage 3, ...).")
+        hint = GENERATE_HINT if _generate_involved(me.phase, (me, other), context) else ""
+        return Diagnosis("diverged", culprit, summary, hint)
+    if absent:
+        culprit = absent[0]
+        names = ", ".join(f"rank {r} is {peers[r].record.where()}" for r in absent)
+        summary = f"{head}; rank(s) {', '.join(map(str, absent))} did not join it: {names}."
+        if _generate_involved(me.phase, (me, *(peers[r].record for r in absent)), context):
+            hint = GENERATE_HINT
+        return Diagnosis("stuck", culprit, summary, hint)
+    summary = (f"{head}; every rank observed ({', '.join(map(str, alongside)) or 'none'}) waits in it too: the "
+               "collective itself does not complete (the network, or a rank this one does not observe).")
+    return Diagnosis("stuck", None, summary, hint)
+
+
+def _collective(activity) -> str:
+    if activity.op:
+        return f"{activity.kind} #{activity.op} (world op {activity.seq})"
+    return f"torch.distributed.{activity.kind} (world op {activity.seq})"
+
+
+def compare_marks(a: Record, b: Record, context: Context) -> Diagnosis | None:
+    """Silent divergence: the first step both ranks marked whose counters differ."""
+    theirs = {(m.phase, m.count): m for m in b.marks}
+    previous: Mark | None = None
+    for mark in a.marks:
+        other = theirs.get((mark.phase, mark.count))
+        if other is None:
+            previous = None
+            continue
+        differs = mark.ops != other.ops or mark.digest != other.digest or (context.symmetric and mark.seq != other.seq)
+        if differs:
+            return _diverged(a, b, mark, other, previous, theirs, context)
+        previous = mark
+    return None
+
+
+def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | None, theirs: dict,
+              context: Context) -> Diagnosis:
+    before = theirs.get((previous.phase, previous.count)) if previous is not None else None
+    if previous is not None and before is not None:
+        span = f"during {step_name(previous.phase, previous.batch)} (before {step_name(mark.phase, mark.batch)} began)"
+        issued_a, issued_b = mark.ops - previous.ops, other.ops - before.ops
+    else:
+        span = f"before {step_name(mark.phase, mark.batch)}"
+        issued_a, issued_b = mark.ops, other.ops
+    first = first_difference(a.recent, b.recent, min(mark.ops, other.ops) + 1)
+    if mark.ops == other.ops and mark.digest == other.digest:
+        detail = (f"the same collectives of lightning_zero but different numbers of other torch.distributed operations "
+                  f"(world op {mark.seq} on rank {a.rank}, {other.seq} on rank {b.rank}: e.g. torchmetrics or "
+                  "Hugging Face generate's own all_reduce, or a torch.distributed call of your code)")
+        culprit = a.rank if mark.seq < other.seq else b.rank
+    else:
+        detail = f"{issued_a} collectives on rank {a.rank}, {issued_b} on rank {b.rank}"
+        if first is not None:
+            detail += f"; the first that differs is {first}"
+        culprit = a.rank if issued_a < issued_b else b.rank
+    summary = (f"ranks {a.rank} and {b.rank} issued different collectives {span}: {detail}. Rank {culprit} diverged "
+               f"(it issued fewer). Rank {a.rank} is now {a.where()}; rank {b.rank} is {b.where()}.")
+    hint = GENERATE_HINT if _generate_involved(mark.phase, (a, b), context) or (
+        context.generate_hint and previous is not None and previous.phase in _EVAL) else ""
+    return Diagnosis("diverged", culprit, summary, hint)
+
+
+def first_difference(mine: list[Op], theirs: list[Op], start: int) -> str | None:
+    """The first collective number (from the recent rings) where the two ranks issued different things."""
+    by_number = {op.number: op for op in theirs}
+    for op in mine:
+        other = by_number.get(op.number)
+        if other is not None and (op.kind, op.numel, op.dtype) != (other.kind, other.numel, other.dtype):
+            return f"#{op.number}: {op.describe()} vs {other.describe()}"
+    for op in mine:
+        if op.number >= start and op.number not in by_number:
+            return f"#{op.number}: {op.describe()}, which the other rank never issued"
+    return None
+
+
+def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Limits, context: Context,
+                   waited: float) -> Diagnosis | None | bool:
+    """At the end of a successful run: True when every rank finished, a Diagnosis when this rank must fail after
+    all (a peer failed, died, or waits in a collective this rank never joins), None to keep waiting."""
+    if failure is not None:
+        return adopt(failure, me)
+    for rank, peer in sorted(peers.items()):
+        found = peer_failed(rank, peer)
+        if found is not None:
+            return found
+    running = {r: p for r, p in peers.items() if p.record.state != FINISHED}
+    if not running:
+        return True
+    blocked = [r for r, p in running.items()
+               if p.record.activity.in_collective and p.record.activity.blocked_for >= limits.settle]
+    if len(blocked) == len(running):  # nobody left to make progress: they wait for a rank that finished
+        return finished_early(me, running[blocked[0]].record, context)
+    stale_ranks = [r for r, p in running.items() if p.age >= limits.stale_after]
+    if stale_ranks:
+        return stale(stale_ranks[0], running[stale_ranks[0]], me)
+    if waited >= limits.timeout:
+        rank = min(running)
+        return Diagnosis(
+            "stuck", rank,
+            f"rank {me.rank} finished, but rank {rank} did not finish within timeout={limits.timeout:g} s: it is "
+            f"{running[rank].record.where()}.",
+        )
+    return None
+
+
+def explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context, error: str) -> Diagnosis:
+    """Why a collective raised on this rank (gloo's "Connection closed by peer", a timeout, a mismatch) when no
+    decision was made yet: what the peers are doing, from their last records."""
+    if me.paused >= limits.stale_after:
+        return Diagnosis(
+            "stale", me.rank,
+            f"rank {me.rank}'s process could not run for {me.paused:.0f} s (stopped by SIGSTOP or a debugger, or the "
+            f"machine was swapping), and the other ranks ended the run meanwhile; it is {me.where()}.",
+        )
+    for rank, peer in sorted(peers.items()):
+        found = peer_failed(rank, peer)
+        if found is not None:
+            return found
+        if peer.record.state == FINISHED:
+            return finished_early(peer.record, me, context)
+    for peer in peers.values():
+        diverged = compare_marks(me, peer.record, context)
+        if diverged is not None:
+            return diverged
+    first_line = error.strip().splitlines()[0][:300] if error.strip() else "an error"
+    if peers:
+        summary = f"a collective failed on rank {me.rank} ({first_line}) while it was {me.where()}; " + "; ".join(
+            f"rank {r} was last seen ({p.age:.0f} s ago) {p.record.where()}" for r, p in sorted(peers.items()))
+        culprit = next((r for r, p in sorted(peers.items()) if not p.record.activity.same_wait(me.activity)), None)
+        return Diagnosis("stuck", culprit, summary)
+    return Diagnosis("stuck", None, f"a collective failed on rank {me.rank} ({first_line}) {me.where()}; no peer "
+                                    "record could be read (the store is unreachable).")

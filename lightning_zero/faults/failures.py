@@ -1,0 +1,65 @@
+"""The run's first failure, kept in the process group's key-value store so that every rank's error names it.
+
+When one rank raises (say in ``training_step``), its peers are usually blocked inside a collective; with
+gloo they get "connection closed by peer" as soon as that rank's process exits, with NCCL nothing at all,
+and neither says anything about the cause. The first rank to fail (or the first watchdog to diagnose a
+hang) therefore records the failure under the run's namespace with ``compare_set``, so exactly one wins,
+and every rank that fails afterwards names that first failure in its own error message.
+
+The namespace is per run (``lightning_zero/<run id>``): successive Trainers in one process group and
+torchrun restarts share the store, and an earlier run's failure must not leak into a later one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+PREFIX = "lightning_zero"
+_NOTE = "\n[lightning_zero] "
+
+
+def key(namespace: str) -> str:
+    return f"{namespace}/first_failure"
+
+
+def record(store: Any, namespace: str, failure: dict) -> dict:
+    """Record ``failure`` unless another is recorded already; return the first one (maybe ``failure``)."""
+    encoded = json.dumps(failure)
+    first = store.compare_set(key(namespace), "", encoded).decode()
+    return json.loads(first) if first else failure
+
+
+def read(store: Any, namespace: str) -> dict | None:
+    """The first failure, or None (``check`` first: a ``get`` of a missing key blocks for the store timeout)."""
+    name = key(namespace)
+    if not store.check([name]):
+        return None
+    raw = store.get(name)
+    return json.loads(raw) if raw else None
+
+
+def error_text(exception: BaseException) -> str:
+    text = str(exception).split(_NOTE, 1)[0].strip()
+    return f"{type(exception).__name__}: {text}" if text else type(exception).__name__
+
+
+def add_note(exception: BaseException, note: str) -> None:
+    """Append ``note`` to ``exception``'s message (Lightning re-raises the same object after ``on_exception``)."""
+    text = _NOTE + note.replace("\n", "\n  ")
+    if exception.args and isinstance(exception.args[0], str):
+        if text in exception.args[0]:
+            return
+        exception.args = (exception.args[0] + text, *exception.args[1:])
+    else:
+        exception.args = (*exception.args, text)
+
+
+def brought_down_by(exception: BaseException, first: dict, rank: int) -> None:
+    """Name ``first`` in ``exception`` unless it is this rank's own error or the same error (every rank raising
+    the same check needs no note)."""
+    if first.get("rank") == rank and first.get("kind") == "error":
+        return
+    if first.get("error") == error_text(exception):
+        return
+    add_note(exception, f"the run was brought down by the first failure: {first['message']}")

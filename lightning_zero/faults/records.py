@@ -1,0 +1,128 @@
+"""The heartbeat record each rank publishes in the store, and what an observer makes of it.
+
+A record carries no timestamps: staleness is judged by the observer, as the time (on its own monotonic clock)
+since the record's ``beat`` last changed, so clocks of different nodes never meet. ``proc`` identifies the
+process (host, pid namespace, pid, start time) so that a peer on the same host can tell at once whether it
+still exists, is stopped, or is a zombie; on another host only staleness tells.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+
+from lightning_zero.faults.activity import Activity
+from lightning_zero.faults.flight import Mark, Op
+
+RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+
+
+@dataclass
+class Record:
+    rank: int
+    beat: int = 0
+    state: str = RUNNING
+    ops: int = 0
+    seq: int = 0
+    phase: str | None = None  # of the last mark: "train", "val", ...
+    batch: int | None = None
+    activity: Activity = field(default_factory=Activity)
+    marks: list[Mark] = field(default_factory=list)
+    steps: dict[str, int] = field(default_factory=dict)  # steps run so far, by phase
+    recent: list[Op] = field(default_factory=list)
+    proc: str = ""
+    paused: float = 0.0  # the longest stretch this process could not run its watchdog (SIGSTOP, swapping)
+    stalled: float = 0.0  # seconds without progress (no collective issued, no step begun): NCCL never blocks the CPU
+    signal: str | None = None  # "SIGTERM" once received
+    error: str | None = None  # short, when failed
+
+    def encode(self) -> bytes:
+        data = dict(self.__dict__)
+        data["activity"] = self.activity.to_json()
+        data["marks"] = [list(m) for m in self.marks]
+        data["recent"] = [list(o) for o in self.recent]
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Record:
+        data = json.loads(raw)
+        data["activity"] = Activity.from_json(data.get("activity"))
+        data["marks"] = [Mark(*m) for m in data.get("marks", [])]
+        data["recent"] = [Op(*o) for o in data.get("recent", [])]
+        return cls(**data)
+
+    def steps_in(self, phase: str | None) -> int:
+        return self.steps.get(phase, 0) if phase else 0
+
+    def where(self) -> str:
+        """``in training batch 3, waiting in all_gather #12 ...``: the step and what the main thread does there."""
+        step = step_name(self.phase, self.batch)
+        return f"{'in ' if self.phase else ''}{step}, {self.activity.describe()}"
+
+
+_PHASES = {"train": "training", "val": "validation", "test": "test", "predict": "prediction"}
+
+
+def phase_name(phase: str | None) -> str:
+    return _PHASES.get(phase, phase or "")
+
+
+def step_name(phase: str | None, batch: int | None) -> str:
+    if phase is None:
+        return "before the first step"
+    name = phase_name(phase)
+    return f"{name} batch {batch}" if batch is not None else f"{name} step"
+
+
+@dataclass
+class Peer:
+    """A peer's latest record as this rank observed it: ``age`` is the seconds since its beat last changed."""
+
+    record: Record
+    age: float
+    liveness: str = "unknown"  # "alive", "stopped", "dead" or "unknown" (another host)
+
+
+def this_process() -> str:
+    pid = os.getpid()
+    return "|".join((socket.gethostname(), _pid_namespace(), str(pid), _start_time(pid) or ""))
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()  # fields after the command name, from "state" on
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if fields and len(fields) > 19 else None
+
+
+def liveness(proc: str) -> str:
+    """Whether the process a record came from still runs: only answerable on the same host and pid namespace
+    (a pid elsewhere means another process); the start time guards against a reused pid."""
+    try:
+        host, namespace, pid, start = proc.split("|")
+    except ValueError:
+        return "unknown"
+    if host != socket.gethostname() or namespace != _pid_namespace() or not namespace:
+        return "unknown"
+    fields = _stat(int(pid))
+    if fields is None or (start and len(fields) > 19 and fields[19] != start):
+        return "dead"
+    if fields[0] in ("Z", "X"):
+        return "dead"
+    return "stopped" if fields[0] in ("T", "t") else "alive"

@@ -1,0 +1,379 @@
+"""The collective watchdog: one daemon thread per rank that notices a run that cannot go on, names the rank
+and the collective, and makes every rank end within ``timeout`` (plus a few seconds) even under NCCL's
+semantics, where nothing raises.
+
+Each tick (``Limits.tick``, 1 s) the thread samples the main thread (``activity.py``), publishes this rank's
+record through :class:`~lightning_zero.faults.exchange.Exchange`, and runs :func:`diagnosis.decide` over the
+peers' records. On a decision it (1) prints the diagnosis to stderr, (2) records it as the run's first
+failure so every rank's error carries the same text, (3) arms the flight recorder so the main thread raises
+it at its next collective or step, and (4) if the main thread has not started handling an error
+``Limits.abort_grace`` later (it is blocked: NCCL, or a peer that is stopped but alive), flushes output and
+ends the process with ``os._exit(1)``.
+
+[Note: SIGTERM]
+The thread also reads the wakeup pipe (``signals.py``). After SIGTERM the main thread normally stops at the
+next batch boundary (Lightning raises ``SIGTERMException`` there). If instead it waits in one collective for
+``Limits.sigterm_stall`` seconds, or has not ended ``Limits.sigterm_grace`` (25 s) after the signal, the process
+ends (exit code 143), within a scheduler's usual 30 s before SIGKILL.
+
+[Note: the exit agreement]
+A rank that finishes its loop must not report success while a peer still waits in a collective it will
+never join (uneven data), because the peer then hangs forever under NCCL. :meth:`Watchdog.finish` publishes
+"finished" and waits (at most ``timeout``) until every rank has finished, or raises if one failed or waits
+in a collective.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from lightning_zero.faults import activity as activity_mod
+from lightning_zero.faults import diagnosis, failures, timeouts
+from lightning_zero.faults.activity import Activity
+from lightning_zero.faults.diagnosis import Context, Diagnosis, Limits
+from lightning_zero.faults.exchange import Exchange
+from lightning_zero.faults.flight import RECORDER, CollectiveError
+from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, liveness, this_process
+from lightning_zero.faults.signals import WakeupPipe
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Watchdog:
+    def __init__(self, store: Any, namespace: str, rank: int, world_size: int, limits: Limits, context: Context,
+                 group: Any, mark_peer: int | None, long: float = 600.0) -> None:
+        self.rank = rank
+        self.long = long  # seconds: the limit before the loops start
+        self.world_size = world_size
+        self.limits = limits
+        self.context = context
+        self.group = group
+        self.mark_peer = mark_peer
+        self.namespace = namespace
+        self.exchange = Exchange(store, namespace, rank, world_size, limits.tick)
+        self.exchange.wanted = [r for r in range(world_size) if r != rank] if world_size <= 16 else self._neighbours()
+        self.pipe = WakeupPipe()
+        self.state = RUNNING
+        self.error: str | None = None
+        self.decision: Diagnosis | None = None
+        self.failing = False  # the main thread handles an error (on_exception)
+        self.finishing = False
+        self.paused = 0.0
+        self.signal_at: float | None = None
+        self.signal_name: str | None = None
+        self.signal_number = 0
+        self._exit_at: float | None = None
+        self._grace = 0.0
+        self._last_tick = time.monotonic()
+        self._progress: tuple[tuple, float] = ((), time.monotonic())  # (ops, seq, last mark), since
+        self._beat = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat, snapshot time it was first seen)
+        self._blocked: tuple[tuple, float] | None = None  # a wait outside collectives.py: (key, since)
+        self._stop = False
+        self._main = threading.get_ident()
+        self._proc = this_process()
+        self._thread = threading.Thread(target=self._run, name="lightning_zero-watchdog", daemon=True)
+
+    def _neighbours(self) -> list[int]:
+        wanted = {(self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size}
+        if self.mark_peer is not None:
+            wanted.add(self.mark_peer)
+        return sorted(wanted - {self.rank})
+
+    # ------------------------------------------------------------------ lifecycle (main thread)
+    def start(self) -> None:
+        # A process that dies in native code (gloo aborts on a mismatched collective) still shows its Python stack.
+        self._faulthandler = not faulthandler.is_enabled()
+        if self._faulthandler:
+            faulthandler.enable()
+        RECORDER.reset(self.group)
+        RECORDER.enabled = True
+        self.pipe.install()
+        self.exchange.outgoing = self._record(Activity()).encode()
+        self.exchange.start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.pipe.wake()
+        self.exchange.stop()
+        if threading.get_ident() != self._thread.ident and self._thread.is_alive():
+            self._thread.join(timeout=2 * self.limits.tick)
+        self.pipe.restore()
+        if getattr(self, "_faulthandler", False):
+            faulthandler.disable()
+        RECORDER.enabled = False
+        RECORDER.abort = None
+        RECORDER.on_mark = None
+
+    def current_limits(self) -> Limits:
+        """``timeout`` while the loops run; the long limit before (setup: a slow start is not a hang) and in
+        :func:`~lightning_zero.faults.timeouts.extended` phases."""
+        active = timeouts.ACTIVE
+        if active is None:
+            return self.limits.extended(self.long)
+        if active.reason is not None:
+            return self.limits.extended(active.current)
+        return self.limits
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        last = self._last_tick = time.monotonic()
+        while not self._stop:
+            try:
+                ready, _, _ = select.select([self.pipe.read_fd], [], [], self.limits.tick)
+            except (OSError, ValueError):
+                ready = []
+            if self._stop:
+                return
+            if ready:
+                for number in self.pipe.drain():
+                    if number in _STOP_SIGNALS:
+                        self._on_signal(number)
+            now = time.monotonic()
+            if now - last > self.limits.stale_after:  # this process could not run (SIGSTOP, swapping)
+                self.paused = max(self.paused, now - last)
+            last = self._last_tick = now
+            try:
+                self._tick(now)
+            except Exception as error:  # noqa: BLE001 - never let the watchdog die silently
+                print(f"[lightning_zero] rank {self.rank}: watchdog error: {error!r}", file=sys.stderr, flush=True)
+
+    def _tick(self, now: float) -> None:
+        sample = self._sample()
+        me = self._record(sample)
+        self.exchange.outgoing = me.encode()
+        if self.signal_at is not None:
+            self._check_signal(now, sample)
+        if self.decision is not None:
+            first = self.exchange.snapshot.failure
+            if first is not None and first.get("rank") != self.rank and self.decision.kind != "adopted":
+                # Another rank's diagnosis was recorded first: every rank reports that one.
+                self.decision = diagnosis.adopt(first, me, kind="adopted")
+                RECORDER.abort = CollectiveError(f"[lightning_zero] {self.decision.text()}")
+            if self._exit_at is not None and now >= self._exit_at and not self.failing:
+                self._hard_exit(f"its main thread did not stop within {self._grace:.0f} s of the diagnosis "
+                                f"({sample.describe()})", 1)
+            return
+        if self.failing or self.finishing:
+            return
+        peers = self.observe()
+        limits = self.current_limits()
+        snapshot = self.exchange.snapshot
+        found = diagnosis.decide(me, peers, snapshot.failure, limits, self.context, self.mark_peer,
+                                 self.exchange.silent(now))
+        if found is not None:
+            self.abort(found)
+
+    def _sample(self) -> Activity:
+        seq = self._seq()
+        sample = activity_mod.sample(self._main, RECORDER, seq)
+        if sample.in_collective and sample.op is None:  # a wait outside collectives.py: time it here
+            key = (sample.kind, seq)
+            if self._blocked is None or self._blocked[0] != key:
+                self._blocked = (key, time.monotonic())
+            sample.blocked_for = time.monotonic() - self._blocked[1]
+        elif not sample.in_collective:
+            self._blocked = None
+        return sample
+
+    def _seq(self) -> int:
+        try:
+            return int(self.group._get_sequence_number_for_group()) if self.group is not None else 0
+        except Exception:  # noqa: BLE001 - a destroyed group
+            return 0
+
+    def _record(self, sample: Activity) -> Record:
+        self._beat += 1
+        mark = RECORDER.last_mark()
+        progress = (RECORDER.ops, sample.seq, mark)
+        if progress != self._progress[0]:
+            self._progress = (progress, time.monotonic())
+        return Record(
+            rank=self.rank, beat=self._beat, state=self.state, ops=RECORDER.ops, seq=sample.seq or self._seq(),
+            phase=mark.phase if mark else None, batch=mark.batch if mark else None, activity=sample,
+            marks=list(RECORDER.marks), recent=RECORDER.recent_ops()[-16:],
+            steps={phase: count + 1 for phase, count in dict(RECORDER.counts).items()}, proc=self._proc,
+            paused=round(self.paused, 1), signal=self.signal_name, error=self.error,
+            stalled=round(time.monotonic() - self._progress[1], 1),
+        )
+
+    def observe(self) -> dict[int, Peer]:
+        """The peers' records of the latest snapshot, aged by when their beat last changed."""
+        snapshot = self.exchange.snapshot
+        peers: dict[int, Peer] = {}
+        for rank, raw in snapshot.records.items():
+            try:
+                record = Record.decode(raw)
+            except (ValueError, TypeError, KeyError):
+                continue
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != record.beat:
+                self._seen[rank] = seen = (record.beat, snapshot.taken_at)
+            age = max(0.0, snapshot.taken_at - seen[1])
+            state = liveness(record.proc) if record.state == RUNNING else "unknown"
+            peers[rank] = Peer(record, age, state)
+        return peers
+
+    # ------------------------------------------------------------------ acting
+    def abort(self, found: Diagnosis) -> None:
+        """End the run with ``found``: tell the user, the peers and the main thread (see module docstring)."""
+        if self.decision is not None:
+            return
+        self.decision = found
+        text = found.text()
+        print(f"[lightning_zero] rank {self.rank}: {text}", file=sys.stderr, flush=True)
+        if self.exchange.snapshot.failure is None:
+            self.exchange.failure_out = found.to_failure(self.rank)
+            self.exchange.wake()
+        RECORDER.abort = CollectiveError(f"[lightning_zero] {text}")
+        self._grace = 2.0 if self.signal_at is not None else self.current_limits().abort_grace
+        self._exit_at = time.monotonic() + self._grace
+
+    def _hard_exit(self, reason: str, code: int) -> None:
+        print(f"[lightning_zero] rank {self.rank}: ending this process: {reason}.", file=sys.stderr, flush=True)
+        self.exchange.flush(1.0)  # the failure and this rank's last record, if the store answers
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+    def _on_signal(self, number: int) -> None:
+        if self.signal_at is not None:
+            return
+        self.signal_at = time.monotonic()
+        self.signal_number = number
+        self.signal_name = signal.Signals(number).name
+        print(f"[lightning_zero] rank {self.rank}: received {self.signal_name}; the run stops at the next batch "
+              f"boundary, and this process ends within {self.limits.sigterm_grace:.0f} s in any case.",
+              file=sys.stderr, flush=True)
+
+    def _check_signal(self, now: float, sample: Activity) -> None:
+        since = now - self.signal_at
+        limits = self.limits
+        extended = timeouts.ACTIVE is not None and timeouts.ACTIVE.reason is not None  # e.g. a checkpoint being saved
+        stall = limits.sigterm_grace if extended else limits.sigterm_stall
+        stalled = sample.in_collective and sample.blocked_for >= stall and since >= 1.0
+        if not stalled and since < limits.sigterm_grace:
+            return
+        why = (f"waiting in a collective for {sample.blocked_for:.0f} s after {self.signal_name}" if stalled
+               else f"still running {since:.0f} s after {self.signal_name}")
+        summary = f"rank {self.rank} received {self.signal_name} and ended while {why}: {sample.describe()}"
+        if self.decision is None and self.exchange.snapshot.failure is None:
+            self.exchange.failure_out = Diagnosis("sigterm", self.rank, summary).to_failure(self.rank)
+        self._hard_exit(summary, 128 + self.signal_number)
+
+    # ------------------------------------------------------------------ main-thread entry points
+    def on_exception(self, exception: BaseException) -> None:
+        """Name the cause in ``exception`` and tell the peers (called from the strategy's ``on_exception``)."""
+        self.failing = True
+        if self.state == FAILED:
+            return
+        gap = time.monotonic() - self._last_tick - self.limits.tick  # this process was stopped just now?
+        if gap > self.limits.stale_after:
+            self.paused = max(self.paused, gap)
+        seq = self._seq()
+        where = activity_mod.from_exception(exception, RECORDER, seq)
+        me = self._record(where)
+        healthy = self.exchange.error is None and self.exchange.silent(time.monotonic()) < self.limits.tick
+        if isinstance(exception, CollectiveError):
+            pass  # the diagnosis is its message
+        elif self.decision is not None:
+            failures.add_note(exception, _with_rank(self.decision.text(), me))
+        elif _is_communication_error(exception):
+            first = self._first_failure(healthy, wait=self.limits.settle)
+            if first is not None:
+                failures.brought_down_by(exception, first, self.rank)
+                failures.add_note(exception, f"This rank ({self.rank}) was {me.where()}.")
+            else:
+                found = diagnosis.explain(me, self.observe(), self.current_limits(), self.context, str(exception))
+                failures.add_note(exception, _with_rank(found.text(), me))
+                self.exchange.failure_out = found.to_failure(self.rank)
+        else:  # this rank's own error: the cause, for everybody
+            message = f"rank {self.rank} raised {failures.error_text(exception)} ({me.where()})"
+            failure = {"rank": self.rank, "culprit": self.rank, "kind": "error", "message": message,
+                       "error": failures.error_text(exception)}
+            first = self._first_failure(healthy)
+            if first is not None:
+                failures.brought_down_by(exception, first, self.rank)
+            else:
+                self.exchange.failure_out = failure
+            waiting = "; ".join(f"rank {r} is {p.record.where()}" for r, p in sorted(self.observe().items())
+                                if p.record.activity.in_collective)
+            print(f"[lightning_zero] {message}; the other ranks stop with it" + (f" ({waiting})." if waiting else "."),
+                  file=sys.stderr, flush=True)
+        self.state, self.error = FAILED, failures.error_text(exception)[:300]
+        self.exchange.outgoing = self._record(where).encode()
+        if healthy:
+            self.exchange.flush(2.0)
+
+    def _first_failure(self, healthy: bool, wait: float = 0.0) -> dict | None:
+        """The run's first failure, waiting up to ``wait`` seconds for a peer that is writing it right now."""
+        deadline = time.monotonic() + wait
+        while True:
+            first = self.exchange.snapshot.failure
+            if first is not None or not healthy or time.monotonic() >= deadline:
+                return first
+            self.exchange.flush(min(1.0, max(0.05, deadline - time.monotonic())))
+
+    def finish(self) -> CollectiveError | None:
+        """The exit agreement (see module docstring): None when every rank finished, else the error to raise."""
+        self.finishing = True
+        self.state = FINISHED
+        self.exchange.wanted = [r for r in range(self.world_size) if r != self.rank]
+        self.exchange.outgoing = self._record(Activity(seq=self._seq())).encode()
+        self.exchange.finishing = True
+        self.exchange.wake()
+        start = time.monotonic()
+        cycle = self.exchange.snapshot.cycle
+        while True:
+            self.exchange.flush(self.limits.tick)
+            if self.exchange.snapshot.cycle == cycle:
+                if time.monotonic() - start >= self.limits.timeout:
+                    return self._agreement_failed(Diagnosis(
+                        "store", None, f"rank {self.rank} finished but could not reach the store for "
+                        f"{self.limits.timeout:g} s to learn whether the other ranks did ({self.exchange.error})."))
+                continue
+            cycle = self.exchange.snapshot.cycle
+            if self.exchange.snapshot.finished >= self.world_size:
+                return None
+            me = self._record(Activity(seq=self._seq()))
+            outcome = diagnosis.exit_agreement(me, self.observe(), self.exchange.snapshot.failure,
+                                               self.current_limits(), self.context, time.monotonic() - start)
+            if outcome is True:
+                return None
+            if isinstance(outcome, Diagnosis):
+                return self._agreement_failed(outcome)
+
+    def _agreement_failed(self, found: Diagnosis) -> CollectiveError:
+        self.state = FAILED
+        self.error = found.summary[:300]
+        print(f"[lightning_zero] rank {self.rank}: {found.text()}", file=sys.stderr, flush=True)
+        if self.exchange.snapshot.failure is None:
+            self.exchange.failure_out = found.to_failure(self.rank)
+        self.exchange.outgoing = self._record(Activity(seq=self._seq())).encode()
+        self.exchange.flush(2.0)
+        return CollectiveError(f"[lightning_zero] {found.text()}")
+
+
+def _with_rank(text: str, me: Record) -> str:
+    return text if "this rank" in text.lower() else f"{text}\nThis rank ({me.rank}) was {me.where()}."
+
+
+_COMMUNICATION = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "timed out",
+                  "collective mismatch", "pair closure", "Broken pipe", "NCCL", "ProcessGroupGloo", "Socket Timeout")
+
+
+def _is_communication_error(exception: BaseException) -> bool:
+    if type(exception).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):
+        return True
+    return isinstance(exception, RuntimeError) and any(text in str(exception) for text in _COMMUNICATION)

@@ -1,0 +1,237 @@
+"""No run hangs (issue 18 part 2): every fault ends every rank within ``timeout`` (plus a few seconds), with an
+error on every rank that names the rank at fault and where (the collective's kind and number, the call site).
+
+Each case is one launch of ``worker_hangs.py`` (a fault ends processes) through a real ``Trainer`` on gloo
+with ``timeout=8``. gloo notices a dead peer (its sockets close); NCCL does not, so the NCCL-style cases keep
+the faulty rank alive: stopped with SIGSTOP, or sleeping after its own error. The default run (``make
+test``) has six representative cases; the rest of the matrix is marked ``full``.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.launch import launch_processes
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 8.0
+#: A hang ends within the timeout plus the watchdog's margin and grace (Limits.for_timeout(8): 2 s each) and
+#: the process's own exit; on 2 busy cores, a few seconds more.
+BOUND = TIMEOUT + 8.0
+COLLECTIVE = re.compile(
+    r"(all_gather|reduce_scatter|all_reduce|broadcast\w*|barrier|isend|irecv)( #\d+| \(world op \d+\))"
+)
+
+
+def run(case: str, nprocs: int = 2, timeout: float = TIMEOUT, watchdog: bool = True, **kwargs):
+    return launch_processes("tests.distributed.worker_hangs", case, nprocs=nprocs, timeout=90,
+                            env={"LZ_TIMEOUT": str(timeout), "LZ_WATCHDOG": "1" if watchdog else "0"}, **kwargs)
+
+
+#: The default cases, launched two at a time when the module starts: most of a case is waiting for a
+#: timeout, so two launches share 2 cores well (the whole module takes about half as long).
+DEFAULT_CASES = {
+    "sigstop": {}, "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM}, "generate": {},
+    "uneven": {}, "sigkill": {}, "raise_step": {},
+}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {case: pool.submit(run, case, **kwargs) for case, kwargs in DEFAULT_CASES.items()}
+        yield futures
+
+
+def assert_all_failed_in_time(result, bound: float = BOUND, ranks=None):
+    for rank in ranks if ranks is not None else range(len(result.ranks)):
+        outcome = result.ranks[rank]
+        assert outcome.code not in (0, None), f"rank {rank} exited with {outcome.code}:\n{outcome.output[-4000:]}"
+        assert result.since_fault(rank) <= bound, f"rank {rank} took {result.since_fault(rank):.1f} s after the fault"
+
+
+def assert_names(output: str, *texts: str, collective: bool = True) -> None:
+    for text in texts:
+        assert text in output, f"{text!r} missing from:\n{output[-4000:]}"
+    if collective:
+        assert COLLECTIVE.search(output), f"no collective named in:\n{output[-4000:]}"
+
+
+# ---------------------------------------------------------------------------------------------- make test
+def test_a_rank_that_raises_brings_every_rank_down_with_its_error(launched):
+    result = launched["raise_step"].result()
+    assert_all_failed_in_time(result)
+    survivor = result.output(0)
+    assert_names(survivor, "rank 1 raised ValueError: boom from rank 1 at batch 2", "training batch 2",
+                 "worker_hangs.py", "This rank (0) was in training batch 2, waiting in")
+    assert_names(result.output(1), "ValueError: boom from rank 1 at batch 2", "the other ranks stop with it")
+
+
+def test_a_killed_rank_is_named(launched):
+    result = launched["sigkill"].result()
+    assert result.ranks[1].code == -signal.SIGKILL
+    assert_all_failed_in_time(result, ranks=[0])
+    assert_names(result.output(0), "rank 1's process ended without reporting an error", "SIGKILL",
+                 "This rank (0) was in training batch 2, waiting in reduce_scatter #")
+
+
+def test_a_stopped_rank_nccl_style_is_named_and_every_rank_ends(launched):
+    """SIGSTOP: alive, sockets open, no progress (what a hung NCCL rank looks like): nothing raises on its peer,
+    the watchdog notices the missing heartbeat. Once the peer has ended, the harness continues the stopped rank,
+    which then ends too, saying it was stopped."""
+    result = launched["sigstop"].result()
+    assert_all_failed_in_time(result, ranks=[0])
+    assert_names(result.output(0), "rank 1 stopped responding: no heartbeat", "its process is stopped",
+                 "This rank (0) is in training batch 2, waiting in reduce_scatter #", "ending this process")
+    assert result.ranks[1].code not in (0, None)
+    assert result.ranks[1].exited_at - result.ranks[0].exited_at <= 10  # promptly once continued
+    assert_names(result.output(1), "rank 1's process could not run for", collective=False)
+
+
+def test_the_rank_with_fewer_batches_does_not_report_success(launched):
+    result = launched["uneven"].result()
+    for rank in (0, 1):
+        assert result.ranks[rank].code not in (0, None), result.output(rank)[-3000:]
+        assert result.ranks[rank].exited_at <= 60
+        assert_names(result.output(rank), "rank 1 finished (4 training batches", "rank 0 still runs",
+                     "ran different numbers of batches", "use_distributed_sampler")
+
+
+def test_hugging_face_generate_under_stage_3(launched):
+    """Per-rank output lengths work by default (transformers turns ``synced_gpus`` on for FSDP-managed modules,
+    which stage 3's are); with ``synced_gpus=False`` the extra forward passes of one rank pair silently with the
+    other's, and the run ends naming the rank, the all-gather and ``synced_gpus=True``."""
+    result = launched["generate"].result()
+    report = result.report()
+    assert report["default"]["lengths"] == {"0": 6, "1": 6}  # rank 0: 4 prompt + 2 new tokens; rank 1 made 8
+    assert_all_failed_in_time(result)
+    for rank in (0, 1):
+        assert_names(result.output(rank), "rank 1 still runs", "validation batch 0, waiting in all_gather #",
+                     "in validation_step via generation/utils.py", "synced_gpus=True")
+
+
+def test_sigterm_ends_a_hung_run_within_30_seconds(launched):
+    """Rank 1 hangs in user code and rank 0 waits for it in a collective; the timeout is long (60 s), so only
+    the scheduler's SIGTERM (sent to both) ends the run."""
+    result = launched["sleep_forever"].result()
+    assert result.signalled_at is not None
+    for rank in (0, 1):
+        outcome = result.ranks[rank]
+        assert outcome.code not in (0, None), outcome.output[-3000:]
+        assert outcome.exited_at - result.signalled_at <= 30
+        assert_names(outcome.output, "received SIGTERM", collective=False)
+    assert_names(result.output(0), "rank 0 received SIGTERM and ended while waiting in a collective",
+                 "reduce_scatter #")
+    assert result.ranks[0].code == 128 + signal.SIGTERM
+    assert re.search(r"rank 0('s process ended after it)? received SIGTERM", result.output(1)), result.output(1)[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------- full matrix
+@pytest.mark.full
+@pytest.mark.parametrize("case, error", [
+    ("raise_backward", "RuntimeError: boom in backward on rank 1"),
+    ("raise_optimizer", "RuntimeError: boom in optimizer.step on rank 1"),
+    ("raise_callback", "KeyError: 'boom in a callback on rank 1'"),
+    ("raise_save", "OSError: boom in on_save_checkpoint on rank 1"),
+])
+def test_a_rank_that_raises_anywhere(case, error):
+    result = run(case)
+    assert_all_failed_in_time(result)
+    assert_names(result.output(0), f"rank 1 raised {error}", "This rank (0) was in training batch")
+    assert_names(result.output(1), error, collective=False)
+
+
+@pytest.mark.full
+def test_a_failed_rank_that_stays_alive_nccl_style():
+    """The failed rank catches its error and lingers (sockets open): its peer is ended by the watchdog."""
+    result = run("raise_and_sleep")
+    assert_all_failed_in_time(result, ranks=[0])
+    assert_names(result.output(0), "rank 1 raised ValueError: boom from rank 1", "ending this process")
+    assert result.ranks[1].code == 3  # the worker's own exit after lingering
+
+
+@pytest.mark.full
+def test_the_store_host_stopped():
+    """Rank 0 hosts the store under this launcher: stopped, it takes the store with it."""
+    result = run("sigstop0")
+    assert_all_failed_in_time(result, ranks=[1])
+    assert_names(result.output(1), "cannot reach the rendezvous store", "rank 0 is probably stopped")
+    assert result.ranks[0].code not in (0, None)
+    assert_names(result.output(0), "rank 0's process could not run for", collective=False)
+
+
+@pytest.mark.full
+def test_a_rank_that_skips_a_step():
+    result = run("skip_step")
+    assert_all_failed_in_time(result)
+    for rank in (0, 1):
+        assert_names(result.output(rank), "is in a different collective", "reduce_scatter #16",
+                     "torch.distributed.broadcast")
+
+
+@pytest.mark.full
+def test_a_conditional_sync_dist_log():
+    result = run("conditional_log")
+    assert_all_failed_in_time(result)
+    for rank in (0, 1):
+        assert_names(result.output(rank), "all_reduce #16", "worker_hangs.py", "different collective")
+
+
+@pytest.mark.full
+def test_a_submodule_used_on_one_rank_under_stage_3():
+    """gloo aborts the rank whose all-gather does not match (NCCL would hang): its peer names it."""
+    result = run("rank_only_submodule")
+    assert_all_failed_in_time(result)
+    assert_names(result.output(0), "rank 1's process ended without reporting an error", "collective does not match")
+    assert "collective mismatch" in result.output(1) and "training_step" in result.output(1)  # gloo's + faulthandler
+
+
+@pytest.mark.full
+def test_a_slow_rank_is_not_a_hang():
+    """Rank 1's steps take 0.6 x timeout (far slower than rank 0's): rank 0 waits nearly that long each step."""
+    result = run("slow")
+    for rank in (0, 1):
+        assert result.ranks[rank].code == 0, result.output(rank)[-3000:]
+        assert "[lightning_zero]" not in result.output(rank)
+
+
+@pytest.mark.full
+def test_four_ranks_one_fails_and_stays_alive():
+    result = run("raise_and_sleep", nprocs=4)
+    assert_all_failed_in_time(result, ranks=[0, 2, 3])
+    for rank in (0, 2, 3):
+        assert_names(result.output(rank), "rank 1 raised ValueError: boom from rank 1", "reduce_scatter #16")
+
+
+@pytest.mark.full
+def test_without_the_watchdog_the_first_failure_is_still_named():
+    """``watchdog=False``: no thread; gloo's own error plus the first failure, and the process-group timeout."""
+    result = run("raise_step", watchdog=False)
+    assert_all_failed_in_time(result)
+    assert_names(result.output(0), "the run was brought down by the first failure: rank 1 raised ValueError: boom",
+                 collective=False)
+    assert "stop with it" not in result.output(1)  # that line is the watchdog's
+
+
+@pytest.mark.full
+def test_a_long_one_sided_phase_inside_extended_is_not_a_hang():
+    """Rank 0 works alone for 1.5 x timeout inside ``faults.extended`` while rank 1 waits at its barrier."""
+    result = run("one_sided")
+    for rank in (0, 1):
+        assert result.ranks[rank].code == 0, result.output(rank)[-3000:]
+        assert "[lightning_zero]" not in result.output(rank)
+
+
+@pytest.mark.full
+def test_sigterm_during_healthy_training_stops_every_rank_at_a_batch_boundary():
+    result = run("sigterm_healthy", signal_on_fault=signal.SIGTERM)
+    assert result.signalled_at is not None
+    for rank in (0, 1):
+        outcome = result.ranks[rank]
+        assert outcome.code is not None and outcome.exited_at - result.signalled_at <= 30, outcome.output[-3000:]
+        assert "received SIGTERM" in outcome.output and "ending this process" not in outcome.output

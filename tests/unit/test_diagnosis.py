@@ -1,0 +1,257 @@
+"""The watchdog's decisions and messages, without processes: records in, a diagnosis (or none) out."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from lightning_zero.faults import failures
+from lightning_zero.faults.activity import Activity, category, classify
+from lightning_zero.faults.diagnosis import (
+    Context, Limits, compare_marks, decide, exit_agreement, explain,
+)
+from lightning_zero.faults.flight import FlightRecorder, Mark, Op
+from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, this_process
+
+LIMITS = Limits.for_timeout(8.0)
+CONTEXT = Context(world_size=2)
+
+
+def waiting(kind="reduce_scatter", op=16, seq=39, blocked_for=1.0, site="train.py:12 in training_step", via=None):
+    return Activity(True, kind, op, seq, blocked_for, site, via)
+
+
+def computing(seq=38, site="train.py:30 in training_step"):
+    return Activity(False, None, None, seq, 0.0, site, None)
+
+
+def record(rank, activity=None, phase="train", batch=2, **kwargs):
+    return Record(rank=rank, activity=activity or computing(), phase=phase, batch=batch, **kwargs)
+
+
+def peer(rec, age=0.5, liveness="alive"):
+    return Peer(rec, age, liveness)
+
+
+def test_limits_follow_the_timeout():
+    short, default = Limits.for_timeout(8), Limits.for_timeout(60)
+    assert short.pg_timeout > short.timeout and default.pg_timeout > default.timeout  # the diagnosis comes first
+    assert short.stale_after < short.timeout and default.stale_after == 15
+    assert default.abort_grace < 30 and default.sigterm_grace <= 25
+    assert short.extended(600).timeout == 600 and short.extended(600).stale_after == 600
+
+
+def test_a_healthy_or_merely_slow_peer_is_not_a_hang():
+    me = record(0, waiting(blocked_for=LIMITS.timeout - 1))
+    slow = record(1, computing())  # 10x slower, still computing, heartbeat fresh
+    assert decide(me, {1: peer(slow)}, None, LIMITS, CONTEXT) is None
+    assert decide(record(0), {1: peer(slow, age=60)}, None, LIMITS, CONTEXT) is None  # nobody waits on it
+
+
+def test_the_first_failure_is_every_ranks_error():
+    failure = {"rank": 1, "culprit": 1, "kind": "error",
+               "message": "rank 1 raised ValueError: boom (in training batch 2)"}
+    found = decide(record(0, waiting()), {}, failure, LIMITS, CONTEXT)
+    assert found.culprit == 1 and "ValueError: boom" in found.summary
+    assert "This rank (0) was in training batch 2, waiting in reduce_scatter #16 (world op 39)" in found.summary
+
+
+def test_a_failed_or_vanished_peer_is_named_with_where_it_was():
+    failed = record(1, waiting("all_gather", 17, 40), state=FAILED, error="OSError: disk")
+    found = decide(record(0, waiting()), {1: peer(failed)}, None, LIMITS, CONTEXT)
+    assert found.kind == "failed" and found.culprit == 1 and "OSError: disk" in found.summary
+    gone = record(1, waiting("all_gather", 17, 40, site="model.py:8 in forward"))
+    found = decide(record(0, waiting()), {1: peer(gone, liveness="dead")}, None, LIMITS, CONTEXT)
+    assert found.kind == "died" and "rank 1's process ended" in found.summary
+    assert "all_gather #17 (world op 40)" in found.summary and "model.py:8 in forward" in found.summary
+
+
+def test_a_silent_peer_is_stale_only_while_someone_waits_for_it():
+    quiet = record(1, computing())
+    me = record(0, waiting(blocked_for=5))
+    assert decide(me, {1: peer(quiet, age=LIMITS.stale_after - 0.5)}, None, LIMITS, CONTEXT) is None
+    found = decide(me, {1: peer(quiet, age=LIMITS.stale_after + 1, liveness="stopped")}, None, LIMITS, CONTEXT)
+    assert found.kind == "stale" and found.culprit == 1
+    assert "no heartbeat for 5 s" in found.summary and "SIGSTOP" in found.summary
+    assert "This rank (0) is in training batch 2, waiting in reduce_scatter #16" in found.summary
+    assert "timeout=" in found.hint
+
+
+def test_under_nccl_a_rank_without_progress_counts_as_waiting():
+    """NCCL does not block the CPU inside the collective: no progress for as long as a heartbeat is missing."""
+    quiet = record(1, computing())
+    me = record(0, computing(site="train.py:9 in training_step"))
+    assert decide(me, {1: peer(quiet, age=LIMITS.stale_after + 1)}, None, LIMITS, CONTEXT) is None
+    me.stalled = LIMITS.stale_after
+    assert decide(me, {1: peer(quiet, age=LIMITS.stale_after + 1)}, None, LIMITS, CONTEXT).kind == "stale"
+
+
+def test_an_unreachable_store_is_named():
+    found = decide(record(1, waiting(blocked_for=6)), {}, None, LIMITS, CONTEXT, store_silent=LIMITS.stale_after + 1)
+    assert found.kind == "store" and "rank 0" in found.summary
+
+
+def test_uneven_data_a_peer_that_finished_while_this_rank_waits():
+    done = record(0, Activity(seq=60), state=FINISHED, steps={"train": 4})
+    me = record(1, waiting(blocked_for=0.5, seq=61), batch=4)
+    # symmetric ranks: this rank issued an operation beyond the finished rank's last one: certain at once
+    found = decide(me, {0: peer(done)}, None, LIMITS, CONTEXT)
+    assert found.kind == "finished" and found.culprit == 0
+    assert "rank 0 finished (4 training batches" in found.summary and "reduce_scatter #16" in found.summary
+    assert "use_distributed_sampler" in found.hint
+    # under pipeline stages only a wait that lasts tells
+    assert decide(me, {0: peer(done)}, None, LIMITS, Context(2, symmetric=False)) is None
+    me.activity.blocked_for = LIMITS.settle
+    assert decide(me, {0: peer(done)}, None, LIMITS, Context(2, symmetric=False)).kind == "finished"
+
+
+def marks(*entries):
+    return [Mark(phase, count, count, ops, digest, seq) for phase, count, ops, digest, seq in entries]
+
+
+def test_silent_divergence_the_first_differing_step_and_collective():
+    common = [Op(14, "all_gather", 247, "float32"), Op(15, "reduce_scatter", 494, "float32")]
+    a = record(0, marks=marks(("train", 1, 12, 111, 30), ("train", 2, 15, 222, 38), ("train", 3, 19, 333, 48)),
+               recent=common + [Op(16, "all_reduce", 1, "float32"), Op(17, "reduce_scatter", 494, "float32")])
+    b = record(1, marks=marks(("train", 1, 12, 111, 30), ("train", 2, 15, 222, 38), ("train", 3, 18, 444, 47)),
+               recent=common + [Op(16, "reduce_scatter", 494, "float32")])
+    assert compare_marks(a, a, CONTEXT) is None
+    found = compare_marks(a, b, CONTEXT)
+    assert found.kind == "diverged" and found.culprit == 1
+    assert "during training batch 2 (before training batch 3 began)" in found.summary
+    assert "4 collectives on rank 0, 3 on rank 1" in found.summary
+    assert "#16: all_reduce #16 (1 x float32) vs reduce_scatter #16 (494 x float32)" in found.summary
+    assert found == decide(a, {1: peer(b)}, None, LIMITS, CONTEXT, mark_peer=1)
+
+
+def test_divergence_outside_our_collectives_is_seen_in_the_sequence_number():
+    a = record(0, marks=marks(("val", 0, 5, 9, 20), ("val", 1, 5, 9, 26)))
+    b = record(1, marks=marks(("val", 0, 5, 9, 20), ("val", 1, 5, 9, 23)))
+    found = compare_marks(a, b, CONTEXT)
+    assert "torch.distributed operations" in found.summary and "world op 26 on rank 0, 23 on rank 1" in found.summary
+    assert compare_marks(a, b, Context(2, symmetric=False)) is None  # pipeline ranks differ by role
+
+
+def test_stuck_names_the_rank_in_another_collective_or_in_none():
+    me = record(0, waiting("all_reduce", 16, 38, blocked_for=9, site="model.py:40 in training_step"))
+    other = record(1, waiting("reduce_scatter", 16, 39, blocked_for=8))
+    found = decide(me, {1: peer(other)}, None, LIMITS, CONTEXT)
+    assert found.kind == "diverged" and found.culprit == 1
+    assert "all_reduce #16 (world op 38), called from model.py:40 in training_step" in found.summary
+    assert "rank 1 is in a different collective: in training batch 2, waiting in reduce_scatter #16" in found.summary
+    away = record(1, computing(site="eval.py:3 in on_validation_epoch_end"))
+    found = decide(me, {1: peer(away)}, None, LIMITS, CONTEXT)
+    assert found.kind == "stuck" and "did not join it" in found.summary and "eval.py:3" in found.summary
+    assert "extended" in found.hint
+
+
+def test_hugging_face_generate_gets_the_synced_gpus_hint():
+    gen = "generation/utils.py:3235 in _sample"
+    me = record(1, waiting("all_gather", 13, 134, blocked_for=4, via=gen), phase="val", batch=0)
+    done = record(0, Activity(seq=120), state=FINISHED, phase="val", steps={"val": 2})
+    found = decide(me, {0: peer(done)}, None, LIMITS, CONTEXT)
+    assert "synced_gpus=True" in found.hint
+    # without a sample inside generate(): the strategy's hint that the model can generate, in evaluation
+    me.activity.via = None
+    assert "synced_gpus=True" in decide(me, {0: peer(done)}, None, LIMITS, Context(2, generate_hint=True)).hint
+    assert "synced_gpus" not in decide(me, {0: peer(done)}, None, LIMITS, CONTEXT).hint
+
+
+def test_exit_agreement():
+    me = record(1, Activity(seq=50), state=FINISHED)
+    finished = record(0, Activity(seq=50), state=FINISHED)
+    assert exit_agreement(me, {0: peer(finished)}, None, LIMITS, CONTEXT, 0.1) is True
+    computing_peer = record(0, computing())
+    assert exit_agreement(me, {0: peer(computing_peer)}, None, LIMITS, CONTEXT, 1.0) is None  # keep waiting
+    late = exit_agreement(me, {0: peer(computing_peer)}, None, LIMITS, CONTEXT, LIMITS.timeout)
+    assert late.kind == "stuck" and "did not finish within timeout=8 s" in late.summary
+    blocked = record(0, waiting(blocked_for=LIMITS.settle))
+    found = exit_agreement(me, {0: peer(blocked)}, None, LIMITS, CONTEXT, 1.0)
+    assert found.kind == "finished" and found.culprit == 1 and "rank 0 still runs" in found.summary
+
+
+def test_a_rank_that_was_paused_says_so():
+    me = record(1, computing(), paused=12.0)
+    found = explain(me, {}, LIMITS, CONTEXT, "Connection closed by peer")
+    assert found.culprit == 1 and "could not run for 12 s" in found.summary
+
+
+def test_explain_a_communication_error_with_what_the_peers_do():
+    me = record(0, waiting())
+    found = explain(me, {1: peer(record(1, computing(site="x.py:1 in f")), age=2)}, LIMITS, CONTEXT,
+                    "[pair.cc:553] Connection closed by peer\nmore")
+    assert "Connection closed by peer" in found.summary and "more" not in found.summary
+    seen = "rank 1 was last seen (2 s ago) in training batch 2, not in a collective, called from x.py:1 in f"
+    assert seen in found.summary
+
+
+def test_records_round_trip():
+    rec = record(3, waiting(), marks=marks(("train", 0, 1, 2, 3)), recent=[Op(1, "all_gather", 4, "bfloat16")],
+                 steps={"train": 1}, proc=this_process(), signal="SIGTERM")
+    assert Record.decode(rec.encode()) == rec
+
+
+def test_liveness_of_processes():
+    assert liveness(this_process()) == "alive"
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    host, namespace, _, start = this_process().split("|")
+    assert liveness(f"{host}|{namespace}|{child.pid}|{start}") == "dead"
+    assert liveness(f"another-host|{namespace}|{os.getpid()}|{start}") == "unknown"
+
+
+def test_activity_finds_the_collective_and_the_users_call_site():
+    import lightning
+    import transformers
+
+    torch_file = os.path.join(os.path.dirname(torch.__file__), "distributed", "distributed_c10d.py")
+    frames = [
+        (torch_file, 3252, "all_reduce"),
+        (os.path.join(os.path.dirname(lightning.__file__), "pytorch", "loops", "loop.py"), 10, "run"),
+        (os.path.join(os.path.dirname(transformers.__file__), "generation", "utils.py"), 3235, "_sample"),
+        ("/home/me/project/train.py", 42, "validation_step"),
+    ]
+    sample = classify(frames, FlightRecorder(), seq=7)
+    assert sample.in_collective and sample.kind == "all_reduce" and sample.op is None and sample.seq == 7
+    assert sample.site == "project/train.py:42 in validation_step"
+    assert sample.via == "generation/utils.py:3235 in _sample"
+    assert category(lightning.__file__) == "framework" and category(failures.__file__) == "ours"
+
+
+def test_flight_recorder_digest_and_threads():
+    a, b = FlightRecorder(), FlightRecorder()
+    for rec in (a, b):
+        rec.reset(None)
+        rec.enabled = True
+        rec.issue("all_gather", 247, torch.float32)
+        rec.mark("train", 0)
+    assert a.marks[-1] == b.marks[-1]
+    b.issue("all_reduce", 1, torch.float32)
+    other = threading.Thread(target=a.issue, args=("all_reduce", 1, torch.float32))  # a background writer
+    other.start()
+    other.join()
+    a.mark("train", 1)
+    b.mark("train", 1)
+    assert a.marks[-1].ops == 1 and b.marks[-1].ops == 2 and a.marks[-1].digest != b.marks[-1].digest
+    assert [op.describe() for op in b.recent_ops()] == ["all_gather #1 (247 x float32)", "all_reduce #2 (1 x float32)"]
+
+
+def test_the_same_error_on_every_rank_needs_no_note():
+    error = TypeError("LBFGS is not elementwise")
+    first = {"rank": 0, "kind": "error", "error": failures.error_text(error), "message": "rank 0 raised ..."}
+    failures.brought_down_by(error, first, rank=1)
+    assert "first failure" not in str(error)
+    other = ValueError("consequence")
+    failures.brought_down_by(other, first, rank=1)
+    assert "the run was brought down by the first failure: rank 0 raised" in str(other)
+
+
+@pytest.mark.parametrize("value", [0, -3, "60", True])
+def test_timeout_must_be_positive_seconds_or_a_timedelta(value):
+    from lightning_zero.config import ZeroConfig, ZeroConfigError
+
+    with pytest.raises(ZeroConfigError, match="`timeout` must be a positive"):
+        ZeroConfig(timeout=value)
