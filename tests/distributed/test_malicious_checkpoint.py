@@ -1,8 +1,9 @@
 """A crafted checkpoint never runs code: every load path refuses the payload and names the file.
 
 An attacker with write access to a shared checkpoint directory replaces a file with a pickle whose
-``__reduce__`` calls ``os.system`` and updates the manifest (a checksum, not a signature). ``Trainer.fit(
-ckpt_path=...)`` on 2 ranks and ``lightning-zero consolidate`` must refuse it; the marker file the payload would
+``__reduce__`` calls ``os.system`` and updates the manifest (a checksum, not a signature). ``Trainer.fit/
+validate/test/predict(ckpt_path=...)`` on 2 ranks, ``init_weights``, ``lightning-zero consolidate`` and
+``lightning-zero verify`` must refuse it; the marker file the payload would
 create must not exist afterwards.
 """
 
@@ -33,6 +34,35 @@ def test_fit_with_ckpt_path_refuses_the_payload(shared, case, names):
     for name in names:
         assert name in result["message"], result["message"]
     assert not result["ran"], "the payload ran"
+
+
+@pytest.mark.parametrize("entry", ["validate", "test", "predict"])
+@pytest.mark.parametrize(("case", "name"), [("metadata", ".metadata"), ("meta", "meta.pt")])
+def test_evaluation_with_ckpt_path_refuses_the_payload(shared, entry, case, name):
+    result = shared["malicious"][f"{entry}_{case}"]
+    assert result["error"] == "UnsafeCheckpointError", result
+    assert name in result["message"], result["message"]
+    assert not result["ran"], "the payload ran"
+
+
+def test_init_weights_refuses_the_payload(shared):
+    result = shared["malicious"]["init_weights"]
+    assert result["error"] == "UnsafeCheckpointError", result
+    assert "evil_full" in result["message"], result["message"]
+    assert not result["ran"], "the payload ran"
+
+
+@pytest.mark.parametrize("case", ["metadata", "meta"])
+def test_verify_reports_the_payload_as_corrupted(shared, case):
+    directory = shared["dir"]
+    out = subprocess.run(
+        [sys.executable, "-m", "lightning_zero", "verify", str(directory / f"evil_{case}")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "corrupted" in out.stdout and "Refused to read" in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr
+    assert not (directory / f"PWNED_{case}").exists()
 
 
 @pytest.mark.parametrize("case", ["metadata", "meta"])

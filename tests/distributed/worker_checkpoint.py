@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
 from lightning_zero import ZeroStrategy, checkpoint_io
 from tests.distributed import models
@@ -265,15 +266,40 @@ def malicious(directory: Path) -> dict:
                 plant(target, file, marker, how=how)
     first.strategy.barrier()
     out = {}
+
+    def attempt(key: str, marker: str, call) -> None:
+        try:
+            call()
+            out[key] = {"error": None}
+        except Exception as err:  # noqa: BLE001 - the test asserts on what the user sees
+            out[key] = {"error": type(err).__name__, "message": str(err).splitlines()[0]}
+        out[key]["ran"] = (directory / f"PWNED_{marker}").exists()
+
     for name in cases:
         second = trainer(ZeroStrategy(stage=2), max_steps=3, **COMMON)
-        try:
-            second.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=directory / f"evil_{name}")
-            out[name] = {"error": None}
-        except Exception as err:  # noqa: BLE001 - the test asserts on what the user sees
-            out[name] = {"error": type(err).__name__, "message": str(err).splitlines()[0]}
-        out[name]["ran"] = (directory / f"PWNED_{name}").exists()
+        attempt(name, name, lambda: second.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=directory / f"evil_{name}"))
+    # The other Trainer entry points that take `ckpt_path`, and pretrained weights (`init_weights`).
+    for fn in ("validate", "test", "predict"):
+        for name in ("metadata", "meta"):
+            evaluator = trainer(ZeroStrategy(stage=2), max_steps=1)
+            loader = models.loader(DATA, 4)
+            attempt(f"{fn}_{name}", name, lambda: getattr(evaluator, fn)(Evaluated(), loader, ckpt_path=directory / f"evil_{name}"))
+    pretrained = trainer(ZeroStrategy(stage=2, init_weights=directory / "evil_full"), max_steps=1)
+    attempt("init_weights", "full", lambda: pretrained.fit(models.Regression(), models.loader(DATA, 4)))
     return out
+
+
+class Evaluated(models.Regression):
+    """The regression model with the evaluation hooks ``validate``/``test``/``predict`` call."""
+
+    def validation_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    def test_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self(batch[0]), batch[1])
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
 
 
 CASES = {

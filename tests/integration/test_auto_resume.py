@@ -60,10 +60,10 @@ def compare(directory: Path, case: str) -> dict:
             steps["same_rng"] &= r["rng"] == ref["rng"]
         steps["covered"] &= set(expected) <= {(r["epoch"], r["batch"]) for r in records}
         pids = list(dict.fromkeys(r["pid"] for r in records))  # this rank's processes, in order
-        resumed = [r for r in records if r["pid"] == pids[-1]]
+        last_process = [r for r in records if r["pid"] == pids[-1]]
         steps["processes"].append(len(pids))
-        steps["resumed_at"].append((resumed[0]["epoch"], resumed[0]["batch"]))
-        steps["restarts"].append(resumed[0]["restarts"])  # the restarted process's TORCHELASTIC_RESTART_COUNT
+        steps["resumed_at"].append((last_process[0]["epoch"], last_process[0]["batch"]))
+        steps["restarts"].append(last_process[0]["restarts"])  # the restarted process's TORCHELASTIC_RESTART_COUNT
     return {"param_diff": param_diff, "global_step": (reference["global_step"], resumed["global_step"]),
             "scale": (reference["scale"], resumed["scale"]), **steps,
             "expected_resume": RESUMES_AT[(fault, int(accumulate[1:]))]}
