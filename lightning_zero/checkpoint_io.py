@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
@@ -43,6 +42,7 @@ from lightning_zero.checkpoint_verify import (
 )
 from lightning_zero.checkpoint_write import save_full, save_sharded  # noqa: F401 (re-exported)
 from lightning_zero.engine import collectives
+from lightning_zero.engine.api import ShardingEngine, ShardRecord
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full, shard_rows
 from lightning_zero.safe_load import dcp_load
 
@@ -50,23 +50,14 @@ SHARDED_MARKER = "lightning_zero_sharded"
 
 
 # ---------------------------------------------------------------------- who hosts which tensor
-def _hosted(optimizer: Optimizer, engine) -> dict[int, torch.Tensor]:
+def _hosted(optimizer: Optimizer, engine: ShardingEngine | None) -> dict[int, torch.Tensor]:
     """``id(param)`` -> the tensor the optimizer keys that parameter's state by, where it is not the
     parameter itself (a shard view, a master, a host copy)."""
-    return {} if engine is None else engine.hosted(optimizer)
+    return {} if engine is None else engine.optimizer_shards(optimizer).hosted()
 
 
 def _param_names(module: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
-
-
-def _mesh(engine):
-    """The ranks a parameter's rows are spread over: the engine's group (a pipeline stage's data-parallel
-    ranks), else every rank."""
-    mesh = getattr(engine, "mesh", None)
-    if mesh is not None:
-        return mesh
-    return init_device_mesh(engine.params[0].device.type, (collectives.world_size(),))
 
 
 def _held_state(module: nn.Module) -> dict[str, Any]:
@@ -74,9 +65,9 @@ def _held_state(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
 
 
-def _shard_coords(engine) -> tuple[int, int]:
+def _shard_coords(engine: ShardingEngine | None) -> tuple[int, int]:
     """(this rank's index, number of ranks) among those sharing each of its parameters."""
-    if engine is not None and getattr(engine, "group", None) is not None:
+    if engine is not None:
         return engine.rank, engine.world_size
     return collectives.rank(), collectives.world_size()
 
@@ -89,43 +80,44 @@ def _as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tens
 
 
 # ---------------------------------------------------------------------- state for saving
-def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> dict:
+def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: ShardingEngine | None) -> dict:
     hosted = _hosted(optimizer, engine)
     shapes = {id(p): p.shape for p in module.parameters() if id(p) in hosted or isinstance(p, DTensor)}
     return full_optimizer_state_dict(optimizer, hosted, shapes)
 
 
-def _trainable_rows(engine) -> dict[str, int]:
-    """Stages 1-2: parameter name -> engine index, for parameters whose rows the engine owns (the fp32
-    master rows under mixed precision, which are what checkpoints hold)."""
-    if engine is None or engine.stage == 3:
+def _trainable_rows(engine: ShardingEngine | None) -> dict[str, ShardRecord]:
+    """Parameter name -> record, for the parameters whose checkpoint entry is the engine's rows rather than the
+    module's tensor: whole resident parameters (stages 1-2; their rows are the fp32 masters under mixed
+    precision). Stage 3's parameters are DTensors already, and are saved and loaded as they are."""
+    if engine is None:
         return {}
-    return {engine.names[i]: i for i in range(len(engine.params)) if engine.params[i].dim() > 0}
+    return {r.name: r for r in engine.records() if len(r.shape) > 0 and not isinstance(r.param, DTensor)}
 
 
-def full_model_state(module: nn.Module, engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_model_state(module: nn.Module, engine: ShardingEngine | None, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The unsharded ``state_dict`` (collective; empty on other ranks when ``rank0_only``)."""
     if any(t.is_meta for t in module.state_dict().values() if isinstance(t, torch.Tensor)):
         return _pipelined_full_state(module, engine, rank0_only)
     state = full_model_state_dict(module, rank0_only=rank0_only)
-    if getattr(engine, "masters", None) is None:
+    if engine is None or not engine.holds_masters:
         return state
     keep = not rank0_only or collectives.rank() == 0
-    for name, i in _trainable_rows(engine).items():  # the resident parameters are rounded copies
-        full = gather_full(engine.local_rows(i), engine.params[i].shape)
+    for name, record in _trainable_rows(engine).items():  # the resident parameters are rounded copies
+        full = gather_full(record.rows, record.shape, group=record.group)
         if keep:
             state[name] = full.to("cpu", copy=True)
     return state
 
 
-def _pipelined_full_state(module: nn.Module, engine, rank0_only: bool) -> dict[str, torch.Tensor]:
+def _pipelined_full_state(module: nn.Module, engine: ShardingEngine | None, rank0_only: bool) -> dict[str, torch.Tensor]:
     """Pipeline stages: each rank's held tensors (masters gathered over its stage's replicas), then every
     stage's, merged in the module's own order."""
-    rows = _trainable_rows(engine) if getattr(engine, "masters", None) is not None else {}
+    rows = _trainable_rows(engine) if engine is not None and engine.holds_masters else {}
     held = {}
     for name, value in _held_state(module).items():
         if name in rows:  # the resident parameters are rounded copies of the masters
-            value = gather_full(engine.local_rows(rows[name]), engine.params[rows[name]].shape, group=engine.group)
+            value = gather_full(rows[name].rows, rows[name].shape, group=rows[name].group)
         held[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
     # The first replica of every stage sends its stage; other replicas hold copies of the same tensors.
     first_replica = engine is None or engine.group is None or engine.rank == 0
@@ -137,25 +129,24 @@ def _pipelined_full_state(module: nn.Module, engine, rank0_only: bool) -> dict[s
     return {name: merged[name] for name in module.state_dict() if name in merged}
 
 
-def sharded_model_state(module: nn.Module, engine) -> dict[str, Any]:
+def sharded_model_state(module: nn.Module, engine: ShardingEngine | None) -> dict[str, Any]:
     """Parameter name -> this rank's rows (as a DTensor); buffers and frozen parameters as they are."""
     state = _held_state(module)
     trainable = _trainable_rows(engine)
     if not trainable:
         return state
-    mesh = _mesh(engine)
     for name in list(state):
-        i = trainable.get(name)
-        if i is not None:
-            state[name] = _as_sharded(engine.local_rows(i), engine.params[i].shape, mesh)
+        record = trainable.get(name)
+        if record is not None:
+            state[name] = _as_sharded(record.rows, record.shape, engine.mesh)
     return state
 
 
-def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> dict[str, Any]:
+def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: ShardingEngine | None) -> dict[str, Any]:
     """``{"state": {param_name: {key: rows}}, "param_groups": [... "params": [names]]}``."""
     hosted = _hosted(optimizer, engine)
     names = _param_names(module)
-    mesh = _mesh(engine) if hosted else None
+    mesh = engine.mesh if hosted else None
     state: dict[str, dict] = {}
     groups = []
     for group in optimizer.param_groups:
@@ -178,7 +169,7 @@ def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine) -> 
 
 # ---------------------------------------------------------------------- reading
 def load(
-    path: Path, module: nn.Module, optimizers: list[Optimizer], engine, strict: bool = True, weights_only: bool = True
+    path: Path, module: nn.Module, optimizers: list[Optimizer], engine: ShardingEngine | None, strict: bool = True, weights_only: bool = True
 ) -> dict[str, Any]:
     """Read a checkpoint. A sharded directory is verified, checked against the model and loaded into the live
     shards here; a full file is returned for Lightning to hand to :func:`load_model_state` and
@@ -275,13 +266,13 @@ def _on_every_rank():
         raise CheckpointError(errors[0])
 
 
-def _materialize_optimizer_state(optimizer: Optimizer, engine) -> None:
+def _materialize_optimizer_state(optimizer: Optimizer, engine: ShardingEngine | None) -> None:
     """Create optimizer state (shard-sized, values to be overwritten) so a checkpoint loads into it in
     place: one step on zero gradients with the learning rate set to zero."""
     if optimizer.state:
         return
     hosted = _hosted(optimizer, engine)
-    hosting = engine.hosting(optimizer) if hosted else nullcontext()
+    hosting = engine.optimizer_shards(optimizer).hosting() if hosted else nullcontext()
     shards = set(map(id, hosted.values()))
     with hosting:
         params = [
@@ -313,7 +304,7 @@ def _load_param_group_hyperparameters(optimizer: Optimizer, groups: list[dict]) 
         live.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, strict: bool = True) -> None:
+def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine: ShardingEngine | None, strict: bool = True) -> None:
     """Load a full (unsharded) ``state_dict`` into the live model, keeping only this rank's rows."""
     if not state_dict:
         return
@@ -326,7 +317,7 @@ def load_model_state(module: nn.Module, state_dict: Mapping[str, Any], engine, s
 
 def copy_into_model(
     module: nn.Module,
-    engine,
+    engine: ShardingEngine | None,
     sources: Mapping[str, str],
     read_rows: Callable[[str, int, int], torch.Tensor],
     read_full: Callable[[str], torch.Tensor],
@@ -345,14 +336,14 @@ def copy_into_model(
             if isinstance(target, DTensor):
                 target.to_local().copy_(read_rows(key, rank, world))
             elif name in rows:
-                engine.local_rows(rows[name]).copy_(read_rows(key, rank, world))
+                rows[name].rows.copy_(read_rows(key, rank, world))
             else:
                 target.copy_(read_full(key))
     if engine is not None:
         engine.params_loaded()
 
 
-def load_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any], module: nn.Module, engine) -> None:
+def load_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any], module: nn.Module, engine: ShardingEngine | None) -> None:
     """Load a ``torch.optim``-format state (full tensors, index keys) into the sharded optimizer."""
     if SHARDED_MARKER in saved:
         return

@@ -65,14 +65,15 @@ class FaultHandling:
                                  dist.group.WORLD, mark_peer, long=self.timeouts.long)
         self.watchdog.start()
 
-    def activate(self, trainer: Any, stage: int) -> None:
-        """The loops start (every ``on_*_start``; idempotent within a run)."""
+    def activate(self, trainer: Any, gathers_in_forward: bool) -> None:
+        """The loops start (every ``on_*_start``; idempotent within a run). ``gathers_in_forward``: the engine
+        all-gathers parameters inside forward (stage 3), where ``generate()`` with per-rank lengths desyncs."""
         if self.timeouts is None or self._active:
             return
         self._active = True
         self.timeouts.activate()
         RECORDER.on_mark = self.timeouts.refresh
-        if self.watchdog is not None and stage == 3 and _has_generate(trainer.lightning_module):
+        if self.watchdog is not None and gathers_in_forward and _has_generate(trainer.lightning_module):
             self.watchdog.context = Context(self.watchdog.context.world_size, self.watchdog.context.symmetric, True)
         _replace_lightning_sigterm(trainer)
 

@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_zero.engine.api import ShardingEngine
+
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     """(data pointer, bytes) of a tensor's storage; a DTensor's local shard; (0, 0) when there is none."""
@@ -75,7 +77,9 @@ def saved_tensor_bytes(exclude: Iterable[torch.Tensor] = ()) -> Iterator[dict[st
         yield counter
 
 
-def model_state_bytes(module: nn.Module, optimizers: Iterable[Optimizer], engine=None) -> dict[str, int]:
+def model_state_bytes(
+    module: nn.Module, optimizers: Iterable[Optimizer], engine: ShardingEngine | None = None
+) -> dict[str, int]:
     """Bytes of model state this rank holds (each storage once): by kind (``params``, ``grads``,
     ``masters``, ``optimizer``) and by placement (``device``, ``host``), the terms of the ZeRO formulas.
 
@@ -84,10 +88,8 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[Optimizer], engine
     gradients too. On an accelerator this is the tensors' device type; on a CPU-only run, where host and
     device are one memory, it is the only way to tell them apart.
     """
-    masters = getattr(engine, "masters", None)
-    masters_on_host = masters is not None and masters.offloaded
-    params_on_host = bool(getattr(engine, "offload_params", False))
-    optimizer_on_host = masters_on_host or params_on_host
+    params_on_host = engine is not None and engine.params_on_host
+    optimizer_on_host = engine is not None and engine.optimizer_on_host
     out = dict.fromkeys(("params", "grads", "masters", "optimizer", "device", "host"), 0)
     seen: set[int] = set()
 
@@ -103,14 +105,8 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[Optimizer], engine
         add("params", p, params_on_host)
         if p.grad is not None:
             add("grads", p.grad, params_on_host)
-    if masters is not None:
-        for master in masters:
-            add("masters", master, masters_on_host)
-        for grad in masters.gradient_buffers:
-            add("grads", grad, masters_on_host)
-    reducer = getattr(engine, "reducer", None)
-    for grad in reducer.held_gradients() if reducer is not None else ():
-        add("grads", grad, False)  # the host buffers among finalized gradients were counted just above
+    for kind, tensor, on_host in engine.state_tensors() if engine is not None else ():
+        add(kind, tensor, on_host)
     for optimizer in optimizers:
         for state in optimizer.state.values():
             for value in state.values():

@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from lightning_zero.config import ZeroConfigError, check_choice
 from lightning_zero.engine import collectives
+from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.mixed_precision import FP32_MODULES, PrecisionPolicy
 from lightning_zero.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleConfigError
 
@@ -149,7 +150,7 @@ class ZeroPrecision(Precision):
         """The current ``16-mixed`` loss scale (1.0 in the other modes)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def attach(self, engine, device: torch.device | None = None) -> None:
+    def attach(self, engine: ShardingEngine | None, device: torch.device | None = None) -> None:
         """Called by the strategy once the sharding engine exists."""
         self._engine = engine
         self._found_inf.clear()
@@ -157,7 +158,7 @@ class ZeroPrecision(Precision):
             self.device_type = device.type
 
     @property
-    def engine(self):
+    def engine(self) -> ShardingEngine:
         if self._engine is None:
             raise RuntimeError("ZeroPrecision is used without ZeroStrategy; pass `strategy=ZeroStrategy(...)`.")
         return self._engine
@@ -217,13 +218,13 @@ class ZeroPrecision(Precision):
         if key in self._found_inf:
             return self._found_inf[key]
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        self.engine.finalize_gradients(optimizer, 1.0 / scale)
+        self.engine.optimizer_shards(optimizer).finalize_gradients(1.0 / scale)
         found_inf = self._any_rank_found_inf(optimizer) if self.scaler is not None else False
         self._found_inf[key] = found_inf
         return found_inf
 
     def _any_rank_found_inf(self, optimizer: Optimizer) -> bool:
-        grads = self.engine.local_gradients(optimizer)
+        grads = self.engine.optimizer_shards(optimizer).local_gradients()
         # Offloaded gradients are host tensors: check them where they are.
         flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else _device_of(optimizer))
         if grads:
@@ -260,14 +261,14 @@ class ZeroPrecision(Precision):
         self._after_closure(model, optimizer)
         if skipped_backward:
             # `training_step` returned None: Lightning skips the step; drop what was accumulated.
-            self.engine.discard_gradients(optimizer)
+            self.engine.optimizer_shards(optimizer).discard_gradients()
             self._found_inf.pop(id(optimizer), None)
             return None
         if found_inf:
-            self.engine.discard_gradients(optimizer)  # parameters and optimizer state stay untouched
+            self.engine.optimizer_shards(optimizer).discard_gradients()  # parameters and optimizer state stay untouched
             self._end_step(optimizer, found_inf=True)
             return None
-        result = self.engine.step(optimizer, **kwargs)
+        result = self.engine.optimizer_shards(optimizer).step(**kwargs)
         self._end_step(optimizer, found_inf=False)
         return result
 
@@ -277,7 +278,7 @@ class ZeroPrecision(Precision):
         optimizer = _unwrap(optimizer)
         if self.finalize_gradients(optimizer):
             return  # the step is skipped on every rank anyway
-        grads = self.engine.local_gradients(optimizer)
+        grads = self.engine.optimizer_shards(optimizer).local_gradients()
         total = global_grad_norm(grads, device=_device_of(optimizer))
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         if grads:
@@ -288,7 +289,7 @@ class ZeroPrecision(Precision):
         optimizer = _unwrap(optimizer)
         if self.finalize_gradients(optimizer):
             return
-        for grad in self.engine.local_gradients(optimizer):
+        for grad in self.engine.optimizer_shards(optimizer).local_gradients():
             grad.clamp_(-clip_val, clip_val)
 
     # ------------------------------------------------------------------ checkpoints

@@ -55,6 +55,7 @@ from lightning_zero.deepspeed_config import (
     precision_plugin_for,
 )
 from lightning_zero.engine import collectives
+from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.layout import check_trainable
 from lightning_zero.engine.offload import should_pin
@@ -158,7 +159,7 @@ class ZeroStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1
-        self._engine: ZeroDataParallel | FullyShardedEngine | None = None
+        self._engine: ShardingEngine | None = None
         self._pipeline: PipelineParallel | None = None
         self._buffers: list[Tensor] = []
         self._failed = False
@@ -177,7 +178,7 @@ class ZeroStrategy(ParallelStrategy):
         return self.zero_config.stage
 
     @property
-    def engine(self) -> ZeroDataParallel | FullyShardedEngine | None:
+    def engine(self) -> ShardingEngine | None:
         """The sharding engine (exists after ``setup``)."""
         return self._engine
 
@@ -404,7 +405,7 @@ class ZeroStrategy(ParallelStrategy):
     def _activate_fault_handling(self) -> None:
         trainer = _trainer_of(self.lightning_module)
         if trainer is not None:
-            self._faults.activate(trainer, self.stage)
+            self._faults.activate(trainer, self._engine is not None and self._engine.shards_module_in_place)
 
     @override
     def teardown(self) -> None:
@@ -417,10 +418,10 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         if self._engine is not None:
-            if fitted and not self._failed and isinstance(self._engine, ZeroDataParallel):
+            if fitted and not self._failed:
                 self._engine.restore_master_params()
             self._engine.teardown()
-        if fitted and self._layer_sync and self.stage != 3:
+        if fitted and self._layer_sync and not (self._engine is not None and self._engine.shards_module_in_place):
             self.model = self._layer_sync.revert(self.model)  # give the user back their BatchNorm layers, as DDP
         _require(self.cluster_environment, "cluster_environment")
         _require(self.accelerator, "accelerator")
@@ -436,7 +437,7 @@ class ZeroStrategy(ParallelStrategy):
         root hooks (unshard, lazy init, reshard) run around it."""
         module = self.lightning_module
         _require(module, "lightning_module")
-        if self.stage == 3:
+        if self._engine is not None and self._engine.shards_module_in_place:
             return self._forward_redirection(module, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
@@ -552,9 +553,9 @@ class ZeroStrategy(ParallelStrategy):
         for opt in optimizers:
             opt = _unwrap(opt)
             self.precision_plugin.finalize_gradients(opt)
-            for name, local, shape in self._engine.named_gradient_shards(opt):
-                if local is not None:
-                    out[name] = gather_full(local, shape, group=getattr(self._engine, "group", None))
+            for record in self._engine.optimizer_shards(opt).records():
+                if (local := record.grad) is not None:
+                    out[record.name] = gather_full(local, record.shape, group=record.group)
         if self._pipeline is not None:  # each stage's ranks gathered that stage's gradients
             out = {k: v for part in collectives.all_gather_objects(out) for k, v in part.items()}
         return out

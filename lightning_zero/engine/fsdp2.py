@@ -43,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
@@ -128,9 +129,15 @@ def _has_meta(module: nn.Module, recurse: bool) -> bool:
 
 
 class FullyShardedEngine:
-    """ZeRO stage 3 over FSDP2, with the interface of :class:`~lightning_zero.engine.zero_dp.ZeroDataParallel`."""
+    """ZeRO stage 3 over FSDP2 (implements :class:`~lightning_zero.engine.api.ShardingEngine`)."""
 
     stage = 3
+    #: ``fully_shard`` converts the module in place; the LightningModule itself is the root unit.
+    shards_module_in_place = True
+    #: The parameters' rows are the DTensor shards themselves; offload masters only mirror them.
+    holds_masters = False
+    #: Every rank (hybrid sharding will narrow this).
+    group = None
 
     def __init__(
         self,
@@ -144,7 +151,7 @@ class FullyShardedEngine:
         pin_memory: bool = False,
     ) -> None:
         self.module = module
-        self.offload_params = offload_params
+        self.params_on_host = offload_params
         self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
         self.world_size = collectives.world_size()
         self.rank = collectives.rank()
@@ -165,8 +172,11 @@ class FullyShardedEngine:
                     self._shard(unit)
             self._shard(module)
         #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self._index = {id(p): i for i, p in enumerate(self.params)}
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self._records = [self._record(n, p) for n, p in named]
+        self._optimizers: dict[int, FullyShardedOptimizer] = {}
         self.masters: MasterShards | None = None
         if offload_optimizer and not offload_params:
             self.masters = MasterShards(
@@ -266,62 +276,35 @@ class FullyShardedEngine:
         if hf_owner is not None:  # every module, as the library's own pass: a block may set its children's weights
             initialize(sub, hf_owner)
 
+    # ------------------------------------------------------------------ the contract (engine/api.py)
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.masters is not None or self.params_on_host
+
+    def records(self) -> list[ShardRecord]:
+        return self._records
+
+    def _record(self, name: str, param: torch.Tensor) -> ShardRecord:
+        return ShardRecord(name, param, param.shape, None, _rows=lambda: _local(param), _grad=lambda: _local_grad(param))
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        if self.masters is not None:
+            yield from (("masters", master, True) for master in self.masters)
+            yield from (("grads", grad, True) for grad in self.masters.gradient_buffers)
+
     # ------------------------------------------------------------------ optimizers
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
         check_elementwise(optimizer, self.stage, elementwise)
+        self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer)
 
-    @staticmethod
-    def _params(optimizer: Optimizer) -> Iterable[torch.Tensor]:
-        return (p for group in optimizer.param_groups for p in group["params"])
-
-    def _hosted_indices(self, optimizer: Optimizer) -> list[int]:
-        if self.masters is None:
-            return []
-        return [self._index[id(p)] for p in self._params(optimizer) if id(p) in self._index]
-
-    def hosted(self, optimizer: Optimizer) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the host master ``optimizer`` keys its state by (``offload_optimizer`` alone);
-        otherwise the optimizer steps the sharded parameters themselves."""
-        return {id(self.params[i]): self.masters[i] for i in self._hosted_indices(optimizer)}
-
-    @contextlib.contextmanager
-    def hosting(self, optimizer: Optimizer) -> Iterator[None]:
-        """A block in which ``optimizer`` holds the host masters, with host copies of the gradient shards."""
-        indices = self._hosted_indices(optimizer)
-        if not indices:
-            yield
-            return
-        grads = self.masters.receive_gradients({i: _local_grad(self.params[i]) for i in indices})
-        with hosted_params(optimizer, {id(self.params[i]): (self.masters[i], grads[i]) for i in indices}):
-            yield
-
-    def step(self, optimizer: Optimizer, **kwargs) -> object:
-        """See [Note: stage 3 offload]."""
-        on_host = self.masters is not None or self.offload_params
-        with self.hosting(optimizer), host_kernel(optimizer, enabled=on_host):
-            result = optimizer.step(**kwargs)
-        with torch.no_grad():
-            for i in self._hosted_indices(optimizer):
-                self.masters.copy_into(i, _local(self.params[i]))
-        return result
-
-    def discard_gradients(self, optimizer: Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
-
-    def finalize_gradients(self, optimizer: Optimizer, scale: float = 1.0) -> None:
-        # FSDP2 already averaged over ranks in its reduce-scatter.
-        if scale != 1.0:
-            grads = self.local_gradients(optimizer)
-            if grads:
-                torch._foreach_mul_(grads, scale)
-
-    def local_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        grads = (_local_grad(p) for p in self._params(optimizer))
-        return [g for g in grads if g is not None]
-
-    def named_gradient_shards(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [(names[id(p)], _local_grad(p), p.shape) for p in self._params(optimizer)]
+    def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
+        try:
+            return self._optimizers[id(optimizer)]
+        except KeyError:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} was not set up by ZeroStrategy; return every optimizer from "
+                "`configure_optimizers` so it can be sharded."
+            ) from None
 
     def discard_all_gradients(self) -> None:
         """Gradients are ordinary ``p.grad`` here; Lightning's ``zero_grad`` clears them."""
@@ -344,8 +327,76 @@ class FullyShardedEngine:
             for i, p in enumerate(self.params):
                 self.masters.refresh_from(i, _local(p))
 
+    def restore_master_params(self) -> None:
+        """FSDP2 keeps the sharded parameters at full precision and casts them per forward: nothing to do."""
+
     def teardown(self) -> None:
         """FSDP2's hooks live as long as the module."""
+
+
+class FullyShardedOptimizer:
+    """The user's optimizer over FSDP2's sharded parameters (implements
+    :class:`~lightning_zero.engine.api.OptimizerShards`): it steps the DTensor shards themselves, or, with
+    ``offload_optimizer`` alone, their host masters."""
+
+    def __init__(self, engine: FullyShardedEngine, optimizer: Optimizer) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+
+    def _params(self) -> Iterable[torch.Tensor]:
+        return (p for group in self.optimizer.param_groups for p in group["params"])
+
+    def _hosted_indices(self) -> list[int]:
+        engine = self.engine
+        if engine.masters is None:
+            return []
+        return [engine.index[id(p)] for p in self._params() if id(p) in engine.index]
+
+    def records(self) -> list[ShardRecord]:
+        engine = self.engine
+        return [engine.records()[engine.index[id(p)]] for p in self._params() if id(p) in engine.index]
+
+    def hosted(self) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the host master the optimizer keys its state by (``offload_optimizer`` alone);
+        otherwise the optimizer steps the sharded parameters themselves."""
+        engine = self.engine
+        return {id(engine.params[i]): engine.masters[i] for i in self._hosted_indices()}
+
+    @contextlib.contextmanager
+    def hosting(self) -> Iterator[None]:
+        """A block in which the optimizer holds the host masters, with host copies of the gradient shards."""
+        engine, indices = self.engine, self._hosted_indices()
+        if not indices:
+            yield
+            return
+        grads = engine.masters.receive_gradients({i: _local_grad(engine.params[i]) for i in indices})
+        with hosted_params(self.optimizer, {id(engine.params[i]): (engine.masters[i], grads[i]) for i in indices}):
+            yield
+
+    def step(self, **kwargs) -> object:
+        """See [Note: stage 3 offload]."""
+        engine = self.engine
+        on_host = engine.masters is not None or engine.params_on_host
+        with self.hosting(), host_kernel(self.optimizer, enabled=on_host):
+            result = self.optimizer.step(**kwargs)
+        with torch.no_grad():
+            for i in self._hosted_indices():
+                engine.masters.copy_into(i, _local(engine.params[i]))
+        return result
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finalize_gradients(self, scale: float = 1.0) -> None:
+        # FSDP2 already averaged over ranks in its reduce-scatter.
+        if scale != 1.0:
+            grads = self.local_gradients()
+            if grads:
+                torch._foreach_mul_(grads, scale)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        grads = (_local_grad(p) for p in self._params())
+        return [g for g in grads if g is not None]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

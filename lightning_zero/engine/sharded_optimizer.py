@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine.buckets import local_rows, pack_segment, unpack_bucket
 from lightning_zero.engine.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
 from lightning_zero.engine.layout import ShardLayout
@@ -59,7 +60,8 @@ def check_elementwise(optimizer: Optimizer, stage: int, extra: tuple[type, ...] 
 
 
 class ShardedOptimizer:
-    """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters."""
+    """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (implements
+    :class:`~lightning_zero.engine.api.OptimizerShards`)."""
 
     def __init__(
         self,
@@ -67,6 +69,7 @@ class ShardedOptimizer:
         params: Sequence[nn.Parameter],
         layout: ShardLayout,
         reducer: GradientReducer,
+        records: Sequence[ShardRecord],
         *,
         rank: int,
         masters: MasterShards | None = None,
@@ -79,6 +82,7 @@ class ShardedOptimizer:
         self.rank = rank
         self.group = group
         self.params = list(params)
+        self._records = records
         self._index = {id(p): i for i, p in enumerate(self.params)}
         #: Persistent shard views (stable identity: the optimizer keys its state by them).
         self.shards: dict[int, torch.Tensor] = {}
@@ -114,8 +118,11 @@ class ShardedOptimizer:
         """``id(param)`` -> the shard tensor the optimizer keys that parameter's state by."""
         return {id(self.params[i]): self.shards[i] for i in self.indices}
 
+    def records(self) -> list[ShardRecord]:
+        return [self._records[i] for i in self.indices]
+
     @contextlib.contextmanager
-    def hosted_on_shards(self) -> Iterator[None]:
+    def hosting(self) -> Iterator[None]:
         """Swap trainable parameters in ``param_groups`` for their shard views (see the module note)."""
         grads = {i: self.reducer.local_grad(i) for i in self.indices}
         if self.masters is not None:
@@ -124,7 +131,10 @@ class ShardedOptimizer:
         with hosted_params(self.optimizer, standins):
             yield
 
-    def local_grads(self) -> list[torch.Tensor]:
+    def finalize_gradients(self, scale: float = 1.0) -> None:
+        self.reducer.finalize(self.indices, scale)
+
+    def local_gradients(self) -> list[torch.Tensor]:
         """This rank's gradient shards (for the global norm)."""
         grads = (self.reducer.local_grad(i) for i in self.indices)
         return [g for g in grads if g is not None]
@@ -133,7 +143,7 @@ class ShardedOptimizer:
         self.refresh()
         self.reducer.finalize(self.indices)
         offloaded = self.masters is not None and self.masters.offloaded
-        with self.hosted_on_shards(), host_kernel(self.optimizer, enabled=offloaded):
+        with self.hosting(), host_kernel(self.optimizer, enabled=offloaded):
             result = self.optimizer.step(**kwargs)
         self.reducer.consume(self.indices)
         self.all_gather_params()

@@ -13,9 +13,11 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
+from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine.buckets import local_rows
 from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
@@ -26,7 +28,12 @@ from lightning_zero.engine.state_dict import gather_full
 
 
 class ZeroDataParallel:
-    """Gradient sharding and sharded optimizer steps for a module whose parameters stay resident."""
+    """Gradient sharding and sharded optimizer steps for a module whose parameters stay resident (implements
+    :class:`~lightning_zero.engine.api.ShardingEngine`)."""
+
+    #: The module stays the user's; its parameters are whole on every rank.
+    shards_module_in_place = False
+    params_on_host = False
 
     def __init__(
         self,
@@ -46,8 +53,8 @@ class ZeroDataParallel:
         self.module = module
         self.stage = stage
         self.group = group
-        #: The device mesh of ``group`` for sharded checkpoints (None: every rank, the default process group).
-        self.mesh = mesh
+        self._mesh = mesh  # see `mesh`
+        self.device_type = next((p.device.type for p in module.parameters() if not p.is_meta), "cpu")
         self.rank = collectives.rank(group)
         self.world_size = collectives.world_size(group)
         # Parameters on the meta device belong to another pipeline stage: this rank neither holds nor steps them.
@@ -90,15 +97,50 @@ class ZeroDataParallel:
             group=group,
         )
         self._optimizers: dict[int, ShardedOptimizer] = {}
+        self._records = [self._record(i) for i in range(len(self.params))]
+
+    # ------------------------------------------------------------------ the contract (engine/api.py)
+    @property
+    def mesh(self) -> DeviceMesh:
+        """``group`` as a 1-D device mesh (built on first use when the group is every rank)."""
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.device_type, (self.world_size,))
+        return self._mesh
+
+    @property
+    def holds_masters(self) -> bool:
+        return self.masters is not None
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.masters is not None and self.masters.offloaded
+
+    def records(self) -> list[ShardRecord]:
+        return self._records
+
+    def _record(self, index: int) -> ShardRecord:
+        return ShardRecord(
+            self.names[index], self.params[index], self.params[index].shape, self.group,
+            _rows=lambda: self.local_rows(index), _grad=lambda: self.reducer.local_grad(index),
+        )
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        if self.masters is not None:
+            on_host = self.masters.offloaded
+            yield from (("masters", master, on_host) for master in self.masters)
+            yield from (("grads", grad, on_host) for grad in self.masters.gradient_buffers)
+        # Stage 2's shard storage and finalized copies (host buffers among them were yielded just above).
+        yield from (("grads", grad, False) for grad in self.reducer.held_gradients())
 
     # ------------------------------------------------------------------ optimizers
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
         check_elementwise(optimizer, self.stage, elementwise)
         self._optimizers[id(optimizer)] = ShardedOptimizer(
-            optimizer, self.params, self.layout, self.reducer, rank=self.rank, masters=self.masters, group=self.group
+            optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
+            group=self.group,
         )
 
-    def sharded(self, optimizer: Optimizer) -> ShardedOptimizer:
+    def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
         try:
             return self._optimizers[id(optimizer)]
         except KeyError:
@@ -106,30 +148,6 @@ class ZeroDataParallel:
                 f"{type(optimizer).__name__} was not set up by ZeroStrategy; return every optimizer from "
                 "`configure_optimizers` so it can be sharded."
             ) from None
-
-    def step(self, optimizer: Optimizer, **kwargs) -> object:
-        return self.sharded(optimizer).step(**kwargs)
-
-    def hosted(self, optimizer: Optimizer) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the tensor ``optimizer`` keys that parameter's state by (its shard)."""
-        return self.sharded(optimizer).hosted()
-
-    def hosting(self, optimizer: Optimizer) -> contextlib.AbstractContextManager:
-        """A block in which ``optimizer`` holds the shards in place of the parameters."""
-        return self.sharded(optimizer).hosted_on_shards()
-
-    def discard_gradients(self, optimizer: Optimizer) -> None:
-        self.sharded(optimizer).discard_gradients()
-
-    def finalize_gradients(self, optimizer: Optimizer, scale: float = 1.0) -> None:
-        self.reducer.finalize(self.sharded(optimizer).indices, scale)
-
-    def local_gradients(self, optimizer: Optimizer) -> list[torch.Tensor]:
-        return self.sharded(optimizer).local_grads()
-
-    def named_gradient_shards(self, optimizer: Optimizer) -> list[tuple[str, torch.Tensor | None, torch.Size]]:
-        """(parameter name, this rank's gradient rows or None, full shape) for the optimizer's parameters."""
-        return [(self.names[i], self.reducer.local_grad(i), self.params[i].shape) for i in self.sharded(optimizer).indices]
 
     def discard_all_gradients(self) -> None:
         """Start a new accumulation window: whatever was reduced and not stepped is dropped."""

@@ -79,7 +79,7 @@ def placement(t: L.Trainer) -> dict:
     engine = t.strategy.engine
     module = t.lightning_module
     optimizer = t.optimizers[0]
-    hosted = engine.hosted(optimizer)
+    hosted = engine.optimizer_shards(optimizer).hosted()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     keys = [hosted.get(id(p), p) for p in params]
     shard_numel = [_local(p).numel() for p in params] if engine.stage == 3 else [k.numel() for k in keys]

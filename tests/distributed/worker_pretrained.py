@@ -53,16 +53,14 @@ class LoadedShards(L.Callback):
         self.expected, self.out = expected, {}
 
     def on_train_start(self, trainer, pl_module):
-        engine = trainer.strategy.engine
+        # The engine's rows: stage 3's DTensor shards, or at stages 1-2 the fp32 master rows (the resident
+        # parameters are whole, and 2-byte copies under bf16-mixed).
+        records = {record.name: record for record in trainer.strategy.engine.records()}
         diff, checked = 0.0, 0
-        for name, param in pl_module.model.named_parameters():
+        for name, _ in pl_module.model.named_parameters():
             if name not in self.expected:
                 continue
-            if hasattr(param, "to_local"):  # stage 3: this rank's rows only
-                local, want = param.to_local(), shard_rows(self.expected[name], RANK, WORLD)
-            else:  # stages 1-2: whole parameters (2-byte copies under bf16-mixed), fp32 master rows in the engine
-                i = engine.names.index(f"model.{name}")
-                local, want = engine.local_rows(i), shard_rows(self.expected[name], RANK, WORLD)
+            local, want = records[f"model.{name}"].rows, shard_rows(self.expected[name], RANK, WORLD)
             diff = max(diff, (local.float() - want.float()).abs().max().item() if want.numel() else 0.0)
             checked += 1
         self.out = {"diff": diff, "checked": checked, "tied": pl_module.model.lm_head.weight is pl_module.model.transformer.wte.weight}

@@ -1,0 +1,139 @@
+"""The contract between the layers above (strategy, precision, checkpoints, memory accounting, monitor) and the
+two sharding engines: :class:`~lightning_zero.engine.zero_dp.ZeroDataParallel` (stages 1-2, our own) and
+:class:`~lightning_zero.engine.fsdp2.FullyShardedEngine` (stage 3, over FSDP2).
+
+Callers see three things and nothing else:
+
+* :class:`ShardingEngine`: the module-level calls (backward hooks, accumulation, checkpoint hand-over,
+  teardown) and the facts a caller may branch on (``holds_masters``, ``params_on_host``);
+* :class:`OptimizerShards`: one per optimizer, what precision and clipping need (finalize/unscale, gradient
+  shards, the step, skipping a step) and what checkpoints need (which tensor holds each parameter's state);
+* :class:`ShardRecord`: one per trainable parameter this rank holds, with the name, full shape, this rank's
+  rows and gradient rows, and the ranks the rows are spread over. Checkpoints, accounting and the monitor
+  read these instead of reaching into engine internals.
+
+Which engine serves a run is decided once, in the strategy (``stage``); nothing after that asks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One trainable parameter as this rank holds it.
+
+    ``rows`` and ``grad`` are read when asked: the rows a checkpoint reads or writes are the optimizer's
+    (fp32 masters under mixed precision, a host copy under offload, else a view of the resident parameter), and
+    the gradient rows change every step.
+    """
+
+    name: str
+    param: torch.Tensor
+    """The module's parameter object (a resident tensor at stages 1-2, a DTensor at stage 3)."""
+    shape: torch.Size
+    """The full, unsharded shape."""
+    group: dist.ProcessGroup | None
+    """The ranks this parameter's rows are spread over (None: every rank)."""
+    _rows: Callable[[], torch.Tensor]
+    _grad: Callable[[], torch.Tensor | None]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """This rank's rows as the optimizer updates them (dim-0 chunk ``rank`` of ``shape``, unpadded)."""
+        return self._rows()
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """This rank's gradient rows, or None before a backward has produced them."""
+        return self._grad()
+
+
+@runtime_checkable
+class OptimizerShards(Protocol):
+    """The user's optimizer as the engine steps it: only this rank's shards."""
+
+    def finalize_gradients(self, scale: float = 1.0) -> None:
+        """Average the reduced gradient shards over ranks and multiply by ``scale`` (loss unscaling), once
+        per step, before clipping or the overflow check read them."""
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """This rank's gradient shards, disjoint from every other rank's (for norms and clipping)."""
+
+    def step(self, **kwargs) -> object:
+        """Step the optimizer on this rank's shards and bring the updated parameters where forward needs them."""
+
+    def discard_gradients(self) -> None:
+        """A skipped step: drop the gradients as a step would have consumed them."""
+
+    def hosted(self) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the tensor the optimizer keys that parameter's state by, where it is not the
+        parameter itself (a shard view, a master, a host copy). Checkpoints translate state through this."""
+
+    def hosting(self) -> contextlib.AbstractContextManager:
+        """A block in which the optimizer holds those tensors in place of the parameters (loading its state)."""
+
+    def records(self) -> list[ShardRecord]:
+        """The :class:`ShardRecord` of each trainable parameter this optimizer steps, in ``param_groups`` order."""
+
+
+@runtime_checkable
+class ShardingEngine(Protocol):
+    """What the strategy, precision plugin, checkpoints and accounting ask of an engine."""
+
+    stage: int
+    rank: int
+    """This rank's index among the ranks a parameter's rows are spread over."""
+    world_size: int
+    """How many ranks a parameter's rows are spread over."""
+    group: dist.ProcessGroup | None
+    """Those ranks (None: every rank)."""
+    mesh: DeviceMesh
+    """The same ranks as a 1-D mesh, for DTensor checkpoints."""
+    holds_masters: bool
+    """True when a parameter's trainable rows live apart from the resident parameter (fp32 masters of a
+    mixed-precision run, host copies of offload): checkpoints read :attr:`ShardRecord.rows` then."""
+    params_on_host: bool
+    """Stage 3 ``offload_params``: parameter shards and their gradients live in host memory."""
+    optimizer_on_host: bool
+    """Optimizer state (and the step) lives in host memory (``offload_optimizer``, or ``offload_params``)."""
+    shards_module_in_place: bool
+    """The engine converted the module in place (FSDP2's ``fully_shard``): steps go through the module's
+    ``__call__`` so the engine's hooks run, and its layers cannot be swapped back afterwards."""
+
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None: ...
+
+    def optimizer_shards(self, optimizer: Optimizer) -> OptimizerShards: ...
+
+    def records(self) -> list[ShardRecord]:
+        """Every trainable parameter this rank holds, in module order."""
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """``(kind, tensor, on_host)`` for the model state the engine holds beyond the module's parameters and
+        their ``.grad`` (masters, gradient buffers): the terms memory accounting adds."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """A block of non-final accumulation micro-batches: no gradient communication."""
+
+    def post_backward(self) -> None:
+        """After the final micro-batch's backward: land the gradient reductions still in flight."""
+
+    def discard_all_gradients(self) -> None:
+        """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
+
+    def params_loaded(self) -> None:
+        """A checkpoint was written into :attr:`ShardRecord.rows`: refresh what derives from them (collective)."""
+
+    def restore_master_params(self) -> None:
+        """Give the module its parameters at full precision when training ends (collective)."""
+
+    def teardown(self) -> None: ...
