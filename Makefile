@@ -12,10 +12,12 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the test suite (about 17 minutes on 2 cores), without the `full` matrices
+test: install  ## the architecture contracts (setup.cfg), then the test suite (about 18 minutes on 2 cores) without the `full` matrices
+	lint-imports
 	$(PYTHON) -m pytest -q -m "not full" tests
 
 test-all: install  ## everything, the full matrices (`full` marker) included
+	lint-imports
 	$(PYTHON) -m pytest -q tests
 
 bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks

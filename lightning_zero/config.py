@@ -16,7 +16,6 @@ from typing import Any, Literal, Union
 
 from torch import nn
 
-from lightning_zero.activation_checkpointing import CheckpointPolicy, resolve_policy
 
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -247,8 +246,6 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`elementwise_optimizers` must be a tuple of optimizer classes, got {self.elementwise_optimizers!r}."
             )
-        # Resolved once here, so a bad policy fails when the strategy is built.
-        object.__setattr__(self, "_checkpoint_policy", resolve_policy(self.activation_checkpointing))
 
     def _check_pipeline(self) -> None:
         split = self.pipeline_split
@@ -300,11 +297,6 @@ class ZeroConfig:
     def pipeline_microbatches(self) -> int:
         """Micro-batches per batch (one per pipeline stage unless set)."""
         return self.microbatches or self.pipeline_stages * self.pipeline_virtual
-
-    @property
-    def checkpoint_policy(self) -> CheckpointPolicy | None:
-        """The resolved activation-checkpointing policy (None: off)."""
-        return self._checkpoint_policy
 
     @property
     def optimizer_on_host(self) -> bool:

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import checkpoint_io, checkpoint_write, hf_export
-from lightning_zero.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
 from lightning_zero.checkpoint_async import AsyncSaver, checkpoint_group
 from lightning_zero.checkpoint_files import clean_directory, remove
 from lightning_zero.config import (
@@ -151,6 +151,8 @@ class ZeroStrategy(ParallelStrategy):
             defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
             arguments = merge_strategy_arguments(self._deepspeed, arguments, defaults)
         self.zero_config = ZeroConfig(**arguments)
+        #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
+        self.checkpoint_policy = resolve_policy(self.zero_config.activation_checkpointing)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -305,9 +307,9 @@ class ZeroStrategy(ParallelStrategy):
         self.model = precision.convert_module(self.model)
         if fitting:
             check_trainable(self.model)
-        if self.zero_config.checkpoint_policy is not None:
+        if self.checkpoint_policy is not None:
             # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
-            apply_activation_checkpointing(self.model, self.zero_config.checkpoint_policy)
+            apply_activation_checkpointing(self.model, self.checkpoint_policy)
         config = self.zero_config
         pin = should_pin(self.root_device, config.pin_memory) if config.optimizer_on_host else False
         if self.stage == 3:
@@ -481,7 +483,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._faults.mark("train", args, kwargs)  # step marks: see faults/flight.py
+        self._faults.mark("train", args, kwargs)  # step marks: see engine/flight.py
         self._sync_buffers()
         with self.precision_plugin.train_step_context():
             if self._pipeline is None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.profiler import record_function
 
-from lightning_zero.faults.flight import RECORDER as _FLIGHT
+from lightning_zero.engine.flight import RECORDER as _FLIGHT
 
 ReduceOp = dist.ReduceOp
 #: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
@@ -99,7 +99,7 @@ def reduce_scatter(
     if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
         output.copy_(input)
         return None
-    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)  # see faults/flight.py
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)  # see engine/flight.py
     _STATS.record("reduce_scatter", input)
     with record_function("lightning_zero::reduce_scatter"):
         if _use_ring(group):

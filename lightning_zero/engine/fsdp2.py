@@ -47,7 +47,7 @@ from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
-from lightning_zero.engine.sharded_optimizer import check_elementwise, hosted_params
+from lightning_zero.engine.optimizers import check_elementwise, hosted_params
 
 
 def default_units(root: nn.Module) -> list[nn.Module]:

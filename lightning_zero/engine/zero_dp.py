@@ -23,7 +23,8 @@ from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.offload import MasterShards
-from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, all_gather_params, check_elementwise
+from lightning_zero.engine.optimizers import check_elementwise
+from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, all_gather_params
 from lightning_zero.engine.state_dict import gather_full
 
 

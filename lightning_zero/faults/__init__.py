@@ -15,7 +15,7 @@ recorder, the diagnosis of hangs, process-group timeouts and SIGTERM.
 ``lightning_zero/fault_handling.py`` wires them into ``ZeroStrategy``.
 """
 
-from lightning_zero.faults.flight import CollectiveError
+from lightning_zero.engine.flight import CollectiveError
 from lightning_zero.faults.timeouts import extended
 
 __all__ = ["CollectiveError", "extended"]

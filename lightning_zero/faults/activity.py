@@ -16,10 +16,9 @@ import time
 from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
 
-import lightning_zero
-from lightning_zero.faults.flight import FlightRecorder
+from lightning_zero.engine.flight import FlightRecorder
 
-_PACKAGE = os.path.dirname(os.path.abspath(lightning_zero.__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_zero/
 #: Longest first: site-packages lies inside the standard library's directory.
 _PATHS = sysconfig.get_paths()
 _LIBRARIES = tuple(sorted(

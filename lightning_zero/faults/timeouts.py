@@ -23,6 +23,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_zero.engine import collectives
+
 RENDEZVOUS = timedelta(minutes=10)
 
 
@@ -40,8 +42,6 @@ def _groups() -> list:
 
 
 def _apply(groups: list, seconds: float) -> None:
-    from lightning_zero.engine import collectives  # here: collectives.py imports faults.flight
-
     limit = timedelta(seconds=seconds)
     for group in groups:
         try:

@@ -6,7 +6,6 @@ schedule, 3 steps; against the same steps in one process on the global batches."
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
 import sys
 

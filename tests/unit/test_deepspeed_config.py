@@ -102,7 +102,7 @@ def test_activation_checkpointing_section_takes_its_modules_from_the_argument():
     from lightning_zero.demo.gpt import Block
 
     strategy = ZeroStrategy(config={"activation_checkpointing": {"partition_activations": False}}, activation_checkpointing=Block)
-    assert "Block" in strategy.zero_config.checkpoint_policy.description
+    assert "Block" in strategy.checkpoint_policy.description
 
 
 def test_warmup_schedules_follow_deepspeed():

@@ -13,7 +13,7 @@ from lightning_zero.faults.activity import Activity, category, classify
 from lightning_zero.faults.diagnosis import (
     Context, Limits, compare_marks, decide, exit_agreement, explain,
 )
-from lightning_zero.faults.flight import FlightRecorder, Mark, Op
+from lightning_zero.engine.flight import FlightRecorder, Mark, Op
 from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, this_process
 
 LIMITS = Limits.for_timeout(8.0)

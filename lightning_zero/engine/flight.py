@@ -2,7 +2,7 @@
 
 Like torch's NCCL flight recorder, each rank keeps a short ring of its most recent collectives, but it
 records only what ``engine/collectives.py`` issues (kind, elements, dtype) plus step-boundary *marks*; the
-watchdog thread (``watchdog.py``) reads it and publishes it. Everything on the main thread is a few attribute
+watchdog thread (``faults/watchdog.py``) reads it and publishes it. Everything on the main thread is a few attribute
 writes and one ``deque.append`` per collective (measured: ~1 us), so it costs nothing against a step.
 
 [Note: operation numbers and the running hash]
