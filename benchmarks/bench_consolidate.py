@@ -40,7 +40,7 @@ def train_and_save(directory: Path) -> None:
 def consolidate_and_measure(directory: Path) -> None:
     import torch
 
-    from lightning_zero.consolidate import consolidate
+    from lightning_zero.checkpoint.consolidate import consolidate
 
     def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

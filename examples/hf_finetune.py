@@ -13,7 +13,7 @@ Nothing is downloaded. Without ``--pretrained`` the script first pretrains a sma
   ever holds the whole model;
 * ``ZeroStrategy(init_weights=DIR)`` loads the pretrained weights, each rank reading only its own rows;
 * ``activation_checkpointing`` recomputes the library's own ``LlamaDecoderLayer`` blocks in backward;
-* the sharded checkpoint is exported with ``lightning_zero.consolidate.export_hf`` (the same as
+* the sharded checkpoint is exported with ``lightning_zero.checkpoint.consolidate.export_hf`` (the same as
   ``lightning-zero consolidate CKPT OUT --hf``), reloaded with ``from_pretrained`` and evaluated in one process.
 """
 
@@ -36,7 +36,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
-from lightning_zero.consolidate import export_hf  # noqa: E402
+from lightning_zero.checkpoint.consolidate import export_hf  # noqa: E402
 from lightning_zero.demo import CharDataModule, LossReport  # noqa: E402
 
 

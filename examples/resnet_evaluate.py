@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from lightning_zero.cli.compose import CommandLine, compose  # noqa: E402
 from lightning_zero.cli.schema import LightningSchema, import_class  # noqa: E402
-from lightning_zero.consolidate import consolidate  # noqa: E402
+from lightning_zero.checkpoint.consolidate import consolidate  # noqa: E402
 
 
 def build(node: dict):

@@ -6,7 +6,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.checkpoint_list import CheckpointEntry, list_checkpoints
+from lightning_zero.checkpoint.listing import CheckpointEntry, list_checkpoints
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained

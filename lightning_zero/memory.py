@@ -25,7 +25,7 @@ from lightning_zero.engine.api import ShardingEngine
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:
     """(data pointer, bytes) of a tensor's storage; a DTensor's local shard; (0, 0) when there is none."""
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    if local.is_meta:  # sizes without memory (e.g. another pipeline stage's layers)
+    if local.is_meta:  # a meta tensor has a size but no storage
         return 0, 0
     try:
         storage = local.untyped_storage()

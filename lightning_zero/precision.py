@@ -125,6 +125,7 @@ class ZeroPrecision(Precision):
         self.scaler = DynamicLossScaler(scaling) if precision == "16-mixed" else None
         self.fp32_modules = tuple(fp32_modules)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        self._device = torch.device(self.device_type)
         self._engine = None
         #: Per optimizer (by id) with finalized gradients awaiting their step: whether any rank overflowed.
         self._found_inf: dict[int, bool] = {}
@@ -156,6 +157,9 @@ class ZeroPrecision(Precision):
         self._found_inf.clear()
         if device is not None:
             self.device_type = device.type
+        #: Where the overflow flag and the gradient norm are reduced (the strategy's device, which the process
+        #: group's backend can communicate; offloaded shards live on the host but reduce from here).
+        self._device = device if device is not None else torch.device(self.device_type)
 
     @property
     def engine(self) -> ShardingEngine:
@@ -226,7 +230,7 @@ class ZeroPrecision(Precision):
     def _any_rank_found_inf(self, optimizer: Optimizer) -> bool:
         grads = self.engine.optimizer_shards(optimizer).local_gradients()
         # Offloaded gradients are host tensors: check them where they are.
-        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else _device_of(optimizer))
+        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else self._device)
         if grads:
             # One fused pass that flags non-finite values (an unscale by 1 leaves the gradients as they are).
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -279,7 +283,7 @@ class ZeroPrecision(Precision):
         if self.finalize_gradients(optimizer):
             return  # the step is skipped on every rank anyway
         grads = self.engine.optimizer_shards(optimizer).local_gradients()
-        total = global_grad_norm(grads, device=_device_of(optimizer))
+        total = global_grad_norm(grads, device=self._device)
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
@@ -326,14 +330,6 @@ def as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
             growth_interval=int(scaler._growth_interval),
         )
     return ZeroPrecision(name)
-
-
-def _device_of(optimizer: Optimizer) -> torch.device:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not p.is_meta:  # another pipeline stage's parameter
-                return p.device
-    return torch.device("cpu")
 
 
 def global_grad_norm(local_grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

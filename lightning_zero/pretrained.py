@@ -6,7 +6,7 @@ or shards listed in ``model.safetensors.index.json``), as one ``.safetensors`` f
 sharding would defeat ZeRO-3, so the files are memory-mapped and each rank copies only its dim-0 rows of
 each tensor (``safetensors``' ``get_slice``, ``torch.load(mmap=True)``): a rank's resident memory grows by
 about its shard, and the pages of other ranks' rows are never read. Nothing is unpickled except through
-``torch.load(weights_only=True)`` (see ``safe_load.py``); safetensors holds no code by design.
+``torch.load(weights_only=True)`` (see ``checkpoint/safe_load.py``); safetensors holds no code by design.
 
 Names: the file's keys are matched to the LightningModule's ``state_dict`` names under a prefix (the file of a
 ``GPT2LMHeadModel`` has ``transformer.h.0...`` where the module built in ``configure_model`` has
@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_zero.checkpoint_verify import CheckpointError
-from lightning_zero.engine.state_dict import shard_rows
-from lightning_zero.safe_load import load_weights_only
+from lightning_zero.checkpoint.verify import CheckpointError
+from lightning_zero.engine.api import Holding, ShardingEngine
+from lightning_zero.engine.shard import local_rows, row_range
+from lightning_zero.checkpoint.safe_load import load_weights_only
 
 _DIRECTORY_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 
@@ -85,14 +86,13 @@ class WeightsFile:
         return torch.Size(self._handle(self._files[key]).get_slice(key).get_shape())
 
     def rows(self, key: str, rank: int, world: int) -> torch.Tensor:
-        """``rank``'s dim-0 rows (see ``engine/state_dict.py: shard_rows``), reading nothing else."""
+        """``rank``'s dim-0 rows (``engine/shard.py``), reading nothing else."""
         tensor_slice = self._handle(self._files[key]).get_slice(key)
         shape = tensor_slice.get_shape()
         if not shape:
-            return shard_rows(tensor_slice[...], rank, world)
-        per = -(-shape[0] // world)
-        start = min(rank * per, shape[0])
-        return tensor_slice[start : min(start + per, shape[0])]
+            return local_rows(tensor_slice[...], rank, world)
+        start, end = row_range(shape, rank, world)
+        return tensor_slice[start:end]
 
     def full(self, key: str) -> torch.Tensor:
         return self._handle(self._files[key]).get_slice(key)[...]
@@ -163,15 +163,23 @@ def match_keys(module: nn.Module, source: WeightsFile, *, prefix: str | None = N
 
 
 def load_pretrained(
-    module: nn.Module, path: str | os.PathLike, *, strict: bool = True, prefix: str | None = None, engine=None
+    module: nn.Module,
+    path: str | os.PathLike,
+    *,
+    strict: bool = True,
+    prefix: str | None = None,
+    engine: ShardingEngine | None = None,
+    holding: Holding | None = None,
 ) -> dict[str, str]:
     """Copy pretrained weights from ``path`` into ``module`` (a plain module, or one ZeroStrategy's ``engine``
     shards), each rank reading only its rows; returns which live name came from which key. ZeroStrategy calls
     it for ``init_weights=``; call it yourself for other entry points (it needs no process group without an
-    engine). Collective when ``engine`` is given."""
-    from lightning_zero.checkpoint_io import copy_into_model
+    engine). Collective when ``engine`` is given. ``holding``: the tensors this rank holds under pipeline
+    stages (default: the engine's, else all)."""
+    from lightning_zero.checkpoint.io import copy_into_model
 
     source = WeightsFile(path)
     sources = match_keys(module, source, prefix=prefix, strict=strict)
-    copy_into_model(module, engine, sources, source.rows, source.full)
+    holding = holding if holding is not None else engine.holding if engine is not None else Holding()
+    copy_into_model(module, engine, sources, source.rows, source.full, holding)
     return sources

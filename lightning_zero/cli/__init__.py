@@ -38,8 +38,8 @@ def consolidate_command(argv: Sequence[str]) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="--hf: dtype of the written weights")
     parser.add_argument("--max-shard-size", default="5GB", help="--hf: largest safetensors file (default 5GB)")
     args = parser.parse_args(argv)
-    from lightning_zero.checkpoint_verify import CheckpointError
-    from lightning_zero.consolidate import consolidate, export_hf
+    from lightning_zero.checkpoint.verify import CheckpointError
+    from lightning_zero.checkpoint.consolidate import consolidate, export_hf
 
     try:
         if args.hf:

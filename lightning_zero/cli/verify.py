@@ -17,8 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_zero.checkpoint_files import parse_temporary
-from lightning_zero.checkpoint_list import CheckpointEntry, inspect_checkpoint, list_checkpoints, looks_sharded
+from lightning_zero.checkpoint.files import parse_temporary
+from lightning_zero.checkpoint.listing import CheckpointEntry, inspect_checkpoint, list_checkpoints, looks_sharded
 
 
 def entries_for(path: Path, *, verify: bool = True) -> list[CheckpointEntry]:

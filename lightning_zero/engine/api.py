@@ -10,7 +10,9 @@ Callers see three things and nothing else:
   shards, the step, skipping a step) and what checkpoints need (which tensor holds each parameter's state);
 * :class:`ShardRecord`: one per trainable parameter this rank holds, with the name, full shape, this rank's
   rows and gradient rows, and the ranks the rows are spread over. Checkpoints, accounting and the monitor
-  read these instead of reaching into engine internals.
+  read these instead of reaching into engine internals;
+* :class:`Holding`: which of the module's tensors live on this rank at all (pipeline stages hold different
+  layers), handed by the pipeline to the engine and to whatever walks the module.
 
 Which engine serves a run is decided once, in the strategy (``stage``); nothing after that asks.
 """
@@ -18,7 +20,7 @@ Which engine serves a run is decided once, in the strategy (``stage``); nothing 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -26,6 +28,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
+
+
+@dataclass(frozen=True)
+class Holding:
+    """The module's parameters and buffers, by ``state_dict`` name, that this rank does not hold.
+
+    Under pipeline stages every rank builds the whole model, then frees the layers of the stages it does not run
+    (``pipeline/parallel.py``); their tensors keep their names and shapes in the module, so checkpoints can check
+    names and shapes against the whole model. Which tensors those are is decided there, once, and handed to the
+    engine, the checkpoint code and precision as this record, so none of them guesses it from where a tensor
+    happens to live. Without pipeline stages a rank holds everything (``Holding()``).
+    """
+
+    elsewhere: frozenset[str] = frozenset()
+
+    def holds(self, name: str) -> bool:
+        return name not in self.elsewhere
+
+    @property
+    def everything(self) -> bool:
+        return not self.elsewhere
+
+    def held(self, named: Iterable[tuple[str, object]]) -> dict[str, object]:
+        """The ``(name, value)`` pairs of ``named`` (a ``state_dict`` or ``named_parameters``) this rank holds."""
+        items = named.items() if isinstance(named, Mapping) else named
+        return {name: value for name, value in items if name not in self.elsewhere}
 
 
 @dataclass(frozen=True)
@@ -99,6 +127,8 @@ class ShardingEngine(Protocol):
     """Those ranks (None: every rank)."""
     mesh: DeviceMesh
     """The same ranks as a 1-D mesh, for DTensor checkpoints."""
+    holding: Holding
+    """Which of the module's tensors this rank holds (all of them unless pipeline stages split the model)."""
     holds_masters: bool
     """True when a parameter's trainable rows live apart from the resident parameter (fp32 masters of a
     mixed-precision run, host copies of offload): checkpoints read :attr:`ShardRecord.rows` then."""

@@ -98,9 +98,3 @@ def segment_view(layout: ShardLayout, segment: torch.Tensor, index: int, rank: i
     return view.view(end - start, *spec.shape[1:]) if spec.shape else view
 
 
-def local_rows(tensor: torch.Tensor, spec: ParamShardSpec, rank: int) -> torch.Tensor:
-    """The view of ``tensor`` (parameter-shaped) that ``rank`` owns under the dim-0 convention."""
-    if not spec.shape:
-        return tensor.view(1)[: spec.local_numel(rank)]
-    start, end = spec.row_range(rank)
-    return tensor[start:end]

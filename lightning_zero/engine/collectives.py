@@ -2,7 +2,8 @@
 
 Every call is labelled with ``torch.profiler.record_function`` and counted in :func:`comm_stats`, so tests
 and benchmarks can assert what a step communicates (``elements`` per kind) without patching torch. FSDP2
-(stage 3) is routed through here too, via its custom all-gather / reduce-scatter hooks.
+(stage 3) is routed through here too, via its custom all-gather / reduce-scatter hooks (``fsdp2_comm.py``);
+pipeline stages' point-to-point sends are counted by the pipeline as they happen (:func:`record_sent`).
 
 Counting convention: a reduce-scatter counts the elements of its (full) input, an all-gather the elements
 of its (full) output, an all-reduce and a broadcast the elements of their tensor. With that convention DDP's
@@ -20,7 +21,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.profiler import record_function
 
 from lightning_zero.engine.flight import RECORDER as _FLIGHT
@@ -106,7 +106,7 @@ def reduce_scatter(
             work = _RingReduceScatter(output, input, group, number)
         else:
             work = _reduce_scatter_flat(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
-        return work if async_op else _finish(work, number, "reduce_scatter")
+        return work if async_op else finish(work, number, "reduce_scatter")
 
 
 def all_gather(
@@ -131,10 +131,11 @@ def all_gather(
             work = _RingAllGather(output, input, group, number)
         else:
             work = _all_gather_flat(output, input, group=group, async_op=async_op)
-        return work if async_op else _finish(work, number, "all_gather")
+        return work if async_op else finish(work, number, "all_gather")
 
 
-def _finish(work, number: int = 0, kind: str = "") -> None:
+def finish(work, number: int = 0, kind: str = "") -> None:
+    """Wait for an asynchronous collective's handle (one of our rings, or a ``dist.Work``)."""
     if isinstance(work, _Ring):
         work.wait()  # records its own wait
     elif work is not None:
@@ -327,40 +328,23 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
         _FLIGHT.done(number)
 
 
-class CountingAllGather(AllGather):
-    """FSDP2's all-gather, counted and labelled like ours."""
+def reduce_scatter_op(output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group=None, async_op: bool = False):
+    """A reduce-scatter with any op, by the backend itself (FSDP2's fp16 pre/post-divide and async paths)."""
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)
+    _STATS.record("reduce_scatter", input)
+    with record_function("lightning_zero::reduce_scatter"):
+        if async_op:
+            return _reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
+        _FLIGHT.wait(number, "reduce_scatter")
+        _reduce_scatter_flat(output, input, op=op, group=group)
+        _FLIGHT.done(number)
+        return None
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
-        work = all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        return work if isinstance(work, dist.Work) else _finish(work)
-
-
-class CountingReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter, counted and labelled like ours (FSDP2 picks the reduce op)."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
-        if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
-            reduce_scatter(output_tensor, input_tensor, group=group)
-            if op == ReduceOp.AVG:
-                output_tensor.div_(world_size(group))
-            return None
-        number = _FLIGHT.issue("reduce_scatter", input_tensor.numel(), input_tensor.dtype)
-        _STATS.record("reduce_scatter", input_tensor)
-        with record_function("lightning_zero::reduce_scatter"):
-            if async_op:
-                return _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group, async_op=True)
-            _FLIGHT.wait(number, "reduce_scatter")
-            _reduce_scatter_flat(output_tensor, input_tensor, op=op, group=group)
-            _FLIGHT.done(number)
-            return None
+def record_sent(tensor: torch.Tensor) -> None:
+    """Count a point-to-point send another library issues (pipeline stages' activations and their gradients,
+    sent by ``torch.distributed.pipelining``), as ``"send"``: what this rank puts on the wire."""
+    _STATS.record("send", tensor)
 
 
 def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.ReduceOp, bool]:

@@ -32,7 +32,7 @@ do: gradient shards go to the host, the host steps, updated shards come back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -43,81 +43,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
-from lightning_zero.engine.api import ShardRecord
+from lightning_zero.engine.api import Holding, ShardRecord
+from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter
+from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units
 from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.optimizers import check_elementwise, hosted_params
-
-
-def default_units(root: nn.Module) -> list[nn.Module]:
-    """Every element of an ``nn.ModuleList`` (the blocks of most transformers); a model without one gets
-    each direct child that holds parameters (e.g. a generator and a discriminator), so every sub-network
-    gathers its parameters around its own forward and backward."""
-    listed = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m}
-    if listed:
-        return [m for m in root.modules() if id(m) in listed]
-    return [child for child in root.children() if any(True for _ in child.parameters())]
-
-
-def resolve_wrap_policy(policy) -> Callable[[nn.Module], bool]:
-    """A predicate from a class, an iterable of classes or a callable."""
-    if isinstance(policy, type) and issubclass(policy, nn.Module):
-        return lambda module: isinstance(module, policy)
-    if callable(policy):
-        return policy
-    classes = tuple(policy)
-    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise TypeError(f"`wrap_policy` must be a module class, classes or a callable, got {policy!r}")
-    return lambda module: isinstance(module, classes)
-
-
-def select_units(root: nn.Module, policy) -> list[nn.Module]:
-    """Modules (other than the root) that become one all-gather unit each, in pre-order."""
-    if policy is None:
-        units = default_units(root)
-    else:
-        predicate = resolve_wrap_policy(policy)
-        units = [m for m in root.modules() if m is not root and predicate(m)]
-    return [m for m in units if any(True for _ in m.parameters())]
-
-
-def one_dtype_units(root: nn.Module, units: list[nn.Module], policy: PrecisionPolicy) -> set[int]:
-    """``id`` of the extra units a mixed policy needs so that every unit holds one dtype (FSDP2 casts a unit
-    as a whole): each layer whose own parameters are held in another dtype than its enclosing unit's (see
-    ``mixed_precision.py``), e.g. a LayerNorm in a transformer block, or the Linear of a block that owns a gain
-    vector. A layer with a tied parameter anywhere in it stays in its enclosing unit, since FSDP2 cannot split
-    a parameter across units (nor nest the units of two of its owners); it then follows that unit's dtype,
-    which for a tied parameter is the compute dtype anyway (see ``PrecisionPolicy.param_dtypes``)."""
-    chosen = {id(m) for m in units}
-    owners: dict[int, int] = {}
-    for module in root.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-
-    def self_contained(module: nn.Module) -> bool:
-        return all(owners[id(p)] == 1 for m in module.modules() for p in m.parameters(recurse=False))
-
-    def kind(module: nn.Module) -> bool | None:
-        """True: own parameters held in fp32; False: in the compute dtype; None: no own parameters."""
-        return policy.holds_fp32(module) if any(True for _ in module.parameters(recurse=False)) else None
-
-    extra: set[int] = set()
-
-    def visit(module: nn.Module, enclosing_fp32: bool) -> None:
-        for child in module.children():
-            own = kind(child)
-            if id(child) in chosen:
-                fp32 = bool(own)
-            elif own is not None and own != enclosing_fp32 and self_contained(child):
-                extra.add(id(child))
-                fp32 = own
-            else:
-                fp32 = enclosing_fp32
-            visit(child, fp32)
-
-    visit(root, bool(kind(root)))
-    return extra
 
 
 def _own_floating(module: nn.Module) -> list[torch.Tensor]:
@@ -136,6 +68,8 @@ class FullyShardedEngine:
     shards_module_in_place = True
     #: The parameters' rows are the DTensor shards themselves; offload masters only mirror them.
     holds_masters = False
+    #: Pipeline stages run over stages 1-2 only: a stage-3 rank holds (its rows of) every tensor.
+    holding = Holding()
     #: Every rank (hybrid sharding will narrow this).
     group = None
 
@@ -194,8 +128,8 @@ class FullyShardedEngine:
             mp_policy=self._mp_policy(module),
             offload_policy=self._offload_policy,
         )
-        module.set_custom_all_gather(collectives.CountingAllGather())
-        module.set_custom_reduce_scatter(collectives.CountingReduceScatter())
+        module.set_custom_all_gather(CountingAllGather())
+        module.set_custom_reduce_scatter(CountingReduceScatter())
 
     def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
         """See [Note: stage 3 mixed precision]."""

@@ -23,19 +23,53 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from lightning_zero.engine import collectives
-from lightning_zero.engine.buckets import local_rows, pack_bucket, segment_view
-from lightning_zero.engine.layout import ShardLayout
+from lightning_zero.engine.buckets import pack_bucket, segment_view
+from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.layout import ParamShardSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
 
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
 MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class GradState(enum.Enum):
+    """Where a parameter's gradient is in one optimizer step's life (see :class:`ParamGradient`)."""
+
+    EMPTY = enum.auto()
+    """Nothing reduced since the last step consumed it: stage 2 has no gradient; stage 1's is ``p.grad``'s rows
+    as they are (local, unreduced)."""
+    REDUCED = enum.auto()
+    """The sum over ranks landed in this rank's rows (stage 2: the shard storage; stage 1: ``p.grad``)."""
+    UNUSED = enum.auto()
+    """Reduced, but no rank produced a gradient: it is None, as in plain PyTorch (the optimizer skips it)."""
+    FINALIZED = enum.auto()
+    """Averaged (and unscaled) for the step, in :attr:`ParamGradient.final`; sticks until the step consumes it."""
+
+
+@dataclasses.dataclass(eq=False)
+class ParamGradient:
+    """The reducer's record of one trainable parameter, as FSDP2 keeps an ``FSDPParam`` per parameter."""
+
+    index: int
+    """Position in the layout (and in the reducer's parameter list)."""
+    param: nn.Parameter
+    spec: ParamShardSpec
+    shard: torch.Tensor | None
+    """Stage 2: this rank's rows of the gradient, a view of its bucket's shard storage."""
+    state: GradState = GradState.EMPTY
+    produced: bool = False
+    """This rank produced a gradient for it since the last step (see ``_forget_gradients_no_rank_produced``)."""
+    landed: bool = False
+    """A reduction landed in its rows since the last step, so the next one of its bucket adds to them."""
+    final: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -78,16 +112,10 @@ class GradientReducer:
         self._ready = [0] * len(layout.buckets)
         self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
         self._inflight: list[_Inflight] = []
-        self._synced_since_consume = [False] * len(self.params)
-        # Whether this rank produced a gradient for each parameter since its last consumption; see flush().
-        self._had_grad = torch.zeros(len(self.params), dtype=torch.int32)
-        self._finalized = [False] * len(self.params)
-        #: The finalized gradient of each parameter (the held sum itself unless ``master_dtype`` differs).
-        self._final: dict[int, torch.Tensor] = {}
+        #: The finalized gradient's dtype when it differs from the held sums' (fp32 masters of a mixed run).
         self.master_dtype = master_dtype
         #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
         self.host_gradients = host_gradients
-        self._dirty = [set() for _ in layout.buckets]
         self.device = self.params[0].device if self.params else torch.device("cpu")
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
         self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
@@ -101,9 +129,11 @@ class GradientReducer:
             if shard_gradients
             else None
         )
-        self._storage_views = (
-            [self._storage_view(i) for i in range(len(self.params))] if shard_gradients else None
-        )
+        #: One record per parameter, in layout order.
+        self.records = [
+            ParamGradient(i, p, layout.params[i], self._storage_view(i) if shard_gradients else None)
+            for i, p in enumerate(self.params)
+        ]
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params if p.requires_grad
         ]
@@ -119,19 +149,20 @@ class GradientReducer:
     def local_grad(self, index: int) -> torch.Tensor | None:
         """This rank's shard of parameter ``index``'s gradient, or None if it has none: the held sum (a view)
         until :meth:`finalize`, the finalized gradient after it."""
-        if self._finalized[index]:
-            return self._final.get(index)
+        record = self.records[index]
+        if record.state is GradState.FINALIZED:
+            return record.final
         if self.shard_gradients:
-            return self._storage_views[index] if self._synced_since_consume[index] else None
-        grad = self.params[index].grad
+            return record.shard if record.state is GradState.REDUCED else None
+        grad = record.param.grad
         if grad is None:
             return None
-        return local_rows(grad, self.layout.params[index], self.rank)
+        return local_rows(grad, self.rank, self.world_size)
 
     def held_gradients(self) -> list[torch.Tensor]:
         """Gradient tensors the reducer itself owns (stage 2's shard storage, finalized copies), for
         memory accounting; stage 1's full gradients are the parameters' ``.grad``."""
-        return [*(self.storage or []), *self._final.values()]
+        return [*(self.storage or []), *(r.final for r in self.records if r.final is not None)]
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
@@ -146,14 +177,14 @@ class GradientReducer:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.require_sync:
             return
-        index = self._index[id(param)]
-        if self._finalized[index]:
+        record = self.records[self._index[id(param)]]
+        if record.state is GradState.FINALIZED:
             raise RuntimeError(
-                f"Parameter {self.layout.params[index].name!r} received a new gradient after its gradients were "
+                f"Parameter {record.spec.name!r} received a new gradient after its gradients were "
                 "finalized for an optimizer step (clipping or unscaling) but before that step ran. Call "
                 "`optimizer.step()` (or skip it) before the next backward."
             )
-        self._ready[self.layout.params[index].bucket] += 1
+        self._ready[record.spec.bucket] += 1
         if self.overlap_comm:
             self._launch_ready()
 
@@ -178,15 +209,14 @@ class GradientReducer:
         sources = [None] * len(self.params)
         for i in bucket.params:
             sources[i] = self.params[i].grad
-            if sources[i] is not None:
-                self._had_grad[i] = 1
+            self.records[i].produced |= sources[i] is not None
         comm = torch.empty(bucket.numel, dtype=self.comm_dtypes[bucket_index], device=self.device)
         pack_bucket(self.layout, bucket, sources, comm)
         direct = accumulate = False
         if self.shard_gradients:
             for i in bucket.params:
                 self.params[i].grad = None
-            accumulate = bool(self._dirty[bucket_index])
+            accumulate = self._holds_sums(bucket)
             direct = not accumulate and comm.dtype == self.bucket_dtypes[bucket_index]
         if direct:
             out = self._bucket_storage(bucket_index)
@@ -216,12 +246,14 @@ class GradientReducer:
     def _forget_gradients_no_rank_produced(self) -> None:
         """A parameter no rank used has no gradient (``None``, as in plain PyTorch, so the optimizer skips it
         instead of decaying it with a zero gradient); one used on any rank has the reduced gradient."""
-        used = self._had_grad.clone()
+        used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
         collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.group)
         for i in torch.nonzero(used == 0).flatten().tolist():
-            self._synced_since_consume[i] = False
+            record = self.records[i]
+            if record.state is GradState.REDUCED:
+                record.state = GradState.UNUSED
             if not self.shard_gradients:
-                self.params[i].grad = None
+                record.param.grad = None
 
     def _land(self, flight: _Inflight) -> None:
         if flight.work is not None:
@@ -244,8 +276,10 @@ class GradientReducer:
                 flat[end:].zero_()
                 flat[start:end].copy_(segment_view(self.layout, flight.out, i, self.rank).reshape(-1))
         for i in bucket.params:
-            self._synced_since_consume[i] = True
-        self._dirty[flight.bucket].update(bucket.params)
+            record = self.records[i]
+            record.landed = True
+            if record.state is not GradState.FINALIZED:
+                record.state = GradState.REDUCED
 
     # ------------------------------------------------------------------ step
     def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:
@@ -256,17 +290,18 @@ class GradientReducer:
             self.flush()
         grads = []
         for i in indices:
-            if self._finalized[i]:
+            record = self.records[i]
+            if record.state is GradState.FINALIZED:
                 continue
             held = self.local_grad(i)
-            self._finalized[i] = True
+            record.state = GradState.FINALIZED
             if held is None:
                 continue
             if self.host_gradients is not None:
                 grad = self.host_gradients.stage_gradient(i, held)
             else:
                 grad = held if self.master_dtype is None else held.to(self.master_dtype)
-            self._final[i] = grad
+            record.final = grad
             grads.append(grad)
         if self.host_gradients is not None:
             self.host_gradients.gradients_ready()
@@ -275,21 +310,21 @@ class GradientReducer:
 
     def consume(self, indices: Iterable[int]) -> None:
         """The optimizer step used (or skipped) these gradients: clear them for the next window."""
-        indices = list(indices)
-        for i in indices:
+        records = [self.records[i] for i in indices]
+        for record in records:
             if not self.shard_gradients:
-                self.params[i].grad = None
-            self._synced_since_consume[i] = False
-            self._had_grad[i] = 0
-            self._finalized[i] = False
-            self._final.pop(i, None)
-            self._dirty[self.layout.params[i].bucket].discard(i)
+                record.param.grad = None
+            record.state, record.produced, record.landed, record.final = GradState.EMPTY, False, False, None
         if self.shard_gradients:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
             # buckets still holding another optimizer's gradients need their consumed slices zeroed.
-            views = [self._storage_views[i] for i in indices if self._dirty[self.layout.params[i].bucket]]
+            views = [r.shard for r in records if self._holds_sums(self.layout.buckets[r.spec.bucket])]
             if views:
                 torch._foreach_zero_(views)
+
+    def _holds_sums(self, bucket) -> bool:
+        """Whether the bucket's shard storage holds sums not yet consumed (the next reduction adds to them)."""
+        return any(self.records[i].landed for i in bucket.params)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -1,12 +1,8 @@
 """Pure arithmetic of the shard convention: which rows of which parameter each rank owns, and how
 parameters are packed into communication buckets.
 
-[Note: one shard convention for every stage]
-Every parameter is split along dim 0 into ``world_size`` chunks of ``ceil(rows / world_size)`` rows (the
-last chunks may be short or empty, as ``torch.chunk`` and FSDP2 do); rank ``r`` owns chunk ``r``. Stages 1-2
-keep the whole parameter resident and let the optimizer update a *view* of rank ``r``'s rows; stage 3 (FSDP2)
-keeps only those rows. Checkpoints, clipping and offload therefore see the same per-parameter shards
-whatever the stage.
+Which rows a rank owns is ``shard.py``'s rule ([Note: one shard convention for every stage]); a
+:class:`ParamShardSpec` applies it to one parameter.
 
 [Note: rank-major buckets]
 ``reduce_scatter_tensor`` hands rank ``r`` the ``r``-th contiguous segment of its input, and
@@ -24,6 +20,8 @@ import math
 from collections.abc import Sequence
 
 from torch import nn
+
+from lightning_zero.engine import shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,31 +44,24 @@ class ParamShardSpec:
 
     @property
     def rows(self) -> int:
-        """Length of dim 0 (a 0-dim parameter counts as one row)."""
-        return self.shape[0] if self.shape else 1
+        return shard.dim0_rows(self.shape)
 
     @property
     def row_numel(self) -> int:
-        return math.prod(self.shape[1:]) if self.shape else 1
-
-    @property
-    def rows_per_rank(self) -> int:
-        return math.ceil(self.rows / self.world_size)
+        return shard.row_numel(self.shape)
 
     @property
     def chunk_numel(self) -> int:
         """Padded length of every rank's chunk."""
-        return self.rows_per_rank * self.row_numel
+        return shard.chunk_numel(self.shape, self.world_size)
 
     def row_range(self, rank: int) -> tuple[int, int]:
         """Rows ``[start, end)`` owned by ``rank`` (empty when the parameter has fewer rows than ranks)."""
-        start = min(rank * self.rows_per_rank, self.rows)
-        return start, min(start + self.rows_per_rank, self.rows)
+        return shard.row_range(self.shape, rank, self.world_size)
 
     def element_range(self, rank: int) -> tuple[int, int]:
         """Elements ``[start, end)`` of the flattened parameter owned by ``rank``."""
-        start, end = self.row_range(rank)
-        return start * self.row_numel, end * self.row_numel
+        return shard.element_range(self.shape, rank, self.world_size)
 
     def local_numel(self, rank: int) -> int:
         start, end = self.element_range(rank)

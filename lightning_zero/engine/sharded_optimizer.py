@@ -26,7 +26,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import ShardRecord
-from lightning_zero.engine.buckets import local_rows, pack_segment, unpack_bucket
+from lightning_zero.engine.buckets import pack_segment, unpack_bucket
+from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
 from lightning_zero.engine.layout import ShardLayout
 from lightning_zero.engine.offload import MasterShards, host_kernel
@@ -47,8 +48,11 @@ class ShardedOptimizer:
         rank: int,
         masters: MasterShards | None = None,
         group=None,
+        elsewhere: set[int] = frozenset(),
     ) -> None:
         self.optimizer = optimizer
+        #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
+        self.elsewhere = elsewhere
         self.masters = masters
         self.layout = layout
         self.reducer = reducer
@@ -68,7 +72,7 @@ class ShardedOptimizer:
             for p in group["params"]:
                 i = self._index.get(id(p))
                 if i is None:
-                    if p.requires_grad and not p.is_meta:  # meta: another pipeline stage's parameter
+                    if p.requires_grad and id(p) not in self.elsewhere:
                         raise RuntimeError(
                             f"A parameter of shape {tuple(p.shape)} in {type(self.optimizer).__name__}'s param_groups "
                             "was frozen (or not part of the model) when ZeroStrategy set up, so it has no shard and "
@@ -81,7 +85,7 @@ class ShardedOptimizer:
                     self.shards[i] = (
                         self.masters[i]
                         if self.masters is not None
-                        else local_rows(self.params[i].detach(), self.layout.params[i], self.rank)
+                        else local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
                     )
         #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
         self.indices = indices
@@ -154,7 +158,7 @@ def all_gather_params(
             with torch.no_grad():
                 for i in bucket.params:
                     if i in wanted:
-                        masters.copy_into(i, local_rows(sources[i], layout.params[i], rank))
+                        masters.copy_into(i, local_rows(sources[i], rank, layout.world_size))
 
     if layout.world_size == 1:
         for b in buckets:

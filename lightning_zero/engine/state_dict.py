@@ -1,8 +1,7 @@
 """Per-parameter views of shards, gathered into full tensors (or sliced back) for checkpoints.
 
-Every stage uses the dim-0 convention (see ``layout.py``), so one pair of functions serves them all:
-:func:`gather_full` rebuilds a full tensor from each rank's rows, :func:`shard_rows` takes a rank's rows of a
-full tensor. Full state dicts are produced in the plain formats (``module.state_dict()`` keys and
+Every stage uses the dim-0 convention (``shard.py``), so :func:`gather_full` serves them all: it rebuilds a
+full tensor from each rank's rows (``shard.local_rows`` takes them back out). Full state dicts are produced in the plain formats (``module.state_dict()`` keys and
 ``torch.optim.Optimizer.state_dict()`` layout) so a file written here loads into a model and optimizer with
 no ZeroStrategy at all.
 """
@@ -17,21 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
-
-
-def _rows_per_rank(shape: torch.Size | tuple[int, ...], world_size: int) -> int:
-    rows = shape[0] if len(shape) else 1
-    return math.ceil(rows / world_size)
-
-
-def shard_rows(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """``rank``'s rows of ``full`` under the dim-0 convention (a view)."""
-    if full.dim() == 0:
-        return full.view(1)[: 1 if rank == 0 else 0]
-    per = _rows_per_rank(full.shape, world_size)
-    start = min(rank * per, full.shape[0])
-    return full[start : min(start + per, full.shape[0])]
+from lightning_zero.engine import collectives, shard
 
 
 def gather_full(local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], group=None) -> torch.Tensor:
@@ -40,8 +25,7 @@ def gather_full(local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], g
     full_shape = torch.Size(full_shape)
     if world == 1:
         return local.reshape(full_shape).clone()
-    row_numel = math.prod(full_shape[1:]) if len(full_shape) else 1
-    chunk = _rows_per_rank(full_shape, world) * row_numel
+    chunk = shard.chunk_numel(full_shape, world)
     send = torch.zeros(chunk, dtype=local.dtype, device=local.device)
     send[: local.numel()].copy_(local.reshape(-1))
     out = torch.empty(chunk * world, dtype=local.dtype, device=local.device)

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
-from lightning_zero.engine.api import ShardRecord
-from lightning_zero.engine.buckets import local_rows
+from lightning_zero.engine.api import Holding, ShardRecord
+from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
@@ -48,6 +48,7 @@ class ZeroDataParallel:
         pin_memory: bool = False,
         group=None,
         mesh=None,
+        holding: Holding = Holding(),
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
@@ -55,11 +56,14 @@ class ZeroDataParallel:
         self.stage = stage
         self.group = group
         self._mesh = mesh  # see `mesh`
-        self.device_type = next((p.device.type for p in module.parameters() if not p.is_meta), "cpu")
+        #: Another pipeline stage's parameters: this rank neither holds nor steps them.
+        self.holding = holding
+        held = holding.held(module.named_parameters())
+        self.device_type = next((p.device.type for p in held.values()), "cpu")
         self.rank = collectives.rank(group)
         self.world_size = collectives.world_size(group)
-        # Parameters on the meta device belong to another pipeline stage: this rank neither holds nor steps them.
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and not p.is_meta]
+        named = [(n, p) for n, p in held.items() if p.requires_grad]
+        self._elsewhere = {id(p) for n, p in module.named_parameters() if not holding.holds(n)}
         for name, param in named:
             if not param.is_contiguous():
                 raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
@@ -79,7 +83,7 @@ class ZeroDataParallel:
         self.masters: MasterShards | None = None
         if policy is not None or offload_optimizer:
             self.masters = MasterShards(
-                [local_rows(p.detach(), spec, self.rank) for p, spec in zip(self.params, self.layout.params)],
+                [local_rows(p.detach(), self.rank, self.world_size) for p in self.params],
                 dtype=policy.master_dtype if policy is not None else None,
                 offloaded=offload_optimizer,
                 pin=pin_memory,
@@ -138,7 +142,7 @@ class ZeroDataParallel:
         check_elementwise(optimizer, self.stage, elementwise)
         self._optimizers[id(optimizer)] = ShardedOptimizer(
             optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
-            group=self.group,
+            group=self.group, elsewhere=self._elsewhere,
         )
 
     def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
@@ -174,7 +178,7 @@ class ZeroDataParallel:
         there are masters, else a view of the resident parameter. Checkpoints read and write these."""
         if self.masters is not None:
             return self.masters[index]
-        return local_rows(self.params[index].detach(), self.layout.params[index], self.rank)
+        return local_rows(self.params[index].detach(), self.rank, self.world_size)
 
     def restore_master_params(self) -> None:
         """Give the module back its parameters at full precision (collective): the end of a mixed run leaves

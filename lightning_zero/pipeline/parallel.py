@@ -20,9 +20,10 @@ pipeline, to ``log_pipeline_loss`` and to Lightning as the step's output.
 Every rank builds the whole model (same seed, same initial weights), then moves the layers of the stages it
 does not run to the meta device: their memory is freed while every parameter keeps its name and shape in
 the module (as a new meta ``Parameter``: references taken before ``fit`` go stale, and the optimizer, built
-afterwards, holds the meta ones). The engines skip meta parameters (another stage steps them), checkpoints write only
-real tensors and check names against the whole model, so a pipelined checkpoint holds every parameter once
-under the unsplit names.
+afterwards, holds the meta ones). Which tensors those are is recorded once, as :attr:`PipelineParallel.holding`
+(``engine/api.py: Holding``), and handed to the engine (which skips them: another stage steps them), the
+checkpoint code (which writes only held tensors and checks names against the whole model, so a pipelined
+checkpoint holds every parameter once under the unsplit names) and the precision plugin.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
+from lightning_zero.engine.api import Holding
 from lightning_zero.pipeline.schedule import PipelineRunner
 from lightning_zero.pipeline.split import PipelineLayout, split_bounds
 
@@ -91,6 +93,15 @@ def _check_ownership(module: nn.Module, layers: Sequence[nn.Module], bounds: Seq
         )
 
 
+def _holding(module: nn.Module, others: Sequence[nn.Module]) -> Holding:
+    """The names (every alias) of the parameters and buffers of the layers of other stages."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        names.setdefault(id(tensor), []).append(name)
+    tensors = {id(t): t for layer in others for t in (*layer.parameters(), *layer.buffers())}
+    return Holding(frozenset(name for key in tensors for name in names.get(key, ())))
+
+
 class PipelineParallel:
     """This rank's stages of a LightningModule and the groups it runs them over.
 
@@ -113,11 +124,12 @@ class PipelineParallel:
         self.bounds = bounds
         self.device = device
         mine = set(self.layout.stages_of(rank))
+        others = [layer for s in range(self.layout.num_stages) if s not in mine for layer in layers[bounds[s] : bounds[s + 1]]]
+        #: What this rank holds, handed to the engine, checkpoints and precision (see ``engine/api.py: Holding``).
+        self.holding = _holding(module, others)
         with torch.no_grad():
-            for s in range(self.layout.num_stages):
-                if s not in mine:
-                    for layer in layers[bounds[s] : bounds[s + 1]]:
-                        layer.to("meta")  # see [Note: layers of other stages live on the meta device]
+            for layer in others:
+                layer.to("meta")  # see [Note: layers of other stages live on the meta device]
             module._apply(lambda t: t if t.is_meta else t.to(device))
         _update_properties(module, device=device)  # what `module.to(device)` would record (`self.device`)
         #: ("dp", "pp"): row r is replica r's pipeline, column s the data-parallel group of pipeline rank s.

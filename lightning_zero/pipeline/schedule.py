@@ -22,6 +22,7 @@ batch, so all rebuild together.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from lightning_zero.config import ZeroConfigError, check_choice
+from lightning_zero.engine import collectives
 from lightning_zero.pipeline.split import PipelineLayout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -69,6 +71,10 @@ class PipelineRunner:
         self.stages = [
             PipelineStage(module, s, layout.num_stages, device, group=group) for module, s in zip(self.modules, self.stage_ids)
         ]
+        self.num_stages = layout.num_stages
+        self._boundary: dict[int, tuple[Tensor | None, Tensor | None]] = {}
+        for module, s in zip(self.modules, self.stage_ids):
+            module.register_forward_hook(functools.partial(self._observe, s))
         self.schedule = None
         self._shape_key: tuple | None = None
         self._factor = 1.0
@@ -76,6 +82,27 @@ class PipelineRunner:
         self._losses: list[Tensor] = []
         self.is_first = 0 in self.stage_ids
         self.is_last = layout.num_stages - 1 in self.stage_ids
+
+    def _observe(self, stage: int, module: nn.Module, inputs: tuple, output: Tensor) -> None:
+        """Remember one micro-batch's input and output of ``stage`` (shape and dtype only), for :meth:`_count_sends`."""
+        received = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+        self._boundary[stage] = tuple(
+            torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, Tensor) else None for t in (received, output)
+        )
+
+    def _count_sends(self, train: bool) -> None:
+        """[Note: pipeline traffic is counted where it is produced]
+        ``torch.distributed.pipelining`` sends activations and their gradients itself, past ``collectives.py``.
+        After each step this rank counts what its stages sent, as ``"send"`` in ``comm_stats()``: per micro-batch,
+        stage ``s``'s output to stage ``s + 1`` and, when training, the gradient of its input (the same size) to
+        stage ``s - 1``. The sizes come from the step's own forwards; a new schedule's shape inference, which
+        exchanges only metadata, is not counted."""
+        for stage in self.stage_ids:
+            received, output = self._boundary.get(stage, (None, None))
+            for tensor, sent in ((output, stage < self.num_stages - 1), (received, train and stage > 0)):
+                if sent and tensor is not None:
+                    for _ in range(self.microbatches):
+                        collectives.record_sent(tensor)
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         loss = self.loss_fn(output, target)
@@ -106,6 +133,7 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 schedule.eval(*args, **kwargs, return_outputs=False)
+        self._count_sends(train)
         for stage in self.stages:  # the schedule keeps the step's outputs (the last stage's logits) until the next
             stage.clear_runtime_states()
         # The last m: a fresh schedule first calls the loss once on placeholder outputs to infer shapes.

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_zero.checkpoint_verify import META_FILE, CheckpointError, read_checkpoint_dict
+from lightning_zero.checkpoint.verify import META_FILE, CheckpointError, read_checkpoint_dict
 from lightning_zero.resume.agreement import JOB_KEY, same_job
 from lightning_zero.resume.finding import RESTART_VARIABLES, checkpoint_directories, restart_count, resolve_last, resume_candidates
 

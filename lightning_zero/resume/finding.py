@@ -11,7 +11,7 @@ Directories searched (:func:`checkpoint_directories`):
 * each ``OnExceptionCheckpoint``'s ``dirpath``;
 * under SLURM, ``default_root_dir`` for Lightning's ``hpc_ckpt_*`` requeue checkpoints.
 
-A checkpoint counts when :func:`~lightning_zero.checkpoint_list.list_checkpoints` calls it complete (manifest,
+A checkpoint counts when :func:`~lightning_zero.checkpoint.listing.list_checkpoints` calls it complete (manifest,
 sizes, ``meta.pt``; the CRC of every shard is checked when it is loaded); temporaries of a save that died and
 damaged checkpoints are passed over, and the log says so. Newest means most recently completed.
 """
@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_zero.checkpoint_list import CheckpointEntry, inspect_checkpoint, list_checkpoints
+from lightning_zero.checkpoint.listing import CheckpointEntry, inspect_checkpoint, list_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_zero.checkpoint_verify import MANIFEST_FILE, crc32
+from lightning_zero.checkpoint.verify import MANIFEST_FILE, crc32
 
 
 class RunsShell:

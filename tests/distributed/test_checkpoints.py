@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from lightning_zero.checkpoint_verify import CheckpointError, check_complete, verify_files
-from lightning_zero.consolidate import consolidate
+from lightning_zero.checkpoint.verify import CheckpointError, check_complete, verify_files
+from lightning_zero.checkpoint.consolidate import consolidate
 from tests.distributed import models
 from tests.launch import REPO, launch
 

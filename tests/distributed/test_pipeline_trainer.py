@@ -5,6 +5,7 @@ and a StepLR; checkpoints move between pipelined and plain runs; bad pipelines f
 
 import pytest
 
+from tests.distributed.worker_pipeline_trainer import WIDTH
 from tests.launch import launch
 
 pytestmark = pytest.mark.slow
@@ -48,6 +49,18 @@ def _check_memory(result: dict, replicas: int) -> None:
         assert abs(state - formula) <= 0.02 * formula, (state, formula)  # shards of uneven rows differ by a few
 
 
+def _check_sends(result: dict) -> None:
+    """Pipelining's point-to-point traffic is counted in ``comm_stats()``: per batch, one pipeline sends each
+    cut's activation forward and its gradient back, ``2 (S - 1) b WIDTH`` elements over its ranks."""
+    stages = len(result["bounds"]) - 1
+    for pipeline in (result["sent"][:2], result["sent"][2:]):
+        if not pipeline:
+            continue
+        per_batch = [sum(sent for sent, _ in batches) for batches in zip(*pipeline)]
+        batch = pipeline[0][0][1]
+        assert per_batch == [2 * (stages - 1) * batch * WIDTH] * len(per_batch), (per_batch, batch)
+
+
 def _check_names(result: dict) -> None:
     held = result["held"]
     assert sorted(n for names in held[:2] for n in names) == result["names"]  # one pipeline: every name, once
@@ -59,6 +72,7 @@ def test_two_stages_one_replica_equal_plain_pytorch(two_ranks, case):
     _check_exact(two_ranks[case], replicas=1)
     _check_names(two_ranks[case])
     _check_memory(two_ranks[case], replicas=1)
+    _check_sends(two_ranks[case])
     assert two_ranks[case]["bounds"] == BOUNDS[case]  # 1f1b cuts by parameter count, interleaved 4 virtual stages
 
 
@@ -67,6 +81,7 @@ def test_two_stages_two_replicas_equal_plain_pytorch(four_ranks, case):
     _check_exact(four_ranks[case], replicas=2)
     _check_names(four_ranks[case])
     _check_memory(four_ranks[case], replicas=2)
+    _check_sends(four_ranks[case])
     assert four_ranks[case]["held"][0] == four_ranks[case]["held"][2]  # replicas hold the same stage
 
 

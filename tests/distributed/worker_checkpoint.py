@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from lightning_zero import ZeroStrategy, checkpoint_io
+from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint import state_dicts
 from tests.distributed import models
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
 from tests.launch import run_cases_with_directory
@@ -20,7 +21,7 @@ DATA = models.IndexedData(n=48)  # 3 optimizer steps per epoch on 2 ranks: 48 / 
 
 
 def final_state(t: L.Trainer) -> tuple[dict, dict]:
-    return t.strategy.full_state_dict(), checkpoint_io.full_optimizer_state(t.optimizers[0], t.lightning_module, t.strategy.engine)
+    return t.strategy.full_state_dict(), state_dicts.full_optimizer_state(t.optimizers[0], t.lightning_module, t.strategy.engine)
 
 
 def optim_diff(a: dict, b: dict) -> float:
@@ -80,7 +81,7 @@ class RestoredProbe(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.params = trainer.strategy.full_state_dict()
-        self.optim = checkpoint_io.full_optimizer_state(trainer.optimizers[0], pl_module, trainer.strategy.engine)
+        self.optim = state_dicts.full_optimizer_state(trainer.optimizers[0], pl_module, trainer.strategy.engine)
 
 
 def save_for_other_world(directory: Path) -> dict:
@@ -154,7 +155,7 @@ def crash_mid_save(directory: Path) -> dict:
     t.strategy.barrier()
     if RANK == 0:
         out["entries"] = sorted(p.name for p in directory.iterdir())
-        from lightning_zero.consolidate import consolidate
+        from lightning_zero.checkpoint.consolidate import consolidate
 
         restored = torch.load(consolidate(good, directory / "good.pt"), weights_only=True)
         before = {k: v for k, v in before.items() if isinstance(v, torch.Tensor)}

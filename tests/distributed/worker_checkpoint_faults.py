@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint_list import inspect_checkpoint, list_checkpoints
+from lightning_zero.checkpoint.listing import inspect_checkpoint, list_checkpoints
 from lightning_zero.engine import collectives
 from tests.distributed import models
 from tests.distributed.worker_checkpoint import RestoredProbe, final_state, optim_diff
@@ -120,7 +120,7 @@ def run_saving_every_epoch(directory: Path, stage: int, async_save: bool) -> L.T
 
 
 def consolidated(path: Path) -> dict:
-    from lightning_zero.consolidate import consolidate
+    from lightning_zero.checkpoint.consolidate import consolidate
 
     out = consolidate(path, path.with_name(path.name + ".pt"), include_optimizer=True)
     return torch.load(out, weights_only=True)

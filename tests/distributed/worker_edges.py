@@ -9,7 +9,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from lightning_zero import ZeroStrategy, checkpoint_io
+from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint import state_dicts
 from tests.distributed import models
 from tests.distributed.worker_checkpoint import RestoredProbe
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
@@ -76,7 +77,7 @@ def sharded_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> d
     t.save_checkpoint(path)
     t.save_checkpoint(path)  # overwriting an existing checkpoint directory is atomic too
     full = t.strategy.full_state_dict()
-    optim = checkpoint_io.full_optimizer_state(t.optimizers[0], t.lightning_module, t.strategy.engine)
+    optim = state_dicts.full_optimizer_state(t.optimizers[0], t.lightning_module, t.strategy.engine)
     probe = RestoredProbe()
     t2 = trainer(ZeroStrategy(stage=resume_stage, state_dict_type="full"), max_steps=6, callbacks=[probe], **common)
     t2.fit(models.Regression(), models.loader(data, 4), ckpt_path=str(path))

@@ -131,6 +131,21 @@ class LoggedLosses(L.Callback):
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
 
+class SentElements(L.Callback):
+    """Elements this rank sent point-to-point (``comm_stats()["send"]``) in each training batch, and its size."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[tuple[int, int]] = []
+        self._before = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = collectives.comm_stats().snapshot()["elements_by_kind"].get("send", 0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sent = collectives.comm_stats().snapshot()["elements_by_kind"].get("send", 0) - self._before
+        self.per_batch.append((sent, batch[0].shape[0]))
+
+
 def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, module=None, **kwargs) -> tuple[L.Trainer, Chain]:
     module = module or Chain()
     if ckpt_path is None:
@@ -154,7 +169,8 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
         stage=stage, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split
     )
     recorder = GradientRecorder()  # strategy.gather_gradients(): every stage's, reduced over the replicas
-    t, module = fit(strategy, replicas, epochs=1, callbacks=[LoggedLosses(), recorder], **kwargs)
+    sent = SentElements()
+    t, module = fit(strategy, replicas, epochs=1, callbacks=[LoggedLosses(), recorder, sent], **kwargs)
     full = t.strategy.full_state_dict()  # every stage's parameters, on rank 0
     params = held_parameters(module)
     expected_grads: list[dict] = []
@@ -182,6 +198,7 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
         "names": sorted(expected),
         "bounds": t.strategy.pipeline.bounds,
         "engine_world": t.strategy.engine.world_size,
+        "sent": collectives.all_gather_objects(sent.per_batch),
     }
 
 

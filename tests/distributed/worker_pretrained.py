@@ -13,10 +13,10 @@ import lightning as L
 import torch
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.consolidate import export_hf
+from lightning_zero.checkpoint.consolidate import export_hf
 from lightning_zero.demo.data import RandomTokenDataset
-from lightning_zero.engine.state_dict import shard_rows
-from lightning_zero.hf_export import sixteen_bit_dir
+from lightning_zero.engine.shard import local_rows
+from lightning_zero.checkpoint.hf_export import sixteen_bit_dir
 from tests.distributed import models
 from tests.distributed.hf_models import LENGTH, MASK_ID, HFLightningModule, model_class, tiny_config
 from tests.distributed.worker_core import RANK, WORLD, trainer
@@ -60,7 +60,7 @@ class LoadedShards(L.Callback):
         for name, _ in pl_module.model.named_parameters():
             if name not in self.expected:
                 continue
-            local, want = records[f"model.{name}"].rows, shard_rows(self.expected[name], RANK, WORLD)
+            local, want = records[f"model.{name}"].rows, local_rows(self.expected[name], RANK, WORLD)
             diff = max(diff, (local.float() - want.float()).abs().max().item() if want.numel() else 0.0)
             checked += 1
         self.out = {"diff": diff, "checked": checked, "tied": pl_module.model.lm_head.weight is pl_module.model.transformer.wte.weight}

@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from lightning_zero import ZeroConfigError, ZeroStrategy, list_checkpoints
-from lightning_zero.checkpoint_errors import CheckpointSaveError, on_every_rank, save_error, with_errno
-from lightning_zero.checkpoint_files import (
+from lightning_zero.checkpoint.errors import CheckpointSaveError, on_every_rank, save_error, with_errno
+from lightning_zero.checkpoint.files import (
     clean_directory,
     parse_temporary,
     remove_temporaries,
     replace,
     temporary_path,
 )
-from lightning_zero.checkpoint_list import inspect_checkpoint
-from lightning_zero.checkpoint_verify import CheckpointError, read_manifest, verify_files
-from lightning_zero.checkpoint_write import save_full, save_sharded
+from lightning_zero.checkpoint.listing import inspect_checkpoint
+from lightning_zero.checkpoint.verify import CheckpointError, read_manifest, verify_files
+from lightning_zero.checkpoint.write import save_full, save_sharded
 
 
 @pytest.fixture
@@ -151,7 +151,7 @@ def test_waiting_for_a_stuck_async_save_is_bounded_by_the_timeout(tmp_path):
     import time
     from datetime import timedelta
 
-    from lightning_zero.checkpoint_async import AsyncSaver, _Pending
+    from lightning_zero.checkpoint.async_save import AsyncSaver, _Pending
 
     saver = AsyncSaver(group=None, timeout=timedelta(seconds=0.3))  # one wait slice (1 s) at least
     pending = _Pending(tmp_path / "last.ckpt", tmp_path / ".last.ckpt.tmp-0123abcd", previous=True, step=40)

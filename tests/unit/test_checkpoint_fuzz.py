@@ -21,11 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero import checkpoint_io
-from lightning_zero.checkpoint_list import inspect_checkpoint
-from lightning_zero.checkpoint_verify import CheckpointError, describe_files, read_manifest, write_manifest
-from lightning_zero.checkpoint_write import save_sharded
-from lightning_zero.consolidate import consolidate
+from lightning_zero.checkpoint import io as checkpoint_io
+from lightning_zero.checkpoint import state_dicts
+from lightning_zero.checkpoint.listing import inspect_checkpoint
+from lightning_zero.checkpoint.verify import CheckpointError, describe_files, read_manifest, write_manifest
+from lightning_zero.checkpoint.write import save_sharded
+from lightning_zero.checkpoint.consolidate import consolidate
 from tests.distributed import models
 
 SEED = 18
@@ -51,8 +52,8 @@ def good(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("fuzz") / "good.ckpt"
     module, optimizer = _module_and_optimizer(0)
     checkpoint = {
-        "state_dict": checkpoint_io.sharded_model_state(module, None),
-        "optimizer_states": [checkpoint_io.sharded_optimizer_state(optimizer, module, None)],
+        "state_dict": state_dicts.sharded_model_state(module, None),
+        "optimizer_states": [state_dicts.sharded_optimizer_state(optimizer, module, None)],
         "global_step": 3,
         "epoch": 0,
         "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1, "completed": 0}}}},

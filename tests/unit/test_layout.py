@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from lightning_zero.engine.buckets import local_rows, pack_bucket, pack_segment, segment_view, unpack_bucket
+from lightning_zero.engine.buckets import pack_bucket, pack_segment, segment_view, unpack_bucket
 from lightning_zero.engine.layout import plan_layout
-from lightning_zero.engine.state_dict import shard_rows
+from lightning_zero.engine.shard import local_rows
 
 SHAPES = [("emb", (10, 3)), ("w", (7, 5)), ("b", (7,)), ("tiny", (1,)), ("scalar", ())]
 
@@ -47,9 +47,10 @@ def test_pack_then_reduce_scatter_segments_hold_each_ranks_rows(world):
         for rank in range(world):
             segment = buf.view(world, -1)[rank]
             for i in bucket.params:
-                expected = local_rows(tensors[i], layout.params[i], rank)
+                start, end = layout.params[i].row_range(rank)
+                expected = tensors[i].view(1)[start:end] if tensors[i].dim() == 0 else tensors[i][start:end]
                 assert torch.equal(segment_view(layout, segment, i, rank), expected)
-                assert torch.equal(shard_rows(tensors[i], rank, world), expected)
+                assert torch.equal(local_rows(tensors[i], rank, world), expected)
         # all-gather input (one segment per rank) reassembles the same buffer; unpack restores the tensors
         gathered = torch.cat([pack_segment(layout, bucket, r, tensors, torch.empty(bucket.segment_numel)) for r in range(world)])
         assert torch.equal(gathered, buf)
@@ -85,6 +86,6 @@ def test_unpack_can_leave_one_ranks_rows_alone(world):
         for i in bucket.params:
             spec = layout.params[i]
             for rank in range(world):
-                got = local_rows(targets[i], spec, rank)
-                want = torch.full_like(got, 7.0) if rank == skip else local_rows(tensors[i], spec, rank)
+                got = local_rows(targets[i], rank, world)
+                want = torch.full_like(got, 7.0) if rank == skip else local_rows(tensors[i], rank, world)
                 assert torch.equal(got, want), (spec.name, rank, skip)

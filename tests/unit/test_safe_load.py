@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero.checkpoint_io import load
-from lightning_zero.checkpoint_verify import CheckpointError
-from lightning_zero.safe_load import UnsafeCheckpointError, dcp_load, load_weights_only, read_dcp_metadata
+from lightning_zero.checkpoint.io import load
+from lightning_zero.checkpoint.verify import CheckpointError
+from lightning_zero.checkpoint.safe_load import UnsafeCheckpointError, dcp_load, load_weights_only, read_dcp_metadata
 from tests.distributed.malicious import RunsShell
 
 

@@ -4,11 +4,11 @@ A save blocks the training loop only for:
 
 1. waiting for the previous asynchronous save (usually long finished), and learning its outcome;
 2. staging: copying this rank's shards (model rows, optimizer state) into host buffers of its own;
-3. the first step of the save protocol (``checkpoint_write.prepare``): the temporary's name, ``meta.pt``.
+3. the first step of the save protocol (``write.prepare``): the temporary's name, ``meta.pt``.
 
 Then ``torch.distributed.checkpoint.async_save`` writes the staged copy from a background thread, and a
 second background step checksums the files, writes the manifest with every rank's CRC-32s and renames the
-temporary to the final name (``checkpoint_write.publish``). Until that rename the previous checkpoint under
+temporary to the final name (``write.publish``). Until that rename the previous checkpoint under
 the same name is untouched, so a crash at any point of an asynchronous save leaves it and temporaries only.
 
 [Note: staging ourselves]
@@ -46,9 +46,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from lightning_zero.checkpoint_errors import CheckpointSaveError, save_error
-from lightning_zero.checkpoint_files import remove
-from lightning_zero.checkpoint_write import ShardWriter, prepare, publish, split_checkpoint
+from lightning_zero.checkpoint.errors import CheckpointSaveError, save_error
+from lightning_zero.checkpoint.files import remove
+from lightning_zero.checkpoint.write import ShardWriter, prepare, publish, split_checkpoint
 from lightning_zero.engine import collectives
 
 log = logging.getLogger(__name__)

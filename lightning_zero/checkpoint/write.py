@@ -1,7 +1,7 @@
 """Writing checkpoints so that a failure or a kill at any point leaves the previous one intact.
 
 Protocol of a sharded save (collective; ``group`` is the world, or the dedicated group of an asynchronous
-save, see ``checkpoint_async.py``):
+save, see ``async_save.py``):
 
 1. :func:`prepare`: rank 0 picks the temporary ``.{name}.tmp-{8 hex}`` and tells every rank; it removes
    what earlier interrupted saves of that name left, creates the temporary and writes ``meta.pt`` (the
@@ -11,7 +11,7 @@ save, see ``checkpoint_async.py``):
 3. :func:`publish`: every rank checksums the files it wrote; rank 0 writes ``manifest.json`` with every
    rank's CRC-32s and renames the temporary to the final name.
 
-Every step ends in an all-gather of each rank's failure (``checkpoint_errors.on_every_rank``), so a rank
+Every step ends in an all-gather of each rank's failure (``errors.on_every_rank``), so a rank
 whose write fails (a full disk, say) never leaves its peers waiting, and every rank raises the same
 :class:`CheckpointSaveError`. On failure rank 0 removes the temporary.
 
@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint_errors import on_every_rank, reraise, save_error
-from lightning_zero.checkpoint_files import (
+from lightning_zero.checkpoint.errors import on_every_rank, reraise, save_error
+from lightning_zero.checkpoint.files import (
     remove,
     remove_temporaries,
     replace,
@@ -41,7 +41,7 @@ from lightning_zero.checkpoint_files import (
     temporary_path,
     write_durably,
 )
-from lightning_zero.checkpoint_verify import DCP_METADATA_FILE, MANIFEST_FILE, META_FILE, describe_files, manifest_text
+from lightning_zero.checkpoint.verify import DCP_METADATA_FILE, MANIFEST_FILE, META_FILE, describe_files, manifest_text
 from lightning_zero.engine import collectives
 
 

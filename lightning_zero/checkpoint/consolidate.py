@@ -24,8 +24,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_zero.checkpoint_files import remove, temporary_path
-from lightning_zero.checkpoint_verify import (
+from lightning_zero.checkpoint.files import remove, temporary_path
+from lightning_zero.checkpoint.verify import (
     META_FILE,
     CheckpointError,
     check_complete,
@@ -33,7 +33,7 @@ from lightning_zero.checkpoint_verify import (
     verify_archive,
     verify_files,
 )
-from lightning_zero.safe_load import dcp_load, read_dcp_metadata
+from lightning_zero.checkpoint.safe_load import dcp_load, read_dcp_metadata
 
 
 def _entries(src: Path, prefix: str) -> Iterator[tuple[str, TensorStorageMetadata]]:
@@ -150,7 +150,7 @@ def export_hf(
     """Write the checkpoint ``src`` as a Hugging Face directory ``dst`` (see ``hf_export.py``). The model's class,
     config and prefix come from the checkpoint (saved by a run whose module holds a ``transformers`` model), or
     from ``hf_config`` (a directory with ``config.json``) and ``prefix``. ``dtype``: ``fp32``/``bf16``/``fp16``."""
-    from lightning_zero.hf_export import DTYPES, describe_config_dir, write_hf_dir
+    from lightning_zero.checkpoint.hf_export import DTYPES, describe_config_dir, write_hf_dir
 
     src = Path(src)
     check_complete(src)

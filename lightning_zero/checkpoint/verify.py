@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lightning_zero.checkpoint_files import temporaries_of
+from lightning_zero.checkpoint.files import temporaries_of
 
 MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.pt"
@@ -172,7 +172,7 @@ def read_checkpoint_dict(file: Path, **kwargs) -> dict:
     """A checkpoint's ``torch.save`` file (``meta.pt``, a full checkpoint), read without executing code; any
     failure to parse it names the file (checksums catch damage first, this catches what they cannot: a file
     that was never a checkpoint)."""
-    from lightning_zero.safe_load import load_weights_only  # it builds on this module's CheckpointError
+    from lightning_zero.checkpoint.safe_load import load_weights_only  # it builds on this module's CheckpointError
 
     try:
         checkpoint = load_weights_only(file, **kwargs)
@@ -189,7 +189,7 @@ def read_checkpoint_dict(file: Path, **kwargs) -> dict:
 
 def saved_tensor_shapes(path: Path, prefix: str) -> dict[str, torch.Size | None]:
     """Entries under ``prefix.`` in a sharded checkpoint: name -> full shape (None for non-tensors)."""
-    from lightning_zero.safe_load import read_dcp_metadata  # it builds on this module's CheckpointError
+    from lightning_zero.checkpoint.safe_load import read_dcp_metadata  # it builds on this module's CheckpointError
 
     metadata = read_dcp_metadata(path / DCP_METADATA_FILE).state_dict_metadata
     out = {}

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from lightning_zero.checkpoint_verify import CheckpointError
+from lightning_zero.checkpoint.verify import CheckpointError
 
 _DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {

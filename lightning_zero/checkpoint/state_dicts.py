@@ -1,0 +1,144 @@
+"""The states a ZeroStrategy checkpoint saves, built from the engine's shard records.
+
+Entries are keyed by the module's own parameter names whatever the stage. A full state holds plain tensors
+in the ``state_dict`` / ``torch.optim`` layouts (it loads with no ZeroStrategy at all); a sharded state holds
+this rank's rows of each parameter and optimizer-state tensor as a dim-0 sharded DTensor, so a directory
+written with ``torch.distributed.checkpoint`` loads at any world size and stage. Under pipeline stages a rank
+holds only its stages' tensors (``Holding``), sharded over its stage's data-parallel ranks (``engine.mesh``);
+the saved state still holds every parameter once, under the unsplit model's names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
+from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full
+
+
+# ---------------------------------------------------------------------- who hosts which tensor
+def hosted_tensors(optimizer: Optimizer, engine: ShardingEngine | None) -> dict[int, torch.Tensor]:
+    """``id(param)`` -> the tensor the optimizer keys that parameter's state by, where it is not the
+    parameter itself (a shard view, a master, a host copy)."""
+    return {} if engine is None else engine.optimizer_shards(optimizer).hosted()
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def _held_state(module: nn.Module, holding: Holding) -> dict[str, Any]:
+    """``module.state_dict()`` without the entries another pipeline stage holds."""
+    return holding.held(module.state_dict())
+
+
+def shard_coords(engine: ShardingEngine | None) -> tuple[int, int]:
+    """(this rank's index, number of ranks) among those sharing each of its parameters."""
+    if engine is not None:
+        return engine.rank, engine.world_size
+    return collectives.rank(), collectives.world_size()
+
+
+def _as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tensor:
+    if len(full_shape) == 0:
+        return local
+    stride = torch.empty(full_shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride)
+
+
+# ---------------------------------------------------------------------- state for saving
+def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: ShardingEngine | None) -> dict:
+    hosted = hosted_tensors(optimizer, engine)
+    shapes = {id(p): p.shape for p in module.parameters() if id(p) in hosted or isinstance(p, DTensor)}
+    return full_optimizer_state_dict(optimizer, hosted, shapes)
+
+
+def trainable_rows(engine: ShardingEngine | None) -> dict[str, ShardRecord]:
+    """Parameter name -> record, for the parameters whose checkpoint entry is the engine's rows rather than the
+    module's tensor: whole resident parameters (stages 1-2; their rows are the fp32 masters under mixed
+    precision). Stage 3's parameters are DTensors already, and are saved and loaded as they are."""
+    if engine is None:
+        return {}
+    return {r.name: r for r in engine.records() if len(r.shape) > 0 and not isinstance(r.param, DTensor)}
+
+
+def full_model_state(
+    module: nn.Module, engine: ShardingEngine | None, rank0_only: bool = True, holding: Holding = Holding()
+) -> dict[str, torch.Tensor]:
+    """The unsharded ``state_dict`` (collective; empty on other ranks when ``rank0_only``)."""
+    if not holding.everything:
+        return _pipelined_full_state(module, engine, rank0_only, holding)
+    state = full_model_state_dict(module, rank0_only=rank0_only)
+    if engine is None or not engine.holds_masters:
+        return state
+    keep = not rank0_only or collectives.rank() == 0
+    for name, record in trainable_rows(engine).items():  # the resident parameters are rounded copies
+        full = gather_full(record.rows, record.shape, group=record.group)
+        if keep:
+            state[name] = full.to("cpu", copy=True)
+    return state
+
+
+def _pipelined_full_state(
+    module: nn.Module, engine: ShardingEngine | None, rank0_only: bool, holding: Holding
+) -> dict[str, torch.Tensor]:
+    """Pipeline stages: each rank's held tensors (masters gathered over its stage's replicas), then every
+    stage's, merged in the module's own order."""
+    rows = trainable_rows(engine) if engine is not None and engine.holds_masters else {}
+    held = {}
+    for name, value in _held_state(module, holding).items():
+        if name in rows:  # the resident parameters are rounded copies of the masters
+            value = gather_full(rows[name].rows, rows[name].shape, group=rows[name].group)
+        held[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+    # The first replica of every stage sends its stage; other replicas hold copies of the same tensors.
+    first_replica = engine is None or engine.group is None or engine.rank == 0
+    mine = held if first_replica else {}
+    parts = collectives.gather_objects(mine, dst=0) if rank0_only else collectives.all_gather_objects(mine)
+    if parts is None:
+        return {}
+    merged = {k: v for part in parts for k, v in part.items()}
+    return {name: merged[name] for name in module.state_dict() if name in merged}
+
+
+def sharded_model_state(module: nn.Module, engine: ShardingEngine | None, holding: Holding = Holding()) -> dict[str, Any]:
+    """Parameter name -> this rank's rows (as a DTensor); buffers and frozen parameters as they are."""
+    state = _held_state(module, holding)
+    trainable = trainable_rows(engine)
+    if not trainable:
+        return state
+    for name in list(state):
+        record = trainable.get(name)
+        if record is not None:
+            state[name] = _as_sharded(record.rows, record.shape, engine.mesh)
+    return state
+
+
+def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: ShardingEngine | None) -> dict[str, Any]:
+    """``{"state": {param_name: {key: rows}}, "param_groups": [... "params": [names]]}``."""
+    hosted = hosted_tensors(optimizer, engine)
+    names = param_names(module)
+    mesh = engine.mesh if hosted else None
+    state: dict[str, dict] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        group_names = []
+        for param in group["params"]:
+            name = names[id(param)]
+            group_names.append(name)
+            entry = optimizer.state.get(hosted.get(id(param), param))
+            if entry is None:
+                continue
+            state[name] = {
+                key: _as_sharded(value, param.shape, mesh)
+                if id(param) in hosted and isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in entry.items()
+            }
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": group_names})
+    return {"state": state, "param_groups": groups}

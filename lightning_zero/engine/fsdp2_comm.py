@@ -1,0 +1,39 @@
+"""FSDP2's collectives, routed through ``collectives.py`` so stage 3 is counted, labelled and watched like
+stages 1-2 (``fully_shard`` modules take them via ``set_custom_all_gather`` / ``set_custom_reduce_scatter``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from lightning_zero.engine import collectives
+from lightning_zero.engine.collectives import ReduceOp
+
+
+class CountingAllGather(AllGather):
+    """FSDP2's all-gather, counted and labelled like ours."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
+        work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return work if isinstance(work, dist.Work) else collectives.finish(work)
+
+
+class CountingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter, counted and labelled like ours (FSDP2 picks the reduce op)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
+        if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
+            collectives.reduce_scatter(output_tensor, input_tensor, group=group)
+            if op == ReduceOp.AVG:
+                output_tensor.div_(collectives.world_size(group))
+            return None
+        return collectives.reduce_scatter_op(output_tensor, input_tensor, op, group=group, async_op=async_op)
