@@ -6,15 +6,15 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.checkpoint.listing import CheckpointEntry, list_checkpoints
+from lightning_zero.checkpoint import CheckpointEntry, CheckpointError, CheckpointSaveError, UnsafeCheckpointError, list_checkpoints
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy import ZeroStrategy
 
 __all__ = [
-    "CheckpointEntry", "ZeroConfig", "ZeroConfigError", "ZeroPrecision", "ZeroStrategy", "list_checkpoints",
-    "load_pretrained",
+    "CheckpointEntry", "CheckpointError", "CheckpointSaveError", "UnsafeCheckpointError", "ZeroConfig", "ZeroConfigError",
+    "ZeroPrecision", "ZeroStrategy", "list_checkpoints", "load_pretrained",
 ]
 __version__ = "0.1.0"
 

@@ -29,10 +29,8 @@ from lightning_zero.activation_checkpointing import resolve_policy
 from lightning_zero.checkpointing import CheckpointingStrategy, trainer_of, unwrap
 from lightning_zero.config import REGISTERED_STRATEGIES, ZeroConfig, ZeroConfigError
 from lightning_zero.config import ModulePolicy, PipelineSchedule, PipelineSplit, StartMethod, StateDictType
-from lightning_zero.deepspeed_config import (
-    DeepSpeedSettings, apply_to_trainer, check_batch_sizes, merge_strategy_arguments, optimizers_from_config,
-    parse_deepspeed_config, precision_plugin_for,
-)
+from lightning_zero.deepspeed_config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
+from lightning_zero.deepspeed_trainer import apply_to_trainer, check_batch_sizes, optimizers_from_config, precision_plugin_for
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.precision import ZeroPrecision, as_zero_precision

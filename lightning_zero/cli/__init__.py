@@ -19,7 +19,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lightning_zero.cli.compose import SUBCOMMANDS, CLIConfigError
+from lightning_zero.cli.command_line import SUBCOMMANDS
+from lightning_zero.cli.errors import CLIConfigError
 
 
 def consolidate_command(argv: Sequence[str]) -> int:

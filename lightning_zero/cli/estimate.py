@@ -26,7 +26,8 @@ def count_model_parameters(path: str | Path) -> int:
     ``model`` key (composed with its defaults, as ``fit`` would)."""
     import torch
 
-    from lightning_zero.cli.compose import CommandLine, compose, load_yaml, resolve
+    from lightning_zero.cli.command_line import CommandLine
+    from lightning_zero.cli.compose import compose, load_yaml, resolve
     from lightning_zero.cli.schema import LightningSchema, import_class
 
     data, _ = load_yaml(Path(path))

@@ -15,7 +15,8 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_zero.cli.compose import CLIConfigError, UnknownKeyError, set_path
+from lightning_zero.cli.compose import set_path
+from lightning_zero.cli.errors import CLIConfigError, UnknownKeyError
 from lightning_zero.config import closest, nearest
 
 #: Command-line shorthands: ``strategy.stage=2`` is ``trainer.strategy.init_args.stage=2``.

@@ -17,10 +17,12 @@ from jsonargparse import Namespace
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_zero.cli.compose import CommandLine, compose
+from lightning_zero.cli.command_line import CommandLine
+from lightning_zero.cli.compose import compose
 from lightning_zero.cli.schema import LightningSchema, import_class
 from lightning_zero.config import ZeroConfigError
-from lightning_zero.deepspeed_config import AUTO, DeepSpeedSettings, apply_to_trainer
+from lightning_zero.deepspeed_config import AUTO, DeepSpeedSettings
+from lightning_zero.deepspeed_trainer import apply_to_trainer
 from lightning_zero.strategy import ZeroStrategy
 
 #: ZeroStrategy arguments that carry Lightning objects rather than settings to validate.

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero.cli.compose import CLIConfigError, CommandLine, Override, compose, merge, parse_value
+from lightning_zero.cli.command_line import CommandLine, Override, parse_value
+from lightning_zero.cli.compose import compose, merge
+from lightning_zero.cli.errors import CLIConfigError
 from lightning_zero.cli.schema import LightningSchema
 from tests.launch import REPO
 
