@@ -49,7 +49,7 @@ from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units
 from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
-from lightning_zero.engine.optimizers import check_elementwise, hosted_params
+from lightning_zero.engine.optimizers import check_elementwise, hosted_params, shards_of
 
 
 def _own_floating(module: nn.Module) -> list[torch.Tensor]:
@@ -232,13 +232,7 @@ class FullyShardedEngine:
         self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer)
 
     def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
-        try:
-            return self._optimizers[id(optimizer)]
-        except KeyError:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} was not set up by ZeroStrategy; return every optimizer from "
-                "`configure_optimizers` so it can be sharded."
-            ) from None
+        return shards_of(self._optimizers, optimizer)
 
     def discard_all_gradients(self) -> None:
         """Gradients are ordinary ``p.grad`` here; Lightning's ``zero_grad`` clears them."""

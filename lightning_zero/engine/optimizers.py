@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import TypeVar
 
 import torch
 from torch.optim import Optimizer
+
+T = TypeVar("T")
 
 #: Optimizers whose update of an element depends only on that element's gradient and state, so stepping
 #: each rank's shard separately equals stepping the whole tensor.
@@ -21,6 +24,17 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
 NON_ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon") if hasattr(torch.optim, name)
 )
+
+
+def shards_of(wrapped: Mapping[int, T], optimizer: Optimizer) -> T:
+    """The engine's handle of ``optimizer`` (keyed by ``id``), or an error saying how it came to be missing."""
+    try:
+        return wrapped[id(optimizer)]
+    except KeyError:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} was not set up by ZeroStrategy; return every optimizer from "
+            "`configure_optimizers` so it can be sharded."
+        ) from None
 
 
 def check_elementwise(optimizer: Optimizer, stage: int, extra: tuple[type, ...] = ()) -> None:

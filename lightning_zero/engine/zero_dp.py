@@ -23,7 +23,7 @@ from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.offload import MasterShards
-from lightning_zero.engine.optimizers import check_elementwise
+from lightning_zero.engine.optimizers import check_elementwise, shards_of
 from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, all_gather_params
 from lightning_zero.engine.state_dict import gather_full
 
@@ -146,13 +146,7 @@ class ZeroDataParallel:
         )
 
     def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
-        try:
-            return self._optimizers[id(optimizer)]
-        except KeyError:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} was not set up by ZeroStrategy; return every optimizer from "
-                "`configure_optimizers` so it can be sharded."
-            ) from None
+        return shards_of(self._optimizers, optimizer)
 
     def discard_all_gradients(self) -> None:
         """Start a new accumulation window: whatever was reduced and not stepped is dropped."""

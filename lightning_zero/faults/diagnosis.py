@@ -94,15 +94,22 @@ def adopt(failure: dict, me: Record, kind: str | None = None) -> Diagnosis:
     return Diagnosis(kind or failure.get("kind", "failed"), failure.get("culprit"), summary)
 
 
-def decide(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Limits, context: Context,
-           mark_peer: int | None = None, store_silent: float = 0.0) -> Diagnosis | None:
-    """The reason to end the run now, or None. Called every tick by the watchdog thread."""
+def known_failure(me: Record, peers: dict[int, Peer], failure: dict | None) -> Diagnosis | None:
+    """A failure already reported through the store, or one a peer's heartbeat shows."""
     if failure is not None:
         return adopt(failure, me)
     for rank, peer in sorted(peers.items()):
         found = peer_failed(rank, peer)
         if found is not None:
             return found
+    return None
+
+
+def decide(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Limits, context: Context,
+           mark_peer: int | None = None, store_silent: float = 0.0) -> Diagnosis | None:
+    """The reason to end the run now, or None. Called every tick by the watchdog thread."""
+    if (found := known_failure(me, peers, failure)) is not None:
+        return found
     if mark_peer is not None and mark_peer in peers:
         found = compare_marks(me, peers[mark_peer].record, context)
         if found is not None:
@@ -296,12 +303,8 @@ def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict | None, lim
                    waited: float) -> Diagnosis | None | bool:
     """At the end of a successful run: True when every rank finished, a Diagnosis when this rank must fail after
     all (a peer failed, died, or waits in a collective this rank never joins), None to keep waiting."""
-    if failure is not None:
-        return adopt(failure, me)
-    for rank, peer in sorted(peers.items()):
-        found = peer_failed(rank, peer)
-        if found is not None:
-            return found
+    if (found := known_failure(me, peers, failure)) is not None:
+        return found
     running = {r: p for r, p in peers.items() if p.record.state != FINISHED}
     if not running:
         return True
