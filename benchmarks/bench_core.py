@@ -13,11 +13,23 @@ Systems (2 CPU ranks, AdamW, batch 8 per rank, random tokens; ``--precision`` 32
     zero2   lightning_zero.ZeroStrategy(stage=2)
     zero3   lightning_zero.ZeroStrategy(stage=3)
 
-    and variants by suffix: ``zero2+ac`` (activation checkpointing of every Block, ``+ac2`` every
+    fsdp2_hsdp  FSDP2 with a 2-D mesh (replicate x shard): shards inside each node, replicates across nodes
+                (torch's HSDP; Lightning's ModelParallelStrategy has no replicate dimension, so the module
+                builds the mesh itself)
+
+    and variants by suffix: ``zero2+hsdp2`` (``shard_size=2``: hybrid sharding over groups of 2 ranks),
+    ``zero3+hpz2`` (``secondary_shard_size=2``: ZeRO++ hpZ), ``zero2+ac`` (activation checkpointing of every Block, ``+ac2`` every
     second), ``zero1+offload`` / ``zero2+offload`` / ``zero3+offload`` (``offload_optimizer=True``),
     ``zero3+offload_params`` (``offload_params=True`` too). The offload benchmark of the README:
 
     python benchmarks/bench_core.py --systems zero1,zero1+offload,zero2,zero2+offload,zero3,zero3+offload,zero3+offload_params
+
+Several nodes are simulated on this machine with ``--nodes``: each node is one Lightning launcher (``NODE_RANK``,
+one shared ``MASTER_PORT``) starting ``--devices`` ranks, and collectives.py classifies each process group as
+intra- or inter-node from that layout. The hybrid-sharding benchmark of the README (4 ranks as 2 nodes x 2):
+
+    python benchmarks/bench_core.py --nodes 2 --devices 2 \
+        --systems ddp,fsdp2,fsdp2_hsdp,zero1,zero1+hsdp2,zero2,zero2+hsdp2,zero3,zero3+hsdp2,zero3+hpz2
 
 Each system runs in its own fresh subprocess (the script re-invokes itself with
 ``--system NAME``), so every run has a clean process group, its own peak RSS and no
@@ -77,6 +89,7 @@ from lightning_zero.estimate import CHOICES_BY_NAME, model_state_split  # noqa: 
 from lightning_zero.monitor import ZeroMonitor  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
+BASELINES = ("ddp", "fsdp2", "fsdp2_hsdp")
 #: Suffixes for ZeRO systems (extra ZeroStrategy settings): "zero2+ac" checkpoints every Block, "zero2+ac2"
 #: every second one; "zero2+offload" offloads the optimizer, "zero3+offload_params" the parameters too.
 VARIANTS = {
@@ -90,6 +103,9 @@ VARIANTS = {
     # Pipeline stages: the ranks form one pipeline of that many stages (1F1B, m micro-batches per batch), the
     # same global batch (each replica's batch is batch_per_rank x stages); e.g. "zero1+pp2m8".
     **{f"pp2m{m}": {"pipeline_stages": 2, "microbatches": m, "pipeline_schedule": "1f1b"} for m in (4, 8, 16)},
+    # Hybrid sharding over groups of k consecutive ranks (a node when --devices is k), and ZeRO++ hpZ.
+    **{f"hsdp{k}": {"shard_size": k} for k in (2, 4, 8)},
+    **{f"hpz{k}": {"secondary_shard_size": k} for k in (2, 4, 8)},
 }
 
 # ~27M parameters: 6 x 12*512^2 in the blocks + 2 x 8192*512 for embedding and (untied) head.
@@ -120,6 +136,11 @@ class FSDP2GPTModule(GPTLightningModule):
             super().configure_model()
         assert self.model is not None
         mesh = self.device_mesh["data_parallel"]
+        if getattr(self, "hsdp_shard_size", None):  # HSDP: (replicate, shard), shard inside a node
+            from torch.distributed.device_mesh import init_device_mesh
+
+            k = self.hsdp_shard_size
+            mesh = init_device_mesh("cpu", (mesh.size() // k, k), mesh_dim_names=("replicate", "shard"))
         kwargs = {"mp_policy": self.mp_policy} if getattr(self, "mp_policy", None) is not None else {}
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh, **kwargs)
@@ -129,7 +150,7 @@ class FSDP2GPTModule(GPTLightningModule):
 def build_strategy(system: str, devices: int) -> Any:
     if system == "ddp":
         return "ddp"
-    if system == "fsdp2":
+    if system in ("fsdp2", "fsdp2_hsdp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         # "auto" would make data_parallel_size = num_nodes (1) and put both ranks on the
@@ -144,7 +165,7 @@ def build_strategy(system: str, devices: int) -> Any:
 
 
 #: bench system name -> the estimator's choice (fsdp2 holds what ZeRO-3 holds)
-_CHOICE_OF = {"ddp": "ddp", "fsdp2": "zero3", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
+_CHOICE_OF = {"ddp": "ddp", "fsdp2": "zero3", "fsdp2_hsdp": "zero3_hsdp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
               "zero1+offload": "zero1_offload", "zero2+offload": "zero2_offload",
               "zero3+offload": "zero3_offload_optimizer", "zero3+offload_params": "zero3_offload"}
 
@@ -165,14 +186,25 @@ def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tu
     base, _, variant = system.partition("+")
     if variant.startswith("pp"):  # per stage: see BenchCallback.summarise
         return float("nan"), float("nan")
+    if variant.startswith("hsdp") or system == "fsdp2_hsdp":  # the formulas with N -> k
+        k = VARIANTS[variant]["shard_size"] if variant else N // _NODES
+        name = "zero3_hsdp" if system == "fsdp2_hsdp" else f"{base}_hsdp"
+        return model_state_split(CHOICES_BY_NAME[name], P, N, precision, devices_per_node=k)
+    # hpZ's node-local copy lives between forward and backward, not after backward where state is counted.
     name = system if variant in ("offload", "offload_params") else base
     return model_state_split(CHOICES_BY_NAME[_CHOICE_OF[name]], P, N, precision)
 
 
-def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-true") -> int:
+#: Simulated nodes of the run (``--nodes``), for the formulas of fsdp2_hsdp.
+_NODES = 1
+
+
+def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-true", shard_size: int = 2) -> int:
     """Per-rank collective volume per step, in collectives.py's convention (module docstring)."""
-    system = system.partition("+")[0]  # activation checkpointing recomputes, it does not communicate more
     P = count_parameters(config)
+    if system == "fsdp2_hsdp":  # FSDP2's own traffic plus the all-reduce of each rank's P/k shard
+        return analytic_comm_bytes("fsdp2", config, precision) + (2 if precision == "bf16-mixed" else 4) * 2 * P // shard_size
+    system = system.partition("+")[0]  # activation checkpointing recomputes, it does not communicate more
     if system == "ddp":
         return 8 * P  # one all-reduce of all (fp32, also under autocast) grads = reduce-scatter + all-gather
     width = 2 if precision == "bf16-mixed" else 4  # ZeRO and FSDP2 gather and reduce in bf16
@@ -344,6 +376,7 @@ class BenchCallback(L.Callback):
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # KiB on Linux
             "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self.steps) if self.comm_snapshot else None,
             "comm_elements_per_step": (self.comm_snapshot["elements"] / self.steps) if self.comm_snapshot else None,
+            "comm_inter_node_bytes_per_step": (self.comm_snapshot["bytes_inter_node"] / self.steps) if self.comm_snapshot else None,
             "torch_threads": torch.get_num_threads(),
             # parameters this rank holds (one pipeline stage's, under pipelining)
             "held_params": sum(p.numel() for p in pl_module.parameters() if not p.is_meta),
@@ -357,6 +390,16 @@ class BenchCallback(L.Callback):
             ranks = [rank_result]
         if trainer.is_global_zero:
             Path(self.out).write_text(json.dumps(self.summarise(ranks, trainer.world_size)) + "\n")
+
+    def _analytic_inter(self, P: int, N: int) -> float:
+        """Inter-node bytes per rank of the baselines (not counted by collectives.py): all of it when groups span
+        nodes; for HSDP only the shard all-reduce."""
+        if _NODES == 1:
+            return 0.0
+        width = 2 if self.precision == "bf16-mixed" else 4
+        if self.system == "fsdp2_hsdp":
+            return width * 2 * P / (N // _NODES)
+        return analytic_comm_bytes(self.system, self.config, self.precision)
 
     def summarise(self, ranks: list[dict[str, Any]], N: int) -> dict[str, Any]:
         P = count_parameters(self.config)
@@ -372,6 +415,7 @@ class BenchCallback(L.Callback):
             )
             formula = formula_device + formula_host
         measured_comm = [r["comm_bytes_per_step"] for r in ranks if r["comm_bytes_per_step"] is not None]
+        measured_inter = [r["comm_inter_node_bytes_per_step"] for r in ranks if r["comm_inter_node_bytes_per_step"] is not None]
         return {
             "system": self.system,
             "precision": self.precision,
@@ -397,6 +441,8 @@ class BenchCallback(L.Callback):
             if measured_comm
             else analytic_comm_bytes(self.system, self.config, self.precision),
             "comm_source": "measured" if measured_comm else "analytic",
+            "comm_inter_node_bytes_per_step": max(measured_inter) if measured_inter else self._analytic_inter(P, N),
+            "nodes": _NODES,
             "comm_analytic_bytes_per_step": analytic_comm_bytes(self.system, self.config, self.precision),
             "monitor": ranks[0]["monitor"],
             "per_rank": ranks,
@@ -410,7 +456,7 @@ class BenchCallback(L.Callback):
 
 def run_system(args: argparse.Namespace) -> None:
     # 2 ranks on 2 cores: more than one intra-op thread per rank oversubscribes the CPU.
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.devices))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (args.devices * args.nodes)))
     L.seed_everything(0, verbose=False)
     model_kw = QUICK_MODEL if args.quick else FULL_MODEL
     config = GPTConfig(**model_kw, dropout=0.0, bias=True)
@@ -420,10 +466,14 @@ def run_system(args: argparse.Namespace) -> None:
         vocab_size=config.vocab_size,
         block_size=config.block_size,
         batch_size=args.batch_size * stages,  # the same global batch: the ranks of a pipeline share a batch
-        num_samples=2 * total_steps * args.batch_size * args.devices,
+        num_samples=2 * total_steps * args.batch_size * args.devices * args.nodes,
     )
-    module_cls = FSDP2GPTModule if args.system == "fsdp2" else GPTLightningModule
+    global _NODES
+    _NODES = args.nodes
+    module_cls = FSDP2GPTModule if args.system.startswith("fsdp2") else GPTLightningModule
     model = module_cls(**model_kw, dropout=0.0, bias=True, build_in_configure_model=True)
+    if args.system == "fsdp2_hsdp":
+        model.hsdp_shard_size = args.devices  # a node's ranks
     if args.system == "fsdp2" and args.precision == "bf16-mixed":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -432,7 +482,8 @@ def run_system(args: argparse.Namespace) -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=build_strategy(args.system, args.devices),
+        num_nodes=args.nodes,
+        strategy=build_strategy(args.system, args.devices * args.nodes),
         precision=args.precision,
         max_steps=total_steps,
         logger=False,
@@ -460,18 +511,29 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         sys.executable, os.path.abspath(__file__), "--system", system, "--out", str(out),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
         "--batch-size", str(args.batch_size), "--precision", args.precision,
+        "--nodes", str(args.nodes),
     ] + (["--quick"] if args.quick else []) + (["--monitor"] if args.monitor else [])
     print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    port = _free_port()
     with open(log, "w") as logf:
-        # New session = new process group, so a hung run (all its ranks) can be killed as one.
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        # New session = new process group, so a hung run (all its ranks) can be killed as one. One launcher per
+        # simulated node, as on a cluster (NODE_RANK, one master address and port).
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs = [
+            subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env={**env, "NODE_RANK": str(node)})
+            for node in range(args.nodes)
+        ]
+        deadline = time.monotonic() + args.timeout
         try:
-            rc = proc.wait(timeout=args.timeout)
+            codes = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
+            rc = next((code for code in codes if code), 0)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             rc = f"timeout after {args.timeout}s"
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     elapsed = time.perf_counter() - t0
     if rc == 0 and out.exists():
         print(f"   {system}: ok in {elapsed:.0f}s", file=sys.stderr, flush=True)
@@ -479,6 +541,14 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
     print(f"!! {system} FAILED (rc={rc}, {elapsed:.0f}s); last lines of its log:\n{tail}\n", file=sys.stderr, flush=True)
     return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -496,7 +566,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     cols = [
         "system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
-        "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step",
+        "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step", "inter_node_MB/step",
     ]
     rows = []
     for r in results:
@@ -514,6 +584,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
             f"{r['peak_rss_mb']:.0f}",
             f"{r.get('saved_activation_mb', 0):.0f}",
             comm,
+            f"{r.get('comm_inter_node_bytes_per_step', 0) / 1e6:.1f}" + (" (analytic)" if r["comm_source"] == "analytic" and r.get("nodes", 1) > 1 else ""),
         ])
     rows += [[name, "FAILED"] + [""] * (len(cols) - 2) for name in failed]
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
@@ -537,7 +608,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
     p.add_argument("--steps", type=int, default=15, help="measured steps")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2, help="ranks per node")
+    p.add_argument("--nodes", type=int, default=1, help="simulated nodes (one launcher each, on this machine)")
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--quick", action="store_true", help="tiny model: a smoke test, not a benchmark")
     p.add_argument("--monitor", action="store_true",
@@ -565,7 +637,7 @@ def main() -> None:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [
         s for s in systems
-        if s not in ALL_SYSTEMS and not (s.partition("+")[0] in ALL_SYSTEMS[2:] and s.partition("+")[2] in VARIANTS)
+        if s not in (*ALL_SYSTEMS, *BASELINES) and not (s.partition("+")[0] in ALL_SYSTEMS[2:] and s.partition("+")[2] in VARIANTS)
     ]
     if unknown:
         sys.exit(f"unknown system(s): {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")

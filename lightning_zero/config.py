@@ -21,6 +21,8 @@ StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PipelineSplit = Union[Literal["layers", "params"], list[int], list[str]]
+#: A sharding group's size: a number of consecutive ranks, or "node" (the ranks of one node).
+ShardSize = Union[int, Literal["node"], None]
 
 #: What a user may pass to pick modules: one class, several classes, or a predicate on modules.
 ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Module], bool], None]
@@ -36,6 +38,11 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     "zero3": dict(stage=3),
     "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
     "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
+    # Across nodes: shard inside each node, replicate across nodes (hybrid sharding), or ZeRO++ hpZ.
+    "zero1_hsdp": dict(stage=1, shard_size="node"),
+    "zero2_hsdp": dict(stage=2, shard_size="node"),
+    "zero3_hsdp": dict(stage=3, shard_size="node"),
+    "zero3_hpz": dict(stage=3, secondary_shard_size="node"),
 }
 
 
@@ -120,6 +127,20 @@ class ZeroConfig:
 
     pipeline_virtual_stages: int | None = None
     """Stages per rank for ``"interleaved_1f1b"`` (``None``: 2); exactly 1 for the other schedules."""
+
+    shard_size: ShardSize = None
+    """Hybrid sharding: shard over groups of this many consecutive ranks and replicate across the groups
+    (``"node"``: a group is a node, the Trainer's ``devices``). ``None`` shards over every rank. Each group's
+    reduce-scatter and all-gather stay inside it; across groups only an all-reduce of each rank's gradient
+    shard travels (``2P/k`` elements per rank per step for a group of ``k``, against ``2P`` for flat sharding),
+    and each rank holds the ZeRO formulas' state with ``N`` replaced by ``k``. Every stage; DeepSpeed's
+    ``mics_shard_size``. Not with ``pipeline_stages > 1``."""
+
+    secondary_shard_size: ShardSize = None
+    """Stage 3 only, ZeRO++ hpZ: after forward keep each layer's parameters sharded over groups of this many
+    consecutive ranks (``"node"``: a node) instead of freeing them, so backward's all-gather stays inside the
+    group. Costs that copy (``P/s`` parameters in the compute dtype between forward and backward). Must divide
+    the world size; not with ``shard_size``. DeepSpeed's ``zero_hpz_partition_size``."""
 
     bucket_size_mb: float = 25.0
     """Size of one gradient communication bucket (stages 1-2); larger buckets mean fewer, bigger collectives."""
@@ -221,6 +242,7 @@ class ZeroConfig:
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
         check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
         self._check_pipeline()
+        self._check_shard_sizes()
         check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
         if self.async_save and self.state_dict_type != "sharded":
             raise ZeroConfigError(
@@ -285,6 +307,63 @@ class ZeroConfig:
                 "layers); use 'sharded' (the default), whose directory loads into a run with or without pipelining, "
                 "and `lightning-zero consolidate` for one plain file."
             )
+
+    def _check_shard_sizes(self) -> None:
+        for setting in ("shard_size", "secondary_shard_size"):
+            value = getattr(self, setting)
+            if isinstance(value, str) and value.isdigit():  # "2" from a command line
+                object.__setattr__(self, setting, value := int(value))
+            if value is None or value == "node" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                continue
+            raise ZeroConfigError(f"`{setting}` must be None, 'node' or a number of ranks >= 1, got {value!r}.")
+        if self.secondary_shard_size is not None and self.stage != 3:
+            raise ZeroConfigError(
+                f"`secondary_shard_size={self.secondary_shard_size!r}` (hpZ) needs `stage=3` (got stage={self.stage}): "
+                "stages 1-2 keep whole parameters on every rank, so there is no parameter gather to keep in a node."
+            )
+        if self.secondary_shard_size is not None and self.shard_size is not None:
+            raise ZeroConfigError(
+                "`secondary_shard_size` (hpZ) and `shard_size` (hybrid sharding) cannot be combined: with a "
+                "`shard_size` group inside a node every gather already stays there. Choose one."
+            )
+        if self.shard_size is not None and self.pipeline_stages > 1:
+            raise ZeroConfigError(
+                f"`shard_size={self.shard_size!r}` is not supported with `pipeline_stages={self.pipeline_stages}`: "
+                "pipeline replicas already shard each stage over its data-parallel ranks. Use one of the two."
+            )
+
+    def group_sizes(self, world_size: int, node_size: int) -> tuple[int, int | None]:
+        """``(shard group size, hpZ group size or None)`` for a run of ``world_size`` ranks in nodes of
+        ``node_size``, or a :class:`ZeroConfigError` naming the setting; checked before any process group exists."""
+        shard = self._group_size("shard_size", self.shard_size, world_size, node_size) or world_size
+        secondary = self._group_size("secondary_shard_size", self.secondary_shard_size, world_size, node_size)
+        for setting, size in (("shard_size", shard), ("secondary_shard_size", secondary)):
+            if size == 1 and world_size > 1:
+                raise ZeroConfigError(
+                    f"`{setting}` comes to 1 rank (of {world_size}): nothing would be sharded. Use a group of >= 2 "
+                    "ranks, None (every rank), or Lightning's 'ddp' for plain replication."
+                )
+        return shard, secondary
+
+    @staticmethod
+    def _group_size(setting: str, value: ShardSize, world_size: int, node_size: int) -> int | None:
+        if value is None:
+            return None
+        if value == "node":
+            if node_size < 1 or world_size % node_size:
+                raise ZeroConfigError(
+                    f"`{setting}='node'` needs the same number of ranks on every node, but {world_size} ranks do not "
+                    f"split into nodes of {node_size} (uneven cluster); give a number of ranks instead."
+                )
+            return node_size
+        if value > world_size or world_size % value:
+            divisors = [d for d in range(2, world_size + 1) if world_size % d == 0]
+            relation = "is larger than" if value > world_size else "does not divide"
+            raise ZeroConfigError(
+                f"`{setting}={value}` {relation} the world size {world_size} (num_nodes x devices); choose one of "
+                f"{divisors}, 'node' or None."
+            )
+        return value
 
     @property
     def pipeline_virtual(self) -> int:

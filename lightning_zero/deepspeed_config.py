@@ -53,8 +53,11 @@ GATHER_16BIT_KEYS = (
     "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
 )
+#: Topology-aware sharding: MiCS groups and ZeRO++ hierarchical partitioning (hpZ).
+HYBRID_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zero_hpz_partition_size")
 ZERO_KEYS = frozenset(
-    {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "cpu_offload", *GATHER_16BIT_KEYS}
+    {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "cpu_offload",
+     *GATHER_16BIT_KEYS, *HYBRID_KEYS}
 )
 OFFLOAD_KEYS = frozenset({"device", "pin_memory"})
 OFFLOAD_TUNING_KEYS = frozenset({"buffer_count", "buffer_size", "fast_init", "max_in_cpu", "nvme_path", "pipeline_read", "pipeline_write"})
@@ -197,6 +200,34 @@ def _zero_section(zero: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(zero["overlap_comm"], bool):
             raise ZeroConfigError("DeepSpeed config: `zero_optimization.overlap_comm` must be true or false.")
         out["overlap_comm"] = zero["overlap_comm"]
+    out.update(_hybrid(zero))
+    return out
+
+
+def _hybrid(zero: Mapping[str, Any]) -> dict[str, Any]:
+    """``mics_shard_size`` -> ``shard_size`` (-1, DeepSpeed's default, is off); ``zero_hpz_partition_size`` ->
+    ``secondary_shard_size`` (1 is off). ``mics_hierarchical_params_gather`` makes DeepSpeed gather a group that
+    spans nodes in two hops; our gathers run over the shard group as one collective, which is the same traffic
+    when the group is a node (the case MiCS is made for), so the flag is accepted as a boolean and changes
+    nothing, and it needs ``mics_shard_size``."""
+    out: dict[str, Any] = {}
+    mics = _number("zero_optimization.mics_shard_size", zero.get("mics_shard_size", -1), int, allow_auto=False)
+    if mics != -1:
+        if mics < 1:
+            raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.mics_shard_size` must be -1 (off) or >= 1, got {mics}.")
+        out["shard_size"] = int(mics)
+    hierarchical = zero.get("mics_hierarchical_params_gather", False)
+    if not isinstance(hierarchical, bool):
+        raise ZeroConfigError("DeepSpeed config: `zero_optimization.mics_hierarchical_params_gather` must be true or false.")
+    if hierarchical and "shard_size" not in out:
+        raise ZeroConfigError(
+            "DeepSpeed config: `zero_optimization.mics_hierarchical_params_gather` needs `mics_shard_size`."
+        )
+    hpz = _number("zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size", 1), int, allow_auto=False)
+    if hpz < 1:
+        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.zero_hpz_partition_size` must be >= 1, got {hpz}.")
+    if hpz > 1:
+        out["secondary_shard_size"] = int(hpz)
     return out
 
 

@@ -12,6 +12,8 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
   since the previous log;
 * ``monitor/comm_MiB_per_step``: bytes the busiest rank's collectives moved in the logged step, as counted
   in :mod:`lightning_zero.engine.collectives` (so ZeroStrategy runs only);
+* ``monitor/comm_inter_node_MiB``: the part of it that went over process groups spanning several nodes
+  (with hybrid sharding, only the gradient shards' all-reduce across nodes);
 * ``monitor/loss_scale``: under fp16 with ``ZeroPrecision``, the dynamic loss scale.
 
 The per-rank figures are gathered to every rank with one small all-gather at each logging step, made
@@ -89,7 +91,7 @@ class ZeroMonitor(pl.Callback):
         self.last: dict[str, float] = {}
         self._window_open = False
         self._step_before = 0
-        self._comm_before = 0
+        self._comm_before = (0, 0)  # (bytes, inter-node bytes) counted when the step began
         self._interval_started: float | None = None  # tokens/s runs over every step since the last log
         self._interval_tokens = 0
         self._unit = "tokens"
@@ -108,7 +110,7 @@ class ZeroMonitor(pl.Callback):
         if not self._window_open:  # the first micro-batch of an optimizer step
             self._window_open = True
             self._step_before = trainer.global_step
-            self._comm_before = comm_stats().snapshot()["bytes"]
+            self._comm_before = _comm_bytes()
             self._state = None
         count, self._unit = count_tokens(batch)
         pipeline = getattr(trainer.strategy, "pipeline", None)
@@ -129,15 +131,15 @@ class ZeroMonitor(pl.Callback):
         if not self._logs_at(trainer, trainer.global_step):
             return
         device = trainer.strategy.root_device
-        comm = comm_stats().snapshot()["bytes"] - self._comm_before
+        comm, inter_node = (now - before for now, before in zip(_comm_bytes(), self._comm_before))
         seconds = _now(device) - (self._interval_started or 0.0)
         state = self._state or dict.fromkeys(("device", "host"), math.nan)  # e.g. a step without backward
         mine = torch.tensor(
             [state["device"] + state["host"], state["device"], state["host"], peak_memory_bytes(device), comm,
-             self._interval_tokens / max(seconds, 1e-9)],
+             self._interval_tokens / max(seconds, 1e-9), inter_node],
             dtype=torch.float64,
         )
-        ranks = _gather(mine, device)  # (world, 6)
+        ranks = _gather(mine, device)  # (world, 7)
         self._interval_started, self._interval_tokens = _now(device), 0
         metrics: dict[str, float] = {}
         offloaded = bool((ranks[:, 2] > 0).any())
@@ -149,6 +151,7 @@ class ZeroMonitor(pl.Callback):
             metrics[f"monitor/peak_MiB_rank{rank}"] = row[3] / MIB
         metrics["monitor/state_MiB_max"] = float(ranks[:, 0].max()) / MIB
         metrics["monitor/comm_MiB_per_step"] = float(ranks[:, 4].max()) / MIB
+        metrics["monitor/comm_inter_node_MiB"] = float(ranks[:, 6].max()) / MIB
         metrics[f"monitor/{self._unit}_per_s"] = float(ranks[:, 5].sum())
         scale = loss_scale(trainer.strategy.precision_plugin)
         if scale is not None:
@@ -163,6 +166,11 @@ class ZeroMonitor(pl.Callback):
                      "tok/s" if self._unit == "tokens" else "samples/s": f"monitor/{self._unit}_per_s"}
             for label, name in short.items():
                 pl_module.log(label, metrics[name], on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True)
+
+
+def _comm_bytes() -> tuple[int, int]:
+    counts = comm_stats().snapshot()
+    return counts["bytes"], counts["bytes_inter_node"]
 
 
 def loss_scale(plugin: Any) -> float | None:

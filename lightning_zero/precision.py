@@ -283,7 +283,7 @@ class ZeroPrecision(Precision):
         if self.finalize_gradients(optimizer):
             return  # the step is skipped on every rank anyway
         grads = self.engine.optimizer_shards(optimizer).local_gradients()
-        total = global_grad_norm(grads, device=self._device)
+        total = global_grad_norm(grads, device=self._device, group=self.engine.norm_group)
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
@@ -332,11 +332,12 @@ def as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
     return ZeroPrecision(name)
 
 
-def global_grad_norm(local_grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The 2-norm of the full gradient, from this rank's non-overlapping shards (one scalar all-reduce)."""
+def global_grad_norm(local_grads: list[torch.Tensor], device: torch.device, group=None) -> torch.Tensor:
+    """The 2-norm of the full gradient, from the non-overlapping shards of the ranks of ``group`` (one scalar
+    all-reduce)."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if local_grads:
         norms = torch._foreach_norm([g.float() for g in local_grads], 2.0)
         squares = squares + torch.stack([n.double() for n in norms]).pow(2).sum()
-    collectives.all_reduce(squares)
+    collectives.all_reduce(squares, group=group)
     return squares.sqrt().float()

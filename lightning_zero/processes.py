@@ -75,11 +75,20 @@ class ProcessGroupStrategy(ParallelStrategy):
         require(self.cluster_environment, "cluster_environment")
         if (config := self.zero_config).pipeline_stages > 1:  # before any process starts: devices x nodes must divide
             PipelineLayout(self.num_nodes * self.num_processes, config.pipeline_stages, config.pipeline_virtual)
+        config.group_sizes(self.cluster_world_size(), self.num_processes)  # shard_size / hpZ fit the cluster
         if config.start_method == "popen":
             # Under torchrun/SLURM too (it then starts nothing): it resolves `ckpt_path` (auto-resume, "last").
             self._launcher = ZeroScriptLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = ZeroMultiProcessingLauncher(self, start_method=config.start_method)
+
+    def cluster_world_size(self) -> int:
+        """The ranks of the run: ``num_nodes x devices``, or what an external launcher (torchrun, SLURM) says when
+        it started a different number (an uneven cluster, which ``shard_size="node"`` cannot split)."""
+        environment = self.cluster_environment
+        if environment is not None and environment.creates_processes_externally:
+            return environment.world_size()
+        return self.num_nodes * self.num_processes
 
     @override
     def setup_environment(self) -> None:
@@ -91,6 +100,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         # A slow start is not a hang: `timeout` applies once the loops run (see faults/timeouts.py).
         _init_dist_connection(self.cluster_environment, backend, timeout=long_timeout(self.zero_config.timeout))
         self._faults.start(self.zero_config, self.global_rank, self.world_size)
+        collectives.comm_stats().set_node_size(self.num_processes)  # intra- vs inter-node traffic
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

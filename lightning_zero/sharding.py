@@ -26,6 +26,7 @@ from lightning_zero.engine.layout import check_trainable
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import should_pin
 from lightning_zero.engine.state_dict import gather_full
+from lightning_zero.engine.topology import Topology, data_parallel_groups
 from lightning_zero.engine.zero_dp import ZeroDataParallel
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.pretrained import load_pretrained
@@ -86,6 +87,7 @@ def shard_model(
     fitting: bool,
     rank: int,
     world_size: int,
+    node_size: int,
     device: torch.device,
     move_to_device: Callable[[], None],
     sync_batchnorm: bool = False,
@@ -100,6 +102,8 @@ def shard_model(
     pipeline: PipelineParallel | None = None
     engine: ShardingEngine | None = None
     holding = Holding()
+    shard_size, secondary_shard_size = config.group_sizes(world_size, node_size)
+    groups = data_parallel_groups(Topology(world_size, node_size, shard_size), device.type)
     if config.stage == 3:
         engine = FullyShardedEngine(
             model,
@@ -109,19 +113,23 @@ def shard_model(
             offload_optimizer=fitting and config.offload_optimizer,
             offload_params=config.offload_params,
             pin_memory=pin,
+            groups=groups,
+            secondary_shard_size=secondary_shard_size,
         )
     else:
-        group, source, mesh = None, 0, None
+        # Data-parallel ranks (`replicas`, which start from the first one's weights and buffers) and the ranks
+        # each parameter's rows are spread over (`group`): all and all, or a pipeline stage's replicas, or hybrid.
+        replicas, source, group, mesh = None, 0, groups.shard_group, groups.shard_mesh
         if config.pipeline_stages > 1:
             if sync_batchnorm:
                 raise ZeroConfigError("`sync_batchnorm=True` is not supported with `pipeline_stages > 1`.")
             pipeline = PipelineParallel(model, config, rank, world_size, device)
             group, source, mesh, holding = pipeline.dp_group, pipeline.dp_source, pipeline.dp_mesh, pipeline.holding
+            replicas = group
         else:
             move_to_device()
-        # Every replica starts from the first one's weights and buffers.
         held = holding.held((*model.named_parameters(), *model.named_buffers()))
-        collectives.broadcast([t.data for t in held.values()], src=source, group=group)
+        collectives.broadcast([t.data for t in held.values()], src=source, group=replicas)
         if fitting:
             engine = ZeroDataParallel(
                 model,
@@ -133,6 +141,7 @@ def shard_model(
                 pin_memory=pin,
                 group=group,
                 mesh=mesh,
+                replicate_group=groups.replicate_group,
                 holding=holding,
             )
     if config.init_weights is not None:

@@ -28,7 +28,7 @@ from typing_extensions import override
 from lightning_zero.activation_checkpointing import resolve_policy
 from lightning_zero.checkpointing import CheckpointingStrategy, trainer_of, unwrap
 from lightning_zero.config import REGISTERED_STRATEGIES, ZeroConfig, ZeroConfigError
-from lightning_zero.config import ModulePolicy, PipelineSchedule, PipelineSplit, StartMethod, StateDictType
+from lightning_zero.config import ModulePolicy, PipelineSchedule, PipelineSplit, ShardSize, StartMethod, StateDictType
 from lightning_zero.deepspeed_config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
 from lightning_zero.deepspeed_trainer import apply_to_trainer, check_batch_sizes, optimizers_from_config, precision_plugin_for
 from lightning_zero.engine.api import ShardingEngine
@@ -64,6 +64,8 @@ class ZeroStrategy(CheckpointingStrategy):
         pipeline_schedule: PipelineSchedule = "1f1b",
         pipeline_split: PipelineSplit = "layers",
         pipeline_virtual_stages: int | None = None,
+        shard_size: ShardSize = None,
+        secondary_shard_size: ShardSize = None,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         reduce_every_microbatch: bool = False,
@@ -169,7 +171,8 @@ class ZeroStrategy(CheckpointingStrategy):
         self.model = precision.convert_module(self.model)
         self._sharded = shard_model(
             self.model, self.zero_config, policy=precision.policy(), checkpoint_policy=self.checkpoint_policy,
-            fitting=fitting, rank=self.global_rank, world_size=self.world_size, device=self.root_device,
+            fitting=fitting, rank=self.global_rank, world_size=self.world_size, node_size=self.num_processes,
+            device=self.root_device,
             move_to_device=self.model_to_device, sync_batchnorm=bool(self._layer_sync),
         )
         if fitting:

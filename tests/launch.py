@@ -30,8 +30,11 @@ class LaunchError(RuntimeError):
     pass
 
 
-def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: dict | None = None) -> dict:
+def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: dict | None = None, nodes: int = 1) -> dict:
     """Run ``python -m module args`` on ``nprocs`` ranks; return rank 0's JSON report.
+
+    ``nodes`` simulates that many nodes of ``nprocs / nodes`` consecutive ranks each (``NODE_RANK`` and
+    ``LOCAL_RANK`` as a multi-node launcher sets them; the worker sees it as ``LZ_NODES``).
 
     Raises :class:`LaunchError` with every rank's output if a rank fails or the run exceeds ``timeout``.
     """
@@ -40,6 +43,7 @@ def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: 
     port = free_port()
     procs = []
     logs = []
+    per_node = nprocs // nodes
     for rank in range(nprocs):
         rank_env = dict(
             os.environ,
@@ -47,8 +51,9 @@ def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: 
             MASTER_PORT=str(port),
             WORLD_SIZE=str(nprocs),
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
+            LOCAL_RANK=str(rank % per_node),
+            NODE_RANK=str(rank // per_node),
+            LZ_NODES=str(nodes),
             LZ_REPORT=str(report),
             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             OMP_NUM_THREADS="1",

@@ -56,7 +56,7 @@ def _as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tens
 def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: ShardingEngine | None) -> dict:
     hosted = hosted_tensors(optimizer, engine)
     shapes = {id(p): p.shape for p in module.parameters() if id(p) in hosted or isinstance(p, DTensor)}
-    return full_optimizer_state_dict(optimizer, hosted, shapes)
+    return full_optimizer_state_dict(optimizer, hosted, shapes, rows_group=engine.group if engine is not None else None)
 
 
 def trainable_rows(engine: ShardingEngine | None) -> dict[str, ShardRecord]:

@@ -48,11 +48,16 @@ def count_model_parameters(path: str | Path) -> int:
 def format_table(estimates: Sequence[Estimate], limit: float | None = None, host_limit: float | None = None) -> str:
     unit, scale = ("GiB", GIB) if max(e.device_bytes for e in estimates) >= GIB else ("MiB", 2**20)
     header = f"{'strategy':<26}{'stage':>5}  {'offload':<18}{'per_device_' + unit:>18}{'per_host_' + unit:>16}"
+    nodes = any(e.inter_node_elements for e in estimates)
+    if nodes:
+        header += f"{'inter_node_xP':>15}"
     if limit is not None:
         header += f"{'fits':>6}"
     lines = [header]
     for e in estimates:
         line = f"{e.choice.name:<26}{e.choice.stage:>5}  {e.choice.offload:<18}{e.device_bytes / scale:>18.2f}{e.host_bytes_per_node / scale:>16.2f}"
+        if nodes:
+            line += f"{e.inter_node_elements:>15.3g}"
         if limit is not None:
             line += f"{'yes' if e.fits(limit, host_limit) else 'no':>6}"
         lines.append(line)
@@ -100,6 +105,9 @@ def main(argv: Sequence[str]) -> int:
           f"= {world} rank(s), {args.precision}, Adam:")
     print(format_table(estimates, args.memory_per_device, args.memory_per_host))
     print("(parameters, gradients and optimizer state only: activations and temporary buffers come on top)")
+    if args.nodes > 1:
+        print("(inter_node_xP: elements each rank sends across nodes per step, in units of the parameter count; the *_hsdp\n"
+              " choices shard inside a node and replicate across nodes, zero3_hpz keeps a node-local parameter copy)")
     if args.plot:
         from lightning_zero.estimate_plot import plot_estimates
 

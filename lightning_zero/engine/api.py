@@ -127,6 +127,11 @@ class ShardingEngine(Protocol):
     """Those ranks (None: every rank)."""
     mesh: DeviceMesh
     """The same ranks as a 1-D mesh, for DTensor checkpoints."""
+    replicate_group: dist.ProcessGroup | None
+    """Hybrid sharding: the ranks holding the same rows as this one, one per shard group (None: no copies)."""
+    norm_group: dist.ProcessGroup | None
+    """Ranks whose gradient shards are disjoint and together cover every trainable parameter once: a global
+    norm sums its squares over these (None: every rank)."""
     holding: Holding
     """Which of the module's tensors this rank holds (all of them unless pipeline stages split the model)."""
     holds_masters: bool

@@ -5,17 +5,12 @@ and benchmarks can assert what a step communicates (``elements`` per kind) witho
 (stage 3) is routed through here too, via its custom all-gather / reduce-scatter hooks (``fsdp2_comm.py``);
 pipeline stages' point-to-point sends are counted by the pipeline as they happen (:func:`record_sent`).
 
-Counting convention: a reduce-scatter counts the elements of its (full) input, an all-gather the elements
-of its (full) output, an all-reduce and a broadcast the elements of their tensor. With that convention DDP's
-all-reduce of ``P`` gradients would count ``2P`` (reduce-scatter + all-gather), the ZeRO-1/2 step
-``P + P = 2P`` and a ZeRO-3 step ``3P`` (forward all-gather, backward all-gather, reduce-scatter).
+What is counted, and how groups are told apart as intra- or inter-node, is ``comm_stats.py``'s
+[Note: counting convention].
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-from collections import defaultdict
 from datetime import timedelta
 from collections.abc import Sequence
 
@@ -23,45 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from lightning_zero.engine.comm_stats import CommStats
 from lightning_zero.engine.flight import RECORDER as _FLIGHT
 
 ReduceOp = dist.ReduceOp
 #: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-
-@dataclasses.dataclass
-class CommStats:
-    """Calls, elements and bytes per collective kind, since the last :meth:`reset`."""
-
-    calls: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-    elements: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-    bytes: dict[str, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
-    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-    def record(self, kind: str, tensor: torch.Tensor) -> None:
-        with self._lock:
-            self.calls[kind] += 1
-            self.elements[kind] += tensor.numel()
-            self.bytes[kind] += tensor.numel() * tensor.element_size()
-
-    def reset(self) -> None:
-        with self._lock:
-            self.calls.clear()
-            self.elements.clear()
-            self.bytes.clear()
-
-    def snapshot(self) -> dict:
-        """A plain dict: per-kind counts plus ``"elements"`` and ``"bytes"`` totals."""
-        with self._lock:
-            return {
-                "calls": dict(self.calls),
-                "elements_by_kind": dict(self.elements),
-                "bytes_by_kind": dict(self.bytes),
-                "elements": sum(self.elements.values()),
-                "bytes": sum(self.bytes.values()),
-            }
 
 
 _STATS = CommStats()
@@ -78,6 +41,19 @@ def set_wait_timeout(timeout: timedelta | None) -> None:
 def comm_stats() -> CommStats:
     """This process's communication counters."""
     return _STATS
+
+
+def _count(kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, times: int = 1) -> None:
+    _STATS.record(kind, tensor, group_ranks(group), times)
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: every rank), in group order."""
+    if not is_distributed():
+        return (0,)
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def is_distributed() -> bool:
@@ -100,7 +76,7 @@ def reduce_scatter(
         output.copy_(input)
         return None
     number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)  # see engine/flight.py
-    _STATS.record("reduce_scatter", input)
+    _count("reduce_scatter", input, group)
     with record_function("lightning_zero::reduce_scatter"):
         if _use_ring(group):
             work = _RingReduceScatter(output, input, group, number)
@@ -117,7 +93,7 @@ def all_gather(
         output.copy_(input)
         return None
     number = _FLIGHT.issue("all_gather", output.numel(), output.dtype)
-    _STATS.record("all_gather", output)
+    _count("all_gather", output, group)
     with record_function("lightning_zero::all_gather"):
         staging = _staging_device(output, group)
         if staging is not None:  # host tensors (offloaded state) over a device-only backend
@@ -240,7 +216,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.Pr
     if world_size(group) == 1:
         return tensor
     number = _FLIGHT.issue("all_reduce", tensor.numel(), tensor.dtype)
-    _STATS.record("all_reduce", tensor)
+    _count("all_reduce", tensor, group, times=2)
     with record_function("lightning_zero::all_reduce"):
         staging = _staging_device(tensor, group)
         _FLIGHT.wait(number, "all_reduce")
@@ -270,7 +246,7 @@ def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.Process
     with record_function("lightning_zero::broadcast"):
         works = []
         for tensor in tensors:
-            _STATS.record("broadcast", tensor)
+            _count("broadcast", tensor, group)
             works.append(dist.broadcast(tensor, src=src, group=group, async_op=True))
         _FLIGHT.wait(number, "broadcast")
         for work in works:
@@ -331,7 +307,7 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 def reduce_scatter_op(output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group=None, async_op: bool = False):
     """A reduce-scatter with any op, by the backend itself (FSDP2's fp16 pre/post-divide and async paths)."""
     number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)
-    _STATS.record("reduce_scatter", input)
+    _count("reduce_scatter", input, group)
     with record_function("lightning_zero::reduce_scatter"):
         if async_op:
             return _reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
@@ -344,7 +320,7 @@ def reduce_scatter_op(output: torch.Tensor, input: torch.Tensor, op: ReduceOp, g
 def record_sent(tensor: torch.Tensor) -> None:
     """Count a point-to-point send another library issues (pipeline stages' activations and their gradients,
     sent by ``torch.distributed.pipelining``), as ``"send"``: what this rank puts on the wire."""
-    _STATS.record("send", tensor)
+    _count("send", tensor, None)
 
 
 def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.ReduceOp, bool]:
@@ -359,7 +335,7 @@ def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.Red
     return reduce_op, False
 
 
-def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]):
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None):
     """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective:
     every rank builds the same mesh at the same point."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -20,6 +20,15 @@ land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py`
 with an fp32 policy. Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
 operation, exactly as in stages 1 and 2, so the three stages compute the same thing.
 
+[Note: stage 3 hybrid sharding and hpZ]
+Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced
+gradient shard across the replica group in FSDP2's all-reduce hook (:class:`SumOverReplicas`, counted like
+every collective), with both collectives summing and one divide by the number of ranks. It is what FSDP2's
+2-D mesh HSDP computes, but FSDP2 issues that all-reduce itself, uncounted. hpZ is FSDP2's
+``reshard_after_forward=s``: after forward each unit stays sharded over ``s`` consecutive ranks, so backward's
+all-gather runs inside that group; the root unit stays gathered until backward (FSDP2's own default for the
+root), so nothing is gathered across nodes in backward.
+
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
 precision), their gradients and therefore the optimizer state live in host memory; each unit's shards are
@@ -49,6 +58,7 @@ from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units
 from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
+from lightning_zero.engine.topology import DataParallelGroups
 from lightning_zero.engine.optimizers import check_elementwise, hosted_params, shards_of
 
 
@@ -70,9 +80,6 @@ class FullyShardedEngine:
     holds_masters = False
     #: Pipeline stages run over stages 1-2 only: a stage-3 rank holds (its rows of) every tensor.
     holding = Holding()
-    #: Every rank (hybrid sharding will narrow this).
-    group = None
-
     def __init__(
         self,
         module: nn.Module,
@@ -83,13 +90,22 @@ class FullyShardedEngine:
         offload_optimizer: bool = False,
         offload_params: bool = False,
         pin_memory: bool = False,
+        groups: DataParallelGroups | None = None,
+        secondary_shard_size: int | None = None,
     ) -> None:
         self.module = module
         self.params_on_host = offload_params
         self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
-        self.world_size = collectives.world_size()
-        self.rank = collectives.rank()
-        self.mesh = init_device_mesh(device.type, (self.world_size,))
+        hybrid = groups is not None and groups.replicas > 1
+        #: See [Note: stage 3 hybrid sharding and hpZ].
+        self.group = groups.shard_group if hybrid else None
+        self.replicate_group = groups.replicate_group if hybrid else None
+        self.norm_group = self.group
+        self.world_size = collectives.world_size(self.group)
+        self.rank = collectives.rank(self.group)
+        self.mesh = groups.shard_mesh if hybrid else init_device_mesh(device.type, (self.world_size,))
+        self._reshard_after_forward = secondary_shard_size or True
+        self._ranks = collectives.world_size()
         self.policy = policy
         units = select_units(module, wrap_policy)
         chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
@@ -121,15 +137,22 @@ class FullyShardedEngine:
     def _shard(self, module: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             return
+        # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does (it is needed again
+        # first thing in backward); with an explicit group size FSDP2 would re-gather it over every rank.
+        hpz_root = module is self.module and self._reshard_after_forward is not True
         fully_shard(
             module,
             mesh=self.mesh,
-            reshard_after_forward=True,
+            reshard_after_forward=False if hpz_root else self._reshard_after_forward,
             mp_policy=self._mp_policy(module),
             offload_policy=self._offload_policy,
         )
         module.set_custom_all_gather(CountingAllGather())
         module.set_custom_reduce_scatter(CountingReduceScatter())
+        if self.replicate_group is not None:
+            module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
+            module.set_gradient_divide_factor(float(self._ranks))
+            module.set_all_reduce_hook(SumOverReplicas(self.replicate_group))
 
     def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
         """See [Note: stage 3 mixed precision]."""
@@ -219,7 +242,7 @@ class FullyShardedEngine:
         return self._records
 
     def _record(self, name: str, param: torch.Tensor) -> ShardRecord:
-        return ShardRecord(name, param, param.shape, None, _rows=lambda: _local(param), _grad=lambda: _local_grad(param))
+        return ShardRecord(name, param, param.shape, self.group, _rows=lambda: _local(param), _grad=lambda: _local_grad(param))
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
         if self.masters is not None:
@@ -302,7 +325,16 @@ class FullyShardedOptimizer:
             yield
 
     def step(self, **kwargs) -> object:
-        """See [Note: stage 3 offload]."""
+        """See [Note: stage 3 hybrid sharding and hpZ]
+Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced
+gradient shard across the replica group in FSDP2's all-reduce hook (:class:`SumOverReplicas`, counted like
+every collective), with both collectives summing and one divide by the number of ranks. It is what FSDP2's
+2-D mesh HSDP computes, but FSDP2 issues that all-reduce itself, uncounted. hpZ is FSDP2's
+``reshard_after_forward=s``: after forward each unit stays sharded over ``s`` consecutive ranks, so backward's
+all-gather runs inside that group; the root unit stays gathered until backward (FSDP2's own default for the
+root), so nothing is gathered across nodes in backward.
+
+[Note: stage 3 offload]."""
         engine = self.engine
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), host_kernel(self.optimizer, enabled=on_host):
@@ -325,6 +357,16 @@ class FullyShardedOptimizer:
     def local_gradients(self) -> list[torch.Tensor]:
         grads = (_local_grad(p) for p in self._params())
         return [g for g in grads if g is not None]
+
+
+class SumOverReplicas:
+    """FSDP2's all-reduce hook: sum a unit's reduced gradient shard over the ranks holding the same rows."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, reduced: torch.Tensor) -> None:
+        collectives.all_reduce(reduced, group=self.group)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

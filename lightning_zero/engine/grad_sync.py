@@ -13,6 +13,12 @@ Stage 1 keeps the full ``p.grad`` (its own chunk holds the reduced gradient); st
 into the bucket, drops ``p.grad`` and receives the reduced shard into a flat per-bucket storage, so full
 gradients never outlive the bucket they are reduced in.
 
+Under hybrid sharding (``replicate_group``, see ``topology.py``) the held sums are the shard group's;
+:meth:`GradientReducer.finalize` all-reduces them across the replica group once per step (one flat collective
+per dtype) before averaging over all ranks. Reducing there rather than as each bucket lands keeps several
+synchronising backwards exact: stage 1's own chunk holds a sum that autograd then adds to, which a per-backward
+all-reduce would count once per replica.
+
 Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype (the communication buffer
 may be wider, ``reduce_dtype``), and :meth:`GradientReducer.finalize` produces fresh fp32 gradients for the
 master shards: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values to zero. With
@@ -99,6 +105,7 @@ class GradientReducer:
         master_dtype: torch.dtype | None = None,
         host_gradients: MasterShards | None = None,
         group=None,
+        replicate_group=None,
     ) -> None:
         self.params = list(params)
         self.layout = layout
@@ -107,6 +114,9 @@ class GradientReducer:
         self.shard_gradients = shard_gradients
         self.overlap_comm = overlap_comm
         self.group = group
+        #: Hybrid sharding: the ranks holding the same rows as this one (None: no copies).
+        self.replicate_group = replicate_group
+        self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
         self.require_sync = True
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._ready = [0] * len(layout.buckets)
@@ -248,6 +258,8 @@ class GradientReducer:
         instead of decaying it with a zero gradient); one used on any rank has the reduced gradient."""
         used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
         collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.group)
+        if self.replicas > 1:
+            collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.replicate_group)
         for i in torch.nonzero(used == 0).flatten().tolist():
             record = self.records[i]
             if record.state is GradState.REDUCED:
@@ -288,12 +300,13 @@ class GradientReducer:
         if self._inflight or any(self._ready):
             # A backward ran outside ``strategy.backward`` (e.g. a bare ``loss.backward()``): land it now.
             self.flush()
+        pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
+        held_by_index = {i: self.local_grad(i) for i in pending}
+        if self.replicas > 1:
+            _sum_over(self.replicate_group, [g for g in held_by_index.values() if g is not None])
         grads = []
-        for i in indices:
+        for i, held in held_by_index.items():
             record = self.records[i]
-            if record.state is GradState.FINALIZED:
-                continue
-            held = self.local_grad(i)
             record.state = GradState.FINALIZED
             if held is None:
                 continue
@@ -306,7 +319,7 @@ class GradientReducer:
         if self.host_gradients is not None:
             self.host_gradients.gradients_ready()
         if grads:
-            torch._foreach_mul_(grads, scale / self.world_size)
+            torch._foreach_mul_(grads, scale / (self.world_size * self.replicas))
 
     def consume(self, indices: Iterable[int]) -> None:
         """The optimizer step used (or skipped) these gradients: clear them for the next window."""
@@ -330,6 +343,17 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _sum_over(group, tensors: list[torch.Tensor]) -> None:
+    """Sum ``tensors`` in place over ``group``: one flat all-reduce per dtype (every rank passes the same shapes)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        collectives.all_reduce(flat, group=group)
+        torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in same]), same)])
 
 
 def _comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:

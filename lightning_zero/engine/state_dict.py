@@ -33,8 +33,12 @@ def gather_full(local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], g
     return out[: math.prod(full_shape)].view(full_shape)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _gather(value: torch.Tensor, shape: torch.Size, group=None) -> torch.Tensor:
+    """A sharded tensor whole: a DTensor over its own mesh's ranks (a hybrid run's shard group), rows over
+    ``group``."""
+    if isinstance(value, DTensor):
+        return gather_full(value.to_local(), shape, group=value.device_mesh.get_group())
+    return gather_full(value, shape, group=group)
 
 
 def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -44,7 +48,7 @@ def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[st
     out: dict[str, torch.Tensor] = {}
     for name, value in module.state_dict().items():
         if isinstance(value, DTensor):
-            value = gather_full(value.to_local(), value.shape)
+            value = _gather(value, value.shape)
         if keep and isinstance(value, torch.Tensor):
             out[name] = value.detach().to("cpu", copy=True)
         elif keep:
@@ -53,12 +57,14 @@ def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[st
 
 
 def full_optimizer_state_dict(
-    optimizer: Optimizer, hosted: Mapping[int, torch.Tensor], full_shapes: Mapping[int, torch.Size], rank0_only: bool = True
+    optimizer: Optimizer, hosted: Mapping[int, torch.Tensor], full_shapes: Mapping[int, torch.Size], rank0_only: bool = True,
+    rows_group=None,
 ) -> dict:
     """``optimizer.state_dict()`` as an unsharded optimizer would return it. Collective.
 
     ``hosted`` maps ``id(param)`` to the tensor the optimizer keys that parameter's state by (its shard view
-    in stages 1-2, the DTensor itself in stage 3); ``full_shapes`` maps ``id(param)`` to the full shape.
+    in stages 1-2, the DTensor itself in stage 3); ``full_shapes`` maps ``id(param)`` to the full shape;
+    ``rows_group`` holds the rows of the hosted tensors (None: every rank).
     """
     keep = not rank0_only or collectives.rank() == 0
     state: dict[int, dict] = {}
@@ -74,7 +80,7 @@ def full_optimizer_state_dict(
                 full_entry = {}
                 for name, value in entry.items():
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and id(param) in full_shapes:
-                        value = gather_full(_local(value), shape)
+                        value = _gather(value, shape, rows_group)
                     if keep:
                         full_entry[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
                 state[index] = full_entry

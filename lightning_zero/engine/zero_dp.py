@@ -48,6 +48,7 @@ class ZeroDataParallel:
         pin_memory: bool = False,
         group=None,
         mesh=None,
+        replicate_group=None,
         holding: Holding = Holding(),
     ) -> None:
         if stage not in (1, 2):
@@ -56,6 +57,8 @@ class ZeroDataParallel:
         self.stage = stage
         self.group = group
         self._mesh = mesh  # see `mesh`
+        #: Hybrid sharding: the ranks holding this rank's rows too (see ``topology.py``); None: no copies.
+        self.replicate_group = replicate_group
         #: Another pipeline stage's parameters: this rank neither holds nor steps them.
         self.holding = holding
         held = holding.held(module.named_parameters())
@@ -100,6 +103,7 @@ class ZeroDataParallel:
             master_dtype=policy.master_dtype if policy is not None else None,
             host_gradients=self.masters if offload_optimizer else None,
             group=group,
+            replicate_group=replicate_group,
         )
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self._records = [self._record(i) for i in range(len(self.params))]
@@ -111,6 +115,12 @@ class ZeroDataParallel:
         if self._mesh is None:
             self._mesh = init_device_mesh(self.device_type, (self.world_size,))
         return self._mesh
+
+    @property
+    def norm_group(self):
+        """Under hybrid sharding the shard group covers every row once; otherwise every rank does (pipeline
+        stages hold disjoint layers, their replicas disjoint rows)."""
+        return self.group if self.replicate_group is not None else None
 
     @property
     def holds_masters(self) -> bool:

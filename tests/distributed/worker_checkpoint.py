@@ -84,13 +84,14 @@ class RestoredProbe(L.Callback):
         self.optim = state_dicts.full_optimizer_state(trainer.optimizers[0], pl_module, trainer.strategy.engine)
 
 
-def save_for_other_world(directory: Path) -> dict:
-    """2 ranks, stage 2: a sharded directory and a full file, plus the full state they hold."""
+def save_for_other_world(directory: Path, **strategy_kwargs) -> dict:
+    """Stage 2 (``strategy_kwargs``: more settings): a sharded directory and a full file, plus the full state
+    they hold."""
     L.seed_everything(7)
-    t = trainer(ZeroStrategy(stage=2), max_steps=3, **COMMON)
+    t = trainer(ZeroStrategy(stage=2, **strategy_kwargs), max_steps=3, **COMMON)
     t.fit(models.Regression(), models.loader(DATA, 4))
     t.save_checkpoint(directory / "sharded")
-    t.strategy.zero_config = ZeroStrategy(stage=2, state_dict_type="full").zero_config
+    t.strategy.zero_config = ZeroStrategy(stage=2, state_dict_type="full", **strategy_kwargs).zero_config
     t.save_checkpoint(directory / "full.ckpt")
     params, optim = final_state(t)
     if RANK == 0:
@@ -98,14 +99,15 @@ def save_for_other_world(directory: Path) -> dict:
     return {}
 
 
-def resume_in_other_world(directory: Path) -> dict:
-    """Whatever this world size is: resume both formats at stage 3 and compare with what was saved."""
+def resume_in_other_world(directory: Path, **strategy_kwargs) -> dict:
+    """Whatever this world size is: resume both formats at stage 3 (``strategy_kwargs``: more settings) and
+    compare with what was saved."""
     expected = torch.load(directory / "expected.pt", weights_only=True)
     out = {"world": WORLD}
     for name in ("sharded", "full.ckpt"):
         probe = RestoredProbe()
         L.seed_everything(7)
-        t = trainer(ZeroStrategy(stage=3), max_steps=5, callbacks=[probe], **COMMON)
+        t = trainer(ZeroStrategy(stage=3, **strategy_kwargs), max_steps=5, callbacks=[probe], **COMMON)
         t.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=str(directory / name))
         if RANK == 0:
             out[name] = {

@@ -22,12 +22,14 @@ from tests.launch import run_cases
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
+NODES = int(os.environ.get("LZ_NODES", "1"))  # simulated nodes (tests/launch.py `nodes=`)
 
 
 def trainer(strategy, **kwargs) -> L.Trainer:
     defaults = dict(
         accelerator="cpu",
-        devices=WORLD,
+        devices=WORLD // NODES,
+        num_nodes=NODES,
         strategy=strategy,
         logger=False,
         enable_checkpointing=False,

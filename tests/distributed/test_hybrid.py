@@ -1,0 +1,152 @@
+"""Hybrid sharding (shard inside a node, replicate across nodes) and hpZ on 4 CPU ranks through lightning.Trainer:
+2 simulated nodes of 2 ranks (``num_nodes=2, devices=2``, ``shard_size="node"``) and one node of 4
+(``devices=4, shard_size=2``), against plain single-process PyTorch, the ZeRO formulas with ``N -> k`` and the
+traffic formulas counted per process group.
+"""
+
+import pytest
+
+from tests.launch import launch
+
+WORLD, K = 4, 2
+pytestmark = pytest.mark.slow
+
+# Per-rank model-state bytes right after backward, fp32 AdamW, with N ranks replaced by the shard group's k.
+FORMULAS = {1: lambda p, k: 8 * p + 8 * p / k, 2: lambda p, k: 4 * p + 12 * p / k, 3: lambda p, k: 16 * p / k}
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hybrid")
+    env = {"LZ_SHARED_DIR": str(directory)}
+    one = launch("tests.distributed.worker_hybrid", "save_flat", nprocs=1, env=env)
+    four = launch(
+        "tests.distributed.worker_hybrid",
+        "exact", "costs", "checkpoints", "directory_bytes", "resume_flat_save", "save_hybrid",
+        nprocs=WORLD, nodes=2, env=env,
+    )
+    back = launch("tests.distributed.worker_hybrid", "resume_hybrid_save", nprocs=1, env=env)
+    return {**one, **four, **back}
+
+
+@pytest.fixture(scope="module")
+def one_node():
+    return launch("tests.distributed.worker_hybrid", "exact_one_node", nprocs=WORLD, nodes=1)
+
+
+def _check_exact(result):
+    assert result["steps"] == 4 and result["grad_steps"] == 4
+    assert result["param_change"] > 1e-3, "the reference must actually train"
+    assert result["grad_diff"] <= 1e-5
+    assert result["param_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage3_hpz", "stage2_unused_parameter"])
+def test_two_nodes_match_plain_pytorch(nodes, case):
+    """shard_size="node" (hpZ: secondary_shard_size="node"), accumulation 2, clipping by norm 0.5, 2 param
+    groups and StepLR: the parameters and gradients of single-process PyTorch."""
+    _check_exact(nodes["exact"][case])
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3"])
+def test_one_node_of_four_with_shard_size_two_matches_plain_pytorch(one_node, case):
+    _check_exact(one_node["exact_one_node"][case])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["stage1_no_overlap", "stage2_reduce_every_microbatch", "stage3_unused_parameter"])
+def test_more_hybrid_configurations_match_plain_pytorch(case):
+    _check_exact(launch("tests.distributed.worker_hybrid", "exact_full", nprocs=WORLD, nodes=2)["exact_full"][case])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_state_bytes_follow_the_formulas_with_the_shard_size(nodes, stage):
+    result = nodes["costs"][f"memory_stage{stage}"]
+    assert result["shard_size"] == K
+    assert result["bytes"] == pytest.approx(FORMULAS[stage](result["params"], K), rel=0.02)
+
+
+def test_hpz_holds_a_node_local_parameter_copy_between_forward_and_backward(nodes):
+    """After backward hpZ holds what flat ZeRO-3 holds; between forward and backward it adds 4P/s (fp32, s=2)."""
+    flat, hpz = nodes["costs"]["memory_stage3_flat"], nodes["costs"]["memory_stage3_hpz"]
+    params = flat["params"]
+    assert hpz["bytes"] == pytest.approx(FORMULAS[3](params, WORLD), rel=0.02)
+    assert hpz["after_forward"] - flat["after_forward"] == pytest.approx(4 * params / K, rel=0.02)
+
+
+def _traffic(result):
+    micro = result["micro"][-1]  # the last micro-batch: its backward reduces, its step gathers
+    inter = {k: v for g in micro["by_group"].values() if g["inter_node"] for k, v in g["elements_by_kind"].items()}
+    intra = {k: v for g in micro["by_group"].values() if not g["inter_node"] for k, v in g["elements_by_kind"].items()}
+    return micro, inter, intra
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_1_2_traffic_per_group(nodes, stage):
+    """Inside a node: reduce-scatter P and all-gather P (and the used-parameter flags); across nodes only the
+    all-reduce of this rank's gradient shard, 2P/k, plus the flags: against 2P for flat sharding."""
+    result = nodes["costs"][f"comm_stage{stage}"]
+    p, shard, flags = result["params"], result["shard_numel"], result["tensors"]
+    assert shard * K == p  # the test model's rows split evenly
+    micro, inter, intra = _traffic(result)
+    assert intra == {"reduce_scatter": p, "all_gather": p, "all_reduce": 2 * flags}
+    assert inter == {"all_reduce": 2 * shard + 2 * flags}
+    assert micro["elements_inter_node"] == 2 * p // K + 2 * flags
+    flat_micro, flat_inter, flat_intra = _traffic(nodes["costs"]["comm_stage2_flat"])
+    assert flat_intra == {} and flat_inter == {"reduce_scatter": p, "all_gather": p, "all_reduce": 2 * flags}
+    # ZeroMonitor logs the same split (fp32: 4 bytes an element)
+    assert result["monitor_inter_node_MiB"] * 2**20 == micro["bytes_inter_node"] == 4 * (2 * p // K + 2 * flags)
+    assert result["monitor_MiB"] * 2**20 == micro["bytes"]
+
+
+def test_stage_3_traffic_per_group(nodes):
+    """Inside a node: all-gathers in forward and backward (2P) and the reduce-scatter (P); across nodes the
+    shard all-reduce, 2P/k."""
+    result = nodes["costs"]["comm_stage3"]
+    p = result["params"]
+    _, inter, intra = _traffic(result)
+    assert intra == {"all_gather": 2 * p, "reduce_scatter": p}
+    assert inter == {"all_reduce": 2 * p // K}
+
+
+def test_hpz_backward_gather_stays_inside_the_node(nodes):
+    """hpZ over 2 nodes: forward's all-gather and the reduce-scatter cross nodes (P each); backward's
+    all-gather runs inside the node (P)."""
+    _, inter, intra = _traffic(nodes["costs"]["comm_stage3_hpz"])
+    p = nodes["costs"]["comm_stage3_hpz"]["params"]
+    assert inter == {"all_gather": p, "reduce_scatter": p}
+    assert intra == {"all_gather": p}
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        "2{'shard_size': 'node'}->3{}",
+        "1{}->3{'shard_size': 'node'}",
+        "3{'shard_size': 'node'}->1{'shard_size': 'node'}",
+        "3{'secondary_shard_size': 2}->2{'shard_size': 2}",
+    ],
+)
+def test_checkpoints_resume_exactly_across_hybrid_flat_shard_sizes_and_stages(nodes, pair):
+    """1 epoch with ModelCheckpoint (sharded), a new Trainer resumes at another stage / sharding for epoch 2."""
+    result = nodes["checkpoints"][pair]
+    assert result["steps"] == 4
+    assert result["param_diff"] <= 1e-6
+    assert result["optim_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["sharded", "full.ckpt"])
+def test_checkpoints_cross_world_sizes_both_ways(nodes, name):
+    """One process saves, 4 hybrid ranks resume; 4 hybrid ranks save, one process resumes."""
+    for case in ("resume_flat_save", "resume_hybrid_save"):
+        result = nodes[case][name]
+        assert result["param_diff"] == 0.0 and result["optim_diff"] == 0.0
+        assert result["steps"] == 5
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_checkpoint_writes_each_row_once(nodes, stage):
+    """DCP keeps one copy of rows the replica groups share: the hybrid directory is no larger than the flat one,
+    whose ranks hold disjoint rows (2 copies would double the ~150 KB of weights and AdamW state)."""
+    sizes = nodes["directory_bytes"]
+    assert sizes[f"hybrid{stage}"] <= sizes[f"flat{stage}"]
