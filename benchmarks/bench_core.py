@@ -200,14 +200,17 @@ _NODES = 1
 
 
 def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-true", shard_size: int = 2) -> int:
-    """Per-rank collective volume per step, in collectives.py's convention (module docstring)."""
+    """Per-rank collective volume per step, in collectives.py's convention (module docstring); ``shard_size``:
+    the ranks of a node, fsdp2_hsdp's shard group."""
     P = count_parameters(config)
-    if system == "fsdp2_hsdp":  # FSDP2's own traffic plus the all-reduce of each rank's P/k shard
-        return analytic_comm_bytes("fsdp2", config, precision) + (2 if precision == "bf16-mixed" else 4) * 2 * P // shard_size
-    system = system.partition("+")[0]  # activation checkpointing recomputes, it does not communicate more
+    width = 2 if precision == "bf16-mixed" else 4  # ZeRO and FSDP2 gather and reduce in bf16
+    base, _, variant = system.partition("+")
+    if system == "fsdp2_hsdp" or variant.startswith("hsdp"):  # flat traffic plus the all-reduce of each P/k shard
+        k = VARIANTS[variant]["shard_size"] if variant else shard_size
+        return analytic_comm_bytes("fsdp2" if system == "fsdp2_hsdp" else base, config, precision) + width * 2 * P // k
+    system = base  # activation checkpointing recomputes and hpZ gathers elsewhere: neither communicates more
     if system == "ddp":
         return 8 * P  # one all-reduce of all (fp32, also under autocast) grads = reduce-scatter + all-gather
-    width = 2 if precision == "bf16-mixed" else 4  # ZeRO and FSDP2 gather and reduce in bf16
     if system in ("zero1", "zero2"):
         return 2 * width * P  # reduce-scatter grads + all-gather updated params
     if system == "zero3":
@@ -396,9 +399,8 @@ class BenchCallback(L.Callback):
         nodes; for HSDP only the shard all-reduce."""
         if _NODES == 1:
             return 0.0
-        width = 2 if self.precision == "bf16-mixed" else 4
         if self.system == "fsdp2_hsdp":
-            return width * 2 * P / (N // _NODES)
+            return (2 if self.precision == "bf16-mixed" else 4) * 2 * P / (N // _NODES)
         return analytic_comm_bytes(self.system, self.config, self.precision)
 
     def summarise(self, ranks: list[dict[str, Any]], N: int) -> dict[str, Any]:
@@ -416,6 +418,7 @@ class BenchCallback(L.Callback):
             formula = formula_device + formula_host
         measured_comm = [r["comm_bytes_per_step"] for r in ranks if r["comm_bytes_per_step"] is not None]
         measured_inter = [r["comm_inter_node_bytes_per_step"] for r in ranks if r["comm_inter_node_bytes_per_step"] is not None]
+        analytic_comm = analytic_comm_bytes(self.system, self.config, self.precision, shard_size=N // _NODES)
         return {
             "system": self.system,
             "precision": self.precision,
@@ -437,13 +440,11 @@ class BenchCallback(L.Callback):
             "formula_host_bytes": formula_host,
             "peak_rss_mb": max(r["peak_rss_mb"] for r in ranks),
             "saved_activation_mb": max((r["saved_activation_bytes"] or 0) for r in ranks) / 1e6,
-            "comm_bytes_per_step": max(measured_comm)
-            if measured_comm
-            else analytic_comm_bytes(self.system, self.config, self.precision),
+            "comm_bytes_per_step": max(measured_comm) if measured_comm else analytic_comm,
             "comm_source": "measured" if measured_comm else "analytic",
             "comm_inter_node_bytes_per_step": max(measured_inter) if measured_inter else self._analytic_inter(P, N),
             "nodes": _NODES,
-            "comm_analytic_bytes_per_step": analytic_comm_bytes(self.system, self.config, self.precision),
+            "comm_analytic_bytes_per_step": analytic_comm,
             "monitor": ranks[0]["monitor"],
             "per_rank": ranks,
             "torch": torch.__version__,
@@ -566,7 +567,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     cols = [
         "system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
-        "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step", "inter_node_MB/step",
+        "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step", "intra_node_MB/step", "inter_node_MB/step",
     ]
     rows = []
     for r in results:
@@ -584,6 +585,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
             f"{r['peak_rss_mb']:.0f}",
             f"{r.get('saved_activation_mb', 0):.0f}",
             comm,
+            f"{(r['comm_bytes_per_step'] - r.get('comm_inter_node_bytes_per_step', 0)) / 1e6:.1f}",
             f"{r.get('comm_inter_node_bytes_per_step', 0) / 1e6:.1f}" + (" (analytic)" if r["comm_source"] == "analytic" and r.get("nodes", 1) > 1 else ""),
         ])
     rows += [[name, "FAILED"] + [""] * (len(cols) - 2) for name in failed]

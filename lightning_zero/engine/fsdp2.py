@@ -22,12 +22,22 @@ operation, exactly as in stages 1 and 2, so the three stages compute the same th
 
 [Note: stage 3 hybrid sharding and hpZ]
 Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced
-gradient shard across the replica group in FSDP2's all-reduce hook (:class:`SumOverReplicas`, counted like
+gradient shard across the replica group in FSDP2's all-reduce hook (``fsdp2_comm.SumOverReplicas``, counted like
 every collective), with both collectives summing and one divide by the number of ranks. It is what FSDP2's
 2-D mesh HSDP computes, but FSDP2 issues that all-reduce itself, uncounted. hpZ is FSDP2's
 ``reshard_after_forward=s``: after forward each unit stays sharded over ``s`` consecutive ranks, so backward's
-all-gather runs inside that group; the root unit stays gathered until backward (FSDP2's own default for the
-root), so nothing is gathered across nodes in backward.
+all-gather runs inside that group.
+
+[Note: hpZ and the root]
+The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
+root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
+nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
+whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ
+therefore moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units)
+into units of their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose
+forward runs once; measured on the demo GPT over 2 simulated nodes, this took backward's inter-node gather
+from 0.4P (the root's share) to 0. The root keeps only what it holds itself, and stays gathered until
+backward when its forward is not nested (FSDP2's default for the root).
 
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
@@ -53,8 +63,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import Holding, ShardRecord
-from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter
-from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units
+from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter, SumOverReplicas
+from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units, units_below_the_root
 from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
@@ -80,6 +90,7 @@ class FullyShardedEngine:
     holds_masters = False
     #: Pipeline stages run over stages 1-2 only: a stage-3 rank holds (its rows of) every tensor.
     holding = Holding()
+
     def __init__(
         self,
         module: nn.Module,
@@ -105,9 +116,11 @@ class FullyShardedEngine:
         self.rank = collectives.rank(self.group)
         self.mesh = groups.shard_mesh if hybrid else init_device_mesh(device.type, (self.world_size,))
         self._reshard_after_forward = secondary_shard_size or True
-        self._ranks = collectives.world_size()
+        self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
         self.policy = policy
         units = select_units(module, wrap_policy)
+        if secondary_shard_size:  # see [Note: hpZ and the root]
+            units = [*units, *units_below_the_root(module, units)]
         chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
         self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
         self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}
@@ -137,8 +150,8 @@ class FullyShardedEngine:
     def _shard(self, module: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             return
-        # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does (it is needed again
-        # first thing in backward); with an explicit group size FSDP2 would re-gather it over every rank.
+        # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does (see [Note: hpZ and
+        # the root]).
         hpz_root = module is self.module and self._reshard_after_forward is not True
         fully_shard(
             module,
@@ -151,7 +164,7 @@ class FullyShardedEngine:
         module.set_custom_reduce_scatter(CountingReduceScatter())
         if self.replicate_group is not None:
             module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
-            module.set_gradient_divide_factor(float(self._ranks))
+            module.set_gradient_divide_factor(float(self._all_ranks))
             module.set_all_reduce_hook(SumOverReplicas(self.replicate_group))
 
     def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
@@ -325,16 +338,7 @@ class FullyShardedOptimizer:
             yield
 
     def step(self, **kwargs) -> object:
-        """See [Note: stage 3 hybrid sharding and hpZ]
-Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced
-gradient shard across the replica group in FSDP2's all-reduce hook (:class:`SumOverReplicas`, counted like
-every collective), with both collectives summing and one divide by the number of ranks. It is what FSDP2's
-2-D mesh HSDP computes, but FSDP2 issues that all-reduce itself, uncounted. hpZ is FSDP2's
-``reshard_after_forward=s``: after forward each unit stays sharded over ``s`` consecutive ranks, so backward's
-all-gather runs inside that group; the root unit stays gathered until backward (FSDP2's own default for the
-root), so nothing is gathered across nodes in backward.
-
-[Note: stage 3 offload]."""
+        """See [Note: stage 3 offload]."""
         engine = self.engine
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), host_kernel(self.optimizer, enabled=on_host):
@@ -357,16 +361,6 @@ root), so nothing is gathered across nodes in backward.
     def local_gradients(self) -> list[torch.Tensor]:
         grads = (_local_grad(p) for p in self._params())
         return [g for g in grads if g is not None]
-
-
-class SumOverReplicas:
-    """FSDP2's all-reduce hook: sum a unit's reduced gradient shard over the ranks holding the same rows."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    def __call__(self, reduced: torch.Tensor) -> None:
-        collectives.all_reduce(reduced, group=self.group)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

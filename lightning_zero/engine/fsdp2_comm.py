@@ -1,5 +1,6 @@
 """FSDP2's collectives, routed through ``collectives.py`` so stage 3 is counted, labelled and watched like
-stages 1-2 (``fully_shard`` modules take them via ``set_custom_all_gather`` / ``set_custom_reduce_scatter``)."""
+stages 1-2 (``fully_shard`` modules take them via ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, and
+hybrid sharding's sum across replicas via ``set_all_reduce_hook``)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ class CountingReduceScatter(ReduceScatter):
                 output_tensor.div_(collectives.world_size(group))
             return None
         return collectives.reduce_scatter_op(output_tensor, input_tensor, op, group=group, async_op=async_op)
+
+
+class SumOverReplicas:
+    """FSDP2's all-reduce hook under hybrid sharding: sum a unit's reduced gradient shard (in the reduce dtype)
+    over the ranks holding the same rows."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def __call__(self, reduced: torch.Tensor) -> None:
+        collectives.all_reduce(reduced, group=self.group)

@@ -21,6 +21,26 @@ def default_units(root: nn.Module) -> list[nn.Module]:
     return [child for child in root.children() if any(True for _ in child.parameters())]
 
 
+def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The direct children of ``root`` that hold parameters outside every unit, as units of their own (each then
+    encloses its own units), so that the root holds nothing it need not (see [Note: hpZ and the root] in
+    ``fsdp2.py``). A child sharing a parameter with another child, or with the root itself, stays in the root:
+    FSDP2 cannot split a parameter across units."""
+    chosen = {id(u) for u in units}
+    in_units = {id(p) for u in units for p in u.parameters()}
+    holders: dict[int, set[int]] = {id(p): {id(root)} for p in root.parameters(recurse=False)}
+    for child in root.children():
+        for p in child.parameters():
+            holders.setdefault(id(p), set()).add(id(child))
+    return [
+        child
+        for child in root.children()
+        if id(child) not in chosen
+        and any(id(p) not in in_units for p in child.parameters())
+        and all(holders[id(p)] == {id(child)} for p in child.parameters())
+    ]
+
+
 def resolve_wrap_policy(policy) -> Callable[[nn.Module], bool]:
     """A predicate from a class, an iterable of classes or a callable."""
     if isinstance(policy, type) and issubclass(policy, nn.Module):

@@ -129,6 +129,7 @@ class GradientReducer:
         self.device = self.params[0].device if self.params else torch.device("cpu")
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
         self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
+        self.reduce_dtype = reduce_dtype
         self.comm_dtypes = [_comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
         # Stage 2: a flat storage per bucket for this rank's gradient shards, viewed per parameter.
         self.storage = (
@@ -303,7 +304,7 @@ class GradientReducer:
         pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
         held_by_index = {i: self.local_grad(i) for i in pending}
         if self.replicas > 1:
-            _sum_over(self.replicate_group, [g for g in held_by_index.values() if g is not None])
+            _sum_over(self.replicate_group, [g for g in held_by_index.values() if g is not None], self.reduce_dtype)
         grads = []
         for i, held in held_by_index.items():
             record = self.records[i]
@@ -345,13 +346,15 @@ class GradientReducer:
         self._handles.clear()
 
 
-def _sum_over(group, tensors: list[torch.Tensor]) -> None:
-    """Sum ``tensors`` in place over ``group``: one flat all-reduce per dtype (every rank passes the same shapes)."""
+def _sum_over(group, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None) -> None:
+    """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
+    shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
+    fp16 sums of ``16-mixed``)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
+    for held, same in by_dtype.items():
+        flat = torch.cat([t.reshape(-1) for t in same]).to(_comm_dtype(held, reduce_dtype))
         collectives.all_reduce(flat, group=group)
         torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in same]), same)])
 

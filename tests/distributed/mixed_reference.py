@@ -78,11 +78,14 @@ def mixed_reference(
     hold_sum_in_param_dtype: bool,
     loss_scale: float = 1.0,
     growth_interval: int = 2000,
+    shard_groups: int = 1,
 ) -> dict:
     """Final fp32 masters, per-step losses and the skipped-step count of the emulated mixed run.
 
     ``hold_sum_in_param_dtype``: stages 1-2 keep the reduced gradient sum in the parameter's dtype before
-    unscaling it into fp32; stage 3 (FSDP2) receives it into an fp32 shard.
+    unscaling it into fp32; stage 3 (FSDP2) receives it into an fp32 shard. ``shard_groups``: hybrid sharding
+    over that many groups of consecutive ranks: each group's sum is held as above, then the groups' held sums
+    are added in the reduce dtype (and held again).
     """
     master = _build(model_kwargs)
     master.load_state_dict(copy.deepcopy(initial))
@@ -98,22 +101,27 @@ def mixed_reference(
         with torch.no_grad():
             for name, p in compute.named_parameters():
                 p.copy_(named_master[name])
-        sums: dict[str, torch.Tensor] = {}
+        group_size = world // shard_groups
+        sums: list[dict[str, torch.Tensor]] = [{} for _ in range(shard_groups)]
         step_losses = []
-        for micro in per_rank:
+        for rank, micro in enumerate(per_rank):
             compute.zero_grad(set_to_none=True)
             with torch.autocast("cpu", dtype=policy.compute_dtype, cache_enabled=False):
                 loss = compute._loss(micro)
             (loss * loss_scale).backward()
             step_losses.append(loss.item())
+            group = sums[rank // group_size]
             for name, p in compute.named_parameters():
-                comm = policy.reduce_dtype if p.grad.dtype.itemsize <= policy.reduce_dtype.itemsize else p.grad.dtype
-                g = p.grad.to(comm)
-                sums[name] = g if name not in sums else sums[name] + g
+                g = p.grad.to(_comm_dtype(p.grad.dtype, policy))
+                group[name] = g if name not in group else group[name] + g
         losses.append(sum(step_losses) / world)
         grads = {}
         for name, p in compute.named_parameters():
-            held = sums[name].to(p.dtype) if hold_sum_in_param_dtype else sums[name]
+            held_by_group = [group[name].to(p.dtype) if hold_sum_in_param_dtype else group[name] for group in sums]
+            held = held_by_group[0]
+            for other in held_by_group[1:]:  # hybrid sharding: the replica groups' all-reduce
+                held = held.to(_comm_dtype(held.dtype, policy)) + other.to(_comm_dtype(other.dtype, policy))
+                held = held.to(p.dtype) if hold_sum_in_param_dtype else held
             grads[name] = held.float() * (1.0 / (world * loss_scale))
         found_inf = any(not torch.isfinite(g).all() for g in grads.values())
         if not found_inf:
@@ -136,3 +144,8 @@ def mixed_reference(
         if sched is not None:
             sched.step()
     return {"params": {n: p.detach().clone() for n, p in master.state_dict().items()}, "losses": losses, "skipped": skipped}
+
+
+def _comm_dtype(held: torch.dtype, policy: PrecisionPolicy) -> torch.dtype:
+    """The reduce dtype, unless the gradient is held in a wider one (fp32 layers)."""
+    return policy.reduce_dtype if held.itemsize <= policy.reduce_dtype.itemsize else held

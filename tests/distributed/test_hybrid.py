@@ -1,11 +1,14 @@
 """Hybrid sharding (shard inside a node, replicate across nodes) and hpZ on 4 CPU ranks through lightning.Trainer:
 2 simulated nodes of 2 ranks (``num_nodes=2, devices=2``, ``shard_size="node"``) and one node of 4
-(``devices=4, shard_size=2``), against plain single-process PyTorch, the ZeRO formulas with ``N -> k`` and the
-traffic formulas counted per process group.
+(``devices=4, shard_size=2``), against plain single-process PyTorch (fp32), a single-process emulation of the
+mixed arithmetic (bf16-mixed, 16-mixed), the ZeRO formulas with ``N -> k`` and the traffic formulas counted per
+process group; Hugging Face GPT-2 with tied embeddings, pretrained weights, and checkpoints across flat and
+hybrid runs, stages and world sizes. The torchrun multi-node run is in tests/integration/test_multinode.py.
 """
 
 import pytest
 
+from tests.distributed import worker_pretrained
 from tests.launch import launch
 
 WORLD, K = 4, 2
@@ -20,9 +23,10 @@ def nodes(tmp_path_factory):
     directory = tmp_path_factory.mktemp("hybrid")
     env = {"LZ_SHARED_DIR": str(directory)}
     one = launch("tests.distributed.worker_hybrid", "save_flat", nprocs=1, env=env)
+    worker_pretrained.save_pretrained_files(directory / "pretrained")
     four = launch(
         "tests.distributed.worker_hybrid",
-        "exact", "costs", "checkpoints", "directory_bytes", "resume_flat_save", "save_hybrid",
+        "exact", "costs", "checkpoints", "pretrained", "directory_bytes", "resume_flat_save", "save_hybrid",
         nprocs=WORLD, nodes=2, env=env,
     )
     back = launch("tests.distributed.worker_hybrid", "resume_hybrid_save", nprocs=1, env=env)
@@ -48,15 +52,74 @@ def test_two_nodes_match_plain_pytorch(nodes, case):
     _check_exact(nodes["exact"][case])
 
 
+def _check_mixed(result):
+    """As tests/distributed/test_precision.py: masters equal the emulation, the loss tracks fp32 training."""
+    assert len(result["losses"]) == 20
+    assert result["master_change"] > 1e-2
+    assert result["master_diff"] <= 1e-6
+    assert result["emulated_loss_diff"] <= 1e-6
+    assert result["skipped"] == result["emulated_skipped"]
+    assert result["loss_diff"] <= {"bf16-mixed": 5e-3, "16-mixed": 1e-3}[result["precision"]]
+
+
+def _check_hugging_face(case, result):
+    assert result["steps"] == 3 and result["change"] > 1e-3
+    assert result["diff"] <= (1e-5 if "32-true" in case else 1e-6), f"{case}: {result['diff']:.3g}"
+    if case.startswith("gpt2"):
+        assert result["tied"], "lm_head and wte stay tied"
+
+
+@pytest.mark.parametrize("case", ["stage1_16-mixed", "stage2_bf16-mixed", "stage3_bf16-mixed"])
+def test_two_nodes_in_mixed_precision_match_the_emulation(nodes, case):
+    """The demo GPT, 20 steps with clipping, 2 param groups and warmup: the masters of a single process doing
+    the same arithmetic (each shard group's sum held, then summed across groups in the reduce dtype)."""
+    _check_mixed(nodes["exact"][case])
+
+
+@pytest.mark.parametrize("case", ["gpt2_stage2_32-true", "gpt2_stage3_bf16-mixed"])
+def test_two_nodes_train_hugging_face_gpt2_with_tied_embeddings(nodes, case):
+    _check_hugging_face(case, nodes["exact"][case])
+
+
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage3"])
 def test_one_node_of_four_with_shard_size_two_matches_plain_pytorch(one_node, case):
     _check_exact(one_node["exact_one_node"][case])
 
 
+@pytest.fixture(scope="module")
+def full_matrix():
+    return launch("tests.distributed.worker_hybrid", "exact_full", nprocs=WORLD, nodes=2)["exact_full"]
+
+
 @pytest.mark.full
-@pytest.mark.parametrize("case", ["stage1_no_overlap", "stage2_reduce_every_microbatch", "stage3_unused_parameter"])
-def test_more_hybrid_configurations_match_plain_pytorch(case):
-    _check_exact(launch("tests.distributed.worker_hybrid", "exact_full", nprocs=WORLD, nodes=2)["exact_full"][case])
+@pytest.mark.parametrize(
+    "case",
+    ["stage1_no_overlap", "stage2_reduce_every_microbatch", "stage3_unused_parameter", "stage2_offload_optimizer",
+     "stage3_offload_params", "stage3_hpz_offload_params"],
+)
+def test_more_hybrid_configurations_match_plain_pytorch(full_matrix, case):
+    _check_exact(full_matrix[case])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["stage1_bf16-mixed", "stage2_16-mixed", "stage3_16-mixed"])
+def test_more_mixed_precision_configurations_match_the_emulation(full_matrix, case):
+    _check_mixed(full_matrix[case])
+
+
+@pytest.mark.full
+def test_hpz_in_bf16_mixed_ends_bit_for_bit_where_flat_zero3_ends(full_matrix):
+    result = full_matrix["stage3_hpz_bf16-mixed_vs_flat"]
+    assert result["steps"] == 10 and result["diff"] == 0.0
+
+
+@pytest.mark.full
+@pytest.mark.parametrize(
+    "case", ["gpt2_stage1_32-true", "gpt2_stage3_32-true", "llama_stage1_32-true", "llama_stage3_32-true",
+             "llama_stage3_hpz_32-true"],
+)
+def test_more_hugging_face_configurations(full_matrix, case):
+    _check_hugging_face(case, full_matrix[case])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -109,11 +172,13 @@ def test_stage_3_traffic_per_group(nodes):
     assert inter == {"all_reduce": 2 * p // K}
 
 
-def test_hpz_backward_gather_stays_inside_the_node(nodes):
+@pytest.mark.parametrize("model", ["comm_stage3_hpz", "comm_gpt_hpz"])
+def test_hpz_backward_gather_stays_inside_the_node(nodes, model):
     """hpZ over 2 nodes: forward's all-gather and the reduce-scatter cross nodes (P each); backward's
-    all-gather runs inside the node (P)."""
-    _, inter, intra = _traffic(nodes["costs"]["comm_stage3_hpz"])
-    p = nodes["costs"]["comm_stage3_hpz"]["params"]
+    all-gather runs inside the node (P). The GPT has parameters outside its blocks (a tied embedding and head,
+    the final norm) and a training_step that calls the module's forward, nested in Lightning's call of the root."""
+    _, inter, intra = _traffic(nodes["costs"][model])
+    p = nodes["costs"][model]["params"]
     assert inter == {"all_gather": p, "reduce_scatter": p}
     assert intra == {"all_gather": p}
 
@@ -133,6 +198,14 @@ def test_checkpoints_resume_exactly_across_hybrid_flat_shard_sizes_and_stages(no
     assert result["steps"] == 4
     assert result["param_diff"] <= 1e-6
     assert result["optim_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pretrained_weights_load_into_a_hybrid_run(nodes, stage):
+    """``init_weights`` (a ``save_pretrained`` GPT-2): each rank holds its shard group's rows of every tensor."""
+    result = nodes["pretrained"][f"stage{stage}"]
+    assert result["steps"] == 3 and result["checked"] > 0 and result["tied"]
+    assert result["diff"] == 0.0
 
 
 @pytest.mark.parametrize("name", ["sharded", "full.ckpt"])

@@ -32,14 +32,15 @@ def data() -> RandomTokenDataset:
     return RandomTokenDataset(num_samples=32, block_size=LENGTH, vocab_size=MASK_ID, seed=7)
 
 
-def run(kind: str, stage: int, precision: str, checkpointing: bool) -> dict:
+def run(kind: str, stage: int, precision: str, checkpointing: bool, **strategy_kwargs) -> dict:
     """``STEPS`` optimizer steps with clipping, 2 param groups and a warmup schedule; fp32 runs accumulate 2
-    micro-batches per step."""
+    micro-batches per step. ``strategy_kwargs``: more ZeroStrategy settings (hybrid sharding)."""
     L.seed_everything(21)
     module = HFLightningModule(kind)
     initial = copy.deepcopy(module.state_dict())
     accumulate = 2 if precision == "32-true" else 1
-    strategy = ZeroStrategy(stage=stage, activation_checkpointing=block_class(kind) if checkpointing else None)
+    checkpointed = block_class(kind) if checkpointing else None
+    strategy = ZeroStrategy(stage=stage, activation_checkpointing=checkpointed, **strategy_kwargs)
     t = trainer(strategy, max_steps=STEPS, gradient_clip_val=CLIP, accumulate_grad_batches=accumulate, precision=precision)
     dataset = data()
     t.fit(module, models.loader(dataset, BATCH))
@@ -52,7 +53,10 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool) -> dict:
             _, reference = fp32_run(initial, build, dataset, **kwargs, accumulate=accumulate)
         else:
             policy = t.strategy.precision_plugin.policy()
-            reference = mixed_reference(initial, build, dataset, **kwargs, policy=policy, hold_sum_in_param_dtype=stage != 3)["params"]
+            groups = WORLD // t.strategy.engine.world_size
+            reference = mixed_reference(
+                initial, build, dataset, **kwargs, policy=policy, hold_sum_in_param_dtype=stage != 3, shard_groups=groups
+            )["params"]
         out["diff"] = max_diff(final, reference)
         out["change"] = max_diff(reference, initial)
         if kind == "gpt2":

@@ -10,10 +10,11 @@ import lightning as L
 import torch
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.demo.gpt import GPTLightningModule
 from lightning_zero.memory import live_tensor_bytes
 from lightning_zero.monitor import ZeroMonitor
-from tests.distributed import models, worker_checkpoint
-from tests.distributed.worker_core import NODES, RANK, CommProbe, StateBytesProbe, exactness, trainer
+from tests.distributed import models, worker_checkpoint, worker_hf_models, worker_precision, worker_pretrained
+from tests.distributed.worker_core import NODES, RANK, CommProbe, StateBytesProbe, exactness, max_diff, trainer
 from tests.launch import run_cases_with_directory
 
 HYBRID = "node" if NODES > 1 else 2  # a node's ranks, or 2 of the one node's 4
@@ -46,6 +47,17 @@ def communication(stage: int, **kwargs) -> dict:
         "shard_numel": _shard_numel(module, engine.world_size),
         "shard_size": engine.world_size,
     }
+
+
+def gpt_communication(**kwargs) -> dict:
+    """Elements of the last micro-batch by group for the demo GPT (tied embedding and head outside the blocks,
+    a ``training_step`` that calls ``self(...)``, so the root's forward hooks run nested)."""
+    L.seed_everything(0)
+    module = GPTLightningModule(**{**worker_precision.GPT_KWARGS, "tie_weights": True})
+    probe = CommProbe()
+    t = trainer(ZeroStrategy(stage=3, **kwargs), max_steps=2, callbacks=[probe])
+    t.fit(module, models.loader(worker_precision.gpt_data(), 2))
+    return {"micro": probe.micro, "params": sum(p.numel() for p in module.parameters())}
 
 
 class AfterForward(L.Callback):
@@ -102,27 +114,72 @@ def directory_bytes(directory: Path) -> dict:
     return out
 
 
+def mixed(stage: int, precision: str, **kwargs) -> dict:
+    """The demo GPT for 20 steps in a mixed precision: the masters of a single-process emulation that sums
+    inside each shard group, then across the groups (``mixed_reference.py``); the loss curve of fp32."""
+    return worker_precision.tracks_reference(stage, precision, **kwargs)
+
+
+def hpz_equals_flat(precision: str) -> dict:
+    """hpZ changes where backward gathers parameters from, not what is gathered or how gradients are reduced:
+    the demo GPT ends bit for bit where flat ZeRO-3 on the same ranks ends (mixed precision: 2-byte gathers and
+    sums)."""
+    finals = []
+    for kwargs in ({}, {"secondary_shard_size": HYBRID}):
+        L.seed_everything(11)
+        module = GPTLightningModule(**worker_precision.GPT_KWARGS)
+        t = trainer(ZeroStrategy(stage=3, **kwargs), max_steps=10, gradient_clip_val=worker_precision.CLIP,
+                    **worker_precision.precision_kwargs(precision))
+        t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH))
+        finals.append(t.strategy.full_state_dict())
+    return {"steps": t.global_step, "diff": max_diff(*finals) if RANK == 0 else None}
+
+
+def hugging_face(kind: str, stage: int, precision: str, **kwargs) -> dict:
+    """A Hugging Face model (GPT-2: tied input and output embeddings) against plain PyTorch (fp32, activation
+    checkpointing on) or the mixed emulation (bf16-mixed)."""
+    return worker_hf_models.run(kind, stage, precision, checkpointing=precision == "32-true", **kwargs)
+
+
 CASES = {
     "exact": lambda directory: {
         **{f"stage{s}": exact(s, shard_size=HYBRID) for s in (1, 2, 3)},
         "stage3_hpz": exact(3, secondary_shard_size=HYBRID),
         "stage2_unused_parameter": exact(2, shard_size=HYBRID, unused_head=True),
+        "stage1_16-mixed": mixed(1, "16-mixed", shard_size=HYBRID),
+        **{f"stage{s}_bf16-mixed": mixed(s, "bf16-mixed", shard_size=HYBRID) for s in (2, 3)},
+        "gpt2_stage2_32-true": hugging_face("gpt2", 2, "32-true", shard_size=HYBRID),
+        "gpt2_stage3_bf16-mixed": hugging_face("gpt2", 3, "bf16-mixed", shard_size=HYBRID),
     },
     "exact_one_node": lambda directory: {f"stage{s}": exact(s, shard_size=HYBRID) for s in (1, 2, 3)},
     "exact_full": lambda directory: {
         "stage1_no_overlap": exact(1, shard_size=HYBRID, overlap_comm=False),
         "stage2_reduce_every_microbatch": exact(2, shard_size=HYBRID, reduce_every_microbatch=True),
         "stage3_unused_parameter": exact(3, shard_size=HYBRID, unused_head=True),
+        "stage2_offload_optimizer": exact(2, shard_size=HYBRID, offload_optimizer=True),
+        "stage3_offload_params": exact(3, shard_size=HYBRID, offload_optimizer=True, offload_params=True),
+        "stage3_hpz_offload_params": exact(3, secondary_shard_size=HYBRID, offload_optimizer=True, offload_params=True),
+        "stage1_bf16-mixed": mixed(1, "bf16-mixed", shard_size=HYBRID),
+        **{f"stage{s}_16-mixed": mixed(s, "16-mixed", shard_size=HYBRID) for s in (2, 3)},
+        "stage3_hpz_bf16-mixed_vs_flat": hpz_equals_flat("bf16-mixed"),
+        **{f"{kind}_stage{s}_32-true": hugging_face(kind, s, "32-true", shard_size=HYBRID)
+           for kind in ("gpt2", "llama") for s in (1, 3)},
+        "llama_stage3_hpz_32-true": hugging_face("llama", 3, "32-true", secondary_shard_size=HYBRID),
     },
     "costs": lambda directory: {
         **{f"comm_stage{s}": communication(s, shard_size=HYBRID) for s in (1, 2, 3)},
         "comm_stage2_flat": communication(2),
         "comm_stage3_hpz": communication(3, secondary_shard_size=HYBRID),
+        "comm_gpt_hpz": gpt_communication(secondary_shard_size=HYBRID),
         **{f"memory_stage{s}": memory(s, shard_size=HYBRID) for s in (1, 2, 3)},
         "memory_stage3_flat": memory(3),
         "memory_stage3_hpz": memory(3, secondary_shard_size=HYBRID),
     },
     "checkpoints": checkpoints,
+    # Pretrained GPT-2 weights (files the test writes first) into a hybrid run: each rank reads its shard group's rows.
+    "pretrained": lambda directory: {
+        f"stage{s}": worker_pretrained.load(directory / "pretrained", s, "single", shard_size=HYBRID) for s in (2, 3)
+    },
     "directory_bytes": directory_bytes,
     # Another world size (through tests/distributed/worker_checkpoint): one process saves flat and a hybrid run of 4
     # resumes from it; the hybrid run saves and one process resumes from that.

@@ -61,13 +61,15 @@ class LossRecorder(L.Callback):
 
 
 # ---------------------------------------------------------------------- cases
-def tracks_reference(stage: int, precision: str, steps: int = 20, accumulate: int = 1) -> dict:
+def tracks_reference(stage: int, precision: str, steps: int = 20, accumulate: int = 1, **strategy_kwargs) -> dict:
+    """``strategy_kwargs``: more ZeroStrategy settings (hybrid sharding's ``shard_size``: the emulation sums
+    inside each shard group first)."""
     L.seed_everything(11)
     module = GPTLightningModule(**GPT_KWARGS)
     initial = copy.deepcopy(module.state_dict())
     recorder = LossRecorder()
     t = trainer(
-        ZeroStrategy(stage=stage, state_dict_type="full"),
+        ZeroStrategy(stage=stage, state_dict_type="full", **strategy_kwargs),
         max_steps=steps,
         gradient_clip_val=CLIP,
         accumulate_grad_batches=accumulate,
@@ -102,6 +104,7 @@ def tracks_reference(stage: int, precision: str, steps: int = 20, accumulate: in
                 policy=plugin.policy(),
                 hold_sum_in_param_dtype=stage != 3,
                 loss_scale=ZeroPrecision("16-mixed").loss_scale if precision == "16-mixed" else 1.0,
+                shard_groups=WORLD // t.strategy.engine.world_size,
             )
             out["master_diff"] = max_diff(final, emulated["params"])
             out["emulated_loss_diff"] = max(abs(a - b) for a, b in zip(recorder.losses, emulated["losses"]))

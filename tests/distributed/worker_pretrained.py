@@ -19,7 +19,7 @@ from lightning_zero.engine.shard import local_rows
 from lightning_zero.checkpoint.hf_export import sixteen_bit_dir
 from tests.distributed import models
 from tests.distributed.hf_models import LENGTH, MASK_ID, HFLightningModule, model_class, tiny_config
-from tests.distributed.worker_core import RANK, WORLD, trainer
+from tests.distributed.worker_core import RANK, trainer
 from tests.distributed.worker_hf_models import BuiltInConfigureModel
 from tests.launch import run_cases_with_directory
 
@@ -55,12 +55,13 @@ class LoadedShards(L.Callback):
     def on_train_start(self, trainer, pl_module):
         # The engine's rows: stage 3's DTensor shards, or at stages 1-2 the fp32 master rows (the resident
         # parameters are whole, and 2-byte copies under bf16-mixed).
-        records = {record.name: record for record in trainer.strategy.engine.records()}
+        engine = trainer.strategy.engine
+        records = {record.name: record for record in engine.records()}
         diff, checked = 0.0, 0
         for name, _ in pl_module.model.named_parameters():
             if name not in self.expected:
                 continue
-            local, want = records[f"model.{name}"].rows, local_rows(self.expected[name], RANK, WORLD)
+            local, want = records[f"model.{name}"].rows, local_rows(self.expected[name], engine.rank, engine.world_size)
             diff = max(diff, (local.float() - want.float()).abs().max().item() if want.numel() else 0.0)
             checked += 1
         self.out = {"diff": diff, "checked": checked, "tied": pl_module.model.lm_head.weight is pl_module.model.transformer.wte.weight}

@@ -1,11 +1,13 @@
-"""Multi-node through Lightning's launchers: two `torchrun` node agents on this machine (1 rank each) form one
-2-node run; Lightning reads torchrun's environment, and ZeroStrategy shards over both nodes."""
+"""Multi-node through Lightning's launchers: two `torchrun` node agents on this machine form one 2-node run;
+Lightning reads torchrun's environment, and ZeroStrategy shards over both nodes (flat), or inside each node
+and replicates across them (hybrid sharding, ``strategy=zero2_hsdp``)."""
 
 from __future__ import annotations
 
 import csv
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,19 +16,22 @@ from lightning_zero.estimate import CHOICES_BY_NAME, MIB, model_state_split
 from tests.launch import REPO, free_port
 
 pytestmark = pytest.mark.slow
+PARAMS = count_model_parameters(REPO / "conf" / "model" / "gpt_tiny.yaml")
 
 
-def test_two_torchrun_nodes_train_one_zero3_run(tmp_path):
+def two_torchrun_nodes(tmp_path: Path, per_node: int, *overrides: str) -> list[dict[str, str]]:
+    """``lightning-zero fit`` of the tiny GPT for 5 steps under 2 torchrun agents of ``per_node`` ranks each;
+    the ZeroMonitor's rows (one per step)."""
     port = str(free_port())
     command = [
         "-m", "lightning_zero", "fit", "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "trainer.max_steps=5",
-        "+trainer.limit_val_batches=1", f"trainer.default_root_dir={tmp_path}", "trainer.num_nodes=2", "trainer.devices=1",
-        "trainer.log_every_n_steps=1",
+        "+trainer.limit_val_batches=1", f"trainer.default_root_dir={tmp_path}", "trainer.num_nodes=2",
+        f"trainer.devices={per_node}", "trainer.log_every_n_steps=1", *overrides,
     ]
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port, *command],
+             "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", port, *command],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in (0, 1)
@@ -37,11 +42,33 @@ def test_two_torchrun_nodes_train_one_zero3_run(tmp_path):
         for node in nodes:
             node.kill()
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in outputs[0] and "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]
-    # ZeRO-3 sharded over both nodes: each rank holds 16P/2 bytes of model state
-    params = count_model_parameters(REPO / "conf" / "model" / "gpt_tiny.yaml")
-    expected = sum(model_state_split(CHOICES_BY_NAME["zero3"], params, 2)) / MIB
-    rows = [r for r in csv.DictReader(open(next(tmp_path.glob("logs/version_*/metrics.csv")))) if r.get("monitor/state_MiB_rank1")]
+    world = 2 * per_node
+    for rank in range(world):
+        assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world}" in outputs[rank // per_node]
+    rows = [r for r in csv.DictReader(open(next(tmp_path.glob("logs/version_*/metrics.csv")))) if r.get("monitor/state_MiB_rank0")]
     assert len(rows) == 5
+    return rows
+
+
+def test_two_torchrun_nodes_train_one_zero3_run(tmp_path):
+    rows = two_torchrun_nodes(tmp_path, 1)
+    # ZeRO-3 sharded over both nodes: each rank holds 16P/2 bytes of model state, and every collective crosses
+    # nodes: 3P elements of fp32 per step.
+    expected = sum(model_state_split(CHOICES_BY_NAME["zero3"], PARAMS, 2)) / MIB
     for rank in (0, 1):
         assert float(rows[-1][f"monitor/state_MiB_rank{rank}"]) == pytest.approx(expected, rel=0.05)
+    assert float(rows[-1]["monitor/comm_inter_node_MiB"]) == pytest.approx(float(rows[-1]["monitor/comm_MiB_per_step"]))
+    assert float(rows[-1]["monitor/comm_inter_node_MiB"]) == pytest.approx(4 * 3 * PARAMS / MIB, rel=0.05)
+
+
+def test_two_torchrun_nodes_of_two_ranks_shard_inside_each_node(tmp_path):
+    """``strategy=zero2_hsdp`` (``shard_size="node"``) on 2 nodes x 2 ranks: state on the ZeRO-2 formula with
+    N -> k = 2, and only the gradient shards' all-reduce (2P/k) crosses nodes, out of 2P + 2P/k in all."""
+    rows = two_torchrun_nodes(tmp_path, 2, "strategy=zero2_hsdp")
+    expected = sum(model_state_split(CHOICES_BY_NAME["zero2_hsdp"], PARAMS, 4, devices_per_node=2)) / MIB
+    assert expected == pytest.approx((4 * PARAMS + 12 * PARAMS / 2) / MIB)
+    for rank in range(4):
+        assert float(rows[-1][f"monitor/state_MiB_rank{rank}"]) == pytest.approx(expected, rel=0.05)
+    inter, total = float(rows[-1]["monitor/comm_inter_node_MiB"]), float(rows[-1]["monitor/comm_MiB_per_step"])
+    assert inter == pytest.approx(4 * 2 * PARAMS / 2 / MIB, rel=0.05)
+    assert total == pytest.approx(4 * (2 * PARAMS + 2 * PARAMS / 2) / MIB, rel=0.05)

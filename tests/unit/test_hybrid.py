@@ -144,3 +144,30 @@ def test_estimate_knows_hybrid_sharding_and_hpz():
     assert CHOICES_BY_NAME["zero2_hsdp"].strategy() == {
         "class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 2, "shard_size": "node"}
     }
+
+
+def test_hpz_moves_the_roots_other_parameters_into_units_of_their_own():
+    """See [Note: hpZ and the root]: each direct child holding parameters outside the wrap units becomes a unit,
+    unless it shares a parameter with another child or the root (FSDP2 cannot split a parameter across units)."""
+    from torch import nn
+
+    from lightning_zero.engine.fsdp2_units import select_units, units_below_the_root
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight  # tied across two children: both stay in the root
+            self.norm = nn.LayerNorm(4)
+            self.empty = nn.ReLU()
+            self.model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)]))  # encloses a unit
+
+    root = Root()
+    units = select_units(root, None)
+    assert units == [*root.blocks, root.model[1][0]]
+    assert units_below_the_root(root, units) == [root.norm, root.model]
+    root.scale = nn.Parameter(torch.ones(4))
+    root.norm.weight = root.scale  # shared with the root itself
+    assert units_below_the_root(root, units) == [root.model]
