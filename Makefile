@@ -12,7 +12,7 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the architecture contracts (setup.cfg), then the test suite (about 18 minutes on 2 cores) without the `full` matrices
+test: install  ## the architecture contracts (setup.cfg), then the test suite (10-18 minutes on 2 cores) without the `full` matrices
 	lint-imports
 	$(PYTHON) -m pytest -q -m "not full" tests
 
