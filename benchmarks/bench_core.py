@@ -199,6 +199,12 @@ def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tu
 _NODES = 1
 
 
+def replica_all_reduce_bytes(P: int, precision: str, shard_size: int) -> int:
+    """Hybrid sharding's only inter-node traffic: the all-reduce of each rank's P/k gradient shard (counted twice,
+    as every all-reduce), in the reduce dtype."""
+    return (2 if precision == "bf16-mixed" else 4) * 2 * P // shard_size
+
+
 def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-true", shard_size: int = 2) -> int:
     """Per-rank collective volume per step, in collectives.py's convention (module docstring); ``shard_size``:
     the ranks of a node, fsdp2_hsdp's shard group."""
@@ -207,7 +213,8 @@ def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-tru
     base, _, variant = system.partition("+")
     if system == "fsdp2_hsdp" or variant.startswith("hsdp"):  # flat traffic plus the all-reduce of each P/k shard
         k = VARIANTS[variant]["shard_size"] if variant else shard_size
-        return analytic_comm_bytes("fsdp2" if system == "fsdp2_hsdp" else base, config, precision) + width * 2 * P // k
+        flat = analytic_comm_bytes("fsdp2" if system == "fsdp2_hsdp" else base, config, precision)
+        return flat + replica_all_reduce_bytes(P, precision, k)
     system = base  # activation checkpointing recomputes and hpZ gathers elsewhere: neither communicates more
     if system == "ddp":
         return 8 * P  # one all-reduce of all (fp32, also under autocast) grads = reduce-scatter + all-gather
@@ -400,7 +407,7 @@ class BenchCallback(L.Callback):
         if _NODES == 1:
             return 0.0
         if self.system == "fsdp2_hsdp":
-            return (2 if self.precision == "bf16-mixed" else 4) * 2 * P / (N // _NODES)
+            return replica_all_reduce_bytes(P, self.precision, N // _NODES)
         return analytic_comm_bytes(self.system, self.config, self.precision)
 
     def summarise(self, ranks: list[dict[str, Any]], N: int) -> dict[str, Any]:
