@@ -1,0 +1,50 @@
+"""benchmarks/bench_gpu.py: refuses clearly without CUDA, and its measurement path runs end to end (on the CPU
+through its development switch) so that the script a GPU session runs has not rotted in between."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_gpu  # noqa: E402
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_refuses_without_cuda() -> None:
+    proc = _run()
+    assert proc.returncode == 2
+    assert "needs a CUDA device" in proc.stderr and "bench_core.py" in proc.stderr
+
+
+def test_ladder_doubles_width_then_depth() -> None:
+    base = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    shapes = bench_gpu.ladder(base, 4)
+    assert [(s["n_layer"], s["n_embd"], s["n_head"]) for s in shapes] == [(2, 32, 2), (2, 64, 4), (4, 64, 4), (4, 128, 8)]
+
+
+def test_mfu_counts_attention_and_uses_the_known_peak() -> None:
+    config = bench_gpu.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    assert bench_gpu.model_flops_per_token(config) == 6 * bench_gpu.count_parameters(config) + 12 * 2 * 32 * 16
+    assert bench_gpu.peak_tflops("NVIDIA H100 80GB HBM3", None) == 989.0
+    assert bench_gpu.peak_tflops("Some GPU", None) is None and bench_gpu.peak_tflops("Some GPU", 100.0) == 100.0
+
+
+def test_both_parts_run_end_to_end_on_the_cpu() -> None:
+    proc = _run("--accelerator", "cpu", "--quick", "--systems", "zero3+offload_params",
+                "--search-systems", "zero2", "--rungs", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    throughput, _, largest = proc.stdout.partition("largest that trains")
+    assert "zero3+offload_params" in throughput and "tokens/s" in throughput
+    assert "zero2" in largest and "2 x 128" in largest  # the second rung trains
