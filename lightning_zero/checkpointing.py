@@ -19,7 +19,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint import hf_export, io, state_dicts, write
+from lightning_zero.checkpoint import error_feedback, hf_export, io, state_dicts, write
+from lightning_zero.checkpoint.error_feedback import warn_residuals_not_kept
 from lightning_zero.checkpoint.async_save import AsyncSaver, checkpoint_group
 from lightning_zero.checkpoint.files import clean_directory, remove
 from lightning_zero.config import ZeroConfig
@@ -110,10 +111,13 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         if hf_model is not None:
             checkpoint["hf_export"] = hf_model  # what `lightning-zero consolidate --hf` needs
         if self._full:
+            warn_residuals_not_kept(self._sharded.engine)
             write.save_full(checkpoint, path)  # rank 0 writes; every rank raises if that failed
         elif self._saver is not None:
+            error_feedback.add_to_checkpoint(checkpoint, self._sharded.engine)
             self._saver.save(checkpoint, path)  # returns once staged; the next save or teardown waits for it
         else:
+            error_feedback.add_to_checkpoint(checkpoint, self._sharded.engine)
             write.save_sharded(checkpoint, path)
         if self.zero_config.gather_16bit_weights_on_save:
             state = self.full_state_dict()

@@ -8,7 +8,6 @@ collective.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -16,6 +15,8 @@ from typing import Any, Literal, Union
 
 from torch import nn
 
+from lightning_zero.choices import ZeroConfigError, check_choice, closest, nearest  # noqa: F401 (imported from here)
+from lightning_zero.compression_config import Compression, CompressionScope, QuantizationScheme, check_compression
 
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -43,37 +44,10 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2_hsdp": dict(stage=2, shard_size="node"),
     "zero3_hsdp": dict(stage=3, shard_size="node"),
     "zero3_hpz": dict(stage=3, secondary_shard_size="node"),
+    # Communication compression (ZeRO++ qgZ, and qwZ at stage 3) with error feedback on the gradients.
+    "zero2_compressed": dict(stage=2, gradient_compression="int8", error_feedback=True),
+    "zero3_compressed": dict(stage=3, gradient_compression="int8", error_feedback=True, param_compression="int8"),
 }
-
-
-class ZeroConfigError(ValueError):
-    """A ZeroStrategy setting has a value we cannot honour; the message names the setting and the fix."""
-
-
-def nearest(value: str, choices: Iterable[str]) -> str | None:
-    """The choice closest to ``value`` in spelling, if any is close."""
-    matches = difflib.get_close_matches(str(value), sorted(set(map(str, choices))), n=1, cutoff=0.6)
-    return matches[0] if matches else None
-
-
-def closest(value: str, choices: Iterable[str]) -> str:
-    """`` Did you mean 'x'?`` for the nearest choice, or an empty string: the tail of every error message
-    that rejects a name."""
-    match = nearest(value, choices)
-    return f" Did you mean {match!r}?" if match else ""
-
-
-def check_choice(setting: str, value: Any, choices: Iterable[Any]) -> None:
-    """Raise a :class:`ZeroConfigError` naming ``setting`` unless ``value`` is one of ``choices``."""
-    choices = tuple(choices)
-    if value not in choices:
-        if isinstance(value, str):
-            hint = closest(value, [str(c) for c in choices])
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(type(c) is int for c in choices):
-            hint = f" Did you mean {min(choices, key=lambda c: abs(c - value))!r}?"
-        else:
-            hint = ""
-        raise ZeroConfigError(f"`{setting}={value!r}` is not supported; choose one of {choices}.{hint}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +126,34 @@ class ZeroConfig:
     """Under gradient accumulation, reduce-scatter on every micro-batch instead of only the last, so full
     gradients never outlive one backward in stages 2 and 3 (less memory, k times the gradient traffic)."""
 
+    gradient_compression: Compression | None = None
+    """How gradients travel in the reduce-scatter (stages 1-3) and, under hybrid sharding, the sum across replica
+    groups. ``"fp16"``/``"bf16"``: chunks travel in that dtype and each rank sums what it receives in fp32 (unlike
+    ``ZeroPrecision(reduce_dtype=...)``, the dtype the collective itself sums in). ``"int8"``/``"int4"``: block-wise
+    quantized chunks (ZeRO++ qgZ), an all-to-all after which the rank owning the rows dequantizes and sums them
+    in fp32. ``None``: as computed. DeepSpeed's ``compression`` block and ``zero_quantized_gradients`` set it."""
+
+    param_compression: Compression | None = None
+    """How updated parameters travel in the stage 1-2 post-step all-gather and stage 3's forward/backward
+    all-gathers (``"int8"``: ZeRO++ qwZ). fp32 master weights and the optimizer stay exact; every rank computes with
+    the same dequantized weights. A 16-bit choice sends a tensor already 16-bit (bf16-mixed runs) as it is."""
+
+    quantization_scheme: QuantizationScheme = "symmetric"
+    """int8/int4 blocks carry an fp32 scale (``"symmetric"``) or a scale and a zero point (``"asymmetric"``, closer
+    for blocks not centred on zero)."""
+
+    quantization_block_size: int = 2048
+    """Elements per quantization block sharing one scale: smaller blocks follow outliers more closely and send
+    more scale bytes. An even integer >= 2 (int4 packs two per byte)."""
+
+    error_feedback: bool = False
+    """Keep each rank's gradient quantization residual and add it to the next step's gradient, so the applied
+    updates track the exact ones over steps instead of drifting. Needs int8/int4 gradients; saved in checkpoints."""
+
+    compression_scope: CompressionScope = "all"
+    """``"all"``: every collective named above; ``"inter_node"``: only the gradient sum between the replica groups
+    of hybrid sharding (``shard_size``), where bandwidth is scarce, leaving traffic inside a group exact."""
+
     elementwise_optimizers: tuple = ()
     """Extra optimizer classes you vouch update every element independently (beyond torch's SGD, Adam,
     AdamW, ...), so stepping each rank's shard separately is exact."""
@@ -224,7 +226,7 @@ class ZeroConfig:
         if self.init_weights_prefix is not None and not isinstance(self.init_weights_prefix, str):
             raise ZeroConfigError(f"`init_weights_prefix` must be None or a string, got {self.init_weights_prefix!r}.")
         flags = ("offload_optimizer", "offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
-                 "gather_16bit_weights_on_save", "watchdog", "async_save", "auto_resume")
+                 "gather_16bit_weights_on_save", "watchdog", "async_save", "auto_resume", "error_feedback")
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ZeroConfigError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
@@ -243,6 +245,7 @@ class ZeroConfig:
         check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
         self._check_pipeline()
         self._check_shard_sizes()
+        check_compression(self)
         check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
         if self.async_save and self.state_dict_type != "sharded":
             raise ZeroConfigError(
@@ -376,6 +379,11 @@ class ZeroConfig:
     def pipeline_microbatches(self) -> int:
         """Micro-batches per batch (one per pipeline stage unless set)."""
         return self.microbatches or self.pipeline_stages * self.pipeline_virtual
+
+    @property
+    def compresses(self) -> bool:
+        """Whether any collective travels compressed (``gradient_compression`` or ``param_compression`` set)."""
+        return self.gradient_compression is not None or self.param_compression is not None
 
     @property
     def optimizer_on_host(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_zero.compression_config import COMPRESSION_KEYS, QUANTIZED_ZERO_KEYS, deepspeed_compression
 from lightning_zero.config import ZeroConfigError, closest
 from lightning_zero.loss_scaler import LossScaleConfig, LossScaleConfigError
 
@@ -57,7 +58,7 @@ GATHER_16BIT_KEYS = (
 HYBRID_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zero_hpz_partition_size")
 ZERO_KEYS = frozenset(
     {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "cpu_offload",
-     *GATHER_16BIT_KEYS, *HYBRID_KEYS}
+     *GATHER_16BIT_KEYS, *HYBRID_KEYS, *QUANTIZED_ZERO_KEYS}
 )
 OFFLOAD_KEYS = frozenset({"device", "pin_memory"})
 OFFLOAD_TUNING_KEYS = frozenset({"buffer_count", "buffer_size", "fast_init", "max_in_cpu", "nvme_path", "pipeline_read", "pipeline_write"})
@@ -65,7 +66,7 @@ TOP_KEYS = frozenset(
     {
         "zero_optimization", "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps",
         "train_micro_batch_size_per_gpu", "train_batch_size", "activation_checkpointing", "optimizer",
-        "scheduler", "communication_data_type",
+        "scheduler", "communication_data_type", "compression",
     }
 )
 #: DeepSpeed optimizer ``type`` -> the torch class and the ``params`` keys it takes.
@@ -303,6 +304,11 @@ def parse_deepspeed_config(config: Mapping[str, Any] | str | Path) -> DeepSpeedS
     if not isinstance(zero, Mapping):
         raise ZeroConfigError("DeepSpeed config: `zero_optimization` must be an object.")
     strategy = _zero_section(zero)
+    compression = data.get("compression") or {}
+    if not isinstance(compression, Mapping):
+        raise ZeroConfigError("DeepSpeed config: `compression` must be an object.")
+    _check_keys("compression.", compression, COMPRESSION_KEYS)
+    strategy.update(deepspeed_compression(compression, zero))  # with ZeRO++'s zero_quantized_* keys
     if "activation_checkpointing" in data:
         strategy["activation_checkpointing"] = dict(data["activation_checkpointing"])
     precision, loss_scale = _precision(data)

@@ -21,6 +21,7 @@ from lightning_zero.activation_checkpointing import apply_activation_checkpointi
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine
+from lightning_zero.engine.compression import CompressionSpec
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.layout import check_trainable
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
@@ -115,6 +116,7 @@ def shard_model(
             pin_memory=pin,
             groups=groups,
             secondary_shard_size=secondary_shard_size,
+            compression=compression_spec(config),
         )
     else:
         # Data-parallel ranks (`replicas`, which start from the first one's weights and buffers) and the ranks
@@ -143,9 +145,24 @@ def shard_model(
                 mesh=mesh,
                 replicate_group=groups.replicate_group,
                 holding=holding,
+                compression=compression_spec(config),
             )
     if config.init_weights is not None:
         load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,
                         engine=engine, holding=holding)
     buffers = list(holding.held(model.named_buffers()).values())
     return ShardedModel(engine, pipeline, holding, buffers)
+
+
+def compression_spec(config: ZeroConfig) -> CompressionSpec | None:
+    """The engines' view of the compression settings (``engine/compression.py``); None when nothing is compressed."""
+    if not config.compresses:
+        return None
+    return CompressionSpec(
+        gradients=config.gradient_compression,
+        params=config.param_compression,
+        scheme=config.quantization_scheme,
+        block_size=config.quantization_block_size,
+        error_feedback=config.error_feedback,
+        inter_node_only=config.compression_scope == "inter_node",
+    )

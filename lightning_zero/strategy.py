@@ -27,7 +27,7 @@ from typing_extensions import override
 
 from lightning_zero.activation_checkpointing import resolve_policy
 from lightning_zero.checkpointing import CheckpointingStrategy, trainer_of, unwrap
-from lightning_zero.config import REGISTERED_STRATEGIES, ZeroConfig, ZeroConfigError
+from lightning_zero.config import REGISTERED_STRATEGIES, Compression, CompressionScope, QuantizationScheme, ZeroConfig, ZeroConfigError
 from lightning_zero.config import ModulePolicy, PipelineSchedule, PipelineSplit, ShardSize, StartMethod, StateDictType
 from lightning_zero.deepspeed_config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
 from lightning_zero.deepspeed_trainer import apply_to_trainer, check_batch_sizes, optimizers_from_config, precision_plugin_for
@@ -69,6 +69,9 @@ class ZeroStrategy(CheckpointingStrategy):
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         reduce_every_microbatch: bool = False,
+        gradient_compression: Compression | None = None, param_compression: Compression | None = None,
+        quantization_scheme: QuantizationScheme = "symmetric", quantization_block_size: int = 2048,
+        error_feedback: bool = False, compression_scope: CompressionScope = "all",
         elementwise_optimizers: tuple[type, ...] = (),
         init_weights: str | Path | None = None,
         init_weights_strict: bool = True,

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint import error_feedback
 from lightning_zero.checkpoint.safe_load import dcp_load
 from lightning_zero.checkpoint.state_dicts import (
     hosted_tensors,
@@ -101,7 +102,12 @@ def load(
             state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
             live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
             check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state", checkpoint=path)
+    residuals = error_feedback.placeholder(saved_tensor_shapes(path, error_feedback.KEY), checkpoint, engine)
+    if residuals is not None:
+        state[error_feedback.KEY] = residuals
     dcp_load(state, path, allow_partial_load=not strict)
+    if residuals is not None:
+        error_feedback.restore(state[error_feedback.KEY], checkpoint, engine)
     if engine is not None:
         engine.params_loaded()  # e.g. each rank loaded only its rows of the resident parameters
     for i, optimizer in enumerate(optimizers):

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_zero.checkpoint import error_feedback
 from lightning_zero.checkpoint.errors import on_every_rank, reraise, save_error
 from lightning_zero.checkpoint.files import (
     remove,
@@ -50,6 +51,8 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     ``state_dict`` and ``optimizer_{i}``; each optimizer's param groups (names and hyperparameters) stay in
     ``meta.pt``. Takes ``checkpoint`` apart (it is Lightning's freshly built dict)."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
+    if error_feedback.KEY in checkpoint:  # this rank's residuals (error_feedback.py); their tables stay in meta.pt
+        tensors[error_feedback.KEY] = checkpoint.pop(error_feedback.KEY)
     for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = optim_state["state"]
         checkpoint.setdefault("optimizer_param_groups", []).append(optim_state["param_groups"])

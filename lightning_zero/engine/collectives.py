@@ -110,6 +110,34 @@ def all_gather(
         return work if async_op else finish(work, number, "all_gather")
 
 
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | None:
+    """Rank r's chunk j of ``input`` (dim 0 split in equal chunks) lands as chunk r of rank j's ``output``:
+    compressed gradient reduction (``compression.py``) sends each owner its rows this way."""
+    if world_size(group) == 1:
+        output.copy_(input)
+        return None
+    number = _FLIGHT.issue("all_to_all", input.numel(), input.dtype)
+    _count("all_to_all", input, group)
+    with record_function("lightning_zero::all_to_all"):
+        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+        if async_op:
+            return _Tracked(work, number, "all_to_all")
+        return finish(work, number, "all_to_all")
+
+
+class _Tracked:
+    """A backend's handle that reports its wait to the flight recorder, as our rings do."""
+
+    def __init__(self, work: dist.Work, number: int, kind: str) -> None:
+        self.work, self.number, self.kind = work, number, kind
+
+    def wait(self) -> bool:
+        finish(self.work, self.number, self.kind)
+        return True
+
+
 def finish(work, number: int = 0, kind: str = "") -> None:
     """Wait for an asynchronous collective's handle (one of our rings, or a ``dist.Work``)."""
     if isinstance(work, _Ring):

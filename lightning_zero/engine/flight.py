@@ -25,7 +25,8 @@ import torch
 
 #: Stable codes for the hash (see [Note: operation numbers and the running hash]).
 _KIND_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "broadcast_object": 5,
-               "all_gather_object": 6, "gather_object": 7, "barrier": 8, "all_gather_uncounted": 9}
+               "all_gather_object": 6, "gather_object": 7, "barrier": 8, "all_gather_uncounted": 9,
+               "all_to_all": 10}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
            torch.uint8, torch.bool, torch.int16)
 _DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(_DTYPES)}

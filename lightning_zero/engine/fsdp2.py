@@ -63,6 +63,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import Holding, ShardRecord
+from lightning_zero.engine.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter, SumOverReplicas
 from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units, units_below_the_root
 from lightning_zero.engine.hf_init import hf_owners, initialize
@@ -103,8 +104,12 @@ class FullyShardedEngine:
         pin_memory: bool = False,
         groups: DataParallelGroups | None = None,
         secondary_shard_size: int | None = None,
+        compression: CompressionSpec | None = None,
     ) -> None:
         self.module = module
+        #: Compressed collectives (``compression.py``); None: exact ones. Units name their residuals by path.
+        self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
+        self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
         self.params_on_host = offload_params
         self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
         hybrid = groups is not None and groups.replicas > 1
@@ -160,12 +165,13 @@ class FullyShardedEngine:
             mp_policy=self._mp_policy(module),
             offload_policy=self._offload_policy,
         )
-        module.set_custom_all_gather(CountingAllGather())
-        module.set_custom_reduce_scatter(CountingReduceScatter())
+        name = self._unit_names.get(id(module), "root")
+        module.set_custom_all_gather(CountingAllGather(self.compression))
+        module.set_custom_reduce_scatter(CountingReduceScatter(self.compression, name))
         if self.replicate_group is not None:
             module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
             module.set_gradient_divide_factor(float(self._all_ranks))
-            module.set_all_reduce_hook(SumOverReplicas(self.replicate_group))
+            module.set_all_reduce_hook(SumOverReplicas(self.replicate_group, self.compression, name))
 
     def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
         """See [Note: stage 3 mixed precision]."""

@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.buckets import pack_bucket, segment_view
+from lightning_zero.engine.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.layout import ParamShardSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
@@ -106,8 +107,11 @@ class GradientReducer:
         host_gradients: MasterShards | None = None,
         group=None,
         replicate_group=None,
+        compression: CompressedComm | None = None,
     ) -> None:
         self.params = list(params)
+        #: Compressed transport of the reductions (``compression.py``); None: the plain collectives.
+        self.compression = compression
         self.layout = layout
         self.rank = rank
         self.world_size = layout.world_size
@@ -233,7 +237,10 @@ class GradientReducer:
             out = self._bucket_storage(bucket_index)
         else:
             out = torch.empty(bucket.segment_numel, dtype=comm.dtype, device=comm.device)
-        work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
+        if self.compression is not None:
+            work = self.compression.reduce_scatter(out, comm, self.group, key=bucket_index)
+        else:
+            work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
         self._next = bucket_index + 1
         self._inflight.append(_Inflight(bucket_index, work, comm, out, direct, accumulate))
         # Bound the full-size communication buffers alive at once (stage 2 must not hold a whole
@@ -304,7 +311,8 @@ class GradientReducer:
         pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
         held_by_index = {i: self.local_grad(i) for i in pending}
         if self.replicas > 1:
-            _sum_over(self.replicate_group, [g for g in held_by_index.values() if g is not None], self.reduce_dtype)
+            held = [g for g in held_by_index.values() if g is not None]
+            _sum_over(self.replicate_group, held, self.reduce_dtype, self.compression)
         grads = []
         for i, held in held_by_index.items():
             record = self.records[i]
@@ -346,16 +354,21 @@ class GradientReducer:
         self._handles.clear()
 
 
-def _sum_over(group, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None) -> None:
+def _sum_over(
+    group, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None, compression: CompressedComm | None = None
+) -> None:
     """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
     shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
-    fp16 sums of ``16-mixed``)."""
+    fp16 sums of ``16-mixed``), or compressed (``compression.py``)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for held, same in by_dtype.items():
         flat = torch.cat([t.reshape(-1) for t in same]).to(_comm_dtype(held, reduce_dtype))
-        collectives.all_reduce(flat, group=group)
+        if compression is not None:
+            compression.sum_over(flat, group, key=str(held).removeprefix("torch."))
+        else:
+            collectives.all_reduce(flat, group=group)
         torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in same]), same)])
 
 

@@ -27,6 +27,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine.buckets import pack_segment, unpack_bucket
+from lightning_zero.engine.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
 from lightning_zero.engine.layout import ShardLayout
@@ -132,7 +133,8 @@ class ShardedOptimizer:
 
     def all_gather_params(self) -> None:
         all_gather_params(
-            self.layout, self.params, self.buckets, rank=self.rank, group=self.group, masters=self.masters, indices=self.indices
+            self.layout, self.params, self.buckets, rank=self.rank, group=self.group, masters=self.masters,
+            indices=self.indices, compression=self.reducer.compression,
         )
 
 
@@ -145,11 +147,13 @@ def all_gather_params(
     group=None,
     masters: MasterShards | None = None,
     indices: Iterable[int] | None = None,
+    compression: CompressedComm | None = None,
 ) -> None:
     """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time, overlapping
     the packing of the next bucket with the in-flight gather of the previous one. With ``masters``, the
     masters of ``indices`` (default: all) are first copied into this rank's rows, bucket by bucket, so the
-    host->device copy of one bucket overlaps the gather of the one before."""
+    host->device copy of one bucket overlaps the gather of the one before. With ``compression`` of parameters
+    every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact."""
     sources = [p.detach() for p in params]
     wanted = set(range(len(params)) if indices is None else indices)
 
@@ -166,11 +170,11 @@ def all_gather_params(
         return
     flights: list = []
 
-    def land(bucket, work, full) -> None:
+    def land(bucket, work, full, decoded) -> None:
         if work is not None:
             work.wait()
-        with torch.no_grad():
-            unpack_bucket(layout, bucket, full, sources, skip_rank=rank)  # own rows are already in place
+        with torch.no_grad():  # own rows are already in place, unless they were encoded and decoded too
+            unpack_bucket(layout, bucket, full, sources, skip_rank=None if decoded else rank)
 
     for b in buckets:
         bucket = layout.buckets[b]
@@ -180,7 +184,10 @@ def all_gather_params(
             layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
         )
         full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
-        flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full))
+        if compression is not None and compression.compresses_params(segment.dtype):
+            flights.append((bucket, compression.all_gather(full, segment, group), full, True))
+        else:
+            flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full, False))
         if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers alive at once
             land(*flights.pop(0))
     for flight in flights:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import Holding, ShardRecord
 from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
@@ -50,6 +51,7 @@ class ZeroDataParallel:
         mesh=None,
         replicate_group=None,
         holding: Holding = Holding(),
+        compression: CompressionSpec | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
@@ -84,7 +86,11 @@ class ZeroDataParallel:
         #: This rank's rows as the optimizer updates them, when they are not the resident parameters: fp32
         #: copies taken before the parameters are cast to their compute dtype, and/or held in host memory.
         self.masters: MasterShards | None = None
-        if policy is not None or offload_optimizer:
+        #: Compressed gradients and/or parameters in transit (``compression.py``); None: exact collectives.
+        self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
+        # Compressed parameters arrive rounded, this rank's rows too: the optimizer then steps exact fp32 masters.
+        lossy_params = compression is not None and compression.params is not None
+        if policy is not None or offload_optimizer or lossy_params:
             self.masters = MasterShards(
                 [local_rows(p.detach(), self.rank, self.world_size) for p in self.params],
                 dtype=policy.master_dtype if policy is not None else None,
@@ -104,6 +110,7 @@ class ZeroDataParallel:
             host_gradients=self.masters if offload_optimizer else None,
             group=group,
             replicate_group=replicate_group,
+            compression=self.compression,
         )
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self._records = [self._record(i) for i in range(len(self.params))]
@@ -174,7 +181,8 @@ class ZeroDataParallel:
     def params_loaded(self) -> None:
         """Checkpoint rows were written into :meth:`local_rows`: give every rank every rank's rows (collective)."""
         all_gather_params(
-            self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group, masters=self.masters
+            self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group,
+            masters=self.masters, compression=self.compression,
         )
 
     def local_rows(self, index: int) -> torch.Tensor:
