@@ -126,13 +126,15 @@ def test_inter_node_scope_compresses_only_what_crosses_nodes(hybrid, stage):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", ["stage1_full", "stage3_bf16-mixed", "stage2_offload", "stage2_no_overlap"])
+@pytest.mark.parametrize(
+    "case", ["stage1_full", "stage3_bf16-mixed", "stage2_offload", "stage2_no_overlap", "stage2_16-mixed"]
+)
 def test_more_configurations_keep_ranks_identical(full_matrix, case):
     _check_modes(full_matrix[case])
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", ["stage2_all", "stage3_inter_node"])
+@pytest.mark.parametrize("case", ["stage2_all", "stage3_inter_node", "stage3_hpz"])
 def test_more_hybrid_configurations(hybrid_full, case):
     _check_modes(hybrid_full[case])
 

@@ -134,6 +134,7 @@ CASES = {
         **{f"exact_off_stage{s}": exact_when_off(s) for s in (1, 2, 3)},
         "stage2_offload": modes(2, names=("off", "int8_ef"), offload_optimizer=True),
         "stage2_no_overlap": modes(2, names=("off", "int8_ef"), overlap_comm=False),
+        "stage2_16-mixed": modes(2, "16-mixed", names=("off", "int8_ef", "qwz_int8")),
     },
     "hybrid": lambda directory: {
         "stage2_inter_node": modes(2, names=("off", "int8_ef"), shard_size=HYBRID, compression_scope="inter_node"),
@@ -145,6 +146,7 @@ CASES = {
     "hybrid_full": lambda directory: {
         "stage2_all": modes(2, names=("off", "int8_ef"), shard_size=HYBRID),
         "stage3_inter_node": modes(3, names=("off", "int8_ef"), shard_size=HYBRID, compression_scope="inter_node"),
+        "stage3_hpz": modes(3, names=("off", "qwz_int8"), secondary_shard_size=HYBRID),
     },
 }
 
