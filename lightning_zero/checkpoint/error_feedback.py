@@ -85,8 +85,7 @@ def placeholder(saved_shapes: dict[str, Any], checkpoint: dict[str, Any], engine
             stacklevel=2,
         )
         return None
-    device = next((p.device for p in engine.params), torch.device("cpu")) if getattr(engine, "params", None) else None
-    device = device or torch.device("cpu")
+    device = engine.params[0].device if engine.params else torch.device("cpu")  # residuals follow their gradients
     row = torch.zeros(1, shape[1], dtype=torch.float32, device=device)
     return {"residuals": DTensor.from_local(row, _world_mesh(device.type), [Shard(0)], run_check=False,
                                             shape=torch.Size(shape), stride=(shape[1], 1))}

@@ -23,7 +23,7 @@ master rows, which compression never touches.
 With ``error_feedback`` each rank keeps, per chunk it sends, what quantization dropped last time, and adds it to the
 next gradient of that chunk (EF-SGD, as 1-bit Adam does), so the sum of the applied gradients tracks the true sum
 to within one step's rounding instead of drifting. Residuals are named by the peer's offset from this rank, not by
-the peer's rank, so every rank of a run has the same names (see ``checkpoint/state_dicts.py``).
+the peer's rank, so every rank of a run has the same names (see ``checkpoint/error_feedback.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import torch
 from lightning_zero.engine import collectives
 from lightning_zero.engine.quantize import Codec, ErrorFeedback
 
-WIRE_FORMATS = ("fp16", "bf16", "int8", "int4")
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -160,7 +159,10 @@ class CompressedComm:
             output.copy_(total)
 
         pending = _Pending(work, land)
-        return pending if async_op else pending.wait() and None
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     def sum_over(self, tensor: torch.Tensor, group, key: object) -> None:
         """In place: ``tensor`` summed over ``group`` (hybrid sharding's replicas), every rank decoding the same
@@ -209,7 +211,10 @@ class CompressedComm:
                 rows[i].copy_(transport.decode(recv[i], numel, part))
 
         pending = _Pending(work, land)
-        return pending if async_op else pending.wait() and None
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     # ------------------------------------------------------------------ state
     def residuals(self) -> dict[str, torch.Tensor]:
