@@ -7,6 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import CheckpointEntry, CheckpointError, CheckpointSaveError, UnsafeCheckpointError, list_checkpoints
+from lightning_zero.checkpoint.module_loading import load_from_checkpoint
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
@@ -14,7 +15,7 @@ from lightning_zero.strategy import ZeroStrategy
 
 __all__ = [
     "CheckpointEntry", "CheckpointError", "CheckpointSaveError", "UnsafeCheckpointError", "ZeroConfig", "ZeroConfigError",
-    "ZeroPrecision", "ZeroStrategy", "list_checkpoints", "load_pretrained",
+    "ZeroPrecision", "ZeroStrategy", "list_checkpoints", "load_from_checkpoint", "load_pretrained",
 ]
 __version__ = "0.1.0"
 

@@ -83,9 +83,13 @@ def load(
     optimizer_entries = False
     # Under pipeline stages each stage's ranks check their own parameters: agree before loading together.
     with _on_every_rank():
+        saved_groups = checkpoint.get("optimizer_param_groups", [])
         for i, optimizer in enumerate(optimizers):
             saved = saved_tensor_shapes(path, f"optimizer_{i}")
             if not saved:
+                if i < len(saved_groups):  # saved before its first step (lr_find does): an empty state, as torch's
+                    optimizer_entries = True
+                    optimizer.state.clear()
                 continue
             optimizer_entries = True
             saved = {key: shape for key, shape in saved.items() if key.rsplit(".", 1)[0] not in elsewhere}

@@ -1,0 +1,52 @@
+"""Lightning features a user reaches for after switching ``strategy="ddp"`` to ZeroStrategy, run through
+lightning.Trainer on 2 CPU ranks: ``Tuner.lr_find`` at every stage (its checkpoint is written before the optimizer has
+state), and getting a trained module back in one plain process from a sharded checkpoint."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zero import load_from_checkpoint
+from lightning_zero.demo.gpt import GPTLightningModule
+from tests.launch import launch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("features")
+    report = launch("tests.distributed.worker_lightning_features", "lr_find", "checkpoints", nprocs=2,
+                    env={"LZ_SHARED_DIR": str(directory)})
+    return report
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage2_full"])
+def test_lr_find_works_and_matches_ddp(runs, case):
+    """The same loss curve, suggestion and parameters after ``fit`` as Lightning ``ddp`` on the same module."""
+    result, ddp = runs["lr_find"][case], runs["lr_find"]["ddp"]
+    assert result["steps"] == 3 and len(result["losses"]) == 20
+    assert result["suggestion"] == ddp["suggestion"] and result["learning_rate"] == ddp["suggestion"]
+    assert result["loss_diff_vs_ddp"] <= 1e-6 and result["param_diff_vs_ddp"] <= 1e-6
+
+
+@pytest.mark.parametrize("case", ["stage2", "stage3", "stage3_full"])
+def test_a_trained_module_comes_back_in_one_process(runs, case):
+    """``lightning_zero.load_from_checkpoint(MyModule, path)``: no process group, any stage, a sharded directory or a
+    full file; the weights the run ended with, its hyperparameters (overridable), ``configure_model`` called."""
+    path = Path(runs["checkpoints"][case])
+    expected = torch.load(path.with_name(f"{case}.weights.pt"), weights_only=True)
+    module = load_from_checkpoint(GPTLightningModule, path)
+    assert isinstance(module, GPTLightningModule) and module.hparams.n_embd == 32
+    state = module.state_dict()
+    assert set(state) == set(expected)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    overridden = load_from_checkpoint(GPTLightningModule, path, learning_rate=0.5)
+    assert overridden.hparams.learning_rate == 0.5
+
+
+def test_lightnings_own_loader_still_cannot_open_a_directory(runs):
+    """Lightning opens the path as one file; this pins the failure the README points around."""
+    with pytest.raises(IsADirectoryError):
+        GPTLightningModule.load_from_checkpoint(runs["checkpoints"]["stage2"])

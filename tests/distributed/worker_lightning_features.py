@@ -1,0 +1,85 @@
+"""Rank program for Lightning features a user reaches for under ZeroStrategy (pattern: worker_core; 2 ranks)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.tuner import Tuner
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.demo.data import RandomTokenDataset
+from lightning_zero.demo.gpt import GPTLightningModule
+from tests.distributed import models, worker_precision
+from tests.distributed.worker_core import RANK, max_diff, trainer
+from tests.launch import run_cases_with_directory
+
+
+class TunableGPT(GPTLightningModule):
+    """The demo GPT with its own data (``lr_find`` needs a train_dataloader) and an ``lr`` the tuner sets."""
+
+    def train_dataloader(self):
+        kwargs = worker_precision.GPT_KWARGS
+        data = RandomTokenDataset(num_samples=200, block_size=kwargs["block_size"], vocab_size=kwargs["vocab_size"], seed=5)
+        return models.loader(data, worker_precision.BATCH)
+
+
+def lr_find(strategy, directory: Path) -> dict:
+    """``Tuner.lr_find`` saves a checkpoint before its search (the optimizer has no state yet), searches, restores
+    the checkpoint and sets the suggestion; then ``fit`` trains with it."""
+    L.seed_everything(3)
+    module = TunableGPT(**worker_precision.GPT_KWARGS)
+    t = trainer(strategy, max_steps=3, default_root_dir=directory)
+    finder = Tuner(t).lr_find(module, min_lr=1e-4, max_lr=1.0, num_training=20, attr_name="learning_rate")
+    t.fit(module)
+    if isinstance(strategy, ZeroStrategy):
+        params = t.strategy.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"suggestion": finder.suggestion(), "learning_rate": module.hparams.learning_rate, "steps": t.global_step,
+            "losses": finder.results["loss"], "params": params}
+
+
+def lr_find_against_ddp(directory: Path) -> dict:
+    """Every stage (sharded and full checkpoints) against Lightning ``ddp`` on the same module: the same search,
+    suggestion and parameters after ``fit``."""
+    runs = {"ddp": lr_find("ddp", directory / "ddp")}
+    runs.update({f"stage{s}": lr_find(ZeroStrategy(stage=s), directory / f"lr{s}") for s in (1, 2, 3)})
+    runs["stage2_full"] = lr_find(ZeroStrategy(stage=2, state_dict_type="full"), directory / "lr2full")
+    ddp, ddp_params = runs["ddp"], runs["ddp"]["params"]
+    out = {}
+    for name, run in runs.items():
+        params = run.pop("params")
+        run["param_diff_vs_ddp"] = max_diff(params, ddp_params) if RANK == 0 else None
+        run["loss_diff_vs_ddp"] = max(abs(a - b) for a, b in zip(run["losses"], ddp["losses"]))
+        out[name] = run
+    return out
+
+
+def trained_checkpoints(directory: Path) -> dict:
+    """Sharded (stages 2 and 3, what ModelCheckpoint writes by default) and full checkpoints of the demo GPT built in
+    ``configure_model``, with the full weights beside them (``*.weights.pt``) for the one-process loader's test."""
+    out = {}
+    for name, kwargs in (("stage2", dict(stage=2)), ("stage3", dict(stage=3)), ("stage3_full", dict(stage=3, state_dict_type="full"))):
+        L.seed_everything(5)
+        module = GPTLightningModule(**worker_precision.GPT_KWARGS, build_in_configure_model=True)
+        t = trainer(ZeroStrategy(**kwargs), max_steps=3)
+        t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH))
+        path = directory / f"{name}.ckpt"
+        t.save_checkpoint(path)
+        weights = t.strategy.full_state_dict()
+        if RANK == 0:
+            torch.save(weights, directory / f"{name}.weights.pt")
+        out[name] = str(path)
+    return out
+
+
+CASES = {
+    "lr_find": lr_find_against_ddp,
+    "checkpoints": trained_checkpoints,
+}
+
+if __name__ == "__main__":
+    run_cases_with_directory(CASES, sys.argv[1:])
