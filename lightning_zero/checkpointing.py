@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_zero.checkpoint import error_feedback, hf_export, io, state_dicts, write
 from lightning_zero.checkpoint.error_feedback import warn_residuals_not_kept
+from lightning_zero.swa import clear_schedulers_for_swa
 from lightning_zero.checkpoint.async_save import AsyncSaver, checkpoint_group
 from lightning_zero.checkpoint.files import clean_directory, remove
 from lightning_zero.config import ZeroConfig
@@ -162,6 +163,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        clear_schedulers_for_swa(trainer_of(self.lightning_module))  # Lightning restores the schedulers next
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             io.load_optimizer_state(unwrap(optimizer), state, self.lightning_module, self._sharded.engine,
                                     holding=self._sharded.holding)

@@ -27,8 +27,9 @@ from typing_extensions import override
 
 from lightning_zero.activation_checkpointing import resolve_policy
 from lightning_zero.checkpointing import CheckpointingStrategy, trainer_of, unwrap
-from lightning_zero.config import REGISTERED_STRATEGIES, Compression, CompressionScope, QuantizationScheme, ZeroConfig, ZeroConfigError
-from lightning_zero.config import ModulePolicy, PipelineSchedule, PipelineSplit, ShardSize, StartMethod, StateDictType
+from lightning_zero.config import REGISTERED_STRATEGIES, Compression, CompressionScope, ModulePolicy, PipelineSchedule
+from lightning_zero.config import PipelineSplit, QuantizationScheme, ShardSize, StartMethod, StateDictType, ZeroConfig
+from lightning_zero.config import ZeroConfigError
 from lightning_zero.deepspeed_config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
 from lightning_zero.deepspeed_trainer import apply_to_trainer, check_batch_sizes, optimizers_from_config, precision_plugin_for
 from lightning_zero.engine.api import ShardingEngine
@@ -36,6 +37,7 @@ from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.precision import ZeroPrecision, as_zero_precision
 from lightning_zero.processes import require
 from lightning_zero.sharding import NOT_SHARDED, construction_device, shard_model
+from lightning_zero.swa import average_sharded_weights
 
 #: The constructor arguments that are :class:`ZeroConfig` fields (validated there, in one place).
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
@@ -54,8 +56,7 @@ class ZeroStrategy(CheckpointingStrategy):
         self,
         stage: int = 2,
         *,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
+        offload_optimizer: bool = False, offload_params: bool = False,
         pin_memory: bool | None = None,
         activation_checkpointing: Any = None,
         wrap_policy: ModulePolicy = None,
@@ -66,16 +67,14 @@ class ZeroStrategy(CheckpointingStrategy):
         pipeline_virtual_stages: int | None = None,
         shard_size: ShardSize = None,
         secondary_shard_size: ShardSize = None,
-        bucket_size_mb: float = 25.0,
-        overlap_comm: bool = True,
+        bucket_size_mb: float = 25.0, overlap_comm: bool = True,
         reduce_every_microbatch: bool = False,
         gradient_compression: Compression | None = None, param_compression: Compression | None = None,
         quantization_scheme: QuantizationScheme = "symmetric", quantization_block_size: int = 2048,
         error_feedback: bool = False, compression_scope: CompressionScope = "all",
         elementwise_optimizers: tuple[type, ...] = (),
         init_weights: str | Path | None = None,
-        init_weights_strict: bool = True,
-        init_weights_prefix: str | None = None,
+        init_weights_strict: bool = True, init_weights_prefix: str | None = None,
         gather_16bit_weights_on_save: bool = False,
         async_save: bool = False,
         state_dict_type: StateDictType = "sharded",
@@ -188,6 +187,7 @@ class ZeroStrategy(CheckpointingStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting:
             self.setup_checkpoints(trainer)
+            average_sharded_weights(trainer, self.lightning_module, self.engine)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

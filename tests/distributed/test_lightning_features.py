@@ -50,3 +50,18 @@ def test_lightnings_own_loader_still_cannot_open_a_directory(runs):
     """Lightning opens the path as one file; this pins the failure the README points around."""
     with pytest.raises(IsADirectoryError):
         GPTLightningModule.load_from_checkpoint(runs["checkpoints"]["stage2"])
+
+
+@pytest.fixture(scope="module")
+def swa_runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("swa")
+    return launch("tests.distributed.worker_lightning_features", "swa", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})["swa"]
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage3_configure_model", "stage2_resumed", "stage3_resumed"])
+def test_stochastic_weight_averaging_equals_ddp(swa_runs, case):
+    """Lightning's ``StochasticWeightAveraging`` (from epoch 2 of 4) ends with the weights ``ddp`` ends with; at stage 3
+    it averages the sharded parameters, and a run resumed from a checkpoint taken while averaging ends there too."""
+    result = swa_runs[case]
+    assert result["epochs"] == 4 and result["averaged"] == swa_runs["ddp"]["averaged"] == 3
+    assert result["diff_vs_ddp"] <= 1e-6

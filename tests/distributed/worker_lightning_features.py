@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 
 from lightning_zero import ZeroStrategy
@@ -76,9 +77,47 @@ def trained_checkpoints(directory: Path) -> dict:
     return out
 
 
+def swa(strategy, build_in_configure_model: bool = False, resume_from: Path | None = None,
+        save_to: Path | None = None, epochs: int = 4) -> dict:
+    """``StochasticWeightAveraging`` from epoch 2 of 4: the weights the module ends with (the average). With
+    ``save_to`` a checkpoint per epoch; with ``resume_from`` the run starts from one."""
+    L.seed_everything(9)
+    module = GPTLightningModule(**worker_precision.GPT_KWARGS, build_in_configure_model=build_in_configure_model)
+    callback = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2, annealing_epochs=1)
+    callbacks = [callback]
+    if save_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+    t = trainer(strategy, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=save_to is not None)
+    t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH), ckpt_path=resume_from)
+    if isinstance(strategy, ZeroStrategy):
+        params = t.strategy.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"params": params, "epochs": t.current_epoch, "averaged": int(callback.n_averaged)}
+
+
+def swa_against_ddp(directory: Path) -> dict:
+    """Every stage (stage 3 also with the model built in ``configure_model``, and resumed from a checkpoint taken
+    while averaging) against Lightning ``ddp``."""
+    ddp = swa("ddp")
+    runs = {f"stage{s}": swa(ZeroStrategy(stage=s)) for s in (1, 2, 3)}
+    runs["stage3_configure_model"] = swa(ZeroStrategy(stage=3), build_in_configure_model=True)
+    for stage in (2, 3):
+        swa(ZeroStrategy(stage=stage), save_to=directory / f"swa{stage}", epochs=3)
+        runs[f"stage{stage}_resumed"] = swa(ZeroStrategy(stage=stage), resume_from=directory / f"swa{stage}" / "epoch=2.ckpt")
+    out = {}
+    for name, run in runs.items():
+        params = run.pop("params")
+        run["diff_vs_ddp"] = max_diff(params, ddp["params"]) if RANK == 0 else None
+        out[name] = run
+    out["ddp"] = {"epochs": ddp["epochs"], "averaged": ddp["averaged"]}
+    return out
+
+
 CASES = {
     "lr_find": lr_find_against_ddp,
     "checkpoints": trained_checkpoints,
+    "swa": swa_against_ddp,
 }
 
 if __name__ == "__main__":
