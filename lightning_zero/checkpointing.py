@@ -15,14 +15,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.checkpoint import error_feedback, hf_export, io, state_dicts, write
-from lightning_zero.checkpoint.error_feedback import warn_residuals_not_kept
-from lightning_zero.swa import clear_schedulers_for_swa
 from lightning_zero.checkpoint.async_save import AsyncSaver, checkpoint_group
+from lightning_zero.checkpoint.error_feedback import warn_residuals_not_kept
 from lightning_zero.checkpoint.files import clean_directory, remove
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import collectives
@@ -32,6 +32,7 @@ from lightning_zero.processes import ProcessGroupStrategy, require
 from lightning_zero.resume import ResumeState
 from lightning_zero.rng import collect_rng_state
 from lightning_zero.sharding import NOT_SHARDED, ShardedModel
+from lightning_zero.swa import clear_schedulers_for_swa
 
 
 class CheckpointingStrategy(ProcessGroupStrategy):
@@ -147,7 +148,12 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         module = self.lightning_module
         require(module, "lightning_module")
-        checkpoint = io.load(path, module, [unwrap(o) for o in self.optimizers], self._sharded.engine,
+        trainer = trainer_of(module)
+        # validate/test/predict from a checkpoint read the model alone, as Lightning's strategies do (a fit's
+        # optimizers outlive it on the strategy).
+        evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
+        optimizers = [] if evaluating else [unwrap(o) for o in self.optimizers]
+        checkpoint = io.load(path, module, optimizers, self._sharded.engine,
                              strict=module.strict_loading, weights_only=weights_only is not False,
                              holding=self._sharded.holding)
         states = checkpoint.get("rng_states")

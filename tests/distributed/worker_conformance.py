@@ -1,0 +1,181 @@
+"""Rank program for Lightning conformance: every built-in callback and the Trainer flags users combine with a
+strategy, run on the same module under Lightning ``ddp`` and under each ZeRO stage (2 ranks). Each feature reports
+what a user would see: whether it ran (or the error it raised), where training stopped, the metrics it logged, the
+files it wrote, and how far the final weights are from ``ddp``'s."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch import callbacks as cb
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.demo.data import RandomTokenDataset
+from lightning_zero.demo.gpt import GPTLightningModule
+from tests.distributed import models, worker_precision
+from tests.distributed.worker_core import RANK, max_diff, trainer
+from tests.launch import run_cases_with_directory
+
+KWARGS = worker_precision.GPT_KWARGS
+
+
+class Data(L.LightningDataModule):
+    """Random tokens for every loop (train 12 batches per rank, validation/test/predict 2)."""
+
+    def __init__(self, batch_size: int = 2) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    def _loader(self, samples: int, seed: int):
+        data = RandomTokenDataset(num_samples=samples, block_size=KWARGS["block_size"], vocab_size=KWARGS["vocab_size"], seed=seed)
+        return models.loader(data, self.batch_size)
+
+    def train_dataloader(self):
+        return self._loader(48, 1)
+
+    def val_dataloader(self):
+        return self._loader(8, 2)
+
+    def test_dataloader(self):
+        return self._loader(8, 3)
+
+    def predict_dataloader(self):
+        return self._loader(8, 4)
+
+
+def _strategy(name: str):
+    return "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]))
+
+
+def _weights(t: L.Trainer, module: L.LightningModule) -> dict[str, torch.Tensor]:
+    if isinstance(t.strategy, ZeroStrategy):
+        return t.strategy.full_state_dict()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _fit(name: str, directory: Path, callbacks=(), after: Callable | None = None, **kwargs) -> dict[str, Any]:
+    """Fit under strategy ``name``; what the user sees."""
+    L.seed_everything(21)
+    module = GPTLightningModule(**KWARGS)
+    t = trainer(_strategy(name), callbacks=list(callbacks), default_root_dir=directory, **kwargs)
+    observed: dict[str, Any] = {}
+    try:
+        t.fit(module, datamodule=Data())
+        if after is not None:
+            observed.update(after(name, t, module))
+    except Exception as err:  # noqa: BLE001 - the outcome is what the user sees
+        print(f"[rank {RANK}] {name} in {directory.parent.name}: {type(err).__name__}: {err}", file=sys.stderr)
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
+    metrics = {k: round(float(v), 6) for k, v in t.callback_metrics.items()}
+    files = sorted(p.name for p in directory.rglob("*") if p.suffix in (".ckpt", ".csv")) if directory.exists() else []
+    return {"error": None, "step": t.global_step, "epoch": t.current_epoch, "metrics": metrics, "files": files,
+            "weights": _weights(t, module), **observed}
+
+
+def _resume_last(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
+    """After 3 epochs with ModelCheckpoint, a new Trainer continues to 4 from ``ckpt_path="last"``."""
+    L.seed_everything(21)
+    again = trainer(_strategy(name), default_root_dir=t.default_root_dir, max_epochs=4, enable_checkpointing=True,
+                    callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)])
+    resumed = GPTLightningModule(**KWARGS)
+    again.fit(resumed, datamodule=Data(), ckpt_path="last")
+    return {"resumed_epoch": again.current_epoch, "resumed_weights": _weights(again, resumed)}
+
+
+def _best(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
+    """``validate``/``test`` from ``ckpt_path="best"``: the best of ModelCheckpoint's kept checkpoints."""
+    val = t.validate(module, datamodule=Data(), ckpt_path="best", verbose=False)
+    test = t.test(module, datamodule=Data(), ckpt_path="best", verbose=False)
+    return {"best": Path(t.checkpoint_callback.best_model_path).name, "validate": val[0]["val_loss"],
+            "test": test[0]["test_loss"]}
+
+
+def _evaluate(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
+    val = t.validate(module, datamodule=Data(), verbose=False)
+    test = t.test(module, datamodule=Data(), verbose=False)
+    predictions = t.predict(module, datamodule=Data())
+    return {"validate": val[0]["val_loss"], "test": test[0]["test_loss"],
+            "predictions": sum(int(p.sum()) for p in predictions)}
+
+
+def _lr_logged(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
+    """Rank 0's CSV log has the learning rate of each param group."""
+    if RANK != 0:
+        return {}
+    header = next(Path(t.default_root_dir).rglob("metrics.csv")).read_text().splitlines()[0]
+    return {"lr_columns": sorted(c for c in header.split(",") if c.startswith("lr-"))}
+
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "accumulate_clip": dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5),
+    "val_check_interval": dict(max_epochs=1, val_check_interval=3, limit_val_batches=2),
+    "limit_batches": dict(max_epochs=2, limit_train_batches=3, limit_val_batches=1),
+    "overfit_batches": dict(max_epochs=2, overfit_batches=2),
+    "fast_dev_run": dict(fast_dev_run=2),
+    "deterministic": dict(max_steps=3, deterministic=True),
+    "detect_anomaly": dict(max_steps=2, detect_anomaly=True),
+    "num_sanity_val_steps": dict(max_steps=2, num_sanity_val_steps=2),
+    "max_time": dict(max_epochs=1000, max_time={"seconds": 2}),
+    "early_stopping": dict(max_epochs=5, callbacks=[cb.EarlyStopping(monitor="val_loss", min_delta=10.0, patience=0)]),
+    "lr_monitor": dict(max_steps=4, logger=True, callbacks=[cb.LearningRateMonitor()], after=_lr_logged),
+    "grad_accum_scheduler": dict(max_epochs=2, callbacks=[cb.GradientAccumulationScheduler({0: 1, 1: 2})]),
+    "model_summary": dict(max_steps=1, enable_model_summary=True, callbacks=[cb.ModelSummary(max_depth=2)]),
+    "device_stats": dict(max_steps=2, logger=True, callbacks=[cb.DeviceStatsMonitor()]),
+    "throughput": dict(max_steps=3, logger=True, callbacks=[cb.ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0))]),
+    "batch_size_finder": dict(max_steps=2, callbacks=[cb.BatchSizeFinder()]),
+    "checkpoint_last": dict(max_epochs=3, enable_checkpointing=True,
+                            callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)],
+                            after=_resume_last),
+    "checkpoint_best": dict(max_epochs=3, enable_checkpointing=True,
+                            callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)], after=_best),
+    "validate_test_predict": dict(max_steps=3, after=_evaluate),
+}
+
+
+def conformance(features: list[str], strategies: list[str], directory: Path) -> dict:
+    out = {}
+    for feature in features:
+        spec = dict(FEATURES[feature])
+        after, callbacks = spec.pop("after", None), spec.pop("callbacks", [])
+        if spec.get("logger") is True:
+            spec["logger"] = None  # set per run below
+        runs = {}
+        for name in strategies:
+            where = directory / feature / name
+            kwargs = dict(spec)
+            if "logger" in kwargs:
+                kwargs["logger"], kwargs["log_every_n_steps"] = CSVLogger(where, name="logs"), 1
+            runs[name] = _fit(name, where, callbacks=[_fresh(c) for c in callbacks], after=after, **kwargs)
+        reference = {key: runs["ddp"].get(key) for key in ("weights", "resumed_weights")}
+        for run in runs.values():
+            for key in ("weights", "resumed_weights"):
+                mine = run.pop(key, None)
+                if mine is not None and reference[key] is not None and RANK == 0:
+                    run[f"{key}_diff_vs_ddp"] = max_diff(mine, reference[key])
+        out[feature] = runs
+    return out
+
+
+def _fresh(callback):
+    """A new callback of the same configuration for each run (callbacks keep state)."""
+    return copy.deepcopy(callback)
+
+
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+REPRESENTATIVE = ["accumulate_clip", "val_check_interval", "fast_dev_run", "early_stopping", "checkpoint_last",
+                  "checkpoint_best", "validate_test_predict", "batch_size_finder", "lr_monitor"]
+
+CASES = {
+    "representative": lambda directory: conformance(REPRESENTATIVE, STRATEGIES, directory),
+    "rest": lambda directory: conformance([f for f in FEATURES if f not in REPRESENTATIVE], STRATEGIES, directory),
+}
+
+if __name__ == "__main__":
+    run_cases_with_directory(CASES, sys.argv[1:])
