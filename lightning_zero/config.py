@@ -15,7 +15,8 @@ from typing import Any, Literal, Union
 
 from torch import nn
 
-from lightning_zero.choices import ZeroConfigError, check_choice, closest, nearest  # noqa: F401 (imported from here)
+from lightning_zero.choices import ZeroConfigError, check_choice, closest, nearest
+from lightning_zero.compiling import check_compile  # noqa: F401 (imported from here)
 from lightning_zero.compression_config import Compression, CompressionScope, QuantizationScheme, check_compression
 
 StateDictType = Literal["sharded", "full"]
@@ -158,6 +159,9 @@ class ZeroConfig:
     """Extra optimizer classes you vouch update every element independently (beyond torch's SGD, Adam,
     AdamW, ...), so stepping each rank's shard separately is exact."""
 
+    compile: bool | dict = False
+    """``torch.compile`` each block in place once sharded; a dict: torch.compile's arguments (``compiling.py``)."""
+
     state_dict_type: StateDictType = "sharded"
     """``"sharded"`` writes a directory of per-rank shards; ``"full"`` writes one file from rank 0."""
 
@@ -265,9 +269,8 @@ class ZeroConfig:
             )
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ZeroConfigError(f"`pin_memory` must be None, True or False, got {self.pin_memory!r}.")
-        if not isinstance(self.elementwise_optimizers, tuple) or not all(
-            isinstance(c, type) for c in self.elementwise_optimizers
-        ):
+        check_compile(self.compile)
+        if not isinstance(self.elementwise_optimizers, tuple) or not all(isinstance(c, type) for c in self.elementwise_optimizers):
             raise ZeroConfigError(
                 f"`elementwise_optimizers` must be a tuple of optimizer classes, got {self.elementwise_optimizers!r}."
             )

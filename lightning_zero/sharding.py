@@ -18,11 +18,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.compiling import compile_units
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.compression import CompressionSpec
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
+from lightning_zero.engine.fsdp2_units import select_units
 from lightning_zero.engine.layout import check_trainable
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import should_pin
@@ -150,6 +152,9 @@ def shard_model(
     if config.init_weights is not None:
         load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,
                         engine=engine, holding=holding)
+    if config.compile:  # see compiling.py
+        units = engine.units if isinstance(engine, FullyShardedEngine) else select_units(model, config.wrap_policy)
+        compile_units(units, config.compile)
     buffers = list(holding.held(model.named_buffers()).values())
     return ShardedModel(engine, pipeline, holding, buffers)
 

@@ -114,10 +114,56 @@ def swa_against_ddp(directory: Path) -> dict:
     return out
 
 
+class BlocksCompiledInConfigureModel(GPTLightningModule):
+    """The configure_model route: the user compiles each block where the model is built."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        for block in self.model.blocks:
+            block.compile(**getattr(self, "compile_options", {}))
+
+
+def compiled(strategy, module_class=GPTLightningModule, compile_options: dict | None = None) -> dict:
+    """3 steps of the demo GPT; the weights, and how many graphs dynamo compiled (0: eager)."""
+    torch._dynamo.reset()
+    L.seed_everything(13)
+    module = module_class(**worker_precision.GPT_KWARGS)
+    module.compile_options = compile_options or {}
+    t = trainer(strategy, max_steps=3, gradient_clip_val=1.0)
+    t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH))
+    weights = t.strategy.full_state_dict() if isinstance(strategy, ZeroStrategy) else {
+        k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"weights": weights, "steps": t.global_step,
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
+
+
+def compile_against_eager(backend: str, stages=(1, 2, 3)) -> dict:
+    """``ZeroStrategy(compile=...)`` and the configure_model route against the same blocks compiled under Lightning
+    ``ddp`` (the same kernels), and eager ``ddp``; the refused route's message."""
+    options = {"backend": backend}
+    references = {"ddp_eager": compiled("ddp"), "ddp_compiled": compiled("ddp", BlocksCompiledInConfigureModel, options)}
+    runs = {f"stage{s}": compiled(ZeroStrategy(stage=s, compile=options)) for s in stages}
+    runs["stage3_configure_model"] = compiled(ZeroStrategy(stage=3), BlocksCompiledInConfigureModel, options)
+    out = {}
+    for name, run in runs.items():
+        weights = run.pop("weights")
+        for ref, ref_run in references.items():
+            run[f"diff_vs_{ref}"] = max_diff(weights, ref_run["weights"]) if RANK == 0 else None
+        out[name] = run
+    try:
+        trainer(ZeroStrategy(stage=2), max_steps=1).fit(torch.compile(GPTLightningModule(**worker_precision.GPT_KWARGS)))
+        out["refused"] = None
+    except Exception as err:  # noqa: BLE001 - Lightning's own refusal is what the user sees
+        out["refused"] = f"{type(err).__name__}: {err}"
+    return out
+
+
 CASES = {
     "lr_find": lr_find_against_ddp,
     "checkpoints": trained_checkpoints,
     "swa": swa_against_ddp,
+    "compile": lambda directory: compile_against_eager("aot_eager"),
+    "compile_inductor": lambda directory: compile_against_eager("inductor", stages=(2, 3)),
 }
 
 if __name__ == "__main__":
