@@ -98,6 +98,8 @@ VARIANTS = {
     "ac2": {"activation_checkpointing": {"classes": ["lightning_zero.demo.gpt.Block"], "every": 2}},
     "offload": {"offload_optimizer": True},
     "offload_params": {"offload_optimizer": True, "offload_params": True},
+    # torch.compile (inductor) of each Block after sharding: compiled vs eager step time.
+    "compile": {"compile": True},
     # The collective watchdog (on by default) switched off: benchmarks/bench_watchdog.py compares the two.
     "nowatchdog": {"watchdog": False},
     # Pipeline stages: the ranks form one pipeline of that many stages (1F1B, m micro-batches per batch), the
