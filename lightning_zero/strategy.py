@@ -241,15 +241,15 @@ class ZeroStrategy(CheckpointingStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Automatic optimization zeroes gradients at the first micro-batch of every accumulation window;
-        reduced shards live outside ``p.grad`` (stage 2), so drop them here too. Otherwise a window whose
-        step was skipped (e.g. an ``optimizer_step`` override that only runs the closure) would leak its
-        gradients into the next one."""
+        """Parameters unfrozen since the last step join the shards. Automatic optimization zeroes gradients at each
+        window's first micro-batch; reduced shards live outside ``p.grad`` (stage 2), so drop them here too, or a
+        window whose step was skipped would leak its gradients into the next one."""
         if (trainer := trainer_of(self.lightning_module)) is None:
             return
         self._resume.on_train_batch_start(trainer, batch_idx)
-        if self.engine is not None and self.lightning_module.automatic_optimization:
-            if batch_idx % trainer.accumulate_grad_batches == 0:
+        if self.engine is not None:
+            self.engine.follow_trainability()
+            if self.lightning_module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0:
                 self.engine.discard_all_gradients()
 
     @override

@@ -165,6 +165,9 @@ class ShardingEngine(Protocol):
     def discard_all_gradients(self) -> None:
         """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
 
+    def follow_trainability(self) -> bool:
+        """Between steps: take in parameters made trainable during ``fit``; whether anything changed."""
+
     def params_loaded(self) -> None:
         """A checkpoint was written into :attr:`ShardRecord.rows`: refresh what derives from them (collective)."""
 

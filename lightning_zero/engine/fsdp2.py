@@ -291,6 +291,10 @@ class FullyShardedEngine:
     def post_backward(self) -> None:
         """FSDP2 lands its reduce-scatters in its own post-backward callback."""
 
+    def follow_trainability(self) -> bool:
+        """FSDP2 shards every parameter, trainable or not, and reduces whatever gradients backward produces."""
+        return False
+
     def params_loaded(self) -> None:
         """A checkpoint was loaded into the sharded parameters: refresh the host masters from them."""
         if self.masters is not None:

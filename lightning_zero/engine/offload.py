@@ -80,6 +80,18 @@ class MasterShards:
             self.tensors = [self._allocate(s, dtype or s.dtype).copy_(s) for s in shards]
         self._grad_buffers: dict[int, torch.Tensor] = {}
 
+    def rebuild(self, sources: Sequence[int | torch.Tensor]) -> None:
+        """Re-index for a grown layout: master ``i`` becomes old master ``sources[i]`` (an index: the same tensor,
+        which the optimizer keys its state by) or a fresh copy of the rows ``sources[i]`` (a tensor)."""
+        dtype = self.tensors[0].dtype if self.tensors else None
+        with torch.no_grad():
+            self.tensors = [
+                self.tensors[s] if isinstance(s, int) else self._allocate(s, dtype or s.dtype).copy_(s) for s in sources
+            ]
+        self._grad_buffers = {
+            new: self._grad_buffers[s] for new, s in enumerate(sources) if isinstance(s, int) and s in self._grad_buffers
+        }
+
     def _allocate(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         device = HOST if self.offloaded else like.device
         return torch.empty(like.shape, dtype=dtype, device=device, pin_memory=self.pinned)

@@ -50,6 +50,7 @@ class ShardedOptimizer:
         masters: MasterShards | None = None,
         group=None,
         elsewhere: set[int] = frozenset(),
+        shards: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.optimizer = optimizer
         #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
@@ -62,8 +63,9 @@ class ShardedOptimizer:
         self.params = list(params)
         self._records = records
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        #: Persistent shard views (stable identity: the optimizer keys its state by them).
-        self.shards: dict[int, torch.Tensor] = {}
+        #: Persistent shard views (stable identity: the optimizer keys its state by them); ``shards``: those of the
+        #: engine's previous layout, re-indexed (``ZeroDataParallel.follow_trainability``).
+        self.shards: dict[int, torch.Tensor] = dict(shards or {})
         self.refresh()
 
     def refresh(self) -> None:
@@ -76,9 +78,9 @@ class ShardedOptimizer:
                     if p.requires_grad and id(p) not in self.elsewhere:
                         raise RuntimeError(
                             f"A parameter of shape {tuple(p.shape)} in {type(self.optimizer).__name__}'s param_groups "
-                            "was frozen (or not part of the model) when ZeroStrategy set up, so it has no shard and "
-                            "no gradient reduction. Unfreeze parameters before `fit`, or freeze them with "
-                            "`requires_grad=False` for the whole run."
+                            "was frozen (or not part of the model) when this step began, so it has no shard and no "
+                            "gradient reduction. Unfreeze parameters between steps (e.g. in `on_train_epoch_start`, "
+                            "as `BackboneFinetuning` does), not between a step's backward and its optimizer step."
                         )
                     continue
                 indices.append(i)

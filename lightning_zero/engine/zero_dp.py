@@ -9,6 +9,7 @@ on the device or in host memory.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -69,19 +70,8 @@ class ZeroDataParallel:
         self.world_size = collectives.world_size(group)
         named = [(n, p) for n, p in held.items() if p.requires_grad]
         self._elsewhere = {id(p) for n, p in module.named_parameters() if not holding.holds(n)}
-        for name, param in named:
-            if not param.is_contiguous():
-                raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        dtypes = policy.param_dtypes(module) if policy is not None else {}
-        self.layout: ShardLayout = plan_layout(
-            [(n, tuple(p.shape)) for n, p in named],
-            self.world_size,
-            bucket_numel,
-            # Parameters kept in fp32 get buckets of their own, so each bucket has one dtype.
-            classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else None,
-        )
+        self._bucket_numel, self._overlap_comm, self._policy = bucket_numel, overlap_comm, policy
+        _check_contiguous(named)
         self.mixed = policy is not None
         #: This rank's rows as the optimizer updates them, when they are not the resident parameters: fp32
         #: copies taken before the parameters are cast to their compute dtype, and/or held in host memory.
@@ -92,28 +82,73 @@ class ZeroDataParallel:
         lossy_params = compression is not None and compression.params is not None
         if policy is not None or offload_optimizer or lossy_params:
             self.masters = MasterShards(
-                [local_rows(p.detach(), self.rank, self.world_size) for p in self.params],
+                [local_rows(p.detach(), self.rank, self.world_size) for _, p in named],
                 dtype=policy.master_dtype if policy is not None else None,
                 offloaded=offload_optimizer,
                 pin=pin_memory,
             )
         if policy is not None:
-            cast_parameters(module, self.params, policy)
+            cast_parameters(module, [p for _, p in named], policy)
+        self._plan(named)
+        self._optimizers: dict[int, ShardedOptimizer] = {}
+        self.growths: list[dict] = []
+
+    def _plan(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Lay out ``named`` (the trainable parameters) in buckets and hook their gradient reduction."""
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        policy = self._policy
+        dtypes = policy.param_dtypes(self.module) if policy is not None else {}
+        self.layout: ShardLayout = plan_layout(
+            [(n, tuple(p.shape)) for n, p in named],
+            self.world_size,
+            self._bucket_numel,
+            # Parameters kept in fp32 get buckets of their own, so each bucket has one dtype.
+            classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else None,
+        )
+        offloaded = self.masters is not None and self.masters.offloaded
         self.reducer = GradientReducer(
             self.params,
             self.layout,
             rank=self.rank,
-            shard_gradients=stage == 2,
-            overlap_comm=overlap_comm,
+            shard_gradients=self.stage == 2,
+            overlap_comm=self._overlap_comm,
             reduce_dtype=policy.reduce_dtype if policy is not None else None,
             master_dtype=policy.master_dtype if policy is not None else None,
-            host_gradients=self.masters if offload_optimizer else None,
-            group=group,
-            replicate_group=replicate_group,
+            host_gradients=self.masters if offloaded else None,
+            group=self.group,
+            replicate_group=self.replicate_group,
             compression=self.compression,
         )
-        self._optimizers: dict[int, ShardedOptimizer] = {}
         self._records = [self._record(i) for i in range(len(self.params))]
+
+    def follow_trainability(self) -> bool:
+        """Parameters made trainable during ``fit`` (``BackboneFinetuning`` unfreezes a backbone between epochs)
+        join the layout: new buckets, gradient hooks and optimizer shards, once, where it happens. Parameters
+        frozen during ``fit`` stay laid out and produce no gradient, which the optimizer skips as PyTorch's does.
+        Every rank changes the same parameters at the same point of the same script. Returns whether it grew."""
+        held = self.holding.held(self.module.named_parameters())
+        known = {id(p): i for i, p in enumerate(self.params)}
+        grown = [(n, p) for n, p in held.items() if p.requires_grad and id(p) not in known]
+        if not grown:
+            return False
+        started = time.perf_counter()
+        _check_contiguous(grown)
+        named = [(n, p) for n, p in held.items() if id(p) in known or p.requires_grad]
+        if self.masters is not None:  # kept masters stay the same tensors: the optimizer keys its state by them
+            self.masters.rebuild([known.get(id(p), local_rows(p.detach(), self.rank, self.world_size)) for _, p in named])
+        if self._policy is not None:
+            cast_parameters(self.module, [p for _, p in grown], self._policy)
+        self.reducer.remove_hooks()
+        self._plan(named)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for key, old in self._optimizers.items():
+            shards = {index[id(old.params[i])]: shard for i, shard in old.shards.items()}
+            self._optimizers[key] = self._sharded_optimizer(old.optimizer, shards)
+        #: Each growth: the parameters that joined and what re-planning took (tests and the README report it).
+        self.growths.append({"params": len(grown), "elements": sum(p.numel() for _, p in grown),
+                             "seconds": time.perf_counter() - started})
+        return True
 
     # ------------------------------------------------------------------ the contract (engine/api.py)
     @property
@@ -157,9 +192,12 @@ class ZeroDataParallel:
     # ------------------------------------------------------------------ optimizers
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
         check_elementwise(optimizer, self.stage, elementwise)
-        self._optimizers[id(optimizer)] = ShardedOptimizer(
+        self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer)
+
+    def _sharded_optimizer(self, optimizer: Optimizer, shards: dict[int, torch.Tensor] | None = None) -> ShardedOptimizer:
+        return ShardedOptimizer(
             optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
-            group=self.group, elsewhere=self._elsewhere,
+            group=self.group, elsewhere=self._elsewhere, shards=shards,
         )
 
     def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
@@ -203,3 +241,9 @@ class ZeroDataParallel:
 
     def teardown(self) -> None:
         self.reducer.remove_hooks()
+
+
+def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:
+    for name, param in named:
+        if not param.is_contiguous():
+            raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")

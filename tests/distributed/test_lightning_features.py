@@ -98,3 +98,27 @@ def test_inductor_blocks_equal_ddp_with_the_same_blocks_compiled(inductor_runs, 
     result = inductor_runs[case]
     assert result["graphs"] >= 2 and result["diff_vs_ddp_compiled"] <= 1e-5
     assert result["diff_vs_ddp_eager"] <= 1e-3
+
+
+@pytest.fixture(scope="module")
+def unfreezing_runs():
+    return launch("tests.distributed.worker_lightning_features", "unfreezing", nprocs=2)["unfreezing"]
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage1_offload", "stage2_offload"])
+def test_unfreezing_and_freezing_during_fit_match_plain_pytorch(unfreezing_runs, case):
+    """``BaseFinetuning`` freezes a backbone before ``fit``, unfreezes it into a new param group at epoch 1
+    (``unfreeze_and_add_param_group``) and the test freezes the head at epoch 2: the parameters of plain PyTorch
+    doing the same. Stages 1-2 grow their shard layout once, when the backbone joins."""
+    result = unfreezing_runs[case]
+    assert result["steps"] == 12 and result["backbone_change"] > 1e-2
+    assert result["diff"] <= 1e-5
+    if case != "stage3":
+        assert [g["params"] for g in result["growths"]] == [4]
+
+
+def test_ddp_does_not_average_parameters_frozen_when_it_wrapped_the_model(unfreezing_runs):
+    """The anchor: Lightning ``ddp`` builds its reducer when it wraps the model, so a backbone frozen then is never
+    averaged across ranks after unfreezing, and the run leaves plain PyTorch's path (pinned so that this stays true
+    of the anchor, not of us)."""
+    assert unfreezing_runs["ddp"]["diff"] > 1e-2

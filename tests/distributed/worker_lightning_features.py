@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 
 from lightning_zero import ZeroStrategy
@@ -158,11 +158,92 @@ def compile_against_eager(backend: str, stages=(1, 2, 3)) -> dict:
     return out
 
 
+class Finetune(L.LightningModule):
+    """A backbone frozen before ``fit`` (``BaseFinetuning.freeze_before_training``) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        self.head = torch.nn.Linear(16, 3)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.05, weight_decay=0.1)
+
+
+class UnfreezeBackboneThenFreezeHead(BaseFinetuning):
+    """Epoch 1: the backbone trains too, in a new param group (``unfreeze_and_add_param_group``); epoch 2: the head
+    is frozen."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.backbone)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, lr=0.02)
+        if epoch == 2:
+            for p in pl_module.head.parameters():
+                p.requires_grad = False
+
+
+FINETUNE_DATA = models.IndexedData(n=32, dim=8, out=3)
+FINETUNE_BATCH, FINETUNE_EPOCHS = 4, 3
+
+
+def finetune_reference(initial: dict, world: int) -> dict:
+    """Plain single-process PyTorch doing the same: the global batch of every step, the same unfreezing."""
+    module = Finetune()
+    module.load_state_dict(initial)
+    for p in module.backbone.parameters():
+        p.requires_grad = False
+    optimizer = module.configure_optimizers()
+    steps = len(FINETUNE_DATA) // (world * FINETUNE_BATCH)
+    batches = models.global_microbatches(FINETUNE_DATA, world, FINETUNE_BATCH, steps * FINETUNE_EPOCHS)
+    for epoch in range(FINETUNE_EPOCHS):
+        if epoch == 1:
+            for p in module.backbone.parameters():
+                p.requires_grad = True
+            optimizer.add_param_group({"params": list(module.backbone.parameters()), "lr": 0.02})
+        if epoch == 2:
+            for p in module.head.parameters():
+                p.requires_grad = False
+        for ranks in batches[epoch * steps : (epoch + 1) * steps]:
+            optimizer.zero_grad(set_to_none=True)
+            (sum(module.training_step(batch, 0) for batch in ranks) / world).backward()
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def unfreezing(strategy) -> dict:
+    """``BaseFinetuning`` unfreezing a backbone at epoch 1 and freezing the head at epoch 2, against plain PyTorch."""
+    L.seed_everything(17)
+    module = Finetune()
+    initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    t = trainer(strategy, max_epochs=FINETUNE_EPOCHS, callbacks=[UnfreezeBackboneThenFreezeHead()])
+    t.fit(module, models.loader(FINETUNE_DATA, FINETUNE_BATCH))
+    weights = t.strategy.full_state_dict() if isinstance(strategy, ZeroStrategy) else {
+        k: v.detach().clone() for k, v in module.state_dict().items()}
+    reference = finetune_reference(initial, world=t.world_size) if RANK == 0 else None
+    changed = max(float((initial[k] - reference[k]).abs().max()) for k in initial if k.startswith("backbone")) if RANK == 0 else None
+    engine = getattr(t.strategy, "engine", None)
+    return {"steps": t.global_step, "diff": max_diff(weights, reference) if RANK == 0 else None,
+            "backbone_change": changed, "growths": getattr(engine, "growths", None)}
+
+
 CASES = {
     "lr_find": lr_find_against_ddp,
     "checkpoints": trained_checkpoints,
     "swa": swa_against_ddp,
     "compile": lambda directory: compile_against_eager("aot_eager"),
+    "unfreezing": lambda directory: {
+        "ddp": unfreezing("ddp"),
+        **{f"stage{s}": unfreezing(ZeroStrategy(stage=s)) for s in (1, 2, 3)},
+        "stage1_offload": unfreezing(ZeroStrategy(stage=1, offload_optimizer=True)),
+        "stage2_offload": unfreezing(ZeroStrategy(stage=2, offload_optimizer=True)),
+    },
     "compile_inductor": lambda directory: compile_against_eager("inductor", stages=(2, 3)),
 }
 
