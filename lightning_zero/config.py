@@ -15,8 +15,8 @@ from typing import Any, Literal, Union
 
 from torch import nn
 
-from lightning_zero.choices import ZeroConfigError, check_choice, closest, nearest
-from lightning_zero.compiling import check_compile  # noqa: F401 (imported from here)
+from lightning_zero.choices import ZeroConfigError, check_choice, closest, nearest  # noqa: F401 (imported from here)
+from lightning_zero.compiling import check_compile
 from lightning_zero.compression_config import Compression, CompressionScope, QuantizationScheme, check_compression
 
 StateDictType = Literal["sharded", "full"]
@@ -270,10 +270,9 @@ class ZeroConfig:
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ZeroConfigError(f"`pin_memory` must be None, True or False, got {self.pin_memory!r}.")
         check_compile(self.compile)
-        if not isinstance(self.elementwise_optimizers, tuple) or not all(isinstance(c, type) for c in self.elementwise_optimizers):
-            raise ZeroConfigError(
-                f"`elementwise_optimizers` must be a tuple of optimizer classes, got {self.elementwise_optimizers!r}."
-            )
+        elementwise = self.elementwise_optimizers
+        if not isinstance(elementwise, tuple) or not all(isinstance(c, type) for c in elementwise):
+            raise ZeroConfigError(f"`elementwise_optimizers` must be a tuple of optimizer classes, got {elementwise!r}.")
 
     def _check_pipeline(self) -> None:
         split = self.pipeline_split

@@ -136,7 +136,8 @@ class ZeroDataParallel:
         _check_contiguous(grown)
         named = [(n, p) for n, p in held.items() if id(p) in known or p.requires_grad]
         if self.masters is not None:  # kept masters stay the same tensors: the optimizer keys its state by them
-            self.masters.rebuild([known.get(id(p), local_rows(p.detach(), self.rank, self.world_size)) for _, p in named])
+            rows = {id(p): local_rows(p.detach(), self.rank, self.world_size) for _, p in grown}
+            self.masters.rebuild([known[id(p)] if id(p) in known else rows[id(p)] for _, p in named])
         if self._policy is not None:
             cast_parameters(self.module, [p for _, p in grown], self._policy)
         self.reducer.remove_hooks()
@@ -194,7 +195,8 @@ class ZeroDataParallel:
         check_elementwise(optimizer, self.stage, elementwise)
         self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer)
 
-    def _sharded_optimizer(self, optimizer: Optimizer, shards: dict[int, torch.Tensor] | None = None) -> ShardedOptimizer:
+    def _sharded_optimizer(self, optimizer: Optimizer, shards: dict[int, torch.Tensor] | None = None
+                           ) -> ShardedOptimizer:
         return ShardedOptimizer(
             optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
             group=self.group, elsewhere=self._elsewhere, shards=shards,
