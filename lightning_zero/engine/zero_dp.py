@@ -121,18 +121,21 @@ class ZeroDataParallel:
             compression=self.compression,
         )
         self._records = [self._record(i) for i in range(len(self.params))]
+        laid_out = {id(p) for p in self.params}
+        #: The held parameters outside the layout (frozen when it was planned), watched for being unfrozen.
+        self._frozen = [p for p in self.holding.held(self.module.named_parameters()).values() if id(p) not in laid_out]
 
     def follow_trainability(self) -> bool:
         """Parameters made trainable during ``fit`` (``BackboneFinetuning`` unfreezes a backbone between epochs)
         join the layout: new buckets, gradient hooks and optimizer shards, once, where it happens. Parameters
         frozen during ``fit`` stay laid out and produce no gradient, which the optimizer skips as PyTorch's does.
         Every rank changes the same parameters at the same point of the same script. Returns whether it grew."""
+        if not any(p.requires_grad for p in self._frozen):  # every batch: only the frozen ones are looked at
+            return False
+        started = time.perf_counter()
         held = self.holding.held(self.module.named_parameters())
         known = {id(p): i for i, p in enumerate(self.params)}
         grown = [(n, p) for n, p in held.items() if p.requires_grad and id(p) not in known]
-        if not grown:
-            return False
-        started = time.perf_counter()
         _check_contiguous(grown)
         named = [(n, p) for n, p in held.items() if id(p) in known or p.requires_grad]
         if self.masters is not None:  # kept masters stay the same tensors: the optimizer keys its state by them
