@@ -68,10 +68,10 @@ def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine
     for callback in trainer.callbacks:
         if isinstance(callback, StochasticWeightAveraging):
             callback._average_model = ShardedAverage(module)
-            transfer = callback.transfer_weights
 
-            def transfer_and_refresh(src: Any, dst: Any, _transfer=transfer) -> None:
-                _transfer(src, dst)
+            def transfer_and_refresh(src: Any, dst: Any) -> None:
+                # The class's own method, not the instance's: a second fit must not wrap the first fit's wrapper.
+                StochasticWeightAveraging.transfer_weights(src, dst)
                 engine.params_loaded()  # e.g. host masters of the parameters now hold the average too
 
             callback.transfer_weights = transfer_and_refresh
