@@ -3,6 +3,7 @@
     python benchmarks/bench_core.py                              # all systems, ~27M-param GPT
     python benchmarks/bench_core.py --systems ddp,fsdp2 --quick  # tiny model smoke test
     python benchmarks/bench_core.py --precision bf16-mixed        # the same five systems in bf16-mixed
+    python benchmarks/bench_core.py --systems ddp,zero1,zero2,zero3 --optimizer muon  # torch.optim.Muon + AdamW
 
 Systems (2 CPU ranks, AdamW, batch 8 per rank, random tokens; ``--precision`` 32-true or bf16-mixed):
 
@@ -147,6 +148,30 @@ class FSDP2GPTModule(GPTLightningModule):
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh, **kwargs)
         fully_shard(self.model, mesh=mesh, **kwargs)
+
+
+class MuonGPTModule(GPTLightningModule):
+    """``--optimizer muon``: ``torch.optim.Muon`` for the blocks' matrices and AdamW for the rest (embeddings,
+    head, norms, biases), two optimizers in manual optimization, as Muon's users write it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self) -> Any:
+        matrices = [p for n, p in self.named_parameters() if p.dim() == 2 and ".blocks." in f".{n}"]
+        ids = {id(p) for p in matrices}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return (torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01),
+                torch.optim.AdamW(rest, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas)))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
 
 
 def build_strategy(system: str, devices: int) -> Any:
@@ -314,11 +339,12 @@ class BenchCallback(L.Callback):
 
     def __init__(
         self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str, precision: str,
-        monitor: Any = None,
+        monitor: Any = None, optimizer: str = "adamw",
     ) -> None:
         self.monitor = monitor  # a ZeroMonitor in the same run (--monitor): its last logged figures are reported
         self.system = system
         self.precision = precision
+        self.optimizer = optimizer
         self.config = config
         self.batch_size = batch_size
         self.warmup = warmup
@@ -431,6 +457,7 @@ class BenchCallback(L.Callback):
         return {
             "system": self.system,
             "precision": self.precision,
+            "optimizer": self.optimizer,
             "world_size": N,
             "params": P,
             "config": asdict(self.config),
@@ -481,6 +508,10 @@ def run_system(args: argparse.Namespace) -> None:
     global _NODES
     _NODES = args.nodes
     module_cls = FSDP2GPTModule if args.system.startswith("fsdp2") else GPTLightningModule
+    if args.optimizer == "muon":
+        if args.system.startswith("fsdp2"):
+            sys.exit("--optimizer muon: FSDP2 has no whole-matrix step (Muon would orthogonalise each rank's rows)")
+        module_cls = MuonGPTModule
     model = module_cls(**model_kw, dropout=0.0, bias=True, build_in_configure_model=True)
     if args.system == "fsdp2_hsdp":
         model.hsdp_shard_size = args.devices  # a node's ranks
@@ -495,7 +526,8 @@ def run_system(args: argparse.Namespace) -> None:
         num_nodes=args.nodes,
         strategy=build_strategy(args.system, args.devices * args.nodes),
         precision=args.precision,
-        max_steps=total_steps,
+        # Manual optimization counts each optimizer's step: Muon + AdamW make two per batch.
+        max_steps=total_steps * (2 if args.optimizer == "muon" else 1),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -503,7 +535,8 @@ def run_system(args: argparse.Namespace) -> None:
         limit_val_batches=0,  # the GPT module has a validation_step; the benchmark data has no val set
         # The bench callback first: its step timer stops before the monitor gathers its figures.
         callbacks=[
-            BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision, monitor),
+            BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision, monitor,
+                          args.optimizer),
             *([monitor] if monitor is not None else []),
         ],
     )
@@ -521,7 +554,7 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         sys.executable, os.path.abspath(__file__), "--system", system, "--out", str(out),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
         "--batch-size", str(args.batch_size), "--precision", args.precision,
-        "--nodes", str(args.nodes),
+        "--nodes", str(args.nodes), "--optimizer", args.optimizer,
     ] + (["--quick"] if args.quick else []) + (["--monitor"] if args.monitor else [])
     print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -607,7 +640,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     if results:
         r = results[0]
         print(
-            f"\n{r['precision']}, P = {r['params']:,} params, {r['world_size']} ranks, batch {r['batch_per_rank']}/rank x "
+            f"\n{r['precision']}, {r.get('optimizer', 'adamw')}, P = {r['params']:,} params, {r['world_size']} ranks, batch {r['batch_per_rank']}/rank x "
             f"{r['config']['block_size']} tokens, median of {r['measured_steps']} steps after {r['warmup_steps']} "
             f"warmup ({len(r['rounds_step_ms'])} interleaved round(s), median); step_ms/state/RSS are the worst "
             f"rank; MB = 1e6 bytes."
@@ -627,6 +660,8 @@ def parse_args() -> argparse.Namespace:
                    help="also run lightning_zero.monitor.ZeroMonitor every step and report its figures (its "
                         "measurement runs inside the timed step: compare step times without it)")
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"), help="Trainer precision")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                   help="adamw (the demo's), or torch.optim.Muon on the blocks' matrices + AdamW on the rest")
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(
         "--rounds", type=int, default=1,

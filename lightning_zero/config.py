@@ -159,6 +159,10 @@ class ZeroConfig:
     """Extra optimizer classes you vouch update every element independently (beyond torch's SGD, Adam,
     AdamW, ...), so stepping each rank's shard separately is exact."""
 
+    matrix_optimizers: tuple = ()
+    """Extra optimizer classes (beyond ``torch.optim.Muon`` and ``Adafactor``) that need whole parameters: each
+    parameter is stepped whole on one owner rank, which alone holds its state (``engine/owner_step.py``)."""
+
     compile: bool | dict = False
     """``torch.compile`` each block in place once sharded; a dict: torch.compile's arguments (``compiling.py``)."""
 
@@ -270,9 +274,10 @@ class ZeroConfig:
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ZeroConfigError(f"`pin_memory` must be None, True or False, got {self.pin_memory!r}.")
         check_compile(self.compile)
-        elementwise = self.elementwise_optimizers
-        if not isinstance(elementwise, tuple) or not all(isinstance(c, type) for c in elementwise):
-            raise ZeroConfigError(f"`elementwise_optimizers` must be a tuple of optimizer classes, got {elementwise!r}.")
+        for name in ("elementwise_optimizers", "matrix_optimizers"):
+            classes = getattr(self, name)
+            if not isinstance(classes, tuple) or not all(isinstance(c, type) for c in classes):
+                raise ZeroConfigError(f"`{name}` must be a tuple of optimizer classes, got {classes!r}.")
 
     def _check_pipeline(self) -> None:
         split = self.pipeline_split

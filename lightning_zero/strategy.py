@@ -72,7 +72,7 @@ class ZeroStrategy(CheckpointingStrategy):
         gradient_compression: Compression | None = None, param_compression: Compression | None = None,
         quantization_scheme: QuantizationScheme = "symmetric", quantization_block_size: int = 2048,
         error_feedback: bool = False, compression_scope: CompressionScope = "all",
-        elementwise_optimizers: tuple[type, ...] = (),
+        elementwise_optimizers: tuple[type, ...] = (), matrix_optimizers: tuple[type, ...] = (),
         init_weights: str | Path | None = None,
         init_weights_strict: bool = True, init_weights_prefix: str | None = None,
         gather_16bit_weights_on_save: bool = False,
@@ -91,7 +91,7 @@ class ZeroStrategy(CheckpointingStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
-        arguments["elementwise_optimizers"] = tuple(elementwise_optimizers)
+        arguments.update(elementwise_optimizers=tuple(elementwise_optimizers), matrix_optimizers=tuple(matrix_optimizers))
         #: A DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
         self._deepspeed = parse_deepspeed_config(config) if config is not None else None
         if self._deepspeed is not None:
@@ -180,7 +180,8 @@ class ZeroStrategy(CheckpointingStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
-                self.engine.wrap_optimizer(unwrap(optimizer), self.zero_config.elementwise_optimizers)
+                config = self.zero_config
+                self.engine.wrap_optimizer(unwrap(optimizer), config.elementwise_optimizers, config.matrix_optimizers)
         self.setup_precision_plugin()
         precision.attach(self.engine, self.root_device)
         if fitting and not self.zero_config.optimizer_on_host:

@@ -27,6 +27,7 @@ from lightning_zero.checkpoint import error_feedback
 from lightning_zero.checkpoint.safe_load import dcp_load
 from lightning_zero.checkpoint.state_dicts import (
     hosted_tensors,
+    owners_of,
     param_names,
     shard_coords,
     trainable_rows,
@@ -105,6 +106,8 @@ def load(
             _materialize_optimizer_state(optimizer, engine, {id(p) for n, p in module.named_parameters() if n in elsewhere})
             state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
             live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
+            if owners_of(optimizer, engine) is not None:  # whole state sits on its owner: check every rank's together
+                live = {key: None for part in collectives.all_gather_objects(sorted(live)) for key in part}
             check_compatible(saved, live, f"optimizer {i} ({type(optimizer).__name__}) state", checkpoint=path)
     residuals = error_feedback.placeholder(saved_tensor_shapes(path, error_feedback.KEY), checkpoint, engine)
     if residuals is not None:
@@ -173,7 +176,8 @@ def _materialize_optimizer_state(optimizer: Optimizer, engine: ShardingEngine | 
     if optimizer.state:
         return
     hosted = hosted_tensors(optimizer, engine)
-    hosting = engine.optimizer_shards(optimizer).hosting() if hosted else nullcontext()
+    # Under the engine's hosting a whole parameter another rank owns is out of the groups: it gets no state here.
+    hosting = engine.optimizer_shards(optimizer).hosting() if engine is not None else nullcontext()
     shards = set(map(id, hosted.values()))
     with hosting:
         params = [
@@ -255,6 +259,7 @@ def load_optimizer_state(
     if SHARDED_MARKER in saved:
         return
     hosted = hosted_tensors(optimizer, engine)
+    whole = owners_of(optimizer, engine) or {}
     rank, world = shard_coords(engine)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = param_names(module)
@@ -264,6 +269,13 @@ def load_optimizer_state(
         if not holding.holds(names[id(param)]):
             continue
         key = hosted.get(id(param), param)
+        if id(param) in whole:  # stepped whole: its owner alone holds the state, whole
+            if whole[id(param)] == rank:
+                optimizer.state[key] = {
+                    name: value.to(key.device, copy=True) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                    for name, value in entry.items()
+                }
+            continue
         restored = {}
         for name, value in entry.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:

@@ -5,7 +5,9 @@ in the ``state_dict`` / ``torch.optim`` layouts (it loads with no ZeroStrategy a
 this rank's rows of each parameter and optimizer-state tensor as a dim-0 sharded DTensor, so a directory
 written with ``torch.distributed.checkpoint`` loads at any world size and stage. Under pipeline stages a rank
 holds only its stages' tensors (``Holding``), sharded over its stage's data-parallel ranks (``engine.mesh``);
-the saved state still holds every parameter once, under the unsplit model's names.
+the saved state still holds every parameter once, under the unsplit model's names. A parameter a matrix
+optimizer steps whole has its optimizer state on one owner rank (``engine/owner_step.py``): saved whole, as plain
+tensors written by that rank, and loaded whole by whichever rank owns the parameter in the loading run.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def hosted_tensors(optimizer: Optimizer, engine: ShardingEngine | None) -> dict[
     """``id(param)`` -> the tensor the optimizer keys that parameter's state by, where it is not the
     parameter itself (a shard view, a master, a host copy)."""
     return {} if engine is None else engine.optimizer_shards(optimizer).hosted()
+
+
+def owners_of(optimizer: Optimizer, engine: ShardingEngine | None) -> dict[int, int] | None:
+    """``id(param)`` -> the rank holding that parameter's optimizer state whole; None: not a matrix optimizer."""
+    return None if engine is None else engine.optimizer_shards(optimizer).owners_of()
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
@@ -56,7 +63,9 @@ def _as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tens
 def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: ShardingEngine | None) -> dict:
     hosted = hosted_tensors(optimizer, engine)
     shapes = {id(p): p.shape for p in module.parameters() if id(p) in hosted or isinstance(p, DTensor)}
-    return full_optimizer_state_dict(optimizer, hosted, shapes, rows_group=engine.group if engine is not None else None)
+    return full_optimizer_state_dict(
+        optimizer, hosted, shapes, rows_group=engine.group if engine is not None else None, whole=owners_of(optimizer, engine)
+    )
 
 
 def trainable_rows(engine: ShardingEngine | None) -> dict[str, ShardRecord]:
@@ -122,6 +131,7 @@ def sharded_model_state(module: nn.Module, engine: ShardingEngine | None, holdin
 def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: ShardingEngine | None) -> dict[str, Any]:
     """``{"state": {param_name: {key: rows}}, "param_groups": [... "params": [names]]}``."""
     hosted = hosted_tensors(optimizer, engine)
+    whole = owners_of(optimizer, engine) or {}
     names = param_names(module)
     mesh = engine.mesh if hosted else None
     state: dict[str, dict] = {}
@@ -136,7 +146,7 @@ def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: Sha
                 continue
             state[name] = {
                 key: _as_sharded(value, param.shape, mesh)
-                if id(param) in hosted and isinstance(value, torch.Tensor) and value.dim() > 0
+                if id(param) in hosted and id(param) not in whole and isinstance(value, torch.Tensor) and value.dim() > 0
                 else value
                 for key, value in entry.items()
             }

@@ -7,7 +7,8 @@ Callers see three things and nothing else:
 * :class:`ShardingEngine`: the module-level calls (backward hooks, accumulation, checkpoint hand-over,
   teardown) and the facts a caller may branch on (``holds_masters``, ``params_on_host``);
 * :class:`OptimizerShards`: one per optimizer, what precision and clipping need (finalize/unscale, gradient
-  shards, the step, skipping a step) and what checkpoints need (which tensor holds each parameter's state);
+  shards, the step, skipping a step) and what checkpoints need (which tensor holds each parameter's state, and
+  which rank alone holds it for parameters stepped whole);
 * :class:`ShardRecord`: one per trainable parameter this rank holds, with the name, full shape, this rank's
   rows and gradient rows, and the ranks the rows are spread over. Checkpoints, accounting and the monitor
   read these instead of reaching into engine internals;
@@ -113,6 +114,12 @@ class OptimizerShards(Protocol):
     def records(self) -> list[ShardRecord]:
         """The :class:`ShardRecord` of each trainable parameter this optimizer steps, in ``param_groups`` order."""
 
+    def owners_of(self) -> dict[int, int] | None:
+        """``id(param)`` -> the rank (in :attr:`ShardingEngine.group`) that steps it whole and alone holds its
+        optimizer state, for matrix optimizers (``owner_step.py``); shard-stepped parameters are not listed. None
+        for element-wise optimizers (the same on every rank: it decides collectives). Checkpoints save and load
+        such state whole, on that rank."""
+
 
 @runtime_checkable
 class ShardingEngine(Protocol):
@@ -145,7 +152,9 @@ class ShardingEngine(Protocol):
     """The engine converted the module in place (FSDP2's ``fully_shard``): steps go through the module's
     ``__call__`` so the engine's hooks run, and its layers cannot be swapped back afterwards."""
 
-    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None: ...
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+        """Take over ``optimizer``'s steps; ``elementwise`` / ``matrix``: classes the user declared of each kind
+        (``optimizers.optimizer_kind``), others refused with a message saying how to declare them."""
 
     def optimizer_shards(self, optimizer: Optimizer) -> OptimizerShards: ...
 

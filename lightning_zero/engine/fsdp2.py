@@ -70,7 +70,8 @@ from lightning_zero.engine.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.topology import DataParallelGroups
-from lightning_zero.engine.optimizers import check_elementwise, hosted_params, shards_of
+from lightning_zero.engine.optimizers import hosted_params, optimizer_kind, shards_of, steps_whole
+from lightning_zero.engine.owner_step import OwnerStepping
 
 
 def _own_floating(module: nn.Module) -> list[torch.Tensor]:
@@ -107,6 +108,7 @@ class FullyShardedEngine:
         compression: CompressionSpec | None = None,
     ) -> None:
         self.module = module
+        self.device = device
         #: Compressed collectives (``compression.py``); None: exact ones. Units name their residuals by path.
         self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
         self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
@@ -269,9 +271,9 @@ class FullyShardedEngine:
             yield from (("grads", grad, True) for grad in self.masters.gradient_buffers)
 
     # ------------------------------------------------------------------ optimizers
-    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
-        check_elementwise(optimizer, self.stage, elementwise)
-        self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer)
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+        kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
+        self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer, kind)
 
     def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
         return shards_of(self._optimizers, optimizer)
@@ -311,52 +313,110 @@ class FullyShardedEngine:
 class FullyShardedOptimizer:
     """The user's optimizer over FSDP2's sharded parameters (implements
     :class:`~lightning_zero.engine.api.OptimizerShards`): it steps the DTensor shards themselves, or, with
-    ``offload_optimizer`` alone, their host masters."""
+    ``offload_optimizer`` alone, their host masters. A matrix optimizer steps whole parameters on owner ranks
+    (``owner_step.py``), decided from each DTensor's full shape."""
 
-    def __init__(self, engine: FullyShardedEngine, optimizer: Optimizer) -> None:
+    def __init__(self, engine: FullyShardedEngine, optimizer: Optimizer, kind: str = "elementwise") -> None:
         self.engine = engine
         self.optimizer = optimizer
+        self.kind = kind
+        self.owners: OwnerStepping | None = None
+        if kind == "matrix":
+            params = [p for p in self._params() if id(p) in engine.index]
+            dtype = engine.masters.dtype if engine.masters is not None else params[0].dtype if params else torch.float32
+            self.owners = OwnerStepping(
+                rank=engine.rank, world_size=engine.world_size, group=engine.group, comm_device=engine.device, dtype=dtype
+            )
+        self.whole: list[int] = []
+        self._refresh()
 
     def _params(self) -> Iterable[torch.Tensor]:
         return (p for group in self.optimizer.param_groups for p in group["params"])
+
+    def _refresh(self) -> None:
+        """Which parameters are stepped whole (matrix groups), with an owner for each new one."""
+        engine = self.engine
+        self.whole = [
+            engine.index[id(p)]
+            for group in self.optimizer.param_groups if steps_whole(group, self.kind)
+            for p in group["params"] if id(p) in engine.index
+        ]
+        if self.whole:
+            self.owners.adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
+
+    def _whole_tensor(self, i: int) -> torch.Tensor:
+        """The owner's whole copy of parameter ``i`` (where the optimizer state lives: the host under offload)."""
+        engine = self.engine
+        on_host = engine.masters is not None or engine.params_on_host
+        device = torch.device("cpu") if on_host else _local(engine.params[i]).device
+        pin = on_host and engine.device.type == "cuda"
+        return torch.zeros(engine.params[i].shape, dtype=self.owners.dtype, device=device, pin_memory=pin)
 
     def _hosted_indices(self) -> list[int]:
         engine = self.engine
         if engine.masters is None:
             return []
-        return [engine.index[id(p)] for p in self._params() if id(p) in engine.index]
+        whole = set(self.whole)
+        return [engine.index[id(p)] for p in self._params() if id(p) in engine.index and engine.index[id(p)] not in whole]
 
     def records(self) -> list[ShardRecord]:
         engine = self.engine
         return [engine.records()[engine.index[id(p)]] for p in self._params() if id(p) in engine.index]
 
     def hosted(self) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the host master the optimizer keys its state by (``offload_optimizer`` alone);
-        otherwise the optimizer steps the sharded parameters themselves."""
+        """``id(param)`` -> the host master the optimizer keys its state by (``offload_optimizer`` alone), or the
+        owner's whole tensor; otherwise the optimizer steps the sharded parameters themselves."""
         engine = self.engine
-        return {id(engine.params[i]): engine.masters[i] for i in self._hosted_indices()}
+        hosted = {id(engine.params[i]): engine.masters[i] for i in self._hosted_indices()}
+        if self.owners is not None:
+            hosted.update({id(engine.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
+        return hosted
+
+    def owners_of(self) -> dict[int, int] | None:
+        if self.owners is None:
+            return None
+        return {id(self.engine.params[i]): self.owners.owner[i] for i in self.whole}
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
-        """A block in which the optimizer holds the host masters, with host copies of the gradient shards."""
+        """A block in which the optimizer holds the host masters, with host copies of the gradient shards, and
+        the owners' whole parameters (left out of the groups on other ranks)."""
         engine, indices = self.engine, self._hosted_indices()
-        if not indices:
+        standins = {}
+        if indices:
+            grads = engine.masters.receive_gradients({i: _local_grad(engine.params[i]) for i in indices})
+            standins = {id(engine.params[i]): (engine.masters[i], grads[i]) for i in indices}
+        for i in self.whole:
+            owned = self.owners.whole.get(i)
+            standins[id(engine.params[i])] = None if owned is None else (owned, self.owners.grads.get(i))
+        if not standins:
             yield
             return
-        grads = engine.masters.receive_gradients({i: _local_grad(engine.params[i]) for i in indices})
-        with hosted_params(self.optimizer, {id(engine.params[i]): (engine.masters[i], grads[i]) for i in indices}):
+        with hosted_params(self.optimizer, standins):
             yield
 
     def step(self, **kwargs) -> object:
-        """See [Note: stage 3 offload]."""
+        """See [Note: stage 3 offload] and [Note: owner stepping] in ``owner_step.py``."""
         engine = self.engine
+        self._refresh()
+        if self.whole:
+            self.owners.gather(self.whole, lambda i: _local(engine.params[i]), lambda i: _local_grad(engine.params[i]))
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), host_kernel(self.optimizer, enabled=on_host):
             result = self.optimizer.step(**kwargs)
         with torch.no_grad():
             for i in self._hosted_indices():
                 engine.masters.copy_into(i, _local(engine.params[i]))
+            if self.whole:
+                self.owners.scatter(self.whole, self._write_rows)
         return result
+
+    def _write_rows(self, i: int, rows: torch.Tensor) -> None:
+        engine = self.engine
+        local = _local(engine.params[i])
+        local.view(-1).copy_(rows)
+        if engine.masters is not None:
+            engine.masters.refresh_from(i, local)
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -96,6 +96,10 @@ class MasterShards:
         device = HOST if self.offloaded else like.device
         return torch.empty(like.shape, dtype=dtype, device=device, pin_memory=self.pinned)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype if self.tensors else torch.float32
+
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.tensors[index]
 

@@ -1,6 +1,7 @@
 """What every engine needs of the user's optimizer, whichever stage: which optimizers may step shards instead of
-whole tensors, and stand-in tensors in ``param_groups`` for the duration of a step (see [Note: re-hosting without
-replacing the optimizer] in ``sharded_optimizer.py``)."""
+whole tensors, which step whole parameters on an owner rank (``owner_step.py``), and stand-in tensors in
+``param_groups`` for the duration of a step (see [Note: re-hosting without replacing the optimizer] in
+``sharded_optimizer.py``)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,19 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
     if hasattr(torch.optim, name)
 )
-#: Optimizers known to couple elements (line searches, factored or matrix-wise statistics, sparse updates).
-NON_ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
-    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon") if hasattr(torch.optim, name)
+#: Optimizers whose update of a parameter needs the whole parameter (Newton-Schulz orthogonalisation, factored
+#: row/column statistics, norms of the whole tensor): each such parameter is stepped whole on one owner rank.
+MATRIX_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)
 )
+#: Optimizers known to couple elements in ways no per-parameter owner can serve (line searches over every
+#: parameter at once, sparse updates).
+NON_ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam") if hasattr(torch.optim, name)
+)
+#: A parameter group of a matrix optimizer carrying one of these marks is stepped element-wise, on shards
+#: (``MuonWithAuxAdam``-style optimizers run AdamW on the groups with ``use_muon=False``).
+ELEMENTWISE_GROUP_MARKS: dict[str, object] = {"use_muon": False, "elementwise": True}
 
 
 def shards_of(wrapped: Mapping[int, T], optimizer: Optimizer) -> T:
@@ -37,33 +47,51 @@ def shards_of(wrapped: Mapping[int, T], optimizer: Optimizer) -> T:
         ) from None
 
 
-def check_elementwise(optimizer: Optimizer, stage: int, extra: tuple[type, ...] = ()) -> None:
-    """Refuse optimizers whose sharded step could differ from the unsharded one: known non-element-wise
-    ones, and any class neither we nor the user (``elementwise_optimizers=``) vouch for, since per-tensor
-    statistics (LAMB's trust ratio, Shampoo's preconditioners) are silently wrong on shards."""
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(extra)) and not isinstance(optimizer, NON_ELEMENTWISE_OPTIMIZERS):
-        return
+def optimizer_kind(
+    optimizer: Optimizer, stage: int, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()
+) -> str:
+    """``"elementwise"`` (each rank steps its shard of every parameter) or ``"matrix"`` (whole parameters on
+    owner ranks). Refuse optimizers whose sharded step could differ from the unsharded one and that no one
+    declared: known non-element-wise ones, and any class neither we nor the user vouch for, since per-tensor
+    statistics (LAMB's trust ratio, Shampoo's preconditioners) are silently wrong on shards. A class declared
+    in both lists, or a subclass of a known matrix optimizer declared element-wise, counts as matrix: the
+    whole-parameter step is exact for either kind."""
+    if isinstance(optimizer, MATRIX_OPTIMIZERS + tuple(matrix)):
+        return "matrix"
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(elementwise)) and not isinstance(optimizer, NON_ELEMENTWISE_OPTIMIZERS):
+        return "elementwise"
+    name = type(optimizer).__name__
     allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+    known = ", ".join(cls.__name__ for cls in MATRIX_OPTIMIZERS)
     raise TypeError(
-        f"ZeroStrategy(stage={stage}) cannot shard `{type(optimizer).__name__}`: each rank steps only its own "
-        f"shard of every parameter, which is exact only for element-wise optimizers. Use one of {allowed} "
-        "(or a subclass), or, if your optimizer updates every element independently, pass "
-        f"`ZeroStrategy(elementwise_optimizers=({type(optimizer).__name__},))`."
+        f"ZeroStrategy(stage={stage}) cannot shard `{name}`: each rank steps only its own shard of every "
+        f"parameter, which is exact only for element-wise optimizers ({allowed}, or a subclass). If `{name}` "
+        f"updates every element independently, pass `ZeroStrategy(elementwise_optimizers=({name},))`; if it needs "
+        f"whole parameters (as {known} do), pass `ZeroStrategy(matrix_optimizers=({name},))` and each parameter "
+        "is stepped whole on one rank."
     )
+
+
+def steps_whole(group: Mapping, kind: str) -> bool:
+    """Whether a parameter group is stepped whole (see ``ELEMENTWISE_GROUP_MARKS``)."""
+    return kind == "matrix" and not any(key in group and group[key] == mark for key, mark in ELEMENTWISE_GROUP_MARKS.items())
 
 
 @contextlib.contextmanager
 def hosted_params(optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
     """For the duration of the block, ``optimizer.param_groups`` holds, in place of each parameter ``p`` with
-    ``id(p)`` in ``standins``, the stand-in tensor given for it, its ``.grad`` set to the gradient given."""
+    ``id(p)`` in ``standins``, the stand-in tensor given for it, its ``.grad`` set to the gradient given; a
+    stand-in of None leaves ``p`` out of its group (a whole parameter another rank steps)."""
     saved = [group["params"] for group in optimizer.param_groups]
     try:
         for group in optimizer.param_groups:
             hosted = []
             for p in group["params"]:
-                standin = standins.get(id(p))
-                if standin is None:
+                if id(p) not in standins:
                     hosted.append(p)
+                    continue
+                standin = standins[id(p)]
+                if standin is None:
                     continue
                 tensor, grad = standin
                 tensor.grad = grad
@@ -73,5 +101,6 @@ def hosted_params(optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tenso
     finally:
         for group, params in zip(optimizer.param_groups, saved):
             group["params"] = params
-        for tensor, _ in standins.values():
-            tensor.grad = None
+        for standin in standins.values():
+            if standin is not None:
+                standin[0].grad = None

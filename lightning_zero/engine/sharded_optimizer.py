@@ -13,6 +13,9 @@ Under a mixed-precision policy, or with ``offload_optimizer``, the hosted tensor
 *master* rows (owned by the engine, see ``offload.py``): fp32 copies on the device, or in host memory. After
 the step they are copied (and cast) into the resident parameters' rows, which are then all-gathered in the
 parameters' dtype.
+
+Matrix optimizers (Muon, Adafactor: ``optimizers.optimizer_kind``) step whole parameters on owner ranks instead
+of shard views (see [Note: owner stepping] in ``owner_step.py``); their element-wise groups stay on shards.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
 from lightning_zero.engine.layout import ShardLayout
 from lightning_zero.engine.offload import MasterShards, host_kernel
-from lightning_zero.engine.optimizers import hosted_params
+from lightning_zero.engine.optimizers import hosted_params, steps_whole
+from lightning_zero.engine.owner_step import OwnerStepping
 
 class ShardedOptimizer:
     """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (implements
@@ -51,6 +55,8 @@ class ShardedOptimizer:
         group=None,
         elsewhere: set[int] = frozenset(),
         shards: dict[int, torch.Tensor] | None = None,
+        kind: str = "elementwise",
+        owners: OwnerStepping | None = None,
     ) -> None:
         self.optimizer = optimizer
         #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
@@ -66,11 +72,21 @@ class ShardedOptimizer:
         #: Persistent shard views (stable identity: the optimizer keys its state by them); ``shards``: those of the
         #: engine's previous layout, re-indexed (``ZeroDataParallel.follow_trainability``).
         self.shards: dict[int, torch.Tensor] = dict(shards or {})
+        self.kind = kind
+        #: Whole parameters' owners and the owners' whole tensors (matrix optimizers; ``owners``: the engine's
+        #: previous layout's, re-keyed).
+        self.owners = owners
+        if owners is None and kind == "matrix":
+            device = params[0].device if params else torch.device("cpu")
+            dtype = masters.dtype if masters is not None else params[0].dtype if params else torch.float32
+            self.owners = OwnerStepping(
+                rank=rank, world_size=layout.world_size, group=group, comm_device=device, dtype=dtype, resident=masters is None
+            )
         self.refresh()
 
     def refresh(self) -> None:
         """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training)."""
-        indices = []
+        indices, whole = [], []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 i = self._index.get(id(p))
@@ -84,7 +100,9 @@ class ShardedOptimizer:
                         )
                     continue
                 indices.append(i)
-                if i not in self.shards:
+                if steps_whole(group, self.kind):
+                    whole.append(i)
+                elif i not in self.shards:
                     self.shards[i] = (
                         self.masters[i]
                         if self.masters is not None
@@ -92,11 +110,32 @@ class ShardedOptimizer:
                     )
         #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
         self.indices = indices
+        #: Those stepped whole, on their owner ranks.
+        self.whole = whole
+        if whole:
+            self.owners.adopt({i: self.layout.params[i].shape for i in whole}, self._whole_tensor)
         self.buckets = sorted({self.layout.params[i].bucket for i in indices})
 
+    def _whole_tensor(self, i: int) -> torch.Tensor:
+        """The owner's whole tensor of parameter ``i``: the resident parameter itself, or an fp32 (host) copy
+        beside the master rows."""
+        if self.masters is None:
+            return self.params[i].detach()
+        return torch.zeros(self.layout.params[i].shape, dtype=self.masters.dtype, device=self.masters.device,
+                           pin_memory=self.masters.pinned)
+
     def hosted(self) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the shard tensor the optimizer keys that parameter's state by."""
-        return {id(self.params[i]): self.shards[i] for i in self.indices}
+        """``id(param)`` -> the tensor the optimizer keys that parameter's state by: a shard, or the owner's whole
+        tensor (a whole parameter another rank owns has no entry: no state here)."""
+        hosted = {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
+        hosted.update({id(self.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
+        return hosted
+
+    def owners_of(self) -> dict[int, int] | None:
+        """``id(param)`` -> the rank stepping it whole (matrix optimizers); shard-stepped parameters have none."""
+        if self.owners is None:
+            return None
+        return {id(self.params[i]): self.owners.owner[i] for i in self.whole}
 
     def records(self) -> list[ShardRecord]:
         return [self._records[i] for i in self.indices]
@@ -104,10 +143,14 @@ class ShardedOptimizer:
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
         """Swap trainable parameters in ``param_groups`` for their shard views (see the module note)."""
-        grads = {i: self.reducer.local_grad(i) for i in self.indices}
+        whole = set(self.whole)
+        grads = {i: self.reducer.local_grad(i) for i in self.indices if i not in whole}
         if self.masters is not None:
             grads = self.masters.receive_gradients(grads)
-        standins = {id(self.params[i]): (self.shards[i], grads[i]) for i in self.indices}
+        standins = {id(self.params[i]): (self.shards[i], grads[i]) for i in grads}
+        for i in whole:  # the owner steps the whole parameter; elsewhere it sits this step out
+            owned = self.owners.whole.get(i)
+            standins[id(self.params[i])] = None if owned is None else (owned, self.owners.grads.get(i))
         with hosted_params(self.optimizer, standins):
             yield
 
@@ -122,12 +165,22 @@ class ShardedOptimizer:
     def step(self, **kwargs) -> object:
         self.refresh()
         self.reducer.finalize(self.indices)
+        if self.whole:
+            self.owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
         offloaded = self.masters is not None and self.masters.offloaded
         with self.hosting(), host_kernel(self.optimizer, enabled=offloaded):
             result = self.optimizer.step(**kwargs)
+        if self.whole:
+            with torch.no_grad():
+                self.owners.scatter(self.whole, lambda i, rows: self.local_rows(i).view(-1).copy_(rows))
         self.reducer.consume(self.indices)
         self.all_gather_params()
         return result
+
+    def local_rows(self, i: int) -> torch.Tensor:
+        """This rank's rows of parameter ``i`` as the optimizer's truth: its master, or a view of the resident
+        parameter."""
+        return self.masters[i] if self.masters is not None else local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
 
     def discard_gradients(self) -> None:
         """A skipped step: drop the gradients as the step would have consumed them."""

@@ -58,16 +58,18 @@ def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[st
 
 def full_optimizer_state_dict(
     optimizer: Optimizer, hosted: Mapping[int, torch.Tensor], full_shapes: Mapping[int, torch.Size], rank0_only: bool = True,
-    rows_group=None,
+    rows_group=None, whole: Mapping[int, int] | None = None,
 ) -> dict:
     """``optimizer.state_dict()`` as an unsharded optimizer would return it. Collective.
 
     ``hosted`` maps ``id(param)`` to the tensor the optimizer keys that parameter's state by (its shard view
     in stages 1-2, the DTensor itself in stage 3); ``full_shapes`` maps ``id(param)`` to the full shape;
-    ``rows_group`` holds the rows of the hosted tensors (None: every rank).
+    ``rows_group`` holds the rows of the hosted tensors (None: every rank); ``whole`` lists the parameters whose
+    state one owner rank holds whole (matrix optimizers), sent from there.
     """
     keep = not rank0_only or collectives.rank() == 0
     state: dict[int, dict] = {}
+    owned: dict[int, dict] = {}  # this rank's whole entries, by index
     groups = []
     index = 0
     for group in optimizer.param_groups:
@@ -75,7 +77,10 @@ def full_optimizer_state_dict(
         for param in group["params"]:
             key = hosted.get(id(param), param)
             entry = optimizer.state.get(key)
-            if entry is not None:
+            if whole is not None and id(param) in whole:
+                if entry is not None:
+                    owned[index] = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            elif entry is not None:
                 shape = full_shapes.get(id(param), param.shape)
                 full_entry = {}
                 for name, value in entry.items():
@@ -87,4 +92,9 @@ def full_optimizer_state_dict(
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    if whole is not None:  # a matrix optimizer on every rank alike
+        parts = collectives.gather_objects(owned) if rank0_only else collectives.all_gather_objects(owned)
+        for part in parts or ():
+            state.update(part)
+        state = dict(sorted(state.items()))
     return {"state": state, "param_groups": groups} if keep else {}

@@ -25,7 +25,8 @@ from lightning_zero.engine.grad_sync import GradientReducer
 from lightning_zero.engine.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.offload import MasterShards
-from lightning_zero.engine.optimizers import check_elementwise, shards_of
+from lightning_zero.engine.optimizers import optimizer_kind, shards_of
+from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.sharded_optimizer import ShardedOptimizer, all_gather_params
 from lightning_zero.engine.state_dict import gather_full
 
@@ -147,8 +148,10 @@ class ZeroDataParallel:
         self._plan(named)
         index = {id(p): i for i, p in enumerate(self.params)}
         for key, old in self._optimizers.items():
-            shards = {index[id(old.params[i])]: shard for i, shard in old.shards.items()}
-            self._optimizers[key] = self._sharded_optimizer(old.optimizer, shards)
+            moved = {i: index[id(p)] for i, p in enumerate(old.params) if id(p) in index}
+            shards = {moved[i]: shard for i, shard in old.shards.items()}
+            owners = old.owners.rekey(moved) if old.owners is not None else None
+            self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners)
         #: Each growth: the parameters that joined and what re-planning took (tests and the README report it).
         self.growths.append({"params": len(grown), "elements": sum(p.numel() for _, p in grown),
                              "seconds": time.perf_counter() - started})
@@ -194,15 +197,15 @@ class ZeroDataParallel:
         yield from (("grads", grad, False) for grad in self.reducer.held_gradients())
 
     # ------------------------------------------------------------------ optimizers
-    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = ()) -> None:
-        check_elementwise(optimizer, self.stage, elementwise)
-        self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer)
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+        kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
+        self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer, kind)
 
-    def _sharded_optimizer(self, optimizer: Optimizer, shards: dict[int, torch.Tensor] | None = None
-                           ) -> ShardedOptimizer:
+    def _sharded_optimizer(self, optimizer: Optimizer, kind: str, shards: dict[int, torch.Tensor] | None = None,
+                           owners: OwnerStepping | None = None) -> ShardedOptimizer:
         return ShardedOptimizer(
             optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
-            group=self.group, elsewhere=self._elsewhere, shards=shards,
+            group=self.group, elsewhere=self._elsewhere, shards=shards, kind=kind, owners=owners,
         )
 
     def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
