@@ -108,7 +108,7 @@ class FullyShardedEngine:
         compression: CompressionSpec | None = None,
     ) -> None:
         self.module = module
-        self.device = device
+        self.device, self.pin_memory = device, pin_memory
         #: Compressed collectives (``compression.py``); None: exact ones. Units name their residuals by path.
         self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
         self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
@@ -349,7 +349,7 @@ class FullyShardedOptimizer:
         engine = self.engine
         on_host = engine.masters is not None or engine.params_on_host
         device = torch.device("cpu") if on_host else _local(engine.params[i]).device
-        pin = on_host and engine.device.type == "cuda"
+        pin = on_host and engine.pin_memory and torch.cuda.is_available()
         return torch.zeros(engine.params[i].shape, dtype=self.owners.dtype, device=device, pin_memory=pin)
 
     def _hosted_indices(self) -> list[int]:

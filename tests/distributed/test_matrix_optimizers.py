@@ -100,6 +100,8 @@ def test_checkpoint_crosses_world_sizes_and_stages(crossed):
     assert crossed["save_s2"]["steps"] == 2
     assert crossed["resume_s3"]["steps"] == 6 and crossed["resume_s3"]["diff"] <= TOL
     assert crossed["resume_s3"]["whole_state_keys"] == [0, 1, 2, 3]
+    # consolidating the 2-rank directory gives the optimizer state the run held, whole and sharded entries alike
+    assert crossed["resume_s3"]["consolidated_keys_equal"] and crossed["resume_s3"]["consolidated_diff"] == 0.0
     assert crossed["resume_s2"]["steps"] == 8 and crossed["resume_s2"]["diff"] <= TOL
 
 

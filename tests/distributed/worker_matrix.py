@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import state_dicts
+from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.engine import collectives
 from tests.distributed import matrix_models as mm
 from tests.distributed import models
@@ -277,6 +278,13 @@ def resume_s3(directory: Path) -> dict:
     ref = _continued_in_one_process(directory, "s2", 1, WORLD)
     out["diff"] = max_diff(saved["model"], ref)
     out["whole_state_keys"] = sorted(k for k, v in saved["optimizer"]["state"].items() if "momentum_buffer" in v)
+    # `lightning-zero consolidate --optimizer` of the 2-rank directory: the torch.optim state the run held.
+    consolidated = torch.load(consolidate(directory / "s2", directory / "s2.consolidated.pt", include_optimizer=True),
+                              weights_only=True)["optimizer_states"][0]["state"]
+    held = torch.load(directory / "s2.full.pt", weights_only=True)["optimizer"]["state"]
+    out["consolidated_keys_equal"] = sorted(consolidated) == sorted(held)
+    out["consolidated_diff"] = max((consolidated[i][k] - v).abs().max().item()
+                                   for i, entry in held.items() for k, v in entry.items() if v.dim() > 0)
     return out
 
 
