@@ -58,9 +58,10 @@ class ZeroConfig:
     stage: int = 2
     """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
 
-    offload_optimizer: bool = False
+    offload_optimizer: bool | float = False
     """Keep master shards and optimizer state in host memory (ZeRO-Offload): gradient shards go to the host,
-    the optimizer steps there, updated shards come back."""
+    the optimizer steps there, updated shards come back. A number ``r`` in (0, 1] offloads that share of them
+    (DeepSpeed's ``ratio``), whole parameters at a time; the rest stays on the device (``engine/offload.py``)."""
 
     offload_params: bool = False
     """Stage 3 only: keep sharded parameters in host memory between uses, copying each unit's shards to the
@@ -233,7 +234,12 @@ class ZeroConfig:
             object.__setattr__(self, "init_weights", os.fspath(self.init_weights))
         if self.init_weights_prefix is not None and not isinstance(self.init_weights_prefix, str):
             raise ZeroConfigError(f"`init_weights_prefix` must be None or a string, got {self.init_weights_prefix!r}.")
-        flags = ("offload_optimizer", "offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
+        ratio = self.offload_optimizer
+        if not isinstance(ratio, bool) and (not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
+            raise ZeroConfigError(f"`offload_optimizer` must be True, False or a share in (0, 1], got {ratio!r}.")
+        if not isinstance(ratio, bool):
+            object.__setattr__(self, "offload_optimizer", True if ratio == 1 else float(ratio))
+        flags = ("offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
                  "gather_16bit_weights_on_save", "watchdog", "async_save", "auto_resume", "error_feedback")
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):
@@ -395,7 +401,7 @@ class ZeroConfig:
     @property
     def optimizer_on_host(self) -> bool:
         """Whether the optimizer state lives in host memory (``offload_params`` puts it there too)."""
-        return self.offload_optimizer or self.offload_params
+        return bool(self.offload_optimizer) or self.offload_params
 
     @property
     def bucket_numel(self) -> int:

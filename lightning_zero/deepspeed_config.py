@@ -142,8 +142,9 @@ def _number(name: str, value: Any, kind: type, allow_auto: bool = True) -> Any:
     return kind(value)
 
 
-def _offload(section: str, spec: Any) -> tuple[bool, bool | None]:
-    """(offload to the host?, pin_memory) from an ``offload_optimizer``/``offload_param`` section."""
+def _offload(section: str, spec: Any) -> tuple[bool | float, bool | None]:
+    """(offload to the host? -- True, False or the optimizer's ``ratio`` --, pin_memory) from an
+    ``offload_optimizer``/``offload_param`` section."""
     if spec is None:
         return False, None
     if not isinstance(spec, Mapping):
@@ -154,12 +155,18 @@ def _offload(section: str, spec: Any) -> tuple[bool, bool | None]:
         raise ZeroConfigError(
             f"DeepSpeed config: `zero_optimization.{section}.device={device!r}` is not supported; choose 'cpu' or 'none'."
         )
-    if spec.get("ratio", 1.0) != 1.0:
-        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.ratio` (partial offload) must be 1.0.")
+    ratio = spec.get("ratio", 1.0)
+    if section != "offload_optimizer" and ratio != 1.0:
+        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.ratio` must be 1.0 (only the optimizer "
+                              "is partially offloaded).")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.ratio` must be in (0, 1], got {ratio!r}.")
     pin = spec.get("pin_memory")
     if pin is not None and not isinstance(pin, bool):
         raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.pin_memory` must be true or false.")
-    return device == "cpu", pin
+    if device != "cpu":
+        return False, pin
+    return (True if ratio == 1 else float(ratio)), pin
 
 
 def _zero_section(zero: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,7 +185,7 @@ def _zero_section(zero: Mapping[str, Any]) -> dict[str, Any]:
         offload_optimizer = True
     offload_params, pin_params = _offload("offload_param", zero.get("offload_param"))
     if offload_optimizer:
-        out["offload_optimizer"] = True
+        out["offload_optimizer"] = offload_optimizer
     if offload_params:
         out["offload_params"] = True
     pins = {p for p in (pin_optimizer, pin_params) if p is not None}

@@ -84,12 +84,11 @@ def model_state_bytes(
     ``masters``, ``optimizer``) and by placement (``device``, ``host``), the terms of the ZeRO formulas.
 
     Placement is where the engine put a tensor: with ``offload_optimizer`` the masters, their gradient
-    buffers and the optimizer state are host memory; with ``offload_params`` the parameter shards and their
-    gradients too. On an accelerator this is the tensors' device type; on a CPU-only run, where host and
+    buffers and the optimizer state are host memory (with a share ``r``, those of the parameters offloaded);
+    with ``offload_params`` the parameter shards and their gradients too. On an accelerator this is the tensors' device type; on a CPU-only run, where host and
     device are one memory, it is the only way to tell them apart.
     """
     params_on_host = engine is not None and engine.params_on_host
-    optimizer_on_host = engine is not None and engine.optimizer_on_host
     out = dict.fromkeys(("params", "grads", "masters", "optimizer", "device", "host"), 0)
     seen: set[int] = set()
 
@@ -108,8 +107,9 @@ def model_state_bytes(
     for kind, tensor, on_host in engine.state_tensors() if engine is not None else ():
         add(kind, tensor, on_host)
     for optimizer in optimizers:
-        for state in optimizer.state.values():
+        for key, state in optimizer.state.items():
+            on_host = engine is not None and engine.on_host(key)  # partial offload: per tensor
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    add("optimizer", value, optimizer_on_host)
+                    add("optimizer", value, on_host)
     return out

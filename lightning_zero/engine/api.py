@@ -165,6 +165,11 @@ class ShardingEngine(Protocol):
         """``(kind, tensor, on_host)`` for the model state the engine holds beyond the module's parameters and
         their ``.grad`` (masters, gradient buffers): the terms memory accounting adds."""
 
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether the engine placed ``tensor`` (a tensor the optimizer keys its state by) in host memory, so its
+        optimizer state lives there too. With partial offload some do and some do not; on a CPU-only run, where
+        host and device are one memory, this is the only way to tell them apart."""
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """A block of non-final accumulation micro-batches: no gradient communication."""
 

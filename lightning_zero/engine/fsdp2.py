@@ -100,7 +100,7 @@ class FullyShardedEngine:
         device: torch.device,
         wrap_policy=None,
         policy: PrecisionPolicy | None = None,
-        offload_optimizer: bool = False,
+        offload_optimizer: bool | float = False,
         offload_params: bool = False,
         pin_memory: bool = False,
         groups: DataParallelGroups | None = None,
@@ -150,7 +150,8 @@ class FullyShardedEngine:
         self.masters: MasterShards | None = None
         if offload_optimizer and not offload_params:
             self.masters = MasterShards(
-                [_local(p) for p in self.params], dtype=None, offloaded=True, pin=pin_memory
+                [_local(p) for p in self.params], dtype=None, offloaded=offload_optimizer, pin=pin_memory,
+                alias_on_device=True,
             )
 
     # ------------------------------------------------------------------ sharding
@@ -257,7 +258,7 @@ class FullyShardedEngine:
     # ------------------------------------------------------------------ the contract (engine/api.py)
     @property
     def optimizer_on_host(self) -> bool:
-        return self.masters is not None or self.params_on_host
+        return (self.masters is not None and self.masters.offloaded) or self.params_on_host
 
     def records(self) -> list[ShardRecord]:
         return self._records
@@ -267,13 +268,17 @@ class FullyShardedEngine:
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
         if self.masters is not None:
-            yield from (("masters", master, True) for master in self.masters)
-            yield from (("grads", grad, True) for grad in self.masters.gradient_buffers)
+            yield from self.masters.state_tensors()
 
     # ------------------------------------------------------------------ optimizers
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
         kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
         self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer, kind)
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        if self.params_on_host or (self.masters is not None and self.masters.holds_on_host(tensor)):
+            return True
+        return any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values())
 
     def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
         return shards_of(self._optimizers, optimizer)
@@ -327,6 +332,7 @@ class FullyShardedOptimizer:
             self.owners = OwnerStepping(
                 rank=engine.rank, world_size=engine.world_size, group=engine.group, comm_device=engine.device, dtype=dtype
             )
+            self.owners.on_host = engine.optimizer_on_host
         self.whole: list[int] = []
         self._refresh()
 
@@ -347,7 +353,7 @@ class FullyShardedOptimizer:
     def _whole_tensor(self, i: int) -> torch.Tensor:
         """The owner's whole copy of parameter ``i`` (where the optimizer state lives: the host under offload)."""
         engine = self.engine
-        on_host = engine.masters is not None or engine.params_on_host
+        on_host = engine.optimizer_on_host
         device = torch.device("cpu") if on_host else _local(engine.params[i]).device
         pin = on_host and engine.pin_memory and torch.cuda.is_available()
         return torch.zeros(engine.params[i].shape, dtype=self.owners.dtype, device=device, pin_memory=pin)

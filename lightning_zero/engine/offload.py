@@ -19,6 +19,14 @@ pinned master is written again only by the next host step, which first waits for
 copies, queued after (so finished after) this step's parameter copies. On a CPU-only machine host and device
 are the same memory, nothing is pinned (pinning needs an accelerator), and the very same copies run
 synchronously: CI exercises the offload path bit for bit.
+
+[Note: partial offload]
+``offload_optimizer=r`` with ``0 < r < 1`` (DeepSpeed's ``offload_optimizer.ratio``, ZeRO's Twin-Flow) puts the
+masters of about a share ``r`` of this rank's elements in host memory, whole parameters at a time: the largest
+first while they fit under ``r`` of the total (:func:`host_share`), so the share on the host is ``r`` up to the
+smallest parameters left out. Those follow the path above; the others stay on the device: wider-dtype copies
+under mixed precision, else the very rows of the resident parameter (no copy at all, as without offload). One
+optimizer step then updates host and device tensors together; the optimizer state follows its tensor.
 """
 
 from __future__ import annotations
@@ -71,30 +79,48 @@ class MasterShards:
     """
 
     def __init__(
-        self, shards: Sequence[torch.Tensor], *, dtype: torch.dtype | None, offloaded: bool, pin: bool = False
+        self, shards: Sequence[torch.Tensor], *, dtype: torch.dtype | None, offloaded: bool | float, pin: bool = False,
+        alias_on_device: bool = False,
     ) -> None:
-        self.offloaded = offloaded
-        self.pinned = offloaded and pin
+        #: Which masters live in host memory (see [Note: partial offload]).
+        self.on_host = host_share([s.numel() for s in shards], float(offloaded))
+        self.offloaded = any(self.on_host)
+        self.pinned = self.offloaded and pin
         self.device = shards[0].device if shards else HOST
+        self._dtype = dtype
+        #: Masters kept on the device are the given rows themselves (they are exact: masters exist only to be
+        #: offloaded), not copies.
+        self._alias = alias_on_device
         with torch.no_grad():
-            self.tensors = [self._allocate(s, dtype or s.dtype).copy_(s) for s in shards]
+            self.tensors = [self._master(i, s) for i, s in enumerate(shards)]
+        #: Masters that are the given rows themselves (no memory of their own).
+        self.aliased = {i for i, (t, s) in enumerate(zip(self.tensors, shards)) if t is s}
         self._grad_buffers: dict[int, torch.Tensor] = {}
+
+    def _master(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """Master ``index``: a host copy, a wider-dtype device copy, or (device, same dtype) the rows themselves."""
+        dtype = self._dtype or rows.dtype
+        if self._alias and not self.on_host[index] and dtype == rows.dtype:
+            return rows
+        return self._allocate(rows, dtype, self.on_host[index]).copy_(rows)
 
     def rebuild(self, sources: Sequence[int | torch.Tensor]) -> None:
         """Re-index for a grown layout: master ``i`` becomes old master ``sources[i]`` (an index: the same tensor,
-        which the optimizer keys its state by) or a fresh copy of the rows ``sources[i]`` (a tensor)."""
-        dtype = self.tensors[0].dtype if self.tensors else None
+        which the optimizer keys its state by) or a fresh copy of the rows ``sources[i]`` (a tensor), placed as the
+        offload setting places new masters (on the host under full offload, on the device otherwise)."""
+        self._dtype = self._dtype or (self.tensors[0].dtype if self.tensors else None)
+        placed = all(self.on_host) and self.offloaded
+        self.on_host = [self.on_host[s] if isinstance(s, int) else placed for s in sources]
         with torch.no_grad():
-            self.tensors = [
-                self.tensors[s] if isinstance(s, int) else self._allocate(s, dtype or s.dtype).copy_(s) for s in sources
-            ]
+            self.tensors = [self.tensors[s] if isinstance(s, int) else self._master(i, s) for i, s in enumerate(sources)]
+        self.aliased = {i for i, s in enumerate(sources) if self.tensors[i] is s or (isinstance(s, int) and s in self.aliased)}
         self._grad_buffers = {
             new: self._grad_buffers[s] for new, s in enumerate(sources) if isinstance(s, int) and s in self._grad_buffers
         }
 
-    def _allocate(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        device = HOST if self.offloaded else like.device
-        return torch.empty(like.shape, dtype=dtype, device=device, pin_memory=self.pinned)
+    def _allocate(self, like: torch.Tensor, dtype: torch.dtype, on_host: bool) -> torch.Tensor:
+        device = HOST if on_host else like.device
+        return torch.empty(like.shape, dtype=dtype, device=device, pin_memory=self.pinned and on_host)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,10 +138,12 @@ class MasterShards:
     def stage_gradient(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         """Start copying ``grad`` (cast to the master's dtype) into master ``index``'s host gradient buffer,
         allocated on first use and reused every step; :meth:`gradients_ready` waits for the copies."""
+        master = self.tensors[index]
+        if not self.on_host[index]:  # partial offload: a device master takes the gradient where it is
+            return grad if grad.dtype == master.dtype else grad.to(master.dtype)
         buffer = self._grad_buffers.get(index)
         if buffer is None:
-            master = self.tensors[index]
-            buffer = self._grad_buffers[index] = self._allocate(master, master.dtype)
+            buffer = self._grad_buffers[index] = self._allocate(master, master.dtype, True)
         if grad is not buffer:
             buffer.copy_(grad, non_blocking=self.pinned)
         return buffer
@@ -135,16 +163,44 @@ class MasterShards:
 
     def copy_into(self, index: int, target: torch.Tensor) -> None:
         """Write master ``index`` into ``target`` (this rank's rows on the device), cast to its dtype."""
-        target.copy_(self.tensors[index], non_blocking=self.pinned)
+        master = self.tensors[index]
+        if master is not target:
+            target.copy_(master, non_blocking=self.pinned and self.on_host[index])
 
     def refresh_from(self, index: int, source: torch.Tensor) -> None:
         """Take master ``index`` from ``source`` (after a checkpoint was loaded into the device shard)."""
-        self.tensors[index].copy_(source)
+        if self.tensors[index] is not source:
+            self.tensors[index].copy_(source)
+
+    def holds_on_host(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of the masters placed in host memory."""
+        return any(master is tensor for master, host in zip(self.tensors, self.on_host) if host)  # few tensors a step
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """``(kind, tensor, on_host)`` of the memory the masters hold: copies and host gradient buffers."""
+        for i, master in enumerate(self.tensors):
+            if i not in self.aliased:
+                yield "masters", master, self.on_host[i]
+        yield from (("grads", grad, True) for grad in self.gradient_buffers)
 
     @property
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The host gradient buffers allocated so far (offloaded only)."""
         return list(self._grad_buffers.values())
+
+
+def host_share(elements: Sequence[int], ratio: float) -> list[bool]:
+    """Which of tensors of ``elements`` go to the host for a share ``ratio`` of their total: all for 1, none for 0,
+    else the largest first while the host's total stays within ``ratio`` of the whole (see [Note: partial offload])."""
+    if ratio >= 1.0:
+        return [True] * len(elements)
+    chosen, budget = [False] * len(elements), ratio * sum(elements)
+    used = 0
+    for i in sorted(range(len(elements)), key=lambda i: (-elements[i], i)):
+        if ratio > 0 and used + elements[i] <= budget:
+            chosen[i] = True
+            used += elements[i]
+    return chosen
 
 
 @contextlib.contextmanager

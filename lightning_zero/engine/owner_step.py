@@ -62,6 +62,8 @@ class OwnerStepping:
         self.shapes: dict[int, torch.Size] = {}
         #: key -> the owner's whole tensor (this rank's keys only); the optimizer keys its state by it.
         self.whole: dict[int, torch.Tensor] = {}
+        #: Whether the engine placed the whole tensors (and so their optimizer state) in host memory.
+        self.on_host = False
         #: key -> the whole gradient the owner steps with, between :meth:`gather` and :meth:`scatter`.
         self.grads: dict[int, torch.Tensor] = {}
         self.load = [0] * world_size
@@ -86,6 +88,9 @@ class OwnerStepping:
             table.clear()
             table.update(moved)
         return self
+
+    def holds_on_host(self, tensor: torch.Tensor) -> bool:
+        return self.on_host and any(whole is tensor for whole in self.whole.values())
 
     def imbalance(self) -> float:
         """The largest rank's owned elements over the mean (1.0: perfectly even)."""

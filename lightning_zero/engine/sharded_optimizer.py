@@ -82,6 +82,7 @@ class ShardedOptimizer:
             self.owners = OwnerStepping(
                 rank=rank, world_size=layout.world_size, group=group, comm_device=device, dtype=dtype, resident=masters is None
             )
+            self.owners.on_host = masters is not None and masters.offloaded
         self.refresh()
 
     def refresh(self) -> None:
@@ -121,7 +122,8 @@ class ShardedOptimizer:
         beside the master rows."""
         if self.masters is None:
             return self.params[i].detach()
-        return torch.zeros(self.layout.params[i].shape, dtype=self.masters.dtype, device=self.masters.device,
+        device = torch.device("cpu") if self.masters.offloaded else self.params[i].device
+        return torch.zeros(self.layout.params[i].shape, dtype=self.masters.dtype, device=device,
                            pin_memory=self.masters.pinned)
 
     def hosted(self) -> dict[int, torch.Tensor]:

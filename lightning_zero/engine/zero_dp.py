@@ -47,7 +47,7 @@ class ZeroDataParallel:
         bucket_numel: int,
         overlap_comm: bool = True,
         policy: PrecisionPolicy | None = None,
-        offload_optimizer: bool = False,
+        offload_optimizer: bool | float = False,
         pin_memory: bool = False,
         group=None,
         mesh=None,
@@ -87,6 +87,7 @@ class ZeroDataParallel:
                 dtype=policy.master_dtype if policy is not None else None,
                 offloaded=offload_optimizer,
                 pin=pin_memory,
+                alias_on_device=policy is None and not lossy_params,  # masters only for (partial) offload
             )
         if policy is not None:
             cast_parameters(module, [p for _, p in named], policy)
@@ -190,9 +191,7 @@ class ZeroDataParallel:
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
         if self.masters is not None:
-            on_host = self.masters.offloaded
-            yield from (("masters", master, on_host) for master in self.masters)
-            yield from (("grads", grad, on_host) for grad in self.masters.gradient_buffers)
+            yield from self.masters.state_tensors()
         # Stage 2's shard storage and finalized copies (host buffers among them were yielded just above).
         yield from (("grads", grad, False) for grad in self.reducer.held_gradients())
 
@@ -207,6 +206,11 @@ class ZeroDataParallel:
             optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
             group=self.group, elsewhere=self._elsewhere, shards=shards, kind=kind, owners=owners,
         )
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        if self.masters is not None and self.masters.holds_on_host(tensor):
+            return True
+        return any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values())
 
     def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
         return shards_of(self._optimizers, optimizer)

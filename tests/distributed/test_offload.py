@@ -13,7 +13,7 @@ CONFIGS = ["stage1_optimizer", "stage2_optimizer", "stage3_optimizer", "stage3_p
 
 @pytest.fixture(scope="module")
 def report():
-    return launch("tests.distributed.worker_offload", "exact", "memory", "checkpoint", nprocs=WORLD)
+    return launch("tests.distributed.worker_offload", "exact", "memory", "checkpoint", "partial", nprocs=WORLD)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -117,3 +117,18 @@ def test_offloaded_checkpoints_resume_exactly_with_or_without_offload(report, ca
     assert result["steps"] == 6
     assert result["param_diff"] <= 1e-6
     assert result["optim_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("case", ["stage2_0.25", "stage2_0.5", "stage3_0.25", "stage3_0.5"])
+def test_partial_offload_is_exact_and_puts_that_share_on_the_host(report, case):
+    """``offload_optimizer=0.25 / 0.5``: the parameters of the run without offload, and Adam's state on the host for
+    the parameters the share picked, which is the ratio up to one parameter (whole parameters move)."""
+    result = report["partial"][case]
+    ratio = float(case.split("_")[1])
+    assert result["param_diff_no_offload"] <= 1e-6 and result["param_diff_reference"] <= 1e-5
+    assert result["host_share_of_state"] == pytest.approx(result["planned_share"], abs=1e-3)
+    assert ratio - result["largest_share"] <= result["host_share_of_state"] <= ratio
+
+
+def test_partial_offload_in_bf16_mixed_equals_no_offload(report):
+    assert report["partial"]["stage2_0.5_bf16"]["param_diff_no_offload"] <= 1e-6

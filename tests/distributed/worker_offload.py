@@ -101,6 +101,13 @@ def placement(t: L.Trainer) -> dict:
     }
 
 
+def _optimizer_bytes(t: L.Trainer, host_only: bool) -> int:
+    """Bytes of optimizer state tensors (scalar step counters aside), or of those the engine placed on the host."""
+    engine, optimizer = t.strategy.engine, t.optimizers[0]
+    return sum(_local(v).untyped_storage().nbytes() for key, entry in optimizer.state.items()
+               if not host_only or engine.on_host(key) for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
 def run(stage: int, settings: dict, precision: str = "32-true", model=models.Regression) -> tuple[dict, dict]:
     """4 steps of 2 accumulated micro-batches with clipping, 2 param groups and a StepLR schedule."""
     L.seed_everything(7)
@@ -120,6 +127,9 @@ def run(stage: int, settings: dict, precision: str = "32-true", model=models.Reg
     t.fit(module, models.loader(data, BATCH))
     out = {"steps": t.global_step, "placement": placement(t), "largest_step_tensor": RecordingAdamW.largest}
     out["bytes"] = model_state_bytes(module, [t.optimizers[0]], t.strategy.engine)
+    out["bytes"]["optimizer_tensors"] = _optimizer_bytes(t, host_only=False)
+    out["bytes"]["optimizer_host"] = _optimizer_bytes(t, host_only=True)
+    out["shard_elements"] = [r.rows.numel() for r in t.strategy.engine.records()]
     final = t.strategy.full_state_dict()
     if RANK == 0 and precision == "32-true":
         ref_params, ref_grads, _ = models.reference_run(
@@ -207,7 +217,35 @@ def checkpoints(directory: Path) -> dict:
     return out
 
 
-CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints}
+def partial() -> dict:
+    """``offload_optimizer=r``: the same parameters as no offload, and optimizer state on the host for the share
+    of elements ``host_share`` picks (whole parameters, largest first within ``r``)."""
+    from lightning_zero.engine.offload import host_share
+
+    out = {}
+    for stage in (2, 3):
+        _, plain = run(stage, {})
+        for ratio in (0.25, 0.5):
+            result, final = run(stage, {"offload_optimizer": ratio})
+            t_bytes = result["bytes"]
+            engine_rows = result.pop("shard_elements")
+            chosen = host_share(engine_rows, ratio)
+            planned = sum(n for n, host in zip(engine_rows, chosen) if host) / sum(engine_rows)
+            out[f"stage{stage}_{ratio}"] = {
+                "param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None,
+                "param_diff_reference": result.get("param_diff_reference"),
+                "host_share_of_state": t_bytes["optimizer_host"] / t_bytes["optimizer_tensors"],
+                "planned_share": planned,
+                "largest_share": max(engine_rows) / sum(engine_rows),
+            }
+    _, plain = run(2, {}, "bf16-mixed")  # device masters are fp32 copies here, host ones as with full offload
+    _, final = run(2, {"offload_optimizer": 0.5}, "bf16-mixed")
+    out["stage2_0.5_bf16"] = {"param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None}
+    return out
+
+
+CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
+         "partial": lambda _: partial()}
 
 if __name__ == "__main__":
     run_cases_with_directory(CASES, sys.argv[1:])

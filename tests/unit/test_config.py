@@ -20,7 +20,9 @@ from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
         (dict(start_method="thread"), ["start_method", "'spawn'"]),
         (dict(stage=2, offload_params=True), ["offload_params", "stage=3"]),
         (dict(overlap_comm="yes"), ["overlap_comm", "True or False"]),
-        (dict(offload_optimizer="cpu"), ["offload_optimizer", "True or False"]),
+        (dict(offload_optimizer="cpu"), ["offload_optimizer", "True, False or a share in (0, 1]"]),
+        (dict(offload_optimizer=1.5), ["offload_optimizer", "(0, 1]"]),
+        (dict(offload_optimizer=0.0), ["offload_optimizer", "(0, 1]"]),
         (dict(stage=3, offload_params=True, pin_memory="yes"), ["pin_memory", "None, True or False"]),
     ],
 )
