@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 HOST = torch.device("cpu")
@@ -45,6 +46,9 @@ HOST = torch.device("cpu")
 FUSED_ON_CPU: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad") if hasattr(torch.optim, name)
 )
+#: Those whose fused kernel DTensor can run (stage 3 ``offload_params`` steps FSDP2's DTensor shards directly):
+#: ``_fused_sgd_`` and ``_fused_adagrad_`` have no sharding strategy registered.
+FUSED_ON_DTENSOR: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def should_pin(device: torch.device, requested: bool | None) -> bool:
@@ -211,10 +215,12 @@ def host_kernel(optimizer: Optimizer, enabled: bool = True) -> Iterator[None]:
     if not enabled or not isinstance(optimizer, FUSED_ON_CPU):
         yield
         return
+    dtensor_ok = isinstance(optimizer, FUSED_ON_DTENSOR)
     chosen = [
         group
         for group in optimizer.param_groups
         if "fused" in group and group["fused"] is None and group.get("foreach") is None and not group.get("differentiable")
+        and (dtensor_ok or not any(isinstance(p, DTensor) for p in group["params"]))
     ]
     for group in chosen:
         group["fused"] = True

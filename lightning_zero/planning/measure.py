@@ -3,22 +3,20 @@
 On a GPU ``torch.cuda.max_memory_allocated`` is the peak. On a CPU there is no allocator statistic, and the
 process's RSS includes the interpreter, libraries and freed-but-cached pages, so the peak is counted from the
 tensors themselves: torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, a ``TorchDispatchMode``
-that follows every storage, storage resizes included, to its release) runs over the measured steps, with
-every tensor alive when it starts handed to it, so frees of older tensors (the previous step's gradients)
-count too. What the run holds before the strategy sets up, other than the module's parameters (a dataset held
-as tensors, say), is the *baseline* and is not the run's: the figure reported is the peak minus it.
+that follows every storage, storage resizes included, to its release) runs over the measured batches. It is
+handed the run's own tensors alive when it starts (parameters and their gradients, optimizer state, the engine's
+masters and gradient buffers, the batch) and sees everything allocated after; what else the process holds (a
+dataset in memory, an earlier run's leftovers) is not the run's and is not counted.
 """
 
 from __future__ import annotations
-
-import gc
 
 import lightning as L
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
-from lightning_zero.memory import live_tensor_bytes
 
 
 class _TotalsOnly(MemTracker):
@@ -39,36 +37,30 @@ class _TotalsOnly(MemTracker):
         pass
 
 
-def _live_tensors() -> list[torch.Tensor]:
-    """Every live tensor the garbage collector knows (DTensors by their local shard), meta ones left out."""
-    gc.collect()
-    out = []
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor):
-                tensor = obj._local_tensor if isinstance(obj, DTensor) else obj
-                if not tensor.is_meta:
-                    out.append(tensor)
-        except (RuntimeError, NotImplementedError):
-            continue
-    return out
+def _run_tensors(trainer, module, batch) -> list:
+    """What the run holds when the window opens: the module (parameters, buffers, gradients), the optimizers and
+    the tensors they key their state by, the engine's own state (masters, gradient shards and buffers), the batch."""
+    optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+    held: list = [module, *optimizers]
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:
+        held += [tensor for _, tensor, _ in engine.state_tensors()]
+        for optimizer in optimizers:
+            held += list(engine.optimizer_shards(optimizer).hosted().values())
+    held += [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in held]
 
 
 class PeakMemory(L.Callback):
-    """Measure the peak of live tensor bytes over training batches ``[first, first + count)`` (collective at the
-    end: every rank's peak is gathered). ``peaks``: bytes per rank above the baseline; on CUDA the device's
-    ``max_memory_allocated`` over the same batches, less the same baseline."""
+    """Measure the peak of the run's live tensor bytes over training batches ``[first, first + count)`` (collective
+    at the end: every rank's peak is gathered into ``peaks``); on CUDA the device's ``max_memory_allocated`` over
+    the same batches."""
 
     def __init__(self, first: int = 1, count: int = 2) -> None:
         self.first, self.count = first, count
         self.peaks: list[int] = []
-        self._baseline = 0
         self._tracker: MemTracker | None = None
         self._peak = 0
-
-    def setup(self, trainer, pl_module, stage) -> None:
-        params = sum(p.untyped_storage().nbytes() for p in pl_module.parameters() if not p.is_meta)
-        self._baseline = live_tensor_bytes() - params
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx != self.first:
@@ -79,7 +71,7 @@ class PeakMemory(L.Callback):
             torch.cuda.reset_peak_memory_stats(device)
             return
         tracker = _TotalsOnly()
-        tracker.track_external(*_live_tensors())
+        tracker.track_external(*_run_tensors(trainer, pl_module, batch))
         tracker.__enter__()
         self._tracker = tracker
 
@@ -95,6 +87,6 @@ class PeakMemory(L.Callback):
             snapshot = tracker.get_tracker_snapshot("peak")
             tracker.__exit__(None, None, None)
             peak = sum(per_device.get("Total", 0) for per_device in snapshot.values())
-        self._peak = peak - self._baseline
+        self._peak = peak
         gathered = trainer.strategy.all_gather(torch.tensor([self._peak], dtype=torch.int64))
         self.peaks = [int(v) for v in gathered.reshape(-1).tolist()]

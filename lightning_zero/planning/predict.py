@@ -1,0 +1,142 @@
+"""Peak bytes per device and per host of one configuration, from a traced step (``trace.py``).
+
+[Note: the memory model]
+A rank's memory has a *static* part, alive across steps (the ZeRO formulas' model state, with the optimizer's
+own state size per element as traced), and a *dynamic* part that rises and falls within a step. The trace gives,
+after every operation of forward and backward, the bytes alive beyond parameters and gradients (activations,
+the batch, logits, temporaries, recomputation under activation checkpointing) and the gradient bytes produced so
+far. Each stage keeps those gradients differently, so the dynamic part is the most, over the traced operations,
+of the activations then alive plus the gradients the stage holds then:
+
+* stage 1: every full gradient produced so far (``p.grad`` is kept whole);
+* stage 2: at most one bucket's worth (gradients are packed into a bucket and freed as it fills), on top of the
+  persistent gradient shard;
+* stage 3: the shards of the gradients so far plus one unit's full gradients, while the unit being computed
+  and the one prefetched are gathered (and the root's parameters, outside every unit, stay gathered).
+
+The optimizer step is the other candidate for the peak: the static part, the gradients the step reads and, at
+stages 1-2, the full-size buffers of the post-step all-gather (two buckets in flight). The peak is the larger.
+Host memory holds what offload puts there: ``r`` of the masters, their gradients and the optimizer state
+(``offload_optimizer=r``), and at stage 3 with ``offload_params`` the parameter and gradient shards too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lightning_zero.planning.trace import StepTrace
+
+#: Buckets of the stage 1-2 post-step all-gather alive at once (``grad_sync.MAX_BUCKETS_IN_FLIGHT``).
+GATHER_BUCKETS_IN_FLIGHT = 2
+KINDS = ("parameters", "gradients", "optimizer state", "activations", "buffers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """One way to run the traced step: a stage (0: Lightning ``ddp``) and what is offloaded."""
+
+    stage: int
+    offload_optimizer: float = 0.0
+    """Share of the optimizer's masters and state in host memory (``True`` is 1.0)."""
+    offload_params: bool = False
+    bucket_size_mb: float = 25.0
+
+    @property
+    def name(self) -> str:
+        if self.stage == 0:
+            return "ddp"
+        name = f"zero{self.stage}"
+        if self.offload_params:
+            return name + "_offload"
+        if self.offload_optimizer >= 1:
+            return name + ("_offload_optimizer" if self.stage == 3 else "_offload")
+        if self.offload_optimizer > 0:
+            return name + f"_offload{self.offload_optimizer:g}"
+        return name
+
+    def strategy_args(self) -> dict:
+        args: dict = {"stage": self.stage}
+        if self.offload_optimizer:
+            args["offload_optimizer"] = True if self.offload_optimizer >= 1 else float(self.offload_optimizer)
+        if self.offload_params:
+            args["offload_params"] = True
+        if self.bucket_size_mb != 25.0:
+            args["bucket_size_mb"] = self.bucket_size_mb
+        return args
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    configuration: Configuration
+    trace: StepTrace
+    device_bytes: int
+    """Peak bytes per device."""
+    host_bytes: int
+    """Bytes per rank in host memory (offloaded state)."""
+    breakdown: dict[str, int]
+    """The device peak by kind (:data:`KINDS`)."""
+
+
+def predict(trace: StepTrace, configuration: Configuration, world_size: int) -> Prediction:
+    """Peak device and host bytes of one rank running ``trace`` under ``configuration`` on ``world_size`` ranks."""
+    c, n, p = configuration, world_size, trace.params
+    mixed = trace.precision != "32-true"
+    grad_size = 2 if mixed else 4  # gradients are held in the parameters' dtype
+    weights = trace.param_bytes  # as forward computes with them
+    state = 4 * trace.state_per_element * p  # fp32 optimizer state, whole model
+    masters = 4 * p if mixed else 0
+    r = 1.0 if c.offload_params else c.offload_optimizer
+    bucket = int(c.bucket_size_mb * 2**20) // 4  # elements of one gradient bucket
+    points = trace.timeline
+
+    if c.stage == 0:  # Lightning ddp: fp32 parameters, full gradients (in its buckets), full optimizer state
+        static = {"parameters": 4 * p, "optimizer state": state}
+        dynamic = _most(points, lambda grads: grads * 4 / grad_size)
+        grads_at_step = 4 * p
+        host = 0.0
+        gathered = 0
+        step_buffers = 0
+    elif c.stage in (1, 2):
+        static = {"parameters": weights, "optimizer state": (1 - r) * (state + masters) / n}
+        host = r * (state + (masters or 4 * p) + 4 * p) / n  # state, master copies and their gradient buffers
+        if c.stage == 2:
+            static["gradients"] = grad_size * p / n  # the reduced shard, kept across steps
+            held = grad_size * bucket
+            dynamic = _most(points, lambda grads: min(grads, held))
+            grads_at_step = grad_size * p / n + (1 - r) * (4 * p / n if mixed else 0)
+        else:
+            dynamic = _most(points, lambda grads: grads)
+            grads_at_step = grad_size * p + (1 - r) * (4 * p / n if mixed else 0)
+        gathered = 0
+        step_buffers = GATHER_BUCKETS_IN_FLIGHT * min(bucket, p) * (weights / max(p, 1))
+    else:
+        unit = trace.unit_elements[0] if trace.unit_elements else p
+        compute_size = 2 if mixed else 4
+        root = max(0, p - sum(trace.unit_elements))
+        shards = 4 * p / n  # FSDP2's fp32 parameter shards
+        on_host = 1.0 if c.offload_params else 0.0
+        static = {"parameters": (1 - on_host) * shards, "optimizer state": (1 - r) * state / n}
+        host = on_host * (shards + 4 * p / n) + r * state / n + (r * 4 * p / n if not c.offload_params else 0)
+        gathered = compute_size * (root + 2 * unit)
+        dynamic = _most(points, lambda grads: (1 - on_host) * grads * 4 / grad_size / n + grad_size * unit)
+        grads_at_step = (1 - on_host) * 4 * p / n
+        step_buffers = 0
+    static_total = sum(static.values())
+    activations, held_grads = dynamic
+    during = static_total + gathered + activations + held_grads
+    at_step = static_total + grads_at_step + step_buffers
+    breakdown = dict(static)
+    if during >= at_step:
+        breakdown.update(activations=activations, buffers=gathered)
+        breakdown["gradients"] = breakdown.get("gradients", 0) + held_grads
+    else:
+        breakdown["buffers"] = step_buffers
+        breakdown["gradients"] = breakdown.get("gradients", 0) + grads_at_step
+    breakdown = {kind: int(breakdown.get(kind, 0)) for kind in KINDS}
+    return Prediction(c, trace, int(max(during, at_step)), int(host), breakdown)
+
+
+def _most(points, held) -> tuple[float, float]:
+    """(activations, gradients held) at the traced operation where their sum is largest; ``held(grads)`` is what
+    the stage holds of the gradients produced so far."""
+    return max(((other, held(grads)) for other, grads in points), key=sum)

@@ -1,0 +1,178 @@
+"""One training step of the user's LightningModule, traced under ``FakeTensorMode``: what it needs beyond its
+parameters, op by op, without allocating any of it.
+
+The module is built inside the fake mode (its ``__init__`` and ``configure_model``: nothing real is allocated,
+a billion-parameter model traces in seconds), activation checkpointing is applied as the strategy would apply
+it, parameters are cast as a mixed-precision run holds them for compute, and ``training_step`` then backward
+run on a fake copy of a real batch under the same autocast as the precision plugin. Torch's ``MemTracker``
+(the dispatch mode of ``torch.distributed._tools``) follows every storage; after each operation this tracer
+records the bytes alive beyond the parameters, and the bytes of gradients accumulated so far, which
+``predict.py`` then re-reads for each stage (a stage keeps, frees or shards gradients differently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
+
+from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
+from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
+from lightning_zero.planning.measure import _TotalsOnly
+
+#: The compute dtype of each Lightning precision the planner knows.
+COMPUTE_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """The bytes one training step needs on one rank, beyond the parameters (at the traced micro-batch)."""
+
+    params: int
+    """Trainable parameter elements."""
+    param_bytes: int
+    """Bytes of the parameters as forward computes with them (the compute dtype under mixed precision)."""
+    fp32_kept: int
+    """Trainable elements a mixed run keeps in fp32 for compute (normalization layers)."""
+    timeline: tuple[tuple[int, int], ...]
+    """After each operation of forward and backward: (bytes alive beyond parameters and gradients, bytes of the
+    gradients accumulated so far)."""
+    unit_elements: tuple[int, ...]
+    """Trainable elements of each stage-3 unit (each block of an ``nn.ModuleList``), largest first."""
+    largest_param: int
+    """Elements of the largest trainable parameter."""
+    state_per_element: float
+    """Optimizer-state elements per trainable element (Adam 2, SGD with momentum 1), from one traced step of the
+    module's own ``configure_optimizers``."""
+    batch_size: int
+    precision: str
+    checkpointing: bool
+
+    @property
+    def activation_peak(self) -> int:
+        """The most bytes alive beyond parameters and gradients at any point of the step."""
+        return max(other for other, _ in self.timeline)
+
+
+class _Timeline(_TotalsOnly):
+    """``MemTracker`` totals after every operation; gradients counted by the parameters' accumulate hooks."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        super().__init__()
+        self.points: list[tuple[int, int]] = []
+        self.grad_bytes = 0
+        self._params = params
+        self._handles = [p.register_post_accumulate_grad_hook(self._grad) for p in params if p.requires_grad]
+        self._param_bytes = sum(p.numel() * p.element_size() for p in params)
+
+    def _grad(self, param: torch.Tensor) -> None:
+        self.grad_bytes += param.numel() * param.element_size()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
+        self.points.append((total - self._param_bytes - self.grad_bytes, self.grad_bytes))
+        return out
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _loss(output: Any) -> torch.Tensor:
+    return output["loss"] if isinstance(output, dict) else output
+
+
+def trace_step(
+    build: Callable[[], L.LightningModule],
+    batch: Any,
+    *,
+    precision: str = "32-true",
+    activation_checkpointing: Any = None,
+) -> StepTrace:
+    """Trace ``training_step`` + backward of ``build()`` on ``batch`` (real tensors, only their shapes and dtypes are
+    used); ``activation_checkpointing`` as ``ZeroStrategy`` takes it."""
+    if precision not in COMPUTE_DTYPES:
+        raise ValueError(f"precision={precision!r} cannot be planned; choose one of {sorted(COMPUTE_DTYPES)}.")
+    compute = COMPUTE_DTYPES[precision]
+    policy = resolve_policy(activation_checkpointing)
+    with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        warnings.simplefilter("ignore")
+        module = build()
+        if callable(getattr(module, "configure_model", None)):
+            module.configure_model()
+        if policy is not None:
+            apply_activation_checkpointing(module, policy)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        kept = 0
+        if compute is not None:
+            mixed = PrecisionPolicy(compute_dtype=compute, reduce_dtype=compute)
+            dtypes = mixed.param_dtypes(module)
+            kept = sum(p.numel() for p in trainable if dtypes.get(id(p)) != compute)
+            cast_parameters(module, trainable, mixed)
+        fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
+        module.train()
+        tracker = _Timeline(list(module.parameters()))
+        tracker.track_external(module)
+        try:
+            with tracker:
+                with torch.autocast("cpu", dtype=compute or torch.bfloat16, enabled=compute is not None,
+                                    cache_enabled=False):  # as the precision plugin runs forward
+                    loss = _loss(module.training_step(fake_batch, 0))
+                loss.backward()
+        finally:
+            tracker.close()
+        units = _unit_elements(module)
+        state = _state_elements(module)
+    return StepTrace(
+        params=sum(p.numel() for p in trainable),
+        param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
+        fp32_kept=kept,
+        timeline=tuple(tracker.points),
+        unit_elements=tuple(sorted(units, reverse=True)),
+        largest_param=max((p.numel() for p in trainable), default=0),
+        state_per_element=state / max(1, sum(p.numel() for p in trainable)),
+        batch_size=_batch_size(batch),
+        precision=precision,
+        checkpointing=policy is not None,
+    )
+
+
+def _state_elements(module: L.LightningModule) -> int:
+    """Optimizer-state elements after one step of the module's own optimizers (fake tensors: nothing runs)."""
+    configured = module.configure_optimizers()
+    if isinstance(configured, dict):
+        configured = configured["optimizer"]
+    optimizers = configured if isinstance(configured, (list, tuple)) else [configured]
+    total = 0
+    for optimizer in optimizers:
+        optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            continue
+        with torch.no_grad():
+            optimizer.step()
+        total += sum(v.numel() for entry in optimizer.state.values() for v in entry.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total
+
+
+def _unit_elements(module: nn.Module) -> list[int]:
+    """Trainable elements of each element of every ``nn.ModuleList`` (stage 3's default units)."""
+    units = []
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList):
+            units.extend(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in sub)
+    return units
+
+
+def _batch_size(batch: Any) -> int:
+    sizes = []
+    tree_map_only(torch.Tensor, lambda t: sizes.append(t.shape[0] if t.dim() else 1), batch)
+    return sizes[0] if sizes else 1

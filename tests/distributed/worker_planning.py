@@ -1,0 +1,111 @@
+"""Rank program for the planner's calibration: each case trains a real 2-rank run with the peak of live tensor
+bytes measured (``planning/measure.py``), and rank 0 compares it with the prediction from a traced step
+(``planning/trace.py`` + ``planning/predict.py``).
+
+Groups: ``calibration`` (the matrix of cases), ``budget`` (a plan's pick run within its budget).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.demo.data import RandomTokenDataset
+from lightning_zero.demo.gpt import Block, GPTLightningModule
+from lightning_zero.demo.vision import BasicBlock, ResNetClassifier
+from lightning_zero.planning.measure import PeakMemory
+from lightning_zero.planning.predict import Configuration, predict
+from lightning_zero.planning.trace import trace_step
+from tests.distributed import models
+from tests.distributed.worker_core import RANK, WORLD, trainer
+from tests.launch import run_cases_with_directory
+
+GPT = dict(vocab_size=34, block_size=64, n_layer=4, n_head=4, n_embd=128)  # conf/model/gpt_small.yaml
+RESNET = dict(num_classes=10, width=16, blocks_per_stage=(1, 1, 1))  # conf/model/resnet_small.yaml
+
+#: name -> (model, stage, precision, micro-batch, activation checkpointing, offload_optimizer, offload_params)
+CASES = {
+    "gpt_s1_fp32_b8": ("gpt", 1, "32-true", 8, False, 0.0, False),
+    "gpt_s2_fp32_b8": ("gpt", 2, "32-true", 8, False, 0.0, False),
+    "gpt_s3_fp32_b8": ("gpt", 3, "32-true", 8, False, 0.0, False),
+    "gpt_s1_fp32_b8_ac": ("gpt", 1, "32-true", 8, True, 0.0, False),
+    "gpt_s2_fp32_b8_ac": ("gpt", 2, "32-true", 8, True, 0.0, False),
+    "gpt_s3_fp32_b8_ac": ("gpt", 3, "32-true", 8, True, 0.0, False),
+    "gpt_s1_bf16_b8": ("gpt", 1, "bf16-mixed", 8, False, 0.0, False),
+    "gpt_s2_bf16_b8": ("gpt", 2, "bf16-mixed", 8, False, 0.0, False),
+    "gpt_s3_bf16_b8": ("gpt", 3, "bf16-mixed", 8, False, 0.0, False),
+    "gpt_s2_fp32_b16": ("gpt", 2, "32-true", 16, False, 0.0, False),
+    "gpt_s3_fp32_b16_ac": ("gpt", 3, "32-true", 16, True, 0.0, False),
+    "gpt_s2_fp32_b8_offload": ("gpt", 2, "32-true", 8, False, 1.0, False),
+    "gpt_s3_fp32_b8_offload": ("gpt", 3, "32-true", 8, False, 1.0, False),
+    "gpt_s2_fp32_b8_offload0.5": ("gpt", 2, "32-true", 8, False, 0.5, False),
+    "gpt_s3_bf16_b16_ac": ("gpt", 3, "bf16-mixed", 16, True, 0.0, False),
+    "gpt_s1_bf16_b16_offload": ("gpt", 1, "bf16-mixed", 16, False, 1.0, False),
+    "resnet_s1_fp32_b32": ("resnet", 1, "32-true", 32, False, 0.0, False),
+    "resnet_s2_fp32_b32": ("resnet", 2, "32-true", 32, False, 0.0, False),
+    "resnet_s3_fp32_b32": ("resnet", 3, "32-true", 32, False, 0.0, False),
+    "resnet_s2_bf16_b32": ("resnet", 2, "bf16-mixed", 32, False, 0.0, False),
+    "resnet_s3_fp32_b64_ac": ("resnet", 3, "32-true", 64, True, 0.0, False),
+    "resnet_s2_fp32_b64_offload0.5": ("resnet", 2, "32-true", 64, False, 0.5, False),
+    "resnet_s1_fp32_b64_ac": ("resnet", 1, "32-true", 64, True, 0.0, False),
+    "resnet_s3_bf16_b64_offload": ("resnet", 3, "bf16-mixed", 64, False, 1.0, True),
+}
+
+
+def build(model: str):
+    if model == "gpt":
+        return GPTLightningModule(**GPT, build_in_configure_model=True)
+    return ResNetClassifier(**RESNET)
+
+
+def data(model: str):
+    if model == "gpt":
+        return RandomTokenDataset(num_samples=256, block_size=GPT["block_size"], vocab_size=GPT["vocab_size"], seed=1)
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(512, 3, 16, 16, generator=g), torch.randint(0, 10, (512,), generator=g)
+    return torch.utils.data.TensorDataset(images, labels)
+
+
+def measure(model: str, stage: int, precision: str, batch: int, ac: bool, ratio: float, params_off: bool) -> list[int]:
+    L.seed_everything(0)
+    probe = PeakMemory(first=1, count=1)
+    checkpointing = (Block if model == "gpt" else BasicBlock) if ac else None
+    offload = True if ratio >= 1 else ratio or False
+    strategy = ZeroStrategy(stage=stage, activation_checkpointing=checkpointing, offload_optimizer=offload,
+                            offload_params=params_off)
+    t = trainer(strategy, max_steps=3, callbacks=[probe], limit_val_batches=0, precision=precision)
+    t.fit(build(model), models.loader(data(model), batch))
+    return probe.peaks
+
+
+def predicted(model: str, stage: int, precision: str, batch: int, ac: bool, ratio: float, params_off: bool):
+    sample = next(iter(models.loader(data(model), batch)))
+    checkpointing = (Block if model == "gpt" else BasicBlock) if ac else None
+    trace = trace_step(lambda: build(model), sample, precision=precision, activation_checkpointing=checkpointing)
+    return predict(trace, Configuration(stage, ratio, params_off), WORLD)
+
+
+def calibration(directory: Path) -> dict:
+    only = os.environ.get("LZ_CASES")
+    out = {}
+    for name, case in CASES.items():
+        if only and name not in only.split(","):
+            continue
+        peaks = measure(*case)
+        if RANK == 0:
+            prediction = predicted(*case)
+            out[name] = {"peaks": peaks, "measured": max(peaks), "predicted": prediction.device_bytes,
+                         "host": prediction.host_bytes, "error": prediction.device_bytes / max(peaks) - 1,
+                         "breakdown": prediction.breakdown}
+    return out
+
+
+GROUPS = {"calibration": calibration}
+
+if __name__ == "__main__":
+    run_cases_with_directory(GROUPS, sys.argv[1:])
