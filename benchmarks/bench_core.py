@@ -81,12 +81,12 @@ if _REPO_ROOT not in sys.path:
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from lightning_zero.memory import live_tensor_bytes, saved_tensor_bytes  # noqa: E402
-from lightning_zero.memory import model_state_bytes as placed_state_bytes  # noqa: E402
+from lightning_zero.planning.accounting import live_tensor_bytes, saved_tensor_bytes  # noqa: E402
+from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
-from lightning_zero.estimate import CHOICES_BY_NAME, model_state_split  # noqa: E402
+from lightning_zero.planning.formulas import CHOICES_BY_NAME, model_state_split  # noqa: E402
 from lightning_zero.monitor import ZeroMonitor  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
@@ -208,7 +208,7 @@ def formula_bytes(system: str, P: int, N: int, precision: str = "32-true") -> fl
 
 
 def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tuple[float, float]:
-    """(device, host) model-state bytes per rank, from :mod:`lightning_zero.estimate`; activation
+    """(device, host) model-state bytes per rank, from :mod:`lightning_zero.planning.formulas`; activation
     checkpointing (``+ac``) changes activations only."""
     base, _, variant = system.partition("+")
     if variant.startswith("pp"):  # per stage: see BenchCallback.summarise

@@ -18,8 +18,8 @@ cannot touch the next one):
 * tokens/s over all ranks and model FLOPs utilisation, ``(6 P + 12 L d T) x tokens/s / peak`` (nanoGPT's and
   PaLM's count, attention included, recomputation not) against the device's dense bf16 peak (``--peak-tflops``);
 * peak ``torch.cuda.max_memory_allocated`` over the measured steps, against the ZeRO formulas for model state
-  on the device (``lightning_zero.estimate``); the rest of the peak is activations and transient buffers;
-* the model state the strategy placed on the device and on the host (``lightning_zero.memory``).
+  on the device (``lightning_zero.planning.formulas``); the rest of the peak is activations and transient buffers;
+* the model state the strategy placed on the device and on the host (``lightning_zero.planning.accounting``).
 
 The largest-model search doubles the GPT's width, then its depth, then its width... from ``--search-base``; it
 starts at the largest size whose ZeRO formula fits 85% of the device and host memory, walks up while a trial
@@ -49,7 +49,7 @@ import torch  # noqa: E402
 
 from bench_core import build_strategy, formula_split, model_state_bytes  # noqa: E402
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
-from lightning_zero.memory import model_state_bytes as placed_state_bytes  # noqa: E402
+from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 
 NO_CUDA_MESSAGE = (
     "bench_gpu.py needs a CUDA device and torch.cuda.is_available() is False here "

@@ -4,7 +4,7 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
 ``lightning-zero estimate`` while it trains:
 
 * ``monitor/state_MiB_rank{r}``: model state (parameters, gradients, fp32 masters, optimizer state) each
-  rank holds right after backward, from :func:`lightning_zero.memory.model_state_bytes` (device and host
+  rank holds right after backward, from :func:`lightning_zero.planning.accounting.model_state_bytes` (device and host
   together; ``.../device_MiB_rank{r}`` and ``.../host_MiB_rank{r}`` split it when something is offloaded);
 * ``monitor/peak_MiB_rank{r}``: peak accelerator memory allocated since the last log, or on CPU the
   process's peak resident memory (``ru_maxrss``, everything the process ever held);
@@ -33,7 +33,7 @@ import torch
 
 from lightning_zero.engine import collectives
 from lightning_zero.engine.collectives import comm_stats
-from lightning_zero.memory import model_state_bytes
+from lightning_zero.planning.accounting import model_state_bytes
 
 MIB = 2**20
 

@@ -63,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lightning_zero.cli.estimate import main as estimate
 
         return estimate(argv[1:])
+    if command == "plan":
+        from lightning_zero.cli.plan import main as plan
+
+        return plan(argv[1:])
     if command == "consolidate":
         return consolidate_command(argv[1:])
     if command == "verify":
@@ -80,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return 0
     print(__doc__.strip())
-    print(f"\ncommands: {', '.join(SUBCOMMANDS)}, estimate, consolidate, verify")
+    print(f"\ncommands: {', '.join(SUBCOMMANDS)}, estimate, plan, consolidate, verify")
     return 0 if argv in ([], ["-h"], ["--help"]) else 2
 
 

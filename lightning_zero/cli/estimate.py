@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from lightning_zero.estimate import GIB, PRECISIONS, Estimate, estimate, fastest_fitting, parse_bytes
+from lightning_zero.planning.formulas import GIB, PRECISIONS, Estimate, estimate, fastest_fitting, parse_bytes
 
 
 def count_model_parameters(path: str | Path) -> int:
@@ -109,7 +109,7 @@ def main(argv: Sequence[str]) -> int:
         print("(inter_node_xP: elements each rank sends across nodes per step, in units of the parameter count; the *_hsdp\n"
               " choices shard inside a node and replicate across nodes, zero3_hpz keeps a node-local parameter copy)")
     if args.plot:
-        from lightning_zero.estimate_plot import plot_estimates
+        from lightning_zero.planning.formulas_plot import plot_estimates
 
         try:
             plot_estimates(estimates, args.plot, title=f"{params:.3g} parameters, {world} ranks, {args.precision}",

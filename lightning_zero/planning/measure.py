@@ -54,13 +54,19 @@ def _run_tensors(trainer, module, batch) -> list:
 class PeakMemory(L.Callback):
     """Measure the peak of the run's live tensor bytes over training batches ``[first, first + count)`` (collective
     at the end: every rank's peak is gathered into ``peaks``); on CUDA the device's ``max_memory_allocated`` over
-    the same batches."""
+    the same batches. By default the window is the second optimizer step's accumulation window, whole: the first
+    step creates the optimizer state, so a window before it would miss that state."""
 
-    def __init__(self, first: int = 1, count: int = 2) -> None:
+    def __init__(self, first: int | None = None, count: int | None = None) -> None:
         self.first, self.count = first, count
         self.peaks: list[int] = []
         self._tracker: MemTracker | None = None
         self._peak = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        accumulate = trainer.accumulate_grad_batches
+        self.first = accumulate if self.first is None else self.first
+        self.count = accumulate if self.count is None else self.count
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx != self.first:

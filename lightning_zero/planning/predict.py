@@ -11,8 +11,12 @@ of the activations then alive plus the gradients the stage holds then:
 * stage 1: every full gradient produced so far (``p.grad`` is kept whole);
 * stage 2: at most one bucket's worth (gradients are packed into a bucket and freed as it fills), on top of the
   persistent gradient shard;
-* stage 3: the shards of the gradients so far plus one unit's full gradients, while the unit being computed
-  and the one prefetched are gathered (and the root's parameters, outside every unit, stay gathered).
+* stage 3: in forward, the unit computing is gathered; in backward also the unit prefetched, with one unit's
+  full gradients and the shards of the gradients so far (the root's parameters, outside every unit, stay
+  gathered throughout).
+
+With gradient accumulation, the micro-batches before the last keep every gradient whole and unreduced (``p.grad``
+at stages 1-2, FSDP2's unsharded gradients at stage 3), so those are held throughout the next micro-batch.
 
 The optimizer step is the other candidate for the peak: the static part, the gradients the step reads and, at
 stages 1-2, the full-size buffers of the post-step all-gather (two buckets in flight). The peak is the larger.
@@ -77,8 +81,9 @@ class Prediction:
     """The device peak by kind (:data:`KINDS`)."""
 
 
-def predict(trace: StepTrace, configuration: Configuration, world_size: int) -> Prediction:
-    """Peak device and host bytes of one rank running ``trace`` under ``configuration`` on ``world_size`` ranks."""
+def predict(trace: StepTrace, configuration: Configuration, world_size: int, accumulate: int = 1) -> Prediction:
+    """Peak device and host bytes of one rank running ``trace`` under ``configuration`` on ``world_size`` ranks,
+    ``accumulate`` micro-batches per optimizer step (the non-final ones keep whole gradients, unreduced)."""
     c, n, p = configuration, world_size, trace.params
     mixed = trace.precision != "32-true"
     grad_size = 2 if mixed else 4  # gradients are held in the parameters' dtype
@@ -101,11 +106,11 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int) -> 
         host = r * (state + (masters or 4 * p) + 4 * p) / n  # state, master copies and their gradient buffers
         if c.stage == 2:
             static["gradients"] = grad_size * p / n  # the reduced shard, kept across steps
-            held = grad_size * bucket
-            dynamic = _most(points, lambda grads: min(grads, held))
+            held = grad_size * p if accumulate > 1 else grad_size * bucket
+            dynamic = _most(points, lambda grads: min(grads, held) if accumulate == 1 else held)
             grads_at_step = grad_size * p / n + (1 - r) * (4 * p / n if mixed else 0)
         else:
-            dynamic = _most(points, lambda grads: grads)
+            dynamic = _most(points, lambda grads: grads if accumulate == 1 else grad_size * p)
             grads_at_step = grad_size * p + (1 - r) * (4 * p / n if mixed else 0)
         gathered = 0
         step_buffers = GATHER_BUCKETS_IN_FLIGHT * min(bucket, p) * (weights / max(p, 1))
@@ -117,8 +122,12 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int) -> 
         on_host = 1.0 if c.offload_params else 0.0
         static = {"parameters": (1 - on_host) * shards, "optimizer state": (1 - r) * state / n}
         host = on_host * (shards + 4 * p / n) + r * state / n + (r * 4 * p / n if not c.offload_params else 0)
-        gathered = compute_size * (root + 2 * unit)
-        dynamic = _most(points, lambda grads: (1 - on_host) * grads * 4 / grad_size / n + grad_size * unit)
+        # Forward holds the root and the unit computing; backward also the unit prefetched and the unit's
+        # gradients before their reduce-scatter (no gradient yet: still forward).
+        gathered = compute_size * root
+        accumulated = grad_size * p if accumulate > 1 else 0  # FSDP2 keeps unsharded gradients between micro-batches
+        dynamic = _most(points, lambda grads: accumulated + (compute_size * unit if grads == 0 else
+                        compute_size * 2 * unit + grad_size * unit + (1 - on_host) * grads * 4 / grad_size / n))
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0
     static_total = sum(static.values())

@@ -11,7 +11,7 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.gpt import GPTLightningModule
-from lightning_zero.memory import live_tensor_bytes
+from lightning_zero.planning.accounting import live_tensor_bytes
 from lightning_zero.monitor import ZeroMonitor
 from tests.distributed import models, worker_checkpoint, worker_hf_models, worker_precision, worker_pretrained
 from tests.distributed.worker_core import NODES, RANK, CommProbe, StateBytesProbe, exactness, max_diff, trainer

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.memory import live_tensor_bytes, model_state_bytes
+from lightning_zero.planning.accounting import live_tensor_bytes, model_state_bytes
 from tests.distributed import models
 from tests.distributed.worker_checkpoint import interrupted, optim_diff, straight
 from tests.distributed.worker_core import RANK, WORLD, GradientRecorder, max_diff, trainer

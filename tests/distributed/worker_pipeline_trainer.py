@@ -19,7 +19,7 @@ from torch import nn
 from lightning_zero import ZeroStrategy
 from lightning_zero.config import ZeroConfigError
 from lightning_zero.engine import collectives
-from lightning_zero.memory import model_state_bytes
+from lightning_zero.planning.accounting import model_state_bytes
 from tests.distributed import models
 from tests.distributed.worker_core import GradientRecorder, max_diff, trainer
 from tests.launch import run_cases_with_directory

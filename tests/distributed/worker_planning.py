@@ -105,7 +105,35 @@ def calibration(directory: Path) -> dict:
     return out
 
 
-GROUPS = {"calibration": calibration}
+#: Budgets for the demo GPT (per-device batch 16) that make the planner pick three different configurations, none
+#: offloading (on a CPU run host and device are one memory, so only then is the measured peak all device memory).
+BUDGETS_MIB = (48, 20, 13)
+
+
+def budget(directory: Path) -> dict:
+    """For each budget: the planner's pick for the demo GPT, then that pick trained for real and its peak measured
+    (on a CPU run device and host are one memory: the offloaded part counts against the budget as well)."""
+    from lightning_zero.planning import Planner
+
+    sample = next(iter(models.loader(data("gpt"), 16)))
+    planner = Planner(lambda: build("gpt"), sample, world_size=WORLD, checkpointing=Block)
+    out = {}
+    for mib in BUDGETS_MIB:
+        pick = planner.plan(mib * 2**20).pick
+        c = pick.configuration
+        L.seed_everything(0)
+        probe = PeakMemory()
+        strategy = ZeroStrategy(**c.strategy_args(), activation_checkpointing=Block if pick.checkpointing else None)
+        t = trainer(strategy, max_steps=3, callbacks=[probe], limit_val_batches=0,
+                    accumulate_grad_batches=pick.accumulate)
+        t.fit(build("gpt"), models.loader(data("gpt"), pick.micro_batch))
+        out[str(mib)] = {"configuration": c.name, "checkpointing": pick.checkpointing, "micro_batch": pick.micro_batch,
+                         "accumulate": pick.accumulate, "predicted": pick.prediction.device_bytes,
+                         "host": pick.prediction.host_bytes, "measured": max(probe.peaks), "budget": mib * 2**20}
+    return out
+
+
+GROUPS = {"calibration": calibration, "budget": budget}
 
 if __name__ == "__main__":
     run_cases_with_directory(GROUPS, sys.argv[1:])

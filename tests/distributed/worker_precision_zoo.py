@@ -14,7 +14,7 @@ import torch
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.engine.mixed_precision import mixed_state_bytes
-from lightning_zero.memory import model_state_bytes
+from lightning_zero.planning.accounting import model_state_bytes
 from tests.distributed.precision_zoo import ZOO, data_for
 from tests.distributed.worker_core import trainer
 from tests.launch import run_cases

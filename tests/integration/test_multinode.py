@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_zero.cli.estimate import count_model_parameters
-from lightning_zero.estimate import CHOICES_BY_NAME, MIB, model_state_split
+from lightning_zero.planning.formulas import CHOICES_BY_NAME, MIB, model_state_split
 from tests.launch import REPO, free_port
 
 pytestmark = pytest.mark.slow

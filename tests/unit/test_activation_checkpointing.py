@@ -13,7 +13,7 @@ from lightning_zero.activation_checkpointing import (
     resolve_policy,
 )
 from lightning_zero.demo.gpt import GPT, Block, GPTConfig
-from lightning_zero.memory import saved_tensor_bytes
+from lightning_zero.planning.accounting import saved_tensor_bytes
 
 CONFIG = GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=64, dropout=0.1)
 

@@ -13,7 +13,7 @@ import yaml
 
 from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.demo import GPTConfig, count_parameters
-from lightning_zero.estimate import CHOICES, CHOICES_BY_NAME, GIB, estimate, fastest_fitting, model_state_split, parse_bytes
+from lightning_zero.planning.formulas import CHOICES, CHOICES_BY_NAME, GIB, estimate, fastest_fitting, model_state_split, parse_bytes
 from tests.launch import REPO
 
 BY_NAME = CHOICES_BY_NAME

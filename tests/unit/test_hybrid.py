@@ -129,7 +129,7 @@ def test_traffic_is_split_by_group_and_node():
 
 
 def test_estimate_knows_hybrid_sharding_and_hpz():
-    from lightning_zero.estimate import CHOICES_BY_NAME, estimate, model_state_split
+    from lightning_zero.planning.formulas import CHOICES_BY_NAME, estimate, model_state_split
 
     p = 1e9
     by_name = {e.choice.name: e for e in estimate(p, devices=8, nodes=4)}

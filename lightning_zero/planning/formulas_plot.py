@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_zero.estimate import GIB, Estimate
+from lightning_zero.planning.formulas import GIB, Estimate
 
 _STAGE_NAMES = {0: "DDP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 _COLORS = {"-": "#4C72B0", "optimizer": "#DD8452", "params+optimizer": "#55A868"}

@@ -1,0 +1,212 @@
+"""The planner: every configuration's predicted peak for this model and batch, and the fastest that fits.
+
+A *candidate* is a configuration (stage, offload share: ``predict.Configuration``), activation checkpointing on or
+off, and a micro-batch size that divides the per-device batch (``accumulate_grad_batches`` grows to keep the
+global batch). Each needs one traced step per (micro-batch, checkpointing) pair; traces are cached.
+
+Which is fastest is an estimate, stated here so it can be argued with: relative step time is
+
+* 1.0 for stages 1 and 2, 1.12 for stage 3 (measured on an H100 for a 1.34B GPT: README, "On a GPU");
+* ``+ 2.74 r`` for a share ``r`` of the optimizer offloaded (stage 2 + full offload ran at 3.74x there);
+* ``x 4/3`` with activation checkpointing (one more forward of the checkpointed blocks);
+* ``x (1 + 0.1 log2(b / m))`` for micro-batch ``m`` of a per-device batch ``b`` (smaller kernels, more steps).
+
+Offload shares are chosen to fill the budget: the device peak is linear in the share, so the smallest share (in
+steps of 0.05) whose peak fits is taken, as DeepSpeed's Twin-Flow ``ratio`` is meant to be used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from lightning_zero.planning.predict import Configuration, Prediction, predict
+from lightning_zero.planning.trace import StepTrace, trace_step
+
+STAGE_COST = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.12}
+OFFLOAD_COST = 2.74
+CHECKPOINTING_COST = 4 / 3
+MICRO_BATCH_COST = 0.1
+#: The configurations the planner weighs, before offload shares are fitted to the budget.
+CONFIGURATIONS = (
+    Configuration(1), Configuration(2), Configuration(3),
+    Configuration(1, offload_optimizer=1.0), Configuration(2, offload_optimizer=1.0),
+    Configuration(3, offload_optimizer=1.0), Configuration(3, offload_optimizer=1.0, offload_params=True),
+)
+
+
+class NothingFits(ValueError):
+    """No configuration fits the budget; the message gives the smallest peak found and what would fit it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    prediction: Prediction
+    checkpointing: bool
+    micro_batch: int
+    accumulate: int
+
+    @property
+    def configuration(self) -> Configuration:
+        return self.prediction.configuration
+
+    @property
+    def relative_time(self) -> float:
+        c = self.configuration
+        share = 1.0 if c.offload_params else c.offload_optimizer
+        time = STAGE_COST[c.stage] + OFFLOAD_COST * share
+        if self.checkpointing:
+            time *= CHECKPOINTING_COST
+        batch = self.micro_batch * self.accumulate
+        return time * (1 + MICRO_BATCH_COST * math.log2(batch / self.micro_batch))
+
+    def fits(self, device_bytes: float, host_bytes: float | None, devices_per_host: int) -> bool:
+        p = self.prediction
+        return p.device_bytes <= device_bytes and (host_bytes is None or p.host_bytes * devices_per_host <= host_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    table: list[Candidate]
+    """Every configuration with checkpointing off and on, at the full per-device batch."""
+    pick: Candidate | None
+    memory_per_device: float | None
+    memory_per_host: float | None
+
+
+class Planner:
+    """Traces (cached) and predictions for one module and batch on ``world_size`` ranks."""
+
+    def __init__(
+        self, build: Callable[[], Any], batch: Any, *, world_size: int, precision: str = "32-true", accumulate: int = 1,
+        checkpointing: Any = None, devices_per_host: int | None = None, bucket_size_mb: float = 25.0,
+    ) -> None:
+        self.build, self.batch, self.world_size, self.precision = build, batch, world_size, precision
+        self.accumulate = accumulate
+        #: The policy activation checkpointing would use (None: the model offers none, and it is not weighed).
+        self.checkpointing = checkpointing
+        self.devices_per_host = devices_per_host or world_size
+        self.bucket_size_mb = bucket_size_mb
+        self.per_device = _batch_size(batch)
+        self._traces: dict[tuple[int, bool], StepTrace] = {}
+
+    def trace(self, micro_batch: int, checkpointing: bool) -> StepTrace:
+        key = (micro_batch, checkpointing)
+        if key not in self._traces:
+            self._traces[key] = trace_step(
+                self.build, _micro(self.batch, micro_batch), precision=self.precision,
+                activation_checkpointing=self.checkpointing if checkpointing else None,
+            )
+        return self._traces[key]
+
+    def candidate(self, configuration: Configuration, checkpointing: bool, micro_batch: int) -> Candidate:
+        configuration = dataclasses.replace(configuration, bucket_size_mb=self.bucket_size_mb)
+        accumulate = self.accumulate * self.per_device // micro_batch
+        prediction = predict(self.trace(micro_batch, checkpointing), configuration, self.world_size, accumulate)
+        return Candidate(prediction, checkpointing, micro_batch, accumulate)
+
+    def table(self) -> list[Candidate]:
+        return [self.candidate(c, ac, self.per_device) for ac in self._checkpointing_choices() for c in CONFIGURATIONS]
+
+    def _checkpointing_choices(self) -> tuple[bool, ...]:
+        return (False, True) if self.checkpointing is not None else (False,)
+
+    def plan(self, memory_per_device: float | None = None, memory_per_host: float | None = None) -> Plan:
+        """The table, and the fastest candidate that fits (None without a budget). Raises :class:`NothingFits`."""
+        table = self.table()
+        if memory_per_device is None:
+            return Plan(table, None, None, memory_per_host)
+        fitting = []
+        for configuration in CONFIGURATIONS:
+            for checkpointing in self._checkpointing_choices():
+                found = self._fastest_fitting(configuration, checkpointing, memory_per_device, memory_per_host)
+                if found is not None:
+                    fitting.append(found)
+        if not fitting:
+            smallest = min(table, key=lambda c: c.prediction.device_bytes)
+            raise NothingFits(_nothing_fits(smallest, memory_per_device, memory_per_host, self))
+        pick = min(fitting, key=lambda c: c.relative_time)
+        return Plan(table, pick, memory_per_device, memory_per_host)
+
+    def _fastest_fitting(self, configuration: Configuration, checkpointing: bool, device: float, host: float | None):
+        """Over the micro-batches that divide the per-device batch: the fastest that fits (the largest, unless a
+        smaller one lets a smaller offload share fit)."""
+        found = [self._fill(configuration, checkpointing, micro, device, host) for micro in _divisors_descending(self.per_device)]
+        found = [candidate for candidate in found if candidate is not None]
+        return min(found, key=lambda c: c.relative_time) if found else None
+
+    def _fill(self, configuration: Configuration, checkpointing: bool, micro: int, device: float, host: float | None):
+        """The candidate at this micro-batch, its offload share lowered to the least that fits (if offloading)."""
+        full = self.candidate(configuration, checkpointing, micro)
+        if not full.fits(device, host, self.devices_per_host):
+            return None
+        if configuration.offload_optimizer < 1 or configuration.offload_params:
+            return full
+        none = self.candidate(dataclasses.replace(configuration, offload_optimizer=0.0), checkpointing, micro)
+        if none.fits(device, host, self.devices_per_host):
+            return None  # the configuration without offload fits too, and is faster: it is weighed on its own
+        saved = none.prediction.device_bytes - full.prediction.device_bytes
+        needed = none.prediction.device_bytes - device
+        share = min(1.0, math.ceil(20 * needed / saved) / 20) if saved > 0 else 1.0
+        while share < 1.0:
+            partial = self.candidate(dataclasses.replace(configuration, offload_optimizer=share), checkpointing, micro)
+            if partial.fits(device, host, self.devices_per_host):
+                return partial
+            share = round(share + 0.05, 2)
+        return full
+
+
+def _nothing_fits(smallest: Candidate, device: float, host: float | None, planner: Planner) -> str:
+    need = smallest.prediction.device_bytes
+    lines = [
+        f"Nothing fits in {_gib(device)} per device"
+        + (f" and {_gib(host)} per host" if host is not None else "")
+        + f": the smallest predicted peak is {_gib(need)} per device ({smallest.configuration.name}"
+        + (", activation checkpointing" if smallest.checkpointing else "")
+        + f", micro-batch {smallest.micro_batch}) with {_gib(smallest.prediction.host_bytes * planner.devices_per_host)} "
+        "per host.",
+    ]
+    lowest = planner.candidate(smallest.configuration, smallest.checkpointing, 1)
+    lines.append(
+        f"At micro-batch 1 it would need {_gib(lowest.prediction.device_bytes)} per device; more devices (the sharded "
+        f"state divides by them), a larger device, or a smaller model would fit."
+    )
+    return " ".join(lines)
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.3f} GiB" if value >= 2**27 else f"{value / 2**20:.2f} MiB"
+
+
+def _divisors_descending(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _batch_size(batch: Any) -> int:
+    sizes: list[int] = []
+    tree_map_only(torch.Tensor, lambda t: sizes.append(t.shape[0]), batch)
+    if not sizes:
+        raise ValueError("the sample batch holds no tensor with a batch dimension")
+    return sizes[0]
+
+
+def _micro(batch: Any, size: int) -> Any:
+    """The first ``size`` samples of ``batch``."""
+    return tree_map_only(torch.Tensor, lambda t: t[:size], batch)
+
+
+def describe(candidates: Sequence[Candidate], devices_per_host: int) -> list[dict]:
+    """Rows for printing and plotting."""
+    return [
+        {
+            "configuration": c.configuration.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
+            "accumulate": c.accumulate, "device_bytes": c.prediction.device_bytes,
+            "host_bytes": c.prediction.host_bytes * devices_per_host, **c.prediction.breakdown,
+        }
+        for c in candidates
+    ]
