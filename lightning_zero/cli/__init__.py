@@ -1,9 +1,11 @@
-"""``lightning-zero``: train with LightningCLI over composed YAML, estimate memory, consolidate and verify checkpoints.
+"""``lightning-zero``: train with LightningCLI over composed YAML, estimate and plan memory, consolidate and verify
+checkpoints.
 
     lightning-zero fit --config conf/gpt_zero3.yaml trainer.max_steps=100 strategy=zero2 model.n_layer=2
     lightning-zero fit --config conf/gpt_zero3.yaml --print_config > run.yaml
     lightning-zero validate --config run.yaml ckpt_path=runs/last.ckpt
     lightning-zero estimate --params 7e9 --devices 8 --memory-per-device 80GiB --plot memory.png
+    lightning-zero plan --config conf/gpt_zero3.yaml --memory-per-device 16GiB --output conf/strategy/planned.yaml
     lightning-zero consolidate CHECKPOINT_DIR model.pt
     lightning-zero verify CHECKPOINT_DIR_OR_FILE   # whole, damaged or left by an interrupted save (exit 0/1)
 

@@ -51,6 +51,7 @@ def main(argv: Sequence[str]) -> int:
     if args.output is not None and args.memory_per_device is None:
         parser.error("--output writes the fastest choice that fits: give --memory-per-device too")
     from lightning_zero.planning import NothingFits, Planner, describe, sources
+    from lightning_zero.planning.plan import format_bytes
     from lightning_zero.planning.output import write_generated, write_group_file
 
     try:
@@ -93,10 +94,10 @@ def main(argv: Sequence[str]) -> int:
     if plan.pick is None:
         return 0
     pick = plan.pick
-    summary = (f"Fastest that fits {args.memory_per_device / 2**30:.3f} GiB per device: {pick.configuration.name}"
+    summary = (f"Fastest that fits {format_bytes(args.memory_per_device)} per device: {pick.configuration.name}"
                f"{' with activation checkpointing' if pick.checkpointing else ''}, micro-batch {pick.micro_batch} x "
-               f"{pick.accumulate} accumulated, predicted peak {pick.prediction.device_bytes / 2**30:.3f} GiB per device, "
-               f"{pick.prediction.host_bytes * source.devices_per_host / 2**30:.3f} GiB per host.")
+               f"{pick.accumulate} accumulated, predicted peak {format_bytes(pick.prediction.device_bytes)} per device, "
+               f"{format_bytes(pick.prediction.host_bytes * source.devices_per_host)} per host.")
     print(summary)
     if args.output:
         try:

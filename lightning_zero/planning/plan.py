@@ -128,8 +128,7 @@ class Planner:
                 if found is not None:
                     fitting.append(found)
         if not fitting:
-            smallest = min(table, key=lambda c: c.prediction.device_bytes)
-            raise NothingFits(_nothing_fits(smallest, memory_per_device, memory_per_host, self))
+            raise NothingFits(_nothing_fits(self, memory_per_device, memory_per_host))
         pick = min(fitting, key=lambda c: c.relative_time)
         return Plan(table, pick, memory_per_device, memory_per_host)
 
@@ -161,25 +160,20 @@ class Planner:
         return full
 
 
-def _nothing_fits(smallest: Candidate, device: float, host: float | None, planner: Planner) -> str:
-    need = smallest.prediction.device_bytes
-    lines = [
-        f"Nothing fits in {_gib(device)} per device"
-        + (f" and {_gib(host)} per host" if host is not None else "")
-        + f": the smallest predicted peak is {_gib(need)} per device ({smallest.configuration.name}"
-        + (", activation checkpointing" if smallest.checkpointing else "")
-        + f", micro-batch {smallest.micro_batch}) with {_gib(smallest.prediction.host_bytes * planner.devices_per_host)} "
-        "per host.",
-    ]
-    lowest = planner.candidate(smallest.configuration, smallest.checkpointing, 1)
-    lines.append(
-        f"At micro-batch 1 it would need {_gib(lowest.prediction.device_bytes)} per device; more devices (the sharded "
-        f"state divides by them), a larger device, or a smaller model would fit."
+def _nothing_fits(planner: Planner, device: float, host: float | None) -> str:
+    """The refusal: the least any candidate needs (micro-batch 1, every configuration) and what would help."""
+    smallest = min((planner.candidate(c, ac, 1) for c in CONFIGURATIONS for ac in planner._checkpointing_choices()),
+                   key=lambda c: c.prediction.device_bytes)
+    return (
+        f"Nothing fits in {format_bytes(device)} per device" + (f" and {format_bytes(host)} per host" if host is not None else "")
+        + f": the smallest predicted peak is {format_bytes(smallest.prediction.device_bytes)} per device "
+        f"({smallest.configuration.name}{', activation checkpointing' if smallest.checkpointing else ''}, micro-batch 1"
+        f", {format_bytes(smallest.prediction.host_bytes * planner.devices_per_host)} per host). More devices (the "
+        "sharded state divides by them), a larger device, or a smaller model would fit."
     )
-    return " ".join(lines)
 
 
-def _gib(value: float) -> str:
+def format_bytes(value: float) -> str:
     return f"{value / 2**30:.3f} GiB" if value >= 2**27 else f"{value / 2**20:.2f} MiB"
 
 

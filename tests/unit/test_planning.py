@@ -67,7 +67,7 @@ def test_nothing_fits_says_the_smallest_peak_and_what_would_fit():
         planner.plan(64 * 1024)
     text = str(err.value)
     assert "Nothing fits in 0.06 MiB per device" in text and "smallest predicted peak" in text
-    assert "micro-batch 1" in text and "more devices" in text
+    assert "micro-batch 1" in text and "More devices" in text
 
 
 def test_plan_writes_a_group_file_and_a_plot(tmp_path, capsys):
