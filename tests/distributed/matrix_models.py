@@ -64,15 +64,19 @@ def _muon_update(param, grad, state, group) -> None:
     param.add_(update, alpha=-group["lr"] * ratio)
 
 
+def _closure_loss(closure):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class FP32Muon(torch.optim.Muon):
     """torch.optim.Muon with its Newton-Schulz iteration in fp32 (declared through ``matrix_optimizers``)."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -90,10 +94,7 @@ class MuonWithAuxAdam(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -160,21 +161,13 @@ class MatrixRegression(models.Regression):
 
 def reference(kind: str, initial: dict, dataset, *, world: int, batch: int, steps: int, accumulate: int, clip: float) -> dict:
     """Plain single-process PyTorch on the same global batches."""
-    model = MatrixRegression(kind)
-    model.load_state_dict(copy.deepcopy(initial))
-    opt = build_optimizer(kind, model)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    batches = models.global_microbatches(dataset, world, batch, steps * accumulate)
-    for step in range(steps):
-        opt.zero_grad()
-        for micro in range(accumulate):
-            per_rank = batches[step * accumulate + micro]
-            loss = sum(nn.functional.mse_loss(model(x), y) for x, y in per_rank) / world / accumulate
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        sched.step()
-    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+    def optimizer(module):
+        opt = build_optimizer(kind, module)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    return models.reference_run(initial, dataset, world=world, batch=batch, steps=steps, accumulate=accumulate, clip=clip,
+                                build=lambda: MatrixRegression(kind), optimizer=optimizer)[0]
 
 
 class TwoOptimizers(models.Regression):

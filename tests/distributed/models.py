@@ -118,12 +118,16 @@ def reference_run(
     clip: float,
     clip_algorithm: str = "norm",
     unused_head: bool = False,
+    build=None,
+    optimizer=make_optimizer,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
     """Plain single-process PyTorch on the same global batches: final parameters and per-step gradients
-    (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict."""
-    model = Regression(unused_head=unused_head)
+    (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict.
+    ``build()``: another module of the same network (default :class:`Regression`); ``optimizer(module)``: its
+    optimizer and scheduler."""
+    model = build() if build is not None else Regression(unused_head=unused_head)
     model.load_state_dict(copy.deepcopy(initial))
-    opt, sched = make_optimizer(model)
+    opt, sched = optimizer(model)
     batches = global_microbatches(dataset, world, batch, steps * accumulate)
     grads = []
     for step in range(steps):
