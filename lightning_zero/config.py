@@ -18,6 +18,7 @@ from torch import nn
 from lightning_zero.choices import ZeroConfigError, check_choice, closest, nearest  # noqa: F401 (imported from here)
 from lightning_zero.compiling import check_compile
 from lightning_zero.compression_config import Compression, CompressionScope, QuantizationScheme, check_compression
+from lightning_zero.pipeline_config import check_pipeline
 
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -257,7 +258,7 @@ class ZeroConfig:
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
         check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
-        self._check_pipeline()
+        check_pipeline(self)
         self._check_shard_sizes()
         check_compression(self)
         check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
@@ -282,47 +283,9 @@ class ZeroConfig:
         check_compile(self.compile)
         for name in ("elementwise_optimizers", "matrix_optimizers"):
             classes = getattr(self, name)
-            if not isinstance(classes, tuple) or not all(isinstance(c, type) for c in classes):
+            if not isinstance(classes, (tuple, list)) or not all(isinstance(c, type) for c in classes):
                 raise ZeroConfigError(f"`{name}` must be a tuple of optimizer classes, got {classes!r}.")
-
-    def _check_pipeline(self) -> None:
-        split = self.pipeline_split
-        if isinstance(split, str):
-            check_choice("pipeline_split", split, ("layers", "params"))
-        elif not isinstance(split, (list, tuple)) or not all(
-            isinstance(x, (int, str)) and not isinstance(x, bool) for x in split
-        ):
-            raise ZeroConfigError(
-                f"`pipeline_split` must be 'layers', 'params' or a list of layer indices or names, got {split!r}."
-            )
-        virtual = self.pipeline_virtual_stages
-        if virtual is not None and (not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1):
-            raise ZeroConfigError(f"`pipeline_virtual_stages` must be None or an integer >= 1, got {virtual!r}.")
-        interleaved = self.pipeline_schedule == "interleaved_1f1b"
-        if interleaved and virtual == 1:
-            raise ZeroConfigError(
-                "`pipeline_schedule='interleaved_1f1b'` runs several stages per rank; set `pipeline_virtual_stages` "
-                ">= 2 (or leave it None for 2), or use pipeline_schedule='1f1b'."
-            )
-        if not interleaved and virtual not in (None, 1):
-            raise ZeroConfigError(
-                f"`pipeline_virtual_stages={virtual}` needs `pipeline_schedule='interleaved_1f1b'`; "
-                f"{self.pipeline_schedule!r} runs one stage per rank."
-            )
-        if self.pipeline_stages == 1:
-            return
-        if self.stage == 3:
-            raise ZeroConfigError(
-                f"`pipeline_stages={self.pipeline_stages}` composes with ZeRO `stage=1` or `stage=2`, not stage=3 (FSDP2 "
-                "rooted at each pipeline stage is not implemented). Use stage=2: each rank already holds only its "
-                "stage's parameters, with gradients and optimizer state sharded over the replicas."
-            )
-        if self.state_dict_type == "full":
-            raise ZeroConfigError(
-                "`state_dict_type='full'` is not available with `pipeline_stages > 1` (each stage's ranks hold only its "
-                "layers); use 'sharded' (the default), whose directory loads into a run with or without pipelining, "
-                "and `lightning-zero consolidate` for one plain file."
-            )
+            object.__setattr__(self, name, tuple(classes))
 
     def _check_shard_sizes(self) -> None:
         for setting in ("shard_size", "secondary_shard_size"):

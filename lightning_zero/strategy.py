@@ -91,7 +91,6 @@ class ZeroStrategy(CheckpointingStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
-        arguments.update(elementwise_optimizers=tuple(elementwise_optimizers), matrix_optimizers=tuple(matrix_optimizers))
         #: A DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
         self._deepspeed = parse_deepspeed_config(config) if config is not None else None
         if self._deepspeed is not None:
