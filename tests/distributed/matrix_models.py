@@ -215,3 +215,26 @@ def two_optimizers_reference(initial: dict, dataset, muon: type[Optimizer], *, w
             opt.step()
             opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def hf_module(kind: str):
+    """``tests.distributed.hf_models.HFLightningModule`` trained by a matrix optimizer: Adafactor on everything, or
+    fp32 Muon on the 2-D weights inside the layers (GPT-2's Conv1D included) and AdamW on the rest (embeddings, norms,
+    biases)."""
+    from tests.distributed.hf_models import HFLightningModule
+
+    class MatrixHF(HFLightningModule):
+        def configure_optimizers(self):
+            if kind == "adafactor":
+                opt = torch.optim.Adafactor(models.param_groups(self), lr=0.01)
+            else:
+                hidden = [p for n, p in self.named_parameters() if p.dim() == 2 and (".h." in n or ".layers." in n)]
+                ids = {id(p) for p in hidden}
+                opt = MuonWithAuxAdam([
+                    {"params": hidden, "use_muon": True, "lr": 0.02, "weight_decay": 0.01},
+                    {"params": [p for p in self.parameters() if id(p) not in ids], "use_muon": False, "lr": 3e-3},
+                ])
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return MatrixHF

@@ -19,6 +19,11 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def hf():
+    return launch("tests.distributed.worker_matrix", "hf", nprocs=2)["hf"]
+
+
+@pytest.fixture(scope="module")
 def four():
     return launch("tests.distributed.worker_matrix", "four_ranks", nprocs=4, nodes=2)["four_ranks"]
 
@@ -118,3 +123,16 @@ def test_an_undeclared_optimizer_is_refused_with_both_ways_out(runs):
     message = runs["variants"]["refusal"]["message"]
     assert "Undeclared" in message and "elementwise_optimizers=(Undeclared,)" in message
     assert "matrix_optimizers=(Undeclared,)" in message
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("optimizer", ["adafactor", "aux_adam"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hugging_face_models_train_exactly(hf, kind, optimizer, stage):
+    """GPT-2's Conv1D matrices and tied embeddings, Llama's attention and MLP: the same parameters as one process
+    (accumulation 2, clipping, a warmup schedule; the tie kept)."""
+    result = hf[f"{kind}_{optimizer}_stage{stage}"]
+    assert result["steps"] == 3 and result["change"] > 1e-3
+    assert result["diff"] <= TOL
+    if kind == "gpt2":
+        assert result["tied"]

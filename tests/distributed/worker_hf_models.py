@@ -32,11 +32,12 @@ def data() -> RandomTokenDataset:
     return RandomTokenDataset(num_samples=32, block_size=LENGTH, vocab_size=MASK_ID, seed=7)
 
 
-def run(kind: str, stage: int, precision: str, checkpointing: bool, **strategy_kwargs) -> dict:
+def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=HFLightningModule, **strategy_kwargs) -> dict:
     """``STEPS`` optimizer steps with clipping, 2 param groups and a warmup schedule; fp32 runs accumulate 2
-    micro-batches per step. ``strategy_kwargs``: more ZeroStrategy settings (hybrid sharding)."""
+    micro-batches per step. ``module_cls``: the module (another optimizer); ``strategy_kwargs``: more ZeroStrategy
+    settings (hybrid sharding)."""
     L.seed_everything(21)
-    module = HFLightningModule(kind)
+    module = module_cls(kind)
     initial = copy.deepcopy(module.state_dict())
     accumulate = 2 if precision == "32-true" else 1
     checkpointed = block_class(kind) if checkpointing else None
@@ -47,7 +48,7 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, **strategy_k
     final = t.strategy.full_state_dict()
     out = {"steps": t.global_step}
     if RANK == 0:
-        build = lambda: HFLightningModule(kind)  # noqa: E731
+        build = lambda: module_cls(kind)  # noqa: E731
         kwargs = dict(world=WORLD, batch=BATCH, steps=STEPS, clip=CLIP)
         if precision == "32-true":
             _, reference = fp32_run(initial, build, dataset, **kwargs, accumulate=accumulate)

@@ -219,6 +219,22 @@ def four_ranks(directory: Path) -> dict:
     }
 
 
+def hf_models(directory: Path) -> dict:
+    """Hugging Face GPT-2 (Conv1D matrices, tied embeddings) and Llama built from tiny configs, with Adafactor and a
+    Muon + AdamW mix, against the same single-process run (``worker_hf_models``' harness: accumulation, clipping, a
+    warmup schedule)."""
+    from tests.distributed import worker_hf_models
+
+    out = {}
+    for kind in ("gpt2", "llama"):
+        for optimizer in ("adafactor", "aux_adam"):
+            module_cls = mm.hf_module(optimizer)
+            for stage in (2, 3):
+                result = worker_hf_models.run(kind, stage, "32-true", False, module_cls=module_cls, matrix_optimizers=MATRIX)
+                out[f"{kind}_{optimizer}_stage{stage}"] = result
+    return out
+
+
 # ---------------------------------------------------------------------- across world sizes and stages
 class Epochs(mm.MatrixRegression):
     """No schedule (the resharding tests check the optimizer state itself); 16 samples: 2 steps an epoch on 2
@@ -297,7 +313,7 @@ def resume_s2(directory: Path) -> dict:
     return out
 
 
-CASES = {"exact": exact, "manual": manual, "variants": variants, "four_ranks": four_ranks, "save_s2": save_s2, "resume_s3": resume_s3,
+CASES = {"exact": exact, "manual": manual, "variants": variants, "four_ranks": four_ranks, "hf": hf_models, "save_s2": save_s2, "resume_s3": resume_s3,
          "resume_s2": resume_s2}
 
 if __name__ == "__main__":
