@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,9 +16,6 @@ from lightning_zero.engine.offload import host_kernel
 from lightning_zero.engine.optimizers import hosted_params, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.fsdp2 import FullyShardedEngine
-
 
 class FullyShardedOptimizer:
     """The user's optimizer over FSDP2's sharded parameters (implements
@@ -27,7 +23,9 @@ class FullyShardedOptimizer:
     ``offload_optimizer`` alone, their host masters. A matrix optimizer steps whole parameters on owner ranks
     (``owner_step.py``), decided from each DTensor's full shape."""
 
-    def __init__(self, engine: FullyShardedEngine, optimizer: Optimizer, kind: str = "elementwise") -> None:
+    def __init__(self, engine, optimizer: Optimizer, kind: str = "elementwise") -> None:
+        """``engine``: the :class:`~lightning_zero.engine.fsdp2.FullyShardedEngine` whose parameters these are (not
+        imported here: the engine imports this module)."""
         self.engine = engine
         self.optimizer = optimizer
         self.kind = kind
