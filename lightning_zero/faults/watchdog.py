@@ -290,7 +290,10 @@ class Watchdog:
         elif self.decision is not None:
             failures.add_note(exception, _with_rank(self.decision.text(), me))
         elif _is_communication_error(exception):
-            first = self._first_failure(healthy, wait=self.limits.settle)
+            # A rank that could not run (SIGSTOP) is the cause of whatever its peers recorded meanwhile: say so first,
+            # whether or not their store is still there to read.
+            paused = me.paused >= self.current_limits().stale_after
+            first = None if paused else self._first_failure(healthy, wait=self.limits.settle)
             if first is not None:
                 failures.brought_down_by(exception, first, self.rank)
                 failures.add_note(exception, f"This rank ({self.rank}) was {me.where()}.")

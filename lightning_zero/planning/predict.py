@@ -121,7 +121,9 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
         shards = 4 * p / n  # FSDP2's fp32 parameter shards
         on_host = 1.0 if c.offload_params else 0.0
         static = {"parameters": (1 - on_host) * shards, "optimizer state": (1 - r) * state / n}
-        host = on_host * (shards + 4 * p / n) + r * state / n + (r * 4 * p / n if not c.offload_params else 0)
+        # offload_params: parameter and gradient shards and the state; offload_optimizer alone: the state, host
+        # copies of the shards and their gradient buffers (16P/N either way, of the share offloaded).
+        host = on_host * (shards + 4 * p / n) + r * state / n + (r * 8 * p / n if not c.offload_params else 0)
         # Forward holds the root and the unit computing; backward also the unit prefetched and the unit's
         # gradients before their reduce-scatter (no gradient yet: still forward).
         gathered = compute_size * root
