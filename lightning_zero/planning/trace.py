@@ -39,15 +39,11 @@ class StepTrace:
     """Trainable parameter elements."""
     param_bytes: int
     """Bytes of the parameters as forward computes with them (the compute dtype under mixed precision)."""
-    fp32_kept: int
-    """Trainable elements a mixed run keeps in fp32 for compute (normalization layers)."""
     timeline: tuple[tuple[int, int], ...]
     """After each operation of forward and backward: (bytes alive beyond parameters and gradients, bytes of the
     gradients accumulated so far)."""
     unit_elements: tuple[int, ...]
     """Trainable elements of each stage-3 unit (each block of an ``nn.ModuleList``), largest first."""
-    largest_param: int
-    """Elements of the largest trainable parameter."""
     state_per_element: float
     """Optimizer-state elements per trainable element (Adam 2, SGD with momentum 1), from one traced step of the
     module's own ``configure_optimizers``."""
@@ -68,7 +64,6 @@ class _Timeline(_TotalsOnly):
         super().__init__()
         self.points: list[tuple[int, int]] = []
         self.grad_bytes = 0
-        self._params = params
         self._handles = [p.register_post_accumulate_grad_hook(self._grad) for p in params if p.requires_grad]
         self._param_bytes = sum(p.numel() * p.element_size() for p in params)
 
@@ -111,12 +106,8 @@ def trace_step(
         if policy is not None:
             apply_activation_checkpointing(module, policy)
         trainable = [p for p in module.parameters() if p.requires_grad]
-        kept = 0
         if compute is not None:
-            mixed = PrecisionPolicy(compute_dtype=compute, reduce_dtype=compute)
-            dtypes = mixed.param_dtypes(module)
-            kept = sum(p.numel() for p in trainable if dtypes.get(id(p)) != compute)
-            cast_parameters(module, trainable, mixed)
+            cast_parameters(module, trainable, PrecisionPolicy(compute_dtype=compute, reduce_dtype=compute))
         fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
         module.train()
         tracker = _Timeline(list(module.parameters()))
@@ -134,10 +125,8 @@ def trace_step(
     return StepTrace(
         params=sum(p.numel() for p in trainable),
         param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
-        fp32_kept=kept,
         timeline=tuple(tracker.points),
         unit_elements=tuple(sorted(units, reverse=True)),
-        largest_param=max((p.numel() for p in trainable), default=0),
         state_per_element=state / max(1, sum(p.numel() for p in trainable)),
         batch_size=_batch_size(batch),
         precision=precision,
