@@ -99,6 +99,7 @@ class MasterShards:
             self.tensors = [self._master(i, s) for i, s in enumerate(shards)]
         #: Masters that are the given rows themselves (no memory of their own).
         self.aliased = {i for i, (t, s) in enumerate(zip(self.tensors, shards)) if t is s}
+        self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
         self._grad_buffers: dict[int, torch.Tensor] = {}
 
     def _master(self, index: int, rows: torch.Tensor) -> torch.Tensor:
@@ -118,6 +119,7 @@ class MasterShards:
         with torch.no_grad():
             self.tensors = [self.tensors[s] if isinstance(s, int) else self._master(i, s) for i, s in enumerate(sources)]
         self.aliased = {i for i, s in enumerate(sources) if self.tensors[i] is s or (isinstance(s, int) and s in self.aliased)}
+        self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
         self._grad_buffers = {
             new: self._grad_buffers[s] for new, s in enumerate(sources) if isinstance(s, int) and s in self._grad_buffers
         }
@@ -178,7 +180,7 @@ class MasterShards:
 
     def holds_on_host(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is one of the masters placed in host memory."""
-        return any(master is tensor for master, host in zip(self.tensors, self.on_host) if host)  # few tensors a step
+        return id(tensor) in self._host_ids  # the masters live as long as this object: their ids stay theirs
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
         """``(kind, tensor, on_host)`` of the memory the masters hold: copies and host gradient buffers."""
