@@ -89,6 +89,8 @@ from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataMo
 from lightning_zero.planning.formulas import CHOICES_BY_NAME, model_state_split  # noqa: E402
 from lightning_zero.monitor import ZeroMonitor  # noqa: E402
 
+from phases import PhaseWindows  # noqa: E402  (benchmarks/, the script's own directory)
+
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 BASELINES = ("ddp", "fsdp2", "fsdp2_hsdp")
 #: Suffixes for ZeRO systems (extra ZeroStrategy settings): "zero2+ac" checkpoints every Block, "zero2+ac2"
@@ -339,8 +341,10 @@ class BenchCallback(L.Callback):
 
     def __init__(
         self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str, precision: str,
-        monitor: Any = None, optimizer: str = "adamw",
+        monitor: Any = None, optimizer: str = "adamw", profile_steps: int = 0, accumulate: int = 1,
     ) -> None:
+        #: Micro-batches per optimizer step: a step's time is the sum of its micro-batches' (``step_times``).
+        self.accumulate = accumulate
         self.monitor = monitor  # a ZeroMonitor in the same run (--monitor): its last logged figures are reported
         self.system = system
         self.precision = precision
@@ -359,6 +363,20 @@ class BenchCallback(L.Callback):
         self._excluded = 0.0
         self._saved_ctx = None
         self.saved_activation_bytes = None
+        #: Steps after the measured ones that run under the profiler for the phase breakdown (phases.py): the
+        #: profiler slows a step, so the timed steps never run under it.
+        self.profile_steps = profile_steps
+        self.windows = PhaseWindows()
+        self.phases: dict[str, float] = {}
+
+    def step_times(self) -> list[float]:
+        """One time per optimizer step: the measured micro-batches summed by accumulation window."""
+        k = self.accumulate
+        return [sum(self.times[i:i + k]) for i in range(0, len(self.times) - k + 1, k)]
+
+    def _profiled(self, batch_idx: int) -> bool:
+        start = self.warmup + self.steps
+        return start <= batch_idx < start + self.profile_steps
 
     def _measured(self, batch_idx: int) -> bool:
         return self.warmup <= batch_idx < self.warmup + self.steps
@@ -370,6 +388,10 @@ class BenchCallback(L.Callback):
             self._saved_ctx = saved_tensor_bytes(exclude=list(pl_module.parameters()))
             self._saved = self._saved_ctx.__enter__()
         self._batch_idx = batch_idx
+        if batch_idx == self.warmup + self.steps and self.profile_steps:
+            self.windows.start()
+        if self._profiled(batch_idx):
+            self.windows.enter("forward")
         self._excluded = 0.0
         self._t0 = time.perf_counter()
 
@@ -380,12 +402,16 @@ class BenchCallback(L.Callback):
         self._baseline = live_tensor_bytes() - params
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._profiled(self._batch_idx):
+            self.windows.enter("backward")
         if self._saved_ctx is not None:
             self.saved_activation_bytes = self._saved["bytes"]
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
 
     def on_after_backward(self, trainer, pl_module) -> None:
+        if self._profiled(self._batch_idx):
+            self.windows.enter("step")
         # Count once, on the last measured step: by then optimizer state exists.
         if self._batch_idx == self.warmup + self.steps - 1:
             t = time.perf_counter()
@@ -401,10 +427,15 @@ class BenchCallback(L.Callback):
         dt = time.perf_counter() - self._t0 - self._excluded
         if self._measured(batch_idx):
             self.times.append(dt)
+        if self._profiled(batch_idx):
+            self.windows.leave()
+            if batch_idx == self.warmup + self.steps + self.profile_steps - 1:
+                self.phases = self.windows.stop(self.profile_steps // self.accumulate)
         if batch_idx == self.warmup + self.steps - 1 and self.comm is not None:
             self.comm_snapshot = dict(self.comm.snapshot())
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self.times = self.step_times()
         rank_result = {
             "rank": trainer.global_rank,
             "step_ms_median": 1e3 * statistics.median(self.times) if self.times else None,
@@ -420,6 +451,7 @@ class BenchCallback(L.Callback):
             "held_params": sum(p.numel() for p in pl_module.parameters() if not p.is_meta),
             "saved_activation_bytes": self.saved_activation_bytes,
             "monitor": dict(self.monitor.last) if self.monitor is not None else None,
+            "phases_ms": self.phases,
         }
         if dist.is_available() and dist.is_initialized():
             ranks: list[Any] = [None] * dist.get_world_size()
@@ -461,7 +493,8 @@ class BenchCallback(L.Callback):
             "world_size": N,
             "params": P,
             "config": asdict(self.config),
-            "batch_per_rank": self.batch_size,
+            "batch_per_rank": self.batch_size * self.accumulate,  # per optimizer step
+            "accumulate": self.accumulate,
             "warmup_steps": self.warmup,
             "measured_steps": self.steps,
             "step_ms": step_ms,
@@ -497,7 +530,7 @@ def run_system(args: argparse.Namespace) -> None:
     L.seed_everything(0, verbose=False)
     model_kw = QUICK_MODEL if args.quick else FULL_MODEL
     config = GPTConfig(**model_kw, dropout=0.0, bias=True)
-    total_steps = args.warmup + args.steps
+    total_steps = args.warmup + args.steps + args.profile_steps
     stages = pipeline_stages(args.system)
     data = RandomTokenDataModule(
         vocab_size=config.vocab_size,
@@ -527,7 +560,8 @@ def run_system(args: argparse.Namespace) -> None:
         strategy=build_strategy(args.system, args.devices * args.nodes),
         precision=args.precision,
         # Manual optimization counts each optimizer's step: Muon + AdamW make two per batch.
-        max_steps=total_steps * (2 if args.optimizer == "muon" else 1),
+        max_steps=total_steps // args.accumulate * (2 if args.optimizer == "muon" else 1),
+        accumulate_grad_batches=args.accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -536,7 +570,7 @@ def run_system(args: argparse.Namespace) -> None:
         # The bench callback first: its step timer stops before the monitor gathers its figures.
         callbacks=[
             BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision, monitor,
-                          args.optimizer),
+                          args.optimizer, args.profile_steps, args.accumulate),
             *([monitor] if monitor is not None else []),
         ],
     )
@@ -554,7 +588,8 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         sys.executable, os.path.abspath(__file__), "--system", system, "--out", str(out),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
         "--batch-size", str(args.batch_size), "--precision", args.precision,
-        "--nodes", str(args.nodes), "--optimizer", args.optimizer,
+        "--nodes", str(args.nodes), "--optimizer", args.optimizer, "--profile-steps", str(args.profile_steps),
+        "--accumulate", str(args.accumulate),
     ] + (["--quick"] if args.quick else []) + (["--monitor"] if args.monitor else [])
     print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -600,6 +635,12 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     result = dict(rounds[0])
     result["rounds_step_ms"] = [r["step_ms"] for r in rounds]
     result["step_ms"] = statistics.median(result["rounds_step_ms"])
+    # Per rank and category: the median over the rounds that profiled.
+    per_round = [[rank.get("phases_ms") or {} for rank in r["per_rank"]] for r in rounds]
+    result["phases_ms"] = [
+        {key: statistics.median(ranks[i][key] for ranks in per_round if ranks[i]) for key in per_round[0][i]}
+        for i in range(len(per_round[0]))
+    ]
     config = result["config"]
     result["tokens_per_s"] = result["batch_per_rank"] * config["block_size"] * result["world_size"] / (result["step_ms"] / 1e3)
     return result
@@ -647,6 +688,20 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
         )
 
 
+def print_phases(results: list[dict[str, Any]]) -> None:
+    """The phase breakdown (phases.py), one row per system and rank."""
+    from phases import CATEGORIES
+
+    rows = [(r["system"], rank, phases) for r in results for rank, phases in enumerate(r.get("phases_ms") or []) if phases]
+    if not rows:
+        return
+    cols = ["system", "rank", *CATEGORIES, "total", "comm_threads"]
+    print("\nPhase breakdown, ms per step on the training thread (profiled steps; comm_threads: other threads in profiled operators, see phases.py)")
+    print("  ".join(f"{c:>12}" for c in cols))
+    for system, rank, phases in rows:
+        print("  ".join([f"{system:>12}", f"{rank:>12}", *(f"{phases[c]:>12.1f}" for c in cols[2:])]))
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ddp vs FSDP2 vs ZeRO-1/2/3 on one GPT (CPU)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
@@ -662,6 +717,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"), help="Trainer precision")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
                    help="adamw (the demo's), or torch.optim.Muon on the blocks' matrices + AdamW on the rest")
+    p.add_argument("--accumulate", type=int, default=1,
+                   help="accumulate_grad_batches: step_ms is then one optimizer step (that many micro-batches)")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps after the measured ones run under torch.profiler for the phase breakdown (0: none)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(
         "--rounds", type=int, default=1,
@@ -670,8 +729,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--system", help=argparse.SUPPRESS)  # internal: run one system (child mode)
     p.add_argument("--out", help=argparse.SUPPRESS)  # internal: where rank 0 writes its JSON line
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-        p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.profile_steps < 0 or args.accumulate < 1:
+        p.error("--steps, --rounds and --accumulate must be >= 1, --warmup and --profile-steps >= 0")
+    # Measured and profiled windows start at an optimizer step: counts are in micro-batches, whole windows.
+    args.warmup, args.steps, args.profile_steps = (args.accumulate * v for v in (args.warmup, args.steps, args.profile_steps))
     return args
 
 
@@ -701,6 +762,7 @@ def main() -> None:
         print(json.dumps(r))
     print()
     print_table(results, failed)
+    print_phases(results)
 
 
 if __name__ == "__main__":

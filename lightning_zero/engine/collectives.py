@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from lightning_zero.engine import shm_transport
 from lightning_zero.engine.comm_stats import CommStats
 from lightning_zero.engine.flight import RECORDER as _FLIGHT
 
@@ -78,6 +79,8 @@ def reduce_scatter(
     number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)  # see engine/flight.py
     _count("reduce_scatter", input, group)
     with record_function("lightning_zero::reduce_scatter"):
+        if (mailboxes := _shared_memory(group, output, input)) is not None:
+            return _through_mailboxes(mailboxes, mailboxes.reduce_scatter, output, input, number, "reduce_scatter", async_op)
         if _use_ring(group):
             work = _RingReduceScatter(output, input, group, number)
         else:
@@ -103,6 +106,8 @@ def all_gather(
             _FLIGHT.done(number)
             output.copy_(staged)
             return None
+        if (mailboxes := _shared_memory(group, output, input)) is not None:
+            return _through_mailboxes(mailboxes, mailboxes.all_gather, output, input, number, "all_gather", async_op)
         if _use_ring(group):
             work = _RingAllGather(output, input, group, number)
         else:
@@ -127,10 +132,11 @@ def all_to_all(
         return finish(work, number, "all_to_all")
 
 
-class _Tracked:
+class _Tracked(dist.Work):
     """A backend's handle that reports its wait to the flight recorder, as our rings do."""
 
     def __init__(self, work: dist.Work, number: int, kind: str) -> None:
+        super().__init__()
         self.work, self.number, self.kind = work, number, kind
 
     def wait(self) -> bool:
@@ -144,7 +150,8 @@ def finish(work, number: int = 0, kind: str = "") -> None:
         work.wait()  # records its own wait
     elif work is not None:
         _FLIGHT.wait(number, kind)
-        work.wait()
+        with record_function("lightning_zero::wait"):
+            work.wait()
         _FLIGHT.done(number)
     return None
 
@@ -160,10 +167,34 @@ def _use_ring(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-class _Ring:
+def _shared_memory(group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor):
+    """The group's shared-memory mailboxes (``shm_transport.py``) where they serve this call: gloo, host tensors,
+    one host. Every rank decides alike (same backend, devices and layout)."""
+    if not (_use_ring(group) and output.device.type == "cpu" and input.device.type == "cpu"
+            and output.is_contiguous() and input.is_contiguous() and output.dtype == input.dtype):
+        return None
+    return shm_transport.for_group(group)
+
+
+def _through_mailboxes(mailboxes, collective, output: torch.Tensor, input: torch.Tensor, number: int, kind: str,
+                       async_op: bool):
+    """Queue a collective to the group's mailbox thread: its handle, or None once it ran (``async_op=False``,
+    or a group whose collectives run in the calling thread)."""
+    work = mailboxes.submit(collective, output, input)
+    if work is None:
+        _FLIGHT.wait(number, kind)
+        _FLIGHT.done(number)
+        return None
+    return _Tracked(work, number, kind) if async_op else finish(work, number, kind)
+
+
+class _Ring(dist.Work):
+    """A ``dist.Work`` (FSDP2 waits only on those), whose ``wait`` runs the remaining ring steps."""
+
     kind = ""
 
     def __init__(self, group: dist.ProcessGroup | None, number: int) -> None:
+        super().__init__()
         self.group = group
         self.number = number  # in the flight recorder
         self.rank = dist.get_rank(group)
@@ -177,11 +208,12 @@ class _Ring:
         self.pending = [dist.isend(send, self.next, group=self.group), dist.irecv(recv, self.prev, group=self.group)]
 
     def _complete(self) -> None:
-        for request in self.pending:
-            if _WAIT_TIMEOUT is None:
-                request.wait()
-            else:
-                request.wait(_WAIT_TIMEOUT)
+        with record_function("lightning_zero::wait"):
+            for request in self.pending:
+                if _WAIT_TIMEOUT is None:
+                    request.wait()
+                else:
+                    request.wait(_WAIT_TIMEOUT)
         self.pending = []
 
 

@@ -63,7 +63,8 @@ from torch.optim import Optimizer
 from lightning_zero.engine import collectives
 from lightning_zero.engine.api import Holding, ShardRecord
 from lightning_zero.engine.compression import CompressedComm, CompressionSpec
-from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter, SumOverReplicas
+from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
+from lightning_zero.engine.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.fsdp2_optimizer import FullyShardedOptimizer, local_grad, local_tensor
 from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units, units_below_the_root
 from lightning_zero.engine.hf_init import hf_owners, initialize
@@ -130,6 +131,9 @@ class FullyShardedEngine:
         chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
         self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
         self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}
+        #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
+        #: reads each reduced shard at once, so those land as they are issued. On CUDA, FSDP2's streams overlap.
+        self.late = LateReductions() if self.replicate_group is None and device.type == "cpu" else None
         if not isinstance(module, FSDPModule):  # else sharded by an earlier fit/validate/test on this module
             if _has_meta(module, recurse=True):
                 self._materialize_and_shard(device)
@@ -140,6 +144,12 @@ class FullyShardedEngine:
                 for unit in reversed(self.units):
                     self._shard(unit)
             self._shard(module)
+        else:  # this engine's collectives replace the earlier engine's
+            for sharded in module.modules():
+                if isinstance(sharded, FSDPModule):
+                    self._set_collectives(sharded)
+        #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).
+        self.prefetch = ForwardPrefetch(module, self.units) if device.type == "cpu" else None
         #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -167,9 +177,12 @@ class FullyShardedEngine:
             mp_policy=self._mp_policy(module),
             offload_policy=self._offload_policy,
         )
+        self._set_collectives(module)
+
+    def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")
         module.set_custom_all_gather(CountingAllGather(self.compression))
-        module.set_custom_reduce_scatter(CountingReduceScatter(self.compression, name))
+        module.set_custom_reduce_scatter(CountingReduceScatter(self.compression, name, module, self.late))
         if self.replicate_group is not None:
             module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
             module.set_gradient_divide_factor(float(self._all_ranks))
@@ -295,7 +308,15 @@ class FullyShardedEngine:
             self.module.set_requires_gradient_sync(True)
 
     def post_backward(self) -> None:
-        """FSDP2 lands its reduce-scatters in its own post-backward callback."""
+        """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward."""
+        self.land_gradients()
+        if self.prefetch is not None:
+            self.prefetch.settle()
+
+    def land_gradients(self) -> None:
+        """Land reductions still in flight (a backward not run through the strategy leaves them to the step)."""
+        if self.late is not None:
+            self.late.land_all()
 
     def follow_trainability(self) -> bool:
         """FSDP2 shards every parameter, trainable or not, and reduces whatever gradients backward produces."""

@@ -108,6 +108,7 @@ class FullyShardedOptimizer:
     def step(self, **kwargs) -> object:
         """See [Note: stage 3 offload] and [Note: owner stepping] in ``owner_step.py``."""
         engine = self.engine
+        engine.land_gradients()
         self._refresh()
         if self.whole:
             self.owners.gather(self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i]))
@@ -139,6 +140,7 @@ class FullyShardedOptimizer:
                 torch._foreach_mul_(grads, scale)
 
     def local_gradients(self) -> list[torch.Tensor]:
+        self.engine.land_gradients()
         grads = (local_grad(p) for p in self._params())
         return [g for g in grads if g is not None]
 

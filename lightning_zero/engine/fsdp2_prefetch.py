@@ -1,0 +1,53 @@
+"""Stage 3's all-gathers posted one unit ahead, in forward and in backward.
+
+[Note: prefetching without streams]
+FSDP2 hides a unit's all-gather behind the previous unit's computation by issuing it on a separate CUDA stream
+(implicit prefetching). A CPU has no streams: each unit's all-gather started only when the unit was reached and
+the training thread waited for all of it (190 ms a step on the demo GPT over 2 CPU ranks, ``bench_core.py``'s
+phase breakdown). FSDP2's explicit prefetching does it without streams: with ``unshard_async_op`` its all-gathers
+return a handle (our rings are ``dist.Work``s, ``collectives.py``), a unit's pre-forward posts the next unit's
+all-gather after gathering its own, and backward posts the previous unit's (FSDP2's default backward prefetch,
+in reverse post-forward order). At most two units are gathered at once, as FSDP2's stream prefetching holds.
+
+The forward order is not the modules' order in general, so it is observed: the first forward that builds a
+graph records the order in which units first run, and from then on each unit prefetches the one that ran after
+it. A unit that does not run in some forward stays prefetched until its next use or FSDP2's post-backward
+reshard; nothing is ever computed with stale values, since prefetching only moves an all-gather earlier.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+
+class ForwardPrefetch:
+    """Records the units' forward order on the first training forward, then chains their prefetches."""
+
+    def __init__(self, root: FSDPModule, units: list[nn.Module]) -> None:
+        self.units = [u for u in units if isinstance(u, FSDPModule)]
+        self.order: list[nn.Module] = []
+        self._seen: set[int] = set()
+        root._set_unshard_async_op(True)
+        self._handles = [u.register_forward_pre_hook(self._ran) for u in self.units]
+
+    def _ran(self, unit: nn.Module, args) -> None:
+        if torch.is_grad_enabled() and unit.training and id(unit) not in self._seen:
+            self._seen.add(id(unit))
+            self.order.append(unit)
+
+    def settle(self) -> None:
+        """After the first backward: each unit prefetches the unit that first ran after it."""
+        if not self._handles or not self.order:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for unit, after in zip(self.order, self.order[1:]):
+            unit.set_modules_to_forward_prefetch([after])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
