@@ -15,7 +15,7 @@ from phases import CATEGORIES, PhaseWindows  # noqa: E402
 
 
 def _busy(seconds: float) -> None:
-    a = torch.randn(64, 64)
+    a = torch.randn(256, 256)  # operators long enough that the loop between them is a small share
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         a = a @ a
@@ -43,10 +43,10 @@ def test_each_window_splits_into_computation_communication_gathers_and_idle() ->
     windows.leave()
     phases = windows.stop(steps=1)
     assert set(CATEGORIES) <= set(phases)
-    assert phases["forward"] == pytest.approx(30, abs=8)
-    assert phases["backward"] == pytest.approx(30, abs=8)
-    assert phases["step"] == pytest.approx(10, abs=5)
-    assert phases["comm"] == pytest.approx(40, abs=8)
-    assert phases["param_gather"] == pytest.approx(20, abs=6)
-    assert phases["idle"] == pytest.approx(30, abs=8)
+    # Labelled regions are exact; computation loses the Python between its operators to idle.
+    assert phases["comm"] == pytest.approx(40, abs=6)
+    assert phases["param_gather"] == pytest.approx(20, abs=5)
+    assert 18 <= phases["forward"] <= 36 and 18 <= phases["backward"] <= 36 and 5 <= phases["step"] <= 14
+    assert 28 <= phases["idle"] <= 50  # the forward's sleep, plus the loops' Python
+    assert phases["total"] == pytest.approx(160, abs=20)
     assert phases["total"] == pytest.approx(sum(phases[c] for c in CATEGORIES))
