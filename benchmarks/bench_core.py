@@ -646,10 +646,19 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def _round_ratios(result: dict[str, Any], ddp: dict[str, Any] | None) -> str:
+    """The median of the per-round ratios to ddp, then each round's: rounds are interleaved, so a round's ratio
+    compares runs minutes apart and cancels this shared machine's slow drifts (up to 15% between rounds)."""
+    if ddp is None or len(result["rounds_step_ms"]) != len(ddp["rounds_step_ms"]):
+        return "-"
+    ratios = [mine / theirs for mine, theirs in zip(result["rounds_step_ms"], ddp["rounds_step_ms"])]
+    return f"{statistics.median(ratios):.2f} (" + " ".join(f"{x:.2f}" for x in ratios) + ")"
+
+
 def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     cols = [
-        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
+        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "round_ratios", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
         "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step", "intra_node_MB/step", "inter_node_MB/step",
     ]
     rows = []
@@ -660,6 +669,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
             f"{r['step_ms']:.1f}",
             f"{r['tokens_per_s']:.0f}",
             f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-",
+            _round_ratios(r, ddp),
             f"{r['state_bytes'] / 1e6:.2f}",
             f"{r['formula_bytes'] / 1e6:.2f}",
             f"{r['delta_pct']:+.1f}",
@@ -683,7 +693,8 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
         print(
             f"\n{r['precision']}, {r.get('optimizer', 'adamw')}, P = {r['params']:,} params, {r['world_size']} ranks, batch {r['batch_per_rank']}/rank x "
             f"{r['config']['block_size']} tokens, median of {r['measured_steps']} steps after {r['warmup_steps']} "
-            f"warmup ({len(r['rounds_step_ms'])} interleaved round(s), median); step_ms/state/RSS are the worst "
+            f"warmup ({len(r['rounds_step_ms'])} interleaved round(s), median; round_ratios: the median of each round's "
+            f"ratio to ddp, then each round's); step_ms/state/RSS are the worst "
             f"rank; MB = 1e6 bytes."
         )
 

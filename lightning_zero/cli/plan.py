@@ -70,7 +70,7 @@ def main(argv: Sequence[str]) -> int:
         parser.error(str(err))
     planner = Planner(source.build, source.batch, world_size=source.world_size, precision=source.precision,
                       accumulate=source.accumulate, checkpointing=source.checkpointing,
-                      devices_per_host=source.devices_per_host)
+                      devices_per_host=source.devices_per_host, backend=source.backend)
     print(f"Plan for {source.description}; {source.world_size} rank(s), {source.precision}, "
           f"{planner.per_device} samples per device per micro-batch x {source.accumulate} accumulated:")
     try:

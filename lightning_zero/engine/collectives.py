@@ -3,7 +3,10 @@
 Every call is labelled with ``torch.profiler.record_function`` and counted in :func:`comm_stats`, so tests
 and benchmarks can assert what a step communicates (``elements`` per kind) without patching torch. FSDP2
 (stage 3) is routed through here too, via its custom all-gather / reduce-scatter hooks (``fsdp2_comm.py``);
-pipeline stages' point-to-point sends are counted by the pipeline as they happen (:func:`record_sent`).
+pipeline stages' point-to-point sends are counted by the pipeline as they happen (:func:`record_sent`). Over
+gloo, reduce-scatter and all-gather run as point-to-point transfers (``p2p_transport.py``: rings, and stages 1-2's
+exchanges without packed buffers), or through shared-memory mailboxes (``shm_transport.py``); both are reached only
+through this module.
 
 What is counted, and how groups are told apart as intra- or inter-node, is ``comm_stats.py``'s
 [Note: counting convention].
@@ -11,13 +14,15 @@ What is counted, and how groups are told apart as intra- or inter-node, is ``com
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from lightning_zero.engine import p2p_transport as p2p
 from lightning_zero.engine import shm_transport
 from lightning_zero.engine.comm_stats import CommStats
 from lightning_zero.engine.flight import RECORDER as _FLIGHT
@@ -29,14 +34,12 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatte
 
 
 _STATS = CommStats()
-#: How long a point-to-point wait (our ring collectives) may block: gloo applies the process group's timeout
-#: to collectives but not to isend/irecv waits. Set by ``faults/timeouts.py`` while a run is active.
-_WAIT_TIMEOUT: timedelta | None = None
 
 
 def set_wait_timeout(timeout: timedelta | None) -> None:
-    global _WAIT_TIMEOUT
-    _WAIT_TIMEOUT = timeout
+    """How long a point-to-point wait (our ring collectives) may block: gloo applies the process group's timeout
+    to collectives but not to isend/irecv waits. Set by ``faults/timeouts.py`` while a run is active."""
+    p2p.WAIT_TIMEOUT = timeout
 
 
 def comm_stats() -> CommStats:
@@ -71,7 +74,7 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 
 def reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> dist.Work | _Ring | None:
+) -> dist.Work | p2p.Ring | None:
     """Sum ``input`` over ranks and leave rank r's segment in ``output``. ``input`` may be overwritten."""
     if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
         output.copy_(input)
@@ -82,7 +85,7 @@ def reduce_scatter(
         if (mailboxes := _shared_memory(group, output, input)) is not None:
             return _through_mailboxes(mailboxes, mailboxes.reduce_scatter, output, input, number, "reduce_scatter", async_op)
         if _use_ring(group):
-            work = _RingReduceScatter(output, input, group, number)
+            work = p2p.RingReduceScatter(output, input, group, number)
         else:
             work = _reduce_scatter_flat(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
         return work if async_op else finish(work, number, "reduce_scatter")
@@ -90,7 +93,7 @@ def reduce_scatter(
 
 def all_gather(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> dist.Work | _Ring | None:
+) -> dist.Work | p2p.Ring | None:
     """Concatenate every rank's ``input`` into ``output``."""
     if world_size(group) == 1:
         output.copy_(input)
@@ -109,10 +112,64 @@ def all_gather(
         if (mailboxes := _shared_memory(group, output, input)) is not None:
             return _through_mailboxes(mailboxes, mailboxes.all_gather, output, input, number, "all_gather", async_op)
         if _use_ring(group):
-            work = _RingAllGather(output, input, group, number)
+            work = p2p.RingAllGather(output, input, group, number)
         else:
             work = _all_gather_flat(output, input, group=group, async_op=async_op)
         return work if async_op else finish(work, number, "all_gather")
+
+
+_PACKED_ONLY = False
+
+
+def exchanges_in_place(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether :func:`all_gather_in_place` and :func:`reduce_scatter_in_place` serve ``group``: gloo's
+    point-to-point transfers (see [Note: collectives in place] in ``p2p_transport.py``); the shared-memory
+    mailboxes and other backends take packed buffers."""
+    return not _PACKED_ONLY and world_size(group) > 1 and _use_ring(group) and shm_transport.for_group(group) is None
+
+
+@contextlib.contextmanager
+def packed_only() -> Iterator[None]:
+    """Stages 1-2 reduce and gather through packed buffers while inside (``benchmarks/bench_collectives.py``
+    compares the two ways on the same process group)."""
+    global _PACKED_ONLY
+    previous, _PACKED_ONLY = _PACKED_ONLY, True
+    try:
+        yield
+    finally:
+        _PACKED_ONLY = previous
+
+
+def all_gather_in_place(
+    pieces: Sequence[Sequence[torch.Tensor]], packed_numel: int, group: dist.ProcessGroup | None = None
+) -> p2p.Ring:
+    """Every rank's ``pieces[rank]`` into ``pieces[rank]`` of every other rank, tensor by tensor, with no buffer
+    (see [Note: collectives in place] in ``p2p_transport.py``). ``pieces[r]`` are contiguous views of the
+    destinations, the same shapes on every rank; ``packed_numel`` is the size of the buffer the packed collective
+    would fill, as counted. Returns the handle to wait on."""
+    mine = pieces[rank(group)]
+    return _exchange_counted("all_gather", mine, packed_numel, group, lambda peer: mine, lambda peer: pieces[peer])
+
+
+def reduce_scatter_in_place(
+    sends: Sequence[Sequence[torch.Tensor]], receives: Sequence[Sequence[torch.Tensor]], packed_numel: int,
+    group: dist.ProcessGroup | None = None,
+) -> p2p.Ring:
+    """The transfers of a reduce-scatter without its buffers (see [Note: collectives in place] in
+    ``p2p_transport.py``): ``sends[r]``, this rank's contributions to rank r's rows, go to rank r and land there in
+    ``receives[this rank]``; the caller adds what it received once the handle is waited on. ``packed_numel`` is the
+    size of the input the packed collective would reduce, as counted."""
+    mine = [piece for pieces in sends for piece in pieces]
+    return _exchange_counted("reduce_scatter", mine, packed_numel, group, lambda peer: sends[peer],
+                             lambda peer: receives[peer])
+
+
+def _exchange_counted(kind: str, like: Sequence[torch.Tensor], packed_numel: int, group, to, source) -> p2p.Ring:
+    dtype = like[0].dtype if like else torch.float32
+    number = _FLIGHT.issue(kind, packed_numel, dtype)
+    _STATS.record_elements(kind, packed_numel, dtype.itemsize, group_ranks(group))
+    with record_function(f"lightning_zero::{kind}"):
+        return p2p.Exchange(kind, to, source, group, number)
 
 
 def all_to_all(
@@ -146,7 +203,7 @@ class _Tracked(dist.Work):
 
 def finish(work, number: int = 0, kind: str = "") -> None:
     """Wait for an asynchronous collective's handle (one of our rings, or a ``dist.Work``)."""
-    if isinstance(work, _Ring):
+    if isinstance(work, p2p.Ring):
         work.wait()  # records its own wait
     elif work is not None:
         _FLIGHT.wait(number, kind)
@@ -156,13 +213,6 @@ def finish(work, number: int = 0, kind: str = "") -> None:
     return None
 
 
-# [Note: ring collectives over gloo]
-# gloo's reduce_scatter_tensor and all_gather_into_tensor are 1.5-2x slower on CPU than a ring of
-# point-to-point transfers moving the same bytes (measured on 2 ranks, 25 MB buckets: reduce-scatter 35 ms
-# vs 19 ms, all-gather 23 ms vs 17 ms; gloo's own all_reduce is a ring and takes 33 ms). Over gloo we
-# therefore run the textbook ring: N-1 steps, each sending one segment to the next rank and receiving one
-# from the previous. The first step's transfers are posted at once and proceed in gloo's threads, so a
-# bucket's reduction overlaps backward; with 2 ranks that is the whole collective.
 def _use_ring(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
 
@@ -186,89 +236,6 @@ def _through_mailboxes(mailboxes, collective, output: torch.Tensor, input: torch
         _FLIGHT.done(number)
         return None
     return _Tracked(work, number, kind) if async_op else finish(work, number, kind)
-
-
-class _Ring(dist.Work):
-    """A ``dist.Work`` (FSDP2 waits only on those), whose ``wait`` runs the remaining ring steps."""
-
-    kind = ""
-
-    def __init__(self, group: dist.ProcessGroup | None, number: int) -> None:
-        super().__init__()
-        self.group = group
-        self.number = number  # in the flight recorder
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
-        self.step = 0
-        self.pending: list = []
-
-    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        self.pending = [dist.isend(send, self.next, group=self.group), dist.irecv(recv, self.prev, group=self.group)]
-
-    def _complete(self) -> None:
-        with record_function("lightning_zero::wait"):
-            for request in self.pending:
-                if _WAIT_TIMEOUT is None:
-                    request.wait()
-                else:
-                    request.wait(_WAIT_TIMEOUT)
-        self.pending = []
-
-
-class _RingReduceScatter(_Ring):
-    """Segment ``(rank - k - 1)`` travels at step k; after N-1 steps rank r holds the sum of segment r."""
-
-    kind = "reduce_scatter"
-
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
-        super().__init__(group, number)
-        self.output = output
-        self.acc = input.view(self.size, -1)
-        self.recv = torch.empty_like(self.acc[0])
-        self._post()
-
-    def _post(self) -> None:
-        self._exchange(self.acc[(self.rank - self.step - 1) % self.size], self.recv)
-
-    def wait(self) -> bool:
-        _FLIGHT.wait(self.number, self.kind)
-        while self.pending:
-            self._complete()
-            self.acc[(self.rank - self.step - 2) % self.size].add_(self.recv)
-            self.step += 1
-            if self.step < self.size - 1:
-                self._post()
-        _FLIGHT.done(self.number)
-        self.output.copy_(self.acc[self.rank])
-        return True
-
-
-class _RingAllGather(_Ring):
-    """Segment ``(rank - k)`` travels at step k, received straight into its place in ``output``."""
-
-    kind = "all_gather"
-
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
-        super().__init__(group, number)
-        self.acc = output.view(self.size, -1)
-        self.acc[self.rank].copy_(input)
-        self._post()
-
-    def _post(self) -> None:
-        k = self.step
-        self._exchange(self.acc[(self.rank - k) % self.size], self.acc[(self.rank - k - 1) % self.size])
-
-    def wait(self) -> bool:
-        _FLIGHT.wait(self.number, self.kind)
-        while self.pending:
-            self._complete()
-            self.step += 1
-            if self.step < self.size - 1:
-                self._post()
-        _FLIGHT.done(self.number)
-        return True
 
 
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:

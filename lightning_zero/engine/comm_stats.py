@@ -43,14 +43,18 @@ class CommStats:
 
     def record(self, kind: str, tensor: torch.Tensor, ranks: tuple[int, ...], times: int = 1) -> None:
         """Count ``tensor`` (``times`` over, see the note) as one ``kind`` collective over ``ranks``."""
-        numel = tensor.numel() * times
+        self.record_elements(kind, tensor.numel() * times, tensor.element_size(), ranks)
+
+    def record_elements(self, kind: str, numel: int, itemsize: int, ranks: tuple[int, ...]) -> None:
+        """Count ``numel`` elements of ``itemsize`` bytes as one ``kind`` collective over ``ranks`` (a collective
+        without a buffer of that size, e.g. stages 1-2's exchanges in place)."""
         with self._lock:
             traffic = self.groups.get(ranks)
             if traffic is None:
                 traffic = self.groups[ranks] = GroupTraffic(ranks, self.spans_nodes(ranks))
             traffic.calls[kind] += 1
             traffic.elements[kind] += numel
-            traffic.bytes[kind] += numel * tensor.element_size()
+            traffic.bytes[kind] += numel * itemsize
 
     def spans_nodes(self, ranks: tuple[int, ...]) -> bool:
         if not self.node_size or not ranks:

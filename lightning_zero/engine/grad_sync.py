@@ -41,6 +41,7 @@ from lightning_zero.engine.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.layout import ParamShardSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.reduce_in_place import InPlaceReduction
 
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
@@ -83,12 +84,13 @@ class ParamGradient:
 class _Inflight:
     bucket: int
     work: object | None
-    comm: torch.Tensor
-    out: torch.Tensor
+    comm: torch.Tensor | None
+    out: torch.Tensor | None
     direct: bool
     """True when ``out`` already is the storage slice (stage 2, clean bucket): nothing to add afterwards."""
     accumulate: bool
     """Stage 2: whether the storage slice holds earlier sums that ``out`` adds to (else it is overwritten)."""
+    in_place: InPlaceReduction | None = None  # a reduction without ``comm`` and ``out`` (``reduce_in_place.py``)
 
 
 class GradientReducer:
@@ -225,6 +227,13 @@ class GradientReducer:
         for i in bucket.params:
             sources[i] = self.params[i].grad
             self.records[i].produced |= sources[i] is not None
+        if self._reduces_in_place(bucket_index):
+            held = self.shard_gradients and self._holds_sums(bucket)
+            reduction = InPlaceReduction(
+                self.layout, bucket_index, [sources[i] for i in bucket.params], rank=self.rank, group=self.group,
+                storage=self._bucket_storage(bucket_index) if self.shard_gradients else None, held=held,
+            )
+            return self._post(_Inflight(bucket_index, None, None, None, False, held, reduction))
         comm = torch.empty(bucket.numel, dtype=self.comm_dtypes[bucket_index], device=self.device)
         pack_bucket(self.layout, bucket, sources, comm)
         direct = accumulate = False
@@ -241,10 +250,18 @@ class GradientReducer:
             work = self.compression.reduce_scatter(out, comm, self.group, key=bucket_index)
         else:
             work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
-        self._next = bucket_index + 1
-        self._inflight.append(_Inflight(bucket_index, work, comm, out, direct, accumulate))
-        # Bound the full-size communication buffers alive at once (stage 2 must not hold a whole
-        # gradient copy at the end of backward): land the oldest reductions first.
+        self._post(_Inflight(bucket_index, work, comm, out, direct, accumulate))
+
+    def _reduces_in_place(self, bucket_index: int) -> bool:
+        """Exact reductions over gloo in the gradients' own dtype move without packing (``reduce_in_place.py``);
+        every rank decides alike (same backend, settings and layout)."""
+        return (self.compression is None and self.comm_dtypes[bucket_index] == self.bucket_dtypes[bucket_index]
+                and collectives.exchanges_in_place(self.group))
+
+    def _post(self, flight: _Inflight) -> None:
+        self._next = flight.bucket + 1
+        self._inflight.append(flight)
+        # Bound the buffers (or gradients) alive at once, stage 2's below a whole gradient: land the oldest first.
         while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
             self._land(self._inflight.pop(0))
 
@@ -279,7 +296,9 @@ class GradientReducer:
         if flight.work is not None:
             flight.work.wait()
         bucket = self.layout.buckets[flight.bucket]
-        if self.shard_gradients:
+        if flight.in_place is not None:
+            flight.in_place.land([self.params[i] for i in bucket.params])
+        elif self.shard_gradients:
             if flight.accumulate:
                 self._bucket_storage(flight.bucket).add_(flight.out)
             elif not flight.direct:

@@ -208,8 +208,9 @@ def all_gather_params(
     indices: Iterable[int] | None = None,
     compression: CompressedComm | None = None,
 ) -> None:
-    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time, overlapping
-    the packing of the next bucket with the in-flight gather of the previous one. With ``masters``, the
+    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time: in place over
+    gloo (see [Note: collectives in place] in ``p2p_transport.py``), else packed, overlapping the packing of the next
+    bucket with the in-flight gather of the previous one. With ``masters``, the
     masters of ``indices`` (default: all) are first copied into this rank's rows, bucket by bucket, so the
     host->device copy of one bucket overlaps the gather of the one before. With ``compression`` of parameters
     every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact."""
@@ -228,10 +229,13 @@ def all_gather_params(
             copy_masters(layout.buckets[b])
         return
     flights: list = []
+    in_place = collectives.exchanges_in_place(group)
 
     def land(bucket, work, full, decoded) -> None:
         if work is not None:
             work.wait()
+        if full is None:  # gathered in place
+            return
         with torch.no_grad():  # own rows are already in place, unless they were encoded and decoded too
             unpack_bucket(layout, bucket, full, sources, skip_rank=None if decoded else rank)
 
@@ -239,15 +243,26 @@ def all_gather_params(
         bucket = layout.buckets[b]
         copy_masters(bucket)
         like = sources[bucket.params[0]]  # a bucket holds one dtype
-        segment = pack_segment(
-            layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
-        )
-        full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
-        if compression is not None and compression.compresses_params(segment.dtype):
-            flights.append((bucket, compression.all_gather(full, segment, group), full, True))
+        encoded = compression is not None and compression.compresses_params(like.dtype)
+        if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
+            pieces = [[_rows_of(sources[i], layout.params[i], r) for i in bucket.params] for r in range(layout.world_size)]
+            flights.append((bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group), None, False))
         else:
-            flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full, False))
-        if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers alive at once
+            segment = pack_segment(
+                layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
+            )
+            full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
+            if encoded:
+                flights.append((bucket, compression.all_gather(full, segment, group), full, True))
+            else:
+                flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full, False))
+        if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers (and transfers) alive at once
             land(*flights.pop(0))
     for flight in flights:
         land(*flight)
+
+
+def _rows_of(param: torch.Tensor, spec, rank: int) -> torch.Tensor:
+    """``rank``'s rows of ``param`` as a flat view (empty for a rank past the last row)."""
+    start, end = spec.element_range(rank)
+    return param.view(-1)[start:end]

@@ -85,8 +85,11 @@ class Planner:
     def __init__(
         self, build: Callable[[], Any], batch: Any, *, world_size: int, precision: str = "32-true", accumulate: int = 1,
         checkpointing: Any = None, devices_per_host: int | None = None, bucket_size_mb: float = 25.0,
+        backend: str = "nccl",
     ) -> None:
         self.build, self.batch, self.world_size, self.precision = build, batch, world_size, precision
+        #: The process-group backend of the planned run (``"gloo"``: a CPU run, see ``predict``).
+        self.backend = backend
         self.accumulate = accumulate
         #: The policy activation checkpointing would use (None: the model offers none, and it is not weighed).
         self.checkpointing = checkpointing
@@ -107,7 +110,8 @@ class Planner:
     def candidate(self, configuration: Configuration, checkpointing: bool, micro_batch: int) -> Candidate:
         configuration = dataclasses.replace(configuration, bucket_size_mb=self.bucket_size_mb)
         accumulate = self.accumulate * self.per_device // micro_batch
-        prediction = predict(self.trace(micro_batch, checkpointing), configuration, self.world_size, accumulate)
+        prediction = predict(self.trace(micro_batch, checkpointing), configuration, self.world_size, accumulate,
+                             backend=self.backend)
         return Candidate(prediction, checkpointing, micro_batch, accumulate)
 
     def table(self) -> list[Candidate]:

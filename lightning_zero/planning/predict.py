@@ -19,7 +19,9 @@ With gradient accumulation, the micro-batches before the last keep every gradien
 at stages 1-2, FSDP2's unsharded gradients at stage 3), so those are held throughout the next micro-batch.
 
 The optimizer step is the other candidate for the peak: the static part, the gradients the step reads and, at
-stages 1-2, the full-size buffers of the post-step all-gather (two buckets in flight). The peak is the larger.
+stages 1-2, the full-size buffers of the post-step all-gather (two buckets in flight; none over gloo, where the
+rows are gathered straight into the parameters: [Note: collectives in place] in ``engine/p2p_transport.py``).
+The peak is the larger.
 Host memory holds what offload puts there: ``r`` of the masters, their gradients and the optimizer state
 (``offload_optimizer=r``), and at stage 3 with ``offload_params`` the parameter and gradient shards too.
 """
@@ -81,9 +83,11 @@ class Prediction:
     """The device peak by kind (:data:`KINDS`)."""
 
 
-def predict(trace: StepTrace, configuration: Configuration, world_size: int, accumulate: int = 1) -> Prediction:
+def predict(trace: StepTrace, configuration: Configuration, world_size: int, accumulate: int = 1, *,
+            backend: str = "nccl") -> Prediction:
     """Peak device and host bytes of one rank running ``trace`` under ``configuration`` on ``world_size`` ranks,
-    ``accumulate`` micro-batches per optimizer step (the non-final ones keep whole gradients, unreduced)."""
+    ``accumulate`` micro-batches per optimizer step (the non-final ones keep whole gradients, unreduced), over the
+    process-group ``backend`` the run will use."""
     c, n, p = configuration, world_size, trace.params
     mixed = trace.precision != "32-true"
     grad_size = 2 if mixed else 4  # gradients are held in the parameters' dtype
@@ -113,7 +117,7 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
             dynamic = _most(points, lambda grads: grads if accumulate == 1 else grad_size * p)
             grads_at_step = grad_size * p + (1 - r) * (4 * p / n if mixed else 0)
         gathered = 0
-        step_buffers = GATHER_BUCKETS_IN_FLIGHT * min(bucket, p) * (weights / max(p, 1))
+        step_buffers = 0 if backend == "gloo" else GATHER_BUCKETS_IN_FLIGHT * min(bucket, p) * (weights / max(p, 1))
     else:
         unit = trace.unit_elements[0] if trace.unit_elements else p
         compute_size = 2 if mixed else 4

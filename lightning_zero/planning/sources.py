@@ -35,6 +35,8 @@ class Source:
     description: str = ""
     data_keys: tuple[str, ...] = ()
     """Where the config sets the per-device batch size (``data.init_args.batch_size``), if it does."""
+    backend: str = "nccl"
+    """The process-group backend of the planned run: ``"gloo"`` where the config trains on the CPU."""
 
 
 def from_config(config: dict, devices: int | None = None, name: str = "the config") -> Source:
@@ -60,6 +62,7 @@ def from_config(config: dict, devices: int | None = None, name: str = "the confi
         checkpointing=init_args.get("activation_checkpointing") or _repeated_block(lambda: model_cls(**kwargs)),
         description=f"{name}: {model['class_path']}",
         data_keys=("data", "init_args", "batch_size") if "batch_size" in (data.get("init_args") or {}) else (),
+        backend="gloo" if trainer.get("accelerator") == "cpu" else "nccl",
     )
 
 

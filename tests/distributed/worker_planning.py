@@ -87,7 +87,7 @@ def predicted(model: str, stage: int, precision: str, batch: int, ac: bool, rati
     sample = next(iter(models.loader(data(model), batch)))
     checkpointing = (Block if model == "gpt" else BasicBlock) if ac else None
     trace = trace_step(lambda: build(model), sample, precision=precision, activation_checkpointing=checkpointing)
-    return predict(trace, Configuration(stage, ratio, params_off), WORLD)
+    return predict(trace, Configuration(stage, ratio, params_off), WORLD, backend="gloo")
 
 
 def calibration(directory: Path) -> dict:
@@ -116,7 +116,7 @@ def budget(directory: Path) -> dict:
     from lightning_zero.planning import Planner
 
     sample = next(iter(models.loader(data("gpt"), 16)))
-    planner = Planner(lambda: build("gpt"), sample, world_size=WORLD, checkpointing=Block)
+    planner = Planner(lambda: build("gpt"), sample, world_size=WORLD, checkpointing=Block, backend="gloo")
     out = {}
     for mib in BUDGETS_MIB:
         pick = planner.plan(mib * 2**20).pick

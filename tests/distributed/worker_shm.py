@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine import collectives, shm_transport
+from lightning_zero.engine import collectives, p2p_transport, shm_transport
 from tests.launch import run_cases
 
 
@@ -32,7 +32,7 @@ def _compare(group, size: int, numel: int, dtype: torch.dtype) -> dict:
     for r in ranks[1:]:
         rank_order += _inputs(r, numel, dtype)[me * seg:(me + 1) * seg]
     ring = torch.empty(seg, dtype=dtype)
-    collectives._RingReduceScatter(ring, _inputs(ranks[me], numel, dtype).clone(), group).wait()
+    p2p_transport.RingReduceScatter(ring, _inputs(ranks[me], numel, dtype).clone(), group).wait()
     return {
         "gather_equal": torch.equal(gathered, expected),
         "reduce_equal_rank_order": torch.equal(reduced, rank_order),
