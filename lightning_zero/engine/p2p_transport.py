@@ -133,12 +133,12 @@ class Exchange(Ring):
         self.kind = kind
         for distance in range(1, self.size):
             peer_to, peer_from = (self.rank + distance) % self.size, (self.rank - distance) % self.size
+            # Empty pieces (a rank past a parameter's last row) travel too: every rank then issues the same number
+            # of operations, which the watchdog compares across ranks to tell a diverged rank.
             for piece in to(peer_to):
-                if piece.numel():
-                    self.pending.append(dist.isend(piece, self._global(peer_to), group=self.group))
+                self.pending.append(dist.isend(piece, self._global(peer_to), group=self.group))
             for piece in source(peer_from):
-                if piece.numel():
-                    self.pending.append(dist.irecv(piece, self._global(peer_from), group=self.group))
+                self.pending.append(dist.irecv(piece, self._global(peer_from), group=self.group))
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group else rank

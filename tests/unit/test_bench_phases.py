@@ -14,12 +14,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from phases import CATEGORIES, PhaseWindows  # noqa: E402
 
 
-def _busy(seconds: float) -> None:
+def _busy(seconds: float) -> float:
+    """Computation for at least ``seconds``; the milliseconds it took (its last operator can run past the end)."""
     a = torch.randn(256, 256)  # operators long enough that the loop between them is a small share
-    end = time.perf_counter() + seconds
+    start = time.perf_counter()
+    end = start + seconds
     while time.perf_counter() < end:
         a = a @ a
         a = a / a.norm()
+    return (time.perf_counter() - start) * 1e3
 
 
 def test_each_window_splits_into_computation_communication_gathers_and_idle() -> None:
@@ -29,15 +32,15 @@ def test_each_window_splits_into_computation_communication_gathers_and_idle() ->
     spanning = record_function("Optimizer.step#AdamW.step")
     windows.enter("forward")
     spanning.__enter__()
-    _busy(0.03)
+    forward = _busy(0.03)
     time.sleep(0.03)  # between operators: idle
     windows.enter("backward")
-    _busy(0.03)
+    backward = _busy(0.03)
     with record_function("lightning_zero::wait"):
         time.sleep(0.04)  # a gradient reduction the computation does not hide
     windows.enter("step")
     spanning.__exit__(None, None, None)
-    _busy(0.01)
+    step = _busy(0.01)
     with record_function("lightning_zero::param_all_gather"):
         time.sleep(0.02)
     windows.leave()
@@ -46,7 +49,9 @@ def test_each_window_splits_into_computation_communication_gathers_and_idle() ->
     # Labelled regions are exact; computation loses the Python between its operators to idle.
     assert phases["comm"] == pytest.approx(40, abs=6)
     assert phases["param_gather"] == pytest.approx(20, abs=5)
-    assert 18 <= phases["forward"] <= 36 and 18 <= phases["backward"] <= 36 and 5 <= phases["step"] <= 14
+    # A loaded machine stretches the last operator of each loop: bound by the time each loop really took.
+    assert 18 <= phases["forward"] <= forward + 1 and 18 <= phases["backward"] <= backward + 1
+    assert 5 <= phases["step"] <= step + 1
     assert 28 <= phases["idle"] <= 50  # the forward's sleep, plus the loops' Python
     assert phases["total"] == pytest.approx(160, abs=20)
     assert phases["total"] == pytest.approx(sum(phases[c] for c in CATEGORIES))
