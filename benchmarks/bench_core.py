@@ -742,8 +742,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.profile_steps < 0 or args.accumulate < 1:
         p.error("--steps, --rounds and --accumulate must be >= 1, --warmup and --profile-steps >= 0")
-    # Measured and profiled windows start at an optimizer step: counts are in micro-batches, whole windows.
-    args.warmup, args.steps, args.profile_steps = (args.accumulate * v for v in (args.warmup, args.steps, args.profile_steps))
+    # Measured and profiled windows start at an optimizer step: counts are in micro-batches, whole windows. The
+    # driver converts them once; a child (``--system``) receives micro-batches already.
+    if not args.system:
+        args.warmup, args.steps, args.profile_steps = (args.accumulate * v for v in (args.warmup, args.steps, args.profile_steps))
     return args
 
 

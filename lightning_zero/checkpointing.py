@@ -86,13 +86,21 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
         precision the optimizer updates them in. Collective."""
         require(self.lightning_module, "lightning_module")
+        self._reshard()
         return state_dicts.full_model_state(self.lightning_module, self._sharded.engine, holding=self._sharded.holding)
+
+    def _reshard(self) -> None:
+        """Close an accumulation window that keeps stage 3's units gathered (the engine's ``reshard``): a state
+        dict, an evaluation loop and the end of training read the module as sharded."""
+        if self._sharded.engine is not None:
+            self._sharded.engine.reshard()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         require(self.lightning_module, "lightning_module")
         if self._full:
             return self.full_state_dict()
+        self._reshard()
         return state_dicts.sharded_model_state(self.lightning_module, self._sharded.engine, self._sharded.holding)
 
     @override

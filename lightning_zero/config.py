@@ -127,7 +127,10 @@ class ZeroConfig:
 
     reduce_every_microbatch: bool = False
     """Under gradient accumulation, reduce-scatter on every micro-batch instead of only the last, so full
-    gradients never outlive one backward in stages 2 and 3 (less memory, k times the gradient traffic)."""
+    gradients never outlive one backward in stages 2 and 3 (less memory, k times the gradient traffic). At stage 3
+    it also reshards each unit after every forward and backward, where by default an accumulation window keeps the
+    units gathered from its first forward to its last backward (one all-gather a window instead of two a
+    micro-batch: [Note: gathered accumulation windows] in ``engine/fsdp2_window.py``)."""
 
     gradient_compression: Compression | None = None
     """How gradients travel in the reduce-scatter (stages 1-3) and, under hybrid sharding, the sum across replica

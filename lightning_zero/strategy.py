@@ -213,6 +213,7 @@ class ZeroStrategy(CheckpointingStrategy):
         trainer = trainer_of(self.lightning_module)
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if self.engine is not None:
+            self.engine.reshard()
             if fitted and not self._failed:
                 self.engine.restore_master_params()
             self.engine.teardown()
@@ -255,6 +256,7 @@ class ZeroStrategy(CheckpointingStrategy):
     @override
     def on_validation_start(self) -> None:
         self._activate_fault_handling()
+        self._reshard()  # validation inside an accumulation window sees the sharded module
         self._sharded.sync_buffers()  # before evaluation, never per step: ranks may get different batch counts
 
     on_test_start = on_predict_start = on_validation_start

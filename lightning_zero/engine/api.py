@@ -174,7 +174,11 @@ class ShardingEngine(Protocol):
         """A block of non-final accumulation micro-batches: no gradient communication."""
 
     def post_backward(self) -> None:
-        """After the final micro-batch's backward: land the gradient reductions still in flight."""
+        """After each backward; after the final micro-batch's: land the gradient reductions still in flight."""
+
+    def reshard(self) -> None:
+        """Parameters back to their shards now, where an accumulation window kept them gathered (stage 3), before
+        anything reads the module as sharded: an evaluation loop, a checkpoint, the end of training."""
 
     def discard_all_gradients(self) -> None:
         """Start a new accumulation window: whatever was reduced and not stepped is dropped."""

@@ -32,12 +32,13 @@ all-gather runs inside that group.
 The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
 root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
 nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
-whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ
-therefore moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units)
-into units of their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose
-forward runs once; measured on the demo GPT over 2 simulated nodes, this took backward's inter-node gather
-from 0.4P (the root's share) to 0. The root keeps only what it holds itself, and stays gathered until
-backward when its forward is not nested (FSDP2's default for the root).
+whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. The
+root's other parameters (embeddings, final norm, head: everything outside the wrap units) therefore move into
+units of their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose forward runs
+once and follows its reshard setting. Under hpZ, measured on the demo GPT over 2 simulated nodes, this took
+backward's inter-node gather from 0.4P (the root's share) to 0; in an accumulation window (``fsdp2_window.py``)
+it keeps those parameters gathered, where the root's were gathered again on every micro-batch (0.4P each on
+the demo GPT). The root keeps only what it holds itself.
 
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
@@ -65,6 +66,7 @@ from lightning_zero.engine.api import Holding, ShardRecord
 from lightning_zero.engine.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
 from lightning_zero.engine.fsdp2_prefetch import ForwardPrefetch
+from lightning_zero.engine.fsdp2_window import GatheredWindow
 from lightning_zero.engine.fsdp2_optimizer import FullyShardedOptimizer, local_grad, local_tensor
 from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units, units_below_the_root
 from lightning_zero.engine.hf_init import hf_owners, initialize
@@ -126,8 +128,7 @@ class FullyShardedEngine:
         self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
         self.policy = policy
         units = select_units(module, wrap_policy)
-        if secondary_shard_size:  # see [Note: hpZ and the root]
-            units = [*units, *units_below_the_root(module, units)]
+        units = [*units, *units_below_the_root(module, units)]  # see [Note: hpZ and the root]
         chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
         self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
         self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}
@@ -150,6 +151,9 @@ class FullyShardedEngine:
                     self._set_collectives(sharded)
         #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).
         self.prefetch = ForwardPrefetch(module, self.units) if device.type == "cpu" else None
+        #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device).
+        self.window = GatheredWindow(module) if not offload_params else None
+        self._reducing = True  # False inside ``no_sync``
         #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -301,17 +305,32 @@ class FullyShardedEngine:
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
+        """A non-final micro-batch: no reduce-scatter, and its units stay gathered for the next one."""
         self.module.set_requires_gradient_sync(False)
+        self._reducing = False
+        if self.window is not None:
+            self.window.hold()
         try:
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
+            self._reducing = True
+            if self.window is not None:
+                self.window.release_after_backward()
 
     def post_backward(self) -> None:
-        """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward."""
+        """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
+        backward that reduced ends the accumulation window: every unit is sharded again."""
         self.land_gradients()
         if self.prefetch is not None:
             self.prefetch.settle()
+        if self._reducing:
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Close an open accumulation window (see [Note: gathered accumulation windows])."""
+        if self.window is not None:
+            self.window.close()
 
     def land_gradients(self) -> None:
         """Land reductions still in flight (a backward not run through the strategy leaves them to the step)."""

@@ -109,6 +109,7 @@ class FullyShardedOptimizer:
         """See [Note: stage 3 offload] and [Note: owner stepping] in ``owner_step.py``."""
         engine = self.engine
         engine.land_gradients()
+        engine.reshard()  # the step writes the shards: no gathered copy may outlive it
         self._refresh()
         if self.whole:
             self.owners.gather(self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i]))

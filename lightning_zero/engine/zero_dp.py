@@ -228,6 +228,9 @@ class ZeroDataParallel:
     def post_backward(self) -> None:
         self.reducer.flush()
 
+    def reshard(self) -> None:
+        """Stages 1-2 keep every parameter whole on every rank: nothing is ever gathered beyond that."""
+
     def params_loaded(self) -> None:
         """Checkpoint rows were written into :meth:`local_rows`: give every rank every rank's rows (collective)."""
         all_gather_params(

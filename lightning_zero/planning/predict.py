@@ -16,7 +16,9 @@ of the activations then alive plus the gradients the stage holds then:
   gathered throughout).
 
 With gradient accumulation, the micro-batches before the last keep every gradient whole and unreduced (``p.grad``
-at stages 1-2, FSDP2's unsharded gradients at stage 3), so those are held throughout the next micro-batch.
+at stages 1-2, FSDP2's unsharded gradients at stage 3), so those are held throughout the next micro-batch; stage 3
+also keeps every unit gathered from the window's first forward to its last backward (without ``offload_params``:
+[Note: gathered accumulation windows] in ``engine/fsdp2_window.py``).
 
 The optimizer step is the other candidate for the peak: the static part, the gradients the step reads and, at
 stages 1-2, the full-size buffers of the post-step all-gather (two buckets in flight; none over gloo, where the
@@ -132,8 +134,12 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
         # gradients before their reduce-scatter (no gradient yet: still forward).
         gathered = compute_size * root
         accumulated = grad_size * p if accumulate > 1 else 0  # FSDP2 keeps unsharded gradients between micro-batches
-        dynamic = _most(points, lambda grads: accumulated + (compute_size * unit if grads == 0 else
-                        compute_size * 2 * unit + grad_size * unit + (1 - on_host) * grads * 4 / grad_size / n))
+        if accumulate > 1 and not c.offload_params:  # every unit stays gathered through the window
+            gathered = compute_size * p
+            dynamic = _most(points, lambda grads: accumulated)
+        else:
+            dynamic = _most(points, lambda grads: accumulated + (compute_size * unit if grads == 0 else
+                            compute_size * 2 * unit + grad_size * unit + (1 - on_host) * grads * 4 / grad_size / n))
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0
     static_total = sum(static.values())

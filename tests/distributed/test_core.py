@@ -132,6 +132,26 @@ def test_no_gradient_collective_on_non_final_microbatches(costs, stage):
     assert micro[2]["calls"].get("reduce_scatter", 0) >= 1
 
 
+def test_stage3_gathers_once_per_accumulation_window(costs):
+    """[Note: gathered accumulation windows]: the window's first forward gathers the parameters, which stay
+    gathered until the last backward reduce-scatters: 2P a window, where resharding every unit after each forward
+    and backward moved 2P per micro-batch."""
+    result = costs["comm_accum_stage3"]
+    params, micro = result["params"], result["micro"]
+    assert len(micro) == 4  # a window of 3 micro-batches, then the epoch's last batch steps alone
+    first, middle, last, alone = micro
+
+    def elements(micro, kind):
+        return micro["elements_by_kind"].get(kind, 0) / params
+
+    assert 1 <= elements(first, "all_gather") <= 1.01
+    assert middle["elements"] == 0
+    assert elements(last, "all_gather") == 0
+    assert 1 <= elements(last, "reduce_scatter") <= 1.01
+    # A window of one micro-batch reshards as stage 3 does without accumulation: forward's gather, backward's again.
+    assert 2 <= elements(alone, "all_gather") <= 2.02
+
+
 @pytest.fixture(scope="module")
 def checkpointing():
     return launch("tests.distributed.worker_core", "checkpointing", nprocs=WORLD)["checkpointing"]
