@@ -355,6 +355,7 @@ class BenchCallback(L.Callback):
         self.steps = steps
         self.out = out
         self.times: list[float] = []
+        self.cpu_seconds = 0.0  # process CPU time over the measured micro-batches
         self.state: dict[str, int] = {}
         self.comm = _load_comm_stats() if system.startswith("zero") else None
         self.comm_snapshot: dict[str, Any] | None = None
@@ -368,6 +369,11 @@ class BenchCallback(L.Callback):
         self.profile_steps = profile_steps
         self.windows = PhaseWindows()
         self.phases: dict[str, float] = {}
+
+    @property
+    def _optimizer_steps(self) -> int:
+        """The measured optimizer steps (``steps`` counts micro-batches)."""
+        return self.steps // self.accumulate
 
     def step_times(self) -> list[float]:
         """One time per optimizer step: the measured micro-batches summed by accumulation window."""
@@ -392,8 +398,9 @@ class BenchCallback(L.Callback):
             self.windows.start()
         if self._profiled(batch_idx):
             self.windows.enter("forward")
-        self._excluded = 0.0
+        self._excluded = self._cpu_excluded = 0.0
         self._t0 = time.perf_counter()
+        self._cpu0 = time.process_time()
 
     def setup(self, trainer, pl_module, stage) -> None:
         # Before the strategy sets up: everything alive now that is not a parameter (data, buffers,
@@ -414,7 +421,7 @@ class BenchCallback(L.Callback):
             self.windows.enter("step")
         # Count once, on the last measured step: by then optimizer state exists.
         if self._batch_idx == self.warmup + self.steps - 1:
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             self.state = model_state_bytes(pl_module, trainer.optimizers)
             self.state["live_total"] = live_tensor_bytes() - self._baseline
             engine = getattr(trainer.strategy, "engine", None)
@@ -422,11 +429,13 @@ class BenchCallback(L.Callback):
                 placed = placed_state_bytes(pl_module, [getattr(o, "_optimizer", o) for o in trainer.optimizers], engine)
                 self.state["device"], self.state["host"] = placed["device"], placed["host"]
             self._excluded += time.perf_counter() - t  # bookkeeping is not part of the step
+            self._cpu_excluded += time.process_time() - cpu
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         dt = time.perf_counter() - self._t0 - self._excluded
         if self._measured(batch_idx):
             self.times.append(dt)
+            self.cpu_seconds += time.process_time() - self._cpu0 - self._cpu_excluded
         if self._profiled(batch_idx):
             self.windows.leave()
             if batch_idx == self.warmup + self.steps + self.profile_steps - 1:
@@ -441,11 +450,14 @@ class BenchCallback(L.Callback):
             "step_ms_median": 1e3 * statistics.median(self.times) if self.times else None,
             "step_ms_min": 1e3 * min(self.times) if self.times else None,
             "step_ms_max": 1e3 * max(self.times) if self.times else None,
+            # CPU time of every thread of this process (gloo's included) over the measured steps: the work a step
+            # costs, whatever else the machine ran meanwhile (a shared machine's other tenants, steal time).
+            "cpu_ms_per_step": 1e3 * self.cpu_seconds / self._optimizer_steps,
             "state_bytes": self.state,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # KiB on Linux
-            "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self.steps) if self.comm_snapshot else None,
-            "comm_elements_per_step": (self.comm_snapshot["elements"] / self.steps) if self.comm_snapshot else None,
-            "comm_inter_node_bytes_per_step": (self.comm_snapshot["bytes_inter_node"] / self.steps) if self.comm_snapshot else None,
+            "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self._optimizer_steps) if self.comm_snapshot else None,
+            "comm_elements_per_step": (self.comm_snapshot["elements"] / self._optimizer_steps) if self.comm_snapshot else None,
+            "comm_inter_node_bytes_per_step": (self.comm_snapshot["bytes_inter_node"] / self._optimizer_steps) if self.comm_snapshot else None,
             "torch_threads": torch.get_num_threads(),
             # parameters this rank holds (one pipeline stage's, under pipelining)
             "held_params": sum(p.numel() for p in pl_module.parameters() if not p.is_meta),
@@ -498,6 +510,7 @@ class BenchCallback(L.Callback):
             "warmup_steps": self.warmup,
             "measured_steps": self.steps,
             "step_ms": step_ms,
+            "cpu_ms_per_step": sum(r["cpu_ms_per_step"] for r in ranks),  # every rank's
             "tokens_per_s": self.batch_size * self.config.block_size * N / (step_ms / 1e3),
             "state_bytes": state,
             "formula_bytes": formula,
@@ -635,6 +648,8 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     result = dict(rounds[0])
     result["rounds_step_ms"] = [r["step_ms"] for r in rounds]
     result["step_ms"] = statistics.median(result["rounds_step_ms"])
+    result["rounds_cpu_ms"] = [r["cpu_ms_per_step"] for r in rounds]
+    result["cpu_ms_per_step"] = statistics.median(result["rounds_cpu_ms"])
     # Per rank and category: the median over the rounds that profiled.
     per_round = [[rank.get("phases_ms") or {} for rank in r["per_rank"]] for r in rounds]
     result["phases_ms"] = [
@@ -646,19 +661,19 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _round_ratios(result: dict[str, Any], ddp: dict[str, Any] | None) -> str:
+def _round_ratios(result: dict[str, Any], ddp: dict[str, Any] | None, key: str = "rounds_step_ms") -> str:
     """The median of the per-round ratios to ddp, then each round's: rounds are interleaved, so a round's ratio
     compares runs minutes apart and cancels this shared machine's slow drifts (up to 15% between rounds)."""
-    if ddp is None or len(result["rounds_step_ms"]) != len(ddp["rounds_step_ms"]):
+    if ddp is None or len(result[key]) != len(ddp[key]):
         return "-"
-    ratios = [mine / theirs for mine, theirs in zip(result["rounds_step_ms"], ddp["rounds_step_ms"])]
+    ratios = [mine / theirs for mine, theirs in zip(result[key], ddp[key])]
     return f"{statistics.median(ratios):.2f} (" + " ".join(f"{x:.2f}" for x in ratios) + ")"
 
 
 def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     cols = [
-        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "round_ratios", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
+        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "round_ratios", "cpu_ms/step", "cpu_round_ratios", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
         "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step", "intra_node_MB/step", "inter_node_MB/step",
     ]
     rows = []
@@ -670,6 +685,8 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
             f"{r['tokens_per_s']:.0f}",
             f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-",
             _round_ratios(r, ddp),
+            f"{r['cpu_ms_per_step']:.0f}",
+            _round_ratios(r, ddp, "rounds_cpu_ms"),
             f"{r['state_bytes'] / 1e6:.2f}",
             f"{r['formula_bytes'] / 1e6:.2f}",
             f"{r['delta_pct']:+.1f}",
@@ -695,7 +712,7 @@ def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
             f"{r['config']['block_size']} tokens, median of {r['measured_steps']} steps after {r['warmup_steps']} "
             f"warmup ({len(r['rounds_step_ms'])} interleaved round(s), median; round_ratios: the median of each round's "
             f"ratio to ddp, then each round's); step_ms/state/RSS are the worst "
-            f"rank; MB = 1e6 bytes."
+            f"rank; cpu_ms/step: CPU time of every thread of every rank per step, and its ratios likewise; MB = 1e6 bytes."
         )
 
 
