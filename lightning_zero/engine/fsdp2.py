@@ -32,13 +32,14 @@ all-gather runs inside that group.
 The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
 root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
 nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
-whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. The
-root's other parameters (embeddings, final norm, head: everything outside the wrap units) therefore move into
-units of their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose forward runs
-once and follows its reshard setting. Under hpZ, measured on the demo GPT over 2 simulated nodes, this took
-backward's inter-node gather from 0.4P (the root's share) to 0; in an accumulation window (``fsdp2_window.py``)
-it keeps those parameters gathered, where the root's were gathered again on every micro-batch (0.4P each on
-the demo GPT). The root keeps only what it holds itself.
+whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ
+therefore moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units)
+into units of their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose
+forward runs once; measured on the demo GPT over 2 simulated nodes, this took backward's inter-node gather
+from 0.4P (the root's share) to 0. Without hpZ the root keeps them: they are whole tensors throughout
+``training_step``, so code there may use them outside the model's forward (a tied head, a penalty on the
+embeddings), which a unit of their own would hand out as shards. The root keeps only what it holds itself, and
+stays gathered until backward when its forward is not nested (FSDP2's default for the root).
 
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
@@ -128,7 +129,8 @@ class FullyShardedEngine:
         self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
         self.policy = policy
         units = select_units(module, wrap_policy)
-        units = [*units, *units_below_the_root(module, units)]  # see [Note: hpZ and the root]
+        if secondary_shard_size:  # see [Note: hpZ and the root]
+            units = [*units, *units_below_the_root(module, units)]
         chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
         self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
         self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}

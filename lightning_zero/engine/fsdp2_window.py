@@ -15,6 +15,11 @@ same tensors by the same operations. ``reduce_every_microbatch=True`` keeps the 
 (each unit resharded after its forward and backward, every micro-batch reduced), and so does ``offload_params``,
 whose point is that the parameters do not stay on the device.
 
+While the window is open a group reshards only after a backward that reduces. That setting alone would not
+hold the root's own parameters: when ``training_step`` calls ``self(...)``, the root's forward hooks run nested
+and FSDP2's outer post-forward reshards the root whatever its setting says ([Note: hpZ and the root] in
+``fsdp2.py``), so the embeddings and head (0.4P on the demo GPT) were gathered again on every micro-batch.
+
 The window opens when a non-final micro-batch begins and closes after the backward that reduces (the last
 micro-batch's): every unit is sharded again then, before the optimizer step. Anything that must see the
 sharded module in between (an evaluation loop, a checkpoint) closes the window first; the next non-final
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 
 class GatheredWindow:
@@ -50,6 +56,7 @@ class GatheredWindow:
             self._after_forward = [group.post_forward_mesh_info for group in self.groups]
             for group in self.groups:
                 group.post_forward_mesh_info = None
+                group.reshard = _after_reducing_backward(group)  # shadows the class's method until ``close``
         for group in self.groups:
             group.reshard_after_backward = False
 
@@ -63,9 +70,22 @@ class GatheredWindow:
         if self._after_forward is None:
             return
         for group, after_forward in zip(self.groups, self._after_forward):
+            del group.reshard
             group.reshard_after_backward = True
             group.post_forward_mesh_info = after_forward
         self._after_forward = None
         for group in self.groups:
             if group.is_unsharded:
                 group.reshard()
+
+
+def _after_reducing_backward(group):
+    """``group.reshard`` inside a window: only the post-backward of a backward that reshards (the window's last)
+    goes through; a forward's, nested or not, keeps the parameters."""
+    reshard = type(group).reshard
+
+    def reshard_in_window() -> None:
+        if group.reshard_after_backward and group._training_state == TrainingState.POST_BACKWARD:
+            reshard(group)
+
+    return reshard_in_window

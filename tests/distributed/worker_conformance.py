@@ -178,8 +178,9 @@ def _fresh(callback):
 
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
-REPRESENTATIVE = ["accumulate_clip", "val_check_interval", "validation_inside_accumulation_window", "fast_dev_run", "early_stopping", "checkpoint_last",
-                  "checkpoint_best", "validate_test_predict", "batch_size_finder", "lr_monitor"]
+REPRESENTATIVE = ["accumulate_clip", "val_check_interval", "validation_inside_accumulation_window", "fast_dev_run",
+                  "early_stopping", "checkpoint_last", "checkpoint_best", "validate_test_predict", "batch_size_finder",
+                  "lr_monitor"]
 
 CASES = {
     "representative": lambda directory: conformance(REPRESENTATIVE, STRATEGIES, directory),
