@@ -46,10 +46,6 @@ class GatheredWindow:
         #: a mesh for hpZ's partial reshard), kept while the window is open; None: closed.
         self._after_forward: list | None = None
 
-    @property
-    def open(self) -> bool:
-        return self._after_forward is not None
-
     def hold(self) -> None:
         """A non-final micro-batch begins: what its forward gathers stays gathered through its backward and after."""
         if self._after_forward is None:
