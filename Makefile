@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install run test test-all bench
+.PHONY: install run test test-all coverage bench
 
 install:
 	$(PIP) torch==2.13.0
@@ -12,13 +12,16 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the architecture contracts (setup.cfg), then the test suite (10-18 minutes on 2 cores) without the `full` matrices
+test: install  ## the architecture contracts (setup.cfg), then the test suite without the `full` matrices (tests/README.md)
 	lint-imports
-	$(PYTHON) -m pytest -q -m "not full" tests
+	$(PYTHON) -m pytest -q -m "not full" --durations=15 tests
 
-test-all: install  ## everything, the full matrices (`full` marker) included
+test-all: install  ## everything, the full matrices, calibrations and long fault timeouts (`full` marker) included
 	lint-imports
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=15 tests
+
+coverage: install  ## `make test` with line coverage of lightning_zero, worker processes included (slower)
+	$(PYTHON) -m pytest -q -m "not full" --cov --cov-report=term tests
 
 bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks
 	$(PYTHON) benchmarks/bench_core.py

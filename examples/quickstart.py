@@ -36,7 +36,8 @@ class SpiralClassifier(L.LightningModule):
     def training_step(self, batch, batch_idx):
         points, label = batch
         loss = F.cross_entropy(self.net(points), label)
-        self.first_loss = self.first_loss or float(loss)
+        if self.first_loss is None:
+            self.first_loss = float(loss.detach())  # detached: a number, not a tensor that needs a gradient
         self.log("train_loss", loss, prog_bar=True)
         return loss
 

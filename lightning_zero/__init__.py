@@ -1,7 +1,9 @@
 """lightning_zero: ZeRO stages 1-3 for PyTorch Lightning, with nothing but PyTorch underneath.
 
-``import lightning_zero`` registers the strategy names ``zero1``, ``zero2``, ``zero2_offload``, ``zero3`` and
-``zero3_offload`` with Lightning, so ``Trainer(strategy="zero3")`` works.
+``import lightning_zero`` registers the strategy names of ``lightning_zero.config.REGISTERED_STRATEGIES`` with
+Lightning (``zero1``, ``zero1_offload``, ``zero1_hsdp``, ``zero2``, ``zero2_offload``, ``zero2_hsdp``,
+``zero2_compressed``, ``zero3``, ``zero3_offload_optimizer``, ``zero3_offload``, ``zero3_hsdp``, ``zero3_hpz``,
+``zero3_compressed``), so ``Trainer(strategy="zero3")`` works.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -12,6 +12,15 @@ in the dict where they have a meaning here: ``partition_activations`` and ``cpu_
 false (activations are neither partitioned nor offloaded), ``contiguous_memory_optimization``,
 ``synchronize_checkpoint_boundary`` and ``profile`` are CUDA-allocator and timing switches with no
 effect here and are ignored with a warning; ``number_checkpoints`` is refused (use ``every``).
+
+[Note: caches under activation checkpointing]
+A Hugging Face model whose ``config.use_cache`` is true (most encoder-decoders' default) writes its key/value
+cache during forward. The recomputation in backward then runs with a cache that already holds the step's
+entries, saves a different set of tensors, and torch raises ``CheckpointError: A different number of tensors
+was saved``. Hugging Face's own ``gradient_checkpointing_enable()`` avoids this by training without the cache;
+:func:`caches_off_for_training` does the same for the models that hold a checkpointed module, for the length of
+a ``fit``. Encoder-decoders keep copies of the config in their stacks (T5's decoder), so every module's config
+is visited, not only the top one's.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed._composable import checkpoint
 
@@ -150,3 +159,42 @@ def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) ->
         if checkpoint.state(module) is None:
             checkpoint(module)
     return [name for name, _ in selected]
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    """A Hugging Face model or stack: its ``config`` is a ``transformers`` class (told without importing the library)."""
+    return type(getattr(module, "config", None)).__module__.startswith("transformers.")
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether the module named ``inner`` is ``outer`` or inside it (names as ``named_modules`` gives them)."""
+    return outer == "" or inner == outer or inner.startswith(f"{outer}.")
+
+
+@dataclasses.dataclass
+class CachesBack:
+    """Turns ``use_cache`` back on in the configs :func:`caches_off_for_training` turned it off in (a plain object,
+    not a closure: the strategy that holds it is pickled by the ``spawn`` start method)."""
+
+    configs: list
+
+    def __call__(self) -> None:
+        for config in self.configs:
+            config.use_cache = True
+
+
+def caches_off_for_training(root: nn.Module, checkpointed: Iterable[str]) -> CachesBack:
+    """Turn ``use_cache`` off in every Hugging Face model holding one of the ``checkpointed`` modules (names in
+    ``root``; see [Note: caches under activation checkpointing]); returns what turns it back on after training."""
+    names = list(checkpointed)
+    holders = {name: m for name, m in root.named_modules() if _is_hf_model(m) and any(_within(c, name) for c in names)}
+    configs = {id(m.config): m.config for m in holders.values() if getattr(m.config, "use_cache", False) is True}
+    if not configs:
+        return CachesBack([])
+    for config in configs.values():
+        config.use_cache = False
+    outermost = sorted({type(m).__name__ for name, m in holders.items()
+                        if not any(_within(name, other) for other in holders if other != name)})
+    rank_zero_info(f"activation_checkpointing: training {', '.join(outermost)} with use_cache=False, as Hugging Face's "
+                   "gradient_checkpointing_enable() does (a cache written in forward cannot be recomputed).")
+    return CachesBack(list(configs.values()))

@@ -119,15 +119,20 @@ def load_json(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
 
 
 def _check_keys(section: str, given: Mapping[str, Any], supported: frozenset, tuning: frozenset = frozenset()) -> None:
+    """Mapped keys pass, tuning keys pass with a warning, anything else is an error that lists both: a DeepSpeed
+    config that works with a warning must not look refused in the list of what is accepted."""
     for key in given:
         if key in supported:
             continue
         if key in tuning:
             rank_zero_warn(f"DeepSpeed config: `{section}{key}` tunes DeepSpeed itself and has no effect with ZeroStrategy; ignored.")
             continue
+        ignored = ""
+        if tuning:
+            ignored = f" Also accepted and ignored, with a warning (they tune DeepSpeed itself): {sorted(tuning)}."
         raise ZeroConfigError(
-            f"DeepSpeed config: `{section}{key}` is not supported by ZeroStrategy.{closest(key, supported)} "
-            f"Supported keys here: {sorted(supported)}."
+            f"DeepSpeed config: `{section}{key}` is not supported by ZeroStrategy.{closest(key, supported | tuning)} "
+            f"Supported keys here: {sorted(supported)}.{ignored}"
         )
 
 

@@ -30,6 +30,18 @@ from lightning_zero.faults.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 
+def symmetric_peer(config: Any, rank: int, world_size: int, node_size: int) -> int | None:
+    """The rank whose step marks must equal this rank's (the watchdog compares them to catch silent divergence): one
+    that issues the same collectives. That is the next rank, except under pipeline stages (the same stage of the next
+    replica, if any) and hybrid sharding (the same place in the next replica group: the ranks of one shard group
+    reduce different rows, of different sizes, across the replicas)."""
+    stages = config.pipeline_stages
+    if stages > 1:
+        return (rank + stages) % world_size if world_size > stages else None
+    shard_size, _ = config.group_sizes(world_size, node_size)
+    return (rank + (shard_size if shard_size < world_size else 1)) % world_size
+
+
 class FaultHandling:
     """One per strategy; reused by every run of that strategy."""
 
@@ -40,7 +52,7 @@ class FaultHandling:
         self.rank = 0
         self._active = False
 
-    def start(self, config: Any, rank: int, world_size: int) -> None:
+    def start(self, config: Any, rank: int, world_size: int, node_size: int) -> None:
         """Right after the process group exists (every rank, collective)."""
         self.stop()
         self.rank = rank
@@ -56,10 +68,7 @@ class FaultHandling:
         if not config.watchdog:
             return
         stages = config.pipeline_stages
-        if stages == 1:
-            mark_peer = (rank + 1) % world_size
-        else:  # compare with the same pipeline stage of the next replica, if there is one
-            mark_peer = (rank + stages) % world_size if world_size > stages else None
+        mark_peer = symmetric_peer(config, rank, world_size, node_size)
         context = Context(world_size=world_size, symmetric=stages == 1)
         self.watchdog = Watchdog(_store_client(), self.namespace, rank, world_size, limits, context,
                                  dist.group.WORLD, mark_peer, long=self.timeouts.long)

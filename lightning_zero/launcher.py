@@ -6,7 +6,9 @@ function they launch, before the process group exists, so this is the last place
 
 * :class:`ZeroScriptLauncher` (``start_method="popen"``): Lightning's script launcher when Lightning starts the
   processes; when a launcher such as ``torchrun`` or SLURM started them (``creates_processes_externally``) it
-  starts nothing and only resolves ``ckpt_path``.
+  starts nothing and only resolves ``ckpt_path``. Lightning's observer of the child processes kills every
+  process, this one included, as soon as a child dies; ours first leaves the watchdog of this process the time to
+  say why (a child that gloo aborted on a mismatched collective names nobody itself, see ``faults/postmortem.py``).
 * :class:`ZeroMultiProcessingLauncher` (``spawn``/``fork``): runs hand the trained weights back to the main
   process; Lightning's launcher does that with ``lightning_module.state_dict()``, which under stage 3 holds
   DTensor shards the main process cannot load. This launcher sends the gathered full state dict instead, so
@@ -18,15 +20,19 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_zero.faults.diagnosis import Limits
 from lightning_zero.resume import resolve_ckpt_path
 
 
@@ -51,7 +57,29 @@ class ZeroScriptLauncher(_SubprocessScriptLauncher):
         args, kwargs = _resolved(self._strategy, function, args, kwargs, trainer)
         if self.cluster_environment.creates_processes_externally:
             return function(*args, **kwargs)  # torchrun / SLURM / a parent Lightning process started this one
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        # As Lightning's launch, with our observer.
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        self._call_children_scripts()
+        config = self._strategy.zero_config
+        grace = Limits.for_timeout(config.timeout.total_seconds()).margin + 5.0 if config.watchdog else 0.0
+        _PatientObserver(self.procs, main_pid=os.getpid(), grace=grace).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class _PatientObserver(_ChildProcessObserver):
+    """Lightning's observer, but a child's death ends the other processes only ``grace`` seconds later: by then this
+    process's watchdog has printed its diagnosis and ended the process itself (the observer thread ends with it),
+    or it is stuck and gets killed as before."""
+
+    def __init__(self, child_processes: list, main_pid: int, grace: float) -> None:
+        super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
+        self._grace = grace
+
+    @override
+    def _terminate_all(self) -> None:
+        time.sleep(self._grace)
+        super()._terminate_all()
 
 
 class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -123,7 +123,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=long_timeout(self.zero_config.timeout))
         atexit.unregister(_yield_to_collective_threads_at_exit)  # once per process, however many runs
         atexit.register(_yield_to_collective_threads_at_exit)  # see [Note: gloo's worker threads at exit]
-        self._faults.start(self.zero_config, self.global_rank, self.world_size)
+        self._faults.start(self.zero_config, self.global_rank, self.world_size, self.num_processes)
         collectives.comm_stats().set_node_size(self.num_processes)  # intra- vs inter-node traffic
 
     def set_world_ranks(self) -> None:

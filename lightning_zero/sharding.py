@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.activation_checkpointing import apply_activation_checkpointing
+from lightning_zero.activation_checkpointing import apply_activation_checkpointing, caches_off_for_training
 from lightning_zero.compiling import compile_units
 from lightning_zero.config import ZeroConfig, ZeroConfigError
 from lightning_zero.engine import collectives
@@ -41,6 +41,10 @@ def construction_device(config: ZeroConfig) -> contextlib.AbstractContextManager
     return torch.device("meta") if config.stage == 3 else contextlib.nullcontext()
 
 
+def _nothing() -> None:
+    """What a run that changed nothing for training undoes after it."""
+
+
 @dataclasses.dataclass
 class ShardedModel:
     """What ``setup`` made of the module: its engine (None when evaluating at stages 1-2, which need none),
@@ -51,6 +55,8 @@ class ShardedModel:
     holding: Holding
     buffers: list[Tensor]
     """The held buffers, broadcast from the first replica before steps (DDP's ``broadcast_buffers``)."""
+    after_fit: Callable[[], None] = _nothing
+    """Undoes what only training needed (Hugging Face caches turned off under activation checkpointing)."""
 
     @property
     def shards_module_in_place(self) -> bool:
@@ -98,9 +104,12 @@ def shard_model(
     """Shard ``model`` in place for a run (``fitting``: with gradients and optimizers; else evaluation)."""
     if fitting:
         check_trainable(model)
+    after_fit: Callable[[], None] = _nothing
     if checkpoint_policy is not None:
         # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
-        apply_activation_checkpointing(model, checkpoint_policy)
+        checkpointed = apply_activation_checkpointing(model, checkpoint_policy)
+        if fitting:
+            after_fit = caches_off_for_training(model, checkpointed)
     pin = should_pin(device, config.pin_memory) if config.optimizer_on_host else False
     pipeline: PipelineParallel | None = None
     engine: ShardingEngine | None = None
@@ -156,7 +165,7 @@ def shard_model(
         units = engine.units if isinstance(engine, FullyShardedEngine) else select_units(model, config.wrap_policy)
         compile_units(units, config.compile)
     buffers = list(holding.held(model.named_buffers()).values())
-    return ShardedModel(engine, pipeline, holding, buffers)
+    return ShardedModel(engine, pipeline, holding, buffers, after_fit)
 
 
 def compression_spec(config: ZeroConfig) -> CompressionSpec | None:

@@ -217,6 +217,8 @@ class ZeroStrategy(CheckpointingStrategy):
             if fitted and not self._failed:
                 self.engine.restore_master_params()
             self.engine.teardown()
+        if fitted:
+            self._sharded.after_fit()
         if fitted and self._layer_sync and not self._sharded.shards_module_in_place:
             self.model = self._layer_sync.revert(self.model)  # give the user back their BatchNorm layers, as DDP
         self.teardown_processes()

@@ -7,6 +7,7 @@ module launches once and checks many cases from the report.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -30,40 +31,75 @@ class LaunchError(RuntimeError):
     pass
 
 
-def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: dict | None = None, nodes: int = 1) -> dict:
+#: Environment variables a pooled rank program may be given per launch (read when its cases run, not when a
+#: process starts); a launch with any other variable starts processes of its own.
+POOLED_ENV = {"LZ_SHARED_DIR", "LZ_CASES"}
+
+
+def rank_env(rank: int, nprocs: int, nodes: int, port: int, extra: dict | None = None) -> dict:
+    """The environment of one rank, as ``torchrun`` sets it (``nodes`` simulated nodes of consecutive ranks)."""
+    per_node = nprocs // nodes
+    return dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(nprocs),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank % per_node),
+        NODE_RANK=str(rank // per_node),
+        LZ_NODES=str(nodes),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        **(extra or {}),
+    )
+
+
+def start_rank(module: str, args, env: dict, log, fds: dict[int, int] | None = None):
+    """``python -m module args`` as one rank, its stdout and stderr into ``log`` (a file): forked from
+    ``tests/forkserver.py``'s server, which has imported torch and Lightning already, or, with
+    ``LZ_FRESH_PROCESSES=1``, a new Python process. ``fds``: more descriptors the rank gets, by number."""
+    if os.environ.get("LZ_FRESH_PROCESSES") == "1":
+        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=(fds or {}).get(0), pass_fds=[fd for n, fd in (fds or {}).items() if n > 2])
+    from tests import forkserver
+
+    return forkserver.start(module, list(args), env=env, cwd=REPO, stdout=log.fileno(), fds=fds)
+
+
+def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: dict | None = None, nodes: int = 1,
+           fresh: bool = False) -> dict:
     """Run ``python -m module args`` on ``nprocs`` ranks; return rank 0's JSON report.
 
     ``nodes`` simulates that many nodes of ``nprocs / nodes`` consecutive ranks each (``NODE_RANK`` and
-    ``LOCAL_RANK`` as a multi-node launcher sets them; the worker sees it as ``LZ_NODES``).
+    ``LOCAL_RANK`` as a multi-node launcher sets them; the worker sees it as ``LZ_NODES``). The ranks are the
+    session's pool of that size (``tests/pool.py``) unless ``fresh`` (for a program that needs processes of its
+    own) or ``env`` holds more than :data:`POOLED_ENV`; then they are processes of their own (:func:`start_rank`).
+    ``LZ_FRESH_PROCESSES=1`` makes every launch new Python processes, as before the pool and the fork server.
 
     Raises :class:`LaunchError` with every rank's output if a rank fails or the run exceeds ``timeout``.
     """
+    if not fresh and set(env or {}) <= POOLED_ENV and os.environ.get("LZ_FRESH_PROCESSES") != "1":
+        from tests.pool import PoolError, pool
+
+        port = free_port()
+        ranks = pool(nprocs, nodes, lambda rank, n, k: rank_env(rank, n, k, port))
+        try:
+            return ranks.run(module, args, env or {}, timeout)
+        except PoolError as error:
+            raise LaunchError(str(error)) from None
+    return _launch_fresh(module, args, nprocs, timeout, env, nodes)
+
+
+def _launch_fresh(module: str, args: tuple, nprocs: int, timeout: float, env: dict | None, nodes: int) -> dict:
     out_dir = Path(tempfile.mkdtemp(prefix="lz-launch-"))
     report = out_dir / "report.json"
     port = free_port()
     procs = []
     logs = []
-    per_node = nprocs // nodes
     for rank in range(nprocs):
-        rank_env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE=str(nprocs),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank % per_node),
-            NODE_RANK=str(rank // per_node),
-            LZ_NODES=str(nodes),
-            LZ_REPORT=str(report),
-            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            OMP_NUM_THREADS="1",
-            **(env or {}),
-        )
         log = open(out_dir / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(
-            subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env, stdout=log, stderr=subprocess.STDOUT)
-        )
+        procs.append(start_rank(module, args, rank_env(rank, nprocs, nodes, port, {"LZ_REPORT": str(report), **(env or {})}), log))
     deadline = time.monotonic() + timeout
     try:
         codes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
@@ -137,16 +173,10 @@ def launch_processes(module: str, *args: str, nprocs: int = 2, timeout: float = 
     start = time.monotonic()
     wall_start = time.time()
     for rank in range(nprocs):
-        rank_env = dict(
-            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs), RANK=str(rank),
-            LOCAL_RANK=str(rank), NODE_RANK="0", LZ_FAULT_FILE=str(fault_file), LZ_REPORT=str(out_dir / "report.json"),
-            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-            **(env or {}),
-        )
+        extra = {"LZ_FAULT_FILE": str(fault_file), "LZ_REPORT": str(out_dir / "report.json"), **(env or {})}
         log = open(out_dir / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env, stdout=log,
-                                      stderr=subprocess.STDOUT))
+        procs.append(start_rank(module, args, rank_env(rank, nprocs, 1, port, extra), log))
     exited: dict[int, float] = {}
     signalled_at = None
     continued = set()
@@ -196,6 +226,15 @@ def write_report(data: dict) -> None:
     Path(os.environ["LZ_REPORT"]).write_text(json.dumps(data))
 
 
+@contextlib.contextmanager
+def _timed(group: str):
+    """Each group's wall time in the rank's output (the pool keeps it in a log per command): where a launch spends
+    its time, for whoever trims the suite."""
+    start = time.perf_counter()
+    yield
+    print(f"[group] {group}: {time.perf_counter() - start:.1f} s", flush=True)
+
+
 def run_cases(cases: dict, groups: list[str]) -> None:
     """Main of a rank program: run each group's cases; rank 0 reports, including the traceback of a group
     that failed (which then fails the launch)."""
@@ -208,7 +247,8 @@ def run_cases(cases: dict, groups: list[str]) -> None:
     report = {}
     for group in groups:
         try:
-            report[group] = cases[group]()
+            with _timed(group):
+                report[group] = cases[group]()
         except Exception:
             report[group] = {"error": traceback.format_exc()}
             if rank0:
@@ -216,6 +256,15 @@ def run_cases(cases: dict, groups: list[str]) -> None:
             raise
     if rank0:
         write_report(report)
+
+
+def ensure_process_group() -> None:
+    """For rank programs that talk to torch.distributed without a Trainer: the process group, unless an earlier
+    program of the same pool (``tests/pool.py``) created it already; it lives as long as the process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
 
 
 def run_cases_with_directory(cases: dict, groups: list[str]) -> None:
@@ -226,6 +275,9 @@ def run_cases_with_directory(cases: dict, groups: list[str]) -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(os.environ.get("LZ_SHARED_DIR", tmp))
-        report = {group: cases[group](directory) for group in groups}
+        report = {}
+        for group in groups:
+            with _timed(group):
+                report[group] = cases[group](directory)
     if int(os.environ.get("RANK", "0")) == 0:
         write_report(report)

@@ -1,9 +1,9 @@
 """What checkpoints a directory holds, and which of them can be resumed from.
 
 :func:`list_checkpoints` is what auto-resume asks for "the newest complete checkpoint" and what
-``lightning-zero verify`` prints. It reads no tensor data: a sharded checkpoint is judged by its manifest
-(every listed file present with its recorded size) and its ``meta.pt``; a full one by its archive's
-directory. ``verify=True`` also compares every CRC-32 (reading every byte) and parses the metadata files
+``lightning-zero verify`` prints (searching the folders below too). It reads no tensor data: a sharded checkpoint
+is judged by its manifest (every listed file present with its recorded size) and its ``meta.pt``; a full one by its
+archive's directory. ``verify=True`` also compares every CRC-32 (reading every byte) and parses the metadata files
 with the safe readers, as a load would.
 """
 
@@ -66,13 +66,20 @@ class CheckpointEntry:
         return {**dataclasses.asdict(self), "path": str(self.path)}
 
 
-def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> list[CheckpointEntry]:
-    """Every checkpoint in ``directory`` (not recursive), newest first.
+def list_checkpoints(
+    directory: str | os.PathLike, *, verify: bool = False, recursive: bool = False
+) -> list[CheckpointEntry]:
+    """Every checkpoint in ``directory``, newest first.
 
     Picked up: directories holding a sharded checkpoint (or the remains of one), files ending in ``.ckpt``,
     and the temporaries of unfinished saves (``.NAME.tmp-*``, ``.NAME.old-*``). Anything else (logs, the
     ``.hf`` exports of ``gather_16bit_weights_on_save``, consolidated files) is ignored. A missing
     directory holds no checkpoints.
+
+    ``recursive=True`` also lists the checkpoints in every folder below (a run's ``logs/version_*/checkpoints``,
+    a ``ModelCheckpoint``'s ``dirpath``): what a user means by "the checkpoints of this run". A sharded checkpoint
+    is a directory too, but it is one entry, never searched as a folder; hidden folders and symbolic links to
+    folders are not entered (no cycles). Auto-resume lists one ``ModelCheckpoint`` directory, not recursively.
 
     ``verify=False`` reads only the manifests, sizes and ``meta.pt`` files (fast enough to run at every
     start); ``verify=True`` also checks every byte against its CRC-32.
@@ -82,16 +89,24 @@ def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> l
         return []
     entries = []
     for path in directory.iterdir():
-        temporary = parse_temporary(path.name)
-        if temporary is not None:
-            entries.append(_temporary_entry(path, *temporary))
-        elif path.name.startswith("."):
-            continue
-        elif path.is_dir() and looks_sharded(path):
-            entries.append(inspect_checkpoint(path, verify=verify))
-        elif path.is_file() and path.name.endswith(FULL_SUFFIX):
-            entries.append(inspect_checkpoint(path, verify=verify))
+        entry = _entry(path, verify)
+        if entry is not None:
+            entries.append(entry)
+        elif recursive and path.is_dir() and not path.is_symlink() and not path.name.startswith("."):
+            entries += list_checkpoints(path, verify=verify, recursive=True)
     return sorted(entries, key=lambda e: (e.mtime, e.global_step or 0, e.path.name), reverse=True)
+
+
+def _entry(path: Path, verify: bool) -> CheckpointEntry | None:
+    """``path``'s entry when it is a checkpoint (or the temporary of one), else None."""
+    temporary = parse_temporary(path.name)
+    if temporary is not None:
+        return _temporary_entry(path, *temporary)
+    if path.name.startswith("."):
+        return None
+    if (path.is_dir() and looks_sharded(path)) or (path.is_file() and path.name.endswith(FULL_SUFFIX)):
+        return inspect_checkpoint(path, verify=verify)
+    return None
 
 
 def looks_sharded(path: Path) -> bool:

@@ -6,6 +6,7 @@ checkpoints.
     lightning-zero validate --config run.yaml ckpt_path=runs/last.ckpt
     lightning-zero estimate --params 7e9 --devices 8 --memory-per-device 80GiB --plot memory.png
     lightning-zero plan --config conf/gpt_zero3.yaml --memory-per-device 16GiB --output conf/strategy/planned.yaml
+    lightning-zero plan --params 6e9 --devices 32 --batch-size 64 --output ds_config.json
     lightning-zero consolidate CHECKPOINT_DIR model.pt
     lightning-zero verify CHECKPOINT_DIR_OR_FILE   # whole, damaged or left by an interrupted save (exit 0/1)
 
@@ -21,8 +22,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from lightning_zero.choices import closest
 from lightning_zero.cli.command_line import SUBCOMMANDS
-from lightning_zero.cli.errors import CLIConfigError
+from lightning_zero.cli.errors import CLIConfigError, argument_error_line, one_line
+from lightning_zero.cli.helptext import plain
+
+#: Every ``lightning-zero`` command: LightningCLI's subcommands, then our tools.
+COMMANDS = (*SUBCOMMANDS, "estimate", "plan", "consolidate", "verify")
 
 
 def consolidate_command(argv: Sequence[str]) -> int:
@@ -51,7 +57,7 @@ def consolidate_command(argv: Sequence[str]) -> int:
         else:
             out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
     except (CheckpointError, FileNotFoundError, ValueError) as err:
-        print(f"lightning-zero consolidate: error: {err}", file=sys.stderr)
+        print(f"lightning-zero consolidate: error: {one_line(str(err))}", file=sys.stderr)
         return 2
     size = sum(f.stat().st_size for f in out.iterdir()) if out.is_dir() else out.stat().st_size
     print(f"wrote {out} ({size / 2**20:.1f} MiB)")
@@ -76,18 +82,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return verify(argv[1:])
     if command in SUBCOMMANDS:
-        from lightning_zero.cli.train import run
-        from lightning_zero.config import ZeroConfigError
-
-        try:
-            run(argv)
-        except (CLIConfigError, ZeroConfigError) as err:
-            print(f"lightning-zero {command}: error: {err}", file=sys.stderr)
-            return 2
+        return train_command(argv)
+    if argv in ([], ["-h"], ["--help"]):
+        print(plain(__doc__).strip())
+        print(f"\ncommands: {', '.join(COMMANDS)}")
         return 0
-    print(__doc__.strip())
-    print(f"\ncommands: {', '.join(SUBCOMMANDS)}, estimate, plan, consolidate, verify")
-    return 0 if argv in ([], ["-h"], ["--help"]) else 2
+    print(f"lightning-zero: error: unknown command {command!r}; the commands are {', '.join(COMMANDS)}."
+          f"{closest(command, COMMANDS)}", file=sys.stderr)
+    return 2
+
+
+def train_command(argv: Sequence[str]) -> int:
+    """``fit``/``validate``/``test``/``predict``: a user's mistake ends in one line and exit status 2.
+
+    Most are found before any rank starts (see ``train.py``), so the line is printed once; a checkpoint damaged in
+    a way only the load finds (a CRC-32) fails in every launched rank, and each prints the line once."""
+    from jsonargparse import ArgumentError
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from lightning_zero.checkpoint.verify import CheckpointError
+    from lightning_zero.cli.train import run
+    from lightning_zero.config import ZeroConfigError
+
+    try:
+        run(argv)
+    except ArgumentError as err:  # a value of the wrong type: jsonargparse's report, made one line
+        message = argument_error_line(str(err))
+    except (CLIConfigError, ZeroConfigError, CheckpointError, MisconfigurationException) as err:
+        message = one_line(str(err))
+    else:
+        return 0
+    print(f"lightning-zero {argv[0]}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """``lightning-zero verify PATH...``: which checkpoints are whole, which are damaged, which a save left behind.
 
-    lightning-zero verify runs/checkpoints            # every checkpoint in the directory
-    lightning-zero verify runs/checkpoints/last.ckpt  # one checkpoint (a sharded directory or a file)
+    lightning-zero verify runs/gpt_zero3                          # every checkpoint in the folder or below it
+    lightning-zero verify runs/gpt_zero3/checkpoints/last.ckpt    # one checkpoint (a sharded directory or a file)
 
 Each checkpoint is checked as a load would check it (every file against its size and CRC-32 in the
 manifest, a full file against its archive's CRC-32s, the metadata parsed with the safe readers), without a
@@ -22,9 +22,12 @@ from lightning_zero.checkpoint.listing import CheckpointEntry, inspect_checkpoin
 
 
 def entries_for(path: Path, *, verify: bool = True) -> list[CheckpointEntry]:
-    """A checkpoint path gives its own entry; any other directory the checkpoints it holds."""
+    """A checkpoint path gives its own entry; any other directory the checkpoints in it or below it.
+
+    Below, because the folder a user has at hand is the run's (``runs/gpt_zero3``), and Lightning puts checkpoints
+    a level or two down (``checkpoints/``, ``logs/version_3/checkpoints/``)."""
     if path.is_dir() and not looks_sharded(path) and parse_temporary(path.name) is None:
-        return list_checkpoints(path, verify=verify)
+        return list_checkpoints(path, verify=verify, recursive=True)
     return [inspect_checkpoint(path, verify=verify)]
 
 
@@ -41,7 +44,8 @@ def main(argv: Sequence[str]) -> int:
         description="Check checkpoints (sharded directories and full files) and list the incomplete ones.",
         epilog="Exit status: 0 all complete, 1 some incomplete or corrupted (or none found), 2 bad usage.",
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH", help="a checkpoint, or a directory of checkpoints")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
+                        help="a checkpoint, or a folder: every checkpoint in it or below it")
     parser.add_argument("--quick", action="store_true", help="sizes only: skip the CRC-32s (no file is read in full)")
     parser.add_argument("--json", action="store_true", help="one JSON object per checkpoint instead of a table")
     args = parser.parse_args(argv)
@@ -65,7 +69,7 @@ def main(argv: Sequence[str]) -> int:
 
 def summary(entries: list[CheckpointEntry], paths: Sequence[str]) -> str:
     if not entries:
-        return f"no checkpoints found in {', '.join(paths)}"
+        return f"no checkpoints found in {', '.join(paths)} or below"
     counts = {status: sum(e.status == status for e in entries) for status in ("complete", "incomplete", "corrupted")}
     parts = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
     return f"{len(entries)} checkpoint{'s' if len(entries) != 1 else ''}: {parts}"

@@ -19,9 +19,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+
+from lightning_zero.engine import flight_file
 
 #: Stable codes for the hash (see [Note: operation numbers and the running hash]).
 _KIND_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "broadcast_object": 5,
@@ -76,6 +79,7 @@ class FlightRecorder:
         self.enabled = False
         self.abort: CollectiveError | None = None
         self.main = threading.main_thread().ident
+        self.file: flight_file.FlightFile | None = None  # see [Note: the flight file]
         self.reset(None)
 
     def reset(self, group: Any) -> None:
@@ -104,6 +108,8 @@ class FlightRecorder:
         self.digest = ((self.digest * 1000003) ^ (numel << 8) ^ (_DTYPE_CODES.get(dtype, 15) << 4)
                        ^ _KIND_CODES.get(kind, 10)) & _MASK
         self.recent.append((number, kind, numel, dtype))
+        if self.file is not None:
+            self.file.issue(number, kind, numel, dtype, self.digest)
         return number
 
     def wait(self, number: int, kind: str) -> None:
@@ -111,10 +117,14 @@ class FlightRecorder:
         raises leaves this set, so the error handler still knows which collective failed."""
         if number:
             self.waiting = Waiting(number, kind, time.monotonic())
+            if self.file is not None:
+                self.file.wait(number, kind)
 
     def done(self, number: int) -> None:
         if number:
             self.waiting = None
+            if self.file is not None:
+                self.file.wait(0, "")
 
     def mark(self, phase: str, batch: int | None) -> None:
         """A step starts (``training_step``, ``validation_step``, ...)."""
@@ -125,8 +135,22 @@ class FlightRecorder:
         count = self.counts[phase] = self.counts.get(phase, -1) + 1
         seq = self.group._get_sequence_number_for_group() if self.group is not None else 0
         self.marks.append(Mark(phase, count, batch, self.ops, self.digest, seq))
+        if self.file is not None:
+            steps = {name: n + 1 for name, n in self.counts.items()}
+            self.file.mark(phase, count, batch, self.ops, self.digest, seq, steps)
         if self.on_mark is not None:
             self.on_mark()
+
+    # ------------------------------------------------------------------ the flight file (watchdog start and stop)
+    def write_to(self, path: Path, proc: str) -> None:
+        """Mirror this run's record into ``path`` (see [Note: the flight file])."""
+        self.close_file()
+        self.file = flight_file.FlightFile(path, proc, self.main or 0, RING, MARKS, _KIND_CODES, _DTYPE_CODES)
+
+    def close_file(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     # ------------------------------------------------------------------ readers (any thread)
     def recent_ops(self) -> list[Op]:
@@ -139,3 +163,8 @@ class FlightRecorder:
 
 #: This process's recorder.
 RECORDER = FlightRecorder()
+
+
+def read_file(path: Path) -> flight_file.FlightSnapshot | None:
+    """Another process's flight file, in this recorder's codes."""
+    return flight_file.read(path, RING, MARKS, _KIND_CODES, _DTYPE_CODES)

@@ -126,14 +126,27 @@ def classify(frames: list[tuple[str, int, str]], recorder: FlightRecorder, seq: 
         filename, _, function = frames[0]
         if filename.endswith(_C10D) or (_DISTRIBUTED in filename and "wait" in function):
             activity.in_collective, activity.kind = True, function
+    activity.site, activity.via = _site_and_via(frames)
+    return activity
+
+
+def classify_frames(frames: list[tuple[str, int, str]]) -> Activity:
+    """An :class:`Activity` with only the call site, from frames (innermost first) of another process."""
+    activity = Activity()
+    activity.site, activity.via = _site_and_via(frames)
+    return activity
+
+
+def _site_and_via(frames: list[tuple[str, int, str]]) -> tuple[str | None, str | None]:
+    """The innermost user frame, and the innermost library frame inside it."""
+    via = None
     for info in frames:
         kind = category(info[0])
-        if kind == "user" and activity.site is None:
-            activity.site = _where(info)
-            break
-        if kind == "library" and activity.via is None:
-            activity.via = _where(info)
-    return activity
+        if kind == "user":
+            return _where(info), via
+        if kind == "library" and via is None:
+            via = _where(info)
+    return None, via
 
 
 def sample(main_ident: int, recorder: FlightRecorder, seq: int) -> Activity:

@@ -72,7 +72,7 @@ class Context:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    kind: str  # failed, died, diverged, finished, stale, store, stuck, sigterm, error
+    kind: str  # failed, died, crashed, diverged, finished, stale, store, stuck, sigterm, error
     culprit: int | None
     summary: str
     hint: str = ""
@@ -99,7 +99,7 @@ def known_failure(me: Record, peers: dict[int, Peer], failure: dict | None) -> D
     if failure is not None:
         return adopt(failure, me)
     for rank, peer in sorted(peers.items()):
-        found = peer_failed(rank, peer)
+        found = peer_failed(rank, peer, me)
         if found is not None:
             return found
     return None
@@ -140,8 +140,10 @@ def decide(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Lim
     return None
 
 
-def peer_failed(rank: int, peer: Peer) -> Diagnosis | None:
+def peer_failed(rank: int, peer: Peer, me: Record | None = None) -> Diagnosis | None:
     record = peer.record
+    if peer.liveness == "dead" and record.crash:
+        return crashed(record, me)
     if record.state == FAILED:
         return Diagnosis("failed", rank, f"rank {rank} failed ({record.error or 'error'}); it was {record.where()}")
     if peer.liveness == "dead" and record.state == RUNNING and record.signal:
@@ -155,6 +157,41 @@ def peer_failed(rank: int, peer: Peer) -> Diagnosis | None:
             f"see that rank's output); it was last seen {record.where()}.",
         )
     return None
+
+
+MISMATCH_HINT = (
+    "Every rank must issue the same collectives in the same order. Under stage 3 each forward of a sharded module "
+    "gathers its parameters with a collective, so a module called on some ranks only (e.g. generating samples on "
+    "rank 0 in `validation_step`) desynchronises them: run it on every rank and keep rank 0's result, or run it on "
+    "an unsharded copy after `fit` (`lightning_zero.load_from_checkpoint`). A `self.log(..., sync_dist=True)` or a "
+    "torch.distributed call under a rank condition does the same."
+)
+
+
+def crashed(record: Record, me: Record | None) -> Diagnosis:
+    """A peer's process died of a fatal signal; its black box (``postmortem.py``) says what it was doing then."""
+    rank, activity = record.rank, record.activity
+    if activity.in_collective:
+        op = next((o for o in record.recent if o.number == activity.op), None)
+        doing = f"in {op.describe() if op else f'{activity.kind} #{activity.op}'}"
+    else:
+        doing = "not in a collective" + (f" (the last it issued: {activity.last})" if activity.last else "")
+    site = f", called from {activity.site}" if activity.site else ""
+    summary = (f"rank {rank}'s process crashed in native code ({record.crash}) in "
+               f"{step_name(record.phase, record.batch)}, {doing}{site}.")
+    hint = ""
+    if record.crash and record.crash.startswith("SIGABRT") and activity.in_collective:
+        summary += (" gloo aborts a process whose collective does not match its peer's (that rank's output says "
+                    "'Is there a distributed collective mismatch in your code?').")
+        hint = MISMATCH_HINT
+    if me is not None:
+        first = first_difference(record.recent, me.recent, min(record.ops, me.ops) + 1, ranks=(rank, me.rank))
+        if first is not None:
+            summary += f" The ranks issued different collectives; the first that differs is {first}."
+        summary += f" This rank ({me.rank}) is {me.where()}."
+    if any("generation" in (r.activity.via or "") for r in (record, me) if r is not None):
+        hint = GENERATE_HINT
+    return Diagnosis("crashed", rank, summary, hint)
 
 
 def stale(rank: int, peer: Peer, me: Record) -> Diagnosis:
@@ -286,16 +323,19 @@ def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | No
     return Diagnosis("diverged", culprit, summary, hint)
 
 
-def first_difference(mine: list[Op], theirs: list[Op], start: int) -> str | None:
-    """The first collective number (from the recent rings) where the two ranks issued different things."""
+def first_difference(mine: list[Op], theirs: list[Op], start: int, ranks: tuple[int, int] | None = None) -> str | None:
+    """The first collective number (from the recent rings) where the two ranks issued different things;
+    ``ranks``: the two ranks' numbers, to name them."""
+    on = [f" on rank {r}" for r in ranks] if ranks else ["", ""]
     by_number = {op.number: op for op in theirs}
     for op in mine:
         other = by_number.get(op.number)
         if other is not None and (op.kind, op.numel, op.dtype) != (other.kind, other.numel, other.dtype):
-            return f"#{op.number}: {op.describe()} vs {other.describe()}"
+            return f"#{op.number}: {op.describe()}{on[0]} vs {other.describe()}{on[1]}"
     for op in mine:
         if op.number >= start and op.number not in by_number:
-            return f"#{op.number}: {op.describe()}, which the other rank never issued"
+            never = f"rank {ranks[1]}" if ranks else "the other rank"
+            return f"#{op.number}: {op.describe()}{on[0]}, which {never} never issued"
     return None
 
 
@@ -335,7 +375,7 @@ def explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context
             f"machine was swapping), and the other ranks ended the run meanwhile; it is {me.where()}.",
         )
     for rank, peer in sorted(peers.items()):
-        found = peer_failed(rank, peer)
+        found = peer_failed(rank, peer, me)
         if found is not None:
             return found
         if peer.record.state == FINISHED:

@@ -37,6 +37,7 @@ class Record:
     stalled: float = 0.0  # seconds without progress (no collective issued, no step begun): NCCL never blocks the CPU
     signal: str | None = None  # "SIGTERM" once received
     error: str | None = None  # short, when failed
+    crash: str | None = None  # the fatal signal, when the process died in native code (read from its black box)
 
     def encode(self) -> bytes:
         data = dict(self.__dict__)

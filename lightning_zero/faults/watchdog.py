@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from lightning_zero.faults import activity as activity_mod
-from lightning_zero.faults import diagnosis, failures, timeouts
+from lightning_zero.faults import diagnosis, failures, postmortem, timeouts
 from lightning_zero.faults.activity import Activity
 from lightning_zero.faults.diagnosis import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
@@ -79,6 +79,8 @@ class Watchdog:
         self._stop = False
         self._main = threading.get_ident()
         self._proc = this_process()
+        self.blackbox: postmortem.BlackBox | None = None
+        self._faulthandler = False
         self._thread = threading.Thread(target=self._run, name="lightning_zero-watchdog", daemon=True)
 
     def _neighbours(self) -> list[int]:
@@ -89,12 +91,17 @@ class Watchdog:
 
     # ------------------------------------------------------------------ lifecycle (main thread)
     def start(self) -> None:
-        # A process that dies in native code (gloo aborts on a mismatched collective) still shows its Python stack.
-        self._faulthandler = not faulthandler.is_enabled()
-        if self._faulthandler:
-            faulthandler.enable()
         RECORDER.reset(self.group)
         RECORDER.enabled = True
+        # A process that dies in native code (gloo aborts on a mismatched collective) leaves its last collectives and
+        # its Python stack for the peers on its host (postmortem.py); without a writable temporary folder, its stack
+        # at least goes to stderr.
+        try:
+            self.blackbox = postmortem.BlackBox(postmortem.run_folder(self.namespace), self.rank, self._proc)
+        except OSError:
+            self._faulthandler = not faulthandler.is_enabled()
+            if self._faulthandler:
+                faulthandler.enable()
         self.pipe.install()
         self.exchange.outgoing = self._record(Activity()).encode()
         self.exchange.start()
@@ -107,7 +114,10 @@ class Watchdog:
         if threading.get_ident() != self._thread.ident and self._thread.is_alive():
             self._thread.join(timeout=2 * self.limits.tick)
         self.pipe.restore()
-        if getattr(self, "_faulthandler", False):
+        if self.blackbox is not None:
+            self.blackbox.close()
+            self.blackbox = None
+        if self._faulthandler:
             faulthandler.disable()
         RECORDER.enabled = False
         RECORDER.abort = None
@@ -220,6 +230,20 @@ class Watchdog:
             age = max(0.0, snapshot.taken_at - seen[1])
             state = liveness(record.proc) if record.state == RUNNING else "unknown"
             peers[rank] = Peer(record, age, state)
+        return self._with_black_boxes(peers)
+
+    def _with_black_boxes(self, peers: dict[int, Peer]) -> dict[int, Peer]:
+        """Peers on this host whose process is gone, as their flight files left them: fresher than their last
+        record, and the only record when the store died with rank 0's process."""
+        if self.blackbox is None:
+            return peers
+        for rank in postmortem.ranks_with_files(self.blackbox.folder):
+            known = peers.get(rank)
+            if rank == self.rank or (known is not None and known.liveness != "dead"):
+                continue
+            record = postmortem.read_record(self.blackbox.folder, rank)
+            if record is not None and liveness(record.proc) == "dead":
+                peers[rank] = Peer(record, known.age if known is not None else 0.0, "dead")
         return peers
 
     # ------------------------------------------------------------------ acting
@@ -240,6 +264,8 @@ class Watchdog:
     def _hard_exit(self, reason: str, code: int) -> None:
         print(f"[lightning_zero] rank {self.rank}: ending this process: {reason}.", file=sys.stderr, flush=True)
         self.exchange.flush(1.0)  # the failure and this rank's last record, if the store answers
+        if self.blackbox is not None:
+            self.blackbox.close()  # this exit is decided, not a crash: the peers have the failure already
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -6,9 +6,9 @@ peak, ``plan.py`` picks the fastest configuration that fits a budget, ``measure.
 ``plot.py`` draws the table. ``lightning-zero plan`` is the command line.
 """
 
-from lightning_zero.planning.plan import Candidate, NothingFits, Plan, Planner, describe
+from lightning_zero.planning.plan import Candidate, NothingFits, Plan, Planner, describe, with_pick
 from lightning_zero.planning.predict import Configuration, Prediction, predict
 from lightning_zero.planning.trace import StepTrace, trace_step
 
 __all__ = ["Candidate", "Configuration", "NothingFits", "Plan", "Planner", "Prediction", "StepTrace", "describe",
-           "predict", "trace_step"]
+           "predict", "trace_step", "with_pick"]

@@ -151,6 +151,40 @@ def fastest_fitting(estimates: Iterable[Estimate], device_bytes: float, host_byt
     return next((item for item in estimates if item.fits(device_bytes, host_bytes_per_node)), None)
 
 
+#: Devices on one node when the user does not say: the common GPU server (DGX/HGX) and DeepSpeed's estimator default.
+DEVICES_PER_NODE = 8
+
+
+def split_devices(devices: int, devices_per_node: int | None = None) -> tuple[int, int]:
+    """``(devices per node, nodes)`` of ``devices`` ranks in all, the same for ``estimate`` and ``plan``.
+
+    ``devices`` always counts every rank. Without ``devices_per_node``, up to :data:`DEVICES_PER_NODE` ranks are
+    one node and more are nodes of that many; the host memory of a node holds its devices' offloaded state."""
+    if devices < 1:
+        raise ValueError(f"--devices {devices}: give the number of ranks in all, >= 1.")
+    if devices_per_node is None:
+        devices_per_node = min(devices, DEVICES_PER_NODE)
+        if devices % devices_per_node:
+            raise ValueError(f"--devices {devices} is not a whole number of {DEVICES_PER_NODE}-device nodes: give "
+                             "--devices-per-node too (e.g. --devices-per-node 4).")
+    if devices_per_node < 1 or devices % devices_per_node:
+        raise ValueError(f"--devices-per-node {devices_per_node} must be >= 1 and divide --devices {devices} (the "
+                         "ranks in all).")
+    return devices_per_node, devices // devices_per_node
+
+
+def unit_for(*values: float) -> tuple[str, float]:
+    """One binary unit for everything printed together (a table, a sentence): GiB once the largest value reaches
+    1 GiB, else MiB. ``estimate`` and ``plan`` print every size of one output in it, so no line mixes units."""
+    return ("GiB", GIB) if max(values, default=0.0) >= GIB else ("MiB", MIB)
+
+
+def format_bytes(value: float, unit: tuple[str, float] | None = None) -> str:
+    """``value`` bytes in ``unit`` (from :func:`unit_for`; its own by default), two decimals: ``12.50 GiB``."""
+    name, scale = unit or unit_for(value)
+    return f"{value / scale:.2f} {name}"
+
+
 def parse_bytes(text: str) -> float:
     """``80GiB``, ``80GB``, ``24000MiB``, ``1.5T``, ``4096B`` -> bytes (the unit is required)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*", text)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from lightning_zero.planning.formulas import format_bytes, unit_for
 from lightning_zero.planning.predict import Configuration, Prediction, predict
 from lightning_zero.planning.trace import StepTrace, trace_step
 
@@ -168,17 +169,16 @@ def _nothing_fits(planner: Planner, device: float, host: float | None) -> str:
     """The refusal: the least any candidate needs (micro-batch 1, every configuration) and what would help."""
     smallest = min((planner.candidate(c, ac, 1) for c in CONFIGURATIONS for ac in planner._checkpointing_choices()),
                    key=lambda c: c.prediction.device_bytes)
+    peak, host_peak = smallest.prediction.device_bytes, smallest.prediction.host_bytes * planner.devices_per_host
+    unit = unit_for(device, host or 0.0, peak, host_peak)
     return (
-        f"Nothing fits in {format_bytes(device)} per device" + (f" and {format_bytes(host)} per host" if host is not None else "")
-        + f": the smallest predicted peak is {format_bytes(smallest.prediction.device_bytes)} per device "
+        f"Nothing fits in {format_bytes(device, unit)} per device"
+        + (f" and {format_bytes(host, unit)} per host" if host is not None else "")
+        + f": the smallest predicted peak is {format_bytes(peak, unit)} per device "
         f"({smallest.configuration.name}{', activation checkpointing' if smallest.checkpointing else ''}, micro-batch 1"
-        f", {format_bytes(smallest.prediction.host_bytes * planner.devices_per_host)} per host). More devices (the "
+        f", {format_bytes(host_peak, unit)} per host). More devices (the "
         "sharded state divides by them), a larger device, or a smaller model would fit."
     )
-
-
-def format_bytes(value: float) -> str:
-    return f"{value / 2**30:.3f} GiB" if value >= 2**27 else f"{value / 2**20:.2f} MiB"
 
 
 def _divisors_descending(n: int) -> list[int]:
@@ -198,13 +198,40 @@ def _micro(batch: Any, size: int) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t[:size], batch)
 
 
-def describe(candidates: Sequence[Candidate], devices_per_host: int) -> list[dict]:
-    """Rows for printing and plotting."""
+def with_pick(plan: Plan) -> tuple[list[Candidate], int | None]:
+    """The table as the user reads it, with the pick in it, and the pick's index (None without a budget).
+
+    The table holds each configuration at the full per-device batch and offload share; the pick may use a smaller
+    micro-batch or share. Then it goes in as a row of its own, right after the row it was derived from (same
+    stage, offload kind and checkpointing), so the printed table and the plot both show what was chosen."""
+    rows = list(plan.table)
+    if plan.pick is None:
+        return rows, None
+    same = [i for i, row in enumerate(rows) if _key(row) == _key(plan.pick)]
+    if same:
+        return rows, same[0]
+    parent = _kind(plan.pick)
+    after = max((i for i, row in enumerate(rows) if _kind(row) == parent), default=len(rows) - 1)
+    rows.insert(after + 1, plan.pick)
+    return rows, after + 1
+
+
+def _key(candidate: Candidate) -> tuple:
+    return candidate.configuration, candidate.checkpointing, candidate.micro_batch
+
+
+def _kind(candidate: Candidate) -> tuple:
+    c = candidate.configuration
+    return c.stage, c.offload_params, c.offload_optimizer > 0, candidate.checkpointing
+
+
+def describe(candidates: Sequence[Candidate], devices_per_host: int, pick: int | None = None) -> list[dict]:
+    """Rows for printing and plotting; ``pick`` is the index of the chosen row (``with_pick``)."""
     return [
         {
             "configuration": c.configuration.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
             "accumulate": c.accumulate, "device_bytes": c.prediction.device_bytes,
-            "host_bytes": c.prediction.host_bytes * devices_per_host, **c.prediction.breakdown,
+            "host_bytes": c.prediction.host_bytes * devices_per_host, "pick": i == pick, **c.prediction.breakdown,
         }
-        for c in candidates
+        for i, c in enumerate(candidates)
     ]

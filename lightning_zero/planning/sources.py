@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_zero.planning.formulas import GIB, split_devices
+
 #: GPT-3's shapes (Brown et al., 2020, table 2.1): (parameters, layers, width, heads). ``--params`` plans for the
 #: row closest in size; vocabulary 50257, biases and untied embeddings as ``lightning_zero.demo.GPTLightningModule``.
 GPT3_SHAPES = (
@@ -18,6 +20,19 @@ GPT3_SHAPES = (
     (6.7e9, 32, 4096, 32), (13e9, 40, 5120, 40), (175e9, 96, 12288, 96),
 )
 VOCAB = 50257
+#: The device memory a plan assumes on a machine without an accelerator: the common large training GPU (A100 and
+#: H100 80 GiB models). Said in the plan's output, since it is a guess.
+COMMON_DEVICE_MEMORY = 80 * GIB
+
+
+def device_memory() -> tuple[float, str]:
+    """The memory per device to plan for when the user gives none, and where it comes from (for the output): this
+    machine's accelerator (torch.cuda, device 0) when there is one, else :data:`COMMON_DEVICE_MEMORY`."""
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        return float(properties.total_memory), f"this machine's {properties.name} (cuda:0)"
+    return float(COMMON_DEVICE_MEMORY), ("assumed: no accelerator on this machine, so a common 80 GiB device such as "
+                                         "an A100 or H100")
 
 
 @dataclasses.dataclass
@@ -39,9 +54,11 @@ class Source:
     """The process-group backend of the planned run: ``"gloo"`` where the config trains on the CPU."""
 
 
-def from_config(config: dict, devices: int | None = None, name: str = "the config") -> Source:
+def from_config(config: dict, devices: int | None = None, name: str = "the config",
+                devices_per_node: int | None = None) -> Source:
     """The model, data and Trainer settings of a composed ``lightning-zero fit`` config (``cli/plan.py`` composes
-    it from the files and overrides)."""
+    it from the files and overrides). ``devices`` counts every rank (as ``estimate``'s does); by default the
+    config's ``trainer.devices x trainer.num_nodes``, on nodes of ``trainer.devices``."""
     model, data, trainer = config.get("model"), config.get("data"), config.get("trainer") or {}
     for key, node in (("model", model), ("data", data)):
         if not isinstance(node, dict) or "class_path" not in node:
@@ -51,13 +68,16 @@ def from_config(config: dict, devices: int | None = None, name: str = "the confi
     datamodule.prepare_data()
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
-    per_node = int(devices or trainer.get("devices") or 1)
-    nodes = int(trainer.get("num_nodes") or 1)
+    config_per_node = int(trainer.get("devices") or 1)
+    world = int(devices or config_per_node * int(trainer.get("num_nodes") or 1))
+    if devices_per_node is None and world % config_per_node == 0:
+        devices_per_node = config_per_node
+    per_node, _ = split_devices(world, devices_per_node)
     strategy = trainer.get("strategy")
     init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
     kwargs = model.get("init_args") or {}
     return Source(
-        build=lambda: model_cls(**kwargs), batch=batch, world_size=per_node * nodes, devices_per_host=per_node,
+        build=lambda: model_cls(**kwargs), batch=batch, world_size=world, devices_per_host=per_node,
         precision=str(trainer.get("precision") or "32-true"), accumulate=int(trainer.get("accumulate_grad_batches") or 1),
         checkpointing=init_args.get("activation_checkpointing") or _repeated_block(lambda: model_cls(**kwargs)),
         description=f"{name}: {model['class_path']}",
@@ -67,20 +87,22 @@ def from_config(config: dict, devices: int | None = None, name: str = "the confi
 
 
 def from_size(params: float, devices: int, batch_size: int, seq_len: int = 2048, precision: str = "bf16-mixed",
-              devices_per_host: int = 8) -> Source:
-    """A GPT of GPT-3's shape closest to ``params`` parameters, ``batch_size`` sequences per step over ``devices``."""
+              devices_per_node: int | None = None) -> Source:
+    """A GPT of GPT-3's shape closest to ``params`` parameters, ``batch_size`` sequences per step over ``devices``
+    ranks in all (on nodes of ``devices_per_node``, by default ``formulas.split_devices``'s)."""
     from lightning_zero.demo.gpt import Block, GPTLightningModule
 
     if batch_size % devices:
         raise ValueError(f"--batch-size {batch_size} must be a multiple of --devices {devices} (a global batch split "
                          "evenly over the devices).")
+    per_node, _ = split_devices(devices, devices_per_node)
     size, layers, width, heads = min(GPT3_SHAPES, key=lambda row: abs(row[0] - params))
     shape = dict(vocab_size=VOCAB, block_size=seq_len, n_layer=layers, n_head=heads, n_embd=width, dropout=0.0)
     per_device = batch_size // devices
     tokens = torch.zeros(per_device, seq_len, dtype=torch.long)
     return Source(
         build=lambda: GPTLightningModule(**shape), batch=(tokens, tokens), world_size=devices,
-        devices_per_host=min(devices, devices_per_host), precision=precision, checkpointing=Block,
+        devices_per_host=per_node, precision=precision, checkpointing=Block,
         description=f"a GPT of GPT-3's {size:.3g}-parameter shape ({layers} layers x {width} wide, {heads} heads, "
                     f"vocabulary {VOCAB}, sequence {seq_len})",
     )

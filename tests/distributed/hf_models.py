@@ -1,8 +1,12 @@
 """Hugging Face ``transformers`` models from tiny configs (nothing is downloaded) inside a LightningModule.
 
-GPT-2 (tied input/output embeddings, ``Conv1D`` weights), BERT masked LM (tied decoder and its bias) and a
-Llama-style causal LM (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention). Dropout is off so a
-single process can replay the ranks' arithmetic exactly.
+GPT-2 (tied input/output embeddings, ``Conv1D`` weights), BERT masked LM (tied decoder and its bias), a
+Llama-style causal LM (RMSNorm, rotary embeddings, SwiGLU, grouped-query attention), T5 (an encoder-decoder
+whose one embedding is shared by encoder, decoder and head, with ``use_cache`` on by default and a relative
+position bias computed in the first block and used by all), Mixtral (a mixture of experts: 4 experts in one
+fused 3-D parameter per layer, 2 routed per token, so an expert a rank's tokens skip gets a zero gradient
+there) and ViT (image classification from patches). Dropout is off so a single process can replay the ranks'
+arithmetic exactly.
 
 The Llama config draws its weights with ``initializer_range=0.2`` (the library's default is 0.02). At 0.02 the
 first layer's attention is nearly uniform and its q/k projections get gradients of ~4e-4, near bf16's
@@ -20,10 +24,11 @@ import torch.nn.functional as F
 from tests.distributed import models
 
 VOCAB, LENGTH, MASK_ID = 64, 12, 63
+IMAGE, CLASSES = 8, 5  # ViT: 3 x 8 x 8 pixels (LENGTH x 16 values), 4 x 4 patches
 
 
 def tiny_config(kind: str):
-    from transformers import BertConfig, GPT2Config, LlamaConfig
+    from transformers import BertConfig, GPT2Config, LlamaConfig, MixtralConfig, T5Config, ViTConfig
 
     if kind == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
@@ -35,13 +40,25 @@ def tiny_config(kind: str):
     if kind == "llama":
         return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH, initializer_range=0.2)
+    if kind == "t5":
+        return T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0)
+    if kind == "mixtral":
+        return MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                             max_position_embeddings=LENGTH, initializer_range=0.2)
+    if kind == "vit":
+        return ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=64, num_labels=CLASSES,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     raise ValueError(kind)
 
 
 def model_class(kind: str):
     import transformers
 
-    return {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM, "llama": transformers.LlamaForCausalLM}[kind]
+    return {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM, "llama": transformers.LlamaForCausalLM,
+            "t5": transformers.T5ForConditionalGeneration, "mixtral": transformers.MixtralForCausalLM,
+            "vit": transformers.ViTForImageClassification}[kind]
 
 
 def block_class(kind: str):
@@ -49,8 +66,19 @@ def block_class(kind: str):
     from transformers.models.bert.modeling_bert import BertLayer
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+    from transformers.models.t5.modeling_t5 import T5Block
+    from transformers.models.vit.modeling_vit import ViTLayer
 
-    return {"gpt2": GPT2Block, "bert": BertLayer, "llama": LlamaDecoderLayer}[kind]
+    return {"gpt2": GPT2Block, "bert": BertLayer, "llama": LlamaDecoderLayer, "t5": T5Block,
+            "mixtral": MixtralDecoderLayer, "vit": ViTLayer}[kind]
+
+
+def pixels(tokens: torch.Tensor) -> torch.Tensor:
+    """A (B, 3, IMAGE, IMAGE) image that is a pure function of a (B, LENGTH) token window (every replay sees the
+    same pixels): each token spreads over 16 values of different frequency."""
+    waves = torch.sin(tokens[..., None].float() * torch.arange(1, 17) / 7.0)  # (B, LENGTH, 16)
+    return waves.reshape(tokens.shape[0], 3, IMAGE, IMAGE)
 
 
 class HFLightningModule(L.LightningModule):
@@ -68,6 +96,12 @@ class HFLightningModule(L.LightningModule):
             masked = (x + torch.arange(x.shape[1])) % 4 == 0
             logits = self.model(input_ids=x.masked_fill(masked, MASK_ID)).logits
             labels = torch.where(masked, x, torch.full_like(x, -100))
+        elif self.kind == "vit":
+            logits = self.model(pixel_values=pixels(x)).logits
+            return F.cross_entropy(logits.float(), x[:, 0] % CLASSES)
+        elif self.kind == "t5":
+            logits = self.model(input_ids=x, decoder_input_ids=x).logits  # the decoder predicts the next token
+            labels = y
         else:
             logits = self.model(input_ids=x).logits
             labels = y

@@ -3,8 +3,6 @@ consolidation. Two launches share one directory: 2 ranks write, 1 rank reads."""
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,8 @@ import torch
 from lightning_zero.checkpoint.verify import CheckpointError, check_complete, verify_files
 from lightning_zero.checkpoint.consolidate import consolidate
 from tests.distributed import models
-from tests.launch import REPO, launch
+from lightning_zero.cli import main as cli_main
+from tests.launch import launch
 
 pytestmark = pytest.mark.slow
 
@@ -101,11 +100,7 @@ def test_consolidated_file_is_a_plain_state_dict(shared, tmp_path):
 
 def test_consolidate_command_line(shared, tmp_path):
     dst = tmp_path / "plain.pt"
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_zero", "consolidate", str(shared["dir"] / "sharded"), str(dst)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
+    assert cli_main(["consolidate", str(shared["dir"] / "sharded"), str(dst)]) == 0
     state = torch.load(dst, weights_only=True)
     models.Regression().load_state_dict(state)
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.launch import launch_processes
+from tests.launch import REPO, launch_processes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 TIMEOUT = 8.0
 #: A hang ends within the timeout plus the watchdog's margin and grace (Limits.for_timeout(8): 2 s each) and
@@ -33,18 +36,27 @@ def run(case: str, nprocs: int = 2, timeout: float = TIMEOUT, watchdog: bool = T
                             env={"LZ_TIMEOUT": str(timeout), "LZ_WATCHDOG": "1" if watchdog else "0"}, **kwargs)
 
 
-#: The default cases, launched two at a time when the module starts: most of a case is waiting for a
-#: timeout, so two launches share 2 cores well (the whole module takes about half as long).
+#: The default cases, launched three at a time when the module starts: most of a case is waiting for a
+#: timeout, so several launches share 2 cores well.
 DEFAULT_CASES = {
     "sigstop": {}, "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM}, "generate": {},
-    "uneven": {}, "sigkill": {}, "raise_step": {},
+    "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {},
 }
+
+
+def run_popen_mismatch(sampling_rank: int) -> tuple[subprocess.CompletedProcess, float]:
+    """``tests/distributed/popen_mismatch.py`` as a user runs a script (Lightning's popen launcher)."""
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "tests.distributed.popen_mismatch", str(sampling_rank)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    return result, time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
 def launched():
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {case: pool.submit(run, case, **kwargs) for case, kwargs in DEFAULT_CASES.items()}
+        futures.update({f"popen_mismatch_{rank}": pool.submit(run_popen_mismatch, rank) for rank in (0, 1)})
         yield futures
 
 
@@ -174,9 +186,9 @@ def test_a_rank_that_skips_a_step():
                      "torch.distributed.broadcast")
 
 
-@pytest.mark.full
-def test_a_conditional_sync_dist_log():
-    result = run("conditional_log")
+def test_a_conditional_sync_dist_log(launched):
+    """Ranks that issue different collectives (an all-reduce only rank 0 issues): named after the timeout."""
+    result = launched["conditional_log"].result()
     assert_all_failed_in_time(result)
     for rank in (0, 1):
         assert_names(result.output(rank), "all_reduce #16", "worker_hangs.py", "different collective")
@@ -184,11 +196,33 @@ def test_a_conditional_sync_dist_log():
 
 @pytest.mark.full
 def test_a_submodule_used_on_one_rank_under_stage_3():
-    """gloo aborts the rank whose all-gather does not match (NCCL would hang): its peer names it."""
+    """gloo aborts the rank whose all-gather does not match (NCCL would hang): its peer names it, the collective
+    and the call site, from the crashed rank's flight file and Python stack."""
     result = run("rank_only_submodule")
     assert_all_failed_in_time(result)
-    assert_names(result.output(0), "rank 1's process ended without reporting an error", "collective does not match")
-    assert "collective mismatch" in result.output(1) and "training_step" in result.output(1)  # gloo's + faulthandler
+    assert_names(result.output(0), "rank 1's process crashed in native code (SIGABRT", "in training batch 2",
+                 "called from distributed/worker_hangs.py", "in training_step", "the first that differs is #",
+                 "Every rank must issue the same collectives")
+    assert "collective mismatch" in result.output(1)  # gloo's own message, on the rank it ended
+
+
+@pytest.mark.parametrize("sampling_rank", [0, 1])
+def test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launcher(launched, sampling_rank):
+    """``python script.py`` (Lightning's popen launcher), stage 3, one rank samples from a submodule in
+    ``validation_step``: gloo aborts one process in C++ (rank 0, which holds the store, or its child rank 1).
+    The survivor prints the watchdog's diagnosis: the crashed rank, its collective by kind, number and size
+    against the survivor's, its call site, and what to do; and every process ends."""
+    result, seconds = launched[f"popen_mismatch_{sampling_rank}"].result()
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert seconds < 60, f"took {seconds:.0f} s"
+    assert "collective mismatch in your code" in output  # gloo's message from the process it aborted
+    assert re.search(r"rank [01]'s process crashed in native code \(SIGABRT; its Python stack is in \S+rank[01]\.fatal\) "
+                     r"in validation batch 0, in all_gather #\d+ \(\d+ x float32\), called from "
+                     r"distributed/popen_mismatch\.py:\d+ in validation_step", output), output[-5000:]
+    assert re.search(r"the first that differs is #\d+: all_gather #\d+ \(1056 x float32\) on rank \d vs all_gather "
+                     r"#\d+ \(\d+ x float32\) on rank \d", output), output[-5000:]
+    assert "Every rank must issue the same collectives in the same order" in output
 
 
 @pytest.mark.full

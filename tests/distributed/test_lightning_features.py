@@ -58,13 +58,30 @@ def swa_runs(tmp_path_factory):
     return launch("tests.distributed.worker_lightning_features", "swa", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})["swa"]
 
 
-@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage3_configure_model", "stage2_resumed", "stage3_resumed"])
-def test_stochastic_weight_averaging_equals_ddp(swa_runs, case):
+@pytest.fixture(scope="module")
+def swa_rest(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("swa_rest")
+    return launch("tests.distributed.worker_lightning_features", "swa_rest", nprocs=2,
+                  env={"LZ_SHARED_DIR": str(directory)})["swa_rest"]
+
+
+def _check_swa(runs: dict, case: str) -> None:
     """Lightning's ``StochasticWeightAveraging`` (from epoch 2 of 4) ends with the weights ``ddp`` ends with; at stage 3
     it averages the sharded parameters, and a run resumed from a checkpoint taken while averaging ends there too."""
-    result = swa_runs[case]
-    assert result["epochs"] == 4 and result["averaged"] == swa_runs["ddp"]["averaged"] == 3
+    result = runs[case]
+    assert result["epochs"] == 4 and result["averaged"] == runs["ddp"]["averaged"] == 3
     assert result["diff_vs_ddp"] <= 1e-6
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage3_configure_model", "stage3_resumed"])
+def test_stochastic_weight_averaging_equals_ddp(swa_runs, case):
+    _check_swa(swa_runs, case)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["stage2", "stage3", "stage2_resumed"])
+def test_stochastic_weight_averaging_at_the_other_stages(swa_rest, case):
+    _check_swa(swa_rest, case)
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +94,27 @@ def inductor_runs():
     return launch("tests.distributed.worker_lightning_features", "compile_inductor", nprocs=2)["compile_inductor"]
 
 
-@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage3_configure_model"])
-def test_compiled_blocks_train_as_eager(compile_runs, case):
+@pytest.fixture(scope="module")
+def compile_rest():
+    return launch("tests.distributed.worker_lightning_features", "compile_rest", nprocs=2)["compile_rest"]
+
+
+def _check_compiled(result: dict) -> None:
     """``ZeroStrategy(compile={"backend": "aot_eager"})`` (and blocks compiled in ``configure_model``) really compile
     (dynamo graphs) and end where eager ``ddp`` ends: capture changes nothing under the sharding hooks."""
-    result = compile_runs[case]
     assert result["steps"] == 3 and result["graphs"] >= 2
     assert result["diff_vs_ddp_eager"] <= 1e-5 and result["diff_vs_ddp_compiled"] <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["stage3", "stage3_configure_model"])
+def test_compiled_blocks_train_as_eager(compile_runs, case):
+    _check_compiled(compile_runs[case])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["stage1", "stage2"])
+def test_compiled_blocks_train_as_eager_at_stages_1_and_2(compile_rest, case):
+    _check_compiled(compile_rest[case])
 
 
 def test_compiling_the_whole_model_is_refused_by_lightning_with_its_reason(compile_runs):

@@ -1,6 +1,10 @@
 """The memory planner against real 2-rank runs through lightning.Trainer (gloo): the predicted peak per rank of a
 traced step against the measured peak of live tensor bytes, for a matrix of 24 configurations of the demo GPT and
-ResNet, and the planner's pick under three budgets trained for real within them."""
+ResNet (`make test-all`; `make test` measures one configuration of each kind), and the planner's pick under three
+budgets trained for real within them.
+
+Each launch has processes of its own: torch's ``MemTracker``, which measures the peaks, crashed in a garbage
+collection (SIGSEGV) in a process that had run other test programs before."""
 
 import pytest
 
@@ -11,9 +15,19 @@ pytestmark = pytest.mark.slow
 BOUND = 0.10
 
 
+#: `make test`'s calibration: each model, each stage, fp32 and bf16-mixed, checkpointing, full and partial offload.
+REPRESENTATIVE = ("gpt_s1_fp32_b8_ac", "gpt_s3_bf16_b8", "gpt_s2_fp32_b8_offload0.5", "resnet_s3_bf16_b64_offload")
+
+
 @pytest.fixture(scope="module")
 def report():
-    return launch("tests.distributed.worker_planning", "calibration", "budget", nprocs=2)
+    env = {"LZ_CASES": ",".join(REPRESENTATIVE)}
+    return launch("tests.distributed.worker_planning", "calibration", "budget", nprocs=2, env=env, fresh=True)
+
+
+@pytest.fixture(scope="module")
+def full_report():
+    return launch("tests.distributed.worker_planning", "calibration", nprocs=2, fresh=True)
 
 
 def test_the_matrix_covers_what_the_planner_weighs():
@@ -26,10 +40,18 @@ def test_the_matrix_covers_what_the_planner_weighs():
 
 
 def test_predicted_peak_is_within_ten_percent_of_the_measured_one(report):
+    check_calibration(report["calibration"], REPRESENTATIVE)
+
+
+@pytest.mark.full
+def test_predicted_peak_is_within_ten_percent_on_every_configuration(full_report):
+    check_calibration(full_report["calibration"], CASES)
+
+
+def check_calibration(rows: dict, cases) -> None:
     """On a CPU run device and host are one memory: the prediction compared is the device peak plus what it puts on
     the host (offloaded state, always alive)."""
-    rows = report["calibration"]
-    assert set(rows) == set(CASES)
+    assert set(rows) == set(cases)
     print(f"\n{'case':34s}{'measured MB':>13}{'predicted MB':>14}{'error':>8}")
     errors = {}
     for name, row in rows.items():

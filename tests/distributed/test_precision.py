@@ -6,6 +6,7 @@ The reference for the master weights is a single process doing the same mixed-pr
 
 import pytest
 
+from tests.distributed.worker_precision import TRACKED
 from tests.launch import launch
 
 WORLD = 2
@@ -21,7 +22,24 @@ MIXED = ["bf16-mixed", "16-mixed"]
 
 @pytest.fixture(scope="module")
 def tracking():
+    """The runs `make test` checks: every stage and precision once (``worker_precision.TRACKED``)."""
     return launch("tests.distributed.worker_precision", "tracking", nprocs=WORLD)["tracking"]
+
+
+@pytest.fixture(scope="module")
+def tracking_rest():
+    return launch("tests.distributed.worker_precision", "tracking_rest", nprocs=WORLD)["tracking_rest"]
+
+
+def tracked(request, key: str) -> dict:
+    """The run ``key`` from whichever launch has it."""
+    return request.getfixturevalue("tracking" if key in TRACKED else "tracking_rest")[key]
+
+
+def matrix(stages, precisions, suffix: str = "") -> list:
+    """(stage, precision) pairs; those outside ``TRACKED`` are `make test-all`'s."""
+    return [pytest.param(stage, precision, marks=() if f"stage{stage}_{precision}{suffix}" in TRACKED else pytest.mark.full)
+            for stage in stages for precision in precisions]
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +52,9 @@ def costs():
     return launch("tests.distributed.worker_precision", "costs", nprocs=WORLD)["costs"]
 
 
-@pytest.mark.parametrize("precision", [*MIXED, "bf16-true"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_loss_curve_tracks_fp32_training(tracking, stage, precision):
-    result = tracking[f"stage{stage}_{precision}"]
+@pytest.mark.parametrize("stage, precision", matrix([1, 2, 3], [*MIXED, "bf16-true"]))
+def test_loss_curve_tracks_fp32_training(request, stage, precision):
+    result = tracked(request, f"stage{stage}_{precision}")
     assert result["plugin"] == "ZeroPrecision"
     assert result["precision"] == precision
     assert len(result["losses"]) == 20
@@ -45,30 +62,27 @@ def test_loss_curve_tracks_fp32_training(tracking, stage, precision):
     assert result["loss_diff"] <= LOSS_TOLERANCE[precision]
 
 
-@pytest.mark.parametrize("precision", MIXED)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_loss_curve_tracks_fp32_training_under_accumulation(tracking, stage, precision):
+@pytest.mark.parametrize("stage, precision", matrix([1, 2, 3], MIXED, "_accumulate"))
+def test_loss_curve_tracks_fp32_training_under_accumulation(request, stage, precision):
     """10 steps of 2 accumulated micro-batches (the held sums accumulate in the compute dtype)."""
-    result = tracking[f"stage{stage}_{precision}_accumulate"]
+    result = tracked(request, f"stage{stage}_{precision}_accumulate")
     assert len(result["losses"]) == 20
     assert result["loss_diff"] <= LOSS_TOLERANCE[precision]
 
 
-@pytest.mark.parametrize("precision", MIXED)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_master_weights_equal_single_process_mixed_arithmetic(tracking, stage, precision):
+@pytest.mark.parametrize("stage, precision", matrix([1, 2, 3], MIXED))
+def test_master_weights_equal_single_process_mixed_arithmetic(request, stage, precision):
     """20 steps, clipping by norm, two param groups, an LR warmup schedule."""
-    result = tracking[f"stage{stage}_{precision}"]
+    result = tracked(request, f"stage{stage}_{precision}")
     assert result["master_change"] > 1e-2
     assert result["master_diff"] <= 1e-6
     assert result["emulated_loss_diff"] <= 1e-6
     assert result["skipped"] == result["emulated_skipped"]
 
 
-@pytest.mark.parametrize("precision", MIXED)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_compute_parameters_are_2_byte_and_fit_ends_in_fp32(tracking, stage, precision):
-    result = tracking[f"stage{stage}_{precision}"]
+@pytest.mark.parametrize("stage, precision", matrix([1, 2], MIXED))
+def test_compute_parameters_are_2_byte_and_fit_ends_in_fp32(request, stage, precision):
+    result = tracked(request, f"stage{stage}_{precision}")
     low = "torch.bfloat16" if precision == "bf16-mixed" else "torch.float16"
     norms = {name for name in result["dtypes"] if ".ln_" in name}
     assert norms, "the GPT has LayerNorms"
@@ -92,9 +106,9 @@ def test_batchnorm_frozen_layers_and_every_loop_in_bf16_mixed(costs, stage):
         assert result["dtypes"]["frozen.weight"] == "torch.float32"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_true_holds_everything_in_bf16(tracking, stage):
-    result = tracking[f"stage{stage}_bf16-true"]
+@pytest.mark.parametrize("stage, precision", matrix([1, 2, 3], ["bf16-true"]))
+def test_bf16_true_holds_everything_in_bf16(request, stage, precision):
+    result = tracked(request, f"stage{stage}_{precision}")
     assert result["final_dtypes"] == ["torch.bfloat16"]
 
 

@@ -53,3 +53,5 @@ def test_finetuned_checkpoint_exports_to_from_pretrained(report):
     assert result["exported_tied"]
     assert result["half_dtype"] == "torch.bfloat16"
     assert result["half_logits_diff"] <= 2e-2, "gather_16bit_weights_on_save: the same model in bf16"
+    # `lightning-zero consolidate CKPT DIR --hf --dtype bf16`
+    assert result["command_code"] == 0 and result["command_dtype"] == "torch.bfloat16"

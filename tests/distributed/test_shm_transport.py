@@ -1,6 +1,7 @@
 """Shared-memory collectives (``engine/shm_transport.py``, opt-in with ``LIGHTNING_ZERO_SHM_COLLECTIVES=1``):
 exact, in rank order, chunked through mailboxes smaller than the data, per process group, no file left in
-/dev/shm, and training through them at every stage equals plain PyTorch (test_core's exactness cases)."""
+/dev/shm, and training through them at every stage equals plain PyTorch (test_core's exactness cases). `make test`
+runs the 2-rank collectives; 4 ranks (sub-groups) and the training cases are in `make test-all`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tests.launch import launch
 SHM = {"LIGHTNING_ZERO_SHM_COLLECTIVES": "1"}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
 def report(request):
     return launch("tests.distributed.worker_shm", "collectives", nprocs=request.param, env=SHM)["collectives"]
 
@@ -45,6 +46,7 @@ def exact():
     return launch("tests.distributed.worker_core", "exact", nprocs=2, env=SHM)["exact"]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage2_small_buckets", "stage2_reduce_every_microbatch",
                                   "stage3_unused_parameter"])
 def test_training_through_mailboxes_matches_plain_pytorch(exact, case):

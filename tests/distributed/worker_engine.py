@@ -6,7 +6,6 @@ schedule, 3 steps; against the same steps in one process on the global batches."
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 
 import torch
@@ -17,7 +16,7 @@ from lightning_zero.engine.api import OptimizerShards, ShardingEngine
 from lightning_zero.engine.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.engine.zero_dp import ZeroDataParallel
-from tests.launch import run_cases
+from tests.launch import ensure_process_group, run_cases
 
 STEPS, ACCUMULATE, BATCH, CLIP = 3, 2, 4, 0.05
 
@@ -129,8 +128,5 @@ CASES = {f"stage{stage}": (lambda stage=stage: train(stage)) for stage in (1, 2,
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    try:
-        run_cases(CASES, sys.argv[1:])
-    finally:
-        dist.destroy_process_group()
+    ensure_process_group()
+    run_cases(CASES, sys.argv[1:])

@@ -61,8 +61,15 @@ class Faulty(models.Regression):
                 fault()
                 raise ValueError(f"boom from rank {RANK} at batch {batch_idx}")
             if case == "sleep_forever":
-                fault()
+                torch.distributed.barrier()  # both ranks are in batch 2 (see rank 0's side below)
                 time.sleep(3600)
+        if case == "sleep_forever" and here(batch_idx, rank=0):
+            # Announced once both ranks are in batch 2, rank 1 about to sleep and rank 0 before the reduce-scatter it
+            # will wait in: the SIGTERM the harness then sends acts only at the next batch boundary, which neither
+            # reaches. (Announced by rank 1 alone, it could reach rank 0 still in batch 1, which then stopped at
+            # the boundary instead of waiting.)
+            torch.distributed.barrier()
+            fault()
         if case == "sigstop0" and here(batch_idx, rank=0):
             fault()
             os.kill(os.getpid(), signal.SIGSTOP)

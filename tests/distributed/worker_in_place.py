@@ -14,7 +14,7 @@ from lightning_zero.engine.buckets import pack_bucket, segment_view
 from lightning_zero.engine.layout import plan_layout
 from lightning_zero.engine.reduce_in_place import InPlaceReduction
 from lightning_zero.engine.sharded_optimizer import all_gather_params
-from tests.launch import run_cases
+from tests.launch import ensure_process_group, run_cases
 
 #: Rows that split unevenly over 2 and 3 ranks, a 1-row parameter (some ranks hold none of it), a vector.
 SHAPES = [(7, 3), (5,), (1, 4), (10, 2), (4, 4)]
@@ -111,8 +111,5 @@ def gathers() -> dict:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    try:
-        run_cases({"reductions": reductions, "gathers": gathers}, sys.argv[1:])
-    finally:
-        dist.destroy_process_group()
+    ensure_process_group()
+    run_cases({"reductions": reductions, "gathers": gathers}, sys.argv[1:])

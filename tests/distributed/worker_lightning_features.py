@@ -96,13 +96,14 @@ def swa(strategy, build_in_configure_model: bool = False, resume_from: Path | No
     return {"params": params, "epochs": t.current_epoch, "averaged": int(callback.n_averaged)}
 
 
-def swa_against_ddp(directory: Path) -> dict:
-    """Every stage (stage 3 also with the model built in ``configure_model``, and resumed from a checkpoint taken
+def swa_against_ddp(directory: Path, stages=(1, 2, 3), configure_model: bool = True, resumed=(2, 3)) -> dict:
+    """``stages`` (stage 3 also with the model built in ``configure_model``; ``resumed``: from a checkpoint taken
     while averaging) against Lightning ``ddp``."""
     ddp = swa("ddp")
-    runs = {f"stage{s}": swa(ZeroStrategy(stage=s)) for s in (1, 2, 3)}
-    runs["stage3_configure_model"] = swa(ZeroStrategy(stage=3), build_in_configure_model=True)
-    for stage in (2, 3):
+    runs = {f"stage{s}": swa(ZeroStrategy(stage=s)) for s in stages}
+    if configure_model:
+        runs["stage3_configure_model"] = swa(ZeroStrategy(stage=3), build_in_configure_model=True)
+    for stage in resumed:
         swa(ZeroStrategy(stage=stage), save_to=directory / f"swa{stage}", epochs=3)
         runs[f"stage{stage}_resumed"] = swa(ZeroStrategy(stage=stage), resume_from=directory / f"swa{stage}" / "epoch=2.ckpt")
     out = {}
@@ -137,13 +138,14 @@ def compiled(strategy, module_class=GPTLightningModule, compile_options: dict | 
             "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
 
 
-def compile_against_eager(backend: str, stages=(1, 2, 3)) -> dict:
-    """``ZeroStrategy(compile=...)`` and the configure_model route against the same blocks compiled under Lightning
-    ``ddp`` (the same kernels), and eager ``ddp``; the refused route's message."""
+def compile_against_eager(backend: str, stages=(1, 2, 3), configure_model: bool = True) -> dict:
+    """``ZeroStrategy(compile=...)`` at ``stages`` and the configure_model route against the same blocks compiled
+    under Lightning ``ddp`` (the same kernels), and eager ``ddp``; the refused route's message."""
     options = {"backend": backend}
     references = {"ddp_eager": compiled("ddp"), "ddp_compiled": compiled("ddp", BlocksCompiledInConfigureModel, options)}
     runs = {f"stage{s}": compiled(ZeroStrategy(stage=s, compile=options)) for s in stages}
-    runs["stage3_configure_model"] = compiled(ZeroStrategy(stage=3), BlocksCompiledInConfigureModel, options)
+    if configure_model:
+        runs["stage3_configure_model"] = compiled(ZeroStrategy(stage=3), BlocksCompiledInConfigureModel, options)
     out = {}
     for name, run in runs.items():
         weights = run.pop("weights")
@@ -236,8 +238,10 @@ def unfreezing(strategy) -> dict:
 CASES = {
     "lr_find": lr_find_against_ddp,
     "checkpoints": trained_checkpoints,
-    "swa": swa_against_ddp,
-    "compile": lambda directory: compile_against_eager("aot_eager"),
+    "swa": lambda directory: swa_against_ddp(directory, stages=(1,), resumed=(3,)),
+    "swa_rest": lambda directory: swa_against_ddp(directory, stages=(2, 3), configure_model=False, resumed=(2,)),
+    "compile": lambda directory: compile_against_eager("aot_eager", stages=(3,)),
+    "compile_rest": lambda directory: compile_against_eager("aot_eager", stages=(1, 2), configure_model=False),
     "unfreezing": lambda directory: {
         "ddp": unfreezing("ddp"),
         **{f"stage{s}": unfreezing(ZeroStrategy(stage=s)) for s in (1, 2, 3)},

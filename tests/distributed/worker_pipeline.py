@@ -3,7 +3,6 @@ unsplit single-process reference on the same batches (same init, AdamW, 3 steps)
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -11,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.pipeline import PipelineLayout, PipelineRunner, split_bounds
-from tests.launch import run_cases
+from tests.launch import ensure_process_group, run_cases
 
 STEPS, BATCH, MICROBATCHES = 3, 8, 4
 
@@ -97,8 +96,5 @@ def cases() -> dict:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    try:
-        run_cases(cases(), sys.argv[1:])
-    finally:
-        dist.destroy_process_group()
+    ensure_process_group()
+    run_cases(cases(), sys.argv[1:])

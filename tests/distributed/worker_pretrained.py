@@ -118,6 +118,10 @@ def finetune_and_export(directory: Path) -> dict:
     out = {}
     if RANK == 0:
         export_hf(ckpt, directory / "exported")
+        # the same through the command line, in bf16
+        from lightning_zero.cli import consolidate_command
+
+        command_code = consolidate_command([str(ckpt), str(directory / "exported_bf16"), "--hf", "--dtype", "bf16"])
         trained = HFLightningModule("gpt2")
         trained.load_state_dict(state)
         batch = torch.stack([data()[i][0] for i in range(4)])
@@ -130,6 +134,8 @@ def finetune_and_export(directory: Path) -> dict:
             "half_dtype": str(next(half.parameters()).dtype),
             "half_logits_diff": (half.float()(input_ids=batch).logits - reference).abs().max().item(),
             "exported_tied": exported.lm_head.weight is exported.transformer.wte.weight,
+            "command_code": command_code,
+            "command_dtype": str(next(cls.from_pretrained(directory / "exported_bf16").parameters()).dtype),
             "files": sorted(p.name for p in (directory / "exported").iterdir()),
         }
     return out

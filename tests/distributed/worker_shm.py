@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.engine import collectives, p2p_transport, shm_transport
-from tests.launch import run_cases
+from tests.launch import ensure_process_group, run_cases
 
 
 def _inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -58,8 +58,5 @@ def collectives_case() -> dict:
 
 
 if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    try:
-        run_cases({"collectives": collectives_case}, sys.argv[1:])
-    finally:
-        dist.destroy_process_group()
+    ensure_process_group()
+    run_cases({"collectives": collectives_case}, sys.argv[1:])

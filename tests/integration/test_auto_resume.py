@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration import background
 from tests.integration.torchrun import torchrun
 
 pytestmark = pytest.mark.slow
@@ -84,9 +85,12 @@ def check(result: dict, case: str) -> None:
     assert outcome["param_diff"] <= 1e-5
 
 
+background.register("auto_resume", lambda root: run(root, DEFAULT, timeout=240))
+
+
 @pytest.fixture(scope="module")
-def default(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("auto_resume"), DEFAULT, timeout=240)
+def default(runs):
+    return runs.get("auto_resume").result()
 
 
 @pytest.mark.parametrize("case", DEFAULT)

@@ -1,4 +1,5 @@
-"""bench_core.py's phase breakdown for every system, from real 2-rank runs of the quick model."""
+"""bench_core.py's phase breakdown for every system, from real 2-rank runs of the quick model: a benchmark smoke run,
+in `make test-all` (the breakdown's arithmetic is tests/unit/test_bench_phases.py's, in `make test`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import pytest
 
 from tests.launch import REPO
+
+pytestmark = pytest.mark.full
 
 SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 

@@ -1,6 +1,9 @@
 """`lightning-zero fit|validate|test|predict` run as a user runs it: subprocesses, real Trainer runs on 2 ranks.
 
-The composition rules themselves are covered in-process by tests/unit/test_cli_compose.py.
+The composition rules themselves are covered in-process by tests/unit/test_cli_compose.py, the one-line errors by
+tests/unit/test_cli_main.py, a DeepSpeed JSON in a real fit by tests/distributed/test_deepspeed_config.py, and
+`fit` from YAML with overrides by the main job (test_main_job.py); the runs here that repeat them are
+`make test-all`'s.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 import yaml
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
+from tests.integration import background
 from tests.launch import REPO
 
 pytestmark = pytest.mark.slow
@@ -45,7 +49,10 @@ def overrides(out) -> list[str]:
     ]
 
 
+@pytest.mark.full
 def test_fit_from_yaml_and_overrides_equals_the_same_run_configured_in_python(tmp_path):
+    """(`make test` composes in-process, tests/unit/test_cli_compose.py, and trains the main job from YAML with
+    overrides, test_main_job.py.)"""
     ok(cli("fit", *overrides(tmp_path)))
     ok(subprocess.run([sys.executable, "-m", "tests.integration.cli_python_run", str(tmp_path)], cwd=REPO,
                       capture_output=True, text=True, timeout=300))
@@ -58,7 +65,13 @@ def test_fit_from_yaml_and_overrides_equals_the_same_run_configured_in_python(tm
     for name, value in from_cli["state"].items():
         torch.testing.assert_close(value, from_python["state"][name], rtol=0, atol=0, msg=name)
 
-    # --print_config shows the merged result; fed back with --config it prints itself and trains the same run
+
+@pytest.mark.full
+def test_the_printed_config_fed_back_prints_itself_and_trains_the_same_run(tmp_path):
+    """--print_config shows the merged result; fed back with --config it prints itself and trains the same run
+    (the printing alone is checked in-process by tests/unit/test_cli_main.py)."""
+    ok(cli("fit", *overrides(tmp_path)))
+    from_cli = torch.load(tmp_path / "cli.pt", weights_only=True)
     printed = tmp_path / "printed.yaml"
     printed.write_text(ok(cli("fit", *overrides(tmp_path), "--print_config")).stdout)
     config = yaml.safe_load(printed.read_text())
@@ -74,24 +87,7 @@ def test_fit_from_yaml_and_overrides_equals_the_same_run_configured_in_python(tm
         torch.testing.assert_close(value, from_cli["state"][name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize(
-    "override, needles",
-    [
-        ("trainer.max_stpes=3", ["unknown key 'trainer.max_stpes'", "Did you mean 'trainer.max_steps'?"]),
-        ("strategy.stage=7", ["trainer.strategy", "`stage=7` is not supported; choose one of (1, 2, 3). Did you mean 3?"]),
-        ("strategy=zero4", ["strategy=zero4", "choose one of ['ddp',", "Did you mean 'zero3'?"]),
-    ],
-)
-def test_bad_input_fails_before_any_process_starts_naming_the_key_and_a_suggestion(override, needles):
-    result = cli("fit", "--config", "conf/gpt_zero3.yaml", override)
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
-    error = result.stderr.strip().splitlines()[-1]
-    assert error.startswith("lightning-zero fit: error: ")
-    for needle in needles:
-        assert needle in error, error
-    assert "Initializing distributed" not in result.stdout + result.stderr
-
-
+@pytest.mark.full
 def test_a_deepspeed_json_on_the_command_line_gives_the_explicit_arguments_run(tmp_path):
     """DeepSpeed's ZeRO-2 + CPU optimizer offload + fp16 example as `strategy.config=`: the strategy, precision,
     clipping, accumulation, optimizer and scheduler equal those of the explicit arguments."""
@@ -112,31 +108,24 @@ def test_a_deepspeed_json_on_the_command_line_gives_the_explicit_arguments_run(t
     assert "('betas', (0.9, 0.95))" in info["param_group"] and "('weight_decay', 0.01)" in info["param_group"]
 
 
-@pytest.mark.parametrize(
-    "override, needles",
-    [
-        ("strategy.config={zero_optimization: {stage: 2, reduce_buket_size: 5}}",
-         ["zero_optimization.reduce_buket_size", "Did you mean 'reduce_bucket_size'"]),
-        ("trainer.gradient_clip_val=0.5", ["gradient_clipping=1.0", "gradient_clip_val=0.5", "set it in one place"]),
-        ("trainer.precision=bf16-mixed", ["DeepSpeed config ('16-mixed')", "trainer.precision='bf16-mixed'"]),
-    ],
-)
-def test_deepspeed_json_unsupported_and_conflicting_keys_are_errors(override, needles):
-    args = ["fit", "--config", "conf/gpt_zero3.yaml", "strategy=zero2", "~strategy.stage", f"strategy.config={EXAMPLE}"]
-    result = cli(*args, override)
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
-    error = result.stderr.strip().splitlines()[-1]
-    for needle in needles:
-        assert needle in error, error
-    assert "Initializing distributed" not in result.stdout + result.stderr
+def evaluation_subcommands(root) -> str:
+    """`validate`, `test` and `predict` on one process (`trainer.devices=1`: no launcher re-runs the command), each
+    through the same entry point as `lightning-zero`, in one Python process to start Python once."""
+    runs = [
+        [subcommand, "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "trainer.devices=1",
+         f"+trainer.limit_{limit}_batches=2", "~trainer.logger", f"trainer.default_root_dir={root}",
+         "trainer.enable_progress_bar=false"]
+        for subcommand, limit in (("validate", "val"), ("test", "test"), ("predict", "predict"))
+    ]
+    script = ("from lightning_zero.cli import main\n"
+              f"for argv in {runs!r}:\n    print('=====', argv[0], flush=True)\n    assert main(argv) == 0\n")
+    return ok(subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                             timeout=300)).stdout
 
 
-@pytest.mark.parametrize("subcommand, metric", [("validate", "val_loss"), ("test", "test_loss"), ("predict", None)])
-def test_evaluation_subcommands_run_from_the_same_yaml(subcommand, metric, tmp_path):
-    limit = {"validate": "val", "test": "test", "predict": "predict"}[subcommand]
-    result = ok(cli(
-        subcommand, "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "trainer.devices=1", f"+trainer.limit_{limit}_batches=2",
-        "~trainer.logger", f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
-    ))
-    if metric:
-        assert metric in result.stdout
+background.register("evaluation_subcommands", evaluation_subcommands)
+
+
+def test_evaluation_subcommands_run_from_the_same_yaml(runs):
+    validate, test, predict = runs.get("evaluation_subcommands").result().split("=====")[1:]
+    assert "val_loss" in validate and "test_loss" in test and predict.startswith(" predict")

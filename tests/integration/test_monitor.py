@@ -1,5 +1,6 @@
 """ZeroMonitor in real 2-rank runs: what it logs through Lightning's CSV logger agrees with the ZeRO formulas
-(`lightning-zero estimate`) and with what the benchmark measures for the same run."""
+(`lightning-zero estimate`) and with what the benchmark measures for the same run (`make test-all`; `make test` reads
+the monitor's figures of the main job's run in test_main_job.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.planning.formulas import CHOICES_BY_NAME, MIB, model_state_split
 from tests.launch import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
 def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_monitor(tmp_path):

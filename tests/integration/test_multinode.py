@@ -1,6 +1,7 @@
 """Multi-node through Lightning's launchers: two `torchrun` node agents on this machine form one 2-node run;
 Lightning reads torchrun's environment, and ZeroStrategy shards over both nodes (flat), or inside each node
-and replicates across them (hybrid sharding, ``strategy=zero2_hsdp``)."""
+and replicates across them (hybrid sharding, ``strategy=zero2_hsdp``: `make test-all`; hybrid sharding over
+simulated nodes is in `make test` through tests/distributed/test_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.planning.formulas import CHOICES_BY_NAME, MIB, model_state_split
+from tests.integration import background
 from tests.launch import REPO, free_port
 
 pytestmark = pytest.mark.slow
@@ -50,8 +52,11 @@ def two_torchrun_nodes(tmp_path: Path, per_node: int, *overrides: str) -> list[d
     return rows
 
 
-def test_two_torchrun_nodes_train_one_zero3_run(tmp_path):
-    rows = two_torchrun_nodes(tmp_path, 1)
+background.register("two_torchrun_nodes", lambda root: two_torchrun_nodes(root, 1))
+
+
+def test_two_torchrun_nodes_train_one_zero3_run(runs):
+    rows = runs.get("two_torchrun_nodes").result()
     # ZeRO-3 sharded over both nodes: each rank holds 16P/2 bytes of model state, and every collective crosses
     # nodes: 3P elements of fp32 per step.
     expected = sum(model_state_split(CHOICES_BY_NAME["zero3"], PARAMS, 2)) / MIB
@@ -61,6 +66,7 @@ def test_two_torchrun_nodes_train_one_zero3_run(tmp_path):
     assert float(rows[-1]["monitor/comm_inter_node_MiB"]) == pytest.approx(4 * 3 * PARAMS / MIB, rel=0.05)
 
 
+@pytest.mark.full
 def test_two_torchrun_nodes_of_two_ranks_shard_inside_each_node(tmp_path):
     """``strategy=zero2_hsdp`` (``shard_size="node"``) on 2 nodes x 2 ranks: state on the ZeRO-2 formula with
     N -> k = 2, and only the gradient shards' all-reduce (2P/k) crosses nodes, out of 2P + 2P/k in all."""

@@ -1,5 +1,5 @@
-"""`start_method="spawn"` inside one Python process: the trained, unsharded weights come back to the
-user's module in the main process, for every stage."""
+"""`start_method="spawn"` and `"fork"` inside one Python process: the trained, unsharded weights come back to the
+user's module in the main process (stage 3 spawned, stage 2 forked; `make test-all` adds the rest)."""
 
 import copy
 
@@ -12,15 +12,19 @@ from tests.distributed import models
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_spawned_training_returns_full_weights_to_the_main_process(stage, tmp_path):
+@pytest.mark.parametrize("start_method, stage", [
+    ("spawn", 3), ("fork", 2),
+    *(pytest.param(method, stage, marks=pytest.mark.full) for method, stage in
+      (("spawn", 1), ("spawn", 2), ("fork", 1), ("fork", 3))),
+])
+def test_spawned_training_returns_full_weights_to_the_main_process(start_method, stage, tmp_path):
     L.seed_everything(7)
     module = models.Regression()
     initial = copy.deepcopy(module.state_dict())
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=ZeroStrategy(stage=stage, start_method="spawn"),
+        strategy=ZeroStrategy(stage=stage, start_method=start_method),
         max_steps=4,
         accumulate_grad_batches=2,
         gradient_clip_val=0.5,

@@ -121,3 +121,45 @@ def test_checkpointing_keeps_only_block_inputs_and_one_blocks_activations():
     block_input = x.numel() * CONFIG.n_embd * 4  # (B, T, C) fp32 held for each recomputation
     assert saved["bytes"] <= outside_blocks + CONFIG.n_layer * block_input + max(per_block)
     assert saved["bytes"] < 0.5 * without, (saved["bytes"], without)
+
+
+def test_hugging_face_encoder_decoder_trains_checkpointed_with_its_cache_off_then_gets_it_back(caplog):
+    """T5 keeps ``use_cache=True`` in its decoder stack's own copy of the config: checkpointing its blocks raised
+    ``CheckpointError`` (a different number of tensors saved in the recomputation) until the cache was turned off
+    for training, as Hugging Face's ``gradient_checkpointing_enable()`` does."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_zero.activation_checkpointing import caches_off_for_training
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0)
+    model = transformers.T5ForConditionalGeneration(config)
+    plain = copy.deepcopy(model)
+    x = torch.randint(0, 64, (2, 12))
+    names = apply_activation_checkpointing(model, resolve_policy(T5Block))
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        model(input_ids=x, decoder_input_ids=x).logits.sum().backward()
+    model.zero_grad()
+    with caplog.at_level("INFO"):
+        restore = caches_off_for_training(model, names)
+    assert [r.getMessage() for r in caplog.records if "use_cache" in r.getMessage()] == [
+        "activation_checkpointing: training T5ForConditionalGeneration with use_cache=False, as Hugging Face's "
+        "gradient_checkpointing_enable() does (a cache written in forward cannot be recomputed)."
+    ]
+    model(input_ids=x, decoder_input_ids=x).logits.sum().backward()
+    plain(input_ids=x, decoder_input_ids=x).logits.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
+    restore()
+    assert model.config.use_cache and model.decoder.config.use_cache and not model.encoder.config.use_cache
+
+
+def test_models_without_a_checkpointed_module_keep_their_cache():
+    transformers = pytest.importorskip("transformers")
+    from lightning_zero.activation_checkpointing import caches_off_for_training
+
+    model = nn.ModuleDict({"lm": transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2)),
+                           "other": gpt()})
+    names = apply_activation_checkpointing(model, resolve_policy(Block))
+    caches_off_for_training(model, names)
+    assert model["lm"].config.use_cache

@@ -92,6 +92,38 @@ def test_listing_newest_first_with_status_and_step(tmp_path, sharded):
     assert "model.pt" not in by_name and list_checkpoints(tmp_path / "missing") == []
 
 
+def test_recursive_listing_finds_checkpoints_below_without_entering_a_sharded_one(tmp_path, sharded):
+    """`lightning-zero verify runs/gpt_zero3` must find runs/gpt_zero3/checkpoints/last.ckpt (issue 36, item 4)."""
+    run = tmp_path / "run"
+    (run / "logs" / "version_0").mkdir(parents=True)
+    (run / "logs" / "version_0" / "metrics.csv").write_text("step\n")
+    (run / ".hidden").mkdir()
+    (run / "checkpoints").mkdir()
+    last = sharded("run/checkpoints/last.ckpt", 7)
+    nested = sharded("run/logs/version_0/checkpoints/epoch=0-step=3.ckpt", 3)
+    shutil.copytree(last, run / ".hidden" / "skipped.ckpt")
+    (run / "loop").symlink_to(run, target_is_directory=True)  # no cycle
+    assert list_checkpoints(run) == []  # not recursive: the behaviour auto-resume relies on
+    found = list_checkpoints(run, recursive=True)
+    assert sorted(e.path for e in found) == sorted([last, nested])
+    assert {e.path.name: e.global_step for e in found} == {"last.ckpt": 7, "epoch=0-step=3.ckpt": 3}
+    # a sharded checkpoint is one entry: its DCP files are not listed, its folder is not searched
+    assert list_checkpoints(last, recursive=True) == []
+
+
+def test_verify_command_searches_below_the_folder_it_is_given(tmp_path, sharded, capsys):
+    from lightning_zero.cli.verify import main as verify
+
+    sharded("run/checkpoints/last.ckpt", 150)
+    assert verify([str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["complete", "sharded", "150", str(tmp_path / "run" / "checkpoints" / "last.ckpt")]
+    assert out[-1] == "1 checkpoint: 1 complete"
+    (tmp_path / "empty" / "logs").mkdir(parents=True)
+    assert verify([str(tmp_path / "empty")]) == 1
+    assert capsys.readouterr().out.strip() == f"no checkpoints found in {tmp_path / 'empty'} or below"
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

@@ -255,3 +255,66 @@ def test_timeout_must_be_positive_seconds_or_a_timedelta(value):
 
     with pytest.raises(ZeroConfigError, match="`timeout` must be a positive"):
         ZeroConfig(timeout=value)
+
+
+def test_a_rank_that_died_in_native_code_is_read_back_from_its_flight_file_and_stack(tmp_path):
+    """What a peer on the same host reads after gloo aborted a rank (see [Note: the flight file]): the collectives
+    as the recorder wrote them up to the crash, the step, the signal and the user's call site from the main
+    thread's stack in faulthandler's dump."""
+    from lightning_zero.faults.diagnosis import crashed
+    from lightning_zero.faults.postmortem import read_record
+
+    recorder = FlightRecorder()
+    recorder.reset(None)
+    recorder.enabled = True
+    recorder.write_to(tmp_path / "rank1.flight", "somehost|1|999999|1")
+    for _ in range(40):  # more than the ring holds
+        recorder.issue("all_gather", 2624, torch.float32)
+    recorder.mark("val", 0)
+    number = recorder.issue("all_gather", 1056, torch.float32)
+    recorder.wait(number, "all_gather")
+    main = f"0x{recorder.main:016x}"
+    (tmp_path / "rank1.fatal").write_text(
+        "Fatal Python error: Aborted\n\nThread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/threading.py", line 331 in wait\n\n'
+        f"Thread {main} (most recent call first):\n"
+        f'  File "{os.path.dirname(torch.__file__)}/distributed/fsdp/_fully_shard/_fsdp_collectives.py", line 449 in x\n'
+        '  File "/home/me/project/train.py", line 16 in validation_step\n'
+        '  File "/home/me/project/train.py", line 27 in <module>\n'
+    )
+    dead = read_record(tmp_path, 1)
+    recorder.close_file()
+    assert dead.ops == 41 and [op.number for op in dead.recent] == list(range(10, 42))
+    assert dead.recent[-1] == Op(41, "all_gather", 1056, "float32")
+    assert dead.phase == "val" and dead.batch == 0 and dead.steps == {"val": 1}
+    assert dead.activity.in_collective and dead.activity.op == 41 and dead.activity.site == "project/train.py:16 in validation_step"
+    assert dead.crash.startswith("SIGABRT; its Python stack is in ") and dead.crash.endswith("rank1.fatal")
+    me = record(0, waiting(kind="all_gather", op=41), phase="val", batch=1,
+                recent=[Op(n, "all_gather", 2624, "float32") for n in range(30, 42)], ops=41)
+    found = decide(me, {1: peer(dead, liveness="dead")}, None, LIMITS, CONTEXT)
+    assert found == crashed(dead, me) and found.culprit == 1
+    assert found.summary.startswith(
+        "rank 1's process crashed in native code (SIGABRT; its Python stack is in ")
+    assert ("in validation batch 0, in all_gather #41 (1056 x float32), called from project/train.py:16 in "
+            "validation_step. gloo aborts a process whose collective does not match its peer's") in found.summary
+    assert ("the first that differs is #41: all_gather #41 (1056 x float32) on rank 1 vs all_gather #41 (2624 x "
+            "float32) on rank 0") in found.summary
+    assert "Every rank must issue the same collectives in the same order" in found.hint
+
+
+def test_a_rank_killed_without_a_stack_is_still_reported_from_its_flight_file(tmp_path):
+    from lightning_zero.faults.postmortem import read_record
+
+    recorder = FlightRecorder()
+    recorder.reset(None)
+    recorder.enabled = True
+    recorder.write_to(tmp_path / "rank1.flight", "h|1|2|3")
+    recorder.mark("train", 3)
+    recorder.issue("reduce_scatter", 10, torch.bfloat16)
+    dead = read_record(tmp_path, 1)
+    recorder.close_file()
+    assert not (tmp_path / "rank1.flight").exists()  # a clean stop leaves nothing behind
+    assert dead.crash is None and dead.phase == "train" and dead.batch == 3 and not dead.activity.in_collective
+    assert dead.activity.last == "reduce_scatter #1" and dead.recent == [Op(1, "reduce_scatter", 10, "bfloat16")]
+    found = decide(record(0, waiting()), {1: peer(dead, liveness="dead")}, None, LIMITS, CONTEXT)
+    assert found.kind == "died" and "last seen in training batch 3" in found.summary

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
-import subprocess
-import sys
 import zlib
 
 import pytest
 import yaml
 
 from lightning_zero.cli.estimate import count_model_parameters
+from lightning_zero.cli.estimate import main as estimate_main
 from lightning_zero.demo import GPTConfig, count_parameters
 from lightning_zero.planning.formulas import CHOICES, CHOICES_BY_NAME, GIB, estimate, fastest_fitting, model_state_split, parse_bytes
 from tests.launch import REPO
@@ -82,19 +82,23 @@ def _png_text(path) -> dict[str, str]:
     return chunks
 
 
-def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_group_per_stage(tmp_path):
+def table_rows(out: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("ddp", "zero"))}
+
+
+def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_group_per_stage(tmp_path, capsys):
     plot, output = tmp_path / "memory.png", tmp_path / "strategy" / "recommended.yaml"
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_zero", "estimate", "--params", "1.3e9", "--devices", "8", "--nodes", "2",
-         "--precision", "bf16-mixed", "--memory-per-device", "3GiB", "--plot", str(plot), "--output", str(output)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith(("ddp", "zero"))}
+    assert estimate_main(["--params", "1.3e9", "--devices", "16", "--devices-per-node", "8", "--precision", "bf16-mixed",
+                          "--memory-per-device", "3GiB", "--plot", str(plot), "--output", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert "on 16 rank(s) (2 node(s) x 8 device(s)), bf16-mixed" in out
+    rows = table_rows(out)
     assert list(rows) == [c.name for c in CHOICES]
     assert float(rows["zero2"][3]) == pytest.approx((2 * 1.3e9 + 14 * 1.3e9 / 16) / GIB, abs=0.01)
     assert float(rows["zero2_offload"][4]) == pytest.approx(8 * 16 * 1.3e9 / 16 / GIB, abs=0.01)
-    assert "zero2_offload, 2.57 GiB per device" in result.stdout  # zero2 needs 3.48 GiB
+    assert "zero2_offload, 2.57 GiB per device, 9.69 GiB per host" in out  # zero2 needs 3.48 GiB
+    # the pick is marked in the table, and only there
+    assert [name for name, row in rows.items() if row[-2:] == ["<-", "pick"]] == ["zero2_offload"]
     written = yaml.safe_load(output.read_text())
     assert written == {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 2, "offload_optimizer": True}}
     assert output.read_text().startswith("# @package trainer.strategy\n")
@@ -102,6 +106,8 @@ def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_gr
     shown = json.loads(_png_text(plot)["Description"])
     assert shown["groups"] == ["DDP (stage 0)", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
     assert len(shown["bars"]) == len(CHOICES)
+    assert [b["choice"] for b in shown["bars"] if b["pick"]] == ["zero2_offload"]
+    assert shown["legend_px"][0] >= shown["axes_px"][2]  # beside the axes: it covers no bar
     # and in the pixels: just above the x axis, the coloured columns form one cluster per stage
     from matplotlib.image import imread
 
@@ -117,15 +123,64 @@ def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_gr
                 clusters += 1
             last = x
     assert clusters == 4
+    # nothing in the legend's box is drawn by the axes: it stands right of them
+    lx0, ly0, lx1, ly1 = shown["legend_px"]
+    assert lx0 > x1 and 0 <= ly0 < ly1 <= image.shape[0]
 
 
-def test_nothing_fits_is_exit_status_1():
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_zero", "estimate", "--params", "7e9", "--devices", "1", "--memory-per-device", "1GiB",
-         "--memory-per-host", "64GiB"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "nothing fits in 1.00 GiB per device and 64.00 GiB per host" in result.stdout
-    fits = [line.split()[-1] for line in result.stdout.splitlines() if line.startswith(("ddp", "zero"))]
+def test_nothing_fits_is_exit_status_1(capsys):
+    assert estimate_main(["--params", "7e9", "--devices", "1", "--memory-per-device", "1GiB",
+                          "--memory-per-host", "64GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "nothing fits in 1.00 GiB per device and 64.00 GiB per host" in out
+    fits = [row[-1] for row in table_rows(out).values()]
     assert fits == ["no"] * len([c for c in CHOICES if not c.across_nodes])  # zero3_offload needs no device memory but 104 GiB of host
+
+
+def test_devices_counts_every_rank_as_in_plan(capsys):
+    """`--devices` is the ranks in all for `estimate` and `plan` alike; nodes are `--devices-per-node`, 8 by default
+    (issue 36, item 9). The old `--nodes` is refused with the spelling that means the same."""
+    assert estimate_main(["--params", "1e9", "--devices", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "on 16 rank(s) (2 node(s) x 8 device(s))" in out
+    assert float(table_rows(out)["zero3"][3]) == pytest.approx(16 * 1e9 / 16 / GIB, abs=0.01)  # sharded over 16
+    assert estimate_main(["--params", "1e9", "--devices", "4"]) == 0
+    assert "on 4 rank(s) (1 node(s) x 4 device(s))" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        estimate_main(["--params", "1e9", "--devices", "8", "--nodes", "2"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "lightning-zero estimate: error: --nodes is gone: --devices now counts every rank, as in `lightning-zero "
+        "plan`; for 2 node(s) of 8 devices write --devices 16 --devices-per-node 8"
+    )
+    with pytest.raises(SystemExit):
+        estimate_main(["--params", "1e9", "--devices", "16", "--devices-per-node", "5"])
+    assert "--devices-per-node 5 must be >= 1 and divide --devices 16" in capsys.readouterr().err
+    # plan's --devices: the same ranks in all, on the same nodes
+    from lightning_zero.planning.sources import from_size
+
+    source = from_size(1e9, devices=16, batch_size=32)
+    assert (source.world_size, source.devices_per_host) == (16, 8)
+    source = from_size(1e9, devices=16, batch_size=32, devices_per_node=4)
+    assert (source.world_size, source.devices_per_host) == (16, 4)
+
+
+UNIT = re.compile(r"(?<![A-Za-z])(B|KB|MB|GB|KiB|MiB|GiB|TiB)\b")
+
+
+@pytest.mark.parametrize("params, unit", [(7e9, "GiB"), (1e6, "MiB")])
+def test_one_binary_unit_in_the_whole_output(capsys, params, unit):
+    assert estimate_main(["--params", str(params), "--devices", "8", "--memory-per-device", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith(("strategy", "ddp", "zero"))]
+    assert {found for line in table for found in UNIT.findall(line)} == {unit}
+    for line in out.splitlines():
+        assert set(UNIT.findall(line)) <= {"GiB", "MiB"} and len(set(UNIT.findall(line))) <= 1, line
+
+
+def test_help_has_no_rest_markup():
+    from lightning_zero.cli.estimate import build_parser
+
+    text = build_parser().format_help()
+    assert "`" not in text and ":class:" not in text and ":func:" not in text
+    assert "--devices counts every rank, as in lightning-zero plan" in text

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_zero import ZeroConfigError, ZeroStrategy
+from lightning_zero import ZeroConfig, ZeroConfigError, ZeroStrategy
 from lightning_zero.cli.command_line import CommandLine
 from lightning_zero.cli.compose import compose
 from lightning_zero.cli.schema import LightningSchema
@@ -171,3 +171,19 @@ def test_hpz_moves_the_roots_other_parameters_into_units_of_their_own():
     root.scale = nn.Parameter(torch.ones(4))
     root.norm.weight = root.scale  # shared with the root itself
     assert units_below_the_root(root, units) == [root.model]
+
+
+def test_the_watchdog_compares_step_marks_with_a_rank_that_issues_the_same_collectives():
+    """Under hybrid sharding the ranks of one shard group all-reduce different rows (of different sizes) across the
+    replicas, so their running hashes differ by design: comparing rank 0 with rank 1 reported a divergence that was
+    not one (seen on a loaded machine, where both ranks' published marks overlapped). The peer is the same place in
+    the next replica group."""
+    from lightning_zero.fault_handling import symmetric_peer
+
+    flat, hybrid = ZeroConfig(stage=2), ZeroConfig(stage=2, shard_size=2)
+    assert [symmetric_peer(flat, r, 4, 4) for r in range(4)] == [1, 2, 3, 0]
+    assert [symmetric_peer(hybrid, r, 4, 4) for r in range(4)] == [2, 3, 0, 1]
+    assert [symmetric_peer(ZeroConfig(stage=3, shard_size="node"), r, 4, 2) for r in range(4)] == [2, 3, 0, 1]
+    piped = ZeroConfig(stage=1, pipeline_stages=2)
+    assert [symmetric_peer(piped, r, 4, 4) for r in range(4)] == [2, 3, 0, 1]
+    assert symmetric_peer(piped, 0, 2, 2) is None

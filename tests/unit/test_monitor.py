@@ -33,6 +33,7 @@ def fit(tmp_path, monitor: ZeroMonitor, **trainer_kwargs) -> list[dict]:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=logger, callbacks=[monitor],
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
     trainer.fit(Tiny(), DataLoader(data, batch_size=4))
+    monitor.shown = dict(trainer.progress_bar_metrics)  # what a progress bar would show
     path = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
     return [r for r in csv.DictReader(open(path)) if r.get("monitor/state_MiB_rank0")] if path.exists() else []
 
@@ -45,6 +46,7 @@ def test_one_row_per_logged_optimizer_step_under_accumulation(tmp_path):
     # parameters + gradients + AdamW's two moments, fp32 (+ the step counter), on one rank
     assert float(rows[-1]["monitor/state_MiB_rank0"]) * 2**20 == pytest.approx(16 * params + 4, abs=8)
     assert float(rows[-1]["monitor/samples_per_s"]) > 0
+    assert {"samples/s", "state_MiB", "comm_MiB"} <= set(monitor.shown)
 
 
 def test_zero_switches_it_off_and_a_negative_period_is_refused(tmp_path):

@@ -2,6 +2,7 @@
 command line (a config's plan written as a group file and drawn; a size's plan as DeepSpeed JSON read back)."""
 
 import json
+import re
 import resource
 
 import pytest
@@ -14,6 +15,7 @@ from lightning_zero.demo.gpt import Block, GPTLightningModule
 from lightning_zero.planning import Configuration, NothingFits, Planner, predict, trace_step
 from lightning_zero.planning.measure import _TotalsOnly
 
+UNIT = re.compile(r"(?<![A-Za-z])(B|KB|MB|GB|KiB|MiB|GiB|TiB)\b")
 TINY = dict(vocab_size=34, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 
@@ -70,7 +72,21 @@ def test_nothing_fits_says_the_smallest_peak_and_what_would_fit():
     assert "micro-batch 1" in text and "More devices" in text
 
 
-def test_plan_writes_a_group_file_and_a_plot(tmp_path, capsys):
+def table_rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(("zero", "ddp"))]
+
+
+def assert_one_binary_unit_per_line(out: str) -> None:
+    """Sizes are GiB or MiB (binary, never MB/GB), and no line or table mixes them."""
+    for line in out.splitlines():
+        units = set(UNIT.findall(line))
+        assert units <= {"GiB", "MiB"} and len(units) <= 1, line
+    headers = [line for line in out.splitlines() if line.startswith("configuration")]
+    units = {UNIT.search(line)[0] for line in headers + table_rows(out) if UNIT.search(line)}
+    assert len(units) <= 1, units
+
+
+def test_plan_writes_a_group_file_and_a_plot_with_the_pick_in_both(tmp_path, capsys):
     out, png = tmp_path / "planned.yaml", tmp_path / "plan.png"
     assert plan_main(["--config", "conf/gpt_zero3.yaml", "--memory-per-device", "20MiB", "--output", str(out),
                       "--plot", str(png)]) == 0
@@ -82,25 +98,64 @@ def test_plan_writes_a_group_file_and_a_plot(tmp_path, capsys):
     micro, accumulate = written["data"]["init_args"]["batch_size"], written["trainer"]["accumulate_grad_batches"]
     assert micro * accumulate == 16  # conf/data/chars.yaml's batch, kept
     ZeroStrategy(**strategy["init_args"])  # valid settings
+    printed = capsys.readouterr().out
+    assert "Memory per device: 20.00 MiB (--memory-per-device)." in printed
+    assert_one_binary_unit_per_line(printed)
+
+    # the pick (micro-batch 4 x 4, not in the table at the full batch of 16) is a row of its own, marked
+    picked = [row.split() for row in table_rows(printed) if row.endswith("<- pick")]
+    assert len(picked) == 1
+    name, checkpointing, micro_text, _, accumulate_text, device, host, fits = picked[0][:8]
+    assert (int(micro_text), int(accumulate_text)) == (micro, accumulate) and fits == "yes"
+    assert f"Fastest that fits 20.00 MiB per device: {name}" in printed
+    assert f"micro-batch {micro} x {accumulate} accumulated, predicted peak {device} MiB per device" in printed
+
+    # ... and a bar of the plot, marked; the legend stands beside the axes, covering no bar
     from PIL import Image
 
     shown = json.loads(Image.open(png).text["Description"])
-    assert len(shown["bars"]) == 14 and all(b["device_MiB"] > 0 for b in shown["bars"])
-    assert "Fastest that fits" in capsys.readouterr().out
+    assert len(shown["bars"]) == 15 and all(b["device_MiB"] > 0 for b in shown["bars"])
+    bars = [b for b in shown["bars"] if b["pick"]]
+    assert len(bars) == 1 and bars[0]["label"].endswith(f"{micro} x {accumulate} (pick)")
+    assert bars[0]["device_MiB"] == pytest.approx(float(device), abs=0.01)
+    assert shown["legend_px"][0] >= shown["axes_px"][2]
 
 
-@pytest.mark.parametrize("suffix", [".json", ".yaml"])
-def test_plan_for_a_size_writes_a_config_the_strategy_reads_back(tmp_path, suffix):
+@pytest.mark.parametrize("suffix", [".json", pytest.param(".yaml", marks=pytest.mark.full)])
+def test_plan_for_a_size_writes_a_config_the_strategy_reads_back(tmp_path, suffix, capsys, monkeypatch):
+    """.json: the plain form a config generator's user types, without --memory-per-device (issue 36, item 3)."""
     out = tmp_path / f"generated{suffix}"
-    assert plan_main(["--params", "1.3e9", "--devices", "8", "--batch-size", "32", "--seq-len", "512",
-                      "--memory-per-device", "24GiB", "--output", str(out)]) == 0
+    budget = [] if suffix == ".json" else ["--memory-per-device", "24GiB"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan_main(["--params", "125e6", "--devices", "8", "--batch-size", "8", "--seq-len", "512", *budget,
+                      "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert_one_binary_unit_per_line(printed)
+    assert "; 8 rank(s) (1 node(s) x 8 device(s)), bf16-mixed" in printed
     if suffix == ".json":
+        assert ("Memory per device: 80.00 GiB (assumed: no accelerator on this machine, so a common 80 GiB device "
+                "such as an A100 or H100; give --memory-per-device to plan for another).") in printed
+        assert "Fastest that fits 80.00 GiB per device" in printed
         config = json.loads(out.read_text())
-        assert config["train_batch_size"] == 32 and config["bf16"] == {"enabled": True}
+        assert config["train_batch_size"] == 8 and config["bf16"] == {"enabled": True}
         strategy = ZeroStrategy(config=str(out))
         assert strategy.stage == config["zero_optimization"]["stage"]
     else:
+        assert "Fastest that fits 24.00 GiB per device" in printed
         assert yaml.safe_load(out.read_text())["trainer"]["strategy"]["class_path"] == "lightning_zero.ZeroStrategy"
+
+
+def test_the_default_memory_is_the_local_accelerators(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning_zero.planning import sources
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(total_memory=85_000_000_000, name="NVIDIA H100 80GB HBM3"))
+    assert sources.device_memory() == (85e9, "this machine's NVIDIA H100 80GB HBM3 (cuda:0)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sources.device_memory()[0] == 80 * 2**30
 
 
 def test_plan_refuses_bad_requests(capsys):
@@ -108,10 +163,21 @@ def test_plan_refuses_bad_requests(capsys):
         plan_main(["--params", "1e9", "--devices", "3", "--batch-size", "8"])
     assert "multiple of --devices" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        plan_main(["--config", "conf/gpt_zero3.yaml", "--output", "x.yaml"])
-    assert "--memory-per-device" in capsys.readouterr().err
-    assert plan_main(["--config", "conf/gpt_zero3.yaml", "--memory-per-device", "64KiB"]) == 1
-    assert "Nothing fits" in capsys.readouterr().out
+        plan_main(["--params", "1e9", "--devices", "12", "--batch-size", "24"])
+    assert "--devices 12 is not a whole number of 8-device nodes: give --devices-per-node" in capsys.readouterr().err
+    assert plan_main(["--params", "125e6", "--devices", "2", "--batch-size", "2", "--seq-len", "64",
+                      "--memory-per-device", "64KiB"]) == 1
+    printed = capsys.readouterr().out
+    assert "Nothing fits" in printed
+    assert_one_binary_unit_per_line(printed)
+
+
+def test_plan_help_has_no_rest_markup():
+    from lightning_zero.cli.plan import build_parser
+
+    text = build_parser().format_help()
+    assert "`" not in text and ":mod:" not in text and ":class:" not in text
+    assert "--devices counts every rank, as in lightning-zero estimate" in text
 
 
 def test_deepspeed_offload_ratio_maps_to_a_partial_offload():
