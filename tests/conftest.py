@@ -4,7 +4,7 @@ Tests marked ``alone`` run first (the fault tests that bound how soon a hung run
 order distributed, unit, integration. The integration tier's runs (real commands in new processes,
 ``tests/integration/background.py``) start with the first test not marked ``alone`` and proceed beside the rest:
 a 2-rank test program leaves a core idle whenever one rank waits for the other, and a unit test uses one core; the
-integration tests, last, read what the runs left.
+integration tests, last, read what the runs left. Tests that measure time are marked ``alone`` too.
 """
 
 from __future__ import annotations
@@ -46,3 +46,14 @@ def runs(tmp_path_factory, pytestconfig) -> background.Runs:
 def _integration_runs_under_way(request):
     if not request.node.get_closest_marker("alone"):
         request.getfixturevalue("runs")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_processes():
+    """The pool's ranks and the fork server end with the last test rather than at interpreter exit, so that their
+    coverage data (``make coverage``) is written before pytest-cov combines it."""
+    yield
+    from tests import forkserver, pool
+
+    pool.close_all()
+    forkserver.close()

@@ -176,6 +176,7 @@ def test_async_save_needs_sharded_checkpoints():
         ZeroStrategy(async_save="yes")
 
 
+@pytest.mark.alone  # a bound on wall time
 def test_waiting_for_a_stuck_async_save_is_bounded_by_the_timeout(tmp_path):
     """A save whose background writer never finishes and whose files do not grow: the wait gives up after
     `timeout`, says what it waited for, and the save is abandoned (not renamed into place should it finish)."""
