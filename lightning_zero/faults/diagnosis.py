@@ -117,9 +117,7 @@ def decide(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Lim
     waiting = me.activity.in_collective
     for rank, peer in sorted(peers.items()):
         record = peer.record
-        if record.state == FINISHED and waiting and (
-            me.activity.blocked_for >= limits.settle or (context.symmetric and me.activity.seq > record.seq)
-        ):
+        if record.state == FINISHED and waiting and _left_unmatched(me, record, limits, context):
             return finished_early(record, me, context)
     # Under NCCL the CPU does not wait inside the collective but at the next synchronisation, so a rank that has
     # made no progress for as long as a heartbeat may be missing counts as waiting too.
@@ -204,6 +202,22 @@ def stale(rank: int, peer: Peer, me: Record) -> Diagnosis:
         "If that rank is busy but healthy in a long one-sided phase, raise `ZeroStrategy(timeout=...)` or wrap the "
         "phase in `lightning_zero.faults.extended(seconds, reason)` on every rank.",
     )
+
+
+def _left_unmatched(me: Record, finished: Record, limits: Limits, context: Context) -> bool:
+    """Whether ``finished``, which ended its loop, left the collective ``me`` waits in without its side.
+
+    Symmetric ranks issue the same operations on the world group, so its sequence numbers tell at once: a peer
+    that never reached ``me``'s number never joins; a peer that went past it joined, and ``me``'s wait is only the
+    time its process was not scheduled (seconds, on a loaded machine). Equal numbers (``me`` may wait in a
+    subgroup's operation) and pipeline ranks, which issue different operations, leave the length of the wait."""
+    mine, theirs = me.activity.seq, finished.seq or finished.activity.seq
+    if context.symmetric and mine and theirs:
+        if mine > theirs:
+            return True
+        if mine < theirs:
+            return False
+    return me.activity.blocked_for >= limits.settle
 
 
 def finished_early(finished: Record, running: Record, context: Context) -> Diagnosis:

@@ -36,8 +36,8 @@ def run(case: str, nprocs: int = 2, timeout: float = TIMEOUT, watchdog: bool = T
                             env={"LZ_TIMEOUT": str(timeout), "LZ_WATCHDOG": "1" if watchdog else "0"}, **kwargs)
 
 
-#: The default cases, launched three at a time when the module starts: most of a case is waiting for a
-#: timeout, so several launches share 2 cores well.
+#: The default cases, all launched together when the module starts: most of a case is waiting for a timeout,
+#: and the ranks are forked from the fork server, which has imported everything already.
 DEFAULT_CASES = {
     "sigstop": {}, "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM}, "generate": {},
     "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {},
@@ -54,7 +54,7 @@ def run_popen_mismatch(sampling_rank: int) -> tuple[subprocess.CompletedProcess,
 
 @pytest.fixture(scope="module")
 def launched():
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=len(DEFAULT_CASES) + 2) as pool:
         futures = {case: pool.submit(run, case, **kwargs) for case, kwargs in DEFAULT_CASES.items()}
         futures.update({f"popen_mismatch_{rank}": pool.submit(run_popen_mismatch, rank) for rank in (0, 1)})
         yield futures
@@ -144,6 +144,23 @@ def test_sigterm_ends_a_hung_run_within_30_seconds(launched):
 
 
 # ---------------------------------------------------------------------------------------------- full matrix
+#: `make test-all`'s cases, launched together (four at a time) when its first test starts.
+FULL_CASES = {
+    **{case: {} for case in ("raise_backward", "raise_optimizer", "raise_callback", "raise_save", "raise_and_sleep",
+                             "sigstop0", "skip_step", "rank_only_submodule", "slow", "one_sided")},
+    "raise_and_sleep_4_ranks": {"case": "raise_and_sleep", "nprocs": 4},
+    "raise_step_without_watchdog": {"case": "raise_step", "watchdog": False},
+    "sigterm_healthy": {"signal_on_fault": signal.SIGTERM},
+}
+
+
+@pytest.fixture(scope="module")
+def full_launched():
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        yield {name: pool.submit(run, kwargs.pop("case", name), **kwargs)
+               for name, kwargs in ((n, dict(k)) for n, k in FULL_CASES.items())}
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("case, error", [
     ("raise_backward", "RuntimeError: boom in backward on rank 1"),
@@ -151,26 +168,26 @@ def test_sigterm_ends_a_hung_run_within_30_seconds(launched):
     ("raise_callback", "KeyError: 'boom in a callback on rank 1'"),
     ("raise_save", "OSError: boom in on_save_checkpoint on rank 1"),
 ])
-def test_a_rank_that_raises_anywhere(case, error):
-    result = run(case)
+def test_a_rank_that_raises_anywhere(full_launched, case, error):
+    result = full_launched[case].result()
     assert_all_failed_in_time(result)
     assert_names(result.output(0), f"rank 1 raised {error}", "This rank (0) was in training batch")
     assert_names(result.output(1), error, collective=False)
 
 
 @pytest.mark.full
-def test_a_failed_rank_that_stays_alive_nccl_style():
+def test_a_failed_rank_that_stays_alive_nccl_style(full_launched):
     """The failed rank catches its error and lingers (sockets open): its peer is ended by the watchdog."""
-    result = run("raise_and_sleep")
+    result = full_launched["raise_and_sleep"].result()
     assert_all_failed_in_time(result, ranks=[0])
     assert_names(result.output(0), "rank 1 raised ValueError: boom from rank 1", "ending this process")
     assert result.ranks[1].code == 3  # the worker's own exit after lingering
 
 
 @pytest.mark.full
-def test_the_store_host_stopped():
+def test_the_store_host_stopped(full_launched):
     """Rank 0 hosts the store under this launcher: stopped, it takes the store with it."""
-    result = run("sigstop0")
+    result = full_launched["sigstop0"].result()
     assert_all_failed_in_time(result, ranks=[1])
     assert_names(result.output(1), "cannot reach the rendezvous store", "rank 0 is probably stopped")
     assert result.ranks[0].code not in (0, None)
@@ -178,8 +195,8 @@ def test_the_store_host_stopped():
 
 
 @pytest.mark.full
-def test_a_rank_that_skips_a_step():
-    result = run("skip_step")
+def test_a_rank_that_skips_a_step(full_launched):
+    result = full_launched["skip_step"].result()
     assert_all_failed_in_time(result)
     for rank in (0, 1):
         assert_names(result.output(rank), "is in a different collective", "reduce_scatter #16",
@@ -195,10 +212,10 @@ def test_a_conditional_sync_dist_log(launched):
 
 
 @pytest.mark.full
-def test_a_submodule_used_on_one_rank_under_stage_3():
+def test_a_submodule_used_on_one_rank_under_stage_3(full_launched):
     """gloo aborts the rank whose all-gather does not match (NCCL would hang): its peer names it, the collective
     and the call site, from the crashed rank's flight file and Python stack."""
-    result = run("rank_only_submodule")
+    result = full_launched["rank_only_submodule"].result()
     assert_all_failed_in_time(result)
     assert_names(result.output(0), "rank 1's process crashed in native code (SIGABRT", "in training batch 2",
                  "called from distributed/worker_hangs.py", "in training_step", "the first that differs is #",
@@ -226,26 +243,26 @@ def test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launch
 
 
 @pytest.mark.full
-def test_a_slow_rank_is_not_a_hang():
+def test_a_slow_rank_is_not_a_hang(full_launched):
     """Rank 1's steps take 0.6 x timeout (far slower than rank 0's): rank 0 waits nearly that long each step."""
-    result = run("slow")
+    result = full_launched["slow"].result()
     for rank in (0, 1):
         assert result.ranks[rank].code == 0, result.output(rank)[-3000:]
         assert "[lightning_zero]" not in result.output(rank)
 
 
 @pytest.mark.full
-def test_four_ranks_one_fails_and_stays_alive():
-    result = run("raise_and_sleep", nprocs=4)
+def test_four_ranks_one_fails_and_stays_alive(full_launched):
+    result = full_launched["raise_and_sleep_4_ranks"].result()
     assert_all_failed_in_time(result, ranks=[0, 2, 3])
     for rank in (0, 2, 3):
         assert_names(result.output(rank), "rank 1 raised ValueError: boom from rank 1", "reduce_scatter #16")
 
 
 @pytest.mark.full
-def test_without_the_watchdog_the_first_failure_is_still_named():
+def test_without_the_watchdog_the_first_failure_is_still_named(full_launched):
     """``watchdog=False``: no thread; gloo's own error plus the first failure, and the process-group timeout."""
-    result = run("raise_step", watchdog=False)
+    result = full_launched["raise_step_without_watchdog"].result()
     assert_all_failed_in_time(result)
     assert_names(result.output(0), "the run was brought down by the first failure: rank 1 raised ValueError: boom",
                  collective=False)
@@ -253,17 +270,17 @@ def test_without_the_watchdog_the_first_failure_is_still_named():
 
 
 @pytest.mark.full
-def test_a_long_one_sided_phase_inside_extended_is_not_a_hang():
+def test_a_long_one_sided_phase_inside_extended_is_not_a_hang(full_launched):
     """Rank 0 works alone for 1.5 x timeout inside ``faults.extended`` while rank 1 waits at its barrier."""
-    result = run("one_sided")
+    result = full_launched["one_sided"].result()
     for rank in (0, 1):
         assert result.ranks[rank].code == 0, result.output(rank)[-3000:]
         assert "[lightning_zero]" not in result.output(rank)
 
 
 @pytest.mark.full
-def test_sigterm_during_healthy_training_stops_every_rank_at_a_batch_boundary():
-    result = run("sigterm_healthy", signal_on_fault=signal.SIGTERM)
+def test_sigterm_during_healthy_training_stops_every_rank_at_a_batch_boundary(full_launched):
+    result = full_launched["sigterm_healthy"].result()
     assert result.signalled_at is not None
     for rank in (0, 1):
         outcome = result.ranks[rank]

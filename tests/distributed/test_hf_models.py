@@ -11,11 +11,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tests.distributed.worker_hf_models import DEFAULT, KINDS, MATRIX, key  # noqa: E402
 from tests.launch import launch  # noqa: E402
 
 WORLD = 2
 pytestmark = pytest.mark.slow
-KINDS = ("gpt2", "bert", "llama", "t5", "mixtral", "vit")
 
 
 @pytest.fixture(scope="module")
@@ -28,25 +28,27 @@ def full_report():
     return launch("tests.distributed.worker_hf_models", "full", nprocs=WORLD)["full"]
 
 
-def check(key: str, result: dict, tolerance: float) -> None:
-    assert result["steps"] == 3, key
-    assert result["change"] > 1e-3, f"{key}: the reference must move the parameters"
-    assert result["diff"] <= tolerance, f"{key}: max |param - reference| = {result['diff']:.3g}"
-    if key.startswith("gpt2"):
-        assert result["tied"], f"{key}: lm_head and wte stay tied"
-    assert result["use_cache_kept"], f"{key}: the model's own use_cache settings are back after fit"
+def check(name: str, result: dict, tolerance: float) -> None:
+    assert result["steps"] == 3, name
+    assert result["change"] > 1e-3, f"{name}: the reference must move the parameters"
+    assert result["diff"] <= tolerance, f"{name}: max |param - reference| = {result['diff']:.3g}"
+    if name.startswith("gpt2"):
+        assert result["tied"], f"{name}: lm_head and wte stay tied"
+    assert result["use_cache_kept"], f"{name}: the model's own use_cache settings are back after fit"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("kind", KINDS)
+def tolerance(precision: str) -> float:
+    return 1e-5 if precision == "32-true" else 1e-6
+
+
+@pytest.mark.parametrize("kind, stage", [(c[0], c[1]) for c in DEFAULT if c[2:] == ("32-true", True)])
 def test_fp32_with_activation_checkpointing_equals_plain_pytorch(report, kind, stage):
-    check(f"{kind}/stage{stage}/32-true/ac", report[f"{kind}/stage{stage}/32-true/ac"], 1e-5)
+    check(key(kind, stage, "32-true", True), report[key(kind, stage, "32-true", True)], tolerance("32-true"))
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind, stage", [(c[0], c[1]) for c in DEFAULT if c[2:] == ("bf16-mixed", False)])
 def test_bf16_mixed_masters_equal_the_single_process_emulation(report, kind, stage):
-    check(f"{kind}/stage{stage}/bf16-mixed/plain", report[f"{kind}/stage{stage}/bf16-mixed/plain"], 1e-6)
+    check(key(kind, stage, "bf16-mixed", False), report[key(kind, stage, "bf16-mixed", False)], tolerance("bf16-mixed"))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -75,6 +77,7 @@ def test_t5_stage_3_difference_is_fsdp2_summing_per_unit(report):
 
 @pytest.mark.full
 def test_the_rest_of_the_matrix(full_report):
-    assert len(full_report) == 3 * len(KINDS) * 2 + len(KINDS)  # and bf16-mixed without checkpointing at stage 2
-    for key, result in full_report.items():
-        check(key, result, 1e-5 if "32-true" in key else 1e-6)
+    assert sorted(full_report) == sorted(key(*c) for c in MATRIX if c not in DEFAULT)
+    for configuration in MATRIX:
+        if configuration not in DEFAULT:
+            check(key(*configuration), full_report[key(*configuration)], tolerance(configuration[2]))

@@ -110,6 +110,7 @@ def test_checkpoint_crosses_world_sizes_and_stages(crossed):
     assert crossed["resume_s2"]["steps"] == 8 and crossed["resume_s2"]["diff"] <= TOL
 
 
+@pytest.mark.many_ranks
 @pytest.mark.parametrize("case", ["stage3_aux_adam", "stage2_adafactor", "stage2_hybrid_aux_adam", "stage3_hybrid_adafactor"])
 def test_four_ranks_and_hybrid_sharding(four, case):
     """Hybrid: owners inside each shard group of 2; both replica groups step every matrix."""

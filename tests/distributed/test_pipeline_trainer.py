@@ -5,7 +5,7 @@ and a StepLR; checkpoints move between pipelined and plain runs; bad pipelines f
 
 import pytest
 
-from tests.distributed.worker_pipeline_trainer import WIDTH
+from tests.distributed.worker_pipeline_trainer import INITIAL_SCALE, WIDTH
 from tests.launch import launch
 
 pytestmark = pytest.mark.slow
@@ -76,6 +76,7 @@ def test_two_stages_one_replica_equal_plain_pytorch(two_ranks, case):
     assert two_ranks[case]["bounds"] == BOUNDS[case]  # 1f1b cuts by parameter count, interleaved 4 virtual stages
 
 
+@pytest.mark.many_ranks
 @pytest.mark.parametrize("case", FOUR)
 def test_two_stages_two_replicas_equal_plain_pytorch(four_ranks, case):
     _check_exact(four_ranks[case], replicas=2)
@@ -93,7 +94,9 @@ def test_pipelined_checkpoint_loads_into_a_plain_run_and_back(two_ranks):
     assert result["piped_again_diff"] <= 1e-5  # then 4 more, pipelined with another schedule and ZeRO stage
 
 
-@pytest.mark.parametrize("precision, tolerance", [("bf16-mixed", 0.05), ("16-mixed", 0.01)])
+#: After an epoch of Adam steps with clipping, measured over three batch orders (global seeds unset, 1 and 1337):
+#: bf16-mixed ends 0.018-0.021 from fp32, 16-mixed 0.0007-0.012.
+@pytest.mark.parametrize("precision, tolerance", [("bf16-mixed", 0.05), ("16-mixed", 0.025)])
 def test_mixed_precision_pipelines_track_the_fp32_reference(two_ranks, precision, tolerance):
     result = two_ranks["mixed"][precision]
     assert result["param_diff"] < tolerance  # bf16 / fp16 compute, fp32 masters: close, not equal
@@ -101,7 +104,7 @@ def test_mixed_precision_pipelines_track_the_fp32_reference(two_ranks, precision
     expected = two_ranks["gpipe"]["reference_train_losses"]
     assert result["losses"] == pytest.approx(expected, abs=5e-3)
     if precision == "16-mixed":
-        assert result["loss_scale"] == 2.0**16  # the schedule's backward ran on the scaled loss: no overflow
+        assert result["loss_scale"] == INITIAL_SCALE  # the schedule's backward ran on the scaled loss: no overflow
 
 
 def test_bad_pipelines_fail_clearly_on_every_rank(two_ranks):

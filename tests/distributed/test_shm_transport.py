@@ -12,7 +12,7 @@ from tests.launch import launch
 SHM = {"LIGHTNING_ZERO_SHM_COLLECTIVES": "1"}
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.full)], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=[pytest.mark.full, pytest.mark.many_ranks])], ids=["2ranks", "4ranks"])
 def report(request):
     return launch("tests.distributed.worker_shm", "collectives", nprocs=request.param, env=SHM)["collectives"]
 

@@ -120,8 +120,12 @@ def checkpoint_resume(directory: Path, stage: int, **kwargs) -> dict:
 
 CASES = {
     "main": lambda directory: {
-        **{f"stage{s}": modes(s, names=("off", "int8_ef") if s == 1 else tuple(MODES)) for s in (1, 2, 3)},
-        "stage2_bf16-mixed": modes(2, "bf16-mixed", names=("off", "int8_ef", "qwz_int8")),
+        # every mode at stage 2; at stages 1 and 3 the modes whose wire format differs there (stage 3 gathers
+        # weights, in fp16 or int8); the rest of each stage in "full"
+        "stage1": modes(1, names=("off", "int8_ef")),
+        "stage2": modes(2),
+        "stage3": modes(3, names=("off", "fp16", "qwz_int8")),
+        "stage2_bf16-mixed": modes(2, "bf16-mixed", names=("off", "int8_ef")),
         "inert_stage2": settings_without_compression_change_nothing(2),
         **{f"comm_stage{s}_{m}": communication(s, **MODES[m]) for s in (2, 3) for m in ("off", "fp16", "int8")},
         "comm_stage3_qwz": communication(3, **MODES["qwz_int8"]),
@@ -130,6 +134,8 @@ CASES = {
     },
     "full": lambda directory: {
         "stage1_full": modes(1, names=tuple(MODES)),
+        "stage3_full": modes(3, names=("off", "int8", "int8_ef", "int4_ef_asymmetric")),
+        "stage2_bf16-mixed_qwz": modes(2, "bf16-mixed", names=("off", "qwz_int8")),
         "stage3_bf16-mixed": modes(3, "bf16-mixed", names=("off", "int8_ef", "qwz_int8")),
         **{f"exact_off_stage{s}": exact_when_off(s) for s in (1, 2, 3)},
         "stage2_offload": modes(2, names=("off", "int8_ef"), offload_optimizer=True),

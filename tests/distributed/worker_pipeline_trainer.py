@@ -202,13 +202,18 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
     }
 
 
+#: 16-mixed's first loss scale: low enough that no batch order overflows the first step (at 2**16 the first step
+#: of some orders overflows, as dynamic loss scaling allows, and is skipped), high enough that no gradient underflows.
+INITIAL_SCALE = 2.0**10
+
+
 def mixed_precision() -> dict:
     """bf16-mixed and (through the plugin, on CPU) 16-mixed with loss scaling: close to the fp32 reference."""
     from lightning_zero import ZeroPrecision
 
     expected = reference(STEPS_PER_EPOCH)[0]
     out = {}
-    for name, kwargs in (("bf16-mixed", {"precision": "bf16-mixed"}), ("16-mixed", {"plugins": [ZeroPrecision("16-mixed")]})):
+    for name, kwargs in (("bf16-mixed", {"precision": "bf16-mixed"}), ("16-mixed", {"plugins": [ZeroPrecision("16-mixed", initial_scale=INITIAL_SCALE)]})):
         t, module = fit(ZeroStrategy(stage=2, pipeline_stages=2, microbatches=4), WORLD // 2, epochs=1, **kwargs)
         params = held_parameters(module)
         out[name] = {

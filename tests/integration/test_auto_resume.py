@@ -39,6 +39,7 @@ FULL = [
 def run(directory: Path, cases: list[str], timeout: float, nnodes: int = 1) -> dict:
     result = torchrun(WORKER, str(directory), *cases, nprocs=2 // nnodes, nnodes=nnodes, max_restarts=len(cases),
                       timeout=timeout)
+    (directory / "torchrun.log").write_text(result.output)  # kept with the run's files, to read when it fails
     assert result.returncode == 0, result.output[-8000:]
     return {"output": result.output, "seconds": result.seconds,
             **{case: compare(directory, case) for case in cases}}
@@ -85,7 +86,7 @@ def check(result: dict, case: str) -> None:
     assert outcome["param_diff"] <= 1e-5
 
 
-background.register("auto_resume", lambda root: run(root, DEFAULT, timeout=240))
+background.register("auto_resume", lambda root: run(root, DEFAULT, timeout=600))
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +102,12 @@ def test_a_killed_rank_is_restarted_and_resumes_exactly(default, case):
     assert default[case]["restarts"] == [1, 1]  # both processes were restarted by torchrun
 
 
+background.register("auto_resume_full", lambda root: run(root, FULL, timeout=900), full=True)
+
+
 @pytest.fixture(scope="module")
-def full(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("auto_resume_full"), FULL, timeout=900)
+def full(runs):
+    return runs.get("auto_resume_full").result()
 
 
 @pytest.mark.full
@@ -120,7 +124,7 @@ def test_faults_happened_where_intended(full):
     assert f"[worker] rank 0 done (TORCHELASTIC_RESTART_COUNT={len(FULL)})" in output
 
 
-@pytest.mark.full
+@background.in_background
 def test_a_node_whose_restart_torchrun_did_not_count_resumes_too(tmp_path):
     """Two torchrun agents (nodes), one rank each. Rank 0 is killed while rank 1 sits outside any collective, as an
     NCCL peer that notices nothing: agent 0 restarts its worker as restart 1, agent 1 restarts its own for the

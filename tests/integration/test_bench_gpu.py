@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration import background
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -41,7 +43,7 @@ def test_mfu_counts_attention_and_uses_the_known_peak() -> None:
     assert bench_gpu.peak_tflops("Some GPU", None) is None and bench_gpu.peak_tflops("Some GPU", 100.0) == 100.0
 
 
-@pytest.mark.full
+@background.in_background
 def test_both_parts_run_end_to_end_on_the_cpu() -> None:
     proc = _run("--accelerator", "cpu", "--quick", "--systems", "zero3+offload_params",
                 "--search-systems", "zero2", "--rungs", "2")

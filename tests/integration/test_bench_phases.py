@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.integration import background
 from tests.launch import REPO
 
 pytestmark = pytest.mark.full
@@ -16,8 +17,7 @@ pytestmark = pytest.mark.full
 SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 
 
-@pytest.fixture(scope="module")
-def runs():
+def breakdown_run(root) -> dict:
     result = subprocess.run(
         [sys.executable, "benchmarks/bench_core.py", "--quick", "--systems", ",".join(SYSTEMS), "--steps", "1",
          "--warmup", "1", "--profile-steps", "2"],
@@ -28,17 +28,25 @@ def runs():
     return {r["system"]: r for r in map(json.loads, (l for l in result.stdout.splitlines() if l.startswith("{")))}
 
 
+background.register("bench_phases", breakdown_run, full=True)
+
+
+@pytest.fixture(scope="module")
+def breakdown(runs) -> dict:
+    return runs.get("bench_phases").result()
+
+
 @pytest.mark.parametrize("system", SYSTEMS)
-def test_every_rank_of_every_system_has_a_breakdown(runs, system):
-    phases = runs[system]["phases_ms"]
+def test_every_rank_of_every_system_has_a_breakdown(breakdown, system):
+    phases = breakdown[system]["phases_ms"]
     assert len(phases) == 2
     for rank in phases:
         assert rank["forward"] > 0 and rank["backward"] > 0 and rank["step"] > 0
         assert rank["total"] == pytest.approx(sum(rank[c] for c in ("forward", "backward", "step", "param_gather", "comm", "idle")))
 
 
-def test_parameter_gathers_are_where_each_system_does_them(runs):
-    for rank in runs["ddp"]["phases_ms"]:
+def test_parameter_gathers_are_where_each_system_does_them(breakdown):
+    for rank in breakdown["ddp"]["phases_ms"]:
         assert rank["param_gather"] == 0  # DDP keeps whole parameters and all-reduces gradients
     for system in ("zero1", "zero2", "zero3", "fsdp2"):  # the post-step all-gather, or FSDP2's unshards
-        assert all(rank["param_gather"] > 0 for rank in runs[system]["phases_ms"]), system
+        assert all(rank["param_gather"] > 0 for rank in breakdown[system]["phases_ms"]), system

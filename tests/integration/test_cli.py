@@ -49,7 +49,7 @@ def overrides(out) -> list[str]:
     ]
 
 
-@pytest.mark.full
+@background.in_background
 def test_fit_from_yaml_and_overrides_equals_the_same_run_configured_in_python(tmp_path):
     """(`make test` composes in-process, tests/unit/test_cli_compose.py, and trains the main job from YAML with
     overrides, test_main_job.py.)"""
@@ -66,7 +66,7 @@ def test_fit_from_yaml_and_overrides_equals_the_same_run_configured_in_python(tm
         torch.testing.assert_close(value, from_python["state"][name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.full
+@background.in_background
 def test_the_printed_config_fed_back_prints_itself_and_trains_the_same_run(tmp_path):
     """--print_config shows the merged result; fed back with --config it prints itself and trains the same run
     (the printing alone is checked in-process by tests/unit/test_cli_main.py)."""
@@ -87,7 +87,7 @@ def test_the_printed_config_fed_back_prints_itself_and_trains_the_same_run(tmp_p
         torch.testing.assert_close(value, from_cli["state"][name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.full
+@background.in_background
 def test_a_deepspeed_json_on_the_command_line_gives_the_explicit_arguments_run(tmp_path):
     """DeepSpeed's ZeRO-2 + CPU optimizer offload + fp16 example as `strategy.config=`: the strategy, precision,
     clipping, accumulation, optimizer and scheduler equal those of the explicit arguments."""

@@ -73,7 +73,7 @@ def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints(examples):
     assert last < first, (first, last)
 
 
-@pytest.mark.full
+@background.in_background
 def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints_and_resumes(tmp_path):
     first_run = bert_first_run(tmp_path)
     resumed = run(sys.executable, *BERT_ARGS, f"trainer.default_root_dir={tmp_path}", "trainer.max_steps=10",

@@ -14,11 +14,13 @@ import torch
 
 from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.planning.formulas import CHOICES_BY_NAME, MIB, model_state_split
+from tests.integration import background
 from tests.launch import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 
+@background.in_background
 def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_monitor(tmp_path):
     callbacks = (
         "++trainer.callbacks=[{class_path: lightning_zero.monitor.ZeroMonitor, init_args: {log_every_n_steps: 2}}, "
@@ -49,6 +51,7 @@ def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_mo
     assert {"tok/s", "state_MiB", "comm_MiB"} <= set(info["progress_bar"])
 
 
+@background.in_background
 def test_monitor_figures_equal_the_benchmark_measurements_of_the_same_run():
     result = subprocess.run(
         [sys.executable, "benchmarks/bench_core.py", "--quick", "--systems", "zero2,zero3+offload", "--monitor",

@@ -66,7 +66,7 @@ def test_two_torchrun_nodes_train_one_zero3_run(runs):
     assert float(rows[-1]["monitor/comm_inter_node_MiB"]) == pytest.approx(4 * 3 * PARAMS / MIB, rel=0.05)
 
 
-@pytest.mark.full
+@background.in_background
 def test_two_torchrun_nodes_of_two_ranks_shard_inside_each_node(tmp_path):
     """``strategy=zero2_hsdp`` (``shard_size="node"``) on 2 nodes x 2 ranks: state on the ZeRO-2 formula with
     N -> k = 2, and only the gradient shards' all-reduce (2P/k) crosses nodes, out of 2P + 2P/k in all."""

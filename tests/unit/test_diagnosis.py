@@ -108,6 +108,17 @@ def test_uneven_data_a_peer_that_finished_while_this_rank_waits():
     assert decide(me, {0: peer(done)}, None, LIMITS, Context(2, symmetric=False)).kind == "finished"
 
 
+def test_a_rank_that_joined_this_ranks_collective_and_finished_is_not_early():
+    """Seen on the loaded 2-core machine: rank 1 went through the broadcast rank 0 waited in, finished the run, and
+    rank 0's main thread had not been scheduled for 4 s. The world group's sequence numbers show the peer joined."""
+    done = record(1, Activity(seq=36862), state=FINISHED, phase="val", steps={"val": 2})
+    me = record(0, waiting(kind="broadcast", op=None, seq=36851, blocked_for=LIMITS.settle + 2), phase=None)
+    assert decide(me, {1: peer(done)}, None, LIMITS, CONTEXT) is None
+    # the same wait in a subgroup's operation after the peer's last world operation still ends the run
+    done.seq = me.activity.seq
+    assert decide(me, {1: peer(done)}, None, LIMITS, CONTEXT).kind == "finished"
+
+
 def marks(*entries):
     return [Mark(phase, count, count, ops, digest, seq) for phase, count, ops, digest, seq in entries]
 
