@@ -144,7 +144,8 @@ def test_sigterm_ends_a_hung_run_within_30_seconds(launched):
 
 
 # ---------------------------------------------------------------------------------------------- full matrix
-#: `make test-all`'s cases, launched together (four at a time) when its first test starts.
+#: `make test-all`'s cases, launched four at a time once the default cases have ended (a slow rank's steps take 0.6 x
+#: the timeout: with thirteen runs beside it, rank 0's wait for it outlasted the timeout).
 FULL_CASES = {
     **{case: {} for case in ("raise_backward", "raise_optimizer", "raise_callback", "raise_save", "raise_and_sleep",
                              "sigstop0", "skip_step", "rank_only_submodule", "slow", "one_sided")},
@@ -155,7 +156,9 @@ FULL_CASES = {
 
 
 @pytest.fixture(scope="module")
-def full_launched():
+def full_launched(launched):
+    for future in launched.values():
+        future.exception()  # waits; a default case's failure is its own test's to report
     with ThreadPoolExecutor(max_workers=4) as pool:
         yield {name: pool.submit(run, kwargs.pop("case", name), **kwargs)
                for name, kwargs in ((n, dict(k)) for n, k in FULL_CASES.items())}

@@ -102,7 +102,7 @@ def test_a_killed_rank_is_restarted_and_resumes_exactly(default, case):
     assert default[case]["restarts"] == [1, 1]  # both processes were restarted by torchrun
 
 
-background.register("auto_resume_full", lambda root: run(root, FULL, timeout=900), full=True)
+background.register("auto_resume_full", lambda root: run(root, FULL, timeout=1800), full=True)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ def breakdown_run(root) -> dict:
     result = subprocess.run(
         [sys.executable, "benchmarks/bench_core.py", "--quick", "--systems", ",".join(SYSTEMS), "--steps", "1",
          "--warmup", "1", "--profile-steps", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, capture_output=True, text=True, timeout=1800,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "Phase breakdown" in result.stdout
