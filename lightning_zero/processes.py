@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from lightning_zero.attempt_store import attempt_store, uses_torchrun_shared_store
 from lightning_zero.config import ZeroConfig
 from lightning_zero.engine import collectives
 from lightning_zero.fault_handling import FaultHandling
@@ -120,11 +122,21 @@ class ProcessGroupStrategy(ParallelStrategy):
         backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         require(self.cluster_environment, "cluster_environment")
         # A slow start is not a hang: `timeout` applies once the loops run (see faults/timeouts.py).
-        _init_dist_connection(self.cluster_environment, backend, timeout=long_timeout(self.zero_config.timeout))
+        timeout = long_timeout(self.zero_config.timeout)
+        _init_dist_connection(self.cluster_environment, backend, timeout=timeout, **self._store_for(timeout))
         atexit.unregister(_yield_to_collective_threads_at_exit)  # once per process, however many runs
         atexit.register(_yield_to_collective_threads_at_exit)  # see [Note: gloo's worker threads at exit]
         self._faults.start(self.zero_config, self.global_rank, self.world_size, self.num_processes)
         collectives.comm_stats().set_node_size(self.num_processes)  # intra- vs inter-node traffic
+
+    def _store_for(self, timeout: timedelta) -> dict[str, Any]:
+        """Under torchrun's shared agent store, a key space of this attempt's own (see
+        [Note: torchrun's shared store across restarts]); elsewhere torch's own rendezvous."""
+        environment = self.cluster_environment
+        if environment is None or not uses_torchrun_shared_store():
+            return {}
+        return {"store": attempt_store(environment.main_address, environment.main_port, self.global_rank,
+                                       self.world_size, timeout, self.zero_config.timeout.total_seconds())}
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

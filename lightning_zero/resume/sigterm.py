@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -103,9 +102,8 @@ def _not_all_ranks_here(point: list[int], wait: float) -> str | None:
         return None
     store = dist.distributed_c10d._get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
-    # torchrun's shared store keeps earlier attempts' keys (see resume/agreement.py): the attempt is in the key.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    key = f"lightning_zero/sigterm/{attempt}/{next(_serial)}/{'-'.join(map(str, point))}"
+    # The process group's store is this attempt's own, also under torchrun's shared store (attempt_store.py).
+    key = f"lightning_zero/sigterm/{next(_serial)}/{'-'.join(map(str, point))}"
     store.set(f"{key}/{rank}", json.dumps(point))
     keys = [f"{key}/{r}" for r in range(world)]
     try:

@@ -2,7 +2,9 @@
 from the newest complete checkpoint by itself, and the run ends exactly where an uninterrupted one does -- same
 parameters, and every step saw the same samples and the same RNG state (dropout) as the uninterrupted run's step
 of the same epoch and batch. One torchrun job runs several cases: each case's fault uses up one restart
-(see worker_auto_resume.py)."""
+(see worker_auto_resume.py). torchrun runs with torch's defaults (the agent's store shared by every attempt), and
+the restarted rank 1 starts late (``LATE_RESTART``), which is when an earlier attempt's keys in that store broke
+the restart (lightning_zero/attempt_store.py)."""
 
 from __future__ import annotations
 
@@ -30,15 +32,17 @@ RESUMES_AT = {
 }
 
 DEFAULT = ["s2-f32-a2-epoch"]
+#: kill -9 inside a step and while writing a checkpoint, at stages 2 and 3, five times each.
+REPEATED = [f"s{2 + (rep + save) % 2}-f32-a1-{'save' if save else 'step'}-{rep}" for rep in range(1, 6) for save in (0, 1)]
 FULL = [
     "s2-f32-a1-step", "s3-f32-a1-step", "s2-f32-a1-epoch", "s3-f32-a2-epoch", "s2-f32-a1-save", "s3-f32-a2-save",
     "s2-f16-a2-epoch", "s3-f16-a1-save", "s2-f32-a1-sigterm", "s3-f32-a2-sigterm",
 ]
 
 
-def run(directory: Path, cases: list[str], timeout: float, nnodes: int = 1) -> dict:
+def run(directory: Path, cases: list[str], timeout: float, nnodes: int = 1, late: float = 0.0) -> dict:
     result = torchrun(WORKER, str(directory), *cases, nprocs=2 // nnodes, nnodes=nnodes, max_restarts=len(cases),
-                      timeout=timeout)
+                      timeout=timeout, env={"LATE_RESTART": str(late)})
     (directory / "torchrun.log").write_text(result.output)  # kept with the run's files, to read when it fails
     assert result.returncode == 0, result.output[-8000:]
     return {"output": result.output, "seconds": result.seconds,
@@ -47,7 +51,7 @@ def run(directory: Path, cases: list[str], timeout: float, nnodes: int = 1) -> d
 
 def compare(directory: Path, case: str) -> dict:
     """The faulted and resumed run of ``case`` against its uninterrupted reference, step by step."""
-    stage, precision, accumulate, fault = case.split("-")
+    stage, precision, accumulate, fault, *_ = case.split("-")
     reference_dir = directory / f"reference-{stage}-{precision}-{accumulate}"
     reference, resumed = torch.load(reference_dir / "reference.pt"), torch.load(directory / case / "run.pt")
     param_diff = max((reference["params"][k].double() - resumed["params"][k].double()).abs().max().item()
@@ -86,7 +90,7 @@ def check(result: dict, case: str) -> None:
     assert outcome["param_diff"] <= 1e-5
 
 
-background.register("auto_resume", lambda root: run(root, DEFAULT, timeout=600))
+background.register("auto_resume", lambda root: run(root, DEFAULT, timeout=600, late=15))
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +104,7 @@ def test_a_killed_rank_is_restarted_and_resumes_exactly(default, case):
     assert "[worker] rank 1 SIGKILLs itself" in default["output"]
     assert "Auto-resume: restart 1 of this job; resuming from" in default["output"]
     assert default[case]["restarts"] == [1, 1]  # both processes were restarted by torchrun
+    assert "[worker] rank 1 starts 15 s late" in default["output"]
 
 
 background.register("auto_resume_full", lambda root: run(root, FULL, timeout=1800), full=True)
@@ -114,6 +119,21 @@ def full(runs):
 @pytest.mark.parametrize("case", FULL)
 def test_every_kill_point_resumes_exactly(full, case):
     check(full, case)
+
+
+background.register("auto_resume_repeated", lambda root: run(root, REPEATED, timeout=1800, late=10), full=True)
+
+
+@pytest.fixture(scope="module")
+def repeated(runs):
+    return runs.get("auto_resume_repeated").result()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", REPEATED)
+def test_kills_inside_a_step_and_a_save_resume_exactly_every_time(repeated, case):
+    check(repeated, case)
+    assert repeated["output"].count("starts 10 s late") == len(REPEATED)
 
 
 @pytest.mark.full

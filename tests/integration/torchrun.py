@@ -36,12 +36,11 @@ def torchrun(module: str, *args: str, nprocs: int = 2, nnodes: int = 1, max_rest
         "--nproc-per-node", str(nprocs), "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
         "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--monitor-interval", "0.1", "-m", module, *args,
     ] for node in range(nnodes)]
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with torch 2.13's shared agent store, a rank that starts a restarted
-    # attempt more than a few seconds after its peer makes the peer read the previous attempt's gloo address
-    # ("Gloo connectFullMesh failed ... Connection refused"; measured with plain torch, 15 s apart). Without the
-    # shared store every attempt gets a fresh one. On 2 busy cores a rank can be that late.
-    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))
+    # torch's default agent store, shared by every attempt, as a user's torchrun has it: ZeroStrategy must not
+    # read an earlier attempt's keys there (lightning_zero/attempt_store.py).
+    run_env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    run_env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                   **(env or {}))
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: workers torchrun leaves behind cannot block us
         agents = [subprocess.Popen(c, cwd=REPO, env=run_env, stdout=log, stderr=subprocess.STDOUT) for c in commands]

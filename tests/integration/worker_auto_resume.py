@@ -1,8 +1,8 @@
 """Rank program for the auto-resume tests, run under ``torchrun --max-restarts`` (tests/integration/torchrun.py).
 
 ``python -m tests.integration.worker_auto_resume DIR CASE [CASE ...]``; a case is
-``s{stage}-{precision}-a{accumulate}-{fault}`` with precision ``f32`` or ``f16`` (16-mixed, loss scaling) and fault
-one of:
+``s{stage}-{precision}-a{accumulate}-{fault}[-{repetition}]`` with precision ``f32`` or ``f16`` (16-mixed, loss
+scaling) and fault one of:
 
 * ``step``: rank 1 is SIGKILLed inside a training step, after the epoch-0 end checkpoint (resume at an epoch
   boundary);
@@ -14,6 +14,10 @@ one of:
 * ``node`` (two torchrun agents, one rank each): rank 0 is SIGKILLed mid-epoch while rank 1 is alive outside
   any collective (as an NCCL peer that notices nothing): agent 0 restarts its worker as restart 1, agent 1
   restarts its own for the membership change with its restart count still 0.
+
+``LATE_RESTART`` (seconds): rank 1 of every restarted attempt starts that much later than its peers, as a rank on a
+busy or slow node does; with torchrun's shared agent store its peers then find the previous attempt's keys there
+first (lightning_zero/attempt_store.py).
 
 Each case runs the same fit twice: an uninterrupted reference (once per stage/precision/accumulation) and the
 run that is faulted once and auto-resumed after torchrun's restart, which then goes on with the next case. The
@@ -49,6 +53,7 @@ SAMPLES, BATCH, EPOCHS = 40, 2, 2  # 10 batches per epoch and rank
 CHECKPOINT_EVERY = 3  # optimizer steps
 FAULT_AT = {"step": 13, "epoch": 8, "save": 6, "sigterm": 7, "node": 8}  # batch index counted over both epochs
 CHECKPOINT_EVERY_FOR = {"step": 10}  # the epoch's last batch: resume at the epoch boundary
+LATE_RESTART = float(os.environ.get("LATE_RESTART", "0"))
 
 
 class Numbers(Dataset):
@@ -150,7 +155,7 @@ def fit(case_dir: Path, run: str, stage: int, precision: str, accumulate: int, f
     model = DropoutModel(case_dir / f"steps-{run}-rank{RANK}.jsonl", fault, marker)
     callbacks = []
     if run == "run":
-        every = CHECKPOINT_EVERY_FOR.get(case_dir.name.split("-")[-1], CHECKPOINT_EVERY) // accumulate
+        every = CHECKPOINT_EVERY_FOR.get(case_dir.name.split("-")[3], CHECKPOINT_EVERY) // accumulate
         callbacks.append(ModelCheckpoint(dirpath=case_dir / "checkpoints", filename="{epoch}-{step}",
                                          every_n_train_steps=every, save_top_k=-1))
         if fault == "save":
@@ -174,8 +179,11 @@ def main(directory: Path, cases: list[str]) -> None:
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the torchrun helper asks for stacks on a hang
     print(f"[worker] rank {RANK} pid {os.getpid()} starts (TORCHELASTIC_RESTART_COUNT={RESTARTS})", flush=True)
+    if RESTARTS and RANK == 1 and LATE_RESTART:
+        print(f"[worker] rank 1 starts {LATE_RESTART:g} s late", flush=True)
+        time.sleep(LATE_RESTART)
     for case in cases:
-        stage, precision, accumulate, fault = case.split("-")
+        stage, precision, accumulate, fault, *_ = case.split("-")
         stage, accumulate = int(stage[1:]), int(accumulate[1:])
         case_dir = directory / case
         reference_dir = directory / f"reference-s{stage}-{precision}-a{accumulate}"
