@@ -8,7 +8,7 @@ restarts the job: gloo's address of each rank, the store-based barrier's counter
 ``init_process_group`` a few seconds after its peers lets them read its *previous* address (measured with plain
 torch, ranks 15 s apart: ``Gloo connectFullMesh failed ... Connection refused`` in one of five restarts and a
 hang in another). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it, but must be set for the agent, where a
-user following the README does not know to set it.
+user following the docs does not know to set it.
 
 So ZeroStrategy gives the process group a :class:`~torch.distributed.PrefixStore` of its own per attempt. The
 attempt is a *generation* number that the ranks of one attempt agree on through the store itself, with no clock

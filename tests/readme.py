@@ -1,4 +1,5 @@
-"""What the README quotes, read out of README.md, so that tests compare it with what the code prints.
+"""What the README and its docs pages quote, read out of README.md and docs/*.md, so that tests compare it with what
+the code prints (the topics moved from the README to docs/, issue 38; the set-up section stays in the README).
 
 A quoted output is turned into a pattern in which every number may differ but keeps its number of decimals
 (``loss 3.67 -> 0.83`` matches ``loss 3.67 -> 1.95``, not ``loss 3.671 -> 1.9``): a test reads the numbers
@@ -10,10 +11,12 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.launch import REPO
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 _NUMBER = re.compile(r"\d+(?:\.(\d+))?")
 
 
@@ -22,19 +25,26 @@ def main_job_command(*overrides: str) -> list[str]:
     return [sys.executable, "-m", "lightning_zero", "fit", "--config", "conf/gpt_zero3.yaml", *overrides]
 
 
+def pages() -> list[Path]:
+    """README.md first, then the docs pages (docs/*.md) in name order."""
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
 def readme() -> str:
-    return README.read_text(encoding="utf-8")
+    """README.md followed by every docs page: what the user reads, where a quote may live."""
+    return "\n\n".join(page.read_text(encoding="utf-8") for page in pages())
 
 
 def prose() -> str:
-    """The README with every run of whitespace made one space (sentences wrap anywhere)."""
+    """The README and docs pages with every run of whitespace made one space (sentences wrap anywhere)."""
     return " ".join(readme().split())
 
 
 def find(pattern: str, text: str | None = None) -> re.Match:
-    """The first match of ``pattern`` in the README's prose; a test fails naming the pattern if the README lost it."""
+    """The first match of ``pattern`` in the prose of the README and docs pages; a test fails naming the pattern if
+    they lost it."""
     match = re.search(pattern, prose() if text is None else text)
-    assert match, f"README.md no longer says {pattern!r}"
+    assert match, f"README.md and docs/*.md no longer say {pattern!r}"
     return match
 
 

@@ -54,8 +54,7 @@ def pipeline_layers_of(module: nn.Module) -> Sequence[nn.Module]:
         raise ZeroConfigError(
             f"`pipeline_stages > 1` needs {type(module).__name__} to define {' and '.join(f'`{m}`' for m in missing)}: "
             "`pipeline_layers()` returns the model as a sequence of layers (each one's output is the next one's "
-            "input) and `pipeline_loss(output, target)` the loss from the last layer's output. See the README's "
-            "'Pipeline stages' section."
+            "input) and `pipeline_loss(output, target)` the loss from the last layer's output. See docs/pipeline.md."
         )
     layers = module.pipeline_layers()
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):

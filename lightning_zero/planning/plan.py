@@ -6,7 +6,7 @@ global batch). Each needs one traced step per (micro-batch, checkpointing) pair;
 
 Which is fastest is an estimate, stated here so it can be argued with: relative step time is
 
-* 1.0 for stages 1 and 2, 1.12 for stage 3 (measured on an H100 for a 1.34B GPT: README, "On a GPU");
+* 1.0 for stages 1 and 2, 1.12 for stage 3 (measured on an H100 for a 1.34B GPT: benchmarks/results/2026-11-25-h100.md);
 * ``+ 2.74 r`` for a share ``r`` of the optimizer offloaded (stage 2 + full offload ran at 3.74x there);
 * ``x 4/3`` with activation checkpointing (one more forward of the checkpointed blocks);
 * ``x (1 + 0.1 log2(b / m))`` for micro-batch ``m`` of a per-device batch ``b`` (smaller kernels, more steps).

@@ -1,4 +1,5 @@
-"""Every output and list the README quotes, compared in-process with what the code does (issue 36, items 4, 6-8).
+"""Every output and list the README and its docs pages quote, compared in-process with what the code does (issue 36,
+items 4, 6-8). Since issue 38 most topics live in docs/*.md; `tests.readme` reads README.md and those pages together.
 
 The README is read, not copied: a changed message or a new strategy file fails here until the README says it.
 The main job's own printed lines (loss trace, summary, `verify`) are compared with the README by the test that runs
