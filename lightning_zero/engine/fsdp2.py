@@ -62,7 +62,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine import collectives, fsdp2_private
 from lightning_zero.engine.api import Holding, ShardRecord
 from lightning_zero.engine.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
@@ -151,6 +151,7 @@ class FullyShardedEngine:
             for sharded in module.modules():
                 if isinstance(sharded, FSDPModule):
                     self._set_collectives(sharded)
+        fsdp2_private.check(module)  # a torch that moved a private name fails here, naming it
         #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).
         self.prefetch = ForwardPrefetch(module, self.units) if device.type == "cpu" else None
         #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device).

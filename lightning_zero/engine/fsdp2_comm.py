@@ -23,9 +23,8 @@ from collections import deque
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-
 from lightning_zero.engine import collectives
+from lightning_zero.engine.fsdp2_private import AllGather, ReduceScatter, sharded_params
 from lightning_zero.engine.collectives import ReduceOp
 from lightning_zero.engine.compression import CompressedComm
 
@@ -81,13 +80,10 @@ class CountingReduceScatter(ReduceScatter):
     def _unread(self, output: torch.Tensor) -> bool:
         """Whether FSDP2 only views ``output`` as the unit's new sharded gradients (nothing there to add to, no
         cast, no host copy, no hooks): then it may land after backward."""
-        for group in self.unit._get_fsdp_state()._fsdp_param_groups:
-            for fsdp_param in group.fsdp_params:
-                param = fsdp_param.sharded_param
-                if (param.grad is not None or param.dtype != output.dtype
-                        or (fsdp_param.offload_to_cpu and output.device.type != "cpu")
-                        or getattr(param, "_post_accumulate_grad_hooks", None)):
-                    return False
+        for param, offloaded in sharded_params(self.unit):
+            if (param.grad is not None or param.dtype != output.dtype or (offloaded and output.device.type != "cpu")
+                    or getattr(param, "_post_accumulate_grad_hooks", None)):
+                return False
         return True
 
 

@@ -29,30 +29,25 @@ micro-batch opens it again.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+from lightning_zero.engine import fsdp2_private
 
 
 class GatheredWindow:
     """Holds every FSDP2 unit of ``root`` gathered through an accumulation window (see the Note above)."""
 
     def __init__(self, root: nn.Module) -> None:
-        self.groups = [
-            group
-            for module in root.modules() if isinstance(module, FSDPModule)
-            for group in module._get_fsdp_state()._fsdp_param_groups
-        ]
-        #: Each group's reshard-after-forward setting (FSDP2's ``post_forward_mesh_info``: None for no reshard,
-        #: a mesh for hpZ's partial reshard), kept while the window is open; None: closed.
+        self.groups = fsdp2_private.param_groups(root)
+        #: Each group's reshard-after-forward setting (None for no reshard, a mesh for hpZ's partial reshard),
+        #: kept while the window is open; None: closed.
         self._after_forward: list | None = None
 
     def hold(self) -> None:
         """A non-final micro-batch begins: what its forward gathers stays gathered through its backward and after."""
         if self._after_forward is None:
-            self._after_forward = [group.post_forward_mesh_info for group in self.groups]
+            self._after_forward = [fsdp2_private.keep_gathered_after_forward(group) for group in self.groups]
             for group in self.groups:
-                group.post_forward_mesh_info = None
-                group.reshard = _after_reducing_backward(group)  # shadows the class's method until ``close``
+                fsdp2_private.reshard_only_after_backward(group)  # until ``close``
         for group in self.groups:
             group.reshard_after_backward = False
 
@@ -66,22 +61,10 @@ class GatheredWindow:
         if self._after_forward is None:
             return
         for group, after_forward in zip(self.groups, self._after_forward):
-            del group.reshard
+            fsdp2_private.unshadow_reshard(group)
             group.reshard_after_backward = True
-            group.post_forward_mesh_info = after_forward
+            fsdp2_private.restore_after_forward(group, after_forward)
         self._after_forward = None
         for group in self.groups:
             if group.is_unsharded:
                 group.reshard()
-
-
-def _after_reducing_backward(group):
-    """``group.reshard`` inside a window: only the post-backward of a backward that reshards (the window's last)
-    goes through; a forward's, nested or not, keeps the parameters."""
-    reshard = type(group).reshard
-
-    def reshard_in_window() -> None:
-        if group.reshard_after_backward and group._training_state == TrainingState.POST_BACKWARD:
-            reshard(group)
-
-    return reshard_in_window

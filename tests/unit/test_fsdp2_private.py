@@ -1,0 +1,73 @@
+"""FSDP2's private names that the stage-3 engine uses (lightning_zero/engine/fsdp2_private.py), checked on the
+installed torch with a real ``fully_shard`` module on a 1-rank gloo group in this process: a torch release that
+moves one fails here with the name, before any training test does."""
+
+from __future__ import annotations
+
+import configparser
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from lightning_zero.engine import fsdp2_private
+from tests.launch import REPO
+
+
+@pytest.fixture
+def sharded():
+    """A two-unit module sharded with FSDP2 over one rank (the process group is this test's own)."""
+    assert not dist.is_initialized()
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard(module[0], mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        yield module
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_private_name_is_where_the_engine_expects_it(sharded):
+    fsdp2_private.check(sharded)
+    groups = fsdp2_private.param_groups(sharded)
+    assert len(groups) == 2  # the inner unit's and the root's
+    params = list(fsdp2_private.sharded_params(sharded[0]))
+    assert [p.shape for p, _ in params] == [torch.Size([4, 4]), torch.Size([4])]
+    assert not any(offloaded for _, offloaded in params)
+
+
+def test_a_window_keeps_and_restores_each_setting(sharded):
+    group = fsdp2_private.param_groups(sharded)[0]
+    before = group.post_forward_mesh_info
+    setting = fsdp2_private.keep_gathered_after_forward(group)
+    assert group.post_forward_mesh_info is None
+    fsdp2_private.restore_after_forward(group, setting)
+    assert group.post_forward_mesh_info is before
+    fsdp2_private.reshard_only_after_backward(group)
+    assert "reshard" in vars(group)  # the instance's shadow
+    fsdp2_private.unshadow_reshard(group)
+    assert "reshard" not in vars(group) and group.reshard.__func__ is type(group).reshard
+
+
+@pytest.mark.parametrize("owner, attribute", [("FSDPParamGroup", "post_forward_mesh_info"), ("FSDPParam", "sharded_param")])
+def test_a_moved_name_fails_naming_it(sharded, owner, attribute):
+    group = fsdp2_private.param_groups(sharded)[0]
+    holder = group if owner == "FSDPParamGroup" else group.fsdp_params[0]
+    delattr(holder, attribute)  # as a torch release that renamed it
+    with pytest.raises(fsdp2_private.FSDP2PrivateAPIError, match=rf"FSDP2's {owner}\.{attribute} is gone; .*fsdp2_private\.py"):
+        fsdp2_private.check(sharded)
+
+
+def test_torch_is_bounded_at_the_minor_version_checked():
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    torch_line = next(line for line in config["options"]["install_requires"].split("\n") if line.startswith("torch"))
+    major, minor = map(int, torch.__version__.split(".")[:2])
+    assert torch_line.replace(" ", "").endswith(f",<{major}.{minor + 1}"), torch_line
