@@ -46,7 +46,7 @@ def run_mode(args: argparse.Namespace) -> None:
 
     from lightning_zero import ZeroStrategy
     from lightning_zero.demo import GPTLightningModule, RandomTokenDataModule
-    from lightning_zero.engine import collectives
+    from lightning_zero.engine.comm import collectives
 
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // 2))
     L.seed_everything(0, verbose=False)

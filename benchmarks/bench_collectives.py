@@ -7,7 +7,7 @@ The engine's own code on bench_core's parameter shapes and buckets (25 MB): the 
 ``GradientReducer`` fed by a backward that hands every parameter a gradient in the order a GPT's backward does,
 then ``flush``; the gather is ``all_gather_params`` after a step. Each repetition runs both ways back to back
 (``collectives.packed_only()`` for the packed one), so the machine's slow drifts hit both alike; the figures are
-medians over the repetitions, per rank, in ms. See [Note: collectives in place] in ``engine/p2p_transport.py``.
+medians over the repetitions, per rank, in ms. See [Note: collectives in place] in ``engine/comm/p2p_transport.py``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from lightning_zero.demo.gpt import GPT, GPTConfig  # noqa: E402
-from lightning_zero.engine import collectives  # noqa: E402
-from lightning_zero.engine.grad_sync import GradientReducer  # noqa: E402
-from lightning_zero.engine.layout import plan_layout  # noqa: E402
-from lightning_zero.engine.sharded_optimizer import all_gather_params  # noqa: E402
+from lightning_zero.engine.comm import collectives  # noqa: E402
+from lightning_zero.engine.stage12.grad_sync import GradientReducer  # noqa: E402
+from lightning_zero.engine.stage12.layout import plan_layout  # noqa: E402
+from lightning_zero.engine.stage12.sharded_optimizer import all_gather_params  # noqa: E402
 
 MODEL = dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512)  # bench_core's FULL_MODEL
 BUCKET_NUMEL = 25 * 2**20 // 4  # ZeroStrategy's default bucket_size_mb=25, fp32

@@ -35,7 +35,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.cli.compose import Composer  # noqa: E402
 from lightning_zero.demo import CharDataModule, GPTLightningModule  # noqa: E402
-from lightning_zero.engine.collectives import comm_stats  # noqa: E402
+from lightning_zero.engine.comm.collectives import comm_stats  # noqa: E402
 
 MODES = {
     "none": {},

@@ -51,7 +51,7 @@ What is measured (see :class:`BenchCallback`):
 * peak RSS of each rank process (``ru_maxrss``);
 * bytes communicated per step: measured by ``lightning_zero``'s ``comm_stats`` for the
   ZeRO systems, analytic for ddp/fsdp2 (marked so), in the convention of
-  ``lightning_zero/engine/collectives.py``: a reduce-scatter counts its full input, an
+  ``lightning_zero/engine/comm/collectives.py``: a reduce-scatter counts its full input, an
   all-gather its full output, and an all-reduce is costed as the reduce-scatter +
   all-gather it amounts to. For fp32 that makes ddp 8P bytes, ZeRO-1/2 8P and ZeRO-3 12P
   (the ZeRO paper's 2P / 2P / 3P elements). Ring algorithms put (N-1)/N of it on the wire.
@@ -329,7 +329,7 @@ def model_state_bytes(module: torch.nn.Module, optimizers: Iterable[Any]) -> dic
 
 def _load_comm_stats() -> Any:
     try:
-        from lightning_zero.engine.collectives import comm_stats
+        from lightning_zero.engine.comm.collectives import comm_stats
 
         return comm_stats()
     except Exception:  # not written yet, or a different API: fall back to the analytic value

@@ -1,6 +1,6 @@
 """lightning_zero: ZeRO stages 1-3 for PyTorch Lightning, with nothing but PyTorch underneath.
 
-``import lightning_zero`` registers the strategy names of ``lightning_zero.config.REGISTERED_STRATEGIES`` with
+``import lightning_zero`` registers the strategy names of ``lightning_zero.config.zero_config.REGISTERED_STRATEGIES`` with
 Lightning (``zero1``, ``zero1_offload``, ``zero1_hsdp``, ``zero2``, ``zero2_offload``, ``zero2_hsdp``,
 ``zero2_compressed``, ``zero3``, ``zero3_offload_optimizer``, ``zero3_offload``, ``zero3_hsdp``, ``zero3_hpz``,
 ``zero3_compressed``), so ``Trainer(strategy="zero3")`` works.
@@ -10,10 +10,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import CheckpointEntry, CheckpointError, CheckpointSaveError, UnsafeCheckpointError, list_checkpoints
 from lightning_zero.checkpoint.module_loading import load_from_checkpoint
-from lightning_zero.config import ZeroConfig, ZeroConfigError
-from lightning_zero.precision import ZeroPrecision
+from lightning_zero.config.zero_config import ZeroConfig
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.precision.zero_precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.strategy.zero_strategy import ZeroStrategy
 
 __all__ = [
     "CheckpointEntry", "CheckpointError", "CheckpointSaveError", "UnsafeCheckpointError", "ZeroConfig", "ZeroConfigError",

@@ -11,7 +11,7 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
 * ``monitor/tokens_per_s`` (or ``samples_per_s`` for non-token inputs): over all ranks, across every step
   since the previous log;
 * ``monitor/comm_MiB_per_step``: bytes the busiest rank's collectives moved in the logged step, as counted
-  in :mod:`lightning_zero.engine.collectives` (so ZeroStrategy runs only);
+  in :mod:`lightning_zero.engine.comm.collectives` (so ZeroStrategy runs only);
 * ``monitor/comm_inter_node_MiB``: the part of it that went over process groups spanning several nodes
   (with hybrid sharding, only the gradient shards' all-reduce across nodes);
 * ``monitor/loss_scale``: under fp16 with ``ZeroPrecision``, the dynamic loss scale.
@@ -31,8 +31,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.collectives import comm_stats
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.collectives import comm_stats
 from lightning_zero.planning.accounting import model_state_bytes
 
 MIB = 2**20

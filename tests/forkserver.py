@@ -28,7 +28,7 @@ from pathlib import Path
 #: What every rank program imports; loaded once in the server. Not the test modules: several read their rank and
 #: world size from the environment when imported, which the server's is not.
 PRELOAD = ("torch", "torch.distributed", "lightning", "lightning.pytorch", "transformers", "lightning_zero",
-           "lightning_zero.strategy", "lightning_zero.cli.train")
+           "lightning_zero.strategy.zero_strategy", "lightning_zero.cli.train")
 _MAX_HEADER = 1 << 20
 
 

@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zero.checkpoint.errors import CheckpointSaveError, save_error
 from lightning_zero.checkpoint.files import remove
 from lightning_zero.checkpoint.write import ShardWriter, prepare, publish, split_checkpoint
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Error-feedback residuals in sharded checkpoints.
 
 Each rank keeps its own residuals (what quantization dropped from the gradient chunks it sent, see
-``engine/compression.py``), and a resumed run that starts them from zero no longer ends where the uninterrupted
+``engine/comm/compression.py``), and a resumed run that starts them from zero no longer ends where the uninterrupted
 run ends. A sharded save therefore writes them too, as one DTensor of shape ``[world, width]`` sharded by rank
 (``error_feedback.residuals``: row r is rank r's residuals end to end, zero-padded to the widest rank), and
 ``meta.pt`` keeps every rank's table of ``(name, numel)`` to cut its row apart again.
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 
 KEY = "error_feedback"
 TABLE_KEY = "error_feedback_tables"

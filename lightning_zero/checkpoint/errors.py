@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 
 T = TypeVar("T")
 

@@ -46,7 +46,7 @@ from lightning_zero.checkpoint.verify import (
     verify_archive,
     verify_files,
 )
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows
 

@@ -43,7 +43,7 @@ from lightning_zero.checkpoint.files import (
     write_durably,
 )
 from lightning_zero.checkpoint.verify import DCP_METADATA_FILE, MANIFEST_FILE, META_FILE, describe_files, manifest_text
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 
 
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

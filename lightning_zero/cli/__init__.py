@@ -22,7 +22,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lightning_zero.choices import closest
+from lightning_zero.config.choices import closest
 from lightning_zero.cli.command_line import SUBCOMMANDS
 from lightning_zero.cli.errors import CLIConfigError, argument_error_line, one_line
 from lightning_zero.cli.helptext import plain
@@ -102,7 +102,7 @@ def train_command(argv: Sequence[str]) -> int:
 
     from lightning_zero.checkpoint.verify import CheckpointError
     from lightning_zero.cli.train import run
-    from lightning_zero.config import ZeroConfigError
+    from lightning_zero.config.choices import ZeroConfigError
 
     try:
         run(argv)

@@ -35,7 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_zero.cli.command_line import CommandLine, Override
 from lightning_zero.cli.errors import CLIConfigError, UnknownKeyError
-from lightning_zero.config import closest
+from lightning_zero.config.choices import closest
 
 GLOBAL_PACKAGE = "_global_"
 YAML_SUFFIXES = (".yaml", ".yml")

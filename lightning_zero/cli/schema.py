@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_zero.cli.compose import set_path
 from lightning_zero.cli.errors import CLIConfigError, UnknownKeyError
-from lightning_zero.config import closest, nearest
+from lightning_zero.config.choices import closest, nearest
 
 #: Command-line shorthands: ``strategy.stage=2`` is ``trainer.strategy.init_args.stage=2``.
 ALIASES = {"strategy": ("trainer", "strategy")}

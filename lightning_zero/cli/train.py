@@ -27,10 +27,11 @@ from lightning_zero.cli.compose import compose
 from lightning_zero.cli.errors import CLIConfigError
 from lightning_zero.cli.schema import LightningSchema, import_class
 from lightning_zero.checkpoint.verify import CheckpointError, check_complete, verify_files
-from lightning_zero.config import REGISTERED_STRATEGIES, ZeroConfigError
-from lightning_zero.deepspeed_config import AUTO, DeepSpeedSettings
-from lightning_zero.deepspeed_trainer import apply_to_trainer
-from lightning_zero.strategy import ZeroStrategy
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.deepspeed_compat.config import AUTO, DeepSpeedSettings
+from lightning_zero.deepspeed_compat.trainer import apply_to_trainer
+from lightning_zero.strategy.zero_strategy import ZeroStrategy
 
 #: ZeroStrategy arguments that carry Lightning objects rather than settings to validate.
 _PLUMBING = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")

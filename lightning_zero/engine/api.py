@@ -1,6 +1,6 @@
 """The contract between the layers above (strategy, precision, checkpoints, memory accounting, monitor) and the
-two sharding engines: :class:`~lightning_zero.engine.zero_dp.ZeroDataParallel` (stages 1-2, our own) and
-:class:`~lightning_zero.engine.fsdp2.FullyShardedEngine` (stage 3, over FSDP2).
+two sharding engines: :class:`~lightning_zero.engine.stage12.zero_dp.ZeroDataParallel` (stages 1-2, our own) and
+:class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` (stage 3, over FSDP2).
 
 Callers see three things and nothing else:
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.shard import chunk_numel, element_range
 
 

@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine import collectives, shard
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine import shard
 
 
 def gather_full(local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], group=None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Fault handling that knows nothing of Lightning beyond what it is handed: a collective watchdog with a flight
 recorder, the diagnosis of hangs, process-group timeouts and SIGTERM.
 
-* ``flight.py``      what this rank communicated (written by ``engine/collectives.py``, always on, ~1 us)
+* ``flight.py``      what this rank communicated (written by ``engine/comm/collectives.py``, always on, ~1 us)
 * ``activity.py``    what the main thread is doing, sampled from another thread
 * ``records.py``     the heartbeat record each rank publishes, and process liveness
 * ``diagnosis.py``   pure decisions over records: who diverged, where, and the message
@@ -12,10 +12,10 @@ recorder, the diagnosis of hangs, process-group timeouts and SIGTERM.
                      communicates
 * ``failures.py``    the run's first failure, named in every rank's error
 
-``lightning_zero/fault_handling.py`` wires them into ``ZeroStrategy``.
+``lightning_zero/strategy/fault_handling.py`` wires them into ``ZeroStrategy``.
 """
 
-from lightning_zero.engine.flight import CollectiveError
+from lightning_zero.engine.comm.flight import CollectiveError
 from lightning_zero.faults.timeouts import extended
 
 __all__ = ["CollectiveError", "extended"]

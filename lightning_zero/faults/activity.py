@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
 
-from lightning_zero.engine.flight import FlightRecorder
+from lightning_zero.engine.comm.flight import FlightRecorder
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_zero/
 #: Longest first: site-packages lies inside the standard library's directory.

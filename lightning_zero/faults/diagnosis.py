@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from lightning_zero.engine.flight import Mark, Op
+from lightning_zero.engine.comm.flight import Mark, Op
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
 
 _EVAL = ("val", "test", "predict")

@@ -1,5 +1,5 @@
 """What a rank that died in native code was doing, read by its peers on the same host (see [Note: the flight
-file] in ``engine/flight_file.py``).
+file] in ``engine/comm/flight_file.py``).
 
 Each rank of a run keeps two files in the run's folder under the temporary directory: ``rank<R>.flight``, the
 flight recorder's memory-mapped copy, and ``rank<R>.fatal``, where ``faulthandler`` writes the Python stack of
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from lightning_zero.engine.flight import RECORDER, Mark, Op, read_file
+from lightning_zero.engine.comm.flight import RECORDER, Mark, Op, read_file
 from lightning_zero.faults.activity import classify_frames
 from lightning_zero.faults.records import RUNNING, Record, liveness
 

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass, field
 
 from lightning_zero.faults.activity import Activity
-from lightning_zero.engine.flight import Mark, Op
+from lightning_zero.engine.comm.flight import Mark, Op
 
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
 

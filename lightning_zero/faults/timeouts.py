@@ -23,7 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 
 RENDEZVOUS = timedelta(minutes=10)
 
@@ -118,7 +118,7 @@ def extended(seconds: float | None = None, reason: str = "a long one-sided phase
     try:
         yield
         if barrier:
-            from lightning_zero.engine import collectives
+            from lightning_zero.engine.comm import collectives
 
             collectives.barrier()
     finally:

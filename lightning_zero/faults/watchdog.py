@@ -39,7 +39,7 @@ from lightning_zero.faults import diagnosis, failures, postmortem, timeouts
 from lightning_zero.faults.activity import Activity
 from lightning_zero.faults.diagnosis import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
-from lightning_zero.engine.flight import RECORDER, CollectiveError
+from lightning_zero.engine.comm.flight import RECORDER, CollectiveError
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, liveness, this_process
 from lightning_zero.faults.signals import WakeupPipe
 

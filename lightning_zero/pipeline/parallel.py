@@ -37,8 +37,9 @@ from torch import Tensor, nn
 
 from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 
-from lightning_zero.config import ZeroConfig, ZeroConfigError
-from lightning_zero.engine import collectives
+from lightning_zero.config.zero_config import ZeroConfig
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding
 from lightning_zero.pipeline.schedule import PipelineRunner
 from lightning_zero.pipeline.split import PipelineLayout, split_bounds

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from lightning_zero.config import ZeroConfigError, check_choice
-from lightning_zero.engine import collectives
+from lightning_zero.config.choices import ZeroConfigError, check_choice
+from lightning_zero.engine.comm import collectives
 from lightning_zero.pipeline.split import PipelineLayout
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}

@@ -23,7 +23,7 @@ from typing import Union
 
 from torch import nn
 
-from lightning_zero.config import ZeroConfigError, closest
+from lightning_zero.config.choices import ZeroConfigError, closest
 
 SplitSpec = Union[str, Sequence[int], Sequence[str]]
 SPLIT_METHODS = ("layers", "params")

@@ -21,7 +21,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from lightning_zero.config import REGISTERED_STRATEGIES
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 MIB = 2**20

@@ -36,7 +36,7 @@ def write_group_file(path: Path, pick: Candidate, checkpointing: Any, summary: s
 
 
 def deepspeed_config(pick: Candidate, checkpointing: Any, world_size: int, precision: str) -> dict:
-    """A DeepSpeed-style config of the pick (the keys ``deepspeed_config.py`` maps)."""
+    """A DeepSpeed-style config of the pick (the keys ``deepspeed_compat/config.py`` maps)."""
     c = pick.configuration
     zero: dict = {"stage": c.stage}
     if c.offload_optimizer:

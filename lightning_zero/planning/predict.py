@@ -18,11 +18,11 @@ of the activations then alive plus the gradients the stage holds then:
 With gradient accumulation, the micro-batches before the last keep every gradient whole and unreduced (``p.grad``
 at stages 1-2, FSDP2's unsharded gradients at stage 3), so those are held throughout the next micro-batch; stage 3
 also keeps every unit gathered from the window's first forward to its last backward (without ``offload_params``:
-[Note: gathered accumulation windows] in ``engine/fsdp2_window.py``).
+[Note: gathered accumulation windows] in ``engine/stage3/fsdp2_window.py``).
 
 The optimizer step is the other candidate for the peak: the static part, the gradients the step reads and, at
 stages 1-2, the full-size buffers of the post-step all-gather (two buckets in flight; none over gloo, where the
-rows are gathered straight into the parameters: [Note: collectives in place] in ``engine/p2p_transport.py``).
+rows are gathered straight into the parameters: [Note: collectives in place] in ``engine/comm/p2p_transport.py``).
 The peak is the larger.
 Host memory holds what offload puts there: ``r`` of the masters, their gradients and the optimizer state
 (``offload_optimizer=r``), and at stage 3 with ``offload_params`` the parameter and gradient shards too.

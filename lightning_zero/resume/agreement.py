@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 
 #: Checkpoint key of :func:`job_identity`.
 JOB_KEY = "lightning_zero_job"

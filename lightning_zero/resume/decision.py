@@ -1,6 +1,6 @@
 """Turning the ``ckpt_path`` a user passed (or did not pass) into the checkpoint a run loads.
 
-Called by ZeroStrategy's launchers (:mod:`lightning_zero.launcher`) just before Lightning's ``_fit_impl`` /
+Called by ZeroStrategy's launchers (:mod:`lightning_zero.strategy.launcher`) just before Lightning's ``_fit_impl`` /
 ``_validate_impl`` / ... run, which is the last point where ``ckpt_path`` can still be chosen: Lightning resolves
 it before the process group exists.
 

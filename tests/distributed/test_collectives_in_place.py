@@ -1,5 +1,5 @@
 """Stages 1-2 over gloo reduce gradients out of ``p.grad`` and gather rows into the parameters without packed
-buffers ([Note: collectives in place] in ``engine/collectives.py``): the same sums as the packed reduce-scatter
+buffers ([Note: collectives in place] in ``engine/comm/collectives.py``): the same sums as the packed reduce-scatter
 (bit for bit on 2 ranks, where a two-term sum has one order), every rank's rows in every parameter, and the
 counters of the packed collectives. 3 ranks: rows that split unevenly, ranks that hold none of a parameter,
 several peers' contributions."""

@@ -1,4 +1,4 @@
-"""Shared-memory collectives (``engine/shm_transport.py``, opt-in with ``LIGHTNING_ZERO_SHM_COLLECTIVES=1``):
+"""Shared-memory collectives (``engine/comm/shm_transport.py``, opt-in with ``LIGHTNING_ZERO_SHM_COLLECTIVES=1``):
 exact, in rank order, chunked through mailboxes smaller than the data, per process group, no file left in
 /dev/shm, and training through them at every stage equals plain PyTorch (test_core's exactness cases). `make test`
 runs the 2-rank collectives; 4 ranks (sub-groups) and the training cases are in `make test-all`."""

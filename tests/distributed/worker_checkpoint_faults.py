@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.listing import inspect_checkpoint, list_checkpoints
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from tests.distributed import models
 from tests.distributed.worker_checkpoint import RestoredProbe, final_state, optim_diff
 from tests.distributed.worker_core import RANK, max_diff, trainer

@@ -10,7 +10,7 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.gpt import GPTLightningModule
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from tests.distributed import models, worker_checkpoint, worker_precision
 from tests.distributed.worker_core import NODES, RANK, CommProbe, exactness, max_diff, trainer
 from tests.launch import run_cases_with_directory

@@ -140,7 +140,7 @@ FEATURES: dict[str, dict[str, Any]] = {
                             callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)], after=_best),
     "validate_test_predict": dict(max_steps=3, after=_evaluate),
     # Validation (and ModelCheckpoint's save) after batches 3 and 9 falls inside a window of 2 micro-batches, where
-    # stage 3 holds its units gathered (engine/fsdp2_window.py): both must see the sharded module, and training
+    # stage 3 holds its units gathered (engine/stage3/fsdp2_window.py): both must see the sharded module, and training
     # goes on from the gradients accumulated before them.
     "validation_inside_accumulation_window": dict(
         max_epochs=1, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=2, enable_checkpointing=True,

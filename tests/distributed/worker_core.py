@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.engine.collectives import comm_stats
+from lightning_zero.engine.comm.collectives import comm_stats
 from lightning_zero.planning.accounting import live_tensor_bytes
 from tests.distributed import models
 from tests.launch import run_cases

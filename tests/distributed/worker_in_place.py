@@ -9,11 +9,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine import collectives
-from lightning_zero.engine.buckets import pack_bucket, segment_view
-from lightning_zero.engine.layout import plan_layout
-from lightning_zero.engine.reduce_in_place import InPlaceReduction
-from lightning_zero.engine.sharded_optimizer import all_gather_params
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage12.buckets import pack_bucket, segment_view
+from lightning_zero.engine.stage12.layout import plan_layout
+from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
+from lightning_zero.engine.stage12.sharded_optimizer import all_gather_params
 from tests.launch import ensure_process_group, run_cases
 
 #: Rows that split unevenly over 2 and 3 ranks, a 1-row parameter (some ranks hold none of it), a vector.

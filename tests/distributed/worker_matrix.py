@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import state_dicts
 from lightning_zero.checkpoint.consolidate import consolidate
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from tests.distributed import matrix_models as mm
 from tests.distributed import models
 from tests.distributed.mixed_reference import mixed_reference

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.config import ZeroConfigError
-from lightning_zero.engine import collectives
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.engine.comm import collectives
 from lightning_zero.planning.accounting import model_state_bytes
 from tests.distributed import models
 from tests.distributed.worker_core import GradientRecorder, max_diff, trainer

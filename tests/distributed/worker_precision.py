@@ -17,7 +17,7 @@ import torch
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.demo.data import RandomTokenDataset
 from lightning_zero.demo.gpt import GPTLightningModule
-from lightning_zero.engine.collectives import comm_stats
+from lightning_zero.engine.comm.collectives import comm_stats
 from tests.distributed import models
 from tests.distributed.mixed_reference import fp32_reference, mixed_reference
 from tests.distributed.worker_core import StateBytesProbe, max_diff, tour, trainer
@@ -263,7 +263,7 @@ def tour_mixed(stage: int) -> dict:
 
 
 def collectives_tempdir() -> str:
-    from lightning_zero.engine import collectives
+    from lightning_zero.engine.comm import collectives
 
     return collectives.broadcast_object(tempfile.mkdtemp(prefix="lz-precision-") if RANK == 0 else None)
 

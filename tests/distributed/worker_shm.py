@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine import collectives, p2p_transport, shm_transport
+from lightning_zero.engine.comm import collectives, p2p_transport, shm_transport
 from tests.launch import ensure_process_group, run_cases
 
 

@@ -4,7 +4,7 @@ parameters, and every step saw the same samples and the same RNG state (dropout)
 of the same epoch and batch. One torchrun job runs several cases: each case's fault uses up one restart
 (see worker_auto_resume.py). torchrun runs with torch's defaults (the agent's store shared by every attempt), and
 the restarted rank 1 starts late (``LATE_RESTART``), which is when an earlier attempt's keys in that store broke
-the restart (lightning_zero/attempt_store.py)."""
+the restart (lightning_zero/strategy/attempt_store.py)."""
 
 from __future__ import annotations
 

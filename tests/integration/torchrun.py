@@ -37,7 +37,7 @@ def torchrun(module: str, *args: str, nprocs: int = 2, nnodes: int = 1, max_rest
         "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--monitor-interval", "0.1", "-m", module, *args,
     ] for node in range(nnodes)]
     # torch's default agent store, shared by every attempt, as a user's torchrun has it: ZeroStrategy must not
-    # read an earlier attempt's keys there (lightning_zero/attempt_store.py).
+    # read an earlier attempt's keys there (lightning_zero/strategy/attempt_store.py).
     run_env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
     run_env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                    **(env or {}))

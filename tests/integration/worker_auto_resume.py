@@ -17,7 +17,7 @@ scaling) and fault one of:
 
 ``LATE_RESTART`` (seconds): rank 1 of every restarted attempt starts that much later than its peers, as a rank on a
 busy or slow node does; with torchrun's shared agent store its peers then find the previous attempt's keys there
-first (lightning_zero/attempt_store.py).
+first (lightning_zero/strategy/attempt_store.py).
 
 Each case runs the same fit twice: an uninterrupted reference (once per stage/precision/accumulation) and the
 run that is faulted once and auto-resumed after torchrun's restart, which then goes on with the next case. The

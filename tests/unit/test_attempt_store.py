@@ -1,4 +1,4 @@
-"""The per-attempt key space inside torchrun's shared agent store (lightning_zero/attempt_store.py), with the
+"""The per-attempt key space inside torchrun's shared agent store (lightning_zero/strategy/attempt_store.py), with the
 ranks of each attempt as threads over one real TCPStore, as torchrun's agent hosts it across restarts. The real
 restarts under torchrun are tests/integration/test_auto_resume.py (``LATE_RESTART``)."""
 
@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_zero.attempt_store import AttemptStoreError, attempt_store
+from lightning_zero.strategy.attempt_store import AttemptStoreError, attempt_store
 
 
 @pytest.fixture

@@ -148,7 +148,7 @@ def test_a_registered_strategy_name_takes_shorthand_overrides(tmp_path):
     main = write(tmp_path, "main.yaml", "trainer: {strategy: zero3_offload}\n")
     config = composed("--config", str(main), "strategy.bucket_size_mb=2")
     assert config["trainer"]["strategy"] == {
-        "class_path": "lightning_zero.strategy.ZeroStrategy",
+        "class_path": "lightning_zero.strategy.zero_strategy.ZeroStrategy",
         "init_args": {"stage": 3, "offload_optimizer": True, "offload_params": True, "bucket_size_mb": 2},
     }
 

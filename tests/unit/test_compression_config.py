@@ -14,8 +14,8 @@ from lightning_zero import ZeroConfig, ZeroConfigError, ZeroStrategy
 from lightning_zero.cli.command_line import CommandLine
 from lightning_zero.cli.compose import compose
 from lightning_zero.cli.schema import LightningSchema
-from lightning_zero.config import REGISTERED_STRATEGIES
-from lightning_zero.deepspeed_config import parse_deepspeed_config
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
+from lightning_zero.deepspeed_compat.config import parse_deepspeed_config
 from tests.launch import REPO
 
 #: The block the issue says users will paste as it is.

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
-from lightning_zero.deepspeed_config import parse_deepspeed_config
-from lightning_zero.deepspeed_trainer import DeepSpeedWarmupLR
+from lightning_zero.deepspeed_compat.config import parse_deepspeed_config
+from lightning_zero.deepspeed_compat.trainer import DeepSpeedWarmupLR
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "tests" / "data" / "ds_zero2_offload_fp16.json"

@@ -13,7 +13,7 @@ from lightning_zero.faults.activity import Activity, category, classify
 from lightning_zero.faults.diagnosis import (
     Context, Limits, compare_marks, decide, exit_agreement, explain,
 )
-from lightning_zero.engine.flight import FlightRecorder, Mark, Op
+from lightning_zero.engine.comm.flight import FlightRecorder, Mark, Op
 from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, this_process
 
 LIMITS = Limits.for_timeout(8.0)
@@ -262,7 +262,8 @@ def test_the_same_error_on_every_rank_needs_no_note():
 
 @pytest.mark.parametrize("value", [0, -3, "60", True])
 def test_timeout_must_be_positive_seconds_or_a_timedelta(value):
-    from lightning_zero.config import ZeroConfig, ZeroConfigError
+    from lightning_zero.config.zero_config import ZeroConfig
+    from lightning_zero.config.choices import ZeroConfigError
 
     with pytest.raises(ZeroConfigError, match="`timeout` must be a positive"):
         ZeroConfig(timeout=value)

@@ -1,4 +1,4 @@
-"""FSDP2's private names that the stage-3 engine uses (lightning_zero/engine/fsdp2_private.py), checked on the
+"""FSDP2's private names that the stage-3 engine uses (lightning_zero/engine/stage3/fsdp2_private.py), checked on the
 installed torch with a real ``fully_shard`` module on a 1-rank gloo group in this process: a torch release that
 moves one fails here with the name, before any training test does."""
 
@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_zero.engine import fsdp2_private
+from lightning_zero.engine.stage3 import fsdp2_private
 from tests.launch import REPO
 
 

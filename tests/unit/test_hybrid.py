@@ -13,8 +13,8 @@ from lightning_zero import ZeroConfig, ZeroConfigError, ZeroStrategy
 from lightning_zero.cli.command_line import CommandLine
 from lightning_zero.cli.compose import compose
 from lightning_zero.cli.schema import LightningSchema
-from lightning_zero.engine.comm_stats import CommStats
-from lightning_zero.engine.topology import Topology
+from lightning_zero.engine.comm.comm_stats import CommStats
+from lightning_zero.engine.comm.topology import Topology
 
 
 def _trainer(strategy, devices=4, num_nodes=1):
@@ -151,7 +151,7 @@ def test_hpz_moves_the_roots_other_parameters_into_units_of_their_own():
     unless it shares a parameter with another child or the root (FSDP2 cannot split a parameter across units)."""
     from torch import nn
 
-    from lightning_zero.engine.fsdp2_units import select_units, units_below_the_root
+    from lightning_zero.engine.stage3.fsdp2_units import select_units, units_below_the_root
 
     class Root(nn.Module):
         def __init__(self):
@@ -178,7 +178,7 @@ def test_the_watchdog_compares_step_marks_with_a_rank_that_issues_the_same_colle
     replicas, so their running hashes differ by design: comparing rank 0 with rank 1 reported a divergence that was
     not one (seen on a loaded machine, where both ranks' published marks overlapped). The peer is the same place in
     the next replica group."""
-    from lightning_zero.fault_handling import symmetric_peer
+    from lightning_zero.strategy.fault_handling import symmetric_peer
 
     flat, hybrid = ZeroConfig(stage=2), ZeroConfig(stage=2, shard_size=2)
     assert [symmetric_peer(flat, r, 4, 4) for r in range(4)] == [1, 2, 3, 0]

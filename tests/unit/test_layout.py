@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lightning_zero.engine.buckets import pack_bucket, pack_segment, segment_view, unpack_bucket
-from lightning_zero.engine.layout import plan_layout
+from lightning_zero.engine.stage12.buckets import pack_bucket, pack_segment, segment_view, unpack_bucket
+from lightning_zero.engine.stage12.layout import plan_layout
 from lightning_zero.engine.shard import local_rows
 
 SHAPES = [("emb", (10, 3)), ("w", (7, 5)), ("b", (7,)), ("tiny", (1,)), ("scalar", ())]

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from lightning_zero.engine.fsdp2_units import one_dtype_units, select_units
+from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, mixed_state_bytes
 
 POLICY = PrecisionPolicy(torch.bfloat16, torch.bfloat16)

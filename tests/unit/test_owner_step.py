@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.config import ZeroConfigError
+from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.engine.optimizers import optimizer_kind, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping, plan_owners
 

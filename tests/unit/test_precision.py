@@ -6,8 +6,8 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 
 from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
-from lightning_zero.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleConfigError
-from lightning_zero.precision import as_zero_precision as _as_zero_precision
+from lightning_zero.precision.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleConfigError
+from lightning_zero.precision.zero_precision import as_zero_precision as _as_zero_precision
 
 
 def test_scale_halves_on_overflow_and_grows_after_interval():

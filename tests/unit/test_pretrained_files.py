@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.verify import CheckpointError
-from lightning_zero.deepspeed_config import parse_deepspeed_config
+from lightning_zero.deepspeed_compat.config import parse_deepspeed_config
 from lightning_zero.checkpoint.hf_export import parse_size, write_hf_dir
 from lightning_zero.pretrained import WeightsFile, detect_prefix, load_pretrained, match_keys
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from lightning_zero.engine.quantize import BITS, SCHEMES, Codec, ErrorFeedback
+from lightning_zero.engine.comm.quantize import BITS, SCHEMES, Codec, ErrorFeedback
 
 CODECS = [Codec(bits=b, block_size=256, scheme=s) for b, s in itertools.product(BITS, SCHEMES)]
 IDS = [f"{c.scheme}-{c.bits}" for c in CODECS]

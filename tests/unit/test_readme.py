@@ -22,7 +22,7 @@ from lightning_zero.cli import main as lightning_zero_command
 from lightning_zero.cli.command_line import CommandLine
 from lightning_zero.cli.compose import compose
 from lightning_zero.cli.schema import LightningSchema
-from lightning_zero.config import REGISTERED_STRATEGIES
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
 from lightning_zero.demo.callbacks import BAR_FORMAT
 from tests.launch import REPO
 from tests.readme import find, main_job_command, main_job_quotes, numbers, readme

@@ -1,0 +1,374 @@
+"""Typed, validated settings for :class:`~lightning_zero.ZeroStrategy`.
+
+Every check here runs when the strategy object is built, on every rank, before any process group exists:
+a bad value must fail fast with a message naming the setting, never surface later as a hang inside a
+collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any, Literal, Union
+
+from torch import nn
+
+from lightning_zero.config.choices import ZeroConfigError, check_choice, check_compile
+from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme, check_compression
+from lightning_zero.config.pipeline import check_pipeline
+
+StateDictType = Literal["sharded", "full"]
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PipelineSplit = Union[Literal["layers", "params"], list[int], list[str]]
+#: A sharding group's size: a number of consecutive ranks, or "node" (the ranks of one node).
+ShardSize = Union[int, Literal["node"], None]
+
+#: What a user may pass to pick modules: one class, several classes, or a predicate on modules.
+ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Module], bool], None]
+
+SUPPORTED_STAGES = (1, 2, 3)
+
+#: ``Trainer(strategy=name)`` -> the ``ZeroStrategy`` arguments it stands for (after ``import lightning_zero``).
+REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
+    "zero1": dict(stage=1),
+    "zero2": dict(stage=2),
+    "zero1_offload": dict(stage=1, offload_optimizer=True),
+    "zero2_offload": dict(stage=2, offload_optimizer=True),
+    "zero3": dict(stage=3),
+    "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
+    "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
+    # Across nodes: shard inside each node, replicate across nodes (hybrid sharding), or ZeRO++ hpZ.
+    "zero1_hsdp": dict(stage=1, shard_size="node"),
+    "zero2_hsdp": dict(stage=2, shard_size="node"),
+    "zero3_hsdp": dict(stage=3, shard_size="node"),
+    "zero3_hpz": dict(stage=3, secondary_shard_size="node"),
+    # Communication compression (ZeRO++ qgZ, and qwZ at stage 3) with error feedback on the gradients.
+    "zero2_compressed": dict(stage=2, gradient_compression="int8", error_feedback=True),
+    "zero3_compressed": dict(stage=3, gradient_compression="int8", error_feedback=True, param_compression="int8"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """The settings of one ZeroStrategy, validated on construction."""
+
+    stage: int = 2
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+
+    offload_optimizer: bool | float = False
+    """Keep master shards and optimizer state in host memory (ZeRO-Offload): gradient shards go to the host,
+    the optimizer steps there, updated shards come back. A number ``r`` in (0, 1] offloads that share of them
+    (DeepSpeed's ``ratio``), whole parameters at a time; the rest stays on the device (``engine/offload.py``)."""
+
+    offload_params: bool = False
+    """Stage 3 only: keep sharded parameters in host memory between uses, copying each unit's shards to the
+    device just before its all-gather. The optimizer then steps on the host as well, so this implies
+    ``offload_optimizer``."""
+
+    pin_memory: bool | None = None
+    """Pin offloaded host memory for fast asynchronous copies. ``None``: pin when an accelerator exists (on a
+    CPU-only run pinning is impossible and ``True`` is ignored with a warning)."""
+
+    activation_checkpointing: Any = None
+    """Module classes, a predicate or a dict (``{"classes": [...], "every": k}``) whose forward is recomputed in
+    backward instead of storing activations."""
+
+    wrap_policy: ModulePolicy = None
+    """Stage 3 only: the modules that become one all-gather unit. ``None`` picks every element of an
+    ``nn.ModuleList`` (the transformer blocks of most models); the root module is always a unit."""
+
+    pipeline_stages: int = 1
+    """Ranks per pipeline: the model (its ``pipeline_layers()``) is cut into this many stages, one per rank
+    (``pipeline_stages x pipeline_virtual_stages`` with ``interleaved_1f1b``, several per rank), and the
+    processes form ``world_size / pipeline_stages`` data-parallel replicas of that pipeline, across which ZeRO
+    stage 1 or 2 shards each stage's optimizer state (and gradients)."""
+
+    microbatches: int | None = None
+    """Micro-batches each batch is cut into for the pipeline schedule; must divide the per-replica batch size.
+    ``None``: one per pipeline stage (``pipeline_stages x pipeline_virtual_stages``). More micro-batches shrink
+    the idle share of a step, ``(p - 1) / (m + p - 1)``."""
+
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """``torch.distributed.pipelining`` schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"``
+    (same bubble, activations of at most ``p`` micro-batches alive) or ``"interleaved_1f1b"`` (several virtual
+    stages per rank, a smaller bubble for more point-to-point traffic)."""
+
+    pipeline_split: PipelineSplit = "layers"
+    """Where the layers are cut: ``"layers"`` (the same number of layers per stage), ``"params"`` (stages with
+    parameter counts as equal as possible) or explicit split points, the index or (for an ``nn.Sequential``)
+    the name of the first layer of every stage but the first."""
+
+    pipeline_virtual_stages: int | None = None
+    """Stages per rank for ``"interleaved_1f1b"`` (``None``: 2); exactly 1 for the other schedules."""
+
+    shard_size: ShardSize = None
+    """Hybrid sharding: shard over groups of this many consecutive ranks and replicate across the groups
+    (``"node"``: a group is a node, the Trainer's ``devices``). ``None`` shards over every rank. Each group's
+    reduce-scatter and all-gather stay inside it; across groups only an all-reduce of each rank's gradient
+    shard travels (``2P/k`` elements per rank per step for a group of ``k``, against ``2P`` for flat sharding),
+    and each rank holds the ZeRO formulas' state with ``N`` replaced by ``k``. Every stage; DeepSpeed's
+    ``mics_shard_size``. Not with ``pipeline_stages > 1``."""
+
+    secondary_shard_size: ShardSize = None
+    """Stage 3 only, ZeRO++ hpZ: after forward keep each layer's parameters sharded over groups of this many
+    consecutive ranks (``"node"``: a node) instead of freeing them, so backward's all-gather stays inside the
+    group. Costs that copy (``P/s`` parameters in the compute dtype between forward and backward). Must divide
+    the world size; not with ``shard_size``. DeepSpeed's ``zero_hpz_partition_size``."""
+
+    bucket_size_mb: float = 25.0
+    """Size of one gradient communication bucket (stages 1-2); larger buckets mean fewer, bigger collectives."""
+
+    overlap_comm: bool = True
+    """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward."""
+
+    reduce_every_microbatch: bool = False
+    """Under gradient accumulation, reduce-scatter on every micro-batch instead of only the last, so full
+    gradients never outlive one backward in stages 2 and 3 (less memory, k times the gradient traffic). At stage 3
+    it also reshards each unit after every forward and backward, where by default an accumulation window keeps the
+    units gathered from its first forward to its last backward (one all-gather a window instead of two a
+    micro-batch: [Note: gathered accumulation windows] in ``engine/stage3/fsdp2_window.py``)."""
+
+    gradient_compression: Compression | None = None
+    """How gradients travel in the reduce-scatter (stages 1-3) and, under hybrid sharding, the sum across replica
+    groups. ``"fp16"``/``"bf16"``: chunks travel in that dtype and each rank sums what it receives in fp32 (unlike
+    ``ZeroPrecision(reduce_dtype=...)``, the dtype the collective itself sums in). ``"int8"``/``"int4"``: block-wise
+    quantized chunks (ZeRO++ qgZ), an all-to-all after which the rank owning the rows dequantizes and sums them
+    in fp32. ``None``: as computed. DeepSpeed's ``compression`` block and ``zero_quantized_gradients`` set it."""
+
+    param_compression: Compression | None = None
+    """How updated parameters travel in the stage 1-2 post-step all-gather and stage 3's forward/backward
+    all-gathers (``"int8"``: ZeRO++ qwZ). fp32 master weights and the optimizer stay exact; every rank computes with
+    the same dequantized weights. A 16-bit choice sends a tensor already 16-bit (bf16-mixed runs) as it is."""
+
+    quantization_scheme: QuantizationScheme = "symmetric"
+    """int8/int4 blocks carry an fp32 scale (``"symmetric"``) or a scale and a zero point (``"asymmetric"``, closer
+    for blocks not centred on zero)."""
+
+    quantization_block_size: int = 2048
+    """Elements per quantization block sharing one scale: smaller blocks follow outliers more closely and send
+    more scale bytes. An even integer >= 2 (int4 packs two per byte)."""
+
+    error_feedback: bool = False
+    """Keep each rank's gradient quantization residual and add it to the next step's gradient, so the applied
+    updates track the exact ones over steps instead of drifting. Needs int8/int4 gradients; saved in checkpoints."""
+
+    compression_scope: CompressionScope = "all"
+    """``"all"``: every collective named above; ``"inter_node"``: only the gradient sum between the replica groups
+    of hybrid sharding (``shard_size``), where bandwidth is scarce, leaving traffic inside a group exact."""
+
+    elementwise_optimizers: tuple = ()
+    """Extra optimizer classes you vouch update every element independently (beyond torch's SGD, Adam,
+    AdamW, ...), so stepping each rank's shard separately is exact."""
+
+    matrix_optimizers: tuple = ()
+    """Extra optimizer classes (beyond ``torch.optim.Muon`` and ``Adafactor``) that need whole parameters: each
+    parameter is stepped whole on one owner rank, which alone holds its state (``engine/owner_step.py``)."""
+
+    compile: bool | dict = False
+    """``torch.compile`` each block in place once sharded; a dict: torch.compile's arguments (``compiling.py``)."""
+
+    state_dict_type: StateDictType = "sharded"
+    """``"sharded"`` writes a directory of per-rank shards; ``"full"`` writes one file from rank 0."""
+
+    init_weights: str | None = None
+    """Pretrained weights to start from: a Hugging Face ``save_pretrained`` directory (safetensors, sharded or
+    not), a ``.safetensors`` file, or a plain ``state_dict`` / consolidated / Lightning checkpoint file. Read
+    after sharding, each rank only its rows (see ``pretrained.py``); a ``ckpt_path`` resume overrides it."""
+
+    init_weights_strict: bool = True
+    """Whether keys of the module missing from ``init_weights`` (or of the file missing from the module) are an
+    error, as ``load_state_dict(strict=True)``; shape mismatches always are."""
+
+    init_weights_prefix: str | None = None
+    """Prefix of the module's ``state_dict`` names that the file's keys go under (e.g. ``"model."``); ``None``
+    picks the submodule that matches the most keys."""
+
+    gather_16bit_weights_on_save: bool = False
+    """Every ``save_checkpoint`` also writes the consolidated weights in the run's 16-bit dtype (bf16 unless the
+    run is ``16-mixed``) to ``<checkpoint path>.hf/``: a Hugging Face directory (``config.json`` +
+    ``model.safetensors``) when the module holds a ``transformers`` model, else ``model.safetensors`` alone.
+    DeepSpeed's ``gather_16bit_weights_on_model_save`` (either spelling) sets it."""
+
+    async_save: bool = False
+    """Write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``): a save blocks
+    training only while this rank's shards are copied to host memory, and the checkpoint appears under its
+    name once every rank's files are written. Costs one host copy of this rank's shards, kept for reuse. The
+    next save, the end of training and teardown wait for it (giving up when its files stop growing for
+    ``timeout``) and raise its failure on every rank; ``save_top_k`` removals wait for it to succeed. Saves
+    outside ``fit`` are synchronous. Needs ``state_dict_type="sharded"``."""
+
+    process_group_backend: str | None = None
+    """``torch.distributed`` backend; ``None`` picks ``nccl`` on CUDA and ``gloo`` otherwise."""
+
+    timeout: timedelta | float = timedelta(seconds=60)
+    """The hang limit: how long a collective may wait for a peer while a run's loops run before every rank
+    fails with an error naming the rank and the collective (a ``timedelta`` or a number of seconds). A rank
+    that fails, dies, finishes early or diverges is named sooner. The rendezvous and setup (before the loops)
+    allow at least 10 minutes. For a known one-sided long phase, use ``lightning_zero.faults.extended``."""
+
+    watchdog: bool = True
+    """Run the collective watchdog thread (``lightning_zero/faults/``): it names the rank and collective of a
+    hang, ends blocked ranks (also under NCCL, where nothing raises), makes a rank that finished early fail,
+    and ends the process within 30 s of SIGTERM. ``False`` keeps only the process-group timeout."""
+
+    start_method: StartMethod = "popen"
+    """How Lightning starts the processes: re-run the script (``popen``) or ``spawn``/``fork``/``forkserver``."""
+
+    auto_resume: bool = True
+    """When a launcher restarts a failed job (``torchrun --max-restarts``: ``TORCHELASTIC_RESTART_COUNT`` > 0, or
+    the newest checkpoint was written by this torchrun job; SLURM: ``SLURM_RESTART_COUNT`` > 0) and ``fit`` got
+    no ``ckpt_path``, resume from the newest complete checkpoint in the trainer's ``ModelCheckpoint`` directories
+    (set ``dirpath``: without it the directory follows the logger's version, which changes on restart; see
+    ``lightning_zero/resume/``). Every rank resumes from the same checkpoint, mid-epoch exactly. ``False``: a
+    restart starts from the beginning. (Either way, on SIGTERM ``sigterm.ckpt`` is saved into the first
+    ``ModelCheckpoint``'s directory when that is safe, for a resume or ``ckpt_path="last"``.)"""
+
+    def __post_init__(self) -> None:
+        check_choice("stage", self.stage, SUPPORTED_STAGES)
+        if self.init_weights is not None:
+            if not isinstance(self.init_weights, (str, os.PathLike)) or not os.path.exists(self.init_weights):
+                raise ZeroConfigError(
+                    f"`init_weights={self.init_weights!r}` must be the path of a `save_pretrained` directory, a "
+                    ".safetensors file or a state_dict file, and it does not exist."
+                )
+            object.__setattr__(self, "init_weights", os.fspath(self.init_weights))
+        if self.init_weights_prefix is not None and not isinstance(self.init_weights_prefix, str):
+            raise ZeroConfigError(f"`init_weights_prefix` must be None or a string, got {self.init_weights_prefix!r}.")
+        ratio = self.offload_optimizer
+        if not isinstance(ratio, bool) and (not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
+            raise ZeroConfigError(f"`offload_optimizer` must be True, False or a share in (0, 1], got {ratio!r}.")
+        if not isinstance(ratio, bool):
+            object.__setattr__(self, "offload_optimizer", True if ratio == 1 else float(ratio))
+        flags = ("offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
+                 "gather_16bit_weights_on_save", "watchdog", "async_save", "auto_resume", "error_feedback")
+        for flag in flags:
+            if not isinstance(getattr(self, flag), bool):
+                raise ZeroConfigError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
+        if self.offload_params and self.stage != 3:
+            raise ZeroConfigError(
+                f"`offload_params=True` needs `stage=3` (got stage={self.stage}): only stage 3 shards parameters."
+            )
+        if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)):
+            raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb!r}.")
+        if not self.bucket_size_mb > 0:
+            raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb}.")
+        if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
+            raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
+        check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
+        check_pipeline(self)
+        self._check_shard_sizes()
+        check_compression(self)
+        check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
+        if self.async_save and self.state_dict_type != "sharded":
+            raise ZeroConfigError(
+                "`async_save=True` writes sharded checkpoints (each rank its own shards, in the background); "
+                f"`state_dict_type={self.state_dict_type!r}` has rank 0 write the whole model. Use "
+                "state_dict_type='sharded' (then `lightning-zero consolidate` for one file), or async_save=False."
+            )
+        check_choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
+        if self.process_group_backend is not None:
+            check_choice("process_group_backend", self.process_group_backend, ("gloo", "nccl", "mpi", "cuda:nccl,cpu:gloo"))
+        if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
+            if self.timeout > 0:  # seconds, as LightningCLI / YAML users write it
+                object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
+        if not isinstance(self.timeout, timedelta) or self.timeout.total_seconds() <= 0:
+            raise ZeroConfigError(
+                f"`timeout` must be a positive datetime.timedelta or number of seconds, got {self.timeout!r}."
+            )
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise ZeroConfigError(f"`pin_memory` must be None, True or False, got {self.pin_memory!r}.")
+        check_compile(self.compile)
+        for name in ("elementwise_optimizers", "matrix_optimizers"):
+            classes = getattr(self, name)
+            if not isinstance(classes, (tuple, list)) or not all(isinstance(c, type) for c in classes):
+                raise ZeroConfigError(f"`{name}` must be a tuple of optimizer classes, got {classes!r}.")
+            object.__setattr__(self, name, tuple(classes))
+
+    def _check_shard_sizes(self) -> None:
+        for setting in ("shard_size", "secondary_shard_size"):
+            value = getattr(self, setting)
+            if isinstance(value, str) and value.isdigit():  # "2" from a command line
+                object.__setattr__(self, setting, value := int(value))
+            if value is None or value == "node" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                continue
+            raise ZeroConfigError(f"`{setting}` must be None, 'node' or a number of ranks >= 1, got {value!r}.")
+        if self.secondary_shard_size is not None and self.stage != 3:
+            raise ZeroConfigError(
+                f"`secondary_shard_size={self.secondary_shard_size!r}` (hpZ) needs `stage=3` (got stage={self.stage}): "
+                "stages 1-2 keep whole parameters on every rank, so there is no parameter gather to keep in a node."
+            )
+        if self.secondary_shard_size is not None and self.shard_size is not None:
+            raise ZeroConfigError(
+                "`secondary_shard_size` (hpZ) and `shard_size` (hybrid sharding) cannot be combined: with a "
+                "`shard_size` group inside a node every gather already stays there. Choose one."
+            )
+        if self.shard_size is not None and self.pipeline_stages > 1:
+            raise ZeroConfigError(
+                f"`shard_size={self.shard_size!r}` is not supported with `pipeline_stages={self.pipeline_stages}`: "
+                "pipeline replicas already shard each stage over its data-parallel ranks. Use one of the two."
+            )
+
+    def group_sizes(self, world_size: int, node_size: int) -> tuple[int, int | None]:
+        """``(shard group size, hpZ group size or None)`` for a run of ``world_size`` ranks in nodes of
+        ``node_size``, or a :class:`ZeroConfigError` naming the setting; checked before any process group exists."""
+        shard = self._group_size("shard_size", self.shard_size, world_size, node_size) or world_size
+        secondary = self._group_size("secondary_shard_size", self.secondary_shard_size, world_size, node_size)
+        for setting, size in (("shard_size", shard), ("secondary_shard_size", secondary)):
+            if size == 1 and world_size > 1:
+                raise ZeroConfigError(
+                    f"`{setting}` comes to 1 rank (of {world_size}): nothing would be sharded. Use a group of >= 2 "
+                    "ranks, None (every rank), or Lightning's 'ddp' for plain replication."
+                )
+        return shard, secondary
+
+    @staticmethod
+    def _group_size(setting: str, value: ShardSize, world_size: int, node_size: int) -> int | None:
+        if value is None:
+            return None
+        if value == "node":
+            if node_size < 1 or world_size % node_size:
+                raise ZeroConfigError(
+                    f"`{setting}='node'` needs the same number of ranks on every node, but {world_size} ranks do not "
+                    f"split into nodes of {node_size} (uneven cluster); give a number of ranks instead."
+                )
+            return node_size
+        if value > world_size or world_size % value:
+            divisors = [d for d in range(2, world_size + 1) if world_size % d == 0]
+            relation = "is larger than" if value > world_size else "does not divide"
+            raise ZeroConfigError(
+                f"`{setting}={value}` {relation} the world size {world_size} (num_nodes x devices); choose one of "
+                f"{divisors}, 'node' or None."
+            )
+        return value
+
+    @property
+    def pipeline_virtual(self) -> int:
+        """Stages per rank (2 for ``interleaved_1f1b`` unless set, else 1)."""
+        if self.pipeline_virtual_stages is not None:
+            return self.pipeline_virtual_stages
+        return 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches per batch (one per pipeline stage unless set)."""
+        return self.microbatches or self.pipeline_stages * self.pipeline_virtual
+
+    @property
+    def compresses(self) -> bool:
+        """Whether any collective travels compressed (``gradient_compression`` or ``param_compression`` set)."""
+        return self.gradient_compression is not None or self.param_compression is not None
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        """Whether the optimizer state lives in host memory (``offload_params`` puts it there too)."""
+        return bool(self.offload_optimizer) or self.offload_params
+
+    @property
+    def bucket_numel(self) -> int:
+        """Elements of one fp32 gradient bucket."""
+        return max(1, int(self.bucket_size_mb * 2**20) // 4)

@@ -1,0 +1,1 @@
+"""DeepSpeed JSON configs: parsed and checked (``config.py``), then applied to a run (``trainer.py``)."""

@@ -1,0 +1,392 @@
+"""The only module that calls ``torch.distributed`` collectives.
+
+Every call is labelled with ``torch.profiler.record_function`` and counted in :func:`comm_stats`, so tests
+and benchmarks can assert what a step communicates (``elements`` per kind) without patching torch. FSDP2
+(stage 3) is routed through here too, via its custom all-gather / reduce-scatter hooks (``fsdp2_comm.py``);
+pipeline stages' point-to-point sends are counted by the pipeline as they happen (:func:`record_sent`). Over
+gloo, reduce-scatter and all-gather run as point-to-point transfers (``p2p_transport.py``: rings, and stages 1-2's
+exchanges without packed buffers), or through shared-memory mailboxes (``shm_transport.py``); both are reached only
+through this module.
+
+What is counted, and how groups are told apart as intra- or inter-node, is ``comm_stats.py``'s
+[Note: counting convention].
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from lightning_zero.engine.comm import p2p_transport as p2p
+from lightning_zero.engine.comm import shm_transport
+from lightning_zero.engine.comm.comm_stats import CommStats
+from lightning_zero.engine.comm.flight import RECORDER as _FLIGHT
+
+ReduceOp = dist.ReduceOp
+#: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
+_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+_STATS = CommStats()
+
+
+def set_wait_timeout(timeout: timedelta | None) -> None:
+    """How long a point-to-point wait (our ring collectives) may block: gloo applies the process group's timeout
+    to collectives but not to isend/irecv waits. Set by ``faults/timeouts.py`` while a run is active."""
+    p2p.WAIT_TIMEOUT = timeout
+
+
+def comm_stats() -> CommStats:
+    """This process's communication counters."""
+    return _STATS
+
+
+def _count(kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, times: int = 1) -> None:
+    _STATS.record(kind, tensor, group_ranks(group), times)
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: every rank), in group order."""
+    if not is_distributed():
+        return (0,)
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | p2p.Ring | None:
+    """Sum ``input`` over ranks and leave rank r's segment in ``output``. ``input`` may be overwritten."""
+    if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
+        output.copy_(input)
+        return None
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)  # see engine/comm/flight.py
+    _count("reduce_scatter", input, group)
+    with record_function("lightning_zero::reduce_scatter"):
+        if (mailboxes := _shared_memory(group, output, input)) is not None:
+            return _through_mailboxes(mailboxes, mailboxes.reduce_scatter, output, input, number, "reduce_scatter", async_op)
+        if _use_ring(group):
+            work = p2p.RingReduceScatter(output, input, group, number)
+        else:
+            work = _reduce_scatter_flat(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
+        return work if async_op else finish(work, number, "reduce_scatter")
+
+
+def all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | p2p.Ring | None:
+    """Concatenate every rank's ``input`` into ``output``."""
+    if world_size(group) == 1:
+        output.copy_(input)
+        return None
+    number = _FLIGHT.issue("all_gather", output.numel(), output.dtype)
+    _count("all_gather", output, group)
+    with record_function("lightning_zero::all_gather"):
+        staging = _staging_device(output, group)
+        if staging is not None:  # host tensors (offloaded state) over a device-only backend
+            staged = output.to(staging)
+            _FLIGHT.wait(number, "all_gather")
+            _all_gather_flat(staged, input.to(staging), group=group)
+            _FLIGHT.done(number)
+            output.copy_(staged)
+            return None
+        if (mailboxes := _shared_memory(group, output, input)) is not None:
+            return _through_mailboxes(mailboxes, mailboxes.all_gather, output, input, number, "all_gather", async_op)
+        if _use_ring(group):
+            work = p2p.RingAllGather(output, input, group, number)
+        else:
+            work = _all_gather_flat(output, input, group=group, async_op=async_op)
+        return work if async_op else finish(work, number, "all_gather")
+
+
+_PACKED_ONLY = False
+
+
+def exchanges_in_place(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether :func:`all_gather_in_place` and :func:`reduce_scatter_in_place` serve ``group``: gloo's
+    point-to-point transfers (see [Note: collectives in place] in ``p2p_transport.py``); the shared-memory
+    mailboxes and other backends take packed buffers."""
+    return not _PACKED_ONLY and world_size(group) > 1 and _use_ring(group) and shm_transport.for_group(group) is None
+
+
+@contextlib.contextmanager
+def packed_only() -> Iterator[None]:
+    """Stages 1-2 reduce and gather through packed buffers while inside (``benchmarks/bench_collectives.py``
+    compares the two ways on the same process group)."""
+    global _PACKED_ONLY
+    previous, _PACKED_ONLY = _PACKED_ONLY, True
+    try:
+        yield
+    finally:
+        _PACKED_ONLY = previous
+
+
+def all_gather_in_place(
+    pieces: Sequence[Sequence[torch.Tensor]], packed_numel: int, group: dist.ProcessGroup | None = None
+) -> p2p.Ring:
+    """Every rank's ``pieces[rank]`` into ``pieces[rank]`` of every other rank, tensor by tensor, with no buffer
+    (see [Note: collectives in place] in ``p2p_transport.py``). ``pieces[r]`` are contiguous views of the
+    destinations, the same shapes on every rank; ``packed_numel`` is the size of the buffer the packed collective
+    would fill, as counted. Returns the handle to wait on."""
+    mine = pieces[rank(group)]
+    return _exchange_counted("all_gather", mine, packed_numel, group, lambda peer: mine, lambda peer: pieces[peer])
+
+
+def reduce_scatter_in_place(
+    sends: Sequence[Sequence[torch.Tensor]], receives: Sequence[Sequence[torch.Tensor]], packed_numel: int,
+    group: dist.ProcessGroup | None = None,
+) -> p2p.Ring:
+    """The transfers of a reduce-scatter without its buffers (see [Note: collectives in place] in
+    ``p2p_transport.py``): ``sends[r]``, this rank's contributions to rank r's rows, go to rank r and land there in
+    ``receives[this rank]``; the caller adds what it received once the handle is waited on. ``packed_numel`` is the
+    size of the input the packed collective would reduce, as counted."""
+    mine = [piece for pieces in sends for piece in pieces]
+    return _exchange_counted("reduce_scatter", mine, packed_numel, group, lambda peer: sends[peer],
+                             lambda peer: receives[peer])
+
+
+def _exchange_counted(kind: str, like: Sequence[torch.Tensor], packed_numel: int, group, to, source) -> p2p.Ring:
+    dtype = like[0].dtype if like else torch.float32
+    number = _FLIGHT.issue(kind, packed_numel, dtype)
+    _STATS.record_elements(kind, packed_numel, dtype.itemsize, group_ranks(group))
+    with record_function(f"lightning_zero::{kind}"):
+        return p2p.Exchange(kind, to, source, group, number)
+
+
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | None:
+    """Rank r's chunk j of ``input`` (dim 0 split in equal chunks) lands as chunk r of rank j's ``output``:
+    compressed gradient reduction (``compression.py``) sends each owner its rows this way."""
+    if world_size(group) == 1:
+        output.copy_(input)
+        return None
+    number = _FLIGHT.issue("all_to_all", input.numel(), input.dtype)
+    _count("all_to_all", input, group)
+    with record_function("lightning_zero::all_to_all"):
+        work = dist.all_to_all_single(output, input, group=group, async_op=True)
+        if async_op:
+            return _Tracked(work, number, "all_to_all")
+        return finish(work, number, "all_to_all")
+
+
+class _Tracked(dist.Work):
+    """A backend's handle that reports its wait to the flight recorder, as our rings do."""
+
+    def __init__(self, work: dist.Work, number: int, kind: str) -> None:
+        super().__init__()
+        self.work, self.number, self.kind = work, number, kind
+
+    def wait(self) -> bool:
+        finish(self.work, self.number, self.kind)
+        return True
+
+
+def finish(work, number: int = 0, kind: str = "") -> None:
+    """Wait for an asynchronous collective's handle (one of our rings, or a ``dist.Work``)."""
+    if isinstance(work, p2p.Ring):
+        work.wait()  # records its own wait
+    elif work is not None:
+        _FLIGHT.wait(number, kind)
+        with record_function("lightning_zero::wait"):
+            work.wait()
+        _FLIGHT.done(number)
+    return None
+
+
+def _use_ring(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _shared_memory(group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor):
+    """The group's shared-memory mailboxes (``shm_transport.py``) where they serve this call: gloo, host tensors,
+    one host. Every rank decides alike (same backend, devices and layout)."""
+    if not (_use_ring(group) and output.device.type == "cpu" and input.device.type == "cpu"
+            and output.is_contiguous() and input.is_contiguous() and output.dtype == input.dtype):
+        return None
+    return shm_transport.for_group(group)
+
+
+def _through_mailboxes(mailboxes, collective, output: torch.Tensor, input: torch.Tensor, number: int, kind: str,
+                       async_op: bool):
+    """Queue a collective to the group's mailbox thread: its handle, or None once it ran (``async_op=False``,
+    or a group whose collectives run in the calling thread)."""
+    work = mailboxes.submit(collective, output, input)
+    if work is None:
+        _FLIGHT.wait(number, kind)
+        _FLIGHT.done(number)
+        return None
+    return _Tracked(work, number, kind) if async_op else finish(work, number, kind)
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place all-reduce (small tensors: norms, overflow flags)."""
+    if world_size(group) == 1:
+        return tensor
+    number = _FLIGHT.issue("all_reduce", tensor.numel(), tensor.dtype)
+    _count("all_reduce", tensor, group, times=2)
+    with record_function("lightning_zero::all_reduce"):
+        staging = _staging_device(tensor, group)
+        _FLIGHT.wait(number, "all_reduce")
+        if staging is None:
+            dist.all_reduce(tensor, op=op, group=group)
+        else:
+            staged = tensor.to(staging)
+            dist.all_reduce(staged, op=op, group=group)
+            tensor.copy_(staged)
+        _FLIGHT.done(number)
+    return tensor
+
+
+def _staging_device(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device | None:
+    """NCCL moves only CUDA tensors: host tensors (offloaded gradients and optimizer state) go through the
+    current CUDA device. None when the backend takes the tensor where it is."""
+    if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Broadcast ``tensors`` in place from global rank ``src``."""
+    if world_size(group) == 1:
+        return
+    number = _FLIGHT.issue("broadcast", sum(t.numel() for t in tensors), tensors[0].dtype if tensors else None)
+    with record_function("lightning_zero::broadcast"):
+        works = []
+        for tensor in tensors:
+            _count("broadcast", tensor, group)
+            works.append(dist.broadcast(tensor, src=src, group=group, async_op=True))
+        _FLIGHT.wait(number, "broadcast")
+        for work in works:
+            work.wait()
+        _FLIGHT.done(number)
+
+
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    if world_size(group) == 1:
+        return obj
+    holder = [obj]
+    number = _blocking("broadcast_object")
+    with record_function("lightning_zero::broadcast_object"):
+        dist.broadcast_object_list(holder, src=src, group=group)
+    _FLIGHT.done(number)
+    return holder[0]
+
+
+def _blocking(kind: str, numel: int = 0, dtype: torch.dtype | None = None) -> int:
+    """Record a blocking collective (of pickled objects when there is no tensor to describe) and its wait."""
+    number = _FLIGHT.issue(kind, numel, dtype)
+    _FLIGHT.wait(number, kind)
+    return number
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (small, picklable), in rank order, on every rank."""
+    if world_size(group) == 1:
+        return [obj]
+    out = [None] * world_size(group)
+    number = _blocking("all_gather_object")
+    with record_function("lightning_zero::all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
+    _FLIGHT.done(number)
+    return out
+
+
+def gather_objects(obj: object, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` in rank order on rank ``dst``; None elsewhere."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size() if rank() == dst else None
+    number = _blocking("gather_object")
+    with record_function("lightning_zero::gather_object"):
+        dist.gather_object(obj, out, dst=dst)
+    _FLIGHT.done(number)
+    return out
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    if world_size(group) > 1:
+        number = _blocking("barrier")
+        with record_function("lightning_zero::barrier"):
+            dist.barrier(group=group)
+        _FLIGHT.done(number)
+
+
+def reduce_scatter_op(output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group=None, async_op: bool = False):
+    """A reduce-scatter with any op, by the backend itself (FSDP2's fp16 pre/post-divide and async paths)."""
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)
+    _count("reduce_scatter", input, group)
+    with record_function("lightning_zero::reduce_scatter"):
+        if async_op:
+            return _reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
+        _FLIGHT.wait(number, "reduce_scatter")
+        _reduce_scatter_flat(output, input, op=op, group=group)
+        _FLIGHT.done(number)
+        return None
+
+
+def record_sent(tensor: torch.Tensor) -> None:
+    """Count a point-to-point send another library issues (pipeline stages' activations and their gradients,
+    sent by ``torch.distributed.pipelining``), as ``"send"``: what this rank puts on the wire."""
+    _count("send", tensor, None)
+
+
+def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.ReduceOp, bool]:
+    """Lightning's reduce names ("mean", "sum", "max", "min") or a ReduceOp -> (op, divide by world)."""
+    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+        return dist.ReduceOp.SUM, True
+    if isinstance(reduce_op, str):
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+        if reduce_op.lower() not in ops:
+            raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
+        return ops[reduce_op.lower()], False
+    return reduce_op, False
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None):
+    """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective:
+    every rank builds the same mesh at the same point."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def all_gather_uncounted(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked, ``(world, *shape)``: for bookkeeping (the monitor's figures) that must
+    not show up in the model's communication counts."""
+    if world_size() == 1:
+        return tensor.unsqueeze(0)
+    out = torch.empty(world_size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    number = _blocking("all_gather_uncounted", out.numel(), out.dtype)
+    _all_gather_flat(out, tensor.contiguous())
+    _FLIGHT.done(number)
+    return out.view(world_size(), *tensor.shape)
+
+
+def new_group(timeout=None, backend: str = "gloo") -> dist.ProcessGroup | None:
+    """A new process group of every rank (collective: every rank calls it at the same point), for work that
+    runs beside training (an asynchronous checkpoint's collectives, issued from a background thread) and so
+    must never interleave with the training collectives on the world group. gloo by default: such work
+    moves host-side objects. None when torch.distributed is not initialized."""
+    if not is_distributed():
+        return None
+    return dist.new_group(backend=backend, timeout=timeout)

@@ -1,0 +1,151 @@
+"""Collectives as point-to-point transfers over gloo, for ``collectives.py`` (which counts and labels them):
+the textbook rings, and the exchanges that move stages 1-2's rows without packed buffers.
+
+[Note: ring collectives over gloo]
+gloo's reduce_scatter_tensor and all_gather_into_tensor are 1.5-2x slower on CPU than a ring of
+point-to-point transfers moving the same bytes (measured on 2 ranks, 25 MB buckets: reduce-scatter 35 ms
+vs 19 ms, all-gather 23 ms vs 17 ms; gloo's own all_reduce is a ring and takes 33 ms). Over gloo we
+therefore run the textbook ring: N-1 steps, each sending one segment to the next rank and receiving one
+from the previous. The first step's transfers are posted at once and proceed in gloo's threads, so a
+bucket's reduction overlaps backward; with 2 ranks that is the whole collective.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from lightning_zero.engine.comm.flight import RECORDER as _FLIGHT
+
+#: How long a point-to-point wait may block (``collectives.set_wait_timeout``); None: no limit.
+WAIT_TIMEOUT: timedelta | None = None
+
+
+class Ring(dist.Work):
+    """A ``dist.Work`` (FSDP2 waits only on those), whose ``wait`` runs the remaining ring steps."""
+
+    kind = ""
+
+    def __init__(self, group: dist.ProcessGroup | None, number: int) -> None:
+        super().__init__()
+        self.group = group
+        self.number = number  # in the flight recorder
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
+        self.step = 0
+        self.pending: list = []
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        self.pending = [dist.isend(send, self.next, group=self.group), dist.irecv(recv, self.prev, group=self.group)]
+
+    def _complete(self) -> None:
+        with record_function("lightning_zero::wait"):
+            for request in self.pending:
+                if WAIT_TIMEOUT is None:
+                    request.wait()
+                else:
+                    request.wait(WAIT_TIMEOUT)
+        self.pending = []
+
+
+class RingReduceScatter(Ring):
+    """Segment ``(rank - k - 1)`` travels at step k; after N-1 steps rank r holds the sum of segment r. The last
+    step receives straight into ``output`` (which must not alias ``input``) and adds this rank's segment there:
+    with 2 ranks no buffer at all, and the same two-term sums."""
+
+    kind = "reduce_scatter"
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
+        super().__init__(group, number)
+        self.output = output
+        self.acc = input.view(self.size, -1)
+        self.recv = torch.empty_like(self.acc[0]) if self.size > 2 else None
+        self._post()
+
+    def _last(self) -> bool:
+        return self.step == self.size - 2
+
+    def _post(self) -> None:
+        self._exchange(self.acc[(self.rank - self.step - 1) % self.size], self.output if self._last() else self.recv)
+
+    def wait(self) -> bool:
+        _FLIGHT.wait(self.number, self.kind)
+        while self.pending:
+            self._complete()
+            if self._last():
+                self.output.add_(self.acc[self.rank])
+            else:
+                self.acc[(self.rank - self.step - 2) % self.size].add_(self.recv)
+            self.step += 1
+            if self.step < self.size - 1:
+                self._post()
+        _FLIGHT.done(self.number)
+        return True
+
+
+class RingAllGather(Ring):
+    """Segment ``(rank - k)`` travels at step k, received straight into its place in ``output``."""
+
+    kind = "all_gather"
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
+        super().__init__(group, number)
+        self.acc = output.view(self.size, -1)
+        self.acc[self.rank].copy_(input)
+        self._post()
+
+    def _post(self) -> None:
+        k = self.step
+        self._exchange(self.acc[(self.rank - k) % self.size], self.acc[(self.rank - k - 1) % self.size])
+
+    def wait(self) -> bool:
+        _FLIGHT.wait(self.number, self.kind)
+        while self.pending:
+            self._complete()
+            self.step += 1
+            if self.step < self.size - 1:
+                self._post()
+        _FLIGHT.done(self.number)
+        return True
+
+
+# [Note: collectives in place]
+# Stages 1-2 reduce gradients straight out of ``p.grad`` and gather updated rows straight into the resident
+# parameters. Through a packed collective each is a copy into a bucket-sized buffer, the collective, and a copy
+# out of it; on a CPU the buffers cost more than the copies, since every allocation of that size is fresh pages
+# the kernel must fault in and zero (a persistent buffer would break the stage's memory formula). Each rank
+# instead sends every other rank its part of each parameter, a contiguous view, and receives into views: the
+# all-gather's straight into the parameters, the reduce-scatter's into one segment per peer, which the caller
+# adds. On 2 CPU ranks, bench_core's 27M-parameter GPT in 25 MB buckets (``benchmarks/bench_collectives.py``), the
+# post-step all-gather takes 46-48 ms a step against 86-87 ms packed, and a backward with its reduction 134-144 ms
+# against 163-219. Point-to-point transfers between two ranks are matched in posting order, and every rank posts
+# the same pieces in the same order; the bytes on the wire are the ring's, (N-1)/N of the packed buffer.
+class Exchange(Ring):
+    """Sends ``to(peer)`` to each peer and receives ``source(peer)`` from each, nearest peers first."""
+
+    def __init__(self, kind: str, to, source, group, number: int = 0) -> None:
+        super().__init__(group, number)
+        self.kind = kind
+        for distance in range(1, self.size):
+            peer_to, peer_from = (self.rank + distance) % self.size, (self.rank - distance) % self.size
+            # Empty pieces (a rank past a parameter's last row) travel too: every rank then issues the same number
+            # of operations, which the watchdog compares across ranks to tell a diverged rank.
+            for piece in to(peer_to):
+                self.pending.append(dist.isend(piece, self._global(peer_to), group=self.group))
+            for piece in source(peer_from):
+                self.pending.append(dist.irecv(piece, self._global(peer_from), group=self.group))
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group else rank
+
+    def wait(self) -> bool:
+        _FLIGHT.wait(self.number, self.kind)
+        if self.pending:
+            self._complete()
+        _FLIGHT.done(self.number)
+        return True

@@ -1,0 +1,100 @@
+"""Copies between per-parameter tensors and rank-major bucket buffers (see [Note: rank-major buckets]).
+
+Each function does one strided copy per parameter: a bucket viewed as ``[world_size, segment]`` has
+parameter ``p``'s chunks in the column block ``[offset, offset + chunk)``, and a parameter's first
+``full_chunks`` chunks are exactly ``flat[: full_chunks * chunk].view(full_chunks, chunk)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
+
+
+def _columns(buffer: torch.Tensor, bucket: BucketSpec, spec: ParamShardSpec) -> torch.Tensor:
+    grid = buffer.view(bucket.world_size, bucket.segment_numel)
+    return grid[:, spec.offset : spec.offset + spec.chunk_numel]
+
+
+def pack_bucket(
+    layout: ShardLayout, bucket: BucketSpec, sources: Sequence[torch.Tensor | None], out: torch.Tensor
+) -> torch.Tensor:
+    """Scatter full tensors (``sources[i]`` for the bucket's parameters, ``None`` meaning zeros) into the
+    rank-major ``out``; padding is zeroed."""
+    for i in bucket.params:
+        spec = layout.params[i]
+        cols = _columns(out, bucket, spec)
+        source = sources[i]
+        if source is None:
+            cols.zero_()
+            continue
+        flat = source.reshape(-1)
+        k, c = spec.full_chunks, spec.chunk_numel
+        if k:
+            cols[:k].copy_(flat[: k * c].view(k, c))
+        if k < bucket.world_size:
+            rest = spec.numel - k * c
+            tail = cols[k:]
+            if rest:
+                tail[0, :rest].copy_(flat[k * c :])
+                tail[0, rest:].zero_()
+                tail[1:].zero_()
+            else:
+                tail.zero_()
+    return out
+
+
+def unpack_bucket(
+    layout: ShardLayout,
+    bucket: BucketSpec,
+    full: torch.Tensor,
+    targets: Sequence[torch.Tensor],
+    skip_rank: int | None = None,
+) -> None:
+    """Inverse of :func:`pack_bucket`: copy every rank's chunk from ``full`` into ``targets[i]``
+    (except ``skip_rank``'s, when the target already holds it)."""
+    for i in bucket.params:
+        spec = layout.params[i]
+        cols = _columns(full, bucket, spec)
+        flat = targets[i].view(-1)
+        for start, end in _row_blocks(spec, skip_rank):
+            flat[start * spec.chunk_numel : end * spec.chunk_numel].view(end - start, spec.chunk_numel).copy_(cols[start:end])
+        rest = spec.numel - spec.full_chunks * spec.chunk_numel
+        if rest and spec.full_chunks != skip_rank:
+            k = spec.full_chunks
+            flat[k * spec.chunk_numel :].copy_(cols[k, :rest])
+
+
+def _row_blocks(spec: ParamShardSpec, skip_rank: int | None) -> list[tuple[int, int]]:
+    """Runs of full chunks ``[start, end)`` to copy, leaving out ``skip_rank``."""
+    k = spec.full_chunks
+    if skip_rank is None or skip_rank >= k:
+        return [(0, k)] if k else []
+    return [(a, b) for a, b in ((0, skip_rank), (skip_rank + 1, k)) if b > a]
+
+
+def pack_segment(
+    layout: ShardLayout, bucket: BucketSpec, rank: int, sources: Sequence[torch.Tensor], out: torch.Tensor
+) -> torch.Tensor:
+    """Copy ``rank``'s chunk of each full tensor into a one-segment buffer (the all-gather input)."""
+    for i in bucket.params:
+        spec = layout.params[i]
+        start, end = spec.element_range(rank)
+        dst = out[spec.offset : spec.offset + spec.chunk_numel]
+        dst[: end - start].copy_(sources[i].reshape(-1)[start:end])
+        dst[end - start :].zero_()
+    return out
+
+
+def segment_view(layout: ShardLayout, segment: torch.Tensor, index: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s unpadded chunk of parameter ``index`` inside that bucket's segment, shaped by rows."""
+    spec = layout.params[index]
+    start, end = spec.row_range(rank)
+    numel = (end - start) * spec.row_numel
+    view = segment[spec.offset : spec.offset + numel]
+    return view.view(end - start, *spec.shape[1:]) if spec.shape else view
+
+

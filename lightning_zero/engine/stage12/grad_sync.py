@@ -1,0 +1,398 @@
+"""Gradient reduction for stages 1 and 2: post-accumulate-grad hooks fill rank-major buckets, each bucket
+is reduce-scattered during backward once it and every earlier bucket are full, and this rank keeps only
+its shard.
+
+[Note: gradients are held as sums until finalized]
+Reduce-scatter runs with ``SUM``; the average over ranks (and, later, a loss-scale unscale) is applied once
+per optimizer step by :meth:`GradientReducer.finalize`, just before clipping and the step. Holding sums lets
+several synchronising backwards accumulate exactly: in stage 1 a rank's own chunk of ``p.grad`` holds the
+reduced sum while the other chunks restart from zero, so the next reduce-scatter adds ``previous sum + new
+local gradients of every rank``. Pre-dividing instead would divide the previous sum again.
+
+Stage 1 keeps the full ``p.grad`` (its own chunk holds the reduced gradient); stage 2 copies the gradient
+into the bucket, drops ``p.grad`` and receives the reduced shard into a flat per-bucket storage, so full
+gradients never outlive the bucket they are reduced in.
+
+Under hybrid sharding (``replicate_group``, see ``topology.py``) the held sums are the shard group's;
+:meth:`GradientReducer.finalize` all-reduces them across the replica group once per step (one flat collective
+per dtype) before averaging over all ranks. Reducing there rather than as each bucket lands keeps several
+synchronising backwards exact: stage 1's own chunk holds a sum that autograd then adds to, which a per-backward
+all-reduce would count once per replica.
+
+Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype (the communication buffer
+may be wider, ``reduce_dtype``), and :meth:`GradientReducer.finalize` produces fresh fp32 gradients for the
+master shards: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values to zero. With
+``offload_optimizer`` those fresh gradients are made directly in host memory (see ``offload.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage12.buckets import pack_bucket, segment_view
+from lightning_zero.engine.comm.compression import CompressedComm
+from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.stage12.layout import ParamShardSpec, ShardLayout
+from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
+
+
+#: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
+MAX_BUCKETS_IN_FLIGHT = 2
+
+
+class GradState(enum.Enum):
+    """Where a parameter's gradient is in one optimizer step's life (see :class:`ParamGradient`)."""
+
+    EMPTY = enum.auto()
+    """Nothing reduced since the last step consumed it: stage 2 has no gradient; stage 1's is ``p.grad``'s rows
+    as they are (local, unreduced)."""
+    REDUCED = enum.auto()
+    """The sum over ranks landed in this rank's rows (stage 2: the shard storage; stage 1: ``p.grad``)."""
+    UNUSED = enum.auto()
+    """Reduced, but no rank produced a gradient: it is None, as in plain PyTorch (the optimizer skips it)."""
+    FINALIZED = enum.auto()
+    """Averaged (and unscaled) for the step, in :attr:`ParamGradient.final`; sticks until the step consumes it."""
+
+
+@dataclasses.dataclass(eq=False)
+class ParamGradient:
+    """The reducer's record of one trainable parameter, as FSDP2 keeps an ``FSDPParam`` per parameter."""
+
+    index: int
+    """Position in the layout (and in the reducer's parameter list)."""
+    param: nn.Parameter
+    spec: ParamShardSpec
+    shard: torch.Tensor | None
+    """Stage 2: this rank's rows of the gradient, a view of its bucket's shard storage."""
+    state: GradState = GradState.EMPTY
+    produced: bool = False
+    """This rank produced a gradient for it since the last step (see ``_forget_gradients_no_rank_produced``)."""
+    landed: bool = False
+    """A reduction landed in its rows since the last step, so the next one of its bucket adds to them."""
+    final: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class _Inflight:
+    bucket: int
+    work: object | None
+    comm: torch.Tensor | None
+    out: torch.Tensor | None
+    direct: bool
+    """True when ``out`` already is the storage slice (stage 2, clean bucket): nothing to add afterwards."""
+    accumulate: bool
+    """Stage 2: whether the storage slice holds earlier sums that ``out`` adds to (else it is overwritten)."""
+    in_place: InPlaceReduction | None = None  # a reduction without ``comm`` and ``out`` (``reduce_in_place.py``)
+
+
+class GradientReducer:
+    """Reduce-scatters the gradients of ``params`` (the trainable parameters, in layout order)."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        layout: ShardLayout,
+        *,
+        rank: int,
+        shard_gradients: bool,
+        overlap_comm: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        master_dtype: torch.dtype | None = None,
+        host_gradients: MasterShards | None = None,
+        group=None,
+        replicate_group=None,
+        compression: CompressedComm | None = None,
+    ) -> None:
+        self.params = list(params)
+        #: Compressed transport of the reductions (``compression.py``); None: the plain collectives.
+        self.compression = compression
+        self.layout = layout
+        self.rank = rank
+        self.world_size = layout.world_size
+        self.shard_gradients = shard_gradients
+        self.overlap_comm = overlap_comm
+        self.group = group
+        #: Hybrid sharding: the ranks holding the same rows as this one (None: no copies).
+        self.replicate_group = replicate_group
+        self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
+        self.require_sync = True
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._ready = [0] * len(layout.buckets)
+        self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
+        self._inflight: list[_Inflight] = []
+        #: The finalized gradient's dtype when it differs from the held sums' (fp32 masters of a mixed run).
+        self.master_dtype = master_dtype
+        #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
+        self.host_gradients = host_gradients
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+        #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
+        self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
+        self.reduce_dtype = reduce_dtype
+        self.comm_dtypes = [_comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
+        # Stage 2: a flat storage per bucket for this rank's gradient shards, viewed per parameter.
+        self.storage = (
+            [
+                torch.zeros(b.segment_numel, device=self.device, dtype=dtype)
+                for b, dtype in zip(layout.buckets, self.bucket_dtypes)
+            ]
+            if shard_gradients
+            else None
+        )
+        #: One record per parameter, in layout order.
+        self.records = [
+            ParamGradient(i, p, layout.params[i], self._storage_view(i) if shard_gradients else None)
+            for i, p in enumerate(self.params)
+        ]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params if p.requires_grad
+        ]
+
+    # ------------------------------------------------------------------ views
+    def _bucket_storage(self, bucket: int) -> torch.Tensor:
+        return self.storage[bucket]
+
+    def _storage_view(self, index: int) -> torch.Tensor:
+        spec = self.layout.params[index]
+        return segment_view(self.layout, self._bucket_storage(spec.bucket), index, self.rank)
+
+    def local_grad(self, index: int) -> torch.Tensor | None:
+        """This rank's shard of parameter ``index``'s gradient, or None if it has none: the held sum (a view)
+        until :meth:`finalize`, the finalized gradient after it."""
+        record = self.records[index]
+        if record.state is GradState.FINALIZED:
+            return record.final
+        if self.shard_gradients:
+            return record.shard if record.state is GradState.REDUCED else None
+        grad = record.param.grad
+        if grad is None:
+            return None
+        return local_rows(grad, self.rank, self.world_size)
+
+    def held_gradients(self) -> list[torch.Tensor]:
+        """Gradient tensors the reducer itself owns (stage 2's shard storage, finalized copies), for
+        memory accounting; stage 1's full gradients are the parameters' ``.grad``."""
+        return [*(self.storage or []), *(r.final for r in self.records if r.final is not None)]
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate into ``p.grad`` locally and communicate nothing."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.require_sync:
+            return
+        record = self.records[self._index[id(param)]]
+        if record.state is GradState.FINALIZED:
+            raise RuntimeError(
+                f"Parameter {record.spec.name!r} received a new gradient after its gradients were "
+                "finalized for an optimizer step (clipping or unscaling) but before that step ran. Call "
+                "`optimizer.step()` (or skip it) before the next backward."
+            )
+        self._ready[record.spec.bucket] += 1
+        if self.overlap_comm:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch full buckets strictly in bucket order.
+
+        [Note: every rank launches buckets in the same order]
+        The ring transfers of concurrent reduce-scatters are matched by posting order alone, so a rank that
+        launched bucket 1 before bucket 0 (say, a parameter unused only on that rank) would pair its
+        segments with another bucket's on its peers. Launching in index order, and only once every earlier
+        bucket is launched, keeps the order identical everywhere; buckets are planned in the order
+        gradients usually arrive, so this rarely delays one.
+        """
+        while self._next < len(self.layout.buckets):
+            bucket = self._next
+            if self._ready[bucket] < len(self.layout.buckets[bucket].params):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket_index: int) -> None:
+        bucket = self.layout.buckets[bucket_index]
+        sources = [None] * len(self.params)
+        for i in bucket.params:
+            sources[i] = self.params[i].grad
+            self.records[i].produced |= sources[i] is not None
+        if self._reduces_in_place(bucket_index):
+            held = self.shard_gradients and self._holds_sums(bucket)
+            reduction = InPlaceReduction(
+                self.layout, bucket_index, [sources[i] for i in bucket.params], rank=self.rank, group=self.group,
+                storage=self._bucket_storage(bucket_index) if self.shard_gradients else None, held=held,
+            )
+            return self._post(_Inflight(bucket_index, None, None, None, False, held, reduction))
+        comm = torch.empty(bucket.numel, dtype=self.comm_dtypes[bucket_index], device=self.device)
+        pack_bucket(self.layout, bucket, sources, comm)
+        direct = accumulate = False
+        if self.shard_gradients:
+            for i in bucket.params:
+                self.params[i].grad = None
+            accumulate = self._holds_sums(bucket)
+            direct = not accumulate and comm.dtype == self.bucket_dtypes[bucket_index]
+        if direct:
+            out = self._bucket_storage(bucket_index)
+        else:
+            out = torch.empty(bucket.segment_numel, dtype=comm.dtype, device=comm.device)
+        if self.compression is not None:
+            work = self.compression.reduce_scatter(out, comm, self.group, key=bucket_index)
+        else:
+            work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
+        self._post(_Inflight(bucket_index, work, comm, out, direct, accumulate))
+
+    def _reduces_in_place(self, bucket_index: int) -> bool:
+        """Exact reductions over gloo in the gradients' own dtype move without packing (``reduce_in_place.py``);
+        every rank decides alike (same backend, settings and layout)."""
+        return (self.compression is None and self.comm_dtypes[bucket_index] == self.bucket_dtypes[bucket_index]
+                and collectives.exchanges_in_place(self.group))
+
+    def _post(self, flight: _Inflight) -> None:
+        self._next = flight.bucket + 1
+        self._inflight.append(flight)
+        # Bound the buffers (or gradients) alive at once, stage 2's below a whole gradient: land the oldest first.
+        while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
+            self._land(self._inflight.pop(0))
+
+    def flush(self) -> None:
+        """End of a synchronising backward: reduce buckets that never filled (parameters unused on this rank
+        contribute ``p.grad`` or zeros) and land every reduced shard."""
+        if not self.require_sync:
+            return
+        while self._next < len(self.layout.buckets):
+            self._launch(self._next)
+        while self._inflight:
+            self._land(self._inflight.pop(0))
+        self._ready = [0] * len(self.layout.buckets)
+        self._next = 0
+        self._forget_gradients_no_rank_produced()
+
+    def _forget_gradients_no_rank_produced(self) -> None:
+        """A parameter no rank used has no gradient (``None``, as in plain PyTorch, so the optimizer skips it
+        instead of decaying it with a zero gradient); one used on any rank has the reduced gradient."""
+        used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
+        collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.group)
+        if self.replicas > 1:
+            collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.replicate_group)
+        for i in torch.nonzero(used == 0).flatten().tolist():
+            record = self.records[i]
+            if record.state is GradState.REDUCED:
+                record.state = GradState.UNUSED
+            if not self.shard_gradients:
+                record.param.grad = None
+
+    def _land(self, flight: _Inflight) -> None:
+        if flight.work is not None:
+            flight.work.wait()
+        bucket = self.layout.buckets[flight.bucket]
+        if flight.in_place is not None:
+            flight.in_place.land([self.params[i] for i in bucket.params])
+        elif self.shard_gradients:
+            if flight.accumulate:
+                self._bucket_storage(flight.bucket).add_(flight.out)
+            elif not flight.direct:
+                self._bucket_storage(flight.bucket).copy_(flight.out)
+        else:
+            for i in bucket.params:
+                param = self.params[i]
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                spec = self.layout.params[i]
+                start, end = spec.element_range(self.rank)
+                flat = param.grad.view(-1)
+                flat[:start].zero_()
+                flat[end:].zero_()
+                flat[start:end].copy_(segment_view(self.layout, flight.out, i, self.rank).reshape(-1))
+        for i in bucket.params:
+            record = self.records[i]
+            record.landed = True
+            if record.state is not GradState.FINALIZED:
+                record.state = GradState.REDUCED
+
+    # ------------------------------------------------------------------ step
+    def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:
+        """Turn the held sums of ``indices`` into the averaged gradient (times ``scale``), once: in place, or
+        as fresh ``master_dtype`` tensors when the sums are held in another dtype."""
+        if self._inflight or any(self._ready):
+            # A backward ran outside ``strategy.backward`` (e.g. a bare ``loss.backward()``): land it now.
+            self.flush()
+        pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
+        held_by_index = {i: self.local_grad(i) for i in pending}
+        if self.replicas > 1:
+            held = [g for g in held_by_index.values() if g is not None]
+            _sum_over(self.replicate_group, held, self.reduce_dtype, self.compression)
+        grads = []
+        for i, held in held_by_index.items():
+            record = self.records[i]
+            record.state = GradState.FINALIZED
+            if held is None:
+                continue
+            if self.host_gradients is not None:
+                grad = self.host_gradients.stage_gradient(i, held)
+            else:
+                grad = held if self.master_dtype is None else held.to(self.master_dtype)
+            record.final = grad
+            grads.append(grad)
+        if self.host_gradients is not None:
+            self.host_gradients.gradients_ready()
+        if grads:
+            torch._foreach_mul_(grads, scale / (self.world_size * self.replicas))
+
+    def consume(self, indices: Iterable[int]) -> None:
+        """The optimizer step used (or skipped) these gradients: clear them for the next window."""
+        records = [self.records[i] for i in indices]
+        for record in records:
+            if not self.shard_gradients:
+                record.param.grad = None
+            record.state, record.produced, record.landed, record.final = GradState.EMPTY, False, False, None
+        if self.shard_gradients:
+            # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
+            # buckets still holding another optimizer's gradients need their consumed slices zeroed.
+            views = [r.shard for r in records if self._holds_sums(self.layout.buckets[r.spec.bucket])]
+            if views:
+                torch._foreach_zero_(views)
+
+    def _holds_sums(self, bucket) -> bool:
+        """Whether the bucket's shard storage holds sums not yet consumed (the next reduction adds to them)."""
+        return any(self.records[i].landed for i in bucket.params)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _sum_over(
+    group, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None, compression: CompressedComm | None = None
+) -> None:
+    """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
+    shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
+    fp16 sums of ``16-mixed``), or compressed (``compression.py``)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for held, same in by_dtype.items():
+        flat = torch.cat([t.reshape(-1) for t in same]).to(_comm_dtype(held, reduce_dtype))
+        if compression is not None:
+            compression.sum_over(flat, group, key=str(held).removeprefix("torch."))
+        else:
+            collectives.all_reduce(flat, group=group)
+        torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in same]), same)])
+
+
+def _comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """Sum in ``reduce_dtype`` unless the gradients are held in a wider dtype (fp32 layers of a mixed run)."""
+    if reduce_dtype is None or held.itemsize > reduce_dtype.itemsize:
+        return held
+    return reduce_dtype

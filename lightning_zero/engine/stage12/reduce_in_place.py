@@ -1,0 +1,105 @@
+"""One bucket's gradient reduce-scatter without its bucket-sized buffer (stages 1-2 over gloo).
+
+The packed reduction copies every gradient of the bucket into a fresh rank-major buffer, reduces it and copies this
+rank's segment out. Here each rank sends every other rank that rank's rows of each gradient straight out of
+``p.grad`` and receives the other ranks' contributions to its own rows into one segment per peer (stage 2: the
+first straight into the bucket's shard storage), which :meth:`InPlaceReduction.land` adds to its own rows.
+See [Note: collectives in place] in ``p2p_transport.py``; with 2 ranks the sums are the packed ring's, bit for bit
+(``mine + peer``: a two-term float sum does not depend on its order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage12.layout import ShardLayout
+
+
+class InPlaceReduction:
+    """Posts one bucket's transfers on construction; :meth:`land` waits and sums. ``storage``: stage 2's shard
+    storage of the bucket, ``held`` when it holds sums from an earlier backward (the reduced rows are added to
+    them); otherwise the first peer's contributions land in it."""
+
+    def __init__(
+        self,
+        layout: ShardLayout,
+        bucket_index: int,
+        grads: Sequence[torch.Tensor | None],
+        *,
+        rank: int,
+        group=None,
+        storage: torch.Tensor | None = None,
+        held: bool = False,
+    ) -> None:
+        bucket = layout.buckets[bucket_index]
+        self.specs = [layout.params[i] for i in bucket.params]
+        self.rank, world = rank, layout.world_size
+        #: ``p.grad`` of the bucket's parameters (None: no gradient here, contributing zeros), kept alive until
+        #: their sends complete.
+        self.grads = list(grads)
+        like = next((g for g in self.grads if g is not None), None)
+        self.dtype = storage.dtype if storage is not None else like.dtype if like is not None else torch.float32
+        self.device = storage.device if storage is not None else like.device if like is not None else torch.device("cpu")
+        self.storage, self.held = storage, held
+        self.into_storage = storage is not None and not held
+        peers = [(rank - distance) % world for distance in range(1, world)]
+        #: The segment each peer's contributions land in: the first one's the storage itself when it holds nothing.
+        self.segments = {
+            peer: storage if k == 0 and self.into_storage
+            else torch.empty(bucket.segment_numel, dtype=self.dtype, device=self.device)
+            for k, peer in enumerate(peers)
+        }
+        sends = [[self._rows(j, r) for j in range(len(self.specs))] if r != rank else [] for r in range(world)]
+        receives = [[self._received(peer, j) for j in range(len(self.specs))] if peer in self.segments else []
+                    for peer in range(world)]
+        self.work = collectives.reduce_scatter_in_place(sends, receives, bucket.numel, group=group)
+
+    def _rows(self, j: int, rank: int) -> torch.Tensor:
+        """Parameter ``j``'s gradient rows of ``rank``, flat (zeros where this rank has no gradient)."""
+        start, end = self.specs[j].element_range(rank)
+        grad = self.grads[j]
+        if grad is None:
+            return torch.zeros(end - start, dtype=self.dtype, device=self.device)
+        return grad.view(-1)[start:end]
+
+    def _received(self, peer: int, j: int) -> torch.Tensor:
+        spec = self.specs[j]
+        return self.segments[peer][spec.offset : spec.offset + spec.local_numel(self.rank)]
+
+    def land(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Wait, then leave each parameter's reduced rows where its stage keeps them: stage 2 in the shard storage
+        (added to what it held), dropping ``p.grad``; stage 1 in this rank's rows of ``p.grad``, its other rows
+        zeroed (see [Note: gradients are held as sums until finalized] in ``grad_sync.py``)."""
+        self.work.wait()
+        for j, param in enumerate(params):
+            if self.storage is not None:
+                self._sum_into_storage(j)
+                param.grad = None
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            start, end = self.specs[j].element_range(self.rank)
+            flat = param.grad.view(-1)
+            for peer in self.segments:  # this rank's own contribution is already in its rows
+                flat[start:end].add_(self._received(peer, j))
+            flat[:start].zero_()
+            flat[end:].zero_()
+
+    def _sum_into_storage(self, j: int) -> None:
+        """Parameter ``j``'s own contribution and every peer's into its rows of the shard storage: written where the
+        storage held nothing (it holds the first peer's already), else added to the sums it held."""
+        own = self._rows(j, self.rank)
+        received = [self._received(peer, j) for peer in self.segments]
+        target = self.storage[self.specs[j].offset : self.specs[j].offset + own.numel()]
+        if self.into_storage:
+            target.add_(own)
+            for part in received[1:]:
+                target.add_(part)
+            return
+        total = own
+        for part in received:
+            total = total + part
+        target.add_(total)

@@ -1,0 +1,268 @@
+"""The user's optimizer, stepping only this rank's shard of every parameter (stages 1 and 2).
+
+[Note: re-hosting without replacing the optimizer]
+The optimizer object the user built stays the one Lightning, LR schedulers and ``toggle_optimizer`` see:
+its ``param_groups`` keep the real parameters. For the duration of ``step`` each trainable parameter in
+``param_groups`` is swapped for a persistent *view* of this rank's rows of it (its gradient set to this
+rank's reduced gradient shard), so the optimizer reads and writes shard-sized tensors and keys its state
+by those views: optimizer state is born sharded and never exists at full size. Because the views alias the
+resident parameters, no fp32 master copy exists; after the step the updated rows are all-gathered back
+into every rank's parameters.
+
+Under a mixed-precision policy, or with ``offload_optimizer``, the hosted tensors are instead this rank's
+*master* rows (owned by the engine, see ``offload.py``): fp32 copies on the device, or in host memory. After
+the step they are copied (and cast) into the resident parameters' rows, which are then all-gathered in the
+parameters' dtype.
+
+Matrix optimizers (Muon, Adafactor: ``optimizers.optimizer_kind``) step whole parameters on owner ranks instead
+of shard views (see [Note: owner stepping] in ``owner_step.py``); their element-wise groups stay on shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.profiler import record_function
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.api import ShardRecord
+from lightning_zero.engine.stage12.buckets import pack_segment, unpack_bucket
+from lightning_zero.engine.comm.compression import CompressedComm
+from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
+from lightning_zero.engine.stage12.layout import ShardLayout
+from lightning_zero.engine.offload import MasterShards, host_kernel
+from lightning_zero.engine.optimizers import hosted_params, steps_whole
+from lightning_zero.engine.owner_step import OwnerStepping
+
+class ShardedOptimizer:
+    """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (implements
+    :class:`~lightning_zero.engine.api.OptimizerShards`)."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        params: Sequence[nn.Parameter],
+        layout: ShardLayout,
+        reducer: GradientReducer,
+        records: Sequence[ShardRecord],
+        *,
+        rank: int,
+        masters: MasterShards | None = None,
+        group=None,
+        elsewhere: set[int] = frozenset(),
+        shards: dict[int, torch.Tensor] | None = None,
+        kind: str = "elementwise",
+        owners: OwnerStepping | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
+        self.elsewhere = elsewhere
+        self.masters = masters
+        self.layout = layout
+        self.reducer = reducer
+        self.rank = rank
+        self.group = group
+        self.params = list(params)
+        self._records = records
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        #: Persistent shard views (stable identity: the optimizer keys its state by them); ``shards``: those of the
+        #: engine's previous layout, re-indexed (``ZeroDataParallel.follow_trainability``).
+        self.shards: dict[int, torch.Tensor] = dict(shards or {})
+        self.kind = kind
+        #: Whole parameters' owners and the owners' whole tensors (matrix optimizers; ``owners``: the engine's
+        #: previous layout's, re-keyed).
+        self.owners = owners
+        if owners is None and kind == "matrix":
+            device = params[0].device if params else torch.device("cpu")
+            dtype = masters.dtype if masters is not None else params[0].dtype if params else torch.float32
+            self.owners = OwnerStepping(
+                rank=rank, world_size=layout.world_size, group=group, comm_device=device, dtype=dtype, resident=masters is None
+            )
+            self.owners.on_host = masters is not None and masters.offloaded
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training)."""
+        indices, whole = [], []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                i = self._index.get(id(p))
+                if i is None:
+                    if p.requires_grad and id(p) not in self.elsewhere:
+                        raise RuntimeError(
+                            f"A parameter of shape {tuple(p.shape)} in {type(self.optimizer).__name__}'s param_groups "
+                            "was frozen (or not part of the model) when this step began, so it has no shard and no "
+                            "gradient reduction. Unfreeze parameters between steps (e.g. in `on_train_epoch_start`, "
+                            "as `BackboneFinetuning` does), not between a step's backward and its optimizer step."
+                        )
+                    continue
+                indices.append(i)
+                if steps_whole(group, self.kind):
+                    whole.append(i)
+                elif i not in self.shards:
+                    self.shards[i] = (
+                        self.masters[i]
+                        if self.masters is not None
+                        else local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
+                    )
+        #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
+        self.indices = indices
+        #: Those stepped whole, on their owner ranks.
+        self.whole = whole
+        if whole:
+            self.owners.adopt({i: self.layout.params[i].shape for i in whole}, self._whole_tensor)
+        self.buckets = sorted({self.layout.params[i].bucket for i in indices})
+
+    def _whole_tensor(self, i: int) -> torch.Tensor:
+        """The owner's whole tensor of parameter ``i``: the resident parameter itself, or an fp32 (host) copy
+        beside the master rows."""
+        if self.masters is None:
+            return self.params[i].detach()
+        device = torch.device("cpu") if self.masters.offloaded else self.params[i].device
+        return torch.zeros(self.layout.params[i].shape, dtype=self.masters.dtype, device=device,
+                           pin_memory=self.masters.pinned)
+
+    def hosted(self) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the tensor the optimizer keys that parameter's state by: a shard, or the owner's whole
+        tensor (a whole parameter another rank owns has no entry: no state here)."""
+        hosted = {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
+        hosted.update({id(self.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
+        return hosted
+
+    def owners_of(self) -> dict[int, int] | None:
+        """``id(param)`` -> the rank stepping it whole (matrix optimizers); shard-stepped parameters have none."""
+        if self.owners is None:
+            return None
+        return {id(self.params[i]): self.owners.owner[i] for i in self.whole}
+
+    def records(self) -> list[ShardRecord]:
+        return [self._records[i] for i in self.indices]
+
+    @contextlib.contextmanager
+    def hosting(self) -> Iterator[None]:
+        """Swap trainable parameters in ``param_groups`` for their shard views (see the module note)."""
+        whole = set(self.whole)
+        grads = {i: self.reducer.local_grad(i) for i in self.indices if i not in whole}
+        if self.masters is not None:
+            grads = self.masters.receive_gradients(grads)
+        standins = {id(self.params[i]): (self.shards[i], grads[i]) for i in grads}
+        for i in whole:  # the owner steps the whole parameter; elsewhere it sits this step out
+            owned = self.owners.whole.get(i)
+            standins[id(self.params[i])] = None if owned is None else (owned, self.owners.grads.get(i))
+        with hosted_params(self.optimizer, standins):
+            yield
+
+    def finalize_gradients(self, scale: float = 1.0) -> None:
+        self.reducer.finalize(self.indices, scale)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """This rank's gradient shards (for the global norm)."""
+        grads = (self.reducer.local_grad(i) for i in self.indices)
+        return [g for g in grads if g is not None]
+
+    def step(self, **kwargs) -> object:
+        self.refresh()
+        self.reducer.finalize(self.indices)
+        if self.whole:
+            self.owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
+        offloaded = self.masters is not None and self.masters.offloaded
+        with self.hosting(), host_kernel(self.optimizer, enabled=offloaded):
+            result = self.optimizer.step(**kwargs)
+        if self.whole:
+            with torch.no_grad():
+                self.owners.scatter(self.whole, lambda i, rows: self.local_rows(i).view(-1).copy_(rows))
+        self.reducer.consume(self.indices)
+        self.all_gather_params()
+        return result
+
+    def local_rows(self, i: int) -> torch.Tensor:
+        """This rank's rows of parameter ``i`` as the optimizer's truth: its master, or a view of the resident
+        parameter."""
+        return self.masters[i] if self.masters is not None else local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
+
+    def discard_gradients(self) -> None:
+        """A skipped step: drop the gradients as the step would have consumed them."""
+        self.reducer.consume(self.indices)
+
+    def all_gather_params(self) -> None:
+        with record_function("lightning_zero::param_all_gather"):  # a phase of bench_core's breakdown
+            all_gather_params(
+                self.layout, self.params, self.buckets, rank=self.rank, group=self.group, masters=self.masters,
+                indices=self.indices, compression=self.reducer.compression,
+            )
+
+
+def all_gather_params(
+    layout: ShardLayout,
+    params: Sequence[nn.Parameter],
+    buckets: Iterable[int],
+    *,
+    rank: int,
+    group=None,
+    masters: MasterShards | None = None,
+    indices: Iterable[int] | None = None,
+    compression: CompressedComm | None = None,
+) -> None:
+    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time: in place over
+    gloo (see [Note: collectives in place] in ``p2p_transport.py``), else packed, overlapping the packing of the next
+    bucket with the in-flight gather of the previous one. With ``masters``, the
+    masters of ``indices`` (default: all) are first copied into this rank's rows, bucket by bucket, so the
+    host->device copy of one bucket overlaps the gather of the one before. With ``compression`` of parameters
+    every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact."""
+    sources = [p.detach() for p in params]
+    wanted = set(range(len(params)) if indices is None else indices)
+
+    def copy_masters(bucket) -> None:
+        if masters is not None:
+            with torch.no_grad():
+                for i in bucket.params:
+                    if i in wanted:
+                        masters.copy_into(i, local_rows(sources[i], rank, layout.world_size))
+
+    if layout.world_size == 1:
+        for b in buckets:
+            copy_masters(layout.buckets[b])
+        return
+    flights: list = []
+    in_place = collectives.exchanges_in_place(group)
+
+    def land(bucket, work, full, decoded) -> None:
+        if work is not None:
+            work.wait()
+        if full is None:  # gathered in place
+            return
+        with torch.no_grad():  # own rows are already in place, unless they were encoded and decoded too
+            unpack_bucket(layout, bucket, full, sources, skip_rank=None if decoded else rank)
+
+    for b in buckets:
+        bucket = layout.buckets[b]
+        copy_masters(bucket)
+        like = sources[bucket.params[0]]  # a bucket holds one dtype
+        encoded = compression is not None and compression.compresses_params(like.dtype)
+        if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
+            pieces = [[_rows_of(sources[i], layout.params[i], r) for i in bucket.params] for r in range(layout.world_size)]
+            flights.append((bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group), None, False))
+        else:
+            segment = pack_segment(
+                layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
+            )
+            full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
+            if encoded:
+                flights.append((bucket, compression.all_gather(full, segment, group), full, True))
+            else:
+                flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full, False))
+        if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers (and transfers) alive at once
+            land(*flights.pop(0))
+    for flight in flights:
+        land(*flight)
+
+
+def _rows_of(param: torch.Tensor, spec, rank: int) -> torch.Tensor:
+    """``rank``'s rows of ``param`` as a flat view (empty for a rank past the last row)."""
+    start, end = spec.element_range(rank)
+    return param.view(-1)[start:end]

@@ -1,0 +1,264 @@
+"""Stages 1 and 2: parameters stay whole on every rank, gradients and optimizer state are sharded.
+
+One class serves both stages; they differ only in what the gradient reduction keeps (see
+``grad_sync.py``): stage 1 the full ``p.grad`` with the reduced own rows, stage 2 the reduced shard alone.
+With a mixed-precision policy or ``offload_optimizer`` the engine also owns master rows (see ``offload.py``),
+on the device or in host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim import Optimizer
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.api import Holding, ShardRecord
+from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
+from lightning_zero.engine.stage12.grad_sync import GradientReducer
+from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
+from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
+from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.optimizers import optimizer_kind, shards_of
+from lightning_zero.engine.owner_step import OwnerStepping
+from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer, all_gather_params
+from lightning_zero.engine.state_dict import gather_full
+
+
+class ZeroDataParallel:
+    """Gradient sharding and sharded optimizer steps for a module whose parameters stay resident (implements
+    :class:`~lightning_zero.engine.api.ShardingEngine`)."""
+
+    #: The module stays the user's; its parameters are whole on every rank.
+    shards_module_in_place = False
+    params_on_host = False
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stage: int,
+        bucket_numel: int,
+        overlap_comm: bool = True,
+        policy: PrecisionPolicy | None = None,
+        offload_optimizer: bool | float = False,
+        pin_memory: bool = False,
+        group=None,
+        mesh=None,
+        replicate_group=None,
+        holding: Holding = Holding(),
+        compression: CompressionSpec | None = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
+        self.module = module
+        self.stage = stage
+        self.group = group
+        self._mesh = mesh  # see `mesh`
+        #: Hybrid sharding: the ranks holding this rank's rows too (see ``topology.py``); None: no copies.
+        self.replicate_group = replicate_group
+        #: Another pipeline stage's parameters: this rank neither holds nor steps them.
+        self.holding = holding
+        held = holding.held(module.named_parameters())
+        self.device_type = next((p.device.type for p in held.values()), "cpu")
+        self.rank = collectives.rank(group)
+        self.world_size = collectives.world_size(group)
+        named = [(n, p) for n, p in held.items() if p.requires_grad]
+        self._elsewhere = {id(p) for n, p in module.named_parameters() if not holding.holds(n)}
+        self._bucket_numel, self._overlap_comm, self._policy = bucket_numel, overlap_comm, policy
+        _check_contiguous(named)
+        self.mixed = policy is not None
+        #: This rank's rows as the optimizer updates them, when they are not the resident parameters: fp32
+        #: copies taken before the parameters are cast to their compute dtype, and/or held in host memory.
+        self.masters: MasterShards | None = None
+        #: Compressed gradients and/or parameters in transit (``compression.py``); None: exact collectives.
+        self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
+        # Compressed parameters arrive rounded, this rank's rows too: the optimizer then steps exact fp32 masters.
+        lossy_params = compression is not None and compression.params is not None
+        if policy is not None or offload_optimizer or lossy_params:
+            self.masters = MasterShards(
+                [local_rows(p.detach(), self.rank, self.world_size) for _, p in named],
+                dtype=policy.master_dtype if policy is not None else None,
+                offloaded=offload_optimizer,
+                pin=pin_memory,
+                alias_on_device=policy is None and not lossy_params,  # masters only for (partial) offload
+            )
+        if policy is not None:
+            cast_parameters(module, [p for _, p in named], policy)
+        self._plan(named)
+        self._optimizers: dict[int, ShardedOptimizer] = {}
+        self.growths: list[dict] = []
+
+    def _plan(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        """Lay out ``named`` (the trainable parameters) in buckets and hook their gradient reduction."""
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        policy = self._policy
+        dtypes = policy.param_dtypes(self.module) if policy is not None else {}
+        self.layout: ShardLayout = plan_layout(
+            [(n, tuple(p.shape)) for n, p in named],
+            self.world_size,
+            self._bucket_numel,
+            # Parameters kept in fp32 get buckets of their own, so each bucket has one dtype.
+            classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else None,
+        )
+        offloaded = self.masters is not None and self.masters.offloaded
+        self.reducer = GradientReducer(
+            self.params,
+            self.layout,
+            rank=self.rank,
+            shard_gradients=self.stage == 2,
+            overlap_comm=self._overlap_comm,
+            reduce_dtype=policy.reduce_dtype if policy is not None else None,
+            master_dtype=policy.master_dtype if policy is not None else None,
+            host_gradients=self.masters if offloaded else None,
+            group=self.group,
+            replicate_group=self.replicate_group,
+            compression=self.compression,
+        )
+        self._records = [self._record(i) for i in range(len(self.params))]
+        laid_out = {id(p) for p in self.params}
+        #: The held parameters outside the layout (frozen when it was planned), watched for being unfrozen.
+        self._frozen = [p for p in self.holding.held(self.module.named_parameters()).values() if id(p) not in laid_out]
+
+    def follow_trainability(self) -> bool:
+        """Parameters made trainable during ``fit`` (``BackboneFinetuning`` unfreezes a backbone between epochs)
+        join the layout: new buckets, gradient hooks and optimizer shards, once, where it happens. Parameters
+        frozen during ``fit`` stay laid out and produce no gradient, which the optimizer skips as PyTorch's does.
+        Every rank changes the same parameters at the same point of the same script. Returns whether it grew."""
+        if not any(p.requires_grad for p in self._frozen):  # every batch: only the frozen ones are looked at
+            return False
+        started = time.perf_counter()
+        held = self.holding.held(self.module.named_parameters())
+        known = {id(p): i for i, p in enumerate(self.params)}
+        grown = [(n, p) for n, p in held.items() if p.requires_grad and id(p) not in known]
+        _check_contiguous(grown)
+        named = [(n, p) for n, p in held.items() if id(p) in known or p.requires_grad]
+        if self.masters is not None:  # kept masters stay the same tensors: the optimizer keys its state by them
+            rows = {id(p): local_rows(p.detach(), self.rank, self.world_size) for _, p in grown}
+            self.masters.rebuild([known[id(p)] if id(p) in known else rows[id(p)] for _, p in named])
+        if self._policy is not None:
+            cast_parameters(self.module, [p for _, p in grown], self._policy)
+        self.reducer.remove_hooks()
+        self._plan(named)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        for key, old in self._optimizers.items():
+            moved = {i: index[id(p)] for i, p in enumerate(old.params) if id(p) in index}
+            shards = {moved[i]: shard for i, shard in old.shards.items()}
+            owners = old.owners.rekey(moved) if old.owners is not None else None
+            self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners)
+        #: Each growth: the parameters that joined and what re-planning took (tests and the README report it).
+        self.growths.append({"params": len(grown), "elements": sum(p.numel() for _, p in grown),
+                             "seconds": time.perf_counter() - started})
+        return True
+
+    # ------------------------------------------------------------------ the contract (engine/api.py)
+    @property
+    def mesh(self) -> DeviceMesh:
+        """``group`` as a 1-D device mesh (built on first use when the group is every rank)."""
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.device_type, (self.world_size,))
+        return self._mesh
+
+    @property
+    def norm_group(self):
+        """Under hybrid sharding the shard group covers every row once; otherwise every rank does (pipeline
+        stages hold disjoint layers, their replicas disjoint rows)."""
+        return self.group if self.replicate_group is not None else None
+
+    @property
+    def holds_masters(self) -> bool:
+        return self.masters is not None
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.masters is not None and self.masters.offloaded
+
+    def records(self) -> list[ShardRecord]:
+        return self._records
+
+    def _record(self, index: int) -> ShardRecord:
+        return ShardRecord(
+            self.names[index], self.params[index], self.params[index].shape, self.group,
+            _rows=lambda: self.local_rows(index), _grad=lambda: self.reducer.local_grad(index),
+        )
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        if self.masters is not None:
+            yield from self.masters.state_tensors()
+        # Stage 2's shard storage and finalized copies (host buffers among them were yielded just above).
+        yield from (("grads", grad, False) for grad in self.reducer.held_gradients())
+
+    # ------------------------------------------------------------------ optimizers
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+        kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
+        self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer, kind)
+
+    def _sharded_optimizer(self, optimizer: Optimizer, kind: str, shards: dict[int, torch.Tensor] | None = None,
+                           owners: OwnerStepping | None = None) -> ShardedOptimizer:
+        return ShardedOptimizer(
+            optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
+            group=self.group, elsewhere=self._elsewhere, shards=shards, kind=kind, owners=owners,
+        )
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        if self.masters is not None and self.masters.holds_on_host(tensor):
+            return True
+        return any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values())
+
+    def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
+        return shards_of(self._optimizers, optimizer)
+
+    def discard_all_gradients(self) -> None:
+        """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
+        self.reducer.consume(range(len(self.params)))
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with self.reducer.no_sync():
+            yield
+
+    def post_backward(self) -> None:
+        self.reducer.flush()
+
+    def reshard(self) -> None:
+        """Stages 1-2 keep every parameter whole on every rank: nothing is ever gathered beyond that."""
+
+    def params_loaded(self) -> None:
+        """Checkpoint rows were written into :meth:`local_rows`: give every rank every rank's rows (collective)."""
+        all_gather_params(
+            self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group,
+            masters=self.masters, compression=self.compression,
+        )
+
+    def local_rows(self, index: int) -> torch.Tensor:
+        """This rank's rows of trainable parameter ``index`` as the optimizer updates them: its master when
+        there are masters, else a view of the resident parameter. Checkpoints read and write these."""
+        if self.masters is not None:
+            return self.masters[index]
+        return local_rows(self.params[index].detach(), self.rank, self.world_size)
+
+    def restore_master_params(self) -> None:
+        """Give the module back its parameters at full precision (collective): the end of a mixed run leaves
+        the model as Lightning's own mixed modes do, in fp32."""
+        if not self.mixed:
+            return  # the resident parameters already hold the masters' values
+        with torch.no_grad():
+            for param, master, spec in zip(self.params, self.masters, self.layout.params):
+                param.data = gather_full(master.to(param.device), spec.shape, group=self.group)
+
+    def teardown(self) -> None:
+        self.reducer.remove_hooks()
+
+
+def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:
+    for name, param in named:
+        if not param.is_contiguous():
+            raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")

@@ -1,0 +1,358 @@
+"""Stage 3: parameters, gradients and optimizer state sharded by ``torch.distributed.fsdp.fully_shard``.
+
+FSDP2 already shards per parameter along dim 0 (our convention), prefetches, and reshards after backward.
+This adapter adds what ZeroStrategy promises on top: the wrap policy, shard-by-shard materialisation of
+meta-device models with the values an eager build would have had, counted collectives, no-sync under
+gradient accumulation, and the shard-level view the precision plugin needs for clipping.
+
+[Note: materialising meta modules in construction order]
+Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, which is the order an eager
+build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
+sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
+plus one unit exist at full size at any time. Inside a Hugging Face model the library's own initialisation
+runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN: one that no initialiser wrote is
+an error naming its layer, never silently trained on.
+
+[Note: stage 3 mixed precision]
+FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it
+is the master), gathers are cast to the 2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and
+land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py``) become units of their own
+with an fp32 policy. Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
+operation, exactly as in stages 1 and 2, so the three stages compute the same thing.
+
+[Note: stage 3 hybrid sharding and hpZ]
+Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced
+gradient shard across the replica group in FSDP2's all-reduce hook (``fsdp2_comm.SumOverReplicas``, counted like
+every collective), with both collectives summing and one divide by the number of ranks. It is what FSDP2's
+2-D mesh HSDP computes, but FSDP2 issues that all-reduce itself, uncounted. hpZ is FSDP2's
+``reshard_after_forward=s``: after forward each unit stays sharded over ``s`` consecutive ranks, so backward's
+all-gather runs inside that group.
+
+[Note: hpZ and the root]
+The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
+root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
+nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
+whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ
+therefore moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units)
+into units of their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose
+forward runs once; measured on the demo GPT over 2 simulated nodes, this took backward's inter-node gather
+from 0.4P (the root's share) to 0. Without hpZ the root keeps them: they are whole tensors throughout
+``training_step``, so code there may use them outside the model's forward (a tied head, a penalty on the
+embeddings), which a unit of their own would hand out as shards. The root keeps only what it holds itself, and
+stays gathered until backward when its forward is not nested (FSDP2's default for the root).
+
+[Note: stage 3 offload]
+``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
+precision), their gradients and therefore the optimizer state live in host memory; each unit's shards are
+copied to the device just before its all-gather, and reduced gradient shards come back to the host. The
+user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded parameters on
+the device and re-hosts the optimizer on host copies of them (see ``offload.py``), exactly as stages 1 and 2
+do: gradient shards go to the host, the host steps, updated shards come back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecisionPolicy
+from torch.optim import Optimizer
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage3 import fsdp2_private
+from lightning_zero.engine.api import Holding, ShardRecord
+from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
+from lightning_zero.engine.stage3.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
+from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
+from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
+from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad, local_tensor
+from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units, units_below_the_root
+from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
+from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.comm.topology import DataParallelGroups
+from lightning_zero.engine.optimizers import optimizer_kind, shards_of
+
+
+def _own_floating(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.is_floating_point()]
+
+
+def _has_meta(module: nn.Module, recurse: bool) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
+
+
+class FullyShardedEngine:
+    """ZeRO stage 3 over FSDP2 (implements :class:`~lightning_zero.engine.api.ShardingEngine`)."""
+
+    stage = 3
+    #: ``fully_shard`` converts the module in place; the LightningModule itself is the root unit.
+    shards_module_in_place = True
+    #: The parameters' rows are the DTensor shards themselves; offload masters only mirror them.
+    holds_masters = False
+    #: Pipeline stages run over stages 1-2 only: a stage-3 rank holds (its rows of) every tensor.
+    holding = Holding()
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        device: torch.device,
+        wrap_policy=None,
+        policy: PrecisionPolicy | None = None,
+        offload_optimizer: bool | float = False,
+        offload_params: bool = False,
+        pin_memory: bool = False,
+        groups: DataParallelGroups | None = None,
+        secondary_shard_size: int | None = None,
+        compression: CompressionSpec | None = None,
+    ) -> None:
+        self.module = module
+        self.device, self.pin_memory = device, pin_memory
+        #: Compressed collectives (``compression.py``); None: exact ones. Units name their residuals by path.
+        self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
+        self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
+        self.params_on_host = offload_params
+        self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
+        hybrid = groups is not None and groups.replicas > 1
+        #: See [Note: stage 3 hybrid sharding and hpZ].
+        self.group = groups.shard_group if hybrid else None
+        self.replicate_group = groups.replicate_group if hybrid else None
+        self.norm_group = self.group
+        self.world_size = collectives.world_size(self.group)
+        self.rank = collectives.rank(self.group)
+        self.mesh = groups.shard_mesh if hybrid else init_device_mesh(device.type, (self.world_size,))
+        self._reshard_after_forward = secondary_shard_size or True
+        self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
+        self.policy = policy
+        units = select_units(module, wrap_policy)
+        if secondary_shard_size:  # see [Note: hpZ and the root]
+            units = [*units, *units_below_the_root(module, units)]
+        chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
+        self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
+        self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}
+        #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
+        #: reads each reduced shard at once, so those land as they are issued. On CUDA, FSDP2's streams overlap.
+        self.late = LateReductions() if self.replicate_group is None and device.type == "cpu" else None
+        if not isinstance(module, FSDPModule):  # else sharded by an earlier fit/validate/test on this module
+            if _has_meta(module, recurse=True):
+                self._materialize_and_shard(device)
+            else:
+                module.to(device)
+                # Every rank must start from the same values before it keeps only its rows.
+                collectives.broadcast([t.data for t in (*module.parameters(), *module.buffers())], src=0)
+                for unit in reversed(self.units):
+                    self._shard(unit)
+            self._shard(module)
+        else:  # this engine's collectives replace the earlier engine's
+            for sharded in module.modules():
+                if isinstance(sharded, FSDPModule):
+                    self._set_collectives(sharded)
+        fsdp2_private.check(module)  # a torch that moved a private name fails here, naming it
+        #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).
+        self.prefetch = ForwardPrefetch(module, self.units) if device.type == "cpu" else None
+        #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device).
+        self.window = GatheredWindow(module) if not offload_params else None
+        self._reducing = True  # False inside ``no_sync``
+        #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self._records = [self._record(n, p) for n, p in named]
+        self._optimizers: dict[int, FullyShardedOptimizer] = {}
+        self.masters: MasterShards | None = None
+        if offload_optimizer and not offload_params:
+            self.masters = MasterShards(
+                [local_tensor(p) for p in self.params], dtype=None, offloaded=offload_optimizer, pin=pin_memory,
+                alias_on_device=True,
+            )
+
+    # ------------------------------------------------------------------ sharding
+    def _shard(self, module: nn.Module) -> None:
+        if isinstance(module, FSDPModule):
+            return
+        # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does (see [Note: hpZ and
+        # the root]).
+        hpz_root = module is self.module and self._reshard_after_forward is not True
+        fully_shard(
+            module,
+            mesh=self.mesh,
+            reshard_after_forward=False if hpz_root else self._reshard_after_forward,
+            mp_policy=self._mp_policy(module),
+            offload_policy=self._offload_policy,
+        )
+        self._set_collectives(module)
+
+    def _set_collectives(self, module: FSDPModule) -> None:
+        name = self._unit_names.get(id(module), "root")
+        module.set_custom_all_gather(CountingAllGather(self.compression))
+        module.set_custom_reduce_scatter(CountingReduceScatter(self.compression, name, module, self.late))
+        if self.replicate_group is not None:
+            module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
+            module.set_gradient_divide_factor(float(self._all_ranks))
+            module.set_all_reduce_hook(SumOverReplicas(self.replicate_group, self.compression, name))
+
+    def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
+        """See [Note: stage 3 mixed precision]."""
+        policy = self.policy
+        if policy is None:
+            return FSDPMixedPrecisionPolicy()
+        if id(module) in self._fp32_units:
+            return FSDPMixedPrecisionPolicy(policy.master_dtype, policy.master_dtype, cast_forward_inputs=False)
+        return FSDPMixedPrecisionPolicy(policy.compute_dtype, policy.reduce_dtype, cast_forward_inputs=False)
+
+    def _materialize_and_shard(self, device: torch.device) -> None:
+        """See [Note: materialising meta modules in construction order]."""
+        real = [t.data for t in (*self.module.parameters(), *self.module.buffers()) if not t.is_meta]
+        collectives.broadcast(real, src=0)  # parts built eagerly must agree across ranks too
+        cpu_state, device_state = collectives.broadcast_object(
+            (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None), src=0
+        )
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            torch.cuda.set_rng_state(device_state)
+        units = {id(unit) for unit in self.units}
+        owners = hf_owners(self.module)
+        done: set[int] = set()
+        missing: set[str] = set()
+        tied: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised parameter
+
+        def materialize(sub: nn.Module) -> None:
+            """Construction order (pre-order) for ordinary modules; children first inside a Hugging Face model,
+            as its own initialisation visits them. A unit is sharded once its whole subtree exists."""
+            if id(sub) in done:
+                return
+            done.add(id(sub))
+            hf = owners.get(id(sub))
+            if hf is None:
+                self._initialize(sub, device, None, missing, tied)
+            for child in sub.children():
+                materialize(child)
+            if hf is not None:
+                self._initialize(sub, device, hf, missing, tied)
+            if id(sub) in units:
+                self._shard(sub)
+
+        materialize(self.module)
+        for sub in self.module.modules():  # after every initialiser ran: a parent's may set a child's tensors
+            if any(bool(torch.isnan(local_tensor(t)).any()) for t in _own_floating(sub)):
+                missing.add(type(sub).__name__)
+        if missing:
+            raise TypeError(
+                f"Cannot materialise the meta-device model: {sorted(missing)} define parameters or buffers but no "
+                "`reset_parameters()` (nor a Hugging Face `_init_weights` that sets them); add one, or build those "
+                "modules outside `configure_model`."
+            )
+
+    @staticmethod
+    def _initialize(
+        sub: nn.Module, device: torch.device, hf_owner: nn.Module | None, missing: set[str], tied: dict[int, nn.Parameter]
+    ) -> None:
+        """Materialise ``sub``'s own meta tensors and initialise them: ``reset_parameters()``, then the owning
+        Hugging Face model's initialisation (see [Note: Hugging Face initialisation on the meta device]).
+        Floating tensors start as NaN so that one no initialiser wrote is caught, not trained on. A parameter
+        another module already materialised (tied weights) is shared, not materialised twice:
+        ``to_empty`` would give each owner a tensor of its own."""
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) in tied:
+                sub._parameters[name] = tied[id(param)]
+        if _has_meta(sub, recurse=False):
+            before = {name: id(p) for name, p in sub._parameters.items() if p is not None and p.is_meta}
+            sub.to_empty(device=device, recurse=False)
+            tied.update({meta_id: sub._parameters[name] for name, meta_id in before.items()})
+            with torch.no_grad():
+                for tensor in _own_floating(sub):
+                    tensor.fill_(float("nan"))
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif hf_owner is None:
+                missing.add(type(sub).__name__)
+        if hf_owner is not None:  # every module, as the library's own pass: a block may set its children's weights
+            initialize(sub, hf_owner)
+
+    # ------------------------------------------------------------------ the contract (engine/api.py)
+    @property
+    def optimizer_on_host(self) -> bool:
+        return (self.masters is not None and self.masters.offloaded) or self.params_on_host
+
+    def records(self) -> list[ShardRecord]:
+        return self._records
+
+    def _record(self, name: str, param: torch.Tensor) -> ShardRecord:
+        return ShardRecord(name, param, param.shape, self.group, _rows=lambda: local_tensor(param), _grad=lambda: local_grad(param))
+
+    def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        if self.masters is not None:
+            yield from self.masters.state_tensors()
+
+    # ------------------------------------------------------------------ optimizers
+    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+        kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
+        self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer, kind)
+
+    def on_host(self, tensor: torch.Tensor) -> bool:
+        if self.params_on_host or (self.masters is not None and self.masters.holds_on_host(tensor)):
+            return True
+        return any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values())
+
+    def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
+        return shards_of(self._optimizers, optimizer)
+
+    def discard_all_gradients(self) -> None:
+        """Gradients are ordinary ``p.grad`` here; Lightning's ``zero_grad`` clears them."""
+
+    # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A non-final micro-batch: no reduce-scatter, and its units stay gathered for the next one."""
+        self.module.set_requires_gradient_sync(False)
+        self._reducing = False
+        if self.window is not None:
+            self.window.hold()
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+            self._reducing = True
+            if self.window is not None:
+                self.window.release_after_backward()
+
+    def post_backward(self) -> None:
+        """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
+        backward that reduced ends the accumulation window: every unit is sharded again."""
+        self.land_gradients()
+        if self.prefetch is not None:
+            self.prefetch.settle()
+        if self._reducing:
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Close an open accumulation window (see [Note: gathered accumulation windows])."""
+        if self.window is not None:
+            self.window.close()
+
+    def land_gradients(self) -> None:
+        """Land reductions still in flight (a backward not run through the strategy leaves them to the step)."""
+        if self.late is not None:
+            self.late.land_all()
+
+    def follow_trainability(self) -> bool:
+        """FSDP2 shards every parameter, trainable or not, and reduces whatever gradients backward produces."""
+        return False
+
+    def params_loaded(self) -> None:
+        """A checkpoint was loaded into the sharded parameters: refresh the host masters from them."""
+        if self.masters is not None:
+            for i, p in enumerate(self.params):
+                self.masters.refresh_from(i, local_tensor(p))
+
+    def restore_master_params(self) -> None:
+        """FSDP2 keeps the sharded parameters at full precision and casts them per forward: nothing to do."""
+
+    def teardown(self) -> None:
+        """FSDP2's hooks live as long as the module."""

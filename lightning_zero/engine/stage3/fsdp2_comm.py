@@ -1,0 +1,137 @@
+"""FSDP2's collectives, routed through ``collectives.py`` so stage 3 is counted, labelled and watched like
+stages 1-2 (``fully_shard`` modules take them via ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, and
+hybrid sharding's sum across replicas via ``set_all_reduce_hook``), and compressed like them (``compression.py``)
+when the run asks for it.
+
+[Note: reduce-scatters that land after backward]
+FSDP2 overlaps a unit's gradient reduce-scatter with the next unit's backward by running it on a CUDA stream. A
+CPU has no streams, so FSDP2's reduce-scatter returns only when the reduction is done: on the demo GPT over 2
+CPU ranks the training thread waited 230 ms a step for it (``benchmarks/bench_core.py``'s phase breakdown). Here
+the reduce-scatter is posted and returns at once; it lands (the sum, then FSDP2's average) when the backward
+pass ends, in an autograd final callback queued behind FSDP2's own, or earlier when more than
+:data:`MAX_IN_FLIGHT` are posted. Until then FSDP2 has only made views of the output as the sharded gradients,
+which nobody reads during backward, unless FSDP2 itself reads the output right away: it adds it to gradients
+already there (several synchronising backwards), casts it (a reduce dtype other than the parameters'), copies
+it to the host (CUDA offload), divides it after a SUM, or hands it to post-accumulate-grad hooks or to an
+all-reduce hook (hybrid sharding). Each of those is checked per call, and that reduce-scatter runs to completion
+as before.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage3.fsdp2_private import AllGather, ReduceScatter, sharded_params
+from lightning_zero.engine.comm.collectives import ReduceOp
+from lightning_zero.engine.comm.compression import CompressedComm
+
+
+class CountingAllGather(AllGather):
+    """FSDP2's all-gather, counted and labelled like ours; compressed parameters with ``compression``."""
+
+    def __init__(self, compression: CompressedComm | None = None) -> None:
+        self.compression = compression
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        # FSDP2 gathers a unit in uint8 when its parameters' dtypes differ: such bytes travel as they are.
+        if self.compression is not None and self.compression.compresses_params(output_tensor.dtype):
+            return self.compression.all_gather(output_tensor, input_tensor, group, async_op=False)
+        # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
+        work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        return work if isinstance(work, dist.Work) else collectives.finish(work)
+
+
+class CountingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter, counted and labelled like ours (FSDP2 picks the reduce op); compressed gradients
+    with ``compression``, whose error-feedback residuals this unit's ``key`` names. With ``landing``, the
+    reductions of ``unit`` that nobody reads during backward land after it (see [Note: reduce-scatters that land
+    after backward])."""
+
+    def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: torch.nn.Module | None = None,
+                 landing: "LateReductions | None" = None) -> None:
+        self.compression, self.key = compression, key
+        self.unit, self.landing = unit, landing
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
+        if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
+            if self.compression is not None:
+                self.compression.reduce_scatter(output_tensor, input_tensor, group, self.key, async_op=False)
+            elif op == ReduceOp.AVG and self.landing is not None and self._unread(output_tensor):
+                work = collectives.reduce_scatter(output_tensor, input_tensor, group=group, async_op=True)
+                self.landing.add(work, output_tensor, collectives.world_size(group))
+                return None
+            else:
+                collectives.reduce_scatter(output_tensor, input_tensor, group=group)
+            if op == ReduceOp.AVG:
+                output_tensor.div_(collectives.world_size(group))
+            return None
+        return collectives.reduce_scatter_op(output_tensor, input_tensor, op, group=group, async_op=async_op)
+
+    def _unread(self, output: torch.Tensor) -> bool:
+        """Whether FSDP2 only views ``output`` as the unit's new sharded gradients (nothing there to add to, no
+        cast, no host copy, no hooks): then it may land after backward."""
+        for param, offloaded in sharded_params(self.unit):
+            if (param.grad is not None or param.dtype != output.dtype or (offloaded and output.device.type != "cpu")
+                    or getattr(param, "_post_accumulate_grad_hooks", None)):
+                return False
+        return True
+
+
+#: Reduce-scatters posted and not yet landed, at most; two keep the link busy while bounding their buffers.
+MAX_IN_FLIGHT = 2
+
+
+class LateReductions:
+    """The stage-3 reduce-scatters still in flight during a backward pass, landed in posting order (the same on
+    every rank) when the pass ends: see [Note: reduce-scatters that land after backward]."""
+
+    def __init__(self) -> None:
+        self._pending: deque = deque()
+        self._callback_queued = False
+
+    def add(self, work, output: torch.Tensor, divide: int) -> None:
+        self._pending.append((work, output, divide))
+        if not self._callback_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self.land_all)
+                self._callback_queued = True
+            except RuntimeError:  # not inside a backward pass: nothing ends it, land now
+                self.land_all()
+                return
+        while len(self._pending) > MAX_IN_FLIGHT:
+            self._land(*self._pending.popleft())
+
+    def land_all(self) -> None:
+        """Land every posted reduction (the end of backward; also before anything reads gradients)."""
+        self._callback_queued = False
+        while self._pending:
+            self._land(*self._pending.popleft())
+
+    @staticmethod
+    def _land(work, output: torch.Tensor, divide: int) -> None:
+        collectives.finish(work)
+        output.div_(divide)
+
+
+class SumOverReplicas:
+    """FSDP2's all-reduce hook under hybrid sharding: sum a unit's reduced gradient shard (in the reduce dtype)
+    over the ranks holding the same rows."""
+
+    def __init__(self, group: dist.ProcessGroup, compression: CompressedComm | None = None, key: str = "") -> None:
+        self.group, self.compression, self.key = group, compression, key
+
+    def __call__(self, reduced: torch.Tensor) -> None:
+        if self.compression is not None:
+            self.compression.sum_over(reduced, self.group, self.key)
+        else:
+            collectives.all_reduce(reduced, group=self.group)

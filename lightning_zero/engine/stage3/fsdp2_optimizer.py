@@ -1,0 +1,156 @@
+"""The user's optimizer over FSDP2's sharded parameters (stage 3): the optimizer handle of
+:class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` (see its [Note: stage 3 offload]) and the local-shard
+helpers both use."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_zero.engine.api import ShardRecord
+from lightning_zero.engine.offload import host_kernel
+from lightning_zero.engine.optimizers import hosted_params, steps_whole
+from lightning_zero.engine.owner_step import OwnerStepping
+
+
+class FullyShardedOptimizer:
+    """The user's optimizer over FSDP2's sharded parameters (implements
+    :class:`~lightning_zero.engine.api.OptimizerShards`): it steps the DTensor shards themselves, or, with
+    ``offload_optimizer`` alone, their host masters. A matrix optimizer steps whole parameters on owner ranks
+    (``owner_step.py``), decided from each DTensor's full shape."""
+
+    def __init__(self, engine, optimizer: Optimizer, kind: str = "elementwise") -> None:
+        """``engine``: the :class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` whose parameters these are (not
+        imported here: the engine imports this module)."""
+        self.engine = engine
+        self.optimizer = optimizer
+        self.kind = kind
+        self.owners: OwnerStepping | None = None
+        if kind == "matrix":
+            params = [p for p in self._params() if id(p) in engine.index]
+            dtype = engine.masters.dtype if engine.masters is not None else params[0].dtype if params else torch.float32
+            self.owners = OwnerStepping(
+                rank=engine.rank, world_size=engine.world_size, group=engine.group, comm_device=engine.device, dtype=dtype
+            )
+            self.owners.on_host = engine.optimizer_on_host
+        self.whole: list[int] = []
+        self._refresh()
+
+    def _params(self) -> Iterable[torch.Tensor]:
+        return (p for group in self.optimizer.param_groups for p in group["params"])
+
+    def _refresh(self) -> None:
+        """Which parameters are stepped whole (matrix groups), with an owner for each new one."""
+        engine = self.engine
+        self.whole = [
+            engine.index[id(p)]
+            for group in self.optimizer.param_groups if steps_whole(group, self.kind)
+            for p in group["params"] if id(p) in engine.index
+        ]
+        if self.whole:
+            self.owners.adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
+
+    def _whole_tensor(self, i: int) -> torch.Tensor:
+        """The owner's whole copy of parameter ``i`` (where the optimizer state lives: the host under offload)."""
+        engine = self.engine
+        on_host = engine.optimizer_on_host
+        device = torch.device("cpu") if on_host else local_tensor(engine.params[i]).device
+        pin = on_host and engine.pin_memory and torch.cuda.is_available()
+        return torch.zeros(engine.params[i].shape, dtype=self.owners.dtype, device=device, pin_memory=pin)
+
+    def _hosted_indices(self) -> list[int]:
+        engine = self.engine
+        if engine.masters is None:
+            return []
+        whole = set(self.whole)
+        return [engine.index[id(p)] for p in self._params() if id(p) in engine.index and engine.index[id(p)] not in whole]
+
+    def records(self) -> list[ShardRecord]:
+        engine = self.engine
+        return [engine.records()[engine.index[id(p)]] for p in self._params() if id(p) in engine.index]
+
+    def hosted(self) -> dict[int, torch.Tensor]:
+        """``id(param)`` -> the host master the optimizer keys its state by (``offload_optimizer`` alone), or the
+        owner's whole tensor; otherwise the optimizer steps the sharded parameters themselves."""
+        engine = self.engine
+        hosted = {id(engine.params[i]): engine.masters[i] for i in self._hosted_indices()}
+        if self.owners is not None:
+            hosted.update({id(engine.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
+        return hosted
+
+    def owners_of(self) -> dict[int, int] | None:
+        if self.owners is None:
+            return None
+        return {id(self.engine.params[i]): self.owners.owner[i] for i in self.whole}
+
+    @contextlib.contextmanager
+    def hosting(self) -> Iterator[None]:
+        """A block in which the optimizer holds the host masters, with host copies of the gradient shards, and
+        the owners' whole parameters (left out of the groups on other ranks)."""
+        engine, indices = self.engine, self._hosted_indices()
+        standins = {}
+        if indices:
+            grads = engine.masters.receive_gradients({i: local_grad(engine.params[i]) for i in indices})
+            standins = {id(engine.params[i]): (engine.masters[i], grads[i]) for i in indices}
+        for i in self.whole:
+            owned = self.owners.whole.get(i)
+            standins[id(engine.params[i])] = None if owned is None else (owned, self.owners.grads.get(i))
+        if not standins:
+            yield
+            return
+        with hosted_params(self.optimizer, standins):
+            yield
+
+    def step(self, **kwargs) -> object:
+        """See [Note: stage 3 offload] and [Note: owner stepping] in ``owner_step.py``."""
+        engine = self.engine
+        engine.land_gradients()
+        engine.reshard()  # the step writes the shards: no gathered copy may outlive it
+        self._refresh()
+        if self.whole:
+            self.owners.gather(self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i]))
+        on_host = engine.masters is not None or engine.params_on_host
+        with self.hosting(), host_kernel(self.optimizer, enabled=on_host):
+            result = self.optimizer.step(**kwargs)
+        with torch.no_grad():
+            for i in self._hosted_indices():
+                engine.masters.copy_into(i, local_tensor(engine.params[i]))
+            if self.whole:
+                self.owners.scatter(self.whole, self._write_rows)
+        return result
+
+    def _write_rows(self, i: int, rows: torch.Tensor) -> None:
+        engine = self.engine
+        local = local_tensor(engine.params[i])
+        local.view(-1).copy_(rows)
+        if engine.masters is not None:
+            engine.masters.refresh_from(i, local)
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finalize_gradients(self, scale: float = 1.0) -> None:
+        # FSDP2 already averaged over ranks in its reduce-scatter.
+        if scale != 1.0:
+            grads = self.local_gradients()
+            if grads:
+                torch._foreach_mul_(grads, scale)
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        self.engine.land_gradients()
+        grads = (local_grad(p) for p in self._params())
+        return [g for g in grads if g is not None]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """This rank's shard of ``param``'s gradient (None before a backward produced one)."""
+    return None if param.grad is None else local_tensor(param.grad)

@@ -1,0 +1,120 @@
+"""Every use of FSDP2's private API, in one module, checked against the installed torch.
+
+The stage-3 engine drives ``fully_shard`` through its public surface wherever torch 2.13 has one
+(``set_custom_all_gather``/``set_custom_reduce_scatter``, ``set_all_reduce_hook``, ``set_reshard_after_backward``,
+``reshard``, ``set_requires_gradient_sync``). What it cannot do there goes through this module, one function per
+need, each with the reason the public API does not suffice:
+
+* :data:`AllGather` / :data:`ReduceScatter`: the base classes ``set_custom_all_gather`` and
+  ``set_custom_reduce_scatter`` take; torch 2.13 exports them only from ``torch.distributed.fsdp._fully_shard``.
+* :func:`param_groups` (``FSDPState._fsdp_param_groups``): the per-unit objects the next three act on; public
+  methods act on a whole module.
+* :func:`keep_gathered_after_forward` / :func:`restore_after_forward` (``FSDPParamGroup.post_forward_mesh_info``):
+  the public ``set_reshard_after_forward`` takes a bool, so it cannot put back an hpZ unit's partial reshard (a
+  mesh) when an accumulation window closes ([Note: gathered accumulation windows] in ``fsdp2_window.py``).
+* :func:`reshard_only_after_backward` / :func:`unshadow_reshard` (an instance attribute shadowing
+  ``FSDPParamGroup.reshard``, and ``_training_state``): FSDP2's post-forward of the root reshards it whatever its
+  settings say when ``training_step`` calls ``self(...)`` ([Note: hpZ and the root] in ``fsdp2.py``); no setting
+  keeps the root gathered through a window.
+* :func:`sharded_params` (``FSDPParamGroup.fsdp_params``, ``FSDPParam.sharded_param``/``offload_to_cpu``): whether
+  FSDP2 reads a reduce-scatter's output right away, so the reduction may land after backward
+  ([Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``); no public view of a unit's parameters
+  in FSDP2's own bookkeeping.
+
+:func:`check` verifies each of these on a sharded module: the engine runs it when it shards (a torch release that
+moves one fails at set-up, naming it, not mid-training), and ``tests/unit/test_fsdp2_private.py`` runs it on the
+installed torch. ``setup.cfg`` bounds torch at the newest minor version this was checked on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+__all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "keep_gathered_after_forward",
+           "param_groups", "reshard_only_after_backward", "restore_after_forward", "sharded_params",
+           "unshadow_reshard"]
+
+#: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
+PRIVATE_NAMES = (
+    ("FSDPModule", "_get_fsdp_state", "param_groups"),
+    ("FSDPState", "_fsdp_param_groups", "param_groups"),
+    ("FSDPParamGroup", "post_forward_mesh_info", "keep_gathered_after_forward"),
+    ("FSDPParamGroup", "reshard", "reshard_only_after_backward"),
+    ("FSDPParamGroup", "reshard_after_backward", "reshard_only_after_backward"),
+    ("FSDPParamGroup", "_training_state", "reshard_only_after_backward"),
+    ("FSDPParamGroup", "is_unsharded", "fsdp2_window.GatheredWindow.close"),
+    ("FSDPParamGroup", "fsdp_params", "sharded_params"),
+    ("FSDPParam", "sharded_param", "sharded_params"),
+    ("FSDPParam", "offload_to_cpu", "sharded_params"),
+    ("TrainingState", "POST_BACKWARD", "reshard_only_after_backward"),
+)
+
+
+class FSDP2PrivateAPIError(RuntimeError):
+    """The installed torch moved a private FSDP2 name the stage-3 engine relies on."""
+
+
+def param_groups(module: nn.Module) -> list:
+    """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order."""
+    return [group for unit in module.modules() if isinstance(unit, FSDPModule)
+            for group in unit._get_fsdp_state()._fsdp_param_groups]
+
+
+def keep_gathered_after_forward(group: Any) -> Any:
+    """Stop ``group`` resharding (fully or hpZ-partially) after forward; returns the setting to restore."""
+    setting = group.post_forward_mesh_info
+    group.post_forward_mesh_info = None
+    return setting
+
+
+def restore_after_forward(group: Any, setting: Any) -> None:
+    group.post_forward_mesh_info = setting
+
+
+def reshard_only_after_backward(group: Any) -> None:
+    """Shadow ``group.reshard`` until :func:`unshadow_reshard`: only the post-backward of a backward that reshards
+    goes through; a forward's, nested or not, keeps the parameters."""
+    reshard = type(group).reshard
+
+    def reshard_in_window() -> None:
+        if group.reshard_after_backward and group._training_state == TrainingState.POST_BACKWARD:
+            reshard(group)
+
+    group.reshard = reshard_in_window
+
+
+def unshadow_reshard(group: Any) -> None:
+    del group.reshard
+
+
+def sharded_params(unit: nn.Module) -> Iterator[tuple[torch.Tensor, bool]]:
+    """(sharded parameter, offloaded to the host) of each parameter FSDP2 manages in ``unit``'s own groups."""
+    for group in unit._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
+
+
+def check(module: nn.Module) -> None:
+    """Raise :class:`FSDP2PrivateAPIError` naming the first private name of :data:`PRIVATE_NAMES` that the
+    installed torch lacks on ``module`` (an FSDP2-sharded module)."""
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"check() needs a module sharded with fully_shard, got {type(module).__name__}")
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    groups = getattr(state, "_fsdp_param_groups", None) or [None]
+    params = getattr(groups[0], "fsdp_params", None) or [None]
+    owners: dict[str, Any] = {"FSDPModule": module, "FSDPState": state, "FSDPParamGroup": groups[0],
+                              "FSDPParam": params[0], "TrainingState": TrainingState}
+    for owner, attribute, used_by in PRIVATE_NAMES:
+        if owners[owner] is not None and not hasattr(owners[owner], attribute):
+            raise FSDP2PrivateAPIError(
+                f"torch {torch.__version__}: FSDP2's {owner}.{attribute} is gone; lightning_zero's stage 3 uses it "
+                f"in engine/stage3/fsdp2_private.py ({used_by}). Install the torch version setup.cfg names, or update that "
+                "module for this release."
+            )

@@ -1,0 +1,70 @@
+"""Stage 3 under gradient accumulation: each unit stays gathered from the window's first forward to its last backward.
+
+[Note: gathered accumulation windows]
+With ``accumulate_grad_batches=k``, the k-1 non-final micro-batches run under ``no_sync``: every gradient is kept
+whole and unreduced until the window's last backward, so a rank already holds the whole model's gradients through
+the window. FSDP2 still reshards each unit after its forward and again after its backward, and gathers it twice
+per micro-batch: 2kP elements gathered a window on top of the final reduce-scatter, where DDP and stages 1-2
+move 2P. Keeping the gathered parameters until the last backward (FSDP2 offers ``reshard_after_backward=False``
+for this trade, with no reshard after forward) leaves one gather in the window's first forward and the
+reduce-scatter of its last backward: 2P a window, as DDP. The price is the gathered parameters of the whole model
+(compute dtype) held through the window, beside the whole gradients it holds already.
+
+Numbers do not change: the same shards are gathered once instead of again, and the gradients accumulate in the
+same tensors by the same operations. ``reduce_every_microbatch=True`` keeps the ZeRO-3 footprint throughout
+(each unit resharded after its forward and backward, every micro-batch reduced), and so does ``offload_params``,
+whose point is that the parameters do not stay on the device.
+
+While the window is open a group reshards only after a backward that reduces. That setting alone would not
+hold the root's own parameters: when ``training_step`` calls ``self(...)``, the root's forward hooks run nested
+and FSDP2's outer post-forward reshards the root whatever its setting says ([Note: hpZ and the root] in
+``fsdp2.py``), so the embeddings and head (0.4P on the demo GPT) were gathered again on every micro-batch.
+
+The window opens when a non-final micro-batch begins and closes after the backward that reduces (the last
+micro-batch's): every unit is sharded again then, before the optimizer step. Anything that must see the
+sharded module in between (an evaluation loop, a checkpoint) closes the window first; the next non-final
+micro-batch opens it again.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_zero.engine.stage3 import fsdp2_private
+
+
+class GatheredWindow:
+    """Holds every FSDP2 unit of ``root`` gathered through an accumulation window (see the Note above)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.groups = fsdp2_private.param_groups(root)
+        #: Each group's reshard-after-forward setting (None for no reshard, a mesh for hpZ's partial reshard),
+        #: kept while the window is open; None: closed.
+        self._after_forward: list | None = None
+
+    def hold(self) -> None:
+        """A non-final micro-batch begins: what its forward gathers stays gathered through its backward and after."""
+        if self._after_forward is None:
+            self._after_forward = [fsdp2_private.keep_gathered_after_forward(group) for group in self.groups]
+            for group in self.groups:
+                fsdp2_private.reshard_only_after_backward(group)  # until ``close``
+        for group in self.groups:
+            group.reshard_after_backward = False
+
+    def release_after_backward(self) -> None:
+        """A non-final micro-batch ended: the next backward that runs outside ``no_sync`` reduces and reshards."""
+        for group in self.groups:
+            group.reshard_after_backward = True
+
+    def close(self) -> None:
+        """Every unit sharded again, with its own reshard-after-forward setting back."""
+        if self._after_forward is None:
+            return
+        for group, after_forward in zip(self.groups, self._after_forward):
+            fsdp2_private.unshadow_reshard(group)
+            group.reshard_after_backward = True
+            fsdp2_private.restore_after_forward(group, after_forward)
+        self._after_forward = None
+        for group in self.groups:
+            if group.is_unsharded:
+                group.reshard()

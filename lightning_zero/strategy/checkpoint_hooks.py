@@ -1,0 +1,191 @@
+"""The checkpoint half of ZeroStrategy: Lightning's save and load hooks over the ``checkpoint/`` package.
+
+A save adds every rank's RNG state, the resume position and a Hugging Face description to Lightning's
+dictionary, then one writer runs (full, sharded, or in the background with ``async_save``), with the 16-bit
+export beside it when asked. States and loads cover the tensors this rank holds (``ShardedModel.holding``)
+through the engine's shard records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.checkpoint import error_feedback, hf_export, io, state_dicts, write
+from lightning_zero.checkpoint.async_save import AsyncSaver, checkpoint_group
+from lightning_zero.checkpoint.error_feedback import warn_residuals_not_kept
+from lightning_zero.checkpoint.files import clean_directory, remove
+from lightning_zero.config.zero_config import ZeroConfig
+from lightning_zero.engine.comm import collectives
+from lightning_zero.faults.timeouts import extended_during
+from lightning_zero.precision.zero_precision import ZeroPrecision
+from lightning_zero.strategy.processes import ProcessGroupStrategy, require
+from lightning_zero.resume import ResumeState
+from lightning_zero.resume.rng import collect_rng_state
+from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel
+from lightning_zero.strategy.swa import clear_schedulers_for_swa
+
+
+class CheckpointingStrategy(ProcessGroupStrategy):
+    """Saving and loading for a sharded model; :class:`~lightning_zero.strategy.zero_strategy.ZeroStrategy` sets
+    ``_sharded`` in ``setup``."""
+
+    def __init__(self, zero_config: ZeroConfig, **kwargs: Any) -> None:
+        self._sharded: ShardedModel = NOT_SHARDED  # engine, pipeline stages, what this rank holds (sharding.py)
+        self._resume = ResumeState()  # auto-resume, exact mid-epoch resume, the SIGTERM checkpoint (resume/)
+        self._saver: AsyncSaver | None = None  # async_save: exists from setup to teardown of a fit
+        super().__init__(zero_config, **kwargs)
+
+    @property
+    def _full(self) -> bool:
+        return self.zero_config.state_dict_type == "full"
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Optimizer state is restored into shards, which exist only after `setup`.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._resume.on_exception(trainer_of(self.lightning_module), exception)  # the SIGTERM checkpoint
+        super().on_exception(exception)
+
+    def setup_checkpoints(self, trainer: pl.Trainer) -> None:
+        """Rank 0 removes what interrupted saves left in the checkpoint directories (temporaries only, see
+        ``checkpoint/files.py``); with ``async_save`` every rank starts its background writer."""
+        if self.is_global_zero:
+            for callback in trainer.checkpoint_callbacks:
+                if isinstance(getattr(callback, "dirpath", None), (str, Path)):
+                    clean_directory(Path(callback.dirpath))
+        if self.zero_config.async_save:
+            self._saver = AsyncSaver(checkpoint_group(self.zero_config.timeout), self.zero_config.timeout)
+
+    def close_checkpoints(self) -> None:
+        """Teardown: the writer is normally idle (``on_train_end`` waited); after a failure, no collectives."""
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close(agree=not self._failed)
+
+    # ------------------------------------------------------------------ states
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
+        precision the optimizer updates them in. Collective."""
+        require(self.lightning_module, "lightning_module")
+        self._reshard()
+        return state_dicts.full_model_state(self.lightning_module, self._sharded.engine, holding=self._sharded.holding)
+
+    def _reshard(self) -> None:
+        """Close an accumulation window that keeps stage 3's units gathered (the engine's ``reshard``): a state
+        dict, an evaluation loop and the end of training read the module as sharded."""
+        if self._sharded.engine is not None:
+            self._sharded.engine.reshard()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        require(self.lightning_module, "lightning_module")
+        if self._full:
+            return self.full_state_dict()
+        self._reshard()
+        return state_dicts.sharded_model_state(self.lightning_module, self._sharded.engine, self._sharded.holding)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        build = state_dicts.full_optimizer_state if self._full else state_dicts.sharded_optimizer_state
+        return build(unwrap(optimizer), self.lightning_module, self._sharded.engine)
+
+    # ------------------------------------------------------------------ saving
+    @override
+    @extended_during("saving a checkpoint")  # rank 0 may write alone while the others wait (faults/timeouts.py)
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint["rng_states"] = collectives.all_gather_objects(collect_rng_state())
+        self._resume.on_save(checkpoint, trainer_of(self.lightning_module))  # what a resume replays (resume/state.py)
+        hf_model = hf_export.describe(self.lightning_module) if self.lightning_module is not None else None
+        if hf_model is not None:
+            checkpoint["hf_export"] = hf_model  # what `lightning-zero consolidate --hf` needs
+        if self._full:
+            warn_residuals_not_kept(self._sharded.engine)
+            write.save_full(checkpoint, path)  # rank 0 writes; every rank raises if that failed
+        elif self._saver is not None:
+            error_feedback.add_to_checkpoint(checkpoint, self._sharded.engine)
+            self._saver.save(checkpoint, path)  # returns once staged; the next save or teardown waits for it
+        else:
+            error_feedback.add_to_checkpoint(checkpoint, self._sharded.engine)
+            write.save_sharded(checkpoint, path)
+        if self.zero_config.gather_16bit_weights_on_save:
+            state = self.full_state_dict()
+            if self.is_global_zero:
+                dtype = self.precision_plugin.compute_dtype if isinstance(self.precision_plugin, ZeroPrecision) else None
+                hf_export.save_16bit(state, hf_model, path, dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+            self.barrier()
+
+    def wait_for_checkpoint(self) -> None:
+        """With ``async_save``: block until the save in flight (if any) is complete, and raise its failure on
+        every rank. Collective. Fit already waits at each save and when training ends."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            # async_save: once the save in flight has succeeded (never the newest complete checkpoint)
+            removal = self._saver.remove if self._saver is not None else remove
+            for path in (Path(filepath), hf_export.sixteen_bit_dir(filepath)):
+                removal(path)
+
+    # ------------------------------------------------------------------ loading
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = self.lightning_module
+        require(module, "lightning_module")
+        trainer = trainer_of(module)
+        # validate/test/predict from a checkpoint read the model alone, as Lightning's strategies do (a fit's
+        # optimizers outlive it on the strategy).
+        evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
+        optimizers = [] if evaluating else [unwrap(o) for o in self.optimizers]
+        checkpoint = io.load(path, module, optimizers, self._sharded.engine,
+                             strict=module.strict_loading, weights_only=weights_only is not False,
+                             holding=self._sharded.holding)
+        states = checkpoint.get("rng_states")
+        # Put back later in a fit, where the uninterrupted run was: [Note: when the RNG state is restored].
+        self._resume.loaded(checkpoint, trainer_of(module), states[self.global_rank % len(states)] if states else None)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        require(self.lightning_module, "lightning_module")
+        io.load_model_state(self.lightning_module, checkpoint["state_dict"], self._sharded.engine, strict=strict,
+                            holding=self._sharded.holding)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        clear_schedulers_for_swa(trainer_of(self.lightning_module))  # Lightning restores the schedulers next
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            io.load_optimizer_state(unwrap(optimizer), state, self.lightning_module, self._sharded.engine,
+                                    holding=self._sharded.holding)
+
+
+def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
+    return module.trainer if module is not None and module._trainer is not None else None
+
+
+def unwrap(optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -1,0 +1,183 @@
+"""From the user's module to a sharded one, for the strategy's ``setup``: activation checkpointing, the pipeline
+cut, the same initial weights on every replica, the engine, pretrained weights.
+
+This is the one place that asks for the stage: stage 3 is :class:`FullyShardedEngine` (FSDP2, whose
+``configure_model`` runs on the meta device), stages 1-2 are :class:`ZeroDataParallel`, optionally on the
+data-parallel groups of pipeline stages. Everything after ``setup`` talks to the result through
+``engine/api.py``'s contract and :class:`ShardedModel`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_zero.activation_checkpointing import apply_activation_checkpointing, caches_off_for_training
+from lightning_zero.strategy.compiling import compile_units
+from lightning_zero.config.zero_config import ZeroConfig
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.api import Holding, ShardingEngine
+from lightning_zero.engine.comm.compression import CompressionSpec
+from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
+from lightning_zero.engine.stage3.fsdp2_units import select_units
+from lightning_zero.engine.stage12.layout import check_trainable
+from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from lightning_zero.engine.offload import should_pin
+from lightning_zero.engine.state_dict import gather_full
+from lightning_zero.engine.comm.topology import Topology, data_parallel_groups
+from lightning_zero.engine.stage12.zero_dp import ZeroDataParallel
+from lightning_zero.pipeline.parallel import PipelineParallel
+from lightning_zero.pretrained import load_pretrained
+
+
+def construction_device(config: ZeroConfig) -> contextlib.AbstractContextManager:
+    """Where ``configure_model`` builds layers: stage 3 on the meta device (FSDP2 materialises one unit at a
+    time, so no rank ever holds the whole model), the others where they are."""
+    return torch.device("meta") if config.stage == 3 else contextlib.nullcontext()
+
+
+def _nothing() -> None:
+    """What a run that changed nothing for training undoes after it."""
+
+
+@dataclasses.dataclass
+class ShardedModel:
+    """What ``setup`` made of the module: its engine (None when evaluating at stages 1-2, which need none),
+    this rank's pipeline stages, and what this rank holds."""
+
+    engine: ShardingEngine | None
+    pipeline: PipelineParallel | None
+    holding: Holding
+    buffers: list[Tensor]
+    """The held buffers, broadcast from the first replica before steps (DDP's ``broadcast_buffers``)."""
+    after_fit: Callable[[], None] = _nothing
+    """Undoes what only training needed (Hugging Face caches turned off under activation checkpointing)."""
+
+    @property
+    def shards_module_in_place(self) -> bool:
+        return self.engine is not None and self.engine.shards_module_in_place
+
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers (e.g. BatchNorm running statistics) on every replica, so results and checkpoints
+        agree whichever rank they come from. Under pipeline stages, each stage's replicas hold its buffers."""
+        if self.buffers:
+            group, source = (self.pipeline.dp_group, self.pipeline.dp_source) if self.pipeline else (None, 0)
+            collectives.broadcast(self.buffers, src=source, group=group)
+
+    def gather_gradients(self, optimizers: Iterable[Optimizer], finalize: Callable[[Optimizer], object]) -> dict[str, Tensor]:
+        """Full gradients by parameter name, on every rank (collective); ``finalize`` averages/unscales first."""
+        if self.engine is None:
+            raise RuntimeError("gather_gradients() needs a fitted ZeroStrategy (call it during `fit`).")
+        out: dict[str, Tensor] = {}
+        for optimizer in optimizers:
+            finalize(optimizer)
+            for record in self.engine.optimizer_shards(optimizer).records():
+                if (local := record.grad) is not None:
+                    out[record.name] = gather_full(local, record.shape, group=record.group)
+        if self.pipeline is not None:  # each stage's ranks gathered that stage's gradients
+            out = {k: v for part in collectives.all_gather_objects(out) for k, v in part.items()}
+        return out
+
+
+NOT_SHARDED = ShardedModel(None, None, Holding(), [])
+
+
+def shard_model(
+    model: nn.Module,
+    config: ZeroConfig,
+    *,
+    policy: PrecisionPolicy | None,
+    checkpoint_policy: object | None,
+    fitting: bool,
+    rank: int,
+    world_size: int,
+    node_size: int,
+    device: torch.device,
+    move_to_device: Callable[[], None],
+    sync_batchnorm: bool = False,
+) -> ShardedModel:
+    """Shard ``model`` in place for a run (``fitting``: with gradients and optimizers; else evaluation)."""
+    if fitting:
+        check_trainable(model)
+    after_fit: Callable[[], None] = _nothing
+    if checkpoint_policy is not None:
+        # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
+        checkpointed = apply_activation_checkpointing(model, checkpoint_policy)
+        if fitting:
+            after_fit = caches_off_for_training(model, checkpointed)
+    pin = should_pin(device, config.pin_memory) if config.optimizer_on_host else False
+    pipeline: PipelineParallel | None = None
+    engine: ShardingEngine | None = None
+    holding = Holding()
+    shard_size, secondary_shard_size = config.group_sizes(world_size, node_size)
+    groups = data_parallel_groups(Topology(world_size, node_size, shard_size), device.type)
+    if config.stage == 3:
+        engine = FullyShardedEngine(
+            model,
+            device=device,
+            wrap_policy=config.wrap_policy,
+            policy=policy,
+            offload_optimizer=fitting and config.offload_optimizer,
+            offload_params=config.offload_params,
+            pin_memory=pin,
+            groups=groups,
+            secondary_shard_size=secondary_shard_size,
+            compression=compression_spec(config),
+        )
+    else:
+        # Data-parallel ranks (`replicas`, which start from the first one's weights and buffers) and the ranks
+        # each parameter's rows are spread over (`group`): all and all, or a pipeline stage's replicas, or hybrid.
+        replicas, source, group, mesh = None, 0, groups.shard_group, groups.shard_mesh
+        if config.pipeline_stages > 1:
+            if sync_batchnorm:
+                raise ZeroConfigError("`sync_batchnorm=True` is not supported with `pipeline_stages > 1`.")
+            pipeline = PipelineParallel(model, config, rank, world_size, device)
+            group, source, mesh, holding = pipeline.dp_group, pipeline.dp_source, pipeline.dp_mesh, pipeline.holding
+            replicas = group
+        else:
+            move_to_device()
+        held = holding.held((*model.named_parameters(), *model.named_buffers()))
+        collectives.broadcast([t.data for t in held.values()], src=source, group=replicas)
+        if fitting:
+            engine = ZeroDataParallel(
+                model,
+                stage=config.stage,
+                bucket_numel=config.bucket_numel,
+                overlap_comm=config.overlap_comm,
+                policy=policy,
+                offload_optimizer=config.offload_optimizer,
+                pin_memory=pin,
+                group=group,
+                mesh=mesh,
+                replicate_group=groups.replicate_group,
+                holding=holding,
+                compression=compression_spec(config),
+            )
+    if config.init_weights is not None:
+        load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,
+                        engine=engine, holding=holding)
+    if config.compile:  # see compiling.py
+        units = engine.units if isinstance(engine, FullyShardedEngine) else select_units(model, config.wrap_policy)
+        compile_units(units, config.compile)
+    buffers = list(holding.held(model.named_buffers()).values())
+    return ShardedModel(engine, pipeline, holding, buffers, after_fit)
+
+
+def compression_spec(config: ZeroConfig) -> CompressionSpec | None:
+    """The engines' view of the compression settings (``engine/comm/compression.py``); None when nothing is compressed."""
+    if not config.compresses:
+        return None
+    return CompressionSpec(
+        gradients=config.gradient_compression,
+        params=config.param_compression,
+        scheme=config.quantization_scheme,
+        block_size=config.quantization_block_size,
+        error_feedback=config.error_feedback,
+        inter_node_only=config.compression_scope == "inter_node",
+    )

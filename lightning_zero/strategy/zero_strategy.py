@@ -1,0 +1,353 @@
+"""ZeroStrategy: Lightning hook wiring for ZeRO stages 1-3.
+
+The layers under it: ``processes.py`` (launch, process group, collectives for Lightning, faults),
+``checkpoint_hooks.py`` (save and load hooks), ``sharding.py`` (the module made sharded in ``setup``),
+``precision/`` and ``pipeline/``; the sharding itself lives in ``engine/`` behind ``engine/api.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Generator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.activation_checkpointing import resolve_policy
+from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy, trainer_of, unwrap
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, Compression, CompressionScope, ModulePolicy, PipelineSchedule
+from lightning_zero.config.zero_config import PipelineSplit, QuantizationScheme, ShardSize, StartMethod, StateDictType, ZeroConfig
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.deepspeed_compat.config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
+from lightning_zero.deepspeed_compat.trainer import apply_to_trainer, check_batch_sizes, optimizers_from_config, precision_plugin_for
+from lightning_zero.engine.api import ShardingEngine
+from lightning_zero.pipeline.parallel import PipelineParallel
+from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
+from lightning_zero.strategy.processes import require
+from lightning_zero.strategy.sharding import NOT_SHARDED, construction_device, shard_model
+from lightning_zero.strategy.swa import average_sharded_weights
+
+#: The constructor arguments that are :class:`ZeroConfig` fields (validated there, in one place).
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
+
+
+class ZeroStrategy(CheckpointingStrategy):
+    """ZeRO data parallelism for any LightningModule.
+
+    Stage 1 shards optimizer state, stage 2 also gradients, stage 3 also parameters (over FSDP2). Every
+    setting is validated here, on every rank, before any process group exists.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        offload_optimizer: bool = False, offload_params: bool = False,
+        pin_memory: bool | None = None,
+        activation_checkpointing: Any = None,
+        wrap_policy: ModulePolicy = None,
+        pipeline_stages: int = 1,
+        microbatches: int | None = None,
+        pipeline_schedule: PipelineSchedule = "1f1b",
+        pipeline_split: PipelineSplit = "layers",
+        pipeline_virtual_stages: int | None = None,
+        shard_size: ShardSize = None,
+        secondary_shard_size: ShardSize = None,
+        bucket_size_mb: float = 25.0, overlap_comm: bool = True,
+        reduce_every_microbatch: bool = False, compile: bool | dict = False,
+        gradient_compression: Compression | None = None, param_compression: Compression | None = None,
+        quantization_scheme: QuantizationScheme = "symmetric", quantization_block_size: int = 2048,
+        error_feedback: bool = False, compression_scope: CompressionScope = "all",
+        elementwise_optimizers: tuple[type, ...] = (), matrix_optimizers: tuple[type, ...] = (),
+        init_weights: str | Path | None = None,
+        init_weights_strict: bool = True, init_weights_prefix: str | None = None,
+        gather_16bit_weights_on_save: bool = False,
+        async_save: bool = False,
+        state_dict_type: StateDictType = "sharded",
+        config: dict | str | Path | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float = timedelta(seconds=60),
+        watchdog: bool = True,
+        start_method: StartMethod = "popen",
+        auto_resume: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        arguments = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
+        #: A DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
+        self._deepspeed = parse_deepspeed_config(config) if config is not None else None
+        if self._deepspeed is not None:
+            defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+            arguments = merge_strategy_arguments(self._deepspeed, arguments, defaults)
+        zero_config = ZeroConfig(**arguments)
+        #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
+        self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing)
+        super().__init__(
+            zero_config,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def deepspeed_settings(self) -> DeepSpeedSettings | None:
+        """What ``config=`` asked for beyond the strategy's own arguments (precision, Trainer, optimizer)."""
+        return self._deepspeed
+
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def engine(self) -> ShardingEngine | None:
+        """The sharding engine (exists after ``setup``)."""
+        return self._sharded.engine
+
+    @property
+    def pipeline(self) -> PipelineParallel | None:
+        """This rank's pipeline stages (exists after ``setup`` when ``pipeline_stages > 1``)."""
+        return self._sharded.pipeline
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.pipeline is not None:
+            return self.pipeline.sampler_kwargs(self.global_rank)
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property  # type: ignore[override]
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        if precision_plugin is not None and precision_plugin is self._precision_plugin:
+            return  # Lightning hands back the plugin this strategy chose
+        self._precision_plugin = as_zero_precision(precision_plugin_for(getattr(self, "_deepspeed", None), precision_plugin))
+
+    # ------------------------------------------------------------------ model and optimizers
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3 builds ``configure_model`` on the meta device; shards are materialised one unit at a time."""
+        with construction_device(self.zero_config):
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._resume.check_agreement()  # auto-resume: every rank loads the same checkpoint (collective)
+        require(self.accelerator, "accelerator")
+        require(self.model, "model")
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        apply_to_trainer(self._deepspeed, trainer)
+        self._sharded, self._failed = NOT_SHARDED, False  # never reuse an earlier run's (another module's, maybe)
+        precision = self.precision_plugin
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = precision.convert_module(self.model)
+        self._sharded = shard_model(
+            self.model, self.zero_config, policy=precision.policy(), checkpoint_policy=self.checkpoint_policy,
+            fitting=fitting, rank=self.global_rank, world_size=self.world_size, node_size=self.num_processes,
+            device=self.root_device,
+            move_to_device=self.model_to_device, sync_batchnorm=bool(self._layer_sync),
+        )
+        if fitting:
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                config = self.zero_config
+                self.engine.wrap_optimizer(unwrap(optimizer), config.elementwise_optimizers, config.matrix_optimizers)
+        self.setup_precision_plugin()
+        precision.attach(self.engine, self.root_device)
+        if fitting and not self.zero_config.optimizer_on_host:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if fitting:
+            self.setup_checkpoints(trainer)
+            average_sharded_weights(trainer, self.lightning_module, self.engine)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """As Lightning's, or from the DeepSpeed config's ``optimizer``/``scheduler`` sections when
+        ``configure_optimizers`` returns None (as with Lightning's DeepSpeed strategy); both at once is an error."""
+        settings = self._deepspeed
+        if settings is None or (settings.optimizer is None and settings.scheduler is None):
+            return super().setup_optimizers(trainer)
+        module = self.lightning_module
+        self.optimizers, self.lr_scheduler_configs = optimizers_from_config(
+            settings, module, trainer, lambda: _init_optimizers_and_lr_schedulers(module)
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        require(self.model, "model")
+        self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        error = self.finish_processes()  # the exit agreement comes first (processes.py)
+        self.close_checkpoints()
+        trainer = trainer_of(self.lightning_module)
+        fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if self.engine is not None:
+            self.engine.reshard()
+            if fitted and not self._failed:
+                self.engine.restore_master_params()
+            self.engine.teardown()
+        if fitted:
+            self._sharded.after_fit()
+        if fitted and self._layer_sync and not self._sharded.shards_module_in_place:
+            self.model = self._layer_sync.revert(self.model)  # give the user back their BatchNorm layers, as DDP
+        self.teardown_processes()
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------------ loops
+    @override
+    def on_train_start(self) -> None:
+        if (trainer := trainer_of(self.lightning_module)) is not None:
+            check_batch_sizes(self._deepspeed, trainer)
+        self._activate_fault_handling()
+        self._resume.on_train_start()  # a resumed fit's RNG state, right before its first batch
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_for_checkpoint()  # fit returns with its last checkpoint complete, or raises its failure everywhere
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """After a mid-epoch restore the train DataLoader continues its epoch where the checkpoint left it."""
+        return self._resume.process_dataloader(dataloader, trainer_of(self.lightning_module))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Parameters unfrozen since the last step join the shards. Automatic optimization zeroes gradients at each
+        window's first micro-batch; reduced shards live outside ``p.grad`` (stage 2), so drop them here too, or a
+        window whose step was skipped would leak its gradients into the next one."""
+        if (trainer := trainer_of(self.lightning_module)) is None:
+            return
+        self._resume.on_train_batch_start(trainer, batch_idx)
+        if self.engine is not None:
+            self.engine.follow_trainability()
+            if self.lightning_module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0:
+                self.engine.discard_all_gradients()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._activate_fault_handling()
+        self._reshard()  # validation inside an accumulation window sees the sharded module
+        self._sharded.sync_buffers()  # before evaluation, never per step: ranks may get different batch counts
+
+    on_test_start = on_predict_start = on_validation_start
+
+    def _activate_fault_handling(self) -> None:
+        if (trainer := trainer_of(self.lightning_module)) is not None:
+            self._faults.activate(trainer, self._sharded.shards_module_in_place)
+
+    # ------------------------------------------------------------------ steps
+    def _call_module(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """Stage 3's root is the LightningModule itself: route the step through its ``__call__`` so FSDP2's
+        root hooks (unshard, lazy init, reshard) run around it."""
+        module = self.lightning_module
+        require(module, "lightning_module")
+        if self._sharded.shards_module_in_place:
+            return self._forward_redirection(module, module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    def _evaluation_step(self, split: str, method: str, context, args: tuple, kwargs: dict) -> Any:
+        self._faults.mark(split, args, kwargs)  # step marks: see engine/comm/flight.py
+        with context():
+            if self.pipeline is not None:
+                return self.pipeline.evaluation_step(split, _batch(args, kwargs))
+            return self._call_module(method, args, kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._faults.mark("train", args, kwargs)
+        self._sharded.sync_buffers()  # as DDP's `broadcast_buffers=True`, before every training step
+        with self.precision_plugin.train_step_context():
+            if self.pipeline is None:
+                return self._call_module("training_step", args, kwargs)
+            # The schedule runs forward, loss and backward here; `backward` then hands the gradients on.
+            scale = self.precision_plugin.loss_scale / self.lightning_module.trainer.accumulate_grad_batches
+            return self.pipeline.training_step(_batch(args, kwargs), scale, self.engine)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("val", "validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("test", "test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise ZeroConfigError("`predict` is not available with `pipeline_stages > 1` (only the last stage sees the "
+                                  "outputs): load the checkpoint into a run without pipelining to predict.")
+        return self._evaluation_step("predict", "predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Non-final micro-batches of gradient accumulation: no gradient communication."""
+        quiet = self.engine is not None and not self.zero_config.reduce_every_microbatch
+        with self.engine.no_sync() if quiet else contextlib.nullcontext():
+            yield
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """As Lightning's, but the reduced gradient shards land before ``on_after_backward`` runs, so hooks
+        (and memory probes) see the state a step will use."""
+        module = self.lightning_module
+        require(module, "lightning_module")
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self.pipeline is not None:
+            self.pipeline.restore_gradients()  # the schedule ran backward inside `training_step`
+        else:
+            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        if self.engine is not None:
+            self.engine.post_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
+        """Full (unsharded) gradients by parameter name, on every rank. Collective; for debugging and tests:
+        call it where gradients are final, e.g. in ``on_before_optimizer_step``."""
+        optimizers = [unwrap(o) for o in ([optimizer] if optimizer is not None else self.optimizers)]
+        return self._sharded.gather_gradients(optimizers, self.precision_plugin.finalize_gradients)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, kwargs in REGISTERED_STRATEGIES.items():
+            strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
+
+
+def _batch(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs["batch"]
