@@ -56,7 +56,7 @@ class ZeroStrategy(CheckpointingStrategy):
         self,
         stage: int = 2,
         *,
-        offload_optimizer: bool = False, offload_params: bool = False,
+        offload_optimizer: bool | float = False, offload_params: bool = False,
         pin_memory: bool | None = None,
         activation_checkpointing: Any = None,
         wrap_policy: ModulePolicy = None,
