@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -49,7 +50,8 @@ class CheckpointPolicy:
 
     def select(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every ``every``-th matching module in pre-order, skipping modules inside one already chosen."""
-        matches, chosen = [], set()
+        matches: list[tuple[str, nn.Module]] = []
+        chosen: set[str] = set()
         for name, module in root.named_modules():
             if module is root or not self.predicate(module):
                 continue
@@ -74,8 +76,8 @@ def _import_class(path: str) -> type[nn.Module]:
     return cls
 
 
-def _classes(items: Iterable) -> tuple[type[nn.Module], ...]:
-    out = []
+def _classes(items: Iterable[Any]) -> tuple[type[nn.Module], ...]:
+    out: list[type[nn.Module]] = []
     for item in items:
         if isinstance(item, str):
             out.append(_import_class(item))
@@ -96,7 +98,7 @@ def _from_classes(classes: tuple[type[nn.Module], ...], every: int = 1) -> Check
     return CheckpointPolicy(lambda m: isinstance(m, classes), every, f"classes [{names}]{suffix}")
 
 
-def resolve_policy(spec) -> CheckpointPolicy | None:
+def resolve_policy(spec: Any) -> CheckpointPolicy | None:
     """Turn what the user passed into a policy (``None`` when checkpointing is off)."""
     if spec is None or spec is False:
         return None
@@ -116,7 +118,7 @@ def resolve_policy(spec) -> CheckpointPolicy | None:
     )
 
 
-def _from_dict(spec: dict) -> CheckpointPolicy:
+def _from_dict(spec: dict[str, Any]) -> CheckpointPolicy:
     allowed = {"classes", "every", *_IGNORED_DEEPSPEED_KEYS, *_FALSE_ONLY_DEEPSPEED_KEYS}
     unknown = sorted(set(spec) - allowed)
     if "number_checkpoints" in unknown:
@@ -176,7 +178,7 @@ class CachesBack:
     """Turns ``use_cache`` back on in the configs :func:`caches_off_for_training` turned it off in (a plain object,
     not a closure: the strategy that holds it is pickled by the ``spawn`` start method)."""
 
-    configs: list
+    configs: list[Any]
 
     def __call__(self) -> None:
         for config in self.configs:

@@ -26,6 +26,7 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -98,7 +99,9 @@ class ZeroMonitor(pl.Callback):
         self._state: dict[str, int] | None = None
 
     def _every(self, trainer: pl.Trainer) -> int:
-        return trainer.log_every_n_steps if self.log_every_n_steps is None else self.log_every_n_steps
+        if self.log_every_n_steps is not None:
+            return self.log_every_n_steps
+        return trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector, undeclared
 
     def _logs_at(self, trainer: pl.Trainer, step: int) -> bool:
         every = self._every(trainer)
@@ -133,7 +136,7 @@ class ZeroMonitor(pl.Callback):
         device = trainer.strategy.root_device
         comm, inter_node = (now - before for now, before in zip(_comm_bytes(), self._comm_before))
         seconds = _now(device) - (self._interval_started or 0.0)
-        state = self._state or dict.fromkeys(("device", "host"), math.nan)  # e.g. a step without backward
+        state: Mapping[str, float] = self._state or dict.fromkeys(("device", "host"), math.nan)  # e.g. a step without backward
         mine = torch.tensor(
             [state["device"] + state["host"], state["device"], state["host"], peak_memory_bytes(device), comm,
              self._interval_tokens / max(seconds, 1e-9), inter_node],

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, KeysView, Mapping
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,13 +35,29 @@ from lightning_zero.checkpoint.safe_load import load_weights_only
 _DIRECTORY_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 
+class _SliceLike(Protocol):
+    """One tensor of an open file: safetensors' ``get_slice`` result, or :class:`_Slice`."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any, /) -> torch.Tensor: ...
+
+
+class _Handle(Protocol):
+    """An open weights file: safetensors' ``safe_open``, or :class:`_TensorDict`."""
+
+    def keys(self) -> Iterable[str]: ...
+
+    def get_slice(self, key: str, /) -> _SliceLike: ...
+
+
 class WeightsFile:
     """The tensors of a pretrained checkpoint by key, read lazily: shapes, one rank's rows, or whole."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._files: dict[str, Path] = {}  # key -> file holding it
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, _Handle] = {}
         files = self._resolve(self.path)
         for file in files:
             for key in self._handle(file).keys():
@@ -62,7 +79,7 @@ class WeightsFile:
             return [candidate]
         raise FileNotFoundError(f"`init_weights`: {path} holds none of {_DIRECTORY_FILES} (a `save_pretrained` directory).")
 
-    def _handle(self, file: Path):
+    def _handle(self, file: Path) -> _Handle:
         handle = self._open.get(file)
         if handle is None:
             if file.suffix == ".safetensors":
@@ -104,7 +121,7 @@ class _TensorDict:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def keys(self):
+    def keys(self) -> KeysView[str]:
         return self.tensors.keys()
 
     def get_slice(self, key: str) -> _Slice:
@@ -118,7 +135,7 @@ class _Slice:
     def get_shape(self) -> list[int]:
         return list(self.tensor.shape)
 
-    def __getitem__(self, index) -> torch.Tensor:
+    def __getitem__(self, index: Any) -> torch.Tensor:
         return self.tensor[index].clone()  # a copy: the view would keep the whole mapping alive
 
 
@@ -164,7 +181,7 @@ def match_keys(module: nn.Module, source: WeightsFile, *, prefix: str | None = N
 
 def load_pretrained(
     module: nn.Module,
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     strict: bool = True,
     prefix: str | None = None,

@@ -118,7 +118,7 @@ class _Pending:
 
     def __init__(self, path: Path, tmp: Path, previous: bool, step: Any) -> None:
         self.path, self.tmp, self.previous, self.step = path, tmp, previous, step
-        self.done: concurrent.futures.Future | None = None
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.abandoned = False  # the main thread stopped waiting: do not rename
         self.succeeded: bool | None = None  # set under `lock` once known: removals wait for it
         self.removals: list[Path] = []
@@ -154,7 +154,6 @@ class AsyncSaver:
             if collectives.rank() == 0:
                 remove(tmp)
             raise
-        pending.done = concurrent.futures.Future()
         # A daemon thread: a finisher stuck on a dead peer (bounded by the group's timeout) never holds up exit.
         finisher = threading.Thread(
             target=self._run_finish, args=(pending, upload), name="lightning_zero-save", daemon=True

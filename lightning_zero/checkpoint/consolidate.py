@@ -108,17 +108,13 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optim
 
 def _fill(tmp: Path, src: Path, layout: dict) -> None:
     """2. One tensor at a time: read its shards into a buffer, copy it into ``tmp`` through a shared map."""
-    previous = torch.serialization.get_default_mmap_options()
-    torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)
-    try:
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
         for key, (path, item) in layout.items():
             buffer = torch.empty(item.size, dtype=item.properties.dtype)
             _load_here({key: buffer}, src)
             mapped = torch.load(tmp, mmap=True, weights_only=True, map_location="cpu")
             _lookup(mapped, path).copy_(buffer)
             del mapped, buffer
-    finally:
-        torch.serialization.set_default_mmap_options(previous)
 
 
 def _assign(tree: dict, path: tuple, value) -> None:

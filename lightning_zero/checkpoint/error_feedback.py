@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm.compression import CompressedComm
 
 KEY = "error_feedback"
 TABLE_KEY = "error_feedback_tables"
@@ -27,17 +29,16 @@ SIGNATURE_KEY = "error_feedback_layout"
 _MESHES: dict[tuple[str, int], Any] = {}
 
 
-def _feedback(engine: Any):
-    comm = getattr(engine, "compression", None)
+def _feedback(engine: ShardingEngine | None) -> CompressedComm | None:
+    comm = engine.compression if engine is not None else None
     return comm if comm is not None and comm.feedback is not None else None
 
 
-def _signature(engine: Any, comm: Any) -> list:
+def _signature(engine: ShardingEngine, comm: CompressedComm) -> list[object]:
     """What residual names and sizes follow from: the world, the engine (stage), its groups and the compression."""
     spec = comm.spec
-    return [collectives.world_size(), type(engine).__name__, getattr(engine, "stage", 3), engine.world_size,
-            spec.gradients, spec.block_size, spec.inter_node_only,
-            [b.segment_numel for b in engine.layout.buckets] if hasattr(engine, "layout") else None]
+    return [collectives.world_size(), type(engine).__name__, engine.stage, engine.world_size,
+            spec.gradients, spec.block_size, spec.inter_node_only, engine.bucket_layout()]
 
 
 def _world_mesh(device_type: str):
@@ -48,10 +49,10 @@ def _world_mesh(device_type: str):
     return _MESHES[key]
 
 
-def add_to_checkpoint(checkpoint: dict[str, Any], engine: Any) -> None:
+def add_to_checkpoint(checkpoint: dict[str, Any], engine: ShardingEngine | None) -> None:
     """Collective: put this rank's residuals (a DTensor row) and every rank's table into ``checkpoint``."""
     comm = _feedback(engine)
-    if comm is None or not collectives.is_distributed():
+    if engine is None or comm is None or not collectives.is_distributed():
         return
     residuals = comm.residuals()
     table = [(name, residuals[name].numel()) for name in sorted(residuals)]
@@ -70,11 +71,12 @@ def add_to_checkpoint(checkpoint: dict[str, Any], engine: Any) -> None:
     checkpoint[SIGNATURE_KEY] = _signature(engine, comm)
 
 
-def placeholder(saved_shapes: dict[str, Any], checkpoint: dict[str, Any], engine: Any) -> dict[str, Any] | None:
+def placeholder(saved_shapes: dict[str, Any], checkpoint: dict[str, Any],
+                engine: ShardingEngine | None) -> dict[str, Any] | None:
     """What to ask DCP to load into, or None (and a warning when residuals are dropped) if they do not apply."""
     comm = _feedback(engine)
     shape = saved_shapes.get("residuals")
-    if comm is None or shape is None:
+    if engine is None or comm is None or shape is None:
         return None
     if checkpoint.get(SIGNATURE_KEY) != _signature(engine, comm):
         warnings.warn(
@@ -85,21 +87,25 @@ def placeholder(saved_shapes: dict[str, Any], checkpoint: dict[str, Any], engine
             stacklevel=2,
         )
         return None
-    device = engine.params[0].device if engine.params else torch.device("cpu")  # residuals follow their gradients
+    records = engine.records()
+    device = records[0].param.device if records else torch.device("cpu")  # residuals follow their gradients
     row = torch.zeros(1, shape[1], dtype=torch.float32, device=device)
     return {"residuals": DTensor.from_local(row, _world_mesh(device.type), [Shard(0)], run_check=False,
                                             shape=torch.Size(shape), stride=(shape[1], 1))}
 
 
-def restore(loaded: dict[str, Any], checkpoint: dict[str, Any], engine: Any) -> None:
+def restore(loaded: dict[str, Any], checkpoint: dict[str, Any], engine: ShardingEngine | None) -> None:
     """Cut this rank's loaded row into its named residuals and hand them to the engine."""
+    comm = _feedback(engine)
+    if comm is None:
+        raise RuntimeError("error-feedback residuals were loaded for a run without error feedback")
     row = loaded["residuals"].to_local()[0]
     table = checkpoint[TABLE_KEY][collectives.rank()]
     parts = row[: sum(numel for _, numel in table)].split([numel for _, numel in table])
-    _feedback(engine).load_residuals({name: part.clone() for (name, _), part in zip(table, parts)})
+    comm.load_residuals({name: part.clone() for (name, _), part in zip(table, parts)})
 
 
-def warn_residuals_not_kept(engine: Any) -> None:
+def warn_residuals_not_kept(engine: ShardingEngine | None) -> None:
     """A full checkpoint is rank 0's file alone: the other ranks' residuals are not in it."""
     if _feedback(engine) is not None:
         warnings.warn(

@@ -18,7 +18,7 @@ import errno
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from lightning_zero.engine.comm import collectives
 
@@ -50,7 +50,7 @@ def with_errno(exception: BaseException, doing: str | None) -> OSError | None:
     text and the file (these survive pickling, the exception chain does not); None otherwise. ``doing``
     names the file when the error does not, e.g. ``"a shard file in /ckpt/.last.ckpt.tmp-1a2b3c4d"``."""
     found = os_error_in(exception)
-    if found is None:
+    if found is None or found.errno is None:
         return None
     return OSError(found.errno, found.strerror or os.strerror(found.errno), found.filename or doing or None)
 
@@ -107,6 +107,7 @@ def on_every_rank(step: Callable[[], T], make_error: Callable[[dict], BaseExcept
     Collective over ``group``: every rank must call it at the same point (``step`` may do nothing on some
     ranks). The all-gather doubles as the barrier a save needs at these points anyway.
     """
+    outcome: tuple[bool, T | BaseException | str]
     try:
         outcome = (True, step())
     except Exception as err:  # gathered, then raised on every rank below
@@ -115,7 +116,7 @@ def on_every_rank(step: Callable[[], T], make_error: Callable[[dict], BaseExcept
     failures = {rank: value for rank, (ok, value) in enumerate(gathered) if not ok}
     if failures:
         raise make_error(failures)
-    return [value for _, value in gathered]
+    return [cast(T, value) for _, value in gathered]  # every rank's step succeeded
 
 
 def _portable(failure: BaseException) -> BaseException | str:

@@ -79,7 +79,7 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Create ``path`` with ``write(file)``, flushed and synced before returning.
 
     Writing through a Python file object (rather than handing torch a path) matters for errors: torch's C++

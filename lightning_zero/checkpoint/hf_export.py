@@ -53,7 +53,7 @@ def describe(module: nn.Module) -> dict[str, Any] | None:
         if id(param) in seen:
             tied.append(name)
         seen.add(id(param))
-    config = json.loads(model.config.to_json_string(use_diff=False))
+    config = json.loads(getattr(model, "config").to_json_string(use_diff=False))  # a PreTrainedModel's
     return {"class": type(model).__name__, "prefix": prefix, "config": config, "tied": tied}
 
 
@@ -73,7 +73,10 @@ def _tied_keys(config: Mapping[str, Any]) -> list[str]:
         return []
     with torch.device("meta"):
         model = cls(library.AutoConfig.for_model(**config))
-    return describe(model)["tied"]
+    description = describe(model)
+    if description is None:
+        raise TypeError(f"{classes[0]} (the config's architecture) is not a transformers PreTrainedModel.")
+    return description["tied"]
 
 
 def parse_size(text: str | int) -> int:

@@ -119,7 +119,7 @@ def sharded_model_state(module: nn.Module, engine: ShardingEngine | None, holdin
     """Parameter name -> this rank's rows (as a DTensor); buffers and frozen parameters as they are."""
     state = _held_state(module, holding)
     trainable = trainable_rows(engine)
-    if not trainable:
+    if not trainable or engine is None:
         return state
     for name in list(state):
         record = trainable.get(name)
@@ -133,7 +133,7 @@ def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: Sha
     hosted = hosted_tensors(optimizer, engine)
     whole = owners_of(optimizer, engine) or {}
     names = param_names(module)
-    mesh = engine.mesh if hosted else None
+    mesh = engine.mesh if hosted and engine is not None else None
     state: dict[str, dict] = {}
     groups = []
     for group in optimizer.param_groups:

@@ -210,9 +210,10 @@ def check_compatible(
     missing = sorted(set(live) - set(saved))
     unexpected = sorted(set(saved) - set(live))
     mismatched = sorted(
-        f"{name}: checkpoint {tuple(saved[name])} vs {tuple(live[name])}"
+        f"{name}: checkpoint {tuple(stored)} vs {tuple(current)}"
         for name in set(saved) & set(live)
-        if saved[name] is not None and live[name] is not None and tuple(saved[name]) != tuple(live[name])
+        if (stored := saved[name]) is not None and (current := live[name]) is not None
+        and tuple(stored) != tuple(current)
     )
     if mismatched or (strict and (missing or unexpected)):
         lines = [f"The checkpoint{f' {checkpoint}' if checkpoint else ''} does not match the {what}:"]

@@ -26,6 +26,9 @@ _OVERRIDE = re.compile(r"(?P<prefix>\+\+|\+|~)?(?P<key>[A-Za-z_][\w-]*(?:\.[\w-]
 _INT = re.compile(r"[-+]?\d+")
 _FLOAT = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.IGNORECASE)
 _NEGATIVE_NUMBER = re.compile(r"-\d[\d.eE+-]*")
+#: What an override's prefix asks for.
+_Op = Literal["set", "add", "force", "delete"]
+_OPS: dict[str | None, _Op] = {None: "set", "+": "add", "++": "force", "~": "delete"}
 #: Options of LightningCLI that take no value, so a ``key=value`` after them is an override, not their value.
 _FLAGS = ("--print_config", "--help", "-h")
 
@@ -39,7 +42,7 @@ class Override:
     """One Hydra-style command-line token: ``key=value``, ``+key=value``, ``++key=value`` or ``~key``."""
 
     text: str
-    op: Literal["set", "add", "force", "delete"]
+    op: _Op
     key: str
     value: str | None
 
@@ -48,8 +51,7 @@ class Override:
         match = _OVERRIDE.fullmatch(token)
         if match is None or (match["value"] is None and match["prefix"] != "~"):
             return None
-        op = {None: "set", "+": "add", "++": "force", "~": "delete"}[match["prefix"]]
-        return cls(token, op, match["key"], match["value"])
+        return cls(token, _OPS[match["prefix"]], match["key"], match["value"])
 
     @property
     def parsed_value(self) -> Any:

@@ -27,7 +27,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -70,7 +70,7 @@ def search_path(files: Sequence[Path]) -> list[Path]:
     return roots
 
 
-def load_yaml(path: Path) -> tuple[dict, str | None]:
+def load_yaml(path: Path) -> tuple[dict[str, Any], str | None]:
     """A YAML mapping, read by omegaconf (as Hydra reads it: ``1e-3`` is a float), and its ``# @package``
     header if any; interpolations stay unresolved until every override is in."""
     try:
@@ -83,7 +83,8 @@ def load_yaml(path: Path) -> tuple[dict, str | None]:
     if not isinstance(loaded, DictConfig):
         raise CLIConfigError(f"{path} must hold a mapping of keys to values, not a list.")
     header = next((m[1] for line in text.splitlines()[:10] if (m := _PACKAGE_HEADER.match(line.strip()))), None)
-    return OmegaConf.to_container(loaded, resolve=False), header
+    container = OmegaConf.to_container(loaded, resolve=False)
+    return cast(dict[str, Any], container), header  # a DictConfig's container: omegaconf types it for any config
 
 
 def config_file(path: str | Path) -> Path:
@@ -155,6 +156,7 @@ class Composer:
         entries = [_DefaultsEntry.parse(entry, path) for entry in _defaults_list(data.pop("defaults", []), path)]
         for entry in entries:
             if entry.keyword == "override":
+                assert entry.group is not None, "a keyword comes with a group"
                 self.overrides.setdefault(entry.group, entry.option)
         composed: dict = {}
         for entry in entries:
@@ -308,10 +310,11 @@ def apply_override(config: dict, override: Override, schema: Schema) -> None:
     set_path(config, path, override.parsed_value)
 
 
-def resolve(config: dict) -> dict:
+def resolve(config: dict[str, Any]) -> dict[str, Any]:
     """Every ``${...}`` interpolation replaced by its value."""
     try:
-        return OmegaConf.to_container(OmegaConf.create(config), resolve=True)
+        container = OmegaConf.to_container(OmegaConf.create(config), resolve=True)
+        return cast(dict[str, Any], container)  # a dict's container: omegaconf types it for any config
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)
         where = f" at {key}" if key else ""

@@ -9,6 +9,7 @@ that line. A traceback is kept for what is not the user's mistake.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 
 
 class CLIConfigError(ValueError):
@@ -76,16 +77,16 @@ def _ancestor_keys(lines: list[str], last: int) -> list[str]:
     return keys[::-1]
 
 
-def _expected_names(block: list[str]) -> list[str]:
+def _expected_names(block: list[str]) -> Iterator[str]:
     """What the value may be: the union's subtypes where the report lists them (``Literal[64, 32, 16]`` is
     reported as ``Expected a <class 'int'>`` among the errors), else each error's expected type."""
     subtypes = next((line for line in block if line.strip().startswith("Subtypes:")), None)
     if subtypes is not None:
-        for match in _SUBTYPE.finditer(subtypes):
-            if match[1] is not None:
-                yield _TYPE_NAMES.get(match[1].rsplit(".", 1)[-1], match[1].rsplit(".", 1)[-1])
+        for subtype in _SUBTYPE.finditer(subtypes):
+            if subtype[1] is not None:
+                yield _TYPE_NAMES.get(subtype[1].rsplit(".", 1)[-1], subtype[1].rsplit(".", 1)[-1])
             else:
-                yield from (item.strip().strip("'\"") for item in match[2].split(","))
+                yield from (item.strip().strip("'\"") for item in subtype[2].split(","))
         return
     for line in block:
         match = _EXPECTED.search(line)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -45,6 +46,7 @@ def count_model_parameters(path: str | Path) -> int:
     from lightning_zero.cli.schema import LightningSchema, import_class
 
     data, _ = load_yaml(Path(path))
+    node: Any
     if "class_path" in data:
         node = resolve(data)
     else:
@@ -137,9 +139,10 @@ def main(argv: Sequence[str]) -> int:
     best = None
     if args.memory_per_device is not None:
         best = fastest_fitting(estimates, args.memory_per_device, args.memory_per_host)
+    pick = best.choice.name if best is not None else None
     print(f"Model states of {params:,.0f} parameters{source} on {world} rank(s) ({nodes} node(s) x {per_node} "
           f"device(s)), {args.precision}, Adam:")
-    print(format_table(estimates, args.memory_per_device, args.memory_per_host, pick=best and best.choice.name))
+    print(format_table(estimates, args.memory_per_device, args.memory_per_host, pick=pick))
     print("(parameters, gradients and optimizer state only: activations and temporary buffers come on top"
           + (f"; {PICK}: the fastest that fits)" if best is not None else ")"))
     if nodes > 1:
@@ -150,7 +153,7 @@ def main(argv: Sequence[str]) -> int:
 
         try:
             plot_estimates(estimates, args.plot, title=f"{params:.3g} parameters, {world} ranks, {args.precision}",
-                           limit=args.memory_per_device, pick=best and best.choice.name)
+                           limit=args.memory_per_device, pick=pick)
         except RuntimeError as err:  # matplotlib missing
             parser.error(str(err))
         print(f"wrote {args.plot}")

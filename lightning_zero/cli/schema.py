@@ -93,7 +93,9 @@ class LightningSchema:
     def trainer_keys(self) -> frozenset[str]:
         from lightning.pytorch import Trainer
 
-        return init_parameters(Trainer)
+        keys = init_parameters(Trainer)
+        assert keys is not None, "Trainer.__init__ takes no **kwargs"
+        return keys
 
     def allowed(self, path: Sequence[str], node: Any, owner: Any) -> tuple[frozenset[str] | None, str]:
         """Keys allowed under ``path`` (None: any) and what to call that place in an error."""

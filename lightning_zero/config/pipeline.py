@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lightning_zero.config.choices import ZeroConfigError, check_choice
 
+if TYPE_CHECKING:
+    from lightning_zero.config.zero_config import ZeroConfig
 
-def check_pipeline(config) -> None:
+
+def check_pipeline(config: ZeroConfig) -> None:
     """The pipeline settings of a ``ZeroConfig`` (``config``), and how they combine with the stage and the checkpoint
     format."""
     split = config.pipeline_split

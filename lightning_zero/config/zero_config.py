@@ -159,15 +159,15 @@ class ZeroConfig:
     """``"all"``: every collective named above; ``"inter_node"``: only the gradient sum between the replica groups
     of hybrid sharding (``shard_size``), where bandwidth is scarce, leaving traffic inside a group exact."""
 
-    elementwise_optimizers: tuple = ()
+    elementwise_optimizers: tuple[type, ...] = ()
     """Extra optimizer classes you vouch update every element independently (beyond torch's SGD, Adam,
     AdamW, ...), so stepping each rank's shard separately is exact."""
 
-    matrix_optimizers: tuple = ()
+    matrix_optimizers: tuple[type, ...] = ()
     """Extra optimizer classes (beyond ``torch.optim.Muon`` and ``Adafactor``) that need whole parameters: each
     parameter is stepped whole on one owner rank, which alone holds its state (``engine/owner_step.py``)."""
 
-    compile: bool | dict = False
+    compile: bool | dict[str, Any] = False
     """``torch.compile`` each block in place once sharded; a dict: torch.compile's arguments (``compiling.py``)."""
 
     state_dict_type: StateDictType = "sharded"
@@ -345,6 +345,13 @@ class ZeroConfig:
                 f"{divisors}, 'node' or None."
             )
         return value
+
+    @property
+    def timeout_delta(self) -> timedelta:
+        """``timeout`` as validated: a number of seconds became a ``timedelta`` in ``__post_init__``."""
+        if not isinstance(self.timeout, timedelta):
+            raise TypeError(f"`timeout` was not validated: {self.timeout!r}")
+        return self.timeout
 
     @property
     def pipeline_virtual(self) -> int:

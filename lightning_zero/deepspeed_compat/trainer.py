@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
@@ -68,7 +68,7 @@ class DeepSpeedWarmupLR(LRScheduler):
             return 1.0
         return max(0.0, (self.total_num_steps - step) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:
         lr = self.warmup_min_lr + (self.warmup_max_lr - self.warmup_min_lr) * self._gamma(self.last_epoch)
         return [lr for _ in self.optimizer.param_groups]
 
@@ -99,7 +99,7 @@ def precision_plugin_for(settings: DeepSpeedSettings | None, plugin):
     or ``plugin`` when the config does not say. Differing explicit choices are an error."""
     from lightning.pytorch.plugins.precision import Precision
 
-    from lightning_zero.precision.zero_precision import ZeroPrecision
+    from lightning_zero.precision.zero_precision import PrecisionName, ZeroPrecision
 
     if settings is None or settings.precision is None or plugin is None:
         return plugin  # None: the Trainer has not chosen yet (it hands its choice over later)
@@ -123,7 +123,7 @@ def precision_plugin_for(settings: DeepSpeedSettings | None, plugin):
     if isinstance(plugin, ZeroPrecision):
         return plugin
     scale = settings.loss_scale if wanted == "16-mixed" else None
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if scale is not None:
         kwargs = dict(
             initial_scale=scale.initial_scale,
@@ -136,7 +136,7 @@ def precision_plugin_for(settings: DeepSpeedSettings | None, plugin):
         )
     if settings.reduce_dtype is not None and wanted in ("16-mixed", "bf16-mixed"):
         kwargs["reduce_dtype"] = settings.reduce_dtype
-    return ZeroPrecision(wanted, **kwargs)
+    return ZeroPrecision(cast(PrecisionName, wanted), **kwargs)  # the names config.py's _precision gives
 
 
 def apply_to_trainer(settings: DeepSpeedSettings | None, trainer) -> None:

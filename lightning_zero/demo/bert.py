@@ -12,12 +12,13 @@ checkpoint through ``on_save_checkpoint`` / ``on_load_checkpoint``, as real trai
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities import AttributeDict
 
 
 class MaskedLM(nn.Module):
@@ -70,7 +71,7 @@ class MaskedLMLightningModule(L.LightningModule):
 
     def mask(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels): BERT's 80/10/10 corruption; labels are -100 where no loss is taken."""
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)
         chosen = torch.rand(tokens.shape, device=tokens.device) < hp.mask_prob
         chosen[:, 0] |= ~chosen.any(dim=1)  # at least one position per sequence
         action = torch.rand(tokens.shape, device=tokens.device)
@@ -114,7 +115,7 @@ class MaskedLMLightningModule(L.LightningModule):
         self.resumed_at_samples = self.samples_seen
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(

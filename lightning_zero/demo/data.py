@@ -14,10 +14,11 @@ useful where throughput and memory are measured.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import Sequence, TypeVar, cast
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import AttributeDict
 from torch.utils.data import DataLoader, Dataset
 
 # --------------------------------------------------------------------------- grammar
@@ -39,6 +40,8 @@ PREPOSITIONS = ("near", "under", "behind", "with", "over")
 CONJUNCTIONS = ("and", "but", "so")
 PUNCTUATION = " .,?\n"
 
+_Option = TypeVar("_Option")
+
 
 def _all_words() -> list[str]:
     verbs = [w for pair in TRANSITIVE + INTRANSITIVE for w in pair]
@@ -59,7 +62,7 @@ class GrammarGenerator:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
 
-    def _pick(self, options: Sequence[str]) -> str:
+    def _pick(self, options: Sequence[_Option]) -> _Option:
         return options[self.rng.randrange(len(options))]
 
     def noun_phrase(self, allow_pp: bool = True) -> str:
@@ -188,7 +191,8 @@ class CharDataModule(L.LightningDataModule):
         return "".join(self.itos[int(i)] for i in ids)
 
     def corpus(self) -> str:
-        return GrammarGenerator(self.hparams.seed).text(self.hparams.num_tokens)
+        hp = cast(AttributeDict, self.hparams)
+        return GrammarGenerator(hp.seed).text(hp.num_tokens)
 
     def setup(self, stage: str | None = None) -> None:
         # Cheap (~0.1 s for 200k chars) and deterministic, so every rank simply builds
@@ -196,21 +200,24 @@ class CharDataModule(L.LightningDataModule):
         if self.train_set is not None:
             return
         data = self.encode(self.corpus())  # (num_tokens,)
-        T = self.hparams.block_size
-        n_val = max(int(data.numel() * self.hparams.val_fraction), T + 2)
+        hp = cast(AttributeDict, self.hparams)
+        T = hp.block_size
+        n_val = max(int(data.numel() * hp.val_fraction), T + 2)
         self.train_set = TokenWindowDataset(data[:-n_val], T, stride=1)
         self.val_set = TokenWindowDataset(data[-n_val:], T, stride=T)
 
     def train_dataloader(self) -> DataLoader:
         if self.train_set is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not run yet; pass the datamodule to a Trainer.")
+        batch_size = cast(AttributeDict, self.hparams).batch_size
         # drop_last keeps every step's batch shape identical on every rank.
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=0)
+        return DataLoader(self.train_set, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
         if self.val_set is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not run yet; pass the datamodule to a Trainer.")
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False, num_workers=0)
+        batch_size = cast(AttributeDict, self.hparams).batch_size
+        return DataLoader(self.val_set, batch_size=batch_size, shuffle=False, num_workers=0)
 
     # The held-out text serves `test` and `predict` too: the corpus is synthetic, so there is no
     # separate test distribution to keep apart.
@@ -239,10 +246,11 @@ class RandomTokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
-            hp = self.hparams
+            hp = cast(AttributeDict, self.hparams)
             self.train_set = RandomTokenDataset(hp.num_samples, hp.block_size, hp.vocab_size, hp.seed)
 
     def train_dataloader(self) -> DataLoader:
         if self.train_set is None:
             raise RuntimeError(f"{type(self).__name__}.setup() has not run yet; pass the datamodule to a Trainer.")
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True, num_workers=0)
+        batch_size = cast(AttributeDict, self.hparams).batch_size
+        return DataLoader(self.train_set, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities import AttributeDict
 
 
 @dataclass
@@ -220,9 +221,9 @@ class GPTLightningModule(L.LightningModule):
     # Pipeline stages (ZeroStrategy(pipeline_stages=p)): the model as a chain of layers, and the loss of its output.
     def pipeline_layers(self) -> list[nn.Module]:
         """Embeddings, each block, then the final LayerNorm and head: ``n_layer + 2`` layers to cut into stages."""
-        if self.model is None or self.model.lm_head is None:
-            raise ValueError("The GPT pipelines once built and with `tie_weights=False` (a tied head spans two stages).")
         gpt = self.model
+        if gpt is None or gpt.lm_head is None:
+            raise ValueError("The GPT pipelines once built and with `tie_weights=False` (a tied head spans two stages).")
         return [Embeddings(gpt), *gpt.blocks, nn.Sequential(gpt.ln_f, gpt.lm_head)]
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -254,17 +255,18 @@ class GPTLightningModule(L.LightningModule):
         Two param groups also give a ZeRO implementation a realistic case to handle
         (per-group hyperparameters must survive flattening/partitioning).
         """
+        hp = cast(AttributeDict, self.hparams)
         params = [p for p in self.parameters() if p.requires_grad]
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]
         groups = [
-            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": decay, "weight_decay": hp.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas))
-        if self.hparams.warmup_steps <= 0:
+        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
+        if hp.warmup_steps <= 0:
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(_linear_warmup, warmup_steps=self.hparams.warmup_steps)
+            optimizer, partial(_linear_warmup, warmup_steps=hp.warmup_steps)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -8,12 +8,13 @@ orientation-selective filters to tell them apart, which a ResNet does within a f
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from lightning.pytorch.utilities import AttributeDict
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -44,19 +45,22 @@ class GratingsDataModule(L.LightningDataModule):
         self.splits: dict[str, TensorDataset] = {}
 
     def setup(self, stage: str | None = None) -> None:
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)
         if not self.splits:
             for name, count, offset in (("train", hp.num_train, 0), ("val", hp.num_val, 1), ("test", hp.num_val, 2)):
                 self.splits[name] = TensorDataset(*gratings(count, hp.num_classes, hp.image_size, hp.seed * 3 + offset))
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.splits["train"], batch_size=self.hparams.batch_size, shuffle=True, drop_last=True)
+        batch_size = cast(AttributeDict, self.hparams).batch_size
+        return DataLoader(self.splits["train"], batch_size=batch_size, shuffle=True, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.splits["val"], batch_size=self.hparams.batch_size)
+        batch_size = cast(AttributeDict, self.hparams).batch_size
+        return DataLoader(self.splits["val"], batch_size=batch_size)
 
     def test_dataloader(self) -> DataLoader:
-        return DataLoader(self.splits["test"], batch_size=self.hparams.batch_size)
+        batch_size = cast(AttributeDict, self.hparams).batch_size
+        return DataLoader(self.splits["test"], batch_size=batch_size)
 
 
 class BasicBlock(nn.Module):
@@ -135,7 +139,7 @@ class ResNetClassifier(L.LightningModule):
         self._evaluate(batch, "test", self.test_accuracy)
 
     def configure_optimizers(self) -> Any:
-        hp = self.hparams
+        hp = cast(AttributeDict, self.hparams)
         optimizer = torch.optim.SGD(self.parameters(), lr=hp.learning_rate, momentum=hp.momentum, weight_decay=hp.weight_decay)
         cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=hp.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}

@@ -23,12 +23,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
+
+from lightning_zero.engine.comm.compression import CompressedComm
+
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Holding:
     def everything(self) -> bool:
         return not self.elsewhere
 
-    def held(self, named: Iterable[tuple[str, object]]) -> dict[str, object]:
+    def held(self, named: Mapping[str, V] | Iterable[tuple[str, V]]) -> dict[str, V]:
         """The ``(name, value)`` pairs of ``named`` (a ``state_dict`` or ``named_parameters``) this rank holds."""
         items = named.items() if isinstance(named, Mapping) else named
         return {name: value for name, value in items if name not in self.elsewhere}
@@ -98,7 +102,7 @@ class OptimizerShards(Protocol):
     def local_gradients(self) -> list[torch.Tensor]:
         """This rank's gradient shards, disjoint from every other rank's (for norms and clipping)."""
 
-    def step(self, **kwargs) -> object:
+    def step(self, **kwargs: Any) -> object:
         """Step the optimizer on this rank's shards and bring the updated parameters where forward needs them."""
 
     def discard_gradients(self) -> None:
@@ -108,7 +112,7 @@ class OptimizerShards(Protocol):
         """``id(param)`` -> the tensor the optimizer keys that parameter's state by, where it is not the
         parameter itself (a shard view, a master, a host copy). Checkpoints translate state through this."""
 
-    def hosting(self) -> contextlib.AbstractContextManager:
+    def hosting(self) -> contextlib.AbstractContextManager[None]:
         """A block in which the optimizer holds those tensors in place of the parameters (loading its state)."""
 
     def records(self) -> list[ShardRecord]:
@@ -125,33 +129,67 @@ class OptimizerShards(Protocol):
 class ShardingEngine(Protocol):
     """What the strategy, precision plugin, checkpoints and accounting ask of an engine."""
 
-    stage: int
-    rank: int
-    """This rank's index among the ranks a parameter's rows are spread over."""
-    world_size: int
-    """How many ranks a parameter's rows are spread over."""
-    group: dist.ProcessGroup | None
-    """Those ranks (None: every rank)."""
-    mesh: DeviceMesh
-    """The same ranks as a 1-D mesh, for DTensor checkpoints."""
-    replicate_group: dist.ProcessGroup | None
-    """Hybrid sharding: the ranks holding the same rows as this one, one per shard group (None: no copies)."""
-    norm_group: dist.ProcessGroup | None
-    """Ranks whose gradient shards are disjoint and together cover every trainable parameter once: a global
-    norm sums its squares over these (None: every rank)."""
-    holding: Holding
-    """Which of the module's tensors this rank holds (all of them unless pipeline stages split the model)."""
-    holds_masters: bool
-    """True when a parameter's trainable rows live apart from the resident parameter (fp32 masters of a
-    mixed-precision run, host copies of offload): checkpoints read :attr:`ShardRecord.rows` then."""
-    params_on_host: bool
-    """Stage 3 ``offload_params``: parameter shards and their gradients live in host memory."""
-    optimizer_on_host: bool
-    """Optimizer state (and the step) lives in host memory (``offload_optimizer``, or ``offload_params``)."""
-    shards_module_in_place: bool
-    """The engine converted the module in place (FSDP2's ``fully_shard``): steps go through the module's
-    ``__call__`` so the engine's hooks run, and its layers cannot be swapped back afterwards."""
+    # Read-only to callers: an engine may hold each as an attribute or compute it.
 
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among the ranks a parameter's rows are spread over."""
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks a parameter's rows are spread over."""
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """Those ranks (None: every rank)."""
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The same ranks as a 1-D mesh, for DTensor checkpoints."""
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """Hybrid sharding: the ranks holding the same rows as this one, one per shard group (None: no copies)."""
+
+    @property
+    def norm_group(self) -> dist.ProcessGroup | None:
+        """Ranks whose gradient shards are disjoint and together cover every trainable parameter once: a global
+        norm sums its squares over these (None: every rank)."""
+
+    @property
+    def holding(self) -> Holding:
+        """Which of the module's tensors this rank holds (all of them unless pipeline stages split the model)."""
+
+    @property
+    def holds_masters(self) -> bool:
+        """True when a parameter's trainable rows live apart from the resident parameter (fp32 masters of a
+        mixed-precision run, host copies of offload): checkpoints read :attr:`ShardRecord.rows` then."""
+
+    @property
+    def params_on_host(self) -> bool:
+        """Stage 3 ``offload_params``: parameter shards and their gradients live in host memory."""
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        """Optimizer state (and the step) lives in host memory (``offload_optimizer``, or ``offload_params``)."""
+
+    @property
+    def shards_module_in_place(self) -> bool:
+        """The engine converted the module in place (FSDP2's ``fully_shard``): steps go through the module's
+        ``__call__`` so the engine's hooks run, and its layers cannot be swapped back afterwards."""
+
+    @property
+    def units(self) -> list[torch.nn.Module] | None:
+        """The blocks the engine divided the module into (stage 3: one ``fully_shard`` each), which compiling must
+        follow; None where the engine does not divide it (stages 1-2: the wrap policy alone chooses blocks)."""
+
+    @property
+    def compression(self) -> CompressedComm | None:
+        """The compressed gradient communication in use (None: full precision). Its error-feedback residuals are
+        per-rank training state that sharded checkpoints keep (``checkpoint/error_feedback.py``)."""
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
         """Take over ``optimizer``'s steps; ``elementwise`` / ``matrix``: classes the user declared of each kind
         (``optimizers.optimizer_kind``), others refused with a message saying how to declare them."""
@@ -170,7 +208,12 @@ class ShardingEngine(Protocol):
         optimizer state lives there too. With partial offload some do and some do not; on a CPU-only run, where
         host and device are one memory, this is the only way to tell them apart."""
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
+    def bucket_layout(self) -> list[int] | None:
+        """This rank's segment size of each gradient bucket, in order, where gradients are reduced in buckets
+        (stages 1-2); None where they are reduced per parameter (stage 3). Per-rank state laid out by the buckets
+        (error-feedback residuals) carries over only into a run with the same list."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A block of non-final accumulation micro-batches: no gradient communication."""
 
     def post_backward(self) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
@@ -72,13 +72,15 @@ def optimizer_kind(
     )
 
 
-def steps_whole(group: Mapping, kind: str) -> bool:
+def steps_whole(group: Mapping[str, Any], kind: str) -> bool:
     """Whether a parameter group is stepped whole (see ``ELEMENTWISE_GROUP_MARKS``)."""
     return kind == "matrix" and not any(key in group and group[key] == mark for key, mark in ELEMENTWISE_GROUP_MARKS.items())
 
 
 @contextlib.contextmanager
-def hosted_params(optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None]]) -> Iterator[None]:
+def hosted_params(
+    optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None] | None]
+) -> Iterator[None]:
     """For the duration of the block, ``optimizer.param_groups`` holds, in place of each parameter ``p`` with
     ``id(p)`` in ``standins``, the stand-in tensor given for it, its ``.grad`` set to the gradient given; a
     stand-in of None leaves ``p`` out of its group (a whole parameter another rank steps)."""

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.shard import chunk_numel, element_range
@@ -50,7 +52,7 @@ class OwnerStepping:
     of a step (see [Note: owner stepping]). Keys are the engine's parameter indices."""
 
     def __init__(
-        self, *, rank: int, world_size: int, group=None, comm_device: torch.device, dtype: torch.dtype = torch.float32,
+        self, *, rank: int, world_size: int, group: dist.ProcessGroup | None = None, comm_device: torch.device, dtype: torch.dtype = torch.float32,
         resident: bool = False,
     ) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -83,10 +85,9 @@ class OwnerStepping:
     def rekey(self, index: Mapping[int, int]) -> OwnerStepping:
         """The same plan and whole tensors under new keys (``index``: old key -> new), after the engine re-planned
         its layout around parameters unfrozen during ``fit``."""
-        for table in (self.owner, self.shapes, self.whole):
-            moved = {index[key]: value for key, value in table.items()}
-            table.clear()
-            table.update(moved)
+        _rekey(self.owner, index)
+        _rekey(self.shapes, index)
+        _rekey(self.whole, index)
         return self
 
     def holds_on_host(self, tensor: torch.Tensor) -> bool:
@@ -107,7 +108,8 @@ class OwnerStepping:
         if not self.resident:
             with torch.no_grad():
                 for key, value in self._to_owners(keys, rows, flag=False).items():
-                    self.whole[key].copy_(value)
+                    if value is not None:  # rows are never left out
+                        self.whole[key].copy_(value)
         self.grads = {
             key: value.to(self.whole[key].device, self.whole[key].dtype) for key, value in received.items() if value is not None
         }
@@ -164,7 +166,7 @@ class OwnerStepping:
         received = torch.empty_like(send)
         collectives.all_to_all(received, send, group=self.group)
         lanes = received.view(world, segment)
-        out = {}
+        out: dict[int, torch.Tensor | None] = {}
         for key in keys:
             if self.owner[key] != self.rank:
                 continue
@@ -174,3 +176,12 @@ class OwnerStepping:
                 continue
             out[key] = lanes[:, offset : offset + chunk].reshape(-1)[: math.prod(self.shapes[key])].view(self.shapes[key])
         return out
+
+
+V = TypeVar("V")
+
+
+def _rekey(table: dict[int, V], index: Mapping[int, int]) -> None:
+    moved = {index[key]: value for key, value in table.items()}
+    table.clear()
+    table.update(moved)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -20,7 +22,9 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine import shard
 
 
-def gather_full(local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], group=None) -> torch.Tensor:
+def gather_full(
+    local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """All ranks' rows of a tensor, concatenated on every rank (collective: every rank must call it)."""
     world = collectives.world_size(group)
     full_shape = torch.Size(full_shape)
@@ -34,7 +38,7 @@ def gather_full(local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], g
     return out[: math.prod(full_shape)].view(full_shape)
 
 
-def _gather(value: torch.Tensor, shape: torch.Size, group=None) -> torch.Tensor:
+def _gather(value: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """A sharded tensor whole: a DTensor over its own mesh's ranks (a hybrid run's shard group), rows over
     ``group``."""
     if isinstance(value, DTensor):
@@ -59,8 +63,8 @@ def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[st
 
 def full_optimizer_state_dict(
     optimizer: Optimizer, hosted: Mapping[int, torch.Tensor], full_shapes: Mapping[int, torch.Size], rank0_only: bool = True,
-    rows_group=None, whole: Mapping[int, int] | None = None,
-) -> dict:
+    rows_group: dist.ProcessGroup | None = None, whole: Mapping[int, int] | None = None,
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` as an unsharded optimizer would return it. Collective.
 
     ``hosted`` maps ``id(param)`` to the tensor the optimizer keys that parameter's state by (its shard view
@@ -69,8 +73,8 @@ def full_optimizer_state_dict(
     state one owner rank holds whole (matrix optimizers), sent from there.
     """
     keep = not rank0_only or collectives.rank() == 0
-    state: dict[int, dict] = {}
-    owned: dict[int, dict] = {}  # this rank's whole entries, by index
+    state: dict[int, dict[str, Any]] = {}
+    owned: dict[int, dict[str, Any]] = {}  # this rank's whole entries, by index
     groups = []
     index = 0
     for group in optimizer.param_groups:

@@ -15,6 +15,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
+from typing import Any
 
 from lightning_zero.engine.comm.flight import FlightRecorder
 
@@ -86,11 +87,11 @@ class Activity:
         return (other is not None and self.in_collective and other.in_collective and self.kind == other.kind
                 and self.op == other.op and self.seq == other.seq)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict | None) -> Activity:
+    def from_json(cls, data: dict[str, Any] | None) -> Activity:
         return cls(**data) if data else cls()
 
 

@@ -16,9 +16,12 @@ for ``timeout``, explained by what every peer is doing.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_zero.engine.comm.flight import Mark, Op
+from lightning_zero.faults.activity import Activity
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
 
 _EVAL = ("val", "test", "predict")
@@ -80,11 +83,11 @@ class Diagnosis:
     def text(self) -> str:
         return f"{self.summary}\n{self.hint}" if self.hint else self.summary
 
-    def to_failure(self, reporter: int) -> dict:
+    def to_failure(self, reporter: int) -> dict[str, Any]:
         return {"rank": reporter, "culprit": self.culprit, "kind": self.kind, "message": self.text()}
 
 
-def adopt(failure: dict, me: Record, kind: str | None = None) -> Diagnosis:
+def adopt(failure: dict[str, Any], me: Record, kind: str | None = None) -> Diagnosis:
     """The first failure (of any rank, possibly this one's watchdog) as this rank's diagnosis."""
     summary = failure["message"]
     if failure.get("rank") != me.rank:
@@ -94,7 +97,7 @@ def adopt(failure: dict, me: Record, kind: str | None = None) -> Diagnosis:
     return Diagnosis(kind or failure.get("kind", "failed"), failure.get("culprit"), summary)
 
 
-def known_failure(me: Record, peers: dict[int, Peer], failure: dict | None) -> Diagnosis | None:
+def known_failure(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None) -> Diagnosis | None:
     """A failure already reported through the store, or one a peer's heartbeat shows."""
     if failure is not None:
         return adopt(failure, me)
@@ -105,7 +108,7 @@ def known_failure(me: Record, peers: dict[int, Peer], failure: dict | None) -> D
     return None
 
 
-def decide(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Limits, context: Context,
+def decide(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,
            mark_peer: int | None = None, store_silent: float = 0.0) -> Diagnosis | None:
     """The reason to end the run now, or None. Called every tick by the watchdog thread."""
     if (found := known_failure(me, peers, failure)) is not None:
@@ -207,10 +210,14 @@ def stale(rank: int, peer: Peer, me: Record) -> Diagnosis:
 def _left_unmatched(me: Record, finished: Record, limits: Limits, context: Context) -> bool:
     """Whether ``finished``, which ended its loop, left the collective ``me`` waits in without its side.
 
-    Symmetric ranks issue the same operations on the world group, so its sequence numbers tell at once: a peer
-    that never reached ``me``'s number never joins; a peer that went past it joined, and ``me``'s wait is only the
-    time its process was not scheduled (seconds, on a loaded machine). Equal numbers (``me`` may wait in a
-    subgroup's operation) and pipeline ranks, which issue different operations, leave the length of the wait."""
+    Symmetric ranks issue the same operations in the same order, so the numbers tell at once. ``collectives.py``
+    numbers its operations on every group alike: a peer whose count reached the number ``me`` waits in issued
+    that operation, and ``me``'s wait is only the time its process was not scheduled (seconds, on a loaded
+    machine; the peer may even have issued the next ones asynchronously). For other callers' operations the world
+    group's sequence number tells the same, except when the numbers are equal (``me`` may wait in a subgroup's
+    operation). Then, and for pipeline ranks, which issue different operations, the length of the wait decides."""
+    if context.symmetric and me.activity.op:
+        return finished.ops < me.activity.op
     mine, theirs = me.activity.seq, finished.seq or finished.activity.seq
     if context.symmetric and mine and theirs:
         if mine > theirs:
@@ -244,7 +251,7 @@ GENERATE_HINT = (
 )
 
 
-def _generate_involved(phase: str | None, records, context: Context) -> bool:
+def _generate_involved(phase: str | None, records: Iterable[Record], context: Context) -> bool:
     if any("generation" in (r.activity.via or "") for r in records):
         return True
     return context.generate_hint and phase in _EVAL
@@ -270,11 +277,11 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
             "every rank.")
     if elsewhere:
         culprit = elsewhere[0]
-        other = peers[culprit].record
-        summary = (f"{head}; rank {culprit} is in a different collective: {other.where()}. The ranks issued "
+        record = peers[culprit].record
+        summary = (f"{head}; rank {culprit} is in a different collective: {record.where()}. The ranks issued "
                    "different collectives (a collective issued on some ranks only: a skipped step, a conditional "
                    "`self.log(..., sync_dist=True)`, a submodule used on some ranks only under stage 3, ...).")
-        hint = GENERATE_HINT if _generate_involved(me.phase, (me, other), context) else ""
+        hint = GENERATE_HINT if _generate_involved(me.phase, (me, record), context) else ""
         return Diagnosis("diverged", culprit, summary, hint)
     if absent:
         culprit = absent[0]
@@ -288,7 +295,7 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
     return Diagnosis("stuck", None, summary, hint)
 
 
-def _collective(activity) -> str:
+def _collective(activity: Activity) -> str:
     if activity.op:
         return f"{activity.kind} #{activity.op} (world op {activity.seq})"
     return f"torch.distributed.{activity.kind} (world op {activity.seq})"
@@ -310,7 +317,7 @@ def compare_marks(a: Record, b: Record, context: Context) -> Diagnosis | None:
     return None
 
 
-def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | None, theirs: dict,
+def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | None, theirs: dict[tuple[str, int], Mark],
               context: Context) -> Diagnosis:
     before = theirs.get((previous.phase, previous.count)) if previous is not None else None
     if previous is not None and before is not None:
@@ -353,7 +360,7 @@ def first_difference(mine: list[Op], theirs: list[Op], start: int, ranks: tuple[
     return None
 
 
-def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict | None, limits: Limits, context: Context,
+def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,
                    waited: float) -> Diagnosis | None | bool:
     """At the end of a successful run: True when every rank finished, a Diagnosis when this rank must fail after
     all (a peer failed, died, or waits in a collective this rank never joins), None to keep waiting."""

@@ -24,7 +24,7 @@ from lightning_zero.faults import failures
 @dataclass
 class Snapshot:
     taken_at: float = 0.0  # time.monotonic() when the round trip completed
-    failure: dict | None = None
+    failure: dict[str, Any] | None = None
     records: dict[int, bytes] = field(default_factory=dict)
     finished: int = 0
     cycle: int = 0
@@ -47,7 +47,7 @@ class Exchange:
         self.period = period
         self.outgoing: bytes | None = None
         self.wanted: list[int] = []
-        self.failure_out: dict | None = None
+        self.failure_out: dict[str, Any] | None = None
         self.finishing = False
         self.snapshot = Snapshot(taken_at=time.monotonic())
         self.last_ok = time.monotonic()

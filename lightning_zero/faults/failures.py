@@ -23,14 +23,14 @@ def key(namespace: str) -> str:
     return f"{namespace}/first_failure"
 
 
-def record(store: Any, namespace: str, failure: dict) -> dict:
+def record(store: Any, namespace: str, failure: dict[str, Any]) -> dict[str, Any]:
     """Record ``failure`` unless another is recorded already; return the first one (maybe ``failure``)."""
     encoded = json.dumps(failure)
     first = store.compare_set(key(namespace), "", encoded).decode()
     return json.loads(first) if first else failure
 
 
-def read(store: Any, namespace: str) -> dict | None:
+def read(store: Any, namespace: str) -> dict[str, Any] | None:
     """The first failure, or None (``check`` first: a ``get`` of a missing key blocks for the store timeout)."""
     name = key(namespace)
     if not store.check([name]):
@@ -55,7 +55,7 @@ def add_note(exception: BaseException, note: str) -> None:
         exception.args = (*exception.args, text)
 
 
-def brought_down_by(exception: BaseException, first: dict, rank: int) -> None:
+def brought_down_by(exception: BaseException, first: dict[str, Any], rank: int) -> None:
     """Name ``first`` in ``exception`` unless it is this rank's own error or the same error (every rank raising
     the same check needs no note)."""
     if first.get("rank") == rank and first.get("kind") == "error":

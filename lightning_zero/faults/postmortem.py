@@ -42,7 +42,7 @@ class BlackBox:
     def __init__(self, folder: Path, rank: int, proc: str) -> None:
         self.folder = folder
         self.fatal_path = folder / f"rank{rank}.fatal"
-        self._fatal: IO | None = None
+        self._fatal: IO[str] | None = None
         _remove_old_runs(folder.parent)
         folder.mkdir(parents=True, exist_ok=True)
         RECORDER.write_to(folder / f"rank{rank}.flight", proc)

@@ -67,7 +67,7 @@ _PHASES = {"train": "training", "val": "validation", "test": "test", "predict": 
 
 
 def phase_name(phase: str | None) -> str:
-    return _PHASES.get(phase, phase or "")
+    return _PHASES.get(phase, phase) if phase else ""
 
 
 def step_name(phase: str | None, batch: int | None) -> str:

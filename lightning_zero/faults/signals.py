@@ -18,6 +18,9 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable
+from types import FrameType
+
+Handler = Callable[[int, FrameType | None], None]
 
 
 class WakeupPipe:
@@ -57,7 +60,7 @@ class WakeupPipe:
 
     def drain(self) -> list[int]:
         """Signal numbers received since the last call (0 for :meth:`wake`), forwarded to a previous wakeup fd."""
-        out = []
+        out: list[int] = []
         while True:
             try:
                 chunk = os.read(self.read_fd, 512)
@@ -85,19 +88,19 @@ class WakeupPipe:
                 pass
 
 
-def replace_handler(signum: int, notify: Callable[[int], None], chain: Iterable[Callable]) -> Callable | None:
+def replace_handler(signum: int, notify: Callable[[int], None], chain: Iterable[object]) -> Handler | None:
     """Install a handler for ``signum`` that calls ``notify(signum)`` and then every callable of ``chain`` (the
     handlers it replaces, minus the one it stands in for). Main thread only; returns the handler or None."""
     if threading.current_thread() is not threading.main_thread():
         return None
     chained = [h for h in chain if callable(h)]
 
-    def handler(number, frame):
+    def handler(number: int, frame: FrameType | None) -> None:
         notify(number)
         for other in chained:
             other(number, frame)
 
-    handler.lightning_zero = True  # recognised by a later install in the same run
+    setattr(handler, "lightning_zero", True)  # recognised by a later install in the same run
     signal.signal(signum, handler)
     return handler
 

@@ -18,8 +18,9 @@ known to be one-sided and long (rank 0 writing a full checkpoint while the other
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from datetime import timedelta
+from typing import ParamSpec, TypeVar
 
 import torch.distributed as dist
 
@@ -27,13 +28,16 @@ from lightning_zero.engine.comm import collectives
 
 RENDEZVOUS = timedelta(minutes=10)
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 def long_timeout(timeout: timedelta) -> timedelta:
     """The rendezvous / between-runs timeout: at least 10 minutes."""
     return max(timeout, RENDEZVOUS)
 
 
-def _groups() -> list:
+def _groups() -> list[dist.ProcessGroup | None]:
     if not (dist.is_available() and dist.is_initialized()):
         return []
     world = getattr(dist.distributed_c10d, "_world", None)
@@ -41,7 +45,7 @@ def _groups() -> list:
     return [g for g in groups if dist.get_rank(g) >= 0]  # groups this rank belongs to
 
 
-def _apply(groups: list, seconds: float) -> None:
+def _apply(groups: list[dist.ProcessGroup | None], seconds: float) -> None:
     limit = timedelta(seconds=seconds)
     for group in groups:
         try:
@@ -126,15 +130,15 @@ def extended(seconds: float | None = None, reason: str = "a long one-sided phase
             active.pop()
 
 
-def extended_during(reason: str):
+def extended_during(reason: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator form of :func:`extended` (no limit, no barrier: the method ends in collectives of its own) for a
     method every rank calls."""
 
-    def wrap(function):
+    def wrap(function: Callable[P, R]) -> Callable[P, R]:
         import functools
 
         @functools.wraps(function)
-        def run(*args, **kwargs):
+        def run(*args: P.args, **kwargs: P.kwargs) -> R:
             with extended(None, reason, barrier=False):
                 return function(*args, **kwargs)
 

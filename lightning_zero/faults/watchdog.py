@@ -39,7 +39,7 @@ from lightning_zero.faults import diagnosis, failures, postmortem, timeouts
 from lightning_zero.faults.activity import Activity
 from lightning_zero.faults.diagnosis import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
-from lightning_zero.engine.comm.flight import RECORDER, CollectiveError
+from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, liveness, this_process
 from lightning_zero.faults.signals import WakeupPipe
 
@@ -72,10 +72,11 @@ class Watchdog:
         self._exit_at: float | None = None
         self._grace = 0.0
         self._last_tick = time.monotonic()
-        self._progress: tuple[tuple, float] = ((), time.monotonic())  # (ops, seq, last mark), since
+        # ((ops, seq, last mark), since)
+        self._progress: tuple[tuple[int, int, Mark | None] | tuple[()], float] = ((), time.monotonic())
         self._beat = 0
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat, snapshot time it was first seen)
-        self._blocked: tuple[tuple, float] | None = None  # a wait outside collectives.py: (key, since)
+        self._blocked: tuple[tuple[str | None, int], float] | None = None  # a wait outside collectives.py: (key, since)
         self._stop = False
         self._main = threading.get_ident()
         self._proc = this_process()
@@ -284,6 +285,7 @@ class Watchdog:
               file=sys.stderr, flush=True)
 
     def _check_signal(self, now: float, sample: Activity) -> None:
+        assert self.signal_at is not None  # called once a signal arrived; never reset
         since = now - self.signal_at
         limits = self.limits
         extended = timeouts.ACTIVE is not None and timeouts.ACTIVE.reason is not None  # e.g. a checkpoint being saved
@@ -345,7 +347,7 @@ class Watchdog:
         if healthy:
             self.exchange.flush(2.0)
 
-    def _first_failure(self, healthy: bool, wait: float = 0.0) -> dict | None:
+    def _first_failure(self, healthy: bool, wait: float = 0.0) -> dict[str, Any] | None:
         """The run's first failure, waiting up to ``wait`` seconds for a peer that is writing it right now."""
         deadline = time.monotonic() + wait
         while True:

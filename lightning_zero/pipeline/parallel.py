@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,9 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding
 from lightning_zero.pipeline.schedule import PipelineRunner
 from lightning_zero.pipeline.split import PipelineLayout, split_bounds
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
 
 REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")
 
@@ -57,7 +60,7 @@ def pipeline_layers_of(module: nn.Module) -> Sequence[nn.Module]:
             "`pipeline_layers()` returns the model as a sequence of layers (each one's output is the next one's "
             "input) and `pipeline_loss(output, target)` the loss from the last layer's output. See docs/pipeline.md."
         )
-    layers = module.pipeline_layers()
+    layers = getattr(module, "pipeline_layers")()  # a hook of the user's class, checked above
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise ZeroConfigError(
             f"`{type(module).__name__}.pipeline_layers()` returned one {type(layers).__name__}; return a list, "
@@ -149,7 +152,7 @@ class PipelineParallel:
             device,
             config.pipeline_microbatches,
             config.pipeline_schedule,
-            module.pipeline_loss,
+            getattr(module, "pipeline_loss"),
             group=self.pp_group,
         )
         self._stash: list[tuple[nn.Parameter, Tensor]] = []
@@ -218,4 +221,4 @@ class PipelineParallel:
         if callable(hook):
             hook(split, loss)
         else:
-            self.module.log(f"{split}_loss", loss, prog_bar=True, sync_dist=split != "train")
+            cast("LightningModule", self.module).log(f"{split}_loss", loss, prog_bar=True, sync_dist=split != "train")

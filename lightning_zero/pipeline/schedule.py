@@ -86,9 +86,7 @@ class PipelineRunner:
     def _observe(self, stage: int, module: nn.Module, inputs: tuple, output: Tensor) -> None:
         """Remember one micro-batch's input and output of ``stage`` (shape and dtype only), for :meth:`_count_sends`."""
         received = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
-        self._boundary[stage] = tuple(
-            torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, Tensor) else None for t in (received, output)
-        )
+        self._boundary[stage] = (_meta_like(received), _meta_like(output))
 
     def _count_sends(self, train: bool) -> None:
         """[Note: pipeline traffic is counted where it is produced]
@@ -160,3 +158,8 @@ class PipelineRunner:
     def evaluate(self, inputs: Tensor | None, target: Tensor | None) -> Tensor | None:
         """Forward and loss only (validation); the mean micro-batch loss on the last stage."""
         return self._run(inputs, target, 1.0, train=False)
+
+
+def _meta_like(tensor: object) -> Tensor | None:
+    """``tensor``'s shape and dtype without its memory; None for anything else (a stage may return a tuple)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") if isinstance(tensor, Tensor) else None

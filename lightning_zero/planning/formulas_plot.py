@@ -12,8 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_zero.planning.formulas import GIB, Estimate, format_bytes, unit_for
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
 
 _STAGE_NAMES = {0: "DDP (stage 0)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 _COLORS = {"-": "#4C72B0", "optimizer": "#DD8452", "params+optimizer": "#55A868"}
@@ -69,7 +73,7 @@ def plot_estimates(estimates: Sequence[Estimate], path: str | Path, title: str =
             x += width
             bars.append({"stage": stage, "choice": item.choice.name, "device_GiB": item.device_bytes / GIB,
                          "host_GiB": item.host_bytes_per_node / GIB, "pick": picked})
-    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(o, "#8172B3")) for o in offloads]
+    handles: list[Artist] = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(o, "#8172B3")) for o in offloads]
     labels = [f"per device, {'no offload' if o == '-' else 'offload ' + o}" for o in offloads]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"))
     labels.append("per host (node), offloaded state")

@@ -11,12 +11,17 @@ dataset in memory, an earlier run's leftovers) is not the run's and is not count
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 import torch
+from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
+#: What ``MemTracker.track_external`` accepts.
+_Tracked = nn.Module | torch.optim.Optimizer | torch.Tensor
 
 
 class _TotalsOnly(MemTracker):
@@ -24,24 +29,24 @@ class _TotalsOnly(MemTracker):
     iteration (a ``training_step`` that calls ``self(...)`` through Lightning's forward redirection does that).
     The totals come from its dispatch mode and storage tracking alone."""
 
-    def _pre_fw_hook(self, module, inputs) -> None:
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         pass
 
-    def _post_fw_hook(self, module, inputs, outputs) -> None:
+    def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
         pass
 
-    def _pre_bw_hook(self, module, args) -> None:
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
         pass
 
-    def _post_bw_hook(self, module, args) -> None:
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
         pass
 
 
-def _run_tensors(trainer, module, batch) -> list:
+def _run_tensors(trainer: L.Trainer, module: L.LightningModule, batch: Any) -> list[_Tracked]:
     """What the run holds when the window opens: the module (parameters, buffers, gradients), the optimizers and
     the tensors they key their state by, the engine's own state (masters, gradient shards and buffers), the batch."""
     optimizers = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
-    held: list = [module, *optimizers]
+    held: list[_Tracked] = [module, *optimizers]
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
         held += [tensor for _, tensor, _ in engine.state_tensors()]
@@ -63,12 +68,12 @@ class PeakMemory(L.Callback):
         self._tracker: MemTracker | None = None
         self._peak = 0
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         accumulate = trainer.accumulate_grad_batches
         self.first = accumulate if self.first is None else self.first
         self.count = accumulate if self.count is None else self.count
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
         if batch_idx != self.first:
             return
         device = trainer.strategy.root_device
@@ -81,7 +86,11 @@ class PeakMemory(L.Callback):
         tracker.__enter__()
         self._tracker = tracker
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.first is None or self.count is None:
+            raise RuntimeError("PeakMemory: the window is set in on_train_start, before any batch.")
         if batch_idx != self.first + self.count - 1:
             return
         device = trainer.strategy.root_device
@@ -90,6 +99,7 @@ class PeakMemory(L.Callback):
             peak = torch.cuda.max_memory_allocated(device)
         else:
             tracker, self._tracker = self._tracker, None
+            assert tracker is not None, "opened at the window's first batch"
             snapshot = tracker.get_tracker_snapshot("peak")
             tracker.__exit__(None, None, None)
             peak = sum(per_device.get("Total", 0) for per_device in snapshot.values())

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_zero.planning.formulas import format_bytes, unit_for
 from lightning_zero.planning.formulas_plot import boxes_px
 from lightning_zero.planning.predict import KINDS
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
 
 _COLORS = dict(zip(KINDS, ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")))
 
@@ -48,7 +52,7 @@ def plot_plan(rows: list[dict], path: str | Path, title: str = "", limit: float 
         shown.append({"label": labels[-1].replace("\n", " "), "device_MiB": row["device_bytes"] / 2**20,
                       "host_MiB": row["host_bytes"] / 2**20, "pick": bool(row.get("pick")),
                       **{k: row[k] / 2**20 for k in KINDS}})
-    handles = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in KINDS]
+    handles: list[Artist] = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in KINDS]
     names = [f"device: {k}" for k in KINDS]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="#555555", hatch="//"))
     names.append("host (per node): offloaded state")

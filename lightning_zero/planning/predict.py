@@ -103,10 +103,10 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
     if c.stage == 0:  # Lightning ddp: fp32 parameters, full gradients (in its buckets), full optimizer state
         static = {"parameters": 4 * p, "optimizer state": state}
         dynamic = _most(points, lambda grads: grads * 4 / grad_size)
-        grads_at_step = 4 * p
+        grads_at_step: float = 4 * p
         host = 0.0
         gathered = 0
-        step_buffers = 0
+        step_buffers: float = 0
     elif c.stage in (1, 2):
         static = {"parameters": weights, "optimizer state": (1 - r) * (state + masters) / n}
         host = r * (state + (masters or 4 * p) + 4 * p) / n  # state, master copies and their gradient buffers
@@ -153,8 +153,8 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
     else:
         breakdown["buffers"] = step_buffers
         breakdown["gradients"] = breakdown.get("gradients", 0) + grads_at_step
-    breakdown = {kind: int(breakdown.get(kind, 0)) for kind in KINDS}
-    return Prediction(c, trace, int(max(during, at_step)), int(host), breakdown)
+    by_kind = {kind: int(breakdown.get(kind, 0)) for kind in KINDS}
+    return Prediction(c, trace, int(max(during, at_step)), int(host), by_kind)
 
 
 def _most(points, held) -> tuple[float, float]:

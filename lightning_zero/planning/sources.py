@@ -54,15 +54,13 @@ class Source:
     """The process-group backend of the planned run: ``"gloo"`` where the config trains on the CPU."""
 
 
-def from_config(config: dict, devices: int | None = None, name: str = "the config",
+def from_config(config: dict[str, Any], devices: int | None = None, name: str = "the config",
                 devices_per_node: int | None = None) -> Source:
     """The model, data and Trainer settings of a composed ``lightning-zero fit`` config (``cli/plan.py`` composes
     it from the files and overrides). ``devices`` counts every rank (as ``estimate``'s does); by default the
     config's ``trainer.devices x trainer.num_nodes``, on nodes of ``trainer.devices``."""
-    model, data, trainer = config.get("model"), config.get("data"), config.get("trainer") or {}
-    for key, node in (("model", model), ("data", data)):
-        if not isinstance(node, dict) or "class_path" not in node:
-            raise ValueError(f"{name} gives no `{key}` with a `class_path`: the planner builds both.")
+    model, data = _class_node(config, "model", name), _class_node(config, "data", name)
+    trainer = config.get("trainer") or {}
     model_cls = _import(model["class_path"])
     datamodule = _import(data["class_path"])(**(data.get("init_args") or {}))
     datamodule.prepare_data()
@@ -86,6 +84,13 @@ def from_config(config: dict, devices: int | None = None, name: str = "the confi
     )
 
 
+def _class_node(config: dict[str, Any], key: str, name: str) -> dict[str, Any]:
+    node = config.get(key)
+    if not isinstance(node, dict) or "class_path" not in node:
+        raise ValueError(f"{name} gives no `{key}` with a `class_path`: the planner builds both.")
+    return node
+
+
 def from_size(params: float, devices: int, batch_size: int, seq_len: int = 2048, precision: str = "bf16-mixed",
               devices_per_node: int | None = None) -> Source:
     """A GPT of GPT-3's shape closest to ``params`` parameters, ``batch_size`` sequences per step over ``devices``
@@ -97,11 +102,12 @@ def from_size(params: float, devices: int, batch_size: int, seq_len: int = 2048,
                          "evenly over the devices).")
     per_node, _ = split_devices(devices, devices_per_node)
     size, layers, width, heads = min(GPT3_SHAPES, key=lambda row: abs(row[0] - params))
-    shape = dict(vocab_size=VOCAB, block_size=seq_len, n_layer=layers, n_head=heads, n_embd=width, dropout=0.0)
     per_device = batch_size // devices
     tokens = torch.zeros(per_device, seq_len, dtype=torch.long)
     return Source(
-        build=lambda: GPTLightningModule(**shape), batch=(tokens, tokens), world_size=devices,
+        build=lambda: GPTLightningModule(vocab_size=VOCAB, block_size=seq_len, n_layer=layers, n_head=heads,
+                                         n_embd=width, dropout=0.0),
+        batch=(tokens, tokens), world_size=devices,
         devices_per_host=per_node, precision=precision, checkpointing=Block,
         description=f"a GPT of GPT-3's {size:.3g}-parameter shape ({layers} layers x {width} wide, {heads} heads, "
                     f"vocabulary {VOCAB}, sequence {seq_len})",

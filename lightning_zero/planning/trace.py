@@ -70,7 +70,9 @@ class _Timeline(_TotalsOnly):
     def _grad(self, param: torch.Tensor) -> None:
         self.grad_bytes += param.numel() * param.element_size()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
         total = sum(snap["Total"] for snap in self._curr_mem_snap.values())
         self.points.append((total - self._param_bytes - self.grad_bytes, self.grad_bytes))
@@ -154,7 +156,7 @@ def _state_elements(module: L.LightningModule) -> int:
 
 def _unit_elements(module: nn.Module) -> list[int]:
     """Trainable elements of each element of every ``nn.ModuleList`` (stage 3's default units)."""
-    units = []
+    units: list[int] = []
     for sub in module.modules():
         if isinstance(sub, nn.ModuleList):
             units.extend(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in sub)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -59,7 +59,7 @@ _DTYPE_NAMES = {
 }
 
 
-def _unwrap(optimizer) -> Optimizer:
+def _unwrap(optimizer: Any) -> Optimizer:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
@@ -67,7 +67,7 @@ def _as_dtype(setting: str, value: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype) and value in _DTYPE_NAMES.values():
         return value
     check_choice(setting, value, tuple(_DTYPE_NAMES))
-    return _DTYPE_NAMES[value]
+    return _DTYPE_NAMES[str(value)]
 
 
 class ZeroPrecision(Precision):
@@ -126,7 +126,7 @@ class ZeroPrecision(Precision):
         self.fp32_modules = tuple(fp32_modules)
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"
         self._device = torch.device(self.device_type)
-        self._engine = None
+        self._engine: ShardingEngine | None = None
         #: Per optimizer (by id) with finalized gradients awaiting their step: whether any rank overflowed.
         self._found_inf: dict[int, bool] = {}
 
@@ -142,7 +142,7 @@ class ZeroPrecision(Precision):
 
     def policy(self) -> PrecisionPolicy | None:
         """What the sharding engines need to know (None: parameters are updated in the dtype they are held in)."""
-        if not self.is_mixed:
+        if not self.is_mixed or self.reduce_dtype is None:  # the mixed modes have a reduce dtype
             return None
         return PrecisionPolicy(self.compute_dtype, self.reduce_dtype, fp32_modules=self.fp32_modules)
 
@@ -255,8 +255,8 @@ class ZeroPrecision(Precision):
 
     # ------------------------------------------------------------------ step
     @override
-    def optimizer_step(
-        self, optimizer, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    def optimizer_step(  # type: ignore[override]  # Lightning's own Precision narrows fabric's signature alike
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         optimizer = _unwrap(optimizer)
         closure_result = closure()
@@ -321,15 +321,16 @@ def as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
             f"{SUPPORTED_PRECISION} via `Trainer(precision=...)` or `plugins=[ZeroPrecision(...)]`."
         )
     scaler = getattr(plugin, "scaler", None)
+    precision = cast(PrecisionName, name)  # checked against SUPPORTED_PRECISION just above
     if name == "16-mixed" and scaler is not None:
         return ZeroPrecision(
-            name,
+            precision,
             initial_scale=float(scaler._init_scale),
             growth_factor=float(scaler._growth_factor),
             backoff_factor=float(scaler._backoff_factor),
             growth_interval=int(scaler._growth_interval),
         )
-    return ZeroPrecision(name)
+    return ZeroPrecision(precision)
 
 
 def global_grad_norm(local_grads: list[torch.Tensor], device: torch.device, group=None) -> torch.Tensor:

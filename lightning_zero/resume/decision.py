@@ -19,11 +19,12 @@ import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero.checkpoint.verify import META_FILE, CheckpointError, read_checkpoint_dict
 from lightning_zero.resume.agreement import JOB_KEY, same_job
@@ -42,8 +43,9 @@ class ResumeDecision:
 
 
 def resolve_ckpt_path(
-    function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None, auto_resume: bool
-) -> tuple[tuple, dict, ResumeDecision | None]:
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], trainer: pl.Trainer | None,
+    auto_resume: bool,
+) -> tuple[tuple[Any, ...], dict[str, Any], ResumeDecision | None]:
     """``function``'s arguments with ``ckpt_path`` resolved, and the auto-resume decision when one was made."""
     try:
         bound = inspect.signature(function).bind(*args, **kwargs)

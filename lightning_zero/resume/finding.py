@@ -26,7 +26,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_zero.checkpoint.listing import CheckpointEntry, inspect_checkpoint, list_checkpoints
 
@@ -54,7 +54,7 @@ def restart_count() -> int:
 def checkpoint_directories(trainer: pl.Trainer) -> list[Path]:
     """The local directories auto-resume searches, in the order of the callbacks (see the module docstring)."""
     found: list[Path] = []
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's connector, undeclared
         if isinstance(callback, ModelCheckpoint):
             found.extend([Path(callback.dirpath)] if callback.dirpath else _default_directories(trainer))
         elif isinstance(callback, OnExceptionCheckpoint):
@@ -106,7 +106,7 @@ def resolve_last(trainer: pl.Trainer) -> str | None:
     OnExceptionCheckpoint file) plus ZeroStrategy's SIGTERM checkpoint, keeping only complete checkpoints:
     the newest one, or None when there is none (Lightning then warns and starts fresh, as for "last")."""
     candidates: set[Path] = set()
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's connector, undeclared
         if isinstance(callback, ModelCheckpoint):
             candidates |= {Path(p) for p in callback._find_last_checkpoints(trainer)}  # lightning 2.x
             if callback.dirpath:

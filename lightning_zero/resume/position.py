@@ -48,6 +48,8 @@ def position_from_loops(loops: Mapping[str, Any] | None) -> DataPosition | None:
     """The :class:`DataPosition` a checkpoint's ``checkpoint["loops"]`` resumes at (None if it holds no fit loop:
     a checkpoint written outside of ``fit``, or by something other than Lightning)."""
     fit = (loops or {}).get("fit_loop")
+    if fit is None:
+        return None
     try:
         epoch = fit["epoch_progress"]["current"]
         batches = fit["epoch_loop.batch_progress"]

@@ -14,16 +14,20 @@ import torch
 
 try:
     import numpy as np
+
+    _NUMPY = True
 except ImportError:  # numpy is optional for torch
-    np = None
+    _NUMPY = False
 
 
 def collect_rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if np is not None:
-        key, keys, pos, has_gauss, cached = np.random.get_state()
+    if _NUMPY:
+        legacy = np.random.get_state()
+        assert isinstance(legacy, tuple)  # the global RandomState is always an MT19937 one
+        key, keys, pos, has_gauss, cached = legacy
         state["numpy"] = {
             "key": key,
             "keys": torch.from_numpy(keys.astype("int64")),
@@ -40,7 +44,7 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state and np is not None:
+    if "numpy" in state and _NUMPY:
         saved = state["numpy"]
         keys = saved["keys"].numpy().astype(np.uint32)
         np.random.set_state((saved["key"], keys, saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))

@@ -20,19 +20,19 @@ a sequential sampler, or a seeded generator the user re-creates.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset, sized_len
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
 from lightning_zero.resume.position import DataPosition
 
 
-class ResumeSampler(Sampler):
+class ResumeSampler(Sampler[Any]):
     """``source`` without its first ``skip`` items in ``epoch`` (once); unchanged in every other epoch.
 
     ``on_iterator(self)`` is called when an iterator of the DataLoader starts drawing indices: at its first
@@ -40,7 +40,7 @@ class ResumeSampler(Sampler):
     iterator's base seed and before any sample is loaded in this process (see ``resume/state.py``).
     """
 
-    def __init__(self, source: Sampler, skip: int, epoch: int, on_iterator: Callable[[ResumeSampler], None] | None = None,
+    def __init__(self, source: Iterable[Any], skip: int, epoch: int, on_iterator: Callable[[ResumeSampler], None] | None = None,
                  uses_global_rng: bool = True, loads_in_process: bool = True) -> None:
         self.source = source
         self.skip = skip
@@ -53,7 +53,7 @@ class ResumeSampler(Sampler):
         self.set_epoch(epoch)
 
     @property
-    def sampler(self) -> Sampler:
+    def sampler(self) -> Iterable[Any]:
         """The sampler Lightning sets the epoch on (``dataloader.sampler`` / ``batch_sampler.sampler``)."""
         return self.source
 
@@ -63,6 +63,8 @@ class ResumeSampler(Sampler):
             target.set_epoch(epoch)
 
     def __len__(self) -> int:
+        if not isinstance(self.source, Sized):
+            raise TypeError(f"object of type {type(self.source).__name__!r} has no len()")
         return len(self.source)
 
     def __iter__(self) -> Iterator[Any]:
@@ -80,11 +82,11 @@ class ResumeBatchSampler(ResumeSampler):
     """The same for a custom batch sampler: skips whole batches (lists of indices), whatever their grouping."""
 
     @property
-    def sampler(self) -> Sampler:
+    def sampler(self) -> Iterable[Any]:
         return getattr(self.source, "sampler", self.source)
 
 
-def _epoch_targets(source: object) -> list:
+def _epoch_targets(source: object) -> list[Any]:
     """``source`` and the sampler under it (a batch sampler's), each once, where they have ``set_epoch``."""
     found: dict[int, object] = {}
     for obj in (source, getattr(source, "sampler", None)):
@@ -123,7 +125,7 @@ def resume_dataloader(
     return _with_batch_sampler(dataloader, ResumeBatchSampler(batch_sampler, skip, position.epoch, on_iterator, **rng))
 
 
-def _with_batch_sampler(dataloader: DataLoader, batch_sampler: ResumeBatchSampler) -> object:
+def _with_batch_sampler(dataloader: DataLoader[Any], batch_sampler: ResumeBatchSampler) -> object:
     """Re-create ``dataloader`` around a wrapped custom batch sampler (as Lightning re-creates it around a
     sampler); a loader class that cannot take one is left as it is, with a warning."""
     try:
@@ -139,7 +141,7 @@ def _with_batch_sampler(dataloader: DataLoader, batch_sampler: ResumeBatchSample
         return dataloader
 
 
-def _warn_if_order_not_reproducible(dataloader: DataLoader, position: DataPosition, skip: int) -> None:
+def _warn_if_order_not_reproducible(dataloader: DataLoader[Any], position: DataPosition, skip: int) -> None:
     sampler = dataloader.sampler
     if skip and isinstance(sampler, RandomSampler) and sampler.generator is None:
         rank_zero_warn(

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_zero.resume.finding import SIGTERM_CHECKPOINT
 
@@ -56,7 +56,8 @@ def save_on_sigterm(trainer: pl.Trainer, exception: BaseException, wait: float =
     if reason is not None:
         rank_zero_info(f"SIGTERM: no checkpoint taken ({reason}).")
         return None
-    path = Path(trainer.checkpoint_callback.dirpath) / SIGTERM_CHECKPOINT
+    directory = getattr(trainer.checkpoint_callback, "dirpath")  # checked by _unsafe; Checkpoint declares none
+    path = Path(directory) / SIGTERM_CHECKPOINT
     started = time.monotonic()
     try:
         trainer.save_checkpoint(path)
@@ -76,7 +77,8 @@ def _unsafe(trainer: pl.Trainer) -> str | None:
     if not trainer.training:  # e.g. Lightning's evaluation loop raised it mid-validation
         stage = trainer.state.stage.value if trainer.state.stage is not None else "not running"
         return f"stopped in the {stage} stage, not between training batches"
-    if any(isinstance(cb, OnExceptionCheckpoint) for cb in trainer.callbacks):
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector, undeclared
+    if any(isinstance(cb, OnExceptionCheckpoint) for cb in callbacks):
         return "an OnExceptionCheckpoint callback saves on exceptions"
     callback = trainer.checkpoint_callback
     if callback is None or not getattr(callback, "dirpath", None):

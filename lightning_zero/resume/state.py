@@ -34,8 +34,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_zero.resume.agreement import JOB_KEY, check_agreement, job_identity
@@ -127,10 +128,12 @@ class ResumeState:
             self._put_back_rng(source)
 
     def _put_back_rng(self, source: ResumeSampler) -> None:
+        assert self._rng is not None and self.position is not None  # a source is only taken while both are held
         restore_rng_state(self._rng)
         replays = self._pending_iterators + (not self.position.mid_epoch and source.uses_global_rng)
         for _ in range(replays):
-            iter(DataLoader([0]))  # the base-seed draw of an iterator the uninterrupted run created after the save
+            # The base-seed draw of an iterator the uninterrupted run created after the save.
+            iter(DataLoader([0]))  # type: ignore[arg-type]  # torch annotates ``dataset`` as Dataset; a list serves
 
     def _restore_rng(self) -> None:
         if self._rng is not None:
@@ -143,11 +146,15 @@ def draws_after_save(trainer: pl.Trainer | None) -> dict[str, int]:
     RNG the run creates after this save and before its next training batch -- one per validation DataLoader when
     the save happens in ``on_train_batch_end`` of a batch after which validation is due (Lightning's own
     ``_should_check_val_fx`` decides, as it will right after)."""
+    if trainer is None:
+        return {"iterators": 0}
     try:
         epoch_loop = trainer.fit_loop.epoch_loop
         current = epoch_loop.batch_progress.current
-        in_batch_end = trainer.training and current.completed == current.processed - 1
-        if not in_batch_end or not epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        in_batch_end = (trainer.training and isinstance(current, _ProcessedTracker)
+                        and current.completed == current.processed - 1)
+        fetcher = trainer.fit_loop._data_fetcher
+        if not in_batch_end or fetcher is None or not epoch_loop._should_check_val_fx(fetcher):
             return {"iterators": 0}
         loaders = trainer.val_dataloaders
         loaders = loaders if isinstance(loaders, (list, tuple)) else list(loaders.values()) if isinstance(loaders, dict) else [loaders]

@@ -70,10 +70,10 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         ``checkpoint/files.py``); with ``async_save`` every rank starts its background writer."""
         if self.is_global_zero:
             for callback in trainer.checkpoint_callbacks:
-                if isinstance(getattr(callback, "dirpath", None), (str, Path)):
-                    clean_directory(Path(callback.dirpath))
+                if isinstance(dirpath := getattr(callback, "dirpath", None), (str, Path)):
+                    clean_directory(Path(dirpath))
         if self.zero_config.async_save:
-            self._saver = AsyncSaver(checkpoint_group(self.zero_config.timeout), self.zero_config.timeout)
+            self._saver = AsyncSaver(checkpoint_group(self.zero_config.timeout_delta), self.zero_config.timeout_delta)
 
     def close_checkpoints(self) -> None:
         """Teardown: the writer is normally idle (``on_train_end`` waited); after a failure, no collectives."""
@@ -85,9 +85,9 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
         precision the optimizer updates them in. Collective."""
-        require(self.lightning_module, "lightning_module")
+        module = require(self.lightning_module, "lightning_module")
         self._reshard()
-        return state_dicts.full_model_state(self.lightning_module, self._sharded.engine, holding=self._sharded.holding)
+        return state_dicts.full_model_state(module, self._sharded.engine, holding=self._sharded.holding)
 
     def _reshard(self) -> None:
         """Close an accumulation window that keeps stage 3's units gathered (the engine's ``reshard``): a state
@@ -97,16 +97,16 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        require(self.lightning_module, "lightning_module")
+        module = require(self.lightning_module, "lightning_module")
         if self._full:
             return self.full_state_dict()
         self._reshard()
-        return state_dicts.sharded_model_state(self.lightning_module, self._sharded.engine, self._sharded.holding)
+        return state_dicts.sharded_model_state(module, self._sharded.engine, self._sharded.holding)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         build = state_dicts.full_optimizer_state if self._full else state_dicts.sharded_optimizer_state
-        return build(unwrap(optimizer), self.lightning_module, self._sharded.engine)
+        return build(unwrap(optimizer), require(self.lightning_module, "lightning_module"), self._sharded.engine)
 
     # ------------------------------------------------------------------ saving
     @override
@@ -154,8 +154,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        module = self.lightning_module
-        require(module, "lightning_module")
+        module = require(self.lightning_module, "lightning_module")
         trainer = trainer_of(module)
         # validate/test/predict from a checkpoint read the model alone, as Lightning's strategies do (a fit's
         # optimizers outlive it on the strategy).
@@ -171,15 +170,15 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        require(self.lightning_module, "lightning_module")
-        io.load_model_state(self.lightning_module, checkpoint["state_dict"], self._sharded.engine, strict=strict,
+        io.load_model_state(require(self.lightning_module, "lightning_module"), checkpoint["state_dict"], self._sharded.engine, strict=strict,
                             holding=self._sharded.holding)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        clear_schedulers_for_swa(trainer_of(self.lightning_module))  # Lightning restores the schedulers next
+        module = require(self.lightning_module, "lightning_module")
+        clear_schedulers_for_swa(trainer_of(module))  # Lightning restores the schedulers next
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            io.load_optimizer_state(unwrap(optimizer), state, self.lightning_module, self._sharded.engine,
+            io.load_optimizer_state(unwrap(optimizer), state, module, self._sharded.engine,
                                     holding=self._sharded.holding)
 
 

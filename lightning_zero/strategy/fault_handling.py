@@ -62,9 +62,9 @@ class FaultHandling:
         run = int(collectives.all_gather_uncounted(_random_id())[0].item())
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.namespace = f"{failures.PREFIX}/{restart}-{run:x}"
-        limits = Limits.for_timeout(config.timeout.total_seconds())
+        limits = Limits.for_timeout(config.timeout_delta.total_seconds())
         pg_seconds = limits.pg_timeout if config.watchdog else limits.timeout
-        self.timeouts = OpTimeouts(pg_seconds, long_timeout(config.timeout))
+        self.timeouts = OpTimeouts(pg_seconds, long_timeout(config.timeout_delta))
         if not config.watchdog:
             return
         stages = config.pipeline_stages
@@ -138,7 +138,7 @@ def _store_client() -> Any:
     """A client of the process group's store for the watchdog's thread (a clone: its own connection)."""
     store = dist.distributed_c10d._get_default_store()
     try:
-        return store.clone()
+        return store.clone()  # type: ignore[attr-defined]  # torch 2.13's Store has it, its stub does not
     except (AttributeError, RuntimeError):  # an older store without clone(): share the main client
         return store
 

@@ -61,7 +61,7 @@ class ZeroScriptLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         self._call_children_scripts()
         config = self._strategy.zero_config
-        grace = Limits.for_timeout(config.timeout.total_seconds()).margin + 5.0 if config.watchdog else 0.0
+        grace = Limits.for_timeout(config.timeout_delta.total_seconds()).margin + 5.0 if config.watchdog else 0.0
         _PatientObserver(self.procs, main_pid=os.getpid(), grace=grace).start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
@@ -93,7 +93,9 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         # Collective: every rank takes part in gathering the shards.
-        state_dict = self._strategy.full_state_dict() if trainer.state.fn == TrainerFn.FITTING else None
+        # This launcher's strategy is a ZeroStrategy (it made the launcher), which Lightning's annotation cannot say.
+        state_dict = (self._strategy.full_state_dict()  # type: ignore[attr-defined]
+                      if trainer.state.fn == TrainerFn.FITTING else None)
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

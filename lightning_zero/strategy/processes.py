@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,8 @@ def _yield_to_collective_threads_at_exit() -> None:
 _EXIT_YIELD_SECONDS = 0.05
 
 
+T = TypeVar("T")
+
 class ProcessGroupStrategy(ParallelStrategy):
     """One process per device, a ``torch.distributed`` group over them, and a watchdog over that group."""
 
@@ -70,8 +72,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     @property
     @override
     def root_device(self) -> torch.device:
-        require(self.parallel_devices, "parallel_devices")
-        return self.parallel_devices[self.local_rank]
+        return require(self.parallel_devices, "parallel_devices")[self.local_rank]
 
     @property
     def is_distributed(self) -> bool:
@@ -96,13 +97,13 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        require(self.cluster_environment, "cluster_environment")
+        environment = require(self.cluster_environment, "cluster_environment")
         if (config := self.zero_config).pipeline_stages > 1:  # before any process starts: devices x nodes must divide
             PipelineLayout(self.num_nodes * self.num_processes, config.pipeline_stages, config.pipeline_virtual)
         config.group_sizes(self.cluster_world_size(), self.num_processes)  # shard_size / hpZ fit the cluster
         if config.start_method == "popen":
             # Under torchrun/SLURM too (it then starts nothing): it resolves `ckpt_path` (auto-resume, "last").
-            self._launcher = ZeroScriptLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = ZeroScriptLauncher(self, environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = ZeroMultiProcessingLauncher(self, start_method=config.start_method)
 
@@ -120,10 +121,10 @@ class ProcessGroupStrategy(ParallelStrategy):
         reset_seed()
         self.set_world_ranks()
         backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        require(self.cluster_environment, "cluster_environment")
+        environment = require(self.cluster_environment, "cluster_environment")
         # A slow start is not a hang: `timeout` applies once the loops run (see faults/timeouts.py).
-        timeout = long_timeout(self.zero_config.timeout)
-        _init_dist_connection(self.cluster_environment, backend, timeout=timeout, **self._store_for(timeout))
+        timeout = long_timeout(self.zero_config.timeout_delta)
+        _init_dist_connection(environment, backend, timeout=timeout, **self._store_for(timeout))
         atexit.unregister(_yield_to_collective_threads_at_exit)  # once per process, however many runs
         atexit.register(_yield_to_collective_threads_at_exit)  # see [Note: gloo's worker threads at exit]
         self._faults.start(self.zero_config, self.global_rank, self.world_size, self.num_processes)
@@ -136,13 +137,14 @@ class ProcessGroupStrategy(ParallelStrategy):
         if environment is None or not uses_torchrun_shared_store():
             return {}
         return {"store": attempt_store(environment.main_address, environment.main_port, self.global_rank,
-                                       self.world_size, timeout, self.zero_config.timeout.total_seconds())}
+                                       self.world_size, timeout, self.zero_config.timeout_delta.total_seconds())}
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # Both functions carry the rank as an attribute Lightning sets at run time, undeclared.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -157,11 +159,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         return error
 
     def teardown_processes(self) -> None:
-        require(self.cluster_environment, "cluster_environment")
-        require(self.accelerator, "accelerator")
-        self.cluster_environment.teardown()
+        require(self.cluster_environment, "cluster_environment").teardown()
         self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        require(self.accelerator, "accelerator").teardown()
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override
@@ -188,7 +188,8 @@ class ProcessGroupStrategy(ParallelStrategy):
         return out / self.world_size if divide else out
 
 
-def require(value: Any, what: str) -> None:
-    """Lightning sets these up before calling the hook that needs them; say which one is missing if not."""
+def require(value: T | None, what: str) -> T:
+    """``value``: Lightning sets these up before calling the hook that needs them; say which one is missing if not."""
     if value is None:
         raise RuntimeError(f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer.")
+    return value

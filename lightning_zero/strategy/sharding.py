@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.activation_checkpointing import apply_activation_checkpointing, caches_off_for_training
+from lightning_zero.activation_checkpointing import CheckpointPolicy, apply_activation_checkpointing, caches_off_for_training
 from lightning_zero.strategy.compiling import compile_units
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
@@ -93,7 +93,7 @@ def shard_model(
     config: ZeroConfig,
     *,
     policy: PrecisionPolicy | None,
-    checkpoint_policy: object | None,
+    checkpoint_policy: CheckpointPolicy | None,
     fitting: bool,
     rank: int,
     world_size: int,
@@ -163,8 +163,8 @@ def shard_model(
         load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,
                         engine=engine, holding=holding)
     if config.compile:  # see compiling.py
-        units = engine.units if isinstance(engine, FullyShardedEngine) else select_units(model, config.wrap_policy)
-        compile_units(units, config.compile)
+        units = engine.units if engine is not None else None  # the engine's blocks, where it divided the module
+        compile_units(units if units is not None else select_units(model, config.wrap_policy), config.compile)
     buffers = list(holding.held(model.named_buffers()).values())
     return ShardedModel(engine, pipeline, holding, buffers, after_fit)
 

@@ -19,8 +19,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from torch.distributed.tensor import DTensor
+
+from lightning_zero.engine.api import ShardingEngine
 
 
 class ShardedAverage:
@@ -60,21 +62,23 @@ def _rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
     return whole[index]
 
 
-def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: Any) -> None:
+def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None) -> None:
     """Point every ``StochasticWeightAveraging`` callback at the sharded parameters when the engine shards the
     module in place (stage 3); stages 1-2 keep whole parameters and the callback's own copy works there."""
     if engine is None or not engine.shards_module_in_place:
         return
-    for callback in trainer.callbacks:
+    refresh = engine.params_loaded
+    for callback in _callbacks(trainer):
         if isinstance(callback, StochasticWeightAveraging):
-            callback._average_model = ShardedAverage(module)
+            # A stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has.
+            callback._average_model = ShardedAverage(module)  # type: ignore[assignment]
 
-            def transfer_and_refresh(src: Any, dst: Any) -> None:
+            def transfer_and_refresh(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
                 # The class's own method, not the instance's: a second fit must not wrap the first fit's wrapper.
-                StochasticWeightAveraging.transfer_weights(src, dst)
-                engine.params_loaded()  # e.g. host masters of the parameters now hold the average too
+                StochasticWeightAveraging.transfer_weights(src_pl_module, dst_pl_module)
+                refresh()  # e.g. host masters of the parameters now hold the average too
 
-            callback.transfer_weights = transfer_and_refresh
+            callback.transfer_weights = transfer_and_refresh  # type: ignore[method-assign]  # this instance's only
 
 
 def clear_schedulers_for_swa(trainer: pl.Trainer | None) -> None:
@@ -82,6 +86,12 @@ def clear_schedulers_for_swa(trainer: pl.Trainer | None) -> None:
     rebuilds itself, so the configured schedulers must not take it. The callback clears them in ``on_fit_start``,
     which runs before a ZeroStrategy restores (after ``setup``: the shards must exist first), so that it finds no
     state yet; this does the same once the state is there, before Lightning restores the schedulers."""
-    for callback in trainer.callbacks if trainer is not None else ():
+    if trainer is None:
+        return
+    for callback in _callbacks(trainer):
         if isinstance(callback, StochasticWeightAveraging) and callback._scheduler_state is not None:
             callback._clear_schedulers(trainer)
+
+
+def _callbacks(trainer: pl.Trainer) -> list[Callback]:
+    return trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared

@@ -27,8 +27,9 @@ from typing_extensions import override
 
 from lightning_zero.activation_checkpointing import resolve_policy
 from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy, trainer_of, unwrap
-from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, Compression, CompressionScope, ModulePolicy, PipelineSchedule
-from lightning_zero.config.zero_config import PipelineSplit, QuantizationScheme, ShardSize, StartMethod, StateDictType, ZeroConfig
+from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ModulePolicy, PipelineSchedule, PipelineSplit
+from lightning_zero.config.zero_config import ShardSize, StartMethod, StateDictType, ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.deepspeed_compat.config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
 from lightning_zero.deepspeed_compat.trainer import apply_to_trainer, check_batch_sizes, optimizers_from_config, precision_plugin_for
@@ -135,12 +136,13 @@ class ZeroStrategy(CheckpointingStrategy):
             return self.pipeline.sampler_kwargs(self.global_rank)
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
-    @property  # type: ignore[override]
+    @property
     @override
-    def precision_plugin(self) -> Precision:
-        if self._precision_plugin is None:
-            self._precision_plugin = ZeroPrecision()
-        return self._precision_plugin
+    def precision_plugin(self) -> ZeroPrecision:
+        plugin = self._precision_plugin
+        if not isinstance(plugin, ZeroPrecision):  # None until one is chosen: the setter converts every other
+            plugin = self._precision_plugin = ZeroPrecision()
+        return plugin
 
     @precision_plugin.setter
     @override
@@ -160,34 +162,34 @@ class ZeroStrategy(CheckpointingStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._resume.check_agreement()  # auto-resume: every rank loads the same checkpoint (collective)
-        require(self.accelerator, "accelerator")
-        require(self.model, "model")
-        self.accelerator.setup(trainer)
+        require(self.accelerator, "accelerator").setup(trainer)
+        model = require(self.model, "model")
         fitting = trainer.state.fn == TrainerFn.FITTING
         apply_to_trainer(self._deepspeed, trainer)
         self._sharded, self._failed = NOT_SHARDED, False  # never reuse an earlier run's (another module's, maybe)
         precision = self.precision_plugin
         if fitting and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
-        self.model = precision.convert_module(self.model)
+            model = self._layer_sync.apply(model)
+        self.model = model = precision.convert_module(model)
         self._sharded = shard_model(
-            self.model, self.zero_config, policy=precision.policy(), checkpoint_policy=self.checkpoint_policy,
+            model, self.zero_config, policy=precision.policy(), checkpoint_policy=self.checkpoint_policy,
             fitting=fitting, rank=self.global_rank, world_size=self.world_size, node_size=self.num_processes,
             device=self.root_device,
             move_to_device=self.model_to_device, sync_batchnorm=bool(self._layer_sync),
         )
         if fitting:
             self.setup_optimizers(trainer)
+            engine = require(self.engine, "engine")
             for optimizer in self.optimizers:
                 config = self.zero_config
-                self.engine.wrap_optimizer(unwrap(optimizer), config.elementwise_optimizers, config.matrix_optimizers)
+                engine.wrap_optimizer(unwrap(optimizer), config.elementwise_optimizers, config.matrix_optimizers)
         self.setup_precision_plugin()
         precision.attach(self.engine, self.root_device)
         if fitting and not self.zero_config.optimizer_on_host:
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting:
             self.setup_checkpoints(trainer)
-            average_sharded_weights(trainer, self.lightning_module, self.engine)
+            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), self.engine)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -196,15 +198,14 @@ class ZeroStrategy(CheckpointingStrategy):
         settings = self._deepspeed
         if settings is None or (settings.optimizer is None and settings.scheduler is None):
             return super().setup_optimizers(trainer)
-        module = self.lightning_module
+        module = require(self.lightning_module, "lightning_module")
         self.optimizers, self.lr_scheduler_configs = optimizers_from_config(
             settings, module, trainer, lambda: _init_optimizers_and_lr_schedulers(module)
         )
 
     @override
     def model_to_device(self) -> None:
-        require(self.model, "model")
-        self.model.to(self.root_device)
+        require(self.model, "model").to(self.root_device)
 
     @override
     def teardown(self) -> None:
@@ -220,7 +221,7 @@ class ZeroStrategy(CheckpointingStrategy):
         if fitted:
             self._sharded.after_fit()
         if fitted and self._layer_sync and not self._sharded.shards_module_in_place:
-            self.model = self._layer_sync.revert(self.model)  # give the user back their BatchNorm layers, as DDP
+            self.model = self._layer_sync.revert(require(self.model, "model"))  # give the user back their BatchNorm layers, as DDP
         self.teardown_processes()
         if error is not None:
             raise error
@@ -252,7 +253,7 @@ class ZeroStrategy(CheckpointingStrategy):
         self._resume.on_train_batch_start(trainer, batch_idx)
         if self.engine is not None:
             self.engine.follow_trainability()
-            if self.lightning_module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0:
+            if trainer.lightning_module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0:
                 self.engine.discard_all_gradients()
 
     @override
@@ -271,8 +272,7 @@ class ZeroStrategy(CheckpointingStrategy):
     def _call_module(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Stage 3's root is the LightningModule itself: route the step through its ``__call__`` so FSDP2's
         root hooks (unshard, lazy init, reshard) run around it."""
-        module = self.lightning_module
-        require(module, "lightning_module")
+        module = require(self.lightning_module, "lightning_module")
         if self._sharded.shards_module_in_place:
             return self._forward_redirection(module, module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
@@ -292,7 +292,7 @@ class ZeroStrategy(CheckpointingStrategy):
             if self.pipeline is None:
                 return self._call_module("training_step", args, kwargs)
             # The schedule runs forward, loss and backward here; `backward` then hands the gradients on.
-            scale = self.precision_plugin.loss_scale / self.lightning_module.trainer.accumulate_grad_batches
+            scale = self.precision_plugin.loss_scale / require(self.lightning_module, "lightning_module").trainer.accumulate_grad_batches
             return self.pipeline.training_step(_batch(args, kwargs), scale, self.engine)
 
     @override
@@ -314,16 +314,16 @@ class ZeroStrategy(CheckpointingStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Non-final micro-batches of gradient accumulation: no gradient communication."""
-        quiet = self.engine is not None and not self.zero_config.reduce_every_microbatch
-        with self.engine.no_sync() if quiet else contextlib.nullcontext():
+        engine = self.engine
+        quiet = engine is not None and not self.zero_config.reduce_every_microbatch
+        with engine.no_sync() if engine is not None and quiet else contextlib.nullcontext():
             yield
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """As Lightning's, but the reduced gradient shards land before ``on_after_backward`` runs, so hooks
         (and memory probes) see the state a step will use."""
-        module = self.lightning_module
-        require(module, "lightning_module")
+        module = require(self.lightning_module, "lightning_module")
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self.pipeline is not None:

@@ -13,7 +13,10 @@ scaling) and fault one of:
   ``sigterm.ckpt``, the ranks exit, torchrun restarts them, they resume from it;
 * ``node`` (two torchrun agents, one rank each): rank 0 is SIGKILLed mid-epoch while rank 1 is alive outside
   any collective (as an NCCL peer that notices nothing): agent 0 restarts its worker as restart 1, agent 1
-  restarts its own for the membership change with its restart count still 0.
+  restarts its own for the membership change with its restart count still 0. Both agents run on this host, where
+  rank 1's watchdog would see at once that rank 0's process is gone and end rank 1 itself (across hosts it sees
+  only a silent heartbeat, after ``stale_after``): the faulted attempt runs without the watchdog so that only
+  agent 1 restarts rank 1, as the case means; the resumed attempt has it.
 
 ``LATE_RESTART`` (seconds): rank 1 of every restarted attempt starts that much later than its peers, as a rank on a
 busy or slow node does; with torchrun's shared agent store its peers then find the previous attempt's keys there
@@ -163,7 +166,7 @@ def fit(case_dir: Path, run: str, stage: int, precision: str, accumulate: int, f
     plugins = [ZeroPrecision("16-mixed", initial_scale=2.0**10, growth_interval=2)] if precision == "f16" else []
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=int(os.environ["GROUP_WORLD_SIZE"]),
-        strategy=ZeroStrategy(stage=stage), max_epochs=EPOCHS, accumulate_grad_batches=accumulate,
+        strategy=ZeroStrategy(stage=stage, watchdog=fault != "node"), max_epochs=EPOCHS, accumulate_grad_batches=accumulate,
         gradient_clip_val=1.0, plugins=plugins, callbacks=callbacks, enable_checkpointing=bool(callbacks),
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )

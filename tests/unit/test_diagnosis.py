@@ -119,6 +119,17 @@ def test_a_rank_that_joined_this_ranks_collective_and_finished_is_not_early():
     assert decide(me, {1: peer(done)}, None, LIMITS, CONTEXT).kind == "finished"
 
 
+def test_a_rank_that_issued_this_ranks_collective_and_finished_is_not_early():
+    """Seen under coverage: rank 1 finished with 18 collectives while rank 0's sample still showed it in
+    reduce_scatter #16 (world op 169, rank 1's last world op too). The collective numbers show the peer joined."""
+    done = record(1, Activity(seq=169), state=FINISHED, ops=18, steps={"train": 3})
+    me = record(0, waiting(op=16, seq=169, blocked_for=LIMITS.settle + 2))
+    assert decide(me, {1: peer(done)}, None, LIMITS, CONTEXT) is None
+    done.ops = 15  # the peer never issued #16: it never joins, however short the wait
+    me.activity.blocked_for = 0.1
+    assert decide(me, {1: peer(done)}, None, LIMITS, CONTEXT).kind == "finished"
+
+
 def marks(*entries):
     return [Mark(phase, count, count, ops, digest, seq) for phase, count, ops, digest, seq in entries]
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from lightning_zero.engine.comm import p2p_transport as p2p
@@ -28,9 +30,15 @@ from lightning_zero.engine.comm.comm_stats import CommStats
 from lightning_zero.engine.comm.flight import RECORDER as _FLIGHT
 
 ReduceOp = dist.ReduceOp
+#: A reduce op as torch takes it: ``ReduceOp.SUM`` and the other members are ``RedOpType`` values.
+ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
 #: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
-_all_gather_flat = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather_flat: Callable[..., dist.Work | None] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_flat: Callable[..., dist.Work | None] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
+
+_T = TypeVar("_T")
 
 
 _STATS = CommStats()
@@ -84,11 +92,15 @@ def reduce_scatter(
     with record_function("lightning_zero::reduce_scatter"):
         if (mailboxes := _shared_memory(group, output, input)) is not None:
             return _through_mailboxes(mailboxes, mailboxes.reduce_scatter, output, input, number, "reduce_scatter", async_op)
+        work: dist.Work | None
         if _use_ring(group):
             work = p2p.RingReduceScatter(output, input, group, number)
         else:
             work = _reduce_scatter_flat(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
-        return work if async_op else finish(work, number, "reduce_scatter")
+        if async_op:
+            return work
+        finish(work, number, "reduce_scatter")
+        return None
 
 
 def all_gather(
@@ -111,11 +123,15 @@ def all_gather(
             return None
         if (mailboxes := _shared_memory(group, output, input)) is not None:
             return _through_mailboxes(mailboxes, mailboxes.all_gather, output, input, number, "all_gather", async_op)
+        work: dist.Work | None
         if _use_ring(group):
             work = p2p.RingAllGather(output, input, group, number)
         else:
             work = _all_gather_flat(output, input, group=group, async_op=async_op)
-        return work if async_op else finish(work, number, "all_gather")
+        if async_op:
+            return work
+        finish(work, number, "all_gather")
+        return None
 
 
 _PACKED_ONLY = False
@@ -164,7 +180,10 @@ def reduce_scatter_in_place(
                              lambda peer: receives[peer])
 
 
-def _exchange_counted(kind: str, like: Sequence[torch.Tensor], packed_numel: int, group, to, source) -> p2p.Ring:
+def _exchange_counted(
+    kind: str, like: Sequence[torch.Tensor], packed_numel: int, group: dist.ProcessGroup | None,
+    to: Callable[[int], Sequence[torch.Tensor]], source: Callable[[int], Sequence[torch.Tensor]],
+) -> p2p.Ring:
     dtype = like[0].dtype if like else torch.float32
     number = _FLIGHT.issue(kind, packed_numel, dtype)
     _STATS.record_elements(kind, packed_numel, dtype.itemsize, group_ranks(group))
@@ -186,7 +205,8 @@ def all_to_all(
         work = dist.all_to_all_single(output, input, group=group, async_op=True)
         if async_op:
             return _Tracked(work, number, "all_to_all")
-        return finish(work, number, "all_to_all")
+        finish(work, number, "all_to_all")
+        return None
 
 
 class _Tracked(dist.Work):
@@ -196,12 +216,13 @@ class _Tracked(dist.Work):
         super().__init__()
         self.work, self.number, self.kind = work, number, kind
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """``timeout`` is ``dist.Work``'s; unused, as by our rings."""
         finish(self.work, self.number, self.kind)
         return True
 
 
-def finish(work, number: int = 0, kind: str = "") -> None:
+def finish(work: dist.Work | None, number: int = 0, kind: str = "") -> None:
     """Wait for an asynchronous collective's handle (one of our rings, or a ``dist.Work``)."""
     if isinstance(work, p2p.Ring):
         work.wait()  # records its own wait
@@ -217,7 +238,9 @@ def _use_ring(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _shared_memory(group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor):
+def _shared_memory(
+    group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor
+) -> shm_transport.SharedMemoryGroup | None:
     """The group's shared-memory mailboxes (``shm_transport.py``) where they serve this call: gloo, host tensors,
     one host. Every rank decides alike (same backend, devices and layout)."""
     if not (_use_ring(group) and output.device.type == "cpu" and input.device.type == "cpu"
@@ -226,8 +249,10 @@ def _shared_memory(group: dist.ProcessGroup | None, output: torch.Tensor, input:
     return shm_transport.for_group(group)
 
 
-def _through_mailboxes(mailboxes, collective, output: torch.Tensor, input: torch.Tensor, number: int, kind: str,
-                       async_op: bool):
+def _through_mailboxes(
+    mailboxes: shm_transport.SharedMemoryGroup, collective: Callable[[torch.Tensor, torch.Tensor], None],
+    output: torch.Tensor, input: torch.Tensor, number: int, kind: str, async_op: bool,
+) -> dist.Work | None:
     """Queue a collective to the group's mailbox thread: its handle, or None once it ran (``async_op=False``,
     or a group whose collectives run in the calling thread)."""
     work = mailboxes.submit(collective, output, input)
@@ -235,10 +260,15 @@ def _through_mailboxes(mailboxes, collective, output: torch.Tensor, input: torch
         _FLIGHT.wait(number, kind)
         _FLIGHT.done(number)
         return None
-    return _Tracked(work, number, kind) if async_op else finish(work, number, kind)
+    if async_op:
+        return _Tracked(work, number, kind)
+    finish(work, number, kind)
+    return None
 
 
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, op: ReduceOpLike = ReduceOp.SUM, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """In-place all-reduce (small tensors: norms, overflow flags)."""
     if world_size(group) == 1:
         return tensor
@@ -281,7 +311,7 @@ def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.Process
         _FLIGHT.done(number)
 
 
-def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+def broadcast_object(obj: _T, src: int = 0, group: dist.ProcessGroup | None = None) -> _T:
     if world_size(group) == 1:
         return obj
     holder = [obj]
@@ -299,11 +329,11 @@ def _blocking(kind: str, numel: int = 0, dtype: torch.dtype | None = None) -> in
     return number
 
 
-def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
+def all_gather_objects(obj: _T, group: dist.ProcessGroup | None = None) -> list[_T]:
     """Every rank's ``obj`` (small, picklable), in rank order, on every rank."""
     if world_size(group) == 1:
         return [obj]
-    out = [None] * world_size(group)
+    out: list[Any] = [None] * world_size(group)
     number = _blocking("all_gather_object")
     with record_function("lightning_zero::all_gather_object"):
         dist.all_gather_object(out, obj, group=group)
@@ -311,11 +341,11 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> l
     return out
 
 
-def gather_objects(obj: object, dst: int = 0) -> list | None:
+def gather_objects(obj: _T, dst: int = 0) -> list[_T] | None:
     """Every rank's ``obj`` in rank order on rank ``dst``; None elsewhere."""
     if world_size() == 1:
         return [obj]
-    out = [None] * world_size() if rank() == dst else None
+    out: list[Any] | None = [None] * world_size() if rank() == dst else None
     number = _blocking("gather_object")
     with record_function("lightning_zero::gather_object"):
         dist.gather_object(obj, out, dst=dst)
@@ -331,7 +361,10 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
         _FLIGHT.done(number)
 
 
-def reduce_scatter_op(output: torch.Tensor, input: torch.Tensor, op: ReduceOp, group=None, async_op: bool = False):
+def reduce_scatter_op(
+    output: torch.Tensor, input: torch.Tensor, op: ReduceOpLike, group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
     """A reduce-scatter with any op, by the backend itself (FSDP2's fp16 pre/post-divide and async paths)."""
     number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)
     _count("reduce_scatter", input, group)
@@ -350,7 +383,7 @@ def record_sent(tensor: torch.Tensor) -> None:
     _count("send", tensor, None)
 
 
-def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.ReduceOp, bool]:
+def reduce_op_from_name(reduce_op: ReduceOpLike | str | None) -> tuple[ReduceOpLike, bool]:
     """Lightning's reduce names ("mean", "sum", "max", "min") or a ReduceOp -> (op, divide by world)."""
     if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
         return dist.ReduceOp.SUM, True
@@ -362,7 +395,7 @@ def reduce_op_from_name(reduce_op: dist.ReduceOp | str | None) -> tuple[dist.Red
     return reduce_op, False
 
 
-def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None):
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
     """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective:
     every rank builds the same mesh at the same point."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -382,11 +415,12 @@ def all_gather_uncounted(tensor: torch.Tensor) -> torch.Tensor:
     return out.view(world_size(), *tensor.shape)
 
 
-def new_group(timeout=None, backend: str = "gloo") -> dist.ProcessGroup | None:
+def new_group(timeout: timedelta | None = None, backend: str = "gloo") -> dist.ProcessGroup | None:
     """A new process group of every rank (collective: every rank calls it at the same point), for work that
     runs beside training (an asynchronous checkpoint's collectives, issued from a background thread) and so
     must never interleave with the training collectives on the world group. gloo by default: such work
     moves host-side objects. None when torch.distributed is not initialized."""
     if not is_distributed():
         return None
-    return dist.new_group(backend=backend, timeout=timeout)
+    group: dist.ProcessGroup = dist.new_group(backend=backend, timeout=timeout)
+    return group

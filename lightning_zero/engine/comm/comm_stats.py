@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -72,13 +74,14 @@ class CommStats:
         with self._lock:
             self.groups.clear()
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """A plain dict: per-kind ``calls``/``elements_by_kind``/``bytes_by_kind``, ``elements`` and ``bytes``
         totals, the same split ``intra_node``/``inter_node``, and ``by_group`` (``"0,1"`` -> its counts)."""
         with self._lock:
             groups = list(self.groups.values())
-        out: dict = {"calls": _sum(g.calls for g in groups), "elements_by_kind": _sum(g.elements for g in groups),
-                     "bytes_by_kind": _sum(g.bytes for g in groups)}
+        out: dict[str, Any] = {"calls": _sum(g.calls for g in groups),
+                               "elements_by_kind": _sum(g.elements for g in groups),
+                               "bytes_by_kind": _sum(g.bytes for g in groups)}
         out["elements"], out["bytes"] = sum(out["elements_by_kind"].values()), sum(out["bytes_by_kind"].values())
         for where, inter in (("intra_node", False), ("inter_node", True)):
             chosen = [g for g in groups if g.inter_node is inter]
@@ -92,7 +95,7 @@ class CommStats:
         return out
 
 
-def _sum(counts) -> dict[str, int]:
+def _sum(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
     total: dict[str, int] = defaultdict(int)
     for count in counts:
         for kind, value in count.items():

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.quantize import Codec, ErrorFeedback
@@ -115,7 +117,7 @@ def _transport(wire: str | None, spec: CompressionSpec, dtype: torch.dtype) -> _
 class _Pending:
     """A compressed collective in flight: ``wait()`` finishes the transfer, then decodes into the output."""
 
-    def __init__(self, work: object, land) -> None:
+    def __init__(self, work: dist.Work | None, land: Callable[[], None]) -> None:
         self.work, self.land = work, land
 
     def wait(self) -> bool:
@@ -133,7 +135,10 @@ class CompressedComm:
         self.feedback = ErrorFeedback(Codec()) if spec.error_feedback else None
 
     # ------------------------------------------------------------------ gradients
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, group, key: object, async_op: bool = True):
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, key: object,
+        async_op: bool = True,
+    ) -> dist.Work | _Pending | None:
         """Sum ``input`` (rank-major chunks) over ``group`` into this rank's chunk ``output``, like
         ``collectives.reduce_scatter``; not compressed under ``inter_node_only`` (a shard group is a node's)."""
         transport = self._gradient_transport(input.dtype, replicas=False)
@@ -164,7 +169,7 @@ class CompressedComm:
         pending.wait()
         return None
 
-    def sum_over(self, tensor: torch.Tensor, group, key: object) -> None:
+    def sum_over(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, key: object) -> None:
         """In place: ``tensor`` summed over ``group`` (hybrid sharding's replicas), every rank decoding the same
         bytes (see [Note: whose values are decoded])."""
         transport = self._gradient_transport(tensor.dtype, replicas=True)
@@ -191,7 +196,9 @@ class CompressedComm:
     def compresses_params(self, dtype: torch.dtype) -> bool:
         return _transport(self.spec.params, self.spec, dtype) is not None
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = True
+    ) -> dist.Work | _Pending | None:
         """Every rank's ``input`` into ``output`` (rank-major), decoded from the same bytes on every rank, this
         rank's own rows included."""
         transport = _transport(self.spec.params, self.spec, input.dtype)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -32,7 +33,8 @@ _KIND_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast
                "all_to_all": 10}
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
            torch.uint8, torch.bool, torch.int16)
-_DTYPE_CODES = {dtype: i + 1 for i, dtype in enumerate(_DTYPES)}
+#: Keyed by an optional dtype: a collective of pickled objects has none (code 15, as any dtype not listed).
+_DTYPE_CODES: dict[torch.dtype | None, int] = {dtype: i + 1 for i, dtype in enumerate(_DTYPES)}
 _MASK = (1 << 61) - 1
 RING = 32  # collectives kept per rank
 MARKS = 8  # step marks kept per rank
@@ -54,7 +56,7 @@ class Mark(NamedTuple):
     """The state at the start of one step: ``count`` is the step's position in its phase on this rank."""
 
     phase: str
-    count: int
+    count: int  # type: ignore[assignment]  # mypy rejects a field shadowing tuple.count; diagnosis reads it by name
     batch: int | None
     ops: int
     digest: int
@@ -89,15 +91,16 @@ class FlightRecorder:
         self.group = group
         self.ops = 0
         self.digest = 0
-        self.recent: deque[tuple] = deque(maxlen=RING)
+        self.recent: deque[tuple[int, str, int, torch.dtype | None]] = deque(maxlen=RING)
         self.marks: deque[Mark] = deque(maxlen=MARKS)
         self.counts: dict[str, int] = {}
         self.waiting: Waiting | None = None
         self.abort = None
-        self.on_mark = None  # set by the timeouts manager: applies the op timeout to groups created later
+        #: Set by the timeouts manager: applies the op timeout to groups created later.
+        self.on_mark: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ hot path (main thread)
-    def issue(self, kind: str, numel: int, dtype: torch.dtype) -> int:
+    def issue(self, kind: str, numel: int, dtype: torch.dtype | None) -> int:
         """Record a collective about to be issued; raise the watchdog's diagnosis if the run is over. Collectives
         of other threads (a background checkpoint writer) are not part of the main sequence: number 0."""
         if self.abort is not None:

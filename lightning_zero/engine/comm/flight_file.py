@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 _MAGIC, _VERSION = b"LZFR", 1
 _HEAD = struct.Struct("<4sI128sQ")  # magic, version, process identity, main thread ident
 _COUNTERS = struct.Struct("<QQ")  # collectives issued, running hash
@@ -61,7 +63,7 @@ class FlightFile:
     """The writer: one per process and run, owned by the flight recorder while the watchdog runs."""
 
     def __init__(self, path: Path, proc: str, main_ident: int, ring: int, marks: int,
-                 kinds: dict[str, int], dtypes: dict) -> None:
+                 kinds: dict[str, int], dtypes: dict[torch.dtype | None, int]) -> None:
         self.path = path
         self.ring, self.mark_slots = ring, marks
         self._kinds, self._dtypes = kinds, dtypes
@@ -76,7 +78,7 @@ class FlightFile:
         _HEAD.pack_into(self._map, 0, _MAGIC, _VERSION, proc.encode()[:128], main_ident)
         self._marks_written = 0
 
-    def issue(self, number: int, kind: str, numel: int, dtype, digest: int) -> None:
+    def issue(self, number: int, kind: str, numel: int, dtype: torch.dtype | None, digest: int) -> None:
         _OP.pack_into(self._map, _RING_AT + (number % self.ring) * _OP.size, number, numel,
                       self._kinds.get(kind, 0), self._dtypes.get(dtype, 0))
         _COUNTERS.pack_into(self._map, _COUNTERS_AT, number, digest)
@@ -99,7 +101,9 @@ class FlightFile:
             self.path.unlink(missing_ok=True)
 
 
-def read(path: Path, ring: int, marks: int, kinds: dict[str, int], dtypes: dict) -> FlightSnapshot | None:
+def read(
+    path: Path, ring: int, marks: int, kinds: dict[str, int], dtypes: dict[torch.dtype | None, int]
+) -> FlightSnapshot | None:
     """The flight file at ``path`` (None if absent or not one)."""
     try:
         data = path.read_bytes()

@@ -12,6 +12,7 @@ bucket's reduction overlaps backward; with 2 ranks that is the whole collective.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -38,7 +39,7 @@ class Ring(dist.Work):
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group else (self.rank - 1) % self.size
         self.step = 0
-        self.pending: list = []
+        self.pending: list[dist.Work | None] = []
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         self.pending = [dist.isend(send, self.next, group=self.group), dist.irecv(recv, self.prev, group=self.group)]
@@ -46,6 +47,7 @@ class Ring(dist.Work):
     def _complete(self) -> None:
         with record_function("lightning_zero::wait"):
             for request in self.pending:
+                assert request is not None  # isend/irecv return None only on a rank outside the group
                 if WAIT_TIMEOUT is None:
                     request.wait()
                 else:
@@ -60,11 +62,14 @@ class RingReduceScatter(Ring):
 
     kind = "reduce_scatter"
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
+    def __init__(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, number: int = 0
+    ) -> None:
         super().__init__(group, number)
         self.output = output
         self.acc = input.view(self.size, -1)
-        self.recv = torch.empty_like(self.acc[0]) if self.size > 2 else None
+        # With 2 ranks the only step is the last, which receives into ``output``: no buffer.
+        self.recv = torch.empty_like(self.acc[0]) if self.size > 2 else output
         self._post()
 
     def _last(self) -> bool:
@@ -73,7 +78,8 @@ class RingReduceScatter(Ring):
     def _post(self) -> None:
         self._exchange(self.acc[(self.rank - self.step - 1) % self.size], self.output if self._last() else self.recv)
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Run the remaining steps (``timeout``, ``dist.Work``'s, is unused: :data:`WAIT_TIMEOUT` bounds each)."""
         _FLIGHT.wait(self.number, self.kind)
         while self.pending:
             self._complete()
@@ -93,7 +99,9 @@ class RingAllGather(Ring):
 
     kind = "all_gather"
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group, number: int = 0) -> None:
+    def __init__(
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, number: int = 0
+    ) -> None:
         super().__init__(group, number)
         self.acc = output.view(self.size, -1)
         self.acc[self.rank].copy_(input)
@@ -103,7 +111,8 @@ class RingAllGather(Ring):
         k = self.step
         self._exchange(self.acc[(self.rank - k) % self.size], self.acc[(self.rank - k - 1) % self.size])
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Run the remaining steps (``timeout``, ``dist.Work``'s, is unused: :data:`WAIT_TIMEOUT` bounds each)."""
         _FLIGHT.wait(self.number, self.kind)
         while self.pending:
             self._complete()
@@ -128,7 +137,10 @@ class RingAllGather(Ring):
 class Exchange(Ring):
     """Sends ``to(peer)`` to each peer and receives ``source(peer)`` from each, nearest peers first."""
 
-    def __init__(self, kind: str, to, source, group, number: int = 0) -> None:
+    def __init__(
+        self, kind: str, to: Callable[[int], Sequence[torch.Tensor]], source: Callable[[int], Sequence[torch.Tensor]],
+        group: dist.ProcessGroup | None, number: int = 0,
+    ) -> None:
         super().__init__(group, number)
         self.kind = kind
         for distance in range(1, self.size):
@@ -143,7 +155,8 @@ class Exchange(Ring):
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group else rank
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Complete the transfers (``timeout``, ``dist.Work``'s, is unused: :data:`WAIT_TIMEOUT` bounds each)."""
         _FLIGHT.wait(self.number, self.kind)
         if self.pending:
             self._complete()

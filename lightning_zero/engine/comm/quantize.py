@@ -156,9 +156,10 @@ class Codec:
             return out if out is not None else torch.empty(0, dtype=dtype, device=packed.device)
         n_blocks = self._n_blocks(numel)
         padded = n_blocks * self.block_size
-        direct = out is not None and out.dtype == torch.float32 and out.is_contiguous() and numel == padded
+        fits = out is not None and out.dtype == torch.float32 and out.is_contiguous() and numel == padded
+        direct = out if fits else None
         shape = (n_blocks, self.block_size)
-        work = out.view(shape) if direct else torch.empty(shape, dtype=torch.float32, device=packed.device)
+        work = torch.empty(shape, dtype=torch.float32, device=packed.device) if direct is None else direct.view(shape)
         work.copy_(self._load_payload(packed, n_blocks))
         payload = self._payload_nbytes(n_blocks)
         scale = _as_float32(packed[payload : payload + 4 * n_blocks])[:, None]
@@ -167,8 +168,8 @@ class Codec:
             work.add_(1 << (self.bits - 1)).mul_(scale).add_(zero)
         else:
             work.mul_(scale)
-        if direct:
-            return out
+        if direct is not None:
+            return direct
         flat = work.view(-1)[:numel]
         if out is not None:
             return out.copy_(flat)

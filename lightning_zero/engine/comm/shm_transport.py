@@ -28,6 +28,8 @@ import queue
 import socket
 import threading
 import uuid
+from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,8 @@ import torch.distributed as dist
 MAILBOX_BYTES = 16 * 2**20
 _DIRECTORY = "/dev/shm"
 _GROUPS: dict[object, "SharedMemoryGroup | None"] = {}
+#: One of :class:`SharedMemoryGroup`'s collectives: ``(output, input)``, synchronously.
+Collective = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def enabled() -> bool:
@@ -64,13 +68,16 @@ def _forget_destroyed_groups() -> None:
 class MailboxWork(dist.Work):
     """A collective queued to the mailbox thread; ``wait`` returns once it ran (or raises what it raised)."""
 
-    def __init__(self, run, output: torch.Tensor, input: torch.Tensor) -> None:
+    def __init__(self, run: Collective, output: torch.Tensor, input: torch.Tensor) -> None:
         super().__init__()
-        self.run, self.output, self.input = run, output, input  # the tensors stay alive until it ran
+        #: The tensors stay alive until it ran; the mailbox thread then drops all three.
+        self.run: Collective | None = run
+        self.output: torch.Tensor | None = output
+        self.input: torch.Tensor | None = input
         self.done = threading.Event()
         self.error: BaseException | None = None
 
-    def wait(self, timeout=None) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         self.done.wait()
         if self.error is not None:
             raise self.error
@@ -80,18 +87,21 @@ class MailboxWork(dist.Work):
 class SharedMemoryGroup:
     """One group's mailboxes (see [Note: shared-memory collectives])."""
 
-    def __init__(self, group, maps: list[mmap.mmap], rank: int, sync_group=None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, maps: list[mmap.mmap], rank: int,
+        sync_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.group, self.maps, self.rank, self.size = group, maps, rank, len(maps)
         #: Barriers of the mailbox thread, a group of their own (the training thread's collectives on ``group``
         #: must not interleave with them); None: collectives run in the calling thread.
         self.sync_group = sync_group
-        self._queue: queue.SimpleQueue | None = None
+        self._queue: queue.SimpleQueue[MailboxWork | None] | None = None
         self._failure: BaseException | None = None
         if sync_group is not None:
             self._queue = queue.SimpleQueue()
             threading.Thread(target=self._serve, name="lightning_zero-mailboxes", daemon=True).start()
 
-    def submit(self, collective, output: torch.Tensor, input: torch.Tensor) -> MailboxWork | None:
+    def submit(self, collective: Collective, output: torch.Tensor, input: torch.Tensor) -> MailboxWork | None:
         """Run ``collective`` (:meth:`all_gather` or :meth:`reduce_scatter`) on the mailbox thread, in submission
         order (the same on every rank); without one, run it now and return None."""
         if self._queue is None:
@@ -102,6 +112,7 @@ class SharedMemoryGroup:
         return work
 
     def _serve(self) -> None:
+        assert self._queue is not None  # the thread starts only with its queue
         while True:
             work = self._queue.get()
             if work is None:
@@ -109,6 +120,7 @@ class SharedMemoryGroup:
             try:
                 if self._failure is not None:  # a peer is gone: every later collective fails alike
                     raise self._failure
+                assert work.run is not None and work.output is not None and work.input is not None  # not yet run
                 work.run(work.output, work.input)
             except BaseException as error:  # handed to the waiting thread
                 self._failure = self._failure or error
@@ -119,7 +131,7 @@ class SharedMemoryGroup:
                 del work  # nor does this thread keep the last buffers alive while it waits for the next
 
     @classmethod
-    def open(cls, group) -> "SharedMemoryGroup | None":
+    def open(cls, group: dist.ProcessGroup | None) -> "SharedMemoryGroup | None":
         from lightning_zero.engine.comm import collectives  # collectives imports this module
 
         rank = dist.get_rank(group)

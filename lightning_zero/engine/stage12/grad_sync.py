@@ -31,15 +31,17 @@ import contextlib
 import dataclasses
 import enum
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage12.buckets import pack_bucket, segment_view
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.layout import ParamShardSpec, ShardLayout
+from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
 
@@ -80,10 +82,16 @@ class ParamGradient:
     final: torch.Tensor | None = None
 
 
+class Pending(Protocol):
+    """An asynchronous reduction: a process group's work or one of our transports' exchanges."""
+
+    def wait(self) -> object: ...
+
+
 @dataclasses.dataclass
 class _Inflight:
     bucket: int
-    work: object | None
+    work: Pending | None
     comm: torch.Tensor | None
     out: torch.Tensor | None
     direct: bool
@@ -107,8 +115,8 @@ class GradientReducer:
         reduce_dtype: torch.dtype | None = None,
         master_dtype: torch.dtype | None = None,
         host_gradients: MasterShards | None = None,
-        group=None,
-        replicate_group=None,
+        group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         compression: CompressedComm | None = None,
     ) -> None:
         self.params = list(params)
@@ -157,6 +165,8 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ views
     def _bucket_storage(self, bucket: int) -> torch.Tensor:
+        if self.storage is None:
+            raise RuntimeError("only stage 2 holds gradient shards in bucket storage")
         return self.storage[bucket]
 
     def _storage_view(self, index: int) -> torch.Tensor:
@@ -223,7 +233,7 @@ class GradientReducer:
 
     def _launch(self, bucket_index: int) -> None:
         bucket = self.layout.buckets[bucket_index]
-        sources = [None] * len(self.params)
+        sources: list[torch.Tensor | None] = [None] * len(self.params)
         for i in bucket.params:
             sources[i] = self.params[i].grad
             self.records[i].produced |= sources[i] is not None
@@ -298,7 +308,11 @@ class GradientReducer:
         bucket = self.layout.buckets[flight.bucket]
         if flight.in_place is not None:
             flight.in_place.land([self.params[i] for i in bucket.params])
-        elif self.shard_gradients:
+            self._landed(bucket)
+            return
+        if flight.out is None:
+            raise RuntimeError(f"bucket {flight.bucket}'s reduction has no output")
+        if self.shard_gradients:
             if flight.accumulate:
                 self._bucket_storage(flight.bucket).add_(flight.out)
             elif not flight.direct:
@@ -314,6 +328,9 @@ class GradientReducer:
                 flat[:start].zero_()
                 flat[end:].zero_()
                 flat[start:end].copy_(segment_view(self.layout, flight.out, i, self.rank).reshape(-1))
+        self._landed(bucket)
+
+    def _landed(self, bucket: BucketSpec) -> None:
         for i in bucket.params:
             record = self.records[i]
             record.landed = True
@@ -330,8 +347,8 @@ class GradientReducer:
         pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
         held_by_index = {i: self.local_grad(i) for i in pending}
         if self.replicas > 1:
-            held = [g for g in held_by_index.values() if g is not None]
-            _sum_over(self.replicate_group, held, self.reduce_dtype, self.compression)
+            sums = [g for g in held_by_index.values() if g is not None]
+            _sum_over(self.replicate_group, sums, self.reduce_dtype, self.compression)
         grads = []
         for i, held in held_by_index.items():
             record = self.records[i]
@@ -359,11 +376,12 @@ class GradientReducer:
         if self.shard_gradients:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
             # buckets still holding another optimizer's gradients need their consumed slices zeroed.
-            views = [r.shard for r in records if self._holds_sums(self.layout.buckets[r.spec.bucket])]
+            views = [r.shard for r in records
+                     if r.shard is not None and self._holds_sums(self.layout.buckets[r.spec.bucket])]
             if views:
                 torch._foreach_zero_(views)
 
-    def _holds_sums(self, bucket) -> bool:
+    def _holds_sums(self, bucket: BucketSpec) -> bool:
         """Whether the bucket's shard storage holds sums not yet consumed (the next reduction adds to them)."""
         return any(self.records[i].landed for i in bucket.params)
 
@@ -374,7 +392,7 @@ class GradientReducer:
 
 
 def _sum_over(
-    group, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None, compression: CompressedComm | None = None
+    group: dist.ProcessGroup | None, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None, compression: CompressedComm | None = None
 ) -> None:
     """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
     shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
@@ -388,7 +406,7 @@ def _sum_over(
             compression.sum_over(flat, group, key=str(held).removeprefix("torch."))
         else:
             collectives.all_reduce(flat, group=group)
-        torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in same]), same)])
+        torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in same]), same)])
 
 
 def _comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:

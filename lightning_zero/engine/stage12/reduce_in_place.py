@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage12.layout import ShardLayout
@@ -30,7 +31,7 @@ class InPlaceReduction:
         grads: Sequence[torch.Tensor | None],
         *,
         rank: int,
-        group=None,
+        group: dist.ProcessGroup | None = None,
         storage: torch.Tensor | None = None,
         held: bool = False,
     ) -> None:
@@ -47,8 +48,8 @@ class InPlaceReduction:
         self.into_storage = storage is not None and not held
         peers = [(rank - distance) % world for distance in range(1, world)]
         #: The segment each peer's contributions land in: the first one's the storage itself when it holds nothing.
-        self.segments = {
-            peer: storage if k == 0 and self.into_storage
+        self.segments: dict[int, torch.Tensor] = {
+            peer: storage if storage is not None and k == 0 and self.into_storage
             else torch.empty(bucket.segment_numel, dtype=self.dtype, device=self.device)
             for k, peer in enumerate(peers)
         }
@@ -91,6 +92,8 @@ class InPlaceReduction:
     def _sum_into_storage(self, j: int) -> None:
         """Parameter ``j``'s own contribution and every peer's into its rows of the shard storage: written where the
         storage held nothing (it holds the first peer's already), else added to the sums it held."""
+        if self.storage is None:
+            raise RuntimeError("only stage 2 reduces into shard storage")
         own = self._rows(j, self.rank)
         received = [self._received(peer, j) for peer in self.segments]
         target = self.storage[self.specs[j].offset : self.specs[j].offset + own.numel()]

@@ -22,26 +22,28 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.api import ShardRecord
+from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.stage12.buckets import pack_segment, unpack_bucket
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer
-from lightning_zero.engine.stage12.layout import ShardLayout
+from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer, Pending
+from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.optimizers import hosted_params, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
 
 class ShardedOptimizer:
-    """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (implements
-    :class:`~lightning_zero.engine.api.OptimizerShards`)."""
+    """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (an
+    :class:`~lightning_zero.engine.api.OptimizerShards`: mypy checks it, see the end of this module)."""
 
     def __init__(
         self,
@@ -53,8 +55,8 @@ class ShardedOptimizer:
         *,
         rank: int,
         masters: MasterShards | None = None,
-        group=None,
-        elsewhere: set[int] = frozenset(),
+        group: dist.ProcessGroup | None = None,
+        elsewhere: set[int] | frozenset[int] = frozenset(),
         shards: dict[int, torch.Tensor] | None = None,
         kind: str = "elementwise",
         owners: OwnerStepping | None = None,
@@ -88,7 +90,8 @@ class ShardedOptimizer:
 
     def refresh(self) -> None:
         """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training)."""
-        indices, whole = [], []
+        indices: list[int] = []
+        whole: list[int] = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 i = self._index.get(id(p))
@@ -115,8 +118,15 @@ class ShardedOptimizer:
         #: Those stepped whole, on their owner ranks.
         self.whole = whole
         if whole:
-            self.owners.adopt({i: self.layout.params[i].shape for i in whole}, self._whole_tensor)
+            self._owners.adopt({i: torch.Size(self.layout.params[i].shape) for i in whole}, self._whole_tensor)
         self.buckets = sorted({self.layout.params[i].bucket for i in indices})
+
+    @property
+    def _owners(self) -> OwnerStepping:
+        """The owners of the parameters stepped whole (there are some only under a matrix optimizer)."""
+        if self.owners is None:
+            raise RuntimeError("only a matrix optimizer steps parameters whole")
+        return self.owners
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
         """The owner's whole tensor of parameter ``i``: the resident parameter itself, or an fp32 (host) copy
@@ -131,7 +141,9 @@ class ShardedOptimizer:
         """``id(param)`` -> the tensor the optimizer keys that parameter's state by: a shard, or the owner's whole
         tensor (a whole parameter another rank owns has no entry: no state here)."""
         hosted = {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
-        hosted.update({id(self.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
+        if self.whole:
+            owned = self._owners.whole
+            hosted.update({id(self.params[i]): owned[i] for i in self.whole if i in owned})
         return hosted
 
     def owners_of(self) -> dict[int, int] | None:
@@ -150,10 +162,12 @@ class ShardedOptimizer:
         grads = {i: self.reducer.local_grad(i) for i in self.indices if i not in whole}
         if self.masters is not None:
             grads = self.masters.receive_gradients(grads)
-        standins = {id(self.params[i]): (self.shards[i], grads[i]) for i in grads}
+        standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {
+            id(self.params[i]): (self.shards[i], grads[i]) for i in grads
+        }
         for i in whole:  # the owner steps the whole parameter; elsewhere it sits this step out
-            owned = self.owners.whole.get(i)
-            standins[id(self.params[i])] = None if owned is None else (owned, self.owners.grads.get(i))
+            owned = self._owners.whole.get(i)
+            standins[id(self.params[i])] = None if owned is None else (owned, self._owners.grads.get(i))
         with hosted_params(self.optimizer, standins):
             yield
 
@@ -165,20 +179,23 @@ class ShardedOptimizer:
         grads = (self.reducer.local_grad(i) for i in self.indices)
         return [g for g in grads if g is not None]
 
-    def step(self, **kwargs) -> object:
+    def step(self, **kwargs: Any) -> object:
         self.refresh()
         self.reducer.finalize(self.indices)
         if self.whole:
-            self.owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
+            self._owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
         offloaded = self.masters is not None and self.masters.offloaded
         with self.hosting(), host_kernel(self.optimizer, enabled=offloaded):
             result = self.optimizer.step(**kwargs)
         if self.whole:
             with torch.no_grad():
-                self.owners.scatter(self.whole, lambda i, rows: self.local_rows(i).view(-1).copy_(rows))
+                self._owners.scatter(self.whole, self._write_rows)
         self.reducer.consume(self.indices)
         self.all_gather_params()
         return result
+
+    def _write_rows(self, i: int, rows: torch.Tensor) -> None:
+        self.local_rows(i).view(-1).copy_(rows)
 
     def local_rows(self, i: int) -> torch.Tensor:
         """This rank's rows of parameter ``i`` as the optimizer's truth: its master, or a view of the resident
@@ -203,7 +220,7 @@ def all_gather_params(
     buckets: Iterable[int],
     *,
     rank: int,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     masters: MasterShards | None = None,
     indices: Iterable[int] | None = None,
     compression: CompressedComm | None = None,
@@ -217,7 +234,7 @@ def all_gather_params(
     sources = [p.detach() for p in params]
     wanted = set(range(len(params)) if indices is None else indices)
 
-    def copy_masters(bucket) -> None:
+    def copy_masters(bucket: BucketSpec) -> None:
         if masters is not None:
             with torch.no_grad():
                 for i in bucket.params:
@@ -228,10 +245,10 @@ def all_gather_params(
         for b in buckets:
             copy_masters(layout.buckets[b])
         return
-    flights: list = []
+    flights: list[tuple[BucketSpec, Pending | None, torch.Tensor | None, bool]] = []
     in_place = collectives.exchanges_in_place(group)
 
-    def land(bucket, work, full, decoded) -> None:
+    def land(bucket: BucketSpec, work: Pending | None, full: torch.Tensor | None, decoded: bool) -> None:
         if work is not None:
             work.wait()
         if full is None:  # gathered in place
@@ -252,7 +269,7 @@ def all_gather_params(
                 layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
             )
             full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
-            if encoded:
+            if compression is not None and encoded:
                 flights.append((bucket, compression.all_gather(full, segment, group), full, True))
             else:
                 flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full, False))
@@ -262,7 +279,11 @@ def all_gather_params(
         land(*flight)
 
 
-def _rows_of(param: torch.Tensor, spec, rank: int) -> torch.Tensor:
+def _rows_of(param: torch.Tensor, spec: ParamShardSpec, rank: int) -> torch.Tensor:
     """``rank``'s rows of ``param`` as a flat view (empty for a rank past the last row)."""
     start, end = spec.element_range(rank)
     return param.view(-1)[start:end]
+
+
+if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``), checked statically
+    _SHARDS: type[OptimizerShards] = ShardedOptimizer

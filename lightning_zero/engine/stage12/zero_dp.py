@@ -11,14 +11,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.api import Holding, ShardRecord
+from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
@@ -32,12 +34,13 @@ from lightning_zero.engine.state_dict import gather_full
 
 
 class ZeroDataParallel:
-    """Gradient sharding and sharded optimizer steps for a module whose parameters stay resident (implements
-    :class:`~lightning_zero.engine.api.ShardingEngine`)."""
+    """Gradient sharding and sharded optimizer steps for a module whose parameters stay resident (a
+    :class:`~lightning_zero.engine.api.ShardingEngine`: mypy checks it, see the end of this module)."""
 
     #: The module stays the user's; its parameters are whole on every rank.
     shards_module_in_place = False
     params_on_host = False
+    units = None
 
     def __init__(
         self,
@@ -49,9 +52,9 @@ class ZeroDataParallel:
         policy: PrecisionPolicy | None = None,
         offload_optimizer: bool | float = False,
         pin_memory: bool = False,
-        group=None,
-        mesh=None,
-        replicate_group=None,
+        group: dist.ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
         holding: Holding = Holding(),
         compression: CompressionSpec | None = None,
     ) -> None:
@@ -93,7 +96,7 @@ class ZeroDataParallel:
             cast_parameters(module, [p for _, p in named], policy)
         self._plan(named)
         self._optimizers: dict[int, ShardedOptimizer] = {}
-        self.growths: list[dict] = []
+        self.growths: list[dict[str, float]] = []
 
     def _plan(self, named: list[tuple[str, nn.Parameter]]) -> None:
         """Lay out ``named`` (the trainable parameters) in buckets and hook their gradient reduction."""
@@ -167,7 +170,7 @@ class ZeroDataParallel:
         return self._mesh
 
     @property
-    def norm_group(self):
+    def norm_group(self) -> dist.ProcessGroup | None:
         """Under hybrid sharding the shard group covers every row once; otherwise every rank does (pipeline
         stages hold disjoint layers, their replicas disjoint rows)."""
         return self.group if self.replicate_group is not None else None
@@ -215,6 +218,9 @@ class ZeroDataParallel:
     def optimizer_shards(self, optimizer: Optimizer) -> ShardedOptimizer:
         return shards_of(self._optimizers, optimizer)
 
+    def bucket_layout(self) -> list[int]:
+        return [bucket.segment_numel for bucket in self.layout.buckets]
+
     def discard_all_gradients(self) -> None:
         """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
         self.reducer.consume(range(len(self.params)))
@@ -248,7 +254,7 @@ class ZeroDataParallel:
     def restore_master_params(self) -> None:
         """Give the module back its parameters at full precision (collective): the end of a mixed run leaves
         the model as Lightning's own mixed modes do, in fp32."""
-        if not self.mixed:
+        if not self.mixed or self.masters is None:
             return  # the resident parameters already hold the masters' values
         with torch.no_grad():
             for param, master, spec in zip(self.params, self.masters, self.layout.params):
@@ -262,3 +268,8 @@ def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:
     for name, param in named:
         if not param.is_contiguous():
             raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
+
+
+
+if TYPE_CHECKING:  # the engine contract (``engine/api.py``), checked statically
+    _ENGINE: type[ShardingEngine] = ZeroDataParallel

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -64,13 +65,13 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage3 import fsdp2_private
-from lightning_zero.engine.api import Holding, ShardRecord
+from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.stage3.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad, local_tensor
-from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units, units_below_the_root
+from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, units_below_the_root
 from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards
@@ -87,7 +88,8 @@ def _has_meta(module: nn.Module, recurse: bool) -> bool:
 
 
 class FullyShardedEngine:
-    """ZeRO stage 3 over FSDP2 (implements :class:`~lightning_zero.engine.api.ShardingEngine`)."""
+    """ZeRO stage 3 over FSDP2 (a :class:`~lightning_zero.engine.api.ShardingEngine`: mypy checks it, see the end
+    of this module)."""
 
     stage = 3
     #: ``fully_shard`` converts the module in place; the LightningModule itself is the root unit.
@@ -102,7 +104,7 @@ class FullyShardedEngine:
         module: nn.Module,
         *,
         device: torch.device,
-        wrap_policy=None,
+        wrap_policy: WrapPolicy | None = None,
         policy: PrecisionPolicy | None = None,
         offload_optimizer: bool | float = False,
         offload_params: bool = False,
@@ -118,14 +120,15 @@ class FullyShardedEngine:
         self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
         self.params_on_host = offload_params
         self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
-        hybrid = groups is not None and groups.replicas > 1
+        hybrid = groups if groups is not None and groups.replicas > 1 else None
         #: See [Note: stage 3 hybrid sharding and hpZ].
-        self.group = groups.shard_group if hybrid else None
-        self.replicate_group = groups.replicate_group if hybrid else None
+        self.group = hybrid.shard_group if hybrid is not None else None
+        self.replicate_group = hybrid.replicate_group if hybrid is not None else None
         self.norm_group = self.group
         self.world_size = collectives.world_size(self.group)
         self.rank = collectives.rank(self.group)
-        self.mesh = groups.shard_mesh if hybrid else init_device_mesh(device.type, (self.world_size,))
+        shard_mesh = hybrid.shard_mesh if hybrid is not None else None  # a hybrid run's groups come with their mesh
+        self.mesh = shard_mesh if shard_mesh is not None else init_device_mesh(device.type, (self.world_size,))
         self._reshard_after_forward = secondary_shard_size or True
         self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
         self.policy = policy
@@ -153,8 +156,11 @@ class FullyShardedEngine:
                 if isinstance(sharded, FSDPModule):
                     self._set_collectives(sharded)
         fsdp2_private.check(module)  # a torch that moved a private name fails here, naming it
+        assert isinstance(module, FSDPModule)  # fully_shard made it one (check() raised otherwise)
+        #: ``module`` as the root unit ``fully_shard`` made it.
+        self._root: FSDPModule = module
         #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).
-        self.prefetch = ForwardPrefetch(module, self.units) if device.type == "cpu" else None
+        self.prefetch = ForwardPrefetch(self._root, self.units) if device.type == "cpu" else None
         #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device).
         self.window = GatheredWindow(module) if not offload_params else None
         self._reducing = True  # False inside ``no_sync``
@@ -178,14 +184,14 @@ class FullyShardedEngine:
         # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does (see [Note: hpZ and
         # the root]).
         hpz_root = module is self.module and self._reshard_after_forward is not True
-        fully_shard(
+        sharded = fully_shard(
             module,
             mesh=self.mesh,
             reshard_after_forward=False if hpz_root else self._reshard_after_forward,
             mp_policy=self._mp_policy(module),
             offload_policy=self._offload_policy,
         )
-        self._set_collectives(module)
+        self._set_collectives(sharded)
 
     def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")
@@ -263,7 +269,7 @@ class FullyShardedEngine:
         if _has_meta(sub, recurse=False):
             before = {name: id(p) for name, p in sub._parameters.items() if p is not None and p.is_meta}
             sub.to_empty(device=device, recurse=False)
-            tied.update({meta_id: sub._parameters[name] for name, meta_id in before.items()})
+            tied.update({meta_id: new for name, meta_id in before.items() if (new := sub._parameters[name]) is not None})
             with torch.no_grad():
                 for tensor in _own_floating(sub):
                     tensor.fill_(float("nan"))
@@ -303,6 +309,10 @@ class FullyShardedEngine:
     def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
         return shards_of(self._optimizers, optimizer)
 
+    def bucket_layout(self) -> None:
+        """FSDP2 reduces each unit's gradients on their own, in no buckets of ours."""
+        return None
+
     def discard_all_gradients(self) -> None:
         """Gradients are ordinary ``p.grad`` here; Lightning's ``zero_grad`` clears them."""
 
@@ -310,14 +320,14 @@ class FullyShardedEngine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """A non-final micro-batch: no reduce-scatter, and its units stay gathered for the next one."""
-        self.module.set_requires_gradient_sync(False)
+        self._root.set_requires_gradient_sync(False)
         self._reducing = False
         if self.window is not None:
             self.window.hold()
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)
+            self._root.set_requires_gradient_sync(True)
             self._reducing = True
             if self.window is not None:
                 self.window.release_after_backward()
@@ -356,3 +366,7 @@ class FullyShardedEngine:
 
     def teardown(self) -> None:
         """FSDP2's hooks live as long as the module."""
+
+
+if TYPE_CHECKING:  # the engine contract (``engine/api.py``), checked statically
+    _ENGINE: type[ShardingEngine] = FullyShardedEngine

@@ -20,12 +20,15 @@ as before.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage3.fsdp2_private import AllGather, ReduceScatter, sharded_params
-from lightning_zero.engine.comm.collectives import ReduceOp
+from lightning_zero.engine.comm.collectives import ReduceOp, ReduceOpLike
 from lightning_zero.engine.comm.compression import CompressedComm
 
 
@@ -35,16 +38,22 @@ class CountingAllGather(AllGather):
     def __init__(self, compression: CompressedComm | None = None) -> None:
         self.compression = compression
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         # FSDP2 gathers a unit in uint8 when its parameters' dtypes differ: such bytes travel as they are.
         if self.compression is not None and self.compression.compresses_params(output_tensor.dtype):
-            return self.compression.all_gather(output_tensor, input_tensor, group, async_op=False)
+            self.compression.all_gather(output_tensor, input_tensor, group, async_op=False)  # done when it returns
+            return None
         # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
         work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
-        return work if isinstance(work, dist.Work) else collectives.finish(work)
+        if isinstance(work, dist.Work):
+            return work
+        collectives.finish(work)
+        return None
 
 
 class CountingReduceScatter(ReduceScatter):
@@ -53,15 +62,18 @@ class CountingReduceScatter(ReduceScatter):
     reductions of ``unit`` that nobody reads during backward land after it (see [Note: reduce-scatters that land
     after backward])."""
 
-    def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: torch.nn.Module | None = None,
+    def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: FSDPModule | None = None,
                  landing: "LateReductions | None" = None) -> None:
         self.compression, self.key = compression, key
         self.unit, self.landing = unit, landing
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: ReduceOpLike,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
         if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
             if self.compression is not None:
@@ -80,6 +92,7 @@ class CountingReduceScatter(ReduceScatter):
     def _unread(self, output: torch.Tensor) -> bool:
         """Whether FSDP2 only views ``output`` as the unit's new sharded gradients (nothing there to add to, no
         cast, no host copy, no hooks): then it may land after backward."""
+        assert self.unit is not None  # the engine gives ``landing`` together with its unit
         for param, offloaded in sharded_params(self.unit):
             if (param.grad is not None or param.dtype != output.dtype or (offloaded and output.device.type != "cpu")
                     or getattr(param, "_post_accumulate_grad_hooks", None)):
@@ -96,10 +109,10 @@ class LateReductions:
     every rank) when the pass ends: see [Note: reduce-scatters that land after backward]."""
 
     def __init__(self) -> None:
-        self._pending: deque = deque()
+        self._pending: deque[tuple[dist.Work | None, torch.Tensor, int]] = deque()
         self._callback_queued = False
 
-    def add(self, work, output: torch.Tensor, divide: int) -> None:
+    def add(self, work: dist.Work | None, output: torch.Tensor, divide: int) -> None:
         self._pending.append((work, output, divide))
         if not self._callback_queued:
             try:
@@ -118,7 +131,7 @@ class LateReductions:
             self._land(*self._pending.popleft())
 
     @staticmethod
-    def _land(work, output: torch.Tensor, divide: int) -> None:
+    def _land(work: dist.Work | None, output: torch.Tensor, divide: int) -> None:
         collectives.finish(work)
         output.div_(divide)
 

@@ -5,27 +5,58 @@ helpers both use."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine.api import ShardRecord
-from lightning_zero.engine.offload import host_kernel
+from lightning_zero.engine.api import OptimizerShards, ShardRecord
+from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.optimizers import hosted_params, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
 
 
+class ShardedParams(Protocol):
+    """What the optimizer handle reads of its :class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` (a
+    Protocol: the engine imports this module)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def pin_memory(self) -> bool: ...
+    @property
+    def params_on_host(self) -> bool: ...
+    @property
+    def optimizer_on_host(self) -> bool: ...
+    @property
+    def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def index(self) -> Mapping[int, int]: ...
+    @property
+    def masters(self) -> MasterShards | None: ...
+    def records(self) -> list[ShardRecord]: ...
+    def land_gradients(self) -> None: ...
+    def reshard(self) -> None: ...
+
+
 class FullyShardedOptimizer:
-    """The user's optimizer over FSDP2's sharded parameters (implements
-    :class:`~lightning_zero.engine.api.OptimizerShards`): it steps the DTensor shards themselves, or, with
+    """The user's optimizer over FSDP2's sharded parameters (an :class:`~lightning_zero.engine.api.OptimizerShards`,
+    checked by mypy at the end of this module): it steps the DTensor shards themselves, or, with
     ``offload_optimizer`` alone, their host masters. A matrix optimizer steps whole parameters on owner ranks
     (``owner_step.py``), decided from each DTensor's full shape."""
 
-    def __init__(self, engine, optimizer: Optimizer, kind: str = "elementwise") -> None:
-        """``engine``: the :class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` whose parameters these are (not
-        imported here: the engine imports this module)."""
+    def __init__(self, engine: ShardedParams, optimizer: Optimizer, kind: str = "elementwise") -> None:
+        """``engine``: the :class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` whose parameters these
+        are."""
         self.engine = engine
         self.optimizer = optimizer
         self.kind = kind
@@ -52,7 +83,7 @@ class FullyShardedOptimizer:
             for p in group["params"] if id(p) in engine.index
         ]
         if self.whole:
-            self.owners.adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
+            self._owners().adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
         """The owner's whole copy of parameter ``i`` (where the optimizer state lives: the host under offload)."""
@@ -60,7 +91,12 @@ class FullyShardedOptimizer:
         on_host = engine.optimizer_on_host
         device = torch.device("cpu") if on_host else local_tensor(engine.params[i]).device
         pin = on_host and engine.pin_memory and torch.cuda.is_available()
-        return torch.zeros(engine.params[i].shape, dtype=self.owners.dtype, device=device, pin_memory=pin)
+        return torch.zeros(engine.params[i].shape, dtype=self._owners().dtype, device=device, pin_memory=pin)
+
+    def _owners(self) -> OwnerStepping:
+        """The owners of the whole parameters: only a matrix optimizer steps any, and it has them."""
+        assert self.owners is not None
+        return self.owners
 
     def _hosted_indices(self) -> list[int]:
         engine = self.engine
@@ -68,6 +104,11 @@ class FullyShardedOptimizer:
             return []
         whole = set(self.whole)
         return [engine.index[id(p)] for p in self._params() if id(p) in engine.index and engine.index[id(p)] not in whole]
+
+    def _masters(self) -> MasterShards:
+        """The engine's host masters: :meth:`_hosted_indices` names some only where it has them."""
+        assert self.engine.masters is not None
+        return self.engine.masters
 
     def records(self) -> list[ShardRecord]:
         engine = self.engine
@@ -77,7 +118,7 @@ class FullyShardedOptimizer:
         """``id(param)`` -> the host master the optimizer keys its state by (``offload_optimizer`` alone), or the
         owner's whole tensor; otherwise the optimizer steps the sharded parameters themselves."""
         engine = self.engine
-        hosted = {id(engine.params[i]): engine.masters[i] for i in self._hosted_indices()}
+        hosted = {id(engine.params[i]): self._masters()[i] for i in self._hosted_indices()}
         if self.owners is not None:
             hosted.update({id(engine.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
         return hosted
@@ -92,35 +133,39 @@ class FullyShardedOptimizer:
         """A block in which the optimizer holds the host masters, with host copies of the gradient shards, and
         the owners' whole parameters (left out of the groups on other ranks)."""
         engine, indices = self.engine, self._hosted_indices()
-        standins = {}
+        standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
         if indices:
-            grads = engine.masters.receive_gradients({i: local_grad(engine.params[i]) for i in indices})
-            standins = {id(engine.params[i]): (engine.masters[i], grads[i]) for i in indices}
+            masters = self._masters()
+            grads = masters.receive_gradients({i: local_grad(engine.params[i]) for i in indices})
+            standins = {id(engine.params[i]): (masters[i], grads[i]) for i in indices}
         for i in self.whole:
-            owned = self.owners.whole.get(i)
-            standins[id(engine.params[i])] = None if owned is None else (owned, self.owners.grads.get(i))
+            owners = self._owners()
+            owned = owners.whole.get(i)
+            standins[id(engine.params[i])] = None if owned is None else (owned, owners.grads.get(i))
         if not standins:
             yield
             return
         with hosted_params(self.optimizer, standins):
             yield
 
-    def step(self, **kwargs) -> object:
+    def step(self, **kwargs: Any) -> object:
         """See [Note: stage 3 offload] and [Note: owner stepping] in ``owner_step.py``."""
         engine = self.engine
         engine.land_gradients()
         engine.reshard()  # the step writes the shards: no gathered copy may outlive it
         self._refresh()
         if self.whole:
-            self.owners.gather(self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i]))
+            self._owners().gather(
+                self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i])
+            )
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), host_kernel(self.optimizer, enabled=on_host):
             result = self.optimizer.step(**kwargs)
         with torch.no_grad():
             for i in self._hosted_indices():
-                engine.masters.copy_into(i, local_tensor(engine.params[i]))
+                self._masters().copy_into(i, local_tensor(engine.params[i]))
             if self.whole:
-                self.owners.scatter(self.whole, self._write_rows)
+                self._owners().scatter(self.whole, self._write_rows)
         return result
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
@@ -154,3 +199,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's shard of ``param``'s gradient (None before a backward produced one)."""
     return None if param.grad is None else local_tensor(param.grad)
+
+
+if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``), checked statically
+    _SHARDS: type[OptimizerShards] = FullyShardedOptimizer

@@ -17,6 +17,8 @@ reshard; nothing is ever computed with stale values, since prefetching only move
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -27,15 +29,15 @@ class ForwardPrefetch:
 
     def __init__(self, root: FSDPModule, units: list[nn.Module]) -> None:
         self.units = [u for u in units if isinstance(u, FSDPModule)]
-        self.order: list[nn.Module] = []
+        self.order: list[FSDPModule] = []
         self._seen: set[int] = set()
         root._set_unshard_async_op(True)
         self._handles = [u.register_forward_pre_hook(self._ran) for u in self.units]
 
-    def _ran(self, unit: nn.Module, args) -> None:
+    def _ran(self, unit: nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled() and unit.training and id(unit) not in self._seen:
             self._seen.add(id(unit))
-            self.order.append(unit)
+            self.order.append(cast(FSDPModule, unit))  # the hook is registered on FSDP2 units only
 
     def settle(self) -> None:
         """After the first backward: each unit prefetches the unit that first ran after it."""

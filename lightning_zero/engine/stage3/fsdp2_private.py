@@ -61,7 +61,7 @@ class FSDP2PrivateAPIError(RuntimeError):
     """The installed torch moved a private FSDP2 name the stage-3 engine relies on."""
 
 
-def param_groups(module: nn.Module) -> list:
+def param_groups(module: nn.Module) -> list[Any]:
     """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order."""
     return [group for unit in module.modules() if isinstance(unit, FSDPModule)
             for group in unit._get_fsdp_state()._fsdp_param_groups]
@@ -94,7 +94,7 @@ def unshadow_reshard(group: Any) -> None:
     del group.reshard
 
 
-def sharded_params(unit: nn.Module) -> Iterator[tuple[torch.Tensor, bool]]:
+def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
     """(sharded parameter, offloaded to the host) of each parameter FSDP2 manages in ``unit``'s own groups."""
     for group in unit._get_fsdp_state()._fsdp_param_groups:
         for fsdp_param in group.fsdp_params:

@@ -4,11 +4,15 @@ keeps every unit's parameters in one dtype under mixed precision ([Note: stage 3
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 from torch import nn
 
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
+
+#: A wrap policy: one module class, several classes, or a predicate on modules.
+WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
 
 
 def default_units(root: nn.Module) -> list[nn.Module]:
@@ -41,19 +45,19 @@ def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Mod
     ]
 
 
-def resolve_wrap_policy(policy) -> Callable[[nn.Module], bool]:
+def resolve_wrap_policy(policy: WrapPolicy) -> Callable[[nn.Module], bool]:
     """A predicate from a class, an iterable of classes or a callable."""
     if isinstance(policy, type) and issubclass(policy, nn.Module):
         return lambda module: isinstance(module, policy)
     if callable(policy):
-        return policy
+        return cast(Callable[[nn.Module], bool], policy)  # mypy keeps any class here: classes are callable
     classes = tuple(policy)
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(f"`wrap_policy` must be a module class, classes or a callable, got {policy!r}")
     return lambda module: isinstance(module, classes)
 
 
-def select_units(root: nn.Module, policy) -> list[nn.Module]:
+def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
     """Modules (other than the root) that become one all-gather unit each, in pre-order."""
     if policy is None:
         units = default_units(root)

@@ -28,6 +28,8 @@ micro-batch opens it again.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from lightning_zero.engine.stage3 import fsdp2_private
@@ -40,7 +42,7 @@ class GatheredWindow:
         self.groups = fsdp2_private.param_groups(root)
         #: Each group's reshard-after-forward setting (None for no reshard, a mesh for hpZ's partial reshard),
         #: kept while the window is open; None: closed.
-        self._after_forward: list | None = None
+        self._after_forward: list[Any] | None = None
 
     def hold(self) -> None:
         """A non-final micro-batch begins: what its forward gathers stays gathered through its backward and after."""

@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import Any
 
 import torch
 from torch import nn
 
 
-def _pretrained_class():
+def _pretrained_class() -> type[nn.Module] | None:
     """``transformers.PreTrainedModel`` if the library is loaded (a model built from it imported it), else None."""
     module = sys.modules.get("transformers")
-    return getattr(module, "PreTrainedModel", None) if module is not None else None
+    pretrained: type[nn.Module] | None = getattr(module, "PreTrainedModel", None) if module is not None else None
+    return pretrained
 
 
 def hf_owners(root: nn.Module) -> dict[int, nn.Module]:
@@ -57,10 +59,11 @@ def hf_owners(root: nn.Module) -> dict[int, nn.Module]:
 
 def initialize(module: nn.Module, owner: nn.Module) -> None:
     """Apply the library's initialisation to ``module`` (its own tensors, freshly materialised)."""
+    pretrained: Any = owner  # a ``transformers.PreTrainedModel``: the library is optional, its methods untyped here
     guard = contextlib.nullcontext()
     initialization = sys.modules.get("transformers.initialization")
     if initialization is not None and hasattr(initialization, "guard_torch_init_functions"):
         guard = initialization.guard_torch_init_functions()
     module.__dict__.pop("_is_hf_initialized", None)  # a previous materialisation of this module set it
     with torch.no_grad(), guard:
-        owner._initialize_weights(module, owner.is_custom_code())
+        pretrained._initialize_weights(module, pretrained.is_custom_code())
