@@ -370,7 +370,7 @@ def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] |
     if not running:
         return True
     blocked = [r for r, p in running.items()
-               if p.record.activity.in_collective and p.record.activity.blocked_for >= limits.settle]
+               if p.record.activity.in_collective and _left_unmatched(p.record, me, limits, context)]
     if len(blocked) == len(running):  # nobody left to make progress: they wait for a rank that finished
         return finished_early(me, running[blocked[0]].record, context)
     stale_ranks = [r for r, p in running.items() if p.age >= limits.stale_after]
