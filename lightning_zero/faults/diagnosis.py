@@ -10,82 +10,20 @@ Order of the checks (the first that applies wins): a failure some rank already r
 failed or whose process is gone; step marks that differ (silent divergence); a peer that finished while
 this rank waits in a collective (uneven data); a peer without heartbeat (stopped, hung in native code, lost
 with its node) or an unreachable store while this rank waits; finally this rank waiting in one collective
-for ``timeout``, explained by what every peer is doing.
+for ``timeout``, explained by what every peer is doing. What the decisions are made of (limits, context,
+:class:`~lightning_zero.faults.verdict.Diagnosis`) is in ``verdict.py``; silent divergence in ``divergence.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from lightning_zero.engine.comm.flight import Mark, Op
 from lightning_zero.faults.activity import Activity
+from lightning_zero.faults.divergence import compare_marks, first_difference
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
-
-_EVAL = ("val", "test", "predict")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Every duration the watchdog uses, derived from ``timeout`` (seconds)."""
-
-    timeout: float
-    tick: float = 1.0
-    margin: float = 2.0  # the process-group timeout is timeout + margin: the watchdog's diagnosis comes first
-    stale_after: float = 4.0  # no heartbeat for this long while someone waits: that rank is stopped or lost
-    settle: float = 3.0  # a state must hold this long before it counts (ranks finish a few ms apart)
-    sigterm_grace: float = 25.0  # after SIGTERM the process ends by then, whatever the main thread does
-    sigterm_stall: float = 5.0  # ... and sooner if it waits in one collective this long after SIGTERM
-
-    @classmethod
-    def for_timeout(cls, seconds: float) -> Limits:
-        return cls(
-            timeout=seconds,
-            tick=min(1.0, max(0.25, seconds / 8)),
-            margin=min(10.0, max(2.0, seconds / 4)),
-            stale_after=min(15.0, max(4.0, seconds / 2)),
-            settle=min(3.0, max(1.0, seconds / 4)),
-            sigterm_stall=min(5.0, seconds),
-        )
-
-    @property
-    def pg_timeout(self) -> float:
-        return self.timeout + self.margin
-
-    @property
-    def abort_grace(self) -> float:
-        """After a decision, how long the main thread has to raise by itself before the process is ended."""
-        return self.margin
-
-    def extended(self, seconds: float) -> Limits:
-        """For a known one-sided phase (``faults.extended``): waits and silences up to ``seconds`` are fine."""
-        return dataclasses.replace(self, timeout=max(self.timeout, seconds), stale_after=max(self.stale_after, seconds))
-
-
-@dataclass(frozen=True)
-class Context:
-    """What the strategy knows about the run."""
-
-    world_size: int
-    symmetric: bool = True  # every rank issues the same collectives (False under pipeline stages)
-    generate_hint: bool = False  # stage 3 and the module holds a Hugging Face model with generate()
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    kind: str  # failed, died, crashed, diverged, finished, stale, store, stuck, sigterm, error
-    culprit: int | None
-    summary: str
-    hint: str = ""
-
-    def text(self) -> str:
-        return f"{self.summary}\n{self.hint}" if self.hint else self.summary
-
-    def to_failure(self, reporter: int) -> dict[str, Any]:
-        return {"rank": reporter, "culprit": self.culprit, "kind": self.kind, "message": self.text()}
-
+from lightning_zero.faults.verdict import (
+    GENERATE_HINT, MISMATCH_HINT, Context, Diagnosis, Limits, generate_involved,
+)
 
 def adopt(failure: dict[str, Any], me: Record, kind: str | None = None) -> Diagnosis:
     """The first failure (of any rank, possibly this one's watchdog) as this rank's diagnosis."""
@@ -160,15 +98,6 @@ def peer_failed(rank: int, peer: Peer, me: Record | None = None) -> Diagnosis | 
     return None
 
 
-MISMATCH_HINT = (
-    "Every rank must issue the same collectives in the same order. Under stage 3 each forward of a sharded module "
-    "gathers its parameters with a collective, so a module called on some ranks only (e.g. generating samples on "
-    "rank 0 in `validation_step`) desynchronises them: run it on every rank and keep rank 0's result, or run it on "
-    "an unsharded copy after `fit` (`lightning_zero.load_from_checkpoint`). A `self.log(..., sync_dist=True)` or a "
-    "torch.distributed call under a rank condition does the same."
-)
-
-
 def crashed(record: Record, me: Record | None) -> Diagnosis:
     """A peer's process died of a fatal signal; its black box (``postmortem.py``) says what it was doing then."""
     rank, activity = record.rank, record.activity
@@ -239,22 +168,9 @@ def finished_early(finished: Record, running: Record, context: Context) -> Diagn
     hint = ("Give every rank the same number of batches: Lightning's DistributedSampler does "
             "(`use_distributed_sampler=True`); with an IterableDataset or your own sampler, make the per-rank "
             "lengths equal (drop or pad the remainder).")
-    if _generate_involved(phase, (finished, running), context):
+    if generate_involved(phase, (finished, running), context):
         hint = GENERATE_HINT
     return Diagnosis("finished", finished.rank, summary, hint)
-
-
-GENERATE_HINT = (
-    "Under stage 3 every forward pass gathers parameters with collectives, so Hugging Face `generate()` must run "
-    "the same number of forward passes on every rank: pass `synced_gpus=True` to `generate()` (transformers "
-    "turns it on by itself for FSDP-managed models unless `synced_gpus=False` is passed)."
-)
-
-
-def _generate_involved(phase: str | None, records: Iterable[Record], context: Context) -> bool:
-    if any("generation" in (r.activity.via or "") for r in records):
-        return True
-    return context.generate_hint and phase in _EVAL
 
 
 def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) -> Diagnosis:
@@ -281,13 +197,13 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
         summary = (f"{head}; rank {culprit} is in a different collective: {record.where()}. The ranks issued "
                    "different collectives (a collective issued on some ranks only: a skipped step, a conditional "
                    "`self.log(..., sync_dist=True)`, a submodule used on some ranks only under stage 3, ...).")
-        hint = GENERATE_HINT if _generate_involved(me.phase, (me, record), context) else ""
+        hint = GENERATE_HINT if generate_involved(me.phase, (me, record), context) else ""
         return Diagnosis("diverged", culprit, summary, hint)
     if absent:
         culprit = absent[0]
         names = ", ".join(f"rank {r} is {peers[r].record.where()}" for r in absent)
         summary = f"{head}; rank(s) {', '.join(map(str, absent))} did not join it: {names}."
-        if _generate_involved(me.phase, (me, *(peers[r].record for r in absent)), context):
+        if generate_involved(me.phase, (me, *(peers[r].record for r in absent)), context):
             hint = GENERATE_HINT
         return Diagnosis("stuck", culprit, summary, hint)
     summary = (f"{head}; every rank observed ({', '.join(map(str, alongside)) or 'none'}) waits in it too: the "
@@ -299,65 +215,6 @@ def _collective(activity: Activity) -> str:
     if activity.op:
         return f"{activity.kind} #{activity.op} (world op {activity.seq})"
     return f"torch.distributed.{activity.kind} (world op {activity.seq})"
-
-
-def compare_marks(a: Record, b: Record, context: Context) -> Diagnosis | None:
-    """Silent divergence: the first step both ranks marked whose counters differ."""
-    theirs = {(m.phase, m.count): m for m in b.marks}
-    previous: Mark | None = None
-    for mark in a.marks:
-        other = theirs.get((mark.phase, mark.count))
-        if other is None:
-            previous = None
-            continue
-        differs = mark.ops != other.ops or mark.digest != other.digest or (context.symmetric and mark.seq != other.seq)
-        if differs:
-            return _diverged(a, b, mark, other, previous, theirs, context)
-        previous = mark
-    return None
-
-
-def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | None, theirs: dict[tuple[str, int], Mark],
-              context: Context) -> Diagnosis:
-    before = theirs.get((previous.phase, previous.count)) if previous is not None else None
-    if previous is not None and before is not None:
-        span = f"during {step_name(previous.phase, previous.batch)} (before {step_name(mark.phase, mark.batch)} began)"
-        issued_a, issued_b = mark.ops - previous.ops, other.ops - before.ops
-    else:
-        span = f"before {step_name(mark.phase, mark.batch)}"
-        issued_a, issued_b = mark.ops, other.ops
-    first = first_difference(a.recent, b.recent, min(mark.ops, other.ops) + 1)
-    if mark.ops == other.ops and mark.digest == other.digest:
-        detail = (f"the same collectives of lightning_zero but different numbers of other torch.distributed operations "
-                  f"(world op {mark.seq} on rank {a.rank}, {other.seq} on rank {b.rank}: e.g. torchmetrics or "
-                  "Hugging Face generate's own all_reduce, or a torch.distributed call of your code)")
-        culprit = a.rank if mark.seq < other.seq else b.rank
-    else:
-        detail = f"{issued_a} collectives on rank {a.rank}, {issued_b} on rank {b.rank}"
-        if first is not None:
-            detail += f"; the first that differs is {first}"
-        culprit = a.rank if issued_a < issued_b else b.rank
-    summary = (f"ranks {a.rank} and {b.rank} issued different collectives {span}: {detail}. Rank {culprit} diverged "
-               f"(it issued fewer). Rank {a.rank} is now {a.where()}; rank {b.rank} is {b.where()}.")
-    hint = GENERATE_HINT if _generate_involved(mark.phase, (a, b), context) or (
-        context.generate_hint and previous is not None and previous.phase in _EVAL) else ""
-    return Diagnosis("diverged", culprit, summary, hint)
-
-
-def first_difference(mine: list[Op], theirs: list[Op], start: int, ranks: tuple[int, int] | None = None) -> str | None:
-    """The first collective number (from the recent rings) where the two ranks issued different things;
-    ``ranks``: the two ranks' numbers, to name them."""
-    on = [f" on rank {r}" for r in ranks] if ranks else ["", ""]
-    by_number = {op.number: op for op in theirs}
-    for op in mine:
-        other = by_number.get(op.number)
-        if other is not None and (op.kind, op.numel, op.dtype) != (other.kind, other.numel, other.dtype):
-            return f"#{op.number}: {op.describe()}{on[0]} vs {other.describe()}{on[1]}"
-    for op in mine:
-        if op.number >= start and op.number not in by_number:
-            never = f"rank {ranks[1]}" if ranks else "the other rank"
-            return f"#{op.number}: {op.describe()}{on[0]}, which {never} never issued"
-    return None
 
 
 def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,

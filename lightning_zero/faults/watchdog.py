@@ -37,7 +37,7 @@ from typing import Any
 from lightning_zero.faults import activity as activity_mod
 from lightning_zero.faults import diagnosis, failures, postmortem, timeouts
 from lightning_zero.faults.activity import Activity
-from lightning_zero.faults.diagnosis import Context, Diagnosis, Limits
+from lightning_zero.faults.verdict import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
 from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, liveness, this_process

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.faults import failures, signals
-from lightning_zero.faults.diagnosis import Context, Limits
+from lightning_zero.faults.verdict import Context, Limits
 from lightning_zero.engine.comm.flight import RECORDER, CollectiveError
 from lightning_zero.faults.timeouts import OpTimeouts, long_timeout
 from lightning_zero.faults.watchdog import Watchdog

@@ -32,7 +32,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero.faults.diagnosis import Limits
+from lightning_zero.faults.verdict import Limits
 from lightning_zero.resume import resolve_ckpt_path
 
 

@@ -10,9 +10,9 @@ import torch
 
 from lightning_zero.faults import failures
 from lightning_zero.faults.activity import Activity, category, classify
-from lightning_zero.faults.diagnosis import (
-    Context, Limits, compare_marks, decide, exit_agreement, explain,
-)
+from lightning_zero.faults.diagnosis import decide, exit_agreement, explain
+from lightning_zero.faults.divergence import compare_marks
+from lightning_zero.faults.verdict import Context, Limits
 from lightning_zero.engine.comm.flight import FlightRecorder, Mark, Op
 from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, this_process
 
