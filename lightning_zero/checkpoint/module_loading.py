@@ -43,5 +43,6 @@ def load_from_checkpoint(
     checkpoint["state_dict"] = dict(iter_model_tensors(path))
     checkpoint.setdefault(module_class.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(hparams)
     module = _load_state(module_class, checkpoint, strict=strict, **hparams)
-    assert isinstance(module, module_class)  # Lightning's _load_state returns a ``module_class(...)``
+    if not isinstance(module, module_class):
+        raise RuntimeError("lightning_zero internal error: Lightning's _load_state returns a ``module_class(...)``")
     return module.to(map_location or "cpu")

@@ -156,7 +156,8 @@ class Composer:
         entries = [_DefaultsEntry.parse(entry, path) for entry in _defaults_list(data.pop("defaults", []), path)]
         for entry in entries:
             if entry.keyword == "override":
-                assert entry.group is not None, "a keyword comes with a group"
+                if entry.group is None:
+                    raise RuntimeError("lightning_zero internal error: a keyword comes with a group")
                 self.overrides.setdefault(entry.group, entry.option)
         composed: dict = {}
         for entry in entries:

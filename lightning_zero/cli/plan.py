@@ -127,7 +127,8 @@ def main(argv: Sequence[str]) -> int:
             parser.error(str(err))
         print(f"wrote {args.plot}")
     pick = plan.pick
-    assert pick is not None, "planned with a memory budget"
+    if pick is None:
+        raise RuntimeError("lightning_zero internal error: planned with a memory budget")
     host_bytes = pick.prediction.host_bytes * source.devices_per_host
     unit = unit_for(memory, pick.prediction.device_bytes, host_bytes)
     summary = (f"Fastest that fits {format_bytes(memory, unit)} per device: {pick.configuration.name}"

@@ -94,7 +94,8 @@ class LightningSchema:
         from lightning.pytorch import Trainer
 
         keys = init_parameters(Trainer)
-        assert keys is not None, "Trainer.__init__ takes no **kwargs"
+        if keys is None:
+            raise RuntimeError("lightning_zero internal error: Trainer.__init__ takes no **kwargs")
         return keys
 
     def allowed(self, path: Sequence[str], node: Any, owner: Any) -> tuple[frozenset[str] | None, str]:

@@ -285,7 +285,8 @@ class Watchdog:
               file=sys.stderr, flush=True)
 
     def _check_signal(self, now: float, sample: Activity) -> None:
-        assert self.signal_at is not None  # called once a signal arrived; never reset
+        if self.signal_at is None:
+            raise RuntimeError("lightning_zero internal error: called once a signal arrived; never reset")
         since = now - self.signal_at
         limits = self.limits
         extended = timeouts.ACTIVE is not None and timeouts.ACTIVE.reason is not None  # e.g. a checkpoint being saved

@@ -99,7 +99,8 @@ class PeakMemory(L.Callback):
             peak = torch.cuda.max_memory_allocated(device)
         else:
             tracker, self._tracker = self._tracker, None
-            assert tracker is not None, "opened at the window's first batch"
+            if tracker is None:
+                raise RuntimeError("lightning_zero internal error: opened at the window's first batch")
             snapshot = tracker.get_tracker_snapshot("peak")
             tracker.__exit__(None, None, None)
             peak = sum(per_device.get("Total", 0) for per_device in snapshot.values())

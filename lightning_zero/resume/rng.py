@@ -26,7 +26,8 @@ def collect_rng_state() -> dict[str, Any]:
         state["cuda"] = torch.cuda.get_rng_state_all()
     if _NUMPY:
         legacy = np.random.get_state()
-        assert isinstance(legacy, tuple)  # the global RandomState is always an MT19937 one
+        if not isinstance(legacy, tuple):
+            raise RuntimeError("lightning_zero internal error: the global RandomState is always an MT19937 one")
         key, keys, pos, has_gauss, cached = legacy
         state["numpy"] = {
             "key": key,

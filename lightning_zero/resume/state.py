@@ -128,7 +128,8 @@ class ResumeState:
             self._put_back_rng(source)
 
     def _put_back_rng(self, source: ResumeSampler) -> None:
-        assert self._rng is not None and self.position is not None  # a source is only taken while both are held
+        if self._rng is None or self.position is None:
+            raise RuntimeError("lightning_zero internal error: a source is only taken while both are held")
         restore_rng_state(self._rng)
         replays = self._pending_iterators + (not self.position.mid_epoch and source.uses_global_rng)
         for _ in range(replays):

@@ -97,10 +97,7 @@ def reduce_scatter(
             work = p2p.RingReduceScatter(output, input, group, number)
         else:
             work = _reduce_scatter_flat(output, input, op=ReduceOp.SUM, group=group, async_op=async_op)
-        if async_op:
-            return work
-        finish(work, number, "reduce_scatter")
-        return None
+        return _handed_back(work, async_op, number, "reduce_scatter")
 
 
 def all_gather(
@@ -128,10 +125,7 @@ def all_gather(
             work = p2p.RingAllGather(output, input, group, number)
         else:
             work = _all_gather_flat(output, input, group=group, async_op=async_op)
-        if async_op:
-            return work
-        finish(work, number, "all_gather")
-        return None
+        return _handed_back(work, async_op, number, "all_gather")
 
 
 _PACKED_ONLY = False
@@ -220,6 +214,14 @@ class _Tracked(dist.Work):
         """``timeout`` is ``dist.Work``'s; unused, as by our rings."""
         finish(self.work, self.number, self.kind)
         return True
+
+
+def _handed_back(work: dist.Work | None, async_op: bool, number: int, kind: str) -> dist.Work | None:
+    """``work`` for the caller to wait on (``async_op``), or None once it completed here."""
+    if async_op:
+        return work
+    finish(work, number, kind)
+    return None
 
 
 def finish(work: dist.Work | None, number: int = 0, kind: str = "") -> None:

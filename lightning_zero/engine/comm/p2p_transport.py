@@ -47,7 +47,8 @@ class Ring(dist.Work):
     def _complete(self) -> None:
         with record_function("lightning_zero::wait"):
             for request in self.pending:
-                assert request is not None  # isend/irecv return None only on a rank outside the group
+                if request is None:
+                    raise RuntimeError("lightning_zero internal error: a ring step posted on a rank outside its group")
                 if WAIT_TIMEOUT is None:
                     request.wait()
                 else:

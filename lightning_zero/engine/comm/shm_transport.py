@@ -112,7 +112,8 @@ class SharedMemoryGroup:
         return work
 
     def _serve(self) -> None:
-        assert self._queue is not None  # the thread starts only with its queue
+        if self._queue is None:
+            raise RuntimeError("lightning_zero internal error: the thread starts only with its queue")
         while True:
             work = self._queue.get()
             if work is None:
@@ -120,7 +121,8 @@ class SharedMemoryGroup:
             try:
                 if self._failure is not None:  # a peer is gone: every later collective fails alike
                     raise self._failure
-                assert work.run is not None and work.output is not None and work.input is not None  # not yet run
+                if work.run is None or work.output is None or work.input is None:
+                    raise RuntimeError("lightning_zero internal error: not yet run")
                 work.run(work.output, work.input)
             except BaseException as error:  # handed to the waiting thread
                 self._failure = self._failure or error

@@ -156,7 +156,8 @@ class FullyShardedEngine:
                 if isinstance(sharded, FSDPModule):
                     self._set_collectives(sharded)
         fsdp2_private.check(module)  # a torch that moved a private name fails here, naming it
-        assert isinstance(module, FSDPModule)  # fully_shard made it one (check() raised otherwise)
+        if not isinstance(module, FSDPModule):
+            raise RuntimeError("lightning_zero internal error: fully_shard made it one (check() raised otherwise)")
         #: ``module`` as the root unit ``fully_shard`` made it.
         self._root: FSDPModule = module
         #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).

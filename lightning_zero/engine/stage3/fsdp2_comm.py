@@ -92,7 +92,8 @@ class CountingReduceScatter(ReduceScatter):
     def _unread(self, output: torch.Tensor) -> bool:
         """Whether FSDP2 only views ``output`` as the unit's new sharded gradients (nothing there to add to, no
         cast, no host copy, no hooks): then it may land after backward."""
-        assert self.unit is not None  # the engine gives ``landing`` together with its unit
+        if self.unit is None:
+            raise RuntimeError("lightning_zero internal error: the engine gives ``landing`` together with its unit")
         for param, offloaded in sharded_params(self.unit):
             if (param.grad is not None or param.dtype != output.dtype or (offloaded and output.device.type != "cpu")
                     or getattr(param, "_post_accumulate_grad_hooks", None)):

@@ -95,7 +95,8 @@ class FullyShardedOptimizer:
 
     def _owners(self) -> OwnerStepping:
         """The owners of the whole parameters: only a matrix optimizer steps any, and it has them."""
-        assert self.owners is not None
+        if self.owners is None:
+            raise RuntimeError("lightning_zero internal error: only a matrix optimizer steps parameters whole")
         return self.owners
 
     def _hosted_indices(self) -> list[int]:
@@ -107,7 +108,8 @@ class FullyShardedOptimizer:
 
     def _masters(self) -> MasterShards:
         """The engine's host masters: :meth:`_hosted_indices` names some only where it has them."""
-        assert self.engine.masters is not None
+        if self.engine.masters is None:
+            raise RuntimeError("lightning_zero internal error: host masters exist only under offload_optimizer")
         return self.engine.masters
 
     def records(self) -> list[ShardRecord]:
