@@ -11,12 +11,19 @@ core idle whenever one rank waits for the other; the integration tests, last, re
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.integration import background
+
+# The session starts processes from several threads at once (background.py's runs, beside the pool's and the fork
+# server's threads). CPython starts them with vfork, whose child borrows the parent's memory until it execs; once in
+# five make test-all runs a torchrun launch from a run's thread failed in execve with EFAULT ("[Errno 14] Bad
+# address") before any process ran. fork + exec gives the child its own copy, at the cost of copying page tables.
+subprocess._USE_VFORK = False  # type: ignore[attr-defined]
 
 TIERS = ("unit", "distributed", "integration")
 #: Markers of the tests that run before the tiers, in this order, without the integration runs beside them.

@@ -7,8 +7,8 @@ scaling) and fault one of:
 * ``step``: rank 1 is SIGKILLed inside a training step, after the epoch-0 end checkpoint (resume at an epoch
   boundary);
 * ``epoch``: rank 1 is SIGKILLed inside a training step after a mid-epoch checkpoint (resume mid-epoch);
-* ``save``: rank 1 is SIGKILLed while it writes its shard of a checkpoint (a thread watching the checkpoint's
-  temporary directory kills it as soon as its file appears): the previous checkpoint must be used;
+* ``save``: rank 1 is SIGKILLed while the checkpoint is written, as soon as its shard file is in the checkpoint's
+  temporary directory and before the checkpoint is published: the previous checkpoint must be used;
 * ``sigterm``: every rank receives SIGTERM (as from a scheduler) inside a step: ZeroStrategy saves
   ``sigterm.ckpt``, the ranks exit, torchrun restarts them, they resume from it;
 * ``node`` (two torchrun agents, one rank each): rank 0 is SIGKILLed mid-epoch while rank 1 is alive outside
@@ -37,7 +37,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
+from lightning_zero.checkpoint.write import ShardWriter
 
 RANK = int(os.environ["RANK"])
 RESTARTS = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -129,25 +129,25 @@ class DropoutModel(L.LightningModule):
 
 
 class KillDuringSave(Callback):
-    """Arms a thread just before ModelCheckpoint saves at ``step`` (callbacks run before it): the thread SIGKILLs
-    this process as soon as this rank's shard file appears in the checkpoint's temporary directory."""
+    """Arms, just before ModelCheckpoint saves at ``step`` (callbacks run before it), a SIGKILL of this process the
+    moment this rank's shard file of that checkpoint is written into its temporary directory, before the
+    checkpoint is published. Deterministic: a thread polling for the file can miss a fast save on a loaded machine
+    and kill a later one."""
 
     def __init__(self, directory: Path, step: int, marker: Path) -> None:
         self.directory, self.step, self.marker = directory, step, marker
 
     def on_train_batch_end(self, trainer, *args) -> None:
         if trainer.global_step == self.step and RANK == 1:
-            threading.Thread(target=self._watch, daemon=True).start()
+            write_data, marker = ShardWriter.write_data, self.marker
 
-    def _watch(self) -> None:
-        deadline = time.monotonic() + 30  # bounded: the save is about to start
-        while time.monotonic() < deadline:
-            for tmp in self.directory.glob(".*.tmp-*"):
-                if any(tmp.glob(f"__{RANK}_*")):
-                    self.marker.touch()
-                    print(f"[worker] rank 1 SIGKILLs itself while writing {tmp.name}", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(0.0005)
+            def write_then_die(writer, plan, planner):
+                write_data(writer, plan, planner)  # this rank's shard file, complete, in the temporary directory
+                marker.touch()
+                print(f"[worker] rank 1 SIGKILLs itself while writing {Path(writer.path).name}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            ShardWriter.write_data = write_then_die
 
 
 def fit(case_dir: Path, run: str, stage: int, precision: str, accumulate: int, fault: str | None) -> None:
