@@ -89,7 +89,8 @@ from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataMo
 from lightning_zero.planning.formulas import CHOICES_BY_NAME, model_state_split  # noqa: E402
 from lightning_zero.monitor import ZeroMonitor  # noqa: E402
 
-from phases import PhaseWindows  # noqa: E402  (benchmarks/, the script's own directory)
+from host_profile import HostProfile  # noqa: E402  (benchmarks/, the script's own directory)
+from phases import PhaseWindows  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 BASELINES = ("ddp", "fsdp2", "fsdp2_hsdp")
@@ -342,6 +343,7 @@ class BenchCallback(L.Callback):
     def __init__(
         self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str, precision: str,
         monitor: Any = None, optimizer: str = "adamw", profile_steps: int = 0, accumulate: int = 1,
+        host_profile_steps: int = 0,
     ) -> None:
         #: Micro-batches per optimizer step: a step's time is the sum of its micro-batches' (``step_times``).
         self.accumulate = accumulate
@@ -369,6 +371,10 @@ class BenchCallback(L.Callback):
         self.profile_steps = profile_steps
         self.windows = PhaseWindows()
         self.phases: dict[str, float] = {}
+        #: Steps after those that run under cProfile (host_profile.py): where the training thread's time goes.
+        self.host_profile_steps = host_profile_steps
+        self.host = HostProfile()
+        self.host_summary: dict[str, Any] | None = None
 
     @property
     def _optimizer_steps(self) -> int:
@@ -383,6 +389,10 @@ class BenchCallback(L.Callback):
     def _profiled(self, batch_idx: int) -> bool:
         start = self.warmup + self.steps
         return start <= batch_idx < start + self.profile_steps
+
+    def _host_profiled(self, batch_idx: int) -> bool:
+        start = self.warmup + self.steps + self.profile_steps
+        return start <= batch_idx < start + self.host_profile_steps
 
     def _measured(self, batch_idx: int) -> bool:
         return self.warmup <= batch_idx < self.warmup + self.steps
@@ -399,6 +409,8 @@ class BenchCallback(L.Callback):
         if self._profiled(batch_idx):
             self.windows.enter("forward")
         self._excluded = self._cpu_excluded = 0.0
+        if self._host_profiled(batch_idx):
+            self.host.enter()
         self._t0 = time.perf_counter()
         self._cpu0 = time.process_time()
 
@@ -433,6 +445,10 @@ class BenchCallback(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         dt = time.perf_counter() - self._t0 - self._excluded
+        if self._host_profiled(batch_idx):
+            self.host.leave()
+            if batch_idx == self.warmup + self.steps + self.profile_steps + self.host_profile_steps - 1:
+                self.host_summary = self.host.summary(self.host_profile_steps // self.accumulate)
         if self._measured(batch_idx):
             self.times.append(dt)
             self.cpu_seconds += time.process_time() - self._cpu0 - self._cpu_excluded
@@ -464,6 +480,7 @@ class BenchCallback(L.Callback):
             "saved_activation_bytes": self.saved_activation_bytes,
             "monitor": dict(self.monitor.last) if self.monitor is not None else None,
             "phases_ms": self.phases,
+            "host_profile": self.host_summary,
         }
         if dist.is_available() and dist.is_initialized():
             ranks: list[Any] = [None] * dist.get_world_size()
@@ -541,9 +558,9 @@ def run_system(args: argparse.Namespace) -> None:
     # 2 ranks on 2 cores: more than one intra-op thread per rank oversubscribes the CPU.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (args.devices * args.nodes)))
     L.seed_everything(0, verbose=False)
-    model_kw = QUICK_MODEL if args.quick else FULL_MODEL
+    model_kw = {**(QUICK_MODEL if args.quick else FULL_MODEL), **json.loads(args.model or "{}")}
     config = GPTConfig(**model_kw, dropout=0.0, bias=True)
-    total_steps = args.warmup + args.steps + args.profile_steps
+    total_steps = args.warmup + args.steps + args.profile_steps + args.host_profile_steps
     stages = pipeline_stages(args.system)
     data = RandomTokenDataModule(
         vocab_size=config.vocab_size,
@@ -583,7 +600,7 @@ def run_system(args: argparse.Namespace) -> None:
         # The bench callback first: its step timer stops before the monitor gathers its figures.
         callbacks=[
             BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision, monitor,
-                          args.optimizer, args.profile_steps, args.accumulate),
+                          args.optimizer, args.profile_steps, args.accumulate, args.host_profile_steps),
             *([monitor] if monitor is not None else []),
         ],
     )
@@ -602,8 +619,8 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
         "--batch-size", str(args.batch_size), "--precision", args.precision,
         "--nodes", str(args.nodes), "--optimizer", args.optimizer, "--profile-steps", str(args.profile_steps),
-        "--accumulate", str(args.accumulate),
-    ] + (["--quick"] if args.quick else []) + (["--monitor"] if args.monitor else [])
+        "--accumulate", str(args.accumulate), "--host-profile-steps", str(args.host_profile_steps),
+    ] + (["--model", args.model] if args.model else []) + (["--quick"] if args.quick else []) + (["--monitor"] if args.monitor else [])
     print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     port = _free_port()
@@ -749,6 +766,10 @@ def parse_args() -> argparse.Namespace:
                    help="accumulate_grad_batches: step_ms is then one optimizer step (that many micro-batches)")
     p.add_argument("--profile-steps", type=int, default=3,
                    help="steps after the measured ones run under torch.profiler for the phase breakdown (0: none)")
+    p.add_argument("--host-profile-steps", type=int, default=0,
+                   help="steps after those that run under cProfile: the training thread's time by package "
+                        "(host_profile.py; 0: none)")
+    p.add_argument("--model", help='GPT settings over the default model\'s, as JSON: \'{"n_layer": 24}\'')
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(
         "--rounds", type=int, default=1,
@@ -757,12 +778,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--system", help=argparse.SUPPRESS)  # internal: run one system (child mode)
     p.add_argument("--out", help=argparse.SUPPRESS)  # internal: where rank 0 writes its JSON line
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.profile_steps < 0 or args.accumulate < 1:
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or min(args.profile_steps, args.host_profile_steps) < 0 \
+            or args.accumulate < 1:
         p.error("--steps, --rounds and --accumulate must be >= 1, --warmup and --profile-steps >= 0")
     # Measured and profiled windows start at an optimizer step: counts are in micro-batches, whole windows. The
     # driver converts them once; a child (``--system``) receives micro-batches already.
     if not args.system:
-        args.warmup, args.steps, args.profile_steps = (args.accumulate * v for v in (args.warmup, args.steps, args.profile_steps))
+        args.warmup, args.steps, args.profile_steps, args.host_profile_steps = (
+            args.accumulate * v for v in (args.warmup, args.steps, args.profile_steps, args.host_profile_steps))
     return args
 
 

@@ -47,7 +47,7 @@ for path in (str(_BENCH_DIR.parent), str(_BENCH_DIR)):
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from bench_core import build_strategy, formula_split, model_state_bytes  # noqa: E402
+from bench_core import FSDP2GPTModule, build_strategy, formula_split, model_state_bytes  # noqa: E402
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 
@@ -56,7 +56,7 @@ NO_CUDA_MESSAGE = (
     "(torch {torch}, {devices} CUDA device(s)). Run benchmarks/bench_core.py for the CPU benchmark."
 )
 THROUGHPUT_SYSTEMS = (
-    "ddp", "zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_params",
+    "ddp", "fsdp2", "zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_params",
 )
 SEARCH_SYSTEMS = ("zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_params")
 #: Dense bf16 tensor-core peaks (TFLOP/s) by a substring of the device name; --peak-tflops overrides.
@@ -100,6 +100,7 @@ class GPUBenchCallback(L.Callback):
         self.profile_to = profile_to  # a file: the profiler's tables over the measured steps (times then skewed)
         self.profiler: Any = None
         self.times: list[float] = []
+        self.cpu_seconds = 0.0  # the training process's CPU time (every thread) over the measured steps
         self.state: dict[str, int] = {}
         self.peak_allocated = 0
         self._t0 = 0.0
@@ -117,6 +118,7 @@ class GPUBenchCallback(L.Callback):
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
         self._t0 = time.perf_counter()
+        self._cpu0 = time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         device = trainer.strategy.root_device
@@ -124,6 +126,7 @@ class GPUBenchCallback(L.Callback):
             torch.cuda.synchronize(device)
         if self.warmup <= batch_idx < self.warmup + self.steps:
             self.times.append(time.perf_counter() - self._t0)
+            self.cpu_seconds += time.process_time() - self._cpu0
         if batch_idx == self.warmup + self.steps - 1 and self.profiler is not None:
             self.profiler.__exit__(None, None, None)
             events = self.profiler.key_averages()
@@ -170,7 +173,13 @@ def run_one(args: argparse.Namespace) -> None:
         precision=args.precision, max_steps=total, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[bench],
     )
-    module = GPTLightningModule(**shape, dropout=0.0, bias=True, build_in_configure_model=True)
+    # FSDP2 (Lightning ModelParallelStrategy): each Block a unit, then the root, bf16 gathers under bf16-mixed.
+    module_cls = FSDP2GPTModule if args.system == "fsdp2" else GPTLightningModule
+    module = module_cls(**shape, dropout=0.0, bias=True, build_in_configure_model=True)
+    if args.system == "fsdp2" and args.precision == "bf16-mixed":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        module.mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     trainer.fit(module, datamodule=data)
     if not trainer.is_global_zero:
         return
@@ -184,7 +193,7 @@ def run_one(args: argparse.Namespace) -> None:
     result = {
         "system": args.system, "precision": args.precision, "devices": devices, "device_name": name,
         "params": P, "shape": shape, "batch_per_rank": args.batch_size, "step_ms": 1e3 * step_s,
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": tokens_per_s, "cpu_ms_per_step": 1e3 * bench.cpu_seconds / max(1, len(bench.times)),
         "mfu": (model_flops_per_token(config) * tokens_per_s / (peak * 1e12 * devices)) if peak else None,
         "peak_allocated": bench.peak_allocated, "state": bench.state,
         "formula_device": formula_device, "formula_host": formula_host,
@@ -237,12 +246,13 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
         r["system"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
         f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-",
         f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-",
+        f"{r['cpu_ms_per_step']:.1f}",
         f"{r['peak_allocated'] / 2**30:.2f}",
         f"{r['state'].get('device', r['state'].get('total', 0)) / 2**30:.2f} ({r['formula_device'] / 2**30:.2f})",
         f"{r['state'].get('host', 0) / 2**30:.2f} ({r['formula_host'] / 2**30:.2f})",
         f"{100 * r['host_pinned_fraction']:.0f}" if r["host_pinned_fraction"] is not None else "-",
     ] for r in results]
-    cols = ["system", "step_ms", "tokens/s", "MFU%", "vs_ddp", "peak_alloc_GiB", "state_device_GiB (formula)",
+    cols = ["system", "step_ms", "tokens/s", "MFU%", "vs_ddp", "host_cpu_ms/step", "peak_alloc_GiB", "state_device_GiB (formula)",
             "state_host_GiB (formula)", "host_pinned%"]
     print_rows(cols, rows)
     if results:

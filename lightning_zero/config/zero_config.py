@@ -121,6 +121,15 @@ class ZeroConfig:
     bucket_size_mb: float = 25.0
     """Size of one gradient communication bucket (stages 1-2); larger buckets mean fewer, bigger collectives."""
 
+    unit_size_mb: float = 100.0
+    """Stage 3: adjacent layers of ``wrap_policy`` (the blocks of a ``ModuleList``) share one FSDP2 unit while
+    their parameters, in the dtype they are gathered in, fit in this many MiB: one all-gather, one
+    reduce-scatter and one set of hooks per group instead of per layer, and under mixed precision one fp32
+    unit for the group's norm layers instead of one per layer. A model of many small layers then stops paying
+    FSDP2's per-unit host work on every step, for up to this much more memory gathered at once (twice, with
+    prefetching). A layer larger than this is a unit of its own; ``0`` keeps one unit per layer (FSDP2's
+    layout). [Note: merged units] in ``engine/stage3/fsdp2.py``."""
+
     overlap_comm: bool = True
     """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward."""
 
@@ -255,6 +264,10 @@ class ZeroConfig:
             raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb!r}.")
         if not self.bucket_size_mb > 0:
             raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb}.")
+        if isinstance(self.unit_size_mb, bool) or not isinstance(self.unit_size_mb, (int, float)) \
+                or not self.unit_size_mb >= 0:
+            raise ZeroConfigError(f"`unit_size_mb` must be a number of MiB >= 0 (0: one unit per layer), got "
+                                  f"{self.unit_size_mb!r}.")
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):

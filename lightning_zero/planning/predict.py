@@ -11,9 +11,9 @@ of the activations then alive plus the gradients the stage holds then:
 * stage 1: every full gradient produced so far (``p.grad`` is kept whole);
 * stage 2: at most one bucket's worth (gradients are packed into a bucket and freed as it fills), on top of the
   persistent gradient shard;
-* stage 3: in forward, the unit computing is gathered; in backward also the unit prefetched, with one unit's
-  full gradients and the shards of the gradients so far (the root's parameters, outside every unit, stay
-  gathered throughout).
+* stage 3: in forward, the unit computing is gathered (adjacent layers merged up to ``unit_size_mb``); in backward
+  also the unit prefetched, with one unit's full gradients and the shards of the gradients so far (the root's
+  parameters, outside every unit, stay gathered throughout).
 
 With gradient accumulation, the micro-batches before the last keep every gradient whole and unreduced (``p.grad``
 at stages 1-2, FSDP2's unsharded gradients at stage 3), so those are held throughout the next micro-batch; stage 3
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lightning_zero.engine.stage3.fsdp2_units import merged_lengths
 from lightning_zero.planning.trace import StepTrace
 
 #: Buckets of the stage 1-2 post-step all-gather alive at once (``grad_sync.MAX_BUCKETS_IN_FLIGHT``).
@@ -48,6 +49,8 @@ class Configuration:
     """Share of the optimizer's masters and state in host memory (``True`` is 1.0)."""
     offload_params: bool = False
     bucket_size_mb: float = 25.0
+    unit_size_mb: float = 100.0
+    """Stage 3: adjacent layers share one gathered unit up to this size (``ZeroStrategy(unit_size_mb=...)``)."""
 
     @property
     def name(self) -> str:
@@ -70,6 +73,8 @@ class Configuration:
             args["offload_params"] = True
         if self.bucket_size_mb != 25.0:
             args["bucket_size_mb"] = self.bucket_size_mb
+        if self.unit_size_mb != 100.0 and self.stage == 3:
+            args["unit_size_mb"] = self.unit_size_mb
         return args
 
 
@@ -121,8 +126,11 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
         gathered = 0
         step_buffers = 0 if backend == "gloo" else GATHER_BUCKETS_IN_FLIGHT * min(bucket, p) * (weights / max(p, 1))
     else:
-        unit = trace.unit_elements[0] if trace.unit_elements else p
         compute_size = 2 if mixed else 4
+        units = _merged_units(trace.unit_elements, c.unit_size_mb * 2**20 / compute_size) or [p]
+        unit = max(units)
+        # Backward holds a unit and the one before it, prefetched (one unit alone when everything merged into one).
+        pair = max((a + b for a, b in zip(units, units[1:])), default=unit)
         root = max(0, p - sum(trace.unit_elements))
         shards = 4 * p / n  # FSDP2's fp32 parameter shards
         on_host = 1.0 if c.offload_params else 0.0
@@ -139,7 +147,7 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
             dynamic = _most(points, lambda grads: accumulated)
         else:
             dynamic = _most(points, lambda grads: accumulated + (compute_size * unit if grads == 0 else
-                            compute_size * 2 * unit + grad_size * unit + (1 - on_host) * grads * 4 / grad_size / n))
+                            compute_size * pair + grad_size * unit + (1 - on_host) * grads * 4 / grad_size / n))
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0
     static_total = sum(static.values())
@@ -155,6 +163,16 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
         breakdown["gradients"] = breakdown.get("gradients", 0) + grads_at_step
     by_kind = {kind: int(breakdown.get(kind, 0)) for kind in KINDS}
     return Prediction(c, trace, int(max(during, at_step)), int(host), by_kind)
+
+
+def _merged_units(layers: tuple[int, ...], budget: float) -> list[int]:
+    """Elements of each stage-3 unit, in order, once adjacent layers merge within ``budget`` elements
+    (``fsdp2_units``'s rule, every ``ModuleList``'s blocks taken as one run)."""
+    units, start = [], 0
+    for length in merged_lengths(list(layers), budget):
+        units.append(sum(layers[start:start + length]))
+        start += length
+    return units
 
 
 def _most(points, held) -> tuple[float, float]:

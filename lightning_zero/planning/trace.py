@@ -43,7 +43,7 @@ class StepTrace:
     """After each operation of forward and backward: (bytes alive beyond parameters and gradients, bytes of the
     gradients accumulated so far)."""
     unit_elements: tuple[int, ...]
-    """Trainable elements of each stage-3 unit (each block of an ``nn.ModuleList``), largest first."""
+    """Trainable elements of each stage-3 layer (each block of an ``nn.ModuleList``), in module order."""
     state_per_element: float
     """Optimizer-state elements per trainable element (Adam 2, SGD with momentum 1), from one traced step of the
     module's own ``configure_optimizers``."""
@@ -128,7 +128,7 @@ def trace_step(
         params=sum(p.numel() for p in trainable),
         param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
         timeline=tuple(tracker.points),
-        unit_elements=tuple(sorted(units, reverse=True)),
+        unit_elements=tuple(units),
         state_per_element=state / max(1, sum(p.numel() for p in trainable)),
         batch_size=_batch_size(batch),
         precision=precision,

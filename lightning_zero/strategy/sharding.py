@@ -129,6 +129,7 @@ def shard_model(
             groups=groups,
             secondary_shard_size=secondary_shard_size,
             compression=compression_spec(config),
+            unit_size_mb=config.unit_size_mb,
         )
     else:
         # Data-parallel ranks (`replicas`, which start from the first one's weights and buffers) and the ranks

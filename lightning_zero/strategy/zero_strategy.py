@@ -68,7 +68,7 @@ class ZeroStrategy(CheckpointingStrategy):
         pipeline_virtual_stages: int | None = None,
         shard_size: ShardSize = None,
         secondary_shard_size: ShardSize = None,
-        bucket_size_mb: float = 25.0, overlap_comm: bool = True,
+        bucket_size_mb: float = 25.0, unit_size_mb: float = 100.0, overlap_comm: bool = True,
         reduce_every_microbatch: bool = False, compile: bool | dict = False,
         gradient_compression: Compression | None = None, param_compression: Compression | None = None,
         quantization_scheme: QuantizationScheme = "symmetric", quantization_block_size: int = 2048,

@@ -33,6 +33,7 @@ EXACT_CASES = [
     "stage1_small_buckets",
     "stage2_small_buckets",
     "stage3_configure_model",
+    "stage3_one_unit_per_layer",
     "stage2_configure_model",
     "stage1_clip_value",
     "stage2_clip_value",
@@ -55,6 +56,13 @@ def test_parameters_and_gradients_match_plain_pytorch(exact, case):
     assert result["param_change"] > 1e-3, "the reference must actually train"
     assert result["grad_diff"] <= 1e-5
     assert result["param_diff"] <= 1e-5
+
+
+def test_stage3_merges_adjacent_layers_into_one_unit_unless_asked_not_to(exact):
+    """Both blocks of the test model fit in ``unit_size_mb``'s default: one fully_shard call; 0 keeps one each."""
+    assert exact["stage3"]["units"] == exact["stage3_one_unit_per_layer"]["units"] == 2
+    assert exact["stage3"]["unit_groups"] == 1
+    assert exact["stage3_one_unit_per_layer"]["unit_groups"] == 2
 
 
 def test_stage3_configure_model_is_built_sharded_with_eager_values(exact):

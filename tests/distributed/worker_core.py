@@ -81,6 +81,8 @@ def exactness(
     t.fit(module, models.loader(data, batch))
     final = t.strategy.full_state_dict()
     out = {"steps": t.global_step}
+    if stage == 3:  # the layers and the fully_shard calls they went into (see [Note: merged units])
+        out["units"], out["unit_groups"] = len(t.strategy.engine.units), len(t.strategy.engine.unit_groups)
     if build_in_configure_model:
         # The values an eager build would have drawn from the same RNG state on rank 0.
         state = torch.get_rng_state()
@@ -249,6 +251,7 @@ CASES = {
         **{f"stage{s}": exactness(s) for s in (1, 2, 3)},
         **{f"stage{s}_small_buckets": exactness(s, bucket_size_mb=0.0005) for s in (1, 2)},
         "stage3_configure_model": exactness(3, build_in_configure_model=True),
+        "stage3_one_unit_per_layer": exactness(3, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")),
         "stage2_configure_model": exactness(2, build_in_configure_model=True),
         **{f"stage{s}_clip_value": exactness(s, clip_algorithm="value") for s in (1, 2, 3)},
         "registered_zero2": registered_name(),

@@ -57,7 +57,8 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=H
             policy = t.strategy.precision_plugin.policy()
             groups = WORLD // t.strategy.engine.world_size
             if stage == 3:  # FSDP2's summation order too (see `fsdp2_association`): it shows in bf16's rounding
-                units = _unit_names(module, t.strategy.engine.units)
+                # FSDP2's identity node goes in front of each fully_shard call's first module (merged units).
+                units = _unit_names(module, [group[0] for group in t.strategy.engine.unit_groups])
                 build = lambda: _fsdp2_shaped(module_cls(kind), units)  # noqa: E731
             reference = mixed_reference(
                 initial, build, dataset, **kwargs, policy=policy, hold_sum_in_param_dtype=stage != 3, shard_groups=groups

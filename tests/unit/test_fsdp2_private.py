@@ -43,6 +43,23 @@ def test_every_private_name_is_where_the_engine_expects_it(sharded):
     assert not any(offloaded for _, offloaded in params)
 
 
+def test_modules_of_one_fully_shard_call_share_one_group():
+    """Merged units (fsdp2.py's [Note: merged units]): each module of ``fully_shard([a, b])`` is an FSDPModule, and
+    their one parameter group is counted once."""
+    assert not dist.is_initialized()
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard([module[0], module[1]], mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        assert len(fsdp2_private.param_groups(module)) == 2  # the merged pair's and the root's
+        assert len(list(fsdp2_private.sharded_params(module[1]))) == 4  # both Linears' weights and biases
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_window_keeps_and_restores_each_setting(sharded):
     group = fsdp2_private.param_groups(sharded)[0]
     before = group.post_forward_mesh_info

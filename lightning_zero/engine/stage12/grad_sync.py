@@ -376,8 +376,9 @@ class GradientReducer:
         if self.shard_gradients:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
             # buckets still holding another optimizer's gradients need their consumed slices zeroed.
-            views = [r.shard for r in records
-                     if r.shard is not None and self._holds_sums(self.layout.buckets[r.spec.bucket])]
+            holding = {b for b in {r.spec.bucket for r in records if r.shard is not None}
+                       if self._holds_sums(self.layout.buckets[b])}
+            views = [r.shard for r in records if r.shard is not None and r.spec.bucket in holding]
             if views:
                 torch._foreach_zero_(views)
 

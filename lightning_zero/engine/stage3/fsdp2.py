@@ -20,6 +20,20 @@ land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py`
 with an fp32 policy. Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
 operation, exactly as in stages 1 and 2, so the three stages compute the same thing.
 
+[Note: merged units]
+Each FSDP2 unit costs host work on every step whatever its size: its pre- and post-forward hooks, a pre- and a
+post-backward hook, copies into and out of its all-gather buffer, a reduce-scatter, their launches and waits.
+A model of many small layers (a GPT of narrow blocks; under mixed precision, every norm layer, which is a unit of
+its own in fp32) then spends its step in that work, not in arithmetic, and so does GPT-2 small's shape on a GPU,
+whose kernels take less time than launching them. Adjacent units of one dtype (the blocks of a ``ModuleList``) are
+therefore merged into one ``fully_shard([a, b, ...])`` group while their gathered parameters fit in
+``unit_size_mb``, and the fp32 layers nested in one group form one fp32 group: the same parameters, shards,
+gradients and arithmetic, with fewer gathers and hooks. FSDP2 gathers a group at its first module's
+pre-forward, reshards it after its last module's forward, and reduces it once, after the backward of all of
+it. The price is memory in flight: a merged group is gathered whole (two with prefetching), so the budget bounds
+it; a layer larger than the budget stays a unit of its own, and so does a unit whose units enclose units again
+(the rule then applies inside it).
+
 [Note: stage 3 hybrid sharding and hpZ]
 Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced
 gradient shard across the replica group in FSDP2's all-reduce hook (``fsdp2_comm.SumOverReplicas``, counted like
@@ -71,7 +85,7 @@ from lightning_zero.engine.stage3.fsdp2_comm import CountingAllGather, CountingR
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad, local_tensor
-from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, units_below_the_root
+from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, unit_groups, units_below_the_root
 from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards
@@ -112,6 +126,7 @@ class FullyShardedEngine:
         groups: DataParallelGroups | None = None,
         secondary_shard_size: int | None = None,
         compression: CompressionSpec | None = None,
+        unit_size_mb: float = 0.0,
     ) -> None:
         self.module = module
         self.device, self.pin_memory = device, pin_memory
@@ -138,6 +153,9 @@ class FullyShardedEngine:
         chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
         self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
         self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}
+        #: The ``fully_shard`` calls: see [Note: merged units].
+        self.unit_groups = unit_groups(module, self.units, self._gathered_bytes, lambda m: id(m) in self._fp32_units,
+                                       unit_size_mb * 2**20)
         #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
         #: reads each reduced shard at once, so those land as they are issued. On CUDA, FSDP2's streams overlap.
         self.late = LateReductions() if self.replicate_group is None and device.type == "cpu" else None
@@ -148,9 +166,9 @@ class FullyShardedEngine:
                 module.to(device)
                 # Every rank must start from the same values before it keeps only its rows.
                 collectives.broadcast([t.data for t in (*module.parameters(), *module.buffers())], src=0)
-                for unit in reversed(self.units):
-                    self._shard(unit)
-            self._shard(module)
+                for group in reversed(self.unit_groups):
+                    self._shard(group)
+            self._shard([module])
         else:  # this engine's collectives replace the earlier engine's
             for sharded in module.modules():
                 if isinstance(sharded, FSDPModule):
@@ -161,7 +179,7 @@ class FullyShardedEngine:
         #: ``module`` as the root unit ``fully_shard`` made it.
         self._root: FSDPModule = module
         #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).
-        self.prefetch = ForwardPrefetch(self._root, self.units) if device.type == "cpu" else None
+        self.prefetch = ForwardPrefetch(self._root, [group[0] for group in self.unit_groups]) if device.type == "cpu" else None
         #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device).
         self.window = GatheredWindow(module) if not offload_params else None
         self._reducing = True  # False inside ``no_sync``
@@ -179,20 +197,27 @@ class FullyShardedEngine:
             )
 
     # ------------------------------------------------------------------ sharding
-    def _shard(self, module: nn.Module) -> None:
-        if isinstance(module, FSDPModule):
+    def _gathered_bytes(self, unit: nn.Module) -> int:
+        """Bytes of ``unit``'s parameters in the dtype FSDP2 gathers them in."""
+        dtype = None if self.policy is None or id(unit) in self._fp32_units else self.policy.compute_dtype
+        return sum(p.numel() * (dtype or p.dtype).itemsize for p in unit.parameters())
+
+    def _shard(self, group: list[nn.Module]) -> None:
+        """One ``fully_shard`` call over ``group``'s modules (see [Note: merged units])."""
+        first = group[0]
+        if isinstance(first, FSDPModule):
             return
         # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does (see [Note: hpZ and
         # the root]).
-        hpz_root = module is self.module and self._reshard_after_forward is not True
+        hpz_root = first is self.module and self._reshard_after_forward is not True
         sharded = fully_shard(
-            module,
+            first if len(group) == 1 else group,
             mesh=self.mesh,
             reshard_after_forward=False if hpz_root else self._reshard_after_forward,
-            mp_policy=self._mp_policy(module),
+            mp_policy=self._mp_policy(first),
             offload_policy=self._offload_policy,
         )
-        self._set_collectives(sharded)
+        self._set_collectives(sharded[0] if isinstance(sharded, list) else sharded)
 
     def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")
@@ -222,7 +247,7 @@ class FullyShardedEngine:
         torch.set_rng_state(cpu_state)
         if device_state is not None:
             torch.cuda.set_rng_state(device_state)
-        units = {id(unit) for unit in self.units}
+        group_of = {id(m): group for group in self.unit_groups for m in group}
         owners = hf_owners(self.module)
         done: set[int] = set()
         missing: set[str] = set()
@@ -241,8 +266,9 @@ class FullyShardedEngine:
                 materialize(child)
             if hf is not None:
                 self._initialize(sub, device, hf, missing, tied)
-            if id(sub) in units:
-                self._shard(sub)
+            group = group_of.get(id(sub))
+            if group is not None and all(id(m) in done for m in group):  # the group's last module (and subtree)
+                self._shard(group)
 
         materialize(self.module)
         for sub in self.module.modules():  # after every initialiser ran: a parent's may set a child's tensors

@@ -44,7 +44,6 @@ __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "keep_
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
 PRIVATE_NAMES = (
     ("FSDPModule", "_get_fsdp_state", "param_groups"),
-    ("FSDPState", "_fsdp_param_groups", "param_groups"),
     ("FSDPParamGroup", "post_forward_mesh_info", "keep_gathered_after_forward"),
     ("FSDPParamGroup", "reshard", "reshard_only_after_backward"),
     ("FSDPParamGroup", "reshard_after_backward", "reshard_only_after_backward"),
@@ -62,9 +61,20 @@ class FSDP2PrivateAPIError(RuntimeError):
 
 
 def param_groups(module: nn.Module) -> list[Any]:
-    """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order."""
-    return [group for unit in module.modules() if isinstance(unit, FSDPModule)
-            for group in unit._get_fsdp_state()._fsdp_param_groups]
+    """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order; the modules of
+    one ``fully_shard([a, b])`` call share theirs."""
+    groups = {id(group): group for unit in module.modules() if isinstance(unit, FSDPModule)
+              for group in _groups_of(unit._get_fsdp_state())}
+    return list(groups.values())
+
+
+def _groups_of(state: Any) -> list[Any]:
+    """``FSDPState``'s parameter groups: ``_fsdp_param_groups`` in torch 2.13, one ``_fsdp_param_group`` (or None)
+    in torch 2.11, the GPU image this project's CUDA benchmarks run on."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None and hasattr(state, "_fsdp_param_group"):
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return list(groups) if groups is not None else []
 
 
 def keep_gathered_after_forward(group: Any) -> Any:
@@ -96,7 +106,7 @@ def unshadow_reshard(group: Any) -> None:
 
 def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
     """(sharded parameter, offloaded to the host) of each parameter FSDP2 manages in ``unit``'s own groups."""
-    for group in unit._get_fsdp_state()._fsdp_param_groups:
+    for group in _groups_of(unit._get_fsdp_state()):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
 
@@ -107,7 +117,13 @@ def check(module: nn.Module) -> None:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"check() needs a module sharded with fully_shard, got {type(module).__name__}")
     state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    groups = getattr(state, "_fsdp_param_groups", None) or [None]
+    if state is not None and not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
+        raise FSDP2PrivateAPIError(
+            f"torch {torch.__version__}: FSDP2's FSDPState._fsdp_param_groups is gone; lightning_zero's stage 3 uses it "
+            "in engine/stage3/fsdp2_private.py (param_groups). Install the torch version setup.cfg names, or update "
+            "that module for this release."
+        )
+    groups = _groups_of(state) or [None]
     params = getattr(groups[0], "fsdp_params", None) or [None]
     owners: dict[str, Any] = {"FSDPModule": module, "FSDPState": state, "FSDPParamGroup": groups[0],
                               "FSDPParam": params[0], "TrainingState": TrainingState}

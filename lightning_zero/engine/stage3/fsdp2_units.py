@@ -103,3 +103,89 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], policy: PrecisionPo
 
     visit(root, bool(kind(root)))
     return extra
+
+
+def unit_groups(
+    root: nn.Module, units: list[nn.Module], gathered_bytes: Callable[[nn.Module], int],
+    kind: Callable[[nn.Module], object], budget: float,
+) -> list[list[nn.Module]]:
+    """The FSDP2 units as groups of ``units`` (pre-order), each group one ``fully_shard`` call: see [Note: merged
+    units] in ``fsdp2.py``. Adjacent sibling units of one ``kind`` (the dtype they are gathered in) merge while
+    their ``gathered_bytes`` stay within ``budget``; the units nested in a merged group (a block's norms under
+    mixed precision) then form one group per kind. A unit enclosing units that enclose units again is a group of
+    its own, and the rule applies anew to the units inside it. ``budget <= 0``: one group per unit.
+    Groups come in pre-order of their first module, so ``reversed`` shards them bottom-up, as FSDP2 requires."""
+    if budget <= 0:
+        return [[u] for u in units]
+    chosen = {id(u) for u in units}
+    position = {id(m): i for i, m in enumerate(root.modules())}
+    parent_of: dict[int, nn.Module] = {}
+    sibling_index: dict[int, int] = {}
+    for module in root.modules():
+        for index, child in enumerate(module.children()):
+            parent_of.setdefault(id(child), module)
+            sibling_index.setdefault(id(child), index)
+
+    def enclosing(module: nn.Module) -> int | None:
+        parent = parent_of.get(id(module))
+        while parent is not None and parent is not root:
+            if id(parent) in chosen:
+                return id(parent)
+            parent = parent_of.get(id(parent))
+        return None
+
+    nested: dict[int | None, list[nn.Module]] = {}
+    for unit in units:
+        nested.setdefault(enclosing(unit), []).append(unit)
+
+    def flat(unit: nn.Module) -> bool:
+        """Encloses no unit that encloses units: it may merge with its siblings."""
+        return all(not nested.get(id(inner)) for inner in nested.get(id(unit), []))
+
+    groups: list[list[nn.Module]] = []
+
+    def close(run: list[nn.Module]) -> None:
+        for length in merged_lengths([gathered_bytes(unit) for unit in run], budget):
+            group, run = run[:length], run[length:]
+            groups.append(group)
+            inner: dict[object, list[nn.Module]] = {}
+            for unit in group:
+                for leaf in nested.get(id(unit), []):
+                    inner.setdefault(kind(leaf), []).append(leaf)
+            groups.extend(inner.values())
+
+    def visit(enclosing_id: int | None) -> None:
+        run: list[nn.Module] = []
+        for unit in nested.get(enclosing_id, []):
+            previous = run[-1] if run else None
+            joins = (previous is not None and flat(unit) and parent_of.get(id(unit)) is parent_of.get(id(previous))
+                     and sibling_index[id(unit)] == sibling_index[id(previous)] + 1 and kind(unit) == kind(previous))
+            if joins:
+                run.append(unit)
+                continue
+            if run:
+                close(run)
+            run = [unit] if flat(unit) else []
+            if not flat(unit):
+                groups.append([unit])
+                visit(id(unit))
+        if run:
+            close(run)
+
+    visit(None)
+    return sorted(groups, key=lambda group: position[id(group[0])])
+
+
+def merged_lengths(sizes: list[int], budget: float) -> list[int]:
+    """How many consecutive items of ``sizes`` each merged group takes: an item joins the group before it while
+    their sum stays within ``budget``; an item over ``budget`` forms a group alone."""
+    lengths: list[int] = []
+    total = 0.0
+    for size in sizes:
+        if lengths and total + size <= budget:
+            lengths[-1] += 1
+            total += size
+        else:
+            lengths.append(1)
+            total = size
+    return lengths

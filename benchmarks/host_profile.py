@@ -1,0 +1,86 @@
+"""Where a step's host time goes, by the code that spends it: ours, FSDP2's, Lightning's, autograd's.
+
+``cProfile`` on the training thread over a few steps; each function's self time (``tottime``) is charged to the
+package its file belongs to, so a category's figure is time spent *in* that package's Python, not below it. C++
+built-ins form categories of their own: the autograd engine's ``run_backward`` (the backward kernels and the
+engine's bookkeeping, without the Python hooks it calls, which are charged to their own files), torch's operators,
+and c10d's collectives. The profiler slows Python more than C++, so the figures rank the categories and size
+their shares; the timed steps (run without it) give the step time.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+from collections import defaultdict
+from typing import Any
+
+#: (category, substring of the file path), first match wins: the most specific packages first.
+_FILE_CATEGORIES = (
+    ("model (demo GPT)", "/lightning_zero/demo/"),
+    ("ours: lightning_zero/{}", "/lightning_zero/"),
+    ("FSDP2 (torch.distributed.fsdp)", "/torch/distributed/fsdp/"),
+    ("torch.distributed (Python)", "/torch/distributed/"),
+    ("torch.autograd (Python)", "/torch/autograd/"),
+    ("torch.optim (Python)", "/torch/optim/"),
+    ("torch.nn (Python)", "/torch/nn/"),
+    ("torch (other Python)", "/torch/"),
+    ("Lightning", "/lightning/"),
+    ("Lightning", "/lightning_utilities/"),
+    ("torchmetrics", "/torchmetrics/"),
+    ("benchmark harness", "/benchmarks/"),
+)
+_BUILTIN_CATEGORIES = (
+    ("autograd engine (C++ backward)", "run_backward"),
+    ("c10d collectives (C++)", "torch._C._distributed_c10d"),
+    ("c10d collectives (C++)", "ProcessGroup"),
+    ("c10d collectives (C++)", "Work"),
+    ("torch operators (C++)", "torch."),
+    ("torch operators (C++)", "Tensor"),
+    ("torch operators (C++)", "TensorBase"),
+)
+
+
+def category(filename: str, function: str) -> str:
+    """The category of one profiled function, from its file (Python) or its name (built-ins, file ``~``)."""
+    if filename == "~":
+        return next((name for name, key in _BUILTIN_CATEGORIES if key in function), "Python built-ins")
+    path = filename.replace("\\", "/")
+    for name, key in _FILE_CATEGORIES:
+        if key in path:
+            if "{}" in name:  # ours, by subpackage: lightning_zero/engine/stage3/units.py -> engine/stage3
+                parts = path.split(key, 1)[1].split("/")
+                return name.format("/".join(parts[:-1]) or parts[0].removesuffix(".py"))
+            return name
+    return "other Python"
+
+
+class HostProfile:
+    """Profiles the steps between :meth:`enter` and :meth:`leave` calls; :meth:`summary` divides by ``steps``."""
+
+    def __init__(self) -> None:
+        self._profiler = cProfile.Profile()
+
+    def enter(self) -> None:
+        self._profiler.enable()
+
+    def leave(self) -> None:
+        self._profiler.disable()
+
+    def summary(self, steps: int, top: int = 12) -> dict[str, Any]:
+        """Milliseconds per step by category, and the ``top`` functions of ours by self time."""
+        stats: dict[Any, Any] = pstats.Stats(self._profiler).stats  # type: ignore[attr-defined]
+        by_category: dict[str, float] = defaultdict(float)
+        ours: list[tuple[float, int, str]] = []
+        for (filename, line, function), (_, calls, tottime, _, _) in stats.items():
+            name = category(filename, function)
+            by_category[name] += tottime
+            if name.startswith("ours"):
+                ours.append((tottime, calls, f"{filename.split('/lightning_zero/', 1)[1]}:{line}({function})"))
+        scale = 1e3 / steps
+        ours.sort(reverse=True)
+        return {
+            "ms_per_step": {k: v * scale for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
+            "total_ms_per_step": sum(by_category.values()) * scale,
+            "top_ours": [(f, ms * scale, calls / steps) for ms, calls, f in ours[:top]],
+        }
