@@ -147,7 +147,7 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
             dynamic = _most(points, lambda grads: accumulated)
         else:
             dynamic = _most(points, lambda grads: accumulated + (compute_size * unit if grads == 0 else
-                            compute_size * pair + grad_size * unit + (1 - on_host) * grads * 4 / grad_size / n))
+                            compute_size * pair + min(grads, grad_size * unit) + (1 - on_host) * grads * 4 / grad_size / n))
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0
     static_total = sum(static.values())
