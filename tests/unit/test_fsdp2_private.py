@@ -55,6 +55,7 @@ def test_modules_of_one_fully_shard_call_share_one_group():
         fully_shard([module[0], module[1]], mesh=mesh)
         fully_shard(module, mesh=mesh)
         assert len(fsdp2_private.param_groups(module)) == 2  # the merged pair's and the root's
+        assert fsdp2_private.unit_heads(module) == [module, module[0]]  # one module per call, first in module order
         assert len(list(fsdp2_private.sharded_params(module[1]))) == 4  # both Linears' weights and biases
     finally:
         dist.destroy_process_group()

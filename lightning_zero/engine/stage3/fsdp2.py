@@ -169,10 +169,9 @@ class FullyShardedEngine:
                 for group in reversed(self.unit_groups):
                     self._shard(group)
             self._shard([module])
-        else:  # this engine's collectives replace the earlier engine's
-            for sharded in module.modules():
-                if isinstance(sharded, FSDPModule):
-                    self._set_collectives(sharded)
+        else:  # this engine's collectives replace the earlier engine's, once per fully_shard call
+            for sharded in fsdp2_private.unit_heads(module):
+                self._set_collectives(sharded)
         fsdp2_private.check(module)  # a torch that moved a private name fails here, naming it
         if not isinstance(module, FSDPModule):
             raise RuntimeError("lightning_zero internal error: fully_shard made it one (check() raised otherwise)")

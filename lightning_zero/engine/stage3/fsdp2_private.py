@@ -38,7 +38,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "keep_gathered_after_forward",
-           "param_groups", "reshard_only_after_backward", "restore_after_forward", "sharded_params",
+           "param_groups", "reshard_only_after_backward", "unit_heads", "restore_after_forward", "sharded_params",
            "unshadow_reshard"]
 
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
@@ -63,9 +63,18 @@ class FSDP2PrivateAPIError(RuntimeError):
 def param_groups(module: nn.Module) -> list[Any]:
     """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order; the modules of
     one ``fully_shard([a, b])`` call share theirs."""
-    groups = {id(group): group for unit in module.modules() if isinstance(unit, FSDPModule)
-              for group in _groups_of(unit._get_fsdp_state())}
+    groups = {id(group): group for unit in unit_heads(module) for group in _groups_of(unit._get_fsdp_state())}
     return list(groups.values())
+
+
+def unit_heads(module: nn.Module) -> list[FSDPModule]:
+    """One module per ``fully_shard`` call in ``module`` (itself included), the first in module order: the modules
+    of one call share one state, whose hooks and collectives are set through any of them."""
+    heads: dict[int, FSDPModule] = {}
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            heads.setdefault(id(unit._get_fsdp_state()), unit)
+    return list(heads.values())
 
 
 def _groups_of(state: Any) -> list[Any]:
