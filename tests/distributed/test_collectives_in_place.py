@@ -14,12 +14,13 @@ from tests.launch import launch
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def report(request):
     return {"world": request.param, **launch("tests.distributed.worker_in_place", "reductions", "gathers",
-                                             nprocs=request.param)}
+                                             "mixed_reductions", "mixed_gathers", nprocs=request.param)}
 
 
-def test_reductions_equal_the_packed_reduce_scatter(report):
-    reductions = report["reductions"]
-    assert reductions["buckets"] >= 3  # more than the reducer keeps in flight
+@pytest.mark.parametrize("pieces", ["", "mixed_"], ids=["small_pieces_packed", "packed_and_alone"])
+def test_reductions_equal_the_packed_reduce_scatter(report, pieces):
+    reductions = report[pieces + "reductions"]
+    assert reductions["buckets"] >= (3 if not pieces else 1)  # more than the reducer keeps in flight
     tolerance = 0.0 if report["world"] == 2 else 1e-6  # 3 ranks: the ring sums in another order
     assert reductions["stage2_max_diff"] <= tolerance
     assert reductions["stage2_held_max_diff"] <= tolerance
@@ -28,9 +29,10 @@ def test_reductions_equal_the_packed_reduce_scatter(report):
     assert reductions["grads_dropped"]  # stage 2 keeps no full gradient once its bucket has landed
 
 
-def test_gathers_fill_every_parameter_and_count_as_the_packed_collective(report):
-    gathers = report["gathers"]
+@pytest.mark.parametrize("pieces", ["", "mixed_"], ids=["small_pieces_packed", "packed_and_alone"])
+def test_gathers_fill_every_parameter_and_count_as_the_packed_collective(report, pieces):
+    gathers = report[pieces + "gathers"]
     assert gathers["in_place"]
     assert gathers["equal"]
     assert gathers["counted_elements"] == gathers["packed_elements"]
-    assert gathers["calls"] == report["reductions"]["buckets"]
+    assert gathers["calls"] == report[pieces + "reductions"]["buckets"]

@@ -1,15 +1,17 @@
 """Rank program for test_collectives_in_place.py: stages 1-2's unpacked collectives (``reduce_in_place.py``,
 ``collectives.all_gather_in_place``) against the packed ones, on parameters whose rows do not split evenly,
-with gradients missing on some ranks and sums held from an earlier backward."""
+with gradients missing on some ranks and sums held from an earlier backward; small pieces packed together
+(every bucket here), and packed runs beside pieces that travel alone in one exchange (``mixed_pieces``)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, p2p_transport as p2p
 from lightning_zero.engine.stage12.buckets import pack_bucket, segment_view
 from lightning_zero.engine.stage12.layout import plan_layout
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
@@ -24,9 +26,22 @@ def _tensor(shape, rank: int, salt: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * salt + rank))
 
 
-def _layout(world: int):
+def _layout(world: int, bucket_numel: int = 12):
     # Small buckets: several in flight at once, more than the two the reducer keeps before landing the oldest.
-    return plan_layout([(f"p{i}", s) for i, s in enumerate(SHAPES)], world, bucket_numel=12)
+    return plan_layout([(f"p{i}", s) for i, s in enumerate(SHAPES)], world, bucket_numel=bucket_numel)
+
+
+@contextlib.contextmanager
+def mixed_pieces():
+    """One bucket of every parameter, with small pieces packed and larger ones alone in one exchange: a piece
+    of at most 24 bytes (6 fp32 elements) travels packed, so over 2 and 3 ranks the chunks of (5,) and (1, 4)
+    are packed together and (7, 3) and (10, 2) go alone."""
+    saved = p2p.PACK_PIECE_BYTES
+    p2p.PACK_PIECE_BYTES = 24
+    try:
+        yield _layout(dist.get_world_size(), bucket_numel=1000)
+    finally:
+        p2p.PACK_PIECE_BYTES = saved
 
 
 def _missing(rank: int, i: int) -> bool:
@@ -47,9 +62,9 @@ def _packed_reduction(layout, bucket_index: int, grads, group=None) -> torch.Ten
     return out
 
 
-def reductions() -> dict:
+def reductions(layout=None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = _layout(world)
+    layout = layout or _layout(world)
     report = {"buckets": len(layout.buckets), "stage2_max_diff": 0.0, "stage2_held_max_diff": 0.0,
               "stage1_max_diff": 0.0, "stage1_other_rows_zero": True, "grads_dropped": True}
     first, second = gradients(rank, 1), gradients(rank, 2)
@@ -88,10 +103,10 @@ def _every_rank(report: dict) -> dict:
             for key, value in report.items()}
 
 
-def gathers() -> dict:
+def gathers(layout=None) -> dict:
     """Every rank's rows of each parameter into every rank's parameters, counted as the packed collective is."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = _layout(world)
+    layout = layout or _layout(world)
     truth = [_tensor(s, 0, 7) for s in SHAPES]  # what every rank's rows together make
     params = [torch.nn.Parameter(torch.full(s, float("nan"))) for s in SHAPES]
     with torch.no_grad():
@@ -110,6 +125,18 @@ def gathers() -> dict:
     })
 
 
+def mixed_reductions() -> dict:
+    with mixed_pieces() as layout:
+        return reductions(layout)
+
+
+def mixed_gathers() -> dict:
+    with mixed_pieces() as layout:
+        return gathers(layout)
+
+
 if __name__ == "__main__":
     ensure_process_group()
-    run_cases({"reductions": reductions, "gathers": gathers}, sys.argv[1:])
+    cases = {"reductions": reductions, "gathers": gathers, "mixed_reductions": mixed_reductions,
+             "mixed_gathers": mixed_gathers}
+    run_cases(cases, sys.argv[1:])

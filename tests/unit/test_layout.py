@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from lightning_zero.engine.comm import p2p_transport
 from lightning_zero.engine.stage12.buckets import pack_bucket, pack_segment, segment_view, unpack_bucket
 from lightning_zero.engine.stage12.layout import plan_layout
 from lightning_zero.engine.shard import local_rows
@@ -89,3 +90,13 @@ def test_unpack_can_leave_one_ranks_rows_alone(world):
                 got = local_rows(targets[i], rank, world)
                 want = torch.full_like(got, 7.0) if rank == skip else local_rows(tensors[i], rank, world)
                 assert torch.equal(got, want), (spec.name, rank, skip)
+
+
+def test_small_pieces_travel_in_runs_and_large_ones_alone():
+    """[Note: collectives in place]: runs are decided from padded chunk lengths alone (the same on every rank), so
+    every rank posts the same transfers."""
+    small = p2p_transport.PACK_PIECE_BYTES // 4  # fp32 elements of the largest packed piece
+    assert p2p_transport.packed_runs([], 4) == []
+    assert p2p_transport.packed_runs([3, 0, small], 4) == [(0, 3)]
+    assert p2p_transport.packed_runs([small + 1, 3, 5, small + 1, 7], 4) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    assert p2p_transport.packed_runs([small + 1, small + 1], 2) == [(0, 2)]  # bf16: twice the elements fit

@@ -151,38 +151,44 @@ def packed_only() -> Iterator[None]:
 
 
 def all_gather_in_place(
-    pieces: Sequence[Sequence[torch.Tensor]], packed_numel: int, group: dist.ProcessGroup | None = None
+    pieces: Sequence[Sequence[torch.Tensor]], packed_numel: int, group: dist.ProcessGroup | None = None,
+    chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
-    """Every rank's ``pieces[rank]`` into ``pieces[rank]`` of every other rank, tensor by tensor, with no buffer
-    (see [Note: collectives in place] in ``p2p_transport.py``). ``pieces[r]`` are contiguous views of the
+    """Every rank's ``pieces[rank]`` into ``pieces[rank]`` of every other rank, tensor by tensor, with no bucket
+    buffer (see [Note: collectives in place] in ``p2p_transport.py``). ``pieces[r]`` are contiguous views of the
     destinations, the same shapes on every rank; ``packed_numel`` is the size of the buffer the packed collective
-    would fill, as counted. Returns the handle to wait on."""
+    would fill, as counted; ``chunk_numels``, each piece's padded chunk length, lets small pieces travel together.
+    Returns the handle to wait on."""
     mine = pieces[rank(group)]
-    return _exchange_counted("all_gather", mine, packed_numel, group, lambda peer: mine, lambda peer: pieces[peer])
+    return _exchange_counted(
+        "all_gather", mine, packed_numel, group, lambda peer: mine, lambda peer: pieces[peer], chunk_numels
+    )
 
 
 def reduce_scatter_in_place(
     sends: Sequence[Sequence[torch.Tensor]], receives: Sequence[Sequence[torch.Tensor]], packed_numel: int,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | None = None, chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
     """The transfers of a reduce-scatter without its buffers (see [Note: collectives in place] in
     ``p2p_transport.py``): ``sends[r]``, this rank's contributions to rank r's rows, go to rank r and land there in
     ``receives[this rank]``; the caller adds what it received once the handle is waited on. ``packed_numel`` is the
-    size of the input the packed collective would reduce, as counted."""
+    size of the input the packed collective would reduce, as counted; ``chunk_numels`` as in
+    :func:`all_gather_in_place`."""
     mine = [piece for pieces in sends for piece in pieces]
     return _exchange_counted("reduce_scatter", mine, packed_numel, group, lambda peer: sends[peer],
-                             lambda peer: receives[peer])
+                             lambda peer: receives[peer], chunk_numels)
 
 
 def _exchange_counted(
     kind: str, like: Sequence[torch.Tensor], packed_numel: int, group: dist.ProcessGroup | None,
     to: Callable[[int], Sequence[torch.Tensor]], source: Callable[[int], Sequence[torch.Tensor]],
+    chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
     dtype = like[0].dtype if like else torch.float32
     number = _FLIGHT.issue(kind, packed_numel, dtype)
     _STATS.record_elements(kind, packed_numel, dtype.itemsize, group_ranks(group))
     with record_function(f"lightning_zero::{kind}"):
-        return p2p.Exchange(kind, to, source, group, number)
+        return p2p.Exchange(kind, to, source, group, number, chunk_numels)
 
 
 def all_to_all(

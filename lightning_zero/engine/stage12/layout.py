@@ -16,6 +16,7 @@ Nothing here touches tensors' data or processes, so the plan can be printed and 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -50,22 +51,32 @@ class ParamShardSpec:
     def row_numel(self) -> int:
         return shard.row_numel(self.shape)
 
-    @property
+    @functools.cached_property
     def chunk_numel(self) -> int:
         """Padded length of every rank's chunk."""
         return shard.chunk_numel(self.shape, self.world_size)
 
     def row_range(self, rank: int) -> tuple[int, int]:
         """Rows ``[start, end)`` owned by ``rank`` (empty when the parameter has fewer rows than ranks)."""
-        return shard.row_range(self.shape, rank, self.world_size)
+        return self._row_ranges[rank]
 
     def element_range(self, rank: int) -> tuple[int, int]:
         """Elements ``[start, end)`` of the flattened parameter owned by ``rank``."""
-        return shard.element_range(self.shape, rank, self.world_size)
+        return self._element_ranges[rank]
 
     def local_numel(self, rank: int) -> int:
         start, end = self.element_range(rank)
         return end - start
+
+    # Asked per parameter in every step's reduction and gather: computed once (``cached_property`` writes the
+    # instance dict directly, which a frozen dataclass allows).
+    @functools.cached_property
+    def _row_ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(shard.row_range(self.shape, r, self.world_size) for r in range(self.world_size))
+
+    @functools.cached_property
+    def _element_ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(shard.element_range(self.shape, r, self.world_size) for r in range(self.world_size))
 
     @property
     def full_chunks(self) -> int:

@@ -54,9 +54,14 @@ class InPlaceReduction:
             for k, peer in enumerate(peers)
         }
         sends = [[self._rows(j, r) for j in range(len(self.specs))] if r != rank else [] for r in range(world)]
-        receives = [[self._received(peer, j) for j in range(len(self.specs))] if peer in self.segments else []
-                    for peer in range(world)]
-        self.work = collectives.reduce_scatter_in_place(sends, receives, bucket.numel, group=group)
+        #: Per peer, the views of its segment that receive its contribution to each parameter's rows.
+        self.received: dict[int, list[torch.Tensor]] = {
+            peer: [self._received(peer, j) for j in range(len(self.specs))] for peer in self.segments
+        }
+        receives = [self.received.get(peer, []) for peer in range(world)]
+        self.work = collectives.reduce_scatter_in_place(
+            sends, receives, bucket.numel, group=group, chunk_numels=[spec.chunk_numel for spec in self.specs]
+        )
 
     def _rows(self, j: int, rank: int) -> torch.Tensor:
         """Parameter ``j``'s gradient rows of ``rank``, flat (zeros where this rank has no gradient)."""
@@ -73,36 +78,47 @@ class InPlaceReduction:
     def land(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Wait, then leave each parameter's reduced rows where its stage keeps them: stage 2 in the shard storage
         (added to what it held), dropping ``p.grad``; stage 1 in this rank's rows of ``p.grad``, its other rows
-        zeroed (see [Note: gradients are held as sums until finalized] in ``grad_sync.py``)."""
+        zeroed (see [Note: gradients are held as sums until finalized] in ``grad_sync.py``). One ``foreach`` kernel
+        per peer for the whole bucket, in the order the sums are defined: each element's terms are added in the
+        same order as one parameter at a time would."""
         self.work.wait()
-        for j, param in enumerate(params):
-            if self.storage is not None:
-                self._sum_into_storage(j)
+        if not params:
+            return
+        if self.storage is not None:
+            self._sum_into_storage()
+            for param in params:
                 param.grad = None
-                continue
+            return
+        own, others = [], []
+        for j, param in enumerate(params):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             start, end = self.specs[j].element_range(self.rank)
             flat = param.grad.view(-1)
-            for peer in self.segments:  # this rank's own contribution is already in its rows
-                flat[start:end].add_(self._received(peer, j))
-            flat[:start].zero_()
-            flat[end:].zero_()
+            own.append(flat[start:end])  # this rank's own contribution is already in its rows
+            if start > 0:
+                others.append(flat[:start])
+            if end < flat.numel():
+                others.append(flat[end:])
+        for peer in self.segments:
+            torch._foreach_add_(own, self.received[peer])
+        if others:
+            torch._foreach_zero_(others)
 
-    def _sum_into_storage(self, j: int) -> None:
-        """Parameter ``j``'s own contribution and every peer's into its rows of the shard storage: written where the
+    def _sum_into_storage(self) -> None:
+        """Each parameter's own contribution and every peer's into its rows of the shard storage: written where the
         storage held nothing (it holds the first peer's already), else added to the sums it held."""
         if self.storage is None:
             raise RuntimeError("only stage 2 reduces into shard storage")
-        own = self._rows(j, self.rank)
-        received = [self._received(peer, j) for peer in self.segments]
-        target = self.storage[self.specs[j].offset : self.specs[j].offset + own.numel()]
+        own = [self._rows(j, self.rank) for j in range(len(self.specs))]
+        targets = [self.storage[spec.offset : spec.offset + part.numel()] for spec, part in zip(self.specs, own)]
+        received = [self.received[peer] for peer in self.segments]
         if self.into_storage:
-            target.add_(own)
-            for part in received[1:]:
-                target.add_(part)
+            torch._foreach_add_(targets, own)
+            for parts in received[1:]:
+                torch._foreach_add_(targets, parts)
             return
-        total = own
-        for part in received:
-            total = total + part
-        target.add_(total)
+        totals = own
+        for parts in received:
+            totals = list(torch._foreach_add(totals, parts))
+        torch._foreach_add_(targets, totals)

@@ -263,7 +263,10 @@ def all_gather_params(
         encoded = compression is not None and compression.compresses_params(like.dtype)
         if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
             pieces = [[_rows_of(sources[i], layout.params[i], r) for i in bucket.params] for r in range(layout.world_size)]
-            flights.append((bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group), None, False))
+            chunks = [layout.params[i].chunk_numel for i in bucket.params]
+            flights.append(
+                (bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group, chunk_numels=chunks), None, False)
+            )
         else:
             segment = pack_segment(
                 layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.optimizers import hosted_params, steps_whole
+from lightning_zero.engine.stage3.local_step import stepping_local_shards
 from lightning_zero.engine.owner_step import OwnerStepping
 
 
@@ -106,6 +107,16 @@ class FullyShardedOptimizer:
         whole = set(self.whole)
         return [engine.index[id(p)] for p in self._params() if id(p) in engine.index and engine.index[id(p)] not in whole]
 
+    def _sharded_in_place(self) -> list[DTensor]:
+        """The sharded parameters the optimizer steps where they are, element-wise: neither stepped whole nor
+        re-hosted on host masters. It steps their local tensors (see [Note: local-shard step])."""
+        engine = self.engine
+        elsewhere = set(self.whole) | set(self._hosted_indices())
+        return [
+            p for p in self._params()
+            if isinstance(p, DTensor) and id(p) in engine.index and engine.index[id(p)] not in elsewhere
+        ]
+
     def _masters(self) -> MasterShards:
         """The engine's host masters: :meth:`_hosted_indices` names some only where it has them."""
         if self.engine.masters is None:
@@ -161,7 +172,9 @@ class FullyShardedOptimizer:
                 self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i])
             )
         on_host = engine.masters is not None or engine.params_on_host
-        with self.hosting(), host_kernel(self.optimizer, enabled=on_host):
+        with self.hosting(), stepping_local_shards(self.optimizer, self._sharded_in_place()), host_kernel(
+            self.optimizer, enabled=on_host
+        ):
             result = self.optimizer.step(**kwargs)
         with torch.no_grad():
             for i in self._hosted_indices():

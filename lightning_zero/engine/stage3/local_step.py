@@ -1,0 +1,73 @@
+"""Stepping an element-wise optimizer on the local tensors of FSDP2's sharded parameters rather than on the
+DTensors themselves.
+
+[Note: local-shard step]
+An element-wise optimizer (``optimizers.ELEMENTWISE_OPTIMIZERS``) updates each element from that element's
+gradient and state alone, so stepping a rank's local shard is the same arithmetic as stepping the DTensor: the
+DTensor only adds dispatch. That dispatch is paid per operator per parameter (sharding propagation, wrapping and
+unwrapping in Python), about ten operators per parameter for AdamW, and with hundreds of parameter tensors it is
+most of stage 3's host time in a step. So for the duration of a step the optimizer's ``param_groups`` hold the
+local tensors (``hosted_params``) and its ``state`` holds, under each local tensor, the local tensors of that
+parameter's DTensor state. The optimizer updates them in place; afterwards the entries keyed by the local tensors
+are removed again, and any state tensor the step created or replaced is wrapped back into a DTensor laid out
+like its parameter, so ``optimizer.state`` between steps (checkpoints, ``state_dict``, the user) is exactly what
+stepping the DTensors would have left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_zero.engine.optimizers import hosted_params
+
+
+@contextlib.contextmanager
+def stepping_local_shards(optimizer: Optimizer, params: Sequence[DTensor]) -> Iterator[None]:
+    """A block in which ``optimizer`` steps the local tensors of ``params`` (see [Note: local-shard step]).
+    Enter it inside any other re-hosting of the same optimizer: the parameters here must be in its groups."""
+    if not params:
+        yield
+        return
+    with torch.no_grad():
+        locals_ = [p.to_local() for p in params]
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        state = optimizer.state
+        for p, local in zip(params, locals_):
+            held = state.get(p)
+            if held:
+                state[local] = {key: _local(value) for key, value in held.items()}
+    try:
+        with hosted_params(optimizer, {id(p): (local, grad) for p, local, grad in zip(params, locals_, grads)}):
+            yield
+    finally:
+        with torch.no_grad():
+            for p, local in zip(params, locals_):
+                stepped = state.pop(local, None)
+                if stepped:
+                    _write_back(state.setdefault(p, {}), stepped, p, local)
+
+
+def _local(value: object) -> object:
+    """A DTensor's local tensor (itself, under ``no_grad``), anything else as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _write_back(held: dict[str, object], stepped: dict[str, object], param: DTensor, local: torch.Tensor) -> None:
+    """Put the step's state of ``param`` back under the DTensor: tensors updated in place are already there;
+    a tensor the step created (or replaced) of the local shard's shape becomes a DTensor laid out like
+    ``param``, as the optimizer's ``zeros_like(param)`` would have made it; anything else (step counts,
+    scalars) is kept as it is."""
+    for key, value in stepped.items():
+        old = held.get(key)
+        if isinstance(old, DTensor) and old.to_local() is value:
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
+            value = DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        held[key] = value
