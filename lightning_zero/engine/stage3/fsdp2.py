@@ -84,7 +84,8 @@ from lightning_zero.engine.comm.compression import CompressedComm, CompressionSp
 from lightning_zero.engine.stage3.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
-from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad, local_tensor
+from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
+from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, unit_groups, units_below_the_root
 from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
 from lightning_zero.engine.mixed_precision import PrecisionPolicy

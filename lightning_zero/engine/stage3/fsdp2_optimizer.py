@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.optimizers import hosted_params, steps_whole
-from lightning_zero.engine.stage3.local_step import stepping_local_shards
+from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
 from lightning_zero.engine.owner_step import OwnerStepping
 
 
@@ -204,11 +204,6 @@ class FullyShardedOptimizer:
         self.engine.land_gradients()
         grads = (local_grad(p) for p in self._params())
         return [g for g in grads if g is not None]
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:

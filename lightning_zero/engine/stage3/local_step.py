@@ -35,12 +35,12 @@ def stepping_local_shards(optimizer: Optimizer, params: Sequence[DTensor]) -> It
         return
     with torch.no_grad():
         locals_ = [p.to_local() for p in params]
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        grads = [None if p.grad is None else local_tensor(p.grad) for p in params]
         state = optimizer.state
         for p, local in zip(params, locals_):
             held = state.get(p)
             if held:
-                state[local] = {key: _local(value) for key, value in held.items()}
+                state[local] = {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in held.items()}
     try:
         with hosted_params(optimizer, {id(p): (local, grad) for p, local, grad in zip(params, locals_, grads)}):
             yield
@@ -52,9 +52,9 @@ def stepping_local_shards(optimizer: Optimizer, params: Sequence[DTensor]) -> It
                     _write_back(state.setdefault(p, {}), stepped, p, local)
 
 
-def _local(value: object) -> object:
-    """A DTensor's local tensor (itself, under ``no_grad``), anything else as it is."""
-    return value.to_local() if isinstance(value, DTensor) else value
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the DTensor's own tensor under ``no_grad``); any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _write_back(held: dict[str, object], stepped: dict[str, object], param: DTensor, local: torch.Tensor) -> None:
