@@ -48,6 +48,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from bench_core import FSDP2GPTModule, build_strategy, formula_split, model_state_bytes  # noqa: E402
+from host_profile import HostProfile, print_profiles  # noqa: E402
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 
@@ -95,10 +96,14 @@ def ladder(base: dict[str, int], rungs: int) -> list[dict[str, int]]:
 class GPUBenchCallback(L.Callback):
     """Times steps with device synchronisation and records peak device memory over the measured steps."""
 
-    def __init__(self, warmup: int, steps: int, profile_to: str | None = None) -> None:
+    def __init__(self, warmup: int, steps: int, profile_to: str | None = None, host_profile_steps: int = 0) -> None:
         self.warmup, self.steps = warmup, steps
         self.profile_to = profile_to  # a file: the profiler's tables over the measured steps (times then skewed)
         self.profiler: Any = None
+        #: Steps after the measured ones under cProfile (host_profile.py): where the training thread's time goes.
+        self.host_profile_steps = host_profile_steps
+        self.host = HostProfile()
+        self.host_summary: dict[str, Any] | None = None
         self.times: list[float] = []
         self.cpu_seconds = 0.0  # the training process's CPU time (every thread) over the measured steps
         self.state: dict[str, int] = {}
@@ -117,8 +122,14 @@ class GPUBenchCallback(L.Callback):
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
+        if self._host_profiled(batch_idx):
+            self.host.enter()
         self._t0 = time.perf_counter()
         self._cpu0 = time.process_time()
+
+    def _host_profiled(self, batch_idx: int) -> bool:
+        start = self.warmup + self.steps
+        return start <= batch_idx < start + self.host_profile_steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         device = trainer.strategy.root_device
@@ -127,6 +138,10 @@ class GPUBenchCallback(L.Callback):
         if self.warmup <= batch_idx < self.warmup + self.steps:
             self.times.append(time.perf_counter() - self._t0)
             self.cpu_seconds += time.process_time() - self._cpu0
+        if self._host_profiled(batch_idx):
+            self.host.leave()
+            if batch_idx == self.warmup + self.steps + self.host_profile_steps - 1:
+                self.host_summary = self.host.summary(self.host_profile_steps)
         if batch_idx == self.warmup + self.steps - 1 and self.profiler is not None:
             self.profiler.__exit__(None, None, None)
             events = self.profiler.key_averages()
@@ -162,12 +177,12 @@ def run_one(args: argparse.Namespace) -> None:
     shape = json.loads(args.shape)
     config = GPTConfig(**shape, dropout=0.0, bias=True)
     devices = args.devices
-    total = args.warmup + args.steps
+    total = args.warmup + args.steps + args.host_profile_steps
     data = RandomTokenDataModule(
         vocab_size=config.vocab_size, block_size=config.block_size, batch_size=args.batch_size,
         num_samples=2 * total * args.batch_size * devices,
     )
-    bench = GPUBenchCallback(args.warmup, args.steps, args.profile_to)
+    bench = GPUBenchCallback(args.warmup, args.steps, args.profile_to, args.host_profile_steps)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=devices, strategy=build_strategy(args.system, devices),
         precision=args.precision, max_steps=total, logger=False, enable_checkpointing=False,
@@ -198,7 +213,7 @@ def run_one(args: argparse.Namespace) -> None:
         "peak_allocated": bench.peak_allocated, "state": bench.state,
         "formula_device": formula_device, "formula_host": formula_host,
         "host_pinned_fraction": pinned_fraction(getattr(trainer.strategy, "engine", None)),
-        "torch": torch.__version__,
+        "torch": torch.__version__, "host_profile": bench.host_summary,
     }
     Path(args.out).write_text(json.dumps(result) + "\n")
 
@@ -207,13 +222,14 @@ def run_one(args: argparse.Namespace) -> None:
 
 
 def launch(system: str, shape: dict[str, int], args: argparse.Namespace, workdir: Path, steps: int, warmup: int,
-           batch_size: int) -> tuple[dict[str, Any] | None, str]:
+           batch_size: int, host_profile_steps: int = 0) -> tuple[dict[str, Any] | None, str]:
     """One system in a fresh process: (its result or None, why not: 'ok', 'out of memory', 'timeout', 'error')."""
     out = workdir / f"{system}-{shape['n_layer']}x{shape['n_embd']}.json"
     cmd = [
         sys.executable, os.path.abspath(__file__), "--one", system, "--out", str(out), "--shape", json.dumps(shape),
         "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size), "--devices", str(args.devices),
         "--precision", args.precision, "--accelerator", args.accelerator,
+        "--host-profile-steps", str(host_profile_steps),
     ] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
     if args.part == "profile":
         cmd += ["--profile-to", str(Path(args.profile_dir) / f"profile_{system.replace('+', '_')}.txt")]
@@ -237,10 +253,11 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     shape = QUICK_MODEL if args.quick else json.loads(args.model) if args.model else THROUGHPUT_MODEL
     results = []
     for system in args.systems:
-        result, _ = launch(system, shape, args, workdir, args.steps, args.warmup, args.batch_size)
+        result, _ = launch(system, shape, args, workdir, args.steps, args.warmup, args.batch_size,
+                           args.host_profile_steps)
         if result is not None:
             results.append(result)
-            print(json.dumps(result), flush=True)
+            print(json.dumps({k: v for k, v in result.items() if k != "host_profile"}), flush=True)
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     rows = [[
         r["system"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
@@ -260,6 +277,9 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
         print(f"\n{r['device_name']}, {r['precision']}, torch {r['torch']}, {r['devices']} rank(s), P = {r['params']:,}, "
               f"batch {r['batch_per_rank']} x {r['shape']['block_size']} tokens per rank, median of {args.steps} steps "
               f"after {args.warmup} warmup; GiB = 2^30 bytes.")
+    print_profiles({r["system"]: r.get("host_profile") for r in results},
+                   f"The training thread under cProfile over {args.host_profile_steps} steps after the measured ones, "
+                   "self time in ms per step, by package")
     return results
 
 
@@ -329,6 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rungs", type=int, default=7, help="rungs of the ladder")
     p.add_argument("--devices", type=int, default=0, help="ranks (default: every CUDA device)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per device for MFU")
+    p.add_argument("--host-profile-steps", type=int, default=0,
+                   help="steps after the measured ones under cProfile: host time by package (host_profile.py; 0: none)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run before it is killed")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test of the CUDA paths")
     p.add_argument("--accelerator", default="cuda", help=argparse.SUPPRESS)  # "cpu": develop the script without a GPU

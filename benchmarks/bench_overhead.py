@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_core import ALL_SYSTEMS, combine_rounds, run_child  # noqa: E402
+from host_profile import print_profiles  # noqa: E402
 
 #: 32 blocks x 12 tensors + embeddings and the final norm: 390 parameter tensors, 0.42M parameters.
 OVERHEAD_MODEL = dict(vocab_size=256, block_size=8, n_layer=32, n_head=2, n_embd=32)
@@ -81,27 +82,9 @@ def print_times(results: dict[str, dict[str, Any]], precision: str) -> None:
                   f"{'met' if met else 'NOT met'}")
 
 
-def print_profiles(results: dict[str, dict[str, Any]], precision: str) -> None:
-    profiles = {s: r["per_rank"][0].get("host_profile") for s, r in results.items()}
-    profiles = {s: p for s, p in profiles.items() if p}
-    if not profiles:
-        return
-    categories: dict[str, float] = {}
-    for p in profiles.values():
-        for name, ms in p["ms_per_step"].items():
-            categories[name] = max(categories.get(name, 0.0), ms)
-    shown = [c for c, ms in sorted(categories.items(), key=lambda kv: -kv[1]) if ms >= 0.05]
-    print(f"\n## {precision}: rank 0's training thread under cProfile, self time in ms per step, by package\n")
-    print("| package | " + " | ".join(profiles) + " |")
-    print("|---|" + "---|" * len(profiles))
-    for name in shown:
-        print(f"| {name} | " + " | ".join(f"{p['ms_per_step'].get(name, 0.0):.2f}" for p in profiles.values()) + " |")
-    print("| **total** | " + " | ".join(f"{p['total_ms_per_step']:.2f}" for p in profiles.values()) + " |")
-    for system, p in profiles.items():
-        if p["top_ours"]:
-            print(f"\n{system}: our costliest functions (self ms per step, calls per step)")
-            for function, ms, calls in p["top_ours"]:
-                print(f"  {ms:7.3f} ms  {calls:7.1f}  {function}")
+def print_overhead_profiles(results: dict[str, dict[str, Any]], precision: str) -> None:
+    print_profiles({s: r["per_rank"][0].get("host_profile") for s, r in results.items()},
+                   f"{precision}: rank 0's training thread under cProfile, self time in ms per step, by package")
 
 
 def main() -> None:
@@ -126,7 +109,7 @@ def main() -> None:
                       f"{args.steps} measured steps after {args.warmup}, {args.rounds} round(s)"
                       + (f"; FAILED: {', '.join(failed)}" if failed else ""))
             print_times(results, precision)
-            print_profiles(results, precision)
+            print_overhead_profiles(results, precision)
             everything[precision] = results
     if args.json:
         Path(args.json).write_text(json.dumps(everything))

@@ -84,3 +84,26 @@ class HostProfile:
             "total_ms_per_step": sum(by_category.values()) * scale,
             "top_ours": [(f, ms * scale, calls / steps) for ms, calls, f in ours[:top]],
         }
+
+
+def print_profiles(summaries: dict[str, dict[str, Any] | None], title: str) -> None:
+    """A markdown table of :meth:`HostProfile.summary` results, one column per system, then each one's top functions."""
+    profiles = {s: p for s, p in summaries.items() if p}
+    if not profiles:
+        return
+    categories: dict[str, float] = {}
+    for p in profiles.values():
+        for name, ms in p["ms_per_step"].items():
+            categories[name] = max(categories.get(name, 0.0), ms)
+    shown = [c for c, ms in sorted(categories.items(), key=lambda kv: -kv[1]) if ms >= 0.05]
+    print(f"\n## {title}\n")
+    print("| package | " + " | ".join(profiles) + " |")
+    print("|---|" + "---|" * len(profiles))
+    for name in shown:
+        print(f"| {name} | " + " | ".join(f"{p['ms_per_step'].get(name, 0.0):.2f}" for p in profiles.values()) + " |")
+    print("| **total** | " + " | ".join(f"{p['total_ms_per_step']:.2f}" for p in profiles.values()) + " |")
+    for system, p in profiles.items():
+        if p["top_ours"]:
+            print(f"\n{system}: our costliest functions (self ms per step, calls per step)")
+            for function, ms, calls in p["top_ours"]:
+                print(f"  {ms:7.3f} ms  {calls:7.1f}  {function}")
