@@ -72,17 +72,22 @@ class HostProfile:
         stats: dict[Any, Any] = pstats.Stats(self._profiler).stats  # type: ignore[attr-defined]
         by_category: dict[str, float] = defaultdict(float)
         ours: list[tuple[float, int, str]] = []
+        operators: list[tuple[float, int, str]] = []
         for (filename, line, function), (_, calls, tottime, _, _) in stats.items():
             name = category(filename, function)
             by_category[name] += tottime
             if name.startswith("ours"):
                 ours.append((tottime, calls, f"{filename.split('/lightning_zero/', 1)[1]}:{line}({function})"))
+            elif name == "torch operators (C++)":
+                operators.append((tottime, calls, function))
         scale = 1e3 / steps
         ours.sort(reverse=True)
+        operators.sort(reverse=True)
         return {
             "ms_per_step": {k: v * scale for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
             "total_ms_per_step": sum(by_category.values()) * scale,
             "top_ours": [(f, ms * scale, calls / steps) for ms, calls, f in ours[:top]],
+            "top_operators": [(f, ms * scale, calls / steps) for ms, calls, f in operators[:top]],
         }
 
 
@@ -103,7 +108,8 @@ def print_profiles(summaries: dict[str, dict[str, Any] | None], title: str) -> N
         print(f"| {name} | " + " | ".join(f"{p['ms_per_step'].get(name, 0.0):.2f}" for p in profiles.values()) + " |")
     print("| **total** | " + " | ".join(f"{p['total_ms_per_step']:.2f}" for p in profiles.values()) + " |")
     for system, p in profiles.items():
-        if p["top_ours"]:
-            print(f"\n{system}: our costliest functions (self ms per step, calls per step)")
-            for function, ms, calls in p["top_ours"]:
-                print(f"  {ms:7.3f} ms  {calls:7.1f}  {function}")
+        for key, what in (("top_ours", "our costliest functions"), ("top_operators", "costliest torch operators")):
+            if p.get(key):
+                print(f"\n{system}: {what} (self ms per step, calls per step)")
+                for function, ms, calls in p[key]:
+                    print(f"  {ms:7.3f} ms  {calls:7.1f}  {function}")

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 from lightning_zero.engine.comm import p2p_transport
-from lightning_zero.engine.stage12.buckets import pack_bucket, pack_segment, segment_view, unpack_bucket
+from lightning_zero.engine.stage12.buckets import (
+    pack_bucket, pack_segment, rows_by_rank, segment_parts, segment_view, unpack_bucket,
+)
 from lightning_zero.engine.stage12.layout import plan_layout
 from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.stage12.sharded_optimizer import RowViews
 
 SHAPES = [("emb", (10, 3)), ("w", (7, 5)), ("b", (7,)), ("tiny", (1,)), ("scalar", ())]
 
@@ -59,6 +62,38 @@ def test_pack_then_reduce_scatter_segments_hold_each_ranks_rows(world):
         unpack_bucket(layout, bucket, gathered, restored)
         for i in bucket.params:
             assert torch.equal(restored[i], tensors[i])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_one_split_gives_every_ranks_rows_and_every_segment_part(world):
+    torch.manual_seed(0)
+    layout = plan_layout(SHAPES, world, bucket_numel=64)
+    tensors = [torch.randn(shape) for _, shape in SHAPES]
+    for bucket in layout.buckets:
+        buf = pack_bucket(layout, bucket, tensors, torch.empty(bucket.numel))
+        for rank in range(world):
+            parts = segment_parts(buf.view(world, -1)[rank], layout, bucket.index, rank)
+            for j, i in enumerate(bucket.params):
+                rows = rows_by_rank(tensors[i].view(-1), layout.params[i])
+                assert torch.equal(rows[rank], local_rows(tensors[i], rank, world).reshape(-1))
+                assert torch.equal(parts[j], rows[rank])
+                assert parts[j].data_ptr() == segment_view(layout, buf.view(world, -1)[rank], i, rank).data_ptr()
+
+
+def test_row_views_are_kept_until_a_parameter_gets_new_memory():
+    layout = plan_layout(SHAPES[:3], 2, bucket_numel=10**9)
+    params = [torch.nn.Parameter(torch.randn(shape)) for _, shape in SHAPES[:3]]
+    views, bucket = RowViews(layout), layout.buckets[0]
+    first = views.of_bucket(bucket, params)
+    assert views.of_bucket(bucket, params) is first
+    for rank, of_rank in enumerate(first):
+        for j, i in enumerate(bucket.params):
+            assert torch.equal(of_rank[j], local_rows(params[i].detach(), rank, 2).reshape(-1))
+    moved = bucket.params[1]
+    params[moved].data = params[moved].data.clone()  # e.g. a checkpoint loaded by assignment, or `.to()`
+    again = views.of_bucket(bucket, params)
+    assert again is not first
+    assert again[1][1].data_ptr() == local_rows(params[moved].detach(), 1, 2).data_ptr()
 
 
 def test_none_sources_pack_as_zeros():

@@ -200,7 +200,7 @@ class Exchange(Ring):
         return [pieces[a] if b - a == 1 else self._unpacked(pieces[a:b]) for a, b in runs] if runs else list(pieces)
 
     def _pack(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
-        packed = torch.cat([piece.reshape(-1) for piece in pieces])
+        packed = torch.cat([piece if piece.dim() == 1 else piece.reshape(-1) for piece in pieces])
         self.sent.append(packed)
         return packed
 
@@ -220,8 +220,8 @@ class Exchange(Ring):
             self._complete()
         with torch.no_grad():
             for buffer, views in self.unpack:
-                for view, part in zip(views, buffer.split([v.numel() for v in views])):
-                    view.copy_(part.view_as(view))
+                parts = buffer.split_with_sizes([v.numel() for v in views])
+                torch._foreach_copy_(views, [p if v.dim() == 1 else p.view_as(v) for v, p in zip(views, parts)])
         self.unpack, self.sent = [], []
         _FLIGHT.done(self.number)
         return True

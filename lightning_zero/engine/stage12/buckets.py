@@ -98,3 +98,12 @@ def segment_view(layout: ShardLayout, segment: torch.Tensor, index: int, rank: i
     return view.view(end - start, *spec.shape[1:]) if spec.shape else view
 
 
+def rows_by_rank(flat: torch.Tensor, spec: ParamShardSpec) -> tuple[torch.Tensor, ...]:
+    """Every rank's rows of a flattened parameter (or gradient), as views, in one ``split``: the per-step cost of
+    views is paid per parameter, not per parameter and rank."""
+    return tuple(flat.split_with_sizes(spec.rank_numels))
+
+
+def segment_parts(segment: torch.Tensor, layout: ShardLayout, bucket_index: int, rank: int) -> list[torch.Tensor]:
+    """Views of a rank segment of the bucket holding each parameter's rows of ``rank``, in one ``split``."""
+    return list(segment.split_with_sizes(layout.segment_split(bucket_index, rank))[::2])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -40,7 +41,6 @@ from torch import nn
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage12.buckets import pack_bucket, segment_view
 from lightning_zero.engine.comm.compression import CompressedComm
-from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
@@ -132,8 +132,8 @@ class GradientReducer:
         self.replicate_group = replicate_group
         self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
         self.require_sync = True
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._ready = [0] * len(layout.buckets)
+        self._sizes = [len(b.params) for b in layout.buckets]
         self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
         self._inflight: list[_Inflight] = []
         #: The finalized gradient's dtype when it differs from the held sums' (fp32 masters of a mixed run).
@@ -160,7 +160,8 @@ class GradientReducer:
             for i, p in enumerate(self.params)
         ]
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params if p.requires_grad
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            for i, p in enumerate(self.params) if p.requires_grad
         ]
 
     # ------------------------------------------------------------------ views
@@ -184,7 +185,8 @@ class GradientReducer:
         grad = record.param.grad
         if grad is None:
             return None
-        return local_rows(grad, self.rank, self.world_size)
+        start, end = record.spec.row_range(self.rank)  # ``shard.local_rows``, its arithmetic done once
+        return grad[start:end]
 
     def held_gradients(self) -> list[torch.Tensor]:
         """Gradient tensors the reducer itself owns (stage 2's shard storage, finalized copies), for
@@ -201,18 +203,19 @@ class GradientReducer:
         finally:
             self.require_sync = previous
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
+    def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
         if not self.require_sync:
             return
-        record = self.records[self._index[id(param)]]
+        record = self.records[index]
         if record.state is GradState.FINALIZED:
             raise RuntimeError(
                 f"Parameter {record.spec.name!r} received a new gradient after its gradients were "
                 "finalized for an optimizer step (clipping or unscaling) but before that step ran. Call "
                 "`optimizer.step()` (or skip it) before the next backward."
             )
-        self._ready[record.spec.bucket] += 1
-        if self.overlap_comm:
+        bucket = record.spec.bucket
+        self._ready[bucket] += 1
+        if self.overlap_comm and bucket == self._next and self._ready[bucket] == self._sizes[bucket]:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -227,7 +230,7 @@ class GradientReducer:
         """
         while self._next < len(self.layout.buckets):
             bucket = self._next
-            if self._ready[bucket] < len(self.layout.buckets[bucket].params):
+            if self._ready[bucket] < self._sizes[bucket]:
                 return
             self._launch(bucket)
 
@@ -363,8 +366,9 @@ class GradientReducer:
             grads.append(grad)
         if self.host_gradients is not None:
             self.host_gradients.gradients_ready()
-        if grads:
-            torch._foreach_mul_(grads, scale / (self.world_size * self.replicas))
+        coefficient = scale / (self.world_size * self.replicas)
+        if grads and coefficient != 1.0:  # one rank, nothing to unscale: a pass over every gradient for nothing
+            torch._foreach_mul_(grads, coefficient)
 
     def consume(self, indices: Iterable[int]) -> None:
         """The optimizer step used (or skipped) these gradients: clear them for the next window."""

@@ -78,6 +78,12 @@ class ParamShardSpec:
     def _element_ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple(shard.element_range(self.shape, r, self.world_size) for r in range(self.world_size))
 
+    @functools.cached_property
+    def rank_numels(self) -> list[int]:
+        """Elements each rank holds, in rank order: they tile the flattened parameter, so one ``split`` by them
+        gives every rank's rows at once (:func:`rows_by_rank`)."""
+        return [end - start for start, end in self._element_ranges]
+
     @property
     def full_chunks(self) -> int:
         """Number of ranks whose chunk is not short (they get exactly ``chunk_numel`` elements)."""
@@ -121,6 +127,24 @@ class ShardLayout:
     def shard_numel(self) -> int:
         """Elements of one rank's shards of every parameter, padded (its stage-2 gradient storage)."""
         return sum(b.segment_numel for b in self.buckets)
+
+    def segment_split(self, bucket_index: int, rank: int) -> list[int]:
+        """Sizes that ``split`` a rank segment of the bucket into, alternately, each parameter's rows of ``rank``
+        and its chunk's padding (:func:`segment_parts`)."""
+        key = (bucket_index, rank)
+        sizes = self._segment_splits.get(key)
+        if sizes is None:
+            sizes = self._segment_splits[key] = [
+                n
+                for i in self.buckets[bucket_index].params
+                for local in (self.params[i].rank_numels[rank],)
+                for n in (local, self.params[i].chunk_numel - local)
+            ]
+        return sizes
+
+    @functools.cached_property
+    def _segment_splits(self) -> dict[tuple[int, int], list[int]]:
+        return {}
 
     def describe(self, rank: int = 0) -> str:
         """A printable plan, for debugging and for the docs."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage12.buckets import rows_by_rank, segment_parts
 from lightning_zero.engine.stage12.layout import ShardLayout
 
 
@@ -53,27 +54,25 @@ class InPlaceReduction:
             else torch.empty(bucket.segment_numel, dtype=self.dtype, device=self.device)
             for k, peer in enumerate(peers)
         }
+        #: Every rank's rows of each gradient (None: no gradient here), one ``split`` per gradient.
+        self.rows = [None if g is None else rows_by_rank(g.view(-1), spec) for g, spec in zip(self.grads, self.specs)]
         sends = [[self._rows(j, r) for j in range(len(self.specs))] if r != rank else [] for r in range(world)]
         #: Per peer, the views of its segment that receive its contribution to each parameter's rows.
         self.received: dict[int, list[torch.Tensor]] = {
-            peer: [self._received(peer, j) for j in range(len(self.specs))] for peer in self.segments
+            peer: segment_parts(segment, layout, bucket_index, rank) for peer, segment in self.segments.items()
         }
         receives = [self.received.get(peer, []) for peer in range(world)]
         self.work = collectives.reduce_scatter_in_place(
             sends, receives, bucket.numel, group=group, chunk_numels=[spec.chunk_numel for spec in self.specs]
         )
+        self._storage_parts = segment_parts(storage, layout, bucket_index, rank) if storage is not None else None
 
     def _rows(self, j: int, rank: int) -> torch.Tensor:
         """Parameter ``j``'s gradient rows of ``rank``, flat (zeros where this rank has no gradient)."""
-        start, end = self.specs[j].element_range(rank)
-        grad = self.grads[j]
-        if grad is None:
-            return torch.zeros(end - start, dtype=self.dtype, device=self.device)
-        return grad.view(-1)[start:end]
-
-    def _received(self, peer: int, j: int) -> torch.Tensor:
-        spec = self.specs[j]
-        return self.segments[peer][spec.offset : spec.offset + spec.local_numel(self.rank)]
+        rows = self.rows[j]
+        if rows is None:
+            return torch.zeros(self.specs[j].rank_numels[rank], dtype=self.dtype, device=self.device)
+        return rows[rank]
 
     def land(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Wait, then leave each parameter's reduced rows where its stage keeps them: stage 2 in the shard storage
@@ -89,17 +88,16 @@ class InPlaceReduction:
             for param in params:
                 param.grad = None
             return
-        own, others = [], []
+        own: list[torch.Tensor] = []
+        others: list[torch.Tensor] = []
         for j, param in enumerate(params):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            start, end = self.specs[j].element_range(self.rank)
-            flat = param.grad.view(-1)
-            own.append(flat[start:end])  # this rank's own contribution is already in its rows
-            if start > 0:
-                others.append(flat[:start])
-            if end < flat.numel():
-                others.append(flat[end:])
+            rows = self.rows[j] if param.grad is self.grads[j] else None
+            if rows is None:
+                rows = rows_by_rank(param.grad.view(-1), self.specs[j])
+            own.append(rows[self.rank])  # this rank's own contribution is already in its rows
+            others.extend(part for r, part in enumerate(rows) if r != self.rank and part.numel())
         for peer in self.segments:
             torch._foreach_add_(own, self.received[peer])
         if others:
@@ -108,10 +106,10 @@ class InPlaceReduction:
     def _sum_into_storage(self) -> None:
         """Each parameter's own contribution and every peer's into its rows of the shard storage: written where the
         storage held nothing (it holds the first peer's already), else added to the sums it held."""
-        if self.storage is None:
+        targets = self._storage_parts
+        if targets is None:
             raise RuntimeError("only stage 2 reduces into shard storage")
         own = [self._rows(j, self.rank) for j in range(len(self.specs))]
-        targets = [self.storage[spec.offset : spec.offset + part.numel()] for spec, part in zip(self.specs, own)]
         received = [self.received[peer] for peer in self.segments]
         if self.into_storage:
             torch._foreach_add_(targets, own)

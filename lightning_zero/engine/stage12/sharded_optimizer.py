@@ -32,11 +32,11 @@ from torch.profiler import record_function
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
-from lightning_zero.engine.stage12.buckets import pack_segment, unpack_bucket
+from lightning_zero.engine.stage12.buckets import pack_segment, rows_by_rank, unpack_bucket
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer, Pending
-from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
+from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards, host_kernel
 from lightning_zero.engine.optimizers import hosted_params, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
@@ -86,6 +86,7 @@ class ShardedOptimizer:
                 rank=rank, world_size=layout.world_size, group=group, comm_device=device, dtype=dtype, resident=masters is None
             )
             self.owners.on_host = masters is not None and masters.offloaded
+        self.row_views = RowViews(layout)
         self.refresh()
 
     def refresh(self) -> None:
@@ -210,7 +211,7 @@ class ShardedOptimizer:
         with record_function("lightning_zero::param_all_gather"):  # a phase of bench_core's breakdown
             all_gather_params(
                 self.layout, self.params, self.buckets, rank=self.rank, group=self.group, masters=self.masters,
-                indices=self.indices, compression=self.reducer.compression,
+                indices=self.indices, compression=self.reducer.compression, row_views=self.row_views,
             )
 
 
@@ -224,14 +225,17 @@ def all_gather_params(
     masters: MasterShards | None = None,
     indices: Iterable[int] | None = None,
     compression: CompressedComm | None = None,
+    row_views: RowViews | None = None,
 ) -> None:
     """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time: in place over
     gloo (see [Note: collectives in place] in ``p2p_transport.py``), else packed, overlapping the packing of the next
     bucket with the in-flight gather of the previous one. With ``masters``, the
     masters of ``indices`` (default: all) are first copied into this rank's rows, bucket by bucket, so the
     host->device copy of one bucket overlaps the gather of the one before. With ``compression`` of parameters
-    every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact."""
+    every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact.
+    ``row_views``: the parameters' row views kept from earlier gathers (made here when None)."""
     sources = [p.detach() for p in params]
+    row_views = row_views or RowViews(layout)
     wanted = set(range(len(params)) if indices is None else indices)
 
     def copy_masters(bucket: BucketSpec) -> None:
@@ -262,7 +266,7 @@ def all_gather_params(
         like = sources[bucket.params[0]]  # a bucket holds one dtype
         encoded = compression is not None and compression.compresses_params(like.dtype)
         if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
-            pieces = [[_rows_of(sources[i], layout.params[i], r) for i in bucket.params] for r in range(layout.world_size)]
+            pieces = row_views.of_bucket(bucket, params)
             chunks = [layout.params[i].chunk_numel for i in bucket.params]
             flights.append(
                 (bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group, chunk_numels=chunks), None, False)
@@ -282,10 +286,25 @@ def all_gather_params(
         land(*flight)
 
 
-def _rows_of(param: torch.Tensor, spec: ParamShardSpec, rank: int) -> torch.Tensor:
-    """``rank``'s rows of ``param`` as a flat view (empty for a rank past the last row)."""
-    start, end = spec.element_range(rank)
-    return param.view(-1)[start:end]
+class RowViews:
+    """Every rank's rows of the resident parameters, as flat views, per bucket: the in-place all-gather's pieces.
+
+    Made once and kept while the parameters keep their memory (``data_ptr``, asked per parameter, is the check:
+    a kept view holds the old storage alive, so a parameter given new memory always has a new address), since
+    making them costs a few microseconds a parameter and rank, every step."""
+
+    def __init__(self, layout: ShardLayout) -> None:
+        self.layout = layout
+        self._by_bucket: dict[int, tuple[list[int], list[list[torch.Tensor]]]] = {}
+
+    def of_bucket(self, bucket: BucketSpec, params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``[rank][j]``: rank's rows of the bucket's ``j``-th parameter."""
+        addresses = [params[i].data_ptr() for i in bucket.params]
+        kept = self._by_bucket.get(bucket.index)
+        if kept is None or kept[0] != addresses:
+            rows = [rows_by_rank(params[i].detach().view(-1), self.layout.params[i]) for i in bucket.params]
+            kept = self._by_bucket[bucket.index] = (addresses, [list(of_rank) for of_rank in zip(*rows)])
+        return kept[1]
 
 
 if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``), checked statically
