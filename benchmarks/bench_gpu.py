@@ -251,36 +251,53 @@ def launch(system: str, shape: dict[str, int], args: argparse.Namespace, workdir
 
 def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     shape = QUICK_MODEL if args.quick else json.loads(args.model) if args.model else THROUGHPUT_MODEL
-    results = []
-    for system in args.systems:
-        result, _ = launch(system, shape, args, workdir, args.steps, args.warmup, args.batch_size,
-                           args.host_profile_steps)
-        if result is not None:
-            results.append(result)
-            print(json.dumps({k: v for k, v in result.items() if k != "host_profile"}), flush=True)
-    ddp = next((r for r in results if r["system"] == "ddp"), None)
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}
+    for round_index in range(args.rounds):  # interleaved: a slow spell of the host hits every system alike
+        for system in args.systems:
+            result, _ = launch(system, shape, args, workdir, args.steps, args.warmup, args.batch_size,
+                               args.host_profile_steps if round_index == 0 else 0)
+            if result is not None:
+                runs[system].append({**result, "round": round_index})
+                print(json.dumps({k: v for k, v in result.items() if k != "host_profile"}), flush=True)
+    results = [combine_rounds(rounds, runs.get("ddp", [])) for rounds in runs.values() if rounds]
     rows = [[
         r["system"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
         f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-",
-        f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-",
+        f"{r['vs_ddp']:.2f}" if r["vs_ddp"] is not None else "-",
         f"{r['cpu_ms_per_step']:.1f}",
         f"{r['peak_allocated'] / 2**30:.2f}",
         f"{r['state'].get('device', r['state'].get('total', 0)) / 2**30:.2f} ({r['formula_device'] / 2**30:.2f})",
         f"{r['state'].get('host', 0) / 2**30:.2f} ({r['formula_host'] / 2**30:.2f})",
         f"{100 * r['host_pinned_fraction']:.0f}" if r["host_pinned_fraction"] is not None else "-",
+        " ".join(f"{x:.1f}" for x in r["rounds_step_ms"]),
     ] for r in results]
     cols = ["system", "step_ms", "tokens/s", "MFU%", "vs_ddp", "host_cpu_ms/step", "peak_alloc_GiB", "state_device_GiB (formula)",
-            "state_host_GiB (formula)", "host_pinned%"]
+            "state_host_GiB (formula)", "host_pinned%", "rounds' step_ms"]
     print_rows(cols, rows)
     if results:
         r = results[0]
         print(f"\n{r['device_name']}, {r['precision']}, torch {r['torch']}, {r['devices']} rank(s), P = {r['params']:,}, "
               f"batch {r['batch_per_rank']} x {r['shape']['block_size']} tokens per rank, median of {args.steps} steps "
-              f"after {args.warmup} warmup; GiB = 2^30 bytes.")
+              f"after {args.warmup} warmup, {args.rounds} interleaved round(s): step and CPU time the median of the "
+              "rounds', vs_ddp the median of each round's ratio; GiB = 2^30 bytes.")
     print_profiles({r["system"]: r.get("host_profile") for r in results},
                    f"The training thread under cProfile over {args.host_profile_steps} steps after the measured ones, "
                    "self time in ms per step, by package")
     return results
+
+
+def combine_rounds(rounds: list[dict[str, Any]], ddp: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's rounds as one result: the first round's, with the medians of the timings and of each round's
+    ratio to DDP's step time in the same round (the host's speed drifts between rounds; a ratio within one does not)."""
+    ddp_ms = {r["round"]: r["step_ms"] for r in ddp}
+    ratios = [r["step_ms"] / ddp_ms[r["round"]] for r in rounds if r["round"] in ddp_ms]
+    first = rounds[0]
+    return {
+        **first, "rounds_step_ms": [r["step_ms"] for r in rounds],
+        **{key: statistics.median(r[key] for r in rounds) for key in ("step_ms", "tokens_per_s", "cpu_ms_per_step")},
+        "mfu": statistics.median(r["mfu"] for r in rounds) if first["mfu"] is not None else None,
+        "vs_ddp": statistics.median(ratios) if ratios else None,
+    }
 
 
 def fits_formula(system: str, shape: dict[str, int], args: argparse.Namespace) -> bool:
@@ -340,6 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--search-systems", default=",".join(SEARCH_SYSTEMS), help="largest-model systems")
     p.add_argument("--precision", default="bf16-mixed", choices=("bf16-mixed", "32-true"))
     p.add_argument("--steps", type=int, default=10, help="measured steps")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every system (throughput)")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank (throughput)")
     p.add_argument("--model", default=None, help="the throughput GPT's shape as JSON (default: ~136M, GPT-2 small's)")

@@ -43,6 +43,19 @@ def test_mfu_counts_attention_and_uses_the_known_peak() -> None:
     assert bench_gpu.peak_tflops("Some GPU", None) is None and bench_gpu.peak_tflops("Some GPU", 100.0) == 100.0
 
 
+def test_rounds_combine_into_the_median_of_each_rounds_ratio_to_ddp() -> None:
+    def run(system: str, round_index: int, step_ms: float) -> dict:
+        return dict(system=system, round=round_index, step_ms=step_ms, tokens_per_s=1e3 / step_ms,
+                    cpu_ms_per_step=step_ms, mfu=None)
+
+    ddp = [run("ddp", 0, 10.0), run("ddp", 1, 30.0), run("ddp", 2, 12.0)]
+    zero1 = [run("zero1", 0, 13.0), run("zero1", 1, 31.0), run("zero1", 2, 12.6)]  # 1.3, 1.03, 1.05 times DDP's
+    combined = bench_gpu.combine_rounds(zero1, ddp)
+    assert combined["rounds_step_ms"] == [13.0, 31.0, 12.6] and combined["step_ms"] == 13.0
+    assert combined["vs_ddp"] == pytest.approx(1.05)  # not 13.0 / 12.0, the medians' ratio: each round its own
+    assert bench_gpu.combine_rounds(zero1, [])["vs_ddp"] is None
+
+
 @background.in_background
 def test_both_parts_run_end_to_end_on_the_cpu() -> None:
     proc = _run("--accelerator", "cpu", "--quick", "--systems", "zero3+offload_params",

@@ -39,3 +39,4 @@ def test_a_profiled_window_sums_per_step_and_names_our_functions():
     assert summary["ms_per_step"]["ours: lightning_zero/engine"] > 0
     assert summary["total_ms_per_step"] >= sum(summary["ms_per_step"].values()) - 1e-9
     assert any("engine/shard.py" in name and calls == 200 for name, _, calls in summary["top_ours"])
+    assert any("add_" in name and calls == 1 for name, _, calls in summary["top_operators"])
