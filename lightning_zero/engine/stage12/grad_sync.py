@@ -44,6 +44,7 @@ from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
+from lightning_zero.engine.stage12.replica_sum import comm_dtype, sum_over_replicas
 
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
@@ -144,7 +145,7 @@ class GradientReducer:
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
         self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
         self.reduce_dtype = reduce_dtype
-        self.comm_dtypes = [_comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
+        self.comm_dtypes = [comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
         # Stage 2: a flat storage per bucket for this rank's gradient shards, viewed per parameter.
         self.storage = (
             [
@@ -351,7 +352,7 @@ class GradientReducer:
         held_by_index = {i: self.local_grad(i) for i in pending}
         if self.replicas > 1:
             sums = [g for g in held_by_index.values() if g is not None]
-            _sum_over(self.replicate_group, sums, self.reduce_dtype, self.compression)
+            sum_over_replicas(self.replicate_group, sums, self.reduce_dtype, self.compression)
         grads = []
         for i, held in held_by_index.items():
             record = self.records[i]
@@ -394,28 +395,3 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _sum_over(
-    group: dist.ProcessGroup | None, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None, compression: CompressedComm | None = None
-) -> None:
-    """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
-    shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
-    fp16 sums of ``16-mixed``), or compressed (``compression.py``)."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for held, same in by_dtype.items():
-        flat = torch.cat([t.reshape(-1) for t in same]).to(_comm_dtype(held, reduce_dtype))
-        if compression is not None:
-            compression.sum_over(flat, group, key=str(held).removeprefix("torch."))
-        else:
-            collectives.all_reduce(flat, group=group)
-        torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in same]), same)])
-
-
-def _comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
-    """Sum in ``reduce_dtype`` unless the gradients are held in a wider dtype (fp32 layers of a mixed run)."""
-    if reduce_dtype is None or held.itemsize > reduce_dtype.itemsize:
-        return held
-    return reduce_dtype
