@@ -5,20 +5,24 @@
 With ``offload_optimizer`` the optimizer is re-hosted (see ``sharded_optimizer.py``) on fp32 master rows that
 live in host memory, so its state is born there too. One step is then:
 
-1. device->host: when the gradients are finalized (averaged, unscaled), each reduced shard is copied, cast
-   to fp32, into a host buffer allocated once and reused, and averaged there: no fp32 gradient shard is
-   ever made on the device. Clipping and the overflow check then read the host copies;
+1. device->host, during backward: as each bucket's reduction lands, its reduced shards are copied, cast to
+   fp32, into host buffers allocated once and reused (no fp32 gradient shard is ever made on the device). A
+   later backward of the same window that adds to a bucket copies it again, so what the host holds is always
+   the final sum. When the gradients are finalized they are averaged (and unscaled) there; clipping and the
+   overflow check read the host copies;
 2. the user's optimizer steps the host masters (torch's fused CPU kernel when the optimizer has one and the
-   user did not choose a kernel, see :func:`host_kernel`);
-3. host->device: the updated rows are copied into the device's parameter shard, bucket by bucket, each
-   bucket's copy overlapping the all-gather of the one before.
+   user did not choose a kernel, see :func:`host_kernel`), a few buckets at a time when the optimizer's state
+   is per parameter (see :func:`steps_in_parts`);
+3. host->device: each part's updated rows are copied into the device's parameter shard as soon as that part
+   is stepped, and all-gathered, so the copies of one part overlap the host step of the next.
 
-With an accelerator the host buffers are pinned and the copies are ``non_blocking``: all gradient copies are
-queued at once and the host waits for them once, and the step's host->device copies run behind the host. A
-pinned master is written again only by the next host step, which first waits for that step's gradient
-copies, queued after (so finished after) this step's parameter copies. On a CPU-only machine host and device
-are the same memory, nothing is pinned (pinning needs an accelerator), and the very same copies run
-synchronously: CI exercises the offload path bit for bit.
+With an accelerator the host buffers are pinned and the copies are ``non_blocking``; the gradient copies run
+on a copy stream of their own (:class:`CopyStream`), so they overlap the backward still computing, and the
+host waits for them once, when the gradients are finalized: that wait also covers everything queued before on
+the compute stream, the previous step's parameter copies included, so a pinned master is never written while
+its copy to the device is in flight. On a CPU-only machine host and device are the same memory, nothing is
+pinned (pinning needs an accelerator), and the very same copies run synchronously, in the same order: CI
+exercises the offload schedule bit for bit.
 
 [Note: partial offload]
 ``offload_optimizer=r`` with ``0 < r < 1`` (DeepSpeed's ``offload_optimizer.ratio``, ZeRO's Twin-Flow) puts the
@@ -38,6 +42,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 HOST = torch.device("cpu")
 
@@ -67,10 +72,30 @@ def should_pin(device: torch.device, requested: bool | None) -> bool:
     return bool(requested)
 
 
-def wait_for_device(device: torch.device) -> None:
-    """Block the host until the device's queued work (e.g. ``non_blocking`` copies) is done."""
-    if device.type != "cpu":
-        torch.get_device_module(device.type).current_stream(device).synchronize()
+class CopyStream:
+    """A device stream for the gradient copies to the host, beside the compute stream (see [Note: the offloaded
+    step]): each batch of copies first waits for what the compute stream has queued so far (the reductions
+    that produced the gradients), then runs while the compute stream goes on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.module = torch.get_device_module(device.type)
+        self.device = device
+        self.stream = self.module.Stream(device)
+
+    @contextlib.contextmanager
+    def after_compute(self, sources: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Run the block's copies on this stream, after the compute stream's queued work; ``sources`` are kept
+        from reuse by the caching allocator until the copies have read them."""
+        self.stream.wait_stream(self.module.current_stream(self.device))
+        for source in sources:
+            source.record_stream(self.stream)
+        with self.module.stream(self.stream):
+            yield
+
+    def wait(self) -> None:
+        """Block the host until every copy and everything queued on the compute stream so far is done."""
+        self.stream.wait_stream(self.module.current_stream(self.device))
+        self.stream.synchronize()
 
 
 class MasterShards:
@@ -101,6 +126,8 @@ class MasterShards:
         self.aliased = {i for i, (t, s) in enumerate(zip(self.tensors, shards)) if t is s}
         self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
         self._grad_buffers: dict[int, torch.Tensor] = {}
+        #: With an accelerator, the stream the gradient copies to the host run on (None: synchronous copies).
+        self.copies = CopyStream(self.device) if self.pinned else None
 
     def _master(self, index: int, rows: torch.Tensor) -> torch.Tensor:
         """Master ``index``: a host copy, a wider-dtype device copy, or (device, same dtype) the rows themselves."""
@@ -141,31 +168,48 @@ class MasterShards:
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self.tensors)
 
-    def stage_gradient(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        """Start copying ``grad`` (cast to the master's dtype) into master ``index``'s host gradient buffer,
-        allocated on first use and reused every step; :meth:`gradients_ready` waits for the copies."""
-        master = self.tensors[index]
-        if not self.on_host[index]:  # partial offload: a device master takes the gradient where it is
-            return grad if grad.dtype == master.dtype else grad.to(master.dtype)
-        buffer = self._grad_buffers.get(index)
-        if buffer is None:
-            buffer = self._grad_buffers[index] = self._allocate(master, master.dtype, True)
-        if grad is not buffer:
-            buffer.copy_(grad, non_blocking=self.pinned)
-        return buffer
+    def stage_gradients(self, grads: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """Start copying each ``(index, grad)``'s gradient (cast to the master's dtype) into master ``index``'s host
+        gradient buffer, allocated on first use and reused every step, and return the buffers: with an accelerator
+        the copies run on :attr:`copies` and :meth:`gradients_ready` waits for them. A master kept on the device
+        (partial offload) takes its gradient where it is."""
+        out: list[torch.Tensor] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, grad in grads:
+            master = self.tensors[index]
+            if not self.on_host[index]:
+                out.append(grad if grad.dtype == master.dtype else grad.to(master.dtype))
+                continue
+            buffer = self._grad_buffers.get(index)
+            if buffer is None:
+                buffer = self._grad_buffers[index] = self._allocate(master, master.dtype, True)
+            if grad is not buffer:
+                copies.append((buffer, grad))
+            out.append(buffer)
+        if copies and self.copies is not None:
+            with self.copies.after_compute([grad for _, grad in copies]):
+                for buffer, grad in copies:
+                    buffer.copy_(grad, non_blocking=True)
+        else:
+            for buffer, grad in copies:
+                buffer.copy_(grad)
+        return out
 
     def gradients_ready(self) -> None:
         """Wait until the staged gradient copies have landed in host memory."""
-        if self.pinned:
-            wait_for_device(self.device)
+        if self.copies is not None:
+            self.copies.wait()
 
     def receive_gradients(self, grads: Mapping[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
-        """The gradients for the masters: the given ones, or (offloaded) their host copies."""
+        """The gradients for the masters: the given ones, or (offloaded) their host copies (waited for, when
+        any had to be made)."""
         if not self.offloaded:
             return dict(grads)
-        out = {i: None if grad is None else self.stage_gradient(i, grad) for i, grad in grads.items()}
-        self.gradients_ready()
-        return out
+        given = [(i, grad) for i, grad in grads.items() if grad is not None]
+        staged = dict(zip((i for i, _ in given), self.stage_gradients(given)))
+        if any(staged[i] is not grad for i, grad in given if self.on_host[i]):
+            self.gradients_ready()
+        return {i: staged.get(i) for i in grads}
 
     def copy_into(self, index: int, target: torch.Tensor) -> None:
         """Write master ``index`` into ``target`` (this rank's rows on the device), cast to its dtype."""
@@ -207,6 +251,39 @@ def host_share(elements: Sequence[int], ratio: float) -> list[bool]:
             chosen[i] = True
             used += elements[i]
     return chosen
+
+
+#: Parts of the host step (see [Note: the offloaded step]): enough that the copies behind the last part are short,
+#: few enough that the optimizer's per-call overhead stays small.
+HOST_STEP_PARTS = 8
+
+
+def steps_in_parts(optimizer: Optimizer) -> bool:
+    """Whether stepping ``optimizer`` a few parameters at a time gives the very numbers of one step over all of them:
+    torch's element-wise optimizers keep every state (the step count included) per parameter; a step hook,
+    though, would see one step as several, so an optimizer with hooks steps whole."""
+    return (
+        isinstance(optimizer, FUSED_ON_CPU)
+        and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+        and not torch_optimizer._global_optimizer_pre_hooks and not torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def split_in_parts(sizes: Sequence[int], parts: int = HOST_STEP_PARTS) -> list[list[int]]:
+    """Consecutive runs of the positions of ``sizes``, each closed once it holds about ``1/parts`` of the total."""
+    target = sum(sizes) / max(parts, 1)
+    runs: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for position, size in enumerate(sizes):
+        current.append(position)
+        filled += size
+        if filled >= target:
+            runs.append(current)
+            current, filled = [], 0
+    if current:
+        runs.append(current)
+    return runs
 
 
 @contextlib.contextmanager

@@ -26,6 +26,16 @@ def test_offload_equals_the_same_run_without_offload(report, config):
     assert result["grad_diff_reference"] <= 1e-5
 
 
+@pytest.mark.parametrize("config", CONFIGS[:2])
+def test_gradients_reach_the_host_as_buckets_land_and_the_host_steps_in_parts(report, config):
+    """The overlapped schedule of [Note: the offloaded step]: every step's gradients were copied to the host when
+    their bucket's reduction landed (none waited for the finalize), and the host stepped bucket runs one by one."""
+    result = report["exact"][f"{config}_32-true"]
+    assert len(result["staged_on_landing"]) == 4
+    assert all(staged == total > 0 for staged, total in result["staged_on_landing"])
+    assert result["host_step_parts"] > 1
+
+
 @pytest.mark.parametrize("config", CONFIGS[1:])
 def test_offload_equals_the_same_run_without_offload_in_bf16_mixed(report, config):
     assert report["exact"][f"{config}_bf16-mixed"]["param_diff_no_offload"] <= 1e-6

@@ -23,8 +23,10 @@ from tests.launch import run_cases_with_directory
 
 #: (name, stage, ZeroStrategy settings) of every offload configuration.
 CONFIGS = [
-    ("stage1_optimizer", 1, dict(offload_optimizer=True)),
-    ("stage2_optimizer", 2, dict(offload_optimizer=True)),
+    # Small buckets: several per rank, so gradients go to the host bucket by bucket as their reductions land and
+    # the host steps in parts (see [Note: the offloaded step]).
+    ("stage1_optimizer", 1, dict(offload_optimizer=True, bucket_size_mb=0.001)),
+    ("stage2_optimizer", 2, dict(offload_optimizer=True, bucket_size_mb=0.001)),
     ("stage3_optimizer", 3, dict(offload_optimizer=True)),
     ("stage3_params", 3, dict(offload_optimizer=True, offload_params=True)),
 ]
@@ -114,6 +116,7 @@ def run(stage: int, settings: dict, precision: str = "32-true", model=models.Reg
     module = model()
     initial = {k: v.clone() for k, v in module.state_dict().items()}
     recorder = GradientRecorder()
+    schedule = ScheduleProbe()
     RecordingAdamW.largest = 0
     t = trainer(
         ZeroStrategy(stage=stage, state_dict_type="full", **settings),
@@ -121,11 +124,11 @@ def run(stage: int, settings: dict, precision: str = "32-true", model=models.Reg
         accumulate_grad_batches=ACCUMULATE,
         gradient_clip_val=CLIP,
         precision=precision,
-        callbacks=[recorder],
+        callbacks=[recorder, schedule] if stage < 3 and settings.get("offload_optimizer") else [recorder],
     )
     data = models.IndexedData()
     t.fit(module, models.loader(data, BATCH))
-    out = {"steps": t.global_step, "placement": placement(t), "largest_step_tensor": RecordingAdamW.largest}
+    out = {"staged_on_landing": schedule.staged_on_landing, "host_step_parts": schedule.parts, "steps": t.global_step, "placement": placement(t), "largest_step_tensor": RecordingAdamW.largest}
     out["bytes"] = model_state_bytes(module, [t.optimizers[0]], t.strategy.engine)
     out["bytes"]["optimizer_tensors"] = _optimizer_bytes(t, host_only=False)
     out["bytes"]["optimizer_host"] = _optimizer_bytes(t, host_only=True)
@@ -166,6 +169,21 @@ def exactness() -> dict:
         if RANK == 0:
             out[name]["param_diff_no_offload"] = max_diff(final, plain[(stage, "32-true")])
     return out
+
+
+class ScheduleProbe(L.Callback):
+    """Stages 1-2: at every step, how many gradients the host got as their bucket's reduction landed (rather than
+    when they were finalized), out of how many; and in how many parts the host steps."""
+
+    def __init__(self) -> None:
+        self.staged_on_landing: list[tuple[int, int]] = []
+        self.parts = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        shards = trainer.strategy.engine.optimizer_shards(optimizer)
+        finals = [r for r in shards.reducer.records if r.final is not None]
+        self.staged_on_landing.append((sum(r.final is r.staged for r in finals), len(finals)))
+        self.parts = len(shards.parts)
 
 
 class PlacementProbe(L.Callback):

@@ -75,3 +75,32 @@ def test_device_masters_use_the_gradients_where_they_are():
     grad = torch.randn(4)
     assert masters.receive_gradients({0: grad})[0] is grad
     assert masters.gradient_buffers == []
+
+
+def test_the_host_step_splits_into_consecutive_runs_of_about_equal_size():
+    from lightning_zero.engine.offload import split_in_parts
+
+    assert split_in_parts([5, 5, 5, 5], parts=2) == [[0, 1], [2, 3]]
+    assert split_in_parts([10, 1, 1, 1, 1], parts=2) == [[0], [1, 2, 3, 4]]  # a large bucket is a part of its own
+    assert split_in_parts([1, 1, 1], parts=8) == [[0], [1], [2]]  # never more parts than buckets
+    assert split_in_parts([], parts=8) == []
+
+
+def test_only_optimizers_whose_state_is_per_parameter_and_without_step_hooks_step_in_parts():
+    from lightning_zero.engine.offload import steps_in_parts
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    adamw = torch.optim.AdamW(params)
+    assert steps_in_parts(adamw)
+    handle = adamw.register_step_post_hook(lambda *_: None)  # a hook would see one step as several
+    assert not steps_in_parts(adamw)
+    handle.remove()
+    assert steps_in_parts(adamw)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    global_hook = register_optimizer_step_pre_hook(lambda *_: None)
+    try:
+        assert not steps_in_parts(adamw)
+    finally:
+        global_hook.remove()
+    assert not steps_in_parts(torch.optim.LBFGS(params))  # state kept across all parameters

@@ -22,14 +22,14 @@ all-reduce would count once per replica.
 Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype (the communication buffer
 may be wider, ``reduce_dtype``), and :meth:`GradientReducer.finalize` produces fresh fp32 gradients for the
 master shards: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values to zero. With
-``offload_optimizer`` those fresh gradients are made directly in host memory (see ``offload.py``).
+``offload_optimizer`` those fresh gradients are made directly in host memory, each bucket's as soon as its
+reduction lands (see [Note: the offloaded step] in ``offload.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import functools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
@@ -39,9 +39,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.stage12.buckets import pack_bucket, segment_view
+from lightning_zero.engine.stage12.buckets import pack_bucket, rows_by_rank, segment_parts, segment_view
 from lightning_zero.engine.comm.compression import CompressedComm
-from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
+from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient
+from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
 from lightning_zero.engine.stage12.replica_sum import comm_dtype, sum_over_replicas
@@ -49,38 +50,6 @@ from lightning_zero.engine.stage12.replica_sum import comm_dtype, sum_over_repli
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
 MAX_BUCKETS_IN_FLIGHT = 2
-
-
-class GradState(enum.Enum):
-    """Where a parameter's gradient is in one optimizer step's life (see :class:`ParamGradient`)."""
-
-    EMPTY = enum.auto()
-    """Nothing reduced since the last step consumed it: stage 2 has no gradient; stage 1's is ``p.grad``'s rows
-    as they are (local, unreduced)."""
-    REDUCED = enum.auto()
-    """The sum over ranks landed in this rank's rows (stage 2: the shard storage; stage 1: ``p.grad``)."""
-    UNUSED = enum.auto()
-    """Reduced, but no rank produced a gradient: it is None, as in plain PyTorch (the optimizer skips it)."""
-    FINALIZED = enum.auto()
-    """Averaged (and unscaled) for the step, in :attr:`ParamGradient.final`; sticks until the step consumes it."""
-
-
-@dataclasses.dataclass(eq=False)
-class ParamGradient:
-    """The reducer's record of one trainable parameter, as FSDP2 keeps an ``FSDPParam`` per parameter."""
-
-    index: int
-    """Position in the layout (and in the reducer's parameter list)."""
-    param: nn.Parameter
-    spec: ParamShardSpec
-    shard: torch.Tensor | None
-    """Stage 2: this rank's rows of the gradient, a view of its bucket's shard storage."""
-    state: GradState = GradState.EMPTY
-    produced: bool = False
-    """This rank produced a gradient for it since the last step (see ``_forget_gradients_no_rank_produced``)."""
-    landed: bool = False
-    """A reduction landed in its rows since the last step, so the next one of its bucket adds to them."""
-    final: torch.Tensor | None = None
 
 
 class Pending(Protocol):
@@ -141,6 +110,9 @@ class GradientReducer:
         self.master_dtype = master_dtype
         #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
         self.host_gradients = host_gradients
+        #: Copy each bucket's sums to the host as its reduction lands; not under hybrid sharding, where
+        #: :meth:`finalize` still adds the replicas' sums to them.
+        self._stage_on_landing = host_gradients is not None and host_gradients.offloaded and self.replicas == 1
         self.device = self.params[0].device if self.params else torch.device("cpu")
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
         self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
@@ -205,9 +177,10 @@ class GradientReducer:
             self.require_sync = previous
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
+        record = self.records[index]
+        record.staged = None  # the sum is changing: its host copy, if any, is stale
         if not self.require_sync:
             return
-        record = self.records[index]
         if record.state is GradState.FINALIZED:
             raise RuntimeError(
                 f"Parameter {record.spec.name!r} received a new gradient after its gradients were "
@@ -321,17 +294,19 @@ class GradientReducer:
                 self._bucket_storage(flight.bucket).add_(flight.out)
             elif not flight.direct:
                 self._bucket_storage(flight.bucket).copy_(flight.out)
-        else:
+        else:  # stage 1: this rank's rows of ``p.grad`` take the reduced sum, its other rows restart from zero
+            own: list[torch.Tensor] = []
+            others: list[torch.Tensor] = []
             for i in bucket.params:
                 param = self.params[i]
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-                spec = self.layout.params[i]
-                start, end = spec.element_range(self.rank)
-                flat = param.grad.view(-1)
-                flat[:start].zero_()
-                flat[end:].zero_()
-                flat[start:end].copy_(segment_view(self.layout, flight.out, i, self.rank).reshape(-1))
+                rows = rows_by_rank(param.grad.view(-1), self.layout.params[i])
+                own.append(rows[self.rank])
+                others.extend(part for r, part in enumerate(rows) if r != self.rank and part.numel())
+            torch._foreach_copy_(own, segment_parts(flight.out, self.layout, flight.bucket, self.rank))
+            if others:
+                torch._foreach_zero_(others)
         self._landed(bucket)
 
     def _landed(self, bucket: BucketSpec) -> None:
@@ -340,6 +315,10 @@ class GradientReducer:
             record.landed = True
             if record.state is not GradState.FINALIZED:
                 record.state = GradState.REDUCED
+        if self._stage_on_landing and self.host_gradients is not None:
+            held = [(i, g) for i in bucket.params if self.host_gradients.on_host[i] and (g := self.local_grad(i)) is not None]
+            for (i, _), copy in zip(held, self.host_gradients.stage_gradients(held)):
+                self.records[i].staged = copy
 
     # ------------------------------------------------------------------ step
     def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:
@@ -354,18 +333,25 @@ class GradientReducer:
             sums = [g for g in held_by_index.values() if g is not None]
             sum_over_replicas(self.replicate_group, sums, self.reduce_dtype, self.compression)
         grads = []
+        unstaged: list[tuple[int, torch.Tensor]] = []
         for i, held in held_by_index.items():
             record = self.records[i]
             record.state = GradState.FINALIZED
             if held is None:
                 continue
             if self.host_gradients is not None:
-                grad = self.host_gradients.stage_gradient(i, held)
+                if record.staged is None:
+                    unstaged.append((i, held))
+                    continue
+                grad = record.staged
             else:
                 grad = held if self.master_dtype is None else held.to(self.master_dtype)
             record.final = grad
             grads.append(grad)
         if self.host_gradients is not None:
+            for (i, _), grad in zip(unstaged, self.host_gradients.stage_gradients(unstaged)):
+                self.records[i].final = grad
+                grads.append(grad)
             self.host_gradients.gradients_ready()
         coefficient = scale / (self.world_size * self.replicas)
         if grads and coefficient != 1.0:  # one rank, nothing to unscale: a pass over every gradient for nothing
@@ -377,7 +363,7 @@ class GradientReducer:
         for record in records:
             if not self.shard_gradients:
                 record.param.grad = None
-            record.state, record.produced, record.landed, record.final = GradState.EMPTY, False, False, None
+            record.state, record.produced, record.landed, record.final, record.staged = GradState.EMPTY, False, False, None, None
         if self.shard_gradients:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
             # buckets still holding another optimizer's gradients need their consumed slices zeroed.

@@ -37,7 +37,7 @@ from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer, Pending
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
-from lightning_zero.engine.offload import MasterShards, host_kernel
+from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts, steps_in_parts
 from lightning_zero.engine.optimizers import hosted_params, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
 
@@ -121,6 +121,16 @@ class ShardedOptimizer:
         if whole:
             self._owners.adopt({i: torch.Size(self.layout.params[i].shape) for i in whole}, self._whole_tensor)
         self.buckets = sorted({self.layout.params[i].bucket for i in indices})
+        #: With the optimizer offloaded, the host step's parts: runs of buckets with this optimizer's parameters in
+        #: them, in the order the next forward needs them (buckets are planned in backward order: the last first).
+        self.parts: list[tuple[list[int], list[int]]] = []
+        if self.masters is not None and self.masters.offloaded and not whole:
+            by_bucket: dict[int, list[int]] = {b: [] for b in reversed(self.buckets)}
+            for i in indices:
+                by_bucket[self.layout.params[i].bucket].append(i)
+            buckets = list(by_bucket)
+            runs = split_in_parts([sum(self.layout.params[i].chunk_numel for i in by_bucket[b]) for b in buckets])
+            self.parts = [([buckets[k] for k in run], [i for k in run for i in by_bucket[buckets[k]]]) for run in runs]
 
     @property
     def _owners(self) -> OwnerStepping:
@@ -157,15 +167,18 @@ class ShardedOptimizer:
         return [self._records[i] for i in self.indices]
 
     @contextlib.contextmanager
-    def hosting(self) -> Iterator[None]:
-        """Swap trainable parameters in ``param_groups`` for their shard views (see the module note)."""
+    def hosting(self, part: Sequence[int] | None = None) -> Iterator[None]:
+        """Swap trainable parameters in ``param_groups`` for their shard views (see the module note); with ``part``,
+        only those parameters take part in the step, the others sit it out."""
         whole = set(self.whole)
-        grads = {i: self.reducer.local_grad(i) for i in self.indices if i not in whole}
+        grads = {i: self.reducer.local_grad(i) for i in (self.indices if part is None else part) if i not in whole}
         if self.masters is not None:
             grads = self.masters.receive_gradients(grads)
         standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {
             id(self.params[i]): (self.shards[i], grads[i]) for i in grads
         }
+        if part is not None:
+            standins.update({id(self.params[i]): None for i in self.indices if i not in grads})
         for i in whole:  # the owner steps the whole parameter; elsewhere it sits this step out
             owned = self._owners.whole.get(i)
             standins[id(self.params[i])] = None if owned is None else (owned, self._owners.grads.get(i))
@@ -186,6 +199,8 @@ class ShardedOptimizer:
         if self.whole:
             self._owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
         offloaded = self.masters is not None and self.masters.offloaded
+        if len(self.parts) > 1 and steps_in_parts(self.optimizer):
+            return self._step_in_parts(**kwargs)
         with self.hosting(), host_kernel(self.optimizer, enabled=offloaded):
             result = self.optimizer.step(**kwargs)
         if self.whole:
@@ -193,6 +208,17 @@ class ShardedOptimizer:
                 self._owners.scatter(self.whole, self._write_rows)
         self.reducer.consume(self.indices)
         self.all_gather_params()
+        return result
+
+    def _step_in_parts(self, **kwargs: Any) -> object:
+        """The offloaded step a part at a time (see [Note: the offloaded step] in ``offload.py``): each part's rows
+        go to the device and are gathered while the host steps the next part."""
+        result = None
+        for buckets, part in self.parts:
+            with self.hosting(part), host_kernel(self.optimizer):
+                result = self.optimizer.step(**kwargs)
+            self.all_gather_params(buckets, part)
+        self.reducer.consume(self.indices)
         return result
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
@@ -207,11 +233,14 @@ class ShardedOptimizer:
         """A skipped step: drop the gradients as the step would have consumed them."""
         self.reducer.consume(self.indices)
 
-    def all_gather_params(self) -> None:
+    def all_gather_params(self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None) -> None:
+        """Bring the updated rows of ``buckets`` (default: all of this optimizer's) into every rank's parameters,
+        copying the masters of ``indices`` (default: all) first."""
         with record_function("lightning_zero::param_all_gather"):  # a phase of bench_core's breakdown
             all_gather_params(
-                self.layout, self.params, self.buckets, rank=self.rank, group=self.group, masters=self.masters,
-                indices=self.indices, compression=self.reducer.compression, row_views=self.row_views,
+                self.layout, self.params, self.buckets if buckets is None else buckets, rank=self.rank,
+                group=self.group, masters=self.masters, indices=self.indices if indices is None else indices,
+                compression=self.reducer.compression, row_views=self.row_views,
             )
 
 
