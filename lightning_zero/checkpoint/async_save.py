@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zero.checkpoint.errors import CheckpointSaveError, save_error
 from lightning_zero.checkpoint.files import remove
 from lightning_zero.checkpoint.write import ShardWriter, prepare, publish, split_checkpoint
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, topology
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def checkpoint_group(timeout: timedelta):
     for owner, group in _GROUPS:
         if owner is world:
             return group
-    group = collectives.new_group(timeout=timeout)
+    group = topology.new_group(timeout=timeout)
     _GROUPS[:] = [(world, group)]  # a new world group (a new run in this process) replaces the old one
     return group
 

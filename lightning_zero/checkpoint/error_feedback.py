@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_zero.engine.api import ShardingEngine
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.comm.compression import CompressedComm
 
 KEY = "error_feedback"
@@ -45,7 +45,7 @@ def _world_mesh(device_type: str):
     """A 1-D mesh of every rank (built once per process: building one is collective and makes groups)."""
     key = (device_type, collectives.world_size())
     if key not in _MESHES:
-        _MESHES[key] = collectives.device_mesh(device_type, (key[1],))
+        _MESHES[key] = topology.device_mesh(device_type, (key[1],))
     return _MESHES[key]
 
 

@@ -63,3 +63,14 @@ def brought_down_by(exception: BaseException, first: dict[str, Any], rank: int) 
     if first.get("error") == error_text(exception):
         return
     add_note(exception, f"the run was brought down by the first failure: {first['message']}")
+
+
+_COMMUNICATION = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "timed out",
+                  "collective mismatch", "pair closure", "Broken pipe", "NCCL", "ProcessGroupGloo", "Socket Timeout")
+
+
+def is_communication_error(exception: BaseException) -> bool:
+    """Whether ``exception`` is the transport's word that a peer is gone or late, not a cause of its own."""
+    if type(exception).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):
+        return True
+    return isinstance(exception, RuntimeError) and any(text in str(exception) for text in _COMMUNICATION)

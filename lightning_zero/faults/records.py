@@ -62,6 +62,10 @@ class Record:
         step = step_name(self.phase, self.batch)
         return f"{'in ' if self.phase else ''}{step}, {self.activity.describe()}"
 
+    def placed(self, text: str) -> str:
+        """``text``, followed by where this rank was, unless the text already speaks of this rank."""
+        return text if "this rank" in text.lower() else f"{text}\nThis rank ({self.rank}) was {self.where()}."
+
 
 _PHASES = {"train": "training", "val": "validation", "test": "test", "predict": "prediction"}
 

@@ -319,8 +319,8 @@ class Watchdog:
         if isinstance(exception, CollectiveError):
             pass  # the diagnosis is its message
         elif self.decision is not None:
-            failures.add_note(exception, _with_rank(self.decision.text(), me))
-        elif _is_communication_error(exception):
+            failures.add_note(exception, me.placed(self.decision.text()))
+        elif failures.is_communication_error(exception):
             # A rank that could not run (SIGSTOP) is the cause of whatever its peers recorded meanwhile: say so first,
             # whether or not their store is still there to read.
             paused = me.paused >= self.current_limits().stale_after
@@ -330,7 +330,7 @@ class Watchdog:
                 failures.add_note(exception, f"This rank ({self.rank}) was {me.where()}.")
             else:
                 found = diagnosis.explain(me, self.observe(), self.current_limits(), self.context, str(exception))
-                failures.add_note(exception, _with_rank(found.text(), me))
+                failures.add_note(exception, me.placed(found.text()))
                 self.exchange.failure_out = found.to_failure(self.rank)
         else:  # this rank's own error: the cause, for everybody
             message = f"rank {self.rank} raised {failures.error_text(exception)} ({me.where()})"
@@ -397,17 +397,3 @@ class Watchdog:
         self.exchange.outgoing = self._record(Activity(seq=self._seq())).encode()
         self.exchange.flush(2.0)
         return CollectiveError(f"[lightning_zero] {found.text()}")
-
-
-def _with_rank(text: str, me: Record) -> str:
-    return text if "this rank" in text.lower() else f"{text}\nThis rank ({me.rank}) was {me.where()}."
-
-
-_COMMUNICATION = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "timed out",
-                  "collective mismatch", "pair closure", "Broken pipe", "NCCL", "ProcessGroupGloo", "Socket Timeout")
-
-
-def _is_communication_error(exception: BaseException) -> bool:
-    if type(exception).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):
-        return True
-    return isinstance(exception, RuntimeError) and any(text in str(exception) for text in _COMMUNICATION)

@@ -39,7 +39,7 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.api import Holding
 from lightning_zero.pipeline.schedule import PipelineRunner
 from lightning_zero.pipeline.split import PipelineLayout, split_bounds
@@ -136,7 +136,7 @@ class PipelineParallel:
             module._apply(lambda t: t if t.is_meta else t.to(device))
         _update_properties(module, device=device)  # what `module.to(device)` would record (`self.device`)
         #: ("dp", "pp"): row r is replica r's pipeline, column s the data-parallel group of pipeline rank s.
-        self.mesh = collectives.device_mesh(device.type, (self.layout.replicas, self.layout.ranks_per_pipeline), ("dp", "pp"))
+        self.mesh = topology.device_mesh(device.type, (self.layout.replicas, self.layout.ranks_per_pipeline), ("dp", "pp"))
         self.dp_mesh = self.mesh["dp"]
         self.dp_group = self.mesh.get_group("dp")
         self.pp_group = self.mesh.get_group("pp")

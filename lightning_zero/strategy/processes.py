@@ -180,7 +180,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         """Reduce a tensor over ranks (``self.log(..., sync_dist=True)`` and metrics come through here)."""
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
-        op, divide = collectives.reduce_op_from_name(reduce_op)
+        op, divide = reduce_op_from_name(reduce_op)
         out = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
         if not out.is_floating_point() and divide:
             out = out.float()
@@ -193,3 +193,15 @@ def require(value: T | None, what: str) -> T:
     if value is None:
         raise RuntimeError(f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer.")
     return value
+
+
+def reduce_op_from_name(reduce_op: collectives.ReduceOpLike | str | None) -> tuple[collectives.ReduceOpLike, bool]:
+    """Lightning's reduce names ("mean", "sum", "max", "min") or a ReduceOp -> (op, divide by world)."""
+    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
+        return dist.ReduceOp.SUM, True
+    if isinstance(reduce_op, str):
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+        if reduce_op.lower() not in ops:
+            raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
+        return ops[reduce_op.lower()], False
+    return reduce_op, False

@@ -40,13 +40,19 @@ def test_buckets_close_at_the_size_limit_in_reverse_order():
     assert "bucket 0" in layout.describe(rank=1)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_pack_then_reduce_scatter_segments_hold_each_ranks_rows(world):
+def _packed_buckets(world: int):
+    """``(layout, tensors, bucket, packed buffer)`` for every bucket of SHAPES' layout over ``world`` ranks; the
+    buffers start as NaN, so padding the packing leaves unwritten shows."""
     torch.manual_seed(0)
     layout = plan_layout(SHAPES, world, bucket_numel=64)
     tensors = [torch.randn(shape) for _, shape in SHAPES]
     for bucket in layout.buckets:
-        buf = pack_bucket(layout, bucket, tensors, torch.full((bucket.numel,), float("nan")))
+        yield layout, tensors, bucket, pack_bucket(layout, bucket, tensors, torch.full((bucket.numel,), float("nan")))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_pack_then_reduce_scatter_segments_hold_each_ranks_rows(world):
+    for layout, tensors, bucket, buf in _packed_buckets(world):
         assert not buf.isnan().any(), "padding must be zeroed"
         for rank in range(world):
             segment = buf.view(world, -1)[rank]
@@ -66,11 +72,7 @@ def test_pack_then_reduce_scatter_segments_hold_each_ranks_rows(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_one_split_gives_every_ranks_rows_and_every_segment_part(world):
-    torch.manual_seed(0)
-    layout = plan_layout(SHAPES, world, bucket_numel=64)
-    tensors = [torch.randn(shape) for _, shape in SHAPES]
-    for bucket in layout.buckets:
-        buf = pack_bucket(layout, bucket, tensors, torch.empty(bucket.numel))
+    for layout, tensors, bucket, buf in _packed_buckets(world):
         for rank in range(world):
             parts = segment_parts(buf.view(world, -1)[rank], layout, bucket.index, rank)
             for j, i in enumerate(bucket.params):

@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
 from lightning_zero.engine.comm import p2p_transport as p2p
@@ -34,12 +33,8 @@ ReduceOp = dist.ReduceOp
 ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
 #: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
 _all_gather_flat: Callable[..., dist.Work | None] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_flat: Callable[..., dist.Work | None] = getattr(
-    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
-)
-
+_reduce_scatter_flat: Callable[..., dist.Work | None] = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _T = TypeVar("_T")
-
 
 _STATS = CommStats()
 
@@ -391,26 +386,6 @@ def record_sent(tensor: torch.Tensor) -> None:
     _count("send", tensor, None)
 
 
-def reduce_op_from_name(reduce_op: ReduceOpLike | str | None) -> tuple[ReduceOpLike, bool]:
-    """Lightning's reduce names ("mean", "sum", "max", "min") or a ReduceOp -> (op, divide by world)."""
-    if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
-        return dist.ReduceOp.SUM, True
-    if isinstance(reduce_op, str):
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
-        if reduce_op.lower() not in ops:
-            raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
-        return ops[reduce_op.lower()], False
-    return reduce_op, False
-
-
-def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
-    """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective:
-    every rank builds the same mesh at the same point."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-
 def all_gather_uncounted(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's ``tensor`` stacked, ``(world, *shape)``: for bookkeeping (the monitor's figures) that must
     not show up in the model's communication counts."""
@@ -421,14 +396,3 @@ def all_gather_uncounted(tensor: torch.Tensor) -> torch.Tensor:
     _all_gather_flat(out, tensor.contiguous())
     _FLIGHT.done(number)
     return out.view(world_size(), *tensor.shape)
-
-
-def new_group(timeout: timedelta | None = None, backend: str = "gloo") -> dist.ProcessGroup | None:
-    """A new process group of every rank (collective: every rank calls it at the same point), for work that
-    runs beside training (an asynchronous checkpoint's collectives, issued from a background thread) and so
-    must never interleave with the training collectives on the world group. gloo by default: such work
-    moves host-side objects. None when torch.distributed is not initialized."""
-    if not is_distributed():
-        return None
-    group: dist.ProcessGroup = dist.new_group(backend=backend, timeout=timeout)
-    return group

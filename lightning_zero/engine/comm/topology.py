@@ -16,6 +16,7 @@ The process groups come from one 2-D ``DeviceMesh`` ``(replicate, shard)``, as F
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -79,5 +80,24 @@ def data_parallel_groups(topology: Topology, device_type: str) -> DataParallelGr
     """The groups of ``topology`` (collective when hybrid: every rank builds the same mesh at the same point)."""
     if not topology.hybrid:
         return DataParallelGroups(topology, None, None, None)
-    mesh = collectives.device_mesh(device_type, (topology.replicas, topology.shard_size), ("replicate", "shard"))
+    mesh = device_mesh(device_type, (topology.replicas, topology.shard_size), ("replicate", "shard"))
     return DataParallelGroups(topology, mesh.get_group("shard"), mesh.get_group("replicate"), mesh["shard"])
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
+    """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective:
+    every rank builds the same mesh at the same point."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def new_group(timeout: timedelta | None = None, backend: str = "gloo") -> dist.ProcessGroup | None:
+    """A new process group of every rank (collective: every rank calls it at the same point), for work that
+    runs beside training (an asynchronous checkpoint's collectives, issued from a background thread) and so
+    must never interleave with the training collectives on the world group. gloo by default: such work
+    moves host-side objects. None when torch.distributed is not initialized."""
+    if not collectives.is_distributed():
+        return None
+    group: dist.ProcessGroup = dist.new_group(backend=backend, timeout=timeout)
+    return group
