@@ -3,6 +3,7 @@ evaluate the consolidated weights in one plain process.
 
     python examples/gpt_pipeline.py                                   # 1F1B, 8 micro-batches, ZeRO-1
     python examples/gpt_pipeline.py --schedule interleaved_1f1b --stage 2 --max-steps 50
+    python examples/gpt_pipeline.py --schedule zbv --stage 3 --max-steps 50   # zero bubble, pipeline x ZeRO-3
 
 What makes the GPT pipelineable is ten lines of ``GPTLightningModule`` (lightning_zero/demo/gpt.py)::
 
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.checkpoint.consolidate import consolidate  # noqa: E402
+from lightning_zero.config.pipeline import PIPELINE_SCHEDULES  # noqa: E402
 from lightning_zero.demo import CharDataModule, GPTLightningModule, LossReport  # noqa: E402
 
 MODEL = dict(block_size=64, n_layer=4, n_head=4, n_embd=128, learning_rate=2e-3, warmup_steps=10)
@@ -44,8 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=4, help="CPU processes: pipeline stages x replicas")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per batch of 16 sequences")
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
-    p.add_argument("--stage", type=int, default=1, choices=(1, 2), help="ZeRO stage across the replicas")
+    p.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES)
+    p.add_argument("--stage", type=int, default=1, choices=(1, 2, 3), help="ZeRO stage across the replicas")
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--out", type=Path, default=Path("runs/gpt_pipeline"))
     return p.parse_args()

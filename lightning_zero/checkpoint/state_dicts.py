@@ -97,13 +97,15 @@ def full_model_state(
 def _pipelined_full_state(
     module: nn.Module, engine: ShardingEngine | None, rank0_only: bool, holding: Holding
 ) -> dict[str, torch.Tensor]:
-    """Pipeline stages: each rank's held tensors (masters gathered over its stage's replicas), then every
-    stage's, merged in the module's own order."""
+    """Pipeline stages: each rank's held tensors (masters, and stage 3's sharded tensors, gathered over its
+    stage's replicas), then every stage's, merged in the module's own order."""
     rows = trainable_rows(engine) if engine is not None and engine.holds_masters else {}
     held = {}
     for name, value in _held_state(module, holding).items():
         if name in rows:  # the resident parameters are rounded copies of the masters
             value = gather_full(rows[name].rows, rows[name].shape, group=rows[name].group)
+        elif isinstance(value, DTensor):  # stage 3: the same names, in the same order, on the stage's replicas
+            value = value.full_tensor()
         held[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
     # The first replica of every stage sends its stage; other replicas hold copies of the same tensors.
     first_replica = engine is None or engine.group is None or engine.rank == 0

@@ -9,6 +9,21 @@ from lightning_zero.config.choices import ZeroConfigError, check_choice
 if TYPE_CHECKING:
     from lightning_zero.config.zero_config import ZeroConfig
 
+#: Every ``pipeline_schedule`` (``pipeline/schedule.py`` maps each to its ``torch.distributed.pipelining`` class).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+#: Several stages per rank, rank ``r`` of ``p`` running stages ``r, r + p, r + 2p, ...`` (``pipeline_virtual_stages``).
+LOOPED_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+#: Exactly two stages per rank in a V: rank ``r`` of ``p`` runs stages ``r`` and ``2p - 1 - r``, so the first and the
+#: last stage share rank 0.
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def virtual_stages(schedule: str, virtual: int | None) -> int:
+    """Stages per rank: ``virtual`` for a looped schedule (2 unless set), 2 for a V, else 1."""
+    if schedule in LOOPED_SCHEDULES:
+        return 2 if virtual is None else virtual
+    return 2 if schedule in V_SCHEDULES else 1
+
 
 def check_pipeline(config: ZeroConfig) -> None:
     """The pipeline settings of a ``ZeroConfig`` (``config``), and how they combine with the stage and the checkpoint
@@ -25,25 +40,30 @@ def check_pipeline(config: ZeroConfig) -> None:
     virtual = config.pipeline_virtual_stages
     if virtual is not None and (not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1):
         raise ZeroConfigError(f"`pipeline_virtual_stages` must be None or an integer >= 1, got {virtual!r}.")
-    interleaved = config.pipeline_schedule == "interleaved_1f1b"
-    if interleaved and virtual == 1:
+    schedule = config.pipeline_schedule
+    if schedule in LOOPED_SCHEDULES and virtual == 1:
         raise ZeroConfigError(
-            "`pipeline_schedule='interleaved_1f1b'` runs several stages per rank; set `pipeline_virtual_stages` "
+            f"`pipeline_schedule={schedule!r}` runs several stages per rank; set `pipeline_virtual_stages` "
             ">= 2 (or leave it None for 2), or use pipeline_schedule='1f1b'."
         )
-    if not interleaved and virtual not in (None, 1):
+    if schedule in V_SCHEDULES and virtual not in (None, 2):
         raise ZeroConfigError(
-            f"`pipeline_virtual_stages={virtual}` needs `pipeline_schedule='interleaved_1f1b'`; "
-            f"{config.pipeline_schedule!r} runs one stage per rank."
+            f"`pipeline_schedule={schedule!r}` runs exactly 2 stages per rank (a V: rank r holds stages r and "
+            f"2p-1-r); leave `pipeline_virtual_stages` None (or 2), got {virtual}."
+        )
+    if schedule not in (*LOOPED_SCHEDULES, *V_SCHEDULES) and virtual not in (None, 1):
+        raise ZeroConfigError(
+            f"`pipeline_virtual_stages={virtual}` needs a schedule with several stages per rank "
+            f"({', '.join(repr(s) for s in (*LOOPED_SCHEDULES, *V_SCHEDULES))}); {schedule!r} runs one stage per rank."
+        )
+    stages = config.pipeline_stages * virtual_stages(schedule, virtual)
+    if schedule == "dualpipev" and config.microbatches is not None and config.microbatches < stages:
+        raise ZeroConfigError(
+            f"`pipeline_schedule='dualpipev'` needs at least as many micro-batches as stages ({stages} = 2 x "
+            f"pipeline_stages); got `microbatches={config.microbatches}`."
         )
     if config.pipeline_stages == 1:
         return
-    if config.stage == 3:
-        raise ZeroConfigError(
-            f"`pipeline_stages={config.pipeline_stages}` composes with ZeRO `stage=1` or `stage=2`, not stage=3 (FSDP2 "
-            "rooted at each pipeline stage is not implemented). Use stage=2: each rank already holds only its "
-            "stage's parameters, with gradients and optimizer state sharded over the replicas."
-        )
     if config.state_dict_type == "full":
         raise ZeroConfigError(
             "`state_dict_type='full'` is not available with `pipeline_stages > 1` (each stage's ranks hold only its "

@@ -17,11 +17,11 @@ from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice, check_compile
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme, check_compression
-from lightning_zero.config.pipeline import check_pipeline
+from lightning_zero.config.pipeline import PIPELINE_SCHEDULES, check_pipeline, virtual_stages
 
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
 PipelineSplit = Union[Literal["layers", "params"], list[int], list[str]]
 #: A sharding group's size: a number of consecutive ranks, or "node" (the ranks of one node).
 ShardSize = Union[int, Literal["node"], None]
@@ -82,9 +82,10 @@ class ZeroConfig:
 
     pipeline_stages: int = 1
     """Ranks per pipeline: the model (its ``pipeline_layers()``) is cut into this many stages, one per rank
-    (``pipeline_stages x pipeline_virtual_stages`` with ``interleaved_1f1b``, several per rank), and the
+    (``pipeline_stages x pipeline_virtual_stages`` with a looped or V-shaped schedule, several per rank), and the
     processes form ``world_size / pipeline_stages`` data-parallel replicas of that pipeline, across which ZeRO
-    stage 1 or 2 shards each stage's optimizer state (and gradients)."""
+    shards each stage: optimizer state (stage 1), and gradients (stage 2), and parameters (stage 3, FSDP2 over
+    the stage's replicas)."""
 
     microbatches: int | None = None
     """Micro-batches each batch is cut into for the pipeline schedule; must divide the per-replica batch size.
@@ -93,8 +94,11 @@ class ZeroConfig:
 
     pipeline_schedule: PipelineSchedule = "1f1b"
     """``torch.distributed.pipelining`` schedule: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"``
-    (same bubble, activations of at most ``p`` micro-batches alive) or ``"interleaved_1f1b"`` (several virtual
-    stages per rank, a smaller bubble for more point-to-point traffic)."""
+    (same bubble, activations of at most ``p`` micro-batches alive), ``"interleaved_1f1b"`` (several virtual
+    stages per rank, a smaller bubble for more point-to-point traffic), or a zero-bubble schedule, which splits
+    each backward into the input gradient (on the critical path) and the weight gradient (filling the idle
+    slots): ``"interleaved_zb"`` (looped stages, as interleaved_1f1b), ``"zbv"`` and ``"dualpipev"`` (two stages
+    per rank in a V; dualpipev needs at least ``2 x pipeline_stages`` micro-batches)."""
 
     pipeline_split: PipelineSplit = "layers"
     """Where the layers are cut: ``"layers"`` (the same number of layers per stage), ``"params"`` (stages with
@@ -102,7 +106,8 @@ class ZeroConfig:
     the name of the first layer of every stage but the first."""
 
     pipeline_virtual_stages: int | None = None
-    """Stages per rank for ``"interleaved_1f1b"`` (``None``: 2); exactly 1 for the other schedules."""
+    """Stages per rank for ``"interleaved_1f1b"`` and ``"interleaved_zb"`` (``None``: 2); 2 for ``"zbv"`` and
+    ``"dualpipev"``; exactly 1 for the other schedules."""
 
     shard_size: ShardSize = None
     """Hybrid sharding: shard over groups of this many consecutive ranks and replicate across the groups
@@ -272,7 +277,7 @@ class ZeroConfig:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
-        check_choice("pipeline_schedule", self.pipeline_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
+        check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         check_pipeline(self)
         self._check_shard_sizes()
         check_compression(self)
@@ -320,11 +325,15 @@ class ZeroConfig:
                 "`secondary_shard_size` (hpZ) and `shard_size` (hybrid sharding) cannot be combined: with a "
                 "`shard_size` group inside a node every gather already stays there. Choose one."
             )
-        if self.shard_size is not None and self.pipeline_stages > 1:
-            raise ZeroConfigError(
-                f"`shard_size={self.shard_size!r}` is not supported with `pipeline_stages={self.pipeline_stages}`: "
-                "pipeline replicas already shard each stage over its data-parallel ranks. Use one of the two."
-            )
+        for setting in ("shard_size", "secondary_shard_size"):
+            if getattr(self, setting) is not None and self.pipeline_stages > 1:
+                raise ZeroConfigError(
+                    f"`{setting}={getattr(self, setting)!r}` is not supported with `pipeline_stages="
+                    f"{self.pipeline_stages}`: each stage is already sharded over its data-parallel ranks only (one per "
+                    "pipeline replica), and sharding those again in groups would need a 3-D mesh (pipeline x replicate x "
+                    "shard) that is not implemented. Drop one of the two settings (more pipeline stages also shrink "
+                    "each stage's data-parallel group, and what crosses nodes)."
+                )
 
     def group_sizes(self, world_size: int, node_size: int) -> tuple[int, int | None]:
         """``(shard group size, hpZ group size or None)`` for a run of ``world_size`` ranks in nodes of
@@ -368,10 +377,8 @@ class ZeroConfig:
 
     @property
     def pipeline_virtual(self) -> int:
-        """Stages per rank (2 for ``interleaved_1f1b`` unless set, else 1)."""
-        if self.pipeline_virtual_stages is not None:
-            return self.pipeline_virtual_stages
-        return 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
+        """Stages per rank (2 for the looped schedules unless set, 2 for the V-shaped ones, else 1)."""
+        return virtual_stages(self.pipeline_schedule, self.pipeline_virtual_stages)
 
     @property
     def pipeline_microbatches(self) -> int:

@@ -13,7 +13,8 @@ Callers see three things and nothing else:
   rows and gradient rows, and the ranks the rows are spread over. Checkpoints, accounting and the monitor
   read these instead of reaching into engine internals;
 * :class:`Holding`: which of the module's tensors live on this rank at all (pipeline stages hold different
-  layers), handed by the pipeline to the engine and to whatever walks the module.
+  layers), handed by the pipeline to the engine and to whatever walks the module;
+* :class:`PipelineStages`: the modules of this rank's pipeline stages, which stage 3 shards as its roots.
 
 Which engine serves a run is decided once, in the strategy (``stage``); nothing after that asks.
 """
@@ -27,6 +28,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
@@ -59,6 +61,22 @@ class Holding:
         """The ``(name, value)`` pairs of ``named`` (a ``state_dict`` or ``named_parameters``) this rank holds."""
         items = named.items() if isinstance(named, Mapping) else named
         return {name: value for name, value in items if name not in self.elsewhere}
+
+
+@dataclass(frozen=True)
+class PipelineStages:
+    """This rank's pipeline stages as stage 3 shards them: each stage module becomes an FSDP2 root over the
+    stage's data-parallel ranks (``mesh``), its layers units inside it, and the pipeline schedule, not the
+    LightningModule's ``__call__``, runs their forwards and backwards."""
+
+    modules: tuple[nn.Module, ...]
+    """One module per stage this rank runs, holding that stage's layers (the model's own module objects)."""
+    indices: tuple[int, ...]
+    """The stage index of each module."""
+    mesh: DeviceMesh
+    """The ranks holding the same stages, one per pipeline replica: each stage's rows are spread over these."""
+    holding: Holding
+    """What this rank holds of the module (its stages' layers)."""
 
 
 @dataclass(frozen=True)
@@ -215,6 +233,10 @@ class ShardingEngine(Protocol):
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """A block of non-final accumulation micro-batches: no gradient communication."""
+
+    @property
+    def synchronizing(self) -> bool:
+        """False inside :meth:`no_sync`: a backward now reduces no gradients."""
 
     def post_backward(self) -> None:
         """After each backward; after the final micro-batch's: land the gradient reductions still in flight."""

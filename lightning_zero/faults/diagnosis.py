@@ -16,6 +16,8 @@ for ``timeout``, explained by what every peer is doing. What the decisions are m
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 from lightning_zero.faults.activity import Activity
@@ -49,6 +51,11 @@ def known_failure(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | 
 def decide(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,
            mark_peer: int | None = None, store_silent: float = 0.0) -> Diagnosis | None:
     """The reason to end the run now, or None. Called every tick by the watchdog thread."""
+    return _placed(_decide(me, peers, failure, limits, context, mark_peer, store_silent), context)
+
+
+def _decide(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,
+            mark_peer: int | None, store_silent: float) -> Diagnosis | None:
     if (found := known_failure(me, peers, failure)) is not None:
         return found
     if mark_peer is not None and mark_peer in peers:
@@ -221,6 +228,11 @@ def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] |
                    waited: float) -> Diagnosis | None | bool:
     """At the end of a successful run: True when every rank finished, a Diagnosis when this rank must fail after
     all (a peer failed, died, or waits in a collective this rank never joins), None to keep waiting."""
+    return _placed(_exit_agreement(me, peers, failure, limits, context, waited), context)
+
+
+def _exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits,
+                    context: Context, waited: float) -> Diagnosis | None | bool:
     if (found := known_failure(me, peers, failure)) is not None:
         return found
     running = {r: p for r, p in peers.items() if p.record.state != FINISHED}
@@ -246,6 +258,12 @@ def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] |
 def explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context, error: str) -> Diagnosis:
     """Why a collective raised on this rank (gloo's "Connection closed by peer", a timeout, a mismatch) when no
     decision was made yet: what the peers are doing, from their last records."""
+    found = _placed(_explain(me, peers, limits, context, error), context)
+    assert isinstance(found, Diagnosis)
+    return found
+
+
+def _explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context, error: str) -> Diagnosis:
     if me.paused >= limits.stale_after:
         return Diagnosis(
             "stale", me.rank,
@@ -270,3 +288,10 @@ def explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context
         return Diagnosis("stuck", culprit, summary)
     return Diagnosis("stuck", None, f"a collective failed on rank {me.rank} ({first_line}) {me.where()}; no peer "
                                     "record could be read (the store is unreachable).")
+
+
+def _placed(found: Any, context: Context) -> Any:
+    """Under pipeline stages, each rank a diagnosis names is followed by the stages it runs."""
+    if isinstance(found, Diagnosis) and context.places:
+        return dataclasses.replace(found, summary=context.placed(found.summary))
+    return found

@@ -5,6 +5,7 @@ decisions) and ``divergence.py`` (silent divergence)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,22 @@ class Context:
     world_size: int
     symmetric: bool = True  # every rank issues the same collectives (False under pipeline stages)
     generate_hint: bool = False  # stage 3 and the module holds a Hugging Face model with generate()
+    places: tuple[str, ...] = ()  # per rank, what it runs under pipeline stages ("pipeline stage 1 of replica 0")
+
+    def placed(self, text: str) -> str:
+        """``text`` with each rank it names followed, once, by what that rank runs (under pipeline stages)."""
+        if not self.places:
+            return text
+        seen: set[int] = set()
+
+        def name(match: re.Match) -> str:
+            rank = int(match.group(1))
+            if rank in seen or rank >= len(self.places):
+                return match.group(0)
+            seen.add(rank)
+            return f"{match.group(0)} ({self.places[rank]})"
+
+        return re.sub(r"\b[Rr]ank (\d+)\b(?! \(pipeline)", name, text)
 
 
 @dataclass(frozen=True)

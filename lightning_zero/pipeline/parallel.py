@@ -40,9 +40,9 @@ from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.engine.comm import collectives, topology
-from lightning_zero.engine.api import Holding
+from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine
 from lightning_zero.pipeline.schedule import PipelineRunner
-from lightning_zero.pipeline.split import PipelineLayout, split_bounds
+from lightning_zero.pipeline.split import pipeline_layout, split_bounds
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -119,7 +119,7 @@ class PipelineParallel:
                 "`training_step`, so `manual_backward` and your own `optimizer.step()` would never run. Set "
                 "`self.automatic_optimization = True` or train without pipelining."
             )
-        self.layout = PipelineLayout(world_size, config.pipeline_stages, config.pipeline_virtual)
+        self.layout = pipeline_layout(config, world_size)
         chain = pipeline_layers_of(module)
         bounds = split_bounds(chain, self.layout.num_stages, config.pipeline_split)
         layers = list(chain)
@@ -142,7 +142,7 @@ class PipelineParallel:
         self.pp_group = self.mesh.get_group("pp")
         #: Global ranks: the first of this rank's data-parallel group, the holder of this pipeline's last stage.
         self.dp_source = self.layout.data_parallel_group(rank)[0]
-        self.last_stage_rank = self.layout.pipeline_group(rank)[(self.layout.num_stages - 1) % self.layout.ranks_per_pipeline]
+        self.last_stage_rank = self.layout.pipeline_group(rank)[self.layout.rank_of_stage(self.layout.num_stages - 1)]
         self.module = module
         self.runner = PipelineRunner(
             layers,
@@ -155,7 +155,12 @@ class PipelineParallel:
             getattr(module, "pipeline_loss"),
             group=self.pp_group,
         )
-        self._stash: list[tuple[nn.Parameter, Tensor]] = []
+        self._stash: list[tuple[Tensor, Tensor]] = []
+
+    @property
+    def stages(self) -> PipelineStages:
+        """This rank's stage modules, as stage 3 shards them over their data-parallel ranks."""
+        return PipelineStages(tuple(self.runner.modules), tuple(self.runner.stage_ids), self.dp_mesh, self.holding)
 
     # ------------------------------------------------------------------ data
     def sampler_kwargs(self, rank: int) -> dict[str, int]:
@@ -180,11 +185,16 @@ class PipelineParallel:
         collectives.broadcast([out], src=self.last_stage_rank, group=self.pp_group)
         return out
 
-    def training_step(self, batch: Any, factor: float, engine=None) -> Tensor:
-        """:meth:`train_step` with the engine's gradient reduction held back (it runs once, after the last
-        micro-batch, when the strategy's ``backward`` flushes it), and the loss logged."""
-        with engine.no_sync() if engine is not None else contextlib.nullcontext():
-            loss = self.train_step(batch, factor)
+    def training_step(self, batch: Any, factor: float, engine: ShardingEngine | None = None) -> Tensor:
+        """:meth:`train_step`, and the loss logged. Stages 1-2 hold the engine's gradient reduction back (it runs
+        once, after the last micro-batch, when the strategy's ``backward`` flushes it); stage 3 reduces inside
+        the schedule's last backward when the engine synchronises (see [Note: stage 3 under pipeline stages])."""
+        if engine is not None and engine.stage == 3:
+            self.runner.reduce_gradients = engine.synchronizing
+            loss = self.train_step(batch, factor, engine)
+        else:
+            with engine.no_sync() if engine is not None else contextlib.nullcontext():
+                loss = self.train_step(batch, factor, engine)
         self.log_loss("train", loss)
         return loss
 
@@ -195,18 +205,25 @@ class PipelineParallel:
         self.log_loss(split, loss)
         return loss
 
-    def train_step(self, batch: Any, factor: float) -> Tensor:
+    def train_step(self, batch: Any, factor: float, engine: ShardingEngine | None = None) -> Tensor:
         """Forward, loss and backward of one batch over the micro-batches; its mean loss, on every rank.
 
-        The gradients (of ``factor x`` the loss) are held aside until :meth:`restore_gradients`: Lightning zeroes
-        gradients between ``training_step`` and ``backward`` at the start of an accumulation window, and the
-        pipeline has already run its backward by then."""
+        The schedule's gradients (of ``factor x`` the loss) are held aside until :meth:`restore_gradients`, and
+        whatever the parameters held before is put back meanwhile: Lightning zeroes gradients between
+        ``training_step`` and ``backward`` at the start of an accumulation window, and the pipeline has already
+        run its backward by then. Those are the gradients of the parameters the optimizer holds (the engine's
+        records: at stage 3 the sharded parameters, not the gathered ones the stages compute with, and FSDP2 adds
+        its reduction to what they hold, so they must hold nothing during the schedule)."""
         inputs, target = self._split(batch)
+        params = [record.param for record in engine.records()] if engine is not None else list(self.runner.parameters())
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
         loss = self.runner.step(inputs, target, factor)
-        for p in self.runner.parameters():
+        for p, held in zip(params, before):
             if p.grad is not None:
                 self._stash.append((p, p.grad))
-                p.grad = None
+            p.grad = held
         return self._share(loss)
 
     def restore_gradients(self) -> None:

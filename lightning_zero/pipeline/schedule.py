@@ -27,13 +27,57 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice
+from lightning_zero.config.pipeline import LOOPED_SCHEDULES, V_SCHEDULES
 from lightning_zero.engine.comm import collectives
 from lightning_zero.pipeline.split import PipelineLayout
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+
+
+class ShardedStage(PipelineStage):
+    """A pipeline stage whose FSDP2-sharded module reduces its gradients only when asked.
+
+    [Note: stage 3 under pipeline stages]
+    Each stage module is an FSDP2 root over the stage's data-parallel ranks. ``torch.distributed.pipelining``
+    drives FSDP2 itself: every backward of a step runs with gradient sync off and without resharding (the
+    stage's gradients accumulate unsharded over the micro-batches), and after the step's last backward the
+    schedule runs FSDP2's post-backward on every unit, which reduce-scatters the sums and reshards. A batch that
+    is not the last of a gradient-accumulation window skips that reduction (``reduce_gradients`` False): the
+    unsharded sums carry over to the next batch, and the window's last batch reduces them all, once, so a
+    window sends its gradients once, as without pipelining.
+
+    Units are sharded with ``reshard_after_forward=False``: gathered at a step's first forward, they stay
+    gathered over its micro-batches (torchtitan's choice under pipelining; the schedules with an action list
+    gather and reshard each stage themselves). Resharding after every forward was measured and dropped: the
+    backwards keep the units gathered until the step's reduction anyway, so the peak was the same whole stage
+    at 4-5x the all-gathered elements per batch (1F1B, 4 micro-batches), and a weight gradient computed after
+    its unit was resharded (the zero-bubble schedules) read freed parameters.
+    """
+
+    reduce_gradients = True
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.reduce_gradients or not isinstance(self.submod, FSDPModule):
+            super().perform_reduce_grad(grad_scale_factor)
 
 
 class PipelineRunner:
@@ -52,11 +96,12 @@ class PipelineRunner:
         group=None,
     ) -> None:
         check_choice("pipeline_schedule", schedule, SCHEDULES)
-        interleaved = schedule == "interleaved_1f1b"
-        if interleaved != (layout.virtual > 1):
+        multi = schedule in (*LOOPED_SCHEDULES, *V_SCHEDULES)
+        if multi != (layout.virtual > 1) or layout.v_shape != (schedule in V_SCHEDULES):
             raise ZeroConfigError(
-                f"`pipeline_schedule={schedule!r}` with {layout.virtual} stage(s) per rank: interleaved_1f1b runs "
-                "several virtual stages per rank, gpipe and 1f1b exactly one."
+                f"`pipeline_schedule={schedule!r}` with {layout.virtual} stage(s) per rank"
+                f"{' in a V' if layout.v_shape else ''}: {', '.join(LOOPED_SCHEDULES)} run several looped stages per "
+                f"rank, {', '.join(V_SCHEDULES)} two in a V, gpipe and 1f1b exactly one."
             )
         if microbatches < 1:
             raise ZeroConfigError(f"`microbatches` must be >= 1, got {microbatches}.")
@@ -65,13 +110,14 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.schedule_class = SCHEDULES[schedule]
-        self.interleaved = interleaved
+        self.multi = multi
         self.stage_ids = layout.stages_of(layout.pipeline_rank(rank))
         self.modules = [nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in self.stage_ids]
         self.stages = [
-            PipelineStage(module, s, layout.num_stages, device, group=group) for module, s in zip(self.modules, self.stage_ids)
+            ShardedStage(module, s, layout.num_stages, device, group=group) for module, s in zip(self.modules, self.stage_ids)
         ]
         self.num_stages = layout.num_stages
+        self.layout = layout
         self._boundary: dict[int, tuple[Tensor | None, Tensor | None]] = {}
         for module, s in zip(self.modules, self.stage_ids):
             module.register_forward_hook(functools.partial(self._observe, s))
@@ -93,29 +139,76 @@ class PipelineRunner:
         ``torch.distributed.pipelining`` sends activations and their gradients itself, past ``collectives.py``.
         After each step this rank counts what its stages sent, as ``"send"`` in ``comm_stats()``: per micro-batch,
         stage ``s``'s output to stage ``s + 1`` and, when training, the gradient of its input (the same size) to
-        stage ``s - 1``. The sizes come from the step's own forwards; a new schedule's shape inference, which
-        exchanges only metadata, is not counted."""
+        stage ``s - 1``, unless that stage runs on this rank too (the turn of a V). The sizes come from the step's
+        own forwards; a new schedule's shape inference, which exchanges only metadata, is not counted."""
+        elsewhere = self._on_another_rank
         for stage in self.stage_ids:
             received, output = self._boundary.get(stage, (None, None))
-            for tensor, sent in ((output, stage < self.num_stages - 1), (received, train and stage > 0)):
+            for tensor, sent in ((output, elsewhere(stage, stage + 1)), (received, train and elsewhere(stage, stage - 1))):
                 if sent and tensor is not None:
                     for _ in range(self.microbatches):
                         collectives.record_sent(tensor)
+
+    def _on_another_rank(self, stage: int, neighbour: int) -> bool:
+        """Whether ``neighbour`` exists and runs on another rank than ``stage`` (a V's middle stages share one)."""
+        rank_of = self.layout.rank_of_stage
+        return 0 <= neighbour < self.num_stages and rank_of(neighbour) != rank_of(stage)
+
+    @property
+    def reduce_gradients(self) -> bool:
+        """Whether the next step's last backward reduces FSDP2 stages' gradients (see [Note: stage 3 under
+        pipeline stages]); stages 1-2 reduce after the schedule, in the engine."""
+        return all(stage.reduce_gradients for stage in self.stages)
+
+    @reduce_gradients.setter
+    def reduce_gradients(self, reduce: bool) -> None:
+        for stage in self.stages:
+            stage.reduce_gradients = reduce
+
+    def reshard(self) -> None:
+        """Free the gathered parameters of FSDP2-sharded stages (after evaluation, which never reshards them when
+        a stage keeps them gathered over a step)."""
+        for module in self.modules:
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         loss = self.loss_fn(output, target)
         self._losses.append(loss.detach())
         return loss * (self._factor / self.microbatches)
 
+    def _forward_only(self, schedule) -> None:
+        """[Note: evaluating a V]
+        torch 2.13's V-shaped schedules (ZBV, DualPipeV) run their training action lists in ``eval()`` too, and
+        fail at the turn of the V, where a backward hands its input gradient to the rank's other stage. Their
+        evaluation therefore runs a forward-only action list: every rank runs its first stage for every
+        micro-batch, then its second (each depends only on the neighbour's same pass, so nothing waits in a
+        cycle), lowered to FSDP2 gathers, sends and receives by torch's own passes. ``_Action``, those passes and
+        the schedule's ``pipeline_order_with_comms`` are the one private piece of ``torch.distributed.pipelining``
+        used (its public loader insists on a backward for every forward)."""
+        from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
+
+        order = {
+            rank: _add_unshard_reshard([_Action(stage, _ComputationType.FORWARD, mb) for stage in self.layout.stages_of(rank)
+                                        for mb in range(self.microbatches)])
+            for rank in range(self.layout.ranks_per_pipeline)
+        }
+        schedule.pipeline_order_with_comms = _add_send_recv(
+            order, stage_to_rank=self.layout.rank_of_stage, num_stages=self.num_stages
+        )
+
     def _schedule_for(self, inputs: Tensor | None, target: Tensor | None):
         # Training and evaluation never share one: evaluation may run in inference mode (Lightning's default
         # on CUDA), which would make the reused receive buffers inference tensors that backward cannot use.
         key = (self._training, *((tuple(t.shape), t.dtype) if t is not None else None for t in (inputs, target)))
         if self.schedule is None or key != self._shape_key:
-            stages = self.stages if self.interleaved else self.stages[0]
+            stages = self.stages if self.multi else self.stages[0]
             self.schedule = self.schedule_class(
                 stages, n_microbatches=self.microbatches, loss_fn=self._scaled_loss, scale_grads=False
             )
+            if self.layout.v_shape and not self._training:
+                self._forward_only(self.schedule)
             self._shape_key = key
         return self.schedule
 
@@ -131,6 +224,7 @@ class PipelineRunner:
         else:
             with torch.no_grad():
                 schedule.eval(*args, **kwargs, return_outputs=False)
+            self.reshard()
         self._count_sends(train)
         for stage in self.stages:  # the schedule keeps the step's outputs (the last stage's logits) until the next
             stage.clear_runtime_states()

@@ -1,9 +1,10 @@
 """Where a model's layers are cut into pipeline stages, and which ranks form which stage: pure arithmetic.
 
 A pipelined model is a sequence of layers (an ``nn.Sequential`` or a list of modules). Stage ``s`` runs
-layers ``bounds[s]:bounds[s + 1]``. With ``virtual`` stages per rank (interleaved schedules) there are
-``ranks_per_pipeline * virtual`` stages and rank ``r`` of a pipeline runs stages ``r, r + p, r + 2p, ...``,
-the assignment ``torch.distributed.pipelining``'s interleaved schedules expect.
+layers ``bounds[s]:bounds[s + 1]``. With ``virtual`` stages per rank there are ``ranks_per_pipeline * virtual``
+stages, assigned as ``torch.distributed.pipelining``'s schedules expect: looped (interleaved 1F1B and zero
+bubble), rank ``r`` of a pipeline of ``p`` runs stages ``r, r + p, r + 2p, ...``; V-shaped (ZBV, DualPipeV),
+rank ``r`` runs stages ``r`` and ``2p - 1 - r``, so rank 0 holds both the first and the last stage.
 
 Three ways to cut, all checked here, before any process group exists:
 
@@ -19,11 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, closest
+from lightning_zero.config.pipeline import V_SCHEDULES
+
+if TYPE_CHECKING:
+    from lightning_zero.config.zero_config import ZeroConfig
 
 SplitSpec = Union[str, Sequence[int], Sequence[str]]
 SPLIT_METHODS = ("layers", "params")
@@ -140,11 +145,15 @@ class PipelineLayout:
     world_size: int
     ranks_per_pipeline: int
     virtual: int = 1
+    v_shape: bool = False
+    """Two stages per rank in a V (``r`` and ``2p - 1 - r``) instead of looped (``r`` and ``r + p``)."""
 
     def __post_init__(self) -> None:
         p, w = self.ranks_per_pipeline, self.world_size
         if p < 1 or self.virtual < 1:
             raise ZeroConfigError(f"`pipeline_stages` and the virtual stages per rank must be >= 1, got {p} and {self.virtual}.")
+        if self.v_shape and self.virtual != 2:
+            raise ZeroConfigError(f"A V-shaped pipeline runs exactly 2 stages per rank, got {self.virtual}.")
         if w % p:
             raise ZeroConfigError(
                 f"{w} processes cannot be divided into pipelines of {p} stages: the number of devices x nodes must "
@@ -166,8 +175,16 @@ class PipelineLayout:
         return rank // self.ranks_per_pipeline
 
     def stages_of(self, rank: int) -> list[int]:
-        """The stage indices ``rank`` runs: one, or ``virtual`` interleaved ones."""
-        return [self.pipeline_rank(rank) + self.ranks_per_pipeline * v for v in range(self.virtual)]
+        """The stage indices ``rank`` runs, in increasing order: one, ``virtual`` looped ones, or a V's two."""
+        r, p = self.pipeline_rank(rank), self.ranks_per_pipeline
+        if self.v_shape:
+            return [r, 2 * p - 1 - r]
+        return [r + p * v for v in range(self.virtual)]
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage``."""
+        p = self.ranks_per_pipeline
+        return (stage if stage < p else 2 * p - 1 - stage) if self.v_shape else stage % p
 
     def pipeline_group(self, rank: int) -> list[int]:
         """The ranks of ``rank``'s pipeline, in stage order."""
@@ -177,6 +194,11 @@ class PipelineLayout:
     def data_parallel_group(self, rank: int) -> list[int]:
         """The ranks that hold the same stages as ``rank``, one per replica: ZeRO shards across these."""
         return list(range(self.pipeline_rank(rank), self.world_size, self.ranks_per_pipeline))
+
+
+def pipeline_layout(config: ZeroConfig, world_size: int) -> PipelineLayout:
+    """The layout ``config``'s pipeline settings give ``world_size`` processes."""
+    return PipelineLayout(world_size, config.pipeline_stages, config.pipeline_virtual, config.pipeline_schedule in V_SCHEDULES)
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

@@ -13,6 +13,7 @@ Lifecycle of one run (``fit``, ``validate``, ``test`` or ``predict``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ from lightning_zero.faults.verdict import Context, Limits
 from lightning_zero.engine.comm.flight import RECORDER, CollectiveError
 from lightning_zero.faults.timeouts import OpTimeouts, long_timeout
 from lightning_zero.faults.watchdog import Watchdog
+from lightning_zero.pipeline.split import pipeline_layout
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,19 @@ def symmetric_peer(config: Any, rank: int, world_size: int, node_size: int) -> i
         return (rank + stages) % world_size if world_size > stages else None
     shard_size, _ = config.group_sizes(world_size, node_size)
     return (rank + (shard_size if shard_size < world_size else 1)) % world_size
+
+
+def pipeline_places(config: Any, world_size: int) -> tuple[str, ...]:
+    """Per rank, the pipeline stages it runs and its replica, for the watchdog's messages (none without stages)."""
+    if config.pipeline_stages == 1:
+        return ()
+    layout = pipeline_layout(config, world_size)
+    places = []
+    for rank in range(world_size):
+        stages = layout.stages_of(rank)
+        named = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+        places.append(f"pipeline {named} of replica {layout.replica(rank)}")
+    return tuple(places)
 
 
 class FaultHandling:
@@ -69,7 +84,7 @@ class FaultHandling:
             return
         stages = config.pipeline_stages
         mark_peer = symmetric_peer(config, rank, world_size, node_size)
-        context = Context(world_size=world_size, symmetric=stages == 1)
+        context = Context(world_size=world_size, symmetric=stages == 1, places=pipeline_places(config, world_size))
         self.watchdog = Watchdog(_store_client(), self.namespace, rank, world_size, limits, context,
                                  dist.group.WORLD, mark_peer, long=self.timeouts.long)
         self.watchdog.start()
@@ -83,7 +98,7 @@ class FaultHandling:
         self.timeouts.activate()
         RECORDER.on_mark = self.timeouts.refresh
         if self.watchdog is not None and gathers_in_forward and _has_generate(trainer.lightning_module):
-            self.watchdog.context = Context(self.watchdog.context.world_size, self.watchdog.context.symmetric, True)
+            self.watchdog.context = dataclasses.replace(self.watchdog.context, generate_hint=True)
         _replace_lightning_sigterm(trainer)
 
     @staticmethod

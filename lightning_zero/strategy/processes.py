@@ -35,7 +35,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.strategy.fault_handling import FaultHandling
 from lightning_zero.faults.timeouts import long_timeout
 from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
-from lightning_zero.pipeline.split import PipelineLayout
+from lightning_zero.pipeline.split import pipeline_layout
 
 
 def _yield_to_collective_threads_at_exit() -> None:
@@ -99,7 +99,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         environment = require(self.cluster_environment, "cluster_environment")
         if (config := self.zero_config).pipeline_stages > 1:  # before any process starts: devices x nodes must divide
-            PipelineLayout(self.num_nodes * self.num_processes, config.pipeline_stages, config.pipeline_virtual)
+            pipeline_layout(config, self.num_nodes * self.num_processes)
         config.group_sizes(self.cluster_world_size(), self.num_processes)  # shard_size / hpZ fit the cluster
         if config.start_method == "popen":
             # Under torchrun/SLURM too (it then starts nothing): it resolves `ckpt_path` (auto-resume, "last").

@@ -38,8 +38,9 @@ from lightning_zero.pretrained import load_pretrained
 
 def construction_device(config: ZeroConfig) -> contextlib.AbstractContextManager:
     """Where ``configure_model`` builds layers: stage 3 on the meta device (FSDP2 materialises one unit at a
-    time, so no rank ever holds the whole model), the others where they are."""
-    return torch.device("meta") if config.stage == 3 else contextlib.nullcontext()
+    time, so no rank ever holds the whole model), the others where they are. Pipeline stages build the model
+    whole, then free the layers of other stages (``pipeline/parallel.py``), at every stage."""
+    return torch.device("meta") if config.stage == 3 and config.pipeline_stages == 1 else contextlib.nullcontext()
 
 
 def _nothing() -> None:
@@ -117,6 +118,20 @@ def shard_model(
     holding = Holding()
     shard_size, secondary_shard_size = config.group_sizes(world_size, node_size)
     groups = data_parallel_groups(Topology(world_size, node_size, shard_size), device.type)
+    # Data-parallel ranks (`replicas`, which start from the first one's weights and buffers) and the ranks each
+    # parameter's rows are spread over (`group`): all and all, or a pipeline stage's replicas, or hybrid.
+    replicas, source, group, mesh = None, 0, groups.shard_group, groups.shard_mesh
+    if config.pipeline_stages > 1:
+        if sync_batchnorm:
+            raise ZeroConfigError("`sync_batchnorm=True` is not supported with `pipeline_stages > 1`.")
+        pipeline = PipelineParallel(model, config, rank, world_size, device)
+        group, source, mesh, holding = pipeline.dp_group, pipeline.dp_source, pipeline.dp_mesh, pipeline.holding
+        replicas = group
+    if pipeline is not None or config.stage != 3:  # stage 3 alone starts from rank 0's values as it shards
+        if pipeline is None:
+            move_to_device()
+        held = holding.held((*model.named_parameters(), *model.named_buffers()))
+        collectives.broadcast([t.data for t in held.values()], src=source, group=replicas)
     if config.stage == 3:
         engine = FullyShardedEngine(
             model,
@@ -130,36 +145,23 @@ def shard_model(
             secondary_shard_size=secondary_shard_size,
             compression=compression_spec(config),
             unit_size_mb=config.unit_size_mb,
+            stages=pipeline.stages if pipeline is not None else None,
         )
-    else:
-        # Data-parallel ranks (`replicas`, which start from the first one's weights and buffers) and the ranks
-        # each parameter's rows are spread over (`group`): all and all, or a pipeline stage's replicas, or hybrid.
-        replicas, source, group, mesh = None, 0, groups.shard_group, groups.shard_mesh
-        if config.pipeline_stages > 1:
-            if sync_batchnorm:
-                raise ZeroConfigError("`sync_batchnorm=True` is not supported with `pipeline_stages > 1`.")
-            pipeline = PipelineParallel(model, config, rank, world_size, device)
-            group, source, mesh, holding = pipeline.dp_group, pipeline.dp_source, pipeline.dp_mesh, pipeline.holding
-            replicas = group
-        else:
-            move_to_device()
-        held = holding.held((*model.named_parameters(), *model.named_buffers()))
-        collectives.broadcast([t.data for t in held.values()], src=source, group=replicas)
-        if fitting:
-            engine = ZeroDataParallel(
-                model,
-                stage=config.stage,
-                bucket_numel=config.bucket_numel,
-                overlap_comm=config.overlap_comm,
-                policy=policy,
-                offload_optimizer=config.offload_optimizer,
-                pin_memory=pin,
-                group=group,
-                mesh=mesh,
-                replicate_group=groups.replicate_group,
-                holding=holding,
-                compression=compression_spec(config),
-            )
+    elif fitting:
+        engine = ZeroDataParallel(
+            model,
+            stage=config.stage,
+            bucket_numel=config.bucket_numel,
+            overlap_comm=config.overlap_comm,
+            policy=policy,
+            offload_optimizer=config.offload_optimizer,
+            pin_memory=pin,
+            group=group,
+            mesh=mesh,
+            replicate_group=groups.replicate_group,
+            holding=holding,
+            compression=compression_spec(config),
+        )
     if config.init_weights is not None:
         load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,
                         engine=engine, holding=holding)

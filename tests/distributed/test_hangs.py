@@ -40,7 +40,7 @@ def run(case: str, nprocs: int = 2, timeout: float = TIMEOUT, watchdog: bool = T
 #: and the ranks are forked from the fork server, which has imported everything already.
 DEFAULT_CASES = {
     "sigstop": {}, "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM}, "generate": {},
-    "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {},
+    "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {}, "pipelined_kill": {},
 }
 
 
@@ -90,6 +90,15 @@ def test_a_killed_rank_is_named(launched):
     assert_all_failed_in_time(result, ranks=[0])
     assert_names(result.output(0), "rank 1's process ended without reporting an error", "SIGKILL",
                  "This rank (0) was in training batch 2, waiting in reduce_scatter #")
+
+
+def test_a_killed_pipeline_stage_is_named_with_its_stage(launched):
+    """Under pipeline stages the watchdog names what the rank ran, beside its number."""
+    result = launched["pipelined_kill"].result()
+    assert result.ranks[1].code == -signal.SIGKILL
+    assert_all_failed_in_time(result, ranks=[0])
+    assert_names(result.output(0), "rank 1 (pipeline stage 1 of replica 0)'s process ended without reporting an error",
+                 "This rank (0) was in training batch 2", collective=False)
 
 
 def test_a_stopped_rank_nccl_style_is_named_and_every_rank_ends(launched):

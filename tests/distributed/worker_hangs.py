@@ -168,6 +168,23 @@ def fit(case: str, stage: int = 2, **trainer_kwargs) -> None:
     t.fit(SkipsAStep() if case == "skip_step" else Faulty(case), loader)
 
 
+def pipelined_kill() -> None:
+    """Pipeline x ZeRO-3, 2 stages: the rank of the last stage is killed in its loss at batch 2, while rank 0
+    waits for its input gradients."""
+    from tests.distributed.worker_pipeline_trainer import Chain
+
+    class Killed(Chain):
+        def pipeline_loss(self, output, target):
+            if RANK == FAULTY and self.trainer.global_step == FAULT_BATCH:
+                fault()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().pipeline_loss(output, target)
+
+    L.seed_everything(7)
+    strategy = ZeroStrategy(stage=3, pipeline_stages=2, microbatches=2, timeout=TIMEOUT)
+    trainer(strategy, max_steps=6).fit(Killed(), models.loader(models.IndexedData(n=64), 4))
+
+
 def generate(synced_gpus: bool | None) -> dict:
     """Validation that calls Hugging Face ``generate()`` with a different length per rank, under stage 3."""
     from tests.distributed.hf_models import HFLightningModule
@@ -203,6 +220,8 @@ def main(case: str) -> None:
             write_report(report)
         generate(False)  # the user turned synced_gpus off: the ranks run different numbers of forward passes
         return
+    if case == "pipelined_kill":
+        return pipelined_kill()
     stage = 3 if case == "rank_only_submodule" else 2
     if case == "raise_and_sleep":
         try:

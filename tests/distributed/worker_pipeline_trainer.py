@@ -107,8 +107,11 @@ def val_loader(replicas: int):
 
 
 def held_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's parameters, from the ranks that hold each stage."""
-    mine = {n: t.detach().clone() for n, t in module.state_dict().items() if not t.is_meta}
+    """The whole model's parameters, from the ranks that hold each stage (stage 3: gathered over its replicas)."""
+    from torch.distributed.tensor import DTensor
+
+    mine = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for n, t in module.state_dict().items() if not t.is_meta}
     merged: dict[str, torch.Tensor] = {}
     for part in collectives.all_gather_objects(mine):
         merged.update(part)
@@ -180,7 +183,8 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
     )
     held = collectives.all_gather_objects(sorted(n for n, p in module.named_parameters() if not p.is_meta))
     memory = collectives.all_gather_objects(
-        (t.callbacks[0].state_bytes, sum(p.numel() for p in module.parameters() if not p.is_meta))
+        (t.callbacks[0].state_bytes, sum(p.numel() for p in module.parameters() if not p.is_meta),
+         sum(1 for p in module.parameters() if not p.is_meta))
     )
     return {
         "steps": t.global_step,
@@ -193,13 +197,61 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
         "reference_train_losses": losses,
         "reference_val_loss": val_loss,
         "held": held,
-        "memory": memory,  # per rank: (model-state bytes after backward, parameters held)
+        "memory": memory,  # per rank: (model-state bytes after backward, parameters held, parameter tensors held)
         "stage": stage,
         "names": sorted(expected),
         "bounds": t.strategy.pipeline.bounds,
+        "cross_cuts": _cross_cuts(t.strategy.pipeline.layout),
+        "layout": "v" if t.strategy.pipeline.layout.v_shape else "looped",
         "engine_world": t.strategy.engine.world_size,
         "sent": collectives.all_gather_objects(sent.per_batch),
     }
+
+
+class GatheredPeak(L.Callback):
+    """Per training batch on this rank: all-gathered elements, and the most parameter elements FSDP2 held
+    gathered at any forward of a stage's layer (stage 3 under pipeline stages)."""
+
+    def __init__(self) -> None:
+        self.gathered: list[int] = []
+        self.peak = 0
+        self._before = 0
+
+    def on_fit_start(self, trainer, pl_module):
+        from lightning_zero.engine.stage3 import fsdp2_private
+
+        groups = [g for m in trainer.strategy.pipeline.runner.modules for g in fsdp2_private.param_groups(m)]
+
+        def probe(*_):
+            held = sum(fp._orig_size.numel() for g in groups for fp in g.fsdp_params if fp.sharded_state.name == "UNSHARDED")
+            self.peak = max(self.peak, held)
+
+        for module in trainer.strategy.pipeline.runner.modules:
+            for layer in module:
+                layer.register_forward_pre_hook(probe)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = collectives.comm_stats().snapshot()["elements_by_kind"].get("all_gather", 0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.gathered.append(collectives.comm_stats().snapshot()["elements_by_kind"].get("all_gather", 0) - self._before)
+
+
+def gathers(schedule: str) -> dict:
+    """Stage 3: the parameter elements each rank all-gathers per training batch, and the most it holds gathered."""
+    probe = GatheredPeak()
+    strategy = ZeroStrategy(stage=3, pipeline_stages=2, microbatches=4, pipeline_schedule=schedule)
+    fit(strategy, WORLD // 2, epochs=1, callbacks=[LoggedLosses(), probe], limit_val_batches=0)
+    return {
+        "gathered": collectives.all_gather_objects(probe.gathered),
+        "peak": collectives.all_gather_objects(probe.peak),
+        "params": collectives.all_gather_objects(sum(p.numel() for p in strategy.lightning_module.parameters() if not p.is_meta)),
+    }
+
+
+def _cross_cuts(layout) -> int:
+    """Cuts between stages on different ranks (a V's turn stays on one rank)."""
+    return sum(layout.rank_of_stage(s) != layout.rank_of_stage(s + 1) for s in range(layout.num_stages - 1))
 
 
 #: 16-mixed's first loss scale: low enough that no batch order overflows the first step (at 2**16 the first step
@@ -254,6 +306,51 @@ def checkpoint_round_trip(directory: Path) -> dict:
     return out
 
 
+def zero3_round_trip(directory: Path) -> dict:
+    """Pipeline x ZeRO-3 -> flat ZeRO-3 -> pipeline x ZeRO-3 (another schedule) -> flat ZeRO-1, each leg one more
+    epoch resumed from the last one's sharded checkpoint (optimizer, scheduler, epoch), each against the
+    uninterrupted reference: the flat legs shard over all the ranks, the pipelined ones over a stage's replicas."""
+    legs = (
+        (lambda: ZeroStrategy(stage=3, pipeline_stages=2, microbatches=4), WORLD // 2),
+        (lambda: ZeroStrategy(stage=3), WORLD),
+        (lambda: ZeroStrategy(stage=3, pipeline_stages=2, microbatches=2, pipeline_schedule="zbv"), WORLD // 2),
+        (lambda: ZeroStrategy(stage=1), WORLD),
+    )
+    diffs, ckpt = [], None
+    for epochs, (strategy, replicas) in enumerate(legs, start=1):
+        t, module = fit(strategy(), replicas, epochs=epochs, ckpt_path=ckpt, module=Chain())
+        params = held_parameters(module)
+        diffs.append(max_diff(params, reference(epochs * STEPS_PER_EPOCH)[0]))
+        if epochs == 1:  # the Trainer has made the process group
+            directory = Path(collectives.broadcast_object(str(directory)))
+        ckpt = directory / f"zero3_leg{epochs}.ckpt"
+        t.save_checkpoint(ckpt)
+    return {"diffs": diffs, "steps": t.global_step}
+
+
+def zero3_composed() -> dict:
+    """Pipeline x ZeRO-3 with what stage 3 composes with: offloaded optimizer (exact), activation checkpointing
+    of every Linear (exact), and bf16-mixed (close)."""
+    from torch.distributed.tensor import DTensor
+
+    expected = reference(STEPS_PER_EPOCH)[0]
+    out = {}
+    for name, kwargs, trainer_kwargs in (
+        ("offload_optimizer", {"offload_optimizer": True}, {}),
+        ("activation_checkpointing", {"activation_checkpointing": {nn.Linear}}, {}),
+        ("bf16-mixed", {}, {"precision": "bf16-mixed"}),
+    ):
+        strategy = ZeroStrategy(stage=3, pipeline_stages=2, microbatches=4, **kwargs)
+        t, module = fit(strategy, WORLD // 2, epochs=1, **trainer_kwargs)
+        params = held_parameters(module)
+        out[name] = {
+            "param_diff": max_diff({k: v.float() for k, v in params.items()}, expected),
+            "steps": t.global_step,
+            "sharded": all(isinstance(p, DTensor) for p in module.parameters() if not p.is_meta),
+        }
+    return out
+
+
 def _checkpoint_keys(path: Path) -> list[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -292,14 +389,24 @@ def errors(directory: Path) -> dict:
     return {**out, "same_on_every_rank": all(o == out for o in everywhere)}
 
 
+#: The exactness matrix: every schedule at every ZeRO stage.
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+MATRIX = {f"{schedule}@{stage}": (schedule, stage) for schedule in SCHEDULES for stage in (1, 2, 3)}
+
+
 def cases() -> dict:
     return {
+        **{name: (lambda d, s=schedule, z=stage: exactness(z, s)) for name, (schedule, stage) in MATRIX.items()},
         "gpipe": lambda d: exactness(1, "gpipe"),
         # with Lightning's sanity check: evaluation schedules before the first training one
         "1f1b": lambda d: exactness(2, "1f1b", split="params", num_sanity_val_steps=2),
         "interleaved": lambda d: exactness(1, "interleaved_1f1b", microbatches=4),
         "gpipe_stage2": lambda d: exactness(2, "gpipe", split=["4"], microbatches=2),  # cut before the child "4"
         "round_trip": checkpoint_round_trip,
+        "zero3_round_trip": zero3_round_trip,
+        "zero3_composed": lambda d: zero3_composed(),
+        "gathers_1f1b": lambda d: gathers("1f1b"),
+        "gathers_zbv": lambda d: gathers("zbv"),
         "mixed": lambda d: mixed_precision(),
         "errors": errors,
     }

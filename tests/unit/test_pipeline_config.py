@@ -12,14 +12,20 @@ from lightning_zero import ZeroConfigError, ZeroStrategy
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(stage=3, pipeline_stages=2), "composes with ZeRO `stage=1` or `stage=2`, not stage=3"),
         (dict(pipeline_stages=2, state_dict_type="full"), "`state_dict_type='full'` is not available"),
-        (dict(pipeline_stages=2, pipeline_schedule="zero_bubble"), "choose one of ('gpipe', '1f1b', 'interleaved_1f1b')"),
+        (dict(pipeline_stages=2, pipeline_schedule="zero_bubble"),
+         "choose one of ('gpipe', '1f1b', 'interleaved_1f1b', 'interleaved_zb', 'zbv', 'dualpipev')"),
+        (dict(pipeline_stages=2, pipeline_schedule="zbv1"), "Did you mean 'zbv'?"),
+        (dict(pipeline_stages=2, pipeline_schedule="interleaved_zb", pipeline_virtual_stages=1), ">= 2"),
+        (dict(pipeline_stages=2, pipeline_schedule="zbv", pipeline_virtual_stages=3), "runs exactly 2 stages per rank"),
+        (dict(pipeline_stages=2, pipeline_schedule="dualpipev", microbatches=3), "at least as many micro-batches as stages (4"),
+        (dict(stage=3, pipeline_stages=2, shard_size=2), "would need a 3-D mesh"),
+        (dict(stage=3, pipeline_stages=2, secondary_shard_size=2), "`secondary_shard_size=2` is not supported"),
         (dict(pipeline_stages=2, pipeline_schedule="1fb1"), "Did you mean '1f1b'?"),
         (dict(pipeline_stages=2, pipeline_split="parms"), "Did you mean 'params'?"),
         (dict(pipeline_stages=2, pipeline_split=[1.5]), "list of layer indices or names"),
         (dict(pipeline_stages=2, pipeline_schedule="interleaved_1f1b", pipeline_virtual_stages=1), ">= 2"),
-        (dict(pipeline_stages=2, pipeline_virtual_stages=2), "needs `pipeline_schedule='interleaved_1f1b'`"),
+        (dict(pipeline_stages=2, pipeline_virtual_stages=2), "needs a schedule with several stages per rank"),
         (dict(pipeline_stages=0), "`pipeline_stages` must be an integer >= 1"),
         (dict(pipeline_stages=2, microbatches=0), "`microbatches` must be None or an integer >= 1"),
     ],
@@ -41,3 +47,7 @@ def test_defaults_one_microbatch_per_stage_and_two_virtual_stages_when_interleav
     config = ZeroStrategy(pipeline_stages=2, pipeline_schedule="interleaved_1f1b").zero_config
     assert (config.pipeline_microbatches, config.pipeline_virtual) == (4, 2)
     assert ZeroStrategy(pipeline_stages=2, microbatches=8).zero_config.pipeline_microbatches == 8
+    for schedule in ("zbv", "dualpipev"):  # two stages per rank in a V
+        config = ZeroStrategy(stage=3, pipeline_stages=2, pipeline_schedule=schedule).zero_config
+        assert (config.pipeline_microbatches, config.pipeline_virtual) == (4, 2)
+    assert ZeroStrategy(pipeline_stages=3, pipeline_schedule="interleaved_zb").zero_config.pipeline_virtual == 2

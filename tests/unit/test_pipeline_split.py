@@ -78,6 +78,18 @@ def test_layout_of_two_stages_by_two_replicas_and_interleaving():
         PipelineLayout(world_size=3, ranks_per_pipeline=2)
 
 
+def test_a_v_runs_the_first_and_last_stage_on_rank_zero():
+    """ZBV and DualPipeV: rank r of p runs stages r and 2p-1-r; the middle cut (the turn) stays on one rank."""
+    v = PipelineLayout(world_size=8, ranks_per_pipeline=4, virtual=2, v_shape=True)
+    assert [v.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [v.rank_of_stage(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert v.stages_of(5) == [1, 6] and v.data_parallel_group(5) == [1, 5]
+    looped = PipelineLayout(world_size=4, ranks_per_pipeline=4, virtual=2)
+    assert [looped.rank_of_stage(s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    with pytest.raises(ZeroConfigError, match="exactly 2 stages per rank"):
+        PipelineLayout(world_size=4, ranks_per_pipeline=4, virtual=3, v_shape=True)
+
+
 def test_bubble_formula():
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(2, 16) == pytest.approx(1 / 17)

@@ -231,6 +231,10 @@ class ZeroDataParallel:
         with self.reducer.no_sync():
             yield
 
+    @property
+    def synchronizing(self) -> bool:
+        return self.reducer.require_sync
+
     def post_backward(self) -> None:
         self.reducer.flush()
 

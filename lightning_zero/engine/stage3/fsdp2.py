@@ -5,14 +5,6 @@ This adapter adds what ZeroStrategy promises on top: the wrap policy, shard-by-s
 meta-device models with the values an eager build would have had, counted collectives, no-sync under
 gradient accumulation, and the shard-level view the precision plugin needs for clipping.
 
-[Note: materialising meta modules in construction order]
-Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, which is the order an eager
-build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
-sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
-plus one unit exist at full size at any time. Inside a Hugging Face model the library's own initialisation
-runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN: one that no initialiser wrote is
-an error naming its layer, never silently trained on.
-
 [Note: stage 3 mixed precision]
 FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it
 is the master), gathers are cast to the 2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and
@@ -79,7 +71,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage3 import fsdp2_private
-from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
+from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.stage3.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
@@ -87,19 +79,11 @@ from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, unit_groups, units_below_the_root
-from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
+from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.comm.topology import DataParallelGroups
 from lightning_zero.engine.optimizers import optimizer_kind, shards_of
-
-
-def _own_floating(module: nn.Module) -> list[torch.Tensor]:
-    return [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.is_floating_point()]
-
-
-def _has_meta(module: nn.Module, recurse: bool) -> bool:
-    return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
 
 
 class FullyShardedEngine:
@@ -107,12 +91,8 @@ class FullyShardedEngine:
     of this module)."""
 
     stage = 3
-    #: ``fully_shard`` converts the module in place; the LightningModule itself is the root unit.
-    shards_module_in_place = True
     #: The parameters' rows are the DTensor shards themselves; offload masters only mirror them.
     holds_masters = False
-    #: Pipeline stages run over stages 1-2 only: a stage-3 rank holds (its rows of) every tensor.
-    holding = Holding()
 
     def __init__(
         self,
@@ -128,6 +108,7 @@ class FullyShardedEngine:
         secondary_shard_size: int | None = None,
         compression: CompressionSpec | None = None,
         unit_size_mb: float = 0.0,
+        stages: PipelineStages | None = None,
     ) -> None:
         self.module = module
         self.device, self.pin_memory = device, pin_memory
@@ -137,32 +118,54 @@ class FullyShardedEngine:
         self.params_on_host = offload_params
         self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
         hybrid = groups if groups is not None and groups.replicas > 1 else None
+        #: See [Note: stage 3 under pipeline stages]; the module itself is the one root otherwise.
+        self.stages = stages
+        self.roots: list[nn.Module] = list(stages.modules) if stages is not None else [module]
+        #: ``fully_shard`` converts the module in place: the LightningModule itself is the root unit, unless
+        #: pipeline stages run this rank's layers (their stage modules are the roots then).
+        self.shards_module_in_place = stages is None
+        self.holding = stages.holding if stages is not None else Holding()
         #: See [Note: stage 3 hybrid sharding and hpZ].
         self.group = hybrid.shard_group if hybrid is not None else None
         self.replicate_group = hybrid.replicate_group if hybrid is not None else None
         self.norm_group = self.group
+        if stages is not None:  # each stage sharded over its data-parallel ranks; the norm sums over every rank
+            self.group = stages.mesh.get_group()
         self.world_size = collectives.world_size(self.group)
         self.rank = collectives.rank(self.group)
-        shard_mesh = hybrid.shard_mesh if hybrid is not None else None  # a hybrid run's groups come with their mesh
+        shard_mesh = stages.mesh if stages is not None else hybrid.shard_mesh if hybrid is not None else None
         self.mesh = shard_mesh if shard_mesh is not None else init_device_mesh(device.type, (self.world_size,))
-        self._reshard_after_forward = secondary_shard_size or True
+        #: Under pipeline stages a unit stays gathered over a step's micro-batches: see [Note: stage 3 under
+        #: pipeline stages] in ``pipeline/schedule.py``.
+        self._reshard_after_forward = secondary_shard_size or stages is None
         self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
         self.policy = policy
-        units = select_units(module, wrap_policy)
+        units = [unit for root in self.roots for unit in select_units(root, wrap_policy)]
         if secondary_shard_size:  # see [Note: hpZ and the root]
             units = [*units, *units_below_the_root(module, units)]
-        chosen = {id(m) for m in units} | (one_dtype_units(module, units, policy) if policy is not None else set())
-        self.units = [m for m in module.modules() if m is not module and id(m) in chosen]
-        self._fp32_units = {id(m) for m in (*self.units, module) if policy is not None and policy.holds_fp32(m)}
+        chosen = {id(m) for m in units}
+        if policy is not None:
+            chosen |= {i for root in self.roots for i in one_dtype_units(root, units, policy)}
+        self.units = [m for root in self.roots for m in root.modules() if m is not root and id(m) in chosen]
+        self._fp32_units = {id(m) for m in (*self.units, *self.roots) if policy is not None and policy.holds_fp32(m)}
         #: The ``fully_shard`` calls: see [Note: merged units].
-        self.unit_groups = unit_groups(module, self.units, self._gathered_bytes, lambda m: id(m) in self._fp32_units,
-                                       unit_size_mb * 2**20)
+        self.unit_groups = [
+            group
+            for root in self.roots
+            for group in unit_groups(root, [u for u in root.modules() if u is not root and id(u) in chosen],
+                                     self._gathered_bytes, lambda m: id(m) in self._fp32_units, unit_size_mb * 2**20)
+        ]
         #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
-        #: reads each reduced shard at once, so those land as they are issued. On CUDA, FSDP2's streams overlap.
-        self.late = LateReductions() if self.replicate_group is None and device.type == "cpu" else None
-        if not isinstance(module, FSDPModule):  # else sharded by an earlier fit/validate/test on this module
-            if _has_meta(module, recurse=True):
-                self._materialize_and_shard(device)
+        #: reads each reduced shard at once, so those land as they are issued, and a pipeline schedule reduces
+        #: outside any backward. On CUDA, FSDP2's streams overlap.
+        self.late = LateReductions() if self.replicate_group is None and stages is None and device.type == "cpu" else None
+        if stages is not None:
+            for index, root in zip(stages.indices, self.roots):
+                self._unit_names[id(root)] = f"pipeline_stage_{index}"
+            self._shard_stages()
+        elif not isinstance(module, FSDPModule):  # else sharded by an earlier fit/validate/test on this module
+            if has_meta(module, recurse=True):
+                materialize_and_shard(module, device, self.unit_groups, self._shard)
             else:
                 module.to(device)
                 # Every rank must start from the same values before it keeps only its rows.
@@ -173,18 +176,24 @@ class FullyShardedEngine:
         else:  # this engine's collectives replace the earlier engine's, once per fully_shard call
             for sharded in fsdp2_private.unit_heads(module):
                 self._set_collectives(sharded)
-        fsdp2_private.check(module)  # a torch that moved a private name fails here, naming it
-        if not isinstance(module, FSDPModule):
-            raise RuntimeError("lightning_zero internal error: fully_shard made it one (check() raised otherwise)")
-        #: ``module`` as the root unit ``fully_shard`` made it.
-        self._root: FSDPModule = module
-        #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams).
-        self.prefetch = ForwardPrefetch(self._root, [group[0] for group in self.unit_groups]) if device.type == "cpu" else None
-        #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device).
-        self.window = GatheredWindow(module) if not offload_params else None
+        sharded_roots: list[FSDPModule] = []
+        for root in self.roots:
+            fsdp2_private.check(root)  # a torch that moved a private name fails here, naming it
+            if not isinstance(root, FSDPModule):
+                raise RuntimeError("lightning_zero internal error: fully_shard made it one (check() raised otherwise)")
+            sharded_roots.append(root)
+        #: The roots as ``fully_shard`` made them.
+        self._roots = sharded_roots
+        #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams; a pipeline schedule
+        #: gathers each stage itself).
+        self.prefetch = (ForwardPrefetch(self._roots[0], [group[0] for group in self.unit_groups])
+                         if device.type == "cpu" and stages is None else None)
+        #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device; under
+        #: pipeline stages the schedule keeps them gathered, see [Note: stage 3 under pipeline stages]).
+        self.window = GatheredWindow(module) if not offload_params and stages is None else None
         self._reducing = True  # False inside ``no_sync``
         #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.holding.held(module.named_parameters()).items() if p.requires_grad]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._records = [self._record(n, p) for n, p in named]
@@ -195,6 +204,19 @@ class FullyShardedEngine:
                 [local_tensor(p) for p in self.params], dtype=None, offloaded=offload_optimizer, pin=pin_memory,
                 alias_on_device=True,
             )
+
+    def _shard_stages(self) -> None:
+        """Shard this rank's pipeline stages: their units, then each stage module as a root. Their layers were
+        built whole and are the same on every replica (``pipeline/parallel.py``)."""
+        if any(has_meta(root, recurse=True) for root in self.roots):
+            raise ValueError(
+                "`pipeline_stages > 1` with `stage=3` builds the model whole on every rank before the cut: build it in "
+                "`__init__` or in `configure_model` without the meta device."
+            )
+        for group in reversed(self.unit_groups):
+            self._shard(group)
+        for root in self.roots:
+            self._shard([root])
 
     # ------------------------------------------------------------------ sharding
     def _gathered_bytes(self, unit: nn.Module) -> int:
@@ -237,77 +259,6 @@ class FullyShardedEngine:
             return FSDPMixedPrecisionPolicy(policy.master_dtype, policy.master_dtype, cast_forward_inputs=False)
         return FSDPMixedPrecisionPolicy(policy.compute_dtype, policy.reduce_dtype, cast_forward_inputs=False)
 
-    def _materialize_and_shard(self, device: torch.device) -> None:
-        """See [Note: materialising meta modules in construction order]."""
-        real = [t.data for t in (*self.module.parameters(), *self.module.buffers()) if not t.is_meta]
-        collectives.broadcast(real, src=0)  # parts built eagerly must agree across ranks too
-        cpu_state, device_state = collectives.broadcast_object(
-            (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None), src=0
-        )
-        torch.set_rng_state(cpu_state)
-        if device_state is not None:
-            torch.cuda.set_rng_state(device_state)
-        group_of = {id(m): group for group in self.unit_groups for m in group}
-        owners = hf_owners(self.module)
-        done: set[int] = set()
-        missing: set[str] = set()
-        tied: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised parameter
-
-        def materialize(sub: nn.Module) -> None:
-            """Construction order (pre-order) for ordinary modules; children first inside a Hugging Face model,
-            as its own initialisation visits them. A unit is sharded once its whole subtree exists."""
-            if id(sub) in done:
-                return
-            done.add(id(sub))
-            hf = owners.get(id(sub))
-            if hf is None:
-                self._initialize(sub, device, None, missing, tied)
-            for child in sub.children():
-                materialize(child)
-            if hf is not None:
-                self._initialize(sub, device, hf, missing, tied)
-            group = group_of.get(id(sub))
-            if group is not None and all(id(m) in done for m in group):  # the group's last module (and subtree)
-                self._shard(group)
-
-        materialize(self.module)
-        for sub in self.module.modules():  # after every initialiser ran: a parent's may set a child's tensors
-            if any(bool(torch.isnan(local_tensor(t)).any()) for t in _own_floating(sub)):
-                missing.add(type(sub).__name__)
-        if missing:
-            raise TypeError(
-                f"Cannot materialise the meta-device model: {sorted(missing)} define parameters or buffers but no "
-                "`reset_parameters()` (nor a Hugging Face `_init_weights` that sets them); add one, or build those "
-                "modules outside `configure_model`."
-            )
-
-    @staticmethod
-    def _initialize(
-        sub: nn.Module, device: torch.device, hf_owner: nn.Module | None, missing: set[str], tied: dict[int, nn.Parameter]
-    ) -> None:
-        """Materialise ``sub``'s own meta tensors and initialise them: ``reset_parameters()``, then the owning
-        Hugging Face model's initialisation (see [Note: Hugging Face initialisation on the meta device]).
-        Floating tensors start as NaN so that one no initialiser wrote is caught, not trained on. A parameter
-        another module already materialised (tied weights) is shared, not materialised twice:
-        ``to_empty`` would give each owner a tensor of its own."""
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) in tied:
-                sub._parameters[name] = tied[id(param)]
-        if _has_meta(sub, recurse=False):
-            before = {name: id(p) for name, p in sub._parameters.items() if p is not None and p.is_meta}
-            sub.to_empty(device=device, recurse=False)
-            tied.update({meta_id: new for name, meta_id in before.items() if (new := sub._parameters[name]) is not None})
-            with torch.no_grad():
-                for tensor in _own_floating(sub):
-                    tensor.fill_(float("nan"))
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-            elif hf_owner is None:
-                missing.add(type(sub).__name__)
-        if hf_owner is not None:  # every module, as the library's own pass: a block may set its children's weights
-            initialize(sub, hf_owner)
-
     # ------------------------------------------------------------------ the contract (engine/api.py)
     @property
     def optimizer_on_host(self) -> bool:
@@ -347,17 +298,23 @@ class FullyShardedEngine:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """A non-final micro-batch: no reduce-scatter, and its units stay gathered for the next one."""
-        self._root.set_requires_gradient_sync(False)
+        for root in self._roots:
+            root.set_requires_gradient_sync(False)
         self._reducing = False
         if self.window is not None:
             self.window.hold()
         try:
             yield
         finally:
-            self._root.set_requires_gradient_sync(True)
+            for root in self._roots:
+                root.set_requires_gradient_sync(True)
             self._reducing = True
             if self.window is not None:
                 self.window.release_after_backward()
+
+    @property
+    def synchronizing(self) -> bool:
+        return self._reducing
 
     def post_backward(self) -> None:
         """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
@@ -369,9 +326,15 @@ class FullyShardedEngine:
             self.reshard()
 
     def reshard(self) -> None:
-        """Close an open accumulation window (see [Note: gathered accumulation windows])."""
+        """Close an open accumulation window (see [Note: gathered accumulation windows]); free pipeline stages
+        kept gathered over a step (see [Note: stage 3 under pipeline stages])."""
         if self.window is not None:
             self.window.close()
+        elif self.stages is not None:
+            for root in self.roots:
+                for unit in root.modules():
+                    if isinstance(unit, FSDPModule):
+                        unit.reshard()
 
     def land_gradients(self) -> None:
         """Land reductions still in flight (a backward not run through the strategy leaves them to the step)."""

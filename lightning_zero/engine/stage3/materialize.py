@@ -1,0 +1,104 @@
+"""Stage 3's meta-device models made real: each module's tensors materialised and initialised in the order an
+eager build would have used, each unit sharded as soon as it exists.
+
+[Note: materialising meta modules in construction order]
+Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, which is the order an eager
+build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
+sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
+plus one unit exist at full size at any time. Inside a Hugging Face model the library's own initialisation
+runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN: one that no initialiser wrote is
+an error naming its layer, never silently trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
+from lightning_zero.engine.stage3.local_step import local_tensor
+
+
+def own_floating(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.is_floating_point()]
+
+
+def has_meta(module: nn.Module, recurse: bool) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
+
+
+def materialize_and_shard(module: nn.Module, device: torch.device, unit_groups: list[list[nn.Module]],
+                          shard: Callable[[list[nn.Module]], None]) -> None:
+    """Materialise ``module``'s meta tensors and shard each unit group (``shard``) as soon as it exists: see
+    [Note: materialising meta modules in construction order]."""
+    real = [t.data for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
+    collectives.broadcast(real, src=0)  # parts built eagerly must agree across ranks too
+    cpu_state, device_state = collectives.broadcast_object(
+        (torch.get_rng_state(), torch.cuda.get_rng_state() if device.type == "cuda" else None), src=0
+    )
+    torch.set_rng_state(cpu_state)
+    if device_state is not None:
+        torch.cuda.set_rng_state(device_state)
+    group_of = {id(m): group for group in unit_groups for m in group}
+    owners = hf_owners(module)
+    done: set[int] = set()
+    missing: set[str] = set()
+    tied: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised parameter
+
+    def materialize(sub: nn.Module) -> None:
+        """Construction order (pre-order) for ordinary modules; children first inside a Hugging Face model,
+        as its own initialisation visits them. A unit is sharded once its whole subtree exists."""
+        if id(sub) in done:
+            return
+        done.add(id(sub))
+        hf = owners.get(id(sub))
+        if hf is None:
+            _initialize(sub, device, None, missing, tied)
+        for child in sub.children():
+            materialize(child)
+        if hf is not None:
+            _initialize(sub, device, hf, missing, tied)
+        group = group_of.get(id(sub))
+        if group is not None and all(id(m) in done for m in group):  # the group's last module (and subtree)
+            shard(group)
+
+    materialize(module)
+    for sub in module.modules():  # after every initialiser ran: a parent's may set a child's tensors
+        if any(bool(torch.isnan(local_tensor(t)).any()) for t in own_floating(sub)):
+            missing.add(type(sub).__name__)
+    if missing:
+        raise TypeError(
+            f"Cannot materialise the meta-device model: {sorted(missing)} define parameters or buffers but no "
+            "`reset_parameters()` (nor a Hugging Face `_init_weights` that sets them); add one, or build those "
+            "modules outside `configure_model`."
+        )
+
+
+def _initialize(
+    sub: nn.Module, device: torch.device, hf_owner: nn.Module | None, missing: set[str], tied: dict[int, nn.Parameter]
+) -> None:
+    """Materialise ``sub``'s own meta tensors and initialise them: ``reset_parameters()``, then the owning
+    Hugging Face model's initialisation (see [Note: Hugging Face initialisation on the meta device]).
+    Floating tensors start as NaN so that one no initialiser wrote is caught, not trained on. A parameter
+    another module already materialised (tied weights) is shared, not materialised twice:
+    ``to_empty`` would give each owner a tensor of its own."""
+    for name, param in list(sub._parameters.items()):
+        if param is not None and id(param) in tied:
+            sub._parameters[name] = tied[id(param)]
+    if has_meta(sub, recurse=False):
+        before = {name: id(p) for name, p in sub._parameters.items() if p is not None and p.is_meta}
+        sub.to_empty(device=device, recurse=False)
+        tied.update({meta_id: new for name, meta_id in before.items() if (new := sub._parameters[name]) is not None})
+        with torch.no_grad():
+            for tensor in own_floating(sub):
+                tensor.fill_(float("nan"))
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+        elif hf_owner is None:
+            missing.add(type(sub).__name__)
+    if hf_owner is not None:  # every module, as the library's own pass: a block may set its children's weights
+        initialize(sub, hf_owner)
