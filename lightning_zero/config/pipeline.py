@@ -17,6 +17,13 @@ LOOPED_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
 #: last stage share rank 0.
 V_SCHEDULES = ("zbv", "dualpipev")
 
+#: Why ``shard_size`` / ``secondary_shard_size`` do not combine with pipeline stages.
+PIPELINE_HYBRID_REFUSAL = (
+    "each stage is already sharded over its data-parallel ranks only (one per pipeline replica), and sharding those "
+    "again in groups would need a 3-D mesh (pipeline x replicate x shard) that is not implemented. Drop one of the two "
+    "settings (more pipeline stages also shrink each stage's data-parallel group, and what crosses nodes)."
+)
+
 
 def virtual_stages(schedule: str, virtual: int | None) -> int:
     """Stages per rank: ``virtual`` for a looped schedule (2 unless set), 2 for a V, else 1."""

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice, check_compile
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme, check_compression
-from lightning_zero.config.pipeline import PIPELINE_SCHEDULES, check_pipeline, virtual_stages
+from lightning_zero.config.pipeline import PIPELINE_HYBRID_REFUSAL, PIPELINE_SCHEDULES, check_pipeline, virtual_stages
 
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -327,13 +327,8 @@ class ZeroConfig:
             )
         for setting in ("shard_size", "secondary_shard_size"):
             if getattr(self, setting) is not None and self.pipeline_stages > 1:
-                raise ZeroConfigError(
-                    f"`{setting}={getattr(self, setting)!r}` is not supported with `pipeline_stages="
-                    f"{self.pipeline_stages}`: each stage is already sharded over its data-parallel ranks only (one per "
-                    "pipeline replica), and sharding those again in groups would need a 3-D mesh (pipeline x replicate x "
-                    "shard) that is not implemented. Drop one of the two settings (more pipeline stages also shrink "
-                    "each stage's data-parallel group, and what crosses nodes)."
-                )
+                raise ZeroConfigError(f"`{setting}={getattr(self, setting)!r}` is not supported with `pipeline_stages="
+                                      f"{self.pipeline_stages}`: {PIPELINE_HYBRID_REFUSAL}")
 
     def group_sizes(self, world_size: int, node_size: int) -> tuple[int, int | None]:
         """``(shard group size, hpZ group size or None)`` for a run of ``world_size`` ranks in nodes of

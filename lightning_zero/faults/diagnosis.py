@@ -258,9 +258,8 @@ def _exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] 
 def explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context, error: str) -> Diagnosis:
     """Why a collective raised on this rank (gloo's "Connection closed by peer", a timeout, a mismatch) when no
     decision was made yet: what the peers are doing, from their last records."""
-    found = _placed(_explain(me, peers, limits, context, error), context)
-    assert isinstance(found, Diagnosis)
-    return found
+    found = _explain(me, peers, limits, context, error)
+    return dataclasses.replace(found, summary=context.placed(found.summary))
 
 
 def _explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context, error: str) -> Diagnosis:

@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
 from lightning_zero.config.choices import ZeroConfigError, check_choice
 from lightning_zero.config.pipeline import LOOPED_SCHEDULES, V_SCHEDULES
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.stage3.fsdp2_private import reshard_all
 from lightning_zero.pipeline.split import PipelineLayout
 
 SCHEDULES = {
@@ -169,9 +170,7 @@ class PipelineRunner:
         """Free the gathered parameters of FSDP2-sharded stages (after evaluation, which never reshards them when
         a stage keeps them gathered over a step)."""
         for module in self.modules:
-            for sub in module.modules():
-                if isinstance(sub, FSDPModule):
-                    sub.reshard()
+            reshard_all(module)
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         loss = self.loss_fn(output, target)

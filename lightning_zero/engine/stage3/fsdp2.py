@@ -332,9 +332,7 @@ class FullyShardedEngine:
             self.window.close()
         elif self.stages is not None:
             for root in self.roots:
-                for unit in root.modules():
-                    if isinstance(unit, FSDPModule):
-                        unit.reshard()
+                fsdp2_private.reshard_all(root)
 
     def land_gradients(self) -> None:
         """Land reductions still in flight (a backward not run through the strategy leaves them to the step)."""

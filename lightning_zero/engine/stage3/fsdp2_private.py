@@ -77,6 +77,13 @@ def unit_heads(module: nn.Module) -> list[FSDPModule]:
     return list(heads.values())
 
 
+def reshard_all(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit in ``module`` (itself included)."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def _groups_of(state: Any) -> list[Any]:
     """``FSDPState``'s parameter groups: ``_fsdp_param_groups`` in torch 2.13, one ``_fsdp_param_group`` (or None)
     in torch 2.11, the GPU image this project's CUDA benchmarks run on."""
