@@ -33,7 +33,7 @@ from lightning_zero.demo.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_zero.engine.comm import collectives  # noqa: E402
 from lightning_zero.engine.stage12.grad_sync import GradientReducer  # noqa: E402
 from lightning_zero.engine.stage12.layout import plan_layout  # noqa: E402
-from lightning_zero.engine.stage12.sharded_optimizer import all_gather_params  # noqa: E402
+from lightning_zero.engine.stage12.param_gather import all_gather_params  # noqa: E402
 
 MODEL = dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512)  # bench_core's FULL_MODEL
 BUCKET_NUMEL = 25 * 2**20 // 4  # ZeroStrategy's default bucket_size_mb=25, fp32

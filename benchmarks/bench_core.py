@@ -21,7 +21,7 @@ Systems (2 CPU ranks, AdamW, batch 8 per rank, random tokens; ``--precision`` 32
     and variants by suffix: ``zero2+hsdp2`` (``shard_size=2``: hybrid sharding over groups of 2 ranks),
     ``zero3+hpz2`` (``secondary_shard_size=2``: ZeRO++ hpZ), ``zero2+ac`` (activation checkpointing of every Block, ``+ac2`` every
     second), ``zero1+offload`` / ``zero2+offload`` / ``zero3+offload`` (``offload_optimizer=True``),
-    ``zero3+offload_params`` (``offload_params=True`` too). The offload benchmark of the README:
+    ``zero3+offload_params`` (``offload_params=True`` too), ``zero2+offload_delay`` (``offload_step_delay=1`` too). The offload benchmark of the README:
 
     python benchmarks/bench_core.py --systems zero1,zero1+offload,zero2,zero2+offload,zero3,zero3+offload,zero3+offload_params
 
@@ -101,6 +101,8 @@ VARIANTS = {
     "ac": {"activation_checkpointing": {"classes": ["lightning_zero.demo.gpt.Block"]}},
     "ac2": {"activation_checkpointing": {"classes": ["lightning_zero.demo.gpt.Block"], "every": 2}},
     "offload": {"offload_optimizer": True},
+    # ZeRO-Offload's delayed parameter update (stages 1-2): the host step runs while the next step computes.
+    "offload_delay": {"offload_optimizer": True, "offload_step_delay": 1},
     "offload_params": {"offload_optimizer": True, "offload_params": True},
     # torch.compile (inductor) of each Block after sharding: compiled vs eager step time.
     "compile": {"compile": True},
@@ -221,6 +223,9 @@ def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tu
         name = "zero3_hsdp" if system == "fsdp2_hsdp" else f"{base}_hsdp"
         return model_state_split(CHOICES_BY_NAME[name], P, N, precision, devices_per_node=k)
     # hpZ's node-local copy lives between forward and backward, not after backward where state is counted.
+    if variant == "offload_delay":  # the offload formula, plus the delayed update's second fp32 gradient shard
+        device, host = model_state_split(CHOICES_BY_NAME[_CHOICE_OF[f"{base}+offload"]], P, N, precision)
+        return device, host + 4 * P / N
     name = system if variant in ("offload", "offload_params") else base
     return model_state_split(CHOICES_BY_NAME[_CHOICE_OF[name]], P, N, precision)
 

@@ -58,6 +58,7 @@ NO_CUDA_MESSAGE = (
 )
 THROUGHPUT_SYSTEMS = (
     "ddp", "fsdp2", "zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_params",
+    "zero2+offload_delay",
 )
 SEARCH_SYSTEMS = ("zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_params")
 #: Dense bf16 tensor-core peaks (TFLOP/s) by a substring of the device name; --peak-tflops overrides.

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import error_feedback
+from lightning_zero.checkpoint import delayed_update, error_feedback
 from lightning_zero.checkpoint.safe_load import dcp_load
 from lightning_zero.checkpoint.state_dicts import (
     hosted_tensors,
@@ -112,11 +112,15 @@ def load(
     residuals = error_feedback.placeholder(saved_tensor_shapes(path, error_feedback.KEY), checkpoint, engine)
     if residuals is not None:
         state[error_feedback.KEY] = residuals
+    lagging = delayed_update.placeholder(saved_tensor_shapes(path, delayed_update.KEY), engine)
+    if lagging is not None:
+        state[delayed_update.KEY] = lagging
     dcp_load(state, path, allow_partial_load=not strict)
     if residuals is not None:
         error_feedback.restore(state[error_feedback.KEY], checkpoint, engine)
     if engine is not None:
         engine.params_loaded()  # e.g. each rank loaded only its rows of the resident parameters
+        delayed_update.restore(lagging, engine)  # after: the parameters forward computes with, one update behind
     for i, optimizer in enumerate(optimizers):
         groups = checkpoint.get("optimizer_param_groups", [])
         if i < len(groups):

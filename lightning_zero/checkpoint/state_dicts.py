@@ -52,7 +52,8 @@ def shard_coords(engine: ShardingEngine | None) -> tuple[int, int]:
     return collectives.rank(), collectives.world_size()
 
 
-def _as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tensor:
+def as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tensor:
+    """This rank's dim-0 rows ``local`` of a tensor of ``full_shape`` as a DTensor over ``mesh`` (a scalar as is)."""
     if len(full_shape) == 0:
         return local
     stride = torch.empty(full_shape, device="meta").stride()
@@ -126,7 +127,7 @@ def sharded_model_state(module: nn.Module, engine: ShardingEngine | None, holdin
     for name in list(state):
         record = trainable.get(name)
         if record is not None:
-            state[name] = _as_sharded(record.rows, record.shape, engine.mesh)
+            state[name] = as_sharded(record.rows, record.shape, engine.mesh)
     return state
 
 
@@ -147,7 +148,7 @@ def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: Sha
             if entry is None:
                 continue
             state[name] = {
-                key: _as_sharded(value, param.shape, mesh)
+                key: as_sharded(value, param.shape, mesh)
                 if id(param) in hosted and id(param) not in whole and isinstance(value, torch.Tensor) and value.dim() > 0
                 else value
                 for key, value in entry.items()

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint import error_feedback
+from lightning_zero.checkpoint import delayed_update, error_feedback
 from lightning_zero.checkpoint.errors import on_every_rank, reraise, save_error
 from lightning_zero.checkpoint.files import (
     remove,
@@ -53,6 +53,8 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     if error_feedback.KEY in checkpoint:  # this rank's residuals (error_feedback.py); their tables stay in meta.pt
         tensors[error_feedback.KEY] = checkpoint.pop(error_feedback.KEY)
+    if delayed_update.KEY in checkpoint:  # the parameters one update behind (delayed_update.py)
+        tensors[delayed_update.KEY] = checkpoint.pop(delayed_update.KEY)
     for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = optim_state["state"]
         checkpoint.setdefault("optimizer_param_groups", []).append(optim_state["param_groups"])

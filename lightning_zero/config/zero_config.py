@@ -16,6 +16,7 @@ from typing import Any, Literal, Union
 from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice, check_compile
+from lightning_zero.config.offload import check_offload
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme, check_compression
 from lightning_zero.config.pipeline import PIPELINE_HYBRID_REFUSAL, PIPELINE_SCHEDULES, check_pipeline, virtual_stages
 
@@ -67,6 +68,13 @@ class ZeroConfig:
     """Stage 3 only: keep sharded parameters in host memory between uses, copying each unit's shards to the
     device just before its all-gather. The optimizer then steps on the host as well, so this implies
     ``offload_optimizer``."""
+
+    offload_step_delay: int = 0
+    """``1``: ZeRO-Offload's delayed parameter update (stages 1-2, ``offload_optimizer=True``): the host step of step
+    ``t`` runs while step ``t + 1`` computes with the parameters of step ``t - 1``, hiding the host step behind the
+    device's work. Not exact (each gradient updates parameters one step newer than those it was taken at);
+    checkpoints and resumes are. Costs a second host gradient buffer. ``0``: the exact step ([Note: the delayed
+    update] in ``engine/stage12/delayed_update.py``)."""
 
     pin_memory: bool | None = None
     """Pin offloaded host memory for fast asynchronous copies. ``None``: pin when an accelerator exists (on a
@@ -251,20 +259,11 @@ class ZeroConfig:
             object.__setattr__(self, "init_weights", os.fspath(self.init_weights))
         if self.init_weights_prefix is not None and not isinstance(self.init_weights_prefix, str):
             raise ZeroConfigError(f"`init_weights_prefix` must be None or a string, got {self.init_weights_prefix!r}.")
-        ratio = self.offload_optimizer
-        if not isinstance(ratio, bool) and (not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
-            raise ZeroConfigError(f"`offload_optimizer` must be True, False or a share in (0, 1], got {ratio!r}.")
-        if not isinstance(ratio, bool):
-            object.__setattr__(self, "offload_optimizer", True if ratio == 1 else float(ratio))
         flags = ("offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
                  "gather_16bit_weights_on_save", "watchdog", "async_save", "auto_resume", "error_feedback")
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ZeroConfigError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
-        if self.offload_params and self.stage != 3:
-            raise ZeroConfigError(
-                f"`offload_params=True` needs `stage=3` (got stage={self.stage}): only stage 3 shards parameters."
-            )
         if isinstance(self.bucket_size_mb, bool) or not isinstance(self.bucket_size_mb, (int, float)):
             raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb!r}.")
         if not self.bucket_size_mb > 0:
@@ -275,6 +274,7 @@ class ZeroConfig:
                                   f"{self.unit_size_mb!r}.")
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
+        check_offload(self)
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
         check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)

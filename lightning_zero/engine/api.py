@@ -255,6 +255,20 @@ class ShardingEngine(Protocol):
         """A checkpoint was written into :attr:`ShardRecord.rows`: refresh what derives from them (collective)."""
 
     def restore_master_params(self) -> None:
-        """Give the module its parameters at full precision when training ends (collective)."""
+        """Give the module its parameters at full precision when training ends, every delayed update landed
+        (collective)."""
+
+    @property
+    def update_delay(self) -> int:
+        """Steps the parameters forward computes with may lag the optimizer's rows by (``offload_step_delay``)."""
+
+    def lagging_rows(self) -> dict[str, torch.Tensor] | None:
+        """With a delayed update pending: this rank's rows of the parameters forward computes with, one update
+        behind :attr:`ShardRecord.rows`, by name; None when none is pending. A checkpoint keeps them, so a resume
+        continues the delayed schedule exactly (``checkpoint/delayed_update.py``)."""
+
+    def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """Collective, after a checkpoint's rows were loaded: make ``rows`` (as :meth:`lagging_rows` gave them) the
+        parameters forward computes with; the next step sends the loaded rows to them."""
 
     def teardown(self) -> None: ...

@@ -12,7 +12,7 @@ live in host memory, so its state is born there too. One step is then:
    overflow check read the host copies;
 2. the user's optimizer steps the host masters (torch's fused CPU kernel when the optimizer has one and the
    user did not choose a kernel, see :func:`host_kernel`), a few buckets at a time when the optimizer's state
-   is per parameter (see :func:`steps_in_parts`);
+   is per parameter (see ``optimizers.steps_in_parts``);
 3. host->device: each part's updated rows are copied into the device's parameter shard as soon as that part
    is stepped, and all-gathered, so the copies of one part overlap the host step of the next.
 
@@ -42,7 +42,6 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
-from torch.optim import optimizer as torch_optimizer
 
 HOST = torch.device("cpu")
 
@@ -126,6 +125,9 @@ class MasterShards:
         self.aliased = {i for i, (t, s) in enumerate(zip(self.tensors, shards)) if t is s}
         self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
         self._grad_buffers: dict[int, torch.Tensor] = {}
+        #: ``offload_step_delay``: each master's second gradient buffer, the one the host step in flight reads
+        #: while the next backward fills the first (see :meth:`swap_gradient_buffers`).
+        self._second_buffers: dict[int, torch.Tensor] = {}
         #: With an accelerator, the stream the gradient copies to the host run on (None: synchronous copies).
         self.copies = CopyStream(self.device) if self.pinned else None
 
@@ -147,9 +149,10 @@ class MasterShards:
             self.tensors = [self.tensors[s] if isinstance(s, int) else self._master(i, s) for i, s in enumerate(sources)]
         self.aliased = {i for i, s in enumerate(sources) if self.tensors[i] is s or (isinstance(s, int) and s in self.aliased)}
         self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
-        self._grad_buffers = {
-            new: self._grad_buffers[s] for new, s in enumerate(sources) if isinstance(s, int) and s in self._grad_buffers
-        }
+        self._grad_buffers, self._second_buffers = (
+            {new: kept[s] for new, s in enumerate(sources) if isinstance(s, int) and s in kept}
+            for kept in (self._grad_buffers, self._second_buffers)
+        )
 
     def _allocate(self, like: torch.Tensor, dtype: torch.dtype, on_host: bool) -> torch.Tensor:
         device = HOST if on_host else like.device
@@ -211,6 +214,26 @@ class MasterShards:
             self.gradients_ready()
         return {i: staged.get(i) for i in grads}
 
+    def swap_gradient_buffers(self, indices: Sequence[int]) -> None:
+        """``offload_step_delay``: hand the gradient buffers of ``indices`` to the host step about to run in the
+        background, and give the next backward each master's other buffer (allocated on its first use), so no
+        gradient copy writes what that step reads. A buffer comes back at the next swap, after that step ended."""
+        for i in indices:
+            active, second = self._grad_buffers.pop(i, None), self._second_buffers.pop(i, None)
+            if active is not None:
+                self._second_buffers[i] = active
+            if second is not None:
+                self._grad_buffers[i] = second
+
+    def copies_queued(self) -> torch.Event | None:
+        """An event behind the copies of masters to the device queued so far (None without an accelerator: the
+        copies were synchronous), which a host step must wait for before it writes those masters again."""
+        if self.copies is None:
+            return None
+        event = torch.Event(device=self.device)
+        event.record(self.copies.module.current_stream(self.device))
+        return event
+
     def copy_into(self, index: int, target: torch.Tensor) -> None:
         """Write master ``index`` into ``target`` (this rank's rows on the device), cast to its dtype."""
         master = self.tensors[index]
@@ -235,8 +258,8 @@ class MasterShards:
 
     @property
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The host gradient buffers allocated so far (offloaded only)."""
-        return list(self._grad_buffers.values())
+        """The host gradient buffers allocated so far (offloaded only; two per master with a delayed update)."""
+        return [*self._grad_buffers.values(), *self._second_buffers.values()]
 
 
 def host_share(elements: Sequence[int], ratio: float) -> list[bool]:
@@ -256,17 +279,6 @@ def host_share(elements: Sequence[int], ratio: float) -> list[bool]:
 #: Parts of the host step (see [Note: the offloaded step]): enough that the copies behind the last part are short,
 #: few enough that the optimizer's per-call overhead stays small.
 HOST_STEP_PARTS = 8
-
-
-def steps_in_parts(optimizer: Optimizer) -> bool:
-    """Whether stepping ``optimizer`` a few parameters at a time gives the very numbers of one step over all of them:
-    torch's element-wise optimizers keep every state (the step count included) per parameter; a step hook,
-    though, would see one step as several, so an optimizer with hooks steps whole."""
-    return (
-        isinstance(optimizer, FUSED_ON_CPU)
-        and not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-        and not torch_optimizer._global_optimizer_pre_hooks and not torch_optimizer._global_optimizer_post_hooks
-    )
 
 
 def split_in_parts(sizes: Sequence[int], parts: int = HOST_STEP_PARTS) -> list[list[int]]:

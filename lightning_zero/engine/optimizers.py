@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 T = TypeVar("T")
 
@@ -75,6 +76,40 @@ def optimizer_kind(
 def steps_whole(group: Mapping[str, Any], kind: str) -> bool:
     """Whether a parameter group is stepped whole (see ``ELEMENTWISE_GROUP_MARKS``)."""
     return kind == "matrix" and not any(key in group and group[key] == mark for key, mark in ELEMENTWISE_GROUP_MARKS.items())
+
+
+def has_step_hooks(optimizer: Optimizer) -> bool:
+    """Whether a step of ``optimizer`` runs hooks (its own or torch's global ones): code of the user's that sees
+    each call of ``step`` as a step of its own, and may touch anything."""
+    return bool(
+        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def steps_in_parts(optimizer: Optimizer) -> bool:
+    """Whether stepping ``optimizer`` a few parameters at a time gives the very numbers of one step over all of them
+    (the offloaded step in parts, ``offload.py``): torch's element-wise optimizers keep every state (the step count
+    included) per parameter; a step hook, though, would see one step as several, so an optimizer with hooks steps
+    whole."""
+    return isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and not has_step_hooks(optimizer)
+
+
+def stepping_view(optimizer: Optimizer) -> Optimizer:
+    """A second face of ``optimizer`` for a step in another thread (see [Note: the delayed update] in
+    ``stage12/delayed_update.py``): the same object state, the same ``state`` (what the step updates), but copies
+    of the param group dicts as they are now, so what the training thread does to the groups while the step runs
+    (an LR scheduler's next rate, stand-ins for the next step's shards) is not what this step reads.
+
+    An LR scheduler wraps the optimizer's bound ``step`` to note that it was called; the view steps through the
+    class's ``step`` instead, so that note is made on the optimizer here, as its own ``step`` would have made it."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    wrapped = view.__dict__.pop("step", None)
+    view.param_groups = [dict(group) for group in optimizer.param_groups]
+    if getattr(wrapped, "_wrapped_by_lr_sched", False):
+        optimizer._opt_called = True  # type: ignore[attr-defined]  # what the scheduler's wrapper sets
+    return view
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint import error_feedback, hf_export, io, state_dicts, write
+from lightning_zero.checkpoint import delayed_update, error_feedback, hf_export, io, state_dicts, write
 from lightning_zero.checkpoint.async_save import AsyncSaver, checkpoint_group
 from lightning_zero.checkpoint.error_feedback import warn_residuals_not_kept
 from lightning_zero.checkpoint.files import clean_directory, remove
@@ -120,6 +120,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         hf_model = hf_export.describe(self.lightning_module) if self.lightning_module is not None else None
         if hf_model is not None:
             checkpoint["hf_export"] = hf_model  # what `lightning-zero consolidate --hf` needs
+        delayed_update.add_to_checkpoint(checkpoint, self._sharded.engine, full=self._full)
         if self._full:
             warn_residuals_not_kept(self._sharded.engine)
             write.save_full(checkpoint, path)  # rank 0 writes; every rank raises if that failed
@@ -180,6 +181,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
             io.load_optimizer_state(unwrap(optimizer), state, module, self._sharded.engine,
                                     holding=self._sharded.holding)
+        # A full file's parameters one update behind (a sharded directory's were loaded with it, in `io.load`).
+        delayed_update.restore(checkpoint.get(delayed_update.KEY), self._sharded.engine)
 
 
 def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:

@@ -161,6 +161,7 @@ def shard_model(
             replicate_group=groups.replicate_group,
             holding=holding,
             compression=compression_spec(config),
+            offload_step_delay=config.offload_step_delay,
         )
     if config.init_weights is not None:
         load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,

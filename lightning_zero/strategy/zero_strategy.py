@@ -57,7 +57,7 @@ class ZeroStrategy(CheckpointingStrategy):
         self,
         stage: int = 2,
         *,
-        offload_optimizer: bool | float = False, offload_params: bool = False,
+        offload_optimizer: bool | float = False, offload_params: bool = False, offload_step_delay: int = 0,
         pin_memory: bool | None = None,
         activation_checkpointing: Any = None,
         wrap_policy: ModulePolicy = None,

@@ -13,7 +13,8 @@ CONFIGS = ["stage1_optimizer", "stage2_optimizer", "stage3_optimizer", "stage3_p
 
 @pytest.fixture(scope="module")
 def report():
-    return launch("tests.distributed.worker_offload", "exact", "memory", "checkpoint", "partial", nprocs=WORLD)
+    return launch("tests.distributed.worker_offload", "exact", "memory", "checkpoint", "partial", "delayed",
+                  "delayed_checkpoint", "delayed_convergence", nprocs=WORLD)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -142,3 +143,44 @@ def test_partial_offload_is_exact_and_puts_that_share_on_the_host(report, case):
 
 def test_partial_offload_in_bf16_mixed_equals_no_offload(report):
     assert report["partial"]["stage2_0.5_bf16"]["param_diff_no_offload"] <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_delayed_update_is_zero_offloads_dpu_step_for_step(report, stage):
+    """``offload_step_delay=1``, 4 steps of 2 accumulated micro-batches, clipping, 2 param groups, StepLR: the
+    parameters of plain PyTorch running the delayed update (each step computes with the parameters of two steps
+    back), not those of the exact step; the host steps ran in the worker thread, and the module ends with every
+    update landed."""
+    result = report["delayed"][f"stage{stage}"]
+    assert result["steps"] == 4
+    assert result["param_diff_reference"] <= 1e-5
+    assert result["param_diff_exact"] > 1e-3, "the update must be delayed"
+    assert result["threads"] == ["lightning_zero-host-step_0"]
+    assert result["module_diff_final"] == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_delayed_run_resumes_exactly_from_its_checkpoints(report, fmt):
+    """Saved after epoch 1 with an update pending, resumed for epoch 2: the uninterrupted delayed run's parameters
+    and optimizer state, bit for bit (the checkpoint keeps the parameters forward computes with beside the masters)."""
+    result = report["delayed_checkpoint"][fmt]
+    assert result["steps"] == 6
+    assert result["param_diff"] == 0.0 and result["optim_diff"] == 0.0
+
+
+def test_a_delayed_checkpoint_keeps_the_lagging_parameters_and_resumes_without_the_delay(report):
+    result = report["delayed_checkpoint"]
+    assert result["full"]["lagging_names"] and result["full"]["lagging_behind_by"] > 0
+    assert result["delayed->exact"]["steps"] == 6 and result["delayed->exact"]["finite"]
+
+
+def test_the_delayed_update_follows_the_exact_loss_curve_of_the_demo_gpt(report):
+    """100 steps of the demo GPT on the demo's character data: after the 20 steps of warm-up, every 10-step mean of the
+    training loss within 2% of the exact offloaded run's."""
+    runs = report["delayed_convergence"]
+    exact, delayed = runs["exact"]["losses"], runs["delayed"]["losses"]
+    assert runs["exact"]["steps"] == runs["delayed"]["steps"] == len(exact) == len(delayed) == 100
+    assert exact[-1] < exact[0] - 0.5, "the run must learn for the comparison to mean something"
+    for start in range(20, 100, 10):
+        mean_exact, mean_delayed = sum(exact[start:start + 10]) / 10, sum(delayed[start:start + 10]) / 10
+        assert abs(mean_delayed - mean_exact) <= 0.02 * mean_exact, (start, mean_exact, mean_delayed)

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.planning.accounting import live_tensor_bytes, model_state_bytes
-from tests.distributed import models
+from tests.distributed import delayed_update_cases, models
 from tests.distributed.worker_checkpoint import interrupted, optim_diff, straight
 from tests.distributed.worker_core import RANK, WORLD, GradientRecorder, max_diff, trainer
 from tests.distributed.worker_precision import overflow_skips_step
@@ -263,7 +263,7 @@ def partial() -> dict:
 
 
 CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
-         "partial": lambda _: partial()}
+         "partial": lambda _: partial(), **delayed_update_cases.CASES}
 
 if __name__ == "__main__":
     run_cases_with_directory(CASES, sys.argv[1:])

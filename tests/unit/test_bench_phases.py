@@ -31,6 +31,7 @@ def test_each_window_splits_into_computation_communication_gathers_and_idle() ->
     windows.start()
     # Lightning runs forward and backward inside optimizer.step(closure): a range across windows is nobody's.
     spanning = record_function("Optimizer.step#AdamW.step")
+    began = time.perf_counter()
     windows.enter("forward")
     spanning.__enter__()
     forward = _busy(0.03)
@@ -45,6 +46,7 @@ def test_each_window_splits_into_computation_communication_gathers_and_idle() ->
     with record_function("lightning_zero::param_all_gather"):
         time.sleep(0.02)
     windows.leave()
+    elapsed = (time.perf_counter() - began) * 1e3
     phases = windows.stop(steps=1)
     assert set(CATEGORIES) <= set(phases)
     # Labelled regions are exact; computation loses the Python between its operators to idle.
@@ -54,5 +56,5 @@ def test_each_window_splits_into_computation_communication_gathers_and_idle() ->
     assert 18 <= phases["forward"] <= forward + 1 and 18 <= phases["backward"] <= backward + 1
     assert 5 <= phases["step"] <= step + 1
     assert 28 <= phases["idle"] <= 50  # the forward's sleep, plus the loops' Python
-    assert phases["total"] == pytest.approx(160, abs=20)
+    assert 150 <= phases["total"] <= elapsed + 2  # 160 ms of sleeps and loops at least, stretched by a loaded machine
     assert phases["total"] == pytest.approx(sum(phases[c] for c in CATEGORIES))

@@ -24,6 +24,13 @@ from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
         (dict(offload_optimizer=1.5), ["offload_optimizer", "(0, 1]"]),
         (dict(offload_optimizer=0.0), ["offload_optimizer", "(0, 1]"]),
         (dict(stage=3, offload_params=True, pin_memory="yes"), ["pin_memory", "None, True or False"]),
+        (dict(offload_optimizer=True, offload_step_delay=2), ["offload_step_delay=2", "(0, 1)"]),
+        (dict(offload_optimizer=True, offload_step_delay=True), ["offload_step_delay='True'", "(0, 1)"]),
+        (dict(offload_step_delay=1), ["offload_step_delay=1", "offload_optimizer=True", "got offload_optimizer=False"]),
+        (dict(offload_optimizer=0.5, offload_step_delay=1), ["offload_step_delay=1", "offload_optimizer=0.5"]),
+        (dict(stage=3, offload_optimizer=True, offload_step_delay=1), ["offload_step_delay=1", "stage=3", "stage=1 or 2"]),
+        (dict(stage=2, offload_optimizer=True, offload_step_delay=1, pipeline_stages=2),
+         ["offload_step_delay=1", "pipeline_stages=2"]),
     ],
 )
 def test_bad_settings_name_the_setting_and_the_allowed_values(kwargs, needles):

@@ -11,7 +11,7 @@ from lightning_zero.engine.stage12.buckets import (
 )
 from lightning_zero.engine.stage12.layout import plan_layout
 from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.sharded_optimizer import RowViews
+from lightning_zero.engine.stage12.param_gather import RowViews
 
 SHAPES = [("emb", (10, 3)), ("w", (7, 5)), ("b", (7,)), ("tiny", (1,)), ("scalar", ())]
 

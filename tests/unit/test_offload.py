@@ -87,7 +87,7 @@ def test_the_host_step_splits_into_consecutive_runs_of_about_equal_size():
 
 
 def test_only_optimizers_whose_state_is_per_parameter_and_without_step_hooks_step_in_parts():
-    from lightning_zero.engine.offload import steps_in_parts
+    from lightning_zero.engine.optimizers import steps_in_parts
 
     params = [torch.nn.Parameter(torch.zeros(2))]
     adamw = torch.optim.AdamW(params)
@@ -104,3 +104,38 @@ def test_only_optimizers_whose_state_is_per_parameter_and_without_step_hooks_ste
     finally:
         global_hook.remove()
     assert not steps_in_parts(torch.optim.LBFGS(params))  # state kept across all parameters
+
+
+def test_a_stepping_view_reads_the_groups_as_they_were_and_writes_the_optimizers_state():
+    """The delayed host step steps a view of the user's optimizer in another thread: what the training thread
+    does to the param groups meanwhile (an LR scheduler's next rate) is not what the step reads, the state it
+    writes is the optimizer's own, and an LR scheduler still sees the optimizer as stepped."""
+    from lightning_zero.engine.optimizers import stepping_view
+
+    opt = _adamw()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    twin = _adamw()
+    twin.load_state_dict(opt.state_dict())
+    for p, q in zip((p for g in opt.param_groups for p in g["params"]), (p for g in twin.param_groups for p in g["params"])):
+        q.data.copy_(p.data)
+        q.grad = p.grad.clone()
+    view = stepping_view(opt)
+    scheduler.step()  # the training thread moves on: the next step's rate
+    assert opt.param_groups[0]["lr"] == 5e-3 and view.param_groups[0]["lr"] == 1e-2
+    view.step()
+    twin.step()
+    for p, q in zip((p for g in opt.param_groups for p in g["params"]), (p for g in twin.param_groups for p in g["params"])):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], twin.state[q]["exp_avg"])
+    assert opt._opt_called  # what the scheduler checks before its first step
+
+
+def test_a_delayed_update_refuses_an_optimizer_that_steps_whole_parameters():
+    from lightning_zero.engine.stage12.zero_dp import ZeroDataParallel
+
+    engine = ZeroDataParallel(torch.nn.Linear(4, 4), stage=2, bucket_numel=64, offload_optimizer=True, offload_step_delay=1)
+    try:
+        with pytest.raises(TypeError, match=r"offload_step_delay=1.*element-wise optimizer.*offload_step_delay=0"):
+            engine.wrap_optimizer(torch.optim.Muon([engine.params[0]], lr=1e-2))
+    finally:
+        engine.teardown()

@@ -21,7 +21,7 @@ of shard views (see [Note: owner stepping] in ``owner_step.py``); their element-
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,15 +30,14 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.profiler import record_function
 
-from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
-from lightning_zero.engine.stage12.buckets import pack_segment, rows_by_rank, unpack_bucket
-from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, GradientReducer, Pending
-from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
-from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts, steps_in_parts
-from lightning_zero.engine.optimizers import hosted_params, steps_whole
+from lightning_zero.engine.stage12.grad_sync import GradientReducer
+from lightning_zero.engine.stage12.layout import ShardLayout
+from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
+from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
+from lightning_zero.engine.optimizers import has_step_hooks, hosted_params, stepping_view, steps_in_parts, steps_whole
+from lightning_zero.engine.stage12.delayed_update import HostSteps, PendingUpdate
 from lightning_zero.engine.owner_step import OwnerStepping
 
 class ShardedOptimizer:
@@ -60,6 +59,8 @@ class ShardedOptimizer:
         shards: dict[int, torch.Tensor] | None = None,
         kind: str = "elementwise",
         owners: OwnerStepping | None = None,
+        host_steps: HostSteps | None = None,
+        pending: PendingUpdate | None = None,
     ) -> None:
         self.optimizer = optimizer
         #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
@@ -87,6 +88,16 @@ class ShardedOptimizer:
             )
             self.owners.on_host = masters is not None and masters.offloaded
         self.row_views = RowViews(layout)
+        #: ``offload_step_delay=1``: the thread the host steps run in (see [Note: the delayed update]), and the
+        #: step whose rows have not reached the device yet (``pending``: the engine's previous layout's).
+        self.host_steps = host_steps
+        self.pending = pending
+        if host_steps is not None and (kind == "matrix" or masters is None or not all(masters.on_host)):
+            raise TypeError(
+                f"ZeroStrategy(offload_step_delay=1) steps {type(optimizer).__name__} in a background thread on host "
+                "masters: it needs an element-wise optimizer (torch's SGD, Adam, AdamW, ...) and every master on the "
+                "host (`offload_optimizer=True`). Use offload_step_delay=0 for this optimizer."
+            )
         self.refresh()
 
     def refresh(self) -> None:
@@ -151,6 +162,7 @@ class ShardedOptimizer:
     def hosted(self) -> dict[int, torch.Tensor]:
         """``id(param)`` -> the tensor the optimizer keys that parameter's state by: a shard, or the owner's whole
         tensor (a whole parameter another rank owns has no entry: no state here)."""
+        self.settle()
         hosted = {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
         if self.whole:
             owned = self._owners.whole
@@ -170,20 +182,24 @@ class ShardedOptimizer:
     def hosting(self, part: Sequence[int] | None = None) -> Iterator[None]:
         """Swap trainable parameters in ``param_groups`` for their shard views (see the module note); with ``part``,
         only those parameters take part in the step, the others sit it out."""
+        self.settle()
         whole = set(self.whole)
-        grads = {i: self.reducer.local_grad(i) for i in (self.indices if part is None else part) if i not in whole}
-        if self.masters is not None:
-            grads = self.masters.receive_gradients(grads)
-        standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {
-            id(self.params[i]): (self.shards[i], grads[i]) for i in grads
-        }
+        standins = self._standins(part)
         if part is not None:
-            standins.update({id(self.params[i]): None for i in self.indices if i not in grads})
+            standins.update({id(self.params[i]): None for i in self.indices if id(self.params[i]) not in standins})
         for i in whole:  # the owner steps the whole parameter; elsewhere it sits this step out
             owned = self._owners.whole.get(i)
             standins[id(self.params[i])] = None if owned is None else (owned, self._owners.grads.get(i))
         with hosted_params(self.optimizer, standins):
             yield
+
+    def _standins(self, part: Sequence[int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """``id(param)`` -> (its shard, its gradient for the step) for the shard-stepped parameters of ``part``."""
+        whole = set(self.whole)
+        grads = {i: self.reducer.local_grad(i) for i in (self.indices if part is None else part) if i not in whole}
+        if self.masters is not None:
+            grads = self.masters.receive_gradients(grads)
+        return {id(self.params[i]): (self.shards[i], grads[i]) for i in grads}
 
     def finalize_gradients(self, scale: float = 1.0) -> None:
         self.reducer.finalize(self.indices, scale)
@@ -198,6 +214,9 @@ class ShardedOptimizer:
         self.reducer.finalize(self.indices)
         if self.whole:
             self._owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
+        if self.host_steps is not None:
+            self._step_delayed(self.host_steps, **kwargs)
+            return None
         offloaded = self.masters is not None and self.masters.offloaded
         if len(self.parts) > 1 and steps_in_parts(self.optimizer):
             return self._step_in_parts(**kwargs)
@@ -221,6 +240,45 @@ class ShardedOptimizer:
         self.reducer.consume(self.indices)
         return result
 
+    def _step_delayed(self, host_steps: HostSteps, **kwargs: Any) -> None:
+        """``offload_step_delay=1`` (see [Note: the delayed update]): land the previous step's rows on the device,
+        then start this step's host step in the background and return."""
+        if has_step_hooks(self.optimizer):
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__} has step hooks, and with offload_step_delay=1 its step runs in a "
+                "background thread while training goes on: remove the hooks or use offload_step_delay=0."
+            )
+        self.land()
+        masters = self.masters
+        if masters is None:
+            raise RuntimeError("a delayed update needs host masters")  # refused in __init__
+        standins = self._standins()
+        view = stepping_view(self.optimizer)
+        masters.swap_gradient_buffers(self.indices)
+        self.reducer.consume(self.indices)
+        queued = masters.copies_queued()  # the rows just sent read the masters this step writes
+
+        def host_step() -> object:
+            if queued is not None:
+                queued.synchronize()
+            with hosted_params(view, standins), host_kernel(view):
+                return view.step(**kwargs)
+
+        self.pending = host_steps.start(host_step)
+
+    def land(self) -> None:
+        """The delayed update: wait for the host step in flight and bring its rows to every rank's parameters
+        (collective; nothing to do when none is pending)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait()
+            self.all_gather_params()
+
+    def settle(self) -> None:
+        """Wait for the host step in flight, if any, before the masters or the optimizer state are read."""
+        if self.pending is not None:
+            self.pending.wait()
+
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         self.local_rows(i).view(-1).copy_(rows)
 
@@ -230,7 +288,9 @@ class ShardedOptimizer:
         return self.masters[i] if self.masters is not None else local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
 
     def discard_gradients(self) -> None:
-        """A skipped step: drop the gradients as the step would have consumed them."""
+        """A skipped step: drop the gradients as the step would have consumed them (a delayed update still lands,
+        so the parameters a step computes with do not depend on which steps were skipped)."""
+        self.land()
         self.reducer.consume(self.indices)
 
     def all_gather_params(self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None) -> None:
@@ -242,98 +302,6 @@ class ShardedOptimizer:
                 group=self.group, masters=self.masters, indices=self.indices if indices is None else indices,
                 compression=self.reducer.compression, row_views=self.row_views,
             )
-
-
-def all_gather_params(
-    layout: ShardLayout,
-    params: Sequence[nn.Parameter],
-    buckets: Iterable[int],
-    *,
-    rank: int,
-    group: dist.ProcessGroup | None = None,
-    masters: MasterShards | None = None,
-    indices: Iterable[int] | None = None,
-    compression: CompressedComm | None = None,
-    row_views: RowViews | None = None,
-) -> None:
-    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time: in place over
-    gloo (see [Note: collectives in place] in ``p2p_transport.py``), else packed, overlapping the packing of the next
-    bucket with the in-flight gather of the previous one. With ``masters``, the
-    masters of ``indices`` (default: all) are first copied into this rank's rows, bucket by bucket, so the
-    host->device copy of one bucket overlaps the gather of the one before. With ``compression`` of parameters
-    every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact.
-    ``row_views``: the parameters' row views kept from earlier gathers (made here when None)."""
-    sources = [p.detach() for p in params]
-    row_views = row_views or RowViews(layout)
-    wanted = set(range(len(params)) if indices is None else indices)
-
-    def copy_masters(bucket: BucketSpec) -> None:
-        if masters is not None:
-            with torch.no_grad():
-                for i in bucket.params:
-                    if i in wanted:
-                        masters.copy_into(i, local_rows(sources[i], rank, layout.world_size))
-
-    if layout.world_size == 1:
-        for b in buckets:
-            copy_masters(layout.buckets[b])
-        return
-    flights: list[tuple[BucketSpec, Pending | None, torch.Tensor | None, bool]] = []
-    in_place = collectives.exchanges_in_place(group)
-
-    def land(bucket: BucketSpec, work: Pending | None, full: torch.Tensor | None, decoded: bool) -> None:
-        if work is not None:
-            work.wait()
-        if full is None:  # gathered in place
-            return
-        with torch.no_grad():  # own rows are already in place, unless they were encoded and decoded too
-            unpack_bucket(layout, bucket, full, sources, skip_rank=None if decoded else rank)
-
-    for b in buckets:
-        bucket = layout.buckets[b]
-        copy_masters(bucket)
-        like = sources[bucket.params[0]]  # a bucket holds one dtype
-        encoded = compression is not None and compression.compresses_params(like.dtype)
-        if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
-            pieces = row_views.of_bucket(bucket, params)
-            chunks = [layout.params[i].chunk_numel for i in bucket.params]
-            flights.append(
-                (bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group, chunk_numels=chunks), None, False)
-            )
-        else:
-            segment = pack_segment(
-                layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
-            )
-            full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
-            if compression is not None and encoded:
-                flights.append((bucket, compression.all_gather(full, segment, group), full, True))
-            else:
-                flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full, False))
-        if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers (and transfers) alive at once
-            land(*flights.pop(0))
-    for flight in flights:
-        land(*flight)
-
-
-class RowViews:
-    """Every rank's rows of the resident parameters, as flat views, per bucket: the in-place all-gather's pieces.
-
-    Made once and kept while the parameters keep their memory (``data_ptr``, asked per parameter, is the check:
-    a kept view holds the old storage alive, so a parameter given new memory always has a new address), since
-    making them costs a few microseconds a parameter and rank, every step."""
-
-    def __init__(self, layout: ShardLayout) -> None:
-        self.layout = layout
-        self._by_bucket: dict[int, tuple[list[int], list[list[torch.Tensor]]]] = {}
-
-    def of_bucket(self, bucket: BucketSpec, params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """``[rank][j]``: rank's rows of the bucket's ``j``-th parameter."""
-        addresses = [params[i].data_ptr() for i in bucket.params]
-        kept = self._by_bucket.get(bucket.index)
-        if kept is None or kept[0] != addresses:
-            rows = [rows_by_rank(params[i].detach().view(-1), self.layout.params[i]) for i in bucket.params]
-            kept = self._by_bucket[bucket.index] = (addresses, [list(of_rank) for of_rank in zip(*rows)])
-        return kept[1]
 
 
 if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``), checked statically

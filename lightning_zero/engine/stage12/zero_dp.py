@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,13 +23,15 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
+from lightning_zero.engine.stage12.delayed_update import HostSteps, PendingUpdate
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.optimizers import optimizer_kind, shards_of
 from lightning_zero.engine.owner_step import OwnerStepping
-from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer, all_gather_params
+from lightning_zero.engine.stage12.param_gather import all_gather_params
+from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer
 from lightning_zero.engine.state_dict import gather_full
 
 
@@ -57,6 +59,7 @@ class ZeroDataParallel:
         replicate_group: dist.ProcessGroup | None = None,
         holding: Holding = Holding(),
         compression: CompressionSpec | None = None,
+        offload_step_delay: int = 0,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
@@ -95,6 +98,8 @@ class ZeroDataParallel:
         if policy is not None:
             cast_parameters(module, [p for _, p in named], policy)
         self._plan(named)
+        #: ``offload_step_delay=1``: the thread the optimizers' host steps run in ([Note: the delayed update]).
+        self.host_steps = HostSteps() if offload_step_delay else None
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self.growths: list[dict[str, float]] = []
 
@@ -155,7 +160,7 @@ class ZeroDataParallel:
             moved = {i: index[id(p)] for i, p in enumerate(old.params) if id(p) in index}
             shards = {moved[i]: shard for i, shard in old.shards.items()}
             owners = old.owners.rekey(moved) if old.owners is not None else None
-            self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners)
+            self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners, old.pending)
         #: Each growth: the parameters that joined and what re-planning took (tests and the README report it).
         self.growths.append({"params": len(grown), "elements": sum(p.numel() for _, p in grown),
                              "seconds": time.perf_counter() - started})
@@ -204,10 +209,11 @@ class ZeroDataParallel:
         self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer, kind)
 
     def _sharded_optimizer(self, optimizer: Optimizer, kind: str, shards: dict[int, torch.Tensor] | None = None,
-                           owners: OwnerStepping | None = None) -> ShardedOptimizer:
+                           owners: OwnerStepping | None = None, pending: PendingUpdate | None = None) -> ShardedOptimizer:
         return ShardedOptimizer(
             optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
             group=self.group, elsewhere=self._elsewhere, shards=shards, kind=kind, owners=owners,
+            host_steps=self.host_steps, pending=pending,
         )
 
     def on_host(self, tensor: torch.Tensor) -> bool:
@@ -252,12 +258,41 @@ class ZeroDataParallel:
         """This rank's rows of trainable parameter ``index`` as the optimizer updates them: its master when
         there are masters, else a view of the resident parameter. Checkpoints read and write these."""
         if self.masters is not None:
+            if self.host_steps is not None:
+                self.host_steps.wait()  # a delayed host step may be writing them
             return self.masters[index]
         return local_rows(self.params[index].detach(), self.rank, self.world_size)
 
+    # ------------------------------------------------------------------ the delayed update (delayed_update.py)
+    @property
+    def update_delay(self) -> int:
+        return 0 if self.host_steps is None else 1
+
+    def lagging_rows(self) -> dict[str, torch.Tensor] | None:
+        if not any(o.pending is not None for o in self._optimizers.values()):
+            return None
+        return {name: local_rows(p.detach(), self.rank, self.world_size) for name, p in zip(self.names, self.params)}
+
+    def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
+        if self.host_steps is None:
+            raise RuntimeError("parameters one update behind were loaded into a run without offload_step_delay")
+        with torch.no_grad():
+            for name, param in zip(self.names, self.params):
+                if name in rows:
+                    local_rows(param.detach(), self.rank, self.world_size).view(-1).copy_(rows[name].reshape(-1))
+        all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
+        for optimizer in self._optimizers.values():
+            optimizer.pending = PendingUpdate()  # the masters hold it: the next step sends them
+
+    def land_updates(self) -> None:
+        """Bring every delayed update still on the host to the parameters (collective)."""
+        for optimizer in self._optimizers.values():
+            optimizer.land()
+
     def restore_master_params(self) -> None:
         """Give the module back its parameters at full precision (collective): the end of a mixed run leaves
-        the model as Lightning's own mixed modes do, in fp32."""
+        the model as Lightning's own mixed modes do, in fp32, and with every delayed update landed."""
+        self.land_updates()
         if not self.mixed or self.masters is None:
             return  # the resident parameters already hold the masters' values
         with torch.no_grad():
@@ -266,6 +301,8 @@ class ZeroDataParallel:
 
     def teardown(self) -> None:
         self.reducer.remove_hooks()
+        if self.host_steps is not None:
+            self.host_steps.close()
 
 
 def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:

@@ -59,7 +59,7 @@ do: gradient shards go to the host, the host steps, updated shards come back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -351,6 +351,15 @@ class FullyShardedEngine:
 
     def restore_master_params(self) -> None:
         """FSDP2 keeps the sharded parameters at full precision and casts them per forward: nothing to do."""
+
+    #: Stage 3 steps without a delayed update (``offload_step_delay`` is a stage 1-2 setting).
+    update_delay = 0
+
+    def lagging_rows(self) -> None:
+        return None
+
+    def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
+        raise RuntimeError("stage 3 has no delayed update to load parameters one update behind into")
 
     def teardown(self) -> None:
         """FSDP2's hooks live as long as the module."""
