@@ -18,6 +18,7 @@ from lightning_zero.demo.gpt import GPTLightningModule
 from tests.distributed import models
 from tests.distributed.worker_checkpoint import interrupted, optim_diff, straight
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
+from tests.distributed.worker_precision import overflow_skips_step
 
 DELAYED = dict(offload_optimizer=True, offload_step_delay=1)
 STEPS, ACCUMULATE, BATCH, CLIP = 4, 2, 4, 0.5
@@ -70,7 +71,8 @@ def delayed_reference(initial: dict, dataset, *, steps: int) -> dict[str, torch.
 
 
 def exactness() -> dict:
-    """Stages 1-2, 4 steps of 2 accumulated micro-batches, clipping, 2 param groups, StepLR, small buckets."""
+    """Stages 1-2, 4 steps of 2 accumulated micro-batches, clipping, 2 param groups, StepLR, small buckets; and a
+    16-mixed overflow at stage 2."""
     out = {}
     data = models.IndexedData()
     for stage in (1, 2):
@@ -96,6 +98,7 @@ def exactness() -> dict:
                 "module_diff_final": max_diff(module_now, final),
                 "threads": threads,
             }
+    out["stage2_overflow"] = overflow_skips_step(2, **DELAYED)
     return out
 
 

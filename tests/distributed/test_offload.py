@@ -159,6 +159,16 @@ def test_the_delayed_update_is_zero_offloads_dpu_step_for_step(report, stage):
     assert result["module_diff_final"] == 0.0
 
 
+def test_an_overflow_skips_the_delayed_step_and_leaves_the_masters_as_they_were(report):
+    """16-mixed, an inf at step 2: that step starts no host step (the masters and the optimizer state stay those of
+    step 1; the update pending from step 1 still lands), the loss scale halves, and training goes on."""
+    result = report["delayed"]["stage2_overflow"]
+    assert result["scales"] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+    assert result["skipped"] == 1
+    assert result["params_unchanged_at_k"] and result["optim_unchanged_at_k"]
+    assert result["params_changed_after_k"] > 0 and result["finite"]
+
+
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 def test_a_delayed_run_resumes_exactly_from_its_checkpoints(report, fmt):
     """Saved after epoch 1 with an update pending, resumed for epoch 2: the uninterrupted delayed run's parameters

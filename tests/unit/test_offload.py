@@ -104,6 +104,7 @@ def test_only_optimizers_whose_state_is_per_parameter_and_without_step_hooks_ste
     finally:
         global_hook.remove()
     assert not steps_in_parts(torch.optim.LBFGS(params))  # state kept across all parameters
+    assert steps_in_parts(torch.optim.RMSprop(params)) and steps_in_parts(torch.optim.NAdam(params))  # no fused kernel
 
 
 def test_a_stepping_view_reads_the_groups_as_they_were_and_writes_the_optimizers_state():
