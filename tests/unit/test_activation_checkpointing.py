@@ -147,9 +147,11 @@ def test_hugging_face_encoder_decoder_trains_checkpointed_with_its_cache_off_the
         "gradient_checkpointing_enable() does (a cache written in forward cannot be recomputed)."
     ]
     model(input_ids=x, decoder_input_ids=x).logits.sum().backward()
-    plain(input_ids=x, decoder_input_ids=x).logits.sum().backward()
+    # Against the plain model trained as Hugging Face trains it checkpointed, without the cache: with it, transformers
+    # 5.x takes another attention path whose sums round differently (1e-5 on gradients of magnitude 65).
+    plain(input_ids=x, decoder_input_ids=x, use_cache=False).logits.sum().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)  # fp32 rounding: 3.5e-7 relative (transformers 5.24)
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6, msg=name)
     restore()
     assert model.config.use_cache and model.decoder.config.use_cache and not model.encoder.config.use_cache
 
