@@ -63,7 +63,7 @@ def bert_first_run(root) -> str:
     out = run(sys.executable, *BERT_ARGS, f"trainer.default_root_dir={root}", "trainer.max_steps=6")
     checkpoints = sorted(p.name for p in (root / "checkpoints").iterdir())
     assert checkpoints == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
-    rows = list(csv.DictReader(open(sorted(root.glob("logs/version_*/metrics.csv"))[-1])))
+    rows = list(csv.DictReader(sorted(root.glob("logs/version_*/metrics.csv"))[-1].read_text().splitlines()))
     assert any(float(r.get("monitor/loss_scale") or 0) >= 2**15 for r in rows)  # fp16 with loss scaling, not bf16
     return out
 
@@ -80,7 +80,7 @@ def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints_and_resumes(tmp_path
                   f"+ckpt_path={tmp_path}/checkpoints/last.ckpt")
     # the model's own state came back with the weights: 6 steps x 16 samples x 2 ranks
     assert re.search(r"resumed at step 6: 192 samples seen, best val_loss \d+\.\d+", resumed), resumed[-2000:]
-    rows = list(csv.DictReader(open(sorted(tmp_path.glob("logs/version_*/metrics.csv"))[-1])))
+    rows = list(csv.DictReader(sorted(tmp_path.glob("logs/version_*/metrics.csv"))[-1].read_text().splitlines()))
     assert max(float(r["samples_seen"]) for r in rows if r.get("samples_seen")) == 10 * 16 * 2
     first, _ = loss_summary(first_run)
     _, last = loss_summary(resumed)

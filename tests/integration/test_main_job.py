@@ -108,7 +108,7 @@ def test_the_readme_checkpoint_steps_work_on_what_it_saved(main_job, capsys):
 def test_the_monitor_logs_zero3_state_and_traffic_on_the_formulas(main_job):
     """The ZeroMonitor is on by default: per-rank model state on the ZeRO-3 formula (16P/N, fp32 AdamW) and 3P
     fp32 elements communicated per step, every `log_every_n_steps`, in a first run's version_0."""
-    rows = list(csv.DictReader(open(main_job.root / "logs" / "version_0" / "metrics.csv")))
+    rows = list(csv.DictReader((main_job.root / "logs" / "version_0" / "metrics.csv").read_text().splitlines()))
     logged = [r for r in rows if r.get("monitor/state_MiB_rank0")]
     # log_every_n_steps: 10 (Lightning logs step - 1)
     assert [int(r["step"]) for r in logged] == list(range(9, MAIN_JOB_STEPS, 10))

@@ -33,7 +33,7 @@ def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_mo
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    rows = list(csv.DictReader(open(next(tmp_path.glob("logs/version_*/metrics.csv")))))
+    rows = list(csv.DictReader(next(tmp_path.glob("logs/version_*/metrics.csv")).read_text().splitlines()))
     logged = [r for r in rows if r.get("monitor/state_MiB_rank0")]
     assert [int(r["step"]) for r in logged] == [1, 3]  # optimizer steps 2 and 4 (Lightning logs step - 1)
     params = count_model_parameters(REPO / "conf" / "model" / "gpt_tiny.yaml")

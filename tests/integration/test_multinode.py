@@ -47,7 +47,7 @@ def two_torchrun_nodes(tmp_path: Path, per_node: int, *overrides: str) -> list[d
     world = 2 * per_node
     for rank in range(world):
         assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world}" in outputs[rank // per_node]
-    rows = [r for r in csv.DictReader(open(next(tmp_path.glob("logs/version_*/metrics.csv")))) if r.get("monitor/state_MiB_rank0")]
+    rows = [r for r in csv.DictReader(next(tmp_path.glob("logs/version_*/metrics.csv")).read_text().splitlines()) if r.get("monitor/state_MiB_rank0")]
     assert len(rows) == 5
     return rows
 

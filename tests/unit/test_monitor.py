@@ -35,7 +35,7 @@ def fit(tmp_path, monitor: ZeroMonitor, **trainer_kwargs) -> list[dict]:
     trainer.fit(Tiny(), DataLoader(data, batch_size=4))
     monitor.shown = dict(trainer.progress_bar_metrics)  # what a progress bar would show
     path = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
-    return [r for r in csv.DictReader(open(path)) if r.get("monitor/state_MiB_rank0")] if path.exists() else []
+    return [r for r in csv.DictReader(path.read_text().splitlines()) if r.get("monitor/state_MiB_rank0")] if path.exists() else []
 
 
 def test_one_row_per_logged_optimizer_step_under_accumulation(tmp_path):
