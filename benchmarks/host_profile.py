@@ -11,6 +11,7 @@ their shares; the timed steps (run without it) give the step time.
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 from collections import defaultdict
 from typing import Any
@@ -69,6 +70,8 @@ class HostProfile:
 
     def summary(self, steps: int, top: int = 12) -> dict[str, Any]:
         """Milliseconds per step by category, and the ``top`` functions of ours by self time."""
+        if dump := os.environ.get("HOST_PROFILE_DUMP"):  # the raw profile, for `python -m pstats` or snakeviz
+            self._profiler.dump_stats(dump)
         stats: dict[Any, Any] = pstats.Stats(self._profiler).stats  # type: ignore[attr-defined]
         by_category: dict[str, float] = defaultdict(float)
         ours: list[tuple[float, int, str]] = []

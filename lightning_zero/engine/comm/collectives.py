@@ -290,6 +290,33 @@ def all_reduce(
     return tensor
 
 
+class _MaxOverRanks(p2p.Exchange):
+    """:func:`max_in_place`'s handle: the exchange, then the maximum of what every rank sent."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, number: int) -> None:
+        self.tensor = tensor
+        self.received = [torch.empty_like(tensor) for _ in range(world_size(group))]
+        super().__init__("all_reduce", lambda peer: [tensor], lambda peer: [self.received[peer]], group, number)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        super().wait(timeout)
+        for peer, values in enumerate(self.received):
+            if peer != self.rank:
+                torch.maximum(self.tensor, values, out=self.tensor)
+        return True
+
+
+def max_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> p2p.Ring:
+    """Started all-reduce (MAX) of a small tensor as point-to-point transfers, where :func:`exchanges_in_place`
+    serves ``group``: posted behind a bucket's exchange, its latency hides behind that bucket's transfers, and a
+    rank that never posts its part leaves the others waiting in a transfer the watchdog names, as a collective
+    would. ``tensor`` holds the maximum once the handle is waited on; counted as the all-reduce it replaces."""
+    number = _FLIGHT.issue("all_reduce", tensor.numel(), tensor.dtype)
+    _count("all_reduce", tensor, group, times=2)
+    with record_function("lightning_zero::all_reduce"):
+        return _MaxOverRanks(tensor, group, number)
+
+
 def _staging_device(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device | None:
     """NCCL moves only CUDA tensors: host tensors (offloaded gradients and optimizer state) go through the
     current CUDA device. None when the backend takes the tensor where it is."""

@@ -106,6 +106,12 @@ class GradientReducer:
         self._sizes = [len(b.params) for b in layout.buckets]
         self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
         self._inflight: list[_Inflight] = []
+        #: Whether anything may be held for a step (a gradient arrived or a bucket launched since every record was
+        #: last consumed): a window's start then has something to clear.
+        self._holding = False
+        #: Which parameters this rank produced a gradient for, and the exchange (MAX) of them that the last bucket's
+        #: launch posted.
+        self._used_flags: tuple[torch.Tensor, Pending] | None = None
         #: The finalized gradient's dtype when it differs from the held sums' (fp32 masters of a mixed run).
         self.master_dtype = master_dtype
         #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
@@ -177,6 +183,7 @@ class GradientReducer:
             self.require_sync = previous
 
     def _on_grad_ready(self, index: int, param: nn.Parameter) -> None:
+        self._holding = True
         record = self.records[index]
         record.staged = None  # the sum is changing: its host copy, if any, is stale
         if not self.require_sync:
@@ -210,10 +217,13 @@ class GradientReducer:
 
     def _launch(self, bucket_index: int) -> None:
         bucket = self.layout.buckets[bucket_index]
+        self._holding = True
         sources: list[torch.Tensor | None] = [None] * len(self.params)
         for i in bucket.params:
             sources[i] = self.params[i].grad
             self.records[i].produced |= sources[i] is not None
+        if bucket_index == len(self.layout.buckets) - 1:  # every bucket launched: the flags are final
+            self._start_used_flags()
         if self._reduces_in_place(bucket_index):
             held = self.shard_gradients and self._holds_sums(bucket)
             reduction = InPlaceReduction(
@@ -265,11 +275,23 @@ class GradientReducer:
         self._next = 0
         self._forget_gradients_no_rank_produced()
 
+    def _start_used_flags(self) -> None:
+        """Post the exchange of which parameters each rank produced a gradient for behind the last bucket's
+        transfers, over gloo (its latency would otherwise end every backward); other transports all-reduce the
+        flags when the backward ends."""
+        if collectives.exchanges_in_place(self.group):
+            used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
+            self._used_flags = used, collectives.max_in_place(used, self.group)
+
     def _forget_gradients_no_rank_produced(self) -> None:
         """A parameter no rank used has no gradient (``None``, as in plain PyTorch, so the optimizer skips it
         instead of decaying it with a zero gradient); one used on any rank has the reduced gradient."""
-        used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
-        collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.group)
+        if self._used_flags is not None:
+            (used, exchange), self._used_flags = self._used_flags, None
+            exchange.wait()
+        else:
+            used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
+            collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.group)
         if self.replicas > 1:
             collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.replicate_group)
         for i in torch.nonzero(used == 0).flatten().tolist():
@@ -328,6 +350,9 @@ class GradientReducer:
             # A backward ran outside ``strategy.backward`` (e.g. a bare ``loss.backward()``): land it now.
             self.flush()
         pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
+        if not pending:  # the step's own call after clipping or unscaling finalized them
+            return
+        self._holding = True
         held_by_index = {i: self.local_grad(i) for i in pending}
         if self.replicas > 1:
             sums = [g for g in held_by_index.values() if g is not None]
@@ -357,8 +382,12 @@ class GradientReducer:
         if grads and coefficient != 1.0:  # one rank, nothing to unscale: a pass over every gradient for nothing
             torch._foreach_mul_(grads, coefficient)
 
-    def consume(self, indices: Iterable[int]) -> None:
+    def consume(self, indices: Sequence[int]) -> None:
         """The optimizer step used (or skipped) these gradients: clear them for the next window."""
+        everything = len(indices) == len(self.records)
+        if everything and not self._holding:  # a window's start after a step that consumed them all
+            return
+        self._holding = not everything
         records = [self.records[i] for i in indices]
         for record in records:
             if not self.shard_gradients:

@@ -41,16 +41,15 @@ def all_gather_params(
     host->device copy of one bucket overlaps the gather of the one before. With ``compression`` of parameters
     every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact.
     ``row_views``: the parameters' row views kept from earlier gathers (made here when None)."""
-    sources = [p.detach() for p in params]
     row_views = row_views or RowViews(layout)
-    wanted = set(range(len(params)) if indices is None else indices)
+    wanted = set(range(len(params)) if indices is None else indices) if masters is not None else set()
 
     def copy_masters(bucket: BucketSpec) -> None:
         if masters is not None:
             with torch.no_grad():
                 for i in bucket.params:
                     if i in wanted:
-                        masters.copy_into(i, local_rows(sources[i], rank, layout.world_size))
+                        masters.copy_into(i, local_rows(params[i].detach(), rank, layout.world_size))
 
     if layout.world_size == 1:
         for b in buckets:
@@ -65,22 +64,23 @@ def all_gather_params(
         if full is None:  # gathered in place
             return
         with torch.no_grad():  # own rows are already in place, unless they were encoded and decoded too
-            unpack_bucket(layout, bucket, full, sources, skip_rank=None if decoded else rank)
+            unpack_bucket(layout, bucket, full, [p.detach() for p in params], skip_rank=None if decoded else rank)
 
     for b in buckets:
         bucket = layout.buckets[b]
         copy_masters(bucket)
-        like = sources[bucket.params[0]]  # a bucket holds one dtype
+        like = params[bucket.params[0]]  # a bucket holds one dtype
         encoded = compression is not None and compression.compresses_params(like.dtype)
         if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
             pieces = row_views.of_bucket(bucket, params)
-            chunks = [layout.params[i].chunk_numel for i in bucket.params]
+            chunks = row_views.chunk_numels(bucket)
             flights.append(
                 (bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group, chunk_numels=chunks), None, False)
             )
         else:
             segment = pack_segment(
-                layout, bucket, rank, sources, torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device)
+                layout, bucket, rank, [p.detach() for p in params],
+                torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device),
             )
             full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
             if compression is not None and encoded:
@@ -103,6 +103,7 @@ class RowViews:
     def __init__(self, layout: ShardLayout) -> None:
         self.layout = layout
         self._by_bucket: dict[int, tuple[list[int], list[list[torch.Tensor]]]] = {}
+        self._chunks: dict[int, list[int]] = {}
 
     def of_bucket(self, bucket: BucketSpec, params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         """``[rank][j]``: rank's rows of the bucket's ``j``-th parameter."""
@@ -112,3 +113,9 @@ class RowViews:
             rows = [rows_by_rank(params[i].detach().view(-1), self.layout.params[i]) for i in bucket.params]
             kept = self._by_bucket[bucket.index] = (addresses, [list(of_rank) for of_rank in zip(*rows)])
         return kept[1]
+
+    def chunk_numels(self, bucket: BucketSpec) -> list[int]:
+        """The padded chunk length of each of the bucket's parameters (which of their rows travel packed)."""
+        if (chunks := self._chunks.get(bucket.index)) is None:
+            chunks = self._chunks[bucket.index] = [self.layout.params[i].chunk_numel for i in bucket.params]
+        return chunks

@@ -56,7 +56,16 @@ class InPlaceReduction:
         }
         #: Every rank's rows of each gradient (None: no gradient here), one ``split`` per gradient.
         self.rows = [None if g is None else rows_by_rank(g.view(-1), spec) for g, spec in zip(self.grads, self.specs)]
-        sends = [[self._rows(j, r) for j in range(len(self.specs))] if r != rank else [] for r in range(world)]
+        #: With every gradient here, this rank's rows of each, and every other rank's (zeroed once the sums land at
+        #: stage 1); None otherwise.
+        self.own: list[torch.Tensor] | None = None
+        self.others: list[torch.Tensor] = []
+        if all(rows is not None for rows in self.rows):  # one transpose of the rows, no call per parameter
+            by_rank: list[list[torch.Tensor]] = [list(of_rank) for of_rank in zip(*self.rows)]
+            self.own, self.others = by_rank[rank], [part for r in range(world) if r != rank for part in by_rank[r]]
+        else:
+            by_rank = [[self._rows(j, r) for j in range(len(self.specs))] for r in range(world)]
+        sends = [by_rank[r] if r != rank else [] for r in range(world)]
         #: Per peer, the views of its segment that receive its contribution to each parameter's rows.
         self.received: dict[int, list[torch.Tensor]] = {
             peer: segment_parts(segment, layout, bucket_index, rank) for peer, segment in self.segments.items()
@@ -88,16 +97,17 @@ class InPlaceReduction:
             for param in params:
                 param.grad = None
             return
-        own: list[torch.Tensor] = []
-        others: list[torch.Tensor] = []
-        for j, param in enumerate(params):
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            rows = self.rows[j] if param.grad is self.grads[j] else None
-            if rows is None:
-                rows = rows_by_rank(param.grad.view(-1), self.specs[j])
-            own.append(rows[self.rank])  # this rank's own contribution is already in its rows
-            others.extend(part for r, part in enumerate(rows) if r != self.rank and part.numel())
+        own, others = self.own, self.others  # this rank's own contribution is already in its rows
+        if own is None or not all(param.grad is grad for param, grad in zip(params, self.grads)):
+            own, others = [], []  # a gradient missing here, or made or replaced since the launch
+            for j, param in enumerate(params):
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                rows = self.rows[j] if param.grad is self.grads[j] else None
+                if rows is None:
+                    rows = rows_by_rank(param.grad.view(-1), self.specs[j])
+                own.append(rows[self.rank])
+                others.extend(part for r, part in enumerate(rows) if r != self.rank)
         for peer in self.segments:
             torch._foreach_add_(own, self.received[peer])
         if others:
@@ -109,7 +119,7 @@ class InPlaceReduction:
         targets = self._storage_parts
         if targets is None:
             raise RuntimeError("only stage 2 reduces into shard storage")
-        own = [self._rows(j, self.rank) for j in range(len(self.specs))]
+        own = self.own if self.own is not None else [self._rows(j, self.rank) for j in range(len(self.specs))]
         received = [self.received[peer] for peer in self.segments]
         if self.into_storage:
             torch._foreach_add_(targets, own)
