@@ -240,6 +240,19 @@ class MasterShards:
         if master is not target:
             target.copy_(master, non_blocking=self.pinned and self.on_host[index])
 
+    def copy_all_into(self, pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """:meth:`copy_into` of many masters, each into a flat ``target``: one ``foreach`` copy for those that travel
+        asynchronously (pinned host masters) and one for the rest, where a copy each would cost a dispatch a
+        parameter."""
+        batches: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for index, target in pairs:
+            if index not in self.aliased:
+                targets, sources = batches.setdefault(self.pinned and self.on_host[index], ([], []))
+                targets.append(target)
+                sources.append(self.tensors[index].view(-1))
+        for non_blocking, (targets, sources) in batches.items():
+            torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
+
     def refresh_from(self, index: int, source: torch.Tensor) -> None:
         """Take master ``index`` from ``source`` (after a checkpoint was loaded into the device shard)."""
         if self.tensors[index] is not source:

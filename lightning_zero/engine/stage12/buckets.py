@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
 
@@ -107,3 +108,9 @@ def rows_by_rank(flat: torch.Tensor, spec: ParamShardSpec) -> tuple[torch.Tensor
 def segment_parts(segment: torch.Tensor, layout: ShardLayout, bucket_index: int, rank: int) -> list[torch.Tensor]:
     """Views of a rank segment of the bucket holding each parameter's rows of ``rank``, in one ``split``."""
     return list(segment.split_with_sizes(layout.segment_split(bucket_index, rank))[::2])
+
+
+def widened(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``tensors`` cast to ``dtype``, as views of one flat buffer: three calls whatever their number, where a cast
+    each would cost a dispatch per tensor."""
+    return list(_unflatten_dense_tensors(_flatten_dense_tensors(list(tensors)).to(dtype), list(tensors)))

@@ -39,9 +39,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.stage12.buckets import pack_bucket, rows_by_rank, segment_parts, segment_view
+from lightning_zero.engine.stage12.buckets import pack_bucket, rows_by_rank, segment_parts, segment_view, widened
 from lightning_zero.engine.comm.compression import CompressedComm
-from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient
+from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, ProducedFlags
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
@@ -101,6 +101,7 @@ class GradientReducer:
         #: Hybrid sharding: the ranks holding the same rows as this one (None: no copies).
         self.replicate_group = replicate_group
         self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
+        self.produced = ProducedFlags(group, replicate_group if self.replicas > 1 else None)
         self.require_sync = True
         self._ready = [0] * len(layout.buckets)
         self._sizes = [len(b.params) for b in layout.buckets]
@@ -109,9 +110,6 @@ class GradientReducer:
         #: Whether anything may be held for a step (a gradient arrived or a bucket launched since every record was
         #: last consumed): a window's start then has something to clear.
         self._holding = False
-        #: Which parameters this rank produced a gradient for, and the exchange (MAX) of them that the last bucket's
-        #: launch posted.
-        self._used_flags: tuple[torch.Tensor, Pending] | None = None
         #: The finalized gradient's dtype when it differs from the held sums' (fp32 masters of a mixed run).
         self.master_dtype = master_dtype
         #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
@@ -125,14 +123,9 @@ class GradientReducer:
         self.reduce_dtype = reduce_dtype
         self.comm_dtypes = [comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
         # Stage 2: a flat storage per bucket for this rank's gradient shards, viewed per parameter.
-        self.storage = (
-            [
-                torch.zeros(b.segment_numel, device=self.device, dtype=dtype)
-                for b, dtype in zip(layout.buckets, self.bucket_dtypes)
-            ]
-            if shard_gradients
-            else None
-        )
+        self.storage = [
+            torch.zeros(b.segment_numel, device=self.device, dtype=dtype) for b, dtype in zip(layout.buckets, self.bucket_dtypes)
+        ] if shard_gradients else None
         #: One record per parameter, in layout order.
         self.records = [
             ParamGradient(i, p, layout.params[i], self._storage_view(i) if shard_gradients else None)
@@ -223,7 +216,7 @@ class GradientReducer:
             sources[i] = self.params[i].grad
             self.records[i].produced |= sources[i] is not None
         if bucket_index == len(self.layout.buckets) - 1:  # every bucket launched: the flags are final
-            self._start_used_flags()
+            self.produced.start(self.records)
         if self._reduces_in_place(bucket_index):
             held = self.shard_gradients and self._holds_sums(bucket)
             reduction = InPlaceReduction(
@@ -275,25 +268,10 @@ class GradientReducer:
         self._next = 0
         self._forget_gradients_no_rank_produced()
 
-    def _start_used_flags(self) -> None:
-        """Post the exchange of which parameters each rank produced a gradient for behind the last bucket's
-        transfers, over gloo (its latency would otherwise end every backward); other transports all-reduce the
-        flags when the backward ends."""
-        if collectives.exchanges_in_place(self.group):
-            used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
-            self._used_flags = used, collectives.max_in_place(used, self.group)
-
     def _forget_gradients_no_rank_produced(self) -> None:
         """A parameter no rank used has no gradient (``None``, as in plain PyTorch, so the optimizer skips it
         instead of decaying it with a zero gradient); one used on any rank has the reduced gradient."""
-        if self._used_flags is not None:
-            (used, exchange), self._used_flags = self._used_flags, None
-            exchange.wait()
-        else:
-            used = torch.tensor([r.produced for r in self.records], dtype=torch.int32)
-            collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.group)
-        if self.replicas > 1:
-            collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.replicate_group)
+        used = self.produced.reduced(self.records)
         for i in torch.nonzero(used == 0).flatten().tolist():
             record = self.records[i]
             if record.state is GradState.REDUCED:
@@ -359,6 +337,7 @@ class GradientReducer:
             sum_over_replicas(self.replicate_group, sums, self.reduce_dtype, self.compression)
         grads = []
         unstaged: list[tuple[int, torch.Tensor]] = []
+        narrow: list[tuple[int, torch.Tensor]] = []  # sums held in a narrower dtype than the masters'
         for i, held in held_by_index.items():
             record = self.records[i]
             record.state = GradState.FINALIZED
@@ -369,10 +348,17 @@ class GradientReducer:
                     unstaged.append((i, held))
                     continue
                 grad = record.staged
+            elif self.master_dtype is not None and held.dtype != self.master_dtype:
+                narrow.append((i, held))
+                continue
             else:
-                grad = held if self.master_dtype is None else held.to(self.master_dtype)
+                grad = held
             record.final = grad
             grads.append(grad)
+        if narrow and self.master_dtype is not None:
+            for (i, _), grad in zip(narrow, widened([held for _, held in narrow], self.master_dtype)):
+                self.records[i].final = grad
+                grads.append(grad)
         if self.host_gradients is not None:
             for (i, _), grad in zip(unstaged, self.host_gradients.stage_gradients(unstaged)):
                 self.records[i].final = grad

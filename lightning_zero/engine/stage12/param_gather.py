@@ -16,7 +16,6 @@ from torch import nn
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.offload import MasterShards
-from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.buckets import pack_segment, rows_by_rank, unpack_bucket
 from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, Pending
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
@@ -46,10 +45,9 @@ def all_gather_params(
 
     def copy_masters(bucket: BucketSpec) -> None:
         if masters is not None:
+            own = row_views.of_bucket(bucket, params)[rank]
             with torch.no_grad():
-                for i in bucket.params:
-                    if i in wanted:
-                        masters.copy_into(i, local_rows(params[i].detach(), rank, layout.world_size))
+                masters.copy_all_into([(i, own[j]) for j, i in enumerate(bucket.params) if i in wanted])
 
     if layout.world_size == 1:
         for b in buckets:
