@@ -7,7 +7,7 @@ import torch
 
 from lightning_zero.engine.comm import p2p_transport
 from lightning_zero.engine.stage12.buckets import (
-    pack_bucket, pack_segment, rows_by_rank, segment_parts, segment_view, unpack_bucket,
+    pack_bucket, pack_segment, rows_by_rank, segment_parts, segment_view, unpack_bucket, widened,
 )
 from lightning_zero.engine.stage12.layout import plan_layout
 from lightning_zero.engine.shard import local_rows
@@ -137,3 +137,11 @@ def test_small_pieces_travel_in_runs_and_large_ones_alone():
     assert p2p_transport.packed_runs([3, 0, small], 4) == [(0, 3)]
     assert p2p_transport.packed_runs([small + 1, 3, 5, small + 1, 7], 4) == [(0, 1), (1, 3), (3, 4), (4, 5)]
     assert p2p_transport.packed_runs([small + 1, small + 1], 2) == [(0, 2)]  # bf16: twice the elements fit
+
+
+def test_narrow_sums_widen_into_views_of_one_buffer_with_their_values():
+    sums = [torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(0, dtype=torch.bfloat16), torch.randn(5, dtype=torch.bfloat16)]
+    wide = widened(sums, torch.float32)
+    assert [w.shape for w in wide] == [s.shape for s in sums] and {w.dtype for w in wide} == {torch.float32}
+    assert all(torch.equal(w, s.float()) for w, s in zip(wide, sums))
+    assert wide[2].untyped_storage().data_ptr() == wide[0].untyped_storage().data_ptr()

@@ -70,6 +70,17 @@ def test_offloaded_masters_copy_gradients_into_reused_host_buffers():
     assert torch.equal(target, shards[0])
 
 
+def test_masters_reach_many_flat_rows_in_one_copy_and_an_aliased_master_is_left_alone():
+    rows = [torch.randn(4, 2), torch.randn(3)]
+    masters = MasterShards(rows, dtype=None, offloaded=0.5, alias_on_device=True)
+    assert masters.on_host == [False, True] and masters.aliased == {0}
+    masters.tensors[1].add_(1.0)  # the host master moved on; the resident rows have not yet
+    resident = [rows[0].view(-1), torch.zeros(3, dtype=torch.bfloat16)]
+    masters.copy_all_into([(0, resident[0]), (1, resident[1])])
+    assert torch.equal(resident[1], masters.tensors[1].to(torch.bfloat16))
+    assert resident[0].data_ptr() == masters.tensors[0].data_ptr()
+
+
 def test_device_masters_use_the_gradients_where_they_are():
     masters = MasterShards([torch.randn(4)], dtype=torch.float32, offloaded=False)
     grad = torch.randn(4)
