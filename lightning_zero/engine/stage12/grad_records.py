@@ -1,11 +1,11 @@
 """The stage 1-2 reducer's record of each trainable parameter's gradient through one optimizer step (see
-[Note: gradients are held as sums until finalized] in ``grad_sync.py``)."""
+[Note: gradients are held as sums until finalized] in ``grad_sync.py``), and the flags of which of them any rank
+produced a gradient for."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-
 from collections.abc import Sequence
 
 import torch

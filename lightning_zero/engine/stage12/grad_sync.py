@@ -215,8 +215,6 @@ class GradientReducer:
         for i in bucket.params:
             sources[i] = self.params[i].grad
             self.records[i].produced |= sources[i] is not None
-        if bucket_index == len(self.layout.buckets) - 1:  # every bucket launched: the flags are final
-            self.produced.start(self.records)
         if self._reduces_in_place(bucket_index):
             held = self.shard_gradients and self._holds_sums(bucket)
             reduction = InPlaceReduction(
@@ -251,6 +249,8 @@ class GradientReducer:
     def _post(self, flight: _Inflight) -> None:
         self._next = flight.bucket + 1
         self._inflight.append(flight)
+        if self._next == len(self.layout.buckets):  # behind the last bucket's transfers: the flags are final now
+            self.produced.start(self.records)
         # Bound the buffers (or gradients) alive at once, stage 2's below a whole gradient: land the oldest first.
         while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
             self._land(self._inflight.pop(0))
