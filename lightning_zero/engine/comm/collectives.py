@@ -127,16 +127,14 @@ _PACKED_ONLY = False
 
 
 def exchanges_in_place(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether :func:`all_gather_in_place` and :func:`reduce_scatter_in_place` serve ``group``: gloo's
-    point-to-point transfers (see [Note: collectives in place] in ``p2p_transport.py``); the shared-memory
-    mailboxes and other backends take packed buffers."""
+    """Whether the in-place exchanges (:func:`all_gather_in_place`, ...) serve ``group``: gloo's point-to-point
+    transfers ([Note: collectives in place], ``p2p_transport.py``); mailboxes and other backends take packed buffers."""
     return not _PACKED_ONLY and world_size(group) > 1 and _use_ring(group) and shm_transport.for_group(group) is None
 
 
 @contextlib.contextmanager
 def packed_only() -> Iterator[None]:
-    """Stages 1-2 reduce and gather through packed buffers while inside (``benchmarks/bench_collectives.py``
-    compares the two ways on the same process group)."""
+    """Stages 1-2 reduce and gather through packed buffers inside (``bench_collectives.py`` compares the two ways)."""
     global _PACKED_ONLY
     previous, _PACKED_ONLY = _PACKED_ONLY, True
     try:
@@ -290,31 +288,13 @@ def all_reduce(
     return tensor
 
 
-class _MaxOverRanks(p2p.Exchange):
-    """:func:`max_in_place`'s handle: the exchange, then the maximum of what every rank sent."""
-
-    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, number: int) -> None:
-        self.tensor = tensor
-        self.received = [torch.empty_like(tensor) for _ in range(world_size(group))]
-        super().__init__("all_reduce", lambda peer: [tensor], lambda peer: [self.received[peer]], group, number)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        super().wait(timeout)
-        for peer, values in enumerate(self.received):
-            if peer != self.rank:
-                torch.maximum(self.tensor, values, out=self.tensor)
-        return True
-
-
 def max_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> p2p.Ring:
-    """Started all-reduce (MAX) of a small tensor as point-to-point transfers, where :func:`exchanges_in_place`
-    serves ``group``: posted behind a bucket's exchange, its latency hides behind that bucket's transfers, and a
-    rank that never posts its part leaves the others waiting in a transfer the watchdog names, as a collective
-    would. ``tensor`` holds the maximum once the handle is waited on; counted as the all-reduce it replaces."""
+    """A started all-reduce (MAX) of a small tensor as an exchange (``p2p.MaxExchange``, where
+    :func:`exchanges_in_place` serves ``group``), recorded and counted as the all-reduce it replaces."""
     number = _FLIGHT.issue("all_reduce", tensor.numel(), tensor.dtype)
     _count("all_reduce", tensor, group, times=2)
     with record_function("lightning_zero::all_reduce"):
-        return _MaxOverRanks(tensor, group, number)
+        return p2p.MaxExchange(tensor, group, number)
 
 
 def _staging_device(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device | None:
@@ -342,13 +322,9 @@ def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.Process
 
 
 def broadcast_object(obj: _T, src: int = 0, group: dist.ProcessGroup | None = None) -> _T:
-    if world_size(group) == 1:
-        return obj
     holder = [obj]
-    number = _blocking("broadcast_object")
-    with record_function("lightning_zero::broadcast_object"):
-        dist.broadcast_object_list(holder, src=src, group=group)
-    _FLIGHT.done(number)
+    if world_size(group) > 1:
+        _pickled("broadcast_object", lambda: dist.broadcast_object_list(holder, src=src, group=group))
     return holder[0]
 
 
@@ -359,15 +335,20 @@ def _blocking(kind: str, numel: int = 0, dtype: torch.dtype | None = None) -> in
     return number
 
 
+def _pickled(kind: str, call: Callable[[], object]) -> None:
+    """Run a blocking collective of pickled objects (or a barrier), recorded and labelled as ``kind``."""
+    number = _blocking(kind)
+    with record_function(f"lightning_zero::{kind}"):
+        call()
+    _FLIGHT.done(number)
+
+
 def all_gather_objects(obj: _T, group: dist.ProcessGroup | None = None) -> list[_T]:
     """Every rank's ``obj`` (small, picklable), in rank order, on every rank."""
     if world_size(group) == 1:
         return [obj]
     out: list[Any] = [None] * world_size(group)
-    number = _blocking("all_gather_object")
-    with record_function("lightning_zero::all_gather_object"):
-        dist.all_gather_object(out, obj, group=group)
-    _FLIGHT.done(number)
+    _pickled("all_gather_object", lambda: dist.all_gather_object(out, obj, group=group))
     return out
 
 
@@ -376,19 +357,13 @@ def gather_objects(obj: _T, dst: int = 0) -> list[_T] | None:
     if world_size() == 1:
         return [obj]
     out: list[Any] | None = [None] * world_size() if rank() == dst else None
-    number = _blocking("gather_object")
-    with record_function("lightning_zero::gather_object"):
-        dist.gather_object(obj, out, dst=dst)
-    _FLIGHT.done(number)
+    _pickled("gather_object", lambda: dist.gather_object(obj, out, dst=dst))
     return out
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if world_size(group) > 1:
-        number = _blocking("barrier")
-        with record_function("lightning_zero::barrier"):
-            dist.barrier(group=group)
-        _FLIGHT.done(number)
+        _pickled("barrier", lambda: dist.barrier(group=group))
 
 
 def reduce_scatter_op(

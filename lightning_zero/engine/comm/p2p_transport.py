@@ -225,3 +225,20 @@ class Exchange(Ring):
         self.unpack, self.sent = [], []
         _FLIGHT.done(self.number)
         return True
+
+
+class MaxExchange(Exchange):
+    """A small tensor's all-reduce (MAX) as an exchange (``collectives.max_in_place``): every rank sends it to every
+    other; :meth:`wait` leaves the maximum of all of them in ``tensor``."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, number: int = 0) -> None:
+        self.tensor = tensor
+        self.received = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        super().__init__("all_reduce", lambda peer: [tensor], lambda peer: [self.received[peer]], group, number)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        super().wait(timeout)
+        for peer, values in enumerate(self.received):
+            if peer != self.rank:
+                torch.maximum(self.tensor, values, out=self.tensor)
+        return True

@@ -43,11 +43,20 @@ def all_gather_params(
     row_views = row_views or RowViews(layout)
     wanted = set(range(len(params)) if indices is None else indices) if masters is not None else set()
 
-    def copy_masters(bucket: BucketSpec) -> None:
+    detached: list[torch.Tensor] = []  # the packed path's sources, made once, when a bucket first needs them
+
+    def sources() -> list[torch.Tensor]:
+        if not detached:
+            detached.extend(p.detach() for p in params)
+        return detached
+
+    def copy_masters(bucket: BucketSpec) -> list[list[torch.Tensor]]:
+        """The masters of the bucket into this rank's rows; every rank's rows of it (the in-place gather's pieces)."""
+        pieces = row_views.of_bucket(bucket, params)
         if masters is not None:
-            own = row_views.of_bucket(bucket, params)[rank]
             with torch.no_grad():
-                masters.copy_all_into([(i, own[j]) for j, i in enumerate(bucket.params) if i in wanted])
+                masters.copy_all_into([(i, pieces[rank][j]) for j, i in enumerate(bucket.params) if i in wanted])
+        return pieces
 
     if layout.world_size == 1:
         for b in buckets:
@@ -62,23 +71,21 @@ def all_gather_params(
         if full is None:  # gathered in place
             return
         with torch.no_grad():  # own rows are already in place, unless they were encoded and decoded too
-            unpack_bucket(layout, bucket, full, [p.detach() for p in params], skip_rank=None if decoded else rank)
+            unpack_bucket(layout, bucket, full, sources(), skip_rank=None if decoded else rank)
 
     for b in buckets:
         bucket = layout.buckets[b]
-        copy_masters(bucket)
+        pieces = copy_masters(bucket)
         like = params[bucket.params[0]]  # a bucket holds one dtype
         encoded = compression is not None and compression.compresses_params(like.dtype)
         if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
-            pieces = row_views.of_bucket(bucket, params)
             chunks = row_views.chunk_numels(bucket)
             flights.append(
                 (bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group, chunk_numels=chunks), None, False)
             )
         else:
             segment = pack_segment(
-                layout, bucket, rank, [p.detach() for p in params],
-                torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device),
+                layout, bucket, rank, sources(), torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device),
             )
             full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
             if compression is not None and encoded:
