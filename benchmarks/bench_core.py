@@ -60,6 +60,7 @@ What is measured (see :class:`BenchCallback`):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -223,9 +224,9 @@ def formula_split(system: str, P: int, N: int, precision: str = "32-true") -> tu
         name = "zero3_hsdp" if system == "fsdp2_hsdp" else f"{base}_hsdp"
         return model_state_split(CHOICES_BY_NAME[name], P, N, precision, devices_per_node=k)
     # hpZ's node-local copy lives between forward and backward, not after backward where state is counted.
-    if variant == "offload_delay":  # the offload formula, plus the delayed update's second fp32 gradient shard
-        device, host = model_state_split(CHOICES_BY_NAME[_CHOICE_OF[f"{base}+offload"]], P, N, precision)
-        return device, host + 4 * P / N
+    if variant == "offload_delay":  # the offload formula with the delayed update's second fp32 gradient shard
+        choice = dataclasses.replace(CHOICES_BY_NAME[_CHOICE_OF[f"{base}+offload"]], offload_step_delay=1)
+        return model_state_split(choice, P, N, precision)
     name = system if variant in ("offload", "offload_params") else base
     return model_state_split(CHOICES_BY_NAME[_CHOICE_OF[name]], P, N, precision)
 

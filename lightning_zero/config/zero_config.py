@@ -38,6 +38,8 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2": dict(stage=2),
     "zero1_offload": dict(stage=1, offload_optimizer=True),
     "zero2_offload": dict(stage=2, offload_optimizer=True),
+    # ZeRO-Offload's delayed parameter update: inexact by design (``engine/stage12/delayed_update.py``).
+    "zero2_offload_delay": dict(stage=2, offload_optimizer=True, offload_step_delay=1),
     "zero3": dict(stage=3),
     "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
     "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),

@@ -117,8 +117,10 @@ class OptimizerShards(Protocol):
         """Average the reduced gradient shards over ranks and multiply by ``scale`` (loss unscaling), once
         per step, before clipping or the overflow check read them."""
 
-    def local_gradients(self) -> list[torch.Tensor]:
-        """This rank's gradient shards, disjoint from every other rank's (for norms and clipping)."""
+    def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
+        """This rank's gradient shards, disjoint from every other rank's (for norms and clipping). ``for_change``:
+        the caller is about to change them (clipping); an engine whose host already stepped some of them during
+        backward refuses, naming the fix."""
 
     def step(self, **kwargs: Any) -> object:
         """Step the optimizer on this rank's shards and bring the updated parameters where forward needs them."""
@@ -237,6 +239,11 @@ class ShardingEngine(Protocol):
     @property
     def synchronizing(self) -> bool:
         """False inside :meth:`no_sync`: a backward now reduces no gradients."""
+
+    def step_during_backward(self, optimizer: Optimizer) -> None:
+        """The coming backward is the step's only one, and nothing after it changes the gradients or skips the step
+        (no clipping, no loss scaler): the engine may start ``optimizer``'s host step while backward still runs
+        (see [Note: the host step during backward]), or ignore this."""
 
     def post_backward(self) -> None:
         """After each backward; after the final micro-batch's: land the gradient reductions still in flight."""

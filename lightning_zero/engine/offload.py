@@ -12,7 +12,9 @@ live in host memory, so its state is born there too. One step is then:
    overflow check read the host copies;
 2. the user's optimizer steps the host masters (torch's fused CPU kernel when the optimizer has one and the
    user did not choose a kernel, see :func:`host_kernel`), a few buckets at a time when the optimizer's state
-   is per parameter (see ``optimizers.steps_in_parts``);
+   is per parameter (see ``optimizers.steps_in_parts``); where nothing after backward changes the gradients, a
+   part starts in a worker thread as soon as its buckets have landed (see [Note: the host step during backward]
+   in ``stage12/early_host_step.py``);
 3. host->device: each part's updated rows are copied into the device's parameter shard as soon as that part
    is stepped, and all-gathered, so the copies of one part overlap the host step of the next.
 
@@ -232,6 +234,15 @@ class MasterShards:
             return None
         event = torch.Event(device=self.device)
         event.record(self.copies.module.current_stream(self.device))
+        return event
+
+    def gradient_copies_queued(self) -> torch.Event | None:
+        """An event behind the gradient copies to the host queued so far (None without an accelerator: they were
+        synchronous), which a host step must wait for before it reads those gradients."""
+        if self.copies is None:
+            return None
+        event = torch.Event(device=self.device)
+        event.record(self.copies.stream)
         return event
 
     def copy_into(self, index: int, target: torch.Tensor) -> None:

@@ -9,8 +9,9 @@ Stage 1 shards the optimizer's part, stage 2 the gradients too, stage 3 everythi
 (``secondary_shard_size="node"``) shards like flat stage 3 and adds a node-local copy of the parameters
 between forward and backward (``P/k`` in the compute dtype, counted here since it is part of the peak) so
 that backward's all-gather stays in the node (``2P`` inter-node elements per rank instead of ``3P``). Offloading the
-optimizer moves its fp32 masters, their gradients and Adam's moments to host memory, 16P/N per rank;
-the device keeps what forward and backward compute with. Activations, buffers and temporary buffers
+optimizer moves its fp32 masters, their gradients and Adam's moments to host memory, 16P/N per rank (20P/N with
+the delayed update, whose host step reads one gradient shard while the next backward fills another); the device
+keeps what forward and backward compute with. Activations, buffers and temporary buffers
 are not model state and are not counted. Measured: tests/distributed holds stages 1-3 to these formulas within
 2% on a 1M-parameter model, tests/integration/test_monitor.py within 5% on a 30K-parameter one.
 """
@@ -42,6 +43,8 @@ class Choice:
     """``"node"``: hybrid sharding over each node's devices."""
     secondary_shard_size: str | None = None
     """``"node"``: hpZ's node-local parameter copy."""
+    offload_step_delay: int = 0
+    """1: ZeRO-Offload's delayed parameter update, which keeps a second fp32 gradient shard on the host."""
 
     @property
     def across_nodes(self) -> bool:
@@ -50,7 +53,9 @@ class Choice:
 
     @property
     def offload(self) -> str:
-        return "params+optimizer" if self.offload_params else "optimizer" if self.offload_optimizer else "-"
+        if self.offload_params:
+            return "params+optimizer"
+        return ("optimizer, delayed" if self.offload_step_delay else "optimizer") if self.offload_optimizer else "-"
 
     def strategy(self) -> dict:
         """The strategy as a LightningCLI node (``class_path`` + ``init_args``)."""
@@ -64,15 +69,19 @@ class Choice:
         for key in ("shard_size", "secondary_shard_size"):
             if getattr(self, key) is not None:
                 args[key] = getattr(self, key)
+        if self.offload_step_delay:
+            args["offload_step_delay"] = self.offload_step_delay
         return {"class_path": "lightning_zero.ZeroStrategy", "init_args": args}
 
 
 #: Every choice, fastest first: less communication first, offloading (host steps and copies) last, as
 #: DeepSpeed's and Hugging Face's guides order them (stage 0 > 1 > 2 > 2 + offload > 3 > 3 + offload). On several
 #: nodes a hybrid choice goes before its flat stage (2P/k inter-node elements instead of 2P, or 3P at stage 3),
-#: hpZ between hybrid and flat stage 3 (2P); they only appear in estimates for more than one node.
-_FASTEST_FIRST = ("zero1_hsdp", "zero1", "zero2_hsdp", "zero2", "zero1_offload", "zero2_offload", "zero3_hsdp",
-                  "zero3_hpz", "zero3", "zero3_offload_optimizer", "zero3_offload")
+#: hpZ between hybrid and flat stage 3 (2P); they only appear in estimates for more than one node. The delayed update
+#: follows the exact offload of its stage: it needs the same device memory and more host memory, so whatever fits it
+#: fits the exact step first, and an inexact choice is never the one picked.
+_FASTEST_FIRST = ("zero1_hsdp", "zero1", "zero2_hsdp", "zero2", "zero1_offload", "zero2_offload", "zero2_offload_delay",
+                  "zero3_hsdp", "zero3_hpz", "zero3", "zero3_offload_optimizer", "zero3_offload")
 CHOICES = (
     Choice("ddp", 0),
     *(Choice(name, **REGISTERED_STRATEGIES[name]) for name in _FASTEST_FIRST),
@@ -127,7 +136,8 @@ def model_state_split(
         return 0.0, 16 * p / n
     if choice.offload_optimizer:
         device = {1: (weight + grad) * p, 2: weight * p + grad * p / n, 3: 8 * p / n}[choice.stage]
-        return device, 16 * p / n  # fp32 masters, their gradients and Adam's moments
+        # fp32 masters, their gradients and Adam's moments; the delayed update's second gradient shard
+        return device, (16 + 4 * choice.offload_step_delay) * p / n
     optimizer = 16 - weight - grad  # Adam's moments, plus the fp32 masters under mixed precision
     return {
         1: (weight + grad) * p + optimizer * p / n,

@@ -282,7 +282,7 @@ class ZeroPrecision(Precision):
         optimizer = _unwrap(optimizer)
         if self.finalize_gradients(optimizer):
             return  # the step is skipped on every rank anyway
-        grads = self.engine.optimizer_shards(optimizer).local_gradients()
+        grads = self.engine.optimizer_shards(optimizer).local_gradients(for_change=True)
         total = global_grad_norm(grads, device=self._device, group=self.engine.norm_group)
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         if grads:
@@ -293,7 +293,7 @@ class ZeroPrecision(Precision):
         optimizer = _unwrap(optimizer)
         if self.finalize_gradients(optimizer):
             return
-        for grad in self.engine.optimizer_shards(optimizer).local_gradients():
+        for grad in self.engine.optimizer_shards(optimizer).local_gradients(for_change=True):
             grad.clamp_(-clip_val, clip_val)
 
     # ------------------------------------------------------------------ checkpoints

@@ -21,6 +21,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -329,12 +330,23 @@ class ZeroStrategy(CheckpointingStrategy):
         if self.pipeline is not None:
             self.pipeline.restore_gradients()  # the schedule ran backward inside `training_step`
         else:
+            if self.engine is not None and optimizer is not None and self._step_follows_backward_as_is(module):
+                self.engine.step_during_backward(unwrap(optimizer))
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         if self.engine is not None:
             self.engine.post_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _step_follows_backward_as_is(self, module: pl.LightningModule) -> bool:
+        """Whether the optimizer step after this backward uses its gradients as they land, averaged and nothing more:
+        automatic optimization without clipping or a loss scaler, so the offloaded host step may start during
+        backward (see [Note: the host step during backward] in ``engine/stage12/early_host_step.py``)."""
+        trainer = trainer_of(module)
+        return (trainer is not None and module.automatic_optimization and not trainer.gradient_clip_val
+                and not is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+                and getattr(self.precision_plugin, "scaler", None) is None)
 
     def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
         """Full (unsharded) gradients by parameter name, on every rank. Collective; for debugging and tests:

@@ -13,7 +13,7 @@ CONFIGS = ["stage1_optimizer", "stage2_optimizer", "stage3_optimizer", "stage3_p
 
 @pytest.fixture(scope="module")
 def report():
-    return launch("tests.distributed.worker_offload", "exact", "memory", "checkpoint", "partial", "delayed",
+    return launch("tests.distributed.worker_offload", "exact", "during_backward", "memory", "checkpoint", "partial", "delayed",
                   "delayed_checkpoint", "delayed_convergence", nprocs=WORLD)
 
 
@@ -35,6 +35,33 @@ def test_gradients_reach_the_host_as_buckets_land_and_the_host_steps_in_parts(re
     assert len(result["staged_on_landing"]) == 4
     assert all(staged == total > 0 for staged, total in result["staged_on_landing"])
     assert result["host_step_parts"] > 1
+
+
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage2_unused"])
+def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(report, case):
+    """No clipping, no loss scaler ([Note: the host step during backward]), 4 steps of 2 accumulated micro-batches,
+    2 param groups, StepLR: each part of the host step started in the worker thread as its buckets landed, the first
+    while others were still reducing, and the parameters are bit for bit those of the same run with
+    ``overlap_comm=False`` (the whole step left to ``optimizer.step()``), and plain PyTorch's."""
+    result = report["during_backward"][case]
+    assert result["steps"] == 4
+    assert result["param_diff_serial"] == 0.0
+    assert result["param_diff_reference"] <= 1e-5
+    assert result["module_diff"] == 0.0
+    assert result["serial_early"] == [[0, 0]] * 4
+    if case.endswith("unused"):
+        # A head no rank uses: whether some rank did is known only when backward ends, so its part waits for the step.
+        assert all(0 < started < result["parts"] for started, _ in result["early"])
+        assert "MainThread" in result["threads"]
+    else:
+        assert all(started == result["parts"] > 1 and in_flight > 0 for started, in_flight in result["early"])
+        assert result["threads"] == ["lightning_zero-host-step_0"]
+
+
+def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(report):
+    """``self.clip_gradients`` in ``on_before_optimizer_step``, where Lightning's clipping settings cannot see it."""
+    message = report["during_backward"]["clip_in_hook"]
+    assert "during backward" in message and "overlap_comm=False" in message and "gradient_clip_val" in message
 
 
 @pytest.mark.parametrize("config", CONFIGS[1:])

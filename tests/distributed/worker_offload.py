@@ -262,8 +262,71 @@ def partial() -> dict:
     return out
 
 
+class EarlyProbe(L.Callback):
+    """Stages 1-2: at every step, how many parts of the offloaded step started during backward, and how many of the
+    optimizer's buckets were still to land when the first of them started."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        started = trainer.strategy.engine.optimizer_shards(optimizer).early.started
+        self.steps.append((len(started), max((p.buckets_in_flight for p in started), default=0)))
+
+
+def during_backward() -> dict:
+    """No clipping, no loss scaler: the host steps parts while backward runs ([Note: the host step during backward]),
+    against the same run keeping the whole step for ``optimizer.step()`` (``overlap_comm=False``) and plain PyTorch;
+    ``unused``: a head no rank uses, whose part must wait for the step."""
+    out = {}
+    data = models.IndexedData()
+    for stage, unused in ((1, False), (2, False), (2, True)):
+        finals = {}
+        for overlap in (True, False):
+            L.seed_everything(7)
+            module = delayed_update_cases.NotingRegression(unused_head=unused)
+            initial = {k: v.clone() for k, v in module.state_dict().items()}
+            probe = EarlyProbe()
+            delayed_update_cases.ThreadNotingAdamW.threads = set()
+            t = trainer(
+                ZeroStrategy(stage=stage, offload_optimizer=True, bucket_size_mb=0.001, overlap_comm=overlap,
+                             state_dict_type="full"),
+                max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=[probe],
+            )
+            t.fit(module, models.loader(data, BATCH))
+            finals[overlap] = t.strategy.full_state_dict()
+            if overlap:
+                module_now = {n: p.detach().clone() for n, p in module.named_parameters()}
+                result = {"steps": t.global_step, "early": probe.steps, "parts": len(t.strategy.engine.optimizer_shards(t.optimizers[0]).parts),
+                          "threads": sorted(delayed_update_cases.ThreadNotingAdamW.threads)}
+            else:
+                result["serial_early"] = probe.steps
+        if RANK == 0:
+            reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
+                                                   accumulate=ACCUMULATE, clip=0.0, unused_head=unused,
+                                                   optimizer=delayed_update_cases.noting_optimizer)
+            result["module_diff"] = max_diff(module_now, finals[True])
+            result["param_diff_serial"] = max_diff(finals[True], finals[False])
+            result["param_diff_reference"] = max_diff(finals[True], reference)
+        out[f"stage{stage}{'_unused' if unused else ''}"] = result
+    t = trainer(ZeroStrategy(stage=2, offload_optimizer=True, bucket_size_mb=0.001), max_steps=STEPS)
+    try:
+        t.fit(ClippingInHook(), models.loader(data, BATCH))
+        out["clip_in_hook"] = "no error"
+    except RuntimeError as err:
+        out["clip_in_hook"] = str(err)
+    return out
+
+
+class ClippingInHook(delayed_update_cases.NotingRegression):
+    """Clips by hand after backward, where Lightning cannot see it: too late for parts the host already stepped."""
+
+    def on_before_optimizer_step(self, optimizer):
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+
+
 CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
-         "partial": lambda _: partial(), **delayed_update_cases.CASES}
+         "partial": lambda _: partial(), "during_backward": lambda _: during_backward(), **delayed_update_cases.CASES}
 
 if __name__ == "__main__":
     run_cases_with_directory(CASES, sys.argv[1:])

@@ -65,6 +65,12 @@ def test_offload_names_build_the_strategy(name, stage, offload_optimizer, offloa
     assert config.optimizer_on_host
 
 
+def test_the_delayed_update_has_a_registered_name():
+    trainer = L.Trainer(strategy="zero2_offload_delay", accelerator="cpu", devices=2, logger=False)
+    config = trainer.strategy.zero_config
+    assert (trainer.strategy.stage, config.offload_optimizer, config.offload_step_delay) == (2, True, 1)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_optimizer_offload_is_accepted_for_every_stage(stage):
     config = ZeroStrategy(stage=stage, offload_optimizer=True).zero_config

@@ -36,6 +36,8 @@ BY_NAME = CHOICES_BY_NAME
         (1e9, 8, "zero2_offload", "bf16-mixed", 2e9 + 2e9 / 8, 2e9),
         (1e9, 8, "zero3_offload_optimizer", "32-true", 8e9 / 8, 2e9),
         (1e9, 8, "zero3_offload", "bf16-mixed", 0, 2e9),
+        # the delayed update: a second fp32 gradient shard on the host, 20P/N
+        (1e9, 8, "zero2_offload_delay", "bf16-mixed", 2e9 + 2e9 / 8, 2.5e9),
     ],
 )
 def test_formulas(params, world, choice, precision, device, host):
@@ -46,6 +48,19 @@ def test_host_memory_is_per_node_and_nodes_multiply_the_ranks():
     rows = {e.choice.name: e for e in estimate(1.3e9, devices=8, nodes=2, precision="bf16-mixed")}
     assert rows["zero3"].device_bytes == pytest.approx(16 * 1.3e9 / 16)
     assert rows["zero2_offload"].host_bytes_per_node == pytest.approx(8 * 16 * 1.3e9 / 16)  # 8 devices share a node's RAM
+
+
+def test_the_delayed_update_has_a_row_and_is_never_the_pick():
+    """Inexact by design, so never recommended: it needs the device memory of the exact offload before it, and more
+    host memory, so whatever it fits, the exact step fits first."""
+    rows = estimate(1.3e9, devices=8, precision="bf16-mixed")
+    names = [e.choice.name for e in rows]
+    assert names.index("zero2_offload_delay") == names.index("zero2_offload") + 1
+    delayed = rows[names.index("zero2_offload_delay")]
+    assert (delayed.choice.offload, delayed.choice.strategy()["init_args"]) == (
+        "optimizer, delayed", {"stage": 2, "offload_optimizer": True, "offload_step_delay": 1})
+    picks = {fastest_fitting(rows, quarters * GIB / 4).choice.name for quarters in range(1, 100)}
+    assert "zero2_offload" in picks and "zero2_offload_delay" not in picks
 
 
 def test_the_fastest_fitting_choice_and_memory_sizes():

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -114,9 +114,10 @@ class GradientReducer:
         self.master_dtype = master_dtype
         #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
         self.host_gradients = host_gradients
-        #: Copy each bucket's sums to the host as its reduction lands; not under hybrid sharding, where
-        #: :meth:`finalize` still adds the replicas' sums to them.
-        self._stage_on_landing = host_gradients is not None and host_gradients.offloaded and self.replicas == 1
+        #: Copy each bucket's sums to the host as it lands (not under hybrid sharding: :meth:`finalize` adds replicas').
+        self.stages_on_landing = host_gradients is not None and host_gradients.offloaded and self.replicas == 1
+        #: Told each bucket's index once its reduced shards are staged (see [Note: the host step during backward]).
+        self.on_landed: Callable[[int], None] | None = None
         self.device = self.params[0].device if self.params else torch.device("cpu")
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
         self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
@@ -315,10 +316,12 @@ class GradientReducer:
             record.landed = True
             if record.state is not GradState.FINALIZED:
                 record.state = GradState.REDUCED
-        if self._stage_on_landing and self.host_gradients is not None:
+        if self.stages_on_landing and self.host_gradients is not None:
             held = [(i, g) for i in bucket.params if self.host_gradients.on_host[i] and (g := self.local_grad(i)) is not None]
             for (i, _), copy in zip(held, self.host_gradients.stage_gradients(held)):
                 self.records[i].staged = copy
+            if self.on_landed is not None:
+                self.on_landed(bucket.index)
 
     # ------------------------------------------------------------------ step
     def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:

@@ -100,6 +100,8 @@ class ZeroDataParallel:
         self._plan(named)
         #: ``offload_step_delay=1``: the thread the optimizers' host steps run in ([Note: the delayed update]).
         self.host_steps = HostSteps() if offload_step_delay else None
+        #: The thread parts of the exact offloaded step run in during backward (made on first use).
+        self._early_worker: HostSteps | None = None
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self.growths: list[dict[str, float]] = []
 
@@ -241,8 +243,24 @@ class ZeroDataParallel:
     def synchronizing(self) -> bool:
         return self.reducer.require_sync
 
+    def step_during_backward(self, optimizer: Optimizer) -> None:
+        """See [Note: the host step during backward] (``early_host_step.py``): the caller vouches that nothing after
+        this backward changes the gradients or skips the step; the engine checks the rest."""
+        shards = self._optimizers.get(id(optimizer))
+        if shards is None or not self._overlap_comm or not self.reducer.require_sync or self.host_steps is not None:
+            return
+        if self.reducer.stages_on_landing:
+            if self._early_worker is None:
+                self._early_worker = HostSteps()
+            if shards.step_during_backward(self._early_worker):
+                self.reducer.on_landed = shards.bucket_landed
+
     def post_backward(self) -> None:
         self.reducer.flush()
+        if self.reducer.on_landed is not None:
+            self.reducer.on_landed = None
+            for shards in self._optimizers.values():
+                shards.early.disarm()
 
     def reshard(self) -> None:
         """Stages 1-2 keep every parameter whole on every rank: nothing is ever gathered beyond that."""
@@ -301,8 +319,9 @@ class ZeroDataParallel:
 
     def teardown(self) -> None:
         self.reducer.remove_hooks()
-        if self.host_steps is not None:
-            self.host_steps.close()
+        for worker in (self.host_steps, self._early_worker):
+            if worker is not None:
+                worker.close()
 
 
 def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:

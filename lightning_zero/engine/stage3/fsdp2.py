@@ -316,6 +316,9 @@ class FullyShardedEngine:
     def synchronizing(self) -> bool:
         return self._reducing
 
+    def step_during_backward(self, optimizer: Optimizer) -> None:
+        """Stage 3 steps after backward (its offloaded shards are FSDP2's, stepped where they live)."""
+
     def post_backward(self) -> None:
         """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
         backward that reduced ends the accumulation window: every unit is sharded again."""

@@ -200,7 +200,7 @@ class FullyShardedOptimizer:
             if grads:
                 torch._foreach_mul_(grads, scale)
 
-    def local_gradients(self) -> list[torch.Tensor]:
+    def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
         self.engine.land_gradients()
         grads = (local_grad(p) for p in self._params())
         return [g for g in grads if g is not None]
