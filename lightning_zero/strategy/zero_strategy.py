@@ -53,6 +53,8 @@ class ZeroStrategy(CheckpointingStrategy):
     """
 
     strategy_name = "zero"
+    #: Inside a non-final micro-batch of gradient accumulation (``block_backward_sync``).
+    _accumulating = False
 
     def __init__(
         self,
@@ -317,8 +319,12 @@ class ZeroStrategy(CheckpointingStrategy):
         """Non-final micro-batches of gradient accumulation: no gradient communication."""
         engine = self.engine
         quiet = engine is not None and not self.zero_config.reduce_every_microbatch
-        with engine.no_sync() if engine is not None and quiet else contextlib.nullcontext():
-            yield
+        self._accumulating = True  # even where its gradients are reduced, this backward's are not the step's
+        try:
+            with engine.no_sync() if engine is not None and quiet else contextlib.nullcontext():
+                yield
+        finally:
+            self._accumulating = False
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -344,7 +350,8 @@ class ZeroStrategy(CheckpointingStrategy):
         automatic optimization without clipping or a loss scaler, so the offloaded host step may start during
         backward (see [Note: the host step during backward] in ``engine/stage12/early_host_step.py``)."""
         trainer = trainer_of(module)
-        return (trainer is not None and module.automatic_optimization and not trainer.gradient_clip_val
+        return (bool(self.zero_config.offload_optimizer) and not self._accumulating and trainer is not None
+                and module.automatic_optimization and not trainer.gradient_clip_val
                 and not is_overridden("configure_gradient_clipping", module, pl.LightningModule)
                 and getattr(self.precision_plugin, "scaler", None) is None)
 

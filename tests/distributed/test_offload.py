@@ -37,7 +37,7 @@ def test_gradients_reach_the_host_as_buckets_land_and_the_host_steps_in_parts(re
     assert result["host_step_parts"] > 1
 
 
-@pytest.mark.parametrize("case", ["stage1", "stage2", "stage2_unused"])
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage2_unused", "stage2_every_microbatch"])
 def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(report, case):
     """No clipping, no loss scaler ([Note: the host step during backward]), 4 steps of 2 accumulated micro-batches,
     2 param groups, StepLR: each part of the host step started in the worker thread as its buckets landed, the first
@@ -62,6 +62,13 @@ def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(repor
     """``self.clip_gradients`` in ``on_before_optimizer_step``, where Lightning's clipping settings cannot see it."""
     message = report["during_backward"]["clip_in_hook"]
     assert "during backward" in message and "overlap_comm=False" in message and "gradient_clip_val" in message
+
+
+def test_a_backward_whose_step_never_came_is_refused_at_the_next_one(report):
+    """An ``optimizer_step`` override that runs the closure and skips ``optimizer.step()``: the host already stepped
+    that backward's parts, so the next backward stops with the fix instead of landing two updates at once."""
+    message = report["during_backward"]["step_skipped"]
+    assert "no `optimizer.step()` followed it" in message and "overlap_comm=False" in message
 
 
 @pytest.mark.parametrize("config", CONFIGS[1:])

@@ -277,10 +277,11 @@ class EarlyProbe(L.Callback):
 def during_backward() -> dict:
     """No clipping, no loss scaler: the host steps parts while backward runs ([Note: the host step during backward]),
     against the same run keeping the whole step for ``optimizer.step()`` (``overlap_comm=False``) and plain PyTorch;
-    ``unused``: a head no rank uses, whose part must wait for the step."""
+    ``unused``: a head no rank uses, whose part must wait for the step; ``reduce_every_microbatch``: the first
+    micro-batch's reductions land too, but only the last one's gradients are the step's."""
     out = {}
     data = models.IndexedData()
-    for stage, unused in ((1, False), (2, False), (2, True)):
+    for stage, unused, every in ((1, False, False), (2, False, False), (2, True, False), (2, False, True)):
         finals = {}
         for overlap in (True, False):
             L.seed_everything(7)
@@ -290,7 +291,7 @@ def during_backward() -> dict:
             delayed_update_cases.ThreadNotingAdamW.threads = set()
             t = trainer(
                 ZeroStrategy(stage=stage, offload_optimizer=True, bucket_size_mb=0.001, overlap_comm=overlap,
-                             state_dict_type="full"),
+                             reduce_every_microbatch=every, state_dict_type="full"),
                 max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=[probe],
             )
             t.fit(module, models.loader(data, BATCH))
@@ -308,14 +309,25 @@ def during_backward() -> dict:
             result["module_diff"] = max_diff(module_now, finals[True])
             result["param_diff_serial"] = max_diff(finals[True], finals[False])
             result["param_diff_reference"] = max_diff(finals[True], reference)
-        out[f"stage{stage}{'_unused' if unused else ''}"] = result
-    t = trainer(ZeroStrategy(stage=2, offload_optimizer=True, bucket_size_mb=0.001), max_steps=STEPS)
-    try:
-        t.fit(ClippingInHook(), models.loader(data, BATCH))
-        out["clip_in_hook"] = "no error"
-    except RuntimeError as err:
-        out["clip_in_hook"] = str(err)
+        out[f"stage{stage}{'_unused' if unused else ''}{'_every_microbatch' if every else ''}"] = result
+    for key, module in (("clip_in_hook", ClippingInHook()), ("step_skipped", SkippingTheFirstStep())):
+        t = trainer(ZeroStrategy(stage=2, offload_optimizer=True, bucket_size_mb=0.001), max_steps=STEPS)
+        try:
+            t.fit(module, models.loader(data, BATCH))
+            out[key] = "no error"
+        except RuntimeError as err:
+            out[key] = str(err)
     return out
+
+
+class SkippingTheFirstStep(delayed_update_cases.NotingRegression):
+    """Runs the closure (forward and backward) of the first batch but not its step."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if batch_idx == 0:
+            optimizer_closure()
+        else:
+            optimizer.step(closure=optimizer_closure)
 
 
 class ClippingInHook(delayed_update_cases.NotingRegression):

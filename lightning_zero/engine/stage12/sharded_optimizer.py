@@ -210,6 +210,12 @@ class ShardedOptimizer:
         """In the coming backward, start each part of the offloaded step in ``worker`` once its gradients are on the
         host (see [Note: the host step during backward]); False where this optimizer steps whole, on the device, or in
         one part, and the step waits for :meth:`step`."""
+        if self.early.started:
+            raise RuntimeError(
+                f"The host stepped parts of {type(self.optimizer).__name__} during the last backward, but no "
+                "`optimizer.step()` followed it (an `optimizer_step` override that runs the closure and skips the "
+                "step?). Pass ZeroStrategy(overlap_comm=False) to keep the whole step for `optimizer.step()`."
+            )
         masters = self.masters
         if (masters is None or not masters.offloaded or not all(masters.on_host) or self.whole or self.host_steps is not None
                 or len(self.parts) < 2 or not steps_in_parts(self.optimizer)):
