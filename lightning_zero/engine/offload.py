@@ -93,6 +93,12 @@ class CopyStream:
         with self.module.stream(self.stream):
             yield
 
+    def event(self, stream: torch.Stream) -> torch.Event:
+        """An event behind what ``stream`` (this one, or the compute stream) has queued so far."""
+        event = torch.Event(device=self.device)
+        event.record(stream)
+        return event
+
     def wait(self) -> None:
         """Block the host until every copy and everything queued on the compute stream so far is done."""
         self.stream.wait_stream(self.module.current_stream(self.device))
@@ -230,20 +236,12 @@ class MasterShards:
     def copies_queued(self) -> torch.Event | None:
         """An event behind the copies of masters to the device queued so far (None without an accelerator: the
         copies were synchronous), which a host step must wait for before it writes those masters again."""
-        if self.copies is None:
-            return None
-        event = torch.Event(device=self.device)
-        event.record(self.copies.module.current_stream(self.device))
-        return event
+        return None if self.copies is None else self.copies.event(self.copies.module.current_stream(self.device))
 
     def gradient_copies_queued(self) -> torch.Event | None:
         """An event behind the gradient copies to the host queued so far (None without an accelerator: they were
         synchronous), which a host step must wait for before it reads those gradients."""
-        if self.copies is None:
-            return None
-        event = torch.Event(device=self.device)
-        event.record(self.copies.stream)
-        return event
+        return None if self.copies is None else self.copies.event(self.copies.stream)
 
     def copy_into(self, index: int, target: torch.Tensor) -> None:
         """Write master ``index`` into ``target`` (this rank's rows on the device), cast to its dtype."""

@@ -116,8 +116,7 @@ class GradientReducer:
         self.host_gradients = host_gradients
         #: Copy each bucket's sums to the host as it lands (not under hybrid sharding: :meth:`finalize` adds replicas').
         self.stages_on_landing = host_gradients is not None and host_gradients.offloaded and self.replicas == 1
-        #: Told each bucket's index once its reduced shards are staged (see [Note: the host step during backward]).
-        self.on_landed: Callable[[int], None] | None = None
+        self.on_landed: Callable[[int], None] | None = None  # told each bucket's index once its shards are staged
         self.device = self.params[0].device if self.params else torch.device("cpu")
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
         self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
@@ -320,7 +319,7 @@ class GradientReducer:
             held = [(i, g) for i in bucket.params if self.host_gradients.on_host[i] and (g := self.local_grad(i)) is not None]
             for (i, _), copy in zip(held, self.host_gradients.stage_gradients(held)):
                 self.records[i].staged = copy
-            if self.on_landed is not None:
+            if self.on_landed is not None:  # see [Note: the host step during backward]
                 self.on_landed(bucket.index)
 
     # ------------------------------------------------------------------ step
