@@ -320,6 +320,58 @@ def during_backward() -> dict:
     return out
 
 
+class CountingAdamW(torch.optim.AdamW):
+    """AdamW that counts the calls of its ``step``: one per part of an offloaded step."""
+
+    calls = 0
+
+    def step(self, closure=None):
+        CountingAdamW.calls += 1
+        return super().step(closure)
+
+
+class CountedRegression(models.Regression):
+    """``models.Regression`` under :class:`CountingAdamW`; ``hooked``: with a step hook, which keeps the step one call
+    (``optimizers.steps_in_parts``)."""
+
+    def __init__(self, hooked: bool = False) -> None:
+        super().__init__()
+        self.hooked = hooked
+
+    def configure_optimizers(self):
+        opt = CountingAdamW(models.param_groups(self), lr=1e-2, betas=(0.9, 0.95))
+        if self.hooked:
+            opt.register_step_pre_hook(lambda *_: None)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def stage3_parts() -> dict:
+    """Stage 3 with the optimizer offloaded (whole, and half of it): the host steps in parts, against the same run
+    stepping everything in one call and plain PyTorch; 4 steps of 2 accumulated micro-batches with clipping."""
+    out = {}
+    data = models.IndexedData()
+    for name, offload in (("full", True), ("partial", 0.5)):
+        finals, calls = {}, {}
+        for hooked in (False, True):
+            L.seed_everything(7)
+            module = CountedRegression(hooked)
+            initial = {k: v.clone() for k, v in module.state_dict().items()}
+            CountingAdamW.calls = 0
+            t = trainer(ZeroStrategy(stage=3, offload_optimizer=offload, state_dict_type="full"), max_steps=STEPS,
+                        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP)
+            t.fit(module, models.loader(data, BATCH))
+            finals[hooked], calls[hooked] = t.strategy.full_state_dict(), CountingAdamW.calls / t.global_step
+        result = {"calls_per_step": calls[False], "calls_per_step_one_call": calls[True]}
+        if RANK == 0:
+            reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
+                                                   accumulate=ACCUMULATE, clip=CLIP)
+            result["param_diff_one_call"] = max_diff(finals[False], finals[True])
+            result["param_diff_reference"] = max_diff(finals[False], reference)
+        out[name] = result
+    return out
+
+
 class SkippingTheFirstStep(delayed_update_cases.NotingRegression):
     """Runs the closure (forward and backward) of the first batch but not its step."""
 
@@ -338,7 +390,8 @@ class ClippingInHook(delayed_update_cases.NotingRegression):
 
 
 CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
-         "partial": lambda _: partial(), "during_backward": lambda _: during_backward(), **delayed_update_cases.CASES}
+         "partial": lambda _: partial(), "during_backward": lambda _: during_backward(),
+         "stage3_parts": lambda _: stage3_parts(), **delayed_update_cases.CASES}
 
 if __name__ == "__main__":
     run_cases_with_directory(CASES, sys.argv[1:])

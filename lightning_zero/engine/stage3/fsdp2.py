@@ -53,7 +53,12 @@ precision), their gradients and therefore the optimizer state live in host memor
 copied to the device just before its all-gather, and reduced gradient shards come back to the host. The
 user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded parameters on
 the device and re-hosts the optimizer on host copies of them (see ``offload.py``), exactly as stages 1 and 2
-do: gradient shards go to the host, the host steps, updated shards come back.
+do: gradient shards go to the host, the host steps, updated shards come back. Where the optimizer's state is per
+parameter (``optimizers.steps_in_parts``) that happens a run of parameters at a time, first layers first
+(``FullyShardedOptimizer._step_in_parts``): every run's gradient copies are queued at once, each behind an event of
+the copy stream, the host steps a run as soon as its own copies have landed, and its masters go back to the device
+while the host steps the next. FSDP2's reduce-scatters land when backward ends on CPU and on FSDP2's own stream on
+an accelerator, so the copies start at ``optimizer.step()``, not during backward as at stages 1-2.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
-from lightning_zero.engine.offload import MasterShards, host_kernel
-from lightning_zero.engine.optimizers import hosted_params, steps_whole
+from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
+from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
 from lightning_zero.engine.owner_step import OwnerStepping
 
@@ -171,6 +171,9 @@ class FullyShardedOptimizer:
             self._owners().gather(
                 self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i])
             )
+        parts = self._host_parts()
+        if parts:
+            return self._step_in_parts(parts, **kwargs)
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), stepping_local_shards(self.optimizer, self._sharded_in_place()), host_kernel(
             self.optimizer, enabled=on_host
@@ -181,6 +184,44 @@ class FullyShardedOptimizer:
                 self._masters().copy_into(i, local_tensor(engine.params[i]))
             if self.whole:
                 self._owners().scatter(self.whole, self._write_rows)
+        return result
+
+    def _host_parts(self) -> list[list[int]]:
+        """With the optimizer offloaded, runs of the hosted parameters, first layers first (engine order is the
+        module's, the order the next forward gathers them in), each about ``1/HOST_STEP_PARTS`` of the elements;
+        none where the step is one call: nothing on the host, whole parameters, or an optimizer whose state is not
+        per parameter or that has step hooks (``optimizers.steps_in_parts``)."""
+        masters = self.engine.masters
+        if masters is None or not masters.offloaded or self.whole or not steps_in_parts(self.optimizer):
+            return []
+        indices = sorted(self._hosted_indices())
+        runs = split_in_parts([masters[i].numel() for i in indices])
+        return [[indices[k] for k in run] for run in runs] if len(runs) > 1 else []
+
+    def _step_in_parts(self, parts: Sequence[Sequence[int]], **kwargs: Any) -> object:
+        """The offloaded step a part at a time (see [Note: stage 3 offload] in ``fsdp2.py``): every part's gradient
+        copies to the host are queued first, each part behind an event, so the host steps a part as soon as its own
+        gradients have landed while the later parts' still travel; each stepped part's masters go back to the
+        device shards while the host steps the next. Bit for bit one step over everything: the optimizer's state is
+        per parameter."""
+        engine, masters = self.engine, self._masters()
+        staged: list[tuple[dict[int, torch.Tensor], torch.Event | None]] = []
+        for part in parts:
+            given = [(i, grad) for i in part if (grad := local_grad(engine.params[i])) is not None]
+            grads = dict(zip((i for i, _ in given), masters.stage_gradients(given)))
+            staged.append((grads, masters.gradient_copies_queued()))
+        sitting_out: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {id(p): None for p in self._params()}
+        result = None
+        with host_kernel(self.optimizer):
+            for part, (grads, landed) in zip(parts, staged):
+                if landed is not None:
+                    landed.synchronize()
+                standins = {**sitting_out, **{id(engine.params[i]): (masters[i], grads.get(i)) for i in part}}
+                with hosted_params(self.optimizer, standins):
+                    result = self.optimizer.step(**kwargs)
+                with torch.no_grad():
+                    for i in part:
+                        masters.copy_into(i, local_tensor(engine.params[i]))
         return result
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
