@@ -1,7 +1,7 @@
 """The parameters one update behind, in checkpoints of a run with ``offload_step_delay=1``.
 
 Between steps such a run has two versions of its trainable parameters (see [Note: the delayed update] in
-``engine/stage12/delayed_update.py``): the optimizer's rows, which hold every update taken, and the parameters
+``engine/host_steps.py``): the optimizer's rows, which hold every update taken, and the parameters
 forward computes with, which lack the last one until the next step lands it. The checkpoint's ``state_dict`` is the
 first (what every other reader of a checkpoint wants: consolidation, export, a run without the delay, evaluation);
 the second is saved beside it under :data:`KEY`, by parameter name, in the layout of the model's entries: each

@@ -38,7 +38,7 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2": dict(stage=2),
     "zero1_offload": dict(stage=1, offload_optimizer=True),
     "zero2_offload": dict(stage=2, offload_optimizer=True),
-    # ZeRO-Offload's delayed parameter update: inexact by design (``engine/stage12/delayed_update.py``).
+    # ZeRO-Offload's delayed parameter update: inexact by design (``engine/host_steps.py``).
     "zero2_offload_delay": dict(stage=2, offload_optimizer=True, offload_step_delay=1),
     "zero3": dict(stage=3),
     "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
@@ -76,7 +76,7 @@ class ZeroConfig:
     ``t`` runs while step ``t + 1`` computes with the parameters of step ``t - 1``, hiding the host step behind the
     device's work. Not exact (each gradient updates parameters one step newer than those it was taken at);
     checkpoints and resumes are. Costs a second host gradient buffer. ``0``: the exact step ([Note: the delayed
-    update] in ``engine/stage12/delayed_update.py``)."""
+    update] in ``engine/host_steps.py``)."""
 
     pin_memory: bool | None = None
     """Pin offloaded host memory for fast asynchronous copies. ``None``: pin when an accelerator exists (on a

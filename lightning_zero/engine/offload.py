@@ -14,7 +14,7 @@ live in host memory, so its state is born there too. One step is then:
    user did not choose a kernel, see :func:`host_kernel`), a few buckets at a time when the optimizer's state
    is per parameter (see ``optimizers.steps_in_parts``); where nothing after backward changes the gradients, a
    part starts in a worker thread as soon as its buckets have landed (see [Note: the host step during backward]
-   in ``stage12/early_host_step.py``);
+   in ``host_steps.py``);
 3. host->device: each part's updated rows are copied into the device's parameter shard as soon as that part
    is stepped, and all-gathered, so the copies of one part overlap the host step of the next.
 

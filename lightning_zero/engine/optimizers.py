@@ -97,7 +97,7 @@ def steps_in_parts(optimizer: Optimizer) -> bool:
 
 def stepping_view(optimizer: Optimizer) -> Optimizer:
     """A second face of ``optimizer`` for a step in another thread (see [Note: the delayed update] in
-    ``stage12/delayed_update.py``): the same object state, the same ``state`` (what the step updates), but copies
+    ``host_steps.py``): the same object state, the same ``state`` (what the step updates), but copies
     of the param group dicts as they are now, so what the training thread does to the groups while the step runs
     (an LR scheduler's next rate, stand-ins for the next step's shards) is not what this step reads.
 

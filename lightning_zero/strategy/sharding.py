@@ -146,6 +146,7 @@ def shard_model(
             compression=compression_spec(config),
             unit_size_mb=config.unit_size_mb,
             stages=pipeline.stages if pipeline is not None else None,
+            overlap_comm=config.overlap_comm,
         )
     elif fitting:
         engine = ZeroDataParallel(

@@ -348,7 +348,7 @@ class ZeroStrategy(CheckpointingStrategy):
     def _step_follows_backward_as_is(self, module: pl.LightningModule) -> bool:
         """Whether the optimizer step after this backward uses its gradients as they land, averaged and nothing more:
         automatic optimization without clipping or a loss scaler, so the offloaded host step may start during
-        backward (see [Note: the host step during backward] in ``engine/stage12/early_host_step.py``)."""
+        backward (see [Note: the host step during backward] in ``engine/host_steps.py``)."""
         trainer = trainer_of(module)
         return (bool(self.zero_config.offload_optimizer) and not self._accumulating and trainer is not None
                 and module.automatic_optimization and not trainer.gradient_clip_val

@@ -37,12 +37,16 @@ def test_gradients_reach_the_host_as_buckets_land_and_the_host_steps_in_parts(re
     assert result["host_step_parts"] > 1
 
 
-@pytest.mark.parametrize("case", ["stage1", "stage2", "stage2_unused", "stage2_every_microbatch"])
+@pytest.mark.parametrize(
+    "case", ["stage1", "stage2", "stage2_unused", "stage2_every_microbatch", "stage3", "stage3_reduced_in_place"]
+)
 def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(report, case):
     """No clipping, no loss scaler ([Note: the host step during backward]), 4 steps of 2 accumulated micro-batches,
-    2 param groups, StepLR: each part of the host step started in the worker thread as its buckets landed, the first
-    while others were still reducing, and the parameters are bit for bit those of the same run with
-    ``overlap_comm=False`` (the whole step left to ``optimizer.step()``), and plain PyTorch's."""
+    2 param groups, StepLR: each part of the host step started in the worker thread as its buckets landed (stage 3:
+    as FSDP2 finished its unit, whether the unit's reduction landed after backward or, with a gradient hook on every
+    parameter, in place as on an accelerator), the first while others were still reducing, and the parameters are
+    bit for bit those of the same run with ``overlap_comm=False`` (the whole step left to ``optimizer.step()``), and
+    plain PyTorch's."""
     result = report["during_backward"][case]
     assert result["steps"] == 4
     assert result["param_diff_serial"] == 0.0
@@ -70,16 +74,18 @@ def test_stage3_steps_the_host_in_parts_bit_for_bit(report, case):
     assert result["param_diff_reference"] <= 1e-5
 
 
-def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(report):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(report, stage):
     """``self.clip_gradients`` in ``on_before_optimizer_step``, where Lightning's clipping settings cannot see it."""
-    message = report["during_backward"]["clip_in_hook"]
+    message = report["during_backward"][f"clip_in_hook_stage{stage}"]
     assert "during backward" in message and "overlap_comm=False" in message and "gradient_clip_val" in message
 
 
-def test_a_backward_whose_step_never_came_is_refused_at_the_next_one(report):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_backward_whose_step_never_came_is_refused_at_the_next_one(report, stage):
     """An ``optimizer_step`` override that runs the closure and skips ``optimizer.step()``: the host already stepped
     that backward's parts, so the next backward stops with the fix instead of landing two updates at once."""
-    message = report["during_backward"]["step_skipped"]
+    message = report["during_backward"][f"step_skipped_stage{stage}"]
     assert "no `optimizer.step()` followed it" in message and "overlap_comm=False" in message
 
 

@@ -271,7 +271,7 @@ class EarlyProbe(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         started = trainer.strategy.engine.optimizer_shards(optimizer).early.started
-        self.steps.append((len(started), max((p.buckets_in_flight for p in started), default=0)))
+        self.steps.append((len(started), max((p.pieces_in_flight for p in started), default=0)))
 
 
 def during_backward() -> dict:
@@ -281,24 +281,32 @@ def during_backward() -> dict:
     micro-batch's reductions land too, but only the last one's gradients are the step's."""
     out = {}
     data = models.IndexedData()
-    for stage, unused, every in ((1, False, False), (2, False, False), (2, True, False), (2, False, True)):
+    cases = [("stage1", 1, False, False, False), ("stage2", 2, False, False, False), ("stage2_unused", 2, True, False, False),
+             ("stage2_every_microbatch", 2, False, True, False), ("stage3", 3, False, False, False),
+             ("stage3_reduced_in_place", 3, False, False, True)]
+    for name, stage, unused, every, hooked in cases:
         finals = {}
+        # Stage 3: one unit per layer, so that units finish one by one during backward.
+        pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
         for overlap in (True, False):
             L.seed_everything(7)
-            module = delayed_update_cases.NotingRegression(unused_head=unused)
+            module = (HookedRegression if hooked else delayed_update_cases.NotingRegression)(unused_head=unused)
             initial = {k: v.clone() for k, v in module.state_dict().items()}
             probe = EarlyProbe()
             delayed_update_cases.ThreadNotingAdamW.threads = set()
             t = trainer(
-                ZeroStrategy(stage=stage, offload_optimizer=True, bucket_size_mb=0.001, overlap_comm=overlap,
-                             reduce_every_microbatch=every, state_dict_type="full"),
+                ZeroStrategy(stage=stage, offload_optimizer=True, overlap_comm=overlap, reduce_every_microbatch=every,
+                             state_dict_type="full", **pieces),
                 max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=[probe],
             )
             t.fit(module, models.loader(data, BATCH))
             finals[overlap] = t.strategy.full_state_dict()
             if overlap:
-                module_now = {n: p.detach().clone() for n, p in module.named_parameters()}
-                result = {"steps": t.global_step, "early": probe.steps, "parts": len(t.strategy.engine.optimizer_shards(t.optimizers[0]).parts),
+                module_now = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                              for n, p in module.named_parameters()}
+                shards = t.strategy.engine.optimizer_shards(t.optimizers[0])
+                result = {"steps": t.global_step, "early": probe.steps,
+                          "parts": len(shards.parts if stage < 3 else shards.unit_parts),
                           "threads": sorted(delayed_update_cases.ThreadNotingAdamW.threads)}
             else:
                 result["serial_early"] = probe.steps
@@ -309,14 +317,15 @@ def during_backward() -> dict:
             result["module_diff"] = max_diff(module_now, finals[True])
             result["param_diff_serial"] = max_diff(finals[True], finals[False])
             result["param_diff_reference"] = max_diff(finals[True], reference)
-        out[f"stage{stage}{'_unused' if unused else ''}{'_every_microbatch' if every else ''}"] = result
-    for key, module in (("clip_in_hook", ClippingInHook()), ("step_skipped", SkippingTheFirstStep())):
-        t = trainer(ZeroStrategy(stage=2, offload_optimizer=True, bucket_size_mb=0.001), max_steps=STEPS)
-        try:
-            t.fit(module, models.loader(data, BATCH))
-            out[key] = "no error"
-        except RuntimeError as err:
-            out[key] = str(err)
+        out[name] = result
+    for stage, pieces in ((2, dict(bucket_size_mb=0.001)), (3, dict(unit_size_mb=0))):
+        for key, module in (("clip_in_hook", ClippingInHook()), ("step_skipped", SkippingTheFirstStep())):
+            t = trainer(ZeroStrategy(stage=stage, offload_optimizer=True, **pieces), max_steps=STEPS)
+            try:
+                t.fit(module, models.loader(data, BATCH))
+                out[f"{key}_stage{stage}"] = "no error"
+            except RuntimeError as err:
+                out[f"{key}_stage{stage}"] = str(err)
     return out
 
 
@@ -370,6 +379,16 @@ def stage3_parts() -> dict:
             result["param_diff_reference"] = max_diff(finals[False], reference)
         out[name] = result
     return out
+
+
+class HookedRegression(delayed_update_cases.NotingRegression):
+    """A no-op post-accumulate-grad hook on every parameter: FSDP2 hands each reduced gradient to it, so the stage-3
+    reductions complete in place rather than after backward (as on an accelerator, see [Note: reduce-scatters that
+    land after backward])."""
+
+    def on_fit_start(self):
+        for param in self.parameters():
+            param.register_post_accumulate_grad_hook(lambda _: None)
 
 
 class SkippingTheFirstStep(delayed_update_cases.NotingRegression):

@@ -1,6 +1,6 @@
 """The stage 1-2 reducer's record of each trainable parameter's gradient through one optimizer step (see
 [Note: gradients are held as sums until finalized] in ``grad_sync.py``), and the flags of which of them any rank
-produced a gradient for."""
+produced a gradient for; which of them a part stepping during backward may take as final."""
 
 from __future__ import annotations
 
@@ -81,3 +81,19 @@ class ProducedFlags:
         if self.replicate_group is not None:
             collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.replicate_group)
         return used
+
+
+def finalize_landed(records: Sequence[ParamGradient], ranks: int) -> tuple[list[torch.Tensor], float] | None:
+    """What ``GradientReducer.finalize`` does to these records, for a part stepping during backward (see [Note: the
+    host step during backward] in ``engine/host_steps.py``): their host copies become the final gradients, to be
+    averaged over ``ranks`` by the coefficient returned (in the worker, once the copies have landed); ``finalize``
+    then leaves them alone. None, with nothing changed, where a parameter produced
+    no gradient on this rank or has no host copy."""
+    if not all(r.produced and r.state is GradState.REDUCED and r.staged is not None for r in records):
+        return None
+    grads: list[torch.Tensor] = []
+    for record in records:
+        if record.staged is not None:  # checked above; for the type checker
+            record.state, record.final = GradState.FINALIZED, record.staged
+            grads.append(record.staged)
+    return grads, 1.0 / ranks

@@ -37,8 +37,8 @@ from lightning_zero.engine.stage12.layout import ShardLayout
 from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import has_step_hooks, hosted_params, stepping_view, steps_in_parts, steps_whole
-from lightning_zero.engine.stage12.delayed_update import HostSteps, PendingUpdate
-from lightning_zero.engine.stage12.early_host_step import EarlyHostSteps, EarlyPart, finalize_landed
+from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
+from lightning_zero.engine.stage12.grad_records import finalize_landed
 from lightning_zero.engine.owner_step import OwnerStepping
 
 class ShardedOptimizer:
@@ -93,9 +93,9 @@ class ShardedOptimizer:
         #: step whose rows have not reached the device yet (``pending``: the engine's previous layout's).
         self.host_steps = host_steps
         self.pending = pending
-        #: The parts of the offloaded step that start during backward (see [Note: the host step during backward]).
+        #: The parts of the offloaded step that start during backward (see [Note: the host step during backward] in
+        #: ``engine/host_steps.py``).
         self.early = EarlyHostSteps()
-        self._early_worker: HostSteps | None = None
         if host_steps is not None and (kind == "matrix" or masters is None or not all(masters.on_host)):
             raise TypeError(
                 f"ZeroStrategy(offload_step_delay=1) steps {type(optimizer).__name__} in a background thread on host "
@@ -208,38 +208,31 @@ class ShardedOptimizer:
 
     def step_during_backward(self, worker: HostSteps) -> bool:
         """In the coming backward, start each part of the offloaded step in ``worker`` once its gradients are on the
-        host (see [Note: the host step during backward]); False where this optimizer steps whole, on the device, or in
-        one part, and the step waits for :meth:`step`."""
-        if self.early.started:
-            raise RuntimeError(
-                f"The host stepped parts of {type(self.optimizer).__name__} during the last backward, but no "
-                "`optimizer.step()` followed it (an `optimizer_step` override that runs the closure and skips the "
-                "step?). Pass ZeroStrategy(overlap_comm=False) to keep the whole step for `optimizer.step()`."
-            )
+        host (see [Note: the host step during backward] in ``engine/host_steps.py``); False where this optimizer
+        steps whole, on the device, or in one part, and the step waits for :meth:`step`."""
         masters = self.masters
         if (masters is None or not masters.offloaded or not all(masters.on_host) or self.whole or self.host_steps is not None
                 or len(self.parts) < 2 or not steps_in_parts(self.optimizer)):
+            self.early.arm(self.optimizer, [], worker)  # nothing starts, but a step that never came is still refused
             return False
-        self._early_worker = worker
-        self.early.arm(self.parts)
+        self.early.arm(self.optimizer, self.parts, worker)
         return True
 
     def bucket_landed(self, bucket: int) -> None:
         """A bucket's reduced gradients were staged for the host: start the part it completes, if it can."""
         k = self.early.landed(bucket)
-        if k is None or self._early_worker is None or self.masters is None:
+        if k is None or self.masters is None:
             return
         buckets, part = self.parts[k]
         finalized = finalize_landed([self.reducer.records[i] for i in part], self.reducer.world_size * self.reducer.replicas)
         if finalized is None:
             return
         grads, coefficient = finalized
-        view = self.early.view(self.optimizer)
         standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {id(self.params[i]): None for i in self.indices}
         standins.update({id(self.params[i]): (self.shards[i], grad) for i, grad in zip(part, grads)})
         copied = self.masters.gradient_copies_queued()
 
-        def host_step() -> object:
+        def host_step(view: Optimizer) -> object:
             if copied is not None:
                 copied.synchronize()
             if coefficient != 1.0:
@@ -247,26 +240,15 @@ class ShardedOptimizer:
             with hosted_params(view, standins), host_kernel(view):
                 return view.step()
 
-        pending = self._early_worker.start(host_step)
-        self.early.started.append(EarlyPart(buckets, part, pending, self.early.buckets_in_flight))
+        self.early.start(self.optimizer, buckets, part, host_step)
 
     def finalize_gradients(self, scale: float = 1.0) -> None:
         self.reducer.finalize(self.indices, scale)
 
-    def _refuse_after_early_steps(self, action: str) -> None:
-        if self.early.started:
-            raise RuntimeError(
-                f"Cannot {action}: with the optimizer offloaded, the host already stepped parts of "
-                f"{type(self.optimizer).__name__} during backward (see [Note: the host step during backward] in "
-                "lightning_zero/engine/stage12/early_host_step.py), which it does only where nothing after backward "
-                "changes the gradients. Clip through Lightning (`gradient_clip_val`, `configure_gradient_clipping`), "
-                "or pass ZeroStrategy(overlap_comm=False) to keep the whole step for `optimizer.step()`."
-            )
-
     def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
         """This rank's gradient shards (for the global norm); ``for_change``: the caller is about to change them."""
         if for_change:
-            self._refuse_after_early_steps("change the gradients now")
+            self.early.refuse(self.optimizer, "change the gradients now")
         self.early.wait()
         grads = (self.reducer.local_grad(i) for i in self.indices)
         return [g for g in grads if g is not None]
@@ -299,7 +281,7 @@ class ShardedOptimizer:
         stepped: set[int] = set()
         for part in early:
             part.pending.wait()
-            self.all_gather_params(part.buckets, part.indices)
+            self.all_gather_params(part.pieces, part.indices)
             stepped.update(part.indices)
         for buckets, indices in self.parts:
             rest = [i for i in indices if i not in stepped] if stepped else indices
@@ -361,7 +343,7 @@ class ShardedOptimizer:
     def discard_gradients(self) -> None:
         """A skipped step: drop the gradients as the step would have consumed them (a delayed update still lands,
         so the parameters a step computes with do not depend on which steps were skipped)."""
-        self._refuse_after_early_steps("skip this optimizer step")
+        self.early.refuse(self.optimizer, "skip this optimizer step")
         self.land()
         self.reducer.consume(self.indices)
 

@@ -23,7 +23,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
-from lightning_zero.engine.stage12.delayed_update import HostSteps, PendingUpdate
+from lightning_zero.engine.host_steps import HostSteps, PendingUpdate
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
@@ -244,7 +244,7 @@ class ZeroDataParallel:
         return self.reducer.require_sync
 
     def step_during_backward(self, optimizer: Optimizer) -> None:
-        """See [Note: the host step during backward] (``early_host_step.py``): the caller vouches that nothing after
+        """See [Note: the host step during backward] (``engine/host_steps.py``): the caller vouches that nothing after
         this backward changes the gradients or skips the step; the engine checks the rest."""
         shards = self._optimizers.get(id(optimizer))
         if shards is None or not self._overlap_comm or not self.reducer.require_sync or self.host_steps is not None:
@@ -281,7 +281,7 @@ class ZeroDataParallel:
             return self.masters[index]
         return local_rows(self.params[index].detach(), self.rank, self.world_size)
 
-    # ------------------------------------------------------------------ the delayed update (delayed_update.py)
+    # ------------------------------------------------------------------ the delayed update (see host_steps.py)
     @property
     def update_delay(self) -> int:
         return 0 if self.host_steps is None else 1

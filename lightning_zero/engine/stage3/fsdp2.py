@@ -53,12 +53,9 @@ precision), their gradients and therefore the optimizer state live in host memor
 copied to the device just before its all-gather, and reduced gradient shards come back to the host. The
 user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded parameters on
 the device and re-hosts the optimizer on host copies of them (see ``offload.py``), exactly as stages 1 and 2
-do: gradient shards go to the host, the host steps, updated shards come back. Where the optimizer's state is per
-parameter (``optimizers.steps_in_parts``) that happens a run of parameters at a time, first layers first
-(``FullyShardedOptimizer._step_in_parts``): every run's gradient copies are queued at once, each behind an event of
-the copy stream, the host steps a run as soon as its own copies have landed, and its masters go back to the device
-while the host steps the next. FSDP2's reduce-scatters land when backward ends on CPU and on FSDP2's own stream on
-an accelerator, so the copies start at ``optimizer.step()``, not during backward as at stages 1-2.
+do: gradient shards go to the host, the host steps, updated shards come back, a run of parameters at a time
+(``FullyShardedOptimizer._step_in_parts``), each unit's run during backward where nothing after it changes the
+gradients (see [Note: the host step during backward] in ``engine/host_steps.py``).
 """
 
 from __future__ import annotations
@@ -78,7 +75,9 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
-from lightning_zero.engine.stage3.fsdp2_comm import CountingAllGather, CountingReduceScatter, LateReductions, SumOverReplicas
+from lightning_zero.engine.stage3.fsdp2_comm import (
+    CountingAllGather, CountingReduceScatter, FinishedUnits, LateReductions, SumOverReplicas,
+)
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
@@ -86,6 +85,7 @@ from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, unit_groups, units_below_the_root
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from lightning_zero.engine.host_steps import HostSteps
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.comm.topology import DataParallelGroups
 from lightning_zero.engine.optimizers import optimizer_kind, shards_of
@@ -114,6 +114,7 @@ class FullyShardedEngine:
         compression: CompressionSpec | None = None,
         unit_size_mb: float = 0.0,
         stages: PipelineStages | None = None,
+        overlap_comm: bool = True,
     ) -> None:
         self.module = module
         self.device, self.pin_memory = device, pin_memory
@@ -164,6 +165,10 @@ class FullyShardedEngine:
         #: reads each reduced shard at once, so those land as they are issued, and a pipeline schedule reduces
         #: outside any backward. On CUDA, FSDP2's streams overlap.
         self.late = LateReductions() if self.replicate_group is None and stages is None and device.type == "cpu" else None
+        #: Units whose gradients are final, for the host step during backward; one head per ``fully_shard`` call.
+        self.finished = FinishedUnits() if overlap_comm and self.replicate_group is None and stages is None else None
+        self._early_worker: HostSteps | None = None
+        self._heads: list[FSDPModule] = []
         if stages is not None:
             for index, root in zip(stages.indices, self.roots):
                 self._unit_names[id(root)] = f"pipeline_stage_{index}"
@@ -249,7 +254,10 @@ class FullyShardedEngine:
     def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")
         module.set_custom_all_gather(CountingAllGather(self.compression))
-        module.set_custom_reduce_scatter(CountingReduceScatter(self.compression, name, module, self.late))
+        module.set_custom_reduce_scatter(
+            CountingReduceScatter(self.compression, name, module, self.late, self.finished, len(self._heads))
+        )
+        self._heads.append(module)
         if self.replicate_group is not None:
             module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
             module.set_gradient_divide_factor(float(self._all_ranks))
@@ -322,12 +330,25 @@ class FullyShardedEngine:
         return self._reducing
 
     def step_during_backward(self, optimizer: Optimizer) -> None:
-        """Stage 3 steps after backward (its offloaded shards are FSDP2's, stepped where they live)."""
+        """See [Note: the host step during backward] (``engine/host_steps.py``): with the optimizer offloaded, each
+        unit's part of the host step starts once FSDP2 has finished that unit's gradients."""
+        shards = self._optimizers.get(id(optimizer))
+        if shards is None or self.finished is None or not self._reducing or self.masters is None:
+            return
+        if self._early_worker is None:
+            self._early_worker = HostSteps()
+        units = [[self.index[id(p)] for p, _ in fsdp2_private.sharded_params(h) if id(p) in self.index] for h in self._heads]
+        if shards.step_during_backward(self._early_worker, units, all(fsdp2_private.one_group(h) for h in self._heads)):
+            self.finished.listen(shards.unit_finished)
 
     def post_backward(self) -> None:
         """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
         backward that reduced ends the accumulation window: every unit is sharded again."""
         self.land_gradients()
+        if self.finished is not None and self.finished.listening:
+            self.finished.finish()
+            for shards in self._optimizers.values():
+                shards.early.disarm()
         if self.prefetch is not None:
             self.prefetch.settle()
         if self._reducing:
@@ -370,7 +391,9 @@ class FullyShardedEngine:
         raise RuntimeError("stage 3 has no delayed update to load parameters one update behind into")
 
     def teardown(self) -> None:
-        """FSDP2's hooks live as long as the module."""
+        """FSDP2's hooks live as long as the module; the host-step thread does not."""
+        if self._early_worker is not None:
+            self._early_worker.close()
 
 
 if TYPE_CHECKING:  # the engine contract (``engine/api.py``), checked statically

@@ -19,8 +19,9 @@ as before.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,9 +64,12 @@ class CountingReduceScatter(ReduceScatter):
     after backward])."""
 
     def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: FSDPModule | None = None,
-                 landing: "LateReductions | None" = None) -> None:
+                 landing: "LateReductions | None" = None, finished: "FinishedUnits | None" = None,
+                 position: int = 0) -> None:
         self.compression, self.key = compression, key
         self.unit, self.landing = unit, landing
+        #: Told when this unit's gradients are final during backward (``position``: the unit's number there).
+        self.finished, self.position = finished, position
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -74,19 +78,28 @@ class CountingReduceScatter(ReduceScatter):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: ReduceOpLike,
         async_op: bool = False,
     ) -> dist.Work | None:
+        if self.finished is not None:
+            self.finished.announce()  # the units reduced before this one have their gradients now
         # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
         if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
             if self.compression is not None:
                 self.compression.reduce_scatter(output_tensor, input_tensor, group, self.key, async_op=False)
             elif op == ReduceOp.AVG and self.landing is not None and self._unread(output_tensor):
                 work = collectives.reduce_scatter(output_tensor, input_tensor, group=group, async_op=True)
-                self.landing.add(work, output_tensor, collectives.world_size(group))
+                reduced = self.finished.reduced(self.position, landed=False) if self.finished is not None else None
+                self.landing.add(work, output_tensor, collectives.world_size(group), reduced)
+                if self.finished is not None:
+                    self.finished.announce()  # adding may have landed earlier units' reductions
                 return None
             else:
                 collectives.reduce_scatter(output_tensor, input_tensor, group=group)
             if op == ReduceOp.AVG:
                 output_tensor.div_(collectives.world_size(group))
+            if self.finished is not None:
+                self.finished.reduced(self.position, landed=True)
             return None
+        if self.finished is not None:
+            self.finished.reduced(self.position, landed=not async_op)
         return collectives.reduce_scatter_op(output_tensor, input_tensor, op, group=group, async_op=async_op)
 
     def _unread(self, output: torch.Tensor) -> bool:
@@ -105,16 +118,62 @@ class CountingReduceScatter(ReduceScatter):
 MAX_IN_FLIGHT = 2
 
 
+@dataclasses.dataclass
+class _Reduced:
+    position: int
+    landed: bool
+
+
+class FinishedUnits:
+    """The units whose gradients FSDP2 has finished during a backward, told to a listener in the order they were
+    reduced (see [Note: the host step during backward] in ``engine/host_steps.py``). FSDP2 makes a unit's gradients
+    of its reduce-scatter's output after the collective returns, so a unit reduced in place is finished when the
+    next reduce-scatter begins, or when backward ends; one whose reduction lands late (see [Note: reduce-scatters
+    that land after backward]) once it has landed. On an accelerator the listener runs on FSDP2's reduce-scatter
+    stream, behind the finished unit's work there."""
+
+    def __init__(self) -> None:
+        self._listener: Callable[[int], None] | None = None
+        self._queue: deque[_Reduced] = deque()
+
+    @property
+    def listening(self) -> bool:
+        return self._listener is not None
+
+    def listen(self, listener: Callable[[int], None]) -> None:
+        """Tell ``listener`` each unit's position as it finishes, until :meth:`finish`."""
+        self._listener, self._queue = listener, deque()
+
+    def reduced(self, position: int, landed: bool) -> _Reduced:
+        """A unit's reduce-scatter was issued (``landed``: and has completed)."""
+        entry = _Reduced(position, landed)
+        if self._listener is not None:
+            self._queue.append(entry)
+        return entry
+
+    def announce(self) -> None:
+        """Tell the listener of the units at the head of the queue that have landed (a later unit waits for the
+        earlier ones: reductions land in order)."""
+        while self._queue and self._queue[0].landed and self._listener is not None:
+            self._listener(self._queue.popleft().position)
+
+    def finish(self) -> None:
+        """Backward ended and its reductions landed: tell the rest, then stop listening."""
+        self.announce()
+        self._listener, self._queue = None, deque()
+
+
 class LateReductions:
     """The stage-3 reduce-scatters still in flight during a backward pass, landed in posting order (the same on
     every rank) when the pass ends: see [Note: reduce-scatters that land after backward]."""
 
     def __init__(self) -> None:
-        self._pending: deque[tuple[dist.Work | None, torch.Tensor, int]] = deque()
+        self._pending: deque[tuple[dist.Work | None, torch.Tensor, int, _Reduced | None]] = deque()
         self._callback_queued = False
 
-    def add(self, work: dist.Work | None, output: torch.Tensor, divide: int) -> None:
-        self._pending.append((work, output, divide))
+    def add(self, work: dist.Work | None, output: torch.Tensor, divide: int, reduced: _Reduced | None = None) -> None:
+        """``reduced``: the unit's entry in :class:`FinishedUnits`, marked landed with the reduction."""
+        self._pending.append((work, output, divide, reduced))
         if not self._callback_queued:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self.land_all)
@@ -132,9 +191,11 @@ class LateReductions:
             self._land(*self._pending.popleft())
 
     @staticmethod
-    def _land(work: dist.Work | None, output: torch.Tensor, divide: int) -> None:
+    def _land(work: dist.Work | None, output: torch.Tensor, divide: int, reduced: _Reduced | None) -> None:
         collectives.finish(work)
         output.div_(divide)
+        if reduced is not None:
+            reduced.landed = True
 
 
 class SumOverReplicas:

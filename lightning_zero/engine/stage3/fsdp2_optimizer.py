@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
+from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
@@ -70,6 +71,10 @@ class FullyShardedOptimizer:
             )
             self.owners.on_host = engine.optimizer_on_host
         self.whole: list[int] = []
+        #: The parts of the offloaded step that start during backward, a unit each (see [Note: the host step during
+        #: backward] in ``engine/host_steps.py``).
+        self.early = EarlyHostSteps()
+        self.unit_parts: list[tuple[list[int], list[int]]] = []
         self._refresh()
 
     def _params(self) -> Iterable[torch.Tensor]:
@@ -124,12 +129,14 @@ class FullyShardedOptimizer:
         return self.engine.masters
 
     def records(self) -> list[ShardRecord]:
+        self.early.wait()
         engine = self.engine
         return [engine.records()[engine.index[id(p)]] for p in self._params() if id(p) in engine.index]
 
     def hosted(self) -> dict[int, torch.Tensor]:
         """``id(param)`` -> the host master the optimizer keys its state by (``offload_optimizer`` alone), or the
         owner's whole tensor; otherwise the optimizer steps the sharded parameters themselves."""
+        self.early.wait()
         engine = self.engine
         hosted = {id(engine.params[i]): self._masters()[i] for i in self._hosted_indices()}
         if self.owners is not None:
@@ -145,6 +152,7 @@ class FullyShardedOptimizer:
     def hosting(self) -> Iterator[None]:
         """A block in which the optimizer holds the host masters, with host copies of the gradient shards, and
         the owners' whole parameters (left out of the groups on other ranks)."""
+        self.early.wait()
         engine, indices = self.engine, self._hosted_indices()
         standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
         if indices:
@@ -171,9 +179,9 @@ class FullyShardedOptimizer:
             self._owners().gather(
                 self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i])
             )
-        parts = self._host_parts()
-        if parts:
-            return self._step_in_parts(parts, **kwargs)
+        early, parts = self.early.take(), self._host_parts()
+        if early or parts:
+            return self._step_in_parts(parts or [sorted(self._hosted_indices())], early, **kwargs)
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), stepping_local_shards(self.optimizer, self._sharded_in_place()), host_kernel(
             self.optimizer, enabled=on_host
@@ -198,31 +206,82 @@ class FullyShardedOptimizer:
         runs = split_in_parts([masters[i].numel() for i in indices])
         return [[indices[k] for k in run] for run in runs] if len(runs) > 1 else []
 
-    def _step_in_parts(self, parts: Sequence[Sequence[int]], **kwargs: Any) -> object:
+    def _step_in_parts(self, parts: Sequence[Sequence[int]], early: Sequence[EarlyPart] = (), **kwargs: Any) -> object:
         """The offloaded step a part at a time (see [Note: stage 3 offload] in ``fsdp2.py``): every part's gradient
         copies to the host are queued first, each part behind an event, so the host steps a part as soon as its own
         gradients have landed while the later parts' still travel; each stepped part's masters go back to the
-        device shards while the host steps the next. Bit for bit one step over everything: the optimizer's state is
-        per parameter."""
+        device shards while the host steps the next. The ``early`` parts started during backward: their masters go
+        first, in the order they started. Bit for bit one step over everything: the optimizer's state is per
+        parameter."""
         engine, masters = self.engine, self._masters()
-        staged: list[tuple[dict[int, torch.Tensor], torch.Event | None]] = []
+        stepped: set[int] = set()
+        for started in early:
+            started.pending.wait()
+            with torch.no_grad():
+                for i in started.indices:
+                    masters.copy_into(i, local_tensor(engine.params[i]))
+            stepped.update(started.indices)
+        staged: list[tuple[list[int], dict[int, torch.Tensor], torch.Event | None]] = []
         for part in parts:
-            given = [(i, grad) for i in part if (grad := local_grad(engine.params[i])) is not None]
+            rest = [i for i in part if i not in stepped]
+            given = [(i, grad) for i in rest if (grad := local_grad(engine.params[i])) is not None]
             grads = dict(zip((i for i, _ in given), masters.stage_gradients(given)))
-            staged.append((grads, masters.gradient_copies_queued()))
-        sitting_out: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {id(p): None for p in self._params()}
+            if rest:
+                staged.append((rest, grads, masters.gradient_copies_queued()))
         result = None
         with host_kernel(self.optimizer):
-            for part, (grads, landed) in zip(parts, staged):
+            for rest, grads, landed in staged:
                 if landed is not None:
                     landed.synchronize()
-                standins = {**sitting_out, **{id(engine.params[i]): (masters[i], grads.get(i)) for i in part}}
+                standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], grads.get(i)) for i in rest}}
                 with hosted_params(self.optimizer, standins):
                     result = self.optimizer.step(**kwargs)
                 with torch.no_grad():
-                    for i in part:
+                    for i in rest:
                         masters.copy_into(i, local_tensor(engine.params[i]))
         return result
+
+    def _sitting_out(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
+        """Stand-ins that leave every parameter of the optimizer out of a part's step (a part then adds its own)."""
+        return {id(p): None for p in self._params()}
+
+    def step_during_backward(self, worker: HostSteps, units: Sequence[Sequence[int]], one_group_each: bool) -> bool:
+        """In the coming backward, start the host step of each unit's parameters (``units``: engine indices per unit,
+        by position) in ``worker`` once FSDP2 has finished their gradients (see [Note: the host step during
+        backward] in ``engine/host_steps.py``); False where the step waits for :meth:`step`: masters on the device,
+        whole parameters, an optimizer that steps whole, or a unit reduced in more than one collective."""
+        masters, hosted = self.engine.masters, set(self._hosted_indices())
+        self.unit_parts = [([k], [i for i in indices if i in hosted]) for k, indices in enumerate(units)]
+        self.unit_parts = [(key, indices) for key, indices in self.unit_parts if indices]
+        if (masters is None or not masters.offloaded or not all(masters.on_host) or self.whole or not one_group_each
+                or len(self.unit_parts) < 2 or not steps_in_parts(self.optimizer)):
+            self.early.arm(self.optimizer, [], worker)  # nothing starts, but a step that never came is still refused
+            return False
+        self.early.arm(self.optimizer, self.unit_parts, worker)
+        return True
+
+    def unit_finished(self, position: int) -> None:
+        """FSDP2 finished the gradients of unit ``position``: start the host step of its parameters, if it can (every
+        one of them has a gradient)."""
+        k = self.early.landed(position)
+        if k is None:
+            return
+        engine, masters = self.engine, self._masters()
+        pieces, indices = self.unit_parts[k]
+        grads = [local_grad(engine.params[i]) for i in indices]
+        if any(grad is None for grad in grads):
+            return
+        staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
+        copied = masters.gradient_copies_queued()
+        standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}
+
+        def host_step(view: Optimizer) -> object:
+            if copied is not None:
+                copied.synchronize()
+            with hosted_params(view, standins), host_kernel(view):
+                return view.step()
+
+        self.early.start(self.optimizer, pieces, indices, host_step)
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         engine = self.engine
@@ -232,6 +291,7 @@ class FullyShardedOptimizer:
             engine.masters.refresh_from(i, local)
 
     def discard_gradients(self) -> None:
+        self.early.refuse(self.optimizer, "skip this optimizer step")
         self.optimizer.zero_grad(set_to_none=True)
 
     def finalize_gradients(self, scale: float = 1.0) -> None:
@@ -242,6 +302,9 @@ class FullyShardedOptimizer:
                 torch._foreach_mul_(grads, scale)
 
     def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
+        if for_change:
+            self.early.refuse(self.optimizer, "change the gradients now")
+        self.early.wait()
         self.engine.land_gradients()
         grads = (local_grad(p) for p in self._params())
         return [g for g in grads if g is not None]

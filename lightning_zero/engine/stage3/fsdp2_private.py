@@ -120,6 +120,11 @@ def unshadow_reshard(group: Any) -> None:
     del group.reshard
 
 
+def one_group(unit: FSDPModule) -> bool:
+    """Whether ``unit``'s ``fully_shard`` call made one parameter group (one reduce-scatter a backward)."""
+    return len(_groups_of(unit._get_fsdp_state())) == 1
+
+
 def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
     """(sharded parameter, offloaded to the host) of each parameter FSDP2 manages in ``unit``'s own groups."""
     for group in _groups_of(unit._get_fsdp_state()):
