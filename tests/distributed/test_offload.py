@@ -38,7 +38,8 @@ def test_gradients_reach_the_host_as_buckets_land_and_the_host_steps_in_parts(re
 
 
 @pytest.mark.parametrize(
-    "case", ["stage1", "stage2", "stage2_unused", "stage2_every_microbatch", "stage3", "stage3_reduced_in_place"]
+    "case",
+    ["stage1", "stage2", "stage2_unused", "stage2_every_microbatch", "stage3", "stage3_unused", "stage3_reduced_in_place"],
 )
 def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(report, case):
     """No clipping, no loss scaler ([Note: the host step during backward]), 4 steps of 2 accumulated micro-batches,
@@ -54,7 +55,8 @@ def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(repor
     assert result["module_diff"] == 0.0
     assert result["serial_early"] == [[0, 0]] * 4
     if case.endswith("unused"):
-        # A head no rank uses: whether some rank did is known only when backward ends, so its part waits for the step.
+        # A head no rank uses: whether some rank did is known only when backward ends (stage 3: FSDP2 reduces nothing
+        # for it), so its part waits for the step.
         assert all(0 < started < result["parts"] for started, _ in result["early"])
         assert "MainThread" in result["threads"]
     else:

@@ -283,7 +283,7 @@ def during_backward() -> dict:
     data = models.IndexedData()
     cases = [("stage1", 1, False, False, False), ("stage2", 2, False, False, False), ("stage2_unused", 2, True, False, False),
              ("stage2_every_microbatch", 2, False, True, False), ("stage3", 3, False, False, False),
-             ("stage3_reduced_in_place", 3, False, False, True)]
+             ("stage3_unused", 3, True, False, False), ("stage3_reduced_in_place", 3, False, False, True)]
     for name, stage, unused, every, hooked in cases:
         finals = {}
         # Stage 3: one unit per layer, so that units finish one by one during backward.

@@ -151,3 +151,33 @@ def test_a_delayed_update_refuses_an_optimizer_that_steps_whole_parameters():
             engine.wrap_optimizer(torch.optim.Muon([engine.params[0]], lr=1e-2))
     finally:
         engine.teardown()
+
+
+def test_finished_units_are_told_in_reduction_order_once_their_gradients_are_made():
+    """[Note: the host step during backward] at stage 3: a unit reduced in place is finished only when the next
+    reduce-scatter begins (FSDP2 makes its gradients after the collective returns) or backward ends; one landing
+    late, once it landed; a later unit never overtakes an earlier one; nothing is told without a listener."""
+    from lightning_zero.engine.stage3.fsdp2_comm import FinishedUnits
+
+    finished, told = FinishedUnits(), []
+    finished.reduced(0, landed=True)
+    finished.announce()
+    assert told == []  # nobody listening: nothing queued
+    finished.listen(told.append)
+    finished.reduced(0, landed=True)  # in place: gradients made after this call returns
+    assert told == []
+    finished.announce()  # unit 1's reduce-scatter begins
+    assert told == [0]
+    late = finished.reduced(1, landed=False)
+    finished.reduced(2, landed=True)
+    finished.announce()
+    assert told == [0]  # unit 2 waits behind unit 1, still in flight
+    late.landed = True
+    finished.announce()
+    assert told == [0, 1, 2]
+    finished.reduced(3, landed=True)
+    finished.finish()  # backward ended: the rest, then no listener
+    assert told == [0, 1, 2, 3] and not finished.listening
+    finished.reduced(4, landed=True)
+    finished.announce()
+    assert told == [0, 1, 2, 3]

@@ -337,8 +337,7 @@ class FullyShardedEngine:
             return
         if self._early_worker is None:
             self._early_worker = HostSteps()
-        units = [[self.index[id(p)] for p, _ in fsdp2_private.sharded_params(h) if id(p) in self.index] for h in self._heads]
-        if shards.step_during_backward(self._early_worker, units, all(fsdp2_private.one_group(h) for h in self._heads)):
+        if shards.step_during_backward(self._early_worker, self._heads):
             self.finished.listen(shards.unit_finished)
 
     def post_backward(self) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -17,6 +18,7 @@ from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
+from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
 from lightning_zero.engine.owner_step import OwnerStepping
 
@@ -75,6 +77,9 @@ class FullyShardedOptimizer:
         #: backward] in ``engine/host_steps.py``).
         self.early = EarlyHostSteps()
         self.unit_parts: list[tuple[list[int], list[int]]] = []
+        #: Each unit's trainable parameters (engine indices, by unit position), and whether every unit reduces in
+        #: one collective; found at the first backward that may step during it.
+        self._units: tuple[list[list[int]], bool] | None = None
         self._refresh()
 
     def _params(self) -> Iterable[torch.Tensor]:
@@ -210,17 +215,12 @@ class FullyShardedOptimizer:
         """The offloaded step a part at a time (see [Note: stage 3 offload] in ``fsdp2.py``): every part's gradient
         copies to the host are queued first, each part behind an event, so the host steps a part as soon as its own
         gradients have landed while the later parts' still travel; each stepped part's masters go back to the
-        device shards while the host steps the next. The ``early`` parts started during backward: their masters go
-        first, in the order they started. Bit for bit one step over everything: the optimizer's state is per
-        parameter."""
+        device shards while the host steps the next. The ``early`` parts started during backward: the other parts'
+        copies are queued first (behind the early parts' masters on the compute stream they would wait), then the
+        early parts' masters go back, in the order they started. Bit for bit one step over everything: the
+        optimizer's state is per parameter."""
         engine, masters = self.engine, self._masters()
-        stepped: set[int] = set()
-        for started in early:
-            started.pending.wait()
-            with torch.no_grad():
-                for i in started.indices:
-                    masters.copy_into(i, local_tensor(engine.params[i]))
-            stepped.update(started.indices)
+        stepped = {i for started in early for i in started.indices}
         staged: list[tuple[list[int], dict[int, torch.Tensor], torch.Event | None]] = []
         for part in parts:
             rest = [i for i in part if i not in stepped]
@@ -228,6 +228,11 @@ class FullyShardedOptimizer:
             grads = dict(zip((i for i, _ in given), masters.stage_gradients(given)))
             if rest:
                 staged.append((rest, grads, masters.gradient_copies_queued()))
+        for started in early:
+            started.pending.wait()
+            with torch.no_grad():
+                for i in started.indices:
+                    masters.copy_into(i, local_tensor(engine.params[i]))
         result = None
         with host_kernel(self.optimizer):
             for rest, grads, landed in staged:
@@ -245,11 +250,16 @@ class FullyShardedOptimizer:
         """Stand-ins that leave every parameter of the optimizer out of a part's step (a part then adds its own)."""
         return {id(p): None for p in self._params()}
 
-    def step_during_backward(self, worker: HostSteps, units: Sequence[Sequence[int]], one_group_each: bool) -> bool:
-        """In the coming backward, start the host step of each unit's parameters (``units``: engine indices per unit,
-        by position) in ``worker`` once FSDP2 has finished their gradients (see [Note: the host step during
-        backward] in ``engine/host_steps.py``); False where the step waits for :meth:`step`: masters on the device,
-        whole parameters, an optimizer that steps whole, or a unit reduced in more than one collective."""
+    def step_during_backward(self, worker: HostSteps, heads: Sequence[FSDPModule]) -> bool:
+        """In the coming backward, start the host step of each unit's parameters (``heads``: one module per
+        ``fully_shard`` call, by position) in ``worker`` once FSDP2 has finished their gradients (see [Note: the host
+        step during backward] in ``engine/host_steps.py``); False where the step waits for :meth:`step`: masters on
+        the device, whole parameters, an optimizer that steps whole, or a unit reduced in more than one collective."""
+        if self._units is None:
+            index = self.engine.index
+            per_unit = [[index[id(p)] for p, _ in fsdp2_private.sharded_params(h) if id(p) in index] for h in heads]
+            self._units = (per_unit, all(fsdp2_private.one_group(h) for h in heads))
+        units, one_group_each = self._units
         masters, hosted = self.engine.masters, set(self._hosted_indices())
         self.unit_parts = [([k], [i for i in indices if i in hosted]) for k, indices in enumerate(units)]
         self.unit_parts = [(key, indices) for key, indices in self.unit_parts if indices]
