@@ -146,7 +146,9 @@ class ZeroConfig:
     layout). [Note: merged units] in ``engine/stage3/fsdp2.py``."""
 
     overlap_comm: bool = True
-    """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward."""
+    """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward; with
+    ``offload_optimizer`` and no clipping or loss scaler, also start each part's host step during backward (stages
+    1-3, see [Note: the host step during backward] in ``engine/host_steps.py``)."""
 
     reduce_every_microbatch: bool = False
     """Under gradient accumulation, reduce-scatter on every micro-batch instead of only the last, so full
