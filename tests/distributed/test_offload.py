@@ -12,6 +12,18 @@ CONFIGS = ["stage1_optimizer", "stage2_optimizer", "stage3_optimizer", "stage3_p
 
 
 @pytest.fixture(scope="module")
+def report_full():
+    """The full marker's cases: stage 3's refusals and partial offload in parts at stage 3."""
+    out = launch("tests.distributed.worker_offload", "refusals_stage3", "stage3_parts_partial", nprocs=WORLD)
+    return {"during_backward": out["refusals_stage3"], "stage3_parts": out["stage3_parts_partial"]}
+
+
+def _report(request, stage_or_case) -> dict:
+    full = stage_or_case in (3, "partial")
+    return request.getfixturevalue("report_full" if full else "report")
+
+
+@pytest.fixture(scope="module")
 def report():
     return launch("tests.distributed.worker_offload", "exact", "during_backward", "memory", "checkpoint", "partial", "stage3_parts", "delayed",
                   "delayed_checkpoint", "delayed_convergence", nprocs=WORLD)
@@ -64,30 +76,30 @@ def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(repor
         assert result["threads"] == ["lightning_zero-host-step_0"]
 
 
-@pytest.mark.parametrize("case", ["full", "partial"])
-def test_stage3_steps_the_host_in_parts_bit_for_bit(report, case):
+@pytest.mark.parametrize("case", ["full", pytest.param("partial", marks=pytest.mark.full)])
+def test_stage3_steps_the_host_in_parts_bit_for_bit(request, case):
     """Stage 3 with the optimizer offloaded (``offload_optimizer=True`` and ``0.5``), clipping, 2 accumulated
     micro-batches, 2 param groups, StepLR: the host steps the parameters a run at a time (each part's gradient copies
     waited for alone, its masters sent back while the next part steps), bit for bit the same run whose optimizer has a
     step hook and so steps everything in one call, and within 1e-5 of plain PyTorch."""
-    result = report["stage3_parts"][case]
+    result = _report(request, case)["stage3_parts"][case]
     assert result["calls_per_step"] > 1 and result["calls_per_step_one_call"] == 1
     assert result["param_diff_one_call"] == 0.0
     assert result["param_diff_reference"] <= 1e-5
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(report, stage):
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(request, stage):
     """``self.clip_gradients`` in ``on_before_optimizer_step``, where Lightning's clipping settings cannot see it."""
-    message = report["during_backward"][f"clip_in_hook_stage{stage}"]
+    message = _report(request, stage)["during_backward"][f"clip_in_hook_stage{stage}"]
     assert "during backward" in message and "overlap_comm=False" in message and "gradient_clip_val" in message
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_backward_whose_step_never_came_is_refused_at_the_next_one(report, stage):
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_a_backward_whose_step_never_came_is_refused_at_the_next_one(request, stage):
     """An ``optimizer_step`` override that runs the closure and skips ``optimizer.step()``: the host already stepped
     that backward's parts, so the next backward stops with the fix instead of landing two updates at once."""
-    message = report["during_backward"][f"step_skipped_stage{stage}"]
+    message = _report(request, stage)["during_backward"][f"step_skipped_stage{stage}"]
     assert "no `optimizer.step()` followed it" in message and "overlap_comm=False" in message
 
 

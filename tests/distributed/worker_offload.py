@@ -318,14 +318,20 @@ def during_backward() -> dict:
             result["param_diff_serial"] = max_diff(finals[True], finals[False])
             result["param_diff_reference"] = max_diff(finals[True], reference)
         out[name] = result
-    for stage, pieces in ((2, dict(bucket_size_mb=0.001)), (3, dict(unit_size_mb=0))):
-        for key, module in (("clip_in_hook", ClippingInHook()), ("step_skipped", SkippingTheFirstStep())):
-            t = trainer(ZeroStrategy(stage=stage, offload_optimizer=True, **pieces), max_steps=STEPS)
-            try:
-                t.fit(module, models.loader(data, BATCH))
-                out[f"{key}_stage{stage}"] = "no error"
-            except RuntimeError as err:
-                out[f"{key}_stage{stage}"] = str(err)
+    return {**out, **refusals(2)}
+
+
+def refusals(stage: int) -> dict:
+    """Clipping by hand after parts were stepped during backward, and a step skipped after them."""
+    out = {}
+    pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
+    for key, module in (("clip_in_hook", ClippingInHook()), ("step_skipped", SkippingTheFirstStep())):
+        t = trainer(ZeroStrategy(stage=stage, offload_optimizer=True, **pieces), max_steps=STEPS)
+        try:
+            t.fit(module, models.loader(models.IndexedData(), BATCH))
+            out[f"{key}_stage{stage}"] = "no error"
+        except RuntimeError as err:
+            out[f"{key}_stage{stage}"] = str(err)
     return out
 
 
@@ -355,12 +361,13 @@ class CountedRegression(models.Regression):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def stage3_parts() -> dict:
+def stage3_parts(offloads: tuple[bool | float, ...]) -> dict:
     """Stage 3 with the optimizer offloaded (whole, and half of it): the host steps in parts, against the same run
     stepping everything in one call and plain PyTorch; 4 steps of 2 accumulated micro-batches with clipping."""
     out = {}
     data = models.IndexedData()
-    for name, offload in (("full", True), ("partial", 0.5)):
+    for offload in offloads:
+        name = "full" if offload is True else "partial"
         finals, calls = {}, {}
         for hooked in (False, True):
             L.seed_everything(7)
@@ -410,7 +417,9 @@ class ClippingInHook(delayed_update_cases.NotingRegression):
 
 CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
          "partial": lambda _: partial(), "during_backward": lambda _: during_backward(),
-         "stage3_parts": lambda _: stage3_parts(), **delayed_update_cases.CASES}
+         "stage3_parts": lambda _: stage3_parts((True,)), **delayed_update_cases.CASES,
+         # the full marker's: stage 3's refusals and partial offload in parts (the code is stage 2's, the parts full's)
+         "refusals_stage3": lambda _: refusals(3), "stage3_parts_partial": lambda _: stage3_parts((0.5,))}
 
 if __name__ == "__main__":
     run_cases_with_directory(CASES, sys.argv[1:])
