@@ -74,7 +74,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from torch.optim import Optimizer
 
-from lightning_zero.engine.optimizers import stepping_view
+from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.optimizers import stepping_view, steps_in_parts
 
 
 @dataclasses.dataclass
@@ -137,19 +138,26 @@ class EarlyHostSteps:
         self._worker: HostSteps | None = None
 
     def arm(
-        self, optimizer: Optimizer, parts: Sequence[tuple[Sequence[int], Sequence[int]]], worker: HostSteps
-    ) -> None:
-        """A synchronising backward begins: every part waits for all of its pieces, and will step in ``worker``.
-        Refused where the parts of the previous backward were never stepped (see the Note)."""
+        self, optimizer: Optimizer, parts: Sequence[tuple[Sequence[int], Sequence[int]]], worker: HostSteps,
+        masters: MasterShards | None, eligible: bool = True,
+    ) -> bool:
+        """A synchronising backward begins: every part waits for all of its pieces, and will step in ``worker``; False,
+        with nothing to start, unless the engine finds it ``eligible``, every master is on the host, there are two
+        parts or more and ``optimizer`` steps in parts (see the Note). Refused where the parts of the previous
+        backward were never stepped."""
         if self.started:
             raise RuntimeError(
                 f"The host stepped parts of {type(optimizer).__name__} during the last backward, but no "
                 "`optimizer.step()` followed it (an `optimizer_step` override that runs the closure and skips the "
                 "step?). Pass ZeroStrategy(overlap_comm=False) to keep the whole step for `optimizer.step()`."
             )
-        self._part_of = {piece: k for k, (pieces, _) in enumerate(parts) for piece in pieces}
-        self._waiting = {k: len(pieces) for k, (pieces, _) in enumerate(parts)}
+        starts = (eligible and masters is not None and masters.offloaded and all(masters.on_host) and len(parts) > 1
+                  and steps_in_parts(optimizer))
+        armed = parts if starts else []
+        self._part_of = {piece: k for k, (pieces, _) in enumerate(armed) for piece in pieces}
+        self._waiting = {k: len(pieces) for k, (pieces, _) in enumerate(armed)}
         self._view, self._worker = None, worker
+        return starts
 
     def disarm(self) -> None:
         """Backward ended: nothing more starts before ``optimizer.step()``."""

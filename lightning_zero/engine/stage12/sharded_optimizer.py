@@ -210,13 +210,8 @@ class ShardedOptimizer:
         """In the coming backward, start each part of the offloaded step in ``worker`` once its gradients are on the
         host (see [Note: the host step during backward] in ``engine/host_steps.py``); False where this optimizer
         steps whole, on the device, or in one part, and the step waits for :meth:`step`."""
-        masters = self.masters
-        if (masters is None or not masters.offloaded or not all(masters.on_host) or self.whole or self.host_steps is not None
-                or len(self.parts) < 2 or not steps_in_parts(self.optimizer)):
-            self.early.arm(self.optimizer, [], worker)  # nothing starts, but a step that never came is still refused
-            return False
-        self.early.arm(self.optimizer, self.parts, worker)
-        return True
+        eligible = not self.whole and self.host_steps is None
+        return self.early.arm(self.optimizer, self.parts, worker, self.masters, eligible)
 
     def bucket_landed(self, bucket: int) -> None:
         """A bucket's reduced gradients were staged for the host: start the part it completes, if it can."""

@@ -260,15 +260,11 @@ class FullyShardedOptimizer:
             per_unit = [[index[id(p)] for p, _ in fsdp2_private.sharded_params(h) if id(p) in index] for h in heads]
             self._units = (per_unit, all(fsdp2_private.one_group(h) for h in heads))
         units, one_group_each = self._units
-        masters, hosted = self.engine.masters, set(self._hosted_indices())
+        hosted = set(self._hosted_indices())
         self.unit_parts = [([k], [i for i in indices if i in hosted]) for k, indices in enumerate(units)]
         self.unit_parts = [(key, indices) for key, indices in self.unit_parts if indices]
-        if (masters is None or not masters.offloaded or not all(masters.on_host) or self.whole or not one_group_each
-                or len(self.unit_parts) < 2 or not steps_in_parts(self.optimizer)):
-            self.early.arm(self.optimizer, [], worker)  # nothing starts, but a step that never came is still refused
-            return False
-        self.early.arm(self.optimizer, self.unit_parts, worker)
-        return True
+        eligible = not self.whole and one_group_each
+        return self.early.arm(self.optimizer, self.unit_parts, worker, self.engine.masters, eligible)
 
     def unit_finished(self, position: int) -> None:
         """FSDP2 finished the gradients of unit ``position``: start the host step of its parameters, if it can (every
