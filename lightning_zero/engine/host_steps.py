@@ -69,13 +69,14 @@ Evaluation inside ``fit`` sees the parameters forward computes with, one update 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 from torch.optim import Optimizer
 
-from lightning_zero.engine.offload import MasterShards
-from lightning_zero.engine.optimizers import stepping_view, steps_in_parts
+from lightning_zero.engine.offload import MasterShards, host_kernel
+from lightning_zero.engine.optimizers import hosted_params, stepping_view, steps_in_parts
 
 
 @dataclasses.dataclass
@@ -171,17 +172,30 @@ class EarlyHostSteps:
         self._waiting[k] -= 1
         return k if self._waiting[k] == 0 else None
 
-    def start(self, optimizer: Optimizer, pieces: Sequence[int], indices: Sequence[int],
-              step: Callable[[Optimizer], object]) -> None:
-        """Run ``step`` on the view of ``optimizer`` taken when this step's first part started, in the worker."""
+    def start(
+        self, optimizer: Optimizer, pieces: Sequence[int], indices: Sequence[int],
+        standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None] | None], masters: MasterShards,
+        average: tuple[list[torch.Tensor], float] | None = None,
+    ) -> None:
+        """Step the part ``standins`` names (``optimizers.hosted_params``) in the worker, on the view of ``optimizer``
+        taken when this step's first part started, once the gradient copies queued so far have landed; ``average``:
+        gradients the worker multiplies by a coefficient first (stages 1-2 average there)."""
         if self._worker is None:
             raise RuntimeError("lightning_zero internal error: a part started with no backward armed")
         if self._view is None:
             self._view = stepping_view(optimizer)
-        view = self._view
+        view, copied = self._view, masters.gradient_copies_queued()
+
+        def host_step() -> object:
+            if copied is not None:
+                copied.synchronize()
+            if average is not None and average[1] != 1.0:
+                torch._foreach_mul_(*average)
+            with hosted_params(view, standins), host_kernel(view):
+                return view.step()
+
         in_flight = sum(self._waiting.values())
-        pending = self._worker.start(lambda: step(view))
-        self.started.append(EarlyPart(list(pieces), list(indices), pending, in_flight))
+        self.started.append(EarlyPart(list(pieces), list(indices), self._worker.start(host_step), in_flight))
 
     def take(self) -> list[EarlyPart]:
         """The parts started, handed to the step that lands them."""

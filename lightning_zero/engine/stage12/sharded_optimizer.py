@@ -222,20 +222,10 @@ class ShardedOptimizer:
         finalized = finalize_landed([self.reducer.records[i] for i in part], self.reducer.world_size * self.reducer.replicas)
         if finalized is None:
             return
-        grads, coefficient = finalized
+        grads, _ = finalized
         standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {id(self.params[i]): None for i in self.indices}
         standins.update({id(self.params[i]): (self.shards[i], grad) for i, grad in zip(part, grads)})
-        copied = self.masters.gradient_copies_queued()
-
-        def host_step(view: Optimizer) -> object:
-            if copied is not None:
-                copied.synchronize()
-            if coefficient != 1.0:
-                torch._foreach_mul_(grads, coefficient)
-            with hosted_params(view, standins), host_kernel(view):
-                return view.step()
-
-        self.early.start(self.optimizer, buckets, part, host_step)
+        self.early.start(self.optimizer, buckets, part, standins, self.masters, average=finalized)
 
     def finalize_gradients(self, scale: float = 1.0) -> None:
         self.reducer.finalize(self.indices, scale)

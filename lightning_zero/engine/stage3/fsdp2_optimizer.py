@@ -278,16 +278,8 @@ class FullyShardedOptimizer:
         if any(grad is None for grad in grads):
             return
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
-        copied = masters.gradient_copies_queued()
         standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}
-
-        def host_step(view: Optimizer) -> object:
-            if copied is not None:
-                copied.synchronize()
-            with hosted_params(view, standins), host_kernel(view):
-                return view.step()
-
-        self.early.start(self.optimizer, pieces, indices, host_step)
+        self.early.start(self.optimizer, pieces, indices, standins, masters)
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         engine = self.engine
