@@ -65,12 +65,11 @@ class Watchdog:
         self.decision: Diagnosis | None = None
         self.failing = False  # the main thread handles an error (on_exception)
         self.finishing = False
-        self.paused = 0.0
         self.signal_at: float | None = None
         self.signal_name: str | None = None
         self.signal_number = 0
         self._exit_at: float | None = None
-        self._grace = 0.0
+        self._grace = self.paused = 0.0
         self._last_tick = time.monotonic()
         # ((ops, seq, last mark), since)
         self._progress: tuple[tuple[int, int, Mark | None] | tuple[()], float] = ((), time.monotonic())
@@ -347,17 +346,19 @@ class Watchdog:
                   file=sys.stderr, flush=True)
         self.state, self.error = FAILED, failures.error_text(exception)[:300]
         self.exchange.outgoing = self._record(where).encode()
-        if healthy:
-            self.exchange.flush(2.0)
+        if healthy:  # the peers' sockets close when this process ends: they read the cause from the store
+            self.exchange.flush(self.current_limits().stale_after)
 
     def _first_failure(self, healthy: bool, wait: float = 0.0) -> dict[str, Any] | None:
-        """The run's first failure, waiting up to ``wait`` seconds for a peer that is writing it right now."""
-        deadline = time.monotonic() + wait
+        """The run's first failure, waiting ``wait`` seconds for a peer that is writing it right now and, on a
+        loaded host, until one round trip to the store began after this call (at most ``stale_after``)."""
+        start, fresh = time.monotonic(), wait <= 0.0
         while True:
-            first = self.exchange.snapshot.failure
-            if first is not None or not healthy or time.monotonic() >= deadline:
+            first, waited = self.exchange.snapshot.failure, time.monotonic() - start
+            if first is not None or not healthy or self.exchange.error is not None or (
+                    waited >= wait and (fresh or waited >= self.limits.stale_after)):
                 return first
-            self.exchange.flush(min(1.0, max(0.05, deadline - time.monotonic())))
+            fresh = self.exchange.flush(min(1.0, max(0.05, wait - waited))) or fresh
 
     def finish(self) -> CollectiveError | None:
         """The exit agreement (see module docstring): None when every rank finished, else the error to raise."""
