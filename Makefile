@@ -12,14 +12,12 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the architecture contracts and the type check (setup.cfg), then the test suite without the `full` matrices (tests/README.md)
+test: install  ## the architecture contracts (setup.cfg), then the test suite without the `full` matrices, the type check among its runs (tests/README.md)
 	lint-imports
-	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q -m "not full" --durations=15 tests
 
 test-all: install  ## everything, the full matrices, calibrations and long fault timeouts (`full` marker) included
 	lint-imports
-	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q --durations=15 tests
 
 coverage: install  ## `make test` with line coverage of lightning_zero, worker processes included (slower)
