@@ -1,0 +1,145 @@
+"""Exactness of the offloaded step's schedules on an accelerator: what the CPU test suite proves with synchronous
+copies, run where copies ride copy streams behind events and the host steps in a worker thread.
+
+    python benchmarks/cuda_checks.py                       # one CUDA device, a few seconds per run
+    python benchmarks/cuda_checks.py --accelerator cpu     # the same checks on the CPU (develop without a GPU)
+
+Each run trains the demo GPT a few steps on one device from the same seed and data, then reads the full
+parameters. A configuration with ``overlap_comm=True`` (gradients leave bucket by bucket during backward, the
+host steps part by part, early parts during backward where nothing clips) must equal the same configuration with
+``overlap_comm=False`` (the host steps after backward) bit for bit. Both are also compared with the run without
+offload, whose optimizer steps with another kernel (torch's for-loop or foreach AdamW, the host its fused one):
+they agree to rounding, amplified where Adam's second moment is tiny (rows of the embedding no token of the
+batch used), so that bound only catches a lost or doubled update.
+``offload_step_delay=1`` is inexact by design: it must train (finite loss) and stay near the exact run. At world
+size 1 stage 3 runs no reduce-scatter, so its host step starts from ``optimizer.step()``; stages 1-2 start it
+during backward. Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero.demo import GPTLightningModule, RandomTokenDataModule  # noqa: E402
+from lightning_zero.engine.host_steps import EarlyHostSteps  # noqa: E402
+
+MODEL = dict(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=64)
+
+#: (name, stage, ZeroStrategy settings, Trainer settings): small buckets, so the host steps in several parts.
+CASES: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
+    *((f"stage{s}", s, dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0), {}) for s in (1, 2, 3)),
+    *((f"stage{s}_accumulate2", s, dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0),
+       dict(accumulate_grad_batches=2)) for s in (1, 2, 3)),
+    *((f"stage{s}_clip", s, dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0),
+       dict(gradient_clip_val=0.5)) for s in (1, 2, 3)),
+    ("stage2_partial", 2, dict(offload_optimizer=0.5, bucket_size_mb=0.05), {}),
+    ("stage3_params", 3, dict(offload_optimizer=True, offload_params=True, unit_size_mb=0), {}),
+]
+
+
+#: Parts of host steps started during backward, counted as the steps take them (whether the early path ran).
+STARTED_EARLY = [0]
+_take = EarlyHostSteps.take
+
+
+def _counting_take(self: EarlyHostSteps) -> list:
+    parts = _take(self)
+    STARTED_EARLY[0] += len(parts)
+    return parts
+
+
+EarlyHostSteps.take = _counting_take  # type: ignore[method-assign]
+
+
+class LastLoss(L.Callback):
+    def __init__(self) -> None:
+        self.loss = math.nan
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.loss = float(outputs["loss"])
+
+
+def train(args: argparse.Namespace, precision: str, stage: int, settings: dict[str, Any],
+          trainer_settings: dict[str, Any]) -> tuple[dict[str, torch.Tensor], float]:
+    """The full parameters after ``args.steps`` optimizer steps, and the last loss."""
+    L.seed_everything(0, verbose=False)
+    module = GPTLightningModule(**MODEL, learning_rate=1e-3)
+    data = RandomTokenDataModule(vocab_size=MODEL["vocab_size"], block_size=MODEL["block_size"], batch_size=4,
+                                 num_samples=64)
+    last = LastLoss()
+    trainer = L.Trainer(
+        accelerator=args.accelerator, devices=1, strategy=ZeroStrategy(stage=stage, **settings), precision=precision,
+        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[last], **trainer_settings,
+    )
+    STARTED_EARLY[0] = 0
+    trainer.fit(module, data)
+    full = trainer.strategy.full_state_dict()  # type: ignore[attr-defined]
+    return {k: v.detach().double().cpu() for k, v in full.items()}, last.loss
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--precision", default="32-true,bf16-mixed", help="comma-separated")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    args = p.parse_args(argv)
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        print("cuda_checks.py needs a CUDA device (or --accelerator cpu).", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(0) if args.accelerator == "cuda" else "CPU"
+    print(f"{device}, torch {torch.__version__}, Lightning {L.__version__}, {args.steps} steps")
+    chosen = set(args.cases.split(",")) if args.cases else None
+    failed: list[str] = []
+    print("| precision | case | parts started in backward | overlap vs after backward | vs no offload | "
+          "delayed update vs exact | last loss |")
+    print("|---|---|---|---|---|---|---|")
+    for precision in args.precision.split(","):
+        plain: dict[int, dict[str, torch.Tensor]] = {}
+        for name, stage, settings, trainer_settings in CASES:
+            if chosen is not None and name not in chosen:
+                continue
+            overlapped, loss = train(args, precision, stage, {**settings, "overlap_comm": True}, trainer_settings)
+            early = STARTED_EARLY[0]
+            after, _ = train(args, precision, stage, {**settings, "overlap_comm": False}, trainer_settings)
+            plain_key = hash((stage, tuple(sorted(trainer_settings.items()))))
+            if plain_key not in plain:
+                plain[plain_key], _ = train(args, precision, stage, {"bucket_size_mb": 0.05}, trainer_settings)
+            exact = max_diff(overlapped, after)
+            vs_plain = max_diff(overlapped, plain[plain_key])
+            delayed_text = "-"
+            if stage < 3 and settings.get("offload_optimizer") is True and not trainer_settings:
+                delayed, delayed_loss = train(args, precision, stage, {**settings, "offload_step_delay": 1}, {})
+                delayed_text = f"{max_diff(delayed, after):.2e} (loss {delayed_loss:.4f})"
+                if not math.isfinite(delayed_loss) or abs(delayed_loss - loss) > 0.05 * abs(loss):
+                    failed.append(f"{precision} {name}: delayed update loss {delayed_loss} against {loss}")
+            print(f"| {precision} | {name} | {early} | {exact:.1e} | {vs_plain:.1e} | {delayed_text} | {loss:.4f} |", flush=True)
+            if exact != 0.0:
+                failed.append(f"{precision} {name}: overlap_comm=True differs from False by {exact:.3e}")
+            bound = 5e-4 if precision == "32-true" else 2e-2
+            if vs_plain > bound:
+                failed.append(f"{precision} {name}: {vs_plain:.3e} from the run without offload (bound {bound:g})")
+    print("\n".join(["", "FAILED:", *failed]) if failed else "\nall checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
