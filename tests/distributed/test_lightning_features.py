@@ -136,15 +136,16 @@ def unfreezing_runs():
     return launch("tests.distributed.worker_lightning_features", "unfreezing", nprocs=2)["unfreezing"]
 
 
-@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage1_offload", "stage2_offload"])
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage1_offload", "stage2_offload", "stage3_offload"])
 def test_unfreezing_and_freezing_during_fit_match_plain_pytorch(unfreezing_runs, case):
     """``BaseFinetuning`` freezes a backbone before ``fit``, unfreezes it into a new param group at epoch 1
     (``unfreeze_and_add_param_group``) and the test freezes the head at epoch 2: the parameters of plain PyTorch
-    doing the same. Stages 1-2 grow their shard layout once, when the backbone joins."""
+    doing the same. Stages 1-2 grow their shard layout once, when the backbone joins; stage 3 with the optimizer
+    offloaded steps the backbone (no host master) where it is, beside the host's parts."""
     result = unfreezing_runs[case]
     assert result["steps"] == 12 and result["backbone_change"] > 1e-2
     assert result["diff"] <= 1e-5
-    if case != "stage3":
+    if not case.startswith("stage3"):
         assert [g["params"] for g in result["growths"]] == [4]
 
 

@@ -88,6 +88,14 @@ def test_stage3_steps_the_host_in_parts_bit_for_bit(request, case):
     assert result["param_diff_reference"] <= 1e-5
 
 
+def test_stage3_parts_step_on_the_kernel_of_one_call(report):
+    """Adagrad, whose fused CPU kernel does not take DTensors: each part steps host masters alone, on the fused
+    kernel as the one call and the host steps started during backward do, bit for bit."""
+    result = report["stage3_parts"]["full_adagrad"]
+    assert result["calls_per_step"] > 1 and result["calls_per_step_one_call"] == 1
+    assert result["param_diff_one_call"] == 0.0
+
+
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(request, stage):
     """``self.clip_gradients`` in ``on_before_optimizer_step``, where Lightning's clipping settings cannot see it."""

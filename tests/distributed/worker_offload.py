@@ -310,7 +310,9 @@ def during_backward() -> dict:
                           "threads": sorted(delayed_update_cases.ThreadNotingAdamW.threads)}
             else:
                 result["serial_early"] = probe.steps
-        if RANK == 0:
+        if RANK == 0 and adagrad:
+            result["param_diff_one_call"] = max_diff(finals[False], finals[True])
+        elif RANK == 0:
             reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
                                                    accumulate=ACCUMULATE, clip=0.0, unused_head=unused,
                                                    optimizer=delayed_update_cases.noting_optimizer)
@@ -345,15 +347,29 @@ class CountingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-class CountedRegression(models.Regression):
-    """``models.Regression`` under :class:`CountingAdamW`; ``hooked``: with a step hook, which keeps the step one call
-    (``optimizers.steps_in_parts``)."""
+class CountingAdagrad(torch.optim.Adagrad):
+    """Adagrad counted like :class:`CountingAdamW`: an optimizer whose fused CPU kernel does not take DTensors, so
+    which kernel steps the host masters depends on what the step's groups hold."""
 
-    def __init__(self, hooked: bool = False) -> None:
+    def step(self, closure=None):
+        CountingAdamW.calls += 1
+        return super().step(closure)
+
+
+class CountedRegression(models.Regression):
+    """``models.Regression`` under :class:`CountingAdamW` (or ``CountingAdagrad``); ``hooked``: with a step hook, which
+    keeps the step one call (``optimizers.steps_in_parts``)."""
+
+    def __init__(self, hooked: bool = False, adagrad: bool = False) -> None:
         super().__init__()
-        self.hooked = hooked
+        self.hooked, self.adagrad = hooked, adagrad
 
     def configure_optimizers(self):
+        if self.adagrad:
+            opt = CountingAdagrad(models.param_groups(self), lr=1e-2)
+            if self.hooked:
+                opt.register_step_pre_hook(lambda *_: None)
+            return opt
         opt = CountingAdamW(models.param_groups(self), lr=1e-2, betas=(0.9, 0.95))
         if self.hooked:
             opt.register_step_pre_hook(lambda *_: None)
@@ -366,12 +382,12 @@ def stage3_parts(offloads: tuple[bool | float, ...]) -> dict:
     stepping everything in one call and plain PyTorch; 4 steps of 2 accumulated micro-batches with clipping."""
     out = {}
     data = models.IndexedData()
-    for offload in offloads:
-        name = "full" if offload is True else "partial"
+    for offload, adagrad in [(offload, False) for offload in offloads] + [(True, True)] * (True in offloads):
+        name = ("full" if offload is True else "partial") + ("_adagrad" if adagrad else "")
         finals, calls = {}, {}
         for hooked in (False, True):
             L.seed_everything(7)
-            module = CountedRegression(hooked)
+            module = CountedRegression(hooked, adagrad)
             initial = {k: v.clone() for k, v in module.state_dict().items()}
             CountingAdamW.calls = 0
             t = trainer(ZeroStrategy(stage=3, offload_optimizer=offload, state_dict_type="full"), max_steps=STEPS,
@@ -379,7 +395,9 @@ def stage3_parts(offloads: tuple[bool | float, ...]) -> dict:
             t.fit(module, models.loader(data, BATCH))
             finals[hooked], calls[hooked] = t.strategy.full_state_dict(), CountingAdamW.calls / t.global_step
         result = {"calls_per_step": calls[False], "calls_per_step_one_call": calls[True]}
-        if RANK == 0:
+        if RANK == 0 and adagrad:
+            result["param_diff_one_call"] = max_diff(finals[False], finals[True])
+        elif RANK == 0:
             reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
                                                    accumulate=ACCUMULATE, clip=CLIP)
             result["param_diff_one_call"] = max_diff(finals[False], finals[True])

@@ -234,20 +234,24 @@ class FullyShardedOptimizer:
                 for i in started.indices:
                     masters.copy_into(i, local_tensor(engine.params[i]))
         result = None
-        with host_kernel(self.optimizer):
-            for rest, grads, landed in staged:
-                if landed is not None:
-                    landed.synchronize()
-                standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], grads.get(i)) for i in rest}}
-                with hosted_params(self.optimizer, standins):
-                    result = self.optimizer.step(**kwargs)
-                with torch.no_grad():
-                    for i in rest:
-                        masters.copy_into(i, local_tensor(engine.params[i]))
+        if any(id(p) not in engine.index for p in self._params()):  # stepped where they are, in a call of their own
+            in_place = {id(p): None for p in self._params() if id(p) in engine.index}
+            with hosted_params(self.optimizer, in_place), host_kernel(self.optimizer):
+                result = self.optimizer.step(**kwargs)
+        for rest, grads, landed in staged:
+            if landed is not None:
+                landed.synchronize()
+            standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], grads.get(i)) for i in rest}}
+            with hosted_params(self.optimizer, standins), host_kernel(self.optimizer):  # the kernel the worker's is
+                result = self.optimizer.step(**kwargs)
+            with torch.no_grad():
+                for i in rest:
+                    masters.copy_into(i, local_tensor(engine.params[i]))
         return result
 
     def _sitting_out(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
-        """Stand-ins that leave every parameter of the optimizer out of a part's step (a part then adds its own)."""
+        """Stand-ins that leave every parameter of the optimizer out of a part's step (a part then adds its own);
+        parameters the engine does not shard (added to the optimizer after setup) step in a call of their own."""
         return {id(p): None for p in self._params()}
 
     def step_during_backward(self, worker: HostSteps, heads: Sequence[FSDPModule]) -> bool:
