@@ -12,7 +12,9 @@ part's step starts at once in a worker thread, so the host steps the last layers
 gradients of the first. It is used in a synchronising backward where, besides ``overlap_comm`` (the default):
 
 * the step's coefficient is the averaging alone: no clipping (``gradient_clip_val`` unset and
-  ``configure_gradient_clipping`` not overridden) and no loss scaler (``16-mixed`` can skip a step on overflow);
+  ``configure_gradient_clipping`` not overridden), no loss scaler (``16-mixed`` can skip a step on overflow), and
+  no code of the user's between backward and the step (``on_after_backward`` or ``on_before_optimizer_step`` of
+  the module or of a callback, where ``clip_grad_norm_`` or an edit of ``.grad`` would come too late);
 * there is one backward a step (automatic optimization; at stages 1-2 a second backward into a part already stepped
   is refused by the reducer, loudly), no delayed update, no hybrid replicas (their sums are added after the
   reduction), no pipeline stages, every master on the host and an element-wise torch optimizer without step hooks
@@ -33,9 +35,9 @@ part's step first waits for the copies of its gradients (an event on the copy st
 previous step's copies of those masters to the device, queued before this backward).
 
 What may still change the gradients or skip the step after backward is refused once parts were stepped, with the
-fix in the message: clipping by hand (``OptimizerShards.local_gradients(for_change=True)``), and an
-``optimizer_step`` override that runs the closure but not ``optimizer.step()`` (found at the next backward, or at
-the skipped step's ``discard_gradients``).
+fix in the message: clipping by hand inside the step's closure (``OptimizerShards.local_gradients(for_change=True)``),
+and an ``optimizer_step`` override that runs the closure but not ``optimizer.step()`` (found at the next backward,
+or at the skipped step's ``discard_gradients``).
 
 [Note: the delayed update]
 Stages 1-2 (``ShardedOptimizer._step_delayed``). With the optimizer offloaded, an exact step leaves the device

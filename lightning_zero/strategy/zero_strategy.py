@@ -353,7 +353,8 @@ class ZeroStrategy(CheckpointingStrategy):
         return (bool(self.zero_config.offload_optimizer) and not self._accumulating and trainer is not None
                 and module.automatic_optimization and not trainer.gradient_clip_val
                 and not is_overridden("configure_gradient_clipping", module, pl.LightningModule)
-                and getattr(self.precision_plugin, "scaler", None) is None)
+                and getattr(self.precision_plugin, "scaler", None) is None
+                and not _may_change_gradients(module, getattr(trainer, "callbacks", [])))
 
     def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
         """Full (unsharded) gradients by parameter name, on every rank. Collective; for debugging and tests:
@@ -366,6 +367,20 @@ class ZeroStrategy(CheckpointingStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         for name, kwargs in REGISTERED_STRATEGIES.items():
             strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
+
+
+#: The hooks between backward and the optimizer step, whose code may change the gradients the step uses.
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _may_change_gradients(module: pl.LightningModule, callbacks: list[pl.Callback]) -> bool:
+    """Whether the module or a callback (other than this package's, which only read) runs code of its own in a hook
+    between backward and the step, e.g. clipping with ``torch.nn.utils.clip_grad_norm_``: a host step started during
+    backward would not see what it does to the gradients."""
+    return any(is_overridden(hook, module, pl.LightningModule) for hook in _GRADIENT_HOOKS) or any(
+        is_overridden(hook, callback, pl.Callback) for callback in callbacks
+        if type(callback).__module__.partition(".")[0] != "lightning_zero" for hook in _GRADIENT_HOOKS
+    )
 
 
 def _batch(args: tuple, kwargs: dict) -> Any:

@@ -98,9 +98,19 @@ def test_stage3_parts_step_on_the_kernel_of_one_call(report):
 
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_clipping_by_hand_after_parts_were_stepped_is_refused_with_the_fix(request, stage):
-    """``self.clip_gradients`` in ``on_before_optimizer_step``, where Lightning's clipping settings cannot see it."""
-    message = _report(request, stage)["during_backward"][f"clip_in_hook_stage{stage}"]
+    """``self.clip_gradients`` inside the step's closure (an ``optimizer_step`` override), where Lightning's clipping
+    settings cannot see it and no hook shows it."""
+    message = _report(request, stage)["during_backward"][f"clip_in_closure_stage{stage}"]
     assert "during backward" in message and "overlap_comm=False" in message and "gradient_clip_val" in message
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_a_hook_between_backward_and_the_step_keeps_the_whole_step_for_it(request, stage):
+    """``self.clip_gradients`` in ``on_before_optimizer_step`` (a module's or a callback's hook there may change the
+    gradients): no part starts during backward, and the run is bit for bit Lightning's ``gradient_clip_val``."""
+    result = _report(request, stage)["during_backward"][f"clip_in_hook_stage{stage}"]
+    assert result["early"] == [[0, 0]] * 4
+    assert result["diff"] == 0.0
 
 
 @pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.full)])

@@ -263,15 +263,23 @@ def partial() -> dict:
 
 
 class EarlyProbe(L.Callback):
-    """Stages 1-2: at every step, how many parts of the offloaded step started during backward, and how many of the
-    optimizer's buckets were still to land when the first of them started."""
+    """At every step, how many parts of the offloaded step started during backward, and how many of the optimizer's
+    pieces were still to land when the first of them started: read as the step takes them, since a callback with
+    a hook between backward and the step keeps the whole step for ``optimizer.step()``."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int]] = []
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        started = trainer.strategy.engine.optimizer_shards(optimizer).early.started
-        self.steps.append((len(started), max((p.pieces_in_flight for p in started), default=0)))
+    def on_train_start(self, trainer, pl_module):
+        early = trainer.strategy.engine.optimizer_shards(trainer.optimizers[0]).early
+        take = early.take
+
+        def noting_take():
+            started = take()
+            self.steps.append((len(started), max((p.pieces_in_flight for p in started), default=0)))
+            return started
+
+        early.take = noting_take
 
 
 def during_backward() -> dict:
@@ -310,9 +318,7 @@ def during_backward() -> dict:
                           "threads": sorted(delayed_update_cases.ThreadNotingAdamW.threads)}
             else:
                 result["serial_early"] = probe.steps
-        if RANK == 0 and adagrad:
-            result["param_diff_one_call"] = max_diff(finals[False], finals[True])
-        elif RANK == 0:
+        if RANK == 0:
             reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
                                                    accumulate=ACCUMULATE, clip=0.0, unused_head=unused,
                                                    optimizer=delayed_update_cases.noting_optimizer)
@@ -324,16 +330,26 @@ def during_backward() -> dict:
 
 
 def refusals(stage: int) -> dict:
-    """Clipping by hand after parts were stepped during backward, and a step skipped after them."""
+    """Clipping by hand after parts were stepped during backward, and a step skipped after them; clipping in a hook
+    between backward and the step, which keeps the whole step for ``optimizer.step()``, against Lightning's own."""
     out = {}
     pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
-    for key, module in (("clip_in_hook", ClippingInHook()), ("step_skipped", SkippingTheFirstStep())):
+    for key, module in (("clip_in_closure", ClippingInClosure()), ("step_skipped", SkippingTheFirstStep())):
         t = trainer(ZeroStrategy(stage=stage, offload_optimizer=True, **pieces), max_steps=STEPS)
         try:
             t.fit(module, models.loader(models.IndexedData(), BATCH))
             out[f"{key}_stage{stage}"] = "no error"
         except RuntimeError as err:
             out[f"{key}_stage{stage}"] = str(err)
+    finals, probe = {}, EarlyProbe()
+    for make, clip, callbacks in ((ClippingInHook, None, [probe]), (delayed_update_cases.NotingRegression, 0.5, [])):
+        L.seed_everything(7)
+        module = make()
+        t = trainer(ZeroStrategy(stage=stage, offload_optimizer=True, state_dict_type="full", **pieces),
+                    max_steps=STEPS, gradient_clip_val=clip, callbacks=callbacks)
+        t.fit(module, models.loader(models.IndexedData(), BATCH))
+        finals[clip] = t.strategy.full_state_dict()
+    out[f"clip_in_hook_stage{stage}"] = {"early": probe.steps, "diff": max_diff(finals[None], finals[0.5]) if RANK == 0 else None}
     return out
 
 
@@ -426,8 +442,21 @@ class SkippingTheFirstStep(delayed_update_cases.NotingRegression):
             optimizer.step(closure=optimizer_closure)
 
 
+class ClippingInClosure(delayed_update_cases.NotingRegression):
+    """Clips by hand inside the step's closure, right after backward, where neither Lightning nor a hook can show
+    it: too late for parts the host already stepped."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        def clipping_closure():
+            loss = optimizer_closure()
+            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            return loss
+
+        optimizer.step(closure=clipping_closure)
+
+
 class ClippingInHook(delayed_update_cases.NotingRegression):
-    """Clips by hand after backward, where Lightning cannot see it: too late for parts the host already stepped."""
+    """Clips by hand in the hook before the step, where Lightning's clipping settings cannot see it."""
 
     def on_before_optimizer_step(self, optimizer):
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
