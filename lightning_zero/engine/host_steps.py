@@ -95,10 +95,16 @@ class PendingUpdate:
 
 
 class HostSteps:
-    """The worker thread host steps run in, one engine's steps in the order they were started."""
+    """The worker thread host steps run in, one engine's steps in the order they were started. On a CUDA ``device``
+    the thread works with that device current (as DataLoader's pinning thread does): its first CUDA call (waiting for
+    a copy's event) would otherwise open a context on device 0 from every rank."""
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_zero-host-step")
+    def __init__(self, device: torch.device | None = None) -> None:
+        def use_device() -> None:
+            if device is not None and device.type == "cuda":
+                torch.cuda.set_device(device)
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lightning_zero-host-step", initializer=use_device)
         self._last: Future[object] | None = None
 
     def start(self, step: Callable[[], object]) -> PendingUpdate:

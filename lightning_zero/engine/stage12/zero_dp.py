@@ -99,7 +99,7 @@ class ZeroDataParallel:
             cast_parameters(module, [p for _, p in named], policy)
         self._plan(named)
         #: ``offload_step_delay=1``: the thread the optimizers' host steps run in ([Note: the delayed update]).
-        self.host_steps = HostSteps() if offload_step_delay else None
+        self.host_steps = HostSteps(self.reducer.device) if offload_step_delay else None
         #: The thread parts of the exact offloaded step run in during backward (made on first use).
         self._early_worker: HostSteps | None = None
         self._optimizers: dict[int, ShardedOptimizer] = {}
@@ -251,7 +251,7 @@ class ZeroDataParallel:
             return
         if self.reducer.stages_on_landing:
             if self._early_worker is None:
-                self._early_worker = HostSteps()
+                self._early_worker = HostSteps(self.reducer.device)
             if shards.step_during_backward(self._early_worker):
                 self.reducer.on_landed = shards.bucket_landed
 

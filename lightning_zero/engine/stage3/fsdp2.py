@@ -336,7 +336,7 @@ class FullyShardedEngine:
         if shards is None or self.finished is None or not self._reducing or self.masters is None:
             return
         if self._early_worker is None:
-            self._early_worker = HostSteps()
+            self._early_worker = HostSteps(self.device)
         if shards.step_during_backward(self._early_worker, self._heads):
             self.finished.listen(shards.unit_finished)
 
