@@ -234,7 +234,9 @@ class FullyShardedOptimizer:
                 for i in started.indices:
                     masters.copy_into(i, local_tensor(engine.params[i]))
         result = None
-        if any(id(p) not in engine.index for p in self._params()):  # stepped where they are, in a call of their own
+        # Parameters the engine does not shard step where they are, in a call of their own: only when one has a
+        # gradient (frozen parameters in the groups cost no call).
+        if any(id(p) not in engine.index and p.grad is not None for p in self._params()):
             in_place = {id(p): None for p in self._params() if id(p) in engine.index}
             with hosted_params(self.optimizer, in_place), host_kernel(self.optimizer):
                 result = self.optimizer.step(**kwargs)
