@@ -190,7 +190,7 @@ def async_top_k(directory: Path) -> dict:
         counter = CompleteCheckpoints(where)
         L.seed_everything(7)
         ckpt = ModelCheckpoint(dirpath=where, monitor="train_loss", mode="min", save_top_k=1, every_n_train_steps=1)
-        t = trainer(ZeroStrategy(stage=2, async_save=mode == "async"), max_steps=6, enable_checkpointing=True,
+        t = trainer(ZeroStrategy(stage=2, async_save=mode == "async"), max_steps=4, enable_checkpointing=True,
                     callbacks=[counter, ckpt], **COMMON)
         t.fit(Wide(), loader())
         if RANK == 0:
