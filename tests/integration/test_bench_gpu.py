@@ -3,6 +3,9 @@ through its development switch) so that the script a GPU session runs has not ro
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +67,19 @@ def test_both_parts_run_end_to_end_on_the_cpu() -> None:
     throughput, _, largest = proc.stdout.partition("largest that trains")
     assert "zero3+offload_params" in throughput and "tokens/s" in throughput
     assert "zero2" in largest and "2 x 128" in largest  # the second rung trains
+
+
+def test_the_gpu_session_script_asks_only_for_what_the_benchmarks_accept() -> None:
+    """benchmarks/gpu_session.sh is what a session with a GPU lent runs first: its commands must still parse when
+    that session comes (a typo there would cost a device call)."""
+    listed = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env={**os.environ, "DRY": "1"},
+                            capture_output=True, text=True, timeout=30, cwd=ROOT, check=True).stdout
+    commands = [shlex.split(line.split("): ", 1)[1]) for line in listed.splitlines() if line.startswith("== ")]
+    assert len(commands) == 3, listed
+    for command in commands:
+        assert command[0] == "python" and (ROOT / command[1]).is_file(), command
+        if command[1].endswith("bench_gpu.py"):
+            args = bench_gpu.parse_args(command[2:])
+            assert set(args.systems) <= set(bench_gpu.THROUGHPUT_SYSTEMS), args.systems
+            if args.model is not None:
+                assert json.loads(args.model)["n_embd"] == 2048  # the 1.34B GPT of the offload targets
