@@ -210,6 +210,9 @@ class ZeroPrecision(Precision):
     # ------------------------------------------------------------------ loss scaling
     @override
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
+        # New gradients come: the last step's are final no longer. Kept until now, so that reading the step's gradients
+        # after it (``lightning_zero.grad_norm`` in ``on_train_batch_end``) does not unscale them a second time.
+        self._found_inf.clear()
         if self.scaler is not None:
             tensor = tensor * self.scaler.scale
         return super().pre_backward(tensor, module)
@@ -242,7 +245,6 @@ class ZeroPrecision(Precision):
         return bool(flag.item() > 0)
 
     def _end_step(self, optimizer: Optimizer, found_inf: bool) -> None:
-        self._found_inf.pop(id(optimizer), None)
         if self.scaler is None:
             return
         before = self.scaler.scale

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +42,8 @@ from lightning_zero.strategy.processes import require
 from lightning_zero.strategy.sharding import NOT_SHARDED, construction_device, shard_model
 from lightning_zero.strategy.swa import average_sharded_weights
 
+#: The strategies set up in this process, for what is handed only a module (``gradient_norms.grad_norm``).
+RUNNING: weakref.WeakSet[ZeroStrategy] = weakref.WeakSet()
 #: The constructor arguments that are :class:`ZeroConfig` fields (validated there, in one place).
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 
@@ -170,6 +173,7 @@ class ZeroStrategy(CheckpointingStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         apply_to_trainer(self._deepspeed, trainer)
         self._sharded, self._failed = NOT_SHARDED, False  # never reuse an earlier run's (another module's, maybe)
+        RUNNING.add(self)
         precision = self.precision_plugin
         if fitting and self._layer_sync:
             model = self._layer_sync.apply(model)
@@ -212,6 +216,7 @@ class ZeroStrategy(CheckpointingStrategy):
 
     @override
     def teardown(self) -> None:
+        RUNNING.discard(self)
         error = self.finish_processes()  # the exit agreement comes first (processes.py)
         self.close_checkpoints()
         trainer = trainer_of(self.lightning_module)

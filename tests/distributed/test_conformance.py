@@ -69,3 +69,11 @@ def test_refusals_say_why(representative):
     """Lightning refuses batch-size tuning for every distributed strategy; ZeroStrategy follows it, with its message."""
     for run in representative["batch_size_finder"].values():
         assert "not supported with distributed strategies" in run["error"]
+
+
+def test_gradient_norms_are_logged_as_under_ddp(representative):
+    """``lightning_zero.grad_norm`` in ``on_before_optimizer_step``: the keys and values of Lightning's ``grad_norm``
+    under ``ddp`` (compared above), every parameter of the model among them."""
+    for stage, run in representative["grad_norm"].items():
+        norms = [k for k in run["metrics"] if k.startswith("grad_2.0_norm")]
+        assert "grad_2.0_norm_total" in norms and len(norms) > 10, (stage, norms)

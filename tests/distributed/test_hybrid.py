@@ -9,6 +9,7 @@ hybrid runs, stages and world sizes. The torchrun multi-node run is in tests/int
 import pytest
 
 from tests.distributed import worker_pretrained
+from tests.distributed.models import GradNormAgainstGathered
 from tests.launch import launch
 
 WORLD, K = 4, 2
@@ -79,6 +80,11 @@ def test_two_nodes_in_mixed_precision_match_the_emulation(nodes, case):
 @pytest.mark.parametrize("case", ["gpt2_stage3_bf16-mixed"])
 def test_two_nodes_train_hugging_face_gpt2_with_tied_embeddings(nodes, case):
     _check_hugging_face(case, nodes["exact"][case])
+
+
+def test_grad_norm_adds_each_parameters_rows_over_its_shard_group_once(nodes):
+    """Stage 2 on 2 simulated nodes: each parameter's norm is its full gradient's, not a replica's double count."""
+    GradNormAgainstGathered.check(nodes["exact"]["grad_norms_stage2"], steps=2, accumulate=2)
 
 
 @pytest.mark.full

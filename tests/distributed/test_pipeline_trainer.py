@@ -7,6 +7,7 @@ every rank."""
 
 import pytest
 
+from tests.distributed.models import GradNormAgainstGathered
 from tests.distributed.worker_pipeline_trainer import INITIAL_SCALE, MATRIX, WIDTH
 from tests.launch import launch
 
@@ -135,6 +136,13 @@ def test_pipeline_zero3_composes_with_offload_checkpointing_and_mixed_precision(
         assert result[name]["steps"] == 4 and result[name]["sharded"]
         assert result[name]["param_diff"] <= 1e-5, (name, result[name])
     assert result["bf16-mixed"]["param_diff"] < 0.05  # bf16 compute, fp32 masters: close, as at stages 1-2
+
+
+@pytest.mark.many_ranks
+@pytest.mark.parametrize("run", ["activation_checkpointing", "bf16-mixed"])
+def test_grad_norm_reports_every_pipeline_stage_on_every_rank(four_ranks, run):
+    """2 stages x 2 replicas at ZeRO-3: each rank's ``lightning_zero.grad_norm`` holds every stage's parameters."""
+    GradNormAgainstGathered.check(four_ranks["zero3_composed"][run]["grad_norms"], steps=4, accumulate=2)
 
 
 @pytest.mark.many_ranks

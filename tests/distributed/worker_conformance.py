@@ -116,8 +116,19 @@ def _lr_logged(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
     return {"lr_columns": sorted(c for c in header.split(",") if c.startswith("lr-"))}
 
 
+class LogGradNorms(cb.Callback):
+    """What Lightning's docs log from ``on_before_optimizer_step``: each parameter's gradient norm and their total,
+    through ``lightning_zero.grad_norm`` (Lightning's own ``grad_norm`` under ``ddp``)."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning_zero import grad_norm
+
+        pl_module.log_dict(grad_norm(pl_module.model, norm_type=2))
+
+
 FEATURES: dict[str, dict[str, Any]] = {
     "accumulate_clip": dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5),
+    "grad_norm": dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[LogGradNorms()]),
     "val_check_interval": dict(max_epochs=1, val_check_interval=3, limit_val_batches=2),
     "limit_batches": dict(max_epochs=2, limit_train_batches=3, limit_val_batches=1),
     "overfit_batches": dict(max_epochs=2, overfit_batches=2),
@@ -181,10 +192,11 @@ def _fresh(callback):
 STAGES = ["zero1", "zero2", "zero3"]
 #: `make test`'s features, each at the stages where it meets the most engine code: the loop (accumulation and
 #: clipping; validation inside an accumulation window, where stage 3 holds its units gathered), a callback that
-#: stops it, checkpoints and their best-model bookkeeping, the evaluation entry points, and a refusal (the same at
-#: every stage). The other stages of these, and the other features at every stage: `make test-all`.
+#: stops it, checkpoints and their best-model bookkeeping, the evaluation entry points, gradient norms as Lightning's
+#: docs log them (stage 2 holds no `p.grad`, stage 3 DTensors), and a refusal (the same at every stage). The other stages of these, and the other features at every stage: `make test-all`.
 REPRESENTATIVE = {
     "accumulate_clip": ["zero1", "zero3"],
+    "grad_norm": ["zero2", "zero3"],
     "validation_inside_accumulation_window": ["zero2", "zero3"],
     "early_stopping": ["zero1"],
     "checkpoint_best": ["zero2", "zero3"],

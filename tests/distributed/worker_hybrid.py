@@ -25,6 +25,15 @@ def exact(stage: int, unused_head: bool = False, **kwargs) -> dict:
     return exactness(stage, strategy=strategy, unused_head=unused_head)
 
 
+def gradient_norms(stage: int, **kwargs) -> dict:
+    """``lightning_zero.grad_norm`` with rows spread over a shard group and its replicas, under accumulation."""
+    L.seed_everything(3)
+    check = models.GradNormAgainstGathered()
+    t = trainer(ZeroStrategy(stage=stage, **kwargs), max_steps=2, accumulate_grad_batches=2, callbacks=[check])
+    t.fit(GPTLightningModule(**worker_precision.GPT_KWARGS), models.loader(worker_precision.gpt_data(), 2))
+    return check.report()
+
+
 def _shard_numel(module: torch.nn.Module, k: int) -> int:
     """Elements of this rank's dim-0 chunks of the trainable parameters (rank 0: the first chunk)."""
     return sum(-(-p.shape[0] // k) * (p.numel() // p.shape[0]) for p in module.parameters() if p.requires_grad)
@@ -151,6 +160,7 @@ CASES = {
         "stage3_hpz": exact(3, secondary_shard_size=HYBRID),
         "stage3_bf16-mixed": mixed(3, "bf16-mixed", shard_size=HYBRID),
         "gpt2_stage3_bf16-mixed": hugging_face("gpt2", 3, "bf16-mixed", shard_size=HYBRID),
+        "grad_norms_stage2": gradient_norms(2, shard_size=HYBRID),
     },
     "exact_one_node": lambda directory: {f"stage{s}": exact(s, shard_size=HYBRID) for s in (1, 2, 3)},
     "exact_full": lambda directory: {

@@ -341,12 +341,17 @@ def zero3_composed() -> dict:
         ("bf16-mixed", {}, {"precision": "bf16-mixed"}),
     ):
         strategy = ZeroStrategy(stage=3, pipeline_stages=2, microbatches=4, **kwargs)
+        # grad_norm's stages and replicas, beside a run without offload (a hook keeps an offloaded step whole)
+        check = models.GradNormAgainstGathered() if "offload_optimizer" not in kwargs else None
+        if check is not None:
+            trainer_kwargs = {**trainer_kwargs, "callbacks": [LoggedLosses(), check]}
         t, module = fit(strategy, WORLD // 2, epochs=1, **trainer_kwargs)
         params = held_parameters(module)
         out[name] = {
             "param_diff": max_diff({k: v.float() for k, v in params.items()}, expected),
             "steps": t.global_step,
             "sharded": all(isinstance(p, DTensor) for p in module.parameters() if not p.is_meta),
+            "grad_norms": check.report() if check is not None else None,
         }
     return out
 

@@ -44,11 +44,20 @@ def precision_kwargs(precision: str) -> dict:
 
 
 class LossRecorder(L.Callback):
-    """The mean over ranks of every step's training loss, and what the compute parameters are held in."""
+    """The mean over ranks of every step's training loss, and what the compute parameters are held in. After each
+    batch it also reads the gradient norms (``lightning_zero.grad_norm``), where a logging callback would: reading
+    the step's gradients after the step must change nothing (stage 3 keeps them until the next backward): the norm
+    is the one the step saw, or none (stages 1-2 consume their gradients at the step)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.dtypes: dict[str, str] = {}
+        self.norms: list[tuple[float, float]] = []  # the total gradient norm before each step, and after it
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning_zero import grad_norm
+
+        self.norms.append((float(grad_norm(pl_module, 2)["grad_2.0_norm_total"]), float("nan")))
 
     def on_after_backward(self, trainer, pl_module):
         if not self.dtypes:
@@ -58,6 +67,11 @@ class LossRecorder(L.Callback):
         # Lightning hands this hook the loss divided by `accumulate_grad_batches`.
         loss = outputs["loss"].detach().float() * trainer.accumulate_grad_batches
         self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
+        from lightning_zero import grad_norm
+
+        after = float(grad_norm(pl_module, 2).get("grad_2.0_norm_total", 0.0))
+        if self.norms and self.norms[-1][1] != self.norms[-1][1]:  # the first batch end since that step's hook
+            self.norms[-1] = (self.norms[-1][0], after)
 
 
 # ---------------------------------------------------------------------- cases
@@ -88,6 +102,7 @@ def tracks_reference(stage: int, precision: str, steps: int = 20, accumulate: in
         "final_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
         "loss_scale": plugin.loss_scale,
         "skipped": plugin.scaler.skipped_steps if plugin.scaler is not None else 0,
+        "norms": recorder.norms,
     }
     if RANK == 0:
         kwargs = dict(world=WORLD, batch=BATCH, steps=steps, clip=CLIP)
