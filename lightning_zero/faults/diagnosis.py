@@ -91,10 +91,7 @@ def peer_failed(rank: int, peer: Peer, me: Record | None = None) -> Diagnosis | 
     if peer.liveness == "dead" and record.crash:
         return crashed(record, me)
     if record.state == FAILED:
-        # Worded as the failing rank's own record of it (``Watchdog.on_exception``): a peer that read the rank's
-        # heartbeat before its first-failure record names the same cause in the same words.
-        cause = f"raised {record.error}" if record.error else "failed"
-        return Diagnosis("failed", rank, f"rank {rank} {cause}; it was {record.where()}")
+        return Diagnosis("failed", rank, f"rank {rank} failed ({record.error or 'error'}); it was {record.where()}")
     if peer.liveness == "dead" and record.state == RUNNING and record.signal:
         return Diagnosis("sigterm", rank, f"rank {rank}'s process ended after it received {record.signal}; it was last "
                                           f"seen {record.where()}.")

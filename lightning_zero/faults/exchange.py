@@ -109,16 +109,16 @@ class Exchange:
 
     def _cycle(self) -> None:
         store = self.store
+        outgoing = self.outgoing  # taken first: a record that says "failed" was made after the failure was handed over
         try:
             if self.failure_out is not None:
                 failures.record(store, self.namespace, self.failure_out)
                 self.failure_out = None
-            if self.outgoing is not None:
-                store.set(self.key(self.rank), self.outgoing)
+            if outgoing is not None:
+                store.set(self.key(self.rank), outgoing)
             if self.finishing and not self._added:
                 store.add(f"{self.namespace}/finished", 1)
                 self._added = True
-            failure = failures.read(store, self.namespace)
             wanted = list(self.wanted)
             keys = [self.key(r) for r in wanted]
             records: dict[int, bytes] = {}
@@ -129,6 +129,10 @@ class Exchange:
                 for rank, key in zip(wanted, keys):
                     if store.check([key]):
                         records[rank] = store.get(key)
+            # After the records: a rank that fails writes its failure before its record says so (``failure_out`` goes
+            # out first in a cycle), so a snapshot holding a failed record holds the failure too, even when that rank's
+            # process (the store's host, maybe) is gone before the next round trip.
+            failure = failures.read(store, self.namespace)
             finished = store.add(f"{self.namespace}/finished", 0) if self.finishing else 0
         except Exception as error:  # noqa: BLE001 - the store host is gone or the run's store was torn down
             self.error = short(error)

@@ -390,11 +390,11 @@ class Watchdog:
                 return self._agreement_failed(outcome)
 
     def _agreement_failed(self, found: Diagnosis) -> CollectiveError:
+        if self.exchange.snapshot.failure is None:  # before this rank's record says "failed" (see exchange.py)
+            self.exchange.failure_out = found.to_failure(self.rank)
         self.state = FAILED
         self.error = found.summary[:300]
         print(f"[lightning_zero] rank {self.rank}: {found.text()}", file=sys.stderr, flush=True)
-        if self.exchange.snapshot.failure is None:
-            self.exchange.failure_out = found.to_failure(self.rank)
         self.exchange.outgoing = self._record(Activity(seq=self._seq())).encode()
         self.exchange.flush(2.0)
         return CollectiveError(f"[lightning_zero] {found.text()}")
