@@ -14,7 +14,11 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
   in :mod:`lightning_zero.engine.comm.collectives` (so ZeroStrategy runs only);
 * ``monitor/comm_inter_node_MiB``: the part of it that went over process groups spanning several nodes
   (with hybrid sharding, only the gradient shards' all-reduce across nodes);
-* ``monitor/loss_scale``: under fp16 with ``ZeroPrecision``, the dynamic loss scale.
+* ``monitor/loss_scale``: under fp16 with ``ZeroPrecision``, the dynamic loss scale;
+* ``monitor/grad_{p}_norm`` (with ``grad_norm_type=p``): the norm of the step's full gradient, as
+  :func:`lightning_zero.grad_norm` computes it. The monitor reads the gradients without changing them, so an
+  offloaded step still starts during backward (a hook of the user's own between backward and the step keeps it for
+  ``optimizer.step()``, see [Note: the host step during backward]).
 
 The per-rank figures are gathered to every rank with one small all-gather at each logging step, made
 with `collectives.all_gather_uncounted`, so that the monitor's own traffic is not counted as the model's.
@@ -34,6 +38,7 @@ import torch
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.collectives import comm_stats
+from lightning_zero.gradient_norms import grad_norm
 from lightning_zero.planning.accounting import model_state_bytes
 
 MIB = 2**20
@@ -77,15 +82,26 @@ class ZeroMonitor(pl.Callback):
         log_every_n_steps: how often (in optimizer steps) to measure and log; the Trainer's
             ``log_every_n_steps`` by default (0 switches the monitor off, as it switches Lightning's logging off).
         prog_bar: also show ``tok/s``, ``state_MiB`` (the largest rank's) and ``comm_MiB`` in the progress bar.
+        grad_norm_type: also log the norm of the step's gradient (``2``, ``1``, ``"inf"``, any positive p); None:
+            not. Under automatic optimization, where each step has one gradient.
 
     Steps are counted by ``trainer.global_step``, which is one per optimizer step under automatic
     optimization (accumulation included). The first logged step's state has no optimizer state yet if it
     is the very first step: optimizers create theirs at their first ``step()``.
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, prog_bar: bool = True) -> None:
+    def __init__(self, log_every_n_steps: int | None = None, prog_bar: bool = True,
+                 grad_norm_type: float | str | None = None) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 0:
             raise ValueError(f"ZeroMonitor(log_every_n_steps={log_every_n_steps}) must be >= 0 (or None).")
+        try:
+            norm_type = None if grad_norm_type is None else float(grad_norm_type)
+        except (TypeError, ValueError):
+            norm_type = math.nan
+        if norm_type is not None and not norm_type > 0:
+            raise ValueError(f"ZeroMonitor(grad_norm_type={grad_norm_type!r}) must be a positive number or 'inf' (or None).")
+        self.grad_norm_type = norm_type
+        self._grad_norm: float | None = None
         self.log_every_n_steps = log_every_n_steps
         self.prog_bar = prog_bar
         #: the last logged figures, by metric name (also what was sent to the loggers)
@@ -126,6 +142,12 @@ class ZeroMonitor(pl.Callback):
             engine = getattr(trainer.strategy, "engine", None)
             self._state = model_state_bytes(pl_module, trainer.optimizers, engine)
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # The gradients are final here (averaged, unscaled), before clipping; every rank reaches this collective.
+        if self.grad_norm_type is not None and pl_module.automatic_optimization and self._logs_at(trainer, trainer.global_step + 1):
+            norms = grad_norm(pl_module, self.grad_norm_type)
+            self._grad_norm = float(norms.get(f"grad_{self.grad_norm_type}_norm_total", math.nan))
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step == self._step_before:
             return  # an accumulation micro-batch: the step is not over yet
@@ -159,6 +181,9 @@ class ZeroMonitor(pl.Callback):
         scale = loss_scale(trainer.strategy.precision_plugin)
         if scale is not None:
             metrics["monitor/loss_scale"] = scale
+        if self._grad_norm is not None:
+            metrics[f"monitor/grad_{self.grad_norm_type:g}_norm"] = self._grad_norm
+            self._grad_norm = None
         self.last = metrics
         # Straight to the loggers: `self.log` would wait for the Trainer's own logging cadence. The step is
         # the one Lightning writes its own metrics of this optimizer step under.

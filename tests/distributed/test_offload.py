@@ -66,6 +66,8 @@ def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(repor
     assert result["param_diff_reference"] <= 1e-5
     assert result["module_diff"] == 0.0
     assert result["serial_early"] == [[0, 0]] * 4
+    overlapped, serial = result["monitor_grad_norms"]  # ZeroMonitor(grad_norm_type=2) read them on the way, both runs
+    assert overlapped == serial and overlapped > 0
     if case.endswith("unused"):
         # A head no rank uses: whether some rank did is known only when backward ends (stage 3: FSDP2 reduces nothing
         # for it), so its part waits for the step.

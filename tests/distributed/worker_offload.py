@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.planning.accounting import live_tensor_bytes, model_state_bytes
+from lightning_zero.monitor import ZeroMonitor
 from tests.distributed import delayed_update_cases, models
 from tests.distributed.worker_checkpoint import interrupted, optim_diff, straight
 from tests.distributed.worker_core import RANK, WORLD, GradientRecorder, max_diff, trainer
@@ -293,7 +294,7 @@ def during_backward() -> dict:
              ("stage2_every_microbatch", 2, False, True, False), ("stage3", 3, False, False, False),
              ("stage3_unused", 3, True, False, False), ("stage3_reduced_in_place", 3, False, False, True)]
     for name, stage, unused, every, hooked in cases:
-        finals = {}
+        finals, norms = {}, {}
         # Stage 3: one unit per layer, so that units finish one by one during backward.
         pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
         for overlap in (True, False):
@@ -301,14 +302,17 @@ def during_backward() -> dict:
             module = (HookedRegression if hooked else delayed_update_cases.NotingRegression)(unused_head=unused)
             initial = {k: v.clone() for k, v in module.state_dict().items()}
             probe = EarlyProbe()
+            # the monitor's gradient norm reads the gradients between backward and the step, and leaves parts started
+            monitor = ZeroMonitor(log_every_n_steps=1, prog_bar=False, grad_norm_type=2)
             delayed_update_cases.ThreadNotingAdamW.threads = set()
             t = trainer(
                 ZeroStrategy(stage=stage, offload_optimizer=True, overlap_comm=overlap, reduce_every_microbatch=every,
                              state_dict_type="full", **pieces),
-                max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=[probe],
+                max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=[probe, monitor],
             )
             t.fit(module, models.loader(data, BATCH))
             finals[overlap] = t.strategy.full_state_dict()
+            norms[overlap] = monitor.last.get("monitor/grad_2_norm")
             if overlap:
                 module_now = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
                               for n, p in module.named_parameters()}
@@ -318,6 +322,7 @@ def during_backward() -> dict:
                           "threads": sorted(delayed_update_cases.ThreadNotingAdamW.threads)}
             else:
                 result["serial_early"] = probe.steps
+                result["monitor_grad_norms"] = (norms[True], norms[False])
         if RANK == 0:
             reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
                                                    accumulate=ACCUMULATE, clip=0.0, unused_head=unused,

@@ -1,5 +1,5 @@
 """ZeroMonitor in one process: its cadence under gradient accumulation, switching it off, and the fp16
-loss scale of Lightning's own GradScaler (the multi-rank figures are in tests/integration/test_monitor.py)."""
+loss scale of Lightning's own GradScaler, the gradient norm (the multi-rank figures are in tests/integration/test_monitor.py)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,11 @@ def test_lightning_fp16_grad_scaler_is_reported(tmp_path):
 def test_tokens_are_integer_inputs_and_samples_otherwise():
     assert count_tokens((torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))) == (64, "tokens")
     assert count_tokens({"image": torch.zeros(4, 3, 8, 8)}) == (4, "samples")
+
+
+def test_the_gradient_norm_is_logged_at_the_monitors_cadence_and_a_bad_type_is_refused(tmp_path):
+    rows = fit(tmp_path, ZeroMonitor(log_every_n_steps=2, grad_norm_type="inf"), accumulate_grad_batches=3)
+    assert [int(r["step"]) for r in rows] == [1, 3, 5] and all(float(r["monitor/grad_inf_norm"]) > 0 for r in rows)
+    for bad in (0, -2.0, "two"):
+        with pytest.raises(ValueError, match=f"grad_norm_type={bad!r}"):
+            ZeroMonitor(grad_norm_type=bad)
