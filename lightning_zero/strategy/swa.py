@@ -1,4 +1,5 @@
-"""Lightning's ``StochasticWeightAveraging`` under ZeRO-3.
+"""Lightning's weight averaging callbacks (``StochasticWeightAveraging``, and ``WeightAveraging`` with its
+``EMAWeightAveraging``) under ZeRO.
 
 The callback deep-copies the LightningModule in its ``setup`` hook, before the strategy shards it, and then averages
 ``zip(average.parameters(), module.parameters())`` element by element. At stage 3 the module's parameters are
@@ -8,21 +9,35 @@ shard as well as on the whole tensor: :func:`average_sharded_weights` gives the 
 parameters (1/N of the weights per rank, not a whole model) and it averages exactly what ``ddp`` averages.
 
 Its ``state_dict`` holds whole tensors, as ``ddp``'s does: a checkpoint's callback state is written by rank 0 alone
-(``meta.pt``). Saving gathers each parameter, and loading keeps this rank's rows. After the callback moves the
-average into the module, the engine refreshes whatever it keeps beside the parameters (host master copies).
+(``meta.pt``). Saving gathers each parameter, and loading keeps this rank's rows. ``WeightAveraging`` deep-copies
+the module into a ``torch.optim.swa_utils.AveragedModel`` the same way; at stage 3 it gets one over a mirror of the
+sharded parameters and buffers (:func:`sharded_mirror`), whose ``parameters()`` run in the module's order.
+
+At every stage, when a callback moves the average into the module (at the end of training), the optimizer's own
+rows take it too (:func:`adopt_module_parameters`): fp32 masters and host copies (mixed precision, offload) would
+otherwise hand the module the trained weights back when ``fit`` ends.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
+from torch.optim.swa_utils import AveragedModel
 
 from lightning_zero.engine.api import ShardingEngine
+from lightning_zero.engine.shard import local_rows
+
+try:  # Lightning 2.6
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # pragma: no cover - older Lightning has StochasticWeightAveraging only
+    WeightAveraging = None  # type: ignore[assignment,misc]
 
 
 class ShardedAverage:
@@ -62,23 +77,76 @@ def _rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
     return whole[index]
 
 
-def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None) -> None:
-    """Point every ``StochasticWeightAveraging`` callback at the sharded parameters when the engine shards the
-    module in place (stage 3); stages 1-2 keep whole parameters and the callback's own copy works there."""
-    if engine is None or not engine.shards_module_in_place:
+def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None,
+                            sharded_checkpoints: bool = True) -> None:
+    """Point every weight averaging callback at the sharded parameters when the engine shards the module in place
+    (stage 3; stages 1-2 keep whole parameters and the callback's own copy works there), and make the engine adopt
+    the average the callback moves into the module (every stage). ``sharded_checkpoints``: the run's checkpoints are
+    sharded directories, from which ``WeightAveraging`` cannot resume yet (it is warned of)."""
+    if engine is None:
         return
-    refresh = engine.params_loaded
+    if WeightAveraging is not None and any(isinstance(c, WeightAveraging) for c in _callbacks(trainer)) and (
+            sharded_checkpoints or engine.shards_module_in_place):
+        rank_zero_warn(
+            "WeightAveraging (EMAWeightAveraging): training, validation and the final weights are those of Lightning's "
+            "ddp, but a checkpoint it writes (the average in place of the model's weights) cannot be resumed here yet: "
+            "fit(ckpt_path=...) fails in the callback's on_load_checkpoint. Resuming works from "
+            "ZeroStrategy(state_dict_type='full') checkpoints at stages 1 and 2."
+        )
+    adopt = functools.partial(adopt_module_parameters, engine)
+    in_place = engine.shards_module_in_place
     for callback in _callbacks(trainer):
         if isinstance(callback, StochasticWeightAveraging):
-            # A stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has.
-            callback._average_model = ShardedAverage(module)  # type: ignore[assignment]
+            if in_place:  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
+                callback._average_model = ShardedAverage(module)  # type: ignore[assignment]
 
-            def transfer_and_refresh(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
+            def transfer_and_adopt(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
                 # The class's own method, not the instance's: a second fit must not wrap the first fit's wrapper.
                 StochasticWeightAveraging.transfer_weights(src_pl_module, dst_pl_module)
-                refresh()  # e.g. host masters of the parameters now hold the average too
+                adopt()
 
-            callback.transfer_weights = transfer_and_refresh  # type: ignore[method-assign]  # this instance's only
+            callback.transfer_weights = transfer_and_adopt  # type: ignore[method-assign]  # this instance's only
+        elif WeightAveraging is not None and isinstance(callback, WeightAveraging):
+            if in_place:
+                callback._average_model = AveragedModel(
+                    sharded_mirror(module), device=callback._device, use_buffers=callback._use_buffers, **callback._kwargs
+                )
+
+            def copy_and_adopt(pl_module: pl.LightningModule, callback: Any = callback) -> None:
+                WeightAveraging._copy_average_to_current(callback, pl_module)
+                adopt()
+
+            callback._copy_average_to_current = copy_and_adopt  # type: ignore[method-assign]  # this instance's only
+
+
+def sharded_mirror(module: torch.nn.Module) -> torch.nn.Module:
+    """Plain modules in ``module``'s hierarchy holding detached copies of its parameters (this rank's DTensor shards)
+    and buffers under the same names, so that ``parameters()`` and ``buffers()`` run in the same order (a tied
+    parameter stays one tensor)."""
+    copies: dict[int, torch.Tensor] = {}
+    mirrors: dict[int, torch.nn.Module] = {}
+    for name, source in module.named_modules(remove_duplicate=False):
+        mirror = mirrors.setdefault(id(source), torch.nn.Module())
+        if name:
+            parent, _, child = name.rpartition(".")
+            mirrors[id(module.get_submodule(parent))].add_module(child, mirror)
+        for key, p in source.named_parameters(recurse=False):
+            copy = copies.setdefault(id(p), torch.nn.Parameter(p.detach().clone(), requires_grad=False))
+            mirror.register_parameter(key, copy)  # type: ignore[arg-type]
+        for key, b in source.named_buffers(recurse=False):
+            mirror.register_buffer(key, None if b is None else b.detach().clone())
+    return mirrors[id(module)]
+
+
+def adopt_module_parameters(engine: ShardingEngine) -> None:
+    """A callback wrote the module's parameters (the average): the optimizer's rows (fp32 masters, host copies) take
+    this rank's rows of them, and what derives from the rows is refreshed (collective)."""
+    with torch.no_grad():
+        for record in engine.records():
+            if not isinstance(record.param, DTensor):  # stage 3's rows are the parameter's own shard
+                rows = local_rows(record.param.detach(), engine.rank, engine.world_size)
+                record.rows.view(-1).copy_(rows.reshape(-1))
+    engine.params_loaded()
 
 
 def clear_schedulers_for_swa(trainer: pl.Trainer | None) -> None:

@@ -196,7 +196,8 @@ class ZeroStrategy(CheckpointingStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting:
             self.setup_checkpoints(trainer)
-            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), self.engine)
+            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), self.engine,
+                                    sharded_checkpoints=self.zero_config.state_dict_type == "sharded")
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

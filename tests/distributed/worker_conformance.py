@@ -141,6 +141,11 @@ FEATURES: dict[str, dict[str, Any]] = {
     "accumulate_clip": dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5),
     "grad_norm": dict(max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[LogGradNorms()]),
     "torch_clip_in_hook": dict(max_steps=4, accumulate_grad_batches=2, callbacks=[TorchClipInHook()]),
+    # The average is swapped in for validation, and moved into the module when training ends: the optimizer's own rows
+    # (host copies under offload) must take it, or fit's end hands the module the trained weights back.
+    "ema": dict(max_epochs=2, limit_train_batches=6, limit_val_batches=2, callbacks=[cb.EMAWeightAveraging(decay=0.9)]),
+    "swa": dict(max_epochs=3, limit_train_batches=4, limit_val_batches=2,
+                callbacks=[cb.StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)]),
     "val_check_interval": dict(max_epochs=1, val_check_interval=3, limit_val_batches=2),
     "limit_batches": dict(max_epochs=2, limit_train_batches=3, limit_val_batches=1),
     "overfit_batches": dict(max_epochs=2, overfit_batches=2),
@@ -210,6 +215,8 @@ REPRESENTATIVE = {
     "accumulate_clip": ["zero1", "zero3"],
     "grad_norm": ["zero2", "zero3"],
     "torch_clip_in_hook": ["zero3", "zero3_offload"],
+    "ema": ["zero2_offload", "zero3"],
+    "swa": ["zero2_offload"],
     "validation_inside_accumulation_window": ["zero2", "zero3"],
     "early_stopping": ["zero1"],
     "checkpoint_best": ["zero2", "zero3"],
