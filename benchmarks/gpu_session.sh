@@ -3,7 +3,7 @@
 # order a short lease should spend its time: the exactness checks first (a failure there makes every timing moot),
 # then the 136M host-bound rows with FSDP2 beside them, then the 1.34B offload rows. Each part has its own time
 # limit, so a slow part costs its own figures and not the rest; everything goes to $OUT (the device tool's folder)
-# or ./gpu-session. About 8 minutes on an H100 once the machine is up.
+# or ./gpu-session. The limits add up to one device call's, with room for the machine's start.
 #
 #   bash benchmarks/gpu_session.sh            # run it (on the device: `run` with timeout_s=560 leaves a rerun)
 #   DRY=1 bash benchmarks/gpu_session.sh      # print the commands only

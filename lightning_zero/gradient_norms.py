@@ -35,7 +35,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     strategy = _strategy_of(module)
     if strategy is None:  # its values are tensors too, whatever its annotation says
         return cast(dict[str, Tensor], lightning_grad_norm(module, norm_type, group_separator))
-    if strategy._accumulating:
+    if strategy.partial_gradients:  # also after such a micro-batch's backward, e.g. in its `on_train_batch_end`
         raise RuntimeError(
             "lightning_zero.grad_norm: in a micro-batch that accumulates gradients, each rank holds partial sums that "
             "are not reduced yet. Call it where the step's gradients are final: in `on_before_optimizer_step`."

@@ -56,8 +56,9 @@ class ZeroStrategy(CheckpointingStrategy):
     """
 
     strategy_name = "zero"
-    #: Inside a non-final micro-batch of gradient accumulation (``block_backward_sync``).
-    _accumulating = False
+    #: Inside a non-final micro-batch of gradient accumulation (``block_backward_sync``); ``partial_gradients``: the
+    #: last backward was one, and left this rank's sums unreduced until the window's last micro-batch.
+    _accumulating = partial_gradients = False
 
     def __init__(
         self,
@@ -337,6 +338,7 @@ class ZeroStrategy(CheckpointingStrategy):
         """As Lightning's, but the reduced gradient shards land before ``on_after_backward`` runs, so hooks
         (and memory probes) see the state a step will use."""
         module = require(self.lightning_module, "lightning_module")
+        self.partial_gradients = self._accumulating
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self.pipeline is not None:

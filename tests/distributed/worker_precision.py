@@ -69,9 +69,8 @@ class LossRecorder(L.Callback):
         self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
         from lightning_zero import grad_norm
 
-        after = float(grad_norm(pl_module, 2).get("grad_2.0_norm_total", 0.0))
         if self.norms and self.norms[-1][1] != self.norms[-1][1]:  # the first batch end since that step's hook
-            self.norms[-1] = (self.norms[-1][0], after)
+            self.norms[-1] = (self.norms[-1][0], float(grad_norm(pl_module, 2).get("grad_2.0_norm_total", 0.0)))
 
 
 # ---------------------------------------------------------------------- cases

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 #: Runs at once (``LZ_INTEGRATION_WORKERS`` overrides it). Two fill the core a run's single-process phases (imports,
-#: a launcher starting its ranks) leave idle; a third made the session slower on 2 cores (7:33 against 7:07 of
-#: pytest on 2026-11-28): the distributed tier's 2-rank programs wait at every collective for a descheduled rank.
+#: a launcher starting its ranks) leave idle; a third made the session slower on 2 cores (benchmarks/results/
+#: 2026-11-27-test-suite.md): the distributed tier's 2-rank programs wait at every collective for a descheduled rank.
 WORKERS = int(os.environ.get("LZ_INTEGRATION_WORKERS", "2"))
 
 
