@@ -45,7 +45,7 @@ def precision_kwargs(precision: str) -> dict:
 
 class LossRecorder(L.Callback):
     """The mean over ranks of every step's training loss, and what the compute parameters are held in. After each
-    batch it also reads the gradient norms (``lightning_zero.grad_norm``), where a logging callback would: reading
+    step's last batch it also reads the gradient norms (``lightning_zero.grad_norm``), where a logging callback would: reading
     the step's gradients after the step must change nothing (stage 3 keeps them until the next backward): the norm
     is the one the step saw, or none (stages 1-2 consume their gradients at the step)."""
 
