@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from lightning_zero.checkpoint import delayed_update, error_feedback
 from lightning_zero.checkpoint.safe_load import dcp_load
 from lightning_zero.checkpoint.state_dicts import (
+    CURRENT_MODEL_STATE,
     hosted_tensors,
     owners_of,
     param_names,
@@ -51,6 +52,7 @@ from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows
 
 SHARDED_MARKER = "lightning_zero_sharded"
+AVERAGE_LOADED = "lightning_zero_average_loaded"  # the weight average came with the sharded directory
 
 
 # ---------------------------------------------------------------------- reading
@@ -62,10 +64,16 @@ def load(
     strict: bool = True,
     weights_only: bool = True,
     holding: Holding = Holding(),
+    average: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint. A sharded directory is verified, checked against the model and loaded into the live
     shards here; a full file is returned for Lightning to hand to :func:`load_model_state` and
-    :func:`load_optimizer_state`."""
+    :func:`load_optimizer_state`.
+
+    ``average``: a ``WeightAveraging`` callback's tensors (``strategy/averaging_checkpoints.py``). A directory
+    it wrote holds the average as ``state_dict`` and the trained weights as ``current_model_state``: the module
+    takes the trained weights and ``average`` the average. From a directory without them both start from
+    ``state_dict``. Without ``average`` the module takes ``state_dict``, as Lightning's loading does."""
     check_complete(path)
     _refuse_unsafe(weights_only)
     if path.is_file():
@@ -74,12 +82,19 @@ def load(
     _verify_in_parallel(path)
     checkpoint = read_checkpoint_dict(path / META_FILE)
     model_state = sharded_model_state(module, engine, holding)
+    with_current = average is not None and bool(saved_tensor_shapes(path, CURRENT_MODEL_STATE))
+    model_key = CURRENT_MODEL_STATE if with_current else "state_dict"
     # Checked against the whole model (another pipeline stage's tensors are meta here, with their shapes).
     check_compatible(
-        saved_tensor_shapes(path, "state_dict"), _shapes(module.state_dict()), "model", strict=strict, checkpoint=path
+        saved_tensor_shapes(path, model_key), _shapes(module.state_dict()), "model", strict=strict, checkpoint=path
     )
     elsewhere = holding.elsewhere
-    state = {"state_dict": model_state}
+    state = {model_key: model_state}
+    if average is not None:
+        check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(average), "weight average", strict=strict,
+                         checkpoint=path)
+        if with_current:
+            state["state_dict"] = average
     names = param_names(module)
     optimizer_entries = False
     # Under pipeline stages each stage's ranks check their own parameters: agree before loading together.
@@ -116,6 +131,8 @@ def load(
     if lagging is not None:
         state[delayed_update.KEY] = lagging
     dcp_load(state, path, allow_partial_load=not strict)
+    if average is not None and not with_current:  # no average saved: it starts from the weights, as they do
+        dcp_load({"state_dict": average}, path, allow_partial_load=not strict)
     if residuals is not None:
         error_feedback.restore(state[error_feedback.KEY], checkpoint, engine)
     if engine is not None:
@@ -128,6 +145,7 @@ def load(
     # Already loaded in place: leave Lightning's model/optimizer restore nothing to do. A weights-only
     # checkpoint has no optimizer entries, and Lightning then says so itself when asked to resume from it.
     checkpoint["state_dict"] = {}
+    checkpoint[AVERAGE_LOADED] = average is not None
     if optimizer_entries:
         checkpoint["optimizer_states"] = [{SHARDED_MARKER: True} for _ in optimizers]
     return checkpoint

@@ -23,6 +23,9 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full
 
+#: Lightning's ``WeightAveraging`` key for the trained weights, where the checkpoint's ``state_dict`` holds their average.
+CURRENT_MODEL_STATE = "current_model_state"
+
 
 # ---------------------------------------------------------------------- who hosts which tensor
 def hosted_tensors(optimizer: Optimizer, engine: ShardingEngine | None) -> dict[int, torch.Tensor]:

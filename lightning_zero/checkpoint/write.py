@@ -42,15 +42,18 @@ from lightning_zero.checkpoint.files import (
     temporary_path,
     write_durably,
 )
+from lightning_zero.checkpoint.state_dicts import CURRENT_MODEL_STATE
 from lightning_zero.checkpoint.verify import DCP_METADATA_FILE, MANIFEST_FILE, META_FILE, describe_files, manifest_text
 from lightning_zero.engine.comm import collectives
 
 
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(tensors for DCP, the rest for meta.pt)``: the model and optimizer states go to DCP, keyed
-    ``state_dict`` and ``optimizer_{i}``; each optimizer's param groups (names and hyperparameters) stay in
-    ``meta.pt``. Takes ``checkpoint`` apart (it is Lightning's freshly built dict)."""
+    ``state_dict`` (and ``current_model_state``) and ``optimizer_{i}``; each optimizer's param groups (names and
+    hyperparameters) stay in ``meta.pt``. Takes ``checkpoint`` apart (it is Lightning's freshly built dict)."""
     tensors = {"state_dict": checkpoint.pop("state_dict")}
+    if CURRENT_MODEL_STATE in checkpoint:  # WeightAveraging's trained weights, beside their average in "state_dict"
+        tensors[CURRENT_MODEL_STATE] = checkpoint.pop(CURRENT_MODEL_STATE)
     if error_feedback.KEY in checkpoint:  # this rank's residuals (error_feedback.py); their tables stay in meta.pt
         tensors[error_feedback.KEY] = checkpoint.pop(error_feedback.KEY)
     if delayed_update.KEY in checkpoint:  # the parameters one update behind (delayed_update.py)

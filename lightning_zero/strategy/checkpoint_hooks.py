@@ -32,6 +32,7 @@ from lightning_zero.strategy.processes import ProcessGroupStrategy, require
 from lightning_zero.resume import ResumeState
 from lightning_zero.resume.rng import collect_rng_state
 from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel
+from lightning_zero.strategy.averaging_checkpoints import average_to_load, keep_averages_in_checkpoints
 from lightning_zero.strategy.swa import clear_schedulers_for_swa
 
 
@@ -67,11 +68,13 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     def setup_checkpoints(self, trainer: pl.Trainer) -> None:
         """Rank 0 removes what interrupted saves left in the checkpoint directories (temporaries only, see
-        ``checkpoint/files.py``); with ``async_save`` every rank starts its background writer."""
+        ``checkpoint/files.py``); ``WeightAveraging`` callbacks save and load through the strategy; with
+        ``async_save`` every rank starts its background writer."""
         if self.is_global_zero:
             for callback in trainer.checkpoint_callbacks:
                 if isinstance(dirpath := getattr(callback, "dirpath", None), (str, Path)):
                     clean_directory(Path(dirpath))
+        keep_averages_in_checkpoints(trainer, self._full, self.load_model_state_dict)
         if self.zero_config.async_save:
             self._saver = AsyncSaver(checkpoint_group(self.zero_config.timeout_delta), self.zero_config.timeout_delta)
 
@@ -161,9 +164,10 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         # optimizers outlive it on the strategy).
         evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
         optimizers = [] if evaluating else [unwrap(o) for o in self.optimizers]
+        average = None if evaluating or not self._sharded.holding.everything else average_to_load(trainer)
         checkpoint = io.load(path, module, optimizers, self._sharded.engine,
                              strict=module.strict_loading, weights_only=weights_only is not False,
-                             holding=self._sharded.holding)
+                             holding=self._sharded.holding, average=average)
         states = checkpoint.get("rng_states")
         # Put back later in a fit, where the uninterrupted run was: [Note: when the RNG state is restored].
         self._resume.loaded(checkpoint, trainer_of(module), states[self.global_rank % len(states)] if states else None)

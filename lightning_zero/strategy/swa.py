@@ -27,7 +27,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
@@ -62,13 +61,13 @@ class ShardedAverage:
             whole = state[name]
             if isinstance(p, DTensor):  # keep this rank's rows of the whole tensor, as its parameter's shard does
                 local = p.to_local()
-                rows = _rows_of(p, whole)
+                rows = rows_of(p, whole)
                 local.copy_(rows.to(local.device, local.dtype))
             else:
                 p.copy_(whole)
 
 
-def _rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
+def rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
     """The part of ``whole`` that ``shard`` holds on this rank (dim-0 sharding, FSDP2's layout)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -77,22 +76,13 @@ def _rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
     return whole[index]
 
 
-def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None,
-                            sharded_checkpoints: bool = True) -> None:
+def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None) -> None:
     """Point every weight averaging callback at the sharded parameters when the engine shards the module in place
     (stage 3; stages 1-2 keep whole parameters and the callback's own copy works there), and make the engine adopt
-    the average the callback moves into the module (every stage). ``sharded_checkpoints``: the run's checkpoints are
-    sharded directories, from which ``WeightAveraging`` cannot resume yet (it is warned of)."""
+    the average the callback moves into the module (every stage). ``WeightAveraging``'s checkpoints:
+    ``averaging_checkpoints.py``."""
     if engine is None:
         return
-    if WeightAveraging is not None and any(isinstance(c, WeightAveraging) for c in _callbacks(trainer)) and (
-            sharded_checkpoints or engine.shards_module_in_place):
-        rank_zero_warn(
-            "WeightAveraging (EMAWeightAveraging): training, validation and the final weights are those of Lightning's "
-            "ddp, but a checkpoint it writes (the average in place of the model's weights) cannot be resumed here yet: "
-            "fit(ckpt_path=...) fails in the callback's on_load_checkpoint. Resuming works from "
-            "ZeroStrategy(state_dict_type='full') checkpoints at stages 1 and 2."
-        )
     adopt = functools.partial(adopt_module_parameters, engine)
     in_place = engine.shards_module_in_place
     for callback in _callbacks(trainer):
@@ -134,7 +124,8 @@ def sharded_mirror(module: torch.nn.Module) -> torch.nn.Module:
             copy = copies.setdefault(id(p), torch.nn.Parameter(p.detach().clone(), requires_grad=False))
             mirror.register_parameter(key, copy)  # type: ignore[arg-type]
         for key, b in source.named_buffers(recurse=False):
-            mirror.register_buffer(key, None if b is None else b.detach().clone())
+            persistent = key not in source._non_persistent_buffers_set  # the checkpoint holds the module's names only
+            mirror.register_buffer(key, None if b is None else b.detach().clone(), persistent=persistent)
     return mirrors[id(module)]
 
 

@@ -197,8 +197,7 @@ class ZeroStrategy(CheckpointingStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting:
             self.setup_checkpoints(trainer)
-            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), self.engine,
-                                    sharded_checkpoints=self.zero_config.state_dict_type == "sharded")
+            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), self.engine)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

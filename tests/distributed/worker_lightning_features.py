@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
 
 from lightning_zero import ZeroStrategy
@@ -112,6 +112,51 @@ def swa_against_ddp(directory: Path, stages=(1, 2, 3), configure_model: bool = T
         run["diff_vs_ddp"] = max_diff(params, ddp["params"]) if RANK == 0 else None
         out[name] = run
     out["ddp"] = {"epochs": ddp["epochs"], "averaged": ddp["averaged"]}
+    return out
+
+
+def ema(strategy, resume_from: Path | None = None, save_to: Path | None = None, epochs: int = 3) -> dict:
+    """``EMAWeightAveraging`` over ``epochs`` epochs: the weights the module ends with (the average), and the loss
+    of the last validation (the average swapped in). With ``save_to`` a checkpoint per epoch; with ``resume_from``
+    the run starts from one."""
+    L.seed_everything(9)
+    module = GPTLightningModule(**worker_precision.GPT_KWARGS)
+    callback = EMAWeightAveraging(decay=0.8)
+    callbacks = [callback]
+    if save_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+    t = trainer(strategy, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=save_to is not None,
+                limit_val_batches=2)
+    data = worker_precision.gpt_data()
+    t.fit(module, models.loader(data, worker_precision.BATCH), models.loader(data, worker_precision.BATCH),
+          ckpt_path=resume_from)
+    if isinstance(strategy, ZeroStrategy):
+        params = t.strategy.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"params": params, "epochs": t.current_epoch, "averaged": int(callback._average_model.n_averaged),
+            "val_loss": float(t.callback_metrics["val_loss"])}
+
+
+def ema_resumed(directory: Path, runs: dict[str, tuple[str | dict, str | dict]]) -> dict:
+    """``runs``: name -> (the saving run's strategy, the resumed run's: "ddp" or ZeroStrategy kwargs). The saving run
+    writes a checkpoint per epoch and the resumed run starts from the one after epoch 1 of 3; both are compared with
+    the resuming strategy's uninterrupted run and with Lightning ``ddp``'s."""
+    build = lambda spec: spec if spec == "ddp" else ZeroStrategy(**spec)  # noqa: E731
+    uninterrupted: dict[str, dict] = {"ddp": ema("ddp")}
+    out = {}
+    for name, (saving, resuming) in runs.items():
+        key = resuming if resuming == "ddp" else repr(resuming)
+        if key not in uninterrupted:
+            uninterrupted[key] = ema(build(resuming))
+        ema(build(saving), save_to=directory / f"ema_{name}", epochs=2)
+        run = ema(build(resuming), resume_from=directory / f"ema_{name}" / "epoch=1.ckpt")
+        params = run.pop("params")
+        for reference, ref_run in (("uninterrupted", uninterrupted[key]), ("ddp", uninterrupted["ddp"])):
+            run[f"diff_vs_{reference}"] = max_diff(params, ref_run["params"]) if RANK == 0 else None
+            run[f"val_loss_diff_vs_{reference}"] = abs(run["val_loss"] - ref_run["val_loss"])
+        out[name] = run
+    out["ddp"] = {"epochs": uninterrupted["ddp"]["epochs"], "averaged": uninterrupted["ddp"]["averaged"]}
     return out
 
 
@@ -251,6 +296,18 @@ CASES = {
         "stage3_offload": unfreezing(ZeroStrategy(stage=3, offload_optimizer=True, unit_size_mb=0)),
     },
     "compile_inductor": lambda directory: compile_against_eager("inductor", stages=(2, 3)),
+    "ema_resumed": lambda directory: ema_resumed(directory, {
+        "stage3": (dict(stage=3), dict(stage=3)),
+        "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
+        "ddp_to_stage3": ("ddp", dict(stage=3)),
+    }),
+    "ema_resumed_rest": lambda directory: ema_resumed(directory, {
+        "stage2_async": (dict(stage=2, async_save=True),) * 2,
+        "stage3_full": (dict(stage=3, state_dict_type="full"),) * 2,
+        "stage1_offload": (dict(stage=1, offload_optimizer=True),) * 2,
+        "stage3_to_stage2": (dict(stage=3), dict(stage=2)),
+        "stage2_full_to_ddp": (dict(stage=2, state_dict_type="full"), "ddp"),
+    }),
 }
 
 if __name__ == "__main__":
