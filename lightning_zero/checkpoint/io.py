@@ -93,6 +93,7 @@ def load(
     if average is not None:
         check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(average), "weight average", strict=strict,
                          checkpoint=path)
+        average = holding.held(average)  # another pipeline stage's tensors are meta here
         if with_current:
             state["state_dict"] = average
     names = param_names(module)

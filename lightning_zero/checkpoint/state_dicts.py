@@ -104,21 +104,28 @@ def _pipelined_full_state(
     """Pipeline stages: each rank's held tensors (masters, and stage 3's sharded tensors, gathered over its
     stage's replicas), then every stage's, merged in the module's own order."""
     rows = trainable_rows(engine) if engine is not None and engine.holds_masters else {}
-    held = {}
-    for name, value in _held_state(module, holding).items():
-        if name in rows:  # the resident parameters are rounded copies of the masters
-            value = gather_full(rows[name].rows, rows[name].shape, group=rows[name].group)
-        elif isinstance(value, DTensor):  # stage 3: the same names, in the same order, on the stage's replicas
+    held = {name: gather_full(rows[name].rows, rows[name].shape, group=rows[name].group) if name in rows else value
+            for name, value in _held_state(module, holding).items()}  # the resident parameters are rounded copies
+    return gather_stages(held, engine, list(module.state_dict()), rank0_only)
+
+
+def gather_stages(held: dict[str, Any], engine: ShardingEngine | None, order: list[str],
+                  rank0_only: bool = True) -> dict[str, Any]:
+    """Every pipeline stage's ``held`` tensors (stage 3's DTensors gathered over the stage's replicas) on rank 0, or
+    on every rank, whole and on the CPU, in ``order``. Collective."""
+    whole = {}
+    for name, value in held.items():
+        if isinstance(value, DTensor):  # stage 3: the same names, in the same order, on the stage's replicas
             value = value.full_tensor()
-        held[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+        whole[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
     # The first replica of every stage sends its stage; other replicas hold copies of the same tensors.
     first_replica = engine is None or engine.group is None or engine.rank == 0
-    mine = held if first_replica else {}
+    mine = whole if first_replica else {}
     parts = collectives.gather_objects(mine, dst=0) if rank0_only else collectives.all_gather_objects(mine)
     if parts is None:
         return {}
     merged = {k: v for part in parts for k, v in part.items()}
-    return {name: merged[name] for name in module.state_dict() if name in merged}
+    return {name: merged[name] for name in order if name in merged}
 
 
 def sharded_model_state(module: nn.Module, engine: ShardingEngine | None, holding: Holding = Holding()) -> dict[str, Any]:

@@ -8,18 +8,19 @@ callback runs (its ``state_dict`` is empty by then), a whole-tensor ``load_state
 or host rows, and at stage 3 the average is a mirror of DTensor shards (``swa.sharded_mirror``).
 
 So the strategy takes both halves over for each such callback. Saving: a sharded directory holds the trained weights
-beside the average, each rank's rows of each (``write.split_checkpoint``); a full file holds whole tensors, so a
-stage-3 average is gathered. Loading: a directory is read by :func:`lightning_zero.checkpoint.io.load` with the
-average's tensors as a second target (:func:`average_to_load`), and a full file's halves are copied in here, the
-trained weights through the strategy's own loader (this rank's rows). Either way the files are Lightning's: a
+beside the average, each rank's rows of each (``write.split_checkpoint``; under pipeline stages each stage's); a full
+file holds whole tensors, so a stage-3 average is gathered. Loading: a directory is read by
+:func:`lightning_zero.checkpoint.io.load` with the average's tensors as a second target (:func:`average_to_load`),
+and a full file's halves are copied in here, the trained weights through the strategy's own loader (this rank's
+rows). Either way the files are Lightning's: a
 checkpoint written by ``ddp`` resumes here and a full file written here resumes under ``ddp``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,24 +33,26 @@ from lightning_zero.checkpoint.verify import check_compatible
 from lightning_zero.engine.comm import collectives
 from lightning_zero.strategy.swa import WeightAveraging, rows_of
 
+if TYPE_CHECKING:
+    from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy
+
 AVERAGING_STATE = "averaging_state"  # the callback's key for the AveragedModel's own buffers (``n_averaged``)
 
 
-def keep_averages_in_checkpoints(trainer: pl.Trainer, full: bool,
-                                 load_model_state: Callable[[Mapping[str, Any]], None]) -> None:
-    """Take over the checkpoint hooks of every ``WeightAveraging`` callback of ``trainer`` (this instance's only).
-    ``full``: the run writes single files; ``load_model_state``: the strategy's ``load_model_state_dict``."""
+def keep_averages_in_checkpoints(trainer: pl.Trainer, strategy: CheckpointingStrategy) -> None:
+    """Take over the checkpoint hooks of every ``WeightAveraging`` callback of ``trainer`` (this instance's only)."""
     if WeightAveraging is None:
         return
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, WeightAveraging):
-            callback.on_save_checkpoint = functools.partial(_save, callback, full)  # type: ignore[method-assign]
-            callback.on_load_checkpoint = functools.partial(_load, callback, load_model_state)  # type: ignore[method-assign]
+            callback.on_save_checkpoint = functools.partial(_save, callback, strategy)  # type: ignore[method-assign]
+            callback.on_load_checkpoint = functools.partial(_load, callback, strategy)  # type: ignore[method-assign]
 
 
 def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | None:
     """The tensors a sharded directory's average is read into (the ``AveragedModel``'s module state, stage 3's as
-    this rank's shards), while a fit restores; None without a ``WeightAveraging`` callback."""
+    this rank's shards, another pipeline stage's on the meta device), while a fit restores; None without a
+    ``WeightAveraging`` callback."""
     if WeightAveraging is None or trainer is None:
         return None
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -58,11 +61,15 @@ def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | Non
     return None
 
 
-def _save(callback: Any, full: bool, trainer: pl.Trainer, pl_module: pl.LightningModule,
+def _save(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, pl_module: pl.LightningModule,
           checkpoint: dict[str, Any]) -> None:
     WeightAveraging.on_save_checkpoint(callback, trainer, pl_module, checkpoint)
-    if full and CURRENT_MODEL_STATE in checkpoint:  # every rank holds its shards of a stage-3 average: rank 0 writes
+    if CURRENT_MODEL_STATE not in checkpoint:
+        return
+    if strategy._full:  # every rank holds its shards of a stage-3 average: rank 0 writes
         checkpoint["state_dict"] = _whole_on_rank_zero(checkpoint["state_dict"])
+    else:  # each pipeline stage writes its own tensors (another stage's are meta here)
+        checkpoint["state_dict"] = strategy._sharded.holding.held(checkpoint["state_dict"])
 
 
 def _whole_on_rank_zero(state: dict[str, Any]) -> dict[str, Any]:
@@ -71,8 +78,8 @@ def _whole_on_rank_zero(state: dict[str, Any]) -> dict[str, Any]:
     return whole if collectives.rank() == 0 else {}
 
 
-def _load(callback: Any, load_model_state: Callable[[Mapping[str, Any]], None], trainer: pl.Trainer,
-          pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+def _load(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, pl_module: pl.LightningModule,
+          checkpoint: dict[str, Any]) -> None:
     average = callback._average_model
     if average is None:  # outside a fit: the callback's own warning
         WeightAveraging.on_load_checkpoint(callback, trainer, pl_module, checkpoint)
@@ -81,7 +88,7 @@ def _load(callback: Any, load_model_state: Callable[[Mapping[str, Any]], None], 
     if not checkpoint.get(AVERAGE_LOADED):  # a full file: the module holds its state_dict (the average) now
         _copy_whole_into(average.module.state_dict(), checkpoint["state_dict"], strict=averaged)
         if CURRENT_MODEL_STATE in checkpoint:
-            load_model_state({"state_dict": checkpoint[CURRENT_MODEL_STATE]})
+            strategy.load_model_state_dict({"state_dict": checkpoint[CURRENT_MODEL_STATE]})
     if averaged:
         average.load_state_dict(checkpoint[AVERAGING_STATE], strict=False)  # its counters; the weights are in
     else:
@@ -90,12 +97,12 @@ def _load(callback: Any, load_model_state: Callable[[Mapping[str, Any]], None], 
 
 
 def _copy_whole_into(targets: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor], strict: bool) -> None:
-    """Whole tensors into the average: a DTensor keeps this rank's rows."""
+    """Whole tensors into the average: a DTensor keeps this rank's rows; another pipeline stage's (meta) none."""
     check_compatible({k: v.shape for k, v in whole.items()}, {k: v.shape for k, v in targets.items()},
                      "weight average", strict=strict)
     with torch.no_grad():
         for name, target in targets.items():
-            if name not in whole:
+            if name not in whole or target.is_meta:
                 continue
             if isinstance(target, DTensor):
                 local = target.to_local()

@@ -74,7 +74,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             for callback in trainer.checkpoint_callbacks:
                 if isinstance(dirpath := getattr(callback, "dirpath", None), (str, Path)):
                     clean_directory(Path(dirpath))
-        keep_averages_in_checkpoints(trainer, self._full, self.load_model_state_dict)
+        keep_averages_in_checkpoints(trainer, self)
         if self.zero_config.async_save:
             self._saver = AsyncSaver(checkpoint_group(self.zero_config.timeout_delta), self.zero_config.timeout_delta)
 
@@ -164,7 +164,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         # optimizers outlive it on the strategy).
         evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
         optimizers = [] if evaluating else [unwrap(o) for o in self.optimizers]
-        average = None if evaluating or not self._sharded.holding.everything else average_to_load(trainer)
+        average = None if evaluating else average_to_load(trainer)
         checkpoint = io.load(path, module, optimizers, self._sharded.engine,
                              strict=module.strict_loading, weights_only=weights_only is not False,
                              holding=self._sharded.holding, average=average)

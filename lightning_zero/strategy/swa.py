@@ -6,10 +6,11 @@ The callback deep-copies the LightningModule in its ``setup`` hook, before the s
 FSDP2's sharded DTensors while the copy holds whole tensors (or, for a module built in ``configure_model``, none),
 so ``copy_`` fails with "got mixed torch.Tensor and DTensor". Averaging is element-wise, so it can run on each rank's
 shard as well as on the whole tensor: :func:`average_sharded_weights` gives the callback a copy of the sharded
-parameters (1/N of the weights per rank, not a whole model) and it averages exactly what ``ddp`` averages.
+parameters (1/N of the weights per rank, not a whole model) and it averages exactly what ``ddp`` averages. Under
+pipeline stages the same copy holds another stage's parameters on the meta device, as the module does.
 
 Its ``state_dict`` holds whole tensors, as ``ddp``'s does: a checkpoint's callback state is written by rank 0 alone
-(``meta.pt``). Saving gathers each parameter, and loading keeps this rank's rows. ``WeightAveraging`` deep-copies
+(``meta.pt``). Saving gathers each parameter (and every pipeline stage's), and loading keeps this rank's rows. ``WeightAveraging`` deep-copies
 the module into a ``torch.optim.swa_utils.AveragedModel`` the same way; at stage 3 it gets one over a mirror of the
 sharded parameters and buffers (:func:`sharded_mirror`), whose ``parameters()`` run in the module's order.
 
@@ -30,7 +31,8 @@ from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
-from lightning_zero.engine.api import ShardingEngine
+from lightning_zero.checkpoint.state_dicts import gather_stages
+from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows
 
 try:  # Lightning 2.6
@@ -40,11 +42,13 @@ except ImportError:  # pragma: no cover - older Lightning has StochasticWeightAv
 
 
 class ShardedAverage:
-    """What the callback averages into at stage 3: a detached copy of every parameter as this rank holds it."""
+    """What the callback averages into at stage 3 or under pipeline stages: a detached copy of every parameter as
+    this rank holds it (another pipeline stage's on the meta device, as the module's are)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, engine: ShardingEngine, holding: Holding) -> None:
         self._names = [name for name, _ in module.named_parameters()]
         self._params = [p.detach().clone() for p in module.parameters()]
+        self._engine, self._holding = engine, holding
 
     def parameters(self) -> Iterator[torch.Tensor]:
         return iter(self._params)
@@ -53,11 +57,15 @@ class ShardedAverage:
         return self  # each copy already lives where its parameter's shard does
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole tensors (collective: every rank saves a checkpoint together)."""
-        return {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in zip(self._names, self._params)}
+        """Whole tensors; under pipeline stages every stage's, on rank 0, which writes the callback's state
+        (collective: every rank saves a checkpoint together)."""
+        held = {name: p for name, p in zip(self._names, self._params) if self._holding.holds(name)}
+        return gather_stages(held, self._engine, self._names)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, p in zip(self._names, self._params):
+            if not self._holding.holds(name):
+                continue
             whole = state[name]
             if isinstance(p, DTensor):  # keep this rank's rows of the whole tensor, as its parameter's shard does
                 local = p.to_local()
@@ -76,19 +84,20 @@ def rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
     return whole[index]
 
 
-def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None) -> None:
-    """Point every weight averaging callback at the sharded parameters when the engine shards the module in place
-    (stage 3; stages 1-2 keep whole parameters and the callback's own copy works there), and make the engine adopt
-    the average the callback moves into the module (every stage). ``WeightAveraging``'s checkpoints:
-    ``averaging_checkpoints.py``."""
+def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None,
+                            holding: Holding) -> None:
+    """Point every weight averaging callback at the parameters as this rank holds them when the engine shards the
+    module in place (stage 3) or pipeline stages split it (another stage's parameters are on the meta device here);
+    elsewhere every rank holds whole parameters and the callback's own copy works. Make the engine adopt the average
+    the callback moves into the module (every stage). ``WeightAveraging``'s checkpoints: ``averaging_checkpoints.py``."""
     if engine is None:
         return
     adopt = functools.partial(adopt_module_parameters, engine)
-    in_place = engine.shards_module_in_place
+    in_place = engine.shards_module_in_place or not holding.everything
     for callback in _callbacks(trainer):
         if isinstance(callback, StochasticWeightAveraging):
             if in_place:  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
-                callback._average_model = ShardedAverage(module)  # type: ignore[assignment]
+                callback._average_model = ShardedAverage(module, engine, holding)  # type: ignore[assignment]
 
             def transfer_and_adopt(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
                 # The class's own method, not the instance's: a second fit must not wrap the first fit's wrapper.

@@ -160,6 +160,71 @@ def ema_resumed(directory: Path, runs: dict[str, tuple[str | dict, str | dict]])
     return out
 
 
+class AverageWitness(L.Callback):
+    """The average a weight averaging callback should hold, from the whole weights it reads (kept on rank 0; the
+    gathering is collective): an exponential one after every step (``decay``), or the mean of the weights at the
+    start of each epoch in ``swa_epochs`` (``StochasticWeightAveraging``'s)."""
+
+    def __init__(self, decay: float | None = None, swa_epochs: range | None = None) -> None:
+        self.decay, self.swa_epochs = decay, swa_epochs
+        self.average: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def _add(self, trainer: L.Trainer) -> None:
+        weights = trainer.strategy.full_state_dict()
+        self.count += 1
+        for name, w in weights.items():
+            if name not in self.average:
+                self.average[name] = w.clone()
+            elif self.decay is not None:
+                torch._foreach_lerp_([self.average[name]], [w], 1 - self.decay)  # torch's EMA, one tensor at a time
+            else:
+                self.average[name] += (w - self.average[name]) / self.count
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.decay is not None:
+            self._add(trainer)
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if self.swa_epochs is not None and trainer.current_epoch in self.swa_epochs:
+            self._add(trainer)
+
+
+def pipelined_average(kind: str, strategy_kwargs: dict, resume_from: Path | None = None, save_to: Path | None = None,
+                      epochs: int = 3) -> dict:
+    """The demo GPT in 2 pipeline stages under ``EMAWeightAveraging`` (``kind`` "ema") or ``StochasticWeightAveraging``
+    from epoch 2 ("swa"), with a witness of the average it should end with."""
+    L.seed_everything(9)
+    module = GPTLightningModule(**worker_precision.GPT_KWARGS)
+    if kind == "ema":
+        callback, witness = EMAWeightAveraging(decay=0.8), AverageWitness(decay=0.8)
+    else:
+        callback, witness = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2), AverageWitness(swa_epochs=range(1, epochs))
+    callbacks = [callback, witness]
+    if save_to is not None:
+        callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
+    strategy = ZeroStrategy(pipeline_stages=2, microbatches=2, **strategy_kwargs)
+    t = trainer(strategy, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=save_to is not None)
+    t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH), ckpt_path=resume_from)
+    params = t.strategy.full_state_dict()
+    return {"params": params, "witness": witness.average, "updates": witness.count}
+
+
+def averaging_under_pipeline(directory: Path, stages=(1, 3)) -> dict:
+    """Both callbacks under 2 pipeline stages at ``stages`` against their witnesses, and resumed from the
+    checkpoint after epoch 1 of 3 (sharded: pipeline stages write no other kind) against the uninterrupted run."""
+    out = {}
+    for kind in ("ema", "swa"):
+        for stage in stages:
+            run = pipelined_average(kind, dict(stage=stage))
+            out[f"{kind}_stage{stage}"] = {"updates": run["updates"],
+                                           "diff_vs_witness": max_diff(run["params"], run["witness"]) if RANK == 0 else None}
+            pipelined_average(kind, dict(stage=stage), save_to=directory / f"pp_{kind}{stage}", epochs=2)
+            resumed = pipelined_average(kind, dict(stage=stage), resume_from=directory / f"pp_{kind}{stage}" / "epoch=1.ckpt")
+            out[f"{kind}_stage{stage}"]["resumed_diff"] = max_diff(resumed["params"], run["params"]) if RANK == 0 else None
+    return out
+
+
 class BlocksCompiledInConfigureModel(GPTLightningModule):
     """The configure_model route: the user compiles each block where the model is built."""
 
@@ -301,6 +366,8 @@ CASES = {
         "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
         "ddp_to_stage3": ("ddp", dict(stage=3)),
     }),
+    "averaging_pipeline": lambda directory: averaging_under_pipeline(directory, stages=(3,)),
+    "averaging_pipeline_rest": lambda directory: averaging_under_pipeline(directory, stages=(1,)),
     "ema_resumed_rest": lambda directory: ema_resumed(directory, {
         "stage2_async": (dict(stage=2, async_save=True),) * 2,
         "stage3_full": (dict(stage=3, state_dict_type="full"),) * 2,
