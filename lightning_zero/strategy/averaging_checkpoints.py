@@ -50,15 +50,21 @@ def keep_averages_in_checkpoints(trainer: pl.Trainer, strategy: CheckpointingStr
 
 
 def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | None:
-    """The tensors a sharded directory's average is read into (the ``AveragedModel``'s module state, stage 3's as
-    this rank's shards, another pipeline stage's on the meta device), while a fit restores; None without a
-    ``WeightAveraging`` callback."""
+    """The tensors a sharded directory's average is read into (the ``AveragedModel``'s module state, stage 3's and
+    the masters' as this rank's shards, another pipeline stage's on the meta device), while a fit restores; None
+    without a ``WeightAveraging`` callback."""
     if WeightAveraging is None or trainer is None:
         return None
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, WeightAveraging) and callback._average_model is not None:
-            return callback._average_model.module.state_dict()
+            return _average_tensors(callback._average_model)
     return None
+
+
+def _average_tensors(average: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The average's module state as its checkpoint entries hold it (``master_average.MasterAveragedModel`` gives
+    its rows as DTensors)."""
+    return {key.removeprefix("module."): value for key, value in average.state_dict().items() if key.startswith("module.")}
 
 
 def _save(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -86,7 +92,7 @@ def _load(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, p
         return
     averaged = AVERAGING_STATE in checkpoint
     if not checkpoint.get(AVERAGE_LOADED):  # a full file: the module holds its state_dict (the average) now
-        _copy_whole_into(average.module.state_dict(), checkpoint["state_dict"], strict=averaged)
+        _copy_whole_into(_average_tensors(average), checkpoint["state_dict"], strict=averaged)
         if CURRENT_MODEL_STATE in checkpoint:
             strategy.load_model_state_dict({"state_dict": checkpoint[CURRENT_MODEL_STATE]})
     if averaged:

@@ -15,14 +15,15 @@ the module into a ``torch.optim.swa_utils.AveragedModel`` the same way; at stage
 sharded parameters and buffers (:func:`sharded_mirror`), whose ``parameters()`` run in the module's order.
 
 At every stage, when a callback moves the average into the module (at the end of training), the optimizer's own
-rows take it too (:func:`adopt_module_parameters`): fp32 masters and host copies (mixed precision, offload) would
-otherwise hand the module the trained weights back when ``fit`` ends.
+rows take it too (:func:`adopt_module_parameters`): host copies (offload) would otherwise hand the module the
+trained weights back when ``fit`` ends. Under mixed precision at stages 1-2 the callbacks average the fp32 masters
+instead of the module's working copies (``master_average.py``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,7 @@ from torch.optim.swa_utils import AveragedModel
 from lightning_zero.checkpoint.state_dicts import gather_stages
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows
+from lightning_zero.strategy.master_average import MasterAveragedModel, MasterRows, averages_masters
 
 try:  # Lightning 2.6
     from lightning.pytorch.callbacks import WeightAveraging
@@ -45,10 +47,12 @@ class ShardedAverage:
     """What the callback averages into at stage 3 or under pipeline stages: a detached copy of every parameter as
     this rank holds it (another pipeline stage's on the meta device, as the module's are)."""
 
-    def __init__(self, module: torch.nn.Module, engine: ShardingEngine, holding: Holding) -> None:
+    def __init__(self, module: torch.nn.Module, engine: ShardingEngine, holding: Holding,
+                 wrap: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor) -> None:
         self._names = [name for name, _ in module.named_parameters()]
         self._params = [p.detach().clone() for p in module.parameters()]
         self._engine, self._holding = engine, holding
+        self._wrap = wrap  # master rows (``MasterRows.wrap``) as the DTensors they are rows of
 
     def parameters(self) -> Iterator[torch.Tensor]:
         return iter(self._params)
@@ -59,18 +63,17 @@ class ShardedAverage:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Whole tensors; under pipeline stages every stage's, on rank 0, which writes the callback's state
         (collective: every rank saves a checkpoint together)."""
-        held = {name: p for name, p in zip(self._names, self._params) if self._holding.holds(name)}
+        held = {name: self._wrap(name, p) for name, p in zip(self._names, self._params) if self._holding.holds(name)}
         return gather_stages(held, self._engine, self._names)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, p in zip(self._names, self._params):
             if not self._holding.holds(name):
                 continue
-            whole = state[name]
-            if isinstance(p, DTensor):  # keep this rank's rows of the whole tensor, as its parameter's shard does
-                local = p.to_local()
-                rows = rows_of(p, whole)
-                local.copy_(rows.to(local.device, local.dtype))
+            whole, shard = state[name], self._wrap(name, p)
+            if isinstance(shard, DTensor):  # keep this rank's rows of the whole tensor, as its parameter's shard does
+                local = shard.to_local()
+                local.copy_(rows_of(shard, whole).to(local.device, local.dtype))
             else:
                 p.copy_(whole)
 
@@ -94,28 +97,65 @@ def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine
         return
     adopt = functools.partial(adopt_module_parameters, engine)
     in_place = engine.shards_module_in_place or not holding.everything
+    masters = MasterRows(module, engine) if averages_masters(engine) else None
     for callback in _callbacks(trainer):
         if isinstance(callback, StochasticWeightAveraging):
-            if in_place:  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
-                callback._average_model = ShardedAverage(module, engine, holding)  # type: ignore[assignment]
-
-            def transfer_and_adopt(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
-                # The class's own method, not the instance's: a second fit must not wrap the first fit's wrapper.
-                StochasticWeightAveraging.transfer_weights(src_pl_module, dst_pl_module)
-                adopt()
-
-            callback.transfer_weights = transfer_and_adopt  # type: ignore[method-assign]  # this instance's only
+            _average_for_swa(callback, module, engine, holding, in_place, masters, adopt)
         elif WeightAveraging is not None and isinstance(callback, WeightAveraging):
-            if in_place:
-                callback._average_model = AveragedModel(
-                    sharded_mirror(module), device=callback._device, use_buffers=callback._use_buffers, **callback._kwargs
-                )
+            _average_for_weight_averaging(callback, module, in_place, masters, adopt)
 
-            def copy_and_adopt(pl_module: pl.LightningModule, callback: Any = callback) -> None:
-                WeightAveraging._copy_average_to_current(callback, pl_module)
-                adopt()
 
-            callback._copy_average_to_current = copy_and_adopt  # type: ignore[method-assign]  # this instance's only
+def _average_for_swa(callback: StochasticWeightAveraging, module: torch.nn.Module, engine: ShardingEngine,
+                     holding: Holding, in_place: bool, masters: MasterRows | None, adopt: Callable[[], None]) -> None:
+    # The class's own methods, not the instance's, in what replaces them: a second fit must not wrap the first's.
+    if masters is not None:  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
+        callback._average_model = ShardedAverage(masters.view(), engine, holding, wrap=masters.wrap)  # type: ignore[assignment]
+
+        def update_from_masters(average: Any, pl_module: pl.LightningModule, n_averaged: torch.Tensor, avg_fn: Any) -> None:
+            StochasticWeightAveraging.update_parameters(average, masters.view(), n_averaged, avg_fn)  # type: ignore[arg-type]
+
+        def transfer_to_masters(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
+            StochasticWeightAveraging.transfer_weights(src_pl_module, masters.view())  # type: ignore[arg-type]
+            masters.written()
+
+        callback.update_parameters = update_from_masters  # type: ignore[method-assign,assignment]  # this instance's only
+        callback.transfer_weights = transfer_to_masters  # type: ignore[method-assign]
+        return
+    if in_place:
+        callback._average_model = ShardedAverage(module, engine, holding)  # type: ignore[assignment]
+
+    def transfer_and_adopt(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
+        StochasticWeightAveraging.transfer_weights(src_pl_module, dst_pl_module)
+        adopt()
+
+    callback.transfer_weights = transfer_and_adopt  # type: ignore[method-assign]  # this instance's only
+
+
+def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, in_place: bool, masters: MasterRows | None,
+                                  adopt: Callable[[], None]) -> None:
+    kwargs = dict(device=callback._device, use_buffers=callback._use_buffers, **callback._kwargs)
+    if masters is not None:
+        callback._average_model = MasterAveragedModel(masters, **kwargs)
+
+        def swap_with_masters(pl_module: pl.LightningModule) -> None:
+            WeightAveraging._swap_models(callback, masters.view())  # type: ignore[arg-type]
+            masters.written()
+
+        def copy_to_masters(pl_module: pl.LightningModule) -> None:
+            WeightAveraging._copy_average_to_current(callback, masters.view())  # type: ignore[arg-type]
+            masters.written()
+
+        callback._swap_models = swap_with_masters  # this instance's only
+        callback._copy_average_to_current = copy_to_masters
+        return
+    if in_place:
+        callback._average_model = AveragedModel(sharded_mirror(module), **kwargs)
+
+    def copy_and_adopt(pl_module: pl.LightningModule) -> None:
+        WeightAveraging._copy_average_to_current(callback, pl_module)
+        adopt()
+
+    callback._copy_average_to_current = copy_and_adopt  # this instance's only
 
 
 def sharded_mirror(module: torch.nn.Module) -> torch.nn.Module:

@@ -190,10 +190,11 @@ class AverageWitness(L.Callback):
             self._add(trainer)
 
 
-def pipelined_average(kind: str, strategy_kwargs: dict, resume_from: Path | None = None, save_to: Path | None = None,
-                      epochs: int = 3) -> dict:
-    """The demo GPT in 2 pipeline stages under ``EMAWeightAveraging`` (``kind`` "ema") or ``StochasticWeightAveraging``
-    from epoch 2 ("swa"), with a witness of the average it should end with."""
+def witnessed_average(kind: str, strategy_kwargs: dict, precision: str = "32-true", resume_from: Path | None = None,
+                      save_to: Path | None = None, epochs: int = 3) -> dict:
+    """The demo GPT under ``EMAWeightAveraging`` (``kind`` "ema") or ``StochasticWeightAveraging`` from epoch 2
+    ("swa"), validated every epoch (the average swapped in and out), with a witness of the average it should end
+    with."""
     L.seed_everything(9)
     module = GPTLightningModule(**worker_precision.GPT_KWARGS)
     if kind == "ema":
@@ -203,26 +204,31 @@ def pipelined_average(kind: str, strategy_kwargs: dict, resume_from: Path | None
     callbacks = [callback, witness]
     if save_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
-    strategy = ZeroStrategy(pipeline_stages=2, microbatches=2, **strategy_kwargs)
-    t = trainer(strategy, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=save_to is not None)
-    t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH), ckpt_path=resume_from)
+    t = trainer(ZeroStrategy(**strategy_kwargs), max_epochs=epochs, callbacks=callbacks, precision=precision,
+                enable_checkpointing=save_to is not None, limit_val_batches=2)
+    data = worker_precision.gpt_data()
+    t.fit(module, models.loader(data, worker_precision.BATCH), models.loader(data, worker_precision.BATCH),
+          ckpt_path=resume_from)
     params = t.strategy.full_state_dict()
-    return {"params": params, "witness": witness.average, "updates": witness.count}
+    return {"params": params, "witness": witness.average, "updates": witness.count, "steps": t.global_step}
 
 
-def averaging_under_pipeline(directory: Path, stages=(1, 3)) -> dict:
-    """Both callbacks under 2 pipeline stages at ``stages`` against their witnesses, and resumed from the
-    checkpoint after epoch 1 of 3 (sharded: pipeline stages write no other kind) against the uninterrupted run."""
+def witnessed_averages(directory: Path, cases: dict[str, tuple[str, dict, str]]) -> dict:
+    """``cases``: name -> (kind, ZeroStrategy kwargs, precision). Each run against its witness, and resumed from the
+    checkpoint after epoch 1 of 3 against the uninterrupted run. ``directory``: this group's own (ModelCheckpoint
+    would not overwrite another group's file of the same name, but write beside it)."""
     out = {}
-    for kind in ("ema", "swa"):
-        for stage in stages:
-            run = pipelined_average(kind, dict(stage=stage))
-            out[f"{kind}_stage{stage}"] = {"updates": run["updates"],
-                                           "diff_vs_witness": max_diff(run["params"], run["witness"]) if RANK == 0 else None}
-            pipelined_average(kind, dict(stage=stage), save_to=directory / f"pp_{kind}{stage}", epochs=2)
-            resumed = pipelined_average(kind, dict(stage=stage), resume_from=directory / f"pp_{kind}{stage}" / "epoch=1.ckpt")
-            out[f"{kind}_stage{stage}"]["resumed_diff"] = max_diff(resumed["params"], run["params"]) if RANK == 0 else None
+    for name, (kind, kwargs, precision) in cases.items():
+        run = witnessed_average(kind, kwargs, precision)
+        # SWA's schedule depends on max_epochs: its saving run must be the whole run
+        witnessed_average(kind, kwargs, precision, save_to=directory / f"witnessed_{name}", epochs=2 if kind == "ema" else 3)
+        resumed = witnessed_average(kind, kwargs, precision, resume_from=directory / f"witnessed_{name}" / "epoch=1.ckpt")
+        out[name] = {"updates": run["updates"], "steps": run["steps"], "diff_vs_witness": max_diff(run["params"], run["witness"]) if RANK == 0 else None,
+                     "resumed_diff": max_diff(resumed["params"], run["params"]) if RANK == 0 else None}
     return out
+
+
+PIPELINE = dict(pipeline_stages=2, microbatches=2)  # another stage's parameters are meta on each rank
 
 
 class BlocksCompiledInConfigureModel(GPTLightningModule):
@@ -366,8 +372,18 @@ CASES = {
         "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
         "ddp_to_stage3": ("ddp", dict(stage=3)),
     }),
-    "averaging_pipeline": lambda directory: averaging_under_pipeline(directory, stages=(3,)),
-    "averaging_pipeline_rest": lambda directory: averaging_under_pipeline(directory, stages=(1,)),
+    "averaging_pipeline": lambda directory: witnessed_averages(directory / "averaging_pipeline", {
+        "ema_stage3": ("ema", dict(stage=3, **PIPELINE), "32-true"), "swa_stage3": ("swa", dict(stage=3, **PIPELINE), "32-true")}),
+    "averaging_pipeline_rest": lambda directory: witnessed_averages(directory / "averaging_pipeline_rest", {
+        "ema_stage1": ("ema", dict(stage=1, **PIPELINE), "32-true"), "swa_stage1": ("swa", dict(stage=1, **PIPELINE), "32-true")}),
+    "averaging_bf16": lambda directory: witnessed_averages(directory / "averaging_bf16", {
+        "ema_stage2": ("ema", dict(stage=2), "bf16-mixed"), "swa_stage2": ("swa", dict(stage=2), "bf16-mixed")}),
+    "averaging_bf16_rest": lambda directory: witnessed_averages(directory / "averaging_bf16_rest", {
+        "ema_stage1_offload": ("ema", dict(stage=1, offload_optimizer=True), "bf16-mixed"),
+        "ema_stage2_full": ("ema", dict(stage=2, state_dict_type="full"), "bf16-mixed"),
+        "swa_stage1": ("swa", dict(stage=1), "bf16-mixed"),
+        "ema_pipeline_stage1": ("ema", dict(stage=1, **PIPELINE), "bf16-mixed"),
+        "ema_stage3": ("ema", dict(stage=3), "bf16-mixed")}),
     "ema_resumed_rest": lambda directory: ema_resumed(directory, {
         "stage2_async": (dict(stage=2, async_save=True),) * 2,
         "stage3_full": (dict(stage=3, state_dict_type="full"),) * 2,

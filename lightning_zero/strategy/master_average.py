@@ -1,0 +1,106 @@
+"""Weight averaging of the optimizer's fp32 rows at stages 1-2 under mixed precision.
+
+At stages 1-2 a mixed-precision run computes with bf16 (or fp16) working copies of whole parameters; the fp32 truth
+is each rank's rows of every parameter, the masters. Lightning's averaging callbacks read ``pl_module.parameters()``
+and swap the average in and out with ``.data.copy_``: here that would average rounded copies, round the average to
+the working precision at every validation swap and hand the masters a rounded average when training ends, where
+``ddp`` (fp32 parameters under AMP) and stage 3 (fp32 shards) average the fp32 weights.
+
+:class:`MasterRows` shows the callbacks the masters instead: a mirror of the module whose trainable parameters are
+this rank's master rows (sharing their storage) and whose other parameters and buffers are the module's own. The
+average is then this rank's rows in fp32, a 1/N share of the model, averaged as ``ddp`` averages; after the masters
+are written (a validation swap, the final copy) the engine refreshes the working copies from them (collective, as
+after a checkpoint load). In a checkpoint the average's rows are DTensors of the whole shapes, saved and loaded as
+stage 3's shards are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+from lightning_zero.checkpoint.state_dicts import as_sharded
+from lightning_zero.engine.api import ShardingEngine
+
+
+def averages_masters(engine: ShardingEngine) -> bool:
+    """Stages 1-2 whose masters are at a higher precision than the parameters forward computes with."""
+    return (not engine.shards_module_in_place and engine.holds_masters
+            and any(record.rows.dtype != record.param.dtype for record in engine.records()))
+
+
+class MasterRows:
+    """The module as the optimizer holds it on this rank (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, engine: ShardingEngine) -> None:
+        self._module, self._engine = module, engine
+        self._view: nn.Module | None = None
+        self._rows: tuple[int, ...] = ()
+        records = {id(record.param): record for record in engine.records()}
+        #: state_dict name -> the whole shape, for the names whose tensor is a master (tied names included)
+        self.shapes = {name: records[id(tensor)].shape for name, tensor in module.state_dict(keep_vars=True).items()
+                       if id(tensor) in records}
+
+    def view(self) -> nn.Module:
+        """The mirror over the current masters (built again when the engine replaced them, e.g. on unfreezing)."""
+        records = self._engine.records()
+        rows = tuple(record.rows.data_ptr() for record in records)
+        if self._view is None or rows != self._rows:
+            self._view, self._rows = _mirror(self._module, {id(r.param): r.rows for r in records}), rows
+        return self._view
+
+    def copy(self) -> nn.Module:
+        """A mirror holding copies of the masters and the module's other tensors: where an average starts."""
+        return _mirror(self._module, {id(r.param): r.rows.detach().clone() for r in self._engine.records()}, clone=True)
+
+    def wrap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (rows of the ``state_dict`` entry ``name``) as the DTensor a checkpoint holds."""
+        shape = self.shapes.get(name)
+        return tensor if shape is None else as_sharded(tensor, shape, self._engine.mesh)
+
+    def written(self) -> None:
+        """The masters were written: the working copies follow (collective)."""
+        self._engine.params_loaded()
+
+
+class MasterAveragedModel(AveragedModel):
+    """``WeightAveraging``'s average of the masters: it updates from them whatever module it is given (the callback
+    passes the module of working copies), and its ``state_dict`` holds the rows as DTensors."""
+
+    def __init__(self, rows: MasterRows, **kwargs: Any) -> None:
+        super().__init__(rows.copy(), **kwargs)
+        self._rows = rows
+
+    def update_parameters(self, model: nn.Module) -> None:
+        super().update_parameters(self._rows.view())
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        state = super().state_dict(*args, **kwargs)
+        return {key: self._rows.wrap(key.removeprefix("module."), value) for key, value in state.items()}
+
+
+def _mirror(module: nn.Module, rows: dict[int, torch.Tensor], clone: bool = False) -> nn.Module:
+    """Plain modules in ``module``'s hierarchy: a parameter with rows is them, any other parameter and every buffer
+    is the module's own (or a copy, with ``clone``), under the same names and in the same order (a tied parameter
+    stays one tensor)."""
+    params: dict[int, nn.Parameter] = {}
+    mirrors: dict[int, nn.Module] = {}
+    for name, source in module.named_modules(remove_duplicate=False):
+        mirror = mirrors.setdefault(id(source), nn.Module())
+        if name:
+            parent, _, child = name.rpartition(".")
+            mirrors[id(module.get_submodule(parent))].add_module(child, mirror)
+        for key, p in source.named_parameters(recurse=False):
+            if id(p) not in params:
+                if id(p) in rows:
+                    params[id(p)] = nn.Parameter(rows[id(p)], requires_grad=False)
+                else:
+                    params[id(p)] = nn.Parameter(p.detach().clone(), requires_grad=False) if clone else p
+            mirror.register_parameter(key, params[id(p)])
+        for key, b in source.named_buffers(recurse=False):
+            persistent = key not in source._non_persistent_buffers_set
+            mirror.register_buffer(key, b.detach().clone() if clone and b is not None else b, persistent=persistent)
+    return mirrors[id(module)]
