@@ -51,7 +51,7 @@ def keep_averages_in_checkpoints(trainer: pl.Trainer, strategy: CheckpointingStr
 
 def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | None:
     """The tensors a sharded directory's average is read into (the ``AveragedModel``'s module state, stage 3's and
-    the masters' as this rank's shards, another pipeline stage's on the meta device), while a fit restores; None
+    the optimizer's rows at stages 1-2 as this rank's shards, another pipeline stage's on the meta device), while a fit restores; None
     without a ``WeightAveraging`` callback."""
     if WeightAveraging is None or trainer is None:
         return None
@@ -62,7 +62,7 @@ def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | Non
 
 
 def _average_tensors(average: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The average's module state as its checkpoint entries hold it (``master_average.MasterAveragedModel`` gives
+    """The average's module state as its checkpoint entries hold it (``row_average.RowAveragedModel`` gives
     its rows as DTensors)."""
     return {key.removeprefix("module."): value for key, value in average.state_dict().items() if key.startswith("module.")}
 

@@ -2,27 +2,28 @@
 ``EMAWeightAveraging``) under ZeRO.
 
 The callback deep-copies the LightningModule in its ``setup`` hook, before the strategy shards it, and then averages
-``zip(average.parameters(), module.parameters())`` element by element. At stage 3 the module's parameters are
-FSDP2's sharded DTensors while the copy holds whole tensors (or, for a module built in ``configure_model``, none),
-so ``copy_`` fails with "got mixed torch.Tensor and DTensor". Averaging is element-wise, so it can run on each rank's
-shard as well as on the whole tensor: :func:`average_sharded_weights` gives the callback a copy of the sharded
-parameters (1/N of the weights per rank, not a whole model) and it averages exactly what ``ddp`` averages. Under
-pipeline stages the same copy holds another stage's parameters on the meta device, as the module does.
+``zip(average.parameters(), module.parameters())`` element by element. Averaging is element-wise, so it can run on
+each rank's rows as well as on whole tensors, and :func:`average_sharded_weights` gives the callback a copy of the
+weights as the optimizer holds them on this rank (1/N of the model per rank, not a whole one), which it averages
+exactly as ``ddp`` averages:
 
-Its ``state_dict`` holds whole tensors, as ``ddp``'s does: a checkpoint's callback state is written by rank 0 alone
-(``meta.pt``). Saving gathers each parameter (and every pipeline stage's), and loading keeps this rank's rows. ``WeightAveraging`` deep-copies
-the module into a ``torch.optim.swa_utils.AveragedModel`` the same way; at stage 3 it gets one over a mirror of the
-sharded parameters and buffers (:func:`sharded_mirror`), whose ``parameters()`` run in the module's order.
+* stages 1-2: the optimizer's rows (fp32 masters under mixed precision, host copies under offload; ``row_average.py``),
+  where the module holds whole parameters, at the working precision under mixed precision;
+* stage 3: the module's parameters are FSDP2's sharded DTensors (the callback's whole copy would fail with "got mixed
+  torch.Tensor and DTensor"): a mirror of the shards (:class:`ShardedAverage`, :func:`sharded_mirror`), whose
+  ``parameters()`` run in the module's order. Under pipeline stages another stage's parameters are on the meta device
+  in the mirror, as in the module.
 
-At every stage, when a callback moves the average into the module (at the end of training), the optimizer's own
-rows take it too (:func:`adopt_module_parameters`): host copies (offload) would otherwise hand the module the
-trained weights back when ``fit`` ends. Under mixed precision at stages 1-2 the callbacks average the fp32 masters
-instead of the module's working copies (``master_average.py``).
+``StochasticWeightAveraging``'s ``state_dict`` holds whole tensors, as ``ddp``'s does: a checkpoint's callback state is
+written by rank 0 alone (``meta.pt``). Saving gathers each parameter (and every pipeline stage's), and loading keeps
+this rank's rows. ``WeightAveraging``'s checkpoints: ``averaging_checkpoints.py``.
+
+When a callback moves the average into the module (at the end of training), the optimizer's own rows take it too:
+host copies (offload) would otherwise hand the module the trained weights back when ``fit`` ends.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,8 +35,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_zero.checkpoint.state_dicts import gather_stages
 from lightning_zero.engine.api import Holding, ShardingEngine
-from lightning_zero.engine.shard import local_rows
-from lightning_zero.strategy.master_average import MasterAveragedModel, MasterRows, averages_masters
+from lightning_zero.strategy.row_average import OptimizerRows, RowAveragedModel
 
 try:  # Lightning 2.6
     from lightning.pytorch.callbacks import WeightAveraging
@@ -44,15 +44,15 @@ except ImportError:  # pragma: no cover - older Lightning has StochasticWeightAv
 
 
 class ShardedAverage:
-    """What the callback averages into at stage 3 or under pipeline stages: a detached copy of every parameter as
-    this rank holds it (another pipeline stage's on the meta device, as the module's are)."""
+    """What ``StochasticWeightAveraging`` averages into: a detached copy of every parameter as this rank holds it
+    (stage 3's shards, the optimizer's rows at stages 1-2, another pipeline stage's on the meta device)."""
 
     def __init__(self, module: torch.nn.Module, engine: ShardingEngine, holding: Holding,
                  wrap: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor) -> None:
         self._names = [name for name, _ in module.named_parameters()]
         self._params = [p.detach().clone() for p in module.parameters()]
         self._engine, self._holding = engine, holding
-        self._wrap = wrap  # master rows (``MasterRows.wrap``) as the DTensors they are rows of
+        self._wrap = wrap  # the optimizer's rows (``OptimizerRows.wrap``) as the DTensors they are rows of
 
     def parameters(self) -> Iterator[torch.Tensor]:
         return iter(self._params)
@@ -89,73 +89,67 @@ def rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
 
 def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None,
                             holding: Holding) -> None:
-    """Point every weight averaging callback at the parameters as this rank holds them when the engine shards the
-    module in place (stage 3) or pipeline stages split it (another stage's parameters are on the meta device here);
-    elsewhere every rank holds whole parameters and the callback's own copy works. Make the engine adopt the average
-    the callback moves into the module (every stage). ``WeightAveraging``'s checkpoints: ``averaging_checkpoints.py``."""
+    """Point every weight averaging callback at the weights as the optimizer holds them on this rank (see the module
+    docstring), and make what it moves into the module reach the optimizer's rows."""
     if engine is None:
         return
-    adopt = functools.partial(adopt_module_parameters, engine)
-    in_place = engine.shards_module_in_place or not holding.everything
-    masters = MasterRows(module, engine) if averages_masters(engine) else None
+    rows = OptimizerRows(module, engine) if engine.stage < 3 else None
     for callback in _callbacks(trainer):
         if isinstance(callback, StochasticWeightAveraging):
-            _average_for_swa(callback, module, engine, holding, in_place, masters, adopt)
+            _average_for_swa(callback, module, engine, holding, rows)
         elif WeightAveraging is not None and isinstance(callback, WeightAveraging):
-            _average_for_weight_averaging(callback, module, in_place, masters, adopt)
+            _average_for_weight_averaging(callback, module, engine, rows)
 
 
 def _average_for_swa(callback: StochasticWeightAveraging, module: torch.nn.Module, engine: ShardingEngine,
-                     holding: Holding, in_place: bool, masters: MasterRows | None, adopt: Callable[[], None]) -> None:
+                     holding: Holding, rows: OptimizerRows | None) -> None:
     # The class's own methods, not the instance's, in what replaces them: a second fit must not wrap the first's.
-    if masters is not None:  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
-        callback._average_model = ShardedAverage(masters.view(), engine, holding, wrap=masters.wrap)  # type: ignore[assignment]
+    if rows is not None:  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
+        callback._average_model = ShardedAverage(rows.view(), engine, holding, wrap=rows.wrap)  # type: ignore[assignment]
 
-        def update_from_masters(average: Any, pl_module: pl.LightningModule, n_averaged: torch.Tensor, avg_fn: Any) -> None:
-            StochasticWeightAveraging.update_parameters(average, masters.view(), n_averaged, avg_fn)  # type: ignore[arg-type]
+        def update_from_rows(average: Any, pl_module: pl.LightningModule, n_averaged: torch.Tensor, avg_fn: Any) -> None:
+            StochasticWeightAveraging.update_parameters(average, rows.view(), n_averaged, avg_fn)  # type: ignore[arg-type]
 
-        def transfer_to_masters(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
-            StochasticWeightAveraging.transfer_weights(src_pl_module, masters.view())  # type: ignore[arg-type]
-            masters.written()
+        def transfer_to_rows(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
+            StochasticWeightAveraging.transfer_weights(src_pl_module, rows.view())  # type: ignore[arg-type]
+            rows.written()
 
-        callback.update_parameters = update_from_masters  # type: ignore[method-assign,assignment]  # this instance's only
-        callback.transfer_weights = transfer_to_masters  # type: ignore[method-assign]
+        callback.update_parameters = update_from_rows  # type: ignore[method-assign,assignment]  # this instance's only
+        callback.transfer_weights = transfer_to_rows  # type: ignore[method-assign]
         return
-    if in_place:
-        callback._average_model = ShardedAverage(module, engine, holding)  # type: ignore[assignment]
+    callback._average_model = ShardedAverage(module, engine, holding)  # type: ignore[assignment]
 
-    def transfer_and_adopt(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
+    def transfer_and_follow(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
         StochasticWeightAveraging.transfer_weights(src_pl_module, dst_pl_module)
-        adopt()
+        engine.params_loaded()  # what derives from the shards (host copies) follows them (collective)
 
-    callback.transfer_weights = transfer_and_adopt  # type: ignore[method-assign]  # this instance's only
+    callback.transfer_weights = transfer_and_follow  # type: ignore[method-assign]  # this instance's only
 
 
-def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, in_place: bool, masters: MasterRows | None,
-                                  adopt: Callable[[], None]) -> None:
+def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, engine: ShardingEngine,
+                                  rows: OptimizerRows | None) -> None:
     kwargs = dict(device=callback._device, use_buffers=callback._use_buffers, **callback._kwargs)
-    if masters is not None:
-        callback._average_model = MasterAveragedModel(masters, **kwargs)
+    if rows is not None:
+        callback._average_model = RowAveragedModel(rows, **kwargs)
 
-        def swap_with_masters(pl_module: pl.LightningModule) -> None:
-            WeightAveraging._swap_models(callback, masters.view())  # type: ignore[arg-type]
-            masters.written()
+        def swap_with_rows(pl_module: pl.LightningModule) -> None:
+            WeightAveraging._swap_models(callback, rows.view())  # type: ignore[arg-type]
+            rows.written()
 
-        def copy_to_masters(pl_module: pl.LightningModule) -> None:
-            WeightAveraging._copy_average_to_current(callback, masters.view())  # type: ignore[arg-type]
-            masters.written()
+        def copy_to_rows(pl_module: pl.LightningModule) -> None:
+            WeightAveraging._copy_average_to_current(callback, rows.view())  # type: ignore[arg-type]
+            rows.written()
 
-        callback._swap_models = swap_with_masters  # this instance's only
-        callback._copy_average_to_current = copy_to_masters
+        callback._swap_models = swap_with_rows  # this instance's only
+        callback._copy_average_to_current = copy_to_rows
         return
-    if in_place:
-        callback._average_model = AveragedModel(sharded_mirror(module), **kwargs)
+    callback._average_model = AveragedModel(sharded_mirror(module), **kwargs)
 
-    def copy_and_adopt(pl_module: pl.LightningModule) -> None:
+    def copy_and_follow(pl_module: pl.LightningModule) -> None:
         WeightAveraging._copy_average_to_current(callback, pl_module)
-        adopt()
+        engine.params_loaded()
 
-    callback._copy_average_to_current = copy_and_adopt  # this instance's only
+    callback._copy_average_to_current = copy_and_follow  # this instance's only
 
 
 def sharded_mirror(module: torch.nn.Module) -> torch.nn.Module:
@@ -176,17 +170,6 @@ def sharded_mirror(module: torch.nn.Module) -> torch.nn.Module:
             persistent = key not in source._non_persistent_buffers_set  # the checkpoint holds the module's names only
             mirror.register_buffer(key, None if b is None else b.detach().clone(), persistent=persistent)
     return mirrors[id(module)]
-
-
-def adopt_module_parameters(engine: ShardingEngine) -> None:
-    """A callback wrote the module's parameters (the average): the optimizer's rows (fp32 masters, host copies) take
-    this rank's rows of them, and what derives from the rows is refreshed (collective)."""
-    with torch.no_grad():
-        for record in engine.records():
-            if not isinstance(record.param, DTensor):  # stage 3's rows are the parameter's own shard
-                rows = local_rows(record.param.detach(), engine.rank, engine.world_size)
-                record.rows.view(-1).copy_(rows.reshape(-1))
-    engine.params_loaded()
 
 
 def clear_schedulers_for_swa(trainer: pl.Trainer | None) -> None:

@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BaseFinetuning, EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.tuner import Tuner
+from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.data import RandomTokenDataset
@@ -134,8 +135,10 @@ def ema(strategy, resume_from: Path | None = None, save_to: Path | None = None, 
         params = t.strategy.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    average = callback._average_model.module.parameters()
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in average]
     return {"params": params, "epochs": t.current_epoch, "averaged": int(callback._average_model.n_averaged),
-            "val_loss": float(t.callback_metrics["val_loss"])}
+            "val_loss": float(t.callback_metrics["val_loss"]), "average_bytes": sum(p.numel() * p.element_size() for p in local)}
 
 
 def ema_resumed(directory: Path, runs: dict[str, tuple[str | dict, str | dict]]) -> dict:
@@ -156,7 +159,7 @@ def ema_resumed(directory: Path, runs: dict[str, tuple[str | dict, str | dict]])
             run[f"diff_vs_{reference}"] = max_diff(params, ref_run["params"]) if RANK == 0 else None
             run[f"val_loss_diff_vs_{reference}"] = abs(run["val_loss"] - ref_run["val_loss"])
         out[name] = run
-    out["ddp"] = {"epochs": uninterrupted["ddp"]["epochs"], "averaged": uninterrupted["ddp"]["averaged"]}
+    out["ddp"] = {key: uninterrupted["ddp"][key] for key in ("epochs", "averaged", "average_bytes")}
     return out
 
 

@@ -1,17 +1,18 @@
-"""Weight averaging of the optimizer's fp32 rows at stages 1-2 under mixed precision.
+"""Weight averaging at stages 1-2 over the optimizer's rows.
 
-At stages 1-2 a mixed-precision run computes with bf16 (or fp16) working copies of whole parameters; the fp32 truth
-is each rank's rows of every parameter, the masters. Lightning's averaging callbacks read ``pl_module.parameters()``
-and swap the average in and out with ``.data.copy_``: here that would average rounded copies, round the average to
-the working precision at every validation swap and hand the masters a rounded average when training ends, where
-``ddp`` (fp32 parameters under AMP) and stage 3 (fp32 shards) average the fp32 weights.
+At stages 1-2 every rank holds whole parameters, but the optimizer's truth is this rank's rows of each: fp32 masters
+under mixed precision (the module computes with bf16 or fp16 working copies), host copies under offload, views of
+the parameters otherwise. Lightning's averaging callbacks deep-copy the whole module, read ``pl_module.parameters()``
+and swap the average in and out with ``.data.copy_``: a whole model per rank, and under mixed precision an average of
+rounded copies, rounded to the working precision at every validation swap and handed to the masters rounded when
+training ends, where ``ddp`` (fp32 parameters under AMP) and stage 3 (fp32 shards) average the fp32 weights.
 
-:class:`MasterRows` shows the callbacks the masters instead: a mirror of the module whose trainable parameters are
-this rank's master rows (sharing their storage) and whose other parameters and buffers are the module's own. The
-average is then this rank's rows in fp32, a 1/N share of the model, averaged as ``ddp`` averages; after the masters
-are written (a validation swap, the final copy) the engine refreshes the working copies from them (collective, as
-after a checkpoint load). In a checkpoint the average's rows are DTensors of the whole shapes, saved and loaded as
-stage 3's shards are.
+:class:`OptimizerRows` shows the callbacks those rows instead: a mirror of the module whose trainable parameters are
+this rank's rows (sharing their storage) and whose other parameters and buffers are the module's own. The average is
+then this rank's rows at the optimizer's precision, a 1/N share of the model, averaged element by element as ``ddp``
+averages; after the rows are written (a validation swap, the final copy) the engine gathers the parameters from them
+(collective, as after a checkpoint load). In a checkpoint the average's rows are DTensors of the whole shapes, saved
+and loaded as stage 3's shards are.
 """
 
 from __future__ import annotations
@@ -26,13 +27,7 @@ from lightning_zero.checkpoint.state_dicts import as_sharded
 from lightning_zero.engine.api import ShardingEngine
 
 
-def averages_masters(engine: ShardingEngine) -> bool:
-    """Stages 1-2 whose masters are at a higher precision than the parameters forward computes with."""
-    return (not engine.shards_module_in_place and engine.holds_masters
-            and any(record.rows.dtype != record.param.dtype for record in engine.records()))
-
-
-class MasterRows:
+class OptimizerRows:
     """The module as the optimizer holds it on this rank (see the module docstring)."""
 
     def __init__(self, module: nn.Module, engine: ShardingEngine) -> None:
@@ -40,12 +35,12 @@ class MasterRows:
         self._view: nn.Module | None = None
         self._rows: tuple[int, ...] = ()
         records = {id(record.param): record for record in engine.records()}
-        #: state_dict name -> the whole shape, for the names whose tensor is a master (tied names included)
+        #: state_dict name -> the whole shape, for the names whose tensor has rows (tied names included)
         self.shapes = {name: records[id(tensor)].shape for name, tensor in module.state_dict(keep_vars=True).items()
                        if id(tensor) in records}
 
     def view(self) -> nn.Module:
-        """The mirror over the current masters (built again when the engine replaced them, e.g. on unfreezing)."""
+        """The mirror over the current rows (built again when the engine replaced them, e.g. on unfreezing)."""
         records = self._engine.records()
         rows = tuple(record.rows.data_ptr() for record in records)
         if self._view is None or rows != self._rows:
@@ -53,7 +48,7 @@ class MasterRows:
         return self._view
 
     def copy(self) -> nn.Module:
-        """A mirror holding copies of the masters and the module's other tensors: where an average starts."""
+        """A mirror holding copies of the rows and the module's other tensors: where an average starts."""
         return _mirror(self._module, {id(r.param): r.rows.detach().clone() for r in self._engine.records()}, clone=True)
 
     def wrap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -62,15 +57,15 @@ class MasterRows:
         return tensor if shape is None else as_sharded(tensor, shape, self._engine.mesh)
 
     def written(self) -> None:
-        """The masters were written: the working copies follow (collective)."""
+        """The rows were written: every rank's parameters follow (collective)."""
         self._engine.params_loaded()
 
 
-class MasterAveragedModel(AveragedModel):
-    """``WeightAveraging``'s average of the masters: it updates from them whatever module it is given (the callback
-    passes the module of working copies), and its ``state_dict`` holds the rows as DTensors."""
+class RowAveragedModel(AveragedModel):
+    """``WeightAveraging``'s average of the rows: it updates from them whatever module it is given (the callback
+    passes the whole module), and its ``state_dict`` holds the rows as DTensors."""
 
-    def __init__(self, rows: MasterRows, **kwargs: Any) -> None:
+    def __init__(self, rows: OptimizerRows, **kwargs: Any) -> None:
         super().__init__(rows.copy(), **kwargs)
         self._rows = rows
 
