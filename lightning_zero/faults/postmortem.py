@@ -12,6 +12,7 @@ call site from the main thread's stack.
 from __future__ import annotations
 
 import faulthandler
+import os
 import re
 import tempfile
 import time
@@ -22,6 +23,7 @@ from lightning_zero.engine.comm.flight import RECORDER, Mark, Op, read_file
 from lightning_zero.faults.activity import classify_frames
 from lightning_zero.faults.records import RUNNING, Record, liveness
 
+_COMM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "comm") + os.sep
 #: faulthandler's first line names the fatal signal this way.
 _SIGNALS = {"Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS",
             "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
@@ -103,6 +105,10 @@ def read_record(folder: Path, rank: int) -> Record | None:
     if snapshot.recent:
         number, kind = snapshot.recent[-1][:2]
         activity.last = f"{kind} #{number}"
+        if snapshot.waiting is None and _in_comm_layer(frames):
+            # It died posting its last collective's transfers, before it began to wait: gloo aborts a process as
+            # soon as a mismatched message arrives, which may be while the main thread still posts the ring.
+            activity.in_collective, activity.op, activity.kind = True, number, kind
     marks = [Mark(*m) for m in snapshot.marks]
     last = marks[-1] if marks else None
     return Record(
@@ -110,6 +116,10 @@ def read_record(folder: Path, rank: int) -> Record | None:
         batch=last.batch if last else None, activity=activity, marks=marks, steps=snapshot.steps,
         recent=[Op(*op) for op in snapshot.recent], proc=snapshot.proc, crash=_crash(fatal, folder / f"rank{rank}.fatal"),
     )
+
+
+def _in_comm_layer(frames: list[tuple[str, int, str]]) -> bool:
+    return any(os.path.abspath(filename).startswith(_COMM) for filename, _, _ in frames)
 
 
 def _read_text(path: Path) -> str:

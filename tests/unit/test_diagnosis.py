@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+import lightning_zero
 from lightning_zero.faults import failures
 from lightning_zero.faults.activity import Activity, category, classify
 from lightning_zero.faults.diagnosis import decide, exit_agreement, explain
@@ -327,6 +328,31 @@ def test_a_rank_that_died_in_native_code_is_read_back_from_its_flight_file_and_s
     assert ("the first that differs is #41: all_gather #41 (1056 x float32) on rank 1 vs all_gather #41 (2624 x "
             "float32) on rank 0") in found.summary
     assert "Every rank must issue the same collectives in the same order" in found.hint
+
+
+def test_a_rank_that_died_posting_its_collective_is_read_back_in_it(tmp_path):
+    """gloo may abort a rank while its main thread still posts the ring's transfers, before the recorder marks the
+    wait: the stack inside the communication layer says it was in its last collective."""
+    from lightning_zero.faults.postmortem import read_record
+
+    recorder = FlightRecorder()
+    recorder.reset(None)
+    recorder.enabled = True
+    recorder.write_to(tmp_path / "rank0.flight", "somehost|0|999999|1")
+    recorder.mark("val", 0)
+    recorder.issue("all_gather", 1056, torch.float32)
+    main = f"0x{recorder.main:016x}"
+    comm = os.path.join(os.path.dirname(lightning_zero.__file__), "engine", "comm")
+    (tmp_path / "rank0.fatal").write_text(
+        f"Fatal Python error: Aborted\n\nThread {main} (most recent call first):\n"
+        f'  File "{comm}/p2p_transport.py", line 90 in __init__\n'
+        f'  File "{comm}/collectives.py", line 120 in all_gather\n'
+        '  File "/home/me/project/train.py", line 16 in validation_step\n'
+    )
+    dead = read_record(tmp_path, 0)
+    recorder.close_file()
+    assert dead.activity.in_collective and dead.activity.op == 1 and dead.activity.kind == "all_gather"
+    assert dead.activity.site == "project/train.py:16 in validation_step"
 
 
 def test_a_rank_killed_without_a_stack_is_still_reported_from_its_flight_file(tmp_path):
