@@ -88,9 +88,10 @@ def rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
 
 
 def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None,
-                            holding: Holding) -> None:
+                            holding: Holding, sync_buffers: Callable[[], None]) -> None:
     """Point every weight averaging callback at the weights as the optimizer holds them on this rank (see the module
-    docstring), and make what it moves into the module reach the optimizer's rows."""
+    docstring), and make what it moves into the module reach the optimizer's rows. ``sync_buffers``: rank 0's
+    buffers to every rank (collective)."""
     if engine is None:
         return
     rows = OptimizerRows(module, engine) if engine.stage < 3 else None
@@ -98,7 +99,7 @@ def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine
         if isinstance(callback, StochasticWeightAveraging):
             _average_for_swa(callback, module, engine, holding, rows)
         elif WeightAveraging is not None and isinstance(callback, WeightAveraging):
-            _average_for_weight_averaging(callback, module, engine, rows)
+            _average_for_weight_averaging(callback, module, engine, rows, sync_buffers)
 
 
 def _average_for_swa(callback: StochasticWeightAveraging, module: torch.nn.Module, engine: ShardingEngine,
@@ -127,7 +128,9 @@ def _average_for_swa(callback: StochasticWeightAveraging, module: torch.nn.Modul
 
 
 def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, engine: ShardingEngine,
-                                  rows: OptimizerRows | None) -> None:
+                                  rows: OptimizerRows | None, sync_buffers: Callable[[], None]) -> None:
+    """The callback swaps the average in when validation starts and out when it ends; each rank averaged its own
+    buffers (BatchNorm statistics), and evaluation runs on rank 0's, as ``ddp``'s first forward broadcasts them."""
     kwargs = dict(device=callback._device, use_buffers=callback._use_buffers, **callback._kwargs)
     if rows is not None:
         callback._average_model = RowAveragedModel(rows, **kwargs)
@@ -135,6 +138,7 @@ def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, engine
         def swap_with_rows(pl_module: pl.LightningModule) -> None:
             WeightAveraging._swap_models(callback, rows.view())  # type: ignore[arg-type]
             rows.written()
+            sync_buffers()
 
         def copy_to_rows(pl_module: pl.LightningModule) -> None:
             WeightAveraging._copy_average_to_current(callback, rows.view())  # type: ignore[arg-type]
@@ -144,6 +148,12 @@ def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, engine
         callback._copy_average_to_current = copy_to_rows
         return
     callback._average_model = AveragedModel(sharded_mirror(module), **kwargs)
+
+    def swap_and_sync(pl_module: pl.LightningModule) -> None:
+        WeightAveraging._swap_models(callback, pl_module)
+        sync_buffers()
+
+    callback._swap_models = swap_and_sync  # this instance's only
 
     def copy_and_follow(pl_module: pl.LightningModule) -> None:
         WeightAveraging._copy_average_to_current(callback, pl_module)

@@ -197,8 +197,9 @@ class ZeroStrategy(CheckpointingStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting:
             self.setup_checkpoints(trainer)
-            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), self.engine,
-                                    self._sharded.holding)
+            sharded = self._sharded
+            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), sharded.engine,
+                                    sharded.holding, sharded.sync_buffers)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -56,7 +56,7 @@ def test_lightnings_own_loader_still_cannot_open_a_directory(runs):
 def averaging_runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("averaging")
     return launch("tests.distributed.worker_lightning_features", "swa", "ema_resumed", "averaging_pipeline",
-                  "averaging_bf16", nprocs=2,
+                  "averaging_bf16", "averaging_batchnorm", nprocs=2,
                   env={"LZ_SHARED_DIR": str(directory)})
 
 
@@ -144,6 +144,18 @@ def test_weight_averaging_under_bf16_mixed_averages_the_fp32_weights(averaging_r
 @pytest.mark.parametrize("case", ["ema_stage1_offload", "ema_stage2_full", "swa_stage1", "ema_pipeline_stage1", "ema_stage3"])
 def test_weight_averaging_under_bf16_mixed_elsewhere(averaging_rest, case):
     _check_witnessed(averaging_rest["averaging_bf16_rest"], case)
+
+
+@pytest.mark.parametrize("case", ["ema_stage2", "ema_stage3", "swa_stage2", "swa_stage3"])
+def test_weight_averaging_with_batchnorm_matches_ddp(averaging_runs, case):
+    """BatchNorm statistics: each rank averages its own (EMA's ``use_buffers``) and evaluation runs on rank 0's, as
+    under ``ddp``, whose first forward broadcasts them: the same state and validation metrics. The metric after
+    SWA's BatchNorm epoch is left out: ``ddp`` runs that epoch as one accumulation window, in which it broadcasts
+    no buffers, and then validates each rank on its own statistics, where every rank here uses rank 0's."""
+    result = averaging_runs["averaging_batchnorm"][case]
+    assert result["diff_vs_ddp"] <= 1e-6
+    compared = result["val_mse_diffs"][:-1] if case.startswith("swa") else result["val_mse_diffs"]
+    assert len(compared) >= 4 and max(compared) <= 1e-6
 
 
 @pytest.fixture(scope="module")

@@ -234,6 +234,42 @@ def witnessed_averages(directory: Path, cases: dict[str, tuple[str, dict, str]])
 PIPELINE = dict(pipeline_stages=2, microbatches=2)  # another stage's parameters are meta on each rank
 
 
+def tour_averaged(strategy, kind: str) -> dict:
+    """``models.Tour`` (BatchNorm, a frozen layer) for 4 epochs under EMA or SWA (from epoch 2, then its BatchNorm
+    epoch): the weights and buffers it ends with, and each validation's metric, synced over the ranks."""
+    L.seed_everything(5)
+    module = models.Tour()
+    callback = EMAWeightAveraging(decay=0.8) if kind == "ema" else StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)
+    metrics = ValidationMetrics()
+    t = trainer(strategy, max_epochs=4, limit_val_batches=2, callbacks=[callback, metrics])
+    t.fit(module, models.loader(models.IndexedData(), 4), models.loader(models.IndexedData(), 4))
+    state = t.strategy.full_state_dict() if isinstance(strategy, ZeroStrategy) else {
+        k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"state": state, "val_mse": metrics.values}
+
+
+class ValidationMetrics(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_validation_end(self, trainer, pl_module):
+        self.values.append(float(trainer.callback_metrics["val_mse"]))
+
+
+def averaging_with_batchnorm(stages=(2, 3)) -> dict:
+    """Against Lightning ``ddp``: the state (BatchNorm statistics included) and every validation's metric."""
+    out = {}
+    for kind in ("ema", "swa"):
+        ddp = tour_averaged("ddp", kind)
+        for stage in stages:
+            run = tour_averaged(ZeroStrategy(stage=stage), kind)
+            out[f"{kind}_stage{stage}"] = {
+                "diff_vs_ddp": max_diff(run["state"], ddp["state"]) if RANK == 0 else None,
+                "val_mse_diffs": [abs(a - b) for a, b in zip(run["val_mse"], ddp["val_mse"])],
+            }
+    return out
+
+
 class BlocksCompiledInConfigureModel(GPTLightningModule):
     """The configure_model route: the user compiles each block where the model is built."""
 
@@ -381,6 +417,7 @@ CASES = {
         "ema_stage1": ("ema", dict(stage=1, **PIPELINE), "32-true"), "swa_stage1": ("swa", dict(stage=1, **PIPELINE), "32-true")}),
     "averaging_bf16": lambda directory: witnessed_averages(directory / "averaging_bf16", {
         "ema_stage2": ("ema", dict(stage=2), "bf16-mixed"), "swa_stage2": ("swa", dict(stage=2), "bf16-mixed")}),
+    "averaging_batchnorm": lambda directory: averaging_with_batchnorm(),
     "averaging_bf16_rest": lambda directory: witnessed_averages(directory / "averaging_bf16_rest", {
         "ema_stage1_offload": ("ema", dict(stage=1, offload_optimizer=True), "bf16-mixed"),
         "ema_stage2_full": ("ema", dict(stage=2, state_dict_type="full"), "bf16-mixed"),
