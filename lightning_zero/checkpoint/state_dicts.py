@@ -116,7 +116,7 @@ def gather_stages(held: dict[str, Any], engine: ShardingEngine | None, order: li
     whole = {}
     for name, value in held.items():
         if isinstance(value, DTensor):  # stage 3: the same names, in the same order, on the stage's replicas
-            value = value.full_tensor()
+            value = whole_tensor(value)
         whole[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
     # The first replica of every stage sends its stage; other replicas hold copies of the same tensors.
     first_replica = engine is None or engine.group is None or engine.rank == 0
@@ -126,6 +126,15 @@ def gather_stages(held: dict[str, Any], engine: ShardingEngine | None, order: li
         return {}
     merged = {k: v for part in parts for k, v in part.items()}
     return {name: merged[name] for name in order if name in merged}
+
+
+def whole_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, also for rows held in host memory over a device mesh (offloaded masters or
+    parameter shards), which the mesh's backend cannot gather as they are. Collective."""
+    local = value.to_local()
+    if local.device.type != value.device_mesh.device_type:
+        return gather_full(local, value.shape, group=value.device_mesh.get_group())
+    return value.full_tensor()
 
 
 def sharded_model_state(module: nn.Module, engine: ShardingEngine | None, holding: Holding = Holding()) -> dict[str, Any]:

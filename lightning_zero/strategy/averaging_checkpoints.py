@@ -12,8 +12,8 @@ beside the average, each rank's rows of each (``write.split_checkpoint``; under 
 file holds whole tensors, so a stage-3 average is gathered. Loading: a directory is read by
 :func:`lightning_zero.checkpoint.io.load` with the average's tensors as a second target (:func:`average_to_load`),
 and a full file's halves are copied in here, the trained weights through the strategy's own loader (this rank's
-rows). Either way the files are Lightning's: a
-checkpoint written by ``ddp`` resumes here and a full file written here resumes under ``ddp``.
+rows). Either way the files are Lightning's: a checkpoint written by ``ddp`` resumes here and a full file written
+here resumes under ``ddp``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.checkpoint.io import AVERAGE_LOADED
-from lightning_zero.checkpoint.state_dicts import CURRENT_MODEL_STATE
+from lightning_zero.checkpoint.state_dicts import CURRENT_MODEL_STATE, whole_tensor
 from lightning_zero.checkpoint.verify import check_compatible
 from lightning_zero.engine.comm import collectives
 from lightning_zero.strategy.swa import WeightAveraging, rows_of
@@ -50,8 +50,8 @@ def keep_averages_in_checkpoints(trainer: pl.Trainer, strategy: CheckpointingStr
 
 
 def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | None:
-    """The tensors a sharded directory's average is read into (the ``AveragedModel``'s module state, stage 3's and
-    the optimizer's rows at stages 1-2 as this rank's shards, another pipeline stage's on the meta device), while a fit restores; None
+    """The tensors a sharded directory's average is read into while a fit restores: the ``AveragedModel``'s module
+    state, whose shards (stage 3) and rows (stages 1-2) are DTensors and another pipeline stage's tensors meta; None
     without a ``WeightAveraging`` callback."""
     if WeightAveraging is None or trainer is None:
         return None
@@ -62,8 +62,8 @@ def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | Non
 
 
 def _average_tensors(average: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The average's module state as its checkpoint entries hold it (``row_average.RowAveragedModel`` gives
-    its rows as DTensors)."""
+    """The average's module state as its checkpoint entries hold it (``row_average.RowAveragedModel`` gives its
+    rows as DTensors)."""
     return {key.removeprefix("module."): value for key, value in average.state_dict().items() if key.startswith("module.")}
 
 
@@ -72,7 +72,7 @@ def _save(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, p
     WeightAveraging.on_save_checkpoint(callback, trainer, pl_module, checkpoint)
     if CURRENT_MODEL_STATE not in checkpoint:
         return
-    if strategy._full:  # every rank holds its shards of a stage-3 average: rank 0 writes
+    if strategy._full:  # the average's shards (stage 3) or rows (stages 1-2) are DTensors: rank 0 writes them whole
         checkpoint["state_dict"] = _whole_on_rank_zero(checkpoint["state_dict"])
     else:  # each pipeline stage writes its own tensors (another stage's are meta here)
         checkpoint["state_dict"] = strategy._sharded.holding.held(checkpoint["state_dict"])
@@ -80,7 +80,7 @@ def _save(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, p
 
 def _whole_on_rank_zero(state: dict[str, Any]) -> dict[str, Any]:
     """Collective when ``state`` holds DTensors (the same names in the same order on every rank)."""
-    whole = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+    whole = {name: whole_tensor(value) if isinstance(value, DTensor) else value for name, value in state.items()}
     return whole if collectives.rank() == 0 else {}
 
 

@@ -44,12 +44,12 @@ class OptimizerRows:
         records = self._engine.records()
         rows = tuple(record.rows.data_ptr() for record in records)
         if self._view is None or rows != self._rows:
-            self._view, self._rows = _mirror(self._module, {id(r.param): r.rows for r in records}), rows
+            self._view, self._rows = mirror(self._module, {id(r.param): r.rows for r in records}), rows
         return self._view
 
     def copy(self) -> nn.Module:
         """A mirror holding copies of the rows and the module's other tensors: where an average starts."""
-        return _mirror(self._module, {id(r.param): r.rows.detach().clone() for r in self._engine.records()}, clone=True)
+        return mirror(self._module, {id(r.param): r.rows.detach().clone() for r in self._engine.records()}, clone=True)
 
     def wrap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (rows of the ``state_dict`` entry ``name``) as the DTensor a checkpoint holds."""
@@ -77,7 +77,7 @@ class RowAveragedModel(AveragedModel):
         return {key: self._rows.wrap(key.removeprefix("module."), value) for key, value in state.items()}
 
 
-def _mirror(module: nn.Module, rows: dict[int, torch.Tensor], clone: bool = False) -> nn.Module:
+def mirror(module: nn.Module, rows: dict[int, torch.Tensor], clone: bool = False) -> nn.Module:
     """Plain modules in ``module``'s hierarchy: a parameter with rows is them, any other parameter and every buffer
     is the module's own (or a copy, with ``clone``), under the same names and in the same order (a tied parameter
     stays one tensor)."""

@@ -35,7 +35,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_zero.checkpoint.state_dicts import gather_stages
 from lightning_zero.engine.api import Holding, ShardingEngine
-from lightning_zero.strategy.row_average import OptimizerRows, RowAveragedModel
+from lightning_zero.strategy.row_average import OptimizerRows, RowAveragedModel, mirror
 
 try:  # Lightning 2.6
     from lightning.pytorch.callbacks import WeightAveraging
@@ -166,20 +166,7 @@ def sharded_mirror(module: torch.nn.Module) -> torch.nn.Module:
     """Plain modules in ``module``'s hierarchy holding detached copies of its parameters (this rank's DTensor shards)
     and buffers under the same names, so that ``parameters()`` and ``buffers()`` run in the same order (a tied
     parameter stays one tensor)."""
-    copies: dict[int, torch.Tensor] = {}
-    mirrors: dict[int, torch.nn.Module] = {}
-    for name, source in module.named_modules(remove_duplicate=False):
-        mirror = mirrors.setdefault(id(source), torch.nn.Module())
-        if name:
-            parent, _, child = name.rpartition(".")
-            mirrors[id(module.get_submodule(parent))].add_module(child, mirror)
-        for key, p in source.named_parameters(recurse=False):
-            copy = copies.setdefault(id(p), torch.nn.Parameter(p.detach().clone(), requires_grad=False))
-            mirror.register_parameter(key, copy)  # type: ignore[arg-type]
-        for key, b in source.named_buffers(recurse=False):
-            persistent = key not in source._non_persistent_buffers_set  # the checkpoint holds the module's names only
-            mirror.register_buffer(key, None if b is None else b.detach().clone(), persistent=persistent)
-    return mirrors[id(module)]
+    return mirror(module, {}, clone=True)
 
 
 def clear_schedulers_for_swa(trainer: pl.Trainer | None) -> None:
