@@ -13,7 +13,11 @@ they agree to rounding, amplified where Adam's second moment is tiny (rows of th
 batch used), so that bound only catches a lost or doubled update.
 ``offload_step_delay=1`` is inexact by design: it must train (finite loss) and stay near the exact run. At world
 size 1 stage 3 runs no reduce-scatter, so its host step starts from ``optimizer.step()``; stages 1-2 start it
-during backward. Exit status 1 when a check fails.
+during backward.
+
+Then ``EMAWeightAveraging`` under bf16-mixed (the average of the optimizer's fp32 rows, held in host memory when
+offloaded, over a device mesh in checkpoints): a run saved after half its steps, as a full file and as a sharded
+directory, and resumed must end bit for bit where the uninterrupted run does. Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +78,10 @@ class LastLoss(L.Callback):
 
 
 def train(args: argparse.Namespace, precision: str, stage: int, settings: dict[str, Any],
-          trainer_settings: dict[str, Any]) -> tuple[dict[str, torch.Tensor], float]:
-    """The full parameters after ``args.steps`` optimizer steps, and the last loss."""
+          trainer_settings: dict[str, Any], callbacks: tuple[L.Callback, ...] = (), steps: int | None = None,
+          ckpt_path: Path | None = None) -> tuple[dict[str, torch.Tensor], float]:
+    """The full parameters after ``steps`` (default ``args.steps``) optimizer steps, and the last loss;
+    ``ckpt_path``: resumed from a checkpoint."""
     L.seed_everything(0, verbose=False)
     module = GPTLightningModule(**MODEL, learning_rate=1e-3)
     data = RandomTokenDataModule(vocab_size=MODEL["vocab_size"], block_size=MODEL["block_size"], batch_size=4,
@@ -82,13 +89,56 @@ def train(args: argparse.Namespace, precision: str, stage: int, settings: dict[s
     last = LastLoss()
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=1, strategy=ZeroStrategy(stage=stage, **settings), precision=precision,
-        max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[last], **trainer_settings,
+        max_steps=steps or args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[last, *callbacks], **trainer_settings,
     )
     STARTED_EARLY[0] = 0
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     full = trainer.strategy.full_state_dict()  # type: ignore[attr-defined]
     return {k: v.detach().double().cpu() for k, v in full.items()}, last.loss
+
+
+#: (name, stage, ZeroStrategy settings) for the weight averaging checks.
+AVERAGING: list[tuple[str, int, dict[str, Any]]] = [
+    ("stage2", 2, {}),
+    ("stage2_offload", 2, dict(offload_optimizer=True)),
+    ("stage3_offload_params", 3, dict(offload_optimizer=True, offload_params=True)),
+]
+
+
+class SaveAt(L.Callback):
+    """A checkpoint after optimizer step ``step`` (after the averaging callback's update)."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def check_averaging(args: argparse.Namespace, failed: list[str]) -> None:
+    """EMA resumed from a full file and a sharded directory against the uninterrupted run (see the docstring)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    print("\n| EMA, bf16-mixed | resumed from a full file | from a sharded directory |\n|---|---|---|")
+    steps = 2 * args.steps
+    for name, stage, settings in AVERAGING:
+        whole, _ = train(args, "bf16-mixed", stage, settings, {}, (EMAWeightAveraging(decay=0.9),), steps=steps)
+        diffs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for kind in ("full", "sharded"):
+                chosen = {**settings, "state_dict_type": kind}
+                path = Path(tmp) / f"{kind}.ckpt"
+                train(args, "bf16-mixed", stage, chosen, {}, (EMAWeightAveraging(decay=0.9), SaveAt(args.steps, path)),
+                      steps=steps)
+                resumed, _ = train(args, "bf16-mixed", stage, chosen, {}, (EMAWeightAveraging(decay=0.9),),
+                                   steps=steps, ckpt_path=path)
+                diffs.append(max_diff(resumed, whole))
+        print(f"| {name} | {diffs[0]:.1e} | {diffs[1]:.1e} |", flush=True)
+        failed.extend(f"EMA {name}: resumed from a {kind} checkpoint ends {diff:.3e} from the uninterrupted run"
+                      for kind, diff in zip(("full", "sharded"), diffs) if diff != 0.0)
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -100,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--precision", default="32-true,bf16-mixed", help="comma-separated")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    p.add_argument("--cases", default=None, help="comma-separated case names, 'averaging' for the EMA checks "
+                   "(default: all)")
     args = p.parse_args(argv)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("cuda_checks.py needs a CUDA device (or --accelerator cpu).", file=sys.stderr)
@@ -137,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             bound = 5e-4 if precision == "32-true" else 2e-2
             if vs_plain > bound:
                 failed.append(f"{precision} {name}: {vs_plain:.3e} from the run without offload (bound {bound:g})")
+    if chosen is None or "averaging" in chosen:
+        check_averaging(args, failed)
     print("\n".join(["", "FAILED:", *failed]) if failed else "\nall checks passed")
     return 1 if failed else 0
 

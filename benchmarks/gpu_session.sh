@@ -30,7 +30,7 @@ part() {  # part NAME SECONDS COMMAND...: run one part under its limit, its outp
     >"$OUT/device.txt" 2>&1
 [ -n "${DRY:-}" ] || cat "$OUT/device.txt"
 
-# Offload's schedules on a copy stream: every overlap_comm pair bit for bit, parts started during backward.
+# Offload's schedules on a copy stream: every overlap_comm pair bit for bit, parts started during backward; EMA resumed.
 part cuda_checks 120 python benchmarks/cuda_checks.py
 # Issue 39: the 136M GPT, host-bound on a fast GPU; stages 1-2 <= 1.05x DDP, stage 3 <= 1.30x and <= FSDP2.
 part throughput_136m 200 python benchmarks/bench_gpu.py --part throughput --systems ddp,fsdp2,zero1,zero2,zero3 \

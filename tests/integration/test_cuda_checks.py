@@ -33,4 +33,6 @@ def test_every_check_passes_on_the_cpu() -> None:
     started = {row[1]: int(row[2]) for row in rows}
     assert started["stage1"] > 0 and started["stage2"] > 0  # the host stepped parts during backward
     assert started["stage1_clip"] == 0  # clipping needs every gradient first
+    averaged = [line for line in result.stdout.splitlines() if line.endswith("| 0.0e+00 | 0.0e+00 |")]
+    assert len(averaged) == len(cuda_checks.AVERAGING)  # EMA resumed exactly from both kinds of checkpoint
     assert "all checks passed" in result.stdout
