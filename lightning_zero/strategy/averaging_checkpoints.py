@@ -64,7 +64,8 @@ def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | Non
 def _average_tensors(average: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The average's module state as its checkpoint entries hold it (``row_average.RowAveragedModel`` gives its
     rows as DTensors)."""
-    return {key.removeprefix("module."): value for key, value in average.state_dict().items() if key.startswith("module.")}
+    state = average.state_dict()
+    return {key.removeprefix("module."): value for key, value in state.items() if key.startswith("module.")}
 
 
 def _save(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, pl_module: pl.LightningModule,

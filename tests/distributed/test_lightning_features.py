@@ -89,9 +89,9 @@ def test_stochastic_weight_averaging_at_the_other_stages(averaging_rest, case):
 def _check_ema_resumed(runs: dict, case: str) -> None:
     """``EMAWeightAveraging`` resumed from the checkpoint after epoch 1 of 3 ends with the weights (the average) and
     the last validation loss (the average swapped in) of the uninterrupted run, bit for bit: the module resumes from
-    the trained weights and the callback from the average and its count. Each rank holds half the average. Without offload that is also ``ddp``'s
-    end; offloaded, the host's fused AdamW kernel rounds a key projection's bias (whose gradient is zero but for
-    rounding: softmax ignores it) differently from ddp's, which no output sees."""
+    the trained weights and the callback from the average and its count. Each rank holds half the average. Without
+    offload that is also ``ddp``'s end; offloaded, the host's fused AdamW kernel rounds a key projection's bias (whose
+    gradient is zero but for rounding: softmax ignores it) differently from ddp's, which no output sees."""
     result = runs[case]
     assert result["epochs"] == 3 and result["averaged"] == runs["ddp"]["averaged"] == 18
     if not case.endswith("to_ddp"):  # this rank's rows of the average, not a whole model as under ddp (2 ranks)
