@@ -17,6 +17,7 @@ and loaded as stage 3's shards are.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_zero.checkpoint.state_dicts import as_sharded
 from lightning_zero.engine.api import ShardingEngine
+from lightning_zero.engine.shard import local_rows
 
 
 class OptimizerRows:
@@ -34,10 +36,8 @@ class OptimizerRows:
         self._module, self._engine = module, engine
         self._view: nn.Module | None = None
         self._rows: tuple[int, ...] = ()
-        records = {id(record.param): record for record in engine.records()}
         #: state_dict name -> the whole shape, for the names whose tensor has rows (tied names included)
-        self.shapes = {name: records[id(tensor)].shape for name, tensor in module.state_dict(keep_vars=True).items()
-                       if id(tensor) in records}
+        self.shapes: dict[str, torch.Size] = {}
 
     def view(self) -> nn.Module:
         """The mirror over the current rows (built again when the engine replaced them, e.g. on unfreezing)."""
@@ -45,7 +45,20 @@ class OptimizerRows:
         rows = tuple(record.rows.data_ptr() for record in records)
         if self._view is None or rows != self._rows:
             self._view, self._rows = mirror(self._module, {id(r.param): r.rows for r in records}), rows
+            by_param = {id(record.param): record for record in records}
+            self.shapes = {name: by_param[id(tensor)].shape
+                           for name, tensor in self._module.state_dict(keep_vars=True).items() if id(tensor) in by_param}
         return self._view
+
+    def view_for(self, average: Iterable[torch.Tensor]) -> nn.Module:
+        """:meth:`view`, with ``average`` (an average's tensors in the module's parameter order) brought to its
+        layout: a parameter unfrozen since the average began (``BaseFinetuning``) now has rows, and its average,
+        whole while it was frozen, becomes this rank's rows of it."""
+        view = self.view()
+        for kept, current in zip(average, view.parameters()):
+            if kept.shape != current.shape:
+                kept.data = local_rows(kept.data, self._engine.rank, self._engine.world_size).clone()
+        return view
 
     def copy(self) -> nn.Module:
         """A mirror holding copies of the rows and the module's other tensors: where an average starts."""
@@ -53,6 +66,8 @@ class OptimizerRows:
 
     def wrap(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (rows of the ``state_dict`` entry ``name``) as the DTensor a checkpoint holds."""
+        if self._view is None:
+            self.view()  # the shapes
         shape = self.shapes.get(name)
         return tensor if shape is None else as_sharded(tensor, shape, self._engine.mesh)
 
@@ -70,7 +85,7 @@ class RowAveragedModel(AveragedModel):
         self._rows = rows
 
     def update_parameters(self, model: nn.Module) -> None:
-        super().update_parameters(self._rows.view())
+        super().update_parameters(self._rows.view_for(self.module.parameters()))
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         state = super().state_dict(*args, **kwargs)

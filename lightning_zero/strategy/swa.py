@@ -109,10 +109,12 @@ def _average_for_swa(callback: StochasticWeightAveraging, module: torch.nn.Modul
         callback._average_model = ShardedAverage(rows.view(), engine, holding, wrap=rows.wrap)  # type: ignore[assignment]
 
         def update_from_rows(average: Any, pl_module: pl.LightningModule, n_averaged: torch.Tensor, avg_fn: Any) -> None:
-            StochasticWeightAveraging.update_parameters(average, rows.view(), n_averaged, avg_fn)  # type: ignore[arg-type]
+            view = rows.view_for(average.parameters())
+            StochasticWeightAveraging.update_parameters(average, view, n_averaged, avg_fn)  # type: ignore[arg-type]
 
         def transfer_to_rows(src_pl_module: pl.LightningModule, dst_pl_module: pl.LightningModule) -> None:
-            StochasticWeightAveraging.transfer_weights(src_pl_module, rows.view())  # type: ignore[arg-type]
+            view = rows.view_for(src_pl_module.parameters())
+            StochasticWeightAveraging.transfer_weights(src_pl_module, view)  # type: ignore[arg-type]
             rows.written()
 
         callback.update_parameters = update_from_rows  # type: ignore[method-assign,assignment]  # this instance's only
@@ -136,12 +138,14 @@ def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, engine
         callback._average_model = RowAveragedModel(rows, **kwargs)
 
         def swap_with_rows(pl_module: pl.LightningModule) -> None:
-            WeightAveraging._swap_models(callback, rows.view())  # type: ignore[arg-type]
+            view = rows.view_for(callback._average_model.module.parameters())
+            WeightAveraging._swap_models(callback, view)  # type: ignore[arg-type]
             rows.written()
             sync_buffers()
 
         def copy_to_rows(pl_module: pl.LightningModule) -> None:
-            WeightAveraging._copy_average_to_current(callback, rows.view())  # type: ignore[arg-type]
+            view = rows.view_for(callback._average_model.module.parameters())
+            WeightAveraging._copy_average_to_current(callback, view)  # type: ignore[arg-type]
             rows.written()
 
         callback._swap_models = swap_with_rows  # this instance's only

@@ -56,7 +56,7 @@ def test_lightnings_own_loader_still_cannot_open_a_directory(runs):
 def averaging_runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("averaging")
     return launch("tests.distributed.worker_lightning_features", "swa", "ema_resumed", "averaging_pipeline",
-                  "averaging_bf16", "averaging_batchnorm", nprocs=2,
+                  "averaging_bf16", "averaging_batchnorm", "averaging_unfreezing", nprocs=2,
                   env={"LZ_SHARED_DIR": str(directory)})
 
 
@@ -64,7 +64,7 @@ def averaging_runs(tmp_path_factory):
 def averaging_rest(tmp_path_factory):
     directory = tmp_path_factory.mktemp("averaging_rest")
     return launch("tests.distributed.worker_lightning_features", "swa_rest", "ema_resumed_rest", "averaging_pipeline_rest",
-                  "averaging_bf16_rest", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})
+                  "averaging_bf16_rest", "averaging_unfreezing_rest", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})
 
 
 def _check_swa(runs: dict, case: str) -> None:
@@ -144,6 +144,23 @@ def test_weight_averaging_under_bf16_mixed_averages_the_fp32_weights(averaging_r
 @pytest.mark.parametrize("case", ["ema_stage1_offload", "ema_stage2_full", "swa_stage1", "ema_pipeline_stage1", "ema_stage3"])
 def test_weight_averaging_under_bf16_mixed_elsewhere(averaging_rest, case):
     _check_witnessed(averaging_rest["averaging_bf16_rest"], case)
+
+
+@pytest.mark.parametrize("case", ["ema_stage2", "swa_stage2"])
+def test_weight_averaging_follows_parameters_unfrozen_during_fit(averaging_runs, case):
+    """At stages 1-2 a parameter unfrozen after averaging began gets rows of its own, and its average (whole while
+    it was frozen) becomes this rank's rows of it."""
+    result = averaging_runs["averaging_unfreezing"][case]
+    assert result["updates"] == (result["steps"] if case.startswith("ema") else 2)
+    assert result["diff_vs_witness"] <= 1e-6
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["ema_stage1", "swa_stage1", "ema_stage3", "swa_stage3"])
+def test_weight_averaging_follows_parameters_unfrozen_during_fit_elsewhere(averaging_rest, case):
+    result = averaging_rest["averaging_unfreezing_rest"][case]
+    assert result["updates"] == (result["steps"] if case.startswith("ema") else 2)
+    assert result["diff_vs_witness"] <= 1e-6
 
 
 @pytest.mark.parametrize("case", ["ema_stage2", "ema_stage3", "swa_stage2", "swa_stage3"])

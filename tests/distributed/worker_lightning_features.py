@@ -390,6 +390,28 @@ def unfreezing(strategy) -> dict:
             "backbone_change": changed, "growths": getattr(engine, "growths", None)}
 
 
+def averaged_while_unfreezing(stages) -> dict:
+    """EMA and SWA (from epoch 2) while ``BaseFinetuning`` unfreezes the backbone at epoch 1: the average of a
+    parameter that was frozen when averaging began, against a witness (``ddp`` does not train this: see
+    ``test_ddp_does_not_average_parameters_frozen_when_it_wrapped_the_model``)."""
+    out = {}
+    for kind in ("ema", "swa"):
+        for stage in stages:
+            L.seed_everything(17)
+            if kind == "ema":
+                callback, witness = EMAWeightAveraging(decay=0.8), AverageWitness(decay=0.8)
+            else:
+                callback = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)
+                witness = AverageWitness(swa_epochs=range(1, FINETUNE_EPOCHS))
+            t = trainer(ZeroStrategy(stage=stage), max_epochs=FINETUNE_EPOCHS,
+                        callbacks=[UnfreezeBackboneThenFreezeHead(), callback, witness])
+            t.fit(Finetune(), models.loader(FINETUNE_DATA, FINETUNE_BATCH))
+            params = t.strategy.full_state_dict()
+            out[f"{kind}_stage{stage}"] = {"updates": witness.count, "steps": t.global_step,
+                                           "diff_vs_witness": max_diff(params, witness.average) if RANK == 0 else None}
+    return out
+
+
 CASES = {
     "lr_find": lr_find_against_ddp,
     "checkpoints": trained_checkpoints,
@@ -418,6 +440,8 @@ CASES = {
     "averaging_bf16": lambda directory: witnessed_averages(directory / "averaging_bf16", {
         "ema_stage2": ("ema", dict(stage=2), "bf16-mixed"), "swa_stage2": ("swa", dict(stage=2), "bf16-mixed")}),
     "averaging_batchnorm": lambda directory: averaging_with_batchnorm(),
+    "averaging_unfreezing": lambda directory: averaged_while_unfreezing(stages=(2,)),
+    "averaging_unfreezing_rest": lambda directory: averaged_while_unfreezing(stages=(1, 3)),
     "averaging_bf16_rest": lambda directory: witnessed_averages(directory / "averaging_bf16_rest", {
         "ema_stage1_offload": ("ema", dict(stage=1, offload_optimizer=True), "bf16-mixed"),
         "ema_stage2_full": ("ema", dict(stage=2, state_dict_type="full"), "bf16-mixed"),
