@@ -285,6 +285,15 @@ def test_timeout_must_be_positive_seconds_or_a_timedelta(value):
         ZeroConfig(timeout=value)
 
 
+def _recording(path, process: str) -> FlightRecorder:
+    """A flight recorder of this process writing its memory-mapped copy to ``path``, as a rank's does."""
+    recorder = FlightRecorder()
+    recorder.reset(None)
+    recorder.enabled = True
+    recorder.write_to(path, process)
+    return recorder
+
+
 def test_a_rank_that_died_in_native_code_is_read_back_from_its_flight_file_and_stack(tmp_path):
     """What a peer on the same host reads after gloo aborted a rank (see [Note: the flight file]): the collectives
     as the recorder wrote them up to the crash, the step, the signal and the user's call site from the main
@@ -292,10 +301,7 @@ def test_a_rank_that_died_in_native_code_is_read_back_from_its_flight_file_and_s
     from lightning_zero.faults.diagnosis import crashed
     from lightning_zero.faults.postmortem import read_record
 
-    recorder = FlightRecorder()
-    recorder.reset(None)
-    recorder.enabled = True
-    recorder.write_to(tmp_path / "rank1.flight", "somehost|1|999999|1")
+    recorder = _recording(tmp_path / "rank1.flight", "somehost|1|999999|1")
     for _ in range(40):  # more than the ring holds
         recorder.issue("all_gather", 2624, torch.float32)
     recorder.mark("val", 0)
@@ -335,10 +341,7 @@ def test_a_rank_that_died_posting_its_collective_is_read_back_in_it(tmp_path):
     wait: the stack inside the communication layer says it was in its last collective."""
     from lightning_zero.faults.postmortem import read_record
 
-    recorder = FlightRecorder()
-    recorder.reset(None)
-    recorder.enabled = True
-    recorder.write_to(tmp_path / "rank0.flight", "somehost|0|999999|1")
+    recorder = _recording(tmp_path / "rank0.flight", "somehost|0|999999|1")
     recorder.mark("val", 0)
     recorder.issue("all_gather", 1056, torch.float32)
     main = f"0x{recorder.main:016x}"
@@ -358,10 +361,7 @@ def test_a_rank_that_died_posting_its_collective_is_read_back_in_it(tmp_path):
 def test_a_rank_killed_without_a_stack_is_still_reported_from_its_flight_file(tmp_path):
     from lightning_zero.faults.postmortem import read_record
 
-    recorder = FlightRecorder()
-    recorder.reset(None)
-    recorder.enabled = True
-    recorder.write_to(tmp_path / "rank1.flight", "h|1|2|3")
+    recorder = _recording(tmp_path / "rank1.flight", "h|1|2|3")
     recorder.mark("train", 3)
     recorder.issue("reduce_scatter", 10, torch.bfloat16)
     dead = read_record(tmp_path, 1)
