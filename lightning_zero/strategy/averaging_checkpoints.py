@@ -31,7 +31,7 @@ from lightning_zero.checkpoint.io import AVERAGE_LOADED
 from lightning_zero.checkpoint.state_dicts import CURRENT_MODEL_STATE, whole_tensor
 from lightning_zero.checkpoint.verify import check_compatible
 from lightning_zero.engine.comm import collectives
-from lightning_zero.strategy.swa import WeightAveraging, rows_of
+from lightning_zero.strategy.swa import WeightAveraging, copy_whole_into
 
 if TYPE_CHECKING:
     from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy
@@ -109,10 +109,5 @@ def _copy_whole_into(targets: Mapping[str, torch.Tensor], whole: Mapping[str, to
                      "weight average", strict=strict)
     with torch.no_grad():
         for name, target in targets.items():
-            if name not in whole or target.is_meta:
-                continue
-            if isinstance(target, DTensor):
-                local = target.to_local()
-                local.copy_(rows_of(target, whole[name]).to(local.device, local.dtype))
-            else:
-                target.copy_(whole[name])
+            if name in whole and not target.is_meta:
+                copy_whole_into(target, whole[name])

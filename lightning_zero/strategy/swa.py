@@ -70,12 +70,16 @@ class ShardedAverage:
         for name, p in zip(self._names, self._params):
             if not self._holding.holds(name):
                 continue
-            whole, shard = state[name], self._wrap(name, p)
-            if isinstance(shard, DTensor):  # keep this rank's rows of the whole tensor, as its parameter's shard does
-                local = shard.to_local()
-                local.copy_(rows_of(shard, whole).to(local.device, local.dtype))
-            else:
-                p.copy_(whole)
+            copy_whole_into(self._wrap(name, p), state[name])
+
+
+def copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """``whole`` into ``target``; a DTensor keeps this rank's rows of it, as its parameter's shard does."""
+    if isinstance(target, DTensor):
+        local = target.to_local()
+        local.copy_(rows_of(target, whole).to(local.device, local.dtype))
+    else:
+        target.copy_(whole)
 
 
 def rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
