@@ -35,7 +35,10 @@ def check_choice(setting: str, value: Any, choices: Iterable[Any]) -> None:
     """Raise a :class:`ZeroConfigError` naming ``setting`` unless ``value`` is one of ``choices``."""
     choices = tuple(choices)
     if value not in choices:
-        if isinstance(value, str):
+        spelled = [c for c in choices if not isinstance(c, str) and str(c) == str(value)]
+        if spelled:  # e.g. the string '3' from a hand-written config where the integer 3 is meant
+            hint = f" Did you mean {spelled[0]!r} ({type(spelled[0]).__name__}, not {type(value).__name__})?"
+        elif isinstance(value, str):
             hint = closest(value, [str(c) for c in choices])
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(type(c) is int for c in choices):
             hint = f" Did you mean {min(choices, key=lambda c: abs(c - value))!r}?"

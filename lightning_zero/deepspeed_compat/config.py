@@ -106,6 +106,10 @@ def load_json(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     """A dict as given, or the JSON file at a path."""
     if isinstance(config, Mapping):
         return dict(config)
+    if not isinstance(config, (str, Path)):
+        raise ZeroConfigError(
+            f"`config` takes a DeepSpeed config as a dict or the path of its JSON file, got {type(config).__name__} {config!r}."
+        )
     path = Path(config)
     if not path.is_file():
         raise ZeroConfigError(f"`config={str(config)!r}`: no such DeepSpeed JSON file.")

@@ -29,6 +29,7 @@ checkpoint holds every parameter once under the unsplit names) and the precision
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
 REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")
+
+#: The last run's stages of each LightningModule, whose stage modules a later run of the same cut takes over.
+_RUNNERS: weakref.WeakKeyDictionary[nn.Module, PipelineRunner] = weakref.WeakKeyDictionary()
 
 
 def pipeline_layers_of(module: nn.Module) -> Sequence[nn.Module]:
@@ -154,7 +158,9 @@ class PipelineParallel:
             config.pipeline_schedule,
             getattr(module, "pipeline_loss"),
             group=self.pp_group,
+            previous=_RUNNERS.get(module),
         )
+        _RUNNERS[module] = self.runner  # see [Note: a later run keeps the stage modules] in ``schedule.py``
         self._stash: list[tuple[Tensor, Tensor]] = []
 
     @property

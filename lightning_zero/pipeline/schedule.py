@@ -95,6 +95,7 @@ class PipelineRunner:
         schedule: str,
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         group=None,
+        previous: PipelineRunner | None = None,
     ) -> None:
         check_choice("pipeline_schedule", schedule, SCHEDULES)
         multi = schedule in (*LOOPED_SCHEDULES, *V_SCHEDULES)
@@ -113,15 +114,18 @@ class PipelineRunner:
         self.schedule_class = SCHEDULES[schedule]
         self.multi = multi
         self.stage_ids = layout.stages_of(layout.pipeline_rank(rank))
-        self.modules = [nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in self.stage_ids]
+        chains = [list(layers[bounds[s] : bounds[s + 1]]) for s in self.stage_ids]
+        reused = previous.stage_modules(self.stage_ids, chains) if previous is not None else None
+        self.modules = reused or [nn.Sequential(*chain) for chain in chains]
         self.stages = [
             ShardedStage(module, s, layout.num_stages, device, group=group) for module, s in zip(self.modules, self.stage_ids)
         ]
         self.num_stages = layout.num_stages
         self.layout = layout
         self._boundary: dict[int, tuple[Tensor | None, Tensor | None]] = {}
-        for module, s in zip(self.modules, self.stage_ids):
-            module.register_forward_hook(functools.partial(self._observe, s))
+        self._observers = [
+            module.register_forward_hook(functools.partial(self._observe, s)) for module, s in zip(self.modules, self.stage_ids)
+        ]
         self.schedule = None
         self._shape_key: tuple | None = None
         self._factor = 1.0
@@ -129,6 +133,25 @@ class PipelineRunner:
         self._losses: list[Tensor] = []
         self.is_first = 0 in self.stage_ids
         self.is_last = layout.num_stages - 1 in self.stage_ids
+
+    def stage_modules(self, stage_ids: Sequence[int], chains: Sequence[Sequence[nn.Module]]) -> list[nn.Sequential] | None:
+        """This runner's stage modules for a later run of the same cut (the same stages of the same layers), which
+        takes them over; None for another cut.
+
+        [Note: a later run keeps the stage modules]
+        Stage 3 makes each stage module an FSDP2 root over units that FSDP2 initialises once, under that root: a
+        new ``nn.Sequential`` around the same units in a later ``validate``, ``test`` or ``fit`` of the module
+        would be a second root, which FSDP2 refuses at its first forward. The stage modules therefore outlive
+        the run that built them, as the sharded LightningModule itself does without pipeline stages."""
+        same = list(stage_ids) == list(self.stage_ids) and all(
+            len(module) == len(chain) and all(a is b for a, b in zip(module, chain))
+            for module, chain in zip(self.modules, chains)
+        )
+        if not same:
+            return None
+        for handle in self._observers:
+            handle.remove()
+        return list(self.modules)
 
     def _observe(self, stage: int, module: nn.Module, inputs: tuple, output: Tensor) -> None:
         """Remember one micro-batch's input and output of ``stage`` (shape and dtype only), for :meth:`_count_sends`."""

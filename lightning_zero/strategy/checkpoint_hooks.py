@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -42,6 +42,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     def __init__(self, zero_config: ZeroConfig, **kwargs: Any) -> None:
         self._sharded: ShardedModel = NOT_SHARDED  # engine, pipeline stages, what this rank holds (sharding.py)
+        #: The last fit's sharding and module, while the trainer's optimizers are that fit's (``_states``).
+        self._fitted: tuple[ShardedModel, nn.Module] | None = None
         self._resume = ResumeState()  # auto-resume, exact mid-epoch resume, the SIGTERM checkpoint (resume/)
         self._saver: AsyncSaver | None = None  # async_save: exists from setup to teardown of a fit
         super().__init__(zero_config, **kwargs)
@@ -74,6 +76,7 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             for callback in trainer.checkpoint_callbacks:
                 if isinstance(dirpath := getattr(callback, "dirpath", None), (str, Path)):
                     clean_directory(Path(dirpath))
+        self._fitted = (self._sharded, require(self.lightning_module, "lightning_module"))
         keep_averages_in_checkpoints(trainer, self)
         if self.zero_config.async_save:
             self._saver = AsyncSaver(checkpoint_group(self.zero_config.timeout_delta), self.zero_config.timeout_delta)
@@ -85,12 +88,33 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             saver.close(agree=not self._failed)
 
     # ------------------------------------------------------------------ states
+    def _states(self, optimizers: bool = False) -> ShardedModel:
+        """The sharding a checkpoint reads the module's and the optimizers' states through: this run's, or in
+        ``validate``/``test``/``predict`` after a ``fit`` of the same module, the fit's. Lightning keeps a fit's
+        optimizers on the trainer and writes their state into every later checkpoint, as under ``ddp``; that state
+        is keyed by the fit's shards (masters, host rows), which an evaluation run's sharding does not hold.
+        ``optimizers``: the caller writes their state, which is refused where the fit's sharding is gone."""
+        trainer = trainer_of(self.lightning_module)
+        if trainer is None or trainer.state.fn == TrainerFn.FITTING or not self.optimizers:
+            return self._sharded
+        if self._fitted is not None and self._fitted[1] is self.lightning_module:
+            return self._fitted[0]
+        if optimizers:
+            run = f"`trainer.{trainer.state.fn.value}`" if trainer.state.fn is not None else "an evaluation"
+            raise RuntimeError(
+                f"trainer.save_checkpoint() during or after {run} cannot write the optimizer "
+                "state of the earlier `fit`: this run evaluates another module, or loaded other weights into it "
+                "(`ckpt_path=`). Save with `trainer.save_checkpoint(path, weights_only=True)`, or save before evaluating."
+            )
+        return self._sharded
+
     def full_state_dict(self) -> dict[str, Tensor]:
         """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
         precision the optimizer updates them in. Collective."""
         module = require(self.lightning_module, "lightning_module")
         self._reshard()
-        return state_dicts.full_model_state(module, self._sharded.engine, holding=self._sharded.holding)
+        states = self._states()
+        return state_dicts.full_model_state(module, states.engine, holding=states.holding)
 
     def _reshard(self) -> None:
         """Close an accumulation window that keeps stage 3's units gathered (the engine's ``reshard``): a state
@@ -104,12 +128,13 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         if self._full:
             return self.full_state_dict()
         self._reshard()
-        return state_dicts.sharded_model_state(module, self._sharded.engine, self._sharded.holding)
+        states = self._states()
+        return state_dicts.sharded_model_state(module, states.engine, states.holding)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         build = state_dicts.full_optimizer_state if self._full else state_dicts.sharded_optimizer_state
-        return build(unwrap(optimizer), require(self.lightning_module, "lightning_module"), self._sharded.engine)
+        return build(unwrap(optimizer), require(self.lightning_module, "lightning_module"), self._states(optimizers=True).engine)
 
     # ------------------------------------------------------------------ saving
     @override
@@ -123,15 +148,16 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         hf_model = hf_export.describe(self.lightning_module) if self.lightning_module is not None else None
         if hf_model is not None:
             checkpoint["hf_export"] = hf_model  # what `lightning-zero consolidate --hf` needs
-        delayed_update.add_to_checkpoint(checkpoint, self._sharded.engine, full=self._full)
+        engine = self._states().engine
+        delayed_update.add_to_checkpoint(checkpoint, engine, full=self._full)
         if self._full:
-            warn_residuals_not_kept(self._sharded.engine)
+            warn_residuals_not_kept(engine)
             write.save_full(checkpoint, path)  # rank 0 writes; every rank raises if that failed
         elif self._saver is not None:
-            error_feedback.add_to_checkpoint(checkpoint, self._sharded.engine)
+            error_feedback.add_to_checkpoint(checkpoint, engine)
             self._saver.save(checkpoint, path)  # returns once staged; the next save or teardown waits for it
         else:
-            error_feedback.add_to_checkpoint(checkpoint, self._sharded.engine)
+            error_feedback.add_to_checkpoint(checkpoint, engine)
             write.save_sharded(checkpoint, path)
         if self.zero_config.gather_16bit_weights_on_save:
             state = self.full_state_dict()
@@ -163,6 +189,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         # validate/test/predict from a checkpoint read the model alone, as Lightning's strategies do (a fit's
         # optimizers outlive it on the strategy).
         evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
+        if evaluating:
+            self._fitted = None  # the fit's optimizer state no longer belongs to the module's weights (`_states`)
         optimizers = [] if evaluating else [unwrap(o) for o in self.optimizers]
         average = None if evaluating else average_to_load(trainer)
         checkpoint = io.load(path, module, optimizers, self._sharded.engine,

@@ -346,3 +346,34 @@ class GradNormAgainstGathered(L.Callback):
         return {"worst_relative": self.worst, "compared": self.compared, "keys_match": self.keys_match,
                 "refusals": self.refusals, "after_backward_matches": self.after_backward_matches,
                 "batch_end_refusals": self.batch_end_refusals}
+
+
+def saved_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds but its RNG states, by its path in the saved dictionary, read whole (a sharded
+    directory through ``lightning_zero``'s ``consolidate``, optimizer state included); single process."""
+    from pathlib import Path
+
+    from lightning_zero.checkpoint.consolidate import consolidate
+
+    path = Path(path)
+    if path.is_dir():
+        path = consolidate(path, path.with_name(path.name + ".whole.pt"), include_optimizer=True)
+    return {k: v for k, v in _tensors(torch.load(path, weights_only=True)).items() if "rng" not in k}
+
+
+def _tensors(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
+
+
+def compare_saved(a, b) -> dict:
+    """Two checkpoints' tensors (:func:`saved_tensors`): the same names, how many are optimizer state, the largest
+    difference."""
+    first, second = saved_tensors(a), saved_tensors(b)
+    return {
+        "names": sorted(first) == sorted(second),
+        "optimizer_tensors": sum("optimizer" in k for k in second),
+        "max_diff": max((first[k].double() - second[k].double()).abs().max().item() for k in first),
+    }

@@ -23,6 +23,7 @@ def shared(tmp_path_factory):
     two = launch(
         "tests.distributed.worker_checkpoint",
         "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "top_k", "frozen_and_weights_only",
+        "saved_after_evaluation",
         nprocs=2, env=env,
     )
     one = launch("tests.distributed.worker_checkpoint", "resume_in_other_world", "corrupted", nprocs=1, env=env)
@@ -51,6 +52,20 @@ def other_pairs(tmp_path_factory):
 @pytest.mark.parametrize("pair", ["1->1", "3->2"])
 def test_interrupted_run_equals_uninterrupted_at_the_other_pairs(other_pairs, pair):
     _check_resume(other_pairs[pair])
+
+
+@pytest.mark.parametrize("run", ["stage1_full", "stage2_bf16_offload", "stage3"])
+def test_a_checkpoint_saved_after_evaluating_is_the_one_saved_after_fit(shared, run):
+    """fit, save, then validate, test and predict, save again: the same tensors, optimizer state included (stage 3
+    raised, stages 1-2 wrote none: the fit's optimizer state is keyed by the fit's shards)."""
+    result = shared["saved_after_evaluation"][run]
+    assert result["names"] and result["optimizer_tensors"] > 0
+    assert result["max_diff"] == 0.0
+
+
+def test_a_checkpoint_after_evaluating_loaded_weights_is_refused_but_for_the_weights(shared):
+    message = shared["saved_after_evaluation"]["after_loading"]
+    assert message is not None and "weights_only=True" in message and "trainer.validate" in message
 
 
 @pytest.mark.parametrize("name", ["sharded", "full.ckpt"])

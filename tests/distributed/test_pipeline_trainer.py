@@ -21,7 +21,8 @@ BOUNDS = {"gpipe": [0, 4, 8], "gpipe_stage2": [0, 4, 8], "1f1b": [0, 3, 8], "int
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch("tests.distributed.worker_pipeline_trainer", *TWO, "round_trip", "mixed", "errors", nprocs=2)
+    return launch("tests.distributed.worker_pipeline_trainer", *TWO, "round_trip", "mixed", "errors", "evaluated_after_fit",
+                  nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +183,14 @@ def test_bad_pipelines_fail_clearly_on_every_rank(two_ranks):
     assert "`microbatches=3` does not divide the batch of 8" in errors["microbatches"]
     assert "needs automatic optimization" in errors["manual_optimization"]
     assert errors["same_on_every_rank"]  # and the process group lived on: the launch finished
+
+
+def test_pipeline_zero3_validates_saves_and_fits_again_after_fit(two_ranks):
+    """``validate`` after ``fit`` under pipeline x ZeRO-3 failed in FSDP2 ("already lazily initialized"): a second
+    root over the fitted units. The validation loss is the reference's, a checkpoint saved after it is the one saved
+    before it (optimizer state included), and a second ``fit`` runs on."""
+    result = two_ranks["evaluated_after_fit"]
+    assert result["val_loss"] == pytest.approx(result["reference_val_loss"], abs=1e-5)
+    assert result["checkpoints"]["names"] and result["checkpoints"]["optimizer_tensors"] > 0
+    assert result["checkpoints"]["max_diff"] == 0.0
+    assert result["steps"] == 8

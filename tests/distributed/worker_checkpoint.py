@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import state_dicts
+from lightning_zero.engine.comm import collectives
 from tests.distributed import models
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
 from tests.launch import run_cases_with_directory
@@ -310,7 +311,41 @@ class Evaluated(models.Regression):
         return self(batch[0])
 
 
+def saved_after_evaluation(directory: Path) -> dict:
+    """``trainer.save_checkpoint`` after ``validate``, ``test`` and ``predict`` writes what it wrote right after
+    ``fit`` (the fit's optimizers stay on the trainer, as under ``ddp``): stage 3 raised "Adam was not set up",
+    stages 1-2 wrote no optimizer state. After weights loaded by ``validate(ckpt_path=...)`` it is refused, naming
+    ``weights_only=True``, which still saves."""
+    directory = Path(collectives.broadcast_object(str(directory)))
+    out = {}
+    for name, kwargs, precision in (
+        ("stage1_full", {"stage": 1, "state_dict_type": "full"}, "32-true"),
+        ("stage2_bf16_offload", {"stage": 2, "offload_optimizer": True}, "bf16-mixed"),
+        ("stage3", {"stage": 3}, "32-true"),
+    ):
+        L.seed_everything(7)
+        t = trainer(ZeroStrategy(**kwargs), max_steps=2, precision=precision, **COMMON)
+        module, loader = Evaluated(), models.loader(DATA, 4)
+        t.fit(module, loader)
+        suffix = ".ckpt" if kwargs.get("state_dict_type") == "full" else ""
+        t.save_checkpoint(directory / f"{name}_fitted{suffix}")
+        t.validate(module, loader, verbose=False)
+        t.test(module, loader, verbose=False)
+        t.predict(module, loader)
+        t.save_checkpoint(directory / f"{name}_evaluated{suffix}")
+        out[name] = models.compare_saved(directory / f"{name}_fitted{suffix}", directory / f"{name}_evaluated{suffix}") if RANK == 0 else None
+    t.validate(module, loader, ckpt_path=directory / "stage3_fitted", verbose=False)
+    try:
+        t.save_checkpoint(directory / "after_loading")
+        out["after_loading"] = None
+    except RuntimeError as err:  # the behaviour under test: a refusal that names the way out
+        out["after_loading"] = str(err)
+    t.save_checkpoint(directory / "after_loading_weights", weights_only=True)
+    return out
+
+
 CASES = {
+    "saved_after_evaluation": saved_after_evaluation,
     "malicious": malicious,
     "frozen_and_weights_only": frozen_and_weights_only,
     "corrupted": corrupted,

@@ -356,6 +356,23 @@ def zero3_composed() -> dict:
     return out
 
 
+def evaluated_after_fit(directory: Path) -> dict:
+    """Pipeline x ZeRO-3: ``validate`` after ``fit`` (the stage modules FSDP2 made roots of are the ones evaluated),
+    a checkpoint after it equal to the one saved right after the fit (optimizer state included), then ``fit`` again
+    on the same Trainer and module."""
+    t, module = fit(ZeroStrategy(stage=3, pipeline_stages=2, microbatches=4), WORLD // 2, epochs=1)
+    directory = Path(collectives.broadcast_object(str(directory)))
+    t.save_checkpoint(directory / "fitted")
+    validated = t.validate(module, val_loader(WORLD // 2), verbose=False)[0]["val_loss"]
+    t.save_checkpoint(directory / "validated")
+    t.fit_loop.max_epochs = 2
+    t.fit(module, loader(WORLD // 2), val_loader(WORLD // 2))
+    out = {"val_loss": validated, "reference_val_loss": reference(STEPS_PER_EPOCH)[2], "steps": t.global_step}
+    if RANK == 0:
+        out["checkpoints"] = models.compare_saved(directory / "fitted", directory / "validated")
+    return out
+
+
 def _checkpoint_keys(path: Path) -> list[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -414,6 +431,7 @@ def cases() -> dict:
         "gathers_zbv": lambda d: gathers("zbv"),
         "mixed": lambda d: mixed_precision(),
         "errors": errors,
+        "evaluated_after_fit": evaluated_after_fit,
     }
 
 

@@ -223,6 +223,10 @@ class FullyShardedEngine:
                 "`pipeline_stages > 1` with `stage=3` builds the model whole on every rank before the cut: build it in "
                 "`__init__` or in `configure_model` without the meta device."
             )
+        for root in self.roots:
+            if isinstance(root, FSDPModule):  # sharded by an earlier run ([Note: a later run keeps the stage modules])
+                for sharded in fsdp2_private.unit_heads(root):
+                    self._set_collectives(sharded)
         for group in reversed(self.unit_groups):
             self._shard(group)
         for root in self.roots:
