@@ -42,7 +42,7 @@ from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine
-from lightning_zero.pipeline.schedule import PipelineRunner
+from lightning_zero.pipeline.schedule import PipelineRunner, StageModules
 from lightning_zero.pipeline.split import pipeline_layout, split_bounds
 
 if TYPE_CHECKING:
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 
 REQUIRED_HOOKS = ("pipeline_layers", "pipeline_loss")
 
-#: The last run's stages of each LightningModule, whose stage modules a later run of the same cut takes over.
-_RUNNERS: weakref.WeakKeyDictionary[nn.Module, PipelineRunner] = weakref.WeakKeyDictionary()
+#: Each LightningModule's stage modules from its last run, which a later run of the same cut takes over.
+_BUILT: weakref.WeakKeyDictionary[nn.Module, StageModules] = weakref.WeakKeyDictionary()
 
 
 def pipeline_layers_of(module: nn.Module) -> Sequence[nn.Module]:
@@ -158,9 +158,9 @@ class PipelineParallel:
             config.pipeline_schedule,
             getattr(module, "pipeline_loss"),
             group=self.pp_group,
-            previous=_RUNNERS.get(module),
+            previous=_BUILT.get(module),
         )
-        _RUNNERS[module] = self.runner  # see [Note: a later run keeps the stage modules] in ``schedule.py``
+        _BUILT[module] = self.runner.built  # see [Note: a later run keeps the stage modules] in ``schedule.py``
         self._stash: list[tuple[Tensor, Tensor]] = []
 
     @property

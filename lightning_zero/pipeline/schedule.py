@@ -22,7 +22,9 @@ batch, so all rebuild together.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,6 +39,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice
 from lightning_zero.config.pipeline import LOOPED_SCHEDULES, V_SCHEDULES
@@ -81,6 +84,41 @@ class ShardedStage(PipelineStage):
             super().perform_reduce_grad(grad_scale_factor)
 
 
+@dataclasses.dataclass
+class StageModules:
+    """This rank's stage modules of one cut, and the hooks the runner that built them put on them.
+
+    [Note: a later run keeps the stage modules]
+    Stage 3 makes each stage module an FSDP2 root over units that FSDP2 initialises once, under that root: a
+    new ``nn.Sequential`` around the same units in a later ``validate``, ``test`` or ``fit`` of the module
+    would be a second root, which FSDP2 refuses at its first forward. The stage modules therefore outlive
+    the run that built them, as the sharded LightningModule itself does without pipeline stages; they hold
+    no reference to the LightningModule, so they live no longer than it does."""
+
+    stage_ids: list[int]
+    modules: list[nn.Sequential]
+    observers: list[RemovableHandle]
+
+    def take(self, stage_ids: Sequence[int], chains: Sequence[Sequence[nn.Module]]) -> list[nn.Sequential] | None:
+        """The modules, with this runner's hooks removed, for a run of the same cut (the same stages of the same
+        layers); None for another cut."""
+        same = list(stage_ids) == self.stage_ids and all(
+            len(module) == len(chain) and all(a is b for a, b in zip(module, chain))
+            for module, chain in zip(self.modules, chains)
+        )
+        if not same:
+            return None
+        for handle in self.observers:
+            handle.remove()
+        return list(self.modules)
+
+
+def _call_weakly(method: weakref.WeakMethod, *args) -> None:
+    bound = method()
+    if bound is not None:
+        bound(*args)
+
+
 class PipelineRunner:
     """This rank's stages of one pipeline (``layout.stages_of(rank)``) and their schedule."""
 
@@ -95,7 +133,7 @@ class PipelineRunner:
         schedule: str,
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         group=None,
-        previous: PipelineRunner | None = None,
+        previous: StageModules | None = None,
     ) -> None:
         check_choice("pipeline_schedule", schedule, SCHEDULES)
         multi = schedule in (*LOOPED_SCHEDULES, *V_SCHEDULES)
@@ -115,7 +153,7 @@ class PipelineRunner:
         self.multi = multi
         self.stage_ids = layout.stages_of(layout.pipeline_rank(rank))
         chains = [list(layers[bounds[s] : bounds[s + 1]]) for s in self.stage_ids]
-        reused = previous.stage_modules(self.stage_ids, chains) if previous is not None else None
+        reused = previous.take(self.stage_ids, chains) if previous is not None else None
         self.modules = reused or [nn.Sequential(*chain) for chain in chains]
         self.stages = [
             ShardedStage(module, s, layout.num_stages, device, group=group) for module, s in zip(self.modules, self.stage_ids)
@@ -123,9 +161,11 @@ class PipelineRunner:
         self.num_stages = layout.num_stages
         self.layout = layout
         self._boundary: dict[int, tuple[Tensor | None, Tensor | None]] = {}
-        self._observers = [
-            module.register_forward_hook(functools.partial(self._observe, s)) for module, s in zip(self.modules, self.stage_ids)
-        ]
+        observe = weakref.WeakMethod(self._observe)  # the modules may outlive this runner (``StageModules``)
+        #: The stage modules, for a later run of the same cut.
+        hooks = [module.register_forward_hook(functools.partial(_call_weakly, observe, s))
+                 for module, s in zip(self.modules, self.stage_ids)]
+        self.built = StageModules(list(self.stage_ids), list(self.modules), hooks)
         self.schedule = None
         self._shape_key: tuple | None = None
         self._factor = 1.0
@@ -133,25 +173,6 @@ class PipelineRunner:
         self._losses: list[Tensor] = []
         self.is_first = 0 in self.stage_ids
         self.is_last = layout.num_stages - 1 in self.stage_ids
-
-    def stage_modules(self, stage_ids: Sequence[int], chains: Sequence[Sequence[nn.Module]]) -> list[nn.Sequential] | None:
-        """This runner's stage modules for a later run of the same cut (the same stages of the same layers), which
-        takes them over; None for another cut.
-
-        [Note: a later run keeps the stage modules]
-        Stage 3 makes each stage module an FSDP2 root over units that FSDP2 initialises once, under that root: a
-        new ``nn.Sequential`` around the same units in a later ``validate``, ``test`` or ``fit`` of the module
-        would be a second root, which FSDP2 refuses at its first forward. The stage modules therefore outlive
-        the run that built them, as the sharded LightningModule itself does without pipeline stages."""
-        same = list(stage_ids) == list(self.stage_ids) and all(
-            len(module) == len(chain) and all(a is b for a, b in zip(module, chain))
-            for module, chain in zip(self.modules, chains)
-        )
-        if not same:
-            return None
-        for handle in self._observers:
-            handle.remove()
-        return list(self.modules)
 
     def _observe(self, stage: int, module: nn.Module, inputs: tuple, output: Tensor) -> None:
         """Remember one micro-batch's input and output of ``stage`` (shape and dtype only), for :meth:`_count_sends`."""

@@ -134,7 +134,8 @@ class CheckpointingStrategy(ProcessGroupStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         build = state_dicts.full_optimizer_state if self._full else state_dicts.sharded_optimizer_state
-        return build(unwrap(optimizer), require(self.lightning_module, "lightning_module"), self._states(optimizers=True).engine)
+        module = require(self.lightning_module, "lightning_module")
+        return build(unwrap(optimizer), module, self._states(optimizers=True).engine)
 
     # ------------------------------------------------------------------ saving
     @override
