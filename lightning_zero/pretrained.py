@@ -31,6 +31,7 @@ from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows, row_range
 from lightning_zero.checkpoint.safe_load import load_weights_only
+from lightning_zero.pretrained_conversion import ConvertedWeights, hugging_face_view
 
 _DIRECTORY_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 
@@ -146,7 +147,7 @@ def detect_prefix(module: nn.Module, keys: list[str]) -> str:
     return max(candidates, key=lambda prefix: (sum(prefix + key in live for key in keys), -len(prefix)))
 
 
-def match_keys(module: nn.Module, source: WeightsFile, *, prefix: str | None = None, strict: bool = True) -> dict[str, str]:
+def match_keys(module: nn.Module, source: WeightsFile | ConvertedWeights, *, prefix: str | None = None, strict: bool = True) -> dict[str, str]:
     """Live ``state_dict`` name -> source key, after checking names and shapes (see the module docstring)."""
     keys = source.keys()
     prefix = detect_prefix(module, keys) if prefix is None else prefix
@@ -179,6 +180,13 @@ def match_keys(module: nn.Module, source: WeightsFile, *, prefix: str | None = N
     return sources
 
 
+def _matched(module: nn.Module, keys: list[str], prefix: str | None) -> int:
+    """How many of ``keys`` name an entry of ``module.state_dict()`` under ``prefix`` (found when None)."""
+    prefix = detect_prefix(module, keys) if prefix is None else prefix
+    live = set(module.state_dict())
+    return sum(prefix + key in live for key in keys)
+
+
 def load_pretrained(
     module: nn.Module,
     path: str | os.PathLike[str],
@@ -195,7 +203,10 @@ def load_pretrained(
     stages (default: the engine's, else all)."""
     from lightning_zero.checkpoint.io import copy_into_model
 
-    source = WeightsFile(path)
+    source: WeightsFile | ConvertedWeights = WeightsFile(path)
+    view = hugging_face_view(module, source)
+    if view is not source and _matched(module, view.keys(), prefix) > _matched(module, source.keys(), prefix):
+        source = view  # a Hub layout of a model transformers holds otherwise (``pretrained_conversion.py``)
     sources = match_keys(module, source, prefix=prefix, strict=strict)
     holding = holding if holding is not None else engine.holding if engine is not None else Holding()
     copy_into_model(module, engine, sources, source.rows, source.full, holding)

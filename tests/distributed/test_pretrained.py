@@ -36,6 +36,17 @@ def test_each_rank_holds_the_files_rows(report, case):
     assert result["steps"] == 3
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_mixture_of_experts_in_the_hubs_layout_loads_into_the_fused_experts(report, stage):
+    """Mixtral's file holds one tensor per expert (``experts.{e}.w1/w2/w3``), transformers 5's model one per layer
+    (``experts.gate_up_proj``): the model's conversion mapping is applied, each rank reading its experts' rows; this
+    was a "does not match the model" error."""
+    result = report["load"][f"mixtral_stage{stage}"]
+    assert result["checked"] == 21, "every parameter of the tiny Mixtral"
+    assert result["diff"] == 0.0
+    assert result["steps"] == 3
+
+
 def test_missing_and_unexpected_keys_are_listed_on_every_rank(report):
     errors = report["errors"]
     strict = errors["strict"]

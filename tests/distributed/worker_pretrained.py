@@ -28,10 +28,10 @@ def data() -> RandomTokenDataset:
     return RandomTokenDataset(num_samples=16, block_size=LENGTH, vocab_size=MASK_ID, seed=3)
 
 
-def pretrained_model():
-    """The 'pretrained' GPT-2 (seed 99), the same in the test process and on every rank."""
+def pretrained_model(kind: str = "gpt2"):
+    """The 'pretrained' GPT-2 (or ``kind``; seed 99), the same in the test process and on every rank."""
     torch.manual_seed(99)
-    return model_class("gpt2")(tiny_config("gpt2"))
+    return model_class(kind)(tiny_config(kind))
 
 
 def save_pretrained_files(directory: Path) -> None:
@@ -40,10 +40,12 @@ def save_pretrained_files(directory: Path) -> None:
     model.save_pretrained(directory / "single")
     model.save_pretrained(directory / "sharded", max_shard_size="20KB")
     torch.save({f"transformer.{k}": v for k, v in model.transformer.state_dict().items()}, directory / "plain.pt")
+    # The Hub's layout of a mixture of experts (one tensor per expert), which transformers 5 fuses on loading.
+    pretrained_model("mixtral").save_pretrained(directory / "mixtral")
 
 
-def pretrained(directory: Path) -> dict[str, torch.Tensor]:
-    return pretrained_model().state_dict()
+def pretrained(directory: Path, kind: str = "gpt2") -> dict[str, torch.Tensor]:
+    return pretrained_model(kind).state_dict()
 
 
 class LoadedShards(L.Callback):
@@ -64,16 +66,17 @@ class LoadedShards(L.Callback):
             local, want = records[f"model.{name}"].rows, local_rows(self.expected[name], engine.rank, engine.world_size)
             diff = max(diff, (local.float() - want.float()).abs().max().item() if want.numel() else 0.0)
             checked += 1
-        self.out = {"diff": diff, "checked": checked, "tied": pl_module.model.lm_head.weight is pl_module.model.transformer.wte.weight}
+        tied = pl_module.model.lm_head.weight is pl_module.model.get_input_embeddings().weight
+        self.out = {"diff": diff, "checked": checked, "tied": tied}
 
 
-def load(directory: Path, stage: int, source: str, precision: str = "32-true", **options) -> dict:
-    expected = pretrained(directory)
+def load(directory: Path, stage: int, source: str, precision: str = "32-true", kind: str = "gpt2", **options) -> dict:
+    expected = pretrained(directory, kind)
     L.seed_everything(5)
     probe = LoadedShards(expected)
     strategy = ZeroStrategy(stage=stage, init_weights=str(directory / source), **options)
     t = trainer(strategy, max_steps=3, callbacks=[probe], precision=precision)
-    t.fit(BuiltInConfigureModel("gpt2"), models.loader(data(), 2))
+    t.fit(BuiltInConfigureModel(kind), models.loader(data(), 2))
     return {**probe.out, "steps": t.global_step}
 
 
@@ -148,6 +151,7 @@ CASES = {
         "stage2_plain_file": load(d, 2, "plain.pt"),
         "stage3_bf16": load(d, 3, "single", precision="bf16-mixed"),
         "stage2_bf16_offload": load(d, 2, "sharded", precision="bf16-mixed", offload_optimizer=True),
+        **{f"mixtral_stage{s}": load(d, s, "mixtral", kind="mixtral") for s in (2, 3)},
     },
     "errors": errors,
     "export": finetune_and_export,
