@@ -87,3 +87,36 @@ def test_deepspeed_16bit_save_keys_in_every_spelling(key):
     config = {"zero_optimization": {"stage": 3, key: True}}
     assert parse_deepspeed_config(config).strategy["gather_16bit_weights_on_save"] is True
     assert ZeroStrategy(config=config).zero_config.gather_16bit_weights_on_save is True
+
+
+def _hugging_face(kind: str):
+    transformers = pytest.importorskip("transformers")
+    if kind == "vit":  # renamed on loading (`encoder.layer.N.attention.attention.query` -> `layers.N.attention.q_proj`)
+        config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+                                        num_attention_heads=2, intermediate_size=32, num_labels=3)
+        return transformers.ViTForImageClassification, config
+    config = transformers.MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=8, num_hidden_layers=2,  # experts fused
+                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=3)
+    return transformers.MixtralForCausalLM, config
+
+
+@pytest.mark.parametrize("kind", ["vit", "mixtral"])
+def test_a_files_layout_that_transformers_converts_on_loading_is_converted_row_by_row(tmp_path, kind):
+    """``save_pretrained`` writes the Hub's layout, which transformers 5 renames or fuses on loading: the same
+    conversion applies, every tensor loads, and each rank's rows of a fused tensor are those of the whole."""
+    from lightning_zero.pretrained_conversion import hugging_face_view
+
+    cls, config = _hugging_face(kind)
+    torch.manual_seed(0)
+    original = cls(config)
+    original.save_pretrained(tmp_path)
+    torch.manual_seed(1)
+    module = nn.Module()
+    module.model = cls(config)
+    loaded = load_pretrained(module, tmp_path)
+    assert len(loaded) == len(original.state_dict())
+    for (name, want), got in zip(original.state_dict().items(), module.model.state_dict().values()):
+        assert torch.equal(want, got), name
+    view = hugging_face_view(module, WeightsFile(tmp_path))
+    for key in view.keys():
+        assert torch.equal(torch.cat([view.rows(key, rank, 2) for rank in range(2)]).reshape(view.shape(key)), view.full(key))
