@@ -219,14 +219,10 @@ class FullyShardedEngine:
         """Shard this rank's pipeline stages: their units, then each stage module as a root. Their layers were
         built whole and are the same on every replica (``pipeline/parallel.py``)."""
         if any(has_meta(root, recurse=True) for root in self.roots):
-            raise ValueError(
-                "`pipeline_stages > 1` with `stage=3` builds the model whole on every rank before the cut: build it in "
-                "`__init__` or in `configure_model` without the meta device."
-            )
-        for root in self.roots:
-            if isinstance(root, FSDPModule):  # sharded by an earlier run ([Note: a later run keeps the stage modules])
-                for sharded in fsdp2_private.unit_heads(root):
-                    self._set_collectives(sharded)
+            raise ValueError("`pipeline_stages > 1` with `stage=3` builds the model whole on every rank before the cut: "
+                             "build it in `__init__` or in `configure_model` without the meta device.")
+        for sharded in (h for root in self.roots if isinstance(root, FSDPModule) for h in fsdp2_private.unit_heads(root)):
+            self._set_collectives(sharded)  # sharded by an earlier run: [Note: a later run keeps the stage modules]
         for group in reversed(self.unit_groups):
             self._shard(group)
         for root in self.roots:
