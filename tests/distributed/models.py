@@ -68,6 +68,38 @@ class Net(nn.Module):
         return self.head(self.norm(h))
 
 
+class RoutedExperts(nn.Module):
+    """Experts of one shape; each micro-batch goes whole to one of them, picked from its data."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(7, width), nn.GELU(), nn.Linear(width, 7)) for _ in range(3)])
+
+    @staticmethod
+    def route(x: torch.Tensor) -> int:
+        return int(x[:, 0].sum() > 0)
+
+    def forward(self, h, x):
+        return h + self.experts[self.route(x)](h)
+
+
+class RoutedNet(nn.Module):
+    """A block of experts in a ModuleList: ranks with different data use different experts in one step, and the
+    third expert is never picked (stage 3's trap: [Note: parameters some ranks leave without a gradient])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, 7)
+        self.blocks = nn.ModuleList([RoutedExperts()])
+        self.head = nn.Linear(7, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h, x)
+        return self.head(h)
+
+
 def param_groups(module: nn.Module, weight_decay: float = 0.1) -> list[dict]:
     decay = [p for p in module.parameters() if p.requires_grad and p.dim() >= 2]
     rest = [p for p in module.parameters() if p.requires_grad and p.dim() < 2]
@@ -80,10 +112,10 @@ def make_optimizer(module: nn.Module) -> tuple[torch.optim.Optimizer, torch.opti
 
 
 class Regression(L.LightningModule):
-    def __init__(self, build_in_configure_model: bool = False, unused_head: bool = False) -> None:
+    def __init__(self, build_in_configure_model: bool = False, unused_head: bool = False, routed: bool = False) -> None:
         super().__init__()
         self.build_in_configure_model = build_in_configure_model
-        self.net = None if build_in_configure_model else Net()
+        self.net = None if build_in_configure_model else RoutedNet() if routed else Net()
         # A parameter no batch ever uses: plain PyTorch leaves its grad None and AdamW never touches it.
         self.unused = nn.Linear(IN, 4) if unused_head else None
         self.init_rng_state = None
@@ -118,6 +150,7 @@ def reference_run(
     clip: float,
     clip_algorithm: str = "norm",
     unused_head: bool = False,
+    routed: bool = False,
     build=None,
     optimizer=make_optimizer,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
@@ -125,7 +158,7 @@ def reference_run(
     (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict.
     ``build()``: another module of the same network (default :class:`Regression`); ``optimizer(module)``: its
     optimizer and scheduler."""
-    model = build() if build is not None else Regression(unused_head=unused_head)
+    model = build() if build is not None else Regression(unused_head=unused_head, routed=routed)
     model.load_state_dict(copy.deepcopy(initial))
     opt, sched = optimizer(model)
     batches = global_microbatches(dataset, world, batch, steps * accumulate)

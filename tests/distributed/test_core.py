@@ -44,6 +44,8 @@ EXACT_CASES = [
     "stage1_unused_parameter",  # a parameter no rank uses keeps grad None: AdamW must not decay it
     "stage2_unused_parameter",
     "stage3_unused_parameter",
+    "stage2_routed",  # a mixture of experts: ranks use different experts in a step, one expert no rank uses
+    "stage3_routed",
 ]
 
 
@@ -56,6 +58,16 @@ def test_parameters_and_gradients_match_plain_pytorch(exact, case):
     assert result["param_change"] > 1e-3, "the reference must actually train"
     assert result["grad_diff"] <= 1e-5
     assert result["param_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_experts_picked_by_some_ranks_get_their_own_gradients_and_one_no_rank_picks_none(exact, stage):
+    """[Note: parameters some ranks leave without a gradient]: the ranks' micro-batches picked different experts in
+    4 of the 8 micro-batches (the parity above holds for every expert), and the expert no micro-batch picked has
+    no gradient on any step, so AdamW's weight decay never moved it."""
+    result = exact[f"stage{stage}_routed"]
+    assert result["routes_differ"] == 4
+    assert result["never_picked_unchanged"] == 0.0
 
 
 def test_stage3_merges_adjacent_layers_into_one_unit_unless_asked_not_to(exact):

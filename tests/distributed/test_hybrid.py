@@ -190,12 +190,12 @@ def test_stage_1_traffic_per_group(full_matrix):
 
 def test_stage_3_traffic_per_group(nodes):
     """Inside a node: all-gathers in forward and backward (2P) and the reduce-scatter (P); across nodes the
-    shard all-reduce, 2P/k."""
+    shard all-reduce, 2P/k; in both, the used-parameter flags (one per tensor, as at stages 1-2)."""
     result = nodes["costs"]["comm_stage3"]
-    p = result["params"]
+    p, flags = result["params"], result["tensors"]
     _, inter, intra = _traffic(result)
-    assert intra == {"all_gather": 2 * p, "reduce_scatter": p}
-    assert inter == {"all_reduce": 2 * p // K}
+    assert intra == {"all_gather": 2 * p, "reduce_scatter": p, "all_reduce": 2 * flags}
+    assert inter == {"all_reduce": 2 * p // K + 2 * flags}
 
 
 @pytest.mark.parametrize("model", ["comm_stage3_hpz", pytest.param("comm_gpt_hpz", marks=pytest.mark.full)])
@@ -205,8 +205,8 @@ def test_hpz_backward_gather_stays_inside_the_node(request, model):
     the final norm) and a training_step that calls the module's forward, nested in Lightning's call of the root."""
     costs = request.getfixturevalue("nodes")["costs"] if model == "comm_stage3_hpz" else request.getfixturevalue("full_matrix")
     _, inter, intra = _traffic(costs[model])
-    p = costs[model]["params"]
-    assert inter == {"all_gather": p, "reduce_scatter": p}
+    p, flags = costs[model]["params"], costs[model]["tensors"]
+    assert inter == {"all_gather": p, "reduce_scatter": p, "all_reduce": 2 * flags}
     assert intra == {"all_gather": p}
 
 

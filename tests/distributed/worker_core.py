@@ -60,12 +60,13 @@ class GradientRecorder(L.Callback):
 
 # ---------------------------------------------------------------------- cases
 def exactness(
-    stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm", unused_head=False
+    stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm", unused_head=False,
+    routed=False,
 ) -> dict:
     steps, accumulate, batch = 4, 2, 4
     clip = 0.5 if clip_algorithm == "norm" else 0.05
     L.seed_everything(7)
-    module = models.Regression(build_in_configure_model=build_in_configure_model, unused_head=unused_head)
+    module = models.Regression(build_in_configure_model=build_in_configure_model, unused_head=unused_head, routed=routed)
     initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
     recorder = GradientRecorder()
     strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
@@ -104,11 +105,18 @@ def exactness(
             clip=clip,
             clip_algorithm=clip_algorithm,
             unused_head=unused_head,
+            routed=routed,
         )
         out["param_diff"] = max_diff({k: v for k, v in final.items()}, ref_params)
         out["grad_diff"] = max(max_diff(g, r) for g, r in zip(recorder.steps, ref_grads))
         out["grad_steps"] = len(recorder.steps)
         out["param_change"] = max_diff(ref_params, initial)
+        if routed:  # the experts each rank's micro-batches picked, and the one never picked
+            micro = models.global_microbatches(data, WORLD, batch, steps * accumulate)
+            routes = [[models.RoutedExperts.route(x) for x, _ in ranks] for ranks in micro]
+            out["routes_differ"] = sum(len(set(r)) > 1 for r in routes)
+            out["never_picked_unchanged"] = max_diff({k: final[k] for k in final if ".experts.2." in k},
+                                                     {k: initial[k] for k in initial if ".experts.2." in k})
     return out
 
 
@@ -260,6 +268,7 @@ CASES = {
         ),
         "stage1_no_overlap": exactness(1, strategy=ZeroStrategy(stage=1, overlap_comm=False, state_dict_type="full")),
         **{f"stage{s}_unused_parameter": exactness(s, unused_head=True) for s in (1, 2, 3)},
+        **{f"stage{s}_routed": exactness(s, routed=True) for s in (2, 3)},
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},

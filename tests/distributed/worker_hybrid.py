@@ -66,7 +66,8 @@ def gpt_communication(**kwargs) -> dict:
     probe = CommProbe()
     t = trainer(ZeroStrategy(stage=3, **kwargs), max_steps=2, callbacks=[probe])
     t.fit(module, models.loader(worker_precision.gpt_data(), 2))
-    return {"micro": probe.micro, "params": sum(p.numel() for p in module.parameters())}
+    return {"micro": probe.micro, "params": sum(p.numel() for p in module.parameters()),
+            "tensors": len(list(module.parameters()))}
 
 
 class AfterForward(L.Callback):

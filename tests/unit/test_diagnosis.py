@@ -371,3 +371,17 @@ def test_a_rank_killed_without_a_stack_is_still_reported_from_its_flight_file(tm
     assert dead.activity.last == "reduce_scatter #1" and dead.recent == [Op(1, "reduce_scatter", 10, "bfloat16")]
     found = decide(record(0, waiting()), {1: peer(dead, liveness="dead")}, None, LIMITS, CONTEXT)
     assert found.kind == "died" and "last seen in training batch 3" in found.summary
+
+
+def test_a_collective_of_pickled_objects_reads_back_from_the_flight_file_as_it_was_recorded(tmp_path):
+    """A peer compares its own ring with one read from a dead rank's flight file: the dtype-less collectives
+    (``broadcast_object``) must read alike in both, or the first difference named is one that never was."""
+    from lightning_zero.engine.comm.flight import read_file
+
+    recorder = _recording(tmp_path / "rank1.flight", "somehost|1|999999|1")
+    recorder.issue("broadcast_object", 0, None)
+    recorder.issue("all_gather", 1056, torch.float32)
+    snapshot = read_file(tmp_path / "rank1.flight")
+    recorder.close_file()
+    assert [Op(*op) for op in snapshot.recent] == recorder.recent_ops()
+    assert recorder.recent_ops()[0] == Op(1, "broadcast_object", 0, "?")

@@ -157,7 +157,9 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ readers (any thread)
     def recent_ops(self) -> list[Op]:
-        return [Op(n, kind, numel, str(dtype).replace("torch.", "")) for n, kind, numel, dtype in list(self.recent)]
+        """As a peer reads them from the flight file: a dtype without a code (a collective of pickled objects) is "?"."""
+        return [Op(n, kind, numel, str(dtype).replace("torch.", "") if dtype in _DTYPE_CODES else "?")
+                for n, kind, numel, dtype in list(self.recent)]
 
     def last_mark(self) -> Mark | None:
         marks = list(self.marks)

@@ -9,10 +9,8 @@ import enum
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage12.layout import ParamShardSpec
 
 
@@ -51,36 +49,9 @@ class ParamGradient:
     None once a later backward changes the sum (or before any landed)."""
 
 
-class ProducedFlags:
-    """Which parameters any rank produced a gradient for in a synchronising backward: a parameter no rank used gets
-    no gradient, as in plain PyTorch. Over gloo the flags travel as a point-to-point exchange posted with the last
-    bucket's transfers (:meth:`start`), so that its latency hides behind theirs instead of ending every backward with
-    a blocking all-reduce; other transports all-reduce them when the backward ends."""
-
-    def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None) -> None:
-        self.group, self.replicate_group = group, replicate_group
-        self._posted: tuple[torch.Tensor, dist.Work] | None = None
-
-    @staticmethod
-    def _mine(records: Sequence[ParamGradient]) -> torch.Tensor:
-        return torch.tensor([r.produced for r in records], dtype=torch.int32)
-
-    def start(self, records: Sequence[ParamGradient]) -> None:
-        """Post this rank's flags (their final values: every bucket has launched) where transfers serve the group."""
-        if collectives.exchanges_in_place(self.group):
-            mine = self._mine(records)
-            self._posted = mine, collectives.max_in_place(mine, self.group)
-
-    def reduced(self, records: Sequence[ParamGradient]) -> torch.Tensor:
-        """Per parameter, 1 if any rank (of every replica) produced a gradient for it, else 0."""
-        if self._posted is not None:
-            (used, exchange), self._posted = self._posted, None
-            exchange.wait()
-        else:
-            used = collectives.all_reduce(self._mine(records), op=collectives.ReduceOp.MAX, group=self.group)
-        if self.replicate_group is not None:
-            collectives.all_reduce(used, op=collectives.ReduceOp.MAX, group=self.replicate_group)
-        return used
+def produced_flags(records: Sequence[ParamGradient]) -> torch.Tensor:
+    """This rank's :class:`~lightning_zero.engine.comm.used_flags.UsedFlags`: 1 where it produced a gradient."""
+    return torch.tensor([r.produced for r in records], dtype=torch.int32)
 
 
 def finalize_landed(records: Sequence[ParamGradient], ranks: int) -> tuple[list[torch.Tensor], float] | None:

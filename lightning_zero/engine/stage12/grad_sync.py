@@ -41,7 +41,8 @@ from torch import nn
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage12.buckets import pack_bucket, rows_by_rank, segment_parts, segment_view, widened
 from lightning_zero.engine.comm.compression import CompressedComm
-from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, ProducedFlags
+from lightning_zero.engine.comm.used_flags import UsedFlags
+from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
@@ -101,7 +102,7 @@ class GradientReducer:
         #: Hybrid sharding: the ranks holding the same rows as this one (None: no copies).
         self.replicate_group = replicate_group
         self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
-        self.produced = ProducedFlags(group, replicate_group if self.replicas > 1 else None)
+        self.produced = UsedFlags(group, replicate_group if self.replicas > 1 else None, lambda: produced_flags(self.records))
         self.require_sync = True
         self._ready = [0] * len(layout.buckets)
         self._sizes = [len(b.params) for b in layout.buckets]
@@ -250,7 +251,7 @@ class GradientReducer:
         self._next = flight.bucket + 1
         self._inflight.append(flight)
         if self._next == len(self.layout.buckets):  # behind the last bucket's transfers: the flags are final now
-            self.produced.start(self.records)
+            self.produced.start()
         # Bound the buffers (or gradients) alive at once, stage 2's below a whole gradient: land the oldest first.
         while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
             self._land(self._inflight.pop(0))
@@ -269,9 +270,8 @@ class GradientReducer:
         self._forget_gradients_no_rank_produced()
 
     def _forget_gradients_no_rank_produced(self) -> None:
-        """A parameter no rank used has no gradient (``None``, as in plain PyTorch, so the optimizer skips it
-        instead of decaying it with a zero gradient); one used on any rank has the reduced gradient."""
-        used = self.produced.reduced(self.records)
+        """A parameter no rank used has no gradient (see ``comm/used_flags.py``); one any rank used keeps the sum."""
+        used = self.produced.reduced()
         for i in torch.nonzero(used == 0).flatten().tolist():
             record = self.records[i]
             if record.state is GradState.REDUCED:

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -82,6 +82,7 @@ from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.local_step import local_tensor
+from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, unit_groups, units_below_the_root
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
@@ -155,12 +156,9 @@ class FullyShardedEngine:
         self.units = [m for root in self.roots for m in root.modules() if m is not root and id(m) in chosen]
         self._fp32_units = {id(m) for m in (*self.units, *self.roots) if policy is not None and policy.holds_fp32(m)}
         #: The ``fully_shard`` calls: see [Note: merged units].
-        self.unit_groups = [
-            group
-            for root in self.roots
-            for group in unit_groups(root, [u for u in root.modules() if u is not root and id(u) in chosen],
-                                     self._gathered_bytes, lambda m: id(m) in self._fp32_units, unit_size_mb * 2**20)
-        ]
+        self.unit_groups = [group for root in self.roots for group in unit_groups(
+            root, [u for u in root.modules() if u is not root and id(u) in chosen], self._gathered_bytes,
+            lambda m: id(m) in self._fp32_units, unit_size_mb * 2**20)]
         #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
         #: reads each reduced shard at once, so those land as they are issued, and a pipeline schedule reduces
         #: outside any backward. On CUDA, FSDP2's streams overlap.
@@ -186,14 +184,10 @@ class FullyShardedEngine:
         else:  # this engine's collectives replace the earlier engine's, once per fully_shard call
             for sharded in fsdp2_private.unit_heads(module):
                 self._set_collectives(sharded)
-        sharded_roots: list[FSDPModule] = []
         for root in self.roots:
             fsdp2_private.check(root)  # a torch that moved a private name fails here, naming it
-            if not isinstance(root, FSDPModule):
-                raise RuntimeError("lightning_zero internal error: fully_shard made it one (check() raised otherwise)")
-            sharded_roots.append(root)
-        #: The roots as ``fully_shard`` made them.
-        self._roots = sharded_roots
+        #: The roots as ``fully_shard`` made them (``check`` raised otherwise).
+        self._roots = [cast(FSDPModule, root) for root in self.roots]
         #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams; a pipeline schedule
         #: gathers each stage itself).
         self.prefetch = (ForwardPrefetch(self._roots[0], [group[0] for group in self.unit_groups])
@@ -207,6 +201,9 @@ class FullyShardedEngine:
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._records = [self._record(n, p) for n, p in named]
+        #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_unused.py``).
+        self.unused = UnusedParameters(self.params, self.group, self.replicate_group)
+        self.unused.watch(group for root in self.roots for group in fsdp2_private.param_groups(root))
         self._optimizers: dict[int, FullyShardedOptimizer] = {}
         self.masters: MasterShards | None = None
         if offload_optimizer and not offload_params:
@@ -363,9 +360,12 @@ class FullyShardedEngine:
                 fsdp2_private.reshard_all(root)
 
     def land_gradients(self) -> None:
-        """Land reductions still in flight (a backward not run through the strategy leaves them to the step)."""
+        """Land reductions still in flight (a backward not run through the strategy leaves them to the step), then
+        take back the zero gradients of parameters no rank used."""
+        self.unused.start()
         if self.late is not None:
             self.late.land_all()
+        self.unused.forget_unused()
 
     def follow_trainability(self) -> bool:
         """FSDP2 shards every parameter, trainable or not, and reduces whatever gradients backward produces."""

@@ -18,6 +18,7 @@ from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
+from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
 from lightning_zero.engine.owner_step import OwnerStepping
@@ -47,6 +48,8 @@ class ShardedParams(Protocol):
     def index(self) -> Mapping[int, int]: ...
     @property
     def masters(self) -> MasterShards | None: ...
+    @property
+    def unused(self) -> UnusedParameters: ...
     def records(self) -> list[ShardRecord]: ...
     def land_gradients(self) -> None: ...
     def reshard(self) -> None: ...
@@ -281,8 +284,8 @@ class FullyShardedOptimizer:
         engine, masters = self.engine, self._masters()
         pieces, indices = self.unit_parts[k]
         grads = [local_grad(engine.params[i]) for i in indices]
-        if any(grad is None for grad in grads):
-            return
+        if any(grad is None or not engine.unused.produced_here(i) for i, grad in zip(indices, grads)):
+            return  # whether no rank used it is known when backward ends
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
         standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}
         self.early.start(self.optimizer, pieces, indices, standins, masters)

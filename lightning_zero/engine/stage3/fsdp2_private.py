@@ -20,6 +20,12 @@ need, each with the reason the public API does not suffice:
   FSDP2 reads a reduce-scatter's output right away, so the reduction may land after backward
   ([Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``); no public view of a unit's parameters
   in FSDP2's own bookkeeping.
+* :func:`watch_post_backward` / :func:`complete_unit_gradients` (an instance attribute shadowing
+  ``FSDPParamGroup.post_backward``; ``FSDPParam._unsharded_param``, ``unsharded_accumulated_grad``,
+  ``FSDPParamGroup.reduce_grads``): which gathered parameters hold a gradient on this rank when a unit is about
+  to be reduced, and a zero one for those that do not ([Note: parameters some ranks leave without a gradient] in
+  ``fsdp2_unused.py``). torch 2.13's ``set_reduce_scatter_unused_params`` zero-fills too, but does not say which
+  parameters it filled, and older releases lack it.
 
 :func:`check` verifies each of these on a sharded module: the engine runs it when it shards (a torch release that
 moves one fails at set-up, naming it, not mid-training), and ``tests/unit/test_fsdp2_private.py`` runs it on the
@@ -28,7 +34,7 @@ installed torch. ``setup.cfg`` bounds torch at the newest minor version this was
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,9 +43,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-__all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "keep_gathered_after_forward",
-           "param_groups", "reshard_only_after_backward", "unit_heads", "restore_after_forward", "sharded_params",
-           "unshadow_reshard"]
+__all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
+           "keep_gathered_after_forward", "param_groups", "reshard_only_after_backward", "unit_heads",
+           "restore_after_forward", "sharded_params", "unshadow_reshard", "watch_post_backward"]
 
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
 PRIVATE_NAMES = (
@@ -53,6 +59,9 @@ PRIVATE_NAMES = (
     ("FSDPParam", "sharded_param", "sharded_params"),
     ("FSDPParam", "offload_to_cpu", "sharded_params"),
     ("TrainingState", "POST_BACKWARD", "reshard_only_after_backward"),
+    ("FSDPParamGroup", "post_backward", "watch_post_backward"),
+    ("FSDPParamGroup", "reduce_grads", "complete_unit_gradients"),
+    ("FSDPParam", "unsharded_accumulated_grad", "complete_unit_gradients"),
 )
 
 
@@ -130,6 +139,39 @@ def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
     for group in _groups_of(unit._get_fsdp_state()):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
+
+
+def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
+    """Call ``before(group)`` at the start of each of ``group``'s post-backwards (autograd's hook, the root's final
+    callback, a pipeline schedule's reduction): the last moment its unsharded gradients are in view."""
+    post_backward = type(group).post_backward
+
+    def watched(*unused: Any) -> None:
+        before(group)
+        post_backward(group, *unused)
+
+    group.post_backward = watched
+
+
+def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Where ``group``'s coming post-backward reduces: give each trainable gathered parameter that holds no gradient
+    on this rank a zero one, so that every rank reduce-scatters every parameter of the unit (FSDP2 packs only those
+    holding one). Returns the sharded parameters (holding a gradient, given a zero one); None where it does not
+    reduce. FSDP2 itself passes over a parameter never gathered on this rank (no ``_unsharded_param``)."""
+    if not group.reduce_grads:
+        return None
+    held: list[torch.Tensor] = []
+    zeroed: list[torch.Tensor] = []
+    for fsdp_param in group.fsdp_params:
+        if not hasattr(fsdp_param, "_unsharded_param") or not fsdp_param.sharded_param.requires_grad:
+            continue
+        unsharded = fsdp_param._unsharded_param
+        if fsdp_param.unsharded_accumulated_grad is not None or unsharded.grad is not None:
+            held.append(fsdp_param.sharded_param)
+        else:
+            unsharded.grad = torch.zeros_like(unsharded)
+            zeroed.append(fsdp_param.sharded_param)
+    return held, zeroed
 
 
 def check(module: nn.Module) -> None:
