@@ -58,7 +58,7 @@ def first_difference(mine: list[Op], theirs: list[Op], start: int, ranks: tuple[
     by_number = {op.number: op for op in theirs}
     for op in mine:
         other = by_number.get(op.number)
-        if other is not None and (op.kind, op.numel, op.dtype) != (other.kind, other.numel, other.dtype):
+        if other is not None and op != other:
             return f"#{op.number}: {op.describe()}{on[0]} vs {other.describe()}{on[1]}"
     for op in mine:
         if op.number >= start and op.number not in by_number:

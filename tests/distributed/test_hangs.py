@@ -40,7 +40,7 @@ def run(case: str, nprocs: int = 2, timeout: float = TIMEOUT, watchdog: bool = T
 #: and the ranks are forked from the fork server, which has imported everything already.
 DEFAULT_CASES = {
     "sigstop": {}, "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM}, "generate": {},
-    "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {}, "pipelined_kill": {},
+    "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {}, "pipelined_kill": {}, "experts_as_units": {},
 }
 
 
@@ -223,6 +223,20 @@ def test_a_conditional_sync_dist_log(launched):
         assert_names(result.output(rank), "all_reduce #16", "worker_hangs.py", "different collective")
 
 
+def test_experts_made_units_of_their_own_and_picked_per_rank_are_named_where_the_ranks_part(launched):
+    """Stage 3, each expert a unit of its own (``unit_size_mb=0``), the ranks routing to different experts of one size
+    at batch 2: their all-gathers pair silently by size, each rank computing with the other's expert. The flight
+    recorder carries each collective's unit ([Note: operation numbers and the running hash]), so the first
+    difference names both experts, with what to do, and every rank ends (gloo aborts one later in the step)."""
+    result = launched["experts_as_units"].result()
+    assert_all_failed_in_time(result)
+    output = result.output(0) + result.output(1)
+    found = re.search(r"the first that differs is #(\d+): all_gather #\1 \(72 x float32, experts\.(\d)\)[^#]*"
+                      r"all_gather #\1 \(72 x float32, experts\.(\d)\)", output)
+    assert found and {found[2], found[3]} == {"0", "1"}, output[-3000:]
+    assert "keep it inside a unit every rank runs" in output
+
+
 @pytest.mark.full
 def test_a_submodule_used_on_one_rank_under_stage_3(full_launched):
     """gloo aborts the rank whose all-gather does not match (NCCL would hang): its peer names it, the collective
@@ -247,10 +261,10 @@ def test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launch
     assert seconds < 60, f"took {seconds:.0f} s"
     assert "collective mismatch in your code" in output  # gloo's message from the process it aborted
     assert re.search(r"rank [01]'s process crashed in native code \(SIGABRT; its Python stack is in \S+rank[01]\.fatal\) "
-                     r"in validation batch 0, in all_gather #\d+ \(\d+ x float32\), called from "
+                     r"in validation batch 0, in all_gather #\d+ \(\d+ x float32, [\w.]+\), called from "
                      r"distributed/popen_mismatch\.py:\d+ in validation_step", output), output[-5000:]
-    assert re.search(r"the first that differs is #\d+: all_gather #\d+ \(1056 x float32\) on rank \d vs all_gather "
-                     r"#\d+ \(\d+ x float32\) on rank \d", output), output[-5000:]
+    assert re.search(r"the first that differs is #\d+: all_gather #\d+ \(1056 x float32, sampler\.0\) on rank \d vs "
+                     r"all_gather #\d+ \(\d+ x float32, [\w.]+\) on rank \d", output), output[-5000:]
     assert "Every rank must issue the same collectives in the same order" in output
 
 

@@ -44,6 +44,10 @@ class Faulty(models.Regression):
         super().__init__()
         self.case = case
         self.extra = nn.Sequential(nn.Linear(models.IN, models.IN)) if case == "rank_only_submodule" else None
+        # Experts of one size, each a stage-3 unit of its own (``nn.Sequential``, unit_size_mb=0): every rank routes
+        # to expert 0 until batch 2, where the faulty rank routes to expert 1.
+        self.experts = (nn.ModuleList([nn.Sequential(nn.Linear(models.IN, models.IN)) for _ in range(2)])
+                        if case == "experts_as_units" else None)
 
     def training_step(self, batch, batch_idx):
         case = self.case
@@ -80,6 +84,10 @@ class Faulty(models.Regression):
         if case == "slow" and RANK == FAULTY:
             time.sleep(0.6 * TIMEOUT)  # far slower than rank 0, each wait still below the timeout
         x, y = batch
+        if self.experts is not None:
+            if here(batch_idx):
+                fault()
+            x = x + self.experts[1 if here(batch_idx) else 0](x)
         if self.extra is not None and here(batch_idx):
             fault()
             x = x + self.extra(x)  # a stage-3 unit only this rank uses: its all-gather has no partner
@@ -163,7 +171,8 @@ def fit(case: str, stage: int = 2, **trainer_kwargs) -> None:
         trainer_kwargs.update(use_distributed_sampler=False, max_epochs=1)
     trainer_kwargs.setdefault("max_steps", {"slow": 3, "sigterm_healthy": 200}.get(case, 6))
     strategy = ZeroStrategy(stage=stage, timeout=TIMEOUT, watchdog=os.environ.get("LZ_WATCHDOG", "1") == "1",
-                            **({"wrap_policy": nn.Sequential} if stage == 3 else {}))
+                            **({"wrap_policy": nn.Sequential} if stage == 3 else {}),
+                            **({"unit_size_mb": 0} if case == "experts_as_units" else {}))
     t = trainer(strategy, callbacks=[FaultyCallback(case)], **trainer_kwargs)
     t.fit(SkipsAStep() if case == "skip_step" else Faulty(case), loader)
 
@@ -222,7 +231,7 @@ def main(case: str) -> None:
         return
     if case == "pipelined_kill":
         return pipelined_kill()
-    stage = 3 if case == "rank_only_submodule" else 2
+    stage = 3 if case in ("rank_only_submodule", "experts_as_units") else 2
     if case == "raise_and_sleep":
         try:
             fit(case, stage)

@@ -385,3 +385,24 @@ def test_a_collective_of_pickled_objects_reads_back_from_the_flight_file_as_it_w
     recorder.close_file()
     assert [Op(*op) for op in snapshot.recent] == recorder.recent_ops()
     assert recorder.recent_ops()[0] == Op(1, "broadcast_object", 0, "?")
+
+
+def test_collectives_of_different_stage_3_units_part_the_digests_and_are_named(tmp_path):
+    """Two ranks gathering different units of one size (experts each a unit): the same kinds and sizes, but the
+    running hash parts at the collective, whose description names each rank's unit, also as read from the file."""
+    from lightning_zero.engine.comm.flight import read_file, unit_code
+    from lightning_zero.faults.divergence import first_difference
+
+    a, b = _recording(tmp_path / "rank0.flight", "somehost|1|1|1"), FlightRecorder()
+    b.reset(None)
+    b.enabled = True
+    for recorder, expert in ((a, "blocks.0.experts.0"), (b, "blocks.0.experts.1")):
+        recorder.issue("all_gather", 72, torch.float32, unit_code("blocks.0"))
+        recorder.issue("all_gather", 72, torch.float32, unit_code(expert))
+    snapshot = read_file(tmp_path / "rank0.flight")
+    a.close_file()
+    assert a.digest != b.digest
+    assert [Op(*op) for op in snapshot.recent] == a.recent_ops()
+    assert first_difference(a.recent_ops(), b.recent_ops(), 1, ranks=(0, 1)) == (
+        "#2: all_gather #2 (72 x float32, blocks.0.experts.0) on rank 0 vs all_gather #2 (72 x float32, "
+        "blocks.0.experts.1) on rank 1")

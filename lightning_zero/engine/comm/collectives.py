@@ -76,13 +76,15 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False,
+    unit: int = 0,
 ) -> dist.Work | p2p.Ring | None:
-    """Sum ``input`` over ranks and leave rank r's segment in ``output``. ``input`` may be overwritten."""
+    """Sum ``input`` over ranks and leave rank r's segment in ``output``. ``input`` may be overwritten. ``unit``: the
+    stage-3 unit it serves, for the flight recorder (``flight.unit_code``)."""
     if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
         output.copy_(input)
         return None
-    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)  # see engine/comm/flight.py
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype, unit)  # see engine/comm/flight.py
     _count("reduce_scatter", input, group)
     with record_function("lightning_zero::reduce_scatter"):
         if (mailboxes := _shared_memory(group, output, input)) is not None:
@@ -96,13 +98,14 @@ def reduce_scatter(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False,
+    unit: int = 0,
 ) -> dist.Work | p2p.Ring | None:
-    """Concatenate every rank's ``input`` into ``output``."""
+    """Concatenate every rank's ``input`` into ``output`` (``unit``: as for :func:`reduce_scatter`)."""
     if world_size(group) == 1:
         output.copy_(input)
         return None
-    number = _FLIGHT.issue("all_gather", output.numel(), output.dtype)
+    number = _FLIGHT.issue("all_gather", output.numel(), output.dtype, unit)
     _count("all_gather", output, group)
     with record_function("lightning_zero::all_gather"):
         staging = _staging_device(output, group)
@@ -368,10 +371,10 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 def reduce_scatter_op(
     output: torch.Tensor, input: torch.Tensor, op: ReduceOpLike, group: dist.ProcessGroup | None = None,
-    async_op: bool = False,
+    async_op: bool = False, unit: int = 0,
 ) -> dist.Work | None:
     """A reduce-scatter with any op, by the backend itself (FSDP2's fp16 pre/post-divide and async paths)."""
-    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype)
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype, unit)
     _count("reduce_scatter", input, group)
     with record_function("lightning_zero::reduce_scatter"):
         if async_op:

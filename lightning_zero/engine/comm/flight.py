@@ -12,12 +12,17 @@ every rank. ``digest`` folds (kind, elements, dtype) of each into a running hash
 differ at the same mark (the same phase and step) issued different collectives since the run started, which
 gloo may not notice (equal sizes pair silently) and NCCL never does. The hash uses fixed codes, never
 Python's ``hash`` of strings, which differs between processes.
+
+Stage 3's collectives also fold in the unit they serve (:func:`unit_code`, a CRC of its module path): ranks that
+gather different units of one size (experts made units of their own, each rank gathering the ones its tokens
+reach) pair them silently, each rank computing with the other's parameters; their digests part there.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +43,20 @@ _DTYPE_CODES: dict[torch.dtype | None, int] = {dtype: i + 1 for i, dtype in enum
 _MASK = (1 << 61) - 1
 RING = 32  # collectives kept per rank
 MARKS = 8  # step marks kept per rank
+#: Unit codes back to their module paths (the same on every rank, which builds the same model).
+_UNITS: dict[int, str] = {}
+
+
+def unit_code(name: str) -> int:
+    """The code stage 3's collectives for the unit at module path ``name`` carry (see [Note: operation numbers and
+    the running hash])."""
+    code = zlib.crc32(name.encode()) or 1
+    _UNITS[code] = name
+    return code
+
+
+def unit_name(code: int) -> str:
+    return _UNITS.get(code, f"unit {code:08x}") if code else ""
 
 
 class Op(NamedTuple):
@@ -47,9 +66,12 @@ class Op(NamedTuple):
     kind: str
     numel: int
     dtype: str
+    unit: str = ""
+    """The stage-3 unit whose parameters or gradients it carries ("": none)."""
 
     def describe(self) -> str:
-        return f"{self.kind} #{self.number} ({self.numel} x {self.dtype})"
+        unit = f", {self.unit}" if self.unit else ""
+        return f"{self.kind} #{self.number} ({self.numel} x {self.dtype}{unit})"
 
 
 class Mark(NamedTuple):
@@ -91,7 +113,7 @@ class FlightRecorder:
         self.group = group
         self.ops = 0
         self.digest = 0
-        self.recent: deque[tuple[int, str, int, torch.dtype | None]] = deque(maxlen=RING)
+        self.recent: deque[tuple[int, str, int, torch.dtype | None, int]] = deque(maxlen=RING)
         self.marks: deque[Mark] = deque(maxlen=MARKS)
         self.counts: dict[str, int] = {}
         self.waiting: Waiting | None = None
@@ -100,19 +122,20 @@ class FlightRecorder:
         self.on_mark: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ hot path (main thread)
-    def issue(self, kind: str, numel: int, dtype: torch.dtype | None) -> int:
-        """Record a collective about to be issued; raise the watchdog's diagnosis if the run is over. Collectives
-        of other threads (a background checkpoint writer) are not part of the main sequence: number 0."""
+    def issue(self, kind: str, numel: int, dtype: torch.dtype | None, unit: int = 0) -> int:
+        """Record a collective about to be issued (``unit``: a stage-3 unit's :func:`unit_code`); raise the watchdog's
+        diagnosis if the run is over. Collectives of other threads (a background checkpoint writer) are not part of
+        the main sequence: number 0."""
         if self.abort is not None:
             raise self.abort
         if not self.enabled or threading.get_ident() != self.main:
             return 0
         self.ops = number = self.ops + 1
         self.digest = ((self.digest * 1000003) ^ (numel << 8) ^ (_DTYPE_CODES.get(dtype, 15) << 4)
-                       ^ _KIND_CODES.get(kind, 10)) & _MASK
-        self.recent.append((number, kind, numel, dtype))
+                       ^ _KIND_CODES.get(kind, 10) ^ (unit << 28)) & _MASK
+        self.recent.append((number, kind, numel, dtype, unit))
         if self.file is not None:
-            self.file.issue(number, kind, numel, dtype, self.digest)
+            self.file.issue(number, kind, numel, dtype, unit, self.digest)
         return number
 
     def wait(self, number: int, kind: str) -> None:
@@ -158,8 +181,8 @@ class FlightRecorder:
     # ------------------------------------------------------------------ readers (any thread)
     def recent_ops(self) -> list[Op]:
         """As a peer reads them from the flight file: a dtype without a code (a collective of pickled objects) is "?"."""
-        return [Op(n, kind, numel, str(dtype).replace("torch.", "") if dtype in _DTYPE_CODES else "?")
-                for n, kind, numel, dtype in list(self.recent)]
+        return [Op(n, kind, numel, str(dtype).replace("torch.", "") if dtype in _DTYPE_CODES else "?", unit_name(unit))
+                for n, kind, numel, dtype, unit in list(self.recent)]
 
     def last_mark(self) -> Mark | None:
         marks = list(self.marks)
@@ -172,4 +195,4 @@ RECORDER = FlightRecorder()
 
 def read_file(path: Path) -> flight_file.FlightSnapshot | None:
     """Another process's flight file, in this recorder's codes."""
-    return flight_file.read(path, RING, MARKS, _KIND_CODES, _DTYPE_CODES)
+    return flight_file.read(path, RING, MARKS, _KIND_CODES, _DTYPE_CODES, unit_name)

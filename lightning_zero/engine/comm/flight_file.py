@@ -21,18 +21,19 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-_MAGIC, _VERSION = b"LZFR", 1
+_MAGIC, _VERSION = b"LZFR", 2
 _HEAD = struct.Struct("<4sI128sQ")  # magic, version, process identity, main thread ident
 _COUNTERS = struct.Struct("<QQ")  # collectives issued, running hash
 _WAITING = struct.Struct("<QI")  # the collective waited in (0: none), its kind code
 _MARK_COUNT = struct.Struct("<Q")
 _STEPS = struct.Struct("<4Q")  # steps begun per phase, in PHASES order
-_OP = struct.Struct("<QQII")  # number, elements, kind code, dtype code
+_OP = struct.Struct("<QQIII")  # number, elements, kind code, dtype code, stage-3 unit code
 _MARK = struct.Struct("<IIqQQQ")  # phase code, step count, batch (-1: none), collectives, hash, world sequence
 
 _COUNTERS_AT = _HEAD.size
@@ -46,15 +47,15 @@ PHASES = ("train", "val", "test", "predict")
 
 @dataclass
 class FlightSnapshot:
-    """What a flight file held when it was read. ``recent``: (number, kind, elements, dtype name), oldest
-    first; ``marks``: (phase, count, batch, ops, digest, seq), oldest first; ``waiting``: (number, kind) or None."""
+    """What a flight file held when it was read. ``recent``: (number, kind, elements, dtype name, unit name),
+    oldest first; ``marks``: (phase, count, batch, ops, digest, seq), oldest first; ``waiting``: (number, kind) or None."""
 
     proc: str
     main_ident: int
     ops: int
     digest: int
     waiting: tuple[int, str] | None
-    recent: list[tuple[int, str, int, str]] = field(default_factory=list)
+    recent: list[tuple[int, str, int, str, str]] = field(default_factory=list)
     marks: list[tuple[str, int, int | None, int, int, int]] = field(default_factory=list)
     steps: dict[str, int] = field(default_factory=dict)
 
@@ -78,9 +79,9 @@ class FlightFile:
         _HEAD.pack_into(self._map, 0, _MAGIC, _VERSION, proc.encode()[:128], main_ident)
         self._marks_written = 0
 
-    def issue(self, number: int, kind: str, numel: int, dtype: torch.dtype | None, digest: int) -> None:
+    def issue(self, number: int, kind: str, numel: int, dtype: torch.dtype | None, unit: int, digest: int) -> None:
         _OP.pack_into(self._map, _RING_AT + (number % self.ring) * _OP.size, number, numel,
-                      self._kinds.get(kind, 0), self._dtypes.get(dtype, 0))
+                      self._kinds.get(kind, 0), self._dtypes.get(dtype, 0), unit)
         _COUNTERS.pack_into(self._map, _COUNTERS_AT, number, digest)
 
     def wait(self, number: int, kind: str) -> None:
@@ -102,9 +103,10 @@ class FlightFile:
 
 
 def read(
-    path: Path, ring: int, marks: int, kinds: dict[str, int], dtypes: dict[torch.dtype | None, int]
+    path: Path, ring: int, marks: int, kinds: dict[str, int], dtypes: dict[torch.dtype | None, int],
+    unit_name: Callable[[int], str],
 ) -> FlightSnapshot | None:
-    """The flight file at ``path`` (None if absent or not one)."""
+    """The flight file at ``path`` (None if absent or not one); ``unit_name`` names a unit code."""
     try:
         data = path.read_bytes()
     except OSError:
@@ -121,9 +123,9 @@ def read(
     waiting_number, waiting_kind = _WAITING.unpack_from(data, _WAITING_AT)
     recent = []
     for slot in range(ring):
-        number, numel, kind, dtype = _OP.unpack_from(data, _RING_AT + slot * _OP.size)
+        number, numel, kind, dtype, unit = _OP.unpack_from(data, _RING_AT + slot * _OP.size)
         if number and number > ops - ring:
-            recent.append((number, kind_names.get(kind, "collective"), numel, dtype_names.get(dtype, "?")))
+            recent.append((number, kind_names.get(kind, "collective"), numel, dtype_names.get(dtype, "?"), unit_name(unit)))
     (written,) = _MARK_COUNT.unpack_from(data, _MARK_COUNT_AT)
     marks_out = []
     for index in range(max(0, written - marks), written):

@@ -71,7 +71,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, flight
 from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
@@ -250,7 +250,7 @@ class FullyShardedEngine:
 
     def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")
-        module.set_custom_all_gather(CountingAllGather(self.compression))
+        module.set_custom_all_gather(CountingAllGather(self.compression, flight.unit_code(name)))
         module.set_custom_reduce_scatter(
             CountingReduceScatter(self.compression, name, module, self.late, self.finished, len(self._heads))
         )

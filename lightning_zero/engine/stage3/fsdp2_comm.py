@@ -27,17 +27,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, flight
 from lightning_zero.engine.stage3.fsdp2_private import AllGather, ReduceScatter, sharded_params
 from lightning_zero.engine.comm.collectives import ReduceOp, ReduceOpLike
 from lightning_zero.engine.comm.compression import CompressedComm
 
 
 class CountingAllGather(AllGather):
-    """FSDP2's all-gather, counted and labelled like ours; compressed parameters with ``compression``."""
+    """FSDP2's all-gather, counted and labelled like ours, recorded with its ``unit`` (``flight.unit_code``: see [Note:
+    operation numbers and the running hash]); compressed parameters with ``compression``."""
 
-    def __init__(self, compression: CompressedComm | None = None) -> None:
-        self.compression = compression
+    def __init__(self, compression: CompressedComm | None = None, unit: int = 0) -> None:
+        self.compression, self.unit = compression, unit
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -50,7 +51,7 @@ class CountingAllGather(AllGather):
             self.compression.all_gather(output_tensor, input_tensor, group, async_op=False)  # done when it returns
             return None
         # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
-        work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op, unit=self.unit)
         if isinstance(work, dist.Work):
             return work
         collectives.finish(work)
@@ -58,15 +59,16 @@ class CountingAllGather(AllGather):
 
 
 class CountingReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter, counted and labelled like ours (FSDP2 picks the reduce op); compressed gradients
-    with ``compression``, whose error-feedback residuals this unit's ``key`` names. With ``landing``, the
+    """FSDP2's reduce-scatter, counted and labelled like ours (FSDP2 picks the reduce op) and recorded with its unit
+    (``key``'s ``flight.unit_code``); compressed gradients with ``compression``, whose error-feedback residuals
+    ``key`` names. With ``landing``, the
     reductions of ``unit`` that nobody reads during backward land after it (see [Note: reduce-scatters that land
     after backward])."""
 
     def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: FSDPModule | None = None,
                  landing: "LateReductions | None" = None, finished: "FinishedUnits | None" = None,
                  position: int = 0) -> None:
-        self.compression, self.key = compression, key
+        self.compression, self.key, self.code = compression, key, flight.unit_code(key)
         self.unit, self.landing = unit, landing
         #: Told when this unit's gradients are final during backward (``position``: the unit's number there).
         self.finished, self.position = finished, position
@@ -85,14 +87,14 @@ class CountingReduceScatter(ReduceScatter):
             if self.compression is not None:
                 self.compression.reduce_scatter(output_tensor, input_tensor, group, self.key, async_op=False)
             elif op == ReduceOp.AVG and self.landing is not None and self._unread(output_tensor):
-                work = collectives.reduce_scatter(output_tensor, input_tensor, group=group, async_op=True)
+                work = collectives.reduce_scatter(output_tensor, input_tensor, group=group, async_op=True, unit=self.code)
                 reduced = self.finished.reduced(self.position, landed=False) if self.finished is not None else None
                 self.landing.add(work, output_tensor, collectives.world_size(group), reduced)
                 if self.finished is not None:
                     self.finished.announce()  # adding may have landed earlier units' reductions
                 return None
             else:
-                collectives.reduce_scatter(output_tensor, input_tensor, group=group)
+                collectives.reduce_scatter(output_tensor, input_tensor, group=group, unit=self.code)
             if op == ReduceOp.AVG:
                 output_tensor.div_(collectives.world_size(group))
             if self.finished is not None:
@@ -100,7 +102,8 @@ class CountingReduceScatter(ReduceScatter):
             return None
         if self.finished is not None:
             self.finished.reduced(self.position, landed=not async_op)
-        return collectives.reduce_scatter_op(output_tensor, input_tensor, op, group=group, async_op=async_op)
+        return collectives.reduce_scatter_op(output_tensor, input_tensor, op, group=group, async_op=async_op,
+                                             unit=self.code)
 
     def _unread(self, output: torch.Tensor) -> bool:
         """Whether FSDP2 only views ``output`` as the unit's new sharded gradients (nothing there to add to, no
