@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -78,8 +79,6 @@ class ResumeState:
         self.position = position_from_loops(checkpoint.get("loops"))
         after = checkpoint.get(DRAWS_KEY)
         self._pending_iterators = int(after.get("iterators", 0)) if isinstance(after, Mapping) else 0
-        if self.position is not None and self.position.mid_epoch:
-            _report_mid_epoch(self.position, trainer)
 
     def process_dataloader(self, dataloader: object, trainer: pl.Trainer | None) -> object:
         """The train DataLoader of a resumed fit continues its epoch where the checkpoint left it."""
@@ -91,7 +90,11 @@ class ResumeState:
             self._restore_rng()  # a loader we cannot follow: before its first iterator exists, at least
         return resumed
 
-    def on_train_start(self) -> None:
+    def on_train_start(self, trainer: pl.Trainer | None) -> None:
+        """After the callbacks' ``on_train_start``: a mid-epoch resume takes up the epoch's accumulation schedule."""
+        if trainer is not None and self.position is not None and self.position.mid_epoch:
+            _follow_accumulation_schedule(self.position, trainer)
+            _report_mid_epoch(self.position, trainer)
         if not self._wrapped:
             self._restore_rng()
 
@@ -162,6 +165,16 @@ def draws_after_save(trainer: pl.Trainer | None) -> dict[str, int]:
         return {"iterators": sum(isinstance(dl, DataLoader) and dl.generator is None for dl in loaders)}
     except Exception:  # noqa: BLE001 - outside a fit loop (e.g. a manual save): nothing is pending
         return {"iterators": 0}
+
+
+def _follow_accumulation_schedule(position: DataPosition, trainer: pl.Trainer) -> None:
+    """Lightning runs no ``on_train_epoch_start`` for an epoch it resumes mid-way (the interrupted run did), so the
+    accumulation a ``GradientAccumulationScheduler`` set there, which lives on the trainer and not in the
+    checkpoint, would fall back to the Trainer's own for the rest of the epoch (``ddp`` too): set it as that hook
+    did. (Its ``on_train_start`` has run by now: it refuses a Trainer whose setting is not 1.)"""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # Lightning types it loosely
+        if isinstance(callback, GradientAccumulationScheduler):
+            trainer.accumulate_grad_batches = callback.get_accumulate_grad_batches(position.epoch)
 
 
 def _report_mid_epoch(position: DataPosition, trainer: pl.Trainer) -> None:

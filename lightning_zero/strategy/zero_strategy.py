@@ -243,7 +243,7 @@ class ZeroStrategy(CheckpointingStrategy):
         if (trainer := trainer_of(self.lightning_module)) is not None:
             check_batch_sizes(self._deepspeed, trainer)
         self._activate_fault_handling()
-        self._resume.on_train_start()  # a resumed fit's RNG state, right before its first batch
+        self._resume.on_train_start(trainer)  # a resumed fit's RNG state, right before its first batch
 
     @override
     def on_train_end(self) -> None:

@@ -23,7 +23,7 @@ def shared(tmp_path_factory):
     two = launch(
         "tests.distributed.worker_checkpoint",
         "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "top_k", "frozen_and_weights_only",
-        "saved_after_evaluation",
+        "saved_after_evaluation", "scheduled_accumulation",
         nprocs=2, env=env,
     )
     one = launch("tests.distributed.worker_checkpoint", "resume_in_other_world", "corrupted", nprocs=1, env=env)
@@ -40,6 +40,16 @@ def _check_resume(result):
 def test_interrupted_run_equals_uninterrupted(shared, pair):
     """1 epoch, ModelCheckpoint, new Trainer resumes (at the same or another stage) for epoch 2."""
     _check_resume(shared["exact_resume"][pair])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_mid_epoch_resume_keeps_the_epochs_scheduled_accumulation(shared, stage):
+    """``GradientAccumulationScheduler`` sets the accumulation in ``on_train_epoch_start``, which Lightning does not
+    run for the epoch it resumes mid-way (``ddp`` then trains the rest of it with the Trainer's 1): the resumed run
+    accumulates 3 as the uninterrupted one, and ends with its parameters."""
+    result = shared["scheduled_accumulation"][f"stage{stage}"]
+    assert result["steps"] == 10 and result["accumulate"] == 3
+    assert result["param_diff"] == 0.0
 
 
 @pytest.fixture(scope="module")

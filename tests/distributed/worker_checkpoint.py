@@ -63,6 +63,35 @@ def interrupted(
     return (*final_state(second), second.global_step)
 
 
+def scheduled_accumulation(directory: Path) -> dict:
+    """A ``GradientAccumulationScheduler`` (1 micro-batch in epoch 0, 3 from epoch 1): interrupted after the first
+    window of epoch 1 (mid-epoch, step 7 of 10), resumed by a new Trainer, against the uninterrupted run. Lightning
+    runs no ``on_train_epoch_start`` for the epoch it resumes, where the scheduler sets the trainer's accumulation."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    def run(stage: int, max_steps: int, ckpt_path: str | None = None, save_to: Path | None = None) -> L.Trainer:
+        L.seed_everything(7)
+        callbacks: list = [GradientAccumulationScheduler({0: 1, 1: 3})]
+        if save_to is not None:
+            callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{step}", save_top_k=-1, every_n_train_steps=1))
+        t = trainer(ZeroStrategy(stage=stage), max_steps=max_steps, enable_checkpointing=save_to is not None,
+                    callbacks=callbacks, gradient_clip_val=0.5)
+        t.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=ckpt_path)
+        return t
+
+    out = {}
+    for stage in (2, 3):
+        straight_run = run(stage, 10)
+        expected = straight_run.strategy.full_state_dict()
+        run(stage, 7, save_to=directory / f"gas{stage}")
+        resumed = run(stage, 10, ckpt_path=str(directory / f"gas{stage}" / "step=7.ckpt"))
+        params = resumed.strategy.full_state_dict()
+        if RANK == 0:
+            out[f"stage{stage}"] = {"steps": resumed.global_step, "accumulate": resumed.accumulate_grad_batches,
+                                    "param_diff": max_diff(params, expected)}
+    return out
+
+
 #: (save stage, resume stage): `make test`'s; the other pairs (stage 3's save into stage 1 is in test_hybrid.py's).
 RESUME_PAIRS = ((2, 2), (3, 3), (2, 3), (2, 1))
 RESUME_PAIRS_FULL = ((1, 1), (3, 2))
@@ -350,6 +379,7 @@ CASES = {
     "frozen_and_weights_only": frozen_and_weights_only,
     "corrupted": corrupted,
     "exact_resume": exact_resume,
+    "scheduled_accumulation": scheduled_accumulation,
     "exact_resume_full": lambda directory: exact_resume(directory / "full", RESUME_PAIRS_FULL),
     "save_for_other_world": save_for_other_world,
     "resume_in_other_world": resume_in_other_world,
