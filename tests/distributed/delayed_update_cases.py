@@ -45,10 +45,12 @@ class NotingRegression(models.Regression):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def delayed_reference(initial: dict, dataset, *, steps: int) -> dict[str, torch.Tensor]:
+def delayed_reference(initial: dict, dataset, *, steps: int, ema_decay: float | None = None) -> dict[str, torch.Tensor]:
     """ZeRO-Offload's delayed update in plain single-process PyTorch: the optimizer steps ``masters``; at the end of
     each step the model forward uses takes the masters as they are (every update but this step's), then the masters
-    take this step's update; after the last step the model takes them all."""
+    take this step's update; after the last step the model takes them all. With ``ema_decay``: instead, the
+    exponential average of the masters after each update (torch's ``AveragedModel``: the first is copied)."""
+    average: dict[str, torch.Tensor] = {}
     model, masters = models.Regression(), models.Regression()
     model.load_state_dict(copy.deepcopy(initial))
     masters.load_state_dict(copy.deepcopy(initial))
@@ -67,6 +69,10 @@ def delayed_reference(initial: dict, dataset, *, steps: int) -> dict[str, torch.
                 param.copy_(master)
         opt.step()
         sched.step()
+        for n, p in masters.named_parameters() if ema_decay is not None else ():
+            average[n] = p.detach().clone() if n not in average else ema_decay * average[n] + (1 - ema_decay) * p.detach()
+    if ema_decay is not None:
+        return average
     return {n: p.detach().clone() for n, p in masters.state_dict().items()}
 
 
@@ -99,7 +105,27 @@ def exactness() -> dict:
                 "threads": threads,
             }
     out["stage2_overflow"] = overflow_skips_step(2, **DELAYED)
+    out["ema"] = exponential_average()
     return out
+
+
+def exponential_average(decay: float = 0.5) -> dict:
+    """``EMAWeightAveraging`` under the delayed update, stage 2: the average the module ends with is that of every
+    update taken (the masters after each step), not of the parameters forward computed with, one update behind."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    L.seed_everything(7)
+    module = NotingRegression()
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    data = models.IndexedData()
+    t = trainer(ZeroStrategy(stage=2, bucket_size_mb=0.001, **DELAYED), max_steps=STEPS,
+                accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, callbacks=[EMAWeightAveraging(decay=decay)])
+    t.fit(module, models.loader(data, BATCH))
+    averaged = {n: p.detach().clone() for n, p in module.named_parameters()}
+    if RANK != 0:
+        return {}
+    return {"vs_reference": max_diff(averaged, delayed_reference(initial, data, steps=STEPS, ema_decay=decay)),
+            "vs_last_update": max_diff(averaged, delayed_reference(initial, data, steps=STEPS))}
 
 
 def checkpoints(directory: Path) -> dict:

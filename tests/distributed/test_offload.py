@@ -245,6 +245,14 @@ def test_the_delayed_update_is_zero_offloads_dpu_step_for_step(report, stage):
     assert result["module_diff_final"] == 0.0
 
 
+def test_an_exponential_average_under_the_delayed_update_averages_every_update_taken(report):
+    """``EMAWeightAveraging(decay=0.5)`` at stage 2 with ``offload_step_delay=1``: the module ends with the average
+    of the masters after each of the 4 updates, as plain PyTorch computes it, not with the last update alone."""
+    result = report["delayed"]["ema"]
+    assert result["vs_reference"] <= 1e-6
+    assert result["vs_last_update"] > 1e-3
+
+
 def test_an_overflow_skips_the_delayed_step_and_leaves_the_masters_as_they_were(report):
     """16-mixed, an inf at step 2: that step starts no host step (the masters and the optimizer state stay those of
     step 1; the update pending from step 1 still lands), the loss scale halves, and training goes on."""
