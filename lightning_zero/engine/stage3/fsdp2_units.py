@@ -24,19 +24,26 @@ def default_units(root: nn.Module) -> list[nn.Module]:
     whose tokens reach them, and a unit of their own would be gathered on those ranks only, a collective the
     others never join ([Note: parameters some ranks leave without a gradient] in ``fsdp2_unused.py``); the
     block's unit is gathered on every rank."""
-    units: list[nn.Module] = []
+    units = listed_blocks(root)
+    if units:
+        return units
+    return [child for child in root.children() if any(True for _ in child.parameters())]
+
+
+def listed_blocks(root: nn.Module) -> list[nn.Module]:
+    """The elements of every ``nn.ModuleList`` in ``root`` that is not inside another list's element, in module
+    order."""
+    blocks: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
             if isinstance(module, nn.ModuleList):
-                units.append(child)  # its own lists stay inside it
+                blocks.append(child)  # its own lists stay inside it
             else:
                 visit(child)
 
     visit(root)
-    if units:
-        return units
-    return [child for child in root.children() if any(True for _ in child.parameters())]
+    return blocks
 
 
 def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
