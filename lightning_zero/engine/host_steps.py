@@ -19,11 +19,11 @@ gradients of the first. It is used in a synchronising backward where, besides ``
   is refused by the reducer, loudly), no delayed update, no hybrid replicas (their sums are added after the
   reduction), no pipeline stages, every master on the host and an element-wise torch optimizer without step hooks
   (``optimizers.steps_in_parts``);
-* every parameter of the part has a gradient on this rank: at stages 1-2, whether a parameter this rank produced
-  none for was used on some other rank is known only when backward ends
-  (``GradientReducer._forget_gradients_no_rank_produced``); at stage 3 FSDP2 reduces only the gradients a unit has
-  (and, at world size 1, runs no reduce-scatter at all, so no unit is announced). Such a part waits for
-  ``optimizer.step()``, as every part did before.
+* every parameter of the part has a gradient on this rank: whether a parameter this rank produced none for was
+  used on some other rank is known only when backward ends (stages 1-2:
+  ``GradientReducer._forget_gradients_no_rank_produced``; stage 3: ``fsdp2_unused.UnusedParameters``, which reduces
+  a zero gradient for it meanwhile; at world size 1 FSDP2 runs no reduce-scatter at all, so no unit is announced).
+  Such a part waits for ``optimizer.step()``, as every part did before.
 
 Each part's step is the one ``optimizer.step()`` would have run on it: the same averaging of the same host gradients
 (stages 1-2 average in the worker; FSDP2 averaged already), the param groups as they were when the first part

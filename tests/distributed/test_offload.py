@@ -69,8 +69,8 @@ def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(repor
     overlapped, serial = result["monitor_grad_norms"]  # ZeroMonitor(grad_norm_type=2) read them on the way, both runs
     assert overlapped == serial and overlapped > 0
     if case.endswith("unused"):
-        # A head no rank uses: whether some rank did is known only when backward ends (stage 3: FSDP2 reduces nothing
-        # for it), so its part waits for the step.
+        # A head no rank uses: whether some rank did is known only when backward ends (stage 3 reduces a zero
+        # gradient for it meanwhile), so its part waits for the step.
         assert all(0 < started < result["parts"] for started, _ in result["early"])
         assert "MainThread" in result["threads"]
     else:
