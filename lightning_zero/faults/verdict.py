@@ -96,8 +96,8 @@ MISMATCH_HINT = (
     "gathers its parameters with a collective, so a module called on some ranks only (e.g. generating samples on "
     "rank 0 in `validation_step`) desynchronises them: run it on every rank and keep rank 0's result, or run it on "
     "an unsharded copy after `fit` (`lightning_zero.load_from_checkpoint`). A module each rank picks by its data "
-    "does the same when it is a unit of its own (experts of a mixture made units by `wrap_policy`): keep it inside a "
-    "unit every rank runs (its block's, as the default wrap policy does). A `self.log(..., sync_dist=True)` or a "
+    "does the same when it is a unit of its own (an expert of a mixture): keep it inside a unit every rank runs "
+    "(`wrap_policy` naming the block that holds the experts). A `self.log(..., sync_dist=True)` or a "
     "torch.distributed call under a rank condition does the same."
 )
 

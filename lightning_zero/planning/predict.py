@@ -167,7 +167,7 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
 
 def _merged_units(layers: tuple[int, ...], budget: float) -> list[int]:
     """Elements of each stage-3 unit, in order, once adjacent layers merge within ``budget`` elements
-    (``fsdp2_units``'s rule, the outermost ``ModuleList``s' blocks taken as one run)."""
+    (``fsdp2_units``'s rule, every ``ModuleList``'s blocks taken as one run)."""
     units, start = [], 0
     for length in merged_lengths(list(layers), budget):
         units.append(sum(layers[start:start + length]))

@@ -25,7 +25,6 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
-from lightning_zero.engine.stage3.fsdp2_units import listed_blocks
 from lightning_zero.planning.measure import _TotalsOnly
 
 #: The compute dtype of each Lightning precision the planner knows.
@@ -156,8 +155,12 @@ def _state_elements(module: L.LightningModule) -> int:
 
 
 def _unit_elements(module: nn.Module) -> list[int]:
-    """Trainable elements of each block of the outermost ``nn.ModuleList``s (stage 3's default units)."""
-    return [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in listed_blocks(module)]
+    """Trainable elements of each element of every ``nn.ModuleList`` (stage 3's default units)."""
+    units: list[int] = []
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList):
+            units.extend(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in sub)
+    return units
 
 
 def _batch_size(batch: Any) -> int:

@@ -27,8 +27,8 @@ def model(blocks: int = 5) -> nn.Module:
     return root
 
 
-def groups(root: nn.Module, budget: float, policy: PrecisionPolicy | None = POLICY, wrap_policy=None) -> list[list[str]]:
-    units = select_units(root, wrap_policy)
+def groups(root: nn.Module, budget: float, policy: PrecisionPolicy | None = POLICY) -> list[list[str]]:
+    units = select_units(root, None)
     chosen = {id(u) for u in units} | (one_dtype_units(root, units, policy) if policy else set())
     units = [m for m in root.modules() if m is not root and id(m) in chosen]
     fp32 = {id(m) for m in units if policy is not None and policy.holds_fp32(m)}
@@ -59,29 +59,15 @@ def test_a_layer_over_the_budget_stays_alone_and_fp32_runs_never_join_compute_dt
     assert groups(model(3), 1e9, policy=None) == [["blocks.0", "blocks.1", "blocks.2"]]
 
 
-def t5_shape() -> nn.Module:
-    """Blocks in a ModuleList, each holding a ModuleList of layers that hold norms."""
+def test_units_that_nest_units_that_nest_units_merge_only_their_innermost_runs():
+    """T5's shape: blocks (units) hold a ModuleList of layers (units) that hold norms (fp32 units)."""
     root = nn.Module()
     root.blocks = nn.ModuleList()
     for _ in range(2):
         outer = nn.Module()
         outer.layer = nn.ModuleList([Block(), Block()])
         root.blocks.append(outer)
-    return root
-
-
-def test_by_default_a_list_inside_a_listed_block_stays_in_the_blocks_unit():
-    """Only the outer list's elements are units (a block's experts must not be gathered per rank's routing); their
-    norms still form fp32 units of their own."""
-    assert groups(t5_shape(), 0) == [["blocks.0"], ["blocks.0.layer.0.norm"], ["blocks.0.layer.1.norm"],
-                                     ["blocks.1"], ["blocks.1.layer.0.norm"], ["blocks.1.layer.1.norm"]]
-
-
-def test_units_that_nest_units_that_nest_units_merge_only_their_innermost_runs():
-    """Blocks (units) holding layers (units, by the wrap policy) that hold norms (fp32 units)."""
-    root = t5_shape()
-    wrap = {id(m) for m in root.blocks} | {id(m) for m in root.modules() if isinstance(m, Block)}
-    assert groups(root, 1e9, wrap_policy=lambda m: id(m) in wrap) == [
+    assert groups(root, 1e9) == [
         ["blocks.0"], ["blocks.0.layer.0", "blocks.0.layer.1"], ["blocks.0.layer.0.norm", "blocks.0.layer.1.norm"],
         ["blocks.1"], ["blocks.1.layer.0", "blocks.1.layer.1"], ["blocks.1.layer.0.norm", "blocks.1.layer.1.norm"],
     ]

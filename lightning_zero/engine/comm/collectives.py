@@ -76,11 +76,10 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False,
-    unit: int = 0,
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False, unit: int = 0
 ) -> dist.Work | p2p.Ring | None:
-    """Sum ``input`` over ranks and leave rank r's segment in ``output``. ``input`` may be overwritten. ``unit``: the
-    stage-3 unit it serves, for the flight recorder (``flight.unit_code``)."""
+    """Sum ``input`` over ranks into rank r's segment in ``output`` (may overwrite ``input``); ``unit``: the stage-3
+    unit served (``flight.unit_code``)."""
     if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
         output.copy_(input)
         return None
@@ -98,8 +97,7 @@ def reduce_scatter(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False,
-    unit: int = 0,
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False, unit: int = 0
 ) -> dist.Work | p2p.Ring | None:
     """Concatenate every rank's ``input`` into ``output`` (``unit``: as for :func:`reduce_scatter`)."""
     if world_size(group) == 1:
@@ -386,8 +384,7 @@ def reduce_scatter_op(
 
 
 def record_sent(tensor: torch.Tensor) -> None:
-    """Count a point-to-point send another library issues (pipeline stages' activations and their gradients,
-    sent by ``torch.distributed.pipelining``), as ``"send"``: what this rank puts on the wire."""
+    """Count, as ``"send"``, a point-to-point send of another library (``torch.distributed.pipelining``'s)."""
     _count("send", tensor, None)
 
 

@@ -162,6 +162,8 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
         return None
     held: list[torch.Tensor] = []
     zeroed: list[torch.Tensor] = []
+    # Under accumulation in a wider reduce dtype, FSDP2 holds the window's gradients upcast: a zero one joins them so.
+    upcast = any(p.unsharded_accumulated_grad is not None for p in group.fsdp_params)
     for fsdp_param in group.fsdp_params:
         if not hasattr(fsdp_param, "_unsharded_param") or not fsdp_param.sharded_param.requires_grad:
             continue
@@ -169,7 +171,10 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
         if fsdp_param.unsharded_accumulated_grad is not None or unsharded.grad is not None:
             held.append(fsdp_param.sharded_param)
         else:
-            unsharded.grad = torch.zeros_like(unsharded)
+            if upcast:
+                fsdp_param.unsharded_accumulated_grad = torch.zeros_like(unsharded, dtype=fsdp_param.reduce_dtype)
+            else:
+                unsharded.grad = torch.zeros_like(unsharded)
             zeroed.append(fsdp_param.sharded_param)
     return held, zeroed
 

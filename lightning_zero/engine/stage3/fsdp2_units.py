@@ -16,34 +16,13 @@ WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module],
 
 
 def default_units(root: nn.Module) -> list[nn.Module]:
-    """Every element of an ``nn.ModuleList`` (the blocks of most transformers) that is not inside another such
-    element; a model without one gets each direct child that holds parameters (e.g. a generator and a
-    discriminator), so every sub-network gathers its parameters around its own forward and backward.
-
-    A list inside a block stays in the block's unit: a block's experts (a mixture of experts) run on the ranks
-    whose tokens reach them, and a unit of their own would be gathered on those ranks only, a collective the
-    others never join ([Note: parameters some ranks leave without a gradient] in ``fsdp2_unused.py``); the
-    block's unit is gathered on every rank."""
-    units = listed_blocks(root)
-    if units:
-        return units
+    """Every element of an ``nn.ModuleList`` (the blocks of most transformers); a model without one gets
+    each direct child that holds parameters (e.g. a generator and a discriminator), so every sub-network
+    gathers its parameters around its own forward and backward."""
+    listed = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m}
+    if listed:
+        return [m for m in root.modules() if id(m) in listed]
     return [child for child in root.children() if any(True for _ in child.parameters())]
-
-
-def listed_blocks(root: nn.Module) -> list[nn.Module]:
-    """The elements of every ``nn.ModuleList`` in ``root`` that is not inside another list's element, in module
-    order."""
-    blocks: list[nn.Module] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            if isinstance(module, nn.ModuleList):
-                blocks.append(child)  # its own lists stay inside it
-            else:
-                visit(child)
-
-    visit(root)
-    return blocks
 
 
 def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:

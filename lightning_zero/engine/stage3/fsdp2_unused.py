@@ -15,8 +15,8 @@ decaying it with a zero gradient.
 
 A unit whose *forward* runs on some ranks only (an expert wrapped as a unit of its own, called when tokens reach
 it) is another matter: its all-gather is issued on those ranks only. Keep such modules inside a unit every rank
-runs (the block that owns them, as the default wrap policy and merged units do); the fault handling names the
-collective where they part (``docs/faults.md``).
+runs (``wrap_policy`` naming the block that owns them); the fault handling names the collective where they part,
+with both units (``docs/faults.md``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class UnusedParameters:
                 self._produced[i] = 1
         for param in zeroed:
             if (i := self.index.get(id(param))) is not None:
-                self._zeroed[i] = param.grad is not None
+                self._zeroed.setdefault(i, param.grad is not None)  # a second reduction sees the first's zeros
 
     def produced_here(self, i: int) -> bool:
         """Whether this rank produced parameter ``i``'s gradient in the latest synchronising backward (then some
