@@ -56,6 +56,7 @@ def unit_code(name: str) -> int:
 
 
 def unit_name(code: int) -> str:
+    """The module path of a unit code ("" for none); a code no unit of this process registered stays a number."""
     return _UNITS.get(code, f"unit {code:08x}") if code else ""
 
 

@@ -61,9 +61,8 @@ class CountingAllGather(AllGather):
 class CountingReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter, counted and labelled like ours (FSDP2 picks the reduce op) and recorded with its unit
     (``key``'s ``flight.unit_code``); compressed gradients with ``compression``, whose error-feedback residuals
-    ``key`` names. With ``landing``, the
-    reductions of ``unit`` that nobody reads during backward land after it (see [Note: reduce-scatters that land
-    after backward])."""
+    ``key`` names. With ``landing``, the reductions of ``unit`` that nobody reads during backward land after it
+    (see [Note: reduce-scatters that land after backward])."""
 
     def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: FSDPModule | None = None,
                  landing: "LateReductions | None" = None, finished: "FinishedUnits | None" = None,

@@ -73,7 +73,7 @@ class UnusedParameters:
         return bool(self._produced[i])
 
     def start(self) -> None:
-        """Post this rank's flags where they may travel while the backward's reductions land."""
+        """Post this rank's flags (before the reductions still in flight land, where any are)."""
         if self.pending:
             self.flags.start()
 
