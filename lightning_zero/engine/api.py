@@ -248,6 +248,11 @@ class ShardingEngine(Protocol):
     def post_backward(self) -> None:
         """After each backward; after the final micro-batch's: land the gradient reductions still in flight."""
 
+    def land_gradients(self) -> None:
+        """Land the reductions of the backward that just ran and settle which parameters hold a gradient (stage 3
+        takes back the zero gradients of parameters no rank used), for a caller that sets the parameters' earlier
+        gradients aside around a backward and must do this before it puts them back (pipeline stages)."""
+
     def reshard(self) -> None:
         """Parameters back to their shards now, where an accumulation window kept them gathered (stage 3), before
         anything reads the module as sharded: an evaluation loop, a checkpoint, the end of training."""

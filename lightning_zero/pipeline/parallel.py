@@ -219,13 +219,16 @@ class PipelineParallel:
         ``training_step`` and ``backward`` at the start of an accumulation window, and the pipeline has already
         run its backward by then. Those are the gradients of the parameters the optimizer holds (the engine's
         records: at stage 3 the sharded parameters, not the gathered ones the stages compute with, and FSDP2 adds
-        its reduction to what they hold, so they must hold nothing during the schedule)."""
+        its reduction to what they hold, so they must hold nothing during the schedule, and the engine settles which
+        of them keep a gradient before what they held comes back)."""
         inputs, target = self._split(batch)
         params = [record.param for record in engine.records()] if engine is not None else list(self.runner.parameters())
         before = [p.grad for p in params]
         for p in params:
             p.grad = None
         loss = self.runner.step(inputs, target, factor)
+        if engine is not None and self.runner.reduce_gradients:
+            engine.land_gradients()  # while the parameters hold this schedule's gradients only
         for p, held in zip(params, before):
             if p.grad is not None:
                 self._stash.append((p, p.grad))

@@ -112,9 +112,11 @@ def make_optimizer(module: nn.Module) -> tuple[torch.optim.Optimizer, torch.opti
 
 
 class Regression(L.LightningModule):
-    def __init__(self, build_in_configure_model: bool = False, unused_head: bool = False, routed: bool = False) -> None:
+    def __init__(self, build_in_configure_model: bool = False, unused_head: bool = False, routed: bool = False,
+                 penalty: float = 0.0) -> None:
         super().__init__()
         self.build_in_configure_model = build_in_configure_model
+        self.penalty = penalty
         self.net = None if build_in_configure_model else RoutedNet() if routed else Net()
         # A parameter no batch ever uses: plain PyTorch leaves its grad None and AdamW never touches it.
         self.unused = nn.Linear(IN, 4) if unused_head else None
@@ -128,9 +130,18 @@ class Regression(L.LightningModule):
     def forward(self, x):
         return self.net(x)
 
+    def loss(self, x, y):
+        """MSE; with ``penalty``, plus that times the squared gradient of the outputs by the inputs, taken with
+        ``torch.autograd.grad(create_graph=True)`` (a gradient penalty, as WGAN-GP's and R1's)."""
+        if not self.penalty:
+            return nn.functional.mse_loss(self(x), y)
+        x = x.detach().requires_grad_(True)
+        out = self(x)
+        slope, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return nn.functional.mse_loss(out, y) + self.penalty * slope.pow(2).sum(1).mean()
+
     def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
+        loss = self.loss(*batch)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
@@ -151,6 +162,7 @@ def reference_run(
     clip_algorithm: str = "norm",
     unused_head: bool = False,
     routed: bool = False,
+    penalty: float = 0.0,
     build=None,
     optimizer=make_optimizer,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
@@ -158,7 +170,7 @@ def reference_run(
     (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict.
     ``build()``: another module of the same network (default :class:`Regression`); ``optimizer(module)``: its
     optimizer and scheduler."""
-    model = build() if build is not None else Regression(unused_head=unused_head, routed=routed)
+    model = build() if build is not None else Regression(unused_head=unused_head, routed=routed, penalty=penalty)
     model.load_state_dict(copy.deepcopy(initial))
     opt, sched = optimizer(model)
     batches = global_microbatches(dataset, world, batch, steps * accumulate)
@@ -167,7 +179,7 @@ def reference_run(
         opt.zero_grad()
         for micro in range(accumulate):
             per_rank = batches[step * accumulate + micro]
-            loss = sum(nn.functional.mse_loss(model(x), y) for x, y in per_rank) / world / accumulate
+            loss = sum(model.loss(x, y) for x, y in per_rank) / world / accumulate
             loss.backward()
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         if clip and clip_algorithm == "norm":
@@ -316,69 +328,6 @@ class WideData(Dataset):
 
 def loader(dataset: Dataset, batch: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch, shuffle=False, num_workers=0)
-
-
-class GradNormAgainstGathered(L.Callback):
-    """Each step, ``lightning_zero.grad_norm`` of the whole module (2-norm and infinity norm) against the norms of
-    the full gradients ``gather_gradients`` assembles: the largest relative difference, and how many norms were
-    compared (every parameter with a gradient, on every rank, whatever stage, replicas or pipeline stage holds it).
-    Also called from ``on_after_backward`` and ``on_train_batch_end``: refused in a micro-batch that accumulates,
-    the step's norms in its last."""
-
-    def __init__(self) -> None:
-        self.worst, self.compared, self.keys_match = 0.0, 0, True
-        #: From ``on_after_backward``: refusals (a micro-batch that accumulates), and the norms of a step's last one.
-        self.refusals: list[str] = []
-        self.after_backward: dict[str, float] | None = None
-        self.after_backward_matches = True
-        self.batch_end_refusals: list[str] = []
-
-    def on_after_backward(self, trainer, pl_module):
-        from lightning_zero import grad_norm
-
-        try:
-            self.after_backward = {k: float(v) for k, v in grad_norm(pl_module, 2.0).items()}
-        except RuntimeError as error:
-            self.refusals.append(str(error))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        from lightning_zero import grad_norm
-
-        try:  # after a micro-batch that accumulates: refused too; after a step: whatever the step left, changed nothing
-            grad_norm(pl_module, 2.0)
-        except RuntimeError as error:
-            self.batch_end_refusals.append(str(error))
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        from lightning_zero import grad_norm
-
-        if self.after_backward is not None:
-            self.after_backward_matches &= self.after_backward == {k: float(v) for k, v in grad_norm(pl_module, 2.0).items()}
-            self.after_backward = None
-        full = trainer.strategy.gather_gradients()
-        for norm_type in (2.0, float("inf")):
-            ours = grad_norm(pl_module, norm_type)
-            self.keys_match &= set(ours) == {f"grad_{norm_type}_norm/{name}" for name in full} | {f"grad_{norm_type}_norm_total"}
-            for name, grad in full.items():
-                expected = float(grad.float().norm(norm_type))
-                got = float(ours.get(f"grad_{norm_type}_norm/{name}", float("nan")))
-                self.worst = max(self.worst, abs(got - expected) / max(expected, 1e-12), 0.0 if got == got else float("inf"))
-                self.compared += 1
-
-    @staticmethod
-    def check(result: dict, steps: int, accumulate: int) -> None:
-        """The test side: every norm compared and equal, a refusal in each micro-batch that accumulates."""
-        assert result["keys_match"] and result["compared"] > 0, result
-        assert result["worst_relative"] <= 1e-6, result
-        assert len(result["refusals"]) == steps * (accumulate - 1)
-        assert all("Call it where the step's gradients are final" in refusal for refusal in result["refusals"])
-        assert result["after_backward_matches"]  # a step's last micro-batch: the norms on_before_optimizer_step sees
-        assert len(result["batch_end_refusals"]) == steps * (accumulate - 1)
-
-    def report(self) -> dict:
-        return {"worst_relative": self.worst, "compared": self.compared, "keys_match": self.keys_match,
-                "refusals": self.refusals, "after_backward_matches": self.after_backward_matches,
-                "batch_end_refusals": self.batch_end_refusals}
 
 
 def saved_tensors(path) -> dict[str, torch.Tensor]:

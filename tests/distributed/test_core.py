@@ -46,6 +46,8 @@ EXACT_CASES = [
     "stage3_unused_parameter",
     "stage2_routed",  # a mixture of experts: ranks use different experts in a step, one expert no rank uses
     "stage3_routed",
+    "stage2_penalty",  # a gradient penalty: torch.autograd.grad(create_graph=True) inside training_step
+    "stage3_penalty",
 ]
 
 

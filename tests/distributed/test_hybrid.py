@@ -9,7 +9,7 @@ hybrid runs, stages and world sizes. The torchrun multi-node run is in tests/int
 import pytest
 
 from tests.distributed import worker_pretrained
-from tests.distributed.models import GradNormAgainstGathered
+from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.launch import launch
 
 WORLD, K = 4, 2

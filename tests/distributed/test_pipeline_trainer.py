@@ -7,7 +7,7 @@ every rank."""
 
 import pytest
 
-from tests.distributed.models import GradNormAgainstGathered
+from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.distributed.worker_pipeline_trainer import INITIAL_SCALE, MATRIX, WIDTH
 from tests.launch import launch
 
@@ -22,7 +22,7 @@ BOUNDS = {"gpipe": [0, 4, 8], "gpipe_stage2": [0, 4, 8], "1f1b": [0, 3, 8], "int
 @pytest.fixture(scope="module")
 def two_ranks():
     return launch("tests.distributed.worker_pipeline_trainer", *TWO, "round_trip", "mixed", "errors", "evaluated_after_fit",
-                  nprocs=2)
+                  "routed_every_microbatch", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,17 @@ def test_two_stages_one_replica_equal_plain_pytorch(two_ranks, case):
     _check_memory(two_ranks[case], replicas=1)
     _check_sends(two_ranks[case])
     assert two_ranks[case]["bounds"] == BOUNDS[case]  # 1f1b cuts by parameter count, interleaved 4 virtual stages
+
+
+def test_an_expert_no_rank_uses_in_a_reduced_micro_batch_keeps_the_windows_earlier_gradient(two_ranks):
+    """Stage 3, every micro-batch reduced: the window's first micro-batch routes a sample to an expert and its
+    second routes none, so the second reduction gives that expert a zero gradient on every rank to take back
+    (stage 3's [Note: parameters some ranks leave without a gradient]) while the first one's must stay: the run
+    equals plain PyTorch, which moves the expert in that step and never after (its gradient is ``None``)."""
+    result = two_ranks["routed_every_microbatch"]
+    assert result["routed_samples"][:2] == [1, 0] and sum(result["routed_samples"][2:]) == 0
+    assert result["rare_change"] > 1e-3  # the expert's one gradient moved it
+    _check_exact(result, replicas=1)
 
 
 def _check_two_replicas(result: dict) -> None:

@@ -61,12 +61,13 @@ class GradientRecorder(L.Callback):
 # ---------------------------------------------------------------------- cases
 def exactness(
     stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm", unused_head=False,
-    routed=False,
+    routed=False, penalty=0.0,
 ) -> dict:
     steps, accumulate, batch = 4, 2, 4
     clip = 0.5 if clip_algorithm == "norm" else 0.05
     L.seed_everything(7)
-    module = models.Regression(build_in_configure_model=build_in_configure_model, unused_head=unused_head, routed=routed)
+    module = models.Regression(build_in_configure_model=build_in_configure_model, unused_head=unused_head, routed=routed,
+                               penalty=penalty)
     initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
     recorder = GradientRecorder()
     strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
@@ -106,6 +107,7 @@ def exactness(
             clip_algorithm=clip_algorithm,
             unused_head=unused_head,
             routed=routed,
+            penalty=penalty,
         )
         out["param_diff"] = max_diff({k: v for k, v in final.items()}, ref_params)
         out["grad_diff"] = max(max_diff(g, r) for g, r in zip(recorder.steps, ref_grads))
@@ -269,6 +271,8 @@ CASES = {
         "stage1_no_overlap": exactness(1, strategy=ZeroStrategy(stage=1, overlap_comm=False, state_dict_type="full")),
         **{f"stage{s}_unused_parameter": exactness(s, unused_head=True) for s in (1, 2, 3)},
         **{f"stage{s}_routed": exactness(s, routed=True) for s in (2, 3)},
+        "stage2_penalty": exactness(2, penalty=0.1),
+        "stage3_penalty": exactness(3, penalty=0.1, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")),
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},

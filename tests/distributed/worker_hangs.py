@@ -180,7 +180,7 @@ def fit(case: str, stage: int = 2, **trainer_kwargs) -> None:
 def pipelined_kill() -> None:
     """Pipeline x ZeRO-3, 2 stages: the rank of the last stage is killed in its loss at batch 2, while rank 0
     waits for its input gradients."""
-    from tests.distributed.worker_pipeline_trainer import Chain
+    from tests.distributed.pipeline_chain import Chain
 
     class Killed(Chain):
         def pipeline_loss(self, output, target):

@@ -14,6 +14,7 @@ from lightning_zero.demo.gpt import GPTLightningModule
 from lightning_zero.planning.accounting import live_tensor_bytes
 from lightning_zero.monitor import ZeroMonitor
 from tests.distributed import models, worker_checkpoint, worker_hf_models, worker_precision, worker_pretrained
+from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.distributed.worker_core import NODES, RANK, CommProbe, StateBytesProbe, exactness, max_diff, trainer
 from tests.launch import run_cases_with_directory
 
@@ -28,7 +29,7 @@ def exact(stage: int, unused_head: bool = False, **kwargs) -> dict:
 def gradient_norms(stage: int, **kwargs) -> dict:
     """``lightning_zero.grad_norm`` with rows spread over a shard group and its replicas, under accumulation."""
     L.seed_everything(3)
-    check = models.GradNormAgainstGathered()
+    check = GradNormAgainstGathered()
     t = trainer(ZeroStrategy(stage=stage, **kwargs), max_steps=2, accumulate_grad_batches=2, callbacks=[check])
     t.fit(GPTLightningModule(**worker_precision.GPT_KWARGS), models.loader(worker_precision.gpt_data(), 2))
     return check.report()

@@ -415,8 +415,8 @@ def averaged_while_unfreezing(stages) -> dict:
 CASES = {
     "lr_find": lr_find_against_ddp,
     "checkpoints": trained_checkpoints,
-    "swa": lambda directory: swa_against_ddp(directory, stages=(1,), resumed=(3,)),
-    "swa_rest": lambda directory: swa_against_ddp(directory, stages=(2, 3), configure_model=False, resumed=(2,)),
+    "swa": lambda directory: swa_against_ddp(directory, stages=(1,), configure_model=False, resumed=(3,)),
+    "swa_rest": lambda directory: swa_against_ddp(directory, stages=(2, 3), resumed=(2,)),
     "compile": lambda directory: compile_against_eager("aot_eager", stages=(3,)),
     "compile_rest": lambda directory: compile_against_eager("aot_eager", stages=(1, 2), configure_model=False),
     "unfreezing": lambda directory: {
@@ -430,25 +430,28 @@ CASES = {
     "compile_inductor": lambda directory: compile_against_eager("inductor", stages=(2, 3)),
     "ema_resumed": lambda directory: ema_resumed(directory, {
         "stage3": (dict(stage=3), dict(stage=3)),
-        "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
         "ddp_to_stage3": ("ddp", dict(stage=3)),
     }),
     "averaging_pipeline": lambda directory: witnessed_averages(directory / "averaging_pipeline", {
-        "ema_stage3": ("ema", dict(stage=3, **PIPELINE), "32-true"), "swa_stage3": ("swa", dict(stage=3, **PIPELINE), "32-true")}),
+        "ema_stage3": ("ema", dict(stage=3, **PIPELINE), "32-true")}),
     "averaging_pipeline_rest": lambda directory: witnessed_averages(directory / "averaging_pipeline_rest", {
+        "swa_stage3": ("swa", dict(stage=3, **PIPELINE), "32-true"),
         "ema_stage1": ("ema", dict(stage=1, **PIPELINE), "32-true"), "swa_stage1": ("swa", dict(stage=1, **PIPELINE), "32-true")}),
     "averaging_bf16": lambda directory: witnessed_averages(directory / "averaging_bf16", {
-        "ema_stage2": ("ema", dict(stage=2), "bf16-mixed"), "swa_stage2": ("swa", dict(stage=2), "bf16-mixed")}),
-    "averaging_batchnorm": lambda directory: averaging_with_batchnorm(),
+        "ema_stage2": ("ema", dict(stage=2), "bf16-mixed")}),
+    "averaging_batchnorm": lambda directory: averaging_with_batchnorm(stages=(3,)),
+    "averaging_batchnorm_rest": lambda directory: averaging_with_batchnorm(stages=(2,)),
     "averaging_unfreezing": lambda directory: averaged_while_unfreezing(stages=(2,)),
     "averaging_unfreezing_rest": lambda directory: averaged_while_unfreezing(stages=(1, 3)),
     "averaging_bf16_rest": lambda directory: witnessed_averages(directory / "averaging_bf16_rest", {
+        "swa_stage2": ("swa", dict(stage=2), "bf16-mixed"),
         "ema_stage1_offload": ("ema", dict(stage=1, offload_optimizer=True), "bf16-mixed"),
         "ema_stage2_full": ("ema", dict(stage=2, state_dict_type="full"), "bf16-mixed"),
         "swa_stage1": ("swa", dict(stage=1), "bf16-mixed"),
         "ema_pipeline_stage1": ("ema", dict(stage=1, **PIPELINE), "bf16-mixed"),
         "ema_stage3": ("ema", dict(stage=3), "bf16-mixed")}),
     "ema_resumed_rest": lambda directory: ema_resumed(directory, {
+        "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
         "stage2_async": (dict(stage=2, async_save=True),) * 2,
         "stage3_full": (dict(stage=3, state_dict_type="full"),) * 2,
         "stage1_offload": (dict(stage=1, offload_optimizer=True),) * 2,

@@ -1,19 +1,13 @@
 """Rank program for tests/distributed/test_pipeline_trainer.py: ``ZeroStrategy(pipeline_stages=2)`` inside
-``lightning.Trainer`` against plain single-process PyTorch on the same global batches.
-
-Every run sees global batches of 8 samples (8 per replica with one pipeline, 4 with two), so one reference
-serves every layout: with gradient accumulation 2, clipping by norm, two param groups and a StepLR.
-"""
+``lightning.Trainer`` against plain single-process PyTorch on the same global batches (``pipeline_chain.py``)."""
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 from pathlib import Path
 
 import lightning as L
-import torch
 from torch import nn
 
 from lightning_zero import ZeroStrategy
@@ -21,101 +15,16 @@ from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.engine.comm import collectives
 from lightning_zero.planning.accounting import model_state_bytes
 from tests.distributed import models
+from tests.distributed.grad_norm_probe import GradNormAgainstGathered
+from tests.distributed.pipeline_chain import (
+    ACCUMULATE, CLIP, STEPS_PER_EPOCH, WIDTH, Chain, held_parameters, initial_state, loader, reference, routed_samples,
+    val_loader,
+)
 from tests.distributed.worker_core import GradientRecorder, max_diff, trainer
 from tests.launch import run_cases_with_directory
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
-GLOBAL_BATCH, ACCUMULATE, CLIP, STEPS_PER_EPOCH = 8, 2, 0.5, 4  # 64 samples / 8 / 2
-WIDTH = 12
-
-
-class Chain(L.LightningModule):
-    """An ordinary LightningModule whose model is an ``nn.Sequential``: 8 layers to cut into stages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        blocks = [nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH)) for _ in range(5)]
-        self.layers = nn.Sequential(nn.Linear(models.IN, WIDTH), *blocks, nn.LayerNorm(WIDTH), nn.Linear(WIDTH, models.OUT))
-
-    def forward(self, x):
-        return self.layers(x)
-
-    def training_step(self, batch, batch_idx):  # the run without pipelining
-        loss = self.pipeline_loss(self(batch[0]), batch[1])
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        loss = self.pipeline_loss(self(batch[0]), batch[1])
-        self.log("val_loss", loss, sync_dist=True)
-
-    def pipeline_layers(self):
-        return self.layers
-
-    def pipeline_loss(self, output, target):
-        return nn.functional.mse_loss(output, target)
-
-    def configure_optimizers(self):
-        opt, sched = models.make_optimizer(self)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def initial_state() -> dict:
-    torch.manual_seed(3)
-    return copy.deepcopy(Chain().state_dict())
-
-
-def reference(steps: int, grads: list | None = None) -> tuple[dict, list[float], float]:
-    """Parameters after ``steps`` optimizer steps, every batch's loss, and the loss on the two validation
-    batches; each step's gradients (before clipping) appended to ``grads``."""
-    model = Chain()
-    model.load_state_dict(initial_state())
-    opt, sched = models.make_optimizer(model)
-    data = models.IndexedData()
-    batches = models.global_microbatches(data, 1, GLOBAL_BATCH, steps * ACCUMULATE)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        for micro in range(ACCUMULATE):
-            (x, y), = batches[step * ACCUMULATE + micro]
-            loss = nn.functional.mse_loss(model(x), y)
-            (loss / ACCUMULATE).backward()
-            losses.append(float(loss))
-        if grads is not None:
-            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-    with torch.no_grad():
-        val = [nn.functional.mse_loss(model(x), y) for x, y in val_batches()]
-    return {n: p.detach().clone() for n, p in model.state_dict().items()}, losses, float(sum(val) / len(val))
-
-
-def val_batches() -> list:
-    data = models.IndexedData()
-    return [tuple(torch.stack(t) for t in zip(*(data[i] for i in range(j * 8, j * 8 + 8)))) for j in range(2)]
-
-
-def loader(replicas: int):
-    return models.loader(models.IndexedData(), GLOBAL_BATCH // replicas)
-
-
-def val_loader(replicas: int):
-    # Sequential, so every layout validates on the same two global batches.
-    return torch.utils.data.DataLoader(models.IndexedData(16), batch_size=GLOBAL_BATCH // replicas)
-
-
-def held_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's parameters, from the ranks that hold each stage (stage 3: gathered over its replicas)."""
-    from torch.distributed.tensor import DTensor
-
-    mine = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-            for n, t in module.state_dict().items() if not t.is_meta}
-    merged: dict[str, torch.Tensor] = {}
-    for part in collectives.all_gather_objects(mine):
-        merged.update(part)
-    return merged
 
 
 class LoggedLosses(L.Callback):
@@ -152,7 +61,7 @@ class SentElements(L.Callback):
 def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, module=None, **kwargs) -> tuple[L.Trainer, Chain]:
     module = module or Chain()
     if ckpt_path is None:
-        module.load_state_dict(initial_state())
+        module.load_state_dict(initial_state(module.routed))
     settings = dict(
         max_epochs=epochs,
         accumulate_grad_batches=ACCUMULATE,
@@ -166,18 +75,20 @@ def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, modu
     return t, module
 
 
-def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, **kwargs) -> dict:
+def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, routed: bool = False,
+               strategy_kwargs: dict | None = None, **kwargs) -> dict:
     replicas = WORLD // 2
     strategy = ZeroStrategy(
-        stage=stage, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split
+        stage=stage, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split,
+        **(strategy_kwargs or {}),
     )
     recorder = GradientRecorder()  # strategy.gather_gradients(): every stage's, reduced over the replicas
     sent = SentElements()
-    t, module = fit(strategy, replicas, epochs=1, callbacks=[LoggedLosses(), recorder, sent], **kwargs)
+    t, module = fit(strategy, replicas, epochs=1, callbacks=[LoggedLosses(), recorder, sent], module=Chain(routed), **kwargs)
     full = t.strategy.full_state_dict()  # every stage's parameters, on rank 0
     params = held_parameters(module)
     expected_grads: list[dict] = []
-    expected, losses, val_loss = reference(STEPS_PER_EPOCH, expected_grads)
+    expected, losses, val_loss = reference(STEPS_PER_EPOCH, expected_grads, routed)
     logged = collectives.all_gather_objects(
         {"train_losses": t.callbacks[0].losses, "val_loss": float(t.callback_metrics["val_loss"])}
     )
@@ -192,7 +103,10 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
         "full_state_dict_diff": max_diff(full, expected) if RANK == 0 else None,
         "grad_diff": max(max_diff(g, r) for g, r in zip(recorder.steps, expected_grads)),
         "grad_steps": len(recorder.steps),
-        "param_change": max_diff(expected, initial_state()),
+        "param_change": max_diff(expected, initial_state(routed)),
+        "routed_samples": routed_samples(STEPS_PER_EPOCH) if routed else None,
+        "rare_change": float((expected["layers.0.rare.weight"] - initial_state(True)["layers.0.rare.weight"]).abs().max())
+        if routed else None,
         "logged": logged,
         "reference_train_losses": losses,
         "reference_val_loss": val_loss,
@@ -342,7 +256,7 @@ def zero3_composed() -> dict:
     ):
         strategy = ZeroStrategy(stage=3, pipeline_stages=2, microbatches=4, **kwargs)
         # grad_norm's stages and replicas, beside a run without offload (a hook keeps an offloaded step whole)
-        check = models.GradNormAgainstGathered() if "offload_optimizer" not in kwargs else None
+        check = GradNormAgainstGathered() if "offload_optimizer" not in kwargs else None
         if check is not None:
             trainer_kwargs = {**trainer_kwargs, "callbacks": [LoggedLosses(), check]}
         t, module = fit(strategy, WORLD // 2, epochs=1, **trainer_kwargs)
@@ -424,6 +338,9 @@ def cases() -> dict:
         "1f1b": lambda d: exactness(2, "1f1b", split="params", num_sanity_val_steps=2),
         "interleaved": lambda d: exactness(1, "interleaved_1f1b", microbatches=4),
         "gpipe_stage2": lambda d: exactness(2, "gpipe", split=["4"], microbatches=2),  # cut before the child "4"
+        # an expert used in a window's first micro-batch and by no rank in its second, each micro-batch reduced
+        "routed_every_microbatch": lambda d: exactness(3, "gpipe", microbatches=2, routed=True,
+                                                       strategy_kwargs={"reduce_every_microbatch": True}),
         "round_trip": checkpoint_round_trip,
         "zero3_round_trip": zero3_round_trip,
         "zero3_composed": lambda d: zero3_composed(),

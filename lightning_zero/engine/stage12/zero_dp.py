@@ -262,6 +262,10 @@ class ZeroDataParallel:
             for shards in self._optimizers.values():
                 shards.early.disarm()
 
+    def land_gradients(self) -> None:
+        """Stages 1-2 reduce a pipeline's gradients once they are back in place (:meth:`post_backward`), and every
+        parameter of a bucket reduces whether or not this rank used it: nothing to settle earlier."""
+
     def reshard(self) -> None:
         """Stages 1-2 keep every parameter whole on every rank: nothing is ever gathered beyond that."""
 

@@ -143,14 +143,33 @@ def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
 
 def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
     """Call ``before(group)`` at the start of each of ``group``'s post-backwards (autograd's hook, the root's final
-    callback, a pipeline schedule's reduction): the last moment its unsharded gradients are in view."""
+    callback, a pipeline schedule's reduction): the last moment its unsharded gradients are in view.
+
+    A backward that builds a graph of its own (``create_graph=True``: ``torch.autograd.grad`` of a gradient penalty
+    inside ``training_step``) leaves the unit gathered instead, as ``set_reshard_after_backward(False)`` would: the
+    graph it builds holds the gathered parameters, which the loss's backward reads later (FSDP2 alone frees their
+    storage there, and that backward fails). It produces no gradients of the parameters to complete; the loss's
+    backward reshards the unit."""
     post_backward = type(group).post_backward
 
     def watched(*unused: Any) -> None:
+        if _in_backward_building_a_graph():
+            reshard, group.reshard_after_backward = group.reshard_after_backward, False
+            try:
+                post_backward(group, *unused)
+            finally:
+                group.reshard_after_backward = reshard
+            return
         before(group)
         post_backward(group, *unused)
 
     group.post_backward = watched
+
+
+def _in_backward_building_a_graph() -> bool:
+    """Inside autograd's backward (a graph task runs; not a pipeline schedule calling post-backward itself, where
+    grad mode is simply on) with ``create_graph=True`` (autograd keeps grad mode on there, off otherwise)."""
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
 
 
 def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
