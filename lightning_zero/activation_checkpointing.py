@@ -1,8 +1,9 @@
 """Activation checkpointing: chosen modules keep only their inputs in forward and recompute in backward.
 
-Applied with torch's composable ``checkpoint`` (forward hooks, no wrapper module), before sharding, so
-parameter names, ``state_dict`` keys and logs are unchanged, and FSDP2 re-gathers stage-3 parameters for
-the recomputation like for any backward. Random state is saved and restored around the recomputation, so
+Applied as torch's composable ``checkpoint`` is (forward hooks, no wrapper module: ``checkpointed_forward.py``),
+before sharding, so parameter names, ``state_dict`` keys and logs are unchanged, and FSDP2 re-gathers stage-3
+parameters for the recomputation like for any backward, once per backward that needs them (a gradient penalty's
+too). Random state is saved and restored around the recomputation, so
 dropout masks (and so results) are the same as without checkpointing.
 
 A policy is one of: a module class, several classes (or ``"package.module.Class"`` strings, as YAML gives
@@ -32,7 +33,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
-from torch.distributed._composable import checkpoint
+
+from lightning_zero.checkpointed_forward import checkpoint_forward
 
 _IGNORED_DEEPSPEED_KEYS = ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile")
 _FALSE_ONLY_DEEPSPEED_KEYS = ("partition_activations", "cpu_checkpointing")
@@ -158,8 +160,7 @@ def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) ->
             f"{type(root).__name__}; nothing is checkpointed."
         )
     for _, module in selected:
-        if checkpoint.state(module) is None:
-            checkpoint(module)
+        checkpoint_forward(module)
     return [name for name, _ in selected]
 
 

@@ -33,6 +33,7 @@ def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | No
     else:
         span = f"before {step_name(mark.phase, mark.batch)}"
         issued_a, issued_b = mark.ops, other.ops
+    culprit: int | None
     first = first_difference(a.recent, b.recent, min(mark.ops, other.ops) + 1)
     if mark.ops == other.ops and mark.digest == other.digest:
         detail = (f"the same collectives of lightning_zero but different numbers of other torch.distributed operations "
@@ -43,9 +44,12 @@ def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | No
         detail = f"{issued_a} collectives on rank {a.rank}, {issued_b} on rank {b.rank}"
         if first is not None:
             detail += f"; the first that differs is {first}"
-        culprit = a.rank if issued_a < issued_b else b.rank
-    summary = (f"ranks {a.rank} and {b.rank} issued different collectives {span}: {detail}. Rank {culprit} diverged "
-               f"(it issued fewer). Rank {a.rank} is now {a.where()}; rank {b.rank} is {b.where()}.")
+        culprit = None if issued_a == issued_b else a.rank if issued_a < issued_b else b.rank
+    # As many collectives, different ones: a branch each rank took its own way, with no rank behind the other.
+    blame = (f"Rank {culprit} diverged (it issued fewer)." if culprit is not None else
+             "Neither issued fewer: they took different branches that issue different collectives.")
+    summary = (f"ranks {a.rank} and {b.rank} issued different collectives {span}: {detail}. {blame} "
+               f"Rank {a.rank} is now {a.where()}; rank {b.rank} is {b.where()}.")
     hint = GENERATE_HINT if generate_involved(mark.phase, (a, b), context) or (
         context.generate_hint and previous is not None and previous.phase in EVAL_PHASES) else ""
     return Diagnosis("diverged", culprit, summary, hint)

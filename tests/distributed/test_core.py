@@ -48,6 +48,7 @@ EXACT_CASES = [
     "stage3_routed",
     "stage2_penalty",  # a gradient penalty: torch.autograd.grad(create_graph=True) inside training_step
     "stage3_penalty",
+    "stage3_penalty_checkpointed",  # ... with activation checkpointing: two recomputations of a forward
 ]
 
 

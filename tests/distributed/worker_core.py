@@ -273,6 +273,9 @@ CASES = {
         **{f"stage{s}_routed": exactness(s, routed=True) for s in (2, 3)},
         "stage2_penalty": exactness(2, penalty=0.1),
         "stage3_penalty": exactness(3, penalty=0.1, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")),
+        # the blocks recomputed once for the penalty's backward and once for the loss's
+        "stage3_penalty_checkpointed": exactness(3, penalty=0.1, strategy=ZeroStrategy(
+            stage=3, unit_size_mb=0, activation_checkpointing={torch.nn.Sequential}, state_dict_type="full")),
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},

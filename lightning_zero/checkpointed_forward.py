@@ -1,0 +1,79 @@
+"""The hooks that make a module's forward keep only its inputs and recompute in backward.
+
+[Note: a recomputation per backward]
+torch's composable ``checkpoint`` (``torch.distributed._composable``) registers a forward pre-hook and a forward
+hook around torch's non-reentrant checkpoint, and is what keeps names and ``state_dict`` keys unchanged. It hands
+the checkpoint a context for the recomputation that can be entered once per forward (a generator-based one that
+turns its own hooks off). A forward whose graph is differentiated twice recomputes twice: a gradient penalty
+(``torch.autograd.grad(..., create_graph=True)`` in ``training_step``, then the loss's backward) fails on the
+second with ``AttributeError: '_GeneratorContextManager' object has no attribute 'args'``, while
+``torch.utils.checkpoint.checkpoint`` itself (reusable contexts) recomputes as often as asked. So the module is
+still marked with torch's composable ``checkpoint`` (``checkpoint.state(module)`` says it is checkpointed, and
+its hooks stay off), and these hooks, the same two in the same places, drive the checkpoint with a context that
+can be entered again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any
+
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
+
+
+class _CheckpointedForward:
+    """One module's checkpointing: the forward generator between its pre-hook and its hook, and whether the hooks
+    act (not while the module's forward is being recomputed)."""
+
+    def __init__(self) -> None:
+        self.active = True
+        self.generator: Generator[None, None, None] | None = None
+
+    def contexts(self) -> tuple[contextlib.nullcontext[None], _Recomputing]:
+        return contextlib.nullcontext(), _Recomputing(self)
+
+    def before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.active:
+            self.generator = _checkpoint_without_reentrant_generator(
+                module, True, self.contexts, _DEFAULT_DETERMINISM_MODE, False, True, *args, **kwargs
+            )
+            next(self.generator)
+
+    def after_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        generator, self.generator = self.generator, None
+        if self.active and generator is not None:
+            try:
+                next(generator)
+            except StopIteration:
+                return
+            raise RuntimeError("lightning_zero internal error: an activation checkpoint's forward did not finish")
+
+
+class _Recomputing:
+    """The recomputation's context: the hooks off while the module's forward runs again, as often as asked."""
+
+    def __init__(self, state: _CheckpointedForward) -> None:
+        self.state = state
+        self.was_active = True
+
+    def __enter__(self) -> None:
+        self.was_active, self.state.active = self.state.active, False
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        self.state.active = self.was_active
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Checkpoint ``module``'s forward (see [Note: a recomputation per backward]); a module already checkpointed
+    with torch's composable ``checkpoint`` is left as it is."""
+    if checkpoint.state(module) is not None:
+        return
+    checkpoint(module)
+    checkpoint.state(module).enable_hook = False
+    state = _CheckpointedForward()
+    module.register_forward_pre_hook(state.before_forward, with_kwargs=True)
+    module.register_forward_hook(state.after_forward, prepend=True, always_call=True)
