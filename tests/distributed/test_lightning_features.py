@@ -64,7 +64,7 @@ def averaging_runs(tmp_path_factory):
 def averaging_rest(tmp_path_factory):
     directory = tmp_path_factory.mktemp("averaging_rest")
     return launch("tests.distributed.worker_lightning_features", "swa_rest", "ema_resumed_rest", "averaging_pipeline_rest",
-                  "averaging_bf16_rest", "averaging_unfreezing_rest", "averaging_batchnorm_rest", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})
+                  "averaging_bf16_rest", "averaging_unfreezing_rest", "averaging_batchnorm_rest", "averaging_delayed", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})
 
 
 def _check_swa(runs: dict, case: str) -> None:
@@ -131,6 +131,14 @@ def test_weight_averaging_under_pipeline_stages(averaging_runs, case):
 @pytest.mark.parametrize("case", ["swa_stage3", "ema_stage1", "swa_stage1"])
 def test_weight_averaging_under_pipeline_stages_elsewhere(averaging_rest, case):
     _check_witnessed(averaging_rest["averaging_pipeline_rest"], case)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", ["swa_stage2", "ema_stage1"])
+def test_weight_averaging_under_the_delayed_update_averages_every_update_taken(averaging_rest, case):
+    """``offload_step_delay=1``: the callbacks average the masters each update leaves, and a resumed run ends where
+    the uninterrupted one does (EMA under the delay at stage 2 is also in ``test_offload.py``)."""
+    _check_witnessed(averaging_rest["averaging_delayed"], case)
 
 
 @pytest.mark.parametrize("case", ["ema_stage2"])

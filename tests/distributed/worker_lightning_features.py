@@ -450,6 +450,11 @@ CASES = {
         "swa_stage1": ("swa", dict(stage=1), "bf16-mixed"),
         "ema_pipeline_stage1": ("ema", dict(stage=1, **PIPELINE), "bf16-mixed"),
         "ema_stage3": ("ema", dict(stage=3), "bf16-mixed")}),
+    # the masters after each update averaged, not the parameters forward used one update behind; resumed with the
+    # pending update in the checkpoint
+    "averaging_delayed": lambda directory: witnessed_averages(directory / "averaging_delayed", {
+        "swa_stage2": ("swa", dict(stage=2, offload_optimizer=True, offload_step_delay=1), "32-true"),
+        "ema_stage1": ("ema", dict(stage=1, offload_optimizer=True, offload_step_delay=1), "32-true")}),
     "ema_resumed_rest": lambda directory: ema_resumed(directory, {
         "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
         "stage2_async": (dict(stage=2, async_save=True),) * 2,
