@@ -166,10 +166,14 @@ def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
     group.post_backward = watched
 
 
+#: The running autograd graph task, -1 outside backward (a torch that lacks it: never a graph-building backward).
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def _in_backward_building_a_graph() -> bool:
     """Inside autograd's backward (a graph task runs; not a pipeline schedule calling post-backward itself, where
     grad mode is simply on) with ``create_graph=True`` (autograd keeps grad mode on there, off otherwise)."""
-    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+    return _graph_task_id() != -1 and torch.is_grad_enabled()
 
 
 def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
