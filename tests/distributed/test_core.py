@@ -120,6 +120,15 @@ def test_skipped_steps_do_not_leak_gradients_into_the_next_window(features, stag
         assert torch.allclose(torch.tensor(result[name]), torch.tensor(value), atol=1e-6), name
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_unfrozen_during_fit_that_no_rank_uses_is_never_moved(features, stage):
+    """As plain PyTorch: no gradient, so AdamW neither steps nor decays it (stage 3 zero-fills it for the unit's
+    reduction and takes the zero back, though it was frozen when the strategy set up)."""
+    result = features[f"unfrozen_unused_head_stage{stage}"]
+    assert result["steps"] == 8
+    assert result["head_change"] == 0.0
+
+
 FORMULAS = {1: lambda p, n: 8 * p + 8 * p / n, 2: lambda p, n: 4 * p + 12 * p / n, 3: lambda p, n: 16 * p / n}
 
 

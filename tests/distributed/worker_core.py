@@ -252,6 +252,30 @@ def checkpointing_is_exact(stage: int) -> dict:
     return out
 
 
+class FrozenHeadUnfrozenAtEpochOne(L.Callback):
+    """Unfreezes ``Regression.unused`` (a head no batch uses) into a param group of its own at epoch 1."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            pl_module.unused.requires_grad_(True)
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.unused.parameters()), "weight_decay": 0.1})
+
+
+def unfrozen_unused_head(stage: int) -> dict:
+    """A head frozen when the strategy set up, unfrozen during ``fit``, used by no rank: plain PyTorch leaves its
+    gradient ``None`` and AdamW never moves it (no weight decay either)."""
+    L.seed_everything(7)
+    module = models.Regression(unused_head=True)
+    module.unused.requires_grad_(False)
+    initial = {k: v.clone() for k, v in module.unused.state_dict().items()}
+    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_epochs=2, limit_train_batches=4,
+                callbacks=[FrozenHeadUnfrozenAtEpochOne()])
+    t.fit(module, models.loader(models.IndexedData(), 4))
+    final = t.strategy.full_state_dict()
+    return {"steps": t.global_step, "head_change": max(float((final[f"unused.{k}"] - v).abs().max()) for k, v in initial.items())
+            if RANK == 0 else None}
+
+
 def registered_name() -> dict:
     return exactness(2, strategy="zero2")
 
@@ -281,6 +305,7 @@ CASES = {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
         **{f"skipped_steps_stage{s}": skipped_steps(s) for s in (1, 2, 3)},
+        **{f"unfrozen_unused_head_stage{s}": unfrozen_unused_head(s) for s in (2, 3)},
     },
     "costs": lambda: {
         **{f"memory_stage{s}": memory(s) for s in (1, 2, 3)},

@@ -202,7 +202,8 @@ class FullyShardedEngine:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._records = [self._record(n, p) for n, p in named]
         #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_unused.py``).
-        self.unused = UnusedParameters(self.params, self.group, self.replicate_group)
+        held = list(self.holding.held(module.named_parameters()).values())
+        self.unused = UnusedParameters(held, self.group, self.replicate_group)
         self.unused.watch(group for root in self.roots for group in fsdp2_private.param_groups(root))
         self._optimizers: dict[int, FullyShardedOptimizer] = {}
         self.masters: MasterShards | None = None

@@ -284,7 +284,7 @@ class FullyShardedOptimizer:
         engine, masters = self.engine, self._masters()
         pieces, indices = self.unit_parts[k]
         grads = [local_grad(engine.params[i]) for i in indices]
-        if any(grad is None or not engine.unused.produced_here(i) for i, grad in zip(indices, grads)):
+        if any(grad is None or not engine.unused.produced_here(engine.params[i]) for i, grad in zip(indices, grads)):
             return  # whether no rank used it is known when backward ends
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
         standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}

@@ -32,8 +32,9 @@ from lightning_zero.engine.stage3 import fsdp2_private
 
 
 class UnusedParameters:
-    """Which of the engine's trainable parameters (``params``, sharded) this rank produced a gradient for in the
-    current synchronising backward, and the gradients to take back once every rank's flags are known."""
+    """Which of the module's parameters (``params``, sharded; frozen ones too, which a callback may unfreeze during
+    ``fit``) this rank produced a gradient for in the current synchronising backward, and the gradients to take back
+    once every rank's flags are known."""
 
     def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
                  replicate_group: dist.ProcessGroup | None) -> None:
@@ -67,10 +68,11 @@ class UnusedParameters:
             if (i := self.index.get(id(param))) is not None:
                 self._zeroed.setdefault(i, param.grad is not None)  # a second reduction sees the first's zeros
 
-    def produced_here(self, i: int) -> bool:
-        """Whether this rank produced parameter ``i``'s gradient in the latest synchronising backward (then some
-        rank did, and its reduced gradient is final)."""
-        return bool(self._produced[i])
+    def produced_here(self, param: torch.Tensor) -> bool:
+        """Whether this rank produced ``param``'s gradient in the latest synchronising backward (then some rank did,
+        and its reduced gradient is final)."""
+        i = self.index.get(id(param))
+        return i is not None and bool(self._produced[i])
 
     def start(self) -> None:
         """Post this rank's flags (before the reductions still in flight land, where any are)."""
