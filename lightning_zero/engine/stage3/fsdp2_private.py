@@ -62,6 +62,7 @@ PRIVATE_NAMES = (
     ("FSDPParamGroup", "post_backward", "watch_post_backward"),
     ("FSDPParamGroup", "reduce_grads", "complete_unit_gradients"),
     ("FSDPParam", "unsharded_accumulated_grad", "complete_unit_gradients"),
+    ("FSDPParam", "to_accumulated_grad_if_needed", "complete_unit_gradients"),
 )
 
 
@@ -185,13 +186,17 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
         return None
     held: list[torch.Tensor] = []
     zeroed: list[torch.Tensor] = []
-    # Under accumulation in a wider reduce dtype, FSDP2 holds the window's gradients upcast: a zero one joins them so.
+    # Under accumulation in a wider reduce dtype, FSDP2 holds the window's gradients upcast, and packs a unit's
+    # gradients only when they share one dtype: a zero one joins them so, and so does the first gradient of a
+    # parameter this window's earlier micro-batches left without one (an expert picked only now).
     upcast = any(p.unsharded_accumulated_grad is not None for p in group.fsdp_params)
     for fsdp_param in group.fsdp_params:
         if not hasattr(fsdp_param, "_unsharded_param") or not fsdp_param.sharded_param.requires_grad:
             continue
         unsharded = fsdp_param._unsharded_param
         if fsdp_param.unsharded_accumulated_grad is not None or unsharded.grad is not None:
+            if upcast and fsdp_param.unsharded_accumulated_grad is None:
+                fsdp_param.to_accumulated_grad_if_needed()
             held.append(fsdp_param.sharded_param)
         else:
             if upcast:
