@@ -197,13 +197,13 @@ class FullyShardedEngine:
         self.window = GatheredWindow(module) if not offload_params and stages is None else None
         self._reducing = True  # False inside ``no_sync``
         #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
-        named = [(n, p) for n, p in self.holding.held(module.named_parameters()).items() if p.requires_grad]
+        held = self.holding.held(module.named_parameters())
+        named = [(n, p) for n, p in held.items() if p.requires_grad]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self._records = [self._record(n, p) for n, p in named]
         #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_unused.py``).
-        held = list(self.holding.held(module.named_parameters()).values())
-        self.unused = UnusedParameters(held, self.group, self.replicate_group)
+        self.unused = UnusedParameters(list(held.values()), self.group, self.replicate_group)
         self.unused.watch(group for root in self.roots for group in fsdp2_private.param_groups(root))
         self._optimizers: dict[int, FullyShardedOptimizer] = {}
         self.masters: MasterShards | None = None
