@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -22,6 +23,7 @@ from lightning_zero.strategy.compiling import compile_units
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.dense_parameters import dense_embedding_gradients, store_row_major
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.comm.compression import CompressionSpec
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
@@ -58,7 +60,8 @@ class ShardedModel:
     buffers: list[Tensor]
     """The held buffers, broadcast from the first replica before steps (DDP's ``broadcast_buffers``)."""
     after_fit: Callable[[], None] = _nothing
-    """Undoes what only training needed (Hugging Face caches turned off under activation checkpointing)."""
+    """Undoes what only training needed (Hugging Face caches turned off under activation checkpointing, embeddings'
+    sparse gradients)."""
 
     @property
     def shards_module_in_place(self) -> bool:
@@ -106,12 +109,14 @@ def shard_model(
     """Shard ``model`` in place for a run (``fitting``: with gradients and optimizers; else evaluation)."""
     if fitting:
         check_trainable(model)
-    after_fit: Callable[[], None] = _nothing
+    afterwards: list[Callable[[], None]] = []
+    if fitting or config.stage == 3:
+        _in_the_shards_form(model, fitting, afterwards)
     if checkpoint_policy is not None:
         # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
         checkpointed = apply_activation_checkpointing(model, checkpoint_policy)
         if fitting:
-            after_fit = caches_off_for_training(model, checkpointed)
+            afterwards.append(caches_off_for_training(model, checkpointed))
     pin = should_pin(device, config.pin_memory) if config.optimizer_on_host else False
     pipeline: PipelineParallel | None = None
     engine: ShardingEngine | None = None
@@ -171,7 +176,31 @@ def shard_model(
         units = engine.units if engine is not None else None  # the engine's blocks, where it divided the module
         compile_units(units if units is not None else select_units(model, config.wrap_policy), config.compile)
     buffers = list(holding.held(model.named_buffers()).values())
+
+    def after_fit() -> None:
+        for back in afterwards:
+            back()
+
     return ShardedModel(engine, pipeline, holding, buffers, after_fit)
+
+
+def _in_the_shards_form(model: nn.Module, fitting: bool, afterwards: list[Callable[[], None]]) -> None:
+    """Row-major parameters and, for training, dense embedding gradients (see [Note: the memory the row shards
+    need] in ``engine/dense_parameters.py``), each said once."""
+    if moved := store_row_major(model):
+        rank_zero_info(f"ZeroStrategy stores {_listed(moved)} row-major (contiguous): it shards parameters by rows, "
+                       "as DeepSpeed and FSDP flatten them. Channels-last inputs still run channels-last kernels.")
+    if fitting:
+        densified, back = dense_embedding_gradients(model)
+        if densified:
+            rank_zero_info(f"ZeroStrategy trains the embeddings {_listed(densified)} with dense gradients "
+                           "(`sparse=False`; it shards dense gradients) and turns `sparse` back on after fit.")
+            afterwards.append(back)
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def compression_spec(config: ZeroConfig) -> CompressionSpec | None:

@@ -1,4 +1,5 @@
-"""Full checkpoints across stages, a single process, bad input and a failing rank."""
+"""Full checkpoints across stages, a single process, bad input, a failing rank, and parameters or gradients in other
+memory layouts than dense row-major (``memory_layouts.py``)."""
 
 import pytest
 
@@ -9,7 +10,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def edges():
-    return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", nprocs=2)
+    return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
+                  "functional_sparse", nprocs=2)
+
+
+@pytest.fixture(scope="module")
+def more_layouts():
+    return launch("tests.distributed.worker_edges", "memory_layouts_rest", nprocs=2)["memory_layouts_rest"]
 
 
 @pytest.mark.parametrize("case", ["stage2_to_stage3", "stage3_to_stage1"])
@@ -49,6 +56,33 @@ def test_model_without_trainable_parameters_is_refused(edges):
     result = edges["bad_input"]["frozen"]
     assert result["type"] == "ValueError"
     assert "no trainable parameters" in result["message"]
+
+
+def _trained_as_under_ddp(runs: dict) -> None:
+    for case, result in runs.items():
+        assert result["diff_vs_ddp"] <= 1e-6, case
+        if case.startswith("sparse"):
+            assert result["sparse_after_fit"] == [True, True], f"{case}: the layers get `sparse` back after fit"
+
+
+def test_channels_last_transposed_and_sparse_embedding_models_train_as_under_ddp(edges):
+    """A channels-last CNN (stages 2-3), a parameter with transposed strides (stage 1), ``sparse=True`` embeddings
+    under SGD (stage 3) and Adagrad (stage 2): the weights ``ddp`` reaches with accumulation and clipping."""
+    assert len(edges["memory_layouts"]) == 5
+    _trained_as_under_ddp(edges["memory_layouts"])
+
+
+@pytest.mark.full
+def test_the_other_memory_layouts_at_the_other_stages(more_layouts):
+    assert len(more_layouts) == 7
+    _trained_as_under_ddp(more_layouts)
+
+
+def test_a_sparse_gradient_from_a_functional_call_is_refused_naming_the_parameter(edges):
+    for stage, result in edges["functional_sparse"].items():
+        assert result["type"] == "TypeError", stage
+        assert "'tokens.weight' received a sparse gradient" in result["message"], stage
+        assert "sparse=False" in result["message"], stage
 
 
 def test_a_failing_rank_brings_the_run_down_with_its_error():

@@ -11,7 +11,7 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import state_dicts
-from tests.distributed import models
+from tests.distributed import memory_layouts, models
 from tests.distributed.worker_checkpoint import RestoredProbe
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
 from tests.launch import run_cases_with_directory
@@ -134,7 +134,48 @@ CASES = {
     },
     "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule)},
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
+    "memory_layouts": lambda directory: trained_as_built(
+        {"channels_last": (2, 3), "transposed": (1,), "sparse_sgd": (3,), "sparse_adagrad": (2,)}),
+    "memory_layouts_rest": lambda directory: trained_as_built(
+        {"channels_last": (1,), "transposed": (2, 3), "sparse_sgd": (1, 2), "sparse_adagrad": (1, 3)}),
+    "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
 }
+
+
+def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
+    """Each model of ``memory_layouts.MODELS`` under ``ddp`` and the given stages, 4 steps with accumulation 2 (and
+    clipping, but for sparse gradients, which Lightning's ``ddp`` cannot clip): the weights against ``ddp``'s, and the
+    embeddings' ``sparse`` flags after ``fit``."""
+    out: dict[str, dict] = {}
+    for name, stages in layouts.items():
+        clip = None if name.startswith("sparse") else 0.5
+        weights = {}
+        for stage in (0, *stages):
+            L.seed_everything(3)
+            module = memory_layouts.MODELS[name]()
+            t = trainer(ZeroStrategy(stage=stage) if stage else "ddp", max_steps=4, accumulate_grad_batches=2,
+                        gradient_clip_val=clip)
+            t.fit(module)
+            weights[stage] = (t.strategy.full_state_dict() if stage else
+                              {k: v.detach().clone() for k, v in module.state_dict().items()})
+            if stage:
+                out[f"{name}/stage{stage}"] = {
+                    "sparse_after_fit": [m.sparse for m in module.modules() if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag)],
+                    "diff_vs_ddp": max_diff(weights[stage], weights[0]) if RANK == 0 else 0.0,
+                }
+    return out
+
+
+def functional_sparse(stages: tuple[int, ...]) -> dict:
+    """``F.embedding(..., sparse=True)`` in ``forward``: what each stage raises."""
+    out = {}
+    for stage in stages:
+        try:
+            trainer(ZeroStrategy(stage=stage), max_steps=2).fit(memory_layouts.FunctionalSparse())
+            out[f"stage{stage}"] = {"type": None}
+        except Exception as err:  # the behaviour under test: a clear error, on every rank, no hang
+            out[f"stage{stage}"] = {"type": type(err).__name__, "message": str(err)}
+    return out
 
 
 def expect_error_free_failure() -> dict:

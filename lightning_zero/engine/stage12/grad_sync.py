@@ -42,6 +42,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage12.buckets import pack_bucket, rows_by_rank, segment_parts, segment_view, widened
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
+from lightning_zero.engine.dense_parameters import sparse_gradient_error
 from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards
@@ -93,11 +94,8 @@ class GradientReducer:
         self.params = list(params)
         #: Compressed transport of the reductions (``compression.py``); None: the plain collectives.
         self.compression = compression
-        self.layout = layout
-        self.rank = rank
-        self.world_size = layout.world_size
-        self.shard_gradients = shard_gradients
-        self.overlap_comm = overlap_comm
+        self.layout, self.rank, self.world_size = layout, rank, layout.world_size
+        self.shard_gradients, self.overlap_comm = shard_gradients, overlap_comm
         self.group = group
         #: Hybrid sharding: the ranks holding the same rows as this one (None: no copies).
         self.replicate_group = replicate_group
@@ -214,8 +212,10 @@ class GradientReducer:
         self._holding = True
         sources: list[torch.Tensor | None] = [None] * len(self.params)
         for i in bucket.params:
-            sources[i] = self.params[i].grad
-            self.records[i].produced |= sources[i] is not None
+            sources[i] = grad = self.params[i].grad
+            if grad is not None and grad.is_sparse:
+                raise sparse_gradient_error(self.records[i].spec.name)
+            self.records[i].produced |= grad is not None
         if self._reduces_in_place(bucket_index):
             held = self.shard_gradients and self._holds_sums(bucket)
             reduction = InPlaceReduction(

@@ -43,6 +43,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from lightning_zero.engine.dense_parameters import sparse_gradient_error
+
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
            "keep_gathered_after_forward", "param_groups", "reshard_only_after_backward", "unit_heads",
            "restore_after_forward", "sharded_params", "unshadow_reshard", "watch_post_backward"]
@@ -63,6 +65,7 @@ PRIVATE_NAMES = (
     ("FSDPParamGroup", "reduce_grads", "complete_unit_gradients"),
     ("FSDPParam", "unsharded_accumulated_grad", "complete_unit_gradients"),
     ("FSDPParam", "to_accumulated_grad_if_needed", "complete_unit_gradients"),
+    ("FSDPParam", "_param_fqn", "complete_unit_gradients"),
 )
 
 
@@ -194,6 +197,8 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
         if not hasattr(fsdp_param, "_unsharded_param") or not fsdp_param.sharded_param.requires_grad:
             continue
         unsharded = fsdp_param._unsharded_param
+        if unsharded.grad is not None and unsharded.grad.is_sparse:
+            raise sparse_gradient_error(str(fsdp_param._param_fqn))
         if fsdp_param.unsharded_accumulated_grad is not None or unsharded.grad is not None:
             if upcast and fsdp_param.unsharded_accumulated_grad is None:
                 fsdp_param.to_accumulated_grad_if_needed()

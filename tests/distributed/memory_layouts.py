@@ -1,0 +1,110 @@
+"""Models whose parameters or gradients are not dense row-major tensors (see [Note: the memory the row shards need] in
+``lightning_zero/engine/dense_parameters.py``): each trains under Lightning ``ddp`` as built, and under ZeroStrategy
+must train to the same weights."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.distributed import models
+
+
+class ChannelsLastNet(L.LightningModule):
+    """A small CNN moved to ``torch.channels_last`` with its inputs, as vision training scripts do (convolutions
+    without biases before BatchNorm, as in ResNets: such a bias gets a gradient of rounding noise only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2),
+        ).to(memory_format=torch.channels_last)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x.contiguous(memory_format=torch.channels_last)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return models.loader(TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 2, (32,), generator=g)), 4)
+
+
+class TransposedWeight(L.LightningModule):
+    """A parameter made from a transposed tensor keeps its column-major strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 8).t())
+        self.head = nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.head(torch.tanh(x @ self.weight)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return models.loader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), 4)
+
+
+class SparseEmbeddings(L.LightningModule):
+    """``nn.Embedding`` and ``nn.EmbeddingBag`` with ``sparse=True``, stepped by an optimizer that takes sparse
+    gradients (``optimizer``: ``"sgd"`` or ``"adagrad"``); each batch reaches a few of the table's rows."""
+
+    def __init__(self, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        self.tokens = nn.Embedding(40, 8, sparse=True)
+        self.bags = nn.EmbeddingBag(40, 8, mode="mean", sparse=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.tokens(ids).mean(1), self.bags(ids)], dim=1))
+
+    def training_step(self, batch, batch_idx):
+        ids, y = batch
+        return F.mse_loss(self(ids), y)
+
+    def configure_optimizers(self):
+        if self.optimizer == "adagrad":
+            return torch.optim.Adagrad(self.parameters(), lr=0.1)
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        return models.loader(TensorDataset(torch.randint(0, 40, (32, 3), generator=g), torch.randn(32, 1, generator=g)), 4)
+
+
+class SparseLookup(nn.Module):
+    """A table looked up with ``F.embedding(..., sparse=True)``: a sparse gradient no layer flag makes."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight, sparse=True)
+
+
+class FunctionalSparse(SparseEmbeddings):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = SparseLookup(40, 8)
+
+
+MODELS = {
+    "channels_last": ChannelsLastNet,
+    "transposed": TransposedWeight,
+    "sparse_sgd": lambda: SparseEmbeddings("sgd"),
+    "sparse_adagrad": lambda: SparseEmbeddings("adagrad"),
+}
