@@ -1,6 +1,6 @@
-"""Models whose parameters or gradients are not dense row-major tensors (see [Note: the memory the row shards need] in
-``lightning_zero/engine/dense_parameters.py``): each trains under Lightning ``ddp`` as built, and under ZeroStrategy
-must train to the same weights."""
+"""Models whose parameters or gradients are not dense row-major tensors of one dtype (see [Note: the memory the row
+shards need] in ``lightning_zero/engine/dense_parameters.py``): each trains under Lightning ``ddp`` as built, and under
+ZeroStrategy must train to the same weights."""
 
 from __future__ import annotations
 
@@ -48,6 +48,29 @@ class TransposedWeight(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.head(torch.tanh(x @ self.weight)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return models.loader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), 4)
+
+
+class TwoDtypes(L.LightningModule):
+    """A body and a head built in different dtypes (``head_dtype``, ``body_dtype``) under ``precision="32-true"``: a
+    float64 head on a float32 body, or a bfloat16 body under a float32 head (as layers loaded in bf16 next to
+    layers kept in fp32)."""
+
+    def __init__(self, body_dtype: torch.dtype, head_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16).to(body_dtype)
+        self.head = nn.Linear(16, 1).to(head_dtype)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = torch.tanh(self.body(x.to(self.body.weight.dtype)))
+        return F.mse_loss(self.head(h.to(self.head.weight.dtype)).float(), y)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
@@ -105,6 +128,8 @@ class FunctionalSparse(SparseEmbeddings):
 MODELS = {
     "channels_last": ChannelsLastNet,
     "transposed": TransposedWeight,
+    "fp64_head": lambda: TwoDtypes(torch.float32, torch.float64),
+    "bf16_body": lambda: TwoDtypes(torch.bfloat16, torch.float32),
     "sparse_sgd": lambda: SparseEmbeddings("sgd"),
     "sparse_adagrad": lambda: SparseEmbeddings("adagrad"),
 }

@@ -60,21 +60,24 @@ def test_model_without_trainable_parameters_is_refused(edges):
 
 def _trained_as_under_ddp(runs: dict) -> None:
     for case, result in runs.items():
-        assert result["diff_vs_ddp"] <= 1e-6, case
+        # bf16 weights: ddp averages each bf16 gradient before summing it, ZeRO after; one rounding step of weights
+        # below 1 apart
+        assert result["diff_vs_ddp"] <= (2**-8 if case.startswith("bf16") else 1e-6), case
         if case.startswith("sparse"):
             assert result["sparse_after_fit"] == [True, True], f"{case}: the layers get `sparse` back after fit"
 
 
-def test_channels_last_transposed_and_sparse_embedding_models_train_as_under_ddp(edges):
-    """A channels-last CNN (stages 2-3), a parameter with transposed strides (stage 1), ``sparse=True`` embeddings
-    under SGD (stage 3) and Adagrad (stage 2): the weights ``ddp`` reaches with accumulation and clipping."""
-    assert len(edges["memory_layouts"]) == 5
+def test_channels_last_transposed_two_dtype_and_sparse_embedding_models_train_as_under_ddp(edges):
+    """A channels-last CNN (stages 2-3), a parameter with transposed strides (stage 1), a float64 head (stage 3) and a
+    bfloat16 body (stage 2) in a ``32-true`` run, ``sparse=True`` embeddings under SGD (stage 3) and Adagrad (stage
+    2): the weights ``ddp`` reaches with accumulation (and clipping but for the sparse ones)."""
+    assert len(edges["memory_layouts"]) == 7
     _trained_as_under_ddp(edges["memory_layouts"])
 
 
 @pytest.mark.full
 def test_the_other_memory_layouts_at_the_other_stages(more_layouts):
-    assert len(more_layouts) == 7
+    assert len(more_layouts) == 11
     _trained_as_under_ddp(more_layouts)
 
 

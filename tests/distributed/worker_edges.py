@@ -135,9 +135,11 @@ CASES = {
     "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule)},
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
     "memory_layouts": lambda directory: trained_as_built(
-        {"channels_last": (2, 3), "transposed": (1,), "sparse_sgd": (3,), "sparse_adagrad": (2,)}),
+        {"channels_last": (2, 3), "transposed": (1,), "fp64_head": (3,), "bf16_body": (2,), "sparse_sgd": (3,),
+         "sparse_adagrad": (2,)}),
     "memory_layouts_rest": lambda directory: trained_as_built(
-        {"channels_last": (1,), "transposed": (2, 3), "sparse_sgd": (1, 2), "sparse_adagrad": (1, 3)}),
+        {"channels_last": (1,), "transposed": (2, 3), "fp64_head": (1, 2), "bf16_body": (1, 3), "sparse_sgd": (1, 2),
+         "sparse_adagrad": (1, 3)}),
     "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
 }
 

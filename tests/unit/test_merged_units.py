@@ -29,7 +29,7 @@ def model(blocks: int = 5) -> nn.Module:
 
 def groups(root: nn.Module, budget: float, policy: PrecisionPolicy | None = POLICY) -> list[list[str]]:
     units = select_units(root, None)
-    chosen = {id(u) for u in units} | (one_dtype_units(root, units, policy) if policy else set())
+    chosen = {id(u) for u in units} | (one_dtype_units(root, units, policy.holds_fp32) if policy else set())
     units = [m for m in root.modules() if m is not root and id(m) in chosen]
     fp32 = {id(m) for m in units if policy is not None and policy.holds_fp32(m)}
     size = {id(m): sum(p.numel() for p in m.parameters()) * (4 if id(m) in fp32 or policy is None else 2) for m in units}

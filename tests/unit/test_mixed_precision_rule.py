@@ -1,9 +1,11 @@
-"""Which parameters a mixed policy holds in fp32, and the extra stage-3 units that keeps one dtype per unit."""
+"""Which parameters a mixed policy holds in fp32, and the extra stage-3 units that keep one dtype per unit (under a
+mixed policy, and for a model built in several dtypes)."""
 
+import pytest
 import torch
 from torch import nn
 
-from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units
+from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units, units_of_one_dtype
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, mixed_state_bytes
 
 POLICY = PrecisionPolicy(torch.bfloat16, torch.bfloat16)
@@ -55,19 +57,40 @@ def test_tied_parameters_follow_the_matrix_layer_and_stay_in_one_unit():
     model = Tied()
     dtypes = POLICY.param_dtypes(model)
     assert dtypes[id(model.head.bias)] == torch.bfloat16
-    assert one_dtype_units(model, select_units(model, None), POLICY) == set()
+    assert one_dtype_units(model, select_units(model, None), POLICY.holds_fp32) == set()
 
 
 def test_stage3_units_hold_one_dtype_each():
     model = nn.Module()
     model.blocks = nn.ModuleList([GainBlock(), GainBlock()])
     units = select_units(model, None)
-    extra = one_dtype_units(model, units, POLICY)
+    extra = one_dtype_units(model, units, POLICY.holds_fp32)
     # The blocks own a gain vector, so they are fp32 units; their LayerNorms share that dtype, their Linears not.
     assert names(model, extra) == ["blocks.0.proj", "blocks.1.proj"]
     plain = nn.Module()
     plain.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(2)])
-    assert names(plain, one_dtype_units(plain, select_units(plain, None), POLICY)) == ["blocks.0.0", "blocks.1.0"]
+    assert names(plain, one_dtype_units(plain, select_units(plain, None), POLICY.holds_fp32)) == ["blocks.0.0", "blocks.1.0"]
+
+
+def test_a_model_built_in_two_dtypes_gets_one_unit_per_dtype_and_merges_only_alike_units():
+    """No policy (``32-true``): a bf16 Linear inside an fp32 block becomes a unit of its own; the kind units merge by is
+    the dtype their own parameters are held in (the model's main dtype where they hold none)."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4))
+                                  for _ in range(2)])
+    model.head = nn.Linear(4, 2).to(torch.float64)
+    units, kind = units_of_one_dtype([model], select_units(model, None), None)
+    assert sorted(names(model, {id(u) for u in units})) == ["blocks.0", "blocks.0.1", "blocks.1", "blocks.1.1", "head"]
+    assert [kind(m) for m in (model.blocks[0], model.blocks[0][1], model.head)] == [torch.float32, torch.bfloat16, torch.float64]
+
+
+def test_a_layer_holding_two_dtypes_itself_is_refused_at_stage_3_naming_the_unit():
+    model = nn.Module()
+    model.block = nn.Linear(4, 4)
+    model.block.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"unit 'block' holds parameters in float32 and float64.*stage 1 or 2"):
+        units_of_one_dtype([model], select_units(model, None), None)
+    units_of_one_dtype([model], select_units(model, None), POLICY)  # a mixed policy casts each unit to one dtype
 
 
 def test_state_bytes_formulas():

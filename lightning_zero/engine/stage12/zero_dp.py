@@ -115,8 +115,9 @@ class ZeroDataParallel:
             [(n, tuple(p.shape)) for n, p in named],
             self.world_size,
             self._bucket_numel,
-            # Parameters kept in fp32 get buckets of their own, so each bucket has one dtype.
-            classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else None,
+            # Each bucket has one dtype: parameters kept in fp32 get buckets of their own, and so do those a model
+            # holds in another dtype than the rest.
+            classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else _by_dtype(self.params),
         )
         offloaded = self.masters is not None and self.masters.offloaded
         self.reducer = GradientReducer(
@@ -326,6 +327,11 @@ class ZeroDataParallel:
         for worker in (self.host_steps, self._early_worker):
             if worker is not None:
                 worker.close()
+
+
+def _by_dtype(params: list[nn.Parameter]) -> list[int]:
+    dtypes = sorted({str(p.dtype) for p in params})
+    return [dtypes.index(str(p.dtype)) for p in params]
 
 
 def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:

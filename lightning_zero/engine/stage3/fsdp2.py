@@ -83,7 +83,7 @@ from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
-from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, one_dtype_units, select_units, unit_groups, units_below_the_root
+from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, select_units, unit_groups, units_below_the_root, units_of_one_dtype
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.host_steps import HostSteps
@@ -150,15 +150,13 @@ class FullyShardedEngine:
         units = [unit for root in self.roots for unit in select_units(root, wrap_policy)]
         if secondary_shard_size:  # see [Note: hpZ and the root]
             units = [*units, *units_below_the_root(module, units)]
-        chosen = {id(m) for m in units}
-        if policy is not None:
-            chosen |= {i for root in self.roots for i in one_dtype_units(root, units, policy)}
-        self.units = [m for root in self.roots for m in root.modules() if m is not root and id(m) in chosen]
+        self.units, kind = units_of_one_dtype(self.roots, units, policy)
+        chosen = {id(m) for m in self.units}
         self._fp32_units = {id(m) for m in (*self.units, *self.roots) if policy is not None and policy.holds_fp32(m)}
         #: The ``fully_shard`` calls: see [Note: merged units].
         self.unit_groups = [group for root in self.roots for group in unit_groups(
             root, [u for u in root.modules() if u is not root and id(u) in chosen], self._gathered_bytes,
-            lambda m: id(m) in self._fp32_units, unit_size_mb * 2**20)]
+            kind, unit_size_mb * 2**20)]
         #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
         #: reads each reduced shard at once, so those land as they are issued, and a pipeline schedule reduces
         #: outside any backward. On CUDA, FSDP2's streams overlap.

@@ -1,5 +1,5 @@
 """Which modules become FSDP2 units (``fully_shard`` calls): the wrap policy, its default, and the rule that
-keeps every unit's parameters in one dtype under mixed precision ([Note: stage 3 mixed precision] in
+keeps every unit's parameters in one dtype (under mixed precision: [Note: stage 3 mixed precision] in
 ``fsdp2.py``). Pure module-tree logic: no process group, testable on its own."""
 
 from __future__ import annotations
@@ -67,13 +67,30 @@ def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
     return [m for m in units if any(True for _ in m.parameters())]
 
 
-def one_dtype_units(root: nn.Module, units: list[nn.Module], policy: PrecisionPolicy) -> set[int]:
-    """``id`` of the extra units a mixed policy needs so that every unit holds one dtype (FSDP2 casts a unit
-    as a whole): each layer whose own parameters are held in another dtype than its enclosing unit's (see
-    ``mixed_precision.py``), e.g. a LayerNorm in a transformer block, or the Linear of a block that owns a gain
-    vector. A layer with a tied parameter anywhere in it stays in its enclosing unit, since FSDP2 cannot split
-    a parameter across units (nor nest the units of two of its owners); it then follows that unit's dtype,
-    which for a tied parameter is the compute dtype anyway (see ``PrecisionPolicy.param_dtypes``)."""
+def held_kinds(roots: Iterable[nn.Module], policy: PrecisionPolicy | None) -> Callable[[nn.Module], object]:
+    """What FSDP2 needs uniform within a unit, for each module's own parameters: under a mixed policy whether they
+    are held in fp32 (FSDP2 casts a unit as a whole), else the dtype they are held in (a model built partly in
+    another dtype, e.g. fp32 layers kept in a bf16 model). A module without own parameters has the root's kind."""
+    if policy is not None:
+        return policy.holds_fp32
+    dtypes = [p.dtype for root in roots for p in root.parameters()]
+    # The dtype most parameters are held in; ties go by name, so that every rank picks the same.
+    main = max(sorted(set(dtypes), key=str), key=dtypes.count, default=None)
+
+    def dtype(module: nn.Module) -> object:
+        return next((p.dtype for p in module.parameters(recurse=False)), main)
+
+    return dtype
+
+
+def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.Module], object]) -> set[int]:
+    """``id`` of the extra units needed so that every unit holds one ``kind`` of parameters (:func:`held_kinds`):
+    each layer whose own parameters are of another kind than its enclosing unit's, e.g. a LayerNorm in a
+    transformer block under mixed precision (see ``mixed_precision.py``), the Linear of a block that owns a gain
+    vector, or a layer left in fp32 in a bf16 model. A layer with a tied parameter anywhere in it stays in its
+    enclosing unit, since FSDP2 cannot split a parameter across units (nor nest the units of two of its owners); it
+    then follows that unit's kind, which for a tied parameter under a mixed policy is the compute dtype anyway (see
+    ``PrecisionPolicy.param_dtypes``)."""
     chosen = {id(m) for m in units}
     owners: dict[int, int] = {}
     for module in root.modules():
@@ -83,26 +100,63 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], policy: PrecisionPo
     def self_contained(module: nn.Module) -> bool:
         return all(owners[id(p)] == 1 for m in module.modules() for p in m.parameters(recurse=False))
 
-    def kind(module: nn.Module) -> bool | None:
-        """True: own parameters held in fp32; False: in the compute dtype; None: no own parameters."""
-        return policy.holds_fp32(module) if any(True for _ in module.parameters(recurse=False)) else None
+    def own_kind(module: nn.Module) -> object | None:
+        return kind(module) if any(True for _ in module.parameters(recurse=False)) else None
 
     extra: set[int] = set()
 
-    def visit(module: nn.Module, enclosing_fp32: bool) -> None:
+    def visit(module: nn.Module, enclosing: object) -> None:
         for child in module.children():
-            own = kind(child)
+            own = own_kind(child)
             if id(child) in chosen:
-                fp32 = bool(own)
-            elif own is not None and own != enclosing_fp32 and self_contained(child):
+                held = kind(child)
+            elif own is not None and own != enclosing and self_contained(child):
                 extra.add(id(child))
-                fp32 = own
+                held = own
             else:
-                fp32 = enclosing_fp32
-            visit(child, fp32)
+                held = enclosing
+            visit(child, held)
 
-    visit(root, bool(kind(root)))
+    visit(root, kind(root))
     return extra
+
+
+def units_of_one_dtype(
+    roots: list[nn.Module], units: list[nn.Module], policy: PrecisionPolicy | None
+) -> tuple[list[nn.Module], Callable[[nn.Module], object]]:
+    """``units`` with the extra ones :func:`one_dtype_units` adds, in pre-order, and the kind (:func:`held_kinds`)
+    that adjacent units must share to merge; a unit that still mixes dtypes is refused."""
+    kind = held_kinds(roots, policy)
+    chosen = {id(m) for m in units} | {i for root in roots for i in one_dtype_units(root, units, kind)}
+    every = [m for root in roots for m in root.modules() if m is not root and id(m) in chosen]
+    if policy is None:  # a mixed policy casts each unit to one dtype
+        check_one_dtype_per_unit(roots, every)
+    return every, kind
+
+
+def check_one_dtype_per_unit(roots: Iterable[nn.Module], units: Iterable[nn.Module]) -> None:
+    """Refuse, naming it, a unit whose parameters (those of nested units left out) come in several dtypes even after
+    :func:`one_dtype_units`: one layer holding parameters of two dtypes itself, or a tied one. FSDP2 gathers a unit
+    as one buffer of one dtype."""
+    chosen = {id(m) for m in units}
+    found: dict[str, set[str]] = {}
+
+    def visit(module: nn.Module, name: str, unit: str) -> None:
+        unit = name if id(module) in chosen else unit
+        for p in module.parameters(recurse=False):
+            found.setdefault(unit, set()).add(str(p.dtype).removeprefix("torch."))
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, unit)
+
+    for root in roots:
+        visit(root, "", "")
+    for unit, dtypes in found.items():
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"Stage 3 shards each unit's parameters as one buffer of one dtype; the unit "
+                f"{unit or 'at the root'!r} holds parameters in {' and '.join(sorted(dtypes))} (in one layer, or tied). "
+                "Hold each layer's parameters in one dtype, or use stage 1 or 2, which bucket parameters by dtype."
+            )
 
 
 def unit_groups(
