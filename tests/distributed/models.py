@@ -201,6 +201,15 @@ class SkipsSomeSteps(Regression):
             optimizer.step(closure=optimizer_closure)
 
 
+class EndsAnEpochInsideAWindow(Regression):
+    """Ends epoch 0 from ``on_train_batch_start`` (returning -1, Lightning's way) at its 4th batch: with
+    ``accumulate_grad_batches=2`` the 3rd batch's gradients were accumulated for a step that never comes, and the next
+    window's ``zero_grad`` drops them."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if self.current_epoch == 0 and batch_idx == 3 else None
+
+
 # ---------------------------------------------------------------------- manual optimization (GAN-style)
 class TwoPlayer(L.LightningModule):
     """Generator/discriminator with two optimizers, toggled as Lightning's GAN example does."""

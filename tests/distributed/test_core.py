@@ -120,6 +120,36 @@ def test_skipped_steps_do_not_leak_gradients_into_the_next_window(features, stag
         assert torch.allclose(torch.tensor(result[name]), torch.tensor(value), atol=1e-6), name
 
 
+def _same_state(result: dict, reference: dict, atol: float = 1e-6) -> None:
+    import torch
+
+    assert result["steps"] == reference["steps"]
+    for name, value in reference["state"].items():
+        assert torch.allclose(torch.tensor(result["state"][name]), torch.tensor(value), atol=atol), name
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_epoch_ended_inside_an_accumulation_window_leaks_nothing_into_the_next(features, stage):
+    """``on_train_batch_start`` returning -1 after a window's first micro-batch: the next window starts from no
+    gradient, as under ``ddp`` (stage 3 held the whole unreduced gradients outside ``p.grad`` and reduced them with
+    the next window's: 1.2e-2 away)."""
+    _same_state(features[f"epoch_ended_{stage}"], features["epoch_ended_0"])
+
+
+@pytest.fixture(scope="module")
+def more_features():
+    return launch("tests.distributed.worker_core", "features_rest", nprocs=WORLD)["features_rest"]
+
+
+@pytest.mark.full
+def test_an_epoch_ended_inside_a_window_elsewhere(features, more_features):
+    """Stage 1 and stage 3 with ``offload_params`` against ``ddp``; under bf16-mixed (FSDP2 holds the window's
+    gradients upcast beside the parameters) stage 3 against stage 2."""
+    _same_state(more_features["epoch_ended_1"], features["epoch_ended_0"])
+    _same_state(more_features["epoch_ended_3_offload_params"], features["epoch_ended_0"])
+    _same_state(more_features["epoch_ended_3_bf16"], more_features["epoch_ended_2_bf16"], atol=0.0)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_parameter_unfrozen_during_fit_that_no_rank_uses_is_never_moved(features, stage):
     """As plain PyTorch: no gradient, so AdamW neither steps nor decays it (stage 3 zero-fills it for the unit's

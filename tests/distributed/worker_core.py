@@ -146,6 +146,16 @@ def skipped_steps(stage) -> dict:
     return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
 
 
+def epoch_ended_inside_a_window(strategy, precision: str = "32-true") -> dict:
+    """``models.EndsAnEpochInsideAWindow`` for 2 epochs with accumulation 2 (clipping, StepLR): the final weights."""
+    L.seed_everything(7)
+    t = trainer(strategy, max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, precision=precision)
+    module = models.EndsAnEpochInsideAWindow()
+    t.fit(module, models.loader(models.IndexedData(), 4))
+    state = t.strategy.full_state_dict() if isinstance(t.strategy, ZeroStrategy) else module.state_dict()
+    return {"steps": t.global_step, "state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+
+
 def tour(stage, precision: str = "32-true", callbacks=()) -> dict:
     L.seed_everything(5)
     module = models.Tour()
@@ -331,6 +341,12 @@ CASES = {
         **{f"skipped_steps_stage{s}": skipped_steps(s) for s in (1, 2, 3)},
         **{f"unfrozen_unused_head_stage{s}": unfrozen_unused_head(s) for s in (2, 3)},
         **{f"routed_{p}": routed_mixed(p) for p in ("16-mixed", "bf16-mixed")},
+        **{f"epoch_ended_{s}": epoch_ended_inside_a_window(ZeroStrategy(stage=s) if s else "ddp") for s in (0, 2, 3)},
+    },
+    "features_rest": lambda: {
+        "epoch_ended_1": epoch_ended_inside_a_window(ZeroStrategy(stage=1)),
+        "epoch_ended_3_offload_params": epoch_ended_inside_a_window(ZeroStrategy(stage=3, offload_params=True)),
+        **{f"epoch_ended_{s}_bf16": epoch_ended_inside_a_window(ZeroStrategy(stage=s), "bf16-mixed") for s in (2, 3)},
     },
     "costs": lambda: {
         **{f"memory_stage{s}": memory(s) for s in (1, 2, 3)},

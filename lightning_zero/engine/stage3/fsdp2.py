@@ -9,7 +9,8 @@ gradient accumulation, and the shard-level view the precision plugin needs for c
 FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it
 is the master), gathers are cast to the 2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and
 land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py``) become units of their own
-with an fp32 policy. Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
+with an fp32 policy (and without a mixed policy, layers held in another dtype than the model's, by the same rule:
+``fsdp2_units.held_kinds``). Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
 operation, exactly as in stages 1 and 2, so the three stages compute the same thing.
 
 [Note: merged units]
@@ -38,14 +39,13 @@ all-gather runs inside that group.
 The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
 root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
 nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
-whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ
-therefore moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units)
-into units of their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose
-forward runs once; measured on the demo GPT over 2 simulated nodes, this took backward's inter-node gather
-from 0.4P (the root's share) to 0. Without hpZ the root keeps them: they are whole tensors throughout
+whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ therefore
+moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units) into units of
+their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose forward runs once, so that
+backward gathers them inside the node. Without hpZ the root keeps them: they are whole tensors throughout
 ``training_step``, so code there may use them outside the model's forward (a tied head, a penalty on the
-embeddings), which a unit of their own would hand out as shards. The root keeps only what it holds itself, and
-stays gathered until backward when its forward is not nested (FSDP2's default for the root).
+embeddings), which a unit of their own would hand out as shards. The root keeps only what it holds itself, and stays
+gathered until backward when its forward is not nested (FSDP2's default for the root).
 
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
@@ -193,7 +193,8 @@ class FullyShardedEngine:
         #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device; under
         #: pipeline stages the schedule keeps them gathered, see [Note: stage 3 under pipeline stages]).
         self.window = GatheredWindow(module) if not offload_params and stages is None else None
-        self._reducing = True  # False inside ``no_sync``
+        #: False inside ``no_sync``; whether the latest backward ran there, leaving its gradients whole and unreduced.
+        self._reducing, self._unreduced = True, False
         #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
         held = self.holding.held(module.named_parameters())
         named = [(n, p) for n, p in held.items() if p.requires_grad]
@@ -235,8 +236,7 @@ class FullyShardedEngine:
         first = group[0]
         if isinstance(first, FSDPModule):
             return
-        # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does (see [Note: hpZ and
-        # the root]).
+        # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does ([Note: hpZ and the root])
         hpz_root = first is self.module and self._reshard_after_forward is not True
         sharded = fully_shard(
             first if len(group) == 1 else group,
@@ -261,12 +261,10 @@ class FullyShardedEngine:
 
     def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
         """See [Note: stage 3 mixed precision]."""
-        policy = self.policy
-        if policy is None:
+        if (policy := self.policy) is None:
             return FSDPMixedPrecisionPolicy()
-        if id(module) in self._fp32_units:
-            return FSDPMixedPrecisionPolicy(policy.master_dtype, policy.master_dtype, cast_forward_inputs=False)
-        return FSDPMixedPrecisionPolicy(policy.compute_dtype, policy.reduce_dtype, cast_forward_inputs=False)
+        dtypes = (policy.master_dtype,) * 2 if id(module) in self._fp32_units else (policy.compute_dtype, policy.reduce_dtype)
+        return FSDPMixedPrecisionPolicy(*dtypes, cast_forward_inputs=False)
 
     # ------------------------------------------------------------------ the contract (engine/api.py)
     @property
@@ -289,9 +287,8 @@ class FullyShardedEngine:
         self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer, kind)
 
     def on_host(self, tensor: torch.Tensor) -> bool:
-        if self.params_on_host or (self.masters is not None and self.masters.holds_on_host(tensor)):
-            return True
-        return any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values())
+        return (self.params_on_host or (self.masters is not None and self.masters.holds_on_host(tensor))
+                or any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values()))
 
     def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
         return shards_of(self._optimizers, optimizer)
@@ -301,7 +298,11 @@ class FullyShardedEngine:
         return None
 
     def discard_all_gradients(self) -> None:
-        """Gradients are ordinary ``p.grad`` here; Lightning's ``zero_grad`` clears them."""
+        """Lightning's ``zero_grad`` clears the sharded ``p.grad``; whole gradients still held from a window that never
+        reduced (its epoch ended inside it: ``on_train_batch_start`` returned -1) are dropped here."""
+        if self._unreduced:
+            fsdp2_private.drop_unreduced_gradients(self.roots)
+            self._unreduced = False
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
@@ -340,6 +341,7 @@ class FullyShardedEngine:
         """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
         backward that reduced ends the accumulation window: every unit is sharded again."""
         self.land_gradients()
+        self._unreduced = not self._reducing
         if self.finished is not None and self.finished.listening:
             self.finished.finish()
             for shards in self._optimizers.values():

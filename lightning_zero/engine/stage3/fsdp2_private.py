@@ -34,7 +34,7 @@ installed torch. ``setup.cfg`` bounds torch at the newest minor version this was
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from lightning_zero.engine.dense_parameters import sparse_gradient_error
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
-           "keep_gathered_after_forward", "param_groups", "reshard_only_after_backward", "unit_heads",
+           "drop_unreduced_gradients", "keep_gathered_after_forward", "param_groups", "reshard_only_after_backward", "unit_heads",
            "restore_after_forward", "sharded_params", "unshadow_reshard", "watch_post_backward"]
 
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
@@ -210,6 +210,15 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
                 unsharded.grad = torch.zeros_like(unsharded)
             zeroed.append(fsdp_param.sharded_param)
     return held, zeroed
+
+
+def drop_unreduced_gradients(roots: Iterable[nn.Module]) -> None:
+    """Free the whole gradients the units of ``roots`` hold from micro-batches no reducing backward followed (FSDP2
+    keeps them on the gathered parameters, or upcast beside them, until one does)."""
+    for fsdp_param in (p for root in roots for group in param_groups(root) for p in group.fsdp_params):
+        fsdp_param.unsharded_accumulated_grad = None
+        if hasattr(fsdp_param, "_unsharded_param"):
+            fsdp_param._unsharded_param.grad = None
 
 
 def check(module: nn.Module) -> None:
