@@ -46,6 +46,8 @@ import dataclasses
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 #: Layers whose parameters stay fp32 under a mixed policy whatever their shapes (see the module note): the
 #: BatchNorm family, whose parameters the rule already keeps fp32, named for clarity and for users who extend it.
@@ -121,3 +123,22 @@ def cast_parameters(module: nn.Module, params: list[nn.Parameter], policy: Preci
             dtype = dtypes.get(id(p))
             if dtype is not None and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+
+
+def hold_as_masters(modules: list[nn.Module], policy: PrecisionPolicy) -> None:
+    """Hold the floating parameters of ``modules`` not yet sharded in ``policy.master_dtype``, in place: stage 3's
+    sharded parameters are the masters, whatever dtype the model was built in."""
+    with torch.no_grad():
+        for p in (p for module in modules for p in module.parameters()):
+            if p.is_floating_point() and p.dtype != policy.master_dtype and not isinstance(p, DTensor):
+                p.data = p.data.to(policy.master_dtype)
+
+
+def fsdp2_mixed_precision(policy: PrecisionPolicy | None, fp32: bool) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a unit (``fp32``: one of the layers kept in fp32): compute in the compute dtype and reduce
+    in ``reduce_dtype``, or fp32 throughout; forward inputs left to autocast."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if fp32:
+        return MixedPrecisionPolicy(policy.master_dtype, policy.master_dtype, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(policy.compute_dtype, policy.reduce_dtype, cast_forward_inputs=False)

@@ -213,6 +213,20 @@ def memory(stage: int) -> dict:
     return {"bytes": probe.bytes, "params": params}
 
 
+def built_in_bf16(stage: int) -> dict:
+    """A model built in bf16 (as ``from_pretrained(..., torch_dtype=torch.bfloat16)`` loads one) trained in bf16-mixed:
+    the model state bytes, the dtype ``fit`` hands the parameters back in, and the final weights."""
+    L.seed_everything(0)
+    module = models.Wide().to(torch.bfloat16)
+    probe = StateBytesProbe(at_step=2)
+    t = trainer(ZeroStrategy(stage=stage), max_steps=3, callbacks=[probe], precision="bf16-mixed")
+    t.fit(module, models.loader(models.WideData(module.width), 8))
+    state = t.strategy.full_state_dict()
+    return {"bytes": probe.bytes, "params": sum(p.numel() for p in module.parameters()),
+            "final_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+            "state": {k: v.tolist() for k, v in state.items()} if RANK == 0 else {}}
+
+
 class CommBytes(L.Callback):
     def __init__(self) -> None:
         self.bytes: list[int] = []
@@ -303,6 +317,7 @@ CASES = {
     "overflow": lambda: {f"stage{s}": overflow_skips_step(s) for s in (1, 2, 3)},
     "costs": lambda: {
         **{f"memory_stage{s}": memory(s) for s in (1, 2, 3)},
+        **{f"built_in_bf16_stage{s}": built_in_bf16(s) for s in (2, 3)},
         **{f"comm_stage{s}_{p}": communication(s, p) for s in (1, 2, 3) for p in ("32-true", "bf16-mixed")},
         **{f"checkpoint_stage{s}": scaler_checkpoint(s) for s in (2, 3)},
         **{f"tour_stage{s}": tour_mixed(s) for s in (1, 2, 3)},

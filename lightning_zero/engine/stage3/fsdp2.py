@@ -7,7 +7,7 @@ gradient accumulation, and the shard-level view the precision plugin needs for c
 
 [Note: stage 3 mixed precision]
 FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it
-is the master), gathers are cast to the 2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and
+is the master; a model built in bf16 is held so too, as stages 1-2 take fp32 masters of it), gathers are cast to the 2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and
 land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py``) become units of their own
 with an fp32 policy (and without a mixed policy, layers held in another dtype than the model's, by the same rule:
 ``fsdp2_units.held_kinds``). Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
@@ -68,7 +68,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from torch.distributed.fsdp import MixedPrecisionPolicy as FSDPMixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives, flight
@@ -85,7 +84,7 @@ from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, select_units, unit_groups, units_below_the_root, units_of_one_dtype
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
-from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from lightning_zero.engine.mixed_precision import PrecisionPolicy, fsdp2_mixed_precision, hold_as_masters
 from lightning_zero.engine.host_steps import HostSteps
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.comm.topology import DataParallelGroups
@@ -236,13 +235,15 @@ class FullyShardedEngine:
         first = group[0]
         if isinstance(first, FSDPModule):
             return
+        if self.policy is not None:  # see [Note: stage 3 mixed precision]
+            hold_as_masters(group, self.policy)
         # hpZ: the root stays gathered from forward to backward, as FSDP2's default root does ([Note: hpZ and the root])
         hpz_root = first is self.module and self._reshard_after_forward is not True
         sharded = fully_shard(
             first if len(group) == 1 else group,
             mesh=self.mesh,
             reshard_after_forward=False if hpz_root else self._reshard_after_forward,
-            mp_policy=self._mp_policy(first),
+            mp_policy=fsdp2_mixed_precision(self.policy, id(first) in self._fp32_units),
             offload_policy=self._offload_policy,
         )
         self._set_collectives(sharded[0] if isinstance(sharded, list) else sharded)
@@ -258,13 +259,6 @@ class FullyShardedEngine:
             module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
             module.set_gradient_divide_factor(float(self._all_ranks))
             module.set_all_reduce_hook(SumOverReplicas(self.replicate_group, self.compression, name))
-
-    def _mp_policy(self, module: nn.Module) -> FSDPMixedPrecisionPolicy:
-        """See [Note: stage 3 mixed precision]."""
-        if (policy := self.policy) is None:
-            return FSDPMixedPrecisionPolicy()
-        dtypes = (policy.master_dtype,) * 2 if id(module) in self._fp32_units else (policy.compute_dtype, policy.reduce_dtype)
-        return FSDPMixedPrecisionPolicy(*dtypes, cast_forward_inputs=False)
 
     # ------------------------------------------------------------------ the contract (engine/api.py)
     @property
