@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.activation_checkpointing import CheckpointPolicy, apply_activation_checkpointing, caches_off_for_training
@@ -107,6 +109,7 @@ def shard_model(
     sync_batchnorm: bool = False,
 ) -> ShardedModel:
     """Shard ``model`` in place for a run (``fitting``: with gradients and optimizers; else evaluation)."""
+    _check_not_sharded_elsewhere(model, config)
     if fitting:
         check_trainable(model)
     afterwards: list[Callable[[], None]] = []
@@ -182,6 +185,20 @@ def shard_model(
             back()
 
     return ShardedModel(engine, pipeline, holding, buffers, after_fit)
+
+
+def _check_not_sharded_elsewhere(model: nn.Module, config: ZeroConfig) -> None:
+    """A flat stage-3 run converts the module in place (FSDP2's DTensor shards and hooks) and leaves it so, as FSDP
+    and DeepSpeed's stage 3 do: only another such run can take it up."""
+    if (config.stage == 3 and config.pipeline_stages == 1) or not any(isinstance(p, DTensor) for p in model.parameters()):
+        return
+    name = type(model).__name__.removeprefix("FSDP") if isinstance(model, FSDPModule) else type(model).__name__
+    raise ZeroConfigError(
+        f"{name} was sharded in place by an earlier `ZeroStrategy(stage=3)` run (its parameters are "
+        f"DTensor shards), which this run (stage={config.stage}, pipeline_stages={config.pipeline_stages}) cannot take up. "
+        "Run it at `stage=3` again, or load the checkpoint that run saved into a new module "
+        f"(`lightning_zero.load_from_checkpoint({name}, path)`, or a new module and `fit(..., ckpt_path=path)`)."
+    )
 
 
 def _in_the_shards_form(model: nn.Module, fitting: bool, afterwards: list[Callable[[], None]]) -> None:

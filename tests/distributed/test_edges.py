@@ -58,6 +58,15 @@ def test_model_without_trainable_parameters_is_refused(edges):
     assert "no trainable parameters" in result["message"]
 
 
+def test_a_module_sharded_by_a_stage_3_fit_is_refused_by_another_stage_and_taken_up_by_stage_3(edges):
+    result = edges["bad_input"]["after_stage3"]
+    assert result["stage2"]["type"] == "ZeroConfigError"
+    message = result["stage2"]["message"]
+    assert message.startswith("Regression was sharded in place by an earlier `ZeroStrategy(stage=3)` run"), message
+    assert "load_from_checkpoint(Regression, path)" in message
+    assert result["stage3"]["steps"] == 2
+
+
 def _trained_as_under_ddp(runs: dict) -> None:
     for case, result in runs.items():
         # bf16 weights: ddp averages each bf16 gradient before summing it, ZeRO after; one rounding step of weights

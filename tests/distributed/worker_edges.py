@@ -132,7 +132,8 @@ CASES = {
         "stage2_to_stage3": sharded_checkpoint(2, 3, directory),
         "stage3_to_stage1": sharded_checkpoint(3, 1, directory),
     },
-    "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule)},
+    "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule),
+                                    "after_stage3": fit_again_after_stage_3()},
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
     "memory_layouts": lambda directory: trained_as_built(
         {"channels_last": (2, 3), "transposed": (1,), "fp64_head": (3,), "bf16_body": (2,), "sparse_sgd": (3,),
@@ -142,6 +143,23 @@ CASES = {
          "sparse_adagrad": (1, 3)}),
     "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
 }
+
+
+def fit_again_after_stage_3() -> dict:
+    """A module fit at stage 3 (sharded in place), then fit again: at stage 2 (refused, naming the way out) and at
+    stage 3 (continues)."""
+    module, data = models.Regression(), models.loader(models.IndexedData(), 4)
+    trainer(ZeroStrategy(stage=3), max_steps=2).fit(module, data)
+    out = {}
+    try:
+        trainer(ZeroStrategy(stage=2), max_steps=2).fit(module, data)
+        out["stage2"] = {"type": None}
+    except Exception as err:  # the behaviour under test: a clear error, on every rank, no hang
+        out["stage2"] = {"type": type(err).__name__, "message": str(err)}
+    again = trainer(ZeroStrategy(stage=3), max_steps=2)
+    again.fit(module, data)
+    out["stage3"] = {"steps": again.global_step}
+    return out
 
 
 def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
