@@ -188,14 +188,14 @@ def shard_model(
 
 
 def _check_not_sharded_elsewhere(model: nn.Module, config: ZeroConfig) -> None:
-    """A flat stage-3 run converts the module in place (FSDP2's DTensor shards and hooks) and leaves it so, as FSDP
-    and DeepSpeed's stage 3 do: only another such run can take it up."""
-    if (config.stage == 3 and config.pipeline_stages == 1) or not any(isinstance(p, DTensor) for p in model.parameters()):
+    """A stage-3 run converts the module (or its pipeline stages) in place, to FSDP2's DTensor shards and hooks, and
+    leaves it so, as FSDP and DeepSpeed's stage 3 do: only another stage-3 run can take it up."""
+    if config.stage == 3 or not any(isinstance(p, DTensor) for p in model.parameters()):
         return
     name = type(model).__name__.removeprefix("FSDP") if isinstance(model, FSDPModule) else type(model).__name__
     raise ZeroConfigError(
         f"{name} was sharded in place by an earlier `ZeroStrategy(stage=3)` run (its parameters are "
-        f"DTensor shards), which this run (stage={config.stage}, pipeline_stages={config.pipeline_stages}) cannot take up. "
+        f"DTensor shards), which this run at stage={config.stage} cannot take up. "
         "Run it at `stage=3` again, or load the checkpoint that run saved into a new module "
         f"(`lightning_zero.load_from_checkpoint({name}, path)`, or a new module and `fit(..., ckpt_path=path)`)."
     )

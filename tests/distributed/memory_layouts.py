@@ -1,6 +1,7 @@
-"""Models whose parameters or gradients are not dense row-major tensors of one dtype (see [Note: the memory the row
-shards need] in ``lightning_zero/engine/dense_parameters.py``): each trains under Lightning ``ddp`` as built, and under
-ZeroStrategy must train to the same weights."""
+"""Models that train under Lightning ``ddp`` as built and once tripped ZeroStrategy: parameters or gradients that are
+not dense row-major tensors of one dtype (see [Note: the memory the row shards need] in
+``lightning_zero/engine/dense_parameters.py``), and a block run several times a forward. Under ZeroStrategy each must
+train to ``ddp``'s weights."""
 
 from __future__ import annotations
 
@@ -123,6 +124,31 @@ class FunctionalSparse(SparseEmbeddings):
     def __init__(self) -> None:
         super().__init__()
         self.tokens = SparseLookup(40, 8)
+
+
+class SharedBlock(L.LightningModule):
+    """One block applied three times (weights shared across depth, as ALBERT does): at stage 3 the block's unit runs
+    three times a forward and is reduced three times a backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        for _ in range(3):
+            h = h + self.block(h)
+        return F.mse_loss(self.head(h), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return models.loader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), 4)
 
 
 MODELS = {

@@ -142,6 +142,13 @@ CASES = {
         {"channels_last": (1,), "transposed": (2, 3), "fp64_head": (1, 2), "bf16_body": (1, 3), "sparse_sgd": (1, 2),
          "sparse_adagrad": (1, 3)}),
     "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
+    # the block a unit of its own (reduced once per run), and the host step during backward (no clipping)
+    "shared_block": lambda directory: shared_block_against_ddp({
+        "stage3": (dict(stage=3, wrap_policy={torch.nn.Sequential}), 0.5),
+        "stage3_offload_unclipped": (dict(stage=3, wrap_policy={torch.nn.Sequential}, offload_optimizer=True), None)}),
+    "shared_block_rest": lambda directory: shared_block_against_ddp({
+        "stage3_merged": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
+        "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None)}),
 }
 
 
@@ -183,6 +190,28 @@ def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
                     "sparse_after_fit": [m.sparse for m in module.modules() if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag)],
                     "diff_vs_ddp": max_diff(weights[stage], weights[0]) if RANK == 0 else 0.0,
                 }
+    return out
+
+
+def shared_block_against_ddp(settings: dict[str, tuple[dict, float | None]]) -> dict:
+    """``memory_layouts.SharedBlock`` under ``ddp`` and under each ZeroStrategy setting (keyword arguments, clipping),
+    4 steps with accumulation 2: the weights against ``ddp``'s with the same clipping."""
+    out, reference = {}, {}
+    for name, (kwargs, clip) in settings.items():
+        for strategy in ("ddp", name):
+            if strategy == "ddp" and clip in reference:
+                continue
+            L.seed_everything(3)
+            module = memory_layouts.SharedBlock()
+            zero = strategy != "ddp"
+            t = trainer(ZeroStrategy(**kwargs) if zero else "ddp", max_steps=4, accumulate_grad_batches=2,
+                        gradient_clip_val=clip)
+            t.fit(module)
+            weights = t.strategy.full_state_dict() if zero else {k: v.detach().clone() for k, v in module.state_dict().items()}
+            if not zero:
+                reference[clip] = weights
+            elif RANK == 0:
+                out[name] = max_diff(weights, reference[clip])
     return out
 
 

@@ -14,7 +14,8 @@ which nobody reads during backward, unless FSDP2 itself reads the output right a
 already there (several synchronising backwards), casts it (a reduce dtype other than the parameters'), copies
 it to the host (CUDA offload), divides it after a SUM, or hands it to post-accumulate-grad hooks or to an
 all-reduce hook (hybrid sharding). Each of those is checked per call, and that reduce-scatter runs to completion
-as before.
+as before. A unit run several times in one forward (a block shared across depth) is reduced once per run: its
+earlier reductions land before the next, which FSDP2 adds to them.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ class CountingReduceScatter(ReduceScatter):
     ) -> dist.Work | None:
         if self.finished is not None:
             self.finished.announce()  # the units reduced before this one have their gradients now
+        if self.landing is not None:  # a unit reduced again in one backward (run twice in forward) adds to its first
+            self.landing.land_through(self)
         # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
         if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
             if self.compression is not None:
@@ -88,7 +91,7 @@ class CountingReduceScatter(ReduceScatter):
             elif op == ReduceOp.AVG and self.landing is not None and self._unread(output_tensor):
                 work = collectives.reduce_scatter(output_tensor, input_tensor, group=group, async_op=True, unit=self.code)
                 reduced = self.finished.reduced(self.position, landed=False) if self.finished is not None else None
-                self.landing.add(work, output_tensor, collectives.world_size(group), reduced)
+                self.landing.add(work, output_tensor, collectives.world_size(group), reduced, owner=self)
                 if self.finished is not None:
                     self.finished.announce()  # adding may have landed earlier units' reductions
                 return None
@@ -171,11 +174,15 @@ class LateReductions:
 
     def __init__(self) -> None:
         self._pending: deque[tuple[dist.Work | None, torch.Tensor, int, _Reduced | None]] = deque()
+        self._owners: deque[object] = deque()  # who posted each pending reduction
         self._callback_queued = False
 
-    def add(self, work: dist.Work | None, output: torch.Tensor, divide: int, reduced: _Reduced | None = None) -> None:
-        """``reduced``: the unit's entry in :class:`FinishedUnits`, marked landed with the reduction."""
+    def add(self, work: dist.Work | None, output: torch.Tensor, divide: int, reduced: _Reduced | None = None,
+            owner: object = None) -> None:
+        """``reduced``: the unit's entry in :class:`FinishedUnits`, marked landed with the reduction; ``owner``: the
+        unit's reduce-scatter, for :meth:`land_through`."""
         self._pending.append((work, output, divide, reduced))
+        self._owners.append(owner)
         if not self._callback_queued:
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self.land_all)
@@ -184,13 +191,22 @@ class LateReductions:
                 self.land_all()
                 return
         while len(self._pending) > MAX_IN_FLIGHT:
-            self._land(*self._pending.popleft())
+            self._land_first()
+
+    def land_through(self, owner: object) -> None:
+        """Land, in posting order, up to the last reduction ``owner`` posted: FSDP2 is about to add to its output."""
+        while owner in self._owners:
+            self._land_first()
 
     def land_all(self) -> None:
         """Land every posted reduction (the end of backward; also before anything reads gradients)."""
         self._callback_queued = False
         while self._pending:
-            self._land(*self._pending.popleft())
+            self._land_first()
+
+    def _land_first(self) -> None:
+        self._owners.popleft()
+        self._land(*self._pending.popleft())
 
     @staticmethod
     def _land(work: dist.Work | None, output: torch.Tensor, divide: int, reduced: _Reduced | None) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -44,6 +45,8 @@ class ShardedParams(Protocol):
     def optimizer_on_host(self) -> bool: ...
     @property
     def params(self) -> Sequence[torch.Tensor]: ...
+    @property
+    def roots(self) -> Sequence[nn.Module]: ...
     @property
     def index(self) -> Mapping[int, int]: ...
     @property
@@ -83,6 +86,9 @@ class FullyShardedOptimizer:
         #: Each unit's trainable parameters (engine indices, by unit position), and whether every unit reduces in
         #: one collective; found at the first backward that may step during it.
         self._units: tuple[list[list[int]], bool] | None = None
+        #: Units run more than once in this step's forward, so reduced again later in its backward: their parts wait
+        #: for :meth:`step`.
+        self._run_again: set[int] = set()
         self._refresh()
 
     def _params(self) -> Iterable[torch.Tensor]:
@@ -263,7 +269,8 @@ class FullyShardedOptimizer:
         """In the coming backward, start the host step of each unit's parameters (``heads``: one module per
         ``fully_shard`` call, by position) in ``worker`` once FSDP2 has finished their gradients (see [Note: the host
         step during backward] in ``engine/host_steps.py``); False where the step waits for :meth:`step`: masters on
-        the device, whole parameters, an optimizer that steps whole, or a unit reduced in more than one collective."""
+        the device, whole parameters, an optimizer that steps whole, or a unit reduced in more than one collective
+        (a unit run more than once in forward waits too)."""
         if self._units is None:
             index = self.engine.index
             per_unit = [[index[id(p)] for p, _ in fsdp2_private.sharded_params(h) if id(p) in index] for h in heads]
@@ -273,13 +280,14 @@ class FullyShardedOptimizer:
         self.unit_parts = [([k], [i for i in indices if i in hosted]) for k, indices in enumerate(units)]
         self.unit_parts = [(key, indices) for key, indices in self.unit_parts if indices]
         eligible = not self.whole and one_group_each
+        self._run_again = fsdp2_private.run_more_than_once(heads, self.engine.roots) if eligible else set()
         return self.early.arm(self.optimizer, self.unit_parts, worker, self.engine.masters, eligible)
 
     def unit_finished(self, position: int) -> None:
         """FSDP2 finished the gradients of unit ``position``: start the host step of its parameters, if it can (every
         one of them has a gradient)."""
         k = self.early.landed(position)
-        if k is None:
+        if k is None or position in self._run_again:
             return
         engine, masters = self.engine, self._masters()
         pieces, indices = self.unit_parts[k]

@@ -34,7 +34,8 @@ installed torch. ``setup.cfg`` bounds torch at the newest minor version this was
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from lightning_zero.engine.dense_parameters import sparse_gradient_error
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
-           "drop_unreduced_gradients", "keep_gathered_after_forward", "param_groups", "reshard_only_after_backward", "unit_heads",
+           "drop_unreduced_gradients", "keep_gathered_after_forward", "param_groups", "run_more_than_once", "reshard_only_after_backward", "unit_heads",
            "restore_after_forward", "sharded_params", "unshadow_reshard", "watch_post_backward"]
 
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
@@ -66,6 +67,7 @@ PRIVATE_NAMES = (
     ("FSDPParam", "unsharded_accumulated_grad", "complete_unit_gradients"),
     ("FSDPParam", "to_accumulated_grad_if_needed", "complete_unit_gradients"),
     ("FSDPParam", "_param_fqn", "complete_unit_gradients"),
+    ("FSDPParamGroup", "comm_ctx", "run_more_than_once"),
 )
 
 
@@ -136,6 +138,18 @@ def unshadow_reshard(group: Any) -> None:
 def one_group(unit: FSDPModule) -> bool:
     """Whether ``unit``'s ``fully_shard`` call made one parameter group (one reduce-scatter a backward)."""
     return len(_groups_of(unit._get_fsdp_state())) == 1
+
+
+def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) -> set[int]:
+    """Positions in ``heads`` (one module per ``fully_shard`` call) of the units whose forward ran more than once in
+    the running step (a block shared by several layers, as in ALBERT): FSDP2 records each run's post-forward until
+    backward ends, and the backward of each run whose inputs require gradients reduces the unit again. The roots are
+    left out: ``training_step`` calling ``self(...)`` runs the root nested in itself, on inputs that are data."""
+    skipped = {id(root) for root in roots}
+    groups = [[] if id(head) in skipped else _groups_of(head._get_fsdp_state()) for head in heads]
+    contexts = {id(g.comm_ctx): g.comm_ctx for unit in groups for g in unit}
+    runs = Counter(id(g) for context in contexts.values() for g in context.post_forward_order)
+    return {k for k, unit in enumerate(groups) if any(runs[id(g)] > 1 for g in unit)}
 
 
 def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
