@@ -6,12 +6,13 @@ meta-device models with the values an eager build would have had, counted collec
 gradient accumulation, and the shard-level view the precision plugin needs for clipping.
 
 [Note: stage 3 mixed precision]
-FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it
-is the master; a model built in bf16 is held so too, as stages 1-2 take fp32 masters of it), gathers are cast to the 2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and
-land as fp32 shards. Layers that keep fp32 parameters (see ``mixed_precision.py``) become units of their own
-with an fp32 policy (and without a mixed policy, layers held in another dtype than the model's, by the same rule:
-``fsdp2_units.held_kinds``). Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
-operation, exactly as in stages 1 and 2, so the three stages compute the same thing.
+FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it is
+the master; a model built in bf16 is held so too, as stages 1-2 take fp32 masters of it), gathers are cast to the
+2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and land as fp32 shards. Layers that keep fp32
+parameters (see ``mixed_precision.py``) become units of their own with an fp32 policy (and without a mixed policy,
+layers held in another dtype than the model's, by the same rule: ``fsdp2_units.held_kinds``). Forward inputs are
+not cast (``cast_forward_inputs=False``): autocast decides per operation, exactly as in stages 1 and 2, so the
+three stages compute the same thing.
 
 [Note: merged units]
 Each FSDP2 unit costs host work on every step whatever its size: its pre- and post-forward hooks, a pre- and a
