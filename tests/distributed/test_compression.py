@@ -93,6 +93,16 @@ def test_quantized_weights_shrink_stage3_gathers_fourfold(runs):
     assert 0.25 <= ratio <= 0.26
 
 
+@pytest.mark.parametrize("case", ["comm_stage3_int8", "comm_stage3_qwz"])
+def test_compressed_stage_3_collectives_name_their_unit_in_the_flight_recorder(runs, case):
+    """The fault handling names the unit where ranks part (``docs/faults.md``): compressed gradients travel as an
+    all-to-all, int8 weights as a gather of codes, and both carry the unit as the uncompressed collectives do."""
+    units = runs[case]["units"]
+    compressed = {"all_to_all", "all_gather"} if case.endswith("qwz") else {"all_to_all"}
+    assert {kind for kind, unit in units if unit} >= compressed, units
+    assert all(unit for kind, unit in units if kind in {"all_to_all", "all_gather", "reduce_scatter"}), units
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_error_feedback_residuals_survive_a_resume(runs, stage):
     """int8 + error feedback (stage 3 with int8 weights too), interrupted by a sharded checkpoint and resumed:

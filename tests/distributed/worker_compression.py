@@ -10,7 +10,7 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.gpt import GPTLightningModule
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, flight
 from tests.distributed import models, worker_checkpoint, worker_precision
 from tests.distributed.worker_core import NODES, RANK, CommProbe, exactness, max_diff, trainer
 from tests.launch import run_cases_with_directory
@@ -85,11 +85,20 @@ def settings_without_compression_change_nothing(stage: int) -> dict:
             "loss_diff": max(abs(a - b) for a, b in zip(plain["losses"], inert["losses"]))}
 
 
+class UnitProbe(CommProbe):
+    """Also the kind and unit of each collective the flight recorder holds at the end of each micro-batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.units = [(op.kind, op.unit) for op in flight.RECORDER.recent_ops()]
+
+
 def communication(stage: int, **kwargs) -> dict:
-    """Bytes per kind and group on the first micro-batch (no accumulation), and the layout they follow."""
+    """Bytes per kind and group on the first micro-batch (no accumulation), the layout they follow, and the units
+    the flight recorder names for the last micro-batch's collectives."""
     L.seed_everything(0)
     module = models.Wide(width=64, depth=3)
-    probe = CommProbe()
+    probe = UnitProbe()
     t = trainer(ZeroStrategy(stage=stage, **kwargs), max_steps=2, callbacks=[probe])
     t.fit(module, models.loader(models.WideData(module.width), 4))
     engine = t.strategy.engine
@@ -99,6 +108,7 @@ def communication(stage: int, **kwargs) -> dict:
         "params": sum(p.numel() for p in module.parameters()),
         "segments": [b.segment_numel for b in layout.buckets] if layout is not None else None,
         "shard_size": engine.world_size,
+        "units": probe.units,
     }
 
 

@@ -186,14 +186,14 @@ def _exchange_counted(
 
 
 def all_to_all(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False, unit: int = 0
 ) -> dist.Work | None:
-    """Rank r's chunk j of ``input`` (dim 0 split in equal chunks) lands as chunk r of rank j's ``output``:
-    compressed gradient reduction (``compression.py``) sends each owner its rows this way."""
+    """Rank r's chunk j of ``input`` (dim 0 split in equal chunks) lands as chunk r of rank j's ``output``: compressed
+    gradient reduction (``compression.py``) sends each owner its rows this way (``unit``: as for :func:`reduce_scatter`)."""
     if world_size(group) == 1:
         output.copy_(input)
         return None
-    number = _FLIGHT.issue("all_to_all", input.numel(), input.dtype)
+    number = _FLIGHT.issue("all_to_all", input.numel(), input.dtype, unit)
     _count("all_to_all", input, group)
     with record_function("lightning_zero::all_to_all"):
         work = dist.all_to_all_single(output, input, group=group, async_op=True)

@@ -137,14 +137,15 @@ class CompressedComm:
     # ------------------------------------------------------------------ gradients
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, key: object,
-        async_op: bool = True,
+        async_op: bool = True, unit: int = 0,
     ) -> dist.Work | _Pending | None:
         """Sum ``input`` (rank-major chunks) over ``group`` into this rank's chunk ``output``, like
-        ``collectives.reduce_scatter``; not compressed under ``inter_node_only`` (a shard group is a node's)."""
+        ``collectives.reduce_scatter`` (``unit`` too); not compressed under ``inter_node_only`` (a shard group is a
+        node's)."""
         transport = self._gradient_transport(input.dtype, replicas=False)
         world = collectives.world_size(group)
         if transport is None or world == 1:
-            return collectives.reduce_scatter(output, input, group=group, async_op=async_op)
+            return collectives.reduce_scatter(output, input, group=group, async_op=async_op, unit=unit)
         me = collectives.rank(group)
         chunks = input.view(world, -1)
         numel = chunks.shape[1]
@@ -153,7 +154,7 @@ class CompressedComm:
             if j != me:  # the own chunk never travels: see [Note: whose values are decoded]
                 transport.encode(chunks[j], send[j], self.feedback, ("rs", key, (j - me) % world))
         recv = torch.empty_like(send)
-        work = collectives.all_to_all(recv, send, group=group, async_op=True)
+        work = collectives.all_to_all(recv, send, group=group, async_op=True, unit=unit)
 
         def land() -> None:
             total = chunks[me].to(torch.float32, copy=True)
@@ -197,19 +198,20 @@ class CompressedComm:
         return _transport(self.spec.params, self.spec, dtype) is not None
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = True
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = True,
+        unit: int = 0,
     ) -> dist.Work | _Pending | None:
         """Every rank's ``input`` into ``output`` (rank-major), decoded from the same bytes on every rank, this
-        rank's own rows included."""
+        rank's own rows included (``unit``: as for ``collectives.all_gather``)."""
         transport = _transport(self.spec.params, self.spec, input.dtype)
         world = collectives.world_size(group)
         if transport is None or world == 1:
-            return collectives.all_gather(output, input, group=group, async_op=async_op)
+            return collectives.all_gather(output, input, group=group, async_op=async_op, unit=unit)
         numel = input.numel()
         send = transport.buffer(1, numel, input.device)
         transport.encode(input.reshape(-1), send[0], None, None)  # weights: re-encoded from exact masters each step
         recv = transport.buffer(world, numel, input.device)
-        work = collectives.all_gather(recv.view(-1), send.view(-1), group=group, async_op=True)
+        work = collectives.all_gather(recv.view(-1), send.view(-1), group=group, async_op=True, unit=unit)
         rows = output.view(world, numel)
 
         def land() -> None:

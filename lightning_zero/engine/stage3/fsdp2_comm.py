@@ -49,7 +49,7 @@ class CountingAllGather(AllGather):
     ) -> dist.Work | None:
         # FSDP2 gathers a unit in uint8 when its parameters' dtypes differ: such bytes travel as they are.
         if self.compression is not None and self.compression.compresses_params(output_tensor.dtype):
-            self.compression.all_gather(output_tensor, input_tensor, group, async_op=False)  # done when it returns
+            self.compression.all_gather(output_tensor, input_tensor, group, async_op=False, unit=self.unit)  # done on return
             return None
         # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
         work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op, unit=self.unit)
@@ -87,7 +87,7 @@ class CountingReduceScatter(ReduceScatter):
         # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
         if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
             if self.compression is not None:
-                self.compression.reduce_scatter(output_tensor, input_tensor, group, self.key, async_op=False)
+                self.compression.reduce_scatter(output_tensor, input_tensor, group, self.key, async_op=False, unit=self.code)
             elif op == ReduceOp.AVG and self.landing is not None and self._unread(output_tensor):
                 work = collectives.reduce_scatter(output_tensor, input_tensor, group=group, async_op=True, unit=self.code)
                 reduced = self.finished.reduced(self.position, landed=False) if self.finished is not None else None
