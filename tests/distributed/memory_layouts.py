@@ -38,7 +38,18 @@ class ChannelsLastNet(L.LightningModule):
         return models.loader(TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 2, (32,), generator=g)), 4)
 
 
-class TransposedWeight(L.LightningModule):
+class RegressionTask(L.LightningModule):
+    """AdamW with weight decay on 32 samples of 8 features and one target, batches of 4: what the models below share."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return models.loader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), 4)
+
+
+class TransposedWeight(RegressionTask):
     """A parameter made from a transposed tensor keeps its column-major strides."""
 
     def __init__(self) -> None:
@@ -50,15 +61,8 @@ class TransposedWeight(L.LightningModule):
         x, y = batch
         return F.mse_loss(self.head(torch.tanh(x @ self.weight)), y)
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
 
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return models.loader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), 4)
-
-
-class TwoDtypes(L.LightningModule):
+class TwoDtypes(RegressionTask):
     """A body and a head built in different dtypes (``head_dtype``, ``body_dtype``) under ``precision="32-true"``: a
     float64 head on a float32 body, or a bfloat16 body under a float32 head (as layers loaded in bf16 next to
     layers kept in fp32)."""
@@ -72,13 +76,6 @@ class TwoDtypes(L.LightningModule):
         x, y = batch
         h = torch.tanh(self.body(x.to(self.body.weight.dtype)))
         return F.mse_loss(self.head(h.to(self.head.weight.dtype)).float(), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return models.loader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), 4)
 
 
 class SparseEmbeddings(L.LightningModule):
@@ -126,7 +123,7 @@ class FunctionalSparse(SparseEmbeddings):
         self.tokens = SparseLookup(40, 8)
 
 
-class SharedBlock(L.LightningModule):
+class SharedBlock(RegressionTask):
     """One block applied three times (weights shared across depth, as ALBERT does): at stage 3 the block's unit runs
     three times a forward and is reduced three times a backward."""
 
@@ -142,13 +139,6 @@ class SharedBlock(L.LightningModule):
         for _ in range(3):
             h = h + self.block(h)
         return F.mse_loss(self.head(h), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return models.loader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)), 4)
 
 
 MODELS = {
