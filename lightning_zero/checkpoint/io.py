@@ -222,6 +222,11 @@ def _materialize_optimizer_state(optimizer: Optimizer, engine: ShardingEngine | 
             p.grad = None
 
 
+def _row_of(state: object, key: torch.Tensor) -> bool:
+    """Whether a live optimizer-state tensor is per element of a 0-dim parameter's row ``key`` (1 element or none)."""
+    return isinstance(state, torch.Tensor) and key.dim() == 1 and state.shape == key.shape
+
+
 def _load_param_group_hyperparameters(optimizer: Optimizer, groups: list[dict]) -> None:
     if len(groups) != len(optimizer.param_groups):
         raise ValueError(
@@ -287,6 +292,10 @@ def load_optimizer_state(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     names = param_names(module)
     _load_param_group_hyperparameters(optimizer, saved["param_groups"])
+    if any(p.dim() == 0 and id(p) in hosted and id(p) not in whole for p in params):
+        # A 0-dim parameter's state is stepped as a row: which of its 0-dim entries are per element (an Adam
+        # moment, not its step count) only the state the optimizer itself creates tells.
+        _materialize_optimizer_state(optimizer, engine, {id(p) for n, p in module.named_parameters() if n in holding.elsewhere})
     for index, entry in saved["state"].items():
         param = params[int(index)]
         if not holding.holds(names[id(param)]):
@@ -299,9 +308,9 @@ def load_optimizer_state(
                     for name, value in entry.items()
                 }
             continue
-        restored = {}
+        restored, live = {}, optimizer.state.get(key, {})
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
+            if isinstance(value, torch.Tensor) and (value.dim() > 0 or _row_of(live.get(name), key)) and value.shape == param.shape:
                 local = local_rows(value, rank, world).to(key.device, copy=True)
                 if key is param and isinstance(param, DTensor):
                     local = DTensor.from_local(

@@ -56,11 +56,22 @@ def shard_coords(engine: ShardingEngine | None) -> tuple[int, int]:
 
 
 def as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tensor:
-    """This rank's dim-0 rows ``local`` of a tensor of ``full_shape`` as a DTensor over ``mesh`` (a scalar as is)."""
+    """This rank's dim-0 rows ``local`` of a tensor of ``full_shape`` as a DTensor over ``mesh``. A 0-dim tensor is
+    saved whole, as a plain tensor (its row: see :func:`whole_scalar`)."""
     if len(full_shape) == 0:
-        return local
+        return whole_scalar(local, mesh) if local.dim() == 1 else local
     stride = torch.empty(full_shape, device="meta").stride()
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride)
+
+
+def whole_scalar(row: torch.Tensor, mesh) -> torch.Tensor:
+    """A 0-dim tensor from its one row (``engine/shard.py``: a 1-element view on rank 0 of ``mesh``, empty elsewhere),
+    the same on every rank of ``mesh``, as a checkpoint holds an unsharded tensor. On the row's holder it is the row
+    itself, so a checkpoint loaded into it lands there; the other ranks get a copy (collective)."""
+    group, held = mesh.get_group(), row.numel() > 0
+    shared = row.detach().view(()).clone() if held else torch.empty((), dtype=row.dtype, device=row.device)
+    collectives.broadcast([shared], src=collectives.group_ranks(group)[0], group=group)
+    return row.view(()) if held else shared
 
 
 # ---------------------------------------------------------------------- state for saving
@@ -75,10 +86,11 @@ def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: Shardi
 def trainable_rows(engine: ShardingEngine | None) -> dict[str, ShardRecord]:
     """Parameter name -> record, for the parameters whose checkpoint entry is the engine's rows rather than the
     module's tensor: whole resident parameters (stages 1-2; their rows are the fp32 masters under mixed
-    precision). Stage 3's parameters are DTensors already, and are saved and loaded as they are."""
+    precision), and stage 3's 0-dim parameters (whole on every rank: [Note: 0-dim parameters at stage 3]). Stage 3's
+    other parameters are DTensors already, and are saved and loaded as they are."""
     if engine is None:
         return {}
-    return {r.name: r for r in engine.records() if len(r.shape) > 0 and not isinstance(r.param, DTensor)}
+    return {r.name: r for r in engine.records() if not isinstance(r.param, DTensor)}
 
 
 def full_model_state(

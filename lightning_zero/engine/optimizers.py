@@ -48,6 +48,17 @@ def shards_of(wrapped: Mapping[int, T], optimizer: Optimizer) -> T:
         ) from None
 
 
+#: Optimizers that neither a shard nor a whole parameter on one rank can step, with the reason and the way out.
+UNSHARDABLE: dict[type[Optimizer], str] = {
+    torch.optim.SparseAdam: "it takes sparse gradients only, and gradients are dense under ZeroStrategy "
+    "(`nn.Embedding(sparse=True)` trains with dense ones). Use `torch.optim.Adam` (it also updates the moments of rows "
+    "a batch did not touch) or train the embedding under `ddp`.",
+    torch.optim.LBFGS: "its direction and line search take dot products over every parameter at once, and its "
+    "closure runs forward and backward again inside the step. Train it under `ddp`, or choose an element-wise "
+    "optimizer (SGD, Adam, AdamW, ...).",
+}
+
+
 def optimizer_kind(
     optimizer: Optimizer, stage: int, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()
 ) -> str:
@@ -62,6 +73,9 @@ def optimizer_kind(
     if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(elementwise)) and not isinstance(optimizer, NON_ELEMENTWISE_OPTIMIZERS):
         return "elementwise"
     name = type(optimizer).__name__
+    for cls, why in UNSHARDABLE.items():
+        if isinstance(optimizer, cls):
+            raise TypeError(f"ZeroStrategy(stage={stage}) cannot step `{name}`: {why}")
     allowed = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
     known = ", ".join(cls.__name__ for cls in MATRIX_OPTIMIZERS)
     raise TypeError(

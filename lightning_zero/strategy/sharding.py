@@ -30,6 +30,7 @@ from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.comm.compression import CompressionSpec
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.stage3.fsdp2_units import select_units
+from lightning_zero.engine.stage3.materialize import has_meta, refuse_uninitialised
 from lightning_zero.engine.stage12.layout import check_trainable
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import should_pin
@@ -140,6 +141,8 @@ def shard_model(
             move_to_device()
         held = holding.held((*model.named_parameters(), *model.named_buffers()))
         collectives.broadcast([t.data for t in held.values()], src=source, group=replicas)
+    # See [Note: materialising meta modules in construction order]: checked once pretrained weights had their say.
+    built_on_meta = config.stage == 3 and pipeline is None and has_meta(model, recurse=True)
     if config.stage == 3:
         engine = FullyShardedEngine(
             model,
@@ -175,6 +178,8 @@ def shard_model(
     if config.init_weights is not None:
         load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,
                         engine=engine, holding=holding)
+    if built_on_meta:
+        refuse_uninitialised(model)
     if config.compile:  # see compiling.py
         units = engine.units if engine is not None else None  # the engine's blocks, where it divided the module
         compile_units(units if units is not None else select_units(model, config.wrap_policy), config.compile)

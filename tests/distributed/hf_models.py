@@ -5,7 +5,8 @@ Llama-style causal LM (RMSNorm, rotary embeddings, SwiGLU, grouped-query attenti
 whose one embedding is shared by encoder, decoder and head, with ``use_cache`` on by default and a relative
 position bias computed in the first block and used by all), Mixtral (a mixture of experts: 4 experts in one
 fused 3-D parameter per layer, 2 routed per token, so an expert a rank's tokens skip gets a zero gradient
-there) and ViT (image classification from patches). Dropout is off so a single process can replay the ranks'
+there), ViT (image classification from patches) and CLIP (a text and a vision tower trained contrastively, with a
+learned 0-dim temperature ``logit_scale``, which FSDP2 cannot shard). Dropout is off so a single process can replay the ranks'
 arithmetic exactly.
 
 The Llama config draws its weights with ``initializer_range=0.2`` (the library's default is 0.02). At 0.02 the
@@ -28,7 +29,7 @@ IMAGE, CLASSES = 8, 5  # ViT: 3 x 8 x 8 pixels (LENGTH x 16 values), 4 x 4 patch
 
 
 def tiny_config(kind: str):
-    from transformers import BertConfig, GPT2Config, LlamaConfig, MixtralConfig, T5Config, ViTConfig
+    from transformers import BertConfig, CLIPConfig, GPT2Config, LlamaConfig, MixtralConfig, T5Config, ViTConfig
 
     if kind == "gpt2":
         return GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
@@ -50,6 +51,13 @@ def tiny_config(kind: str):
         return ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
                          num_attention_heads=2, intermediate_size=64, num_labels=CLASSES,
                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if kind == "clip":
+        return CLIPConfig(
+            text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, max_position_embeddings=LENGTH, eos_token_id=MASK_ID),
+            vision_config=dict(image_size=IMAGE, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2),
+            projection_dim=16)
     raise ValueError(kind)
 
 
@@ -58,12 +66,13 @@ def model_class(kind: str):
 
     return {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM, "llama": transformers.LlamaForCausalLM,
             "t5": transformers.T5ForConditionalGeneration, "mixtral": transformers.MixtralForCausalLM,
-            "vit": transformers.ViTForImageClassification}[kind]
+            "vit": transformers.ViTForImageClassification, "clip": transformers.CLIPModel}[kind]
 
 
 def block_class(kind: str):
     """The library's own transformer block, for activation checkpointing."""
     from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.clip.modeling_clip import CLIPEncoderLayer
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
@@ -71,7 +80,7 @@ def block_class(kind: str):
     from transformers.models.vit.modeling_vit import ViTLayer
 
     return {"gpt2": GPT2Block, "bert": BertLayer, "llama": LlamaDecoderLayer, "t5": T5Block,
-            "mixtral": MixtralDecoderLayer, "vit": ViTLayer}[kind]
+            "mixtral": MixtralDecoderLayer, "vit": ViTLayer, "clip": CLIPEncoderLayer}[kind]
 
 
 def pixels(tokens: torch.Tensor) -> torch.Tensor:
@@ -96,6 +105,9 @@ class HFLightningModule(L.LightningModule):
             masked = (x + torch.arange(x.shape[1])) % 4 == 0
             logits = self.model(input_ids=x.masked_fill(masked, MASK_ID)).logits
             labels = torch.where(masked, x, torch.full_like(x, -100))
+        elif self.kind == "clip":  # each rank's batch of (text, image) pairs against one another
+            text = torch.cat([x[:, :-1], torch.full_like(x[:, -1:], MASK_ID)], dim=1)  # pooled at the closing token
+            return self.model(input_ids=text, pixel_values=pixels(x), return_loss=True).loss
         elif self.kind == "vit":
             logits = self.model(pixel_values=pixels(x)).logits
             return F.cross_entropy(logits.float(), x[:, 0] % CLASSES)
@@ -113,6 +125,10 @@ class HFLightningModule(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(models.param_groups(self), lr=3e-3, betas=(0.9, 0.95))
+        # CLIP's text attention is causal, and its key biases (to which attention is blind) get rounding noise for a
+        # gradient, in the order each run sums it; AdamW's default eps steps that noise at full size (SGD agrees with
+        # the reference within 2.4e-7), a larger one at a hundredth of it.
+        eps = 1e-6 if self.kind == "clip" else 1e-8
+        opt = torch.optim.AdamW(models.param_groups(self), lr=3e-3, betas=(0.9, 0.95), eps=eps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

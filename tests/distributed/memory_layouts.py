@@ -1,7 +1,7 @@
 """Models that train under Lightning ``ddp`` as built and once tripped ZeroStrategy: parameters or gradients that are
 not dense row-major tensors of one dtype (see [Note: the memory the row shards need] in
-``lightning_zero/engine/dense_parameters.py``), and a block run several times a forward. Under ZeroStrategy each must
-train to ``ddp``'s weights."""
+``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, and a block run several times a forward. Under
+ZeroStrategy each must train to ``ddp``'s weights."""
 
 from __future__ import annotations
 
@@ -141,6 +141,22 @@ class SharedBlock(RegressionTask):
         return F.mse_loss(self.head(h), y)
 
 
+class Temperature(RegressionTask):
+    """A learned 0-dim temperature (CLIP's ``logit_scale``) beside a frozen 0-dim constant: FSDP2 refuses to shard
+    either (see [Note: 0-dim parameters at stage 3] in ``lightning_zero/engine/stage3/fsdp2_scalars.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 1)
+        self.logit_scale = nn.Parameter(torch.tensor(0.5))
+        self.shift = nn.Parameter(torch.tensor(0.1), requires_grad=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.head(torch.tanh(self.body(x))) * self.logit_scale.exp() + self.shift, y)
+
+
 MODELS = {
     "channels_last": ChannelsLastNet,
     "transposed": TransposedWeight,
@@ -148,4 +164,5 @@ MODELS = {
     "bf16_body": lambda: TwoDtypes(torch.bfloat16, torch.float32),
     "sparse_sgd": lambda: SparseEmbeddings("sgd"),
     "sparse_adagrad": lambda: SparseEmbeddings("adagrad"),
+    "zero_dim": Temperature,
 }

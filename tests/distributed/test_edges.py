@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "shared_block", nprocs=2)
+                  "functional_sparse", "shared_block", "zero_dim", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_non_elementwise_optimizer_is_refused_on_every_rank(edges):
     result = edges["bad_input"]["lbfgs"]
     assert result["type"] == "TypeError"
     assert "LBFGS" in result["message"] and "AdamW" in result["message"]
+    assert "dot products over every parameter" in result["message"]  # why no declaration can shard it
     assert "first failure" not in result["message"]  # same error on both ranks: nothing to add
 
 
@@ -76,18 +77,36 @@ def _trained_as_under_ddp(runs: dict) -> None:
             assert result["sparse_after_fit"] == [True, True], f"{case}: the layers get `sparse` back after fit"
 
 
-def test_channels_last_transposed_two_dtype_and_sparse_embedding_models_train_as_under_ddp(edges):
+def test_channels_last_transposed_two_dtype_sparse_embedding_and_0_dim_models_train_as_under_ddp(edges):
     """A channels-last CNN (stages 2-3), a parameter with transposed strides (stage 1), a float64 head (stage 3) and a
     bfloat16 body (stage 2) in a ``32-true`` run, ``sparse=True`` embeddings under SGD (stage 3) and Adagrad (stage
-    2): the weights ``ddp`` reaches with accumulation (and clipping but for the sparse ones)."""
-    assert len(edges["memory_layouts"]) == 7
+    2), a 0-dim temperature (stages 2-3): the weights ``ddp`` reaches with accumulation (and clipping but for the
+    sparse ones)."""
+    assert len(edges["memory_layouts"]) == 9
     _trained_as_under_ddp(edges["memory_layouts"])
 
 
 @pytest.mark.full
 def test_the_other_memory_layouts_at_the_other_stages(more_layouts):
-    assert len(more_layouts) == 11
+    assert len(more_layouts) == 12
     _trained_as_under_ddp(more_layouts)
+
+
+def test_a_0_dim_parameter_trains_offloaded_and_resumes_across_stages_and_formats(edges):
+    """FSDP2 refuses 0-dim parameters, and stages 1-2 once did too: stage 3 keeps them whole and steps their one row
+    on rank 0 as stages 1-2 do. The host step during backward, and a sharded stage-3 checkpoint resumed at stage 1 and
+    a full stage-2 one at stage 3 (their optimizer state a row on one rank, saved whole), end on ``ddp``'s weights."""
+    assert set(edges["zero_dim"]) == {"stage3_offload_unclipped", "stage3_sharded_to_stage1", "stage2_full_to_stage3"}
+    for case, diff in edges["zero_dim"].items():
+        assert diff <= 1e-6, case
+
+
+@pytest.mark.full
+def test_a_0_dim_parameter_elsewhere():
+    runs = launch("tests.distributed.worker_edges", "zero_dim_rest", nprocs=2)["zero_dim_rest"]
+    assert len(runs) == 5
+    for case, diff in runs.items():
+        assert diff <= 1e-6, case
 
 
 def test_a_block_run_three_times_a_forward_trains_at_stage_3_as_under_ddp(edges):

@@ -1,5 +1,5 @@
-"""Hugging Face GPT-2, BERT, Llama, T5 (encoder-decoder), Mixtral (mixture of experts) and ViT (vision), tiny
-configs, under every stage, 2 CPU ranks, through Trainer.
+"""Hugging Face GPT-2, BERT, Llama, T5 (encoder-decoder), Mixtral (mixture of experts), ViT (vision) and CLIP
+(contrastive, with a 0-dim temperature), tiny configs, under every stage, 2 CPU ranks, through Trainer.
 
 fp32 (2 accumulated micro-batches per step, activation checkpointing on each library's block class: T5's crashed
 with ``CheckpointError`` until its cache was turned off for training) against plain single-process PyTorch; bf16-mixed against a single-process emulation of
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.distributed.worker_hf_models import DEFAULT, KINDS, MATRIX, key  # noqa: E402
+from tests.distributed.worker_hf_models import DEFAULT, META_KINDS, MATRIX, key  # noqa: E402
 from tests.launch import launch  # noqa: E402
 
 WORLD = 2
@@ -51,7 +51,7 @@ def test_bf16_mixed_masters_equal_the_single_process_emulation(report, kind, sta
     check(key(kind, stage, "bf16-mixed", False), report[key(kind, stage, "bf16-mixed", False)], tolerance("bf16-mixed"))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", META_KINDS)
 def test_built_in_configure_model_under_stage_3_gets_the_library_initialisation(report, kind):
     """Meta device, then each unit materialised sharded with ``_init_weights``: every deterministic tensor
     (norms, biases, zeroed rows, rotary and position buffers) equals an eager build; every random one has the
@@ -66,6 +66,14 @@ def test_built_in_configure_model_under_stage_3_gets_the_library_initialisation(
         assert abs_mean <= 4 * eager_std / numel**0.5, name
     if kind == "gpt2":
         assert result["tied"], "lm_head.weight is still wte.weight"
+
+
+def test_a_constant_that_no_initialiser_sets_is_refused_on_the_meta_device_naming_it(report):
+    """CLIP's ``logit_scale`` is set from the config in ``__init__`` and in no ``_init_weights``: built on the meta
+    device it would train from uninitialised memory."""
+    message = report["clip/meta_init"]["error"]
+    assert "CLIPModel (model.logit_scale)" in message
+    assert "a value given in `__init__`" in message
 
 
 def test_t5_stage_3_difference_is_fsdp2_summing_per_unit(report):

@@ -47,6 +47,21 @@ def test_a_mixture_of_experts_in_the_hubs_layout_loads_into_the_fused_experts(re
     assert result["steps"] == 3
 
 
+def test_a_meta_built_clip_takes_its_temperature_from_the_files(report):
+    """CLIP's 0-dim ``logit_scale`` is set in ``__init__`` only: built on the meta device, no initialiser writes it, and
+    without ``init_weights`` that is refused (``test_hf_models.py``); with it, the files' value is checked for instead."""
+    result = report["load"]["clip_stage3"]
+    assert result["checked"] == len(_clip_parameters())
+    assert result["diff"] == 0.0
+    assert result["steps"] == 3
+
+
+def _clip_parameters() -> list[str]:
+    from tests.distributed.worker_pretrained import pretrained_model
+
+    return [name for name, _ in pretrained_model("clip").named_parameters()]
+
+
 def test_missing_and_unexpected_keys_are_listed_on_every_rank(report):
     errors = report["errors"]
     strict = errors["strict"]

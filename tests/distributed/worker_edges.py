@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -137,16 +138,25 @@ CASES = {
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
     "memory_layouts": lambda directory: trained_as_built(
         {"channels_last": (2, 3), "transposed": (1,), "fp64_head": (3,), "bf16_body": (2,), "sparse_sgd": (3,),
-         "sparse_adagrad": (2,)}),
+         "sparse_adagrad": (2,), "zero_dim": (2, 3)}),
     "memory_layouts_rest": lambda directory: trained_as_built(
         {"channels_last": (1,), "transposed": (2, 3), "fp64_head": (1, 2), "bf16_body": (1, 3), "sparse_sgd": (1, 2),
-         "sparse_adagrad": (1, 3)}),
+         "sparse_adagrad": (1, 3), "zero_dim": (1,)}),
+    # the offloaded step (during backward, unclipped), and checkpoints across stages and formats
+    "zero_dim": lambda directory: {
+        **against_ddp(memory_layouts.Temperature, {"stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
+        **resumed_against_ddp(memory_layouts.Temperature, directory, [(3, "sharded", 1), (2, "full", 3)])},
+    "zero_dim_rest": lambda directory: {
+        **against_ddp(memory_layouts.Temperature, {
+            "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),
+            "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}),
+        **resumed_against_ddp(memory_layouts.Temperature, directory, [(1, "sharded", 3), (3, "full", 2), (3, "sharded", 3)])},
     "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
     # the block a unit of its own (reduced once per run), and the host step during backward (no clipping)
-    "shared_block": lambda directory: shared_block_against_ddp({
+    "shared_block": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3": (dict(stage=3, wrap_policy={torch.nn.Sequential}), 0.5),
         "stage3_offload_unclipped": (dict(stage=3, wrap_policy={torch.nn.Sequential}, offload_optimizer=True), None)}),
-    "shared_block_rest": lambda directory: shared_block_against_ddp({
+    "shared_block_rest": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3_merged": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
         "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None)}),
 }
@@ -193,16 +203,16 @@ def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
     return out
 
 
-def shared_block_against_ddp(settings: dict[str, tuple[dict, float | None]]) -> dict:
-    """``memory_layouts.SharedBlock`` under ``ddp`` and under each ZeroStrategy setting (keyword arguments, clipping),
-    4 steps with accumulation 2: the weights against ``ddp``'s with the same clipping."""
+def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tuple[dict, float | None]]) -> dict:
+    """``model`` under ``ddp`` and under each ZeroStrategy setting (keyword arguments, clipping), 4 steps with
+    accumulation 2: the weights against ``ddp``'s with the same clipping."""
     out, reference = {}, {}
     for name, (kwargs, clip) in settings.items():
         for strategy in ("ddp", name):
             if strategy == "ddp" and clip in reference:
                 continue
             L.seed_everything(3)
-            module = memory_layouts.SharedBlock()
+            module = model()
             zero = strategy != "ddp"
             t = trainer(ZeroStrategy(**kwargs) if zero else "ddp", max_steps=4, accumulate_grad_batches=2,
                         gradient_clip_val=clip)
@@ -212,6 +222,30 @@ def shared_block_against_ddp(settings: dict[str, tuple[dict, float | None]]) -> 
                 reference[clip] = weights
             elif RANK == 0:
                 out[name] = max_diff(weights, reference[clip])
+    return out
+
+
+def resumed_against_ddp(model: Callable[[], L.LightningModule], directory: Path,
+                        runs: list[tuple[int, str, int]]) -> dict:
+    """For each (stage, checkpoint format, stage resumed at): ``model`` trained an epoch (2 steps, accumulation 2,
+    clipping) and saved, then resumed for a second epoch in a new process's worth of objects: the weights against
+    ``ddp``'s two epochs."""
+    def fit(strategy, epochs: int, module: L.LightningModule, ckpt_path: Path | None = None) -> L.Trainer:
+        t = trainer(strategy, max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=0.5)
+        t.fit(module, ckpt_path=ckpt_path)
+        return t
+
+    L.seed_everything(3)
+    reference = fit("ddp", 2, model()).lightning_module.state_dict()
+    out = {}
+    for stage, kind, resumed in runs:
+        L.seed_everything(3)
+        path = directory / f"{stage}_{kind}_{resumed}{'' if kind == 'sharded' else '.ckpt'}"
+        fit(ZeroStrategy(stage=stage, state_dict_type=kind), 1, model()).save_checkpoint(path)
+        t = fit(ZeroStrategy(stage=resumed), 2, model(), ckpt_path=path)
+        weights = t.strategy.full_state_dict()
+        if RANK == 0:
+            out[f"stage{stage}_{kind}_to_stage{resumed}"] = max_diff(weights, reference)
     return out
 
 

@@ -39,14 +39,25 @@ def test_optimizer_kind(build, declared, kind):
     assert optimizer_kind(build(_params((4, 3))), stage=2, matrix=declared) == kind
 
 
-@pytest.mark.parametrize("build", [lambda p: torch.optim.LBFGS(p), lambda p: Shampoo(p)])
-def test_unknown_or_coupled_optimizers_are_refused_with_the_ways_to_declare_them(build):
+def test_an_unknown_optimizer_is_refused_with_the_ways_to_declare_it():
+    with pytest.raises(TypeError) as err:
+        optimizer_kind(Shampoo(_params((4, 3))), stage=3)
+    assert "elementwise_optimizers=(Shampoo,)" in str(err.value)
+    assert "matrix_optimizers=(Shampoo,)" in str(err.value) and "Muon" in str(err.value)
+
+
+@pytest.mark.parametrize(("build", "why"), [
+    (lambda p: torch.optim.LBFGS(p), "dot products over every parameter"),
+    (lambda p: torch.optim.SparseAdam(p), "sparse gradients only"),
+])
+def test_optimizers_no_declaration_could_shard_are_refused_with_the_reason_not_a_declaration(build, why):
+    """Neither declaration would be exact for them (LBFGS couples every parameter; SparseAdam cannot take the dense
+    gradients ZeroStrategy makes), so the error says why and points to ``ddp``, not to a declaration."""
     optimizer = build(_params((4, 3)))
     with pytest.raises(TypeError) as err:
-        optimizer_kind(optimizer, stage=3)
-    name = type(optimizer).__name__
-    assert f"elementwise_optimizers=({name},)" in str(err.value)
-    assert f"matrix_optimizers=({name},)" in str(err.value) and "Muon" in str(err.value)
+        optimizer_kind(optimizer, stage=2)
+    assert why in str(err.value) and "`ddp`" in str(err.value)
+    assert "elementwise_optimizers" not in str(err.value)
 
 
 def test_groups_marked_elementwise_step_on_shards():

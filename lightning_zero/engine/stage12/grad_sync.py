@@ -157,7 +157,7 @@ class GradientReducer:
         if grad is None:
             return None
         start, end = record.spec.row_range(self.rank)  # ``shard.local_rows``, its arithmetic done once
-        return grad[start:end]
+        return (grad.view(1) if record.spec.shape == () else grad)[start:end]
 
     def held_gradients(self) -> list[torch.Tensor]:
         """Gradient tensors the reducer itself owns (stage 2's shard storage, finalized copies), for

@@ -218,13 +218,7 @@ def plan_layout(
 
 
 def check_trainable(module: nn.Module) -> None:
-    """Refuse, before any sharding, models the dim-0 row convention cannot shard or that have nothing to train."""
-    scalars = [n for n, p in module.named_parameters() if p.requires_grad and p.dim() == 0]
-    if scalars:
-        raise ValueError(
-            f"ZeroStrategy shards parameters by rows (dim 0); the trainable 0-dim parameters {scalars} have none. "
-            "Give them shape (1,) (e.g. `nn.Parameter(torch.tensor([1.0]))`)."
-        )
+    """Refuse, before any sharding, a model with nothing to train."""
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError(
             f"ZeroStrategy found no trainable parameters in {type(module).__name__}: every parameter has "

@@ -36,18 +36,6 @@ every collective), with both collectives summing and one divide by the number of
 ``reshard_after_forward=s``: after forward each unit stays sharded over ``s`` consecutive ranks, so backward's
 all-gather runs inside that group.
 
-[Note: hpZ and the root]
-The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
-root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
-nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
-whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ therefore
-moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units) into units of
-their own, one per direct child of the root (``fsdp2_units.units_below_the_root``), whose forward runs once, so that
-backward gathers them inside the node. Without hpZ the root keeps them: they are whole tensors throughout
-``training_step``, so code there may use them outside the model's forward (a tied head, a penalty on the
-embeddings), which a unit of their own would hand out as shards. The root keeps only what it holds itself, and stays
-gathered until backward when its forward is not nested (FSDP2's default for the root).
-
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
 precision), their gradients and therefore the optimizer state live in host memory; each unit's shards are
@@ -79,6 +67,7 @@ from lightning_zero.engine.stage3.fsdp2_comm import (
     CountingAllGather, CountingReduceScatter, FinishedUnits, LateReductions, SumOverReplicas,
 )
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
+from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters, zero_dim_parameters
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.local_step import local_tensor
@@ -148,7 +137,7 @@ class FullyShardedEngine:
         self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
         self.policy = policy
         units = [unit for root in self.roots for unit in select_units(root, wrap_policy)]
-        if secondary_shard_size:  # see [Note: hpZ and the root]
+        if secondary_shard_size:  # see [Note: hpZ and the root] in fsdp2_units.py
             units = [*units, *units_below_the_root(module, units)]
         self.units, kind = units_of_one_dtype(self.roots, units, policy)
         chosen = {id(m) for m in self.units}
@@ -200,6 +189,9 @@ class FullyShardedEngine:
         named = [(n, p) for n, p in held.items() if p.requires_grad]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
+        #: See [Note: 0-dim parameters at stage 3] (frozen ones too, which a callback may unfreeze during ``fit``).
+        self.zero_dim = ZeroDimParameters([p for p in held.values() if p.dim() == 0], self.rank, self.world_size,
+                                          self.group, self.group if stages is not None else None)
         self._records = [self._record(n, p) for n, p in named]
         #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_unused.py``).
         self.unused = UnusedParameters(list(held.values()), self.group, self.replicate_group)
@@ -208,7 +200,7 @@ class FullyShardedEngine:
         self.masters: MasterShards | None = None
         if offload_optimizer and not offload_params:
             self.masters = MasterShards(
-                [local_tensor(p) for p in self.params], dtype=None, offloaded=offload_optimizer, pin=pin_memory,
+                [record.rows for record in self._records], dtype=None, offloaded=offload_optimizer, pin=pin_memory,
                 alias_on_device=True,
             )
 
@@ -246,6 +238,7 @@ class FullyShardedEngine:
             reshard_after_forward=False if hpz_root else self._reshard_after_forward,
             mp_policy=fsdp2_mixed_precision(self.policy, id(first) in self._fp32_units),
             offload_policy=self._offload_policy,
+            ignored_params=zero_dim_parameters(group),  # see [Note: 0-dim parameters at stage 3]
         )
         self._set_collectives(sharded[0] if isinstance(sharded, list) else sharded)
 
@@ -270,6 +263,8 @@ class FullyShardedEngine:
         return self._records
 
     def _record(self, name: str, param: torch.Tensor) -> ShardRecord:
+        if param in self.zero_dim:
+            return self.zero_dim.record(name, param)
         return ShardRecord(name, param, param.shape, self.group, _rows=lambda: local_tensor(param), _grad=lambda: local_grad(param))
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -336,6 +331,8 @@ class FullyShardedEngine:
         """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
         backward that reduced ends the accumulation window: every unit is sharded again."""
         self.land_gradients()
+        if self._reducing:
+            self.zero_dim.average_gradients()
         self._unreduced = not self._reducing
         if self.finished is not None and self.finished.listening:
             self.finished.finish()
@@ -368,10 +365,12 @@ class FullyShardedEngine:
         return False
 
     def params_loaded(self) -> None:
-        """A checkpoint was loaded into the sharded parameters: refresh the host masters from them."""
+        """A checkpoint was loaded into the sharded parameters: refresh the host masters from them, and give every rank
+        the 0-dim parameters' rows (collective)."""
+        self.zero_dim.share()
         if self.masters is not None:
-            for i, p in enumerate(self.params):
-                self.masters.refresh_from(i, local_tensor(p))
+            for i, record in enumerate(self._records):
+                self.masters.refresh_from(i, record.rows)
 
     def restore_master_params(self) -> None:
         """FSDP2 keeps the sharded parameters at full precision and casts them per forward: nothing to do."""

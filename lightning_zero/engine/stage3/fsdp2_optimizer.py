@@ -19,6 +19,7 @@ from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
+from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
@@ -53,6 +54,8 @@ class ShardedParams(Protocol):
     def masters(self) -> MasterShards | None: ...
     @property
     def unused(self) -> UnusedParameters: ...
+    @property
+    def zero_dim(self) -> ZeroDimParameters: ...
     def records(self) -> list[ShardRecord]: ...
     def land_gradients(self) -> None: ...
     def reshard(self) -> None: ...
@@ -91,6 +94,15 @@ class FullyShardedOptimizer:
         self._run_again: set[int] = set()
         self._refresh()
 
+    def _rows(self, i: int) -> torch.Tensor:
+        """This rank's rows of parameter ``i``: its DTensor's local shard, or a view of a 0-dim parameter's row."""
+        param = self.engine.params[i]
+        return local_tensor(param) if isinstance(param, DTensor) else self.engine.zero_dim.rows(param)
+
+    def _grad(self, i: int) -> torch.Tensor | None:
+        param = self.engine.params[i]
+        return local_grad(param) if isinstance(param, DTensor) else self.engine.zero_dim.grad_rows(param)
+
     def _params(self) -> Iterable[torch.Tensor]:
         return (p for group in self.optimizer.param_groups for p in group["params"])
 
@@ -109,7 +121,7 @@ class FullyShardedOptimizer:
         """The owner's whole copy of parameter ``i`` (where the optimizer state lives: the host under offload)."""
         engine = self.engine
         on_host = engine.optimizer_on_host
-        device = torch.device("cpu") if on_host else local_tensor(engine.params[i]).device
+        device = torch.device("cpu") if on_host else self._rows(i).device
         pin = on_host and engine.pin_memory and torch.cuda.is_available()
         return torch.zeros(engine.params[i].shape, dtype=self._owners().dtype, device=device, pin_memory=pin)
 
@@ -136,6 +148,15 @@ class FullyShardedOptimizer:
             if isinstance(p, DTensor) and id(p) in engine.index and engine.index[id(p)] not in elsewhere
         ]
 
+    def _zero_dim_in_place(self) -> list[int]:
+        """The 0-dim parameters the optimizer steps where they are: a view of their row (see [Note: 0-dim parameters
+        at stage 3] in ``fsdp2_scalars.py``)."""
+        zero_dim, index = self.engine.zero_dim, self.engine.index
+        if not zero_dim.params:
+            return []
+        elsewhere = set(self.whole) | set(self._hosted_indices())
+        return [i for p in self._params() if p in zero_dim and (i := index.get(id(p))) is not None and i not in elsewhere]
+
     def _masters(self) -> MasterShards:
         """The engine's host masters: :meth:`_hosted_indices` names some only where it has them."""
         if self.engine.masters is None:
@@ -153,6 +174,7 @@ class FullyShardedOptimizer:
         self.early.wait()
         engine = self.engine
         hosted = {id(engine.params[i]): self._masters()[i] for i in self._hosted_indices()}
+        hosted.update({id(engine.params[i]): self._rows(i) for i in self._zero_dim_in_place()})
         if self.owners is not None:
             hosted.update({id(engine.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
         return hosted
@@ -171,12 +193,13 @@ class FullyShardedOptimizer:
         standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
         if indices:
             masters = self._masters()
-            grads = masters.receive_gradients({i: local_grad(engine.params[i]) for i in indices})
+            grads = masters.receive_gradients({i: self._grad(i) for i in indices})
             standins = {id(engine.params[i]): (masters[i], grads[i]) for i in indices}
         for i in self.whole:
             owners = self._owners()
             owned = owners.whole.get(i)
             standins[id(engine.params[i])] = None if owned is None else (owned, owners.grads.get(i))
+        standins.update({id(engine.params[i]): (self._rows(i), self._grad(i)) for i in self._zero_dim_in_place()})
         if not standins:
             yield
             return
@@ -190,12 +213,12 @@ class FullyShardedOptimizer:
         engine.reshard()  # the step writes the shards: no gathered copy may outlive it
         self._refresh()
         if self.whole:
-            self._owners().gather(
-                self.whole, lambda i: local_tensor(engine.params[i]), lambda i: local_grad(engine.params[i])
-            )
+            self._owners().gather(self.whole, self._rows, self._grad)
         early, parts = self.early.take(), self._host_parts()
         if early or parts:
-            return self._step_in_parts(parts or [sorted(self._hosted_indices())], early, **kwargs)
+            result = self._step_in_parts(parts or [sorted(self._hosted_indices())], early, **kwargs)
+            engine.zero_dim.share()
+            return result
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), stepping_local_shards(self.optimizer, self._sharded_in_place()), host_kernel(
             self.optimizer, enabled=on_host
@@ -203,9 +226,10 @@ class FullyShardedOptimizer:
             result = self.optimizer.step(**kwargs)
         with torch.no_grad():
             for i in self._hosted_indices():
-                self._masters().copy_into(i, local_tensor(engine.params[i]))
+                self._masters().copy_into(i, self._rows(i))
             if self.whole:
                 self._owners().scatter(self.whole, self._write_rows)
+        engine.zero_dim.share()
         return result
 
     def _host_parts(self) -> list[list[int]]:
@@ -233,7 +257,7 @@ class FullyShardedOptimizer:
         staged: list[tuple[list[int], dict[int, torch.Tensor], torch.Event | None]] = []
         for part in parts:
             rest = [i for i in part if i not in stepped]
-            given = [(i, grad) for i in rest if (grad := local_grad(engine.params[i])) is not None]
+            given = [(i, grad) for i in rest if (grad := self._grad(i)) is not None]
             grads = dict(zip((i for i, _ in given), masters.stage_gradients(given)))
             if rest:
                 staged.append((rest, grads, masters.gradient_copies_queued()))
@@ -241,7 +265,7 @@ class FullyShardedOptimizer:
             started.pending.wait()
             with torch.no_grad():
                 for i in started.indices:
-                    masters.copy_into(i, local_tensor(engine.params[i]))
+                    masters.copy_into(i, self._rows(i))
         result = None
         # Parameters the engine does not shard step where they are, in a call of their own: only when one has a
         # gradient (frozen parameters in the groups cost no call).
@@ -257,7 +281,7 @@ class FullyShardedOptimizer:
                 result = self.optimizer.step(**kwargs)
             with torch.no_grad():
                 for i in rest:
-                    masters.copy_into(i, local_tensor(engine.params[i]))
+                    masters.copy_into(i, self._rows(i))
         return result
 
     def _sitting_out(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
@@ -291,7 +315,7 @@ class FullyShardedOptimizer:
             return
         engine, masters = self.engine, self._masters()
         pieces, indices = self.unit_parts[k]
-        grads = [local_grad(engine.params[i]) for i in indices]
+        grads = [self._grad(i) for i in indices]
         if any(grad is None or not engine.unused.produced_here(engine.params[i]) for i, grad in zip(indices, grads)):
             return  # whether no rank used it is known when backward ends
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
@@ -300,7 +324,7 @@ class FullyShardedOptimizer:
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         engine = self.engine
-        local = local_tensor(engine.params[i])
+        local = self._rows(i)
         local.view(-1).copy_(rows)
         if engine.masters is not None:
             engine.masters.refresh_from(i, local)
@@ -322,6 +346,9 @@ class FullyShardedOptimizer:
         self.early.wait()
         self.engine.land_gradients()
         grads = (local_grad(p) for p in self._params())
+        zero_dim, index = self.engine.zero_dim, self.engine.index
+        if zero_dim.params:  # their rows (one frozen at set-up and trained since steps whole on every rank)
+            grads = (zero_dim.grad_rows(p) if p in zero_dim and id(p) in index else local_grad(p) for p in self._params())
         return [g for g in grads if g is not None]
 
 

@@ -14,7 +14,7 @@ need, each with the reason the public API does not suffice:
   mesh) when an accumulation window closes ([Note: gathered accumulation windows] in ``fsdp2_window.py``).
 * :func:`reshard_only_after_backward` / :func:`unshadow_reshard` (an instance attribute shadowing
   ``FSDPParamGroup.reshard``, and ``_training_state``): FSDP2's post-forward of the root reshards it whatever its
-  settings say when ``training_step`` calls ``self(...)`` ([Note: hpZ and the root] in ``fsdp2.py``); no setting
+  settings say when ``training_step`` calls ``self(...)`` ([Note: hpZ and the root] in ``fsdp2_units.py``); no setting
   keeps the root gathered through a window.
 * :func:`sharded_params` (``FSDPParamGroup.fsdp_params``, ``FSDPParam.sharded_param``/``offload_to_cpu``): whether
   FSDP2 reads a reduce-scatter's output right away, so the reduction may land after backward

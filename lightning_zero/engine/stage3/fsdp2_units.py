@@ -1,6 +1,19 @@
 """Which modules become FSDP2 units (``fully_shard`` calls): the wrap policy, its default, and the rule that
 keeps every unit's parameters in one dtype (under mixed precision: [Note: stage 3 mixed precision] in
-``fsdp2.py``). Pure module-tree logic: no process group, testable on its own."""
+``fsdp2.py``). Pure module-tree logic: no process group, testable on its own.
+
+[Note: hpZ and the root]
+The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
+root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
+nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
+whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ therefore
+moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units) into units of
+their own, one per direct child of the root (:func:`units_below_the_root`), whose forward runs once, so that
+backward gathers them inside the node. Without hpZ the root keeps them: they are whole tensors throughout
+``training_step``, so code there may use them outside the model's forward (a tied head, a penalty on the
+embeddings), which a unit of their own would hand out as shards. The root keeps only what it holds itself, and stays
+gathered until backward when its forward is not nested (FSDP2's default for the root).
+"""
 
 from __future__ import annotations
 
@@ -27,9 +40,9 @@ def default_units(root: nn.Module) -> list[nn.Module]:
 
 def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     """The direct children of ``root`` that hold parameters outside every unit, as units of their own (each then
-    encloses its own units), so that the root holds nothing it need not (see [Note: hpZ and the root] in
-    ``fsdp2.py``). A child sharing a parameter with another child, or with the root itself, stays in the root:
-    FSDP2 cannot split a parameter across units."""
+    encloses its own units), so that the root holds nothing it need not (see [Note: hpZ and the root]). A child
+    sharing a parameter with another child, or with the root itself, stays in the root: FSDP2 cannot split a parameter
+    across units."""
     chosen = {id(u) for u in units}
     in_units = {id(p) for u in units for p in u.parameters()}
     holders: dict[int, set[int]] = {id(p): {id(root)} for p in root.parameters(recurse=False)}

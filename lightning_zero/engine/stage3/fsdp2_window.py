@@ -18,7 +18,7 @@ whose point is that the parameters do not stay on the device.
 While the window is open a group reshards only after a backward that reduces. That setting alone would not
 hold the root's own parameters: when ``training_step`` calls ``self(...)``, the root's forward hooks run nested
 and FSDP2's outer post-forward reshards the root whatever its setting says ([Note: hpZ and the root] in
-``fsdp2.py``), so the embeddings and head (0.4P on the demo GPT) were gathered again on every micro-batch.
+``fsdp2_units.py``), so the embeddings and head (0.4P on the demo GPT) were gathered again on every micro-batch.
 
 The window opens when a non-final micro-batch begins and closes after the backward that reduces (the last
 micro-batch's): every unit is sharded again then, before the optimizer step. Anything that must see the

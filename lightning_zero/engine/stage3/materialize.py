@@ -6,8 +6,9 @@ Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, whi
 build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
 sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
 plus one unit exist at full size at any time. Inside a Hugging Face model the library's own initialisation
-runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN: one that no initialiser wrote is
-an error naming its layer, never silently trained on.
+runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN: one that neither an initialiser nor
+the pretrained weights (``init_weights=``) wrote is an error naming it (:func:`refuse_uninitialised`), never
+silently trained on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
@@ -45,7 +47,6 @@ def materialize_and_shard(module: nn.Module, device: torch.device, unit_groups: 
     group_of = {id(m): group for group in unit_groups for m in group}
     owners = hf_owners(module)
     done: set[int] = set()
-    missing: set[str] = set()
     tied: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised parameter
 
     def materialize(sub: nn.Module) -> None:
@@ -56,33 +57,45 @@ def materialize_and_shard(module: nn.Module, device: torch.device, unit_groups: 
         done.add(id(sub))
         hf = owners.get(id(sub))
         if hf is None:
-            _initialize(sub, device, None, missing, tied)
+            _initialize(sub, device, None, tied)
         for child in sub.children():
             materialize(child)
         if hf is not None:
-            _initialize(sub, device, hf, missing, tied)
+            _initialize(sub, device, hf, tied)
         group = group_of.get(id(sub))
         if group is not None and all(id(m) in done for m in group):  # the group's last module (and subtree)
             shard(group)
 
     materialize(module)
-    for sub in module.modules():  # after every initialiser ran: a parent's may set a child's tensors
-        if any(bool(torch.isnan(local_tensor(t)).any()) for t in own_floating(sub)):
-            missing.add(type(sub).__name__)
+
+
+def refuse_uninitialised(module: nn.Module) -> None:
+    """Raise, on every rank, naming the tensors of a materialised model that neither an initialiser nor pretrained
+    weights wrote (still NaN: see [Note: materialising meta modules in construction order]). Collective."""
+    unset: list[str] = []
+    for path, sub in module.named_modules():
+        named = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
+        names = [name for name, t in named if t.is_floating_point() and bool(torch.isnan(local_tensor(t)).any())]
+        if names:
+            built = next(cls for cls in type(sub).__mro__ if not issubclass(cls, FSDPModule))  # not FSDP2's subclass
+            unset.append(f"{built.__name__} ({', '.join(f'{path}.{name}'.lstrip('.') for name in names)})")
+    # A rank may hold no rows of a tensor: every rank raises on every rank's findings.
+    missing = sorted({entry for part in collectives.all_gather_objects(unset) for entry in part})
     if missing:
         raise TypeError(
-            f"Cannot materialise the meta-device model: {sorted(missing)} define parameters or buffers but no "
-            "`reset_parameters()` (nor a Hugging Face `_init_weights` that sets them); add one, or build those "
+            f"Cannot materialise the meta-device model: {missing} define parameters or buffers but no "
+            "`reset_parameters()` (nor a Hugging Face `_init_weights` that sets them: a value given in `__init__`, "
+            "such as a constant, is lost on the meta device); add one, load them with `init_weights=`, or build those "
             "modules outside `configure_model`."
         )
 
 
 def _initialize(
-    sub: nn.Module, device: torch.device, hf_owner: nn.Module | None, missing: set[str], tied: dict[int, nn.Parameter]
+    sub: nn.Module, device: torch.device, hf_owner: nn.Module | None, tied: dict[int, nn.Parameter]
 ) -> None:
     """Materialise ``sub``'s own meta tensors and initialise them: ``reset_parameters()``, then the owning
     Hugging Face model's initialisation (see [Note: Hugging Face initialisation on the meta device]).
-    Floating tensors start as NaN so that one no initialiser wrote is caught, not trained on. A parameter
+    Floating tensors start as NaN so that one nothing wrote is caught (:func:`refuse_uninitialised`). A parameter
     another module already materialised (tied weights) is shared, not materialised twice:
     ``to_empty`` would give each owner a tensor of its own."""
     for name, param in list(sub._parameters.items()):
@@ -98,7 +111,5 @@ def _initialize(
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()
-        elif hf_owner is None:
-            missing.add(type(sub).__name__)
     if hf_owner is not None:  # every module, as the library's own pass: a block may set its children's weights
         initialize(sub, hf_owner)
