@@ -263,7 +263,7 @@ class MasterShards:
             torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
 
     def refresh_from(self, index: int, source: torch.Tensor) -> None:
-        """Take master ``index`` from ``source`` (after a checkpoint was loaded into the device shard)."""
+        """Take master ``index`` from ``source`` (a checkpoint was loaded into the device shard, or code wrote it)."""
         if self.tensors[index] is not source:
             self.tensors[index].copy_(source)
 

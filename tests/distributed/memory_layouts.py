@@ -1,7 +1,7 @@
 """Models that train under Lightning ``ddp`` as built and once tripped ZeroStrategy: parameters or gradients that are
 not dense row-major tensors of one dtype (see [Note: the memory the row shards need] in
-``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, and a block run several times a forward. Under
-ZeroStrategy each must train to ``ddp``'s weights."""
+``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, a block run several times a forward, and
+parameters written in place between steps. Under ZeroStrategy each must train to ``ddp``'s weights."""
 
 from __future__ import annotations
 
@@ -155,6 +155,24 @@ class Temperature(RegressionTask):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.head(torch.tanh(self.body(x))) * self.logit_scale.exp() + self.shift, y)
+
+
+class NormalisedPrototypes(RegressionTask):
+    """SwAV's prototypes: normalised in place at the start of every ``training_step``, a write between steps that the
+    optimizer's masters must take in (see [Note: parameters written between steps] in
+    ``lightning_zero/engine/written_rows.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.prototypes = nn.Linear(16, 6, bias=False)
+        self.head = nn.Linear(6, 1)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.prototypes.weight.copy_(F.normalize(self.prototypes.weight.clone(), dim=1))
+        x, y = batch
+        return F.mse_loss(self.head(self.prototypes(self.body(x))), y)
 
 
 MODELS = {

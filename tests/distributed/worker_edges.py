@@ -146,6 +146,12 @@ CASES = {
     "zero_dim": lambda directory: {
         **against_ddp(memory_layouts.Temperature, {"stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
         **resumed_against_ddp(memory_layouts.Temperature, directory, [(3, "sharded", 1), (2, "full", 3)])},
+    # host masters (fp32, so exactly as ddp) take in what code wrote into the parameters between steps
+    "written": lambda directory: against_ddp(memory_layouts.NormalisedPrototypes, {
+        "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
+        "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5),
+        "stage1_offload_unclipped": (dict(stage=1, offload_optimizer=True), None),
+        "stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
     "zero_dim_rest": lambda directory: {
         **against_ddp(memory_layouts.Temperature, {
             "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),

@@ -40,6 +40,7 @@ from lightning_zero.engine.optimizers import has_step_hooks, hosted_params, step
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
 from lightning_zero.engine.stage12.grad_records import finalize_landed
 from lightning_zero.engine.owner_step import OwnerStepping
+from lightning_zero.engine.written_rows import WrittenRows
 
 class ShardedOptimizer:
     """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (an
@@ -62,8 +63,11 @@ class ShardedOptimizer:
         owners: OwnerStepping | None = None,
         host_steps: HostSteps | None = None,
         pending: PendingUpdate | None = None,
+        written: WrittenRows | None = None,
     ) -> None:
         self.optimizer = optimizer
+        #: See [Note: parameters written between steps] (``engine/written_rows.py``); None: nothing to watch.
+        self.written = written
         #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
         self.elsewhere = elsewhere
         self.masters = masters
@@ -210,6 +214,7 @@ class ShardedOptimizer:
         """In the coming backward, start each part of the offloaded step in ``worker`` once its gradients are on the
         host (see [Note: the host step during backward] in ``engine/host_steps.py``); False where this optimizer
         steps whole, on the device, or in one part, and the step waits for :meth:`step`."""
+        self.take_back_writes()
         eligible = not self.whole and self.host_steps is None
         return self.early.arm(self.optimizer, self.parts, worker, self.masters, eligible)
 
@@ -240,6 +245,8 @@ class ShardedOptimizer:
 
     def step(self, **kwargs: Any) -> object:
         self.refresh()
+        if not self.early.started:  # else taken back before the backward whose host steps run now
+            self.take_back_writes()
         self.reducer.finalize(self.indices)
         if self.whole:
             self._owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
@@ -317,6 +324,12 @@ class ShardedOptimizer:
             self.pending.wait()
         self.early.wait()
 
+    def take_back_writes(self) -> None:
+        """See [Note: parameters written between steps]: parameters written since the last gather into their masters."""
+        if self.written is not None and self.masters is not None:
+            self.written.take_back(self.masters, self.indices, self.params.__getitem__,
+                                   lambda i: local_rows(self.params[i].detach(), self.rank, self.layout.world_size))
+
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         self.local_rows(i).view(-1).copy_(rows)
 
@@ -341,6 +354,9 @@ class ShardedOptimizer:
                 group=self.group, masters=self.masters, indices=self.indices if indices is None else indices,
                 compression=self.reducer.compression, row_views=self.row_views,
             )
+        if self.written is not None:
+            gathered = self.buckets if buckets is None else buckets
+            self.written.mark(self.params[i] for b in gathered for i in self.layout.buckets[b].params)
 
 
 if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``), checked statically

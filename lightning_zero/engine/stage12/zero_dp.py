@@ -27,6 +27,7 @@ from lightning_zero.engine.host_steps import HostSteps, PendingUpdate
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
+from lightning_zero.engine.written_rows import WrittenRows
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.optimizers import optimizer_kind, shards_of
 from lightning_zero.engine.owner_step import OwnerStepping
@@ -98,6 +99,10 @@ class ZeroDataParallel:
         if policy is not None:
             cast_parameters(module, [p for _, p in named], policy)
         self._plan(named)
+        #: See [Note: parameters written between steps] (not under the delayed update, whose parameters lag anyway).
+        self.written = WrittenRows() if self.masters is not None and not offload_step_delay else None
+        if self.written is not None:
+            self.written.mark(self.params)
         #: ``offload_step_delay=1``: the thread the optimizers' host steps run in ([Note: the delayed update]).
         self.host_steps = HostSteps(self.reducer.device) if offload_step_delay else None
         #: The thread parts of the exact offloaded step run in during backward (made on first use).
@@ -158,6 +163,8 @@ class ZeroDataParallel:
             cast_parameters(self.module, [p for _, p in grown], self._policy)
         self.reducer.remove_hooks()
         self._plan(named)
+        if self.written is not None:
+            self.written.mark(p for _, p in grown)
         index = {id(p): i for i, p in enumerate(self.params)}
         for key, old in self._optimizers.items():
             moved = {i: index[id(p)] for i, p in enumerate(old.params) if id(p) in index}
@@ -216,7 +223,7 @@ class ZeroDataParallel:
         return ShardedOptimizer(
             optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
             group=self.group, elsewhere=self._elsewhere, shards=shards, kind=kind, owners=owners,
-            host_steps=self.host_steps, pending=pending,
+            host_steps=self.host_steps, pending=pending, written=self.written,
         )
 
     def on_host(self, tensor: torch.Tensor) -> bool:
@@ -276,6 +283,8 @@ class ZeroDataParallel:
             self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group,
             masters=self.masters, compression=self.compression,
         )
+        if self.written is not None:
+            self.written.mark(self.params)
 
     def local_rows(self, index: int) -> torch.Tensor:
         """This rank's rows of trainable parameter ``index`` as the optimizer updates them: its master when
@@ -283,7 +292,12 @@ class ZeroDataParallel:
         if self.masters is not None:
             if self.host_steps is not None:
                 self.host_steps.wait()  # a delayed host step may be writing them
+            if self.written is not None:  # see [Note: parameters written between steps]
+                self.written.take_back(self.masters, [index], self.params.__getitem__, self._resident_rows)
             return self.masters[index]
+        return local_rows(self.params[index].detach(), self.rank, self.world_size)
+
+    def _resident_rows(self, index: int) -> torch.Tensor:
         return local_rows(self.params[index].detach(), self.rank, self.world_size)
 
     # ------------------------------------------------------------------ the delayed update (see host_steps.py)

@@ -24,6 +24,7 @@ from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
 from lightning_zero.engine.owner_step import OwnerStepping
+from lightning_zero.engine.written_rows import WrittenRows
 
 
 class ShardedParams(Protocol):
@@ -92,7 +93,11 @@ class FullyShardedOptimizer:
         #: Units run more than once in this step's forward, so reduced again later in its backward: their parts wait
         #: for :meth:`step`.
         self._run_again: set[int] = set()
+        #: See [Note: parameters written between steps] (``engine/written_rows.py``): the sharded parameters the
+        #: host masters are copied over (a DTensor's own version counts its in-place operations).
+        self.written = WrittenRows() if engine.masters is not None else None
         self._refresh()
+        self._mark_hosted()
 
     def _rows(self, i: int) -> torch.Tensor:
         """This rank's rows of parameter ``i``: its DTensor's local shard, or a view of a 0-dim parameter's row."""
@@ -212,12 +217,15 @@ class FullyShardedOptimizer:
         engine.land_gradients()
         engine.reshard()  # the step writes the shards: no gathered copy may outlive it
         self._refresh()
+        if not self.early.started:  # else taken back before the backward whose host steps run now
+            self._take_back_writes()
         if self.whole:
             self._owners().gather(self.whole, self._rows, self._grad)
         early, parts = self.early.take(), self._host_parts()
         if early or parts:
             result = self._step_in_parts(parts or [sorted(self._hosted_indices())], early, **kwargs)
             engine.zero_dim.share()
+            self._mark_hosted()
             return result
         on_host = engine.masters is not None or engine.params_on_host
         with self.hosting(), stepping_local_shards(self.optimizer, self._sharded_in_place()), host_kernel(
@@ -230,7 +238,16 @@ class FullyShardedOptimizer:
             if self.whole:
                 self._owners().scatter(self.whole, self._write_rows)
         engine.zero_dim.share()
+        self._mark_hosted()
         return result
+
+    def _take_back_writes(self) -> None:
+        if self.written is not None and self.engine.masters is not None:
+            self.written.take_back(self.engine.masters, self._hosted_indices(), self.engine.params.__getitem__, self._rows)
+
+    def _mark_hosted(self) -> None:
+        if self.written is not None:
+            self.written.mark(self.engine.params[i] for i in self._hosted_indices())
 
     def _host_parts(self) -> list[list[int]]:
         """With the optimizer offloaded, runs of the hosted parameters, first layers first (engine order is the
@@ -295,6 +312,7 @@ class FullyShardedOptimizer:
         step during backward] in ``engine/host_steps.py``); False where the step waits for :meth:`step`: masters on
         the device, whole parameters, an optimizer that steps whole, or a unit reduced in more than one collective
         (a unit run more than once in forward waits too)."""
+        self._take_back_writes()
         if self._units is None:
             index = self.engine.index
             per_unit = [[index[id(p)] for p, _ in fsdp2_private.sharded_params(h) if id(p) in index] for h in heads]
