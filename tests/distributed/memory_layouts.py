@@ -175,6 +175,31 @@ class NormalisedPrototypes(RegressionTask):
         return F.mse_loss(self.head(self.prototypes(self.body(x))), y)
 
 
+class MomentumTeacher(RegressionTask):
+    """BYOL's, MoCo's and DINO's frozen teacher, moved towards the student after every batch: between the micro-batches
+    of one step at stage 3, the module's parameters are the gathered copies an accumulation window keeps (see [Note:
+    gathered accumulation windows] in ``lightning_zero/engine/stage3/fsdp2_window.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.teacher = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.teacher.load_state_dict(self.student.state_dict())
+        self.teacher.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            target = self.teacher(x + 0.1)
+        out = self.student(x)
+        return F.mse_loss(out, target) + F.mse_loss(out.sum(1, keepdim=True), y)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for teacher, student in zip(self.teacher.parameters(), self.student.parameters()):
+                teacher.mul_(0.99).add_(student, alpha=0.01)
+
+
 MODELS = {
     "channels_last": ChannelsLastNet,
     "transposed": TransposedWeight,

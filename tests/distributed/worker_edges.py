@@ -146,12 +146,16 @@ CASES = {
     "zero_dim": lambda directory: {
         **against_ddp(memory_layouts.Temperature, {"stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
         **resumed_against_ddp(memory_layouts.Temperature, directory, [(3, "sharded", 1), (2, "full", 3)])},
-    # host masters (fp32, so exactly as ddp) take in what code wrote into the parameters between steps
-    "written": lambda directory: against_ddp(memory_layouts.NormalisedPrototypes, {
-        "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
-        "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5),
-        "stage1_offload_unclipped": (dict(stage=1, offload_optimizer=True), None),
-        "stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
+    # host masters (fp32, so exactly as ddp) take in what code wrote into the parameters between steps, and so do
+    # stage 3's shards what it wrote into the gathered copies of an accumulation window
+    "written": lambda directory: {
+        **against_ddp(memory_layouts.NormalisedPrototypes, {
+            "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
+            "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5),
+            "stage1_offload_unclipped": (dict(stage=1, offload_optimizer=True), None),
+            "stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
+        **{f"teacher_{name}": diff for name, diff in against_ddp(memory_layouts.MomentumTeacher, {
+            "stage3": (dict(stage=3), 0.5), "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)}).items()}},
     "zero_dim_rest": lambda directory: {
         **against_ddp(memory_layouts.Temperature, {
             "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),

@@ -68,10 +68,28 @@ def test_a_window_keeps_and_restores_each_setting(sharded):
     assert group.post_forward_mesh_info is None
     fsdp2_private.restore_after_forward(group, setting)
     assert group.post_forward_mesh_info is before
-    fsdp2_private.reshard_only_after_backward(group)
+    fsdp2_private.reshard_only_after_backward(group, lambda g: None)
     assert "reshard" in vars(group)  # the instance's shadow
     fsdp2_private.unshadow_reshard(group)
     assert "reshard" not in vars(group) and group.reshard.__func__ is type(group).reshard
+
+
+def test_a_write_to_a_gathered_parameter_is_copied_into_its_shard(sharded):
+    """What a window does before a unit it held reshards ([Note: gathered accumulation windows]): only the parameters
+    written since the versions were noted go back, through the sharded parameter (whose own version then counts it)."""
+    sharded.unshard()
+    group = fsdp2_private.param_groups(sharded)[0]
+    marks = fsdp2_private.gathered_versions(group)
+    weight, bias = (fsdp_param._unsharded_param for fsdp_param in group.fsdp_params)
+    with torch.no_grad():
+        weight.fill_(0.25)
+    shards = [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
+    bias_before, versions = shards[1].to_local().clone(), [p._version for p in shards]
+    fsdp2_private.write_back_gathered(group, marks)
+    assert bool((shards[0].to_local() == 0.25).all())
+    assert torch.equal(shards[1].to_local(), bias_before) and shards[1]._version == versions[1]
+    assert shards[0]._version > versions[0]
+    sharded.reshard()
 
 
 @pytest.mark.parametrize("owner, attribute", [("FSDPParamGroup", "post_forward_mesh_info"), ("FSDPParam", "sharded_param")])

@@ -16,6 +16,9 @@ need, each with the reason the public API does not suffice:
   ``FSDPParamGroup.reshard``, and ``_training_state``): FSDP2's post-forward of the root reshards it whatever its
   settings say when ``training_step`` calls ``self(...)`` ([Note: hpZ and the root] in ``fsdp2_units.py``); no setting
   keeps the root gathered through a window.
+* :func:`gathered_versions` / :func:`write_back_gathered` (``FSDPParam._unsharded_param``, ``mesh_info``): code
+  writing the module's parameters while a window holds them gathered writes the gathered copies, which resharding
+  frees; FSDP2 writes nothing back ([Note: gathered accumulation windows] in ``fsdp2_window.py``).
 * :func:`sharded_params` (``FSDPParamGroup.fsdp_params``, ``FSDPParam.sharded_param``/``offload_to_cpu``): whether
   FSDP2 reads a reduce-scatter's output right away, so the reduction may land after backward
   ([Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``); no public view of a unit's parameters
@@ -43,8 +46,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.tensor import DTensor
 
 from lightning_zero.engine.dense_parameters import sparse_gradient_error
+from lightning_zero.engine.shard import local_rows
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
            "drop_unreduced_gradients", "keep_gathered_after_forward", "param_groups", "run_more_than_once", "reshard_only_after_backward", "unit_heads",
@@ -68,6 +73,7 @@ PRIVATE_NAMES = (
     ("FSDPParam", "to_accumulated_grad_if_needed", "complete_unit_gradients"),
     ("FSDPParam", "_param_fqn", "complete_unit_gradients"),
     ("FSDPParamGroup", "comm_ctx", "run_more_than_once"),
+    ("FSDPParam", "mesh_info", "write_back_gathered"),
 )
 
 
@@ -119,16 +125,37 @@ def restore_after_forward(group: Any, setting: Any) -> None:
     group.post_forward_mesh_info = setting
 
 
-def reshard_only_after_backward(group: Any) -> None:
+def reshard_only_after_backward(group: Any, before: Callable[[Any], None]) -> None:
     """Shadow ``group.reshard`` until :func:`unshadow_reshard`: only the post-backward of a backward that reshards
-    goes through; a forward's, nested or not, keeps the parameters."""
+    goes through (``before`` it, ``before(group)``); a forward's, nested or not, keeps the parameters."""
     reshard = type(group).reshard
 
     def reshard_in_window() -> None:
         if group.reshard_after_backward and group._training_state == TrainingState.POST_BACKWARD:
+            before(group)
             reshard(group)
 
     group.reshard = reshard_in_window
+
+
+def gathered_versions(group: Any) -> dict[int, int]:
+    """The version counter of each gathered parameter of ``group`` (``FSDPParam._unsharded_param``), by parameter:
+    in-place writes to the module's parameters while the unit is held gathered land there."""
+    return {id(p): p._unsharded_param._version for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
+
+
+def write_back_gathered(group: Any, marks: dict[int, int]) -> None:
+    """Copy this rank's rows of each gathered parameter of ``group`` written since ``marks`` (:func:`gathered_versions`)
+    into its shard, through the sharded parameter itself (so its own version counts the write), cast to its dtype."""
+    for fsdp_param in group.fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is None or marks.get(id(fsdp_param), unsharded._version) == unsharded._version:
+            continue
+        sharded, info = fsdp_param.sharded_param, fsdp_param.mesh_info
+        rows = local_rows(unsharded.detach(), info.shard_mesh_rank, info.shard_mesh_size).to(sharded.dtype)
+        with torch.no_grad():
+            sharded.copy_(DTensor.from_local(rows, sharded.device_mesh, sharded.placements, run_check=False,
+                                             shape=sharded.shape, stride=sharded.stride()))
 
 
 def unshadow_reshard(group: Any) -> None:

@@ -20,6 +20,12 @@ hold the root's own parameters: when ``training_step`` calls ``self(...)``, the 
 and FSDP2's outer post-forward reshards the root whatever its setting says ([Note: hpZ and the root] in
 ``fsdp2_units.py``), so the embeddings and head (0.4P on the demo GPT) were gathered again on every micro-batch.
 
+While a unit is held gathered the module's parameters are the gathered copies, and code may write them between
+micro-batches (a momentum teacher updated from the student after every batch, as in BYOL, MoCo and DINO; SwAV's
+prototypes normalised before each forward). Resharding would drop such a write with the copy, so each gathered
+parameter's version counter is noted after every non-final backward, and a parameter written since is copied into its
+shard (cast to the shard's dtype: under mixed precision, the compute dtype's value) before its unit reshards.
+
 The window opens when a non-final micro-batch begins and closes after the backward that reduces (the last
 micro-batch's): every unit is sharded again then, before the optimizer step. Anything that must see the
 sharded module in between (an evaluation loop, a checkpoint) closes the window first; the next non-final
@@ -43,13 +49,15 @@ class GatheredWindow:
         #: Each group's reshard-after-forward setting (None for no reshard, a mesh for hpZ's partial reshard),
         #: kept while the window is open; None: closed.
         self._after_forward: list[Any] | None = None
+        #: Each group's gathered parameters' versions after the latest non-final backward (see the Note).
+        self._versions: dict[int, dict[int, int]] = {}
 
     def hold(self) -> None:
         """A non-final micro-batch begins: what its forward gathers stays gathered through its backward and after."""
         if self._after_forward is None:
             self._after_forward = [fsdp2_private.keep_gathered_after_forward(group) for group in self.groups]
             for group in self.groups:
-                fsdp2_private.reshard_only_after_backward(group)  # until ``close``
+                fsdp2_private.reshard_only_after_backward(group, self._write_back)  # until ``close``
         for group in self.groups:
             group.reshard_after_backward = False
 
@@ -57,6 +65,13 @@ class GatheredWindow:
         """A non-final micro-batch ended: the next backward that runs outside ``no_sync`` reduces and reshards."""
         for group in self.groups:
             group.reshard_after_backward = True
+            self._versions[id(group)] = fsdp2_private.gathered_versions(group)
+
+    def _write_back(self, group: Any) -> None:
+        """``group`` reshards: first its gathered parameters written since the latest non-final backward into shards."""
+        marks = self._versions.pop(id(group), None)
+        if marks:
+            fsdp2_private.write_back_gathered(group, marks)
 
     def close(self) -> None:
         """Every unit sharded again, with its own reshard-after-forward setting back."""
@@ -69,4 +84,6 @@ class GatheredWindow:
         self._after_forward = None
         for group in self.groups:
             if group.is_unsharded:
+                self._write_back(group)
                 group.reshard()
+        self._versions = {}
