@@ -77,6 +77,12 @@ def _trained_as_under_ddp(runs: dict) -> None:
             assert result["sparse_after_fit"] == [True, True], f"{case}: the layers get `sparse` back after fit"
 
 
+def _each_as_under_ddp(runs: dict[str, float]) -> None:
+    """Every case's weights within fp32 rounding of ``ddp``'s (the largest difference, by case)."""
+    for case, diff in runs.items():
+        assert diff <= 1e-6, case
+
+
 def test_channels_last_transposed_two_dtype_sparse_embedding_and_0_dim_models_train_as_under_ddp(edges):
     """A channels-last CNN (stages 2-3), a parameter with transposed strides (stage 1), a float64 head (stage 3) and a
     bfloat16 body (stage 2) in a ``32-true`` run, ``sparse=True`` embeddings under SGD (stage 3) and Adagrad (stage
@@ -97,8 +103,7 @@ def test_a_0_dim_parameter_trains_offloaded_and_resumes_across_stages_and_format
     on rank 0 as stages 1-2 do. The host step during backward, and a sharded stage-3 checkpoint resumed at stage 1 and
     a full stage-2 one at stage 3 (their optimizer state a row on one rank, saved whole), end on ``ddp``'s weights."""
     assert set(edges["zero_dim"]) == {"stage3_offload_unclipped", "stage3_sharded_to_stage1", "stage2_full_to_stage3"}
-    for case, diff in edges["zero_dim"].items():
-        assert diff <= 1e-6, case
+    _each_as_under_ddp(edges["zero_dim"])
 
 
 def test_parameters_written_between_steps_reach_the_masters_and_the_shards(edges):
@@ -108,16 +113,14 @@ def test_parameters_written_between_steps_reach_the_masters_and_the_shards(edges
     updated after every batch lost the updates made between the micro-batches of a step at stage 3 (5.9e-4 after 4
     steps): they went into the gathered copies an accumulation window keeps, which now go back to the shards."""
     assert len(edges["written"]) == 6
-    for case, diff in edges["written"].items():
-        assert diff <= 1e-6, case
+    _each_as_under_ddp(edges["written"])
 
 
 @pytest.mark.full
 def test_a_0_dim_parameter_elsewhere():
     runs = launch("tests.distributed.worker_edges", "zero_dim_rest", nprocs=2)["zero_dim_rest"]
     assert len(runs) == 5
-    for case, diff in runs.items():
-        assert diff <= 1e-6, case
+    _each_as_under_ddp(runs)
 
 
 def test_a_block_run_three_times_a_forward_trains_at_stage_3_as_under_ddp(edges):
@@ -125,16 +128,14 @@ def test_a_block_run_three_times_a_forward_trains_at_stage_3_as_under_ddp(edges)
     still in flight, which then overwrote them (the block's gradient came out at half its value), and the host step
     during backward stepped the block after its first reduction (each 6e-2 from ``ddp`` after 4 steps)."""
     assert set(edges["shared_block"]) == {"stage3", "stage3_offload_unclipped"}
-    for case, diff in edges["shared_block"].items():
-        assert diff <= 1e-6, case
+    _each_as_under_ddp(edges["shared_block"])
 
 
 @pytest.mark.full
 def test_a_block_run_three_times_a_forward_elsewhere():
     runs = launch("tests.distributed.worker_edges", "shared_block_rest", nprocs=2)["shared_block_rest"]
     assert len(runs) == 3
-    for case, diff in runs.items():
-        assert diff <= 1e-6, case
+    _each_as_under_ddp(runs)
 
 
 def test_a_sparse_gradient_from_a_functional_call_is_refused_naming_the_parameter(edges):
