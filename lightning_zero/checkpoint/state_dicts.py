@@ -40,7 +40,18 @@ def owners_of(optimizer: Optimizer, engine: ShardingEngine | None) -> dict[int, 
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in module.named_parameters()}
+    """``id(param)`` -> the name its optimizer state is saved and loaded under: its registered name, but for a
+    parameter ``torch.nn.utils.prune`` re-registered as ``<name>_orig``, which keeps ``<name>``: Lightning's
+    ``ModelPruning`` writes the pruned weight into checkpoints under ``<name>`` (pruning made permanent), and the
+    module that loads them holds it under that name."""
+    names: dict[int, str] = {}
+    for prefix, sub in module.named_modules():
+        pruned = {getattr(hook, "_tensor_name", None) for hook in sub._forward_pre_hooks.values()} - {None}
+        for attr, p in sub.named_parameters(recurse=False):
+            if id(p) not in names:
+                base = attr.removesuffix("_orig")
+                names[id(p)] = (f"{prefix}." if prefix else "") + (base if base != attr and base in pruned else attr)
+    return names
 
 
 def _held_state(module: nn.Module, holding: Holding) -> dict[str, Any]:

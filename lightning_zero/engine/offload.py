@@ -57,6 +57,15 @@ FUSED_ON_CPU: tuple[type[Optimizer], ...] = tuple(
 FUSED_ON_DTENSOR: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
 
+def master_dtype_of(dtype: torch.dtype, master_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of the master rows (and their gradients) of a parameter held in ``dtype``: ``master_dtype`` for
+    floating parameters (None: their own); complex ones keep theirs, as autocast and the mixed policy leave them,
+    since a cast to a real dtype would drop their imaginary parts."""
+    if master_dtype is None or not dtype.is_floating_point:
+        return dtype
+    return master_dtype
+
+
 def should_pin(device: torch.device, requested: bool | None) -> bool:
     """Pinned host memory speeds up device<->host copies but needs an accelerator: ``None`` pins exactly when
     the compute device is one; ``True`` on a CPU-only run is ignored with a warning (pinning would fail)."""
@@ -141,7 +150,7 @@ class MasterShards:
 
     def _master(self, index: int, rows: torch.Tensor) -> torch.Tensor:
         """Master ``index``: a host copy, a wider-dtype device copy, or (device, same dtype) the rows themselves."""
-        dtype = self._dtype or rows.dtype
+        dtype = master_dtype_of(rows.dtype, self._dtype)
         if self._alias and not self.on_host[index] and dtype == rows.dtype:
             return rows
         return self._allocate(rows, dtype, self.on_host[index]).copy_(rows)
@@ -150,7 +159,6 @@ class MasterShards:
         """Re-index for a grown layout: master ``i`` becomes old master ``sources[i]`` (an index: the same tensor,
         which the optimizer keys its state by) or a fresh copy of the rows ``sources[i]`` (a tensor), placed as the
         offload setting places new masters (on the host under full offload, on the device otherwise)."""
-        self._dtype = self._dtype or (self.tensors[0].dtype if self.tensors else None)
         placed = all(self.on_host) and self.offloaded
         self.on_host = [self.on_host[s] if isinstance(s, int) else placed for s in sources]
         with torch.no_grad():
@@ -334,6 +342,7 @@ def host_kernel(optimizer: Optimizer, enabled: bool = True) -> Iterator[None]:
         for group in optimizer.param_groups
         if "fused" in group and group["fused"] is None and group.get("foreach") is None and not group.get("differentiable")
         and (dtensor_ok or not any(isinstance(p, DTensor) for p in group["params"]))
+        and all(p.is_floating_point() for p in group["params"])  # torch's fused kernels refuse complex tensors
     ]
     for group in chosen:
         group["fused"] = True

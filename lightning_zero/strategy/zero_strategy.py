@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.activation_checkpointing import resolve_policy
+from lightning_zero.strategy.callback_support import refuse_unsupported_callbacks
 from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy, trainer_of, unwrap
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
 from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ModulePolicy, PipelineSchedule, PipelineSplit
@@ -168,6 +169,7 @@ class ZeroStrategy(CheckpointingStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        refuse_unsupported_callbacks(trainer, self.zero_config)
         self._resume.check_agreement()  # auto-resume: every rank loads the same checkpoint (collective)
         require(self.accelerator, "accelerator").setup(trainer)
         model = require(self.model, "model")

@@ -200,6 +200,59 @@ class MomentumTeacher(RegressionTask):
                 teacher.mul_(0.99).add_(student, alpha=0.01)
 
 
+class SpectralConv(nn.Module):
+    """A Fourier layer's complex weights on the lowest modes of its input (neuraloperator's ``SpectralConv1d``)."""
+
+    def __init__(self, channels: int, modes: int) -> None:
+        super().__init__()
+        self.modes = modes
+        self.weights = nn.Parameter(torch.rand(channels, channels, modes, dtype=torch.cfloat) / channels**2)
+
+    def forward(self, x):  # (batch, channels, points)
+        spectrum = torch.fft.rfft(x.float())
+        out = torch.zeros(x.shape[0], x.shape[1], spectrum.shape[-1], dtype=torch.cfloat, device=x.device)
+        out[:, :, : self.modes] = torch.einsum("bix,iox->box", spectrum[:, :, : self.modes], self.weights)
+        return torch.fft.irfft(out, n=x.shape[-1])
+
+
+class FourierOperator(RegressionTask):
+    """A Fourier neural operator: complex parameters, which autocast and every cast to a real dtype must leave alone
+    (a cast to fp32 or bf16 drops the imaginary part), beside real layers; torch's fused optimizer kernels refuse them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Linear(2, 8)
+        self.spectral = nn.ModuleList([SpectralConv(8, 4) for _ in range(2)])
+        self.pointwise = nn.ModuleList([nn.Conv1d(8, 8, 1) for _ in range(2)])
+        self.project = nn.Linear(8, 1)
+
+    def configure_optimizers(self):  # SGD: bf16-mixed runs then stay close enough to ``ddp`` to tell a lost part
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch  # (batch, 8): a function sampled at 8 points, and one target
+        grid = torch.linspace(0, 1, 8).expand(x.shape[0], 8)
+        h = self.lift(torch.stack([x, grid], -1)).transpose(1, 2)
+        for spectral, pointwise in zip(self.spectral, self.pointwise):
+            h = F.gelu(spectral(h) + pointwise(h))
+        return F.mse_loss(self.project(h.transpose(1, 2)).mean(1).float(), y)
+
+
+class PrunedMLP(RegressionTask):
+    """An MLP for Lightning's ``ModelPruning`` with its defaults: each epoch's end re-registers every weight and bias
+    as ``<name>_orig`` with a mask, and resets the survivors to their initial values (the lottery ticket) by
+    assigning ``.data``, new storage the optimizer's rows must follow (see [Note: parameters given new storage] in
+    ``lightning_zero/engine/stage12/new_storage.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+
 MODELS = {
     "channels_last": ChannelsLastNet,
     "transposed": TransposedWeight,

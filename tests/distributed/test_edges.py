@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "shared_block", "zero_dim", "written", nprocs=2)
+                  "functional_sparse", "shared_block", "zero_dim", "written", "complex", "pruning", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,31 @@ def test_parameters_written_between_steps_reach_the_masters_and_the_shards(edges
     steps): they went into the gathered copies an accumulation window keeps, which now go back to the shards."""
     assert len(edges["written"]) == 6
     _each_as_under_ddp(edges["written"])
+
+
+def test_complex_parameters_stay_complex_under_bf16_mixed_and_train_offloaded(edges):
+    """A Fourier neural operator's complex weights. Under bf16-mixed stages 1-2 made fp32 masters of them, dropping
+    their imaginary parts (1.6e-2 from ``ddp`` after 4 SGD steps, where bf16's own rounding leaves 3e-4); offloaded,
+    torch's fused host kernels refused them (``"fused_sgd_kernel" not implemented for 'ComplexFloat'``) at every stage.
+    The differences compare complex values, imaginary parts included."""
+    runs = edges["complex"]
+    assert set(runs) == {"stage1_bf16", "stage2_offload_bf16", "stage3_bf16", "stage1_offload", "stage3_offload"}
+    for name, diff in runs.items():
+        assert diff <= (2e-3 if name.endswith("bf16") else 1e-5), name
+
+
+def test_model_pruning_trains_as_under_ddp_and_its_checkpoints_resume(edges):
+    """Lightning's ``ModelPruning`` with its defaults resets the surviving weights to their initial values by assigning
+    ``.data`` (the lottery ticket): stages 1-2 kept stepping views of the old storage and never updated the parameters
+    again (1.6e-1 from ``ddp``, with and without masters). Its checkpoints hold the pruned weights under their own
+    names beside optimizer state of the ``<name>_orig`` parameters, which a sharded checkpoint now saves under the
+    same names, so it resumes. Stage 3 refuses the callback by name."""
+    runs = edges["pruning"]
+    refused = runs.pop("stage3")
+    assert refused["type"] == "ZeroConfigError"
+    assert "ModelPruning" in refused["message"] and "stage=1 or stage=2" in refused["message"]
+    assert set(runs) == {"stage1", "stage2_half_offload", "stage2_sharded_mid_fit_to_stage1"}
+    _each_as_under_ddp(runs)
 
 
 @pytest.mark.full

@@ -45,7 +45,11 @@ def max_diff(a: dict, b: dict) -> float:
     common = set(a) & set(b)
     if set(a) != set(b):
         raise KeyError(f"name mismatch: only in run {sorted(set(a) - common)}, only in reference {sorted(set(b) - common)}")
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in common)
+    return max((_wide(a[k]) - _wide(b[k])).abs().max().item() for k in common)
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.complex128) if tensor.is_complex() else tensor.double()  # .double() drops imaginary parts
 
 
 class GradientRecorder(L.Callback):

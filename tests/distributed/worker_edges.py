@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import state_dicts
@@ -161,6 +162,22 @@ CASES = {
             "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),
             "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}),
         **resumed_against_ddp(memory_layouts.Temperature, directory, [(1, "sharded", 3), (3, "full", 2), (3, "sharded", 3)])},
+    # complex parameters under bf16-mixed (held complex) and offloaded (torch's fused host kernels refuse them)
+    "complex": lambda directory: {
+        **{f"{name}_bf16": diff for name, diff in against_ddp(memory_layouts.FourierOperator, {
+            "stage1": (dict(stage=1), 0.5), "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
+            "stage3": (dict(stage=3), 0.5)}, precision="bf16-mixed").items()},
+        **against_ddp(memory_layouts.FourierOperator, {
+            "stage1_offload": (dict(stage=1, offload_optimizer=True), 0.5),
+            "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)})},
+    # ModelPruning (lottery ticket: parameters given new storage), and its sharded checkpoints named as it writes them
+    "pruning": lambda directory: {
+        **against_ddp(memory_layouts.PrunedMLP, {
+            "stage1": (dict(stage=1), 0.5), "stage2_half_offload": (dict(stage=2, offload_optimizer=0.5), 0.5)},
+            callbacks=lambda: [ModelPruning("l1_unstructured", amount=0.3, verbose=0)]),
+        "stage2_sharded_mid_fit_to_stage1": pruned_resumed(directory),
+        "stage3": expect_fit_error(memory_layouts.PrunedMLP, ZeroStrategy(stage=3),
+                                   callbacks=[ModelPruning("l1_unstructured", amount=0.3)])},
     "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
     # the block a unit of its own (reduced once per run), and the host step during backward (no clipping)
     "shared_block": lambda directory: against_ddp(memory_layouts.SharedBlock, {
@@ -213,9 +230,11 @@ def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
     return out
 
 
-def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tuple[dict, float | None]]) -> dict:
+def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tuple[dict, float | None]],
+                precision: str = "32-true", callbacks: Callable[[], list[L.Callback]] = list) -> dict:
     """``model`` under ``ddp`` and under each ZeroStrategy setting (keyword arguments, clipping), 4 steps with
-    accumulation 2: the weights against ``ddp``'s with the same clipping."""
+    accumulation 2 (``precision`` and fresh ``callbacks`` in every run): the weights against ``ddp``'s with the same
+    clipping."""
     out, reference = {}, {}
     for name, (kwargs, clip) in settings.items():
         for strategy in ("ddp", name):
@@ -225,7 +244,7 @@ def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tupl
             module = model()
             zero = strategy != "ddp"
             t = trainer(ZeroStrategy(**kwargs) if zero else "ddp", max_steps=4, accumulate_grad_batches=2,
-                        gradient_clip_val=clip)
+                        gradient_clip_val=clip, precision=precision, callbacks=callbacks())
             t.fit(module)
             weights = t.strategy.full_state_dict() if zero else {k: v.detach().clone() for k, v in module.state_dict().items()}
             if not zero:
@@ -257,6 +276,37 @@ def resumed_against_ddp(model: Callable[[], L.LightningModule], directory: Path,
         if RANK == 0:
             out[f"stage{stage}_{kind}_to_stage{resumed}"] = max_diff(weights, reference)
     return out
+
+
+def pruned_resumed(directory: Path) -> float:
+    """``PrunedMLP`` saved by ``ModelCheckpoint`` after its first epoch's pruning (optimizer state of ``<name>_orig``
+    parameters beside ``ModelPruning``'s permanent ``<name>`` weights) at stage 2 in sharded form, resumed at stage 1
+    for a third epoch: the weights against ``ddp`` doing the same through a full file."""
+    def fit(strategy, epochs: int, saved: Path | None = None, ckpt_path: str | None = None) -> L.Trainer:
+        L.seed_everything(3)
+        callbacks = [ModelPruning("l1_unstructured", amount=0.3, verbose=0)]
+        if saved is not None:
+            callbacks.append(ModelCheckpoint(dirpath=saved, filename="{epoch}", save_top_k=-1))
+        t = trainer(strategy, max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=0.5,
+                    callbacks=callbacks, enable_checkpointing=saved is not None)
+        t.fit(memory_layouts.PrunedMLP(), ckpt_path=ckpt_path)
+        return t
+
+    def first_epoch(t: L.Trainer) -> str:  # in rank 0's directory, which ModelCheckpoint broadcasts
+        return f"{t.checkpoint_callback.dirpath}/epoch=0.ckpt"
+
+    reference = fit("ddp", 3, ckpt_path=first_epoch(fit("ddp", 2, directory / "pruned_ddp"))).lightning_module.state_dict()
+    saved = fit(ZeroStrategy(stage=2, state_dict_type="sharded"), 2, directory / "pruned_zero")
+    weights = fit(ZeroStrategy(stage=1), 3, ckpt_path=first_epoch(saved)).strategy.full_state_dict()
+    return max_diff(weights, reference) if RANK == 0 else 0.0
+
+
+def expect_fit_error(model: Callable[[], L.LightningModule], strategy: ZeroStrategy, **kwargs) -> dict:
+    try:
+        trainer(strategy, max_steps=2, **kwargs).fit(model())
+    except Exception as err:  # the behaviour under test: a clear error, on every rank, no hang
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None}
 
 
 def functional_sparse(stages: tuple[int, ...]) -> dict:

@@ -45,7 +45,7 @@ from lightning_zero.engine.comm.used_flags import UsedFlags
 from lightning_zero.engine.dense_parameters import sparse_gradient_error
 from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
-from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.offload import MasterShards, master_dtype_of
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
 from lightning_zero.engine.stage12.replica_sum import comm_dtype, sum_over_replicas
 
@@ -350,7 +350,7 @@ class GradientReducer:
                     unstaged.append((i, held))
                     continue
                 grad = record.staged
-            elif self.master_dtype is not None and held.dtype != self.master_dtype:
+            elif held.dtype != master_dtype_of(held.dtype, self.master_dtype):
                 narrow.append((i, held))
                 continue
             else:

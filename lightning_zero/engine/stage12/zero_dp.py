@@ -26,6 +26,7 @@ from lightning_zero.engine.comm.compression import CompressedComm, CompressionSp
 from lightning_zero.engine.host_steps import HostSteps, PendingUpdate
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
+from lightning_zero.engine.stage12.new_storage import StorageWatch, hold_again
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.written_rows import WrittenRows
 from lightning_zero.engine.offload import MasterShards
@@ -115,14 +116,14 @@ class ZeroDataParallel:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         policy = self._policy
-        dtypes = policy.param_dtypes(self.module) if policy is not None else {}
         self.layout: ShardLayout = plan_layout(
             [(n, tuple(p.shape)) for n, p in named],
             self.world_size,
             self._bucket_numel,
-            # Each bucket has one dtype: parameters kept in fp32 get buckets of their own, and so do those a model
-            # holds in another dtype than the rest.
-            classes=[int(dtypes.get(id(p)) != policy.compute_dtype) for p in self.params] if policy else _by_dtype(self.params),
+            # Each bucket has one dtype, the one its parameters are held in (already cast to it under a mixed policy):
+            # parameters kept in fp32 get buckets of their own, and so do complex ones and those a model holds in
+            # another dtype than the rest.
+            classes=_by_dtype(self.params),
         )
         offloaded = self.masters is not None and self.masters.offloaded
         self.reducer = GradientReducer(
@@ -139,6 +140,8 @@ class ZeroDataParallel:
             compression=self.compression,
         )
         self._records = [self._record(i) for i in range(len(self.params))]
+        #: See [Note: parameters given new storage].
+        self._storage = StorageWatch(self.params)
         laid_out = {id(p) for p in self.params}
         #: The held parameters outside the layout (frozen when it was planned), watched for being unfrozen.
         self._frozen = [p for p in self.holding.held(self.module.named_parameters()).values() if id(p) not in laid_out]
@@ -147,7 +150,9 @@ class ZeroDataParallel:
         """Parameters made trainable during ``fit`` (``BackboneFinetuning`` unfreezes a backbone between epochs)
         join the layout: new buckets, gradient hooks and optimizer shards, once, where it happens. Parameters
         frozen during ``fit`` stay laid out and produce no gradient, which the optimizer skips as PyTorch's does.
-        Every rank changes the same parameters at the same point of the same script. Returns whether it grew."""
+        Every rank changes the same parameters at the same point of the same script. Returns whether it grew.
+        Parameters given new storage since the last batch are held again first."""
+        self._follow_new_storage()
         if not any(p.requires_grad for p in self._frozen):  # every batch: only the frozen ones are looked at
             return False
         started = time.perf_counter()
@@ -175,6 +180,19 @@ class ZeroDataParallel:
         self.growths.append({"params": len(grown), "elements": sum(p.numel() for _, p in grown),
                              "seconds": time.perf_counter() - started})
         return True
+
+    def _follow_new_storage(self) -> None:
+        """See [Note: parameters given new storage]."""
+        if moved := self._storage.moved():
+            hold_again(
+                moved, self.params, self.names, [spec.shape for spec in self.layout.params],
+                [self.reducer.bucket_dtypes[spec.bucket] for spec in self.layout.params],
+                rank=self.rank, world_size=self.world_size, masters=self.masters,
+                row_views=lambda i: [o.shards[i] for o in self._optimizers.values() if i in o.shards],
+            )
+            self._storage = StorageWatch(self.params)
+            if self.written is not None:
+                self.written.mark(self.params[i] for i in moved)
 
     # ------------------------------------------------------------------ the contract (engine/api.py)
     @property
@@ -332,6 +350,9 @@ class ZeroDataParallel:
         self.land_updates()
         if not self.mixed or self.masters is None:
             return  # the resident parameters already hold the masters' values
+        self._follow_new_storage()  # what was assigned or written since the last step (``ModelPruning`` at the end)
+        if self.written is not None:
+            self.written.take_back(self.masters, range(len(self.params)), self.params.__getitem__, self._resident_rows)
         with torch.no_grad():
             for param, master, spec in zip(self.params, self.masters, self.layout.params):
                 param.data = gather_full(master.to(param.device), spec.shape, group=self.group)

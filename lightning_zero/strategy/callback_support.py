@@ -1,0 +1,25 @@
+"""Lightning callbacks a ZeRO stage cannot serve, refused when the strategy is set up: every rank runs the same
+callbacks, so every rank refuses alike, before any parameter is sharded."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelPruning
+
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.config.zero_config import ZeroConfig
+
+
+def refuse_unsupported_callbacks(trainer: pl.Trainer, config: ZeroConfig) -> None:
+    """``ModelPruning`` at stage 3: ``torch.nn.utils.prune`` ranks and masks whole tensors and re-registers them
+    (``weight`` -> ``weight_orig`` plus a mask buffer), where stage 3 holds each parameter as a DTensor shard
+    that FSDP2 gathers by its registered name. Stages 1-2 hold whole parameters and follow it."""
+    if config.stage != 3:
+        return
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        if isinstance(callback, ModelPruning):
+            raise ZeroConfigError(
+                "ModelPruning is not supported with ZeroStrategy(stage=3): pruning masks whole parameters, which "
+                "stage 3 holds as DTensor shards. Use stage=1 or stage=2 (whole parameters, sharded gradients and "
+                "optimizer state), or prune the consolidated weights after training."
+            )
