@@ -200,6 +200,36 @@ class MomentumTeacher(RegressionTask):
                 teacher.mul_(0.99).add_(student, alpha=0.01)
 
 
+class EMACodebook(RegressionTask):
+    """A VQ-VAE's codebook learned by exponential moving averages (taming-transformers' ``EmbeddingEMA``): frozen
+    parameters written inside ``training_step`` from statistics every rank shares (all-reduced, as distributed
+    implementations do). At stage 3 they are written while gathered (see [Note: writes into gathered parameters] in
+    ``lightning_zero/engine/stage3/fsdp2_window.py``)."""
+
+    def __init__(self, codes: int = 6, width: int = 4, decay: float = 0.9) -> None:
+        super().__init__()
+        self.encode, self.decode, self.decay = nn.Linear(8, width), nn.Linear(width, 1), decay
+        codebook = torch.randn(codes, width)
+        self.codebook = nn.Parameter(codebook, requires_grad=False)
+        self.cluster_size = nn.Parameter(torch.zeros(codes), requires_grad=False)
+        self.code_sum = nn.Parameter(codebook.clone(), requires_grad=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        z = self.encode(x)
+        onehot = F.one_hot(torch.cdist(z, self.codebook).argmin(1), len(self.codebook)).to(z.dtype)
+        quantized = onehot @ self.codebook
+        stats = torch.cat([onehot.sum(0), (onehot.t() @ z.detach()).flatten()])
+        torch.distributed.all_reduce(stats)
+        with torch.no_grad():
+            self.cluster_size.mul_(self.decay).add_(stats[: len(self.codebook)], alpha=1 - self.decay)
+            self.code_sum.mul_(self.decay).add_(stats[len(self.codebook):].view_as(self.code_sum), alpha=1 - self.decay)
+            n = self.cluster_size.sum()
+            smoothed = (self.cluster_size + 1e-5) / (n + len(self.codebook) * 1e-5) * n
+            self.codebook.copy_(self.code_sum / smoothed.unsqueeze(1))
+        return F.mse_loss(self.decode(z + (quantized - z).detach()), y) + 0.25 * F.mse_loss(z, quantized.detach())
+
+
 class SpectralConv(nn.Module):
     """A Fourier layer's complex weights on the lowest modes of its input (neuraloperator's ``SpectralConv1d``)."""
 

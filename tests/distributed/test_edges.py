@@ -111,8 +111,11 @@ def test_parameters_written_between_steps_reach_the_masters_and_the_shards(edges
     overwrite that from the host masters (4.5e-2 from ``ddp`` at every stage); the written parameters are now taken
     back into their masters first, before the step and before the host steps during backward. A momentum teacher
     updated after every batch lost the updates made between the micro-batches of a step at stage 3 (5.9e-4 after 4
-    steps): they went into the gathered copies an accumulation window keeps, which now go back to the shards."""
-    assert len(edges["written"]) == 6
+    steps): they went into the gathered copies an accumulation window keeps, which now go back to the shards. A VQ-VAE's
+    EMA codebook, frozen parameters written inside ``training_step`` while the root is gathered, lost every write
+    without accumulation (its codes then divided by ~1e-5: 1e5 from ``ddp``); every unit now takes what was written
+    while it was gathered into its shards when it reshards."""
+    assert len(edges["written"]) == 8
     _each_as_under_ddp(edges["written"])
 
 

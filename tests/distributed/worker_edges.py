@@ -156,7 +156,11 @@ CASES = {
             "stage1_offload_unclipped": (dict(stage=1, offload_optimizer=True), None),
             "stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
         **{f"teacher_{name}": diff for name, diff in against_ddp(memory_layouts.MomentumTeacher, {
-            "stage3": (dict(stage=3), 0.5), "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)}).items()}},
+            "stage3": (dict(stage=3), 0.5), "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)}).items()},
+        # frozen parameters written while gathered, without accumulation windows (the root gathered in training_step)
+        **{f"codebook_{name}": diff for name, diff in against_ddp(memory_layouts.EMACodebook, {
+            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
+            accumulate=1).items()}},
     "zero_dim_rest": lambda directory: {
         **against_ddp(memory_layouts.Temperature, {
             "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),
@@ -231,10 +235,10 @@ def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
 
 
 def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tuple[dict, float | None]],
-                precision: str = "32-true", callbacks: Callable[[], list[L.Callback]] = list) -> dict:
+                precision: str = "32-true", callbacks: Callable[[], list[L.Callback]] = list, accumulate: int = 2) -> dict:
     """``model`` under ``ddp`` and under each ZeroStrategy setting (keyword arguments, clipping), 4 steps with
-    accumulation 2 (``precision`` and fresh ``callbacks`` in every run): the weights against ``ddp``'s with the same
-    clipping."""
+    accumulation ``accumulate`` (``precision`` and fresh ``callbacks`` in every run): the weights against ``ddp``'s
+    with the same clipping."""
     out, reference = {}, {}
     for name, (kwargs, clip) in settings.items():
         for strategy in ("ddp", name):
@@ -243,7 +247,7 @@ def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tupl
             L.seed_everything(3)
             module = model()
             zero = strategy != "ddp"
-            t = trainer(ZeroStrategy(**kwargs) if zero else "ddp", max_steps=4, accumulate_grad_batches=2,
+            t = trainer(ZeroStrategy(**kwargs) if zero else "ddp", max_steps=4, accumulate_grad_batches=accumulate,
                         gradient_clip_val=clip, precision=precision, callbacks=callbacks())
             t.fit(module)
             weights = t.strategy.full_state_dict() if zero else {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -68,14 +68,49 @@ def test_a_window_keeps_and_restores_each_setting(sharded):
     assert group.post_forward_mesh_info is None
     fsdp2_private.restore_after_forward(group, setting)
     assert group.post_forward_mesh_info is before
-    fsdp2_private.reshard_only_after_backward(group, lambda g: None)
-    assert "reshard" in vars(group)  # the instance's shadow
-    fsdp2_private.unshadow_reshard(group)
-    assert "reshard" not in vars(group) and group.reshard.__func__ is type(group).reshard
+    own = group.reshard
+    previous = fsdp2_private.reshard_only_after_backward(group)
+    assert previous == own and group.reshard != own  # the instance's shadow
+    fsdp2_private.unshadow_reshard(group, previous)
+    assert group.reshard == own
+
+
+def test_gathers_and_reshards_are_watched_once_each_and_only_when_they_happen(sharded):
+    """``watch_gathering``: told after a gather lands (not after a no-op on a unit gathered already), and before a
+    reshard that frees the copies (not one of a unit already sharded); watched again (a second engine on the same
+    module), FSDP2's own methods are wrapped, not the earlier wrappers."""
+    group = fsdp2_private.param_groups(sharded)[0]
+    told: list[str] = []
+    fsdp2_private.watch_gathering(group, lambda g: told.append("stale"), lambda g: told.append("stale"))
+    fsdp2_private.watch_gathering(group, lambda g: told.append("gathered"), lambda g: told.append("resharding"))
+    sharded.unshard()
+    sharded.unshard()
+    sharded.reshard()
+    sharded.reshard()
+    assert told == ["gathered", "resharding"]
+
+
+def test_a_parameter_written_while_gathered_reaches_its_shard_when_the_unit_reshards(sharded):
+    """[Note: writes into gathered parameters]: an EMA codebook kept as a frozen parameter and written inside
+    ``training_step`` wrote the gathered copy, which resharding freed (a VQ-VAE at stage 3 ended 1e5 from ``ddp``)."""
+    from lightning_zero.engine.stage3.fsdp2_window import GatheredWrites
+
+    GatheredWrites(fsdp2_private.param_groups(sharded))
+    unit = sharded[0]
+    weight = fsdp2_private.param_groups(unit)[0].fsdp_params[0]
+    unit.unshard()
+    with torch.no_grad():
+        weight._unsharded_param.mul_(0.0).add_(0.5)
+    unit.reshard()
+    assert bool((unit.weight.to_local() == 0.5).all())
+    unit.unshard()  # gathered again: nothing written since, nothing copied
+    version = weight.sharded_param._version
+    unit.reshard()
+    assert weight.sharded_param._version == version
 
 
 def test_a_write_to_a_gathered_parameter_is_copied_into_its_shard(sharded):
-    """What a window does before a unit it held reshards ([Note: gathered accumulation windows]): only the parameters
+    """What a unit does before it reshards ([Note: writes into gathered parameters]): only the parameters
     written since the versions were noted go back, through the sharded parameter (whose own version then counts it)."""
     sharded.unshard()
     group = fsdp2_private.param_groups(sharded)[0]

@@ -68,7 +68,7 @@ from lightning_zero.engine.stage3.fsdp2_comm import (
 )
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters, zero_dim_parameters
-from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow
+from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWrites
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
@@ -179,8 +179,10 @@ class FullyShardedEngine:
         #: gathers each stage itself).
         self.prefetch = (ForwardPrefetch(self._roots[0], [group[0] for group in self.unit_groups])
                          if device.type == "cpu" and stages is None else None)
-        #: See [Note: gathered accumulation windows] (not with ``offload_params``: parameters leave the device; under
-        #: pipeline stages the schedule keeps them gathered, see [Note: stage 3 under pipeline stages]).
+        #: See [Note: writes into gathered parameters], and [Note: gathered accumulation windows] (not with
+        #: ``offload_params``: parameters leave the device; under pipeline stages the schedule keeps them gathered, see
+        #: [Note: stage 3 under pipeline stages]).
+        self.gathered_writes = GatheredWrites(g for root in self.roots for g in fsdp2_private.param_groups(root))
         self.window = GatheredWindow(module) if not offload_params and stages is None else None
         #: False inside ``no_sync``; whether the latest backward ran there, leaving its gradients whole and unreduced.
         self._reducing, self._unreduced = True, False

@@ -16,9 +16,11 @@ need, each with the reason the public API does not suffice:
   ``FSDPParamGroup.reshard``, and ``_training_state``): FSDP2's post-forward of the root reshards it whatever its
   settings say when ``training_step`` calls ``self(...)`` ([Note: hpZ and the root] in ``fsdp2_units.py``); no setting
   keeps the root gathered through a window.
-* :func:`gathered_versions` / :func:`write_back_gathered` (``FSDPParam._unsharded_param``, ``mesh_info``): code
-  writing the module's parameters while a window holds them gathered writes the gathered copies, which resharding
-  frees; FSDP2 writes nothing back ([Note: gathered accumulation windows] in ``fsdp2_window.py``).
+* :func:`watch_gathering` (instance attributes shadowing ``FSDPParamGroup.wait_for_unshard`` and ``reshard``;
+  ``_all_gather_result``), :func:`gathered_versions` / :func:`write_back_gathered` (``FSDPParam._unsharded_param``,
+  ``mesh_info``): code writing the module's parameters while a unit is gathered writes the gathered copies, which
+  resharding frees; FSDP2 writes nothing back and has no hook around its gathers ([Note: writes into gathered
+  parameters] in ``fsdp2_window.py``).
 * :func:`sharded_params` (``FSDPParamGroup.fsdp_params``, ``FSDPParam.sharded_param``/``offload_to_cpu``): whether
   FSDP2 reads a reduce-scatter's output right away, so the reduction may land after backward
   ([Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``); no public view of a unit's parameters
@@ -53,7 +55,7 @@ from lightning_zero.engine.shard import local_rows
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
            "drop_unreduced_gradients", "keep_gathered_after_forward", "param_groups", "run_more_than_once", "reshard_only_after_backward", "unit_heads",
-           "restore_after_forward", "sharded_params", "unshadow_reshard", "watch_post_backward"]
+           "restore_after_forward", "sharded_params", "unshadow_reshard", "watch_gathering", "watch_post_backward"]
 
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
 PRIVATE_NAMES = (
@@ -67,6 +69,7 @@ PRIVATE_NAMES = (
     ("FSDPParam", "sharded_param", "sharded_params"),
     ("FSDPParam", "offload_to_cpu", "sharded_params"),
     ("TrainingState", "POST_BACKWARD", "reshard_only_after_backward"),
+    ("TrainingState", "FORWARD", "watch_gathering"),
     ("FSDPParamGroup", "post_backward", "watch_post_backward"),
     ("FSDPParamGroup", "reduce_grads", "complete_unit_gradients"),
     ("FSDPParam", "unsharded_accumulated_grad", "complete_unit_gradients"),
@@ -74,6 +77,8 @@ PRIVATE_NAMES = (
     ("FSDPParam", "_param_fqn", "complete_unit_gradients"),
     ("FSDPParamGroup", "comm_ctx", "run_more_than_once"),
     ("FSDPParam", "mesh_info", "write_back_gathered"),
+    ("FSDPParamGroup", "wait_for_unshard", "watch_gathering"),
+    ("FSDPParamGroup", "_all_gather_result", "watch_gathering"),
 )
 
 
@@ -125,17 +130,38 @@ def restore_after_forward(group: Any, setting: Any) -> None:
     group.post_forward_mesh_info = setting
 
 
-def reshard_only_after_backward(group: Any, before: Callable[[Any], None]) -> None:
-    """Shadow ``group.reshard`` until :func:`unshadow_reshard`: only the post-backward of a backward that reshards
-    goes through (``before`` it, ``before(group)``); a forward's, nested or not, keeps the parameters."""
-    reshard = type(group).reshard
+def reshard_only_after_backward(group: Any) -> Callable[[], None]:
+    """Shadow ``group.reshard`` until :func:`unshadow_reshard` (which takes what this returns): only the
+    post-backward of a backward that reshards goes through; a forward's, nested or not, keeps the parameters."""
+    reshard: Callable[[], None] = group.reshard
 
     def reshard_in_window() -> None:
         if group.reshard_after_backward and group._training_state == TrainingState.POST_BACKWARD:
-            before(group)
-            reshard(group)
+            reshard()
 
     group.reshard = reshard_in_window
+    return reshard
+
+
+def watch_gathering(group: Any, gathered: Callable[[Any], None], resharding: Callable[[Any], None]) -> None:
+    """Call ``gathered(group)`` once each all-gather of ``group`` has landed in its unsharded parameters, and
+    ``resharding(group)`` before each reshard that frees them (fully, or hpZ's partial reshard after forward)."""
+    # FSDP2's own methods, also where an earlier engine on this module watched them (a second stage-3 ``fit``)
+    wait_for_unshard, reshard = group.__dict__.setdefault("_unwatched_gathering", (group.wait_for_unshard, group.reshard))
+
+    def watched_wait_for_unshard() -> None:
+        gathering = group._all_gather_result is not None  # else a no-op: the unit is gathered already
+        wait_for_unshard()
+        if gathering:
+            gathered(group)
+
+    def watched_reshard() -> None:
+        keeps = group._training_state == TrainingState.FORWARD and group.post_forward_mesh_info is None
+        if group.is_unsharded and not keeps:
+            resharding(group)
+        reshard()
+
+    group.wait_for_unshard, group.reshard = watched_wait_for_unshard, watched_reshard
 
 
 def gathered_versions(group: Any) -> dict[int, int]:
@@ -152,14 +178,15 @@ def write_back_gathered(group: Any, marks: dict[int, int]) -> None:
         if unsharded is None or marks.get(id(fsdp_param), unsharded._version) == unsharded._version:
             continue
         sharded, info = fsdp_param.sharded_param, fsdp_param.mesh_info
-        rows = local_rows(unsharded.detach(), info.shard_mesh_rank, info.shard_mesh_size).to(sharded.dtype)
+        rows = local_rows(unsharded.detach(), info.shard_mesh_rank, info.shard_mesh_size)
+        rows = rows.to(sharded.to_local().device, sharded.dtype)  # offload_params: the shard is in host memory
         with torch.no_grad():
             sharded.copy_(DTensor.from_local(rows, sharded.device_mesh, sharded.placements, run_check=False,
                                              shape=sharded.shape, stride=sharded.stride()))
 
 
-def unshadow_reshard(group: Any) -> None:
-    del group.reshard
+def unshadow_reshard(group: Any, reshard: Callable[[], None]) -> None:
+    group.reshard = reshard
 
 
 def one_group(unit: FSDPModule) -> bool:

@@ -1,4 +1,5 @@
-"""Stage 3 under gradient accumulation: each unit stays gathered from the window's first forward to its last backward.
+"""Stage 3's gathered copies: held from an accumulation window's first forward to its last backward, and what code
+writes into them taken into the shards.
 
 [Note: gathered accumulation windows]
 With ``accumulate_grad_batches=k``, the k-1 non-final micro-batches run under ``no_sync``: every gradient is kept
@@ -20,11 +21,9 @@ hold the root's own parameters: when ``training_step`` calls ``self(...)``, the 
 and FSDP2's outer post-forward reshards the root whatever its setting says ([Note: hpZ and the root] in
 ``fsdp2_units.py``), so the embeddings and head (0.4P on the demo GPT) were gathered again on every micro-batch.
 
-While a unit is held gathered the module's parameters are the gathered copies, and code may write them between
-micro-batches (a momentum teacher updated from the student after every batch, as in BYOL, MoCo and DINO; SwAV's
-prototypes normalised before each forward). Resharding would drop such a write with the copy, so each gathered
-parameter's version counter is noted after every non-final backward, and a parameter written since is copied into its
-shard (cast to the shard's dtype: under mixed precision, the compute dtype's value) before its unit reshards.
+While a unit is held gathered the module's parameters are the gathered copies, and code written between
+micro-batches writes those (a momentum teacher updated from the student after every batch, as in BYOL, MoCo and
+DINO): :class:`GatheredWrites` takes such writes into the shards when the units reshard.
 
 The window opens when a non-final micro-batch begins and closes after the backward that reduces (the last
 micro-batch's): every unit is sharded again then, before the optimizer step. Anything that must see the
@@ -34,6 +33,7 @@ micro-batch opens it again.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -49,15 +49,14 @@ class GatheredWindow:
         #: Each group's reshard-after-forward setting (None for no reshard, a mesh for hpZ's partial reshard),
         #: kept while the window is open; None: closed.
         self._after_forward: list[Any] | None = None
-        #: Each group's gathered parameters' versions after the latest non-final backward (see the Note).
-        self._versions: dict[int, dict[int, int]] = {}
+        #: Each group's own reshard, shadowed while the window is open.
+        self._reshards: list[Callable[[], None]] = []
 
     def hold(self) -> None:
         """A non-final micro-batch begins: what its forward gathers stays gathered through its backward and after."""
         if self._after_forward is None:
             self._after_forward = [fsdp2_private.keep_gathered_after_forward(group) for group in self.groups]
-            for group in self.groups:
-                fsdp2_private.reshard_only_after_backward(group, self._write_back)  # until ``close``
+            self._reshards = [fsdp2_private.reshard_only_after_backward(group) for group in self.groups]  # until close
         for group in self.groups:
             group.reshard_after_backward = False
 
@@ -65,25 +64,47 @@ class GatheredWindow:
         """A non-final micro-batch ended: the next backward that runs outside ``no_sync`` reduces and reshards."""
         for group in self.groups:
             group.reshard_after_backward = True
-            self._versions[id(group)] = fsdp2_private.gathered_versions(group)
-
-    def _write_back(self, group: Any) -> None:
-        """``group`` reshards: first its gathered parameters written since the latest non-final backward into shards."""
-        marks = self._versions.pop(id(group), None)
-        if marks:
-            fsdp2_private.write_back_gathered(group, marks)
 
     def close(self) -> None:
         """Every unit sharded again, with its own reshard-after-forward setting back."""
         if self._after_forward is None:
             return
-        for group, after_forward in zip(self.groups, self._after_forward):
-            fsdp2_private.unshadow_reshard(group)
+        for group, after_forward, reshard in zip(self.groups, self._after_forward, self._reshards):
+            fsdp2_private.unshadow_reshard(group, reshard)
             group.reshard_after_backward = True
             fsdp2_private.restore_after_forward(group, after_forward)
-        self._after_forward = None
+        self._after_forward, self._reshards = None, []
         for group in self.groups:
             if group.is_unsharded:
-                self._write_back(group)
                 group.reshard()
-        self._versions = {}
+
+
+class GatheredWrites:
+    """[Note: writes into gathered parameters]
+    While FSDP2 holds a unit gathered, the module's parameters are the gathered copies: code that writes a parameter
+    in place then writes the copy, and resharding frees it with the write. Such code is common where a parameter
+    is state rather than a weight: an EMA codebook of a VQ-VAE kept as frozen parameters and updated inside
+    ``training_step`` (taming-transformers' ``EmbeddingEMA``), a momentum teacher moved between the micro-batches
+    of an accumulation window, a weight renormalised at the start of ``training_step`` (the root is gathered
+    through it). ``ddp`` and stages 1-2 keep them, each rank holding whole parameters.
+
+    So each gathered parameter's version counter is noted when a gather lands (``watch_gathering``: after FSDP2's
+    copy-out, not after a gather that was a no-op on a unit gathered already), and before the unit reshards a
+    parameter written since is copied into its shard, through the sharded parameter (its own version counts the
+    write: offloaded masters take it in, see [Note: parameters written between steps]). Under mixed precision the
+    copies are in the compute dtype, so the write reaches the fp32 shard at that precision. A write into ``.data``
+    (``p.data.mul_(...)``) moves no version counter and is not seen: write to the parameter under
+    ``torch.no_grad()``, or hold such state in buffers, which FSDP2 leaves whole on every rank.
+    """
+
+    def __init__(self, groups: Iterable[Any]) -> None:
+        self._versions: dict[int, dict[int, int]] = {}
+        for group in groups:
+            fsdp2_private.watch_gathering(group, self._gathered, self._resharding)
+
+    def _gathered(self, group: Any) -> None:
+        self._versions[id(group)] = fsdp2_private.gathered_versions(group)
+
+    def _resharding(self, group: Any) -> None:
+        if marks := self._versions.pop(id(group), None):
+            fsdp2_private.write_back_gathered(group, marks)
