@@ -91,8 +91,8 @@ def _reduced_norms(named: list[tuple[str, ShardRecord]], norm_type: float, group
     present = [(i, grad) for i, (_, record) in enumerate(named) if (grad := record.grad) is not None]
     partial = torch.zeros(2 * len(named), dtype=torch.float64, device=device)
     if present:
-        local = torch._foreach_norm([grad.float() for _, grad in present], norm_type)
-        values = torch.stack(local).double().to(device)
+        local = torch._foreach_norm([grad if grad.is_complex() else grad.float() for _, grad in present], norm_type)
+        values = torch.stack([norm.double() for norm in local]).to(device)
         index = torch.tensor([i for i, _ in present], device=device)
         partial[index] = values if infinite else values.pow(norm_type)
         partial[len(named) + index] = 1.0

@@ -340,7 +340,7 @@ def global_grad_norm(local_grads: list[torch.Tensor], device: torch.device, grou
     all-reduce)."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if local_grads:
-        norms = torch._foreach_norm([g.float() for g in local_grads], 2.0)
+        norms = torch._foreach_norm([g if g.is_complex() else g.float() for g in local_grads], 2.0)  # |g| if complex
         squares = squares + torch.stack([n.double() for n in norms]).pow(2).sum()
     collectives.all_reduce(squares, group=group)
     return squares.sqrt().float()

@@ -171,9 +171,9 @@ CASES = {
         **{f"{name}_bf16": diff for name, diff in against_ddp(memory_layouts.FourierOperator, {
             "stage1": (dict(stage=1), 0.5), "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
             "stage3": (dict(stage=3), 0.5)}, precision="bf16-mixed").items()},
-        **against_ddp(memory_layouts.FourierOperator, {
-            "stage1_offload": (dict(stage=1, offload_optimizer=True), 0.5),
-            "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)})},
+        **against_ddp(memory_layouts.FourierOperator, {  # clipped hard: the norm counts the imaginary parts
+            "stage1_offload": (dict(stage=1, offload_optimizer=True), 0.01),
+            "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.01)})},
     # ModelPruning (lottery ticket: parameters given new storage), and its sharded checkpoints named as it writes them
     "pruning": lambda directory: {
         **against_ddp(memory_layouts.PrunedMLP, {

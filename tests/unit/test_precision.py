@@ -97,3 +97,12 @@ def test_unsupported_trainer_precision_fails_at_construction():
 def test_fp16_plugin_passes_through_on_cpu():
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="zero2", plugins=[ZeroPrecision("16-mixed")], logger=False)
     assert trainer.precision_plugin.precision == "16-mixed"
+
+
+def test_the_clipping_norm_counts_the_imaginary_parts_of_complex_gradients():
+    """``g.float()`` of a complex gradient drops its imaginary part: the norm of (3+4j, 12) came out 12.37, not 13, so
+    a Fourier layer's gradients were clipped by the wrong coefficient at every stage."""
+    from lightning_zero.precision.zero_precision import global_grad_norm
+
+    grads = [torch.tensor([3 + 4j, 0j]), torch.tensor([12.0], dtype=torch.bfloat16)]
+    assert global_grad_norm(grads, torch.device("cpu")).item() == 13.0
