@@ -260,9 +260,12 @@ def test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launch
     assert result.returncode != 0
     assert seconds < 60, f"took {seconds:.0f} s"
     assert "collective mismatch in your code" in output  # gloo's message from the process it aborted
+    # gloo may abort the process in its background thread after the all_gather returned there: its flight record then
+    # says the collective was the last it issued rather than the one it is in (seen once under `make test-all`)
     assert re.search(r"rank [01]'s process crashed in native code \(SIGABRT; its Python stack is in \S+rank[01]\.fatal\) "
-                     r"in validation batch 0, in all_gather #\d+ \(\d+ x float32, [\w.]+\), called from "
-                     r"distributed/popen_mismatch\.py:\d+ in validation_step", output), output[-5000:]
+                     r"in validation batch 0, (in all_gather #\d+ \(\d+ x float32, [\w.]+\)|not in a collective \(the "
+                     r"last it issued: all_gather #\d+\)), called from distributed/popen_mismatch\.py:\d+ in validation_step",
+                     output), output[-5000:]
     assert re.search(r"the first that differs is #\d+: all_gather #\d+ \(1056 x float32, sampler\.0\) on rank \d vs "
                      r"all_gather #\d+ \(\d+ x float32, [\w.]+\) on rank \d", output), output[-5000:]
     assert "Every rank must issue the same collectives in the same order" in output
