@@ -203,8 +203,8 @@ def launch_processes(module: str, *args: str, nprocs: int = 2, timeout: float = 
             proc.wait()
     fault_at = None
     if fault_file.exists():
-        text = fault_file.read_text().strip()
-        fault_at = float(text) - wall_start if text else None
+        text = fault_file.read_text().split()
+        fault_at = float(text[0]) - wall_start if text else None
     ranks = []
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         log.flush()

@@ -27,10 +27,14 @@ FAULT_BATCH = 2
 FAULTY = int(os.environ.get("LZ_FAULTY", "1"))
 
 
-def fault(note: str = "") -> None:
-    """Announce the fault (its time) to the harness."""
-    with open(os.environ["LZ_FAULT_FILE"], "w") as f:
-        f.write(f"{time.time()}\n{note}")
+def fault() -> None:
+    """Announce the fault (its time) to the harness. Several ranks may announce at once (``generate``), so each
+    writes a file of its own and renames it into place: the harness reads one whole announcement, never two
+    interleaved."""
+    path = os.environ["LZ_FAULT_FILE"]
+    with open(f"{path}.{RANK}", "w") as f:
+        f.write(f"{time.time()}\n")
+    os.replace(f"{path}.{RANK}", path)
 
 
 def here(batch_idx: int, rank: int = FAULTY) -> bool:
