@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.pytorch.core.optimizer import do_nothing_closure
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -262,7 +263,11 @@ class ZeroPrecision(Precision):
     ) -> Any:
         optimizer = _unwrap(optimizer)
         closure_result = closure()
-        skipped_backward = model.automatic_optimization and closure_result is None
+        # A closure's None is `training_step` returning None, a skipped backward; but ``optimizer.step()`` called
+        # without one (an `optimizer_step` override that ran `optimizer_closure()` itself) hands Lightning's
+        # `do_nothing_closure` here, whose None says nothing about the backward that already ran.
+        skipped_backward = (model.automatic_optimization and closure_result is None
+                            and closure is not do_nothing_closure)
         found_inf = self.finalize_gradients(optimizer) if not skipped_backward else False
         self._after_closure(model, optimizer)
         if skipped_backward:

@@ -192,11 +192,16 @@ def reference_run(
 
 
 class SkipsSomeSteps(Regression):
-    """Lightning's documented pattern for skipping a step: run the closure (forward + backward) only."""
+    """Lightning's documented pattern for skipping a step: run the closure (forward + backward) only; and, in another
+    window, the closure run by hand and then ``optimizer.step()`` without it (a guard that looks at the loss first),
+    for which Lightning hands the strategy its ``do_nothing_closure``."""
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         if batch_idx % 4 == 1:  # every other accumulation window (accumulate_grad_batches=2)
             optimizer_closure()
+        elif batch_idx % 8 == 3:
+            optimizer_closure()
+            optimizer.step()
         else:
             optimizer.step(closure=optimizer_closure)
 
