@@ -55,13 +55,17 @@ def add_note(exception: BaseException, note: str) -> None:
         exception.args = (*exception.args, text)
 
 
+def _headline(text: str | None) -> str:
+    return (text or "").strip().split("\n", 1)[0]
+
+
 def brought_down_by(exception: BaseException, first: dict[str, Any], rank: int) -> None:
     """Name ``first`` in ``exception`` unless it is this rank's own error or the same error (every rank raising
     the same check needs no note)."""
     if first.get("rank") == rank and first.get("kind") == "error":
         return
-    if first.get("error") == error_text(exception):
-        return
+    if _headline(first.get("error")) == _headline(error_text(exception)):
+        return  # the same error on every rank (a failed save's, raised alike everywhere), however its details read
     add_note(exception, f"the run was brought down by the first failure: {first['message']}")
 
 
