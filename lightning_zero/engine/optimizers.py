@@ -6,7 +6,7 @@ whole tensors, which step whole parameters on an owner rank (``owner_step.py``),
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -107,6 +107,24 @@ def steps_in_parts(optimizer: Optimizer) -> bool:
     included) per parameter; a step hook, though, would see one step as several, so an optimizer with hooks steps
     whole."""
     return isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and not has_step_hooks(optimizer)
+
+
+def follow_zero_grad(optimizer: Optimizer, drop_held: Callable[[], None]) -> None:
+    """Make ``optimizer.zero_grad()`` also drop what the engine holds of its gradients outside ``p.grad`` (stage 2's
+    shard sums): manual optimization that clears one optimizer's gradients after another loss's backward reached its
+    parameters (a GAN's critic, without ``toggle_optimizer``) would otherwise step them with that loss's gradients too.
+    An instance attribute over the class's method, so that wrapping the optimizer again replaces it, never stacks."""
+    zero_grad = type(optimizer).zero_grad
+
+    def zero_grad_and_held(set_to_none: bool = True) -> None:
+        drop_held()
+        zero_grad(optimizer, set_to_none)
+
+    optimizer.zero_grad = zero_grad_and_held  # type: ignore[method-assign]
+
+
+def unfollow_zero_grad(optimizer: Optimizer) -> None:
+    optimizer.__dict__.pop("zero_grad", None)
 
 
 def stepping_view(optimizer: Optimizer) -> Optimizer:

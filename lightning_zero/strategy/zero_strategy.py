@@ -193,11 +193,13 @@ class ZeroStrategy(CheckpointingStrategy):
             for optimizer in self.optimizers:
                 config = self.zero_config
                 engine.wrap_optimizer(unwrap(optimizer), config.elementwise_optimizers, config.matrix_optimizers)
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # makes Lightning's optimizer wrappers again
         precision.attach(self.engine, self.root_device)
         if fitting and not self.zero_config.optimizer_on_host:
             _optimizers_to_device(self.optimizers, self.root_device)
         if fitting:
+            for wrapper in self._lightning_optimizers:  # `opt.zero_grad()` in manual optimization: the engine's, if any
+                setattr(wrapper, "zero_grad", unwrap(wrapper).zero_grad)
             self.setup_checkpoints(trainer)
             sharded = self._sharded
             average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), sharded.engine,

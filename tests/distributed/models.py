@@ -206,6 +206,28 @@ class SkipsSomeSteps(Regression):
             optimizer.step(closure=optimizer_closure)
 
 
+class SteppedByHand(Regression):
+    """A trainable gain that no optimizer holds, stepped by a rule of the module's own from its gradient in
+    ``on_before_optimizer_step`` every other step, and left to accumulate across windows in between, as DDP
+    leaves a parameter that no optimizer's ``zero_grad`` clears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(OUT))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net.parameters(), lr=1e-2)
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.gain.grad is not None and self.global_step % 2 == 0:
+            with torch.no_grad():
+                self.gain.sub_(0.1 * self.gain.grad)
+            self.gain.grad = None
+
+
 class EndsAnEpochInsideAWindow(Regression):
     """Ends epoch 0 from ``on_train_batch_start`` (returning -1, Lightning's way) at its 4th batch: with
     ``accumulate_grad_batches=2`` the 3rd batch's gradients were accumulated for a step that never comes, and the next
@@ -218,6 +240,9 @@ class EndsAnEpochInsideAWindow(Regression):
 # ---------------------------------------------------------------------- manual optimization (GAN-style)
 class TwoPlayer(L.LightningModule):
     """Generator/discriminator with two optimizers, toggled as Lightning's GAN example does."""
+
+    #: The critic's weights clipped to this after its step (WGAN); None: no clipping.
+    clamp: float | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -243,6 +268,7 @@ class TwoPlayer(L.LightningModule):
         d_opt.zero_grad()
         self.manual_backward(d_loss)
         d_opt.step()
+        clamp_critic(self)
         self.untoggle_optimizer(d_opt)
         self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
 
@@ -250,8 +276,37 @@ class TwoPlayer(L.LightningModule):
         return torch.optim.Adam(self.gen.parameters(), lr=1e-2), torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9)
 
 
-def two_player_reference(initial: dict, dataset: Dataset, *, world: int, batch: int, steps: int) -> dict:
+class UntoggledWGAN(TwoPlayer):
+    """The same players without ``toggle_optimizer``, as many GANs are written: the generator's loss reaches the
+    critic's parameters too, and ``d_opt.zero_grad()`` alone keeps those gradients out of the critic's step; the
+    critic's weights clipped after it (WGAN), written between steps where the generator's step gathers them."""
+
+    clamp = 0.05
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        g_opt, d_opt = self.optimizers()
+        g_opt.zero_grad()
+        self.manual_backward(-self.disc(self.gen(x)).mean())
+        self.clip_gradients(g_opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        g_opt.step()
+        d_opt.zero_grad()
+        self.manual_backward((self.disc(self.gen(x).detach()) - self.disc(x)).mean())
+        d_opt.step()
+        clamp_critic(self)
+
+
+def clamp_critic(model: TwoPlayer) -> None:
+    if model.clamp is not None:
+        with torch.no_grad():
+            for p in model.disc.parameters():
+                p.clamp_(-model.clamp, model.clamp)
+
+
+def two_player_reference(initial: dict, dataset: Dataset, *, world: int, batch: int, steps: int,
+                         clamp: float | None = None) -> dict:
     model = TwoPlayer()
+    model.clamp = clamp
     model.load_state_dict(copy.deepcopy(initial))
     g_opt, d_opt = model.configure_optimizers()
     for (per_rank,) in zip(global_microbatches(dataset, world, batch, steps)):
@@ -268,6 +323,7 @@ def two_player_reference(initial: dict, dataset: Dataset, *, world: int, batch: 
         d_opt.zero_grad()
         sum((model.disc(model.gen(x).detach()) - model.disc(x)).mean() for x, _ in per_rank).div(world).backward()
         d_opt.step()
+        clamp_critic(model)
         for p in model.gen.parameters():
             p.requires_grad_(True)
     return {n: t.detach().clone() for n, t in model.state_dict().items()}

@@ -126,17 +126,17 @@ def exactness(
     return out
 
 
-def manual_two_optimizers(stage) -> dict:
+def manual_two_optimizers(stage, model=models.TwoPlayer, **options) -> dict:
     L.seed_everything(11)
-    module = models.TwoPlayer()
+    module = model()
     initial = copy.deepcopy(module.state_dict())
-    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_steps=6)
+    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full", **options), max_steps=6)
     data = models.IndexedData()
     t.fit(module, models.loader(data, 4))
     final = t.strategy.full_state_dict()
     out = {"steps": t.global_step}
     if RANK == 0:
-        ref = models.two_player_reference(initial, data, world=WORLD, batch=4, steps=3)
+        ref = models.two_player_reference(initial, data, world=WORLD, batch=4, steps=3, clamp=module.clamp)
         out["param_diff"] = max_diff(final, ref)
     return out
 
@@ -148,6 +148,17 @@ def skipped_steps(stage) -> dict:
     strategy = ZeroStrategy(stage=stage, state_dict_type="full") if stage else "ddp"
     t = trainer(strategy, max_epochs=1, accumulate_grad_batches=2)
     module = models.SkipsSomeSteps()
+    t.fit(module, models.loader(models.IndexedData(), 4))
+    state = t.strategy.full_state_dict() if stage else module.state_dict()
+    return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+
+
+def stepped_by_hand(stage, **options) -> dict:
+    """``models.SteppedByHand`` with accumulation 2 and clipping: the final weights. ``stage`` 0: Lightning's ``ddp``."""
+    L.seed_everything(7)
+    strategy = ZeroStrategy(stage=stage, state_dict_type="full", **options) if stage else "ddp"
+    t = trainer(strategy, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5)
+    module = models.SteppedByHand()
     t.fit(module, models.loader(models.IndexedData(), 4))
     state = t.strategy.full_state_dict() if stage else module.state_dict()
     return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
@@ -344,8 +355,12 @@ CASES = {
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
+        **{f"untoggled_stage{s}": manual_two_optimizers(s, models.UntoggledWGAN) for s in (1, 2, 3)},
+        "untoggled_stage1_offloaded": manual_two_optimizers(1, models.UntoggledWGAN, offload_optimizer=True),
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
         **{f"skipped_steps_stage{s}": skipped_steps(s) for s in (0, 1, 2, 3)},
+        **{f"stepped_by_hand_stage{s}": stepped_by_hand(s) for s in (0, 1, 2, 3)},
+        "stepped_by_hand_stage2_offloaded": stepped_by_hand(2, offload_optimizer=True),
         **{f"unfrozen_unused_head_stage{s}": unfrozen_unused_head(s) for s in (2, 3)},
         **{f"routed_{p}": routed_mixed(p) for p in ("16-mixed", "bf16-mixed")},
         **{f"epoch_ended_{s}": epoch_ended_inside_a_window(ZeroStrategy(stage=s) if s else "ddp") for s in (0, 2, 3)},

@@ -348,14 +348,22 @@ class ShardedOptimizer:
     def all_gather_params(self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None) -> None:
         """Bring the updated rows of ``buckets`` (default: all of this optimizer's) into every rank's parameters,
         copying the masters of ``indices`` (default: all) first."""
+        gathered = self.buckets if buckets is None else buckets
+        indices = self.indices if indices is None else indices
+        if self.written is not None and self.masters is not None:
+            # The buckets' other parameters (another optimizer's, or no optimizer's) keep their resident rows, which the
+            # gather rewrites: what was written into them since their mark goes into their masters first, or the mark
+            # the gather leaves would hide it from their own step and from checkpoints.
+            copied = set(indices)
+            if others := [i for b in gathered for i in self.layout.buckets[b].params if i not in copied]:
+                self.written.take_back(self.masters, others, self.params.__getitem__,
+                                       lambda i: local_rows(self.params[i].detach(), self.rank, self.layout.world_size))
         with record_function("lightning_zero::param_all_gather"):  # a phase of bench_core's breakdown
             all_gather_params(
-                self.layout, self.params, self.buckets if buckets is None else buckets, rank=self.rank,
-                group=self.group, masters=self.masters, indices=self.indices if indices is None else indices,
-                compression=self.reducer.compression, row_views=self.row_views,
+                self.layout, self.params, gathered, rank=self.rank, group=self.group, masters=self.masters,
+                indices=indices, compression=self.reducer.compression, row_views=self.row_views,
             )
         if self.written is not None:
-            gathered = self.buckets if buckets is None else buckets
             self.written.mark(self.params[i] for b in gathered for i in self.layout.buckets[b].params)
 
 

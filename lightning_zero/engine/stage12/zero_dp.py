@@ -30,10 +30,11 @@ from lightning_zero.engine.stage12.new_storage import StorageWatch, hold_again
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.written_rows import WrittenRows
 from lightning_zero.engine.offload import MasterShards
-from lightning_zero.engine.optimizers import optimizer_kind, shards_of
+from lightning_zero.engine.optimizers import follow_zero_grad, optimizer_kind, shards_of, unfollow_zero_grad
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.stage12.param_gather import all_gather_params
 from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer
+from lightning_zero.engine.stage12.unstepped import UnsteppedLookup, hand_over
 from lightning_zero.engine.state_dict import gather_full
 
 
@@ -140,6 +141,7 @@ class ZeroDataParallel:
             compression=self.compression,
         )
         self._records = [self._record(i) for i in range(len(self.params))]
+        self._unstepped_lookup = UnsteppedLookup()
         #: See [Note: parameters given new storage].
         self._storage = StorageWatch(self.params)
         laid_out = {id(p) for p in self.params}
@@ -235,6 +237,7 @@ class ZeroDataParallel:
     def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
         kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
         self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer, kind)
+        follow_zero_grad(optimizer, lambda: self.reducer.consume(self.optimizer_shards(optimizer).indices))
 
     def _sharded_optimizer(self, optimizer: Optimizer, kind: str, shards: dict[int, torch.Tensor] | None = None,
                            owners: OwnerStepping | None = None, pending: PendingUpdate | None = None) -> ShardedOptimizer:
@@ -256,8 +259,10 @@ class ZeroDataParallel:
         return [bucket.segment_numel for bucket in self.layout.buckets]
 
     def discard_all_gradients(self) -> None:
-        """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
-        self.reducer.consume(range(len(self.params)))
+        """Start a new accumulation window: whatever was reduced and not stepped is dropped, but for the gradients
+        handed to parameters no optimizer holds, theirs now (see [Note: parameters no optimizer steps])."""
+        kept = set(self._unstepped())
+        self.reducer.consume([i for i in range(len(self.params)) if i not in kept] if kept else range(len(self.params)))
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
@@ -282,11 +287,17 @@ class ZeroDataParallel:
                 self.reducer.on_landed = shards.bucket_landed
 
     def post_backward(self) -> None:
+        synchronizing = self.reducer.require_sync
         self.reducer.flush()
         if self.reducer.on_landed is not None:
             self.reducer.on_landed = None
             for shards in self._optimizers.values():
                 shards.early.disarm()
+        if synchronizing and (unstepped := self._unstepped()):
+            hand_over(self.reducer, unstepped, self.group)
+
+    def _unstepped(self) -> list[int]:
+        return self._unstepped_lookup(self.params, [shards.optimizer for shards in self._optimizers.values()])
 
     def land_gradients(self) -> None:
         """Stages 1-2 reduce a pipeline's gradients once they are back in place (:meth:`post_backward`), and every
@@ -359,6 +370,8 @@ class ZeroDataParallel:
 
     def teardown(self) -> None:
         self.reducer.remove_hooks()
+        for shards in self._optimizers.values():
+            unfollow_zero_grad(shards.optimizer)
         for worker in (self.host_steps, self._early_worker):
             if worker is not None:
                 worker.close()
