@@ -141,27 +141,26 @@ def manual_two_optimizers(stage, model=models.TwoPlayer, **options) -> dict:
     return out
 
 
-def skipped_steps(stage) -> dict:
-    """Windows whose step is skipped must not leak their gradients into the next window; a step taken without the
-    closure must still step. ``stage`` 0: Lightning's ``ddp``, the reference."""
+def final_state(model, stage, options=None, **trainer_kwargs) -> dict:
+    """``model()`` fitted for an epoch with accumulation 2: the final weights. ``stage`` 0: Lightning's ``ddp``."""
     L.seed_everything(7)
-    strategy = ZeroStrategy(stage=stage, state_dict_type="full") if stage else "ddp"
-    t = trainer(strategy, max_epochs=1, accumulate_grad_batches=2)
-    module = models.SkipsSomeSteps()
+    strategy = ZeroStrategy(stage=stage, state_dict_type="full", **(options or {})) if stage else "ddp"
+    t = trainer(strategy, max_epochs=1, accumulate_grad_batches=2, **trainer_kwargs)
+    module = model()
     t.fit(module, models.loader(models.IndexedData(), 4))
     state = t.strategy.full_state_dict() if stage else module.state_dict()
     return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+
+
+def skipped_steps(stage) -> dict:
+    """Windows whose step is skipped must not leak their gradients into the next window; a step taken without the
+    closure must still step."""
+    return final_state(models.SkipsSomeSteps, stage)
 
 
 def stepped_by_hand(stage, **options) -> dict:
-    """``models.SteppedByHand`` with accumulation 2 and clipping: the final weights. ``stage`` 0: Lightning's ``ddp``."""
-    L.seed_everything(7)
-    strategy = ZeroStrategy(stage=stage, state_dict_type="full", **options) if stage else "ddp"
-    t = trainer(strategy, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.5)
-    module = models.SteppedByHand()
-    t.fit(module, models.loader(models.IndexedData(), 4))
-    state = t.strategy.full_state_dict() if stage else module.state_dict()
-    return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+    """A parameter no optimizer holds, stepped by the module itself (``models.SteppedByHand``), with clipping."""
+    return final_state(models.SteppedByHand, stage, options, gradient_clip_val=0.5)
 
 
 def epoch_ended_inside_a_window(strategy, precision: str = "32-true") -> dict:
