@@ -131,7 +131,7 @@ class ShardedOptimizer:
                     self.shards[i] = (
                         self.masters[i]
                         if self.masters is not None
-                        else local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
+                        else self._resident_rows(i)
                     )
         #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
         self.indices = indices
@@ -327,8 +327,7 @@ class ShardedOptimizer:
     def take_back_writes(self) -> None:
         """See [Note: parameters written between steps]: parameters written since the last gather into their masters."""
         if self.written is not None and self.masters is not None:
-            self.written.take_back(self.masters, self.indices, self.params.__getitem__,
-                                   lambda i: local_rows(self.params[i].detach(), self.rank, self.layout.world_size))
+            self.written.take_back(self.masters, self.indices, self.params.__getitem__, self._resident_rows)
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         self.local_rows(i).view(-1).copy_(rows)
@@ -336,7 +335,10 @@ class ShardedOptimizer:
     def local_rows(self, i: int) -> torch.Tensor:
         """This rank's rows of parameter ``i`` as the optimizer's truth: its master, or a view of the resident
         parameter."""
-        return self.masters[i] if self.masters is not None else local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
+        return self.masters[i] if self.masters is not None else self._resident_rows(i)
+
+    def _resident_rows(self, i: int) -> torch.Tensor:
+        return local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
 
     def discard_gradients(self) -> None:
         """A skipped step: drop the gradients as the step would have consumed them (a delayed update still lands,
@@ -356,8 +358,7 @@ class ShardedOptimizer:
             # the gather leaves would hide it from their own step and from checkpoints.
             copied = set(indices)
             if others := [i for b in gathered for i in self.layout.buckets[b].params if i not in copied]:
-                self.written.take_back(self.masters, others, self.params.__getitem__,
-                                       lambda i: local_rows(self.params[i].detach(), self.rank, self.layout.world_size))
+                self.written.take_back(self.masters, others, self.params.__getitem__, self._resident_rows)
         with record_function("lightning_zero::param_all_gather"):  # a phase of bench_core's breakdown
             all_gather_params(
                 self.layout, self.params, gathered, rank=self.rank, group=self.group, masters=self.masters,
