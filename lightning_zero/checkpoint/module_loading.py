@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.fsdp import FSDPModule
 from lightning.pytorch.core.saving import _load_state
 
 from lightning_zero.checkpoint.consolidate import iter_model_tensors
@@ -37,6 +38,7 @@ def load_from_checkpoint(
 ) -> ModuleT:
     """``module_class`` with the weights and hyperparameters of the checkpoint at ``path`` (``hparams`` override
     saved ones, as in ``load_from_checkpoint``), on ``map_location`` (default: the CPU)."""
+    module_class = _unsharded_class(module_class)
     path = Path(path)
     check_complete(path)
     checkpoint = read_checkpoint_dict(path if path.is_file() else path / META_FILE)
@@ -46,3 +48,12 @@ def load_from_checkpoint(
     if not isinstance(module, module_class):
         raise RuntimeError("lightning_zero internal error: Lightning's _load_state returns a ``module_class(...)``")
     return module.to(map_location or "cpu")
+
+
+def _unsharded_class(module_class: type[ModuleT]) -> type[ModuleT]:
+    """The user's class behind ``type(model)`` of a module a stage-3 ``fit`` sharded: FSDP2 gives it a class of its
+    own (``FSDPMyModule``) whose constructor builds a plain ``MyModule``."""
+    if issubclass(module_class, FSDPModule):
+        mro = module_class.__mro__
+        return next(c for c in mro if issubclass(c, pl.LightningModule) and not issubclass(c, FSDPModule))
+    return module_class

@@ -1,7 +1,7 @@
 """Models that train under Lightning ``ddp`` as built and once tripped ZeroStrategy: parameters or gradients that are
 not dense row-major tensors of one dtype (see [Note: the memory the row shards need] in
 ``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, a block run several times a forward, and
-parameters written in place between steps. Under ZeroStrategy each must train to ``ddp``'s weights."""
+parameters written in place between steps, integer parameters. Under ZeroStrategy each must train to ``ddp``'s weights."""
 
 from __future__ import annotations
 
@@ -155,6 +155,40 @@ class Temperature(RegressionTask):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.head(torch.tanh(self.body(x))) * self.logit_scale.exp() + self.shift, y)
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen int8 weight with its fp32 scales and bias in one layer, and a trainable low-rank adapter (QLoRA)."""
+
+    def __init__(self, fan_in: int, fan_out: int) -> None:
+        super().__init__()
+        weight = torch.randn(fan_out, fan_in)
+        scale = weight.abs().amax(1) / 127
+        self.qweight = nn.Parameter((weight / scale[:, None]).round().to(torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(fan_out), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(4, fan_in) * 0.1)
+        self.lora_b = nn.Parameter(torch.zeros(fan_out, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.qweight.to(x.dtype) * self.scale[:, None], self.bias) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class QuantizedBase(RegressionTask):
+    """Integer parameters, which FSDP2 cannot gather with a unit's floating ones (stage 3 keeps them whole): quantized
+    layers under low-rank adapters, and an index table the model holds itself beside a frozen fp32 gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([QuantizedLinear(8, 16), QuantizedLinear(16, 16)])
+        self.head = nn.Linear(16, 1)
+        self.codes = nn.Parameter(torch.arange(16).flip(0), requires_grad=False)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 16), requires_grad=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = torch.tanh(self.blocks[0](x)) * self.gain[self.codes]
+        return F.mse_loss(self.head(torch.tanh(self.blocks[1](x))), y)
 
 
 class NormalisedPrototypes(RegressionTask):

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "shared_block", "zero_dim", "written", "complex", "pruning", nprocs=2)
+                  "functional_sparse", "shared_block", "zero_dim", "written", "complex", "pruning", "integer", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +129,15 @@ def test_complex_parameters_stay_complex_under_bf16_mixed_and_train_offloaded(ed
     assert set(runs) == {"stage1_bf16", "stage2_offload_bf16", "stage3_bf16", "stage1_offload", "stage3_offload"}
     for name, diff in runs.items():
         assert diff <= (2e-3 if name.endswith("bf16") else 1e-5), name
+
+
+def test_integer_parameters_stay_whole_at_stage_3_and_the_sharded_class_loads_its_checkpoint(edges):
+    """Quantized int8 weights beside their fp32 scales in one layer (QLoRA) and an index table beside an fp32 gain at
+    the root: stage 3 refused both units (FSDP2 gathers one dtype a unit); integer parameters never have a gradient and
+    now stay whole, as buffers do. Against ``ddp``, plain and with ``offload_params``, and a sharded checkpoint resumed
+    at stage 2; ``load_from_checkpoint(type(model), path)`` after the fit (FSDP2's class) loads the user's class."""
+    assert set(edges["integer"]) == {"stage3", "stage3_offload_params", "stage3_sharded_to_stage2", "loaded_by_the_sharded_class"}
+    _each_as_under_ddp(edges["integer"])
 
 
 def test_model_pruning_trains_as_under_ddp_and_its_checkpoints_resume(edges):

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroStrategy, load_from_checkpoint
 from lightning_zero.checkpoint import state_dicts
 from tests.distributed import memory_layouts, models
 from tests.distributed.worker_checkpoint import RestoredProbe
@@ -183,6 +183,12 @@ CASES = {
     "shared_block": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3": (dict(stage=3, wrap_policy={torch.nn.Sequential}), 0.5),
         "stage3_offload_unclipped": (dict(stage=3, wrap_policy={torch.nn.Sequential}, offload_optimizer=True), None)}),
+    # integer parameters kept whole at stage 3; the class FSDP2 gave the module taken back to the user's by loading
+    "integer": lambda directory: {
+        **against_ddp(memory_layouts.QuantizedBase, {
+            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}),
+        **resumed_against_ddp(memory_layouts.QuantizedBase, directory, [(3, "sharded", 2)]),
+        "loaded_by_the_sharded_class": loaded_by_the_sharded_class(directory)},
     "shared_block_rest": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3_merged": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
         "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None)}),
@@ -276,6 +282,22 @@ def resumed_against_ddp(model: Callable[[], L.LightningModule], directory: Path,
         if RANK == 0:
             out[f"stage{stage}_{kind}_to_stage{resumed}"] = max_diff(weights, reference)
     return out
+
+
+def loaded_by_the_sharded_class(directory: Path) -> float:
+    """A stage-3 fit's sharded checkpoint loaded by ``type(model)`` after the fit (FSDP2's ``FSDPQuantizedBase``):
+    the weights against the fit's own."""
+    L.seed_everything(3)
+    t = trainer(ZeroStrategy(stage=3), max_steps=2)
+    t.fit(memory_layouts.QuantizedBase())
+    t.save_checkpoint(directory / "by_class")
+    weights = t.strategy.full_state_dict()
+    if RANK != 0:
+        return 0.0
+    loaded = load_from_checkpoint(type(t.lightning_module), directory / "by_class")
+    assert type(loaded) is memory_layouts.QuantizedBase, type(loaded)
+    assert loaded.blocks[0].qweight.dtype == torch.int8
+    return max_diff(loaded.state_dict(), weights)
 
 
 def pruned_resumed(directory: Path) -> float:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units, units_of_one_dtype
+from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units, units_of_one_dtype, whole_params
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, mixed_state_bytes
 
 POLICY = PrecisionPolicy(torch.bfloat16, torch.bfloat16)
@@ -91,6 +91,20 @@ def test_a_layer_holding_two_dtypes_itself_is_refused_at_stage_3_naming_the_unit
     with pytest.raises(TypeError, match=r"unit 'block' holds parameters in float32 and float64.*stage 1 or 2"):
         units_of_one_dtype([model], select_units(model, None), None)
     units_of_one_dtype([model], select_units(model, None), POLICY)  # a mixed policy casts each unit to one dtype
+
+
+def test_integer_and_0_dim_parameters_stay_whole_and_take_no_part_in_a_units_dtype():
+    model = nn.Module()
+    model.block = nn.Linear(4, 4)
+    model.block.qweight = nn.Parameter(torch.zeros(4, 4, dtype=torch.int8), requires_grad=False)
+    model.codes = nn.Parameter(torch.arange(4), requires_grad=False)
+    model.temperature = nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
+    model.index_only = nn.Module()
+    model.index_only.table = nn.Parameter(torch.arange(3), requires_grad=False)
+    units, kind = units_of_one_dtype([model], select_units(model, None), None)
+    assert names(model, {id(u) for u in units}) == ["block"]  # a child holding only integers is no unit
+    assert kind(model.block) == torch.float32
+    assert whole_params([model]) == {model.block.qweight, model.codes, model.temperature, model.index_only.table}
 
 
 def test_state_bytes_formulas():

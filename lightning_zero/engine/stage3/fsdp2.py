@@ -67,12 +67,14 @@ from lightning_zero.engine.stage3.fsdp2_comm import (
     CountingAllGather, CountingReduceScatter, FinishedUnits, LateReductions, SumOverReplicas,
 )
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
-from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters, zero_dim_parameters
+from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWrites
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
-from lightning_zero.engine.stage3.fsdp2_units import WrapPolicy, select_units, unit_groups, units_below_the_root, units_of_one_dtype
+from lightning_zero.engine.stage3.fsdp2_units import (
+    WrapPolicy, select_units, sharded_params, unit_groups, units_below_the_root, units_of_one_dtype, whole_params,
+)
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, fsdp2_mixed_precision, hold_as_masters
 from lightning_zero.engine.host_steps import HostSteps
@@ -223,7 +225,7 @@ class FullyShardedEngine:
     def _gathered_bytes(self, unit: nn.Module) -> int:
         """Bytes of ``unit``'s parameters in the dtype FSDP2 gathers them in."""
         dtype = None if self.policy is None or id(unit) in self._fp32_units else self.policy.compute_dtype
-        return sum(p.numel() * (dtype or p.dtype).itemsize for p in unit.parameters())
+        return sum(p.numel() * (dtype or p.dtype).itemsize for p in sharded_params(unit))
 
     def _shard(self, group: list[nn.Module]) -> None:
         """One ``fully_shard`` call over ``group``'s modules (see [Note: merged units])."""
@@ -240,7 +242,7 @@ class FullyShardedEngine:
             reshard_after_forward=False if hpz_root else self._reshard_after_forward,
             mp_policy=fsdp2_mixed_precision(self.policy, id(first) in self._fp32_units),
             offload_policy=self._offload_policy,
-            ignored_params=zero_dim_parameters(group),  # see [Note: 0-dim parameters at stage 3]
+            ignored_params=whole_params(group),  # 0-dim and integer parameters: see ``sharded_by_fsdp2``
         )
         self._set_collectives(sharded[0] if isinstance(sharded, list) else sharded)
 

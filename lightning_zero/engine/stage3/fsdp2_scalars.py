@@ -17,16 +17,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.shard import local_rows
-
-
-def zero_dim_parameters(modules: Sequence[nn.Module]) -> set[nn.Parameter]:
-    """The 0-dim parameters of ``modules`` and their submodules: ``fully_shard``'s ``ignored_params``."""
-    return {p for module in modules for p in module.parameters() if p.dim() == 0}
 
 
 class ZeroDimParameters:

@@ -17,15 +17,34 @@ gathered until backward when its forward is not nested (FSDP2's default for the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import cast
 
+import torch
 from torch import nn
 
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 
 #: A wrap policy: one module class, several classes, or a predicate on modules.
 WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
+
+
+def sharded_by_fsdp2(param: torch.Tensor) -> bool:
+    """Whether ``fully_shard`` shards ``param``: it refuses 0-dim parameters (see [Note: 0-dim parameters at stage
+    3] in ``fsdp2_scalars.py``), and an integer parameter (an index table, a quantized weight) never has a gradient
+    and cannot share a unit's gathered buffer with the unit's floating parameters. Both stay whole on every rank
+    (``ignored_params``), as a buffer does, and take no part in a unit's choice or dtype."""
+    return param.dim() > 0 and (param.is_floating_point() or param.is_complex())
+
+
+def sharded_params(module: nn.Module, recurse: bool = True) -> Iterator[nn.Parameter]:
+    """``module.parameters(recurse)`` that FSDP2 shards (:func:`sharded_by_fsdp2`)."""
+    return (p for p in module.parameters(recurse=recurse) if sharded_by_fsdp2(p))
+
+
+def whole_params(modules: Iterable[nn.Module]) -> set[nn.Parameter]:
+    """The parameters of ``modules`` and their submodules that stay whole: ``fully_shard``'s ``ignored_params``."""
+    return {p for module in modules for p in module.parameters() if not sharded_by_fsdp2(p)}
 
 
 def default_units(root: nn.Module) -> list[nn.Module]:
@@ -35,7 +54,7 @@ def default_units(root: nn.Module) -> list[nn.Module]:
     listed = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m}
     if listed:
         return [m for m in root.modules() if id(m) in listed]
-    return [child for child in root.children() if any(True for _ in child.parameters())]
+    return [child for child in root.children() if any(True for _ in sharded_params(child))]
 
 
 def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
@@ -44,17 +63,17 @@ def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Mod
     sharing a parameter with another child, or with the root itself, stays in the root: FSDP2 cannot split a parameter
     across units."""
     chosen = {id(u) for u in units}
-    in_units = {id(p) for u in units for p in u.parameters()}
-    holders: dict[int, set[int]] = {id(p): {id(root)} for p in root.parameters(recurse=False)}
+    in_units = {id(p) for u in units for p in sharded_params(u)}
+    holders: dict[int, set[int]] = {id(p): {id(root)} for p in sharded_params(root, recurse=False)}
     for child in root.children():
-        for p in child.parameters():
+        for p in sharded_params(child):
             holders.setdefault(id(p), set()).add(id(child))
     return [
         child
         for child in root.children()
         if id(child) not in chosen
-        and any(id(p) not in in_units for p in child.parameters())
-        and all(holders[id(p)] == {id(child)} for p in child.parameters())
+        and any(id(p) not in in_units for p in sharded_params(child))
+        and all(holders[id(p)] == {id(child)} for p in sharded_params(child))
     ]
 
 
@@ -77,7 +96,7 @@ def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
     else:
         predicate = resolve_wrap_policy(policy)
         units = [m for m in root.modules() if m is not root and predicate(m)]
-    return [m for m in units if any(True for _ in m.parameters())]
+    return [m for m in units if any(True for _ in sharded_params(m))]
 
 
 def held_kinds(roots: Iterable[nn.Module], policy: PrecisionPolicy | None) -> Callable[[nn.Module], object]:
@@ -86,12 +105,12 @@ def held_kinds(roots: Iterable[nn.Module], policy: PrecisionPolicy | None) -> Ca
     another dtype, e.g. fp32 layers kept in a bf16 model). A module without own parameters has the root's kind."""
     if policy is not None:
         return policy.holds_fp32
-    dtypes = [p.dtype for root in roots for p in root.parameters()]
+    dtypes = [p.dtype for root in roots for p in sharded_params(root)]
     # The dtype most parameters are held in; ties go by name, so that every rank picks the same.
     main = max(sorted(set(dtypes), key=str), key=dtypes.count, default=None)
 
     def dtype(module: nn.Module) -> object:
-        return next((p.dtype for p in module.parameters(recurse=False)), main)
+        return next((p.dtype for p in sharded_params(module, recurse=False)), main)
 
     return dtype
 
@@ -107,14 +126,14 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     chosen = {id(m) for m in units}
     owners: dict[int, int] = {}
     for module in root.modules():
-        for p in module.parameters(recurse=False):
+        for p in sharded_params(module, recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
 
     def self_contained(module: nn.Module) -> bool:
-        return all(owners[id(p)] == 1 for m in module.modules() for p in m.parameters(recurse=False))
+        return all(owners[id(p)] == 1 for m in module.modules() for p in sharded_params(m, recurse=False))
 
     def own_kind(module: nn.Module) -> object | None:
-        return kind(module) if any(True for _ in module.parameters(recurse=False)) else None
+        return kind(module) if any(True for _ in sharded_params(module, recurse=False)) else None
 
     extra: set[int] = set()
 
@@ -156,7 +175,7 @@ def check_one_dtype_per_unit(roots: Iterable[nn.Module], units: Iterable[nn.Modu
 
     def visit(module: nn.Module, name: str, unit: str) -> None:
         unit = name if id(module) in chosen else unit
-        for p in module.parameters(recurse=False):
+        for p in sharded_params(module, recurse=False):
             found.setdefault(unit, set()).add(str(p.dtype).removeprefix("torch."))
         for child_name, child in module.named_children():
             visit(child, f"{name}.{child_name}" if name else child_name, unit)
