@@ -162,13 +162,21 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, fan_in: int, fan_out: int) -> None:
         super().__init__()
-        weight = torch.randn(fan_out, fan_in)
-        scale = weight.abs().amax(1) / 127
-        self.qweight = nn.Parameter((weight / scale[:, None]).round().to(torch.int8), requires_grad=False)
-        self.scale = nn.Parameter(scale, requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(fan_out), requires_grad=False)
-        self.lora_a = nn.Parameter(torch.randn(4, fan_in) * 0.1)
-        self.lora_b = nn.Parameter(torch.zeros(fan_out, 4))
+        self.qweight = nn.Parameter(torch.empty(fan_out, fan_in, dtype=torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(fan_out), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(fan_out), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.empty(4, fan_in))
+        self.lora_b = nn.Parameter(torch.empty(fan_out, 4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            weight = torch.randn(self.qweight.shape)
+            self.scale.copy_(weight.abs().amax(1) / 127)
+            self.qweight.copy_((weight / self.scale[:, None]).round())
+            self.bias.zero_()
+            self.lora_a.normal_(std=0.1)
+            self.lora_b.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.qweight.to(x.dtype) * self.scale[:, None], self.bias) + x @ self.lora_a.t() @ self.lora_b.t()
@@ -176,14 +184,26 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedBase(RegressionTask):
     """Integer parameters, which FSDP2 cannot gather with a unit's floating ones (stage 3 keeps them whole): quantized
-    layers under low-rank adapters, and an index table the model holds itself beside a frozen fp32 gain."""
+    layers under low-rank adapters, and an index table the model holds itself beside a frozen fp32 gain.
+    ``in_configure_model``: "layers" builds the layers there (on the meta device at stage 3); "table" the index table
+    too, which no initialiser sets there."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_configure_model: str = "") -> None:
         super().__init__()
+        self.in_configure_model = in_configure_model
+        if not in_configure_model:
+            self.configure_model()
+        if in_configure_model != "table":
+            self.codes = nn.Parameter(torch.arange(16).flip(0), requires_grad=False)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 16), requires_grad=False)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "blocks"):
+            return
         self.blocks = nn.ModuleList([QuantizedLinear(8, 16), QuantizedLinear(16, 16)])
         self.head = nn.Linear(16, 1)
-        self.codes = nn.Parameter(torch.arange(16).flip(0), requires_grad=False)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 16), requires_grad=False)
+        if self.in_configure_model == "table":
+            self.codes = nn.Parameter(torch.arange(16).flip(0), requires_grad=False)
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -11,7 +11,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "shared_block", "zero_dim", "written", "complex", "pruning", "integer", nprocs=2)
+                  "functional_sparse", "shared_block", "zero_dim", "written", "complex", "pruning", "integer", "integer_unset",
+                  nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +136,16 @@ def test_integer_parameters_stay_whole_at_stage_3_and_the_sharded_class_loads_it
     """Quantized int8 weights beside their fp32 scales in one layer (QLoRA) and an index table beside an fp32 gain at
     the root: stage 3 refused both units (FSDP2 gathers one dtype a unit); integer parameters never have a gradient and
     now stay whole, as buffers do. Against ``ddp``, plain and with ``offload_params``, and a sharded checkpoint resumed
-    at stage 2; ``load_from_checkpoint(type(model), path)`` after the fit (FSDP2's class) loads the user's class."""
-    assert set(edges["integer"]) == {"stage3", "stage3_offload_params", "stage3_sharded_to_stage2", "loaded_by_the_sharded_class"}
+    at stage 2, and the layers built on the meta device; ``load_from_checkpoint(type(model), path)`` after the fit
+    (FSDP2's class) loads the user's class. An integer parameter built on the meta device that nothing initialises
+    (no NaN marks it) is refused naming it, as floating ones are; the fp32 gain the same module set in ``__init__``
+    keeps its value (the module's tensors were all made anew, so it was named too)."""
+    assert set(edges["integer"]) == {"stage3", "stage3_offload_params", "stage3_sharded_to_stage2",
+                                     "loaded_by_the_sharded_class", "meta_stage3"}
     _each_as_under_ddp(edges["integer"])
+    error = edges["integer_unset"]
+    assert error["type"] == "TypeError", error
+    assert "Cannot materialise the meta-device model: ['QuantizedBase (codes)']" in error["message"], error["message"]
 
 
 def test_model_pruning_trains_as_under_ddp_and_its_checkpoints_resume(edges):

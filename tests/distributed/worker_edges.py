@@ -188,7 +188,10 @@ CASES = {
         **against_ddp(memory_layouts.QuantizedBase, {
             "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}),
         **resumed_against_ddp(memory_layouts.QuantizedBase, directory, [(3, "sharded", 2)]),
-        "loaded_by_the_sharded_class": loaded_by_the_sharded_class(directory)},
+        "loaded_by_the_sharded_class": loaded_by_the_sharded_class(directory),
+        **{f"meta_{name}": diff for name, diff in against_ddp(lambda: memory_layouts.QuantizedBase("layers"), {
+            "stage3": (dict(stage=3), 0.5)}).items()}},
+    "integer_unset": lambda directory: expect_fit_error(lambda: memory_layouts.QuantizedBase("table"), ZeroStrategy(stage=3)),
     "shared_block_rest": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3_merged": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
         "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None)}),

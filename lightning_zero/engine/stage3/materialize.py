@@ -2,13 +2,14 @@
 eager build would have used, each unit sharded as soon as it exists.
 
 [Note: materialising meta modules in construction order]
-Modules are materialised (``to_empty`` + ``reset_parameters``) in pre-order, which is the order an eager
-build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
+Modules are materialised (their meta tensors made empty, then ``reset_parameters``) in pre-order, which is the
+order an eager build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
 sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
 plus one unit exist at full size at any time. Inside a Hugging Face model the library's own initialisation
-runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN: one that neither an initialiser nor
-the pretrained weights (``init_weights=``) wrote is an error naming it (:func:`refuse_uninitialised`), never
-silently trained on.
+runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN (integer ones, which have no NaN, as their
+dtype's largest value): one that neither an initialiser nor the pretrained weights (``init_weights=``) wrote is an
+error naming it (:func:`refuse_uninitialised`), never silently trained on. An integer tensor counts as unwritten only
+when every element still holds that value (an int8 weight's largest entries legitimately do).
 """
 
 from __future__ import annotations
@@ -24,8 +25,22 @@ from lightning_zero.engine.stage3.hf_init import hf_owners, initialize
 from lightning_zero.engine.stage3.local_step import local_tensor
 
 
-def own_floating(module: nn.Module) -> list[torch.Tensor]:
-    return [t for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)) if t.is_floating_point()]
+def _unset_marker(tensor: torch.Tensor) -> float | None:
+    """What a materialised tensor holds until something writes it (see [Note: materialising meta modules in
+    construction order]); None for booleans, which have no value to spare."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        return float("nan")
+    return None if tensor.dtype == torch.bool else torch.iinfo(tensor.dtype).max
+
+
+def _unwritten(tensor: torch.Tensor) -> bool:
+    marker = _unset_marker(tensor)
+    local = local_tensor(tensor)
+    if marker is None or local.numel() == 0:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(local).any())
+    return bool((local == marker).all())
 
 
 def has_meta(module: nn.Module, recurse: bool) -> bool:
@@ -75,7 +90,7 @@ def refuse_uninitialised(module: nn.Module) -> None:
     unset: list[str] = []
     for path, sub in module.named_modules():
         named = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
-        names = [name for name, t in named if t.is_floating_point() and bool(torch.isnan(local_tensor(t)).any())]
+        names = [name for name, t in named if _unwritten(t)]
         if names:
             built = next(cls for cls in type(sub).__mro__ if not issubclass(cls, FSDPModule))  # not FSDP2's subclass
             unset.append(f"{built.__name__} ({', '.join(f'{path}.{name}'.lstrip('.') for name in names)})")
@@ -95,21 +110,37 @@ def _initialize(
 ) -> None:
     """Materialise ``sub``'s own meta tensors and initialise them: ``reset_parameters()``, then the owning
     Hugging Face model's initialisation (see [Note: Hugging Face initialisation on the meta device]).
-    Floating tensors start as NaN so that one nothing wrote is caught (:func:`refuse_uninitialised`). A parameter
-    another module already materialised (tied weights) is shared, not materialised twice:
-    ``to_empty`` would give each owner a tensor of its own."""
+    They start marked unwritten so that one nothing wrote is caught (:func:`refuse_uninitialised`). A parameter
+    another module already materialised (tied weights) is shared, not materialised twice, and a tensor the module
+    holds for real (set in ``__init__``, before ``configure_model`` added meta ones beside it) keeps its value:
+    ``to_empty`` would make every tensor of the module anew."""
     for name, param in list(sub._parameters.items()):
         if param is not None and id(param) in tied:
             sub._parameters[name] = tied[id(param)]
     if has_meta(sub, recurse=False):
-        before = {name: id(p) for name, p in sub._parameters.items() if p is not None and p.is_meta}
-        sub.to_empty(device=device, recurse=False)
-        tied.update({meta_id: new for name, meta_id in before.items() if (new := sub._parameters[name]) is not None})
+        made = _materialize_own(sub, device, tied)
         with torch.no_grad():
-            for tensor in own_floating(sub):
-                tensor.fill_(float("nan"))
+            for tensor in made:
+                if (marker := _unset_marker(tensor)) is not None:
+                    tensor.fill_(marker)
         reset = getattr(sub, "reset_parameters", None)
         if callable(reset):
             reset()
     if hf_owner is not None:  # every module, as the library's own pass: a block may set its children's weights
         initialize(sub, hf_owner)
+
+
+def _materialize_own(sub: nn.Module, device: torch.device, tied: dict[int, nn.Parameter]) -> list[torch.Tensor]:
+    """Empty tensors on ``device`` for ``sub``'s own meta parameters and buffers, in their places (recorded in
+    ``tied`` by the meta parameter's id, for its other owners); its real tensors stay as they are."""
+    made: list[torch.Tensor] = []
+    for name, param in list(sub._parameters.items()):
+        if param is not None and param.is_meta:
+            new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            sub._parameters[name] = tied[id(param)] = new
+            made.append(new)
+    for name, buffer in list(sub._buffers.items()):
+        if buffer is not None and buffer.is_meta:
+            sub._buffers[name] = empty = torch.empty_like(buffer, device=device)
+            made.append(empty)
+    return made
