@@ -106,7 +106,7 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
     points = trace.timeline
 
     if c.stage == 0:  # Lightning ddp: fp32 parameters, full gradients (in its buckets), full optimizer state
-        static = {"parameters": 4 * p, "optimizer state": state}
+        static = {"parameters": 4 * p + trace.frozen_bytes, "optimizer state": state}
         dynamic = _most(points, lambda grads: grads * 4 / grad_size)
         grads_at_step: float = 4 * p
         host = 0.0
@@ -127,26 +127,29 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
         step_buffers = 0 if backend == "gloo" else GATHER_BUCKETS_IN_FLIGHT * min(bucket, p) * (weights / max(p, 1))
     else:
         compute_size = 2 if mixed else 4
-        units = _merged_units(trace.unit_elements, c.unit_size_mb * 2**20 / compute_size) or [p]
+        sharded = p + trace.frozen_sharded  # frozen floating parameters are sharded and gathered too
+        units = _merged_units(trace.unit_elements, c.unit_size_mb * 2**20 / compute_size) or [sharded]
         unit = max(units)
         # Backward holds a unit and the one before it, prefetched (one unit alone when everything merged into one).
         pair = max((a + b for a, b in zip(units, units[1:])), default=unit)
-        root = max(0, p - sum(trace.unit_elements))
-        shards = 4 * p / n  # FSDP2's fp32 parameter shards
+        root = max(0, sharded - sum(trace.unit_elements))
+        shards = 4 * sharded / n  # FSDP2's fp32 parameter shards
         on_host = 1.0 if c.offload_params else 0.0
-        static = {"parameters": (1 - on_host) * shards, "optimizer state": (1 - r) * state / n}
+        # integer and 0-dim parameters stay whole, on the device
+        static = {"parameters": (1 - on_host) * shards + trace.whole_bytes, "optimizer state": (1 - r) * state / n}
         # offload_params: parameter and gradient shards and the state; offload_optimizer alone: the state, host
         # copies of the shards and their gradient buffers (16P/N either way, of the share offloaded).
         host = on_host * (shards + 4 * p / n) + r * state / n + (r * 8 * p / n if not c.offload_params else 0)
-        # Forward holds the root and the unit computing; backward also the unit prefetched and the unit's
-        # gradients before their reduce-scatter (no gradient yet: still forward).
+        # Forward holds the root and the unit computing, twice over while FSDP2 copies its all-gather output into the
+        # parameters; backward also the unit prefetched and the unit's gradients before their reduce-scatter (no
+        # gradient yet: still forward).
         gathered = compute_size * root
         accumulated = grad_size * p if accumulate > 1 else 0  # FSDP2 keeps unsharded gradients between micro-batches
         if accumulate > 1 and not c.offload_params:  # every unit stays gathered through the window
-            gathered = compute_size * p
+            gathered = compute_size * sharded
             dynamic = _most(points, lambda grads: accumulated)
         else:
-            dynamic = _most(points, lambda grads: accumulated + (compute_size * unit if grads == 0 else
+            dynamic = _most(points, lambda grads: accumulated + (2 * compute_size * unit if grads == 0 else
                             compute_size * pair + min(grads, grad_size * unit) + (1 - on_host) * grads * 4 / grad_size / n))
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0

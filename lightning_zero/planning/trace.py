@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
+from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
 from lightning_zero.planning.measure import _TotalsOnly
 
 #: The compute dtype of each Lightning precision the planner knows.
@@ -43,13 +44,21 @@ class StepTrace:
     """After each operation of forward and backward: (bytes alive beyond parameters and gradients, bytes of the
     gradients accumulated so far)."""
     unit_elements: tuple[int, ...]
-    """Trainable elements of each stage-3 layer (each block of an ``nn.ModuleList``), in module order."""
+    """Elements stage 3 shards of each stage-3 layer (each block of an ``nn.ModuleList``), in module order: the
+    trainable ones and the frozen floating ones, which FSDP2 shards and gathers alike."""
     state_per_element: float
     """Optimizer-state elements per trainable element (Adam 2, SGD with momentum 1), from one traced step of the
     module's own ``configure_optimizers``."""
     batch_size: int
     precision: str
     checkpointing: bool
+    frozen_sharded: int = 0
+    """Frozen parameter elements stage 3 shards (a fine-tuned model's base under low-rank adapters): held without
+    gradient or optimizer state."""
+    frozen_bytes: int = 0
+    """Bytes of the frozen parameters, as held."""
+    whole_bytes: int = 0
+    """Bytes of the parameters stage 3 keeps whole on every rank (integer and 0-dim ones: ``sharded_by_fsdp2``)."""
 
     @property
     def activation_peak(self) -> int:
@@ -124,6 +133,7 @@ def trace_step(
             tracker.close()
         units = _unit_elements(module)
         state = _state_elements(module)
+        frozen = [p for p in module.parameters() if not p.requires_grad]
     return StepTrace(
         params=sum(p.numel() for p in trainable),
         param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
@@ -133,6 +143,9 @@ def trace_step(
         batch_size=_batch_size(batch),
         precision=precision,
         checkpointing=policy is not None,
+        frozen_sharded=sum(p.numel() for p in frozen if sharded_by_fsdp2(p)),
+        frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
+        whole_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if not sharded_by_fsdp2(p)),
     )
 
 
@@ -155,11 +168,11 @@ def _state_elements(module: L.LightningModule) -> int:
 
 
 def _unit_elements(module: nn.Module) -> list[int]:
-    """Trainable elements of each element of every ``nn.ModuleList`` (stage 3's default units)."""
+    """Elements stage 3 shards of each element of every ``nn.ModuleList`` (stage 3's default units)."""
     units: list[int] = []
     for sub in module.modules():
         if isinstance(sub, nn.ModuleList):
-            units.extend(sum(p.numel() for p in block.parameters() if p.requires_grad) for block in sub)
+            units.extend(sum(p.numel() for p in block.parameters() if sharded_by_fsdp2(p)) for block in sub)
     return units
 
 

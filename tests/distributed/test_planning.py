@@ -1,7 +1,8 @@
 """The memory planner against real 2-rank runs through lightning.Trainer (gloo): the predicted peak per rank of a
-traced step against the measured peak of live tensor bytes, for a matrix of 24 configurations of the demo GPT and
-ResNet (`make test-all`; `make test` measures one configuration of each kind), and the planner's pick under three
-budgets trained for real within them.
+traced step against the measured peak of live tensor bytes, for a matrix of 26 configurations of the demo GPT,
+ResNet and a model fine-tuned with low-rank adapters (frozen layers, a frozen integer table) (`make test-all`;
+`make test` measures a few configurations of each kind), and the planner's pick under three budgets trained for real
+within them.
 
 Each launch has processes of its own: torch's ``MemTracker``, which measures the peaks, crashed in a garbage
 collection (SIGSEGV) in a process that had run other test programs before."""
@@ -16,7 +17,8 @@ BOUND = 0.10
 
 
 #: `make test`'s calibration: each model, each stage, fp32 and bf16-mixed, checkpointing, full and partial offload.
-REPRESENTATIVE = ("gpt_s1_fp32_b8_ac", "gpt_s3_bf16_b8", "gpt_s2_fp32_b8_offload0.5", "resnet_s3_bf16_b64_offload")
+REPRESENTATIVE = ("gpt_s1_fp32_b8_ac", "gpt_s3_bf16_b8", "gpt_s2_fp32_b8_offload0.5", "resnet_s3_bf16_b64_offload",
+                  "adapted_s3_fp32_b8")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def full_report():
 def test_the_matrix_covers_what_the_planner_weighs():
     cases = list(CASES.values())
     assert len(cases) >= 24
-    assert {c[0] for c in cases} == {"gpt", "resnet"} and {c[1] for c in cases} == {1, 2, 3}
+    assert {c[0] for c in cases} == {"gpt", "resnet", "adapted"} and {c[1] for c in cases} == {1, 2, 3}
     assert {c[2] for c in cases} == {"32-true", "bf16-mixed"} and {c[4] for c in cases} == {False, True}
     assert {c[5] for c in cases} == {0.0, 0.5, 1.0} and any(c[6] for c in cases)
     assert all(len({c[3] for c in cases if c[0] == model}) >= 2 for model in ("gpt", "resnet"))  # two batch sizes

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.data import RandomTokenDataset
@@ -54,18 +56,59 @@ CASES = {
     "resnet_s2_fp32_b64_offload0.5": ("resnet", 2, "32-true", 64, False, 0.5, False),
     "resnet_s1_fp32_b64_ac": ("resnet", 1, "32-true", 64, True, 0.0, False),
     "resnet_s3_bf16_b64_offload": ("resnet", 3, "bf16-mixed", 64, False, 1.0, True),
+    "adapted_s2_fp32_b8": ("adapted", 2, "32-true", 8, False, 0.0, False),
+    "adapted_s3_fp32_b8": ("adapted", 3, "32-true", 8, False, 0.0, False),
 }
+
+
+class Adapted(nn.Module):
+    """A frozen layer under a trainable low-rank adapter."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width).requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(4, width) * 0.01)
+        self.b = nn.Parameter(torch.zeros(width, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+class AdaptedModel(L.LightningModule):
+    """Fine-tuning with low-rank adapters: nearly every parameter frozen (stage 3 shards and gathers them all the
+    same), and a frozen integer table, which stage 3 keeps whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Adapted(512) for _ in range(4)])
+        self.head = nn.Linear(512, 1)
+        self.order = nn.Parameter(torch.arange(512 * 64).flip(0), requires_grad=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x[:, self.order[:512] % 512]
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return F.mse_loss(self.head(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
 
 
 def build(model: str):
     if model == "gpt":
         return GPTLightningModule(**GPT, build_in_configure_model=True)
+    if model == "adapted":
+        return AdaptedModel()
     return ResNetClassifier(**RESNET)
 
 
 def data(model: str):
     if model == "gpt":
         return RandomTokenDataset(num_samples=256, block_size=GPT["block_size"], vocab_size=GPT["vocab_size"], seed=1)
+    if model == "adapted":
+        g = torch.Generator().manual_seed(0)
+        return torch.utils.data.TensorDataset(torch.randn(256, 512, generator=g), torch.randn(256, 1, generator=g))
     g = torch.Generator().manual_seed(0)
     images, labels = torch.randn(512, 3, 16, 16, generator=g), torch.randint(0, 10, (512,), generator=g)
     return torch.utils.data.TensorDataset(images, labels)
