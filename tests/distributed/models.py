@@ -150,6 +150,14 @@ class Regression(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ValidatedRegression(Regression):
+    """Validated on its training data: the sanity check's forwards run before the first step (under hpZ they leave
+    every unit on its node-local shard)."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(*batch), sync_dist=True)
+
+
 def reference_run(
     initial: dict[str, torch.Tensor],
     dataset: Dataset,

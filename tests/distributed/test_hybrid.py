@@ -49,7 +49,9 @@ def _check_exact(result):
 @pytest.mark.parametrize("case", ["stage2", "stage3", "stage3_hpz"])
 def test_two_nodes_match_plain_pytorch(nodes, case):
     """shard_size="node" (hpZ: secondary_shard_size="node"), accumulation 2, clipping by norm 0.5, 2 param
-    groups and StepLR: the parameters and gradients of single-process PyTorch."""
+    groups and StepLR: the parameters and gradients of single-process PyTorch. hpZ is validated before training: the
+    sanity check's forwards left every unit on its node-local shard, and the first accumulation window then crashed
+    gathering from the node-local mesh it had cleared (FSDP2's "Expected mesh_info to be FSDPMeshInfo")."""
     _check_exact(nodes["exact"][case])
 
 

@@ -65,13 +65,14 @@ class GradientRecorder(L.Callback):
 # ---------------------------------------------------------------------- cases
 def exactness(
     stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm", unused_head=False,
-    routed=False, penalty=0.0,
+    routed=False, penalty=0.0, validate_first=False,
 ) -> dict:
     steps, accumulate, batch = 4, 2, 4
     clip = 0.5 if clip_algorithm == "norm" else 0.05
     L.seed_everything(7)
-    module = models.Regression(build_in_configure_model=build_in_configure_model, unused_head=unused_head, routed=routed,
-                               penalty=penalty)
+    built = models.ValidatedRegression if validate_first else models.Regression
+    module = built(build_in_configure_model=build_in_configure_model, unused_head=unused_head, routed=routed,
+                   penalty=penalty)
     initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
     recorder = GradientRecorder()
     strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
@@ -82,9 +83,10 @@ def exactness(
         gradient_clip_val=clip,
         gradient_clip_algorithm=clip_algorithm,
         callbacks=[recorder],
+        **(dict(num_sanity_val_steps=1, limit_val_batches=1) if validate_first else {}),
     )
     data = models.IndexedData()
-    t.fit(module, models.loader(data, batch))
+    t.fit(module, models.loader(data, batch), models.loader(data, batch) if validate_first else None)
     final = t.strategy.full_state_dict()
     out = {"steps": t.global_step}
     if stage == 3:  # the layers and the fully_shard calls they went into (see [Note: merged units])

@@ -21,9 +21,9 @@ from tests.launch import run_cases_with_directory
 HYBRID = "node" if NODES > 1 else 2  # a node's ranks, or 2 of the one node's 4
 
 
-def exact(stage: int, unused_head: bool = False, **kwargs) -> dict:
+def exact(stage: int, unused_head: bool = False, validate_first: bool = False, **kwargs) -> dict:
     strategy = ZeroStrategy(stage=stage, state_dict_type="full", **kwargs)
-    return exactness(stage, strategy=strategy, unused_head=unused_head)
+    return exactness(stage, strategy=strategy, unused_head=unused_head, validate_first=validate_first)
 
 
 def gradient_norms(stage: int, **kwargs) -> dict:
@@ -159,7 +159,8 @@ def hugging_face(kind: str, stage: int, precision: str, **kwargs) -> dict:
 CASES = {
     "exact": lambda directory: {
         **{f"stage{s}": exact(s, shard_size=HYBRID) for s in (2, 3)},
-        "stage3_hpz": exact(3, secondary_shard_size=HYBRID),
+        # validated first: the sanity check leaves every unit on its node-local shard as the first window opens
+        "stage3_hpz": exact(3, secondary_shard_size=HYBRID, validate_first=True),
         "stage3_bf16-mixed": mixed(3, "bf16-mixed", shard_size=HYBRID),
         "gpt2_stage3_bf16-mixed": hugging_face("gpt2", 3, "bf16-mixed", shard_size=HYBRID),
         "grad_norms_stage2": gradient_norms(2, shard_size=HYBRID),

@@ -61,6 +61,7 @@ __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "compl
 PRIVATE_NAMES = (
     ("FSDPModule", "_get_fsdp_state", "param_groups"),
     ("FSDPParamGroup", "post_forward_mesh_info", "keep_gathered_after_forward"),
+    ("FSDPParamGroup", "is_sharded_post_forward", "keep_gathered_after_forward"),
     ("FSDPParamGroup", "reshard", "reshard_only_after_backward"),
     ("FSDPParamGroup", "reshard_after_backward", "reshard_only_after_backward"),
     ("FSDPParamGroup", "_training_state", "reshard_only_after_backward"),
@@ -120,7 +121,11 @@ def _groups_of(state: Any) -> list[Any]:
 
 
 def keep_gathered_after_forward(group: Any) -> Any:
-    """Stop ``group`` resharding (fully or hpZ-partially) after forward; returns the setting to restore."""
+    """Stop ``group`` resharding (fully or hpZ-partially) after forward; returns the setting to restore. A group an
+    earlier forward left on its hpZ node-local shard (a validation forward: no backward resharded it) is sharded
+    fully first, since its next gather would gather from the node-local mesh cleared here."""
+    if group.is_sharded_post_forward:
+        group.reshard()
     setting = group.post_forward_mesh_info
     group.post_forward_mesh_info = None
     return setting
