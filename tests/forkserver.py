@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -74,7 +75,7 @@ class ForkedProcess:
 
 class _Server:
     def __init__(self) -> None:
-        folder = Path(tempfile.mkdtemp(prefix="lz-forkserver-"))
+        self.folder = folder = Path(tempfile.mkdtemp(prefix="lz-forkserver-"))
         self.path = folder / "socket"
         ready_read, ready_write = os.pipe()
         repo = Path(__file__).resolve().parents[1]
@@ -93,6 +94,7 @@ class _Server:
         if self.process.poll() is None:
             self.process.stdin.close()  # its lifeline: the server ends its children and itself
             self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _SERVER: _Server | None = None

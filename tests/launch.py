@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -104,17 +105,24 @@ def _launch_fresh(module: str, args: tuple, nprocs: int, timeout: float, env: di
     try:
         codes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
     except subprocess.TimeoutExpired:
-        raise LaunchError(f"{module} timed out after {timeout}s (a hang)\n{_logs(logs)}") from None
+        message = f"{module} timed out after {timeout}s (a hang)\n{_logs(logs)}"
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise LaunchError(message) from None
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    if any(codes):
-        raise LaunchError(f"{module} failed with exit codes {codes}\n{_logs(logs)}")
-    if not report.exists():
-        raise LaunchError(f"{module} wrote no report\n{_logs(logs)}")
-    return json.loads(report.read_text())
+    try:
+        if any(codes):
+            raise LaunchError(f"{module} failed with exit codes {codes}\n{_logs(logs)}")
+        if not report.exists():
+            raise LaunchError(f"{module} wrote no report\n{_logs(logs)}")
+        return json.loads(report.read_text())
+    finally:
+        for log in logs:
+            log.close()
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def _logs(logs) -> str:
@@ -141,11 +149,13 @@ class FaultRun:
     ranks: list[RankRun]
     fault_at: float | None  # seconds since the launch when the worker injected its fault (LZ_FAULT_FILE)
     signalled_at: float | None  # when the harness sent `signal_on_fault`'s signal
-    report_file: Path
+    report_text: str | None  # what rank 0 wrote with :func:`write_report`, if it wrote anything
 
     def report(self) -> dict:
         """What rank 0 wrote with :func:`write_report`."""
-        return json.loads(self.report_file.read_text())
+        if self.report_text is None:
+            raise FileNotFoundError("rank 0 wrote no report")
+        return json.loads(self.report_text)
 
     def output(self, rank: int) -> str:
         return self.ranks[rank].output
@@ -210,7 +220,11 @@ def launch_processes(module: str, *args: str, nprocs: int = 2, timeout: float = 
         log.flush()
         log.seek(0)
         ranks.append(RankRun(proc.returncode if rank in exited else None, log.read(), exited.get(rank, timeout)))
-    return FaultRun(ranks, fault_at, signalled_at, out_dir / "report.json")
+        log.close()
+    report = out_dir / "report.json"
+    report_text = report.read_text() if report.exists() else None
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return FaultRun(ranks, fault_at, signalled_at, report_text)
 
 
 def _stopped(pid: int) -> bool:

@@ -70,7 +70,9 @@ class Pool:
         if not report.exists():
             self.close()
             raise PoolError(f"{module} {' '.join(args)} wrote no report\n{self._logs(logs)}")
-        return json.loads(report.read_text())
+        result = json.loads(report.read_text())
+        report.unlink()  # read; the command's logs stay
+        return result
 
     def _wait(self, timeout: float) -> str:
         """"ok" when every rank finished the command, else what went wrong."""

@@ -19,6 +19,7 @@ function they launch, before the process group exists, so this is the last place
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -100,6 +101,15 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
             return None
         weights_path = None
         if state_dict is not None:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            weights_path = os.path.join(tempfile.mkdtemp(prefix="lightning_zero-weights-"), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        """Lightning removes the weights file once loaded; its folder goes too, or every spawned run leaves one."""
+        try:
+            super()._recover_results_in_main_process(worker_output, trainer)
+        finally:
+            if worker_output.weights_path is not None:
+                shutil.rmtree(os.path.dirname(worker_output.weights_path), ignore_errors=True)

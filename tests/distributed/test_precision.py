@@ -143,14 +143,11 @@ def test_bf16_mixed_memory_matches_zero_formula(costs, stage):
 
 def test_a_model_built_in_bf16_gets_fp32_masters_at_stage_3_as_at_stage_2(costs):
     """Stage 3 held such a model's shards, its "masters", in bf16: other weights than stage 2's and half the bytes."""
-    import torch
-
     two, three = costs["built_in_bf16_stage2"], costs["built_in_bf16_stage3"]
     for result in (two, three):
         assert result["final_dtypes"] == ["torch.float32"]
     assert three["bytes"] == pytest.approx(MIXED_FORMULAS[3](three["params"], WORLD), rel=0.02)
-    for name, value in two["state"].items():
-        assert torch.equal(torch.tensor(three["state"][name]), torch.tensor(value)), name
+    assert two["state"] and three["state"] == two["state"]  # bit for bit (each entry a digest of dtype, shape and bytes)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -2,6 +2,7 @@
 user's module in the main process (stage 3 spawned, stage 2 forked; `make test-all` adds the rest)."""
 
 import copy
+import tempfile
 
 import lightning as L
 import pytest
@@ -17,7 +18,11 @@ pytestmark = pytest.mark.slow
     *(pytest.param(method, stage, marks=pytest.mark.full) for method, stage in
       (("spawn", 1), ("spawn", 2), ("fork", 1), ("fork", 3))),
 ])
-def test_spawned_training_returns_full_weights_to_the_main_process(start_method, stage, tmp_path):
+def test_spawned_training_returns_full_weights_to_the_main_process(start_method, stage, tmp_path, monkeypatch):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))  # spawned ranks
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # this process and forked ranks
     L.seed_everything(7)
     module = models.Regression()
     initial = copy.deepcopy(module.state_dict())
@@ -43,3 +48,6 @@ def test_spawned_training_returns_full_weights_to_the_main_process(start_method,
     assert sorted(trained) == sorted(reference)
     for name, value in reference.items():
         assert (trained[name] - value).abs().max().item() <= 1e-5, name
+    # The weights' hand-over leaves nothing behind (the flight recorder's root folder stays, empty).
+    assert [path.name for path in temporary.iterdir() if path.name != "lightning_zero-flight"] == []
+    assert not any((temporary / "lightning_zero-flight").glob("*"))
