@@ -86,7 +86,7 @@ def planner() -> None:
     top = max(measured + predicted) * 1.08
     ax.plot([0, top], [0, top], color="black", linewidth=0.8, label="predicted = measured")
     ax.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="#dddddd", label="±10% (the test's bar)")
-    for model, marker in (("gpt", "o"), ("resnet", "s")):
+    for model, marker in (("gpt", "o"), ("resnet", "s"), ("adapted", "^")):
         pts = [(m, p) for m, p, name in zip(measured, predicted, models) if name == model]
         ax.scatter(*zip(*pts), marker=marker, s=22, label=f"{model} ({len(pts)} cases)", zorder=3)
     ax.set_xlim(0, top), ax.set_ylim(0, top)

@@ -103,7 +103,7 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
     masters = 4 * p if mixed else 0
     r = 1.0 if c.offload_params else c.offload_optimizer
     bucket = int(c.bucket_size_mb * 2**20) // 4  # elements of one gradient bucket
-    points = trace.timeline
+    points = trace.timeline_at(c.stage)
 
     if c.stage == 0:  # Lightning ddp: fp32 parameters, full gradients (in its buckets), full optimizer state
         static = {"parameters": 4 * p + trace.frozen_bytes, "optimizer state": state}

@@ -7,7 +7,9 @@ it, parameters are cast as a mixed-precision run holds them for compute, and ``t
 run on a fake copy of a real batch under the same autocast as the precision plugin. Torch's ``MemTracker``
 (the dispatch mode of ``torch.distributed._tools``) follows every storage; after each operation this tracer
 records the bytes alive beyond the parameters, and the bytes of gradients accumulated so far, which
-``predict.py`` then re-reads for each stage (a stage keeps, frees or shards gradients differently).
+``predict.py`` then re-reads for each stage (a stage keeps, frees or shards gradients differently). Under mixed
+precision a model with frozen floating parameters is traced twice: stages 1-2 hold those as built (autocast copies
+them at each use), stage 3 gathers them in the compute dtype.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ class StepTrace:
     """Bytes of the frozen parameters, as held."""
     whole_bytes: int = 0
     """Bytes of the parameters stage 3 keeps whole on every rank (integer and 0-dim ones: ``sharded_by_fsdp2``)."""
+    stage3_timeline: tuple[tuple[int, int], ...] | None = None
+    """:attr:`timeline` again with the frozen floating parameters in the compute dtype too, as stage 3's units
+    gather them under mixed precision (stages 1-2 keep them as built, and autocast copies them at each use); None
+    where nothing differs (fp32, or no frozen floating parameter)."""
+
+    def timeline_at(self, stage: int) -> tuple[tuple[int, int], ...]:
+        """The timeline of ``stage`` (0: Lightning ``ddp``)."""
+        return self.stage3_timeline if stage == 3 and self.stage3_timeline is not None else self.timeline
 
     @property
     def activation_peak(self) -> int:
@@ -117,36 +127,54 @@ def trace_step(
         if policy is not None:
             apply_activation_checkpointing(module, policy)
         trainable = [p for p in module.parameters() if p.requires_grad]
-        if compute is not None:
-            cast_parameters(module, trainable, PrecisionPolicy(compute_dtype=compute, reduce_dtype=compute))
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        policy_of_run = PrecisionPolicy(compute_dtype=compute, reduce_dtype=compute) if compute is not None else None
+        if policy_of_run is not None:
+            cast_parameters(module, trainable, policy_of_run)
+        param_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)  # as built: stage 3's cast below is its own
         fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
         module.train()
-        tracker = _Timeline(list(module.parameters()))
-        tracker.track_external(module)
-        try:
-            with tracker:
-                with torch.autocast("cpu", dtype=compute or torch.bfloat16, enabled=compute is not None,
-                                    cache_enabled=False):  # as the precision plugin runs forward
-                    loss = _loss(module.training_step(fake_batch, 0))
-                loss.backward()
-        finally:
-            tracker.close()
+        timeline = _traced_step(module, fake_batch, compute)
+        stage3_timeline = None
+        if policy_of_run is not None:
+            before = [p.dtype for p in frozen]
+            cast_parameters(module, [p for p in frozen if sharded_by_fsdp2(p)], policy_of_run)
+            if [p.dtype for p in frozen] != before:
+                for p in trainable:
+                    p.grad = None
+                stage3_timeline = _traced_step(module, fake_batch, compute)
         units = _unit_elements(module)
         state = _state_elements(module)
-        frozen = [p for p in module.parameters() if not p.requires_grad]
     return StepTrace(
         params=sum(p.numel() for p in trainable),
-        param_bytes=sum(p.numel() * p.element_size() for p in module.parameters()),
-        timeline=tuple(tracker.points),
+        param_bytes=param_bytes,
+        timeline=timeline,
         unit_elements=tuple(units),
         state_per_element=state / max(1, sum(p.numel() for p in trainable)),
         batch_size=_batch_size(batch),
         precision=precision,
         checkpointing=policy is not None,
         frozen_sharded=sum(p.numel() for p in frozen if sharded_by_fsdp2(p)),
-        frozen_bytes=sum(p.numel() * p.element_size() for p in frozen),
+        frozen_bytes=frozen_bytes,
         whole_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if not sharded_by_fsdp2(p)),
+        stage3_timeline=stage3_timeline,
     )
+
+
+def _traced_step(module: L.LightningModule, batch: Any, compute: torch.dtype | None) -> tuple[tuple[int, int], ...]:
+    """The timeline of one ``training_step`` and backward of ``module`` as it holds its parameters now."""
+    tracker = _Timeline(list(module.parameters()))
+    tracker.track_external(module)
+    try:
+        with tracker:
+            with torch.autocast("cpu", dtype=compute or torch.bfloat16, enabled=compute is not None,
+                                cache_enabled=False):  # as the precision plugin runs forward
+                loss = _loss(module.training_step(batch, 0))
+            loss.backward()
+    finally:
+        tracker.close()
+    return tuple(tracker.points)
 
 
 def _state_elements(module: L.LightningModule) -> int:

@@ -1,5 +1,5 @@
 """The memory planner against real 2-rank runs through lightning.Trainer (gloo): the predicted peak per rank of a
-traced step against the measured peak of live tensor bytes, for a matrix of 26 configurations of the demo GPT,
+traced step against the measured peak of live tensor bytes, for a matrix of 28 configurations of the demo GPT,
 ResNet and a model fine-tuned with low-rank adapters (frozen layers, a frozen integer table) (`make test-all`;
 `make test` measures a few configurations of each kind), and the planner's pick under three budgets trained for real
 within them.
@@ -18,7 +18,7 @@ BOUND = 0.10
 
 #: `make test`'s calibration: each model, each stage, fp32 and bf16-mixed, checkpointing, full and partial offload.
 REPRESENTATIVE = ("gpt_s1_fp32_b8_ac", "gpt_s3_bf16_b8", "gpt_s2_fp32_b8_offload0.5", "resnet_s3_bf16_b64_offload",
-                  "adapted_s3_fp32_b8")
+                  "adapted_s3_fp32_b8", "adapted_s3_bf16_b8")
 
 
 @pytest.fixture(scope="module")

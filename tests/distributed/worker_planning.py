@@ -58,6 +58,8 @@ CASES = {
     "resnet_s3_bf16_b64_offload": ("resnet", 3, "bf16-mixed", 64, False, 1.0, True),
     "adapted_s2_fp32_b8": ("adapted", 2, "32-true", 8, False, 0.0, False),
     "adapted_s3_fp32_b8": ("adapted", 3, "32-true", 8, False, 0.0, False),
+    "adapted_s2_bf16_b8": ("adapted", 2, "bf16-mixed", 8, False, 0.0, False),
+    "adapted_s3_bf16_b8": ("adapted", 3, "bf16-mixed", 8, False, 0.0, False),
 }
 
 

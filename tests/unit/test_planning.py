@@ -1,6 +1,7 @@
 """The planner in one process: tracing allocates nothing, the private torch API it stands on, the refusal, the
 command line (a config's plan written as a group file and drawn; a size's plan as DeepSpeed JSON read back)."""
 
+import dataclasses
 import json
 import re
 import resource
@@ -61,6 +62,25 @@ def test_stages_order_as_the_formulas_say_and_checkpointing_trims_activations():
     assert static[1]["optimizer state"] == pytest.approx(8 * plain.params / 2)  # AdamW: 8P/N
     offloaded = predict(plain, Configuration(2, offload_optimizer=0.5), 2)
     assert offloaded.host_bytes == pytest.approx(0.5 * (8 + 4 + 4) * plain.params / 2)  # state, masters, grads
+
+
+def test_frozen_layers_under_mixed_precision_trace_a_second_step_as_stage_3_holds_them():
+    """Stages 1-2 keep a frozen layer as built and autocast saves a bf16 copy of its weight for backward; stage 3
+    gathers it in bf16 and saves no copy, so its timeline is traced apart and its peak is lower."""
+
+    def frozen_gpt():
+        module = GPTLightningModule(**TINY)
+        module.model.blocks[0].requires_grad_(False)
+        return module
+
+    mixed = trace_step(frozen_gpt, _batch(), precision="bf16-mixed")
+    assert mixed.stage3_timeline is not None and mixed.timeline_at(1) is mixed.timeline
+    assert max(o for o, _ in mixed.timeline_at(3)) < max(o for o, _ in mixed.timeline)
+    assert predict(mixed, Configuration(3), 2).device_bytes < predict(
+        dataclasses.replace(mixed, stage3_timeline=None), Configuration(3), 2).device_bytes
+    for nothing_differs in (trace_step(frozen_gpt, _batch()), trace_step(lambda: GPTLightningModule(**TINY), _batch(),
+                                                                          precision="bf16-mixed")):
+        assert nothing_differs.stage3_timeline is None
 
 
 def test_nothing_fits_says_the_smallest_peak_and_what_would_fit():
