@@ -12,8 +12,8 @@ of the activations then alive plus the gradients the stage holds then:
 * stage 2: at most one bucket's worth (gradients are packed into a bucket and freed as it fills), on top of the
   persistent gradient shard;
 * stage 3: in forward, the unit computing is gathered (adjacent layers merged up to ``unit_size_mb``); in backward
-  also the unit prefetched, with one unit's full gradients and the shards of the gradients so far (the root's
-  parameters, outside every unit, stay gathered throughout).
+  also the unit prefetched, with one unit's full gradients and the shards of the units reduced before it (the
+  root's parameters, outside every unit, stay gathered throughout).
 
 With gradient accumulation, the micro-batches before the last keep every gradient whole and unreduced (``p.grad``
 at stages 1-2, FSDP2's unsharded gradients at stage 3), so those are held throughout the next micro-batch; stage 3
@@ -149,8 +149,11 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
             gathered = compute_size * sharded
             dynamic = _most(points, lambda grads: accumulated)
         else:
+            # A unit's gradient shards exist once its full gradients are reduced and freed: the shards held beside
+            # a unit's full gradients are those of the gradients produced before it.
             dynamic = _most(points, lambda grads: accumulated + (2 * compute_size * unit if grads == 0 else
-                            compute_size * pair + min(grads, grad_size * unit) + (1 - on_host) * grads * 4 / grad_size / n))
+                            compute_size * pair + min(grads, grad_size * unit)
+                            + (1 - on_host) * max(0, grads - grad_size * unit) * 4 / grad_size / n))
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0
     static_total = sum(static.values())
