@@ -60,3 +60,20 @@ def sparse_gradient_error(name: str) -> TypeError:
         "Embedding layers built with `sparse=True` are trained dense automatically; where the sparse gradient comes "
         "from a functional call (`F.embedding(..., sparse=True)`), pass `sparse=False`."
     )
+
+
+def changed_dtype_error(name: str, found: torch.dtype, held: torch.dtype) -> TypeError:
+    """A parameter whose dtype changed during the step (a layer that casts itself in forward, which its engine's
+    buckets and collectives, sized for the held dtype, cannot take): said before any rank sends it."""
+    return TypeError(
+        f"Parameter {name!r} produced a {found} gradient, but ZeroStrategy holds it in {held}: its dtype "
+        f"changed during the step, as a layer that casts itself in forward (`self.classifier = "
+        f"self.classifier.to(torch.float32)`) changes it. Hold that layer in fp32: give it an attribute `self.dtype = "
+        f"torch.float32` (Hugging Face's routers have one), or list its class in `ZeroPrecision(fp32_modules=...)`."
+    )
+
+
+def gradient_form_error(name: str, grad: torch.Tensor, held: torch.dtype) -> TypeError:
+    """The error for a gradient no bucket of dtype ``held`` takes: a sparse one, or one whose parameter changed dtype
+    during the step (:func:`changed_dtype_error`)."""
+    return sparse_gradient_error(name) if grad.is_sparse else changed_dtype_error(name, grad.dtype, held)

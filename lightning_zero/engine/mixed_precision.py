@@ -33,8 +33,12 @@ Face's ``Conv1D``) feeds them to lower-precision or table-lookup operations, and
 the CPU kernels and CUDA autocast accept them with any input and where Lightning's mixed modes hold them
 too. Those layers are ``O(width)`` per block, a fraction of a percent of a transformer's parameters. An
 embedding table is held in the compute dtype, as FSDP and DeepSpeed do, so its output is 2-byte where an
-fp32 table's would be fp32; list ``nn.Embedding`` in ``fp32_modules`` to keep it fp32. Frozen parameters
-are never cast: their values would be rounded for good.
+fp32 table's would be fp32; list ``nn.Embedding`` in ``fp32_modules`` to keep it fp32. A layer listed in
+``fp32_modules``, or one that declares fp32 as its own dtype (an instance attribute ``dtype = torch.float32``:
+Hugging Face's Switch Transformers and NLLB-MoE routers, which cast their classifier to it in every forward with
+``self.classifier = self.classifier.to(self.dtype)``), holds every parameter beneath it in fp32: held in the compute
+dtype, such a layer would change its parameters' dtype in the middle of a step. Frozen parameters are never cast:
+their values would be rounded for good.
 
 At stage 3 FSDP2 casts a whole unit to one dtype, so each layer held in fp32 is a unit of its own with an
 fp32 policy (see ``fsdp2.py``).
@@ -63,6 +67,19 @@ def holds_fp32(module: nn.Module, fp32_modules: tuple[type[nn.Module], ...] = FP
     return isinstance(module, fp32_modules) or all(p.dim() < 2 for p in own)
 
 
+def declares_fp32(module: nn.Module) -> bool:
+    """Whether ``module`` says it computes in fp32 with an instance attribute ``dtype`` (a class's ``dtype``
+    property, as Hugging Face models have, reports the parameters' dtype instead and does not count)."""
+    return module.__dict__.get("dtype") is torch.float32
+
+
+def fp32_subtrees(root: nn.Module, fp32_modules: tuple[type[nn.Module], ...] = FP32_MODULES) -> frozenset[int]:
+    """``id`` of every module beneath (and including) a layer of ``fp32_modules`` or one that :func:`declares_fp32`:
+    all their parameters are held in fp32."""
+    tops = [m for m in root.modules() if isinstance(m, fp32_modules) or declares_fp32(m)]
+    return frozenset(id(m) for top in tops for m in top.modules())
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
     """Dtypes of a mixed-precision run, as the engines need them."""
@@ -76,18 +93,28 @@ class PrecisionPolicy:
     """Layers whose parameters stay fp32 whatever their shapes (vector-only layers always do)."""
     master_dtype: torch.dtype = torch.float32
     """Dtype of the master shards, their gradients and the optimizer state."""
+    fp32_subtrees: frozenset[int] = frozenset()
+    """``id`` of the modules held in fp32 as parts of a larger layer (:func:`fp32_subtrees`), once :meth:`bound_to`
+    a model."""
+
+    def bound_to(self, model: nn.Module) -> PrecisionPolicy:
+        """This policy with ``model``'s fp32 subtrees found, for :meth:`holds_fp32` to answer module by module."""
+        return dataclasses.replace(self, fp32_subtrees=fp32_subtrees(model, self.fp32_modules))
 
     def holds_fp32(self, module: nn.Module) -> bool:
-        """Whether ``module``'s own parameters are held in fp32 (see :func:`holds_fp32`)."""
-        return holds_fp32(module, self.fp32_modules)
+        """Whether ``module``'s own parameters are held in fp32 (see :func:`holds_fp32`; inside a layer held in fp32
+        as a whole, once the policy is :meth:`bound_to` the model)."""
+        own_floating = any(p.is_floating_point() for p in module.parameters(recurse=False))
+        return (own_floating and id(module) in self.fp32_subtrees) or holds_fp32(module, self.fp32_modules)
 
     def param_dtypes(self, module: nn.Module) -> dict[int, torch.dtype]:
         """``id(param)`` -> the dtype it is held in for compute. A parameter shared by several layers (tied
         weights, e.g. BERT's decoder bias, which its prediction head also owns) is held in the compute dtype
         if any of them holds a matrix: it is consumed by that layer's lower-precision operation."""
+        bound = self.bound_to(module)
         dtypes: dict[int, torch.dtype] = {}
         for sub in module.modules():
-            dtype = self.master_dtype if self.holds_fp32(sub) else self.compute_dtype
+            dtype = self.master_dtype if bound.holds_fp32(sub) else self.compute_dtype
             for p in sub.parameters(recurse=False):
                 if p.is_floating_point() and dtypes.get(id(p)) != self.compute_dtype:
                     dtypes[id(p)] = dtype
@@ -95,7 +122,8 @@ class PrecisionPolicy:
 
     def fp32_submodules(self, module: nn.Module) -> list[nn.Module]:
         """The layers (with parameters) held in fp32, in pre-order."""
-        return [m for m in module.modules() if self.holds_fp32(m)]
+        bound = self.bound_to(module)
+        return [m for m in module.modules() if bound.holds_fp32(m)]
 
 
 def mixed_state_bytes(compute_params: int, fp32_params: int, world_size: int, stage: int, offload: bool = False) -> dict[str, float]:

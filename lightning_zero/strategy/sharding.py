@@ -111,6 +111,7 @@ def shard_model(
 ) -> ShardedModel:
     """Shard ``model`` in place for a run (``fitting``: with gradients and optimizers; else evaluation)."""
     _check_not_sharded_elsewhere(model, config)
+    policy = policy.bound_to(model) if policy is not None else None
     if fitting:
         check_trainable(model)
     afterwards: list[Callable[[], None]] = []

@@ -123,6 +123,31 @@ class FunctionalSparse(SparseEmbeddings):
         self.tokens = SparseLookup(40, 8)
 
 
+class CastsItself(nn.Module):
+    """A gate that casts its own Linear to fp32 in forward without saying so (no ``self.dtype``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        self.proj = self.proj.float()
+        return torch.sigmoid(self.proj(x.float()))
+
+
+class UndeclaredCast(RegressionTask):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.gate = CastsItself()
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        return F.mse_loss(self.head(h * self.gate(h).to(h.dtype)).float(), y)
+
+
 class SharedBlock(RegressionTask):
     """One block applied three times (weights shared across depth, as ALBERT does): at stage 3 the block's unit runs
     three times a forward and is reduced three times a backward."""

@@ -45,6 +45,36 @@ class UpcastBlock(nn.Module):
         return x + self.proj(F.silu(h)).to(x.dtype)
 
 
+class RoutedBlock(nn.Module):
+    """A router that casts its own classifier to the dtype it declares in every forward, as Hugging Face's Switch
+    Transformers and NLLB-MoE routers do (``self.classifier = self.classifier.to(self.dtype)``), choosing between
+    two experts per token."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.router = Router(dim, 2)
+        self.experts = nn.ModuleList([nn.Linear(dim, dim) for _ in range(2)])
+
+    def forward(self, x):
+        h = self.norm(x)
+        probs = self.router(h)
+        out = torch.stack([expert(h) for expert in self.experts], dim=-1)
+        return x + (out * probs.unsqueeze(-2).to(out.dtype)).sum(-1)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(dim, experts, bias=False)
+        self.dtype = torch.float32
+
+    def forward(self, x):
+        x = x.to(self.dtype)
+        self.classifier = self.classifier.to(self.dtype)
+        return torch.softmax(self.classifier(x), dim=-1, dtype=self.dtype)
+
+
 class FeatureModel(L.LightningModule):
     """Tabular/vector features -> blocks -> a regression head, MSE against fp32 targets."""
 
@@ -132,6 +162,7 @@ ZOO = {
     "prenorm_mlp_fp16_inputs": lambda: FeatureModel(PreNormBlock, input_dtype=torch.float16),
     "prenorm_mlp_bf16_inputs": lambda: FeatureModel(PreNormBlock, input_dtype=torch.bfloat16),
     "upcasting": lambda: FeatureModel(UpcastBlock),
+    "self_casting_router": lambda: FeatureModel(RoutedBlock),
     "conv_groupnorm": ConvGroupNormModel,
     "embedding_norms": TokenModel,
 }

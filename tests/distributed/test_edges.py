@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "shared_block", "zero_dim", "written", "complex", "pruning", "integer", "integer_unset",
-                  nprocs=2)
+                  "functional_sparse", "changed_dtype", "shared_block", "zero_dim", "written", "complex", "pruning",
+                  "integer", "integer_unset", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +189,18 @@ def test_a_sparse_gradient_from_a_functional_call_is_refused_naming_the_paramete
         assert result["type"] == "TypeError", stage
         assert "'tokens.weight' received a sparse gradient" in result["message"], stage
         assert "sparse=False" in result["message"], stage
+
+
+def test_a_layer_that_changes_its_dtype_in_forward_is_refused_by_name_and_trains_once_listed_fp32(edges):
+    """Held in bf16 it turned fp32 mid-step: at stages 1-2 gloo aborted both processes on the size mismatch
+    (SIGABRT), at stage 3 FSDP2 asserted "expects uniform gradient dtype"."""
+    for stage in ("stage1", "stage2", "stage3"):
+        result = edges["changed_dtype"][stage]
+        assert result["type"] == "TypeError", stage
+        assert "'gate.proj." in result["message"] and "produced a torch.float32 gradient" in result["message"], stage
+        assert "fp32_modules" in result["message"] and "self.dtype = torch.float32" in result["message"], stage
+    for stage in ("stage1", "stage2", "stage3"):
+        assert edges["changed_dtype"][f"{stage}_listed"]["type"] is None, stage
 
 
 def test_a_failing_rank_brings_the_run_down_with_its_error():

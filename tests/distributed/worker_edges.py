@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
 
-from lightning_zero import ZeroStrategy, load_from_checkpoint
+from lightning_zero import ZeroPrecision, ZeroStrategy, load_from_checkpoint
 from lightning_zero.checkpoint import state_dicts
 from tests.distributed import memory_layouts, models
 from tests.distributed.worker_checkpoint import RestoredProbe
@@ -179,6 +179,12 @@ CASES = {
         "stage3": expect_fit_error(memory_layouts.PrunedMLP, ZeroStrategy(stage=3),
                                    callbacks=[ModelPruning("l1_unstructured", amount=0.3)])},
     "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
+    # a layer casting itself in forward under bf16-mixed: refused by name, trained once its class is listed fp32
+    "changed_dtype": lambda directory: {
+        **{f"stage{s}": expect_fit_error(memory_layouts.UndeclaredCast, ZeroStrategy(stage=s), precision="bf16-mixed")
+           for s in (1, 2, 3)},
+        **{f"stage{s}_listed": expect_fit_error(memory_layouts.UndeclaredCast, ZeroStrategy(stage=s), plugins=[
+            ZeroPrecision("bf16-mixed", fp32_modules=(memory_layouts.CastsItself,))]) for s in (1, 2, 3)}},
     # the block a unit of its own (reduced once per run), and the host step during backward (no clipping)
     "shared_block": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3": (dict(stage=3, wrap_policy={torch.nn.Sequential}), 0.5),

@@ -142,3 +142,29 @@ def test_torch_is_bounded_at_the_minor_version_checked():
     torch_line = next(line for line in config["options"]["install_requires"].split("\n") if line.startswith("torch"))
     major, minor = map(int, torch.__version__.split(".")[:2])
     assert torch_line.replace(" ", "").endswith(f",<{major}.{minor + 1}"), torch_line
+
+
+def test_a_conversion_that_changes_nothing_leaves_a_gathered_unit_gathered_and_a_real_one_still_converts(sharded):
+    """A router casting itself to fp32 in forward (Hugging Face's Switch Transformers) calls ``.to()`` on a gathered
+    unit every step: FSDP2's ``_apply`` resharded it for that, and failed on a unit kept gathered through an
+    accumulation window (``'Parameter' object has no attribute '_local_tensor'``)."""
+    unit = sharded[0]
+    fsdp2_private.skip_conversions_that_change_nothing([unit])
+    group = fsdp2_private.param_groups(unit)[0]
+    setting = fsdp2_private.keep_gathered_after_forward(group)
+    unit.unshard()
+    gathered = unit.weight
+    assert unit.to(torch.float32) is unit and unit.float() is unit
+    assert unit.weight is gathered and group.is_unsharded  # nothing resharded, nothing re-registered
+    fsdp2_private.restore_after_forward(group, setting)
+    unit.reshard()
+    unit.to(torch.float64)  # a conversion that changes something takes FSDP2's own path
+    assert unit.weight.dtype == torch.float64 and unit.weight.to_local().dtype == torch.float64
+
+
+def test_the_dtype_a_parameter_is_gathered_in_is_known_after_the_first_forward(sharded):
+    """``gathered_dtype`` reads ``FSDPParam.param_dtype``, which FSDP2 sets at its lazy initialisation (so ``check``
+    cannot look for it at set-up): a torch that renames it fails here."""
+    sharded(torch.randn(2, 4)).sum().backward()
+    fsdp_param = fsdp2_private.param_groups(sharded[0])[0].fsdp_params[0]
+    assert fsdp2_private.gathered_dtype(fsdp_param) == torch.float32

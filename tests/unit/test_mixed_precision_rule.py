@@ -53,6 +53,28 @@ def test_fp32_modules_extends_the_rule():
     assert policy.param_dtypes(nn.Embedding(3, 4)).popitem()[1] == torch.float32
 
 
+class SelfCastingRouter(nn.Module):
+    """Hugging Face's Switch Transformers router: declares fp32 and casts its classifier to it in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(4, 2, bias=False)
+        self.dtype = torch.float32
+
+
+def test_a_layer_listed_or_declaring_fp32_holds_everything_beneath_it_in_fp32():
+    block = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model = nn.Sequential(nn.Linear(4, 4), SelfCastingRouter(), block)
+    fp32 = sorted(n for n, p in model.named_parameters() if POLICY.param_dtypes(model)[id(p)] == torch.float32)
+    assert fp32 == ["1.classifier.weight", "2.1.bias", "2.1.weight"]
+    listed = PrecisionPolicy(torch.bfloat16, torch.bfloat16, fp32_modules=(nn.Sequential,))
+    assert set(listed.param_dtypes(block).values()) == {torch.float32}  # the listed container's Linear too
+    bound = POLICY.bound_to(model)  # stage 3 asks module by module: the classifier becomes an fp32 unit of its own
+    assert bound.holds_fp32(model[1].classifier) and not POLICY.holds_fp32(model[1].classifier)
+    assert not bound.holds_fp32(model[1]) and not bound.holds_fp32(model[0])
+    assert names(model, one_dtype_units(model, [model[2]], bound.holds_fp32)) == ["1.classifier", "2.1"]
+
+
 def test_tied_parameters_follow_the_matrix_layer_and_stay_in_one_unit():
     model = Tied()
     dtypes = POLICY.param_dtypes(model)

@@ -42,7 +42,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage12.buckets import pack_bucket, rows_by_rank, segment_parts, segment_view, widened
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
-from lightning_zero.engine.dense_parameters import sparse_gradient_error
+from lightning_zero.engine.dense_parameters import gradient_form_error
 from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.offload import MasterShards, master_dtype_of
@@ -213,8 +213,8 @@ class GradientReducer:
         sources: list[torch.Tensor | None] = [None] * len(self.params)
         for i in bucket.params:
             sources[i] = grad = self.params[i].grad
-            if grad is not None and grad.is_sparse:
-                raise sparse_gradient_error(self.records[i].spec.name)
+            if grad is not None and (grad.is_sparse or grad.dtype != self.bucket_dtypes[bucket_index]):
+                raise gradient_form_error(self.records[i].spec.name, grad, self.bucket_dtypes[bucket_index])
             self.records[i].produced |= grad is not None
         if self._reduces_in_place(bucket_index):
             held = self.shard_gradients and self._holds_sums(bucket)

@@ -27,10 +27,15 @@ need, each with the reason the public API does not suffice:
   in FSDP2's own bookkeeping.
 * :func:`watch_post_backward` / :func:`complete_unit_gradients` (an instance attribute shadowing
   ``FSDPParamGroup.post_backward``; ``FSDPParam._unsharded_param``, ``unsharded_accumulated_grad``,
-  ``FSDPParamGroup.reduce_grads``): which gathered parameters hold a gradient on this rank when a unit is about
-  to be reduced, and a zero one for those that do not ([Note: parameters some ranks leave without a gradient] in
-  ``fsdp2_unused.py``). torch 2.13's ``set_reduce_scatter_unused_params`` zero-fills too, but does not say which
-  parameters it filled, and older releases lack it.
+  ``param_dtype`` (:func:`gathered_dtype`), ``FSDPParamGroup.reduce_grads``): which gathered parameters hold a
+  gradient on this rank when a unit is about to be reduced (in the dtype it was gathered in), and a zero one for
+  those that do not ([Note: parameters some ranks leave without a gradient] in ``fsdp2_unused.py``). torch 2.13's
+  ``set_reduce_scatter_unused_params`` zero-fills too, but does not say which parameters it filled, and older
+  releases lack it.
+* :func:`skip_conversions_that_change_nothing` (an instance attribute shadowing ``FSDPModule._apply``): FSDP2's
+  ``_apply`` reshards a unit and re-registers its shards for any ``module.to(...)``, even one that converts nothing,
+  and fails on a unit kept gathered through an accumulation window; a layer that casts itself in its forward (Hugging
+  Face's Switch Transformers and NLLB-MoE routers) makes that call every step. There is no setting for it.
 
 :func:`check` verifies each of these on a sharded module: the engine runs it when it shards (a torch release that
 moves one fails at set-up, naming it, not mid-training), and ``tests/unit/test_fsdp2_private.py`` runs it on the
@@ -50,12 +55,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.tensor import DTensor
 
-from lightning_zero.engine.dense_parameters import sparse_gradient_error
+from lightning_zero.engine.dense_parameters import gradient_form_error
 from lightning_zero.engine.shard import local_rows
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
-           "drop_unreduced_gradients", "keep_gathered_after_forward", "param_groups", "run_more_than_once", "reshard_only_after_backward", "unit_heads",
-           "restore_after_forward", "sharded_params", "unshadow_reshard", "watch_gathering", "watch_post_backward"]
+           "drop_unreduced_gradients", "gathered_dtype", "keep_gathered_after_forward", "param_groups",
+           "run_more_than_once", "reshard_only_after_backward", "unit_heads", "restore_after_forward", "sharded_params",
+           "skip_conversions_that_change_nothing", "unshadow_reshard", "watch_gathering", "watch_post_backward"]
 
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
 PRIVATE_NAMES = (
@@ -194,6 +200,26 @@ def unshadow_reshard(group: Any, reshard: Callable[[], None]) -> None:
     group.reshard = reshard
 
 
+def skip_conversions_that_change_nothing(modules: Iterable[nn.Module]) -> None:
+    """Make ``module.to(...)`` (``float()``, ``cpu()``, ...) on each of ``modules``, units that ``fully_shard`` made,
+    return at once where it would convert none of the tensors beneath it (parameters, their gradients, buffers), and
+    go through FSDP2's ``_apply`` otherwise. Under ``bf16-mixed`` a layer that casts itself to fp32 in its forward is
+    held in fp32 (``engine/mixed_precision.py``), so its call changes nothing, and no longer reshards its unit in the
+    middle of forward."""
+    for module in modules:
+        fsdp_apply = module._apply
+
+        def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True, *, _module: nn.Module = module,
+                  _fsdp_apply: Callable[..., nn.Module] = fsdp_apply) -> nn.Module:
+            params = list(_module.parameters(recurse=recurse))
+            tensors = [*params, *(p.grad for p in params if p.grad is not None), *_module.buffers(recurse=recurse)]
+            if any(fn(t) is not t for t in tensors):
+                return _fsdp_apply(fn, recurse)
+            return _module
+
+        module._apply = apply  # type: ignore[method-assign]
+
+
 def one_group(unit: FSDPModule) -> bool:
     """Whether ``unit``'s ``fully_shard`` call made one parameter group (one reduce-scatter a backward)."""
     return len(_groups_of(unit._get_fsdp_state())) == 1
@@ -270,8 +296,10 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
         if not hasattr(fsdp_param, "_unsharded_param") or not fsdp_param.sharded_param.requires_grad:
             continue
         unsharded = fsdp_param._unsharded_param
-        if unsharded.grad is not None and unsharded.grad.is_sparse:
-            raise sparse_gradient_error(str(fsdp_param._param_fqn))
+        gathered = gathered_dtype(fsdp_param)
+        grad = unsharded.grad
+        if grad is not None and (grad.is_sparse or grad.dtype != (gathered or grad.dtype)):
+            raise gradient_form_error(str(fsdp_param._param_fqn), grad, gathered or grad.dtype)
         if fsdp_param.unsharded_accumulated_grad is not None or unsharded.grad is not None:
             if upcast and fsdp_param.unsharded_accumulated_grad is None:
                 fsdp_param.to_accumulated_grad_if_needed()
@@ -283,6 +311,16 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
                 unsharded.grad = torch.zeros_like(unsharded)
             zeroed.append(fsdp_param.sharded_param)
     return held, zeroed
+
+
+def gathered_dtype(fsdp_param: Any) -> torch.dtype | None:
+    """The dtype FSDP2 gathers a parameter in, and packs its gradient's reduce-scatter in (``FSDPParam.param_dtype``,
+    set at FSDP2's lazy initialisation, before the first forward: :func:`check` cannot see it at set-up, so a torch
+    without it skips the check this serves, and ``tests/unit/test_fsdp2_private.py`` looks for it after a forward)."""
+    if not hasattr(fsdp_param, "param_dtype"):
+        return None
+    dtype: torch.dtype = fsdp_param.param_dtype or fsdp_param.sharded_param.dtype
+    return dtype
 
 
 def drop_unreduced_gradients(roots: Iterable[nn.Module]) -> None:
