@@ -80,6 +80,16 @@ def fp32_subtrees(root: nn.Module, fp32_modules: tuple[type[nn.Module], ...] = F
     return frozenset(id(m) for top in tops for m in top.modules())
 
 
+def to_dtype_but_declared_fp32(root: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``root.to(dtype)`` (``bf16-true``), then the layers that :func:`declares_fp32` back to fp32, as their own first
+    forward leaves them in plain PyTorch (weights rounded through ``dtype`` once): a layer that casts itself in the
+    middle of a step is what its engine's buckets, FSDP2's units and Lightning's ``ddp`` cannot take."""
+    root.to(dtype)
+    for layer in [m for m in root.modules() if declares_fp32(m)]:
+        layer.to(torch.float32)
+    return root
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
     """Dtypes of a mixed-precision run, as the engines need them."""

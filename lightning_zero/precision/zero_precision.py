@@ -42,7 +42,7 @@ from typing_extensions import override
 from lightning_zero.config.choices import ZeroConfigError, check_choice
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import ShardingEngine
-from lightning_zero.engine.mixed_precision import FP32_MODULES, PrecisionPolicy
+from lightning_zero.engine.mixed_precision import FP32_MODULES, PrecisionPolicy, to_dtype_but_declared_fp32
 from lightning_zero.precision.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleConfigError
 
 
@@ -171,7 +171,7 @@ class ZeroPrecision(Precision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
-            return module.to(dtype=self.compute_dtype)
+            return to_dtype_but_declared_fp32(module, self.compute_dtype)
         return module  # mixed modes: the engine holds parameters in their compute dtypes
 
     @override

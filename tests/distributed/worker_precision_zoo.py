@@ -15,7 +15,7 @@ import torch
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.engine.mixed_precision import mixed_state_bytes
 from lightning_zero.planning.accounting import model_state_bytes
-from tests.distributed.precision_zoo import ZOO, data_for
+from tests.distributed.precision_zoo import ZOO, FeatureModel, RoutedBlock, data_for
 from tests.distributed.worker_core import trainer
 from tests.launch import run_cases
 
@@ -72,9 +72,9 @@ def expected_fp32(module: torch.nn.Module) -> set[str]:
     return out
 
 
-def fit(name: str, strategy, precision: str, accumulate: int = 1) -> dict:
+def fit(name: str, strategy, precision: str, accumulate: int = 1, build=None) -> dict:
     L.seed_everything(3)
-    module = ZOO[name]()
+    module = (build or ZOO[name])()
     fp32_names = expected_fp32(module)
     counts = {"compute": 0, "fp32": 0}
     for pname, p in module.named_parameters():
@@ -128,6 +128,9 @@ CASES = {
         # Stage 3 keeps its units gathered through an accumulation window, where the router's cast met FSDP2's `_apply`.
         **{f"accumulated/self_casting_router/stage{s}": zero("self_casting_router", s, "bf16-mixed", accumulate=2)
            for s in (1, 3)},
+        **{f"bf16-true/self_casting_router/stage{s}": fit("self_casting_router", ZeroStrategy(stage=s), "bf16-true",
+                                                          build=lambda: FeatureModel(RoutedBlock, torch.bfloat16))
+           for s in (1, 2, 3)},
     },
     # `make test-all`: the whole matrix.
     "full": lambda: zoo_cases(ZOO, ["bf16-mixed", "16-mixed"], {**LAYOUTS, **OFFLOAD}),
