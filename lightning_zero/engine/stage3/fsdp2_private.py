@@ -44,6 +44,7 @@ installed torch. ``setup.cfg`` bounds torch at the newest minor version this was
 
 from __future__ import annotations
 
+import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -207,17 +208,17 @@ def skip_conversions_that_change_nothing(modules: Iterable[nn.Module]) -> None:
     held in fp32 (``engine/mixed_precision.py``), so its call changes nothing, and no longer reshards its unit in the
     middle of forward."""
     for module in modules:
-        fsdp_apply = module._apply
+        module._apply = types.MethodType(_apply_converting_something, module)  # type: ignore[method-assign]
 
-        def apply(fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True, *, _module: nn.Module = module,
-                  _fsdp_apply: Callable[..., nn.Module] = fsdp_apply) -> nn.Module:
-            params = list(_module.parameters(recurse=recurse))
-            tensors = [*params, *(p.grad for p in params if p.grad is not None), *_module.buffers(recurse=recurse)]
-            if any(fn(t) is not t for t in tensors):
-                return _fsdp_apply(fn, recurse)
-            return _module
 
-        module._apply = apply  # type: ignore[method-assign]
+def _apply_converting_something(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
+                                recurse: bool = True) -> nn.Module:
+    params = list(module.parameters(recurse=recurse))
+    tensors = [*params, *(p.grad for p in params if p.grad is not None), *module.buffers(recurse=recurse)]
+    if any(fn(t) is not t for t in tensors):
+        fsdp_apply: Callable[..., nn.Module] = type(module)._apply  # FSDP2's, which the instance attribute shadows
+        return fsdp_apply(module, fn, recurse)
+    return module
 
 
 def one_group(unit: FSDPModule) -> bool:
