@@ -83,8 +83,9 @@ class ZeroPrecision(Precision):
             or a ``torch.dtype``); default fp32 for ``16-mixed``, bf16 for ``bf16-mixed`` (see the module note).
         initial_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, dynamic_loss_scale:
             ``16-mixed`` loss scaling (see :class:`~lightning_zero.precision.loss_scaler.LossScaleConfig`).
-        fp32_modules: Mixed modes: layer classes whose parameters stay fp32 whatever their shapes (layers with
-            vector parameters only always do; add e.g. ``nn.Embedding`` to keep embedding tables fp32).
+        fp32_modules: Mixed modes: layer classes whose parameters, and those of every layer inside them, stay fp32
+            whatever their shapes (layers with vector parameters only always do, and so do layers that set
+            ``self.dtype = torch.float32``; add e.g. ``nn.Embedding`` to keep embedding tables fp32).
     """
 
     def __init__(
