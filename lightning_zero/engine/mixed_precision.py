@@ -130,11 +130,6 @@ class PrecisionPolicy:
                     dtypes[id(p)] = dtype
         return dtypes
 
-    def fp32_submodules(self, module: nn.Module) -> list[nn.Module]:
-        """The layers (with parameters) held in fp32, in pre-order."""
-        bound = self.bound_to(module)
-        return [m for m in module.modules() if bound.holds_fp32(m)]
-
 
 def mixed_state_bytes(compute_params: int, fp32_params: int, world_size: int, stage: int, offload: bool = False) -> dict[str, float]:
     """Model-state bytes per rank of a mixed run with AdamW, on the device and in host memory (see [Note: the
