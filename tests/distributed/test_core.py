@@ -39,11 +39,13 @@ EXACT_CASES = [
     "stage2_clip_value",
     "stage3_clip_value",
     "registered_zero2",
+    "stage1_reduce_every_microbatch",  # sums held in p.grad's rows through the window: each backward adds to them
     "stage2_reduce_every_microbatch",
     "stage1_no_overlap",
     "stage1_unused_parameter",  # a parameter no rank uses keeps grad None: AdamW must not decay it
     "stage2_unused_parameter",
     "stage3_unused_parameter",
+    "stage1_routed",
     "stage2_routed",  # a mixture of experts: ranks use different experts in a step, one expert no rank uses
     "stage3_routed",
     "stage2_penalty",  # a gradient penalty: torch.autograd.grad(create_graph=True) inside training_step
@@ -117,6 +119,12 @@ def test_frozen_params_buffers_metrics_and_every_loop(features, stage):
     reference = features["tour_stage1"]
     for key in ("val_mse", "train_loss", "test_loss"):
         assert result[key] == pytest.approx(reference[key], abs=1e-5)
+
+
+def test_stage1_grad_in_hooks_is_this_ranks_rows_of_the_averaged_gradient_and_zeros_elsewhere(features):
+    result = features["stage1_grad_rows"]
+    assert result["checked"] >= 3 * 4  # three steps of Tour's trainable parameters
+    assert result["own_rows_diff"] == 0.0 and result["other_rows_zero"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.engine import shard
 from lightning_zero.engine.comm.collectives import comm_stats
 from lightning_zero.planning.accounting import live_tensor_bytes
 from tests.distributed import models
@@ -173,6 +174,36 @@ def epoch_ended_inside_a_window(strategy, precision: str = "32-true") -> dict:
     t.fit(module, models.loader(models.IndexedData(), 4))
     state = t.strategy.full_state_dict() if isinstance(t.strategy, ZeroStrategy) else module.state_dict()
     return {"steps": t.global_step, "state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+
+
+class GradRowsProbe(L.Callback):
+    """Stage 1's ``p.grad`` where the docs say what it holds (docs/lightning-features.md, "Gradients in your hooks"):
+    in ``on_before_optimizer_step``, this rank's rows of the averaged gradient and zeros elsewhere."""
+
+    def __init__(self) -> None:
+        self.checked, self.own_rows_diff, self.other_rows_zero = 0, 0.0, True
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        full = trainer.strategy.gather_gradients()
+        for name, p in pl_module.named_parameters():
+            if p.grad is None or name not in full:
+                continue
+            start, end = shard.element_range(p.shape, RANK, WORLD)
+            flat, expected = p.grad.reshape(-1), full[name].reshape(-1)
+            self.own_rows_diff = max(self.own_rows_diff, float((flat[start:end] - expected[start:end]).abs().max())
+                                     if end > start else 0.0)
+            self.other_rows_zero &= bool(flat[:start].eq(0).all() and flat[end:].eq(0).all())
+            self.checked += 1
+
+
+def stage1_grad_rows() -> dict:
+    """Accumulation and clipping, as the exactness runs; the probe looks at every step's gradients."""
+    L.seed_everything(5)
+    probe = GradRowsProbe()
+    data = models.IndexedData()
+    t = trainer(ZeroStrategy(stage=1), max_steps=3, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[probe])
+    t.fit(models.Tour(), models.loader(data, 4))
+    return {"checked": probe.checked, "own_rows_diff": probe.own_rows_diff, "other_rows_zero": probe.other_rows_zero}
 
 
 def tour(stage, precision: str = "32-true", callbacks=()) -> dict:
@@ -342,12 +373,12 @@ CASES = {
         "stage2_configure_model": exactness(2, build_in_configure_model=True),
         **{f"stage{s}_clip_value": exactness(s, clip_algorithm="value") for s in (1, 2, 3)},
         "registered_zero2": registered_name(),
-        "stage2_reduce_every_microbatch": exactness(
-            2, strategy=ZeroStrategy(stage=2, reduce_every_microbatch=True, state_dict_type="full")
-        ),
+        **{f"stage{s}_reduce_every_microbatch": exactness(
+            s, strategy=ZeroStrategy(stage=s, reduce_every_microbatch=True, state_dict_type="full")
+        ) for s in (1, 2)},
         "stage1_no_overlap": exactness(1, strategy=ZeroStrategy(stage=1, overlap_comm=False, state_dict_type="full")),
         **{f"stage{s}_unused_parameter": exactness(s, unused_head=True) for s in (1, 2, 3)},
-        **{f"stage{s}_routed": exactness(s, routed=True) for s in (2, 3)},
+        **{f"stage{s}_routed": exactness(s, routed=True) for s in (1, 2, 3)},
         "stage2_penalty": exactness(2, penalty=0.1),
         "stage3_penalty": exactness(3, penalty=0.1, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")),
         # the blocks recomputed once for the penalty's backward and once for the loss's
@@ -359,6 +390,7 @@ CASES = {
         **{f"untoggled_stage{s}": manual_two_optimizers(s, models.UntoggledWGAN) for s in (1, 2, 3)},
         "untoggled_stage1_offloaded": manual_two_optimizers(1, models.UntoggledWGAN, offload_optimizer=True),
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
+        "stage1_grad_rows": stage1_grad_rows(),
         **{f"skipped_steps_stage{s}": skipped_steps(s) for s in (0, 1, 2, 3)},
         **{f"stepped_by_hand_stage{s}": stepped_by_hand(s) for s in (0, 1, 2, 3)},
         "stepped_by_hand_stage2_offloaded": stepped_by_hand(2, offload_optimizer=True),

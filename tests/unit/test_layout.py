@@ -7,8 +7,9 @@ import torch
 
 from lightning_zero.engine.comm import p2p_transport
 from lightning_zero.engine.stage12.buckets import (
-    pack_bucket, pack_segment, rows_by_rank, segment_parts, segment_view, unpack_bucket, widened,
+    pack_bucket, pack_segment, rows_by_rank, scale_gradients, segment_parts, segment_view, unpack_bucket, widened,
 )
+from lightning_zero.engine.stage12.reduce_in_place import param_order_index, transfer_runs
 from lightning_zero.engine.stage12.layout import plan_layout
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.param_gather import RowViews
@@ -137,6 +138,33 @@ def test_small_pieces_travel_in_runs_and_large_ones_alone():
     assert p2p_transport.packed_runs([3, 0, small], 4) == [(0, 3)]
     assert p2p_transport.packed_runs([small + 1, 3, 5, small + 1, 7], 4) == [(0, 1), (1, 3), (3, 4), (4, 5)]
     assert p2p_transport.packed_runs([small + 1, small + 1], 2) == [(0, 2)]  # bf16: twice the elements fit
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_chunk_cat_packs_a_run_of_gradients_exactly_as_the_bucket_lays_them_out(world):
+    """[Note: small gradients travel as runs]: ``torch._chunk_cat`` of a run's gradients is the run's slice of the
+    rank-major bucket (uneven rows, a one-row parameter, a scalar), and the run's index puts it back in parameter
+    order."""
+    layout = plan_layout(SHAPES, world, bucket_numel=10**9)
+    bucket = layout.buckets[0]
+    grads = [torch.randn(layout.params[i].shape) for i in bucket.params]
+    (run,) = transfer_runs(layout, 0, 4)
+    assert run.packed and (run.start, run.end, run.low, run.high) == (0, len(grads), 0, bucket.segment_numel)
+    packed = torch._chunk_cat([g.view(1) if g.dim() == 0 else g for g in grads], 0, world)
+    full = {i: g for i, g in zip(bucket.params, grads)}
+    expected = pack_bucket(layout, bucket, [full.get(i) for i in range(len(SHAPES))], torch.empty(bucket.numel))
+    assert torch.equal(packed.reshape(-1), expected)
+    index = param_order_index(layout, 0, run, torch.device("cpu"))
+    assert torch.equal(packed.view(-1).index_select(0, index), torch.cat([g.reshape(-1) for g in grads]))
+    assert transfer_runs(layout, 0, 4) is transfer_runs(layout, 0, 4)  # kept with the layout
+
+
+def test_an_average_scales_each_buffer_holding_only_gradients_of_this_step_once_and_the_rest_one_by_one():
+    held, other = torch.ones(6), torch.ones(4)
+    a, b, c = held[:2], held[2:6], other[:4]  # ``held``: every gradient in it is finalized now
+    lone = torch.ones(3)
+    scale_gradients([a, b, lone, c], 0.5, [(held, [0, 1]), (other, [2, 3])], {0: a, 1: b, 2: c})  # 3 is not
+    assert held.eq(0.5).all() and lone.eq(0.5).all() and c.eq(0.5).all()  # ``other``'s view scaled alone, once
 
 
 def test_narrow_sums_widen_into_views_of_one_buffer_with_their_values():

@@ -7,7 +7,7 @@ parameter ``p``'s chunks in the column block ``[offset, offset + chunk)``, and a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -110,7 +110,44 @@ def segment_parts(segment: torch.Tensor, layout: ShardLayout, bucket_index: int,
     return list(segment.split_with_sizes(layout.segment_split(bucket_index, rank))[::2])
 
 
+def land_in_own_rows(
+    layout: ShardLayout, bucket_index: int, params: Sequence[torch.nn.Parameter], segment: torch.Tensor, rank: int
+) -> None:
+    """Stage 1's landing of a packed reduction: ``rank``'s rows of each ``p.grad`` of the bucket take the reduced
+    sums in ``segment``, its other rows restart from zero (``p.grad`` made where there was none)."""
+    own: list[torch.Tensor] = []
+    others: list[torch.Tensor] = []
+    for i in layout.buckets[bucket_index].params:
+        param = params[i]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        rows = rows_by_rank(param.grad.view(-1), layout.params[i])
+        own.append(rows[rank])
+        others.extend(part for r, part in enumerate(rows) if r != rank and part.numel())
+    torch._foreach_copy_(own, segment_parts(segment, layout, bucket_index, rank))
+    if others:
+        torch._foreach_zero_(others)
+
+
 def widened(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """``tensors`` cast to ``dtype``, as views of one flat buffer: three calls whatever their number, where a cast
     each would cost a dispatch per tensor."""
     return list(_unflatten_dense_tensors(_flatten_dense_tensors(list(tensors)).to(dtype), list(tensors)))
+
+
+def scale_gradients(
+    grads: Sequence[torch.Tensor], coefficient: float, buffers: Sequence[tuple[torch.Tensor, Sequence[int]]],
+    in_place: Mapping[int, torch.Tensor],
+) -> None:
+    """Multiply ``grads`` by ``coefficient`` (the average over ranks, an unscale), a flat buffer at a time where one
+    holds them: each of ``buffers`` (stage 2's bucket storage, a stage-1 run landed packed, with the layout indices of
+    its gradients) whose every gradient is in ``in_place`` (layout index -> a gradient of ``grads``) and still its view
+    takes one kernel, the rest of it being padding or, at stage 1, other ranks' rows (zeros); the others one each."""
+    scaled: set[int] = set()
+    for flat, indices in buffers:
+        if all(i in in_place and in_place[i]._base is flat for i in indices):
+            flat.mul_(coefficient)
+            scaled.update(id(in_place[i]) for i in indices)
+    rest = [g for g in grads if id(g) not in scaled] if scaled else list(grads)
+    if rest:
+        torch._foreach_mul_(rest, coefficient)

@@ -44,6 +44,9 @@ class ParamGradient:
     landed: bool = False
     """A reduction landed in its rows since the last step, so the next one of its bucket adds to them."""
     final: torch.Tensor | None = None
+    own_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Stage 1: ``(p.grad, this rank's rows of it)``, the view made at the first read of the held sum in a step, so
+    that the later ones (clipping's norm, finalizing, the step) make none; stale once ``p.grad`` is another tensor."""
     staged: torch.Tensor | None = None
     """With ``offload_optimizer``: the host copy of the held sum as it stands, made when its reduction landed;
     None once a later backward changes the sum (or before any landed)."""

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.stage12.buckets import pack_bucket, rows_by_rank, segment_parts, segment_view, widened
+from lightning_zero.engine.stage12.buckets import land_in_own_rows, pack_bucket, scale_gradients, segment_view, widened
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
 from lightning_zero.engine.dense_parameters import gradient_form_error
@@ -125,6 +125,10 @@ class GradientReducer:
         self.storage = [
             torch.zeros(b.segment_numel, device=self.device, dtype=dtype) for b, dtype in zip(layout.buckets, self.bucket_dtypes)
         ] if shard_gradients else None
+        #: Flat buffers the held sums are views of, with their parameters (``buckets.scale_gradients``):
+        #: stage 2's bucket storage; stage 1's packed runs as they land.
+        self.storage_runs = [(s, b.params) for s, b in zip(self.storage, layout.buckets)] if self.storage else []
+        self.flat_runs: list[tuple[torch.Tensor, Sequence[int]]] = []
         #: One record per parameter, in layout order.
         self.records = [
             ParamGradient(i, p, layout.params[i], self._storage_view(i) if shard_gradients else None)
@@ -156,8 +160,10 @@ class GradientReducer:
         grad = record.param.grad
         if grad is None:
             return None
-        start, end = record.spec.row_range(self.rank)  # ``shard.local_rows``, its arithmetic done once
-        return (grad.view(1) if record.spec.shape == () else grad)[start:end]
+        if record.own_rows is None or record.own_rows[0] is not grad:
+            start, end = record.spec.row_range(self.rank)  # ``shard.local_rows``, its arithmetic done once
+            record.own_rows = (grad, (grad.view(1) if record.spec.shape == () else grad)[start:end])
+        return record.own_rows[1]
 
     def held_gradients(self) -> list[torch.Tensor]:
         """Gradient tensors the reducer itself owns (stage 2's shard storage, finalized copies), for
@@ -277,7 +283,7 @@ class GradientReducer:
             if record.state is GradState.REDUCED:
                 record.state = GradState.UNUSED
             if not self.shard_gradients:
-                record.param.grad = None
+                record.param.grad, record.own_rows = None, None
 
     def _land(self, flight: _Inflight) -> None:
         if flight.work is not None:
@@ -285,6 +291,7 @@ class GradientReducer:
         bucket = self.layout.buckets[flight.bucket]
         if flight.in_place is not None:
             flight.in_place.land([self.params[i] for i in bucket.params])
+            self.flat_runs.extend(flight.in_place.flats)
             self._landed(bucket)
             return
         if flight.out is None:
@@ -294,19 +301,8 @@ class GradientReducer:
                 self._bucket_storage(flight.bucket).add_(flight.out)
             elif not flight.direct:
                 self._bucket_storage(flight.bucket).copy_(flight.out)
-        else:  # stage 1: this rank's rows of ``p.grad`` take the reduced sum, its other rows restart from zero
-            own: list[torch.Tensor] = []
-            others: list[torch.Tensor] = []
-            for i in bucket.params:
-                param = self.params[i]
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                rows = rows_by_rank(param.grad.view(-1), self.layout.params[i])
-                own.append(rows[self.rank])
-                others.extend(part for r, part in enumerate(rows) if r != self.rank and part.numel())
-            torch._foreach_copy_(own, segment_parts(flight.out, self.layout, flight.bucket, self.rank))
-            if others:
-                torch._foreach_zero_(others)
+        else:
+            land_in_own_rows(self.layout, flight.bucket, self.params, flight.out, self.rank)
         self._landed(bucket)
 
     def _landed(self, bucket: BucketSpec) -> None:
@@ -340,6 +336,7 @@ class GradientReducer:
         grads = []
         unstaged: list[tuple[int, torch.Tensor]] = []
         narrow: list[tuple[int, torch.Tensor]] = []  # sums held in a narrower dtype than the masters'
+        in_place: dict[int, torch.Tensor] = {}  # the sums themselves, averaged where they are held
         for i, held in held_by_index.items():
             record = self.records[i]
             record.state = GradState.FINALIZED
@@ -354,7 +351,7 @@ class GradientReducer:
                 narrow.append((i, held))
                 continue
             else:
-                grad = held
+                grad = in_place[i] = held
             record.final = grad
             grads.append(grad)
         if narrow and self.master_dtype is not None:
@@ -368,7 +365,7 @@ class GradientReducer:
             self.host_gradients.gradients_ready()
         coefficient = scale / (self.world_size * self.replicas)
         if grads and coefficient != 1.0:  # one rank, nothing to unscale: a pass over every gradient for nothing
-            torch._foreach_mul_(grads, coefficient)
+            scale_gradients(grads, coefficient, self.storage_runs or self.flat_runs, in_place)
 
     def consume(self, indices: Sequence[int]) -> None:
         """The optimizer step used (or skipped) these gradients: clear them for the next window."""
@@ -376,11 +373,14 @@ class GradientReducer:
         if everything and not self._holding:  # a window's start after a step that consumed them all
             return
         self._holding = not everything
+        consumed = frozenset(indices) if self.flat_runs and not everything else frozenset()
+        self.flat_runs = [run for run in self.flat_runs if consumed.isdisjoint(run[1])] if consumed else []
         records = [self.records[i] for i in indices]
         for record in records:
             if not self.shard_gradients:
                 record.param.grad = None
-            record.state, record.produced, record.landed, record.final, record.staged = GradState.EMPTY, False, False, None, None
+            record.state, record.produced, record.landed, record.final = GradState.EMPTY, False, False, None
+            record.staged = record.own_rows = None
         if self.shard_gradients:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
             # buckets still holding another optimizer's gradients need their consumed slices zeroed.

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -144,6 +145,12 @@ class ShardLayout:
 
     @functools.cached_property
     def _segment_splits(self) -> dict[tuple[int, int], list[int]]:
+        return {}
+
+    @functools.cached_property
+    def memo(self) -> dict[tuple[object, ...], Any]:
+        """What the step derives from the plan alone and asks again every step (the transfers' runs, index
+        tensors), kept with the plan it was derived from."""
         return {}
 
     def describe(self, rank: int = 0) -> str:

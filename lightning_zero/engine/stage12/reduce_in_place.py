@@ -6,18 +6,78 @@ rank's segment out. Here each rank sends every other rank that rank's rows of ea
 first straight into the bucket's shard storage), which :meth:`InPlaceReduction.land` adds to its own rows.
 See [Note: collectives in place] in ``p2p_transport.py``; with 2 ranks the sums are the packed ring's, bit for bit
 (``mine + peer``: a two-term float sum does not depend on its order).
+
+[Note: small gradients travel as runs]
+Adjacent small pieces travel as one transfer (``p2p_transport.packed_runs``). Their gradients are packed for it by
+one ``torch._chunk_cat``, which lays them out rank-major exactly as the bucket is ([Note: rank-major buckets]: rows
+split as ``torch.chunk`` does, each chunk padded to the same length), so a run's row for a peer is one contiguous
+tensor to send and a run's place in a segment one contiguous slice to receive into: no view per gradient and rank,
+and the sums of a run are two flat kernels, not a kernel per parameter. At stage 1 the summed rows then become new
+gradients, views of one flat buffer of the run (the packed rows, others zeroed, put in parameter order by one
+``index_select``),
+where writing them into the old ``p.grad`` would take a view and two kernels per parameter. A model of hundreds of
+narrow tensors pays per parameter what the bytes cost, so this is where its step goes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _unflatten_dense_tensors
 
-from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.stage12.buckets import rows_by_rank, segment_parts
-from lightning_zero.engine.stage12.layout import ShardLayout
+from lightning_zero.engine.comm import collectives, p2p_transport
+from lightning_zero.engine.stage12.buckets import rows_by_rank
+from lightning_zero.engine.stage12.layout import ParamShardSpec, ShardLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Pieces ``[start, end)`` of a bucket (positions in ``BucketSpec.params``) that travel as one transfer,
+    occupying ``[low, high)`` of every segment; ``packed``: small pieces packed by ``_chunk_cat`` (else one piece
+    alone, its rows sent as views)."""
+
+    start: int
+    end: int
+    low: int
+    high: int
+    packed: bool
+
+
+def transfer_runs(layout: ShardLayout, bucket_index: int, itemsize: int) -> list[Run]:
+    """The bucket's runs (see [Note: small gradients travel as runs]), the same on every rank; kept on the layout."""
+    key = ("runs", bucket_index, itemsize, p2p_transport.PACK_PIECE_BYTES)
+    runs = layout.memo.get(key)
+    if runs is None:
+        specs = [layout.params[i] for i in layout.buckets[bucket_index].params]
+        runs = layout.memo[key] = [
+            Run(a, b, specs[a].offset, specs[b - 1].offset + specs[b - 1].chunk_numel,
+                specs[a].chunk_numel * itemsize <= p2p_transport.PACK_PIECE_BYTES)
+            for a, b in p2p_transport.packed_runs([s.chunk_numel for s in specs], itemsize)
+        ]
+    return runs
+
+
+def param_order_index(layout: ShardLayout, bucket_index: int, run: Run, device: torch.device) -> torch.Tensor:
+    """For each element of a packed run's gradients flattened one after another, its place in the run's rank-major
+    rows (``[world, high - low]`` flattened), on ``device``; kept on the layout: 4 bytes per element of the run's
+    gradients, which are small pieces (norms, biases, narrow layers), a bucket at most."""
+    key = ("param order", bucket_index, run, device)
+    index = layout.memo.get(key)
+    if index is None:
+        specs = [layout.params[i] for i in layout.buckets[bucket_index].params[run.start : run.end]]
+        index = torch.empty(sum(s.numel for s in specs), dtype=torch.int32)
+        width, start = run.high - run.low, 0
+        for spec in specs:
+            for rank in range(layout.world_size):
+                first, last = spec.element_range(rank)
+                at = rank * width + spec.offset - run.low
+                index[start + first : start + last] = torch.arange(at, at + last - first, dtype=torch.int32)
+            start += spec.numel
+        index = layout.memo[key] = index.to(device)
+    return index
 
 
 class InPlaceReduction:
@@ -37,6 +97,7 @@ class InPlaceReduction:
         held: bool = False,
     ) -> None:
         bucket = layout.buckets[bucket_index]
+        self.layout, self.bucket_index = layout, bucket_index
         self.specs = [layout.params[i] for i in bucket.params]
         self.rank, world = rank, layout.world_size
         #: ``p.grad`` of the bucket's parameters (None: no gradient here, contributing zeros), kept alive until
@@ -54,30 +115,47 @@ class InPlaceReduction:
             else torch.empty(bucket.segment_numel, dtype=self.dtype, device=self.device)
             for k, peer in enumerate(peers)
         }
-        #: Every rank's rows of each gradient (None: no gradient here), one ``split`` per gradient.
-        self.rows = [None if g is None else rows_by_rank(g.view(-1), spec) for g, spec in zip(self.grads, self.specs)]
-        #: With every gradient here, this rank's rows of each, and every other rank's (zeroed once the sums land at
-        #: stage 1); None otherwise.
-        self.own: list[torch.Tensor] | None = None
-        self.others: list[torch.Tensor] = []
-        if all(rows is not None for rows in self.rows):  # one transpose of the rows, no call per parameter
-            by_rank: list[list[torch.Tensor]] = [list(of_rank) for of_rank in zip(*self.rows)]
-            self.own, self.others = by_rank[rank], [part for r in range(world) if r != rank for part in by_rank[r]]
-        else:
-            by_rank = [[self._rows(j, r) for j in range(len(self.specs))] for r in range(world)]
-        sends = [by_rank[r] if r != rank else [] for r in range(world)]
-        #: Per peer, the views of its segment that receive its contribution to each parameter's rows.
+        self.runs = transfer_runs(layout, bucket_index, self.dtype.itemsize)
+        #: Per packed run, its gradients rank-major (``[world, high - low]``); None for the pieces travelling alone.
+        self.packed: list[torch.Tensor | None] = []
+        #: Every rank's rows of each gradient travelling alone (None: packed, or no gradient here).
+        self.rows: list[tuple[torch.Tensor, ...] | None] = [None] * len(self.specs)
+        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for run in self.runs:
+            if run.packed:
+                packed = torch._chunk_cat([self._whole(j) for j in range(run.start, run.end)], 0, world)
+                self.packed.append(packed)
+                pieces: Sequence[torch.Tensor] = packed.unbind(0)
+            else:
+                self.packed.append(None)
+                j = run.start
+                if self.grads[j] is not None:
+                    self.rows[j] = rows_by_rank(self.grads[j].view(-1), self.specs[j])  # type: ignore[union-attr]
+                pieces = [self._rows(j, r) for r in range(world)]
+            for r in range(world):
+                if r != rank:
+                    sends[r].append(pieces[r])
+        #: Per peer, where its contribution to each run lands: a slice of its segment (the rows only, unpadded,
+        #: for a piece alone, as the sender sends just them).
         self.received: dict[int, list[torch.Tensor]] = {
-            peer: segment_parts(segment, layout, bucket_index, rank) for peer, segment in self.segments.items()
+            peer: [segment[run.low : run.high] if run.packed
+                   else segment[run.low : run.low + self.specs[run.start].rank_numels[rank]] for run in self.runs]
+            for peer, segment in self.segments.items()
         }
         receives = [self.received.get(peer, []) for peer in range(world)]
-        self.work = collectives.reduce_scatter_in_place(
-            sends, receives, bucket.numel, group=group, chunk_numels=[spec.chunk_numel for spec in self.specs]
-        )
-        self._storage_parts = segment_parts(storage, layout, bucket_index, rank) if storage is not None else None
+        self.work = collectives.reduce_scatter_in_place(sends, receives, bucket.numel, group=group)
+        #: Stage 1: each packed run's new gradients, one flat buffer, with the layout indices of its parameters.
+        self.flats: list[tuple[torch.Tensor, tuple[int, ...]]] = []
+
+    def _whole(self, j: int) -> torch.Tensor:
+        """Gradient ``j`` as ``_chunk_cat`` splits it by rows (zeros where this rank has none)."""
+        grad = self.grads[j]
+        if grad is None:
+            return torch.zeros(self.specs[j].shape or (1,), dtype=self.dtype, device=self.device)
+        return grad.view(1) if grad.dim() == 0 else grad
 
     def _rows(self, j: int, rank: int) -> torch.Tensor:
-        """Parameter ``j``'s gradient rows of ``rank``, flat (zeros where this rank has no gradient)."""
+        """Gradient ``j``'s rows of ``rank``, flat (zeros where this rank has no gradient)."""
         rows = self.rows[j]
         if rows is None:
             return torch.zeros(self.specs[j].rank_numels[rank], dtype=self.dtype, device=self.device)
@@ -86,47 +164,85 @@ class InPlaceReduction:
     def land(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Wait, then leave each parameter's reduced rows where its stage keeps them: stage 2 in the shard storage
         (added to what it held), dropping ``p.grad``; stage 1 in this rank's rows of ``p.grad``, its other rows
-        zeroed (see [Note: gradients are held as sums until finalized] in ``grad_sync.py``). One ``foreach`` kernel
-        per peer for the whole bucket, in the order the sums are defined: each element's terms are added in the
-        same order as one parameter at a time would."""
+        zeroed (see [Note: gradients are held as sums until finalized] in ``grad_sync.py``). Each element's terms
+        are added in the same order as one parameter at a time would: this rank's, then each peer's in turn."""
         self.work.wait()
         if not params:
             return
+        for k, run in enumerate(self.runs):
+            received = [parts[k] for parts in self.received.values()]
+            if self.storage is not None:
+                self._sum_into_storage(k, run, received)
+            elif all(params[j].grad is self.grads[j] for j in range(run.start, run.end)):
+                self._sum_into_grads(k, run, received, params)
+            else:  # a gradient made or replaced since the launch: its own rows now are what it adds to
+                self._sum_into_current_grads(k, run, received, params)
         if self.storage is not None:
-            self._sum_into_storage()
             for param in params:
                 param.grad = None
-            return
-        own, others = self.own, self.others  # this rank's own contribution is already in its rows
-        if own is None or not all(param.grad is grad for param, grad in zip(params, self.grads)):
-            own, others = [], []  # a gradient missing here, or made or replaced since the launch
-            for j, param in enumerate(params):
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                rows = self.rows[j] if param.grad is self.grads[j] else None
-                if rows is None:
-                    rows = rows_by_rank(param.grad.view(-1), self.specs[j])
-                own.append(rows[self.rank])
-                others.extend(part for r, part in enumerate(rows) if r != self.rank)
-        for peer in self.segments:
-            torch._foreach_add_(own, self.received[peer])
-        if others:
-            torch._foreach_zero_(others)
 
-    def _sum_into_storage(self) -> None:
-        """Each parameter's own contribution and every peer's into its rows of the shard storage: written where the
-        storage held nothing (it holds the first peer's already), else added to the sums it held."""
-        targets = self._storage_parts
-        if targets is None:
+    def _own(self, k: int, run: Run) -> torch.Tensor:
+        """This rank's contribution to run ``k``: its packed row, or its rows of the piece alone."""
+        packed = self.packed[k]
+        return packed[self.rank] if packed is not None else self._rows(run.start, self.rank)
+
+    def _sum_into_storage(self, k: int, run: Run, received: list[torch.Tensor]) -> None:
+        """This rank's contribution and every peer's to run ``k`` into the shard storage: written where it held
+        nothing (it holds the first peer's already), else added to the sums it held."""
+        storage = self.storage
+        if storage is None:
             raise RuntimeError("only stage 2 reduces into shard storage")
-        own = self.own if self.own is not None else [self._rows(j, self.rank) for j in range(len(self.specs))]
-        received = [self.received[peer] for peer in self.segments]
+        own = self._own(k, run)
         if self.into_storage:
-            torch._foreach_add_(targets, own)
-            for parts in received[1:]:
-                torch._foreach_add_(targets, parts)
+            target = received[0]
+            target.add_(own)
+            for part in received[1:]:
+                target.add_(part)
             return
-        totals = own
-        for parts in received:
-            totals = list(torch._foreach_add(totals, parts))
-        torch._foreach_add_(targets, totals)
+        total = own.clone()
+        for part in received:
+            total.add_(part)
+        storage[run.low : run.low + total.numel()].add_(total)
+
+    def _sum_into_grads(self, k: int, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]) -> None:
+        """Stage 1, the gradients unchanged since the launch: this rank's rows take the sums, the others zeros."""
+        packed = self.packed[k]
+        if packed is None:
+            j = run.start
+            param, rows = params[j], self.rows[j]
+            if rows is None:
+                param.grad = torch.zeros_like(param)
+                rows = rows_by_rank(param.grad.view(-1), self.specs[j])
+            for part in received:
+                rows[self.rank].add_(part)
+            for r, other in enumerate(rows):
+                if r != self.rank:
+                    other.zero_()
+            return
+        for part in received:  # the sends are complete: the packed rows are ours to reuse
+            packed[self.rank].add_(part)
+        for r in range(len(packed)):
+            if r != self.rank:
+                packed[r].zero_()
+        flat = packed.view(-1).index_select(0, param_order_index(self.layout, self.bucket_index, run, packed.device))
+        run_params = params[run.start : run.end]
+        for param, grad in zip(run_params, _unflatten_dense_tensors(flat, run_params)):
+            param.grad = grad
+        self.flats.append((flat, self.layout.buckets[self.bucket_index].params[run.start : run.end]))
+
+    def _sum_into_current_grads(
+        self, k: int, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
+    ) -> None:
+        """Stage 1 when a gradient of the run changed since the launch: one parameter at a time, into ``p.grad``."""
+        for j in range(run.start, run.end):
+            param, spec = params[j], self.specs[j]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            rows = rows_by_rank(param.grad.view(-1), spec)
+            offset = spec.offset - run.low if self.packed[k] is not None else 0
+            for part in received:
+                rows[self.rank].add_(part[offset : offset + spec.rank_numels[self.rank]])
+            for r, other in enumerate(rows):
+                if r != self.rank:
+                    other.zero_()
+

@@ -21,6 +21,7 @@ of shard views (see [Note: owner stepping] in ``owner_step.py``); their element-
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,8 @@ class ShardedOptimizer:
             )
             self.owners.on_host = masters is not None and masters.offloaded
         self.row_views = RowViews(layout)
+        self._members: tuple[int, ...] | None = None  # the ``id``s ``param_groups`` held when last followed
+        self._untracked: list[nn.Parameter] = []  # those of them without a shard (frozen then, or not the model's)
         #: ``offload_step_delay=1``: the thread the host steps run in (see [Note: the delayed update]), and the
         #: step whose rows have not reached the device yet (``pending``: the engine's previous layout's).
         self.host_steps = host_steps
@@ -109,20 +112,28 @@ class ShardedOptimizer:
         self.refresh()
 
     def refresh(self) -> None:
-        """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training)."""
+        """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training); nothing to
+        do while the groups hold the parameters they held last time (under a matrix optimizer a group's marks decide
+        too: followed every step)."""
+        members = tuple(map(id, itertools.chain.from_iterable([group["params"] for group in self.optimizer.param_groups])))
+        if members == self._members and self.kind != "matrix" and not any(p.requires_grad for p in self._untracked):
+            return
+        untracked: list[nn.Parameter] = []
         indices: list[int] = []
         whole: list[int] = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 i = self._index.get(id(p))
-                if i is None:
-                    if p.requires_grad and id(p) not in self.elsewhere:
+                if i is None and id(p) not in self.elsewhere:
+                    untracked.append(p)
+                    if p.requires_grad:
                         raise RuntimeError(
                             f"A parameter of shape {tuple(p.shape)} in {type(self.optimizer).__name__}'s param_groups "
                             "was frozen (or not part of the model) when this step began, so it has no shard and no "
                             "gradient reduction. Unfreeze parameters between steps (e.g. in `on_train_epoch_start`, "
                             "as `BackboneFinetuning` does), not between a step's backward and its optimizer step."
                         )
+                if i is None:
                     continue
                 indices.append(i)
                 if steps_whole(group, self.kind):
@@ -150,6 +161,7 @@ class ShardedOptimizer:
             buckets = list(by_bucket)
             runs = split_in_parts([sum(self.layout.params[i].chunk_numel for i in by_bucket[b]) for b in buckets])
             self.parts = [([buckets[k] for k in run], [i for k in run for i in by_bucket[buckets[k]]]) for run in runs]
+        self._members, self._untracked = members, untracked
 
     @property
     def _owners(self) -> OwnerStepping:
