@@ -14,7 +14,8 @@ from tests.launch import launch
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def report(request):
     return {"world": request.param, **launch("tests.distributed.worker_in_place", "reductions", "gathers",
-                                             "mixed_reductions", "mixed_gathers", nprocs=request.param)}
+                                             "mixed_reductions", "mixed_gathers", "unused_bf16_bucket",
+                                             nprocs=request.param)}
 
 
 @pytest.mark.parametrize("pieces", ["", "mixed_"], ids=["small_pieces_packed", "packed_and_alone"])
@@ -36,3 +37,7 @@ def test_gathers_fill_every_parameter_and_count_as_the_packed_collective(report,
     assert gathers["equal"]
     assert gathers["counted_elements"] == gathers["packed_elements"]
     assert gathers["calls"] == report[pieces + "reductions"]["buckets"]
+
+
+def test_a_rank_with_no_gradient_in_a_bf16_bucket_sends_the_runs_the_others_expect(report):
+    assert report["unused_bf16_bucket"]["own_rows_are_the_sum"]

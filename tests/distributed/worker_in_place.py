@@ -18,8 +18,8 @@ from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
 from lightning_zero.engine.stage12.param_gather import all_gather_params
 from tests.launch import ensure_process_group, run_cases
 
-#: Rows that split unevenly over 2 and 3 ranks, a 1-row parameter (some ranks hold none of it), a vector.
-SHAPES = [(7, 3), (5,), (1, 4), (10, 2), (4, 4)]
+#: Rows that split unevenly over 2 and 3 ranks, a 1-row parameter (some ranks hold none of it), a vector, an empty one.
+SHAPES = [(7, 3), (5,), (1, 4), (10, 2), (4, 4), (0, 3)]
 
 
 def _tensor(shape, rank: int, salt: int) -> torch.Tensor:
@@ -135,8 +135,24 @@ def mixed_gathers() -> dict:
         return gathers(layout)
 
 
+def unused_bf16_bucket() -> dict:
+    """Stage 1, a bf16 bucket none of whose parameters has a gradient on rank 0 (an expert it routed nothing to): it
+    still sends what the others expect, runs decided by the bucket's dtype (a bf16 piece of 24 bytes travels packed,
+    an fp32 one of the same rows alone), and every rank's rows hold the others' sums."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with mixed_pieces() as layout:
+        (bucket,) = layout.buckets
+        params = [torch.nn.Parameter(torch.zeros(SHAPES[i], dtype=torch.bfloat16)) for i in bucket.params]
+        for p in params:
+            p.grad = None if rank == 0 else torch.full(p.shape, float(rank), dtype=torch.bfloat16)
+        InPlaceReduction(layout, 0, [p.grad for p in params], rank=rank, dtype=torch.bfloat16).land(params)
+    expected = float(sum(range(1, world)))
+    own_rows = [p.grad.view(-1)[slice(*layout.params[i].element_range(rank))] for i, p in zip(bucket.params, params)]
+    return _every_rank({"own_rows_are_the_sum": all(bool(r.eq(expected).all()) for r in own_rows)})
+
+
 if __name__ == "__main__":
     ensure_process_group()
     cases = {"reductions": reductions, "gathers": gathers, "mixed_reductions": mixed_reductions,
-             "mixed_gathers": mixed_gathers}
+             "mixed_gathers": mixed_gathers, "unused_bf16_bucket": unused_bf16_bucket}
     run_cases(cases, sys.argv[1:])

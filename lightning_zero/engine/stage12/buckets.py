@@ -7,7 +7,7 @@ parameter ``p``'s chunks in the column block ``[offset, offset + chunk)``, and a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -133,6 +133,16 @@ def widened(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.T
     """``tensors`` cast to ``dtype``, as views of one flat buffer: three calls whatever their number, where a cast
     each would cost a dispatch per tensor."""
     return list(_unflatten_dense_tensors(_flatten_dense_tensors(list(tensors)).to(dtype), list(tensors)))
+
+
+def runs_without(
+    runs: Sequence[tuple[torch.Tensor, Sequence[int]]], indices: Iterable[int]
+) -> list[tuple[torch.Tensor, Sequence[int]]]:
+    """The flat buffers of ``runs`` holding none of the gradients ``indices`` (the others were consumed or replaced)."""
+    if not runs:
+        return []
+    gone = set(indices)
+    return [run for run in runs if gone.isdisjoint(run[1])]
 
 
 def scale_gradients(

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.stage12.buckets import land_in_own_rows, pack_bucket, scale_gradients, segment_view, widened
+from lightning_zero.engine.stage12 import buckets
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
 from lightning_zero.engine.dense_parameters import gradient_form_error
@@ -125,8 +125,7 @@ class GradientReducer:
         self.storage = [
             torch.zeros(b.segment_numel, device=self.device, dtype=dtype) for b, dtype in zip(layout.buckets, self.bucket_dtypes)
         ] if shard_gradients else None
-        #: Flat buffers the held sums are views of, with their parameters (``buckets.scale_gradients``):
-        #: stage 2's bucket storage; stage 1's packed runs as they land.
+        #: Flat buffers the sums are views of, with their parameters: stage 2's storage, stage 1's runs as they land.
         self.storage_runs = [(s, b.params) for s, b in zip(self.storage, layout.buckets)] if self.storage else []
         self.flat_runs: list[tuple[torch.Tensor, Sequence[int]]] = []
         #: One record per parameter, in layout order.
@@ -147,7 +146,7 @@ class GradientReducer:
 
     def _storage_view(self, index: int) -> torch.Tensor:
         spec = self.layout.params[index]
-        return segment_view(self.layout, self._bucket_storage(spec.bucket), index, self.rank)
+        return buckets.segment_view(self.layout, self._bucket_storage(spec.bucket), index, self.rank)
 
     def local_grad(self, index: int) -> torch.Tensor | None:
         """This rank's shard of parameter ``index``'s gradient, or None if it has none: the held sum (a view)
@@ -214,23 +213,24 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket_index: int) -> None:
-        bucket = self.layout.buckets[bucket_index]
+        bucket, dtype = self.layout.buckets[bucket_index], self.bucket_dtypes[bucket_index]
         self._holding = True
         sources: list[torch.Tensor | None] = [None] * len(self.params)
         for i in bucket.params:
             sources[i] = grad = self.params[i].grad
-            if grad is not None and (grad.is_sparse or grad.dtype != self.bucket_dtypes[bucket_index]):
-                raise gradient_form_error(self.records[i].spec.name, grad, self.bucket_dtypes[bucket_index])
+            if grad is not None and (grad.is_sparse or grad.dtype != dtype):
+                raise gradient_form_error(self.records[i].spec.name, grad, dtype)
             self.records[i].produced |= grad is not None
         if self._reduces_in_place(bucket_index):
             held = self.shard_gradients and self._holds_sums(bucket)
             reduction = InPlaceReduction(
                 self.layout, bucket_index, [sources[i] for i in bucket.params], rank=self.rank, group=self.group,
                 storage=self._bucket_storage(bucket_index) if self.shard_gradients else None, held=held,
+                dtype=dtype, device=self.device,
             )
             return self._post(_Inflight(bucket_index, None, None, None, False, held, reduction))
         comm = torch.empty(bucket.numel, dtype=self.comm_dtypes[bucket_index], device=self.device)
-        pack_bucket(self.layout, bucket, sources, comm)
+        buckets.pack_bucket(self.layout, bucket, sources, comm)
         direct = accumulate = False
         if self.shard_gradients:
             for i in bucket.params:
@@ -291,7 +291,8 @@ class GradientReducer:
         bucket = self.layout.buckets[flight.bucket]
         if flight.in_place is not None:
             flight.in_place.land([self.params[i] for i in bucket.params])
-            self.flat_runs.extend(flight.in_place.flats)
+            if flats := flight.in_place.flats:  # they replace the runs of an earlier backward of the window
+                self.flat_runs = buckets.runs_without(self.flat_runs, (i for _, ix in flats for i in ix)) + flats
             self._landed(bucket)
             return
         if flight.out is None:
@@ -302,7 +303,7 @@ class GradientReducer:
             elif not flight.direct:
                 self._bucket_storage(flight.bucket).copy_(flight.out)
         else:
-            land_in_own_rows(self.layout, flight.bucket, self.params, flight.out, self.rank)
+            buckets.land_in_own_rows(self.layout, flight.bucket, self.params, flight.out, self.rank)
         self._landed(bucket)
 
     def _landed(self, bucket: BucketSpec) -> None:
@@ -355,7 +356,7 @@ class GradientReducer:
             record.final = grad
             grads.append(grad)
         if narrow and self.master_dtype is not None:
-            for (i, _), grad in zip(narrow, widened([held for _, held in narrow], self.master_dtype)):
+            for (i, _), grad in zip(narrow, buckets.widened([held for _, held in narrow], self.master_dtype)):
                 self.records[i].final = grad
                 grads.append(grad)
         if self.host_gradients is not None:
@@ -365,7 +366,7 @@ class GradientReducer:
             self.host_gradients.gradients_ready()
         coefficient = scale / (self.world_size * self.replicas)
         if grads and coefficient != 1.0:  # one rank, nothing to unscale: a pass over every gradient for nothing
-            scale_gradients(grads, coefficient, self.storage_runs or self.flat_runs, in_place)
+            buckets.scale_gradients(grads, coefficient, self.storage_runs or self.flat_runs, in_place)
 
     def consume(self, indices: Sequence[int]) -> None:
         """The optimizer step used (or skipped) these gradients: clear them for the next window."""
@@ -373,8 +374,7 @@ class GradientReducer:
         if everything and not self._holding:  # a window's start after a step that consumed them all
             return
         self._holding = not everything
-        consumed = frozenset(indices) if self.flat_runs and not everything else frozenset()
-        self.flat_runs = [run for run in self.flat_runs if consumed.isdisjoint(run[1])] if consumed else []
+        self.flat_runs = [] if everything else buckets.runs_without(self.flat_runs, indices)
         records = [self.records[i] for i in indices]
         for record in records:
             if not self.shard_gradients:

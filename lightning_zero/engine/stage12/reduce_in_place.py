@@ -83,7 +83,7 @@ def param_order_index(layout: ShardLayout, bucket_index: int, run: Run, device: 
 class InPlaceReduction:
     """Posts one bucket's transfers on construction; :meth:`land` waits and sums. ``storage``: stage 2's shard
     storage of the bucket, ``held`` when it holds sums from an earlier backward (the reduced rows are added to
-    them); otherwise the first peer's contributions land in it."""
+    them); otherwise the first peer's contributions land in it. ``dtype`` and ``device``: the bucket's."""
 
     def __init__(
         self,
@@ -95,6 +95,8 @@ class InPlaceReduction:
         group: dist.ProcessGroup | None = None,
         storage: torch.Tensor | None = None,
         held: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> None:
         bucket = layout.buckets[bucket_index]
         self.layout, self.bucket_index = layout, bucket_index
@@ -104,8 +106,12 @@ class InPlaceReduction:
         #: their sends complete.
         self.grads = list(grads)
         like = next((g for g in self.grads if g is not None), None)
-        self.dtype = storage.dtype if storage is not None else like.dtype if like is not None else torch.float32
-        self.device = storage.device if storage is not None else like.device if like is not None else torch.device("cpu")
+        # The bucket's dtype, which every rank knows alike (a rank with no gradient in the bucket must send the same
+        # bytes, in the same runs, as the others).
+        self.dtype = dtype or (storage.dtype if storage is not None else like.dtype if like is not None
+                               else torch.float32)
+        self.device = device or (storage.device if storage is not None else like.device if like is not None
+                                 else torch.device("cpu"))
         self.storage, self.held = storage, held
         self.into_storage = storage is not None and not held
         peers = [(rank - distance) % world for distance in range(1, world)]
@@ -122,8 +128,10 @@ class InPlaceReduction:
         self.rows: list[tuple[torch.Tensor, ...] | None] = [None] * len(self.specs)
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for run in self.runs:
-            if run.packed:
-                packed = torch._chunk_cat([self._whole(j) for j in range(run.start, run.end)], 0, world)
+            if run.packed:  # ``_chunk_cat`` refuses empty tensors; an empty parameter takes no room in the bucket
+                whole = [self._whole(j) for j in range(run.start, run.end) if self.specs[j].numel]
+                packed = (torch._chunk_cat(whole, 0, world) if whole
+                          else torch.zeros(world, 0, dtype=self.dtype, device=self.device))
                 self.packed.append(packed)
                 pieces: Sequence[torch.Tensor] = packed.unbind(0)
             else:
@@ -145,7 +153,7 @@ class InPlaceReduction:
         receives = [self.received.get(peer, []) for peer in range(world)]
         self.work = collectives.reduce_scatter_in_place(sends, receives, bucket.numel, group=group)
         #: Stage 1: each packed run's new gradients, one flat buffer, with the layout indices of its parameters.
-        self.flats: list[tuple[torch.Tensor, tuple[int, ...]]] = []
+        self.flats: list[tuple[torch.Tensor, Sequence[int]]] = []
 
     def _whole(self, j: int) -> torch.Tensor:
         """Gradient ``j`` as ``_chunk_cat`` splits it by rows (zeros where this rank has none)."""
@@ -204,7 +212,9 @@ class InPlaceReduction:
             total.add_(part)
         storage[run.low : run.low + total.numel()].add_(total)
 
-    def _sum_into_grads(self, k: int, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]) -> None:
+    def _sum_into_grads(
+        self, k: int, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
+    ) -> None:
         """Stage 1, the gradients unchanged since the launch: this rank's rows take the sums, the others zeros."""
         packed = self.packed[k]
         if packed is None:

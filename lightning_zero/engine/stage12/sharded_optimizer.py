@@ -115,7 +115,8 @@ class ShardedOptimizer:
         """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training); nothing to
         do while the groups hold the parameters they held last time (under a matrix optimizer a group's marks decide
         too: followed every step)."""
-        members = tuple(map(id, itertools.chain.from_iterable([group["params"] for group in self.optimizer.param_groups])))
+        groups = self.optimizer.param_groups
+        members = tuple(map(id, itertools.chain.from_iterable([group["params"] for group in groups])))
         if members == self._members and self.kind != "matrix" and not any(p.requires_grad for p in self._untracked):
             return
         untracked: list[nn.Parameter] = []
