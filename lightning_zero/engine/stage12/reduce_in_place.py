@@ -129,7 +129,7 @@ class InPlaceReduction:
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for run in self.runs:
             if run.packed:  # ``_chunk_cat`` refuses empty tensors; an empty parameter takes no room in the bucket
-                whole = [self._whole(j) for j in range(run.start, run.end) if self.specs[j].numel]
+                whole = [self._whole(j) for j in range(run.start, run.end) if self.specs[j].chunk_numel]
                 packed = (torch._chunk_cat(whole, 0, world) if whole
                           else torch.zeros(world, 0, dtype=self.dtype, device=self.device))
                 self.packed.append(packed)
