@@ -14,6 +14,7 @@ as real processes, not from here.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -108,6 +109,10 @@ def start(module: str, args: list[str], *, env: dict, cwd: Path, stdout: int, fd
     global _SERVER
     with _LOCK:
         if _SERVER is None or _SERVER.process.poll() is not None:
+            if _SERVER is None:  # a launch outside pytest (no session fixture to close it) cleans up at exit too
+                atexit.register(close)
+            else:  # the server went away: its folder goes with it
+                _SERVER.close()
             _SERVER = _Server()
         path = _SERVER.path
     mapping = {1: stdout, 2: stdout, **(fds or {})}
