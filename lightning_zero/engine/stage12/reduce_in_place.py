@@ -181,9 +181,11 @@ class InPlaceReduction:
             received = [parts[k] for parts in self.received.values()]
             if self.storage is not None:
                 self._sum_into_storage(k, run, received)
-            elif all(params[j].grad is self.grads[j] for j in range(run.start, run.end)):
-                self._sum_into_grads(k, run, received, params)
-            else:  # a gradient made or replaced since the launch: its own rows now are what it adds to
+            elif (packed := self.packed[k]) is not None and all(
+                params[j].grad is self.grads[j] for j in range(run.start, run.end)
+            ):
+                self._sum_into_new_grads(packed, run, received, params)
+            else:  # a piece alone, or a gradient made or replaced since the launch: its own rows now take the sums
                 self._sum_into_current_grads(k, run, received, params)
         if self.storage is not None:
             for param in params:
@@ -212,23 +214,11 @@ class InPlaceReduction:
             total.add_(part)
         storage[run.low : run.low + total.numel()].add_(total)
 
-    def _sum_into_grads(
-        self, k: int, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
+    def _sum_into_new_grads(
+        self, packed: torch.Tensor, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
     ) -> None:
-        """Stage 1, the gradients unchanged since the launch: this rank's rows take the sums, the others zeros."""
-        packed = self.packed[k]
-        if packed is None:
-            j = run.start
-            param, rows = params[j], self.rows[j]
-            if rows is None:
-                param.grad = torch.zeros_like(param)
-                rows = rows_by_rank(param.grad.view(-1), self.specs[j])
-            for part in received:
-                rows[self.rank].add_(part)
-            for r, other in enumerate(rows):
-                if r != self.rank:
-                    other.zero_()
-            return
+        """Stage 1, a packed run whose gradients are unchanged since the launch: new gradients, views of one flat
+        buffer, this rank's rows the sums and the others zeros (see [Note: small gradients travel as runs])."""
         for part in received:  # the sends are complete: the packed rows are ours to reuse
             packed[self.rank].add_(part)
         for r in range(len(packed)):
@@ -243,7 +233,8 @@ class InPlaceReduction:
     def _sum_into_current_grads(
         self, k: int, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
     ) -> None:
-        """Stage 1 when a gradient of the run changed since the launch: one parameter at a time, into ``p.grad``."""
+        """Stage 1 one parameter at a time, into this rank's rows of ``p.grad``: a piece alone, or a run whose
+        gradient changed since the launch."""
         for j in range(run.start, run.end):
             param, spec = params[j], self.specs[j]
             if param.grad is None:
