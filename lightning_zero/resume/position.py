@@ -17,7 +17,16 @@ between batches (a SIGTERM checkpoint)                 all four = k             
 ``on_train_batch_end`` of the epoch's last batch       as the first row, ``is_last_batch``      next epoch, 0
 ``on_train_epoch_end`` / ``on_validation_end`` at the  epoch progress processed = started       next epoch, 0
 end of an epoch
+after ``fit`` returned (``max_steps`` or               epoch progress: all four equal;          where Lightning
+``max_epochs`` reached; ``trainer.save_checkpoint``)   batch progress: all four equal           numbers it; data
+                                                                                                from the first
 ====================================================  =======================================  =================
+
+The last row is Lightning counting the epoch ``fit`` stopped in as finished. A run continued from such a
+checkpoint numbers its next batches from counters its restart logic leaves as they were (measured: the stopped
+epoch from the batch count it stopped at, or the next epoch from 0, depending on whether validation ran), while
+the data starts at its epoch's first batch. Nothing of that data was trained on, so nothing is skipped: the
+resumed run trains on what Lightning ``ddp`` trains on after the same save.
 """
 
 from __future__ import annotations
@@ -37,6 +46,10 @@ class DataPosition:
     batches_done: int
     """Batches of that epoch already trained on before the checkpoint; the resumed epoch starts after them."""
 
+    after_fit: bool = False
+    """Saved after ``fit`` returned: Lightning numbers the first resumed batch by its own restart logic, not by
+    this position (see the table above)."""
+
     @property
     def mid_epoch(self) -> bool:
         """Whether the checkpoint was taken after the epoch's data iterator had started: its batches must be
@@ -55,9 +68,15 @@ def position_from_loops(loops: Mapping[str, Any] | None) -> DataPosition | None:
         batches = fit["epoch_loop.batch_progress"]
         current = batches["current"]
         ready, started, processed, completed = (int(current[k]) for k in ("ready", "started", "processed", "completed"))
-        epoch_started, epoch_processed = int(epoch["started"]), int(epoch["processed"])
+        epoch_ready, epoch_started, epoch_processed, epoch_completed = (
+            int(epoch[k]) for k in ("ready", "started", "processed", "completed")
+        )
     except (KeyError, TypeError, ValueError):
         return None
+    batches_settled = ready == started == processed == completed
+    if batches_settled and epoch_ready == epoch_started == epoch_processed == epoch_completed:
+        # Saved after ``fit`` returned (the last row of the table above).
+        return DataPosition(epoch_processed, 0, after_fit=completed > 0)
     if epoch_processed >= epoch_started:
         # The epoch's batches were all done (saved at its end, or before it began): the next epoch starts fresh.
         return DataPosition(epoch_processed, 0)

@@ -104,7 +104,8 @@ class ResumeState:
         if self._source is not None and not self._source.loads_in_process:
             self._put_back_rng(self._source)
         position, self.position, self._rng, self._source = self.position, None, None, None
-        if position is not None and (trainer.current_epoch, batch_idx) != (position.epoch, position.batches_done):
+        resumed_at = (trainer.current_epoch, batch_idx)
+        if position is not None and not position.after_fit and resumed_at != (position.epoch, position.batches_done):
             rank_zero_warn(
                 f"ZeroStrategy skipped the train data to epoch {position.epoch}, batch {position.batches_done}, but "
                 f"Lightning resumed at epoch {trainer.current_epoch}, batch {batch_idx}: the data after this resume "

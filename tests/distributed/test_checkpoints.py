@@ -23,7 +23,7 @@ def shared(tmp_path_factory):
     two = launch(
         "tests.distributed.worker_checkpoint",
         "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "top_k", "frozen_and_weights_only",
-        "saved_after_evaluation", "scheduled_accumulation",
+        "saved_after_evaluation", "scheduled_accumulation", "continued_after_fit",
         nprocs=2, env=env,
     )
     one = launch("tests.distributed.worker_checkpoint", "resume_in_other_world", "corrupted", nprocs=1, env=env)
@@ -71,6 +71,18 @@ def test_a_checkpoint_saved_after_evaluating_is_the_one_saved_after_fit(shared, 
     result = shared["saved_after_evaluation"][run]
     assert result["names"] and result["optimizer_tensors"] > 0
     assert result["max_diff"] == 0.0
+
+
+@pytest.mark.parametrize("stopped", [2, 3], ids=["mid_epoch", "at_epoch_end"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_run_continued_from_a_save_after_fit_trains_as_ddp_does_without_a_warning(shared, stage, stopped):
+    """``fit`` to ``max_steps``, ``trainer.save_checkpoint``, a new Trainer continues to a later ``max_steps``: Lightning
+    counts the stopped epoch as done and numbers the next batches from its own counters; the data is what ``ddp``
+    trains on, and nothing tells the user to report a mismatch."""
+    result = shared["continued_after_fit"]
+    assert result[f"zero{stage} {stopped} steps"] == result[f"ddp {stopped} steps"] == 5
+    assert result[f"zero{stage} {stopped} skipped"] == []
+    assert result[f"zero{stage} {stopped} diff"] <= 1e-6
 
 
 def test_a_checkpoint_after_evaluating_loaded_weights_is_refused_but_for_the_weights(shared):

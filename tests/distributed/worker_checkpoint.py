@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -373,7 +374,37 @@ def saved_after_evaluation(directory: Path) -> dict:
     return out
 
 
+def continued_after_fit(directory: Path) -> dict:
+    """``trainer.save_checkpoint`` after ``fit`` returned (mid-epoch, and after an epoch's last step), then a new
+    Trainer continues to a later ``max_steps``: the same parameters as Lightning ``ddp`` doing the same, and no
+    warning that the data was skipped to another batch than Lightning's (see ``resume/position.py``)."""
+    directory = Path(collectives.broadcast_object(str(directory)))
+    out: dict = {}
+    for stopped in (2, 3):  # 3 optimizer steps an epoch
+        finals = {}
+        for name in ("ddp", "zero2", "zero3"):
+            path = directory / f"continued_{name}_{stopped}{'.ckpt' if name == 'ddp' else ''}"
+            L.seed_everything(7)
+            strategy = lambda: "ddp" if name == "ddp" else ZeroStrategy(stage=int(name[-1]))  # noqa: E731
+            first = trainer(strategy(), max_steps=stopped, **COMMON)
+            first.fit(models.Regression(), models.loader(DATA, 4))
+            first.save_checkpoint(path)
+            L.seed_everything(7)
+            module = models.Regression()
+            second = trainer(strategy(), max_steps=5, **COMMON)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                second.fit(module, models.loader(DATA, 4), ckpt_path=path)
+            finals[name] = module.state_dict() if name == "ddp" else second.strategy.full_state_dict()
+            out[f"{name} {stopped} skipped"] = [str(w.message) for w in caught if "skipped the train data" in str(w.message)]
+            out[f"{name} {stopped} steps"] = second.global_step
+        for name in ("zero2", "zero3"):
+            out[f"{name} {stopped} diff"] = max_diff(finals[name], finals["ddp"]) if RANK == 0 else None
+    return out
+
+
 CASES = {
+    "continued_after_fit": continued_after_fit,
     "saved_after_evaluation": saved_after_evaluation,
     "malicious": malicious,
     "frozen_and_weights_only": frozen_and_weights_only,

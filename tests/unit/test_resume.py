@@ -38,6 +38,11 @@ def counts(ready, started, processed, completed) -> dict:
     (loops(counts(1, 1, 0, 0), counts(3, 3, 3, 3)), DataPosition(0, 3)),  # between batches (SIGTERM checkpoint)
     (loops(counts(1, 1, 0, 0), counts(5, 5, 5, 5), True), DataPosition(1, 0)),  # between batches, after the last
     (loops(counts(1, 1, 0, 0), counts(3, 3, 2, 2)), DataPosition(0, 2)),  # inside training_step of batch 2: again
+    # After ``fit`` returned, mid-epoch and after the epoch's last batch: Lightning numbers the next batches from its
+    # counters, the data starts again, nothing was trained on, nothing is skipped (as under ``ddp``).
+    (loops(counts(1, 1, 1, 1), counts(3, 3, 3, 3)), DataPosition(1, 0, after_fit=True)),
+    (loops(counts(1, 1, 1, 1), counts(5, 5, 5, 5), True), DataPosition(1, 0, after_fit=True)),
+    (loops(counts(0, 0, 0, 0), counts(0, 0, 0, 0)), DataPosition(0, 0)),  # before the first epoch began
 ])
 def test_position_mirrors_lightnings_restart(state, expected):
     assert position_from_loops(state) == expected
