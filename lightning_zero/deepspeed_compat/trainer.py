@@ -163,12 +163,15 @@ def apply_to_trainer(settings: DeepSpeedSettings | None, trainer) -> None:
             )
 
 
-def check_batch_sizes(settings: DeepSpeedSettings | None, trainer) -> None:
-    """``train_micro_batch_size_per_gpu`` and ``train_batch_size`` must describe the run's data loader: the
-    batch size is the data's, so a config that disagrees is an error rather than a silent change."""
+def check_batch_sizes(settings: DeepSpeedSettings | None, trainer, loader: object = None,
+                      world_size: int | None = None) -> None:
+    """``train_micro_batch_size_per_gpu`` and ``train_batch_size`` must describe the run's data loader
+    (``loader``, else the trainer's; ``world_size``, else the trainer's): the batch size is the data's, so a config
+    that disagrees is an error rather than a silent change."""
     if settings is None or {settings.micro_batch_size, settings.train_batch_size} <= {None, AUTO}:
         return
-    loader = trainer.train_dataloader
+    loader = trainer.train_dataloader if loader is None else loader
+    world_size = trainer.world_size if world_size is None else world_size
     batch = getattr(loader, "batch_size", None)
     if batch is None:
         return  # not a plain DataLoader: nothing to compare with
@@ -179,11 +182,11 @@ def check_batch_sizes(settings: DeepSpeedSettings | None, trainer) -> None:
             f"is {batch}; make them agree (or use \"auto\")."
         )
     total = settings.train_batch_size
-    expected = batch * trainer.accumulate_grad_batches * trainer.world_size
+    expected = batch * trainer.accumulate_grad_batches * world_size
     if total not in (None, AUTO) and total != expected:
         raise ZeroConfigError(
             f"DeepSpeed config: `train_batch_size={total}` but batch {batch} x accumulation "
-            f"{trainer.accumulate_grad_batches} x {trainer.world_size} ranks = {expected}."
+            f"{trainer.accumulate_grad_batches} x {world_size} ranks = {expected}."
         )
 
 

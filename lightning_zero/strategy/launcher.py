@@ -2,7 +2,10 @@
 
 Both launchers resolve the run's ``ckpt_path`` first (auto-resume after a launcher restart, ``"last"`` among
 complete checkpoints only; see :mod:`lightning_zero.resume.decision`): Lightning fixes ``ckpt_path`` inside the
-function they launch, before the process group exists, so this is the last place it can still be chosen.
+function they launch, before the process group exists, so this is the last place it can still be chosen. It is
+also the first place that sees the Trainer and the ``fit`` arguments together: a DeepSpeed config that disagrees
+with the Trainer's clipping, accumulation or the training DataLoader's batch size is refused here, on every
+rank, before any process starts (``deepspeed_compat/trainer.py``).
 
 * :class:`ZeroScriptLauncher` (``start_method="popen"``): Lightning's script launcher when Lightning starts the
   processes; when a launcher such as ``torchrun`` or SLURM started them (``creates_processes_externally``) it
@@ -18,6 +21,7 @@ function they launch, before the process group exists, so this is the last place
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import tempfile
@@ -31,16 +35,33 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_zero.deepspeed_compat.trainer import apply_to_trainer, check_batch_sizes
 from lightning_zero.faults.verdict import Limits
 from lightning_zero.resume import resolve_ckpt_path
 
 
 def _resolved(strategy, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> tuple[tuple, dict]:
+    if trainer is not None:
+        _check_deepspeed_settings(strategy, function, args, kwargs, trainer)
     args, kwargs, decision = resolve_ckpt_path(function, args, kwargs, trainer, strategy.zero_config.auto_resume)
     strategy._resume.decision = decision
     return args, kwargs
+
+
+def _check_deepspeed_settings(strategy, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer) -> None:
+    settings = strategy.deepspeed_settings
+    if settings is None:
+        return
+    apply_to_trainer(settings, trainer)
+    try:
+        loader = inspect.signature(function).bind(*args, **kwargs).arguments.get("train_dataloaders")
+    except (TypeError, ValueError):
+        return
+    if trainer.state.fn == TrainerFn.FITTING and isinstance(loader, DataLoader):
+        check_batch_sizes(settings, trainer, loader, world_size=strategy.num_nodes * strategy.num_processes)
 
 
 class ZeroScriptLauncher(_SubprocessScriptLauncher):

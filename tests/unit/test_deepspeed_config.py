@@ -112,6 +112,31 @@ def test_a_setting_given_twice_with_different_values_is_an_error(strategy_kwargs
         _trainer(ZeroStrategy(config=str(EXAMPLE), **strategy_kwargs), **trainer_kwargs)
 
 
+@pytest.mark.parametrize(
+    ("config", "trainer_kwargs", "batch", "needle"),
+    [
+        ({"gradient_clipping": 1.0}, dict(gradient_clip_val=2.0), 4, "Gradient clipping is given both"),
+        ({"gradient_accumulation_steps": 2}, dict(accumulate_grad_batches=4), 4, "Gradient accumulation is given both"),
+        ({"train_micro_batch_size_per_gpu": 8}, {}, 4, "`train_micro_batch_size_per_gpu=8` but the training DataLoader"),
+        ({"train_batch_size": 8}, {}, 2, "`train_batch_size=8` but batch 2 x accumulation 1 x 2 ranks = 4"),
+    ],
+)
+def test_a_config_contradicting_the_trainer_or_its_dataloader_is_refused_before_any_process_starts(
+    config, trainer_kwargs, batch, needle
+):
+    """The Trainer's settings and the training DataLoader only meet the strategy in ``fit``: its launcher refuses
+    the contradiction there, before the two processes are spawned (a spawned rank's error would come back as
+    another exception type, after the processes started and the process group formed)."""
+    import multiprocessing
+
+    from tests.distributed import models
+
+    trainer = _trainer(ZeroStrategy(config=config, start_method="spawn"), max_steps=1, **trainer_kwargs)
+    with pytest.raises(ZeroConfigError, match=needle):
+        trainer.fit(models.Regression(), models.loader(models.IndexedData(), batch))
+    assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
 def test_the_same_value_given_twice_is_fine():
     strategy = ZeroStrategy(config=str(EXAMPLE), stage=2, offload_optimizer=True)
     assert strategy.zero_config.stage == 2
