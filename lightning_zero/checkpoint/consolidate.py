@@ -77,6 +77,11 @@ def consolidate(src: str | os.PathLike, dst: str | os.PathLike, *, include_optim
         name = key[len("state_dict.") :]
         layout[key] = (("state_dict", name) if include_optimizer else (name,), item)
     optimizer_states = []
+    if include_optimizer and not meta.get("optimizer_param_groups"):
+        raise ValueError(
+            f"{src} holds no optimizer state (saved with `weights_only=True`, or by a run without an optimizer): "
+            "there is nothing for `include_optimizer` (`--optimizer`) to write; consolidate the weights without it."
+        )
     if include_optimizer:
         for i, groups in enumerate(meta.get("optimizer_param_groups", [])):
             index = {name: n for n, name in enumerate(name for g in groups for name in g["params"])}

@@ -150,11 +150,15 @@ def test_consolidated_file_is_a_plain_state_dict(shared, tmp_path):
             assert torch.equal(loaded["optimizer_states"][0]["state"][index][key], value)
 
 
-def test_consolidate_command_line(shared, tmp_path):
+def test_consolidate_command_line(shared, tmp_path, capsys):
     dst = tmp_path / "plain.pt"
     assert cli_main(["consolidate", str(shared["dir"] / "sharded"), str(dst)]) == 0
     state = torch.load(dst, weights_only=True)
     models.Regression().load_state_dict(state)
+    # A weights-only checkpoint has no optimizer state for --optimizer to write: refused, not an empty list.
+    capsys.readouterr()
+    assert cli_main(["consolidate", str(shared["dir"] / "weights2"), str(tmp_path / "opt.pt"), "--optimizer"]) == 2
+    assert "holds no optimizer state" in capsys.readouterr().err and not (tmp_path / "opt.pt").exists()
 
 
 def test_integrity_and_completeness_checks(shared, tmp_path):
