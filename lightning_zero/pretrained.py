@@ -1,8 +1,9 @@
 """Pretrained weights into a sharded model, each rank reading only the rows it holds.
 
 Fine-tuning starts from weights someone saved with Hugging Face's ``save_pretrained`` (``model.safetensors``,
-or shards listed in ``model.safetensors.index.json``), as one ``.safetensors`` file, or as a plain
-``state_dict`` / consolidated / Lightning ``.ckpt`` file. Building the full model on every rank and then
+or shards listed in ``model.safetensors.index.json``), as one ``.safetensors`` file, as a plain
+``state_dict`` / consolidated / Lightning ``.ckpt`` file, or in a sharded checkpoint directory ZeroStrategy wrote
+(its model weights only: a new run with a new optimizer, where ``ckpt_path=`` would resume the old one). Building the full model on every rank and then
 sharding would defeat ZeRO-3, so the files are memory-mapped and each rank copies only its dim-0 rows of
 each tensor (``safetensors``' ``get_slice``, ``torch.load(mmap=True)``): a rank's resident memory grows by
 about its shard, and the pages of other ranks' rows are never read. Nothing is unpickled except through
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lightning_zero.checkpoint.sharded_rows import ShardedWeights, is_sharded_directory
 from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows, row_range
@@ -66,7 +68,7 @@ class WeightsFile:
 
     @staticmethod
     def _resolve(path: Path) -> list[Path]:
-        if path.is_file():
+        if path.is_file() or is_sharded_directory(path):
             return [path]
         if not path.is_dir():
             raise FileNotFoundError(f"`init_weights`: {path} does not exist.")
@@ -78,12 +80,15 @@ class WeightsFile:
                 weight_map = json.loads(candidate.read_text())["weight_map"]
                 return sorted({path / file for file in weight_map.values()})
             return [candidate]
-        raise FileNotFoundError(f"`init_weights`: {path} holds none of {_DIRECTORY_FILES} (a `save_pretrained` directory).")
+        raise FileNotFoundError(f"`init_weights`: {path} holds none of {_DIRECTORY_FILES} (a `save_pretrained` "
+                                "directory), nor a sharded checkpoint's .metadata.")
 
     def _handle(self, file: Path) -> _Handle:
         handle = self._open.get(file)
         if handle is None:
-            if file.suffix == ".safetensors":
+            if is_sharded_directory(file):
+                handle = ShardedWeights(file)
+            elif file.suffix == ".safetensors":
                 from safetensors import safe_open
 
                 handle = safe_open(str(file), framework="pt", device="cpu")

@@ -149,8 +149,10 @@ def load_weights_only(source: str | os.PathLike | io.BytesIO, *, what: str | Non
         ) from None
 
 
-def dcp_load(state: dict, path: Path, *, allow_partial_load: bool = False, no_dist: bool = False) -> None:
-    """``torch.distributed.checkpoint.load`` of ``state`` from ``path`` through the safe reader and planner."""
+def dcp_load(state: dict, path: Path, *, allow_partial_load: bool = False, no_dist: bool = False,
+             planner: SafeLoadPlanner | None = None) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` from ``path`` through the safe reader and planner (or
+    ``planner``, one that reads as safely)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -159,7 +161,7 @@ def dcp_load(state: dict, path: Path, *, allow_partial_load: bool = False, no_di
         dcp.load(
             state,
             storage_reader=SafeFileSystemReader(path),
-            planner=SafeLoadPlanner(allow_partial_load=allow_partial_load, path=path),
+            planner=planner or SafeLoadPlanner(allow_partial_load=allow_partial_load, path=path),
             no_dist=no_dist,
         )
     except CheckpointException as err:  # DCP wraps each rank's failure: surface ours as it was raised

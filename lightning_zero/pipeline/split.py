@@ -155,9 +155,10 @@ class PipelineLayout:
         if self.v_shape and self.virtual != 2:
             raise ZeroConfigError(f"A V-shaped pipeline runs exactly 2 stages per rank, got {self.virtual}.")
         if w % p:
+            nearest = " or ".join(str(n) for n in (p * (w // p), p * (w // p + 1)) if n)
             raise ZeroConfigError(
                 f"{w} processes cannot be divided into pipelines of {p} stages: the number of devices x nodes must "
-                f"be a multiple of `pipeline_stages` (e.g. {p * max(1, w // p)} or {p * (w // p + 1)})."
+                f"be a multiple of `pipeline_stages` (e.g. {nearest})."
             )
 
     @property

@@ -43,10 +43,12 @@ def test_evaluation_with_ckpt_path_refuses_the_payload(shared, entry, case, name
     assert not result["ran"], "the payload ran"
 
 
-def test_init_weights_refuses_the_payload(shared):
-    result = shared["malicious"]["init_weights"]
+@pytest.mark.parametrize(("entry", "name"), [("init_weights", "evil_full"), ("init_weights_sharded", "evil_metadata")])
+def test_init_weights_refuses_the_payload(shared, entry, name):
+    """A file, and a sharded directory whose ``.metadata`` carries the payload."""
+    result = shared["malicious"][entry]
     assert result["error"] == "UnsafeCheckpointError", result
-    assert "evil_full" in result["message"], result["message"]
+    assert name in result["message"], result["message"]
     assert not result["ran"], "the payload ran"
 
 

@@ -72,6 +72,13 @@ def test_missing_and_unexpected_keys_are_listed_on_every_rank(report):
     assert errors["lenient_steps"] == 1, "init_weights_strict=False loads the layers the file has"
 
 
+def test_a_sharded_checkpoint_directory_starts_a_new_run_at_another_stage(report):
+    """``init_weights=`` a directory ZeroStrategy wrote (stage 3, bf16-mixed): the model weights only, each rank
+    reading its rows of the saved rows through DCP; every parameter equals the checkpoint's."""
+    result = report["export"]["init_from_sharded_checkpoint"]
+    assert result["checked"] == 28 and result["diff"] == 0.0 and result["tied"]
+
+
 def test_finetuned_checkpoint_exports_to_from_pretrained(report):
     result = report["export"]
     assert result["files"] == ["config.json", "model.safetensors"]

@@ -325,6 +325,8 @@ def malicious(directory: Path) -> dict:
             attempt(f"{fn}_{name}", name, lambda: getattr(evaluator, fn)(Evaluated(), loader, ckpt_path=directory / f"evil_{name}"))
     pretrained = trainer(ZeroStrategy(stage=2, init_weights=directory / "evil_full"), max_steps=1)
     attempt("init_weights", "full", lambda: pretrained.fit(models.Regression(), models.loader(DATA, 4)))
+    from_directory = trainer(ZeroStrategy(stage=2, init_weights=directory / "evil_metadata"), max_steps=1)
+    attempt("init_weights_sharded", "metadata", lambda: from_directory.fit(models.Regression(), models.loader(DATA, 4)))
     return out
 
 

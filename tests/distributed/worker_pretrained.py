@@ -13,7 +13,7 @@ import lightning as L
 import torch
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint.consolidate import export_hf
+from lightning_zero.checkpoint.consolidate import export_hf, iter_model_tensors
 from lightning_zero.demo.data import RandomTokenDataset
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.checkpoint.hf_export import sixteen_bit_dir
@@ -147,6 +147,13 @@ def finetune_and_export(directory: Path) -> dict:
             "command_dtype": str(next(cls.from_pretrained(directory / "exported_bf16").parameters()).dtype),
             "files": sorted(p.name for p in (directory / "exported").iterdir()),
         }
+    # A new run at stage 2 (another optimizer, 2 ranks holding other rows) from the fine-tuned sharded directory.
+    finetuned = {name.removeprefix("model."): tensor for name, tensor in iter_model_tensors(ckpt)}
+    probe = LoadedShards(finetuned)
+    L.seed_everything(5)
+    again = trainer(ZeroStrategy(stage=2, init_weights=str(ckpt)), max_steps=1, callbacks=[probe])
+    again.fit(BuiltInConfigureModel("gpt2"), models.loader(data(), 2))
+    out["init_from_sharded_checkpoint"] = probe.out
     return out
 
 

@@ -39,6 +39,9 @@ def test_bad_pipeline_settings_fail_when_the_strategy_is_built(kwargs, message):
 def test_devices_not_divisible_by_stages_fail_when_the_trainer_is_built():
     with pytest.raises(ZeroConfigError, match=r"3 processes cannot be divided into pipelines of 2 stages.*\(e\.g\. 2 or 4\)"):
         L.Trainer(accelerator="cpu", devices=3, strategy=ZeroStrategy(stage=1, pipeline_stages=2), logger=False)
+    # Fewer processes than stages: one multiple to suggest, said once.
+    with pytest.raises(ZeroConfigError, match=r"2 processes cannot be divided into pipelines of 3 stages.*\(e\.g\. 3\)\."):
+        L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=1, pipeline_stages=3), logger=False)
 
 
 def test_defaults_one_microbatch_per_stage_and_two_virtual_stages_when_interleaved():
