@@ -3,11 +3,12 @@
 Fine-tuning starts from weights someone saved with Hugging Face's ``save_pretrained`` (``model.safetensors``,
 or shards listed in ``model.safetensors.index.json``), as one ``.safetensors`` file, as a plain
 ``state_dict`` / consolidated / Lightning ``.ckpt`` file, or in a sharded checkpoint directory ZeroStrategy wrote
-(its model weights only: a new run with a new optimizer, where ``ckpt_path=`` would resume the old one). Building the full model on every rank and then
-sharding would defeat ZeRO-3, so the files are memory-mapped and each rank copies only its dim-0 rows of
-each tensor (``safetensors``' ``get_slice``, ``torch.load(mmap=True)``): a rank's resident memory grows by
-about its shard, and the pages of other ranks' rows are never read. Nothing is unpickled except through
-``torch.load(weights_only=True)`` (see ``checkpoint/safe_load.py``); safetensors holds no code by design.
+(its model weights only: a new run with a new optimizer, where ``ckpt_path=`` would resume the old one).
+Building the full model on every rank and then sharding would defeat ZeRO-3, so the files are memory-mapped and
+each rank copies only its dim-0 rows of each tensor (``safetensors``' ``get_slice``, ``torch.load(mmap=True)``): a
+rank's resident memory grows by about its shard, and the pages of other ranks' rows are never read. Nothing is
+unpickled except through ``torch.load(weights_only=True)`` (see ``checkpoint/safe_load.py``); safetensors holds no
+code by design.
 
 Names: the file's keys are matched to the LightningModule's ``state_dict`` names under a prefix (the file of a
 ``GPT2LMHeadModel`` has ``transformer.h.0...`` where the module built in ``configure_model`` has
