@@ -1,0 +1,115 @@
+"""More Hugging Face architectures from tiny configs (nothing is downloaded), each with the trap it carries, trained
+through their own ``labels`` losses: the breadth check beside ``hf_models.py``'s exactness against plain PyTorch.
+
+Qwen2-MoE (a shared expert behind a sigmoid gate beside routed ones), OLMoE and DeepSeek-V3 (routed experts a rank's
+tokens may skip; DeepSeek's low-rank attention and a dense first layer), Jamba (Mamba and attention layers with
+experts every other layer), Mamba (a selective scan, no attention), Gemma-2 (norms holding ``1 + weight``, logit
+soft-capping, sliding windows), Phi-3 (fused qkv and gate-up projections), BART and Whisper (encoder-decoders: tied
+embeddings, a convolutional audio front end and fixed sinusoidal positions), Switch Transformers (top-1 routing with
+capacity, so tokens are dropped), DeBERTa-v2 (disentangled relative attention), Swin (shifted windows, relative
+position tables) and ConvNeXt (depthwise convolutions, channels-last LayerNorm).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+VOCAB, LENGTH = 64, 16
+VISION = ("swin", "convnext")
+KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "switch",
+         "deberta", "swin", "convnext")
+
+
+def build(kind: str) -> torch.nn.Module:
+    import transformers as T
+
+    decoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=LENGTH, initializer_range=0.2)
+    if kind == "qwen2_moe":
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**decoder, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                                      num_experts=4, num_experts_per_tok=2))
+    if kind == "olmoe":
+        return T.OlmoeForCausalLM(T.OlmoeConfig(**{**decoder, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2))
+    if kind == "deepseek_v3":
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **{**decoder, "num_key_value_heads": 4}, moe_intermediate_size=16, first_k_dense_replace=1, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, rope_scaling=None))
+    if kind == "jamba":
+        return T.JambaForCausalLM(T.JambaConfig(
+            **{k: v for k, v in decoder.items() if k != "initializer_range"}, num_experts=2, num_experts_per_tok=1,
+            expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4,
+            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False))
+    if kind == "mamba":
+        return T.MambaForCausalLM(T.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
+                                                conv_kernel=4))
+    if kind == "gemma2":
+        return T.Gemma2ForCausalLM(T.Gemma2Config(**decoder, head_dim=8, sliding_window=8))
+    if kind == "phi3":
+        return T.Phi3ForCausalLM(T.Phi3Config(**decoder, pad_token_id=0))
+    if kind == "bart":
+        return T.BartForConditionalGeneration(T.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=LENGTH + 2,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+    if kind == "whisper":
+        return T.WhisperForConditionalGeneration(T.WhisperConfig(
+            vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=LENGTH // 2,
+            max_target_positions=LENGTH, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2, bos_token_id=1,
+            dropout=0.0))
+    if kind == "switch":
+        return T.SwitchTransformersForConditionalGeneration(T.SwitchTransformersConfig(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            num_experts=4, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1, dropout_rate=0.0,
+            router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0))
+    if kind == "deberta":
+        return T.DebertaV2ForMaskedLM(T.DebertaV2Config(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=LENGTH, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8))
+    if kind == "swin":
+        return T.SwinForImageClassification(T.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=8,
+                                                         depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5))
+    if kind == "convnext":
+        return T.ConvNextForImageClassification(T.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1],
+                                                                 num_stages=2, num_labels=5, patch_size=2))
+    raise ValueError(kind)
+
+
+def block_class(module: torch.nn.Module) -> type:
+    """The class of the repeated block holding the most parameters: what a user lists for activation checkpointing."""
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    return type(max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters()))[0])
+
+
+class ZooModule(L.LightningModule):
+    """The model's own loss on token windows (images and audio features made from them, a pure function of the
+    batch); AdamW over 2 param groups."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.model = kind, build(kind)
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        if self.kind in VISION:
+            pixels = torch.sin(x[:, :, None].float() * torch.arange(1, 49) / 7.0).reshape(x.shape[0], 3, 16, 16)
+            loss = self.model(pixel_values=pixels, labels=x[:, 0] % 5).loss
+        elif self.kind == "whisper":
+            features = torch.sin(x[:, None, :].float() * torch.arange(1, 9)[:, None] / 3.0)  # (B, 8 mel bins, 16)
+            loss = self.model(input_features=features, labels=x[:, 2:]).loss
+        else:
+            loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        rest = [p for p in self.parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3)
+
+
+def tokens() -> torch.utils.data.TensorDataset:
+    return torch.utils.data.TensorDataset(torch.randint(3, VOCAB, (16, LENGTH), generator=torch.Generator().manual_seed(3)))
