@@ -1,7 +1,11 @@
 """Thirteen more Hugging Face architectures (``hf_zoo.py``: mixtures of experts with shared and dropped experts,
 state-space and hybrid models, encoder-decoders for text and audio, vision transformers and convnets) at every stage
 and with activation checkpointing, 2 CPU ranks, fp32, against Lightning ``ddp`` doing the same. ``make test-all``:
-``test_hf_models.py`` holds the exactness against plain PyTorch that ``make test`` runs."""
+``test_hf_models.py`` holds the exactness against plain PyTorch that ``make test`` runs.
+
+Checkpointed, Switch Transformers ends 4.2e-6 from ``ddp`` (2.4e-7 without): recomputing its blocks reorders
+floating-point sums in plain PyTorch too (``gradient_checkpointing_enable()`` against none, one process: 2.7e-6
+after the same 3 steps), where every other architecture here is unchanged by checkpointing."""
 
 import pytest
 
