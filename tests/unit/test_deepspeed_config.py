@@ -6,6 +6,7 @@ scaling, Adam, WarmupLR, clipping 1.0, two accumulation steps.
 """
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
 from lightning_zero.deepspeed_compat.config import parse_deepspeed_config
 from lightning_zero.deepspeed_compat.trainer import DeepSpeedWarmupLR
+from tests.distributed import models
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "tests" / "data" / "ds_zero2_offload_fp16.json"
@@ -127,10 +129,6 @@ def test_a_config_contradicting_the_trainer_or_its_dataloader_is_refused_before_
     """The Trainer's settings and the training DataLoader only meet the strategy in ``fit``: its launcher refuses
     the contradiction there, before the two processes are spawned (a spawned rank's error would come back as
     another exception type, after the processes started and the process group formed)."""
-    import multiprocessing
-
-    from tests.distributed import models
-
     trainer = _trainer(ZeroStrategy(config=config, start_method="spawn"), max_steps=1, **trainer_kwargs)
     with pytest.raises(ZeroConfigError, match=needle):
         trainer.fit(models.Regression(), models.loader(models.IndexedData(), batch))
