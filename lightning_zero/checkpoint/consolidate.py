@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,17 +33,7 @@ from lightning_zero.checkpoint.verify import (
     verify_archive,
     verify_files,
 )
-from lightning_zero.checkpoint.safe_load import dcp_load, read_dcp_metadata
-
-
-def _load_here(state: dict, src: Path) -> None:
-    """Read ``state`` from the shards of ``src`` in this one process. ``no_dist=True`` is DCP's way to say so, yet
-    torch still warns that distributed is "disabled, unavailable or uninitialized" on every call: that one
-    warning, which here is the intent rather than a problem, is silenced; any other is left alone."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
-        dcp_load(state, src, no_dist=True)
+from lightning_zero.checkpoint.safe_load import dcp_load_here, read_dcp_metadata
 
 
 def _entries(src: Path, prefix: str) -> Iterator[tuple[str, TensorStorageMetadata]]:
@@ -116,7 +105,7 @@ def _fill(tmp: Path, src: Path, layout: dict) -> None:
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
         for key, (path, item) in layout.items():
             buffer = torch.empty(item.size, dtype=item.properties.dtype)
-            _load_here({key: buffer}, src)
+            dcp_load_here({key: buffer}, src)
             mapped = torch.load(tmp, mmap=True, weights_only=True, map_location="cpu")
             _lookup(mapped, path).copy_(buffer)
             del mapped, buffer
@@ -146,7 +135,7 @@ def iter_model_tensors(src: str | os.PathLike) -> Iterator[tuple[str, torch.Tens
     verify_files(src)
     for key, item in _entries(src, "state_dict."):
         buffer = torch.empty(item.size, dtype=item.properties.dtype)
-        _load_here({key: buffer}, src)
+        dcp_load_here({key: buffer}, src)
         yield key[len("state_dict.") :], buffer
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import io
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,13 @@ def dcp_load(state: dict, path: Path, *, allow_partial_load: bool = False, no_di
             f"Cannot read the checkpoint {path}: its .metadata or a shard file is damaged (rank {rank}: "
             f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''})."
         ) from None
+
+
+def dcp_load_here(state: dict, path: Path, planner: SafeLoadPlanner | None = None) -> None:
+    """:func:`dcp_load` in this one process. ``no_dist=True`` is DCP's way to say so, yet torch still warns that
+    distributed is "disabled, unavailable or uninitialized" on every call: that one warning, which here is the
+    intent rather than a problem, is silenced; any other is left alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        dcp_load(state, path, no_dist=True, planner=planner)

@@ -9,7 +9,6 @@ nothing in the directory is unpickled.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from lightning_zero.checkpoint.safe_load import SafeLoadPlanner, dcp_load, read_dcp_metadata
+from lightning_zero.checkpoint.safe_load import SafeLoadPlanner, dcp_load_here, read_dcp_metadata
 from lightning_zero.checkpoint.verify import check_complete
 
 PREFIX = "state_dict."
@@ -90,7 +89,4 @@ class _RowsPlanner(SafeLoadPlanner):
 
 
 def _read(path: Path, key: str, rows: torch.Tensor, start: int) -> None:
-    with warnings.catch_warnings():  # one process reading on its own is the intent here (see consolidate.py)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
-        dcp_load({key: rows}, path, no_dist=True, planner=_RowsPlanner(key, start, path=path))
+    dcp_load_here({key: rows}, path, _RowsPlanner(key, start, path=path))

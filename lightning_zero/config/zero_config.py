@@ -318,8 +318,7 @@ class ZeroConfig:
                 object.__setattr__(self, setting, value := int(value))
             if value is None or value == "node" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 continue
-            raise ZeroConfigError(f"`{setting}` must be None, 'node' or a number of ranks (>= 2, or 1 in a "
-                                  f"single-process run), got {value!r}.")
+            raise ZeroConfigError(f"`{setting}` must be None, 'node' or a number of ranks (1 only in one process), got {value!r}.")
         if self.secondary_shard_size is not None and self.stage != 3:
             raise ZeroConfigError(
                 f"`secondary_shard_size={self.secondary_shard_size!r}` (hpZ) needs `stage=3` (got stage={self.stage}): "
