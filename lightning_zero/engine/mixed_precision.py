@@ -37,7 +37,14 @@ fp32 table's would be fp32; list ``nn.Embedding`` in ``fp32_modules`` to keep it
 ``fp32_modules``, or one that declares fp32 as its own dtype (an instance attribute ``dtype = torch.float32``:
 Hugging Face's Switch Transformers and NLLB-MoE routers, which cast their classifier to it in every forward with
 ``self.classifier = self.classifier.to(self.dtype)``), holds every parameter beneath it in fp32: held in the compute
-dtype, such a layer would change its parameters' dtype in the middle of a step. Frozen parameters are never cast:
+dtype, such a layer would change its parameters' dtype in the middle of a step. A parameter that reaches its
+operation through a reparametrization (``torch.nn.utils.parametrizations.weight_norm``, ``spectral_norm`` or
+``orthogonal``, or the older hook-based ``torch.nn.utils.weight_norm`` and ``spectral_norm``: Wav2Vec2's positional
+convolution, GAN discriminators, vocoders) is fed first to norms, power iterations and divisions that autocast leaves
+in fp32, beside fp32 buffers such as spectral norm's ``_u`` and ``_v``; so the parametrization's own parameters (a
+``ParametrizationList``'s ``original*``, a hooked layer's ``weight_g``/``weight_v``/``weight_orig`` and bias) are
+held in fp32, as Lightning's mixed modes hold them. In the compute dtype they would be rounded before the norm, and
+spectral norm's ``torch.mv`` of a 2-byte weight and its fp32 vector would raise. Frozen parameters are never cast:
 their values would be rounded for good.
 
 At stage 3 FSDP2 casts a whole unit to one dtype, so each layer held in fp32 is a unit of its own with an
@@ -52,6 +59,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 #: Layers whose parameters stay fp32 under a mixed policy whatever their shapes (see the module note): the
 #: BatchNorm family, whose parameters the rule already keeps fp32, named for clarity and for users who extend it.
@@ -64,7 +74,15 @@ def holds_fp32(module: nn.Module, fp32_modules: tuple[type[nn.Module], ...] = FP
     own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
     if not own:
         return False
-    return isinstance(module, fp32_modules) or all(p.dim() < 2 for p in own)
+    return isinstance(module, fp32_modules) or all(p.dim() < 2 for p in own) or reparametrized(module)
+
+
+def reparametrized(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters are the inputs of a reparametrization rather than of an operation (see
+    [Note: which parameters may be held in the compute dtype]): a ``ParametrizationList`` holds them, or a
+    hook-based weight or spectral norm recomputes the layer's weight from them before each forward."""
+    hooks = module._forward_pre_hooks.values()
+    return isinstance(module, parametrize.ParametrizationList) or any(isinstance(h, (WeightNorm, SpectralNorm)) for h in hooks)
 
 
 def declares_fp32(module: nn.Module) -> bool:

@@ -63,6 +63,23 @@ class RoutedBlock(nn.Module):
         return x + (out * probs.unsqueeze(-2).to(out.dtype)).sum(-1)
 
 
+class ReparametrizedBlock(nn.Module):
+    """Weights computed from other parameters before each use: ``parametrizations.spectral_norm`` (a power iteration
+    against fp32 buffers), ``parametrizations.weight_norm`` and the older hook-based ``torch.nn.utils.weight_norm``
+    (Wav2Vec2's positional convolution, vocoders, GAN discriminators)."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.spectral = nn.utils.parametrizations.spectral_norm(nn.Linear(dim, dim))
+        self.weight_normed = nn.utils.parametrizations.weight_norm(nn.Linear(dim, dim))
+        self.hooked = nn.utils.weight_norm(nn.Linear(dim, dim))
+
+    def forward(self, x):
+        h = F.gelu(self.spectral(self.norm(x)))
+        return x + self.hooked(F.gelu(self.weight_normed(h)))
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, experts: int) -> None:
         super().__init__()
@@ -163,6 +180,7 @@ ZOO = {
     "prenorm_mlp_bf16_inputs": lambda: FeatureModel(PreNormBlock, input_dtype=torch.bfloat16),
     "upcasting": lambda: FeatureModel(UpcastBlock),
     "self_casting_router": lambda: FeatureModel(RoutedBlock),
+    "reparametrized": lambda: FeatureModel(ReparametrizedBlock),
     "conv_groupnorm": ConvGroupNormModel,
     "embedding_norms": TokenModel,
 }

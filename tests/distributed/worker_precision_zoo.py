@@ -61,11 +61,13 @@ class Observer(L.Callback):
 
 def expected_fp32(module: torch.nn.Module) -> set[str]:
     """The rule under test, written out: a layer without a matrix among its own parameters holds them fp32, and so
-    does every layer inside one that sets ``self.dtype = torch.float32`` (a router that casts itself to it)."""
+    does every layer inside one that sets ``self.dtype = torch.float32`` (a router that casts itself to it), and so
+    do the inputs of a reparametrized weight (``parametrizations.*.original*``, and a hook-based weight norm's layer)."""
     out = set()
     for module_name, sub in module.named_modules():
         own = list(sub.named_parameters(recurse=False))
-        if own and all(p.dim() < 2 for _, p in own):
+        hooked = any(n.endswith("weight_g") for n, _ in own)
+        if own and (all(p.dim() < 2 for _, p in own) or hooked or ".parametrizations." in f".{module_name}."):
             out.update(f"{module_name}.{n}" if module_name else n for n, _ in own)
         if vars(sub).get("dtype") is torch.float32:
             out.update(f"{module_name}.{n}" if module_name else n for n, _ in sub.named_parameters())

@@ -75,6 +75,22 @@ def test_a_layer_listed_or_declaring_fp32_holds_everything_beneath_it_in_fp32():
     assert names(model, one_dtype_units(model, [model[2]], bound.holds_fp32)) == ["1.classifier", "2.1"]
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+def test_the_inputs_of_a_reparametrized_weight_are_fp32_and_its_parametrization_an_fp32_unit():
+    """Weight and spectral norms compute the weight (norms, a power iteration beside fp32 buffers) before the Linear
+    sees it: their parameters are held in fp32, as autocast leaves them, and so is each Linear's bias (its only own
+    parameter beside a ``ParametrizationList``; the hooked layer's own beside ``weight_g``/``weight_v``)."""
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
+                          nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.utils.weight_norm(nn.Linear(4, 4)),
+                          nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 4))
+    dtypes = {n: POLICY.param_dtypes(model)[id(p)] for n, p in model.named_parameters()}
+    fp32 = sorted(n for n, d in dtypes.items() if d == torch.float32)
+    assert fp32 == ["0.bias", "0.parametrizations.weight.original", "1.bias", "1.parametrizations.weight.original0",
+                    "1.parametrizations.weight.original1", "2.bias", "2.weight_g", "2.weight_v", "3.bias", "3.weight_orig"]
+    assert dtypes["4.weight"] == dtypes["4.bias"] == torch.bfloat16
+    assert names(model, one_dtype_units(model, [], POLICY.holds_fp32)) == ["0", "1", "2", "3"]  # fp32 units, at stage 3
+
+
 def test_tied_parameters_follow_the_matrix_layer_and_stay_in_one_unit():
     model = Tied()
     dtypes = POLICY.param_dtypes(model)
