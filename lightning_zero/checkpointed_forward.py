@@ -75,5 +75,5 @@ def checkpoint_forward(module: nn.Module) -> None:
     checkpoint(module)
     checkpoint.state(module).enable_hook = False
     state = _CheckpointedForward()
-    module.register_forward_pre_hook(state.before_forward, with_kwargs=True)
+    module.register_forward_pre_hook(state.before_forward, with_kwargs=True, prepend=True)
     module.register_forward_hook(state.after_forward, prepend=True, always_call=True)

@@ -5,7 +5,8 @@ Qwen2-MoE (a shared expert behind a sigmoid gate beside routed ones), OLMoE and 
 tokens may skip; DeepSeek's low-rank attention and a dense first layer), Jamba (Mamba and attention layers with
 experts every other layer), Mamba (a selective scan, no attention), Gemma-2 (norms holding ``1 + weight``, logit
 soft-capping, sliding windows), Phi-3 (fused qkv and gate-up projections), BART and Whisper (encoder-decoders: tied
-embeddings, a convolutional audio front end and fixed sinusoidal positions), Switch Transformers (top-1 routing with
+embeddings, a convolutional audio front end and fixed sinusoidal positions), Wav2Vec2 (a convolutional feature
+encoder, a positional convolution under ``parametrizations.weight_norm``, a CTC loss), Switch Transformers (top-1 routing with
 capacity, so tokens are dropped), DeBERTa-v2 (disentangled relative attention), Swin (shifted windows, relative
 position tables) and ConvNeXt (depthwise convolutions, channels-last LayerNorm).
 """
@@ -17,8 +18,8 @@ import torch
 
 VOCAB, LENGTH = 64, 16
 VISION = ("swin", "convnext")
-KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "switch",
-         "deberta", "swin", "convnext")
+KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "wav2vec2",
+         "switch", "deberta", "swin", "convnext")
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -59,6 +60,12 @@ def build(kind: str) -> torch.nn.Module:
             decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=LENGTH // 2,
             max_target_positions=LENGTH, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2, bos_token_id=1,
             dropout=0.0))
+    if kind == "wav2vec2":
+        return T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            conv_dim=(16, 16), conv_stride=(2, 2), conv_kernel=(3, 3), num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2, mask_time_prob=0.0, hidden_dropout=0.0, attention_dropout=0.0,
+            activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, pad_token_id=0, ctc_loss_reduction="mean"))
     if kind == "switch":
         return T.SwitchTransformersForConditionalGeneration(T.SwitchTransformersConfig(
             vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
@@ -100,6 +107,9 @@ class ZooModule(L.LightningModule):
         elif self.kind == "whisper":
             features = torch.sin(x[:, None, :].float() * torch.arange(1, 9)[:, None] / 3.0)  # (B, 8 mel bins, 16)
             loss = self.model(input_features=features, labels=x[:, 2:]).loss
+        elif self.kind == "wav2vec2":  # 64 samples a window, 15 frames out, 4 CTC targets
+            wave = torch.sin(x.float().repeat_interleave(4, dim=1) / 3.0)
+            loss = self.model(input_values=wave, labels=x[:, :4]).loss
         else:
             loss = self.model(input_ids=x, labels=x).loss
         self.log("train_loss", loss)

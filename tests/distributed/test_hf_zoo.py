@@ -1,4 +1,4 @@
-"""Thirteen more Hugging Face architectures (``hf_zoo.py``: mixtures of experts with shared and dropped experts,
+"""Fourteen more Hugging Face architectures (``hf_zoo.py``: mixtures of experts with shared and dropped experts,
 state-space and hybrid models, encoder-decoders for text and audio, vision transformers and convnets) at every stage
 and with activation checkpointing, 2 CPU ranks, fp32, against Lightning ``ddp`` doing the same. ``make test-all``:
 ``test_hf_models.py`` holds the exactness against plain PyTorch that ``make test`` runs.
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.distributed.hf_zoo import KINDS  # noqa: E402
-from tests.distributed.worker_hf_zoo import SYSTEMS  # noqa: E402
+from tests.distributed.worker_zoo import SYSTEMS  # noqa: E402
 from tests.launch import launch  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
@@ -20,12 +20,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 @pytest.fixture(scope="module")
 def zoo():
-    return launch("tests.distributed.worker_hf_zoo", "zoo", nprocs=2)["zoo"]
+    return launch("tests.distributed.worker_zoo", "hf", nprocs=2)["hf"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_stage_trains_the_architecture_as_ddp_does(zoo, kind):
     result = zoo[kind]
     assert "error" not in result, result.get("error")
-    for system in SYSTEMS:
+    for system in SYSTEMS["hf"]:
         assert result[system] <= 1e-5, (system, result[system])

@@ -101,6 +101,37 @@ def test_recomputation_with_dropout_gives_identical_gradients():
         assert torch.equal(a.grad, b.grad), name
 
 
+class Scaled(nn.Linear):
+    """A layer whose forward pre-hook rewrites its input, as a user's or a library's pre-hook may."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.register_forward_pre_hook(lambda module, args: (args[0] * 2.0,))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+def test_layers_whose_forward_pre_hooks_compute_recompute_those_hooks_as_they_ran():
+    """The hook-based ``weight_norm`` computes the weight in a forward pre-hook and pruning multiplies it by its mask
+    there; the recomputation runs the module's hooks again, so the checkpoint must begin before them, else the
+    recomputed tensors do not match the saved ones (``CheckpointError``) and a hook that rewrites the input is
+    applied twice. (Spectral norm's power iteration steps its buffers in that hook, so each recomputation steps them
+    once more, as under ``torch.utils.checkpoint`` in plain PyTorch.)"""
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.utils.weight_norm(nn.Conv1d(8, 8, 3, padding=1)),
+                              nn.Linear(4, 4), Scaled())
+        torch.nn.utils.prune.l1_unstructured(model[1], "bias", amount=0.5)
+        return model
+
+    plain, checkpointed = build(), build()
+    assert apply_activation_checkpointing(checkpointed, resolve_policy([nn.Conv1d, nn.Linear])) == ["0", "1", "2"]
+    x = torch.randn(2, 8, 4)
+    for model in (plain, checkpointed):
+        model(x).square().sum().backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 def test_checkpointing_keeps_only_block_inputs_and_one_blocks_activations():
     x, y = batch()
     plain = gpt()
