@@ -31,7 +31,7 @@ from lightning_zero.engine.comm.compression import CompressionSpec
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.stage3.fsdp2_units import select_units
 from lightning_zero.engine.stage3.materialize import has_meta, refuse_uninitialised
-from lightning_zero.engine.stage12.layout import check_trainable
+from lightning_zero.engine.stage12.layout import check_initialized, check_trainable
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import should_pin
 from lightning_zero.engine.state_dict import gather_full
@@ -111,6 +111,7 @@ def shard_model(
 ) -> ShardedModel:
     """Shard ``model`` in place for a run (``fitting``: with gradients and optimizers; else evaluation)."""
     _check_not_sharded_elsewhere(model, config)
+    check_initialized(model)
     policy = policy.bound_to(model) if policy is not None else None
     if fitting:
         check_trainable(model)

@@ -60,6 +60,13 @@ def test_model_without_trainable_parameters_is_refused(edges):
     assert "no trainable parameters" in result["message"]
 
 
+def test_a_lazy_layer_not_yet_run_is_refused_naming_it_and_the_way_out(edges):
+    result = edges["bad_input"]["lazy"]
+    assert result["type"] == "ValueError"
+    assert result["message"].startswith("ZeroStrategy cannot shard extra.weight, extra.bias: uninitialized"), result
+    assert "Run one forward on a sample batch before `fit`" in result["message"]
+
+
 def test_a_module_sharded_by_a_stage_3_fit_is_refused_by_another_stage_and_taken_up_by_stage_3(edges):
     result = edges["bad_input"]["after_stage3"]
     assert result["stage2"]["type"] == "ZeroConfigError"

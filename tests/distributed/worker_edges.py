@@ -110,6 +110,12 @@ class FrozenModule(models.Regression):
         self.requires_grad_(False)
 
 
+class LazyModule(models.Regression):
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.LazyLinear(4)
+
+
 class FailingModule(models.Regression):
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and batch_idx == 2:
@@ -131,6 +137,7 @@ CASES = {
         "stage3_to_stage1": sharded_checkpoint(3, 1, directory),
     },
     "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule),
+                                    "lazy": expect_error(LazyModule),
                                     "after_stage3": fit_again_after_stage_3()},
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
     "memory_layouts": lambda directory: trained_as_built(

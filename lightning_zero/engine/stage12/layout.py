@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from lightning_zero.engine import shard
 
@@ -222,6 +223,18 @@ def plan_layout(
         for i, (name, shape) in enumerate(named_shapes)
     )
     return ShardLayout(params, tuple(buckets), world_size)
+
+
+def check_initialized(module: nn.Module) -> None:
+    """Refuse, before any sharding, lazy layers whose shapes are still unknown."""
+    lazy = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if is_lazy(t)]
+    if lazy:
+        shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
+        raise ValueError(
+            f"ZeroStrategy cannot shard {shown}: uninitialized (a lazy layer such as `nn.LazyLinear`, whose shape is "
+            "known only after its first forward). Run one forward on a sample batch before `fit`, e.g. at the end "
+            "of `__init__` or in `configure_model`, as Lightning's `ddp` also requires."
+        )
 
 
 def check_trainable(module: nn.Module) -> None:
