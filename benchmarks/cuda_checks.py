@@ -15,6 +15,10 @@ batch used), so that bound only catches a lost or doubled update.
 size 1 stage 3 runs no reduce-scatter, so its host step starts from ``optimizer.step()``; stages 1-2 start it
 during backward.
 
+Then ``validate`` and ``predict`` before ``fit``: Lightning evaluates under inference mode where the backend is not
+gloo (here, NCCL) unless the strategy turns it off, and tensors a stage-3 unit makes at its first all-gather are kept
+for training; each fit after evaluating must end bit for bit where the fit alone does.
+
 Then ``EMAWeightAveraging`` under bf16-mixed (the average of the optimizer's fp32 rows, held in host memory when
 offloaded, over a device mesh in checkpoints): a run saved after half its steps, as a full file and as a sharded
 directory, and resumed must end bit for bit where the uninterrupted run does. Exit status 1 when a check fails.
@@ -79,9 +83,9 @@ class LastLoss(L.Callback):
 
 def train(args: argparse.Namespace, precision: str, stage: int, settings: dict[str, Any],
           trainer_settings: dict[str, Any], callbacks: tuple[L.Callback, ...] = (), steps: int | None = None,
-          ckpt_path: Path | None = None) -> tuple[dict[str, torch.Tensor], float]:
+          ckpt_path: Path | None = None, evaluate_first: bool = False) -> tuple[dict[str, torch.Tensor], float]:
     """The full parameters after ``steps`` (default ``args.steps``) optimizer steps, and the last loss;
-    ``ckpt_path``: resumed from a checkpoint."""
+    ``ckpt_path``: resumed from a checkpoint; ``evaluate_first``: after ``validate`` and ``predict`` on the trainer."""
     L.seed_everything(0, verbose=False)
     module = GPTLightningModule(**MODEL, learning_rate=1e-3)
     data = RandomTokenDataModule(vocab_size=MODEL["vocab_size"], block_size=MODEL["block_size"], batch_size=4,
@@ -92,10 +96,38 @@ def train(args: argparse.Namespace, precision: str, stage: int, settings: dict[s
         max_steps=steps or args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[last, *callbacks], **trainer_settings,
     )
+    if evaluate_first:
+        data.setup("fit")
+        trainer.validate(module, data.train_dataloader(), verbose=False)
+        trainer.predict(module, data.train_dataloader())
     STARTED_EARLY[0] = 0
     trainer.fit(module, data, ckpt_path=ckpt_path)
     full = trainer.strategy.full_state_dict()  # type: ignore[attr-defined]
     return {k: v.detach().double().cpu() for k, v in full.items()}, last.loss
+
+
+#: (name, stage, ZeroStrategy settings) for the fits after evaluating.
+EVALUATED_FIRST: list[tuple[str, int, dict[str, Any]]] = [
+    ("stage1", 1, {}), ("stage2", 2, {}), ("stage3", 3, {}),
+    ("stage3_offload_params", 3, dict(offload_optimizer=True, offload_params=True)),
+]
+
+
+def check_evaluation_first(args: argparse.Namespace, failed: list[str]) -> None:
+    """A fit after ``validate`` and ``predict`` against the fit alone (see the docstring)."""
+    print("\n| bf16-mixed | fit after validate and predict, against the fit alone |\n|---|---|")
+    for name, stage, settings in EVALUATED_FIRST:
+        alone, _ = train(args, "bf16-mixed", stage, settings, {})
+        try:
+            after, _ = train(args, "bf16-mixed", stage, settings, {}, evaluate_first=True)
+        except RuntimeError as error:
+            print(f"| {name} | {type(error).__name__}: {error} |", flush=True)
+            failed.append(f"fit after evaluating, {name}: {error}")
+            continue
+        diff = max_diff(after, alone)
+        print(f"| {name} | {diff:.1e} |", flush=True)
+        if diff != 0.0:
+            failed.append(f"fit after evaluating, {name}: ends {diff:.3e} from the fit alone")
 
 
 #: (name, stage, ZeroStrategy settings) for the weight averaging checks.
@@ -150,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--precision", default="32-true,bf16-mixed", help="comma-separated")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--cases", default=None, help="comma-separated case names, 'averaging' for the EMA checks "
-                   "(default: all)")
+    p.add_argument("--cases", default=None, help="comma-separated case names, 'evaluate_first' for the fits after "
+                   "evaluating, 'averaging' for the EMA checks (default: all)")
     args = p.parse_args(argv)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("cuda_checks.py needs a CUDA device (or --accelerator cpu).", file=sys.stderr)
@@ -188,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             bound = 5e-4 if precision == "32-true" else 2e-2
             if vs_plain > bound:
                 failed.append(f"{precision} {name}: {vs_plain:.3e} from the run without offload (bound {bound:g})")
+    if chosen is None or "evaluate_first" in chosen:
+        check_evaluation_first(args, failed)
     if chosen is None or "averaging" in chosen:
         check_averaging(args, failed)
     print("\n".join(["", "FAILED:", *failed]) if failed else "\nall checks passed")

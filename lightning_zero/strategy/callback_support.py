@@ -1,10 +1,12 @@
-"""Lightning callbacks a ZeRO stage cannot serve, refused when the strategy is set up: every rank runs the same
-callbacks, so every rank refuses alike, before any parameter is sharded."""
+"""The Lightning callbacks and hooks a ZeRO run is given: those a stage cannot serve are refused when the strategy is
+set up (every rank runs the same callbacks, so every rank refuses alike, before any parameter is sharded), and those
+that may change gradients keep the offloaded host step after backward."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelPruning
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.config.zero_config import ZeroConfig
@@ -26,3 +28,17 @@ def refuse_unsupported_callbacks(trainer: pl.Trainer, config: ZeroConfig) -> Non
                 f"layer, which this run holds as {held}. Use stage=1 or stage=2 without pipeline stages (whole "
                 "parameters, sharded gradients and optimizer state), or prune the consolidated weights after training."
             )
+
+
+#: The hooks between backward and the optimizer step, whose code may change the gradients the step uses.
+_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+
+
+def may_change_gradients(module: pl.LightningModule, callbacks: list[pl.Callback]) -> bool:
+    """Whether the module or a callback (other than this package's, which only read) runs code of its own in a hook
+    between backward and the step, e.g. clipping with ``torch.nn.utils.clip_grad_norm_``: a host step started during
+    backward would not see what it does to the gradients."""
+    return any(is_overridden(hook, module, pl.LightningModule) for hook in _GRADIENT_HOOKS) or any(
+        is_overridden(hook, callback, pl.Callback) for callback in callbacks
+        if type(callback).__module__.partition(".")[0] != "lightning_zero" for hook in _GRADIENT_HOOKS
+    )

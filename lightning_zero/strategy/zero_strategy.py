@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.activation_checkpointing import resolve_policy
-from lightning_zero.strategy.callback_support import refuse_unsupported_callbacks
+from lightning_zero.strategy.callback_support import may_change_gradients, refuse_unsupported_callbacks
 from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy, trainer_of, unwrap
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
 from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ModulePolicy, PipelineSchedule, PipelineSplit
@@ -39,6 +39,7 @@ from lightning_zero.deepspeed_compat.trainer import apply_to_trainer, check_batc
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
+from lightning_zero.strategy.evaluation_loops import evaluate_under_no_grad
 from lightning_zero.strategy.processes import require
 from lightning_zero.strategy.sharding import NOT_SHARDED, construction_device, shard_model
 from lightning_zero.strategy.swa import average_sharded_weights
@@ -175,6 +176,7 @@ class ZeroStrategy(CheckpointingStrategy):
         model = require(self.model, "model")
         fitting = trainer.state.fn == TrainerFn.FITTING
         apply_to_trainer(self._deepspeed, trainer)
+        evaluate_under_no_grad(trainer)
         self._sharded, self._failed = NOT_SHARDED, False  # never reuse an earlier run's (another module's, maybe)
         RUNNING.add(self)
         precision = self.precision_plugin
@@ -367,7 +369,7 @@ class ZeroStrategy(CheckpointingStrategy):
                 and module.automatic_optimization and not trainer.gradient_clip_val
                 and not is_overridden("configure_gradient_clipping", module, pl.LightningModule)
                 and getattr(self.precision_plugin, "scaler", None) is None
-                and not _may_change_gradients(module, getattr(trainer, "callbacks", [])))
+                and not may_change_gradients(module, getattr(trainer, "callbacks", [])))
 
     def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
         """Full (unsharded) gradients by parameter name, on every rank. Collective; for debugging and tests:
@@ -380,20 +382,6 @@ class ZeroStrategy(CheckpointingStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         for name, kwargs in REGISTERED_STRATEGIES.items():
             strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
-
-
-#: The hooks between backward and the optimizer step, whose code may change the gradients the step uses.
-_GRADIENT_HOOKS = ("on_after_backward", "on_before_optimizer_step")
-
-
-def _may_change_gradients(module: pl.LightningModule, callbacks: list[pl.Callback]) -> bool:
-    """Whether the module or a callback (other than this package's, which only read) runs code of its own in a hook
-    between backward and the step, e.g. clipping with ``torch.nn.utils.clip_grad_norm_``: a host step started during
-    backward would not see what it does to the gradients."""
-    return any(is_overridden(hook, module, pl.LightningModule) for hook in _GRADIENT_HOOKS) or any(
-        is_overridden(hook, callback, pl.Callback) for callback in callbacks
-        if type(callback).__module__.partition(".")[0] != "lightning_zero" for hook in _GRADIENT_HOOKS
-    )
 
 
 def _batch(args: tuple, kwargs: dict) -> Any:

@@ -116,6 +116,9 @@ def test_frozen_params_buffers_metrics_and_every_loop(features, stage):
     assert result["predictions"] == [[8, 3]] * 4
     # buffers follow rank 0 as in DDP, so a later validate() agrees with the in-fit metric
     assert result["validate_mse"] == pytest.approx(result["val_mse"], abs=1e-6)
+    # Lightning evaluates under inference mode wherever the backend is not gloo (GPUs): tensors FSDP2 makes at a
+    # stage-3 unit's first all-gather would then be inference tensors, unusable by a later fit (evaluation_loops.py)
+    assert result["inference_mode"] == [False, False, False]
     reference = features["tour_stage1"]
     for key in ("val_mse", "train_loss", "test_loss"):
         assert result[key] == pytest.approx(reference[key], abs=1e-5)

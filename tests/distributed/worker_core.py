@@ -235,6 +235,7 @@ def tour(stage, precision: str = "32-true", callbacks=()) -> dict:
     out["predictions"] = [list(p.shape) for p in predictions]
     validated = t.validate(module, models.loader(data, 4), verbose=False)
     out["validate_mse"] = validated[0]["val_mse"]
+    out["inference_mode"] = [loop.inference_mode for loop in (t.validate_loop, t.test_loop, t.predict_loop)]
     return out
 
 

@@ -35,4 +35,6 @@ def test_every_check_passes_on_the_cpu() -> None:
     assert started["stage1_clip"] == 0  # clipping needs every gradient first
     averaged = [line for line in result.stdout.splitlines() if line.endswith("| 0.0e+00 | 0.0e+00 |")]
     assert len(averaged) == len(cuda_checks.AVERAGING)  # EMA resumed exactly from both kinds of checkpoint
+    evaluated = [line for line in result.stdout.splitlines() if line.count("|") == 3 and line.endswith("| 0.0e+00 |")]
+    assert len(evaluated) == len(cuda_checks.EVALUATED_FIRST)  # each fit after validate and predict as the fit alone
     assert "all checks passed" in result.stdout
