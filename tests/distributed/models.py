@@ -284,6 +284,41 @@ class TwoPlayer(L.LightningModule):
         return torch.optim.Adam(self.gen.parameters(), lr=1e-2), torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9)
 
 
+class SharpnessAware(L.LightningModule):
+    """Sharpness-aware minimization (Foret et al.) in manual optimization: ascend ``rho`` along the normalised gradient,
+    take the gradient there, step from the weights before the ascent. The ascent reads the gradients of the optimizer's
+    parameters, whose norms are global over the shards at stage 3, as a SAM optimizer reads its ``param_groups``."""
+
+    rho = 0.05
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(3)
+        self.body = nn.Sequential(nn.Linear(IN, 9), nn.Tanh(), nn.Linear(9, OUT))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        params = [p for group in opt.param_groups for p in group["params"]]
+        self.manual_backward(nn.functional.mse_loss(self.body(x), y))
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+            ascent = [p.grad * (self.rho / (norm + 1e-12)) for p in params]
+            for p, e in zip(params, ascent):
+                p.add_(e)
+        opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.body(x), y))
+        with torch.no_grad():
+            for p, e in zip(params, ascent):
+                p.sub_(e)
+        opt.step()
+        opt.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 class UntoggledWGAN(TwoPlayer):
     """The same players without ``toggle_optimizer``, as many GANs are written: the generator's loss reaches the
     critic's parameters too, and ``d_opt.zero_grad()`` alone keeps those gradients out of the critic's step; the

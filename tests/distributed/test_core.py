@@ -96,6 +96,14 @@ def test_manual_optimization_with_two_toggled_optimizers(features, stage):
     assert result["param_diff"] <= 1e-5
 
 
+def test_sharpness_aware_minimization_through_the_optimizers_parameters_steps_as_under_ddp(features):
+    """Two backward passes a step with the weights moved along the normalised gradient in between, read from the
+    optimizer's ``param_groups``: at stage 3 their gradients are DTensor shards whose norm is the global one."""
+    result = features["sharpness_aware_stage3"]
+    assert result["steps"] == 3
+    assert result["param_diff"] <= 1e-6
+
+
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage1_offloaded"])
 def test_manual_optimization_untoggled_relies_on_zero_grad_and_keeps_the_critics_clipping(features, case):
     """``d_opt.zero_grad()`` drops the generator loss's gradients of the critic that stage 2 holds outside ``p.grad``

@@ -144,6 +144,18 @@ def manual_two_optimizers(stage, model=models.TwoPlayer, **options) -> dict:
     return out
 
 
+def sharpness_aware(stage: int) -> dict:
+    """Three SAM steps (``models.SharpnessAware``) at ``stage`` against the same under Lightning's ``ddp``."""
+    finals = []
+    for strategy in (ZeroStrategy(stage=stage), "ddp"):
+        L.seed_everything(11)
+        module = models.SharpnessAware()
+        t = trainer(strategy, max_steps=3)
+        t.fit(module, models.loader(models.IndexedData(), 4))
+        finals.append(t.strategy.full_state_dict() if strategy != "ddp" else module.state_dict())
+    return {"steps": t.global_step, "param_diff": max_diff(*finals) if RANK == 0 else None}
+
+
 def final_state(model, stage, options=None, **trainer_kwargs) -> dict:
     """``model()`` fitted for an epoch with accumulation 2: the final weights. ``stage`` 0: Lightning's ``ddp``."""
     L.seed_everything(7)
@@ -390,6 +402,7 @@ CASES = {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
         **{f"untoggled_stage{s}": manual_two_optimizers(s, models.UntoggledWGAN) for s in (1, 2, 3)},
         "untoggled_stage1_offloaded": manual_two_optimizers(1, models.UntoggledWGAN, offload_optimizer=True),
+        "sharpness_aware_stage3": sharpness_aware(3),
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
         "stage1_grad_rows": stage1_grad_rows(),
         **{f"skipped_steps_stage{s}": skipped_steps(s) for s in (0, 1, 2, 3)},
