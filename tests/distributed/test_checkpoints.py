@@ -22,7 +22,8 @@ def shared(tmp_path_factory):
     env = {"LZ_SHARED_DIR": str(directory)}
     two = launch(
         "tests.distributed.worker_checkpoint",
-        "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "top_k", "frozen_and_weights_only",
+        "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "edited_and_lenient", "top_k",
+        "frozen_and_weights_only",
         "saved_after_evaluation", "scheduled_accumulation", "continued_after_fit",
         nprocs=2, env=env,
     )
@@ -113,6 +114,20 @@ def test_checkpoint_of_another_model_lists_every_difference(shared):
     message = result["message"]
     assert "missing (2): net.extra.bias, net.extra.weight" in message
     assert "net.head.weight: checkpoint (3, 7) vs (5, 7)" in message
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_on_save_checkpoint_edits_are_saved_and_a_lenient_module_resumes_without_the_dropped_keys(shared, kind):
+    """As under ``ddp``: an entry added in ``on_save_checkpoint`` comes back in ``on_load_checkpoint``, keys dropped
+    from its ``state_dict`` are not written, and a module with ``strict_loading = False`` resumes without them; a
+    sharded directory's ``state_dict`` reaches ``on_load_checkpoint`` empty (each rank reads its rows itself)."""
+    result = shared["edited_and_lenient"][kind]
+    body = [f"net.{layer}.{kind}" for layer in ("blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "inp", "norm")
+            for kind in ("bias", "weight")]
+    assert result["saved"] == body  # the head dropped
+    assert result["loaded"]["vocabulary"] == {"a": 0, "b": 1}
+    assert result["loaded"]["keys"] == ([] if kind == "sharded" else sorted(result["saved"]))
+    assert result["steps"] == 2
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -220,6 +220,43 @@ def mismatched_model(directory: Path) -> dict:
         return {"error": type(err).__name__, "message": str(err)}
 
 
+class EditedCheckpoints(models.Regression):
+    """Adds an entry of its own in ``on_save_checkpoint`` and drops the head from the saved ``state_dict``, so it
+    resumes with ``strict_loading = False`` (the head keeps the values it has); records what ``on_load_checkpoint``
+    is given."""
+
+    strict_loading = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict = {}
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["vocabulary"] = {"a": 0, "b": 1}
+        for key in [k for k in checkpoint["state_dict"] if k.startswith("net.head.")]:
+            del checkpoint["state_dict"][key]
+
+    def on_load_checkpoint(self, checkpoint):
+        self.loaded = {"vocabulary": checkpoint.get("vocabulary"), "keys": sorted(checkpoint["state_dict"])}
+
+
+def edited_and_lenient(directory: Path) -> dict:
+    """Each format: a checkpoint edited in ``on_save_checkpoint`` at stage 2, resumed at stage 3."""
+    out = {}
+    for kind, name in (("sharded", "edited"), ("full", "edited.ckpt")):
+        L.seed_everything(7)
+        t = trainer(ZeroStrategy(stage=2, state_dict_type=kind), max_steps=1, **COMMON)
+        t.fit(EditedCheckpoints(), models.loader(DATA, 4))
+        t.save_checkpoint(directory / name)
+        saved = sorted(k.removeprefix("/state_dict/") for k in models.saved_tensors(directory / name)
+                       if k.startswith("/state_dict/")) if RANK == 0 else None
+        module = EditedCheckpoints()
+        t = trainer(ZeroStrategy(stage=3, state_dict_type=kind), max_steps=2, **COMMON)
+        t.fit(module, models.loader(DATA, 4), ckpt_path=str(directory / name))
+        out[kind] = {"saved": saved, "loaded": module.loaded, "steps": t.global_step}
+    return out
+
+
 def top_k(directory: Path) -> dict:
     L.seed_everything(7)
     ckpt = ModelCheckpoint(dirpath=directory / "topk", monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_train_steps=1)
@@ -418,6 +455,7 @@ CASES = {
     "resume_in_other_world": resume_in_other_world,
     "crash_mid_save": crash_mid_save,
     "mismatched_model": mismatched_model,
+    "edited_and_lenient": edited_and_lenient,
     "top_k": top_k,
 }
 
