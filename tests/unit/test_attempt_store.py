@@ -12,14 +12,18 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_zero.strategy.attempt_store import AttemptStoreError, attempt_store
+from lightning_zero.strategy import attempt_store as attempt_store_module
+from lightning_zero.strategy.attempt_store import AttemptStoreError, attempt_store, say_ended
 
 
 @pytest.fixture
 def agent_store():
-    """The agent's store: it outlives every attempt's workers."""
+    """The agent's store: it outlives every attempt's workers. The threads' ranks share this process's record of
+    the generations it joined, which a new agent store starts without."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), multi_tenant=True)
+    attempt_store_module._JOINED.clear()
     yield store
+    attempt_store_module._JOINED.clear()
 
 
 def attempt(agent_store, world_size: int, start_after: dict[int, float] | None = None, timeout: float = 20,
@@ -86,3 +90,18 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(agent_store, caps
             rank_1.result()
     assert time.monotonic() - started < 5
     assert re.search(r"rank 0: waiting \d s so far for rank\(s\) \[2\] of this torchrun attempt", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("ended", [0, 1])
+def test_a_rank_that_ended_its_script_is_named_at_once_by_a_peer_starting_another_run(agent_store, ended):
+    """Both ranks ran; one then ends its script (rank 0 alone calls ``trainer.test``, or rank 1 does): its peer's next
+    run fails in seconds, naming it, not after the rendezvous timeout. A run both ranks start is not affected."""
+    attempt(agent_store, 2)
+    assert shares_one_key_space(attempt(agent_store, 2))  # a second run of both ranks
+    say_ended(rank=ended)
+    started = time.monotonic()
+    peer = 1 - ended
+    with pytest.raises(AttemptStoreError, match=rf"rank {peer} starts another run, but rank\(s\) \[{ended}\] ended their "
+                                                r"script after the last one"):
+        attempt(agent_store, 2, ranks=[peer], timeout=20)
+    assert time.monotonic() - started < 5
