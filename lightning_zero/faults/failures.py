@@ -78,3 +78,18 @@ def is_communication_error(exception: BaseException) -> bool:
     if type(exception).__name__ in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):
         return True
     return isinstance(exception, RuntimeError) and any(text in str(exception) for text in _COMMUNICATION)
+
+
+#: torch's word when an operation meets a sharded parameter (a DTensor) beside plain tensors.
+_MIXED_WITH_SHARDS = "got mixed torch.Tensor and DTensor"
+SHARDED_CALL_HINT = (
+    "Under stage 3 a unit's parameters are gathered only while the unit itself runs (its forward), so a layer of a "
+    "unit called on its own (`self.net[0](x)` where `net` is the unit) or a unit's parameter used outside its forward "
+    "meets the DTensor shards. Call the unit, or make that layer a unit of its own (`wrap_policy` naming its class)."
+)
+
+
+def note_sharded_call(exception: BaseException) -> None:
+    """Say why an operation met stage 3's shards, where torch's error names only the operator."""
+    if isinstance(exception, RuntimeError) and _MIXED_WITH_SHARDS in str(exception):
+        add_note(exception, SHARDED_CALL_HINT)

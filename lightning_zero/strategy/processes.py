@@ -33,6 +33,7 @@ from lightning_zero.strategy.attempt_store import attempt_store, uses_torchrun_s
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.engine.comm import collectives
 from lightning_zero.strategy.fault_handling import FaultHandling
+from lightning_zero.faults.failures import note_sharded_call
 from lightning_zero.faults.timeouts import long_timeout
 from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
 from lightning_zero.pipeline.split import pipeline_layout
@@ -149,6 +150,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
+        note_sharded_call(exception)
         self._faults.on_exception(exception)  # names the cause on every rank (faults/watchdog.py)
 
     def finish_processes(self) -> BaseException | None:

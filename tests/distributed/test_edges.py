@@ -67,6 +67,14 @@ def test_a_lazy_layer_not_yet_run_is_refused_naming_it_and_the_way_out(edges):
     assert "Run one forward on a sample batch before `fit`" in result["message"]
 
 
+def test_a_layer_of_a_stage_3_unit_called_on_its_own_gets_a_hint_beside_torchs_error(edges):
+    result = edges["bad_input"]["layer_of_a_unit"]
+    assert result["type"] == "RuntimeError"
+    assert "got mixed torch.Tensor and DTensor" in result["message"]
+    assert "a unit's parameters are gathered only while the unit itself runs" in result["message"]
+    assert "`wrap_policy` naming its class" in result["message"]
+
+
 def test_a_module_sharded_by_a_stage_3_fit_is_refused_by_another_stage_and_taken_up_by_stage_3(edges):
     result = edges["bad_input"]["after_stage3"]
     assert result["stage2"]["type"] == "ZeroConfigError"

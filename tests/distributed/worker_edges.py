@@ -116,6 +116,15 @@ class LazyModule(models.Regression):
         self.extra = torch.nn.LazyLinear(4)
 
 
+class CallsALayerOfAUnit(models.Regression):
+    """Runs the first layer of a block (a stage-3 unit) on its own, outside the block's forward."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net.blocks[0][0](self.net.inp(x))
+        return torch.nn.functional.mse_loss(h.sum(-1, keepdim=True).expand_as(y), y)
+
+
 class FailingModule(models.Regression):
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and batch_idx == 2:
@@ -138,6 +147,8 @@ CASES = {
     },
     "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule),
                                     "lazy": expect_error(LazyModule),
+                                    "layer_of_a_unit": expect_fit_error(CallsALayerOfAUnit, ZeroStrategy(stage=3),
+                                                                        models.loader(models.IndexedData(), 4)),
                                     "after_stage3": fit_again_after_stage_3()},
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
     "memory_layouts": lambda directory: trained_as_built(
