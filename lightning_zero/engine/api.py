@@ -257,6 +257,11 @@ class ShardingEngine(Protocol):
         """Parameters back to their shards now, where an accumulation window kept them gathered (stage 3), before
         anything reads the module as sharded: an evaluation loop, a checkpoint, the end of training."""
 
+    def hold_root_gathered(self) -> Callable[[], None]:
+        """A step method (``training_step``, ...) begins inside the root module's forward: keep the parameters it
+        holds outside every unit whole across a nested forward of the root (``self(x)`` in the method), so code after
+        it may use them (stage 3). Returns what lets the root's outer post-forward reshard them as before."""
+
     def discard_all_gradients(self) -> None:
         """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
 

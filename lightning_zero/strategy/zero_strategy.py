@@ -42,6 +42,7 @@ from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_preci
 from lightning_zero.strategy.evaluation_loops import evaluate_under_no_grad
 from lightning_zero.strategy.processes import require
 from lightning_zero.strategy.sharding import NOT_SHARDED, construction_device, shard_model
+from lightning_zero.strategy.step_redirection import RootHeldRedirection
 from lightning_zero.strategy.swa import average_sharded_weights
 
 #: The strategies set up in this process, for what is handed only a module (``gradient_norms.grad_norm``).
@@ -117,6 +118,7 @@ class ZeroStrategy(CheckpointingStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self._forward_redirection = RootHeldRedirection(lambda: self.engine)
 
     # ------------------------------------------------------------------ properties
     @property

@@ -284,6 +284,21 @@ class TwoPlayer(L.LightningModule):
         return torch.optim.Adam(self.gen.parameters(), lr=1e-2), torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9)
 
 
+class HeadAfterForward(Regression):
+    """``training_step`` calls ``self(x)`` and then uses layers outside every block: a margin head on the outputs (as
+    ArcFace's on embeddings) and a penalty on the network's own head, both held by stage 3's root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.margin = nn.Linear(OUT, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        loss = nn.functional.mse_loss(out, y) + self.margin(out).square().mean()
+        return loss + 0.1 * self.net.head.weight.square().sum()
+
+
 class SharpnessAware(L.LightningModule):
     """Sharpness-aware minimization (Foret et al.) in manual optimization: ascend ``rho`` along the normalised gradient,
     take the gradient there, step from the weights before the ascent. The ascent reads the gradients of the optimizer's

@@ -96,6 +96,16 @@ def test_manual_optimization_with_two_toggled_optimizers(features, stage):
     assert result["param_diff"] <= 1e-5
 
 
+@pytest.mark.parametrize("case", ["head_after_forward", "head_after_forward_accumulated_offloaded"])
+def test_layers_outside_the_blocks_used_after_self_forward_in_training_step_train_as_under_ddp(features, case):
+    """Stage 3: ``self(x)`` inside ``training_step`` runs the root's forward hooks nested, whose post-forward resharded
+    the root's own parameters, so the margin head used after it met shards ("aten.addmm.default got mixed
+    torch.Tensor and DTensor"); held whole until the step returns, they train as under ``ddp``."""
+    result = features[case]
+    assert result["steps"] == 3
+    assert result["param_diff"] <= 1e-6
+
+
 def test_sharpness_aware_minimization_through_the_optimizers_parameters_steps_as_under_ddp(features):
     """Two backward passes a step with the weights moved along the normalised gradient in between, read from the
     optimizer's ``param_groups``: at stage 3 their gradients are DTensor shards whose norm is the global one."""

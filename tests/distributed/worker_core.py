@@ -156,6 +156,18 @@ def sharpness_aware(stage: int) -> dict:
     return {"steps": t.global_step, "param_diff": max_diff(*finals) if RANK == 0 else None}
 
 
+def head_after_forward(accumulate: int, **options) -> dict:
+    """``models.HeadAfterForward`` at stage 3 (``options``: more settings) against Lightning's ``ddp``."""
+    finals = []
+    for strategy in (ZeroStrategy(stage=3, **options), "ddp"):
+        L.seed_everything(11)
+        module = models.HeadAfterForward()
+        t = trainer(strategy, max_steps=3, accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
+        t.fit(module, models.loader(models.IndexedData(), 4))
+        finals.append(t.strategy.full_state_dict() if strategy != "ddp" else module.state_dict())
+    return {"steps": t.global_step, "param_diff": max_diff(*finals) if RANK == 0 else None}
+
+
 def final_state(model, stage, options=None, **trainer_kwargs) -> dict:
     """``model()`` fitted for an epoch with accumulation 2: the final weights. ``stage`` 0: Lightning's ``ddp``."""
     L.seed_everything(7)
@@ -403,6 +415,8 @@ CASES = {
         **{f"untoggled_stage{s}": manual_two_optimizers(s, models.UntoggledWGAN) for s in (1, 2, 3)},
         "untoggled_stage1_offloaded": manual_two_optimizers(1, models.UntoggledWGAN, offload_optimizer=True),
         "sharpness_aware_stage3": sharpness_aware(3),
+        "head_after_forward": head_after_forward(1),
+        "head_after_forward_accumulated_offloaded": head_after_forward(2, offload_params=True, offload_optimizer=True),
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
         "stage1_grad_rows": stage1_grad_rows(),
         **{f"skipped_steps_stage{s}": skipped_steps(s) for s in (0, 1, 2, 3)},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -305,6 +305,9 @@ class ZeroDataParallel:
 
     def reshard(self) -> None:
         """Stages 1-2 keep every parameter whole on every rank: nothing is ever gathered beyond that."""
+
+    def hold_root_gathered(self) -> Callable[[], None]:
+        return lambda: None
 
     def params_loaded(self) -> None:
         """Checkpoint rows were written into :meth:`local_rows`: give every rank every rank's rows (collective)."""

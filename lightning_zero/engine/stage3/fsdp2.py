@@ -50,7 +50,7 @@ gradients (see [Note: the host step during backward] in ``engine/host_steps.py``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -68,7 +68,7 @@ from lightning_zero.engine.stage3.fsdp2_comm import (
 )
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
-from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWrites
+from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWrites, hold_root_gathered
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
@@ -84,8 +84,7 @@ from lightning_zero.engine.optimizers import optimizer_kind, shards_of
 
 
 class FullyShardedEngine:
-    """ZeRO stage 3 over FSDP2 (a :class:`~lightning_zero.engine.api.ShardingEngine`: mypy checks it, see the end
-    of this module)."""
+    """ZeRO stage 3 over FSDP2 (an ``engine/api.py`` ``ShardingEngine``: mypy checks it, see this module's end)."""
 
     stage = 3
     #: The parameters' rows are the DTensor shards themselves; offload masters only mirror them.
@@ -290,7 +289,6 @@ class FullyShardedEngine:
 
     def bucket_layout(self) -> None:
         """FSDP2 reduces each unit's gradients on their own, in no buckets of ours."""
-        return None
 
     def discard_all_gradients(self) -> None:
         """Lightning's ``zero_grad`` clears the sharded ``p.grad``; whole gradients still held from a window that never
@@ -356,6 +354,9 @@ class FullyShardedEngine:
         elif self.stages is not None:
             for root in self.roots:
                 fsdp2_private.reshard_all(root)
+
+    def hold_root_gathered(self) -> Callable[[], None]:
+        return hold_root_gathered(self.module)
 
     def land_gradients(self) -> None:
         """Land reductions still in flight (a backward not run through the strategy leaves them to the step), then

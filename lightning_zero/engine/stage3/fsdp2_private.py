@@ -101,6 +101,11 @@ def param_groups(module: nn.Module) -> list[Any]:
     return list(groups.values())
 
 
+def own_groups(module: FSDPModule) -> list[Any]:
+    """The ``FSDPParamGroup`` of ``module``'s own ``fully_shard`` call (the root's: its parameters outside every unit)."""
+    return _groups_of(module._get_fsdp_state())
+
+
 def unit_heads(module: nn.Module) -> list[FSDPModule]:
     """One module per ``fully_shard`` call in ``module`` (itself included), the first in module order: the modules
     of one call share one state, whose hooks and collectives are set through any of them."""

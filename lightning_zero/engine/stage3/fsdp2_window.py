@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero.engine.stage3 import fsdp2_private
 
@@ -77,6 +78,23 @@ class GatheredWindow:
         for group in self.groups:
             if group.is_unsharded:
                 group.reshard()
+
+
+def hold_root_gathered(root: nn.Module) -> Callable[[], None]:
+    """Keep the root's own parameters gathered across a nested forward of the root (``self(x)`` inside
+    ``training_step``), whose post-forward would reshard them where the group's setting says to: code after it in
+    the step (a metric-learning head, an auxiliary loss, a tied weight) would meet shards. The outer post-forward
+    still reshards them (see [Note: hpZ and the root] in ``fsdp2_units.py``), so memory and traffic do not change.
+    Returns what puts the setting back, to call before that outer post-forward."""
+    if not isinstance(root, FSDPModule):
+        return lambda: None
+    held = [(group, fsdp2_private.keep_gathered_after_forward(group)) for group in fsdp2_private.own_groups(root)]
+
+    def restore() -> None:
+        for group, setting in held:
+            fsdp2_private.restore_after_forward(group, setting)
+
+    return restore
 
 
 class GatheredWrites:
