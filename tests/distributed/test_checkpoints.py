@@ -23,7 +23,7 @@ def shared(tmp_path_factory):
     two = launch(
         "tests.distributed.worker_checkpoint",
         "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "edited_and_lenient", "top_k",
-        "frozen_and_weights_only",
+        "frozen_and_weights_only", "stateless_at_save",
         "saved_after_evaluation", "scheduled_accumulation", "continued_after_fit",
         nprocs=2, env=env,
     )
@@ -128,6 +128,16 @@ def test_on_save_checkpoint_edits_are_saved_and_a_lenient_module_resumes_without
     assert result["loaded"]["vocabulary"] == {"a": 0, "b": 1}
     assert result["loaded"]["keys"] == ([] if kind == "sharded" else sorted(result["saved"]))
     assert result["steps"] == 2
+
+
+@pytest.mark.parametrize("pair", ["2->2", "3->1", "1->3"])
+def test_a_layer_without_optimizer_state_at_the_save_resumes_as_the_uninterrupted_run(shared, pair):
+    """AdamW has no state for a parameter that never had a gradient; the sharded load refused such a checkpoint
+    ("does not match the optimizer 0's parameters: missing (2): late.bias, late.weight"), and priming the state with a
+    zero step would have started the layer's step count at 1 (the third pair offloads the optimizer)."""
+    result = shared["stateless_at_save"][pair]
+    assert result["steps"] == 4
+    assert result["param_diff"] == 0.0
 
 
 @pytest.mark.parametrize("stage", [2, 3])

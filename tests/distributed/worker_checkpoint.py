@@ -93,6 +93,41 @@ def scheduled_accumulation(directory: Path) -> dict:
     return out
 
 
+class LateHead(models.Regression):
+    """A second head used from optimizer step 2 on: saved at step 1, AdamW holds no state for it yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = torch.nn.Linear(models.IN, models.OUT)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + self.late(batch[0]).square().mean() if self.global_step >= 2 else loss
+
+
+def stateless_at_save(directory: Path) -> dict:
+    """A sharded checkpoint saved while a layer has no optimizer state (each stage, offloaded too), resumed at the
+    same and another stage, against the uninterrupted run: the layer's first step after the resume starts its state
+    as torch's does, with a step count of 0."""
+    def run(stage: int, steps: int, ckpt_path: str | None = None, save_to: Path | None = None, **options) -> L.Trainer:
+        L.seed_everything(7)
+        callbacks = [ModelCheckpoint(dirpath=save_to, filename="{step}", save_top_k=-1, every_n_train_steps=1)] if save_to else []
+        t = trainer(ZeroStrategy(stage=stage, **options), max_steps=steps, enable_checkpointing=bool(save_to),
+                    callbacks=callbacks, gradient_clip_val=0.5)
+        t.fit(LateHead(), models.loader(DATA, 4), ckpt_path=ckpt_path)
+        return t
+
+    out = {}
+    for save, resume, options in ((2, 2, {}), (3, 1, {}), (1, 3, dict(offload_optimizer=True))):
+        expected = run(resume, 4, **options).strategy.full_state_dict()
+        run(save, 1, save_to=directory / f"stateless{save}{resume}", **options)
+        resumed = run(resume, 4, ckpt_path=str(directory / f"stateless{save}{resume}" / "step=1.ckpt"), **options)
+        params = resumed.strategy.full_state_dict()
+        if RANK == 0:
+            out[f"{save}->{resume}"] = {"steps": resumed.global_step, "param_diff": max_diff(params, expected)}
+    return out
+
+
 #: (save stage, resume stage): `make test`'s; the other pairs (stage 3's save into stage 1 is in test_hybrid.py's).
 RESUME_PAIRS = ((2, 2), (3, 3), (2, 3), (2, 1))
 RESUME_PAIRS_FULL = ((1, 1), (3, 2))
@@ -456,6 +491,7 @@ CASES = {
     "crash_mid_save": crash_mid_save,
     "mismatched_model": mismatched_model,
     "edited_and_lenient": edited_and_lenient,
+    "stateless_at_save": stateless_at_save,
     "top_k": top_k,
 }
 
