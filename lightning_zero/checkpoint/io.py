@@ -120,8 +120,8 @@ def load(
             }
             if any(name not in live_params for name in saved_params):  # a parameter without state has none saved
                 check_compatible(saved_params, live_params, f"optimizer {i}'s parameters", checkpoint=path)
-            stateful = {pid for pid, name in names.items() if name in saved_params}
-            _materialize_optimizer_state(optimizer, engine, stateful | {id(hosted[pid]) for pid in stateful if pid in hosted})
+            stateless = {pid for pid, name in names.items() if name not in saved_params}
+            _materialize_optimizer_state(optimizer, engine, stateless | {id(hosted[pid]) for pid in stateless if pid in hosted})
             state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
             live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
             if owners_of(optimizer, engine) is not None:  # whole state sits on its owner: check every rank's together
@@ -194,12 +194,12 @@ def _on_every_rank():
         raise CheckpointError(errors[0])
 
 
-def _materialize_optimizer_state(optimizer: Optimizer, engine: ShardingEngine | None, saved: set[int]) -> None:
+def _materialize_optimizer_state(optimizer: Optimizer, engine: ShardingEngine | None, stateless: set[int]) -> None:
     """Create optimizer state (shard-sized, values to be overwritten) so a checkpoint loads into it in
-    place: one step on zero gradients with the learning rate set to zero. ``saved``: ``id``s of the parameters (and
-    of the tensors their state is keyed by) whose state the checkpoint holds; the others had none when it was saved
-    (no gradient yet: an expert no token reached, a layer used later) and get none, so their first step starts it
-    as torch's does (a step count of 0, not 1)."""
+    place: one step on zero gradients with the learning rate set to zero. ``stateless``: ``id``s of the parameters
+    (and of the tensors their state is keyed by) that had no state when the checkpoint was saved (no gradient yet: an
+    expert no token reached, a layer used later; or held by another pipeline stage): they get none, so their first
+    step starts it as torch's does (a step count of 0, not 1)."""
     if optimizer.state:
         return
     hosted = hosted_tensors(optimizer, engine)
@@ -208,7 +208,8 @@ def _materialize_optimizer_state(optimizer: Optimizer, engine: ShardingEngine | 
     shards = set(map(id, hosted.values()))
     with hosting:
         params = [
-            p for g in optimizer.param_groups for p in g["params"] if (p.requires_grad or id(p) in shards) and id(p) in saved
+            p for g in optimizer.param_groups for p in g["params"]
+            if (p.requires_grad or id(p) in shards) and id(p) not in stateless
         ]
         if any(p.grad is not None for p in params):
             return

@@ -12,7 +12,7 @@ method returns (``ShardingEngine.hold_root_gathered``); the outer post-forward r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
@@ -21,16 +21,22 @@ from torch import nn
 from lightning_zero.engine.api import ShardingEngine
 
 
-class RootHeldRedirection(_ForwardRedirection):
-    """Lightning's ``_ForwardRedirection``, holding the root gathered from the method's start to its return."""
+class _Sharding(Protocol):
+    @property
+    def engine(self) -> ShardingEngine | None: ...
 
-    def __init__(self, engine: Callable[[], ShardingEngine | None]) -> None:
-        self._engine = engine
+
+class RootHeldRedirection(_ForwardRedirection):
+    """Lightning's ``_ForwardRedirection``, holding the root gathered from the method's start to its return; it
+    holds the strategy (not a function of it), so a strategy started with ``start_method="spawn"`` still pickles."""
+
+    def __init__(self, strategy: _Sharding) -> None:
+        self._strategy = strategy
         self._restore: Callable[[], None] | None = None
 
     def __call__(self, wrapper_module: nn.Module, original_module: pl.LightningModule, method_name: str,
                  *args: Any, **kwargs: Any) -> Any:
-        engine = self._engine()
+        engine = self._strategy.engine
         self._restore = engine.hold_root_gathered() if engine is not None else None
         try:
             return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)

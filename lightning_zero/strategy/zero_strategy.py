@@ -118,7 +118,7 @@ class ZeroStrategy(CheckpointingStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._forward_redirection = RootHeldRedirection(lambda: self.engine)
+        self._forward_redirection = RootHeldRedirection(self)
 
     # ------------------------------------------------------------------ properties
     @property
