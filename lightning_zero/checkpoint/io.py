@@ -121,7 +121,8 @@ def load(
             if any(name not in live_params for name in saved_params):  # a parameter without state has none saved
                 check_compatible(saved_params, live_params, f"optimizer {i}'s parameters", checkpoint=path)
             stateless = {pid for pid, name in names.items() if name not in saved_params}
-            _materialize_optimizer_state(optimizer, engine, stateless | {id(hosted[pid]) for pid in stateless if pid in hosted})
+            stateless |= {id(hosted[pid]) for pid in stateless if pid in hosted}  # the tensors their state is keyed by
+            _materialize_optimizer_state(optimizer, engine, stateless)
             state[f"optimizer_{i}"] = sharded_optimizer_state(optimizer, module, engine)["state"]
             live = {f"{name}.{key}": None for name, entry in state[f"optimizer_{i}"].items() for key in entry}
             if owners_of(optimizer, engine) is not None:  # whole state sits on its owner: check every rank's together

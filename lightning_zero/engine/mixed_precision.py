@@ -81,8 +81,9 @@ def reparametrized(module: nn.Module) -> bool:
     """Whether ``module``'s own parameters are the inputs of a reparametrization rather than of an operation (see
     [Note: which parameters may be held in the compute dtype]): a ``ParametrizationList`` holds them, or a
     hook-based weight or spectral norm recomputes the layer's weight from them before each forward."""
-    hooks = module._forward_pre_hooks.values()
-    return isinstance(module, parametrize.ParametrizationList) or any(isinstance(h, (WeightNorm, SpectralNorm)) for h in hooks)
+    if isinstance(module, parametrize.ParametrizationList):
+        return True
+    return any(isinstance(hook, (WeightNorm, SpectralNorm)) for hook in module._forward_pre_hooks.values())
 
 
 def declares_fp32(module: nn.Module) -> bool:

@@ -111,7 +111,8 @@ def stateless_at_save(directory: Path) -> dict:
     as torch's does, with a step count of 0."""
     def run(stage: int, steps: int, ckpt_path: str | None = None, save_to: Path | None = None, **options) -> L.Trainer:
         L.seed_everything(7)
-        callbacks = [ModelCheckpoint(dirpath=save_to, filename="{step}", save_top_k=-1, every_n_train_steps=1)] if save_to else []
+        saving = ModelCheckpoint(dirpath=save_to, filename="{step}", save_top_k=-1, every_n_train_steps=1)
+        callbacks = [saving] if save_to else []
         t = trainer(ZeroStrategy(stage=stage, **options), max_steps=steps, enable_checkpointing=bool(save_to),
                     callbacks=callbacks, gradient_clip_val=0.5)
         t.fit(LateHead(), models.loader(DATA, 4), ckpt_path=ckpt_path)
