@@ -1,4 +1,4 @@
-"""Rank program for ``test_hf_zoo.py`` and ``test_nn_zoo.py``: each architecture of ``hf_zoo.py`` (group ``hf``) or
+"""Rank program for ``test_model_zoos.py``: each architecture of ``hf_zoo.py`` (group ``hf``) or
 ``nn_zoo.py`` (group ``nn``) through Trainer at stages 1-3 and under Lightning ``ddp`` (3 optimizer steps, 2
 accumulated micro-batches, clipping), fp32, at stage 3 with activation checkpointing on its block class, and (``nn``)
 at stage 2 with the optimizer offloaded. A failing architecture is reported with its traceback, not raised, so one
