@@ -117,14 +117,17 @@ def crashed(record: Record, me: Record | None) -> Diagnosis:
     summary = (f"rank {rank}'s process crashed in native code ({record.crash}) in "
                f"{step_name(record.phase, record.batch)}, {doing}{site}.")
     hint = ""
-    if record.crash and record.crash.startswith("SIGABRT") and activity.in_collective:
+    first = None if me is None else first_difference(record.recent, me.recent, min(record.ops, me.ops) + 1,
+                                                     ranks=(rank, me.rank))
+    # gloo may abort in its background thread after the collective returned on the Python side: the black box then
+    # says "not in a collective", and the differing records are what tell a mismatch
+    if record.crash and record.crash.startswith("SIGABRT") and (activity.in_collective or first is not None):
         summary += (" gloo aborts a process whose collective does not match its peer's (that rank's output says "
                     "'Is there a distributed collective mismatch in your code?').")
         hint = MISMATCH_HINT
+    if first is not None:
+        summary += f" The ranks issued different collectives; the first that differs is {first}."
     if me is not None:
-        first = first_difference(record.recent, me.recent, min(record.ops, me.ops) + 1, ranks=(rank, me.rank))
-        if first is not None:
-            summary += f" The ranks issued different collectives; the first that differs is {first}."
         summary += f" This rank ({me.rank}) is {me.where()}."
     if any("generation" in (r.activity.via or "") for r in (record, me) if r is not None):
         hint = GENERATE_HINT

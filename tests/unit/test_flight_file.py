@@ -64,6 +64,26 @@ def test_a_rank_that_died_in_native_code_is_read_back_from_its_flight_file_and_s
     assert "Every rank must issue the same collectives in the same order" in found.hint
 
 
+def test_a_rank_gloo_aborted_after_its_collective_returned_still_gets_the_mismatch_hint():
+    """gloo may abort a rank in its background thread after the mismatched all_gather returned to Python: its black
+    box says it was not in a collective, and the differing records are what tell the mismatch (seen under CI)."""
+    from lightning_zero.faults.activity import Activity
+    from lightning_zero.faults.diagnosis import crashed
+
+    after = Activity(False, None, None, 80, 0.0, "project/train.py:16 in validation_step", None, "all_gather #41")
+    dead = record(1, after, phase="val", batch=0, recent=[Op(41, "all_gather", 1056, "float32")], ops=41,
+                  crash="SIGABRT; its Python stack is in /tmp/rank1.fatal")
+    me = record(0, waiting(kind="all_gather", op=41), phase="val", batch=0,
+                recent=[Op(41, "all_gather", 2624, "float32")], ops=41)
+    found = crashed(dead, me)
+    assert "not in a collective (the last it issued: all_gather #41)" in found.summary
+    assert "gloo aborts a process whose collective does not match its peer's" in found.summary
+    assert "the first that differs is #41" in found.summary
+    assert "Every rank must issue the same collectives in the same order" in found.hint
+    same = record(0, waiting(kind="all_gather", op=42), recent=[Op(41, "all_gather", 1056, "float32")], ops=41)
+    assert crashed(dead, same).hint == ""  # the same collectives: a crash of another kind, no mismatch said
+
+
 def test_a_rank_that_died_posting_its_collective_is_read_back_in_it(tmp_path):
     """gloo may abort a rank while its main thread still posts the ring's transfers, before the recorder marks the
     wait: the stack inside the communication layer says it was in its last collective."""
