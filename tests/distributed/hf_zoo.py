@@ -8,7 +8,11 @@ soft-capping, sliding windows), Phi-3 (fused qkv and gate-up projections), BART 
 embeddings, a convolutional audio front end and fixed sinusoidal positions), Wav2Vec2 (a convolutional feature
 encoder, a positional convolution under ``parametrizations.weight_norm``, a CTC loss), Switch Transformers (top-1 routing with
 capacity, so tokens are dropped), DeBERTa-v2 (disentangled relative attention), Swin (shifted windows, relative
-position tables) and ConvNeXt (depthwise convolutions, channels-last LayerNorm).
+position tables), ConvNeXt (depthwise convolutions, channels-last LayerNorm), ALBERT (one layer group run three times a
+forward: its gradients sum over the uses, and a checkpointed group recomputes each), LLaVA (a CLIP vision tower and a
+projector whose features replace the image tokens of a Llama's input by ``masked_scatter``) and Reformer (reversible
+layers: its backward re-runs each layer's forward and calls ``torch.autograd.backward`` inside the outer backward, so
+DDP's reducer refuses it and its reference is plain PyTorch: ``WITHOUT_DDP``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ import torch
 VOCAB, LENGTH = 64, 16
 VISION = ("swin", "convnext")
 KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "wav2vec2",
-         "switch", "deberta", "swin", "convnext")
+         "switch", "deberta", "swin", "convnext", "albert", "llava", "reformer")
+#: Architectures DDP cannot train ("Expected to mark a variable ready only once", with or without a static graph):
+#: their reference is the same steps in one process (``worker_zoo.plain_reference``).
+WITHOUT_DDP = ("reformer",)
+IMAGE_TOKENS = 17  # LLaVA: the 16 patches and the class token of a 16 x 16 image, all kept ("full")
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -82,6 +90,26 @@ def build(kind: str) -> torch.nn.Module:
     if kind == "convnext":
         return T.ConvNextForImageClassification(T.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1],
                                                                  num_stages=2, num_labels=5, patch_size=2))
+    if kind == "albert":
+        return T.AlbertForMaskedLM(T.AlbertConfig(
+            vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_hidden_groups=1,
+            num_attention_heads=2, intermediate_size=64, max_position_embeddings=LENGTH, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0))
+    if kind == "llava":
+        vision = T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=16, patch_size=4)
+        text = T.LlamaConfig(**{**decoder, "vocab_size": VOCAB + 1, "max_position_embeddings": LENGTH + IMAGE_TOKENS})
+        return T.LlavaForConditionalGeneration(T.LlavaConfig(
+            vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1,
+            vision_feature_select_strategy="full"))
+    if kind == "reformer":
+        return T.ReformerModelWithLMHead(T.ReformerConfig(
+            vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, attention_head_size=8,
+            attn_layers=["local", "lsh", "local", "lsh"], feed_forward_size=32, axial_pos_shape=[4, 4],
+            axial_pos_embds_dim=[8, 8], max_position_embeddings=LENGTH, local_attn_chunk_length=4,
+            lsh_attn_chunk_length=4, num_buckets=2, num_hashes=1, hash_seed=0, is_decoder=True,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0,
+            local_attention_probs_dropout_prob=0.0))
     raise ValueError(kind)
 
 
@@ -102,8 +130,11 @@ class ZooModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x = batch[0]
         if self.kind in VISION:
-            pixels = torch.sin(x[:, :, None].float() * torch.arange(1, 49) / 7.0).reshape(x.shape[0], 3, 16, 16)
-            loss = self.model(pixel_values=pixels, labels=x[:, 0] % 5).loss
+            loss = self.model(pixel_values=_image(x), labels=x[:, 0] % 5).loss
+        elif self.kind == "llava":  # the image tokens first, then the text; the loss on the text alone
+            image = torch.full((x.shape[0], IMAGE_TOKENS), VOCAB)
+            labels = torch.cat([torch.full_like(image, -100), x], 1)
+            loss = self.model(input_ids=torch.cat([image, x], 1), pixel_values=_image(x), labels=labels).loss
         elif self.kind == "whisper":
             features = torch.sin(x[:, None, :].float() * torch.arange(1, 9)[:, None] / 3.0)  # (B, 8 mel bins, 16)
             loss = self.model(input_features=features, labels=x[:, 2:]).loss
@@ -118,7 +149,16 @@ class ZooModule(L.LightningModule):
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
-        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3)
+        # CLIP's attention has key biases, whose true gradient is zero (softmax ignores a shift along the keys):
+        # AdamW with eps 1e-8 turns their rounding noise into steps of lr (5e-5 apart after 3), as test_hf_models' CLIP
+        eps = 1e-6 if self.kind == "llava" else 1e-8
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=3e-3, eps=eps)
+
+
+def _image(x: torch.Tensor) -> torch.Tensor:
+    """A 3 x 16 x 16 image a pure function of each token window."""
+    return torch.sin(x[:, :, None].float() * torch.arange(1, 49) / 7.0).reshape(x.shape[0], 3, 16, 16)
 
 
 def tokens() -> torch.utils.data.TensorDataset:

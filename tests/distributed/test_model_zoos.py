@@ -1,9 +1,11 @@
 """Architectures beyond the demos at every stage and with activation checkpointing, 2 CPU ranks, fp32, against
-Lightning ``ddp`` doing the same (``make test-all``): fourteen more Hugging Face architectures (``hf_zoo.py``: mixtures of
-experts with shared and dropped experts, state-space and hybrid models, encoder-decoders for text and audio, a CTC
-speech model, vision transformers and convnets), and ``torch.nn``'s own layers (``nn_zoo.py``: recurrent layers and
-cells, multi-head attention with a packed and a split projection, ``nn.TransformerEncoder`` and ``nn.Transformer``,
-weight, spectral and orthogonal reparametrizations in both of torch's APIs), those also with the optimizer offloaded.
+Lightning ``ddp`` doing the same (``make test-all``): seventeen more Hugging Face architectures (``hf_zoo.py``: mixtures
+of experts with shared and dropped experts, state-space and hybrid models, encoder-decoders for text and audio, a CTC
+speech model, vision transformers and convnets, a layer group run three times a forward, a vision-language model, and
+reversible layers, which DDP cannot train, against plain PyTorch), and ``torch.nn``'s own layers (``nn_zoo.py``:
+recurrent layers and cells, multi-head attention with a packed and a split projection, ``nn.TransformerEncoder`` and
+``nn.Transformer``, weight, spectral and orthogonal reparametrizations in both of torch's APIs), those also with the
+optimizer offloaded.
 ``test_hf_models.py`` holds the exactness against plain PyTorch that ``make test`` runs, and ``test_precision_zoo.py``
 the reparametrized layers under bf16-mixed.
 
