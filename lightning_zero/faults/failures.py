@@ -83,9 +83,10 @@ def is_communication_error(exception: BaseException) -> bool:
 #: torch's word when an operation meets a sharded parameter (a DTensor) beside plain tensors.
 _MIXED_WITH_SHARDS = "got mixed torch.Tensor and DTensor"
 SHARDED_CALL_HINT = (
-    "Under stage 3 a unit's parameters are gathered only while the unit itself runs (its forward), so a layer of a "
-    "unit called on its own (`self.net[0](x)` where `net` is the unit) or a unit's parameter used outside its forward "
-    "meets the DTensor shards. Call the unit, or make that layer a unit of its own (`wrap_policy` naming its class)."
+    "Under stage 3 a unit's parameters are gathered only while the unit itself runs (its forward, its backward), so "
+    "a layer of a unit called on its own outside a backward (`self.net[0](x)` where `net` is the unit) or a unit's "
+    "parameter used outside its forward meets the DTensor shards. Call the unit, or make that layer a unit of its own "
+    "(`wrap_policy` naming its class)."
 )
 
 

@@ -106,6 +106,71 @@ def param_groups(module: nn.Module, weight_decay: float = 0.1) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+class ReversibleBlock(nn.Module):
+    """A RevNet block (Reformer's layers are these): ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``, so the inputs are
+    recomputed from the outputs in backward instead of kept."""
+
+    def __init__(self, half: int = 4, width: int = 16) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(half, width), nn.GELU(), nn.Linear(width, half))
+        self.g = nn.Sequential(nn.Linear(half, width), nn.GELU(), nn.Linear(width, half))
+
+    def forward(self, x1, x2):
+        y1 = x1 + self.f(x2)
+        return y1, x2 + self.g(y1)
+
+    def backward_pass(self, y1, y2, dy1, dy2):
+        """This block's inputs and their gradients from its outputs'; its halves' parameter gradients accumulate."""
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_(True)
+            gy1 = self.g(y1)
+            torch.autograd.backward(gy1, dy2)
+        with torch.no_grad():
+            x2, dy1 = y2 - gy1, dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = x2.detach().requires_grad_(True)
+            fx2 = self.f(x2)
+            torch.autograd.backward(fx2, dy1)
+        with torch.no_grad():
+            return y1 - fx2, x2, dy1, dy2 + x2.grad
+
+
+class _ReversibleStack(torch.autograd.Function):
+    """The blocks' forwards without activations kept; their backward re-runs each block's halves, last block first."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, blocks):
+        for block in blocks:
+            x1, x2 = block(x1, x2)
+        ctx.blocks = blocks
+        ctx.save_for_backward(x1, x2)
+        return x1, x2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        for block in reversed(ctx.blocks):
+            y1, y2, dy1, dy2 = block.backward_pass(y1, y2, dy1, dy2)
+        return dy1, dy2, None
+
+
+class ReversibleNet(nn.Module):
+    """``Net`` with reversible blocks: their layers run inside the backward, outside their block's forward (stage
+    3's trap: [Note: a unit's layers called in backward])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(IN, 8)
+        self.blocks = nn.ModuleList([ReversibleBlock() for _ in range(2)])
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, OUT)
+
+    def forward(self, x):
+        x1, x2 = self.inp(x).chunk(2, dim=-1)
+        y1, y2 = _ReversibleStack.apply(x1, x2, tuple(self.blocks))
+        return self.head(self.norm(torch.cat([y1, y2], dim=-1)))
+
+
 def make_optimizer(module: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     opt = torch.optim.AdamW(param_groups(module), lr=1e-2, betas=(0.9, 0.95))
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -113,11 +178,12 @@ def make_optimizer(module: nn.Module) -> tuple[torch.optim.Optimizer, torch.opti
 
 class Regression(L.LightningModule):
     def __init__(self, build_in_configure_model: bool = False, unused_head: bool = False, routed: bool = False,
-                 penalty: float = 0.0) -> None:
+                 penalty: float = 0.0, reversible: bool = False) -> None:
         super().__init__()
         self.build_in_configure_model = build_in_configure_model
         self.penalty = penalty
-        self.net = None if build_in_configure_model else RoutedNet() if routed else Net()
+        built = RoutedNet if routed else ReversibleNet if reversible else Net
+        self.net = None if build_in_configure_model else built()
         # A parameter no batch ever uses: plain PyTorch leaves its grad None and AdamW never touches it.
         self.unused = nn.Linear(IN, 4) if unused_head else None
         self.init_rng_state = None
@@ -171,6 +237,7 @@ def reference_run(
     unused_head: bool = False,
     routed: bool = False,
     penalty: float = 0.0,
+    reversible: bool = False,
     build=None,
     optimizer=make_optimizer,
 ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], dict]:
@@ -178,7 +245,8 @@ def reference_run(
     (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict.
     ``build()``: another module of the same network (default :class:`Regression`); ``optimizer(module)``: its
     optimizer and scheduler."""
-    model = build() if build is not None else Regression(unused_head=unused_head, routed=routed, penalty=penalty)
+    model = build() if build is not None else Regression(unused_head=unused_head, routed=routed, penalty=penalty,
+                                                         reversible=reversible)
     model.load_state_dict(copy.deepcopy(initial))
     opt, sched = optimizer(model)
     batches = global_microbatches(dataset, world, batch, steps * accumulate)

@@ -51,6 +51,9 @@ EXACT_CASES = [
     "stage2_penalty",  # a gradient penalty: torch.autograd.grad(create_graph=True) inside training_step
     "stage3_penalty",
     "stage3_penalty_checkpointed",  # ... with activation checkpointing: two recomputations of a forward
+    "stage2_reversible",  # RevNet blocks: their layers run again inside the backward, which calls backward on them
+    "stage3_reversible",  # ... outside their unit's forward: [Note: a unit's layers called in backward]
+    "stage3_reversible_offload_params",
 ]
 
 

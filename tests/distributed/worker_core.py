@@ -66,14 +66,14 @@ class GradientRecorder(L.Callback):
 # ---------------------------------------------------------------------- cases
 def exactness(
     stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm", unused_head=False,
-    routed=False, penalty=0.0, validate_first=False,
+    routed=False, penalty=0.0, validate_first=False, reversible=False,
 ) -> dict:
     steps, accumulate, batch = 4, 2, 4
     clip = 0.5 if clip_algorithm == "norm" else 0.05
     L.seed_everything(7)
     built = models.ValidatedRegression if validate_first else models.Regression
     module = built(build_in_configure_model=build_in_configure_model, unused_head=unused_head, routed=routed,
-                   penalty=penalty)
+                   penalty=penalty, reversible=reversible)
     initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
     recorder = GradientRecorder()
     strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
@@ -115,6 +115,7 @@ def exactness(
             unused_head=unused_head,
             routed=routed,
             penalty=penalty,
+            reversible=reversible,
         )
         out["param_diff"] = max_diff({k: v for k, v in final.items()}, ref_params)
         out["grad_diff"] = max(max_diff(g, r) for g, r in zip(recorder.steps, ref_grads))
@@ -409,6 +410,12 @@ CASES = {
         # the blocks recomputed once for the penalty's backward and once for the loss's
         "stage3_penalty_checkpointed": exactness(3, penalty=0.1, strategy=ZeroStrategy(
             stage=3, unit_size_mb=0, activation_checkpointing={torch.nn.Sequential}, state_dict_type="full")),
+        "stage2_reversible": exactness(2, reversible=True),
+        # every unit resharded after its forward, so the layers the stack's backward runs meet the shards
+        "stage3_reversible": exactness(3, reversible=True, strategy=ZeroStrategy(
+            stage=3, unit_size_mb=0, reduce_every_microbatch=True, state_dict_type="full")),
+        "stage3_reversible_offload_params": exactness(3, reversible=True, strategy=ZeroStrategy(
+            stage=3, offload_params=True, state_dict_type="full")),
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},

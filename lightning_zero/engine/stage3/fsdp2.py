@@ -60,7 +60,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives, flight
-from lightning_zero.engine.stage3 import fsdp2_private
+from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_private
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.stage3.fsdp2_comm import (
@@ -169,6 +169,7 @@ class FullyShardedEngine:
                 for group in reversed(self.unit_groups):
                     self._shard(group)
             self._shard([module])
+            fsdp2_backward_calls.gather_layers_called_in_backward(module)  # [Note: a unit's layers called in backward]
         else:  # this engine's collectives replace the earlier engine's, once per fully_shard call
             for sharded in fsdp2_private.unit_heads(module):
                 self._set_collectives(sharded)
@@ -367,8 +368,7 @@ class FullyShardedEngine:
         self.unused.forget_unused()
 
     def follow_trainability(self) -> bool:
-        """FSDP2 shards every parameter, trainable or not, and reduces whatever gradients backward produces."""
-        return False
+        return False  # FSDP2 shards every parameter, trainable or not, and reduces whatever gradients backward produces
 
     def params_loaded(self) -> None:
         """A checkpoint was loaded into the sharded parameters: refresh the host masters from them, and give every rank

@@ -1,0 +1,55 @@
+"""Stage 3 units whose layers their own backward calls.
+
+[Note: a unit's layers called in backward]
+Reversible layers (Reformer's, RevNets') keep no activations: the autograd Function standing for a stack of them
+runs the layers' forwards under ``no_grad``, and its backward re-runs each layer's parts (its attention, its
+feed-forward) one by one and calls ``torch.autograd.backward`` on them. FSDP2 gathers a unit around the unit's own
+forward and around the backward of the outputs that forward gave autograd; neither happens here, so those parts
+met their unit's shards (``aten.addmm.default got mixed torch.Tensor and DTensor``), however the unit was chosen.
+
+A forward pre-hook on each direct child of a unit gathers the unit when the child runs inside a backward while the
+unit is sharded (in a unit's own backward, the unit is gathered already: activation checkpointing's recomputation
+finds it so, and the hook does nothing). The layers' gradients then land in the gathered parameters, and FSDP2's
+end-of-backward callback reduce-scatters them and reshards the unit, as it does for any unit whose backward did
+not run through its hooks; so the numbers are those of plain PyTorch. Such a unit stays gathered from that call to
+the end of the backward. Outside a backward the hook does nothing: a unit's layer called in ``training_step``
+(``self.net[0](x)``) would hand autograd gathered tensors that the unit's next reshard frees before backward reads
+them, so that case keeps torch's error, with a note naming the way out (``faults/failures.py``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
+
+
+def gather_layers_called_in_backward(root: nn.Module) -> None:
+    """Hook every direct child of every unit below ``root`` that holds some of its unit's sharded parameters."""
+    for unit in root.modules():
+        if unit is root or not isinstance(unit, FSDPModule):
+            continue
+        for child in unit.children():
+            probe = _a_parameter_of_the_unit(child)
+            if probe is not None:
+                child.register_forward_pre_hook(partial(_gather_in_backward, unit, *probe))
+
+
+def _a_parameter_of_the_unit(module: nn.Module) -> tuple[nn.Module, str] | None:
+    """Where one sharded parameter of ``module`` lives (its owner and name), outside the units nested in it."""
+    if isinstance(module, FSDPModule):
+        return None
+    for name, param in module.named_parameters(recurse=False):
+        if sharded_by_fsdp2(param):
+            return module, name
+    return next((found for child in module.children() if (found := _a_parameter_of_the_unit(child))), None)
+
+
+def _gather_in_backward(unit: FSDPModule, owner: nn.Module, name: str, module: nn.Module, args: object) -> None:
+    if torch._C._current_graph_task_id() != -1 and isinstance(owner._parameters[name], DTensor):
+        unit.unshard()
