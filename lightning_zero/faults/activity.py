@@ -139,13 +139,14 @@ def classify_frames(frames: list[tuple[str, int, str]]) -> Activity:
 
 
 def _site_and_via(frames: list[tuple[str, int, str]]) -> tuple[str | None, str | None]:
-    """The innermost user frame, and the innermost library frame inside it."""
+    """The innermost user frame, and the innermost library frame inside it (or a ``save_checkpoint`` of Lightning's
+    or this package's: a save is collective, and a save on some ranks only is a common way to part them)."""
     via = None
     for info in frames:
         kind = category(info[0])
         if kind == "user":
             return _where(info), via
-        if kind == "library" and via is None:
+        if via is None and (kind == "library" or (kind != "user" and info[2] == "save_checkpoint")):
             via = _where(info)
     return None, via
 

@@ -24,7 +24,7 @@ from lightning_zero.faults.activity import Activity
 from lightning_zero.faults.divergence import compare_marks, first_difference
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
 from lightning_zero.faults.verdict import (
-    GENERATE_HINT, MISMATCH_HINT, Context, Diagnosis, Limits, generate_involved,
+    GENERATE_HINT, MISMATCH_HINT, SAVE_HINT, Context, Diagnosis, Limits, generate_involved, saving_involved,
 )
 
 def adopt(failure: dict[str, Any], me: Record, kind: str | None = None) -> Diagnosis:
@@ -180,6 +180,8 @@ def finished_early(finished: Record, running: Record, context: Context) -> Diagn
             "lengths equal (drop or pad the remainder).")
     if generate_involved(phase, (finished, running), context):
         hint = GENERATE_HINT
+    if saving_involved((running,)):
+        hint = SAVE_HINT
     return Diagnosis("finished", finished.rank, summary, hint)
 
 
@@ -195,7 +197,7 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
             alongside.append(rank)
         else:
             elsewhere.append(rank)
-    site = f", called from {mine.site}" if mine.site else ""
+    site = (f", called from {mine.site}" if mine.site else "") + (f" via {mine.via}" if mine.via else "")
     head = (f"rank {me.rank} waited {mine.blocked_for:.0f} s (timeout={limits.timeout:g} s) in {_collective(mine)}"
             f"{site}, in {step_name(me.phase, me.batch)}")
     hint = ("If that rank is just slow here (one-sided work such as evaluation on rank 0 only), raise "
@@ -208,6 +210,8 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
                    "different collectives (a collective issued on some ranks only: a skipped step, a conditional "
                    "`self.log(..., sync_dist=True)`, a submodule used on some ranks only under stage 3, ...).")
         hint = GENERATE_HINT if generate_involved(me.phase, (me, record), context) else ""
+        if saving_involved((me, record)):
+            hint = SAVE_HINT
         return Diagnosis("diverged", culprit, summary, hint)
     if absent:
         culprit = absent[0]
@@ -215,6 +219,8 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
         summary = f"{head}; rank(s) {', '.join(map(str, absent))} did not join it: {names}."
         if generate_involved(me.phase, (me, *(peers[r].record for r in absent)), context):
             hint = GENERATE_HINT
+        if saving_involved((me, *(peers[r].record for r in absent))):
+            hint = SAVE_HINT
         return Diagnosis("stuck", culprit, summary, hint)
     summary = (f"{head}; every rank observed ({', '.join(map(str, alongside)) or 'none'}) waits in it too: the "
                "collective itself does not complete (the network, or a rank this one does not observe).")

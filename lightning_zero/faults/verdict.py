@@ -109,6 +109,17 @@ GENERATE_HINT = (
 )
 
 
+SAVE_HINT = (
+    "`Trainer.save_checkpoint` is collective under ZeroStrategy: every rank writes its own shards (and a full "
+    "checkpoint is gathered on every rank first), so call it on every rank, not under `if trainer.is_global_zero:`; "
+    "Lightning writes the single file from rank 0 by itself."
+)
+
+
+def saving_involved(records: Iterable[Record]) -> bool:
+    return any("in save_checkpoint" in (r.activity.via or "") for r in records)
+
+
 def generate_involved(phase: str | None, records: Iterable[Record], context: Context) -> bool:
     if any("generation" in (r.activity.via or "") for r in records):
         return True

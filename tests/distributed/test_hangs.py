@@ -41,6 +41,7 @@ def run(case: str, nprocs: int = 2, timeout: float = TIMEOUT, watchdog: bool = T
 DEFAULT_CASES = {
     "sigstop": {}, "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM}, "generate": {},
     "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {}, "pipelined_kill": {}, "experts_as_units": {},
+    "save_on_rank0": {},
 }
 
 
@@ -221,6 +222,20 @@ def test_a_conditional_sync_dist_log(launched):
     assert_all_failed_in_time(result)
     for rank in (0, 1):
         assert_names(result.output(rank), "all_reduce #16", "worker_hangs.py", "different collective")
+
+
+def test_a_save_on_rank_0_only_is_named_with_the_way_out(launched):
+    """``trainer.save_checkpoint`` under ``if trainer.is_global_zero:`` (collective here, as under FSDP and DeepSpeed):
+    after the timeout every rank names the save as where rank 0 is, and says to save on every rank."""
+    result = launched["save_on_rank0"].result()
+    assert_all_failed_in_time(result)
+    for rank in (0, 1):
+        output = result.output(rank)
+        # rank 0's wait, in whichever rank's diagnosis came first
+        assert re.search(r"called from distributed/worker_hangs\.py:\d+ in on_train_batch_end via \S+ in "
+                         r"save_checkpoint", output), output[-3000:]
+        assert "`Trainer.save_checkpoint` is collective under ZeroStrategy" in output
+        assert "not under `if trainer.is_global_zero:`" in output
 
 
 def test_experts_made_units_of_their_own_and_picked_per_rank_are_named_where_the_ranks_part(launched):

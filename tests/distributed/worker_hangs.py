@@ -163,6 +163,9 @@ class FaultyCallback(L.Callback):
                     time.sleep(1.5 * TIMEOUT)  # longer than the timeout: fine inside `extended`
         if self.case == "raise_save" and batch_idx == FAULT_BATCH:
             trainer.save_checkpoint(os.path.join(os.path.dirname(os.environ["LZ_FAULT_FILE"]), "ckpt"))
+        if self.case == "save_on_rank0" and batch_idx == FAULT_BATCH and trainer.is_global_zero:
+            fault()  # a save under `if trainer.is_global_zero:`, as single-process habits write it
+            trainer.save_checkpoint(os.path.join(os.path.dirname(os.environ["LZ_FAULT_FILE"]), "ckpt"))
 
 
 def fit(case: str, stage: int = 2, **trainer_kwargs) -> None:
