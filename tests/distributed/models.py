@@ -216,6 +216,20 @@ class Regression(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class MovedWeightsConsistency(Regression):
+    """A consistency loss at 0.9 times the network's weights through ``torch.func.functional_call`` (stages 1-2;
+    refused at stage 3: [Note: functional calls on stage 3 units])."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        moved = {name: 0.9 * p for name, p in self.net.named_parameters()}
+        shifted = torch.func.functional_call(self.net, moved, (x,))
+        return self.loss(x, y) + 0.1 * nn.functional.mse_loss(shifted, y)
+
+    def train_dataloader(self):
+        return loader(IndexedData(), 4)
+
+
 class ValidatedRegression(Regression):
     """Validated on its training data: the sanity check's forwards run before the first step (under hpZ they leave
     every unit on its node-local shard)."""

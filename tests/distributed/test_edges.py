@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
                   "functional_sparse", "changed_dtype", "shared_block", "zero_dim", "written", "complex", "pruning",
-                  "integer", "integer_unset", nprocs=2)
+                  "integer", "integer_unset", "functional_call", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +161,19 @@ def test_integer_parameters_stay_whole_at_stage_3_and_the_sharded_class_loads_it
     error = edges["integer_unset"]
     assert error["type"] == "TypeError", error
     assert "Cannot materialise the meta-device model: ['QuantizedBase (codes)']" in error["message"], error["message"]
+
+
+def test_functional_call_trains_as_under_ddp_at_stages_1_2_and_is_refused_at_stage_3_naming_the_unit(edges):
+    """``torch.func.functional_call`` with moved weights: at stage 3 each unit's forward registered its gathered
+    parameters over the tensors passed, so the call computed with the unit's own weights (2e-2 from ``ddp`` after
+    3 steps, silently); now refused before it computes ([Note: functional calls on stage 3 units])."""
+    runs = edges["functional_call"]
+    assert runs["stage1"] <= 1e-6 and runs["stage2"] <= 1e-6, runs
+    error = runs["stage3"]
+    assert error["type"] == "ShardedFunctionalCallError", error
+    assert ("functional_call would replace `blocks.0.0.weight`, a parameter of the stage-3 unit `blocks.0`"
+            in error["message"]), error["message"]
+    assert "Use stage 1 or 2 for functional calls" in error["message"]
 
 
 def test_model_pruning_trains_as_under_ddp_and_its_checkpoints_resume(edges):

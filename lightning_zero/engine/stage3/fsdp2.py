@@ -60,7 +60,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives, flight
-from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_private
+from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_functional_calls, fsdp2_private
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.stage3.fsdp2_comm import (
@@ -170,6 +170,7 @@ class FullyShardedEngine:
                     self._shard(group)
             self._shard([module])
             fsdp2_backward_calls.gather_layers_called_in_backward(module)  # [Note: a unit's layers called in backward]
+            fsdp2_functional_calls.refuse_functional_calls(module)  # [Note: functional calls on stage 3 units]
         else:  # this engine's collectives replace the earlier engine's, once per fully_shard call
             for sharded in fsdp2_private.unit_heads(module):
                 self._set_collectives(sharded)
@@ -381,8 +382,7 @@ class FullyShardedEngine:
     def restore_master_params(self) -> None:
         """FSDP2 keeps the sharded parameters at full precision and casts them per forward: nothing to do."""
 
-    #: Stage 3 steps without a delayed update (``offload_step_delay`` is a stage 1-2 setting).
-    update_delay = 0
+    update_delay = 0  # stage 3 steps without a delayed update (``offload_step_delay`` is a stage 1-2 setting)
 
     def lagging_rows(self) -> None:
         return None
