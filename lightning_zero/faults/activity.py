@@ -146,7 +146,7 @@ def _site_and_via(frames: list[tuple[str, int, str]]) -> tuple[str | None, str |
         kind = category(info[0])
         if kind == "user":
             return _where(info), via
-        if via is None and (kind == "library" or (kind != "user" and info[2] == "save_checkpoint")):
+        if via is None and (kind == "library" or info[2] == "save_checkpoint"):
             via = _where(info)
     return None, via
 

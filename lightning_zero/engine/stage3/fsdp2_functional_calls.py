@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils import stateless
 
+from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
+
 #: The units this package's stage-3 engines made (their roots excepted); weak, so a finished run leaves nothing.
 _UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -49,21 +51,26 @@ def _checked(functional_call: Any) -> Any:
 
 
 def _refuse_units(module: nn.Module, tensors: Any) -> None:
-    """Raise if a name of ``tensors`` lies inside a unit: ``module`` itself or a module on the name's path."""
+    """Raise if a name of ``tensors`` is a parameter FSDP2 shards, held in a unit: ``module`` itself or a module on
+    the name's path (buffers, and the parameters FSDP2 leaves whole, may be replaced)."""
     mappings = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
     for name in (n for mapping in mappings for n in mapping):
-        owner: Any = module
-        parts = name.split(".")[:-1]
-        for depth in range(len(parts) + 1):
-            if owner in _UNITS:
-                path = ".".join(parts[:depth])
-                unit = f"`{path}` ({type(owner).__name__})" if path else f"the module itself ({type(owner).__name__})"
-                raise ShardedFunctionalCallError(
-                    f"functional_call would replace `{name}`, a parameter of the stage-3 unit {unit}: the unit's "
-                    "forward gathers and registers its own parameters over the tensors passed, so the call would "
-                    "compute with the unit's weights instead, silently. Use stage 1 or 2 for functional calls (they "
-                    "hold whole parameters), or compute with the tensors directly (torch.nn.functional)."
-                )
-            owner = getattr(owner, parts[depth], None) if depth < len(parts) else None
-            if not isinstance(owner, nn.Module):
+        *parts, leaf = name.split(".")
+        path = [module]
+        for part in parts:
+            child = getattr(path[-1], part, None)
+            if not isinstance(child, nn.Module):
                 break
+            path.append(child)
+        param = path[-1]._parameters.get(leaf) if len(path) == len(parts) + 1 else None
+        depth = next((depth for depth, m in enumerate(path) if m in _UNITS), None)
+        if param is None or depth is None or not sharded_by_fsdp2(param):
+            continue
+        where = ".".join(parts[:depth])
+        unit = f"`{where}` ({type(path[depth]).__name__})" if where else f"the module itself ({type(module).__name__})"
+        raise ShardedFunctionalCallError(
+            f"functional_call would replace `{name}`, a parameter of the stage-3 unit {unit}: the unit's forward "
+            "gathers and registers its own parameters over the tensors passed, so the call would compute with the "
+            "unit's weights instead, silently. Use stage 1 or 2 for functional calls (they hold whole parameters), "
+            "or compute with the tensors directly (torch.nn.functional)."
+        )
