@@ -90,7 +90,19 @@ SHARDED_CALL_HINT = (
 )
 
 
-def note_sharded_call(exception: BaseException) -> None:
+#: torch's word when ``torch.autograd.grad`` is asked for the gradient of a tensor the graph does not use.
+_NOT_IN_THE_GRAPH = "appears to not have been used in the graph"
+PARAMETER_GRAD_HINT = (
+    "Under stage 3 a unit's parameters, as `module.parameters()` gives them outside the unit's forward, are its shards: "
+    "the forward computed with gathered copies, so `torch.autograd.grad` with respect to the shards finds no path "
+    "(with `allow_unused=True` it returns None for them). Gradients with respect to the parameters inside "
+    "`training_step` (a gradient-norm penalty, meta-learning) need stage 1 or 2, which hold whole parameters."
+)
+
+
+def note_sharded_call(exception: BaseException, stage: int = 3) -> None:
     """Say why an operation met stage 3's shards, where torch's error names only the operator."""
     if isinstance(exception, RuntimeError) and _MIXED_WITH_SHARDS in str(exception):
         add_note(exception, SHARDED_CALL_HINT)
+    elif stage == 3 and isinstance(exception, RuntimeError) and _NOT_IN_THE_GRAPH in str(exception):
+        add_note(exception, PARAMETER_GRAD_HINT)

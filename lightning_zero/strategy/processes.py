@@ -150,7 +150,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
-        note_sharded_call(exception)
+        note_sharded_call(exception, self.zero_config.stage)
         self._faults.on_exception(exception)  # names the cause on every rank (faults/watchdog.py)
 
     def finish_processes(self) -> BaseException | None:

@@ -230,6 +230,20 @@ class MovedWeightsConsistency(Regression):
         return loader(IndexedData(), 4)
 
 
+class GradientNormPenalty(Regression):
+    """Gradient-norm regularisation: the loss plus 0.01 times the squared gradient of the loss with respect to the
+    parameters, through ``torch.autograd.grad(create_graph=True)`` (stages 1-2; at stage 3 the parameters are shards)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.loss(x, y)
+        grads = torch.autograd.grad(loss, [p for p in self.parameters() if p.requires_grad], create_graph=True)
+        return loss + 0.01 * sum(g.pow(2).sum() for g in grads)
+
+    def train_dataloader(self):
+        return loader(IndexedData(), 4)
+
+
 class ValidatedRegression(Regression):
     """Validated on its training data: the sanity check's forwards run before the first step (under hpZ they leave
     every unit on its node-local shard)."""

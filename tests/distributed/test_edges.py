@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
                   "functional_sparse", "changed_dtype", "shared_block", "zero_dim", "written", "complex", "pruning",
-                  "integer", "integer_unset", "functional_call", nprocs=2)
+                  "integer", "integer_unset", "parameter_functions", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +167,24 @@ def test_functional_call_trains_as_under_ddp_at_stages_1_2_and_is_refused_at_sta
     """``torch.func.functional_call`` with moved weights: at stage 3 each unit's forward registered its gathered
     parameters over the tensors passed, so the call computed with the unit's own weights (2e-2 from ``ddp`` after
     3 steps, silently); now refused before it computes ([Note: functional calls on stage 3 units])."""
-    runs = edges["functional_call"]
+    runs = edges["parameter_functions"]
     assert runs["stage1"] <= 1e-6 and runs["stage2"] <= 1e-6, runs
     error = runs["stage3"]
     assert error["type"] == "ShardedFunctionalCallError", error
     assert ("functional_call would replace `blocks.0.0.weight`, a parameter of the stage-3 unit `blocks.0`"
             in error["message"]), error["message"]
     assert "Use stage 1 or 2 for functional calls" in error["message"]
+
+
+def test_gradients_with_respect_to_parameters_in_training_step_train_at_stage_2_and_say_why_not_at_stage_3(edges):
+    """A gradient-norm penalty (``torch.autograd.grad`` of the loss by the parameters, ``create_graph=True``): stage 2 as
+    ``ddp``; at stage 3 torch's "appears to not have been used in the graph" gets a note saying why and what to use."""
+    runs = edges["parameter_functions"]
+    assert runs["grad_stage2"] <= 1e-6, runs
+    error = runs["grad_stage3"]
+    assert error["type"] == "RuntimeError" and "appears to not have been used in the graph" in error["message"], error
+    assert "Under stage 3 a unit's parameters, as `module.parameters()` gives them" in error["message"]
+    assert "need stage 1 or 2" in error["message"]
 
 
 def test_model_pruning_trains_as_under_ddp_and_its_checkpoints_resume(edges):

@@ -216,9 +216,11 @@ CASES = {
         **{f"meta_{name}": diff for name, diff in against_ddp(lambda: memory_layouts.QuantizedBase("layers"), {
             "stage3": (dict(stage=3), 0.5)}).items()}},
     "integer_unset": lambda directory: expect_fit_error(lambda: memory_layouts.QuantizedBase("table"), ZeroStrategy(stage=3)),
-    "functional_call": lambda directory: {
+    "parameter_functions": lambda directory: {
         **against_ddp(models.MovedWeightsConsistency, {"stage1": (dict(stage=1), 0.5), "stage2": (dict(stage=2), 0.5)}),
-        "stage3": expect_fit_error(models.MovedWeightsConsistency, ZeroStrategy(stage=3))},
+        "stage3": expect_fit_error(models.MovedWeightsConsistency, ZeroStrategy(stage=3)),
+        **{f"grad_{k}": v for k, v in against_ddp(models.GradientNormPenalty, {"stage2": (dict(stage=2), 0.5)}).items()},
+        "grad_stage3": expect_fit_error(models.GradientNormPenalty, ZeroStrategy(stage=3))},
     "shared_block_rest": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3_merged": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
         "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None)}),
