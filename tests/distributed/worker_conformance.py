@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import callbacks as cb
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroStrategy, load_from_checkpoint
 from lightning_zero.demo.data import RandomTokenDataset
 from lightning_zero.demo.gpt import GPTLightningModule
 from tests.distributed import models, worker_precision
@@ -103,6 +103,22 @@ def _best(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
             "test": test[0]["test_loss"]}
 
 
+def _weights_only(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
+    """``save_weights_only=True``: the last checkpoint holds the run's weights (as
+    ``lightning_zero.load_from_checkpoint`` reads them) and no optimizer state, so resuming from it is refused with
+    Lightning's own message."""
+    path = Path(t.checkpoint_callback.last_model_path)
+    loaded = load_from_checkpoint(GPTLightningModule, path, **KWARGS).state_dict()
+    weights = _weights(t, module)
+    again = trainer(_strategy(name), default_root_dir=t.default_root_dir, max_epochs=3)
+    try:
+        again.fit(GPTLightningModule(**KWARGS), datamodule=Data(), ckpt_path=path)
+        refused = None
+    except KeyError as err:  # the behaviour under test: Lightning's refusal, on every rank
+        refused = str(err)[:120]
+    return {"loaded_vs_run": max_diff(loaded, weights) if RANK == 0 else 0.0, "resume_refused": refused}
+
+
 def _evaluate(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
     val = t.validate(module, datamodule=Data(), verbose=False)
     test = t.test(module, datamodule=Data(), verbose=False)
@@ -166,6 +182,8 @@ FEATURES: dict[str, dict[str, Any]] = {
                             after=_resume_last),
     "checkpoint_best": dict(max_epochs=3, enable_checkpointing=True,
                             callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)], after=_best),
+    "checkpoint_weights_only": dict(max_epochs=2, enable_checkpointing=True, after=_weights_only,
+                                    callbacks=[cb.ModelCheckpoint(save_weights_only=True, save_last=True)]),
     "validate_test_predict": dict(max_steps=3, after=_evaluate),
     # Validation (and ModelCheckpoint's save) after batches 3 and 9 falls inside a window of 2 micro-batches, where
     # stage 3 holds its units gathered (engine/stage3/fsdp2_window.py): both must see the sharded module, and training
