@@ -1,4 +1,4 @@
-"""What the main thread is doing, seen from another thread (``sys._current_frames``) or from a traceback.
+"""What the main thread is doing, seen from another thread (faulthandler's dump of its frames) or from a traceback.
 
 A thread blocked in C (a gloo wait, a CUDA sync) keeps its Python frames, so a sample tells whether the main
 thread waits in a collective, which one, and the user's call site: the innermost frame outside the libraries
@@ -9,13 +9,15 @@ frame that is not torch / Lightning / this package (e.g. ``transformers/generati
 
 from __future__ import annotations
 
+import faulthandler
 import os
-import sys
+import re
 import sysconfig
+import tempfile
 import time
 from dataclasses import asdict, dataclass
-from types import FrameType, TracebackType
-from typing import Any
+from types import TracebackType
+from typing import IO, Any
 
 from lightning_zero.engine.comm.flight import FlightRecorder
 
@@ -95,13 +97,36 @@ class Activity:
         return cls(**data) if data else cls()
 
 
-def _frames(frame: FrameType | None) -> list[tuple[str, int, str]]:
-    """(file, line, function), innermost first."""
-    out = []
-    while frame is not None:
-        out.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
-        frame = frame.f_back
-    return out
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_DUMP: IO[bytes] | None = None
+
+
+def main_thread_frames(dump: str, main_ident: int) -> list[tuple[str, int, str]]:
+    """The main thread's frames, innermost first, from a faulthandler dump of every thread."""
+    frames: list[tuple[str, int, str]] = []
+    inside = False
+    for line in dump.splitlines():
+        if (thread := _THREAD.match(line)) is not None:
+            inside = int(thread.group(1), 16) == main_ident
+        elif inside and (frame := _FRAME.match(line)) is not None:
+            frames.append((frame.group(1), int(frame.group(2)), frame.group(3)))
+    return frames
+
+
+def _frames_of(main_ident: int) -> list[tuple[str, int, str]]:
+    """Another thread's frames, read by faulthandler in C. Walking that thread's ``sys._current_frames()`` frame by
+    ``f_back`` makes frame objects for its live frames, and on CPython 3.11 that crashes the process now and then
+    (SIGSEGV in the sampling thread, seen here while the main thread built a model: the crash of thread-sampling
+    profilers, python/cpython#111363); faulthandler reads the frames without making objects."""
+    global _DUMP
+    if _DUMP is None:
+        _DUMP = tempfile.TemporaryFile()
+    _DUMP.seek(0)
+    _DUMP.truncate()
+    faulthandler.dump_traceback(_DUMP, all_threads=True)
+    _DUMP.seek(0)
+    return main_thread_frames(_DUMP.read().decode(errors="replace"), main_ident)
 
 
 def _traceback_frames(tb: TracebackType | None) -> list[tuple[str, int, str]]:
@@ -153,8 +178,7 @@ def _site_and_via(frames: list[tuple[str, int, str]]) -> tuple[str | None, str |
 
 def sample(main_ident: int, recorder: FlightRecorder, seq: int) -> Activity:
     """The main thread now (call from another thread)."""
-    frame = sys._current_frames().get(main_ident)
-    return classify(_frames(frame), recorder, seq)
+    return classify(_frames_of(main_ident), recorder, seq)
 
 
 def from_exception(exception: BaseException, recorder: FlightRecorder, seq: int) -> Activity:

@@ -13,22 +13,19 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
 from typing import IO
 
 from lightning_zero.engine.comm.flight import RECORDER, Mark, Op, read_file
-from lightning_zero.faults.activity import classify_frames
+from lightning_zero.faults.activity import classify_frames, main_thread_frames
 from lightning_zero.faults.records import RUNNING, Record, liveness
 
 _COMM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "comm") + os.sep
 #: faulthandler's first line names the fatal signal this way.
 _SIGNALS = {"Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS",
             "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
-_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
-_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 #: A crashed run's folder (every process in it gone) is kept this long for the user, then removed by a new run.
 _KEEP_SECONDS = 24 * 3600
 
@@ -98,7 +95,7 @@ def read_record(folder: Path, rank: int) -> Record | None:
     if snapshot is None:
         return None
     fatal = _read_text(folder / f"rank{rank}.fatal")
-    frames = _main_thread_frames(fatal, snapshot.main_ident)
+    frames = main_thread_frames(fatal, snapshot.main_ident)
     activity = classify_frames(frames)
     if snapshot.waiting is not None:
         activity.in_collective, activity.op, activity.kind = True, *snapshot.waiting
@@ -137,13 +134,3 @@ def _crash(fatal: str, path: Path) -> str | None:
     return f"{_SIGNALS.get(name, name)}; its Python stack is in {path}"
 
 
-def _main_thread_frames(fatal: str, main_ident: int) -> list[tuple[str, int, str]]:
-    """The main thread's frames, innermost first, from a faulthandler dump of every thread."""
-    frames: list[tuple[str, int, str]] = []
-    inside = False
-    for line in fatal.splitlines():
-        if (thread := _THREAD.match(line)) is not None:
-            inside = int(thread.group(1), 16) == main_ident
-        elif inside and (frame := _FRAME.match(line)) is not None:
-            frames.append((frame.group(1), int(frame.group(2)), frame.group(3)))
-    return frames

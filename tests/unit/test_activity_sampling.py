@@ -1,0 +1,45 @@
+"""The watchdog's sample of the main thread, taken from another thread while the main thread runs Python: the call
+site and what it is inside, read from faulthandler's dump (``faults/activity.py::_frames_of``: walking the live
+frames by ``f_back`` crashed CPython 3.11 now and then)."""
+
+import threading
+
+from torch import nn
+
+from lightning_zero.engine.comm.flight import FlightRecorder
+from lightning_zero.faults.activity import main_thread_frames, sample
+
+
+def build_layers() -> None:  # the user's code the samples must name
+    for _ in range(50):
+        nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+
+
+def test_samples_taken_while_the_main_thread_builds_layers_name_its_call_site():
+    main, recorder, samples, done = threading.get_ident(), FlightRecorder(), [], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set() and len(samples) < 500:
+            samples.append(sample(main, recorder, seq=0))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        while len(samples) < 200:
+            build_layers()
+    finally:
+        done.set()
+        watcher.join()
+    sites = [s.site for s in samples if s.site]
+    assert len(sites) >= 100, len(sites)
+    assert all(site.startswith("unit/test_activity_sampling.py:") for site in sites), set(sites)
+    assert any(site.endswith("in build_layers") for site in sites)
+    assert not any(s.in_collective for s in samples)
+
+
+def test_the_main_threads_frames_are_read_from_a_dump_of_every_thread():
+    dump = ('Thread 0x0000000000000002 (most recent call first):\n  File "/x/other.py", line 3 in wait\n\n'
+            'Current thread 0x0000000000000001 (most recent call first):\n  File "/x/train.py", line 12 in step\n'
+            '  File "/x/train.py", line 30 in <module>\n')
+    assert main_thread_frames(dump, 1) == [("/x/train.py", 12, "step"), ("/x/train.py", 30, "<module>")]
+    assert main_thread_frames(dump, 2) == [("/x/other.py", 3, "wait")]
