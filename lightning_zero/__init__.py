@@ -13,13 +13,14 @@ from lightning_zero.checkpoint.module_loading import load_from_checkpoint
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.gradient_norms import grad_norm
+from lightning_zero.monitor import ZeroMonitor
 from lightning_zero.precision.zero_precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy.zero_strategy import ZeroStrategy
 
 __all__ = [
     "CheckpointEntry", "CheckpointError", "CheckpointSaveError", "UnsafeCheckpointError", "ZeroConfig", "ZeroConfigError",
-    "ZeroPrecision", "ZeroStrategy", "grad_norm", "list_checkpoints", "load_from_checkpoint", "load_pretrained",
+    "ZeroMonitor", "ZeroPrecision", "ZeroStrategy", "grad_norm", "list_checkpoints", "load_from_checkpoint", "load_pretrained",
 ]
 __version__ = "0.1.0"
 

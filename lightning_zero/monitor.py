@@ -5,7 +5,8 @@ The numbers are the ones the benchmarks and the ZeRO formulas speak in, so a run
 
 * ``monitor/state_MiB_rank{r}``: model state (parameters, gradients, fp32 masters, optimizer state) each
   rank holds right after backward, from :func:`lightning_zero.planning.accounting.model_state_bytes` (device and host
-  together; ``.../device_MiB_rank{r}`` and ``.../host_MiB_rank{r}`` split it when something is offloaded);
+  together; ``.../device_MiB_rank{r}`` and ``.../host_MiB_rank{r}`` split it when something is offloaded). At a logging
+  step it waits for an offloaded host step still running in the worker thread, which creates and writes that state;
 * ``monitor/peak_MiB_rank{r}``: peak accelerator memory allocated since the last log, or on CPU the
   process's peak resident memory (``ru_maxrss``, everything the process ever held);
 * ``monitor/tokens_per_s`` (or ``samples_per_s`` for non-token inputs): over all ranks, across every step

@@ -128,6 +128,10 @@ class OptimizerShards(Protocol):
     def discard_gradients(self) -> None:
         """A skipped step: drop the gradients as a step would have consumed them."""
 
+    def settle(self) -> None:
+        """Wait for the host steps running in the worker thread (parts started during backward, a delayed update),
+        which write the masters and create the optimizer's state, before a caller reads either."""
+
     def hosted(self) -> dict[int, torch.Tensor]:
         """``id(param)`` -> the tensor the optimizer keys that parameter's state by, where it is not the
         parameter itself (a shard view, a master, a host copy). Checkpoints translate state through this."""

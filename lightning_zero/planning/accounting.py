@@ -107,6 +107,8 @@ def model_state_bytes(
     for kind, tensor, on_host in engine.state_tensors() if engine is not None else ():
         add(kind, tensor, on_host)
     for optimizer in optimizers:
+        if engine is not None:  # a host step in the worker may be creating this state: read it once it is done
+            engine.optimizer_shards(optimizer).settle()
         for key, state in optimizer.state.items():
             on_host = engine is not None and engine.on_host(key)  # partial offload: per tensor
             for value in state.values():

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroMonitor, ZeroStrategy
 from lightning_zero.demo import CharDataModule
 from lightning_zero.demo.gpt import GPTLightningModule
 from tests.distributed import models
@@ -106,7 +106,58 @@ def exactness() -> dict:
             }
     out["stage2_overflow"] = overflow_skips_step(2, **DELAYED)
     out["ema"] = exponential_average()
+    out["monitor"] = monitor_while_a_host_step_runs()
     return out
+
+
+class GatedAdamW(torch.optim.AdamW):
+    """AdamW whose first step in the worker thread waits for ``gate`` before it creates its state, so that the step
+    of step 1 is still running when step 2's ``on_after_backward`` begins."""
+
+    gate = threading.Event()
+    opened_in_time: bool | None = None
+
+    def step(self, closure=None):
+        if threading.current_thread() is not threading.main_thread() and GatedAdamW.opened_in_time is None:
+            GatedAdamW.opened_in_time = GatedAdamW.gate.wait(timeout=60)
+        return super().step(closure)
+
+
+class GatedRegression(models.Regression):
+    def configure_optimizers(self):
+        return GatedAdamW(models.param_groups(self), lr=1e-2)
+
+
+class OpenTheGate(L.Callback):
+    """Placed before the monitor: step 2's ``on_after_backward`` lets step 1's host step go on, as the monitor reads
+    the state."""
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == 1:
+            GatedAdamW.gate.set()
+
+
+class MonitorFigures(L.Callback):
+    """Placed after the monitor: each step's model-state figure of this rank."""
+
+    def __init__(self, monitor) -> None:
+        self.monitor, self.states = monitor, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.states.append(self.monitor.last[f"monitor/state_MiB_rank{RANK}"])
+
+
+def monitor_while_a_host_step_runs() -> dict:
+    """``ZeroMonitor`` at every step of a delayed update (stage 2): its model-state figure waits for the host step in
+    the worker, which creates the optimizer state (read meanwhile, the dictionary changed size under the reader)."""
+    GatedAdamW.gate.clear()
+    GatedAdamW.opened_in_time = None
+    monitor = ZeroMonitor(log_every_n_steps=1, prog_bar=False)
+    figures = MonitorFigures(monitor)
+    t = trainer(ZeroStrategy(stage=2, bucket_size_mb=0.001, **DELAYED), max_steps=STEPS,
+                callbacks=[OpenTheGate(), monitor, figures])
+    t.fit(GatedRegression(), models.loader(models.IndexedData(), BATCH))
+    return {"states": figures.states, "opened_in_time": GatedAdamW.opened_in_time}
 
 
 def exponential_average(decay: float = 0.5) -> dict:

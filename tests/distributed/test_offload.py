@@ -250,6 +250,16 @@ def test_the_delayed_update_is_zero_offloads_dpu_step_for_step(report, stage):
     assert result["module_diff_final"] == 0.0
 
 
+def test_the_monitor_counts_the_state_a_running_host_step_creates(report):
+    """``ZeroMonitor(log_every_n_steps=1)`` under the delayed update, step 1's host step held in the worker until step
+    2's ``on_after_backward``: the monitor's figure at step 2 waits for it and counts the optimizer state it created,
+    as at steps 3 and 4 (step 1's has none yet)."""
+    result = report["delayed"]["monitor"]
+    assert result["opened_in_time"] is True
+    first, *later = result["states"]
+    assert len(later) == 3 and len(set(later)) == 1 and later[0] > first
+
+
 def test_an_exponential_average_under_the_delayed_update_averages_every_update_taken(report):
     """``EMAWeightAveraging(decay=0.5)`` at stage 2 with ``offload_step_delay=1``: the module ends with the average
     of the masters after each of the 4 updates, as plain PyTorch computes it, not with the last update alone."""

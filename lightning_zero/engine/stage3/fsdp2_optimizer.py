@@ -168,6 +168,9 @@ class FullyShardedOptimizer:
             raise RuntimeError("lightning_zero internal error: host masters exist only under offload_optimizer")
         return self.engine.masters
 
+    def settle(self) -> None:
+        self.early.wait()
+
     def records(self) -> list[ShardRecord]:
         self.early.wait()
         engine = self.engine
