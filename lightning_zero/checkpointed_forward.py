@@ -24,17 +24,23 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
 
+from lightning_zero.recomputed_buffers import BufferUpdates, ForwardBuffers
+
 
 class _CheckpointedForward:
-    """One module's checkpointing: the forward generator between its pre-hook and its hook, and whether the hooks
-    act (not while the module's forward is being recomputed)."""
+    """One module's checkpointing: the forward generator between its pre-hook and its hook, whether the hooks act
+    (not while the module's forward is being recomputed), and the buffers its forward updates."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.active = True
         self.generator: Generator[None, None, None] | None = None
+        self.buffers = BufferUpdates(module)
+        self.forward: ForwardBuffers | None = None
 
     def contexts(self) -> tuple[contextlib.nullcontext[None], _Recomputing]:
-        return contextlib.nullcontext(), _Recomputing(self)
+        """Called by torch's checkpoint as the forward begins."""
+        self.forward = self.buffers.begin()
+        return contextlib.nullcontext(), _Recomputing(self, self.forward)
 
     def before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.active:
@@ -45,6 +51,9 @@ class _CheckpointedForward:
 
     def after_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         generator, self.generator = self.generator, None
+        forward, self.forward = self.forward, None
+        if self.active and forward is not None:
+            self.buffers.end(forward)
         if self.active and generator is not None:
             try:
                 next(generator)
@@ -54,17 +63,23 @@ class _CheckpointedForward:
 
 
 class _Recomputing:
-    """The recomputation's context: the hooks off while the module's forward runs again, as often as asked."""
+    """The recomputation's context: the hooks off while the module's forward runs again, as often as asked, and the
+    buffers that forward updated as it found them (see [Note: buffers under recomputation])."""
 
-    def __init__(self, state: _CheckpointedForward) -> None:
+    def __init__(self, state: _CheckpointedForward, buffers: ForwardBuffers | None) -> None:
         self.state = state
+        self.buffers = buffers
         self.was_active = True
 
     def __enter__(self) -> None:
         self.was_active, self.state.active = self.state.active, False
+        if self.buffers is not None:
+            self.buffers.__enter__()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
         self.state.active = self.was_active
+        if self.buffers is not None:
+            self.buffers.__exit__(kind, error, trace)
 
 
 def checkpoint_forward(module: nn.Module) -> None:
@@ -74,6 +89,6 @@ def checkpoint_forward(module: nn.Module) -> None:
         return
     checkpoint(module)
     checkpoint.state(module).enable_hook = False
-    state = _CheckpointedForward()
+    state = _CheckpointedForward(module)
     module.register_forward_pre_hook(state.before_forward, with_kwargs=True, prepend=True)
     module.register_forward_hook(state.after_forward, prepend=True, always_call=True)

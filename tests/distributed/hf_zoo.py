@@ -12,7 +12,11 @@ position tables), ConvNeXt (depthwise convolutions, channels-last LayerNorm), AL
 forward: its gradients sum over the uses, and a checkpointed group recomputes each), LLaVA (a CLIP vision tower and a
 projector whose features replace the image tokens of a Llama's input by ``masked_scatter``) and Reformer (reversible
 layers: its backward re-runs each layer's forward and calls ``torch.autograd.backward`` inside the outer backward, so
-DDP's reducer refuses it and its reference is plain PyTorch: ``WITHOUT_DDP``).
+DDP's reducer refuses it and its reference is plain PyTorch: ``WITHOUT_DDP``); GPT-OSS (attention sinks, experts fused
+into 3-D parameters with biases), Gemma-3n (AltUp's parallel streams, per-layer input embeddings, layers reading the
+key/value states of earlier layers), Qwen3-Next (gated delta-rule linear attention beside full attention, experts),
+Zamba (one attention block shared by the hybrid layers), ResNet and PatchTST (BatchNorm inside the checkpointed blocks,
+whose recomputation must not count a batch twice; PatchTST forecasts real-valued series).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import lightning as L
 import torch
 
 VOCAB, LENGTH = 64, 16
-VISION = ("swin", "convnext")
+VISION = ("swin", "convnext", "resnet")
 KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "wav2vec2",
-         "switch", "deberta", "swin", "convnext", "albert", "llava", "reformer")
+         "switch", "deberta", "swin", "convnext", "albert", "llava", "reformer", "gpt_oss", "gemma3n", "qwen3_next",
+         "zamba", "resnet", "patchtst")
 #: Architectures DDP cannot train ("Expected to mark a variable ready only once", with or without a static graph):
 #: their reference is the same steps in one process (``worker_zoo.plain_reference``).
 WITHOUT_DDP = ("reformer",)
@@ -110,6 +115,36 @@ def build(kind: str) -> torch.nn.Module:
             lsh_attn_chunk_length=4, num_buckets=2, num_hashes=1, hash_seed=0, is_decoder=True,
             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0,
             local_attention_probs_dropout_prob=0.0))
+    if kind == "gpt_oss":
+        return T.GptOssForCausalLM(T.GptOssConfig(
+            **{**decoder, "intermediate_size": 16}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+    if kind == "gemma3n":
+        return T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
+            **{**decoder, "intermediate_size": [64] * 4, "num_hidden_layers": 4}, head_dim=8,
+            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2, laurel_rank=4,
+            altup_num_inputs=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+            activation_sparsity_pattern=[0.0] * 4))
+    if kind == "qwen3_next":
+        return T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
+            **decoder, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+            decoder_sparse_step=1))
+    if kind == "zamba":
+        return T.ZambaForCausalLM(T.ZambaConfig(
+            **{k: v for k, v in decoder.items() if k not in ("initializer_range", "num_hidden_layers")},
+            attention_hidden_size=64, attention_head_dim=16, num_hidden_layers=4,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+            mamba_dt_rank=4, n_mamba_heads=1))
+    if kind == "resnet":
+        return T.ResNetForImageClassification(T.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
+                                                             depths=[1, 1], layer_type="basic", num_labels=5))
+    if kind == "patchtst":
+        return T.PatchTSTForPrediction(T.PatchTSTConfig(
+            num_input_channels=2, context_length=LENGTH, patch_length=4, patch_stride=4, prediction_length=4, d_model=16,
+            num_attention_heads=2, num_hidden_layers=2, ffn_dim=32, dropout=0.0, attention_dropout=0.0, ff_dropout=0.0,
+            path_dropout=0.0, head_dropout=0.0))
     raise ValueError(kind)
 
 
@@ -141,6 +176,10 @@ class ZooModule(L.LightningModule):
         elif self.kind == "wav2vec2":  # 64 samples a window, 15 frames out, 4 CTC targets
             wave = torch.sin(x.float().repeat_interleave(4, dim=1) / 3.0)
             loss = self.model(input_values=wave, labels=x[:, :4]).loss
+        elif self.kind == "patchtst":  # two series of 16 steps each a window, the next 4 steps to forecast
+            rates = torch.tensor([1.0, 0.5])
+            past, future = torch.sin(x[:, :, None].float() * rates / 5.0), torch.cos(x[:, :4, None].float() * rates / 5.0)
+            loss = self.model(past_values=past, future_values=future).loss
         else:
             loss = self.model(input_ids=x, labels=x).loss
         self.log("train_loss", loss)

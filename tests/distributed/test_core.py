@@ -294,3 +294,12 @@ def test_activation_checkpointing_changes_nothing_but_memory(checkpointing, stag
     assert result["trained"] == 3
     assert result["param_names_equal"]
     assert result["param_diff"] <= 1e-6
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_checkpointed_blocks_update_their_buffers_once_a_forward(checkpointing, stage):
+    """Convolutions with BatchNorm and spectral norm, trained with and without their blocks checkpointed (3 steps of
+    2 micro-batches): the same parameters and buffers, each batch counted once."""
+    result = checkpointing[f"stage{stage}"]["normalized"]
+    assert result["batches_tracked"] == 6
+    assert result["diff"] <= 1e-6

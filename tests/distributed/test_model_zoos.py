@@ -1,8 +1,9 @@
 """Architectures beyond the demos at every stage and with activation checkpointing, 2 CPU ranks, fp32, against
-Lightning ``ddp`` doing the same (``make test-all``): seventeen more Hugging Face architectures (``hf_zoo.py``: mixtures
-of experts with shared and dropped experts, state-space and hybrid models, encoder-decoders for text and audio, a CTC
-speech model, vision transformers and convnets, a layer group run three times a forward, a vision-language model, and
-reversible layers, which DDP cannot train, against plain PyTorch), and ``torch.nn``'s own layers (``nn_zoo.py``:
+Lightning ``ddp`` doing the same (``make test-all``): twenty-three more Hugging Face architectures (``hf_zoo.py``:
+mixtures of experts with shared and dropped experts, state-space, linear-attention and hybrid models, encoder-decoders
+for text and audio, a CTC speech model, vision transformers and convnets (BatchNorm in checkpointed blocks among them), a
+layer group run three times a forward, a vision-language model, a forecaster of real-valued series, and reversible
+layers, which DDP cannot train, against plain PyTorch), and ``torch.nn``'s own layers (``nn_zoo.py``:
 recurrent layers and cells, multi-head attention with a packed and a split projection, ``nn.TransformerEncoder`` and
 ``nn.Transformer``, weight, spectral and orthogonal reparametrizations in both of torch's APIs), those also with the
 optimizer offloaded.

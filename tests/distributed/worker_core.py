@@ -12,6 +12,7 @@ import sys
 
 import lightning as L
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zero import ZeroStrategy
@@ -335,7 +336,50 @@ def checkpointing_is_exact(stage: int) -> dict:
     if RANK == 0:
         out["param_diff"] = max_diff(finals[0], finals[1])
         out["param_names_equal"] = sorted(finals[0]) == sorted(finals[1])
+    out["normalized"] = normalized_blocks_checkpointed(stage)
     return out
+
+
+class NormalizedBlock(nn.Module):
+    """A convolution, BatchNorm and a spectral-norm projection: a forward that updates buffers (running statistics,
+    the batch count, power-iteration vectors), which its recomputation must not update again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv1d(4, 4, 3, padding=1), nn.BatchNorm1d(4)
+        self.projection = nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6))
+
+    def forward(self, x):
+        return self.projection(torch.relu(self.bn(self.conv(x))))
+
+
+class NormalizedNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(NormalizedBlock(), NormalizedBlock())
+
+    def training_step(self, batch, batch_idx):
+        return self.blocks(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(models.param_groups(self), lr=1e-2)
+
+
+def normalized_blocks_checkpointed(stage: int) -> dict:
+    """``NormalizedNet`` with and without its blocks checkpointed: the same parameters and buffers (BatchNorm counted
+    each batch twice and spectral norm's recomputed weight was an iteration further on, before [Note: buffers under
+    recomputation])."""
+    finals = []
+    for policy in (None, NormalizedBlock):
+        L.seed_everything(3)
+        t = trainer(ZeroStrategy(stage=stage, activation_checkpointing=policy, state_dict_type="full"), max_steps=3,
+                    accumulate_grad_batches=2, gradient_clip_val=0.5)
+        data = torch.utils.data.TensorDataset(torch.randn(48, 4, 6, generator=torch.Generator().manual_seed(1)))
+        t.fit(NormalizedNet(), models.loader(data, 4))
+        finals.append(t.strategy.full_state_dict())
+    if RANK != 0:
+        return {}
+    return {"diff": max_diff(finals[0], finals[1]), "batches_tracked": int(finals[1]["blocks.0.bn.num_batches_tracked"])}
 
 
 class FrozenHeadUnfrozenAtEpochOne(L.Callback):

@@ -114,8 +114,7 @@ def test_layers_whose_forward_pre_hooks_compute_recompute_those_hooks_as_they_ra
     """The hook-based ``weight_norm`` computes the weight in a forward pre-hook and pruning multiplies it by its mask
     there; the recomputation runs the module's hooks again, so the checkpoint must begin before them, else the
     recomputed tensors do not match the saved ones (``CheckpointError``) and a hook that rewrites the input is
-    applied twice. (Spectral norm's power iteration steps its buffers in that hook, so each recomputation steps them
-    once more, as under ``torch.utils.checkpoint`` in plain PyTorch.)"""
+    applied twice."""
     def build() -> nn.Sequential:
         torch.manual_seed(0)
         model = nn.Sequential(nn.utils.weight_norm(nn.Conv1d(8, 8, 3, padding=1)),
@@ -130,6 +129,87 @@ def test_layers_whose_forward_pre_hooks_compute_recompute_those_hooks_as_they_ra
         model(x).square().sum().backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+class RunningAverage(nn.Module):
+    """A layer of the user's own that keeps a running average of its input in a buffer, updated in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.average.mul_(0.9).add_(x.mean((0, 1)), alpha=0.1)
+        return self.linear(x) + self.average
+
+
+class NormalizedBlock(nn.Module):
+    """Every kind of buffer a forward updates: BatchNorm (momentum and cumulative), InstanceNorm with running
+    statistics, spectral norm as a hook and as a parametrization (a power iteration each forward), a running average."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+        self.bn, self.cumulative = nn.BatchNorm1d(4), nn.BatchNorm1d(4, momentum=None)
+        self.instance = nn.InstanceNorm1d(4, track_running_stats=True)
+        self.hooked = nn.utils.spectral_norm(nn.Linear(5, 5))
+        self.parametrized = nn.utils.parametrizations.spectral_norm(nn.Linear(5, 5))
+        self.average = RunningAverage()
+
+    def forward(self, x):  # (B, 4, 5)
+        h = self.parametrized(self.hooked(self.instance(self.cumulative(self.bn(self.conv(x))))))
+        return self.average(h.transpose(1, 2)).transpose(1, 2)
+
+
+def _plain_and_checkpointed(build):
+    torch.manual_seed(0)
+    plain = build()
+    checkpointed = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(checkpointed, resolve_policy(NormalizedBlock))
+    return plain, checkpointed
+
+
+def _assert_same_state(plain, checkpointed, atol=0.0):
+    for (name, a), (_, b) in zip(plain.named_buffers(), checkpointed.named_buffers()):
+        assert torch.equal(a, b), name
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("shape", ["two_blocks", "one_block_run_three_times"])
+def test_buffers_a_forward_updates_are_updated_once_and_recomputed_as_they_were(shape):
+    """torch's checkpoint runs a forward again in backward, so BatchNorm counted each batch twice and its running
+    statistics drifted, and spectral norm's recomputed weight was one power iteration further on (gradients 4.5e-2
+    apart at the first step): against the same model without checkpointing, every buffer and gradient is equal after
+    each step, also for a block run three times a forward."""
+    def build():
+        if shape == "two_blocks":
+            return nn.Sequential(NormalizedBlock(), NormalizedBlock())
+        block = NormalizedBlock()
+        return nn.Sequential(block, block, block)
+
+    plain, checkpointed = _plain_and_checkpointed(build)
+    for step in range(3):
+        x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(step))
+        for model in (plain, checkpointed):
+            model.zero_grad()
+            model(x).square().sum().backward()
+        _assert_same_state(plain, checkpointed, atol=0.0 if shape == "two_blocks" else 1e-6)
+
+
+def test_a_graph_differentiated_twice_recomputes_from_the_same_buffers_twice():
+    """A gradient penalty recomputes each block twice (``create_graph=True``, then the loss's backward): both
+    recomputations start from the buffers the forward found, and leave them as the forward did."""
+    plain, checkpointed = _plain_and_checkpointed(lambda: nn.Sequential(NormalizedBlock(), NormalizedBlock()))
+    for model in (plain, checkpointed):
+        x = torch.randn(3, 4, 5, generator=torch.Generator().manual_seed(9), requires_grad=True)
+        out = model(x).square().sum()
+        (grad,) = torch.autograd.grad(out, x, create_graph=True)
+        (out + grad.square().sum()).backward()
+    _assert_same_state(plain, checkpointed, atol=1e-6)
 
 
 def test_checkpointing_keeps_only_block_inputs_and_one_blocks_activations():
