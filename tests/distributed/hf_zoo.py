@@ -16,7 +16,8 @@ DDP's reducer refuses it and its reference is plain PyTorch: ``WITHOUT_DDP``); G
 into 3-D parameters with biases), Gemma-3n (AltUp's parallel streams, per-layer input embeddings, layers reading the
 key/value states of earlier layers), Qwen3-Next (gated delta-rule linear attention beside full attention, experts),
 Zamba (one attention block shared by the hybrid layers), ResNet and PatchTST (BatchNorm inside the checkpointed blocks,
-whose recomputation must not count a batch twice; PatchTST forecasts real-valued series).
+whose recomputation must not count a batch twice; PatchTST forecasts real-valued series) and Funnel Transformer (its
+encoder's layers in a list of lists, pooled between blocks).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ VOCAB, LENGTH = 64, 16
 VISION = ("swin", "convnext", "resnet")
 KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "wav2vec2",
          "switch", "deberta", "swin", "convnext", "albert", "llava", "reformer", "gpt_oss", "gemma3n", "qwen3_next",
-         "zamba", "resnet", "patchtst")
+         "zamba", "resnet", "patchtst", "funnel")
 #: Architectures DDP cannot train ("Expected to mark a variable ready only once", with or without a static graph):
 #: their reference is the same steps in one process (``worker_zoo.plain_reference``).
 WITHOUT_DDP = ("reformer",)
@@ -140,6 +141,10 @@ def build(kind: str) -> torch.nn.Module:
     if kind == "resnet":
         return T.ResNetForImageClassification(T.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
                                                              depths=[1, 1], layer_type="basic", num_labels=5))
+    if kind == "funnel":
+        return T.FunnelForMaskedLM(T.FunnelConfig(
+            vocab_size=VOCAB, d_model=32, n_head=2, d_head=16, d_inner=64, block_sizes=[1, 1], hidden_dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=LENGTH))
     if kind == "patchtst":
         return T.PatchTSTForPrediction(T.PatchTSTConfig(
             num_input_channels=2, context_length=LENGTH, patch_length=4, patch_stride=4, prediction_length=4, d_model=16,
@@ -188,9 +193,10 @@ class ZooModule(L.LightningModule):
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.ndim >= 2]
         rest = [p for p in self.parameters() if p.ndim < 2]
-        # CLIP's attention has key biases, whose true gradient is zero (softmax ignores a shift along the keys):
-        # AdamW with eps 1e-8 turns their rounding noise into steps of lr (5e-5 apart after 3), as test_hf_models' CLIP
-        eps = 1e-6 if self.kind == "llava" else 1e-8
+        # CLIP's and Funnel's attention have key biases, whose true gradient is zero (softmax ignores a shift along the
+        # keys): AdamW with eps 1e-8 turns their rounding noise into steps of lr (5e-5 apart after 3), as
+        # test_hf_models' CLIP
+        eps = 1e-6 if self.kind in ("llava", "funnel") else 1e-8
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=3e-3, eps=eps)
 

@@ -83,3 +83,53 @@ def test_merged_lengths():
 def test_unit_size_mb_is_checked(bad):
     with pytest.raises(ZeroConfigError, match="unit_size_mb"):
         ZeroStrategy(stage=3, unit_size_mb=bad)
+
+
+class Routed(nn.Module):
+    """A layer with a gain vector of its own whose parent calls a method of it, not its forward (Gemma-3n's AltUp
+    and its ``predict``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+        self.router = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def predict(self, x):
+        return self.router(self.norm(x)) * self.scale
+
+
+class CallsAMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.routed = Routed()
+
+    def forward(self, x):
+        return self.proj(self.routed.predict(x))
+
+
+class InheritsTheCall(CallsAMethod):
+    pass
+
+
+def test_a_layer_whose_method_its_parent_calls_is_no_unit_of_its_own_though_its_layers_may_be():
+    """FSDP2 gathers a unit around its forward only: as a unit, ``routed`` met its shards in ``predict``
+    (``aten.mul.Tensor got mixed torch.Tensor and DTensor``, Gemma-3n under bf16-mixed at stage 3). It stays in its
+    block's unit, also where the block inherits the call; its norm, called through its forward, is an fp32 unit."""
+    root = nn.Module()
+    root.blocks = nn.ModuleList([CallsAMethod(), InheritsTheCall()])
+    assert groups(root, 0) == [["blocks.0"], ["blocks.0.routed.norm"], ["blocks.1"], ["blocks.1.routed.norm"]]
+
+
+def test_a_list_of_lists_makes_units_of_the_inner_elements_not_of_the_lists():
+    """Funnel Transformer's encoder holds its layers in a ``ModuleList`` of ``ModuleList``s: an inner list made a unit
+    of its own was refused by ``fully_shard`` ("does not support containers that do not implement forward") once its
+    layers nested units of their own (their norms, under bf16-mixed)."""
+    root = nn.Module()
+    root.blocks = nn.ModuleList([nn.ModuleList([Block()]), nn.ModuleList([Block(), Block()])])
+    units = select_units(root, None)
+    assert [name for name, m in root.named_modules() if any(m is u for u in units)] == ["blocks.0.0", "blocks.1.0",
+                                                                                       "blocks.1.1"]
+    assert groups(root, 0) == [["blocks.0.0"], ["blocks.0.0.norm"], ["blocks.1.0"], ["blocks.1.0.norm"],
+                               ["blocks.1.1"], ["blocks.1.1.norm"]]

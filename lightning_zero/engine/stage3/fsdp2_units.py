@@ -17,6 +17,8 @@ gathered until backward when its forward is not nested (FSDP2's default for the 
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import cast
 
@@ -47,11 +49,17 @@ def whole_params(modules: Iterable[nn.Module]) -> set[nn.Parameter]:
     return {p for module in modules for p in module.parameters() if not sharded_by_fsdp2(p)}
 
 
+#: Modules without a forward of their own, which FSDP2 cannot hook (``fully_shard`` refuses them).
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
 def default_units(root: nn.Module) -> list[nn.Module]:
-    """Every element of an ``nn.ModuleList`` (the blocks of most transformers); a model without one gets
-    each direct child that holds parameters (e.g. a generator and a discriminator), so every sub-network
-    gathers its parameters around its own forward and backward."""
-    listed = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m}
+    """Every element of an ``nn.ModuleList`` (the blocks of most transformers; a list of lists gives the elements of
+    the inner ones, Funnel Transformer's blocks); a model without one gets each direct child that holds parameters
+    (e.g. a generator and a discriminator), so every sub-network gathers its parameters around its own forward and
+    backward."""
+    listed = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m
+              if not isinstance(child, CONTAINERS)}
     if listed:
         return [m for m in root.modules() if id(m) in listed]
     return [child for child in root.children() if any(True for _ in sharded_params(child))]
@@ -132,17 +140,20 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     def self_contained(module: nn.Module) -> bool:
         return all(owners[id(p)] == 1 for m in module.modules() for p in sharded_params(m, recurse=False))
 
+    def may_split(parent: nn.Module, name: str, child: nn.Module) -> bool:
+        return self_contained(child) and not isinstance(child, CONTAINERS) and not methods_called_by(parent, name, child)
+
     def own_kind(module: nn.Module) -> object | None:
         return kind(module) if any(True for _ in sharded_params(module, recurse=False)) else None
 
     extra: set[int] = set()
 
     def visit(module: nn.Module, enclosing: object) -> None:
-        for child in module.children():
+        for name, child in module.named_children():
             own = own_kind(child)
             if id(child) in chosen:
                 held = kind(child)
-            elif own is not None and own != enclosing and self_contained(child):
+            elif own is not None and own != enclosing and may_split(module, name, child):
                 extra.add(id(child))
                 held = own
             else:
@@ -151,6 +162,40 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
 
     visit(root, kind(root))
     return extra
+
+
+def methods_called_by(parent: nn.Module, name: str, child: nn.Module) -> list[str]:
+    """Methods of ``child`` (other than ``forward``) that ``parent``'s own code calls as ``self.<name>.<method>(``,
+    such as Gemma-3n's AltUp, whose decoder layer calls its ``predict`` and ``correct``. FSDP2 gathers a unit around
+    its forward only, so such a layer cannot be a unit of its own: its parameters stay in the enclosing unit (under
+    mixed precision computed in that unit's dtype), while its own layers may still be units. Read from the source of
+    the parent's classes (those it inherits from too); a class whose source cannot be read calls none."""
+    called = frozenset().union(*(_attribute_calls(cls, name) for cls in _model_classes(type(parent))))
+    if not called:
+        return []
+    # Methods a class of the model's own defines: torch's (``.to(...)``, ``.reset_parameters()``) gather nothing.
+    own = {method for cls in _model_classes(type(child)) for method, value in vars(cls).items() if inspect.isfunction(value)}
+    return sorted(called & own - {"forward"})
+
+
+def _model_classes(cls: type) -> list[type]:
+    """``cls`` and the classes it inherits from, but torch's and ``object``."""
+    return [c for c in cls.__mro__ if c is not object and not c.__module__.startswith("torch")]
+
+
+_CALLS: dict[tuple[type, str], frozenset[str]] = {}
+
+
+def _attribute_calls(cls: type, name: str) -> frozenset[str]:
+    """What ``cls``'s source calls on ``self.<name>``: once per class and attribute (reading a class's source
+    parses its whole file)."""
+    if (cls, name) not in _CALLS:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            source = ""
+        _CALLS[cls, name] = frozenset(re.findall(rf"self\.{re.escape(name)}\.([A-Za-z]\w*)\(", source))
+    return _CALLS[cls, name]
 
 
 def units_of_one_dtype(
