@@ -1,5 +1,5 @@
 """Architectures beyond the demos at every stage and with activation checkpointing, 2 CPU ranks, fp32, against
-Lightning ``ddp`` doing the same (``make test-all``): twenty-three more Hugging Face architectures (``hf_zoo.py``:
+Lightning ``ddp`` doing the same (``make test-all``): twenty-four more Hugging Face architectures (``hf_zoo.py``:
 mixtures of experts with shared and dropped experts, state-space, linear-attention and hybrid models, encoder-decoders
 for text and audio, a CTC speech model, vision transformers and convnets (BatchNorm in checkpointed blocks among them), a
 layer group run three times a forward, a vision-language model, a forecaster of real-valued series, and reversible
