@@ -188,16 +188,18 @@ class ScheduleProbe(L.Callback):
 
 
 class PlacementProbe(L.Callback):
-    """Model-state bytes by placement, and the GC's count of every live tensor, before the third step (the
-    host gradient buffers exist from the first step on)."""
+    """Model-state bytes by placement, and the GC's count of every live tensor the run added, before the third step
+    (the host gradient buffers exist from the first step on). The count before the model was built is taken off: this
+    process's pool may have run other programs before, whose libraries keep tensors of their own."""
 
     def __init__(self) -> None:
         self.bytes = None
+        self.before = live_tensor_bytes()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == 2:
             self.bytes = model_state_bytes(pl_module, trainer.optimizers, trainer.strategy.engine)
-            self.bytes["live"] = live_tensor_bytes()
+            self.bytes["live"] = live_tensor_bytes() - self.before
 
 
 def memory() -> dict:
@@ -206,13 +208,18 @@ def memory() -> dict:
         for name, stage, settings in [("none_stage2", 2, {}), *CONFIGS]:
             if precision != "32-true" and name not in ("stage2_optimizer", "stage3_params"):
                 continue
-            L.seed_everything(0)
-            module = models.Wide(width=512, depth=4)
-            probe = PlacementProbe()
-            t = trainer(ZeroStrategy(stage=stage, **settings), max_steps=3, precision=precision, callbacks=[probe])
-            t.fit(module, models.loader(models.WideData(module.width), 8))
-            out[f"{name}_{precision}"] = {**probe.bytes, "params_count": sum(p.numel() for p in module.parameters())}
+            out[f"{name}_{precision}"] = bytes_of_one_run(stage, settings, precision)
     return out
+
+
+def bytes_of_one_run(stage: int, settings: dict, precision: str) -> dict:
+    """One run's bytes by placement; its own function, so that the run before it is gone when the probe counts."""
+    L.seed_everything(0)
+    probe = PlacementProbe()
+    module = models.Wide(width=512, depth=4)
+    t = trainer(ZeroStrategy(stage=stage, **settings), max_steps=3, precision=precision, callbacks=[probe])
+    t.fit(module, models.loader(models.WideData(module.width), 8))
+    return {**probe.bytes, "params_count": sum(p.numel() for p in module.parameters())}
 
 
 def checkpoints(directory: Path) -> dict:

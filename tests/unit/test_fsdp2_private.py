@@ -168,3 +168,29 @@ def test_the_dtype_a_parameter_is_gathered_in_is_known_after_the_first_forward(s
     sharded(torch.randn(2, 4)).sum().backward()
     fsdp_param = fsdp2_private.param_groups(sharded[0])[0].fsdp_params[0]
     assert fsdp2_private.gathered_dtype(fsdp_param) == torch.float32
+
+
+def test_a_sharded_weight_normed_model_is_freed_once_nothing_refers_to_it():
+    """``fully_shard`` caches the subclass it makes of each class; a parametrized layer's class is made for that one
+    instance and its ``weight`` property closes over it, so the cache kept the model and its shards alive after
+    ``fit`` (a process that trained Wav2Vec2 at stage 3 held every model it built). The engine drops those entries."""
+    import gc
+    import weakref
+
+    assert not dist.is_initialized()
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        module = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 4, 3)), nn.Linear(4, 2))
+        fully_shard(module[0], mesh=mesh)
+        fsdp2_private.forget_classes_of_one_module()
+        fully_shard(module, mesh=mesh)
+        fsdp2_private.forget_classes_of_one_module()
+        layer = weakref.ref(module[0])
+        assert type(module[0]).__name__ == "FSDPParametrizedConv1d"  # the instance keeps its class
+        del module
+        gc.collect()
+        assert layer() is None
+    finally:
+        dist.destroy_process_group()

@@ -247,6 +247,7 @@ class FullyShardedEngine:
         )
         self._set_collectives(sharded[0] if isinstance(sharded, list) else sharded)
         fsdp2_private.skip_conversions_that_change_nothing(group)
+        fsdp2_private.forget_classes_of_one_module()
 
     def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")

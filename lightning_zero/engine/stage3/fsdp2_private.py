@@ -32,6 +32,11 @@ need, each with the reason the public API does not suffice:
   those that do not ([Note: parameters some ranks leave without a gradient] in ``fsdp2_unused.py``). torch 2.13's
   ``set_reduce_scatter_unused_params`` zero-fills too, but does not say which parameters it filled, and older
   releases lack it.
+* :func:`forget_classes_of_one_module` (``_fully_shard.cls_to_fsdp_cls``): ``fully_shard`` caches the subclass it
+  makes for each module class, forever; a parametrized layer (``parametrizations.weight_norm``: Wav2Vec2's positional
+  convolution) has a class of its own made for that one instance, whose ``weight`` property closes over the instance,
+  so the cache kept every such model alive, with its shards, after ``fit`` (a process that trains several models, a
+  sweep or a notebook, held all of them). There is no public way to drop an entry.
 * :func:`skip_conversions_that_change_nothing` (an instance attribute shadowing ``FSDPModule._apply``): FSDP2's
   ``_apply`` reshards a unit and re-registers its shards for any ``module.to(...)``, even one that converts nothing,
   and fails on a unit kept gathered through an accumulation window; a layer that casts itself in its forward (Hugging
@@ -44,6 +49,7 @@ installed torch. ``setup.cfg`` bounds torch at the newest minor version this was
 
 from __future__ import annotations
 
+import importlib
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -224,6 +230,19 @@ def _apply_converting_something(module: nn.Module, fn: Callable[[torch.Tensor], 
         fsdp_apply: Callable[..., nn.Module] = type(module)._apply  # FSDP2's, which the instance attribute shadows
         return fsdp_apply(module, fn, recurse)
     return module
+
+
+def forget_classes_of_one_module() -> None:
+    """Drop ``fully_shard``'s cached subclasses of the classes ``torch.nn.utils.parametrize`` makes per instance
+    (``Parametrized<Class>``): the sharded instance keeps its class, and no other module has that class to shard."""
+    cache = getattr(importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard"), "cls_to_fsdp_cls", {})
+    for cls in [cls for cls in cache if _made_for_one_module(cls)]:
+        del cache[cls]
+
+
+def _made_for_one_module(cls: type) -> bool:
+    getstate = vars(cls).get("__getstate__")
+    return getattr(getstate, "__qualname__", "") == "_inject_new_class.<locals>.getstate"
 
 
 def one_group(unit: FSDPModule) -> bool:
