@@ -10,6 +10,10 @@ records the bytes alive beyond the parameters, and the bytes of gradients accumu
 ``predict.py`` then re-reads for each stage (a stage keeps, frees or shards gradients differently). Under mixed
 precision a model with frozen floating parameters is traced twice: stages 1-2 hold those as built (autocast copies
 them at each use), stage 3 gathers them in the compute dtype.
+
+The module is built under ``FakeCopyMode`` as well: a constructor that deep-copies a tensor (torchmetrics copies
+every state's default, ``nn.TransformerEncoder`` its layer) would otherwise copy the whole fake mode with it, whose
+storage weak references then each get released twice, and the heap is corrupted a few traces later.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
@@ -121,9 +125,10 @@ def trace_step(
     policy = resolve_policy(activation_checkpointing)
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         warnings.simplefilter("ignore")
-        module = build()
-        if callable(getattr(module, "configure_model", None)):
-            module.configure_model()
+        with FakeCopyMode(fake):
+            module = build()
+            if callable(getattr(module, "configure_model", None)):
+                module.configure_model()
         if policy is not None:
             apply_activation_checkpointing(module, policy)
         trainable = [p for p in module.parameters() if p.requires_grad]

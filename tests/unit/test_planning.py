@@ -13,6 +13,7 @@ import yaml
 from lightning_zero import ZeroStrategy
 from lightning_zero.cli.plan import main as plan_main
 from lightning_zero.demo.gpt import Block, GPTLightningModule
+from lightning_zero.demo.vision import BasicBlock, ResNetClassifier
 from lightning_zero.planning import Configuration, NothingFits, Planner, predict, trace_step
 from lightning_zero.planning.measure import _TotalsOnly
 
@@ -81,6 +82,23 @@ def test_frozen_layers_under_mixed_precision_trace_a_second_step_as_stage_3_hold
     for nothing_differs in (trace_step(frozen_gpt, _batch()), trace_step(lambda: GPTLightningModule(**TINY), _batch(),
                                                                           precision="bf16-mixed")):
         assert nothing_differs.stage3_timeline is None
+
+
+def test_a_constructor_that_deep_copies_a_tensor_keeps_the_traces_fake_mode():
+    """torchmetrics deep-copies each state's default as the metric is built: a deep copy that took the fake mode with
+    it duplicated the mode's storage weak references, released twice later (glibc: "corrupted double-linked list")."""
+    built = []
+
+    def with_a_metric():
+        module = ResNetClassifier(num_classes=10, width=8, blocks_per_stage=(1,))  # BatchNorm: constants in the mode
+        built.append(module)
+        return module
+
+    images, labels = torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))
+    trace = trace_step(with_a_metric, (images, labels), activation_checkpointing=BasicBlock)
+    metric = built[0].val_accuracy
+    assert trace.activation_peak > 0
+    assert metric._defaults["tp"].fake_mode is metric.tp.fake_mode
 
 
 def test_nothing_fits_says_the_smallest_peak_and_what_would_fit():
