@@ -8,7 +8,8 @@ is silent), so it never touches the store itself: this thread does, and the watc
 how long ago a round trip last succeeded.
 
 Keys, under the run's namespace: ``hb/<rank>`` (each rank's :class:`~lightning_zero.faults.records.Record`),
-``first_failure`` (see ``failures.py``) and ``finished`` (a counter the exit agreement waits on).
+``first_failure`` (see ``failures.py``), ``finished`` (a counter the exit agreement waits on) and ``left`` (the ranks
+that have read the agreement, which the store's host waits for before its process may end).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Snapshot:
     failure: dict[str, Any] | None = None
     records: dict[int, bytes] = field(default_factory=dict)
     finished: int = 0
+    left: int = 0
     cycle: int = 0
 
 
@@ -49,10 +51,12 @@ class Exchange:
         self.wanted: list[int] = []
         self.failure_out: dict[str, Any] | None = None
         self.finishing = False
+        self.leaving = False
         self.snapshot = Snapshot(taken_at=time.monotonic())
         self.last_ok = time.monotonic()
         self.error: str | None = None
         self._added = False
+        self._left = False
         self._present: list[str] = []  # the keys known to exist (records are never deleted during a run)
         self._stop = False
         self._wake = threading.Condition()
@@ -119,6 +123,9 @@ class Exchange:
             if self.finishing and not self._added:
                 store.add(f"{self.namespace}/finished", 1)
                 self._added = True
+            if self.leaving and not self._left:
+                store.add(f"{self.namespace}/left", 1)
+                self._left = True
             wanted = list(self.wanted)
             keys = [self.key(r) for r in wanted]
             records: dict[int, bytes] = {}
@@ -134,12 +141,13 @@ class Exchange:
             # process (the store's host, maybe) is gone before the next round trip.
             failure = failures.read(store, self.namespace)
             finished = store.add(f"{self.namespace}/finished", 0) if self.finishing else 0
+            left = store.add(f"{self.namespace}/left", 0) if self.leaving else 0
         except Exception as error:  # noqa: BLE001 - the store host is gone or the run's store was torn down
             self.error = short(error)
             return
         now = time.monotonic()
         self.last_ok, self.error = now, None
-        snapshot = Snapshot(now, failure, records, finished, self.snapshot.cycle + 1)
+        snapshot = Snapshot(now, failure, records, finished, left, self.snapshot.cycle + 1)
         with self._wake:
             self.snapshot = snapshot
             self._wake.notify_all()

@@ -20,7 +20,10 @@ ends (exit code 143), within a scheduler's usual 30 s before SIGKILL.
 A rank that finishes its loop must not report success while a peer still waits in a collective it will
 never join (uneven data), because the peer then hangs forever under NCCL. :meth:`Watchdog.finish` publishes
 "finished" and waits (at most ``timeout``) until every rank has finished, or raises if one failed or waits
-in a collective.
+in a collective. Rank 0 then waits (at most ``stale_after``) until every rank has read that outcome: under
+``init_process_group``'s default its process hosts the store, and a script that ends right after ``fit`` (Lightning's
+own launcher, a pool of workers) closed the store under a peer still reading it, which then reported that it could
+not learn whether the others finished.
 """
 
 from __future__ import annotations
@@ -380,14 +383,26 @@ class Watchdog:
                 continue
             cycle = self.exchange.snapshot.cycle
             if self.exchange.snapshot.finished >= self.world_size:
+                self._leave()
                 return None
             me = self._record(Activity(seq=self._seq()))
             outcome = diagnosis.exit_agreement(me, self.observe(), self.exchange.snapshot.failure,
                                                self.current_limits(), self.context, time.monotonic() - start)
             if outcome is True:
+                self._leave()
                 return None
             if isinstance(outcome, Diagnosis):
                 return self._agreement_failed(outcome)
+
+    def _leave(self) -> None:
+        """Say that this rank read the agreement; rank 0 waits until every rank has (see [Note: the exit agreement])."""
+        self.exchange.leaving = True
+        deadline = time.monotonic() + self.limits.stale_after
+        while time.monotonic() < deadline and self.exchange.error is None:
+            if not self.exchange.flush(self.limits.tick):
+                continue
+            if self.rank != 0 or self.exchange.snapshot.left >= self.world_size:
+                return
 
     def _agreement_failed(self, found: Diagnosis) -> CollectiveError:
         if self.exchange.snapshot.failure is None:  # before this rank's record says "failed" (see exchange.py)
