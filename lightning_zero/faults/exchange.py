@@ -95,6 +95,15 @@ class Exchange:
                 self._wake.wait(min(left, 0.05))
         return self.snapshot.cycle >= target
 
+    def leave(self, wait_for_all: bool, timeout: float, tick: float) -> None:
+        """Say that this rank read the exit agreement; with ``wait_for_all`` (the store's host) return once every rank
+        has, at most ``timeout`` seconds on."""
+        self.leaving = True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.error is None:
+            if self.flush(tick) and (not wait_for_all or self.snapshot.left >= self.world_size):
+                return
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while True:

@@ -20,10 +20,8 @@ ends (exit code 143), within a scheduler's usual 30 s before SIGKILL.
 A rank that finishes its loop must not report success while a peer still waits in a collective it will
 never join (uneven data), because the peer then hangs forever under NCCL. :meth:`Watchdog.finish` publishes
 "finished" and waits (at most ``timeout``) until every rank has finished, or raises if one failed or waits
-in a collective. Rank 0 then waits (at most ``stale_after``) until every rank has read that outcome: under
-``init_process_group``'s default its process hosts the store, and a script that ends right after ``fit`` (Lightning's
-own launcher, a pool of workers) closed the store under a peer still reading it, which then reported that it could
-not learn whether the others finished.
+in a collective. Rank 0, whose process hosts the store by default, then waits until every rank has read that
+outcome: a script ending right after ``fit`` closed the store under a peer still reading it.
 """
 
 from __future__ import annotations
@@ -382,27 +380,16 @@ class Watchdog:
                         f"{self.limits.timeout:g} s to learn whether the other ranks did ({self.exchange.error})."))
                 continue
             cycle = self.exchange.snapshot.cycle
-            if self.exchange.snapshot.finished >= self.world_size:
-                self._leave()
-                return None
-            me = self._record(Activity(seq=self._seq()))
-            outcome = diagnosis.exit_agreement(me, self.observe(), self.exchange.snapshot.failure,
-                                               self.current_limits(), self.context, time.monotonic() - start)
-            if outcome is True:
-                self._leave()
-                return None
-            if isinstance(outcome, Diagnosis):
-                return self._agreement_failed(outcome)
-
-    def _leave(self) -> None:
-        """Say that this rank read the agreement; rank 0 waits until every rank has (see [Note: the exit agreement])."""
-        self.exchange.leaving = True
-        deadline = time.monotonic() + self.limits.stale_after
-        while time.monotonic() < deadline and self.exchange.error is None:
-            if not self.exchange.flush(self.limits.tick):
-                continue
-            if self.rank != 0 or self.exchange.snapshot.left >= self.world_size:
-                return
+            if self.exchange.snapshot.finished < self.world_size:
+                me = self._record(Activity(seq=self._seq()))
+                outcome = diagnosis.exit_agreement(me, self.observe(), self.exchange.snapshot.failure,
+                                                   self.current_limits(), self.context, time.monotonic() - start)
+                if isinstance(outcome, Diagnosis):
+                    return self._agreement_failed(outcome)
+                if outcome is not True:
+                    continue
+            self.exchange.leave(self.rank == 0, self.limits.stale_after, self.limits.tick)
+            return None
 
     def _agreement_failed(self, found: Diagnosis) -> CollectiveError:
         if self.exchange.snapshot.failure is None:  # before this rank's record says "failed" (see exchange.py)
