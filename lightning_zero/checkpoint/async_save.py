@@ -53,20 +53,10 @@ from lightning_zero.engine.comm import collectives, topology
 
 log = logging.getLogger(__name__)
 
-_GROUPS: list[tuple[Any, Any]] = []  # (world group, its checkpoint group): one per process group, reused
-
 
 def checkpoint_group(timeout: timedelta):
-    """The dedicated process group of asynchronous saves (collective on first use in a process group)."""
-    import torch.distributed as dist
-
-    world = dist.group.WORLD if collectives.is_distributed() else None
-    for owner, group in _GROUPS:
-        if owner is world:
-            return group
-    group = topology.new_group(timeout=timeout)
-    _GROUPS[:] = [(world, group)]  # a new world group (a new run in this process) replaces the old one
-    return group
+    """The dedicated process group of asynchronous saves (collective on first use in a world group)."""
+    return topology.new_group("asynchronous checkpoints", timeout=timeout)
 
 
 class _AlreadyStaged(AsyncStager):

@@ -26,7 +26,6 @@ from lightning_zero.engine.comm.compression import CompressedComm
 KEY = "error_feedback"
 TABLE_KEY = "error_feedback_tables"
 SIGNATURE_KEY = "error_feedback_layout"
-_MESHES: dict[tuple[str, int], Any] = {}
 
 
 def _feedback(engine: ShardingEngine | None) -> CompressedComm | None:
@@ -42,11 +41,8 @@ def _signature(engine: ShardingEngine, comm: CompressedComm) -> list[object]:
 
 
 def _world_mesh(device_type: str):
-    """A 1-D mesh of every rank (built once per process: building one is collective and makes groups)."""
-    key = (device_type, collectives.world_size())
-    if key not in _MESHES:
-        _MESHES[key] = topology.device_mesh(device_type, (key[1],))
-    return _MESHES[key]
+    """A 1-D mesh of every rank (collective on first use in a world group: see ``topology.device_mesh``)."""
+    return topology.device_mesh(device_type, (collectives.world_size(),))
 
 
 def add_to_checkpoint(checkpoint: dict[str, Any], engine: ShardingEngine | None) -> None:

@@ -84,6 +84,13 @@ def test_two_nodes_train_hugging_face_gpt2_with_tied_embeddings(nodes, case):
     _check_hugging_face(case, nodes["exact"][case])
 
 
+def test_fits_one_after_another_build_their_process_groups_once(nodes):
+    """[Note: groups live as long as the world]: the second and third fit reuse the first's mesh and the
+    asynchronous saves' group."""
+    first, *later = nodes["exact"]["groups_kept"]["groups"]
+    assert later == [first, first]
+
+
 def test_grad_norm_adds_each_parameters_rows_over_its_shard_group_once(nodes):
     """Stage 2 on 2 simulated nodes: each parameter's norm is its full gradient's, not a replica's double count."""
     GradNormAgainstGathered.check(nodes["exact"]["grad_norms_stage2"], steps=2, accumulate=2)

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.gpt import GPTLightningModule
@@ -129,6 +131,19 @@ def directory_bytes(directory: Path) -> dict:
     return out
 
 
+def groups_kept(directory: Path) -> dict:
+    """Fits one after another in one process (a sweep) at stages 3 and 2 with hybrid sharding and asynchronous
+    saves: the process groups alive after each (a new group adds gloo threads that take CPU even when idle)."""
+    counts = []
+    for stage in (3, 2, 3):
+        saves = ModelCheckpoint(dirpath=directory / f"sweep{len(counts)}", every_n_train_steps=1)
+        t = trainer(ZeroStrategy(stage=stage, shard_size=HYBRID, async_save=True), max_steps=1, callbacks=[saves],
+                    enable_checkpointing=True)
+        t.fit(models.Wide(width=16, depth=2), models.loader(models.WideData(16), 4))
+        counts.append(len(dist.distributed_c10d._world.pg_map))
+    return {"groups": counts}
+
+
 def mixed(stage: int, precision: str, **kwargs) -> dict:
     """The demo GPT for 20 steps in a mixed precision: the masters of a single-process emulation that sums
     inside each shard group, then across the groups (``mixed_reference.py``); the loss curve of fp32."""
@@ -164,6 +179,7 @@ CASES = {
         "stage3_bf16-mixed": mixed(3, "bf16-mixed", shard_size=HYBRID),
         "gpt2_stage3_bf16-mixed": hugging_face("gpt2", 3, "bf16-mixed", shard_size=HYBRID),
         "grad_norms_stage2": gradient_norms(2, shard_size=HYBRID),
+        "groups_kept": groups_kept(directory),
     },
     "exact_one_node": lambda directory: {f"stage{s}": exact(s, shard_size=HYBRID) for s in (1, 2, 3)},
     "exact_full": lambda directory: {

@@ -16,12 +16,16 @@ The process groups come from one 2-D ``DeviceMesh`` ``(replicate, shard)``, as F
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_zero.engine.comm import collectives
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +89,41 @@ def data_parallel_groups(topology: Topology, device_type: str) -> DataParallelGr
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
-    """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective:
-    every rank builds the same mesh at the same point."""
+    """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective on
+    first use: every rank asks for the same mesh at the same point (see [Note: groups live as long as the world])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _kept(("mesh", device_type, tuple(shape), names), lambda: init_device_mesh(device_type, shape, mesh_dim_names=names))
 
 
-def new_group(timeout: timedelta | None = None, backend: str = "gloo") -> dist.ProcessGroup | None:
-    """A new process group of every rank (collective: every rank calls it at the same point), for work that
-    runs beside training (an asynchronous checkpoint's collectives, issued from a background thread) and so
-    must never interleave with the training collectives on the world group. gloo by default: such work
-    moves host-side objects. None when torch.distributed is not initialized."""
+def new_group(purpose: str, timeout: timedelta | None = None, backend: str = "gloo") -> dist.ProcessGroup | None:
+    """A process group of every rank for work that runs beside training (an asynchronous checkpoint's
+    collectives, issued from a background thread), which must never interleave with the training collectives on
+    the world group, nor with another ``purpose``'s. gloo by default: such work moves host-side objects. None when
+    torch.distributed is not initialized. Collective on first use, as :func:`device_mesh`."""
     if not collectives.is_distributed():
         return None
-    group: dist.ProcessGroup = dist.new_group(backend=backend, timeout=timeout)
+    group: dist.ProcessGroup = _kept(("group", purpose, backend, timeout),
+                                     lambda: dist.new_group(backend=backend, timeout=timeout))
     return group
+
+
+# [Note: groups live as long as the world]
+# Building a mesh or a group is collective and creates communicators: under gloo a socket loop and two worker
+# threads per group on every member (which wake and take CPU even when idle), under NCCL device memory. One
+# process often runs several ``fit`` calls (a sweep, a notebook, ``fit`` then ``test``), so each mesh and side
+# group is built once per world group and request and handed out again, as Lightning keeps the world group
+# itself. A new world group (after ``destroy_process_group()``, which destroyed every subgroup with the old one)
+# starts afresh. Every rank makes the same requests in the same order, so every rank finds the same ones built.
+_KEPT: dict[tuple[object, ...], object] = {}
+_KEPT_WORLD: list[object] = [None]
+
+
+def _kept(key: tuple[object, ...], build: Callable[[], T]) -> T:
+    world = dist.group.WORLD
+    if _KEPT_WORLD[0] is not world:
+        _KEPT.clear()
+        _KEPT_WORLD[0] = world
+    if key not in _KEPT:
+        _KEPT[key] = build()
+    return _KEPT[key]  # type: ignore[return-value]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
@@ -201,7 +201,7 @@ class ZeroDataParallel:
     def mesh(self) -> DeviceMesh:
         """``group`` as a 1-D device mesh (built on first use when the group is every rank)."""
         if self._mesh is None:
-            self._mesh = init_device_mesh(self.device_type, (self.world_size,))
+            self._mesh = topology.device_mesh(self.device_type, (self.world_size,))
         return self._mesh
 
     @property

@@ -55,11 +55,10 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import collectives, flight
+from lightning_zero.engine.comm import collectives, flight, topology
 from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_functional_calls, fsdp2_private
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
@@ -131,7 +130,7 @@ class FullyShardedEngine:
         self.world_size = collectives.world_size(self.group)
         self.rank = collectives.rank(self.group)
         shard_mesh = stages.mesh if stages is not None else hybrid.shard_mesh if hybrid is not None else None
-        self.mesh = shard_mesh if shard_mesh is not None else init_device_mesh(device.type, (self.world_size,))
+        self.mesh = shard_mesh if shard_mesh is not None else topology.device_mesh(device.type, (self.world_size,))
         #: Under pipeline stages a unit stays gathered over a step's micro-batches: see [Note: stage 3 under
         #: pipeline stages] in ``pipeline/schedule.py``.
         self._reshard_after_forward = secondary_shard_size or stages is None
