@@ -17,7 +17,12 @@ into 3-D parameters with biases), Gemma-3n (AltUp's parallel streams, per-layer 
 key/value states of earlier layers), Qwen3-Next (gated delta-rule linear attention beside full attention, experts),
 Zamba (one attention block shared by the hybrid layers), ResNet and PatchTST (BatchNorm inside the checkpointed blocks,
 whose recomputation must not count a batch twice; PatchTST forecasts real-valued series) and Funnel Transformer (its
-encoder's layers in a list of lists, pooled between blocks).
+encoder's layers in a list of lists, pooled between blocks); SqueezeBERT (grouped 1-D convolutions, and an encoder
+that runs its layers as ``layer.forward(...)``, skipping the hooks stage 3 gathers a unit in), ConvNeXt-V2 (global
+response normalization: parameters of shape 1 x 1 x 1 x C, a single row to shard), RWKV (time-mixing vectors of
+shape 1 x 1 x C, a recurrence instead of attention), XLNet (two-stream relative attention, parameters of shape
+1 x 1 x C beside 3-D ones), FNet (Fourier transforms in place of attention) and ViT-MAE (random masking each forward,
+a decoder on the kept patches, no labels).
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ import lightning as L
 import torch
 
 VOCAB, LENGTH = 64, 16
-VISION = ("swin", "convnext", "resnet")
+VISION = ("swin", "convnext", "resnet", "convnextv2")
 KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "wav2vec2",
          "switch", "deberta", "swin", "convnext", "albert", "llava", "reformer", "gpt_oss", "gemma3n", "qwen3_next",
-         "zamba", "resnet", "patchtst", "funnel")
+         "zamba", "resnet", "patchtst", "funnel", "squeezebert", "convnextv2", "rwkv", "xlnet", "fnet", "vit_mae")
 #: Architectures DDP cannot train ("Expected to mark a variable ready only once", with or without a static graph):
 #: their reference is the same steps in one process (``worker_zoo.plain_reference``).
 WITHOUT_DDP = ("reformer",)
@@ -150,6 +155,29 @@ def build(kind: str) -> torch.nn.Module:
             num_input_channels=2, context_length=LENGTH, patch_length=4, patch_stride=4, prediction_length=4, d_model=16,
             num_attention_heads=2, num_hidden_layers=2, ffn_dim=32, dropout=0.0, attention_dropout=0.0, ff_dropout=0.0,
             path_dropout=0.0, head_dropout=0.0))
+    text = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=LENGTH, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if kind == "squeezebert":
+        return T.SqueezeBertForMaskedLM(T.SqueezeBertConfig(
+            **text, embedding_size=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
+            intermediate_groups=4, output_groups=4))
+    if kind == "convnextv2":
+        return T.ConvNextV2ForImageClassification(T.ConvNextV2Config(
+            num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=5, patch_size=2))
+    if kind == "rwkv":
+        return T.RwkvForCausalLM(T.RwkvConfig(vocab_size=VOCAB, context_length=LENGTH, hidden_size=32,
+                                              num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64))
+    if kind == "xlnet":
+        return T.XLNetLMHeadModel(T.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64,
+                                                dropout=0.0))
+    if kind == "fnet":
+        return T.FNetForMaskedLM(T.FNetConfig(**{k: v for k, v in text.items() if "attention" not in k},
+                                              use_tpu_fourier_optimizations=False))
+    if kind == "vit_mae":
+        return T.ViTMAEForPreTraining(T.ViTMAEConfig(
+            image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, decoder_hidden_size=16,
+            decoder_num_hidden_layers=1, decoder_num_attention_heads=2, decoder_intermediate_size=32, mask_ratio=0.5))
     raise ValueError(kind)
 
 
@@ -171,6 +199,8 @@ class ZooModule(L.LightningModule):
         x = batch[0]
         if self.kind in VISION:
             loss = self.model(pixel_values=_image(x), labels=x[:, 0] % 5).loss
+        elif self.kind == "vit_mae":  # the pixels of the patches its random mask hid, from those it kept
+            loss = self.model(pixel_values=_image(x)).loss
         elif self.kind == "llava":  # the image tokens first, then the text; the loss on the text alone
             image = torch.full((x.shape[0], IMAGE_TOKENS), VOCAB)
             labels = torch.cat([torch.full_like(image, -100), x], 1)

@@ -1,7 +1,8 @@
 """Models that train under Lightning ``ddp`` as built and once tripped ZeroStrategy: parameters or gradients that are
 not dense row-major tensors of one dtype (see [Note: the memory the row shards need] in
-``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, a block run several times a forward, and
-parameters written in place between steps, integer parameters. Under ZeroStrategy each must train to ``ddp``'s weights."""
+``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, a block run several times a forward, blocks run
+through ``forward`` itself, parameters written in place between steps, integer parameters. Under ZeroStrategy each
+must train to ``ddp``'s weights."""
 
 from __future__ import annotations
 
@@ -163,6 +164,36 @@ class SharedBlock(RegressionTask):
         h = self.embed(x)
         for _ in range(3):
             h = h + self.block(h)
+        return F.mse_loss(self.head(h), y)
+
+
+class GatedResidual(nn.Module):
+    """A block with layers of its own and a parameter of its own (the gain)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(16), nn.Linear(16, 16)
+        self.gain = nn.Parameter(torch.full((16,), 0.5))
+
+    def forward(self, h):
+        return h + self.gain * torch.tanh(self.proj(self.norm(h)))
+
+
+class DirectForwardBlocks(RegressionTask):
+    """Blocks run as ``block.forward(h)``, as SqueezeBERT's encoder runs its layers: the call skips the forward hooks
+    in which FSDP2 gathers a stage-3 unit and activation checkpointing acts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(GatedResidual() for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block.forward(h)
         return F.mse_loss(self.head(h), y)
 
 

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "changed_dtype", "shared_block", "zero_dim", "written", "complex", "pruning",
-                  "integer", "integer_unset", "parameter_functions", nprocs=2)
+                  "functional_sparse", "changed_dtype", "shared_block", "direct_forward", "zero_dim", "written",
+                  "complex", "pruning", "integer", "integer_unset", "parameter_functions", nprocs=2)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +214,15 @@ def test_a_block_run_three_times_a_forward_trains_at_stage_3_as_under_ddp(edges)
     during backward stepped the block after its first reduction (each 6e-2 from ``ddp`` after 4 steps)."""
     assert set(edges["shared_block"]) == {"stage3", "stage3_offload_unclipped"}
     _each_as_under_ddp(edges["shared_block"])
+
+
+def test_blocks_run_through_their_forward_method_train_at_stage_3_as_under_ddp(edges):
+    """``block.forward(h)`` (SqueezeBERT's encoder) skips the forward hooks: stage 3 made each block a unit that FSDP2
+    never gathered ("aten.native_layer_norm.default got mixed torch.Tensor and DTensor"). The blocks' layers are now
+    the units, by default and under a ``wrap_policy`` naming the block class (checkpointing it too, which then keeps
+    its activations, with a warning: ``unit/test_layer_calls.py``), and the blocks' own gains stay with the root."""
+    assert set(edges["direct_forward"]) == {"stage3", "stage3_policy_checkpointed", "stage2"}
+    _each_as_under_ddp(edges["direct_forward"])
 
 
 @pytest.mark.full

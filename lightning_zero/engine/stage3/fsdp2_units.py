@@ -17,8 +17,6 @@ gathered until backward when its forward is not nested (FSDP2's default for the 
 
 from __future__ import annotations
 
-import inspect
-import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import cast
 
@@ -26,6 +24,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from lightning_zero.layer_calls import CONTAINERS, called_directly, methods_called_by
 
 #: A wrap policy: one module class, several classes, or a predicate on modules.
 WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
@@ -47,10 +46,6 @@ def sharded_params(module: nn.Module, recurse: bool = True) -> Iterator[nn.Param
 def whole_params(modules: Iterable[nn.Module]) -> set[nn.Parameter]:
     """The parameters of ``modules`` and their submodules that stay whole: ``fully_shard``'s ``ignored_params``."""
     return {p for module in modules for p in module.parameters() if not sharded_by_fsdp2(p)}
-
-
-#: Modules without a forward of their own, which FSDP2 cannot hook (``fully_shard`` refuses them).
-CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def default_units(root: nn.Module) -> list[nn.Module]:
@@ -104,7 +99,36 @@ def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
     else:
         predicate = resolve_wrap_policy(policy)
         units = [m for m in root.modules() if m is not root and predicate(m)]
+    units = units_run_through_hooks(root, units)
     return [m for m in units if any(True for _ in sharded_params(m))]
+
+
+def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """``units`` with each one whose holder calls its ``forward`` directly (SqueezeBERT's encoder runs
+    ``layer.forward(...)``; ``layer_calls.called_directly``) replaced by its layers that hold parameters, the same
+    rule applied to them: FSDP2 gathers a unit in forward hooks, which such a call skips, so the unit would compute
+    with its shards. The layers it calls through ``__call__`` gather as units; its own parameters stay with the
+    enclosing unit. In pre-order."""
+    direct = called_directly(root)
+    if not any(id(u) in direct for u in units):
+        return units
+    kept: set[int] = set()
+
+    def layers(module: nn.Module) -> Iterator[nn.Module]:
+        for child in module.children():
+            yield from layers(child) if isinstance(child, CONTAINERS) else (child,)
+
+    def place(module: nn.Module) -> None:
+        if id(module) not in direct:
+            kept.add(id(module))
+            return
+        for layer in layers(module):
+            if any(True for _ in sharded_params(layer)):
+                place(layer)
+
+    for unit in units:
+        place(unit)
+    return [m for m in root.modules() if id(m) in kept]
 
 
 def held_kinds(roots: Iterable[nn.Module], policy: PrecisionPolicy | None) -> Callable[[nn.Module], object]:
@@ -132,6 +156,7 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     then follows that unit's kind, which for a tied parameter under a mixed policy is the compute dtype anyway (see
     ``PrecisionPolicy.param_dtypes``)."""
     chosen = {id(m) for m in units}
+    direct = called_directly(root)
     owners: dict[int, int] = {}
     for module in root.modules():
         for p in sharded_params(module, recurse=False):
@@ -141,7 +166,8 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
         return all(owners[id(p)] == 1 for m in module.modules() for p in sharded_params(m, recurse=False))
 
     def may_split(parent: nn.Module, name: str, child: nn.Module) -> bool:
-        return self_contained(child) and not isinstance(child, CONTAINERS) and not methods_called_by(parent, name, child)
+        return (self_contained(child) and not isinstance(child, CONTAINERS) and id(child) not in direct
+                and not methods_called_by(parent, name, child))
 
     def own_kind(module: nn.Module) -> object | None:
         return kind(module) if any(True for _ in sharded_params(module, recurse=False)) else None
@@ -162,40 +188,6 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
 
     visit(root, kind(root))
     return extra
-
-
-def methods_called_by(parent: nn.Module, name: str, child: nn.Module) -> list[str]:
-    """Methods of ``child`` (other than ``forward``) that ``parent``'s own code calls as ``self.<name>.<method>(``,
-    such as Gemma-3n's AltUp, whose decoder layer calls its ``predict`` and ``correct``. FSDP2 gathers a unit around
-    its forward only, so such a layer cannot be a unit of its own: its parameters stay in the enclosing unit (under
-    mixed precision computed in that unit's dtype), while its own layers may still be units. Read from the source of
-    the parent's classes (those it inherits from too); a class whose source cannot be read calls none."""
-    called = frozenset().union(*(_attribute_calls(cls, name) for cls in _model_classes(type(parent))))
-    if not called:
-        return []
-    # Methods a class of the model's own defines: torch's (``.to(...)``, ``.reset_parameters()``) gather nothing.
-    own = {method for cls in _model_classes(type(child)) for method, value in vars(cls).items() if inspect.isfunction(value)}
-    return sorted(called & own - {"forward"})
-
-
-def _model_classes(cls: type) -> list[type]:
-    """``cls`` and the classes it inherits from, but torch's and ``object``."""
-    return [c for c in cls.__mro__ if c is not object and not c.__module__.startswith("torch")]
-
-
-_CALLS: dict[tuple[type, str], frozenset[str]] = {}
-
-
-def _attribute_calls(cls: type, name: str) -> frozenset[str]:
-    """What ``cls``'s source calls on ``self.<name>``: once per class and attribute (reading a class's source
-    parses its whole file)."""
-    if (cls, name) not in _CALLS:
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            source = ""
-        _CALLS[cls, name] = frozenset(re.findall(rf"self\.{re.escape(name)}\.([A-Za-z]\w*)\(", source))
-    return _CALLS[cls, name]
 
 
 def units_of_one_dtype(

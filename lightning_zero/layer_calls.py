@@ -1,0 +1,149 @@
+"""What a model's own code calls on its layers, read from the source of its classes.
+
+Everything that acts around a layer's forward does so through forward hooks, which ``__call__`` runs: FSDP2
+gathers a stage-3 unit's parameters in them, and activation checkpointing starts and ends its recomputation region
+in them. A layer whose parent calls it otherwise escapes them: Gemma-3n's decoder layer calls its AltUp's
+``predict`` and ``correct``, and SqueezeBERT's encoder runs its layers as ``layer.forward(...)``. Such a layer
+cannot be a unit of its own (its parameters would be shards when it computes), and checkpointing it keeps its
+activations. The source is read once per class (those a class inherits from too, torch's left out); a class whose
+source cannot be read calls nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+from collections.abc import Iterator
+
+from torch import nn
+
+#: Modules without a forward of their own: their elements are what their holder calls.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def methods_called_by(parent: nn.Module, name: str, child: nn.Module) -> list[str]:
+    """Methods of ``child`` (other than ``forward``) that ``parent``'s own code calls as ``self.<name>.<method>(``,
+    such as Gemma-3n's AltUp, whose decoder layer calls its ``predict`` and ``correct``."""
+    called = frozenset().union(*(_attribute_calls(cls, name) for cls in _model_classes(type(parent))))
+    if not called:
+        return []
+    # Methods a class of the model's own defines: torch's (``.to(...)``, ``.reset_parameters()``) gather nothing.
+    own = {method for cls in _model_classes(type(child)) for method, value in vars(cls).items() if inspect.isfunction(value)}
+    return sorted(called & own - {"forward"})
+
+
+def called_directly(root: nn.Module) -> dict[int, str]:
+    """The modules under ``root`` whose ``forward`` their holder's code calls directly, bypassing ``__call__`` and
+    so every forward hook, by ``id``, each with its name: ``self.<name>.forward(...)``, ``self.<name>[i].forward(...)``,
+    or ``layer.forward(...)`` in a loop over ``self.<name>`` (for an ``nn.ModuleList`` or ``nn.ModuleDict``, each of
+    its elements)."""
+    found: dict[int, str] = {}
+    for holder_name, holder in root.named_modules():
+        attributes = frozenset().union(*(_direct_forwards(cls) for cls in _model_classes(type(holder))))
+        for name, child in holder.named_children():
+            if name in attributes:
+                prefix = f"{holder_name}.{name}" if holder_name else name
+                found.update((id(m), n) for n, m in _elements(child, prefix))
+    return found
+
+
+def _elements(module: nn.Module, name: str) -> Iterator[tuple[str, nn.Module]]:
+    """``module`` itself, or the elements of a container (of nested containers too), with their names."""
+    if not isinstance(module, CONTAINERS):
+        yield name, module
+        return
+    for child_name, child in module.named_children():
+        yield from _elements(child, f"{name}.{child_name}")
+
+
+def _model_classes(cls: type) -> list[type]:
+    """``cls`` and the classes it inherits from, but torch's and ``object``."""
+    return [c for c in cls.__mro__ if c is not object and not c.__module__.startswith("torch")]
+
+
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+_ATTRIBUTE_CALLS: dict[tuple[type, str], frozenset[str]] = {}
+_DIRECT_FORWARDS: dict[type, frozenset[str]] = {}
+
+
+def _attribute_calls(cls: type, name: str) -> frozenset[str]:
+    """What ``cls``'s source calls on ``self.<name>``: once per class and attribute (reading a class's source
+    parses its whole file)."""
+    if (cls, name) not in _ATTRIBUTE_CALLS:
+        _ATTRIBUTE_CALLS[cls, name] = frozenset(re.findall(rf"self\.{re.escape(name)}\.([A-Za-z]\w*)\(", _source(cls)))
+    return _ATTRIBUTE_CALLS[cls, name]
+
+
+def _direct_forwards(cls: type) -> frozenset[str]:
+    """The attributes of ``self`` whose ``forward`` (or whose elements' ``forward``) ``cls``'s own code calls."""
+    if cls not in _DIRECT_FORWARDS:
+        source = _source(cls)
+        _DIRECT_FORWARDS[cls] = _forward_targets(source) if ".forward(" in source else frozenset()
+    return _DIRECT_FORWARDS[cls]
+
+
+def _forward_targets(source: str) -> frozenset[str]:
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return frozenset()
+    targets: set[str] = set()
+    _visit(tree, {}, targets)
+    return frozenset(targets)
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
+def _visit(node: ast.AST, loops: dict[str, set[str]], targets: set[str]) -> None:
+    """Add to ``targets`` the attributes of ``self`` whose ``forward`` the code under ``node`` calls; ``loops``: what
+    each loop variable in scope runs over (the attributes of ``self`` its iterable names, as in ``for i, layer in
+    enumerate(self.layers)``)."""
+    if isinstance(node, ast.For):
+        _visit(node.iter, loops, targets)
+        inner = {**loops, **dict.fromkeys(_names(node.target), _self_attributes(node.iter))}
+        for statement in node.body:
+            _visit(statement, inner, targets)
+        for statement in node.orelse:
+            _visit(statement, loops, targets)
+        return
+    if isinstance(node, _COMPREHENSIONS):
+        inner = dict(loops)
+        for generator in node.generators:
+            _visit(generator.iter, inner, targets)
+            inner.update(dict.fromkeys(_names(generator.target), _self_attributes(generator.iter)))
+            for condition in generator.ifs:
+                _visit(condition, inner, targets)
+        for element in (node.key, node.value) if isinstance(node, ast.DictComp) else (node.elt,):
+            _visit(element, inner, targets)
+        return
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "forward":
+        called = node.func.value
+        if isinstance(called, ast.Subscript):  # self.layers[i].forward(...)
+            called = called.value
+        if isinstance(called, ast.Attribute) and _is_self(called.value):
+            targets.add(called.attr)
+        elif isinstance(called, ast.Name):
+            targets.update(loops.get(called.id, ()))
+    for child in ast.iter_child_nodes(node):
+        _visit(child, loops, targets)
+
+
+def _names(target: ast.AST) -> list[str]:
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def _self_attributes(node: ast.AST) -> set[str]:
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and _is_self(n.value)}
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"

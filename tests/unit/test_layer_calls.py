@@ -1,0 +1,119 @@
+"""Layers whose ``forward`` their holder calls directly (``layer.forward(x)``, as SqueezeBERT's encoder runs its
+layers), which skips the forward hooks stage 3 gathers in and activation checkpointing acts in: found in the
+holders' source, kept from being stage-3 units, and named when checkpointing them would do nothing."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
+from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units
+from lightning_zero.layer_calls import called_directly
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(4), nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, h):
+        return h + self.gain * self.proj(self.norm(h))
+
+
+class LoopedDirectly(nn.Module):
+    """SqueezeBERT's way: ``layer.forward(...)`` in a loop over the list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.through_call = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, h):
+        for i, layer in enumerate(self.layers):
+            h = layer.forward(h)
+        return sum(layer(h) for layer in self.through_call)
+
+
+class IndexedAndNamed(nn.Module):
+    """``self.x.forward(...)``, ``self.xs[i].forward(...)`` and a loop over a dict's items, beside a call through
+    hooks (``self.head(...)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = Block()
+        self.stack = nn.ModuleList(Block() for _ in range(2))
+        self.table = nn.ModuleDict({"a": Block()})
+        self.head = Block()
+
+    def forward(self, h):
+        h = self.first.forward(h) + self.stack[1].forward(h)
+        for _, layer in self.table.items():
+            h = layer.forward(h)
+        return self.head(h)
+
+
+class ChannelsFirstNorm(nn.LayerNorm):
+    """SqueezeBERT's LayerNorm: a base class's forward run on ``self``, no layer's."""
+
+    def forward(self, x):
+        return nn.LayerNorm.forward(self, x.transpose(1, 2)).transpose(1, 2)
+
+
+class Extended(Block):
+    def forward(self, h):
+        return super().forward(h) + self.norm(h)
+
+
+def names(module, ids):
+    return sorted(n for n, m in module.named_modules() if id(m) in ids)
+
+
+def test_the_layers_a_holder_runs_through_forward_are_found_by_name():
+    looped = LoopedDirectly()
+    assert sorted(called_directly(looped).values()) == ["layers.0", "layers.1"]
+    other = IndexedAndNamed()
+    # `self.stack[1].forward`: every element of the list, since which one an index names is not read
+    assert sorted(called_directly(other).values()) == ["first", "stack.0", "stack.1", "table.a"]
+    # torch's own classes call through hooks; a base class's forward on `self` and `super().forward` are no layer's
+    assert called_directly(nn.Sequential(Block(), nn.LayerNorm(4), ChannelsFirstNorm(4), Extended())) == {}
+
+
+def test_a_block_run_through_forward_gives_its_layers_as_stage_3_units():
+    model = LoopedDirectly()
+    # by default (each list element) and under a policy naming the block class: the blocks' layers, not the blocks;
+    # the blocks called through `__call__` stay units
+    expected = ["layers.0.norm", "layers.0.proj", "layers.1.norm", "layers.1.proj", "through_call.0", "through_call.1"]
+    assert names(model, {id(u) for u in select_units(model, None)}) == expected
+    assert names(model, {id(u) for u in select_units(model, Block)}) == expected
+    units = select_units(model, None)
+    assert [id(u) for u in units] == [id(m) for m in model.modules() if id(m) in {id(u) for u in units}]  # pre-order
+
+
+def test_a_layer_run_through_forward_is_no_extra_unit_of_its_own_dtype():
+    """Under a mixed policy a LayerNorm inside a unit becomes an fp32 unit of its own; one its block calls as
+    ``self.norm.forward(h)`` stays in the block's unit, computed in the block's dtype."""
+
+    class DirectNorm(Block):
+        def forward(self, h):
+            return h + self.proj(self.norm.forward(h))
+
+    policy = PrecisionPolicy(torch.bfloat16, torch.bfloat16)
+    plain, direct = nn.ModuleList([nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4))]), nn.ModuleList([DirectNorm()])
+    assert names(plain, one_dtype_units(plain, select_units(plain, None), policy.holds_fp32)) == ["0.0"]
+    direct[0].gain = None  # the norm alone holds fp32 parameters in the block
+    assert names(direct, one_dtype_units(direct, select_units(direct, None), policy.holds_fp32)) == []
+
+
+def test_checkpointing_a_layer_run_through_forward_warns_with_what_to_checkpoint_instead():
+    model = LoopedDirectly()
+    with pytest.warns(UserWarning, match=r"calls its `forward` directly .* keep their activations\. Checkpoint the "
+                                         r"layers they call instead \(LayerNorm, Linear\)"):
+        apply_activation_checkpointing(model, resolve_policy(Block))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        apply_activation_checkpointing(LoopedDirectly(), resolve_policy(nn.Linear))  # called through hooks
+    assert not [w for w in record if "directly" in str(w.message)]
