@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_zero.checkpointed_forward import checkpoint_forward
-from lightning_zero.layer_calls import called_directly
+from lightning_zero.layer_calls import bypassing_hooks
 
 _IGNORED_DEEPSPEED_KEYS = ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile")
 _FALSE_ONLY_DEEPSPEED_KEYS = ("partition_activations", "cpu_checkpointing")
@@ -162,24 +162,26 @@ def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) ->
         )
     for _, module in selected:
         checkpoint_forward(module)
-    _warn_about_direct_forwards(root, selected)
+    _warn_about_hooks_bypassed(root, selected)
     return [name for name, _ in selected]
 
 
-def _warn_about_direct_forwards(root: nn.Module, selected: list[tuple[str, nn.Module]]) -> None:
-    """Checkpointing acts in forward hooks, which a call of ``module.forward(...)`` skips (SqueezeBERT's encoder
-    runs its layers so): say which selected modules keep their activations, and what to select instead."""
-    direct = called_directly(root)
-    skipped = [(name, module) for name, module in selected if id(module) in direct]
+def _warn_about_hooks_bypassed(root: nn.Module, selected: list[tuple[str, nn.Module]]) -> None:
+    """Checkpointing acts in forward hooks, which a call of ``module.forward(...)`` or of another method skips
+    (SqueezeBERT's encoder runs its layers so): say which selected modules keep their activations, and what to
+    select instead."""
+    bypassed = bypassing_hooks(root)
+    skipped = [(name, module) for name, module in selected if id(module) in bypassed]
     if not skipped:
         return
     inner = sorted({type(child).__name__ for _, module in skipped for child in module.children()
                     if any(True for _ in child.parameters())})
     rank_zero_warn(
         f"activation_checkpointing: the code holding {', '.join(repr(name) for name, _ in skipped[:3])}"
-        f"{' and others' if len(skipped) > 3 else ''} calls its `forward` directly (`layer.forward(...)`), which "
-        "skips the hooks that checkpoint it: those modules keep their activations. Checkpoint the layers they call "
-        f"instead ({', '.join(inner) or 'their children'}), or call them as `layer(...)`."
+        f"{' and others' if len(skipped) > 3 else ''} runs it other than through its `__call__` "
+        "(`layer.forward(...)`, or another method of it), which skips the hooks that checkpoint it: those modules "
+        f"keep their activations. Checkpoint the layers they call instead ({', '.join(inner) or 'their children'}), "
+        "or call them as `layer(...)`."
     )
 
 

@@ -3,10 +3,10 @@
 Everything that acts around a layer's forward does so through forward hooks, which ``__call__`` runs: FSDP2
 gathers a stage-3 unit's parameters in them, and activation checkpointing starts and ends its recomputation region
 in them. A layer whose parent calls it otherwise escapes them: Gemma-3n's decoder layer calls its AltUp's
-``predict`` and ``correct``, and SqueezeBERT's encoder runs its layers as ``layer.forward(...)``. Such a layer
-cannot be a unit of its own (its parameters would be shards when it computes), and checkpointing it keeps its
-activations. The source is read once per class (those a class inherits from too, torch's left out); a class whose
-source cannot be read calls nothing.
+``predict`` and ``correct``, a training step the ``encode`` and ``decode`` of an autoencoder, and SqueezeBERT's
+encoder runs its layers as ``layer.forward(...)``. Such a layer cannot be a unit of its own (its parameters would
+be shards when it computes), and checkpointing it keeps its activations. The source is read once per class (those
+a class inherits from too, torch's left out); a class whose source cannot be read calls nothing.
 """
 
 from __future__ import annotations
@@ -34,18 +34,21 @@ def methods_called_by(parent: nn.Module, name: str, child: nn.Module) -> list[st
     return sorted(called & own - {"forward"})
 
 
-def called_directly(root: nn.Module) -> dict[int, str]:
-    """The modules under ``root`` whose ``forward`` their holder's code calls directly, bypassing ``__call__`` and
-    so every forward hook, by ``id``, each with its name: ``self.<name>.forward(...)``, ``self.<name>[i].forward(...)``,
-    or ``layer.forward(...)`` in a loop over ``self.<name>`` (for an ``nn.ModuleList`` or ``nn.ModuleDict``, each of
-    its elements)."""
+def bypassing_hooks(root: nn.Module) -> dict[int, str]:
+    """The modules under ``root`` that their holder's code runs other than through ``__call__`` (which runs the
+    forward hooks), by ``id``, each with its name: their ``forward`` called directly (``self.<name>.forward(...)``,
+    ``self.<name>[i].forward(...)``, or ``layer.forward(...)`` in a loop over ``self.<name>``: for an
+    ``nn.ModuleList`` or ``nn.ModuleDict``, each of its elements), or another method of theirs
+    (:func:`methods_called_by`: an autoencoder's ``self.vae.encode(x)``)."""
     found: dict[int, str] = {}
     for holder_name, holder in root.named_modules():
-        attributes = frozenset().union(*(_direct_forwards(cls) for cls in _model_classes(type(holder))))
+        forwards = frozenset().union(*(_direct_forwards(cls) for cls in _model_classes(type(holder))))
         for name, child in holder.named_children():
-            if name in attributes:
-                prefix = f"{holder_name}.{name}" if holder_name else name
+            prefix = f"{holder_name}.{name}" if holder_name else name
+            if name in forwards:
                 found.update((id(m), n) for n, m in _elements(child, prefix))
+            elif not isinstance(child, CONTAINERS) and methods_called_by(holder, name, child):
+                found[id(child)] = prefix
     return found
 
 

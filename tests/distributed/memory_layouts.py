@@ -1,8 +1,8 @@
 """Models that train under Lightning ``ddp`` as built and once tripped ZeroStrategy: parameters or gradients that are
 not dense row-major tensors of one dtype (see [Note: the memory the row shards need] in
-``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, a block run several times a forward, blocks run
-through ``forward`` itself, parameters written in place between steps, integer parameters. Under ZeroStrategy each
-must train to ``ddp``'s weights."""
+``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, a block run several times a forward, layers run
+other than through ``__call__``, parameters written in place between steps, integer parameters. Under ZeroStrategy
+each must train to ``ddp``'s weights."""
 
 from __future__ import annotations
 
@@ -195,6 +195,35 @@ class DirectForwardBlocks(RegressionTask):
         for block in self.blocks:
             h = block.forward(h)
         return F.mse_loss(self.head(h), y)
+
+
+class AutoEncoder(nn.Module):
+    """Run through its methods, never its forward; a gain of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(8, 4), nn.Linear(4, 8)
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def encode(self, x):
+        return torch.tanh(self.enc(x)) * self.gain
+
+    def decode(self, z):
+        return self.dec(z)
+
+
+class Reconstruction(RegressionTask):
+    """An autoencoder's ``encode`` and ``decode`` called in ``training_step``, a head on its code: no list of blocks,
+    so by default each child holding parameters is a stage-3 unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vae, self.head = AutoEncoder(), nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        z = self.vae.encode(x)
+        return F.mse_loss(self.vae.decode(z), x) + F.mse_loss(self.head(z), y)
 
 
 class Temperature(RegressionTask):

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def edges():
     return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "changed_dtype", "shared_block", "direct_forward", "zero_dim", "written",
+                  "functional_sparse", "changed_dtype", "shared_block", "outside_hooks", "zero_dim", "written",
                   "complex", "pruning", "integer", "integer_unset", "parameter_functions", nprocs=2)
 
 
@@ -216,13 +216,15 @@ def test_a_block_run_three_times_a_forward_trains_at_stage_3_as_under_ddp(edges)
     _each_as_under_ddp(edges["shared_block"])
 
 
-def test_blocks_run_through_their_forward_method_train_at_stage_3_as_under_ddp(edges):
-    """``block.forward(h)`` (SqueezeBERT's encoder) skips the forward hooks: stage 3 made each block a unit that FSDP2
-    never gathered ("aten.native_layer_norm.default got mixed torch.Tensor and DTensor"). The blocks' layers are now
-    the units, by default and under a ``wrap_policy`` naming the block class (checkpointing it too, which then keeps
-    its activations, with a warning: ``unit/test_layer_calls.py``), and the blocks' own gains stay with the root."""
-    assert set(edges["direct_forward"]) == {"stage3", "stage3_policy_checkpointed", "stage2"}
-    _each_as_under_ddp(edges["direct_forward"])
+def test_layers_run_other_than_through_call_train_at_stage_3_as_under_ddp(edges):
+    """``block.forward(h)`` (SqueezeBERT's encoder) and an autoencoder's ``encode``/``decode`` skip the forward hooks:
+    stage 3 made each block, and the autoencoder, a unit that FSDP2 never gathered ("aten.native_layer_norm.default
+    got mixed torch.Tensor and DTensor", "aten.addmm.default ..."). Their layers are now the units, by default and
+    under a ``wrap_policy`` naming the block class (checkpointing it too, which then keeps its activations, with a
+    warning: ``unit/test_layer_calls.py``); their own gains stay with the root."""
+    assert set(edges["outside_hooks"]) == {"stage3", "stage3_policy_checkpointed", "stage2", "autoencoder_stage3",
+                                           "autoencoder_stage3_offload_params"}
+    _each_as_under_ddp(edges["outside_hooks"])
 
 
 @pytest.mark.full

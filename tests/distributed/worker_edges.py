@@ -207,12 +207,16 @@ CASES = {
     "shared_block": lambda directory: against_ddp(memory_layouts.SharedBlock, {
         "stage3": (dict(stage=3, wrap_policy={torch.nn.Sequential}), 0.5),
         "stage3_offload_unclipped": (dict(stage=3, wrap_policy={torch.nn.Sequential}, offload_optimizer=True), None)}),
-    # blocks run as `block.forward(h)`: their layers become the units, by default and under a policy naming them
-    "direct_forward": lambda directory: against_ddp(memory_layouts.DirectForwardBlocks, {
-        "stage3": (dict(stage=3), 0.5),
-        "stage3_policy_checkpointed": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual},
-                                            activation_checkpointing={memory_layouts.GatedResidual}), 0.5),
-        "stage2": (dict(stage=2), 0.5)}),
+    # blocks run as `block.forward(h)`, an autoencoder through its methods: their layers become the units, by default
+    # and under a policy naming them
+    "outside_hooks": lambda directory: {
+        **against_ddp(memory_layouts.DirectForwardBlocks, {
+            "stage3": (dict(stage=3), 0.5),
+            "stage3_policy_checkpointed": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual},
+                                                activation_checkpointing={memory_layouts.GatedResidual}), 0.5),
+            "stage2": (dict(stage=2), 0.5)}),
+        **{f"autoencoder_{name}": diff for name, diff in against_ddp(memory_layouts.Reconstruction, {
+            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}).items()}},
     # integer parameters kept whole at stage 3; the class FSDP2 gave the module taken back to the user's by loading
     "integer": lambda directory: {
         **against_ddp(memory_layouts.QuantizedBase, {

@@ -1,6 +1,7 @@
-"""Layers whose ``forward`` their holder calls directly (``layer.forward(x)``, as SqueezeBERT's encoder runs its
-layers), which skips the forward hooks stage 3 gathers in and activation checkpointing acts in: found in the
-holders' source, kept from being stage-3 units, and named when checkpointing them would do nothing."""
+"""Layers their holder runs other than through ``__call__`` (``layer.forward(x)``, as SqueezeBERT's encoder runs its
+layers, or another method, as a training step calls an autoencoder's ``encode``), which skips the forward hooks
+stage 3 gathers in and activation checkpointing acts in: found in the holders' source, kept from being stage-3
+units, and named when checkpointing them would do nothing."""
 
 import warnings
 
@@ -11,7 +12,7 @@ from torch import nn
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units
-from lightning_zero.layer_calls import called_directly
+from lightning_zero.layer_calls import bypassing_hooks
 
 
 class Block(nn.Module):
@@ -68,18 +69,43 @@ class Extended(Block):
         return super().forward(h) + self.norm(h)
 
 
+class AutoEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.dec = nn.Linear(4, 2), nn.Linear(2, 4)
+
+    def encode(self, x):
+        return self.enc(x)
+
+    def decode(self, z):
+        return self.dec(z)
+
+
+class Reconstruction(nn.Module):
+    """A training step's way with an autoencoder: its methods, never its forward; no list of blocks anywhere, so by
+    default each child holding parameters would be a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vae, self.head = AutoEncoder(), nn.Linear(2, 1)
+
+    def training_step(self, x):
+        z = self.vae.encode(x)
+        return (self.vae.decode(z) - x).square().mean() + self.head(z).mean()
+
+
 def names(module, ids):
     return sorted(n for n, m in module.named_modules() if id(m) in ids)
 
 
 def test_the_layers_a_holder_runs_through_forward_are_found_by_name():
     looped = LoopedDirectly()
-    assert sorted(called_directly(looped).values()) == ["layers.0", "layers.1"]
+    assert sorted(bypassing_hooks(looped).values()) == ["layers.0", "layers.1"]
     other = IndexedAndNamed()
     # `self.stack[1].forward`: every element of the list, since which one an index names is not read
-    assert sorted(called_directly(other).values()) == ["first", "stack.0", "stack.1", "table.a"]
+    assert sorted(bypassing_hooks(other).values()) == ["first", "stack.0", "stack.1", "table.a"]
     # torch's own classes call through hooks; a base class's forward on `self` and `super().forward` are no layer's
-    assert called_directly(nn.Sequential(Block(), nn.LayerNorm(4), ChannelsFirstNorm(4), Extended())) == {}
+    assert bypassing_hooks(nn.Sequential(Block(), nn.LayerNorm(4), ChannelsFirstNorm(4), Extended())) == {}
 
 
 def test_a_block_run_through_forward_gives_its_layers_as_stage_3_units():
@@ -91,6 +117,12 @@ def test_a_block_run_through_forward_gives_its_layers_as_stage_3_units():
     assert names(model, {id(u) for u in select_units(model, Block)}) == expected
     units = select_units(model, None)
     assert [id(u) for u in units] == [id(m) for m in model.modules() if id(m) in {id(u) for u in units}]  # pre-order
+
+
+def test_a_module_whose_methods_its_holder_calls_gives_its_layers_as_units():
+    model = Reconstruction()
+    assert list(bypassing_hooks(model).values()) == ["vae"]
+    assert names(model, {id(u) for u in select_units(model, None)}) == ["head", "vae.dec", "vae.enc"]
 
 
 def test_a_layer_run_through_forward_is_no_extra_unit_of_its_own_dtype():
@@ -110,10 +142,10 @@ def test_a_layer_run_through_forward_is_no_extra_unit_of_its_own_dtype():
 
 def test_checkpointing_a_layer_run_through_forward_warns_with_what_to_checkpoint_instead():
     model = LoopedDirectly()
-    with pytest.warns(UserWarning, match=r"calls its `forward` directly .* keep their activations\. Checkpoint the "
+    with pytest.warns(UserWarning, match=r"runs it other than through its `__call__` .* keep their activations\. Checkpoint the "
                                          r"layers they call instead \(LayerNorm, Linear\)"):
         apply_activation_checkpointing(model, resolve_policy(Block))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         apply_activation_checkpointing(LoopedDirectly(), resolve_policy(nn.Linear))  # called through hooks
-    assert not [w for w in record if "directly" in str(w.message)]
+    assert not [w for w in record if "other than through" in str(w.message)]

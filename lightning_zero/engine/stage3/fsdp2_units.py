@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
-from lightning_zero.layer_calls import CONTAINERS, called_directly, methods_called_by
+from lightning_zero.layer_calls import CONTAINERS, bypassing_hooks
 
 #: A wrap policy: one module class, several classes, or a predicate on modules.
 WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
@@ -104,12 +104,12 @@ def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
 
 
 def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
-    """``units`` with each one whose holder calls its ``forward`` directly (SqueezeBERT's encoder runs
-    ``layer.forward(...)``; ``layer_calls.called_directly``) replaced by its layers that hold parameters, the same
-    rule applied to them: FSDP2 gathers a unit in forward hooks, which such a call skips, so the unit would compute
-    with its shards. The layers it calls through ``__call__`` gather as units; its own parameters stay with the
-    enclosing unit. In pre-order."""
-    direct = called_directly(root)
+    """``units`` with each one its holder runs other than through ``__call__`` (SqueezeBERT's encoder runs
+    ``layer.forward(...)``, a training step calls an autoencoder's ``encode``: ``layer_calls.bypassing_hooks``)
+    replaced by its layers that hold parameters, the same rule applied to them: FSDP2 gathers a unit in forward
+    hooks, which such a call skips, so the unit would compute with its shards. The layers it calls through
+    ``__call__`` gather as units; its own parameters stay with the enclosing unit. In pre-order."""
+    direct = bypassing_hooks(root)
     if not any(id(u) in direct for u in units):
         return units
     kept: set[int] = set()
@@ -154,9 +154,10 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     vector, or a layer left in fp32 in a bf16 model. A layer with a tied parameter anywhere in it stays in its
     enclosing unit, since FSDP2 cannot split a parameter across units (nor nest the units of two of its owners); it
     then follows that unit's kind, which for a tied parameter under a mixed policy is the compute dtype anyway (see
-    ``PrecisionPolicy.param_dtypes``)."""
+    ``PrecisionPolicy.param_dtypes``). So does a layer its holder runs other than through ``__call__`` (Gemma-3n's
+    AltUp, whose ``predict`` its decoder layer calls: ``layer_calls.bypassing_hooks``)."""
     chosen = {id(m) for m in units}
-    direct = called_directly(root)
+    direct = bypassing_hooks(root)
     owners: dict[int, int] = {}
     for module in root.modules():
         for p in sharded_params(module, recurse=False):
@@ -165,9 +166,8 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     def self_contained(module: nn.Module) -> bool:
         return all(owners[id(p)] == 1 for m in module.modules() for p in sharded_params(m, recurse=False))
 
-    def may_split(parent: nn.Module, name: str, child: nn.Module) -> bool:
-        return (self_contained(child) and not isinstance(child, CONTAINERS) and id(child) not in direct
-                and not methods_called_by(parent, name, child))
+    def may_split(child: nn.Module) -> bool:
+        return self_contained(child) and not isinstance(child, CONTAINERS) and id(child) not in direct
 
     def own_kind(module: nn.Module) -> object | None:
         return kind(module) if any(True for _ in sharded_params(module, recurse=False)) else None
@@ -175,11 +175,11 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     extra: set[int] = set()
 
     def visit(module: nn.Module, enclosing: object) -> None:
-        for name, child in module.named_children():
+        for child in module.children():
             own = own_kind(child)
             if id(child) in chosen:
                 held = kind(child)
-            elif own is not None and own != enclosing and may_split(module, name, child):
+            elif own is not None and own != enclosing and may_split(child):
                 extra.add(id(child))
                 held = own
             else:
