@@ -5,8 +5,9 @@ gathers a stage-3 unit's parameters in them, and activation checkpointing starts
 in them. A layer whose parent calls it otherwise escapes them: Gemma-3n's decoder layer calls its AltUp's
 ``predict`` and ``correct``, a training step the ``encode`` and ``decode`` of an autoencoder, and SqueezeBERT's
 encoder runs its layers as ``layer.forward(...)``. Such a layer cannot be a unit of its own (its parameters would
-be shards when it computes), and checkpointing it keeps its activations. The source is read once per class (those
-a class inherits from too, torch's left out); a class whose source cannot be read calls nothing.
+be shards when it computes), and checkpointing it keeps its activations. The source is read once per function that
+names what is looked for, in a class and those it inherits from (torch's left out); a function whose source cannot
+be read calls nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import ast
 import inspect
 import re
 import textwrap
+import types
 from collections.abc import Iterator
 
 from torch import nn
@@ -66,41 +68,53 @@ def _model_classes(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if c is not object and not c.__module__.startswith("torch")]
 
 
-def _source(cls: type) -> str:
-    try:
-        return inspect.getsource(cls)
-    except (OSError, TypeError):
-        return ""
-
-
+_SOURCES: dict[tuple[type, str], list[str]] = {}
 _ATTRIBUTE_CALLS: dict[tuple[type, str], frozenset[str]] = {}
 _DIRECT_FORWARDS: dict[type, frozenset[str]] = {}
 
 
+def _sources_naming(cls: type, word: str) -> list[str]:
+    """The source of each function ``cls`` defines whose code names ``word`` (as an attribute or a global), found
+    from its compiled code first: reading a whole class's source parses its whole file, which for a library's
+    base classes (``PreTrainedModel``, ``LightningModule``) takes longer than the rest of the model's set-up."""
+    if (cls, word) not in _SOURCES:
+        sources = []
+        for value in vars(cls).values():
+            function = inspect.unwrap(value.__func__ if isinstance(value, (staticmethod, classmethod)) else value)
+            if inspect.isfunction(function) and word in _code_names(function.__code__):
+                try:
+                    sources.append(textwrap.dedent(inspect.getsource(function)))
+                except (OSError, TypeError):
+                    pass
+        _SOURCES[cls, word] = sources
+    return _SOURCES[cls, word]
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The names a function's code uses, its nested functions' and comprehensions' too."""
+    return set(code.co_names).union(*(_code_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
 def _attribute_calls(cls: type, name: str) -> frozenset[str]:
-    """What ``cls``'s source calls on ``self.<name>``: once per class and attribute (reading a class's source
-    parses its whole file)."""
+    """What ``cls``'s code calls on ``self.<name>``."""
     if (cls, name) not in _ATTRIBUTE_CALLS:
-        _ATTRIBUTE_CALLS[cls, name] = frozenset(re.findall(rf"self\.{re.escape(name)}\.([A-Za-z]\w*)\(", _source(cls)))
+        pattern = rf"self\.{re.escape(name)}\.([A-Za-z]\w*)\("
+        _ATTRIBUTE_CALLS[cls, name] = frozenset(m for source in _sources_naming(cls, name)
+                                                for m in re.findall(pattern, source))
     return _ATTRIBUTE_CALLS[cls, name]
 
 
 def _direct_forwards(cls: type) -> frozenset[str]:
     """The attributes of ``self`` whose ``forward`` (or whose elements' ``forward``) ``cls``'s own code calls."""
     if cls not in _DIRECT_FORWARDS:
-        source = _source(cls)
-        _DIRECT_FORWARDS[cls] = _forward_targets(source) if ".forward(" in source else frozenset()
+        targets: set[str] = set()
+        for source in _sources_naming(cls, "forward"):
+            try:
+                _visit(ast.parse(source), {}, targets)
+            except SyntaxError:
+                continue
+        _DIRECT_FORWARDS[cls] = frozenset(targets)
     return _DIRECT_FORWARDS[cls]
-
-
-def _forward_targets(source: str) -> frozenset[str]:
-    try:
-        tree = ast.parse(textwrap.dedent(source))
-    except SyntaxError:
-        return frozenset()
-    targets: set[str] = set()
-    _visit(tree, {}, targets)
-    return frozenset(targets)
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
