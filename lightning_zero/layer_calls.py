@@ -26,14 +26,23 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def methods_called_by(parent: nn.Module, name: str, child: nn.Module) -> list[str]:
-    """Methods of ``child`` (other than ``forward``) that ``parent``'s own code calls as ``self.<name>.<method>(``,
-    such as Gemma-3n's AltUp, whose decoder layer calls its ``predict`` and ``correct``."""
+    """Methods of ``child`` (other than ``forward``) that ``parent``'s own code calls as ``self.<name>.<method>(`` and
+    that reach ``child``'s own parameters or layers by name: Gemma-3n's AltUp, whose decoder layer calls its
+    ``predict``, which reads ``self.prediction_coefs``; an autoencoder's ``encode``. A method that runs the module
+    through ``self(...)`` (Hugging Face's ``generate``) or touches none of it (``save_pretrained``) passes through
+    the hooks or needs none."""
     called = frozenset().union(*(_attribute_calls(cls, name) for cls in _model_classes(type(parent))))
     if not called:
         return []
-    # Methods a class of the model's own defines: torch's (``.to(...)``, ``.reset_parameters()``) gather nothing.
-    own = {method for cls in _model_classes(type(child)) for method, value in vars(cls).items() if inspect.isfunction(value)}
-    return sorted(called & own - {"forward"})
+    # Methods a class of the model's own defines (the most derived definition): torch's (``.to(...)``,
+    # ``.reset_parameters()``) gather nothing.
+    methods: dict[str, types.FunctionType] = {}
+    for cls in _model_classes(type(child)):
+        for method, value in vars(cls).items():
+            if method in called and method != "forward" and inspect.isfunction(function := _function(value)):
+                methods.setdefault(method, function)
+    own = {n for n, _ in child.named_parameters(recurse=False)} | {n for n, _ in child.named_children()}
+    return sorted(method for method, function in methods.items() if _code_names(function.__code__) & own)
 
 
 def bypassing_hooks(root: nn.Module) -> dict[int, str]:
@@ -80,7 +89,7 @@ def _sources_naming(cls: type, word: str) -> list[str]:
     if (cls, word) not in _SOURCES:
         sources = []
         for value in vars(cls).values():
-            function = inspect.unwrap(value.__func__ if isinstance(value, (staticmethod, classmethod)) else value)
+            function = _function(value)
             if inspect.isfunction(function) and word in _code_names(function.__code__):
                 try:
                     sources.append(textwrap.dedent(inspect.getsource(function)))
@@ -88,6 +97,11 @@ def _sources_naming(cls: type, word: str) -> list[str]:
                     pass
         _SOURCES[cls, word] = sources
     return _SOURCES[cls, word]
+
+
+def _function(value: object) -> object:
+    """The plain function behind a class attribute (a static or class method, a decorated one)."""
+    return inspect.unwrap(value.__func__ if isinstance(value, (staticmethod, classmethod)) else value)  # type: ignore[arg-type]
 
 
 def _code_names(code: types.CodeType) -> set[str]:

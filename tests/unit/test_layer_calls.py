@@ -81,6 +81,36 @@ class AutoEncoder(nn.Module):
         return self.dec(z)
 
 
+class Generator(nn.Module):
+    """Methods that run the module through its ``__call__`` (as Hugging Face's ``generate``) or touch none of its
+    layers leave it a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.body(x)
+
+    def generate(self, x, steps: int):
+        for _ in range(steps):
+            x = self(x)
+        return x
+
+    def describe(self):
+        return type(self).__name__
+
+
+class Sampling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gen = Generator()
+
+    def training_step(self, x):
+        print(self.gen.describe())
+        return self.gen.generate(x, 2).sum()
+
+
 class Reconstruction(nn.Module):
     """A training step's way with an autoencoder: its methods, never its forward; no list of blocks anywhere, so by
     default each child holding parameters would be a unit."""
@@ -123,6 +153,12 @@ def test_a_module_whose_methods_its_holder_calls_gives_its_layers_as_units():
     model = Reconstruction()
     assert list(bypassing_hooks(model).values()) == ["vae"]
     assert names(model, {id(u) for u in select_units(model, None)}) == ["head", "vae.dec", "vae.enc"]
+
+
+def test_methods_that_run_the_module_through_its_call_or_touch_none_of_it_leave_it_a_unit():
+    model = Sampling()
+    assert bypassing_hooks(model) == {}
+    assert names(model, {id(u) for u in select_units(model, None)}) == ["gen"]
 
 
 def test_a_layer_run_through_forward_is_no_extra_unit_of_its_own_dtype():
