@@ -374,8 +374,9 @@ class ZeroStrategy(CheckpointingStrategy):
                 and not may_change_gradients(module, getattr(trainer, "callbacks", [])))
 
     def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
-        """Full (unsharded) gradients by parameter name, on every rank. Collective; for debugging and tests:
-        call it where gradients are final, e.g. in ``on_before_optimizer_step``."""
+        """Full (unsharded) gradients by parameter name, on every rank. Collective; for a step that needs the whole
+        gradient where ``p.grad`` holds shards (sharpness-aware minimization at stages 1-2), debugging and tests:
+        call it where gradients are final, e.g. after ``manual_backward`` or in ``on_before_optimizer_step``."""
         optimizers = [unwrap(o) for o in ([optimizer] if optimizer is not None else self.optimizers)]
         return self._sharded.gather_gradients(optimizers, self.precision_plugin.finalize_gradients)
 

@@ -408,26 +408,45 @@ class SharpnessAware(L.LightningModule):
         torch.manual_seed(3)
         self.body = nn.Sequential(nn.Linear(IN, 9), nn.Tanh(), nn.Linear(9, OUT))
 
+    def gradients(self, opt) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, whole averaged gradient) pairs: at stage 3 (and under ``ddp``) the optimizer's parameters."""
+        return [(p, p.grad) for group in opt.param_groups for p in group["params"]]
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         opt = self.optimizers()
-        params = [p for group in opt.param_groups for p in group["params"]]
         self.manual_backward(nn.functional.mse_loss(self.body(x), y))
         with torch.no_grad():
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-            ascent = [p.grad * (self.rho / (norm + 1e-12)) for p in params]
-            for p, e in zip(params, ascent):
+            pairs = self.gradients(opt)
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for _, g in pairs]))
+            ascent = [(p, g * (self.rho / (norm + 1e-12))) for p, g in pairs]
+            for p, e in ascent:
                 p.add_(e)
         opt.zero_grad()
         self.manual_backward(nn.functional.mse_loss(self.body(x), y))
         with torch.no_grad():
-            for p, e in zip(params, ascent):
+            for p, e in ascent:
                 p.sub_(e)
         opt.step()
         opt.zero_grad()
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class SharpnessAwareGathered(SharpnessAware):
+    """SAM at stages 1-2, where ``p.grad`` between backward and the step is not the whole gradient (stage 1: this
+    rank's rows; stage 2: None): the ascent reads ``trainer.strategy.gather_gradients()``, the whole averaged
+    gradients by name on every rank (DeepSpeed's ``safe_get_full_grad``), and moves the whole parameters."""
+
+    def gradients(self, opt) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        from lightning_zero import ZeroStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, ZeroStrategy):
+            return super().gradients(opt)
+        whole = strategy.gather_gradients(opt)
+        return [(p, whole[name]) for name, p in self.named_parameters() if name in whole]
 
 
 class UntoggledWGAN(TwoPlayer):

@@ -117,6 +117,16 @@ def test_sharpness_aware_minimization_through_the_optimizers_parameters_steps_as
     assert result["param_diff"] <= 1e-6
 
 
+@pytest.mark.parametrize("case", ["stage1", "stage2", "stage1_offloaded"])
+def test_sharpness_aware_minimization_through_the_gathered_gradients_steps_as_under_ddp_at_stages_1_2(features, case):
+    """At stages 1-2 ``p.grad`` is one rank's rows (stage 1) or None (stage 2) between backward and the step; the
+    ascent reads ``strategy.gather_gradients()`` instead (docs/lightning-features.md), moves the whole parameters
+    (taken into the host masters when offloaded), and the step is ``ddp``'s."""
+    result = features[f"sharpness_aware_gathered_{case}"]
+    assert result["steps"] == 3
+    assert result["param_diff"] <= 1e-6
+
+
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage1_offloaded"])
 def test_manual_optimization_untoggled_relies_on_zero_grad_and_keeps_the_critics_clipping(features, case):
     """``d_opt.zero_grad()`` drops the generator loss's gradients of the critic that stage 2 holds outside ``p.grad``

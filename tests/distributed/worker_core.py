@@ -146,12 +146,13 @@ def manual_two_optimizers(stage, model=models.TwoPlayer, **options) -> dict:
     return out
 
 
-def sharpness_aware(stage: int) -> dict:
-    """Three SAM steps (``models.SharpnessAware``) at ``stage`` against the same under Lightning's ``ddp``."""
+def sharpness_aware(stage: int, model: type[L.LightningModule] = models.SharpnessAware, **options) -> dict:
+    """Three SAM steps (``model``) at ``stage`` (``options``: more settings) against the same under Lightning's
+    ``ddp``."""
     finals = []
-    for strategy in (ZeroStrategy(stage=stage), "ddp"):
+    for strategy in (ZeroStrategy(stage=stage, **options), "ddp"):
         L.seed_everything(11)
-        module = models.SharpnessAware()
+        module = model()
         t = trainer(strategy, max_steps=3)
         t.fit(module, models.loader(models.IndexedData(), 4))
         finals.append(t.strategy.full_state_dict() if strategy != "ddp" else module.state_dict())
@@ -466,6 +467,9 @@ CASES = {
         **{f"untoggled_stage{s}": manual_two_optimizers(s, models.UntoggledWGAN) for s in (1, 2, 3)},
         "untoggled_stage1_offloaded": manual_two_optimizers(1, models.UntoggledWGAN, offload_optimizer=True),
         "sharpness_aware_stage3": sharpness_aware(3),
+        **{f"sharpness_aware_gathered_stage{s}": sharpness_aware(s, models.SharpnessAwareGathered) for s in (1, 2)},
+        "sharpness_aware_gathered_stage1_offloaded": sharpness_aware(1, models.SharpnessAwareGathered,
+                                                                     offload_optimizer=True),
         "head_after_forward": head_after_forward(1),
         "head_after_forward_accumulated_offloaded": head_after_forward(2, offload_params=True, offload_optimizer=True),
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},
