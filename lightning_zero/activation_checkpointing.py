@@ -168,8 +168,8 @@ def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) ->
 
 def _warn_about_hooks_bypassed(root: nn.Module, selected: list[tuple[str, nn.Module]]) -> None:
     """Checkpointing acts in forward hooks, which a call of ``module.forward(...)`` or of another method skips
-    (SqueezeBERT's encoder runs its layers so): say which selected modules keep their activations, and what to
-    select instead."""
+    (SqueezeBERT's encoder runs its layers so): say which selected modules keep their activations when run so, and
+    what to select instead."""
     bypassed = bypassing_hooks(root)
     skipped = [(name, module) for name, module in selected if id(module) in bypassed]
     if not skipped:
@@ -179,8 +179,8 @@ def _warn_about_hooks_bypassed(root: nn.Module, selected: list[tuple[str, nn.Mod
     rank_zero_warn(
         f"activation_checkpointing: the code holding {', '.join(repr(name) for name, _ in skipped[:3])}"
         f"{' and others' if len(skipped) > 3 else ''} runs it other than through its `__call__` "
-        "(`layer.forward(...)`, or another method of it), which skips the hooks that checkpoint it: those modules "
-        f"keep their activations. Checkpoint the layers they call instead ({', '.join(inner) or 'their children'}), "
+        "(`layer.forward(...)`, or another method of it), which skips the hooks that checkpoint it: what runs so "
+        f"keeps its activations. Checkpoint the layers they call instead ({', '.join(inner) or 'their children'}), "
         "or call them as `layer(...)`."
     )
 

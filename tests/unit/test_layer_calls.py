@@ -178,8 +178,8 @@ def test_a_layer_run_through_forward_is_no_extra_unit_of_its_own_dtype():
 
 def test_checkpointing_a_layer_run_through_forward_warns_with_what_to_checkpoint_instead():
     model = LoopedDirectly()
-    expected = (r"the code holding 'layers.0', 'layers.1' runs it other than through its `__call__` .* those modules keep "
-                r"their activations\. Checkpoint the layers they call instead \(LayerNorm, Linear\)")
+    expected = (r"the code holding 'layers.0', 'layers.1' runs it other than through its `__call__` .* what runs so keeps "
+                r"its activations\. Checkpoint the layers they call instead \(LayerNorm, Linear\)")
     with pytest.warns(UserWarning, match=expected):
         apply_activation_checkpointing(model, resolve_policy(Block))
     with warnings.catch_warnings(record=True) as record:
