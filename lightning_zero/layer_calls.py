@@ -13,6 +13,7 @@ be read calls nothing.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import inspect
 import re
 import textwrap
@@ -47,20 +48,35 @@ def methods_called_by(parent: nn.Module, name: str, child: nn.Module) -> list[st
 
 def bypassing_hooks(root: nn.Module) -> dict[int, str]:
     """The modules under ``root`` that their holder's code runs other than through ``__call__`` (which runs the
-    forward hooks), by ``id``, each with its name: their ``forward`` called directly (``self.<name>.forward(...)``,
-    ``self.<name>[i].forward(...)``, or ``layer.forward(...)`` in a loop over ``self.<name>``: for an
-    ``nn.ModuleList`` or ``nn.ModuleDict``, each of its elements), or another method of theirs
-    (:func:`methods_called_by`: an autoencoder's ``self.vae.encode(x)``)."""
+    forward hooks), by ``id``, each with its name: their ``forward`` called directly (:func:`_direct_forwards`:
+    ``self.<name>.forward(...)``, ``self.<name>[i].forward(...)``, ``layer.forward(...)`` in a loop over
+    ``self.<name>`` or after ``layer = self.<name>[i]``, ``getattr(self, f"layer_{i}").forward(...)``, also further
+    down, as ``self.<a>.<b>.forward(...)``: for an ``nn.ModuleList`` or ``nn.ModuleDict``, each of its elements),
+    or another method of theirs (:func:`methods_called_by`: an autoencoder's ``self.vae.encode(x)``)."""
     found: dict[int, str] = {}
     for holder_name, holder in root.named_modules():
-        forwards = frozenset().union(*(_direct_forwards(cls) for cls in _model_classes(type(holder))))
+        for path in frozenset().union(*(_direct_forwards(cls) for cls in _model_classes(type(holder)))):
+            for name, module in _matching(holder, path.split(".")):
+                prefix = f"{holder_name}.{name}" if holder_name else name
+                found.update((id(m), n) for n, m in _elements(module, prefix))
         for name, child in holder.named_children():
             prefix = f"{holder_name}.{name}" if holder_name else name
-            if name in forwards:
-                found.update((id(m), n) for n, m in _elements(child, prefix))
-            elif not isinstance(child, CONTAINERS) and methods_called_by(holder, name, child):
+            if id(child) not in found and not isinstance(child, CONTAINERS) and methods_called_by(holder, name, child):
                 found[id(child)] = prefix
     return found
+
+
+def _matching(module: nn.Module, path: list[str]) -> Iterator[tuple[str, nn.Module]]:
+    """The modules under ``module`` a path of attribute names reaches (a part with ``*`` matches by pattern, as an
+    f-string's constant prefix does: ``layer_*``), with their names relative to ``module``."""
+    if not path:
+        return
+    for name, child in module.named_children():
+        if fnmatch.fnmatchcase(name, path[0]):
+            if len(path) == 1:
+                yield name, child
+            else:
+                yield from ((f"{name}.{n}", m) for n, m in _matching(child, path[1:]))
 
 
 def _elements(module: nn.Module, name: str) -> Iterator[tuple[str, nn.Module]]:
@@ -119,7 +135,8 @@ def _attribute_calls(cls: type, name: str) -> frozenset[str]:
 
 
 def _direct_forwards(cls: type) -> frozenset[str]:
-    """The attributes of ``self`` whose ``forward`` (or whose elements' ``forward``) ``cls``'s own code calls."""
+    """The paths from ``self`` (dotted attribute names, ``*`` where an attribute's name is computed) of the modules
+    whose ``forward`` (or whose elements' ``forward``) ``cls``'s own code calls."""
     if cls not in _DIRECT_FORWARDS:
         targets: set[str] = set()
         for source in _sources_naming(cls, "forward"):
@@ -132,49 +149,104 @@ def _direct_forwards(cls: type) -> frozenset[str]:
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+#: Methods of a container that iterate over its elements: ``self.table.items()``.
+_ITERATING = frozenset({"items", "values", "children", "named_children"})
 
 
-def _visit(node: ast.AST, loops: dict[str, set[str]], targets: set[str]) -> None:
-    """Add to ``targets`` the attributes of ``self`` whose ``forward`` the code under ``node`` calls; ``loops``: what
-    each loop variable in scope runs over (the attributes of ``self`` its iterable names, as in ``for i, layer in
-    enumerate(self.layers)``)."""
+def _visit(node: ast.AST, local: dict[str, set[str]], targets: set[str]) -> None:
+    """Add to ``targets`` the paths from ``self`` of the modules whose ``forward`` the code under ``node`` calls;
+    ``local``: the paths each local name in scope stands for (a loop variable over ``self.layers``, an alias
+    ``layer = self.layers[i]``), which assignments in the same scope add to."""
     if isinstance(node, ast.For):
-        _visit(node.iter, loops, targets)
-        inner = {**loops, **dict.fromkeys(_names(node.target), _self_attributes(node.iter))}
+        _visit(node.iter, local, targets)
+        inner = {**local, **dict.fromkeys(_names(node.target), _iterated(node.iter, local))}
         for statement in node.body:
             _visit(statement, inner, targets)
         for statement in node.orelse:
-            _visit(statement, loops, targets)
+            _visit(statement, local, targets)
         return
     if isinstance(node, _COMPREHENSIONS):
-        inner = dict(loops)
+        inner = dict(local)
         for generator in node.generators:
             _visit(generator.iter, inner, targets)
-            inner.update(dict.fromkeys(_names(generator.target), _self_attributes(generator.iter)))
+            inner.update(dict.fromkeys(_names(generator.target), _iterated(generator.iter, inner)))
             for condition in generator.ifs:
                 _visit(condition, inner, targets)
         for element in (node.key, node.value) if isinstance(node, ast.DictComp) else (node.elt,):
             _visit(element, inner, targets)
         return
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+        _visit(node.value, local, targets)
+        if paths := _reached(node.value, local):  # ``layer = self.layers[i]``, ``model = self``
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    local[target.id] = paths
+        return
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "forward":
-        called = node.func.value
-        if isinstance(called, ast.Subscript):  # self.layers[i].forward(...)
-            called = called.value
-        if isinstance(called, ast.Attribute) and _is_self(called.value):
-            targets.add(called.attr)
-        elif isinstance(called, ast.Name):
-            targets.update(loops.get(called.id, ()))
+        targets.update(_paths(node.func.value, local))
     for child in ast.iter_child_nodes(node):
-        _visit(child, loops, targets)
+        _visit(child, local, targets)
+
+
+def _paths(node: ast.AST, local: dict[str, set[str]]) -> set[str]:
+    """The paths from ``self`` of the modules the expression ``node`` can be (``self`` itself, whose path is empty,
+    left out); an index read at run time (``self.layers[i]``) matches any element (``layers.*``)."""
+    return {p for p in _reached(node, local) if p}
+
+
+def _reached(node: ast.AST, local: dict[str, set[str]]) -> set[str]:
+    if isinstance(node, ast.Name):
+        return {""} if node.id == "self" else set(local.get(node.id, ()))
+    if isinstance(node, ast.Attribute):
+        return {_join(p, node.attr) for p in _reached(node.value, local)}
+    if isinstance(node, ast.Subscript):  # ``self.layers[i]``: any element; ``self.layers[:n]``: the same container
+        index = node.slice
+        if isinstance(index, ast.Slice):
+            return _reached(node.value, local)
+        key = str(index.value) if isinstance(index, ast.Constant) and isinstance(index.value, (str, int)) else "*"
+        return {_join(p, key) for p in _reached(node.value, local)}
+    if isinstance(node, ast.IfExp):
+        return _reached(node.body, local) | _reached(node.orelse, local)
+    if isinstance(node, ast.BoolOp):
+        return set().union(*(_reached(v, local) for v in node.values))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+        name = _attribute_pattern(node.args[1]) if len(node.args) > 1 else None
+        return {_join(p, name) for p in _reached(node.args[0], local)} if name else set()
+    return set()
+
+
+def _iterated(node: ast.AST, local: dict[str, set[str]]) -> set[str]:
+    """The paths of the modules a loop over ``node`` binds: the elements of ``self.layers``, ``self.table.items()``,
+    ``enumerate(self.layers)``, ``zip(self.a, self.b)`` or ``self.layers[:n]`` (a function's call, its arguments'), or
+    the modules a literal lists (``(self.a, self.b)``)."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in _ITERATING:
+            return {_join(p, "*") for p in _paths(func.value, local)}
+        if isinstance(func, ast.Attribute):  # a method of the model's (``self.blocks_for(x)``): not read
+            return set()
+        return set().union(*(_iterated(a, local) for a in node.args))  # ``enumerate(...)``, ``zip(...)``, ``chain(...)``
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return set().union(*(_paths(e, local) for e in node.elts))
+    if isinstance(node, ast.BinOp):  # ``self.layers + self.extra``
+        return _iterated(node.left, local) | _iterated(node.right, local)
+    return {_join(p, "*") for p in _paths(node, local)}
+
+
+def _attribute_pattern(node: ast.AST) -> str | None:
+    """The name ``getattr`` is given, as a pattern: a constant; an f-string's constant start followed by ``*``; ``*``
+    for a name computed otherwise."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.JoinedStr):
+        head = node.values[0] if node.values else None
+        return (head.value if isinstance(head, ast.Constant) and isinstance(head.value, str) else "") + "*"
+    return "*"
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
 
 
 def _names(target: ast.AST) -> list[str]:
     return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
-
-
-def _self_attributes(node: ast.AST) -> set[str]:
-    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and _is_self(n.value)}
-
-
-def _is_self(node: ast.AST) -> bool:
-    return isinstance(node, ast.Name) and node.id == "self"

@@ -85,8 +85,10 @@ _MIXED_WITH_SHARDS = "got mixed torch.Tensor and DTensor"
 SHARDED_CALL_HINT = (
     "Under stage 3 a unit's parameters are gathered only while the unit itself runs (its forward, its backward), so "
     "a layer of a unit called on its own outside a backward (`self.net[0](x)` where `net` is the unit) or a unit's "
-    "parameter used outside its forward meets the DTensor shards. Call the unit, or make that layer a unit of its own "
-    "(`wrap_policy` naming its class)."
+    "parameter used outside its forward meets the DTensor shards; so does a unit run other than through its "
+    "`__call__` (`unit.forward(x)`, `unit.encode(x)`), which skips the hooks that gather it. Call the unit, or make "
+    "that layer a unit of its own (`wrap_policy` naming its class: for a unit run through `.forward`, the classes of "
+    "its layers)."
 )
 
 

@@ -197,6 +197,44 @@ class DirectForwardBlocks(RegressionTask):
         return F.mse_loss(self.head(h), y)
 
 
+class NamedBlocks(nn.Module):
+    """Blocks held as numbered attributes and run as ``getattr(self, f"block_{i}").forward(h)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block_0, self.block_1 = GatedResidual(), GatedResidual()
+
+    def forward(self, h):
+        for i in range(2):
+            h = getattr(self, f"block_{i}").forward(h)
+        return h
+
+
+class Stack(nn.Module):
+    """A list of blocks whose holder never runs it: the training step reaches into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(GatedResidual() for _ in range(2))
+
+
+class AliasedForwardBlocks(RegressionTask):
+    """Blocks run as ``layer.forward(h)`` after ``layer = self.stack.layers[i]`` (two levels down, through a local
+    name), beside numbered blocks a child runs through ``getattr``: what the source reading follows to the layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.named, self.stack, self.head = nn.Linear(8, 16), NamedBlocks(), Stack(), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.named(self.embed(x))
+        for i in range(len(self.stack.layers)):
+            layer = self.stack.layers[i]
+            h = layer.forward(h)
+        return F.mse_loss(self.head(h), y)
+
+
 class AutoEncoder(nn.Module):
     """Run through its methods, never its forward; a gain of its own."""
 

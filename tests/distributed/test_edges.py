@@ -222,7 +222,8 @@ def test_layers_run_other_than_through_call_train_at_stage_3_as_under_ddp(edges)
     got mixed torch.Tensor and DTensor", "aten.addmm.default ..."). Their layers are now the units, by default and
     under a ``wrap_policy`` naming the block class (checkpointing it too, which then keeps its activations, with a
     warning: ``unit/test_layer_calls.py``); their own gains stay with the root."""
-    assert set(edges["outside_hooks"]) == {"stage3", "stage3_policy_checkpointed", "stage2", "autoencoder_stage3",
+    assert set(edges["outside_hooks"]) == {"stage3", "stage3_policy_checkpointed", "stage2", "aliased_stage3",
+                                           "aliased_stage3_policy", "autoencoder_stage3",
                                            "autoencoder_stage3_offload_params"}
     _each_as_under_ddp(edges["outside_hooks"])
 

@@ -215,6 +215,9 @@ CASES = {
             "stage3_policy_checkpointed": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual},
                                                 activation_checkpointing={memory_layouts.GatedResidual}), 0.5),
             "stage2": (dict(stage=2), 0.5)}),
+        **{f"aliased_{name}": diff for name, diff in against_ddp(memory_layouts.AliasedForwardBlocks, {
+            "stage3": (dict(stage=3), 0.5),
+            "stage3_policy": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual}), 0.5)}).items()},
         **{f"autoencoder_{name}": diff for name, diff in against_ddp(memory_layouts.Reconstruction, {
             "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}).items()}},
     # integer parameters kept whole at stage 3; the class FSDP2 gave the module taken back to the user's by loading

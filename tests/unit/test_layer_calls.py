@@ -57,6 +57,47 @@ class IndexedAndNamed(nn.Module):
         return self.head(h)
 
 
+class Trunk(nn.Module):
+    """A list two levels down, never run by its holder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.seq = nn.Sequential(Block(), Block())
+
+
+class Reached(nn.Module):
+    """Layers reached through local names, ``getattr``, several levels of attributes, a literal tuple and a
+    ``Sequential``'s index, beside ones only called (``self.trunk.seq[1](h)``) or only named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = Trunk()
+        self.layer_0, self.layer_1, self.other_0 = Block(), Block(), Block()
+        self.a, self.b, self.c = Block(), Block(), Block()
+
+    def forward(self, h, i: int = 0):
+        layer = self.trunk.blocks[i]  # a local alias, two levels down: every element
+        h = layer.forward(h)
+        h = getattr(self, f"layer_{i}").forward(h)  # an f-string's constant start
+        for block in (self.a, self.b):  # a literal's elements, not `c`
+            h = block.forward(h)
+        model = self
+        h = model.trunk.seq[0].forward(h)  # `self` under another name; a Sequential's element, not the Sequential
+        return self.trunk.seq[1](h) + self.c(h) + self.other_0(h)
+
+
+class Dynamic(nn.Module):
+    """``getattr`` with a name computed otherwise: any child may be the one run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x, self.y = Block(), nn.ModuleList([Block()])
+
+    def forward(self, h, name: str):
+        return getattr(self, name).forward(h)
+
+
 class ChannelsFirstNorm(nn.LayerNorm):
     """SqueezeBERT's LayerNorm: a base class's forward run on ``self``, no layer's."""
 
@@ -132,10 +173,21 @@ def test_the_layers_a_holder_runs_through_forward_are_found_by_name():
     looped = LoopedDirectly()
     assert sorted(bypassing_hooks(looped).values()) == ["layers.0", "layers.1"]
     other = IndexedAndNamed()
-    # `self.stack[1].forward`: every element of the list, since which one an index names is not read
-    assert sorted(bypassing_hooks(other).values()) == ["first", "stack.0", "stack.1", "table.a"]
+    # `self.stack[1].forward`: the element a constant index names
+    assert sorted(bypassing_hooks(other).values()) == ["first", "stack.1", "table.a"]
     # torch's own classes call through hooks; a base class's forward on `self` and `super().forward` are no layer's
     assert bypassing_hooks(nn.Sequential(Block(), nn.LayerNorm(4), ChannelsFirstNorm(4), Extended())) == {}
+
+
+def test_layers_reached_through_names_getattr_and_nested_attributes_are_found():
+    found = bypassing_hooks(Reached())
+    assert sorted(found.values()) == ["a", "b", "layer_0", "layer_1", "trunk.blocks.0", "trunk.blocks.1", "trunk.seq.0"]
+    assert sorted(bypassing_hooks(Dynamic()).values()) == ["x", "y.0"]
+    model = Reached()
+    units = names(model, {id(u) for u in select_units(model, Block)})
+    assert "trunk.seq.1" in units and "c" in units and "other_0" in units  # run through `__call__`: units
+    assert not {"a", "layer_0", "trunk.blocks.0", "trunk.seq.0"} & set(units)  # run through `.forward`: their layers
+    assert {"a.norm", "a.proj", "trunk.blocks.0.norm", "trunk.seq.0.proj"} <= set(units)
 
 
 def test_a_block_run_through_forward_gives_its_layers_as_stage_3_units():
