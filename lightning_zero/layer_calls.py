@@ -5,7 +5,8 @@ gathers a stage-3 unit's parameters in them, and activation checkpointing starts
 in them. A layer whose parent calls it otherwise escapes them: Gemma-3n's decoder layer calls its AltUp's
 ``predict`` and ``correct``, a training step the ``encode`` and ``decode`` of an autoencoder, and SqueezeBERT's
 encoder runs its layers as ``layer.forward(...)``. Such a layer cannot be a unit of its own (its parameters would
-be shards when it computes), and checkpointing it keeps its activations. The source is read once per function that
+be shards when it computes), and checkpointing it keeps its activations. Nor can a layer whose parameters the code
+holding it computes with (a tied head ``F.linear(h, self.embed.weight)``). The source is read once per function that
 names what is looked for, in a class and those it inherits from (torch's left out); a function whose source cannot
 be read calls nothing.
 """
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import functools
 import inspect
 import re
 import textwrap
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
@@ -66,6 +68,29 @@ def bypassing_hooks(root: nn.Module) -> dict[int, str]:
     return found
 
 
+def parameters_used_by_holders(root: nn.Module) -> dict[int, str]:
+    """The modules under ``root`` whose own parameters the code holding them uses as values, outside the module's
+    own call (a tied head ``F.linear(h, self.embed.weight)``; torch's ``MultiheadAttention``, which hands
+    ``self.out_proj.weight`` to the functional attention, as FSDP1's size-based policy keeps it whole), by ``id``,
+    each with its name. As a unit of its own such a module would be resharded after its forward (or never gathered)
+    when the holder computes with its parameters."""
+    words = {name for m in root.modules() for name, _ in m.named_parameters(recurse=False)}
+    found: dict[int, str] = {}
+    for holder_name, holder in root.named_modules():
+        reads = {(path, word) for cls in _model_classes(type(holder)) for word in words
+                 for path in _parameter_reads(cls, word)}
+        reads |= {(child, "*") for cls, children in _TORCH_READS.items() if isinstance(holder, cls) for child in children}
+        for path, word in reads:
+            for name, module in _matching(holder, path.split(".")):
+                if word == "*" or word in dict(module.named_parameters(recurse=False)):
+                    found[id(module)] = f"{holder_name}.{name}" if holder_name else name
+    return found
+
+
+#: torch's own layers whose code uses a child's parameters directly (torch's classes are not read).
+_TORCH_READS: dict[type[nn.Module], tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+
+
 def _matching(module: nn.Module, path: list[str]) -> Iterator[tuple[str, nn.Module]]:
     """The modules under ``module`` a path of attribute names reaches (a part with ``*`` matches by pattern, as an
     f-string's constant prefix does: ``layer_*``), with their names relative to ``module``."""
@@ -93,22 +118,24 @@ def _model_classes(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if c is not object and not c.__module__.startswith("torch")]
 
 
-_SOURCES: dict[tuple[type, str], list[str]] = {}
+_SOURCES: dict[tuple[type, str], list[tuple[str, str]]] = {}
 _ATTRIBUTE_CALLS: dict[tuple[type, str], frozenset[str]] = {}
 _DIRECT_FORWARDS: dict[type, frozenset[str]] = {}
+_PARAMETER_READS: dict[tuple[type, str], frozenset[str]] = {}
 
 
-def _sources_naming(cls: type, word: str) -> list[str]:
-    """The source of each function ``cls`` defines whose code names ``word`` (as an attribute or a global), found
-    from its compiled code first: reading a whole class's source parses its whole file, which for a library's
-    base classes (``PreTrainedModel``, ``LightningModule``) takes longer than the rest of the model's set-up."""
+def _sources_naming(cls: type, word: str) -> list[tuple[str, str]]:
+    """The name and source of each function ``cls`` defines whose code names ``word`` (as an attribute or a
+    global), found from its compiled code first: reading a whole class's source parses its whole file, which for a
+    library's base classes (``PreTrainedModel``, ``LightningModule``) takes longer than the rest of the model's
+    set-up."""
     if (cls, word) not in _SOURCES:
         sources = []
-        for value in vars(cls).values():
+        for name, value in vars(cls).items():
             function = _function(value)
             if inspect.isfunction(function) and word in _code_names(function.__code__):
                 try:
-                    sources.append(textwrap.dedent(inspect.getsource(function)))
+                    sources.append((name, textwrap.dedent(inspect.getsource(function))))
                 except (OSError, TypeError):
                     pass
         _SOURCES[cls, word] = sources
@@ -120,16 +147,17 @@ def _function(value: object) -> object:
     return inspect.unwrap(value.__func__ if isinstance(value, (staticmethod, classmethod)) else value)  # type: ignore[arg-type]
 
 
-def _code_names(code: types.CodeType) -> set[str]:
+@functools.cache
+def _code_names(code: types.CodeType) -> frozenset[str]:
     """The names a function's code uses, its nested functions' and comprehensions' too."""
-    return set(code.co_names).union(*(_code_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+    return frozenset(code.co_names).union(*(_code_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 def _attribute_calls(cls: type, name: str) -> frozenset[str]:
     """What ``cls``'s code calls on ``self.<name>``."""
     if (cls, name) not in _ATTRIBUTE_CALLS:
         pattern = rf"self\.{re.escape(name)}\.([A-Za-z]\w*)\("
-        _ATTRIBUTE_CALLS[cls, name] = frozenset(m for source in _sources_naming(cls, name)
+        _ATTRIBUTE_CALLS[cls, name] = frozenset(m for _, source in _sources_naming(cls, name)
                                                 for m in re.findall(pattern, source))
     return _ATTRIBUTE_CALLS[cls, name]
 
@@ -139,13 +167,55 @@ def _direct_forwards(cls: type) -> frozenset[str]:
     whose ``forward`` (or whose elements' ``forward``) ``cls``'s own code calls."""
     if cls not in _DIRECT_FORWARDS:
         targets: set[str] = set()
-        for source in _sources_naming(cls, "forward"):
-            try:
-                _visit(ast.parse(source), {}, targets)
-            except SyntaxError:
-                continue
+
+        def collect(node: ast.AST, local: dict[str, set[str]]) -> bool:
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "forward":
+                targets.update(_paths(node.func.value, local))
+            return False
+
+        for _, source in _sources_naming(cls, "forward"):
+            _walk(source, collect)
         _DIRECT_FORWARDS[cls] = frozenset(targets)
     return _DIRECT_FORWARDS[cls]
+
+
+def _parameter_reads(cls: type, name: str) -> frozenset[str]:
+    """The paths from ``self`` of the modules whose parameter ``name`` (``weight``) ``cls``'s code uses as a value
+    (``F.linear(h, self.embed.weight)``), other than in set-up code, which runs before sharding, and other than for
+    what a shard answers as the whole does (``self.embed.weight.dtype``, ``.shape``, ``.size(0)``)."""
+    if (cls, name) not in _PARAMETER_READS:
+        targets: set[str] = set()
+
+        def collect(node: ast.AST, local: dict[str, set[str]]) -> bool:
+            if isinstance(node, ast.Attribute):
+                if node.attr in _METADATA and isinstance(node.value, ast.Attribute) and node.value.attr == name:
+                    return True
+                if node.attr == name and isinstance(node.ctx, ast.Load):
+                    targets.update(_paths(node.value, local))
+            return False
+
+        for function, source in _sources_naming(cls, name):
+            if function not in _SET_UP:
+                _walk(source, collect)
+        _PARAMETER_READS[cls, name] = frozenset(targets)
+    return _PARAMETER_READS[cls, name]
+
+
+#: Functions that run before the model is sharded, or only name its parameters (to group them, to tie them).
+_SET_UP = frozenset({"__init__", "reset_parameters", "_reset_parameters", "init_weights", "_init_weights", "post_init",
+                     "initialize_weights", "_initialize_weights", "tie_weights", "_tie_weights", "_tie_or_clone_weights",
+                     "configure_model", "configure_optimizers"})
+#: What a parameter's shard answers as the whole parameter does (FSDP2's DTensor keeps the global shape).
+_METADATA = frozenset({"dtype", "device", "shape", "ndim", "size", "dim", "numel", "nelement", "requires_grad",
+                       "is_cuda", "is_floating_point", "is_complex", "element_size", "layout"})
+
+
+def _walk(source: str, collect: Callable[[ast.AST, dict[str, set[str]]], bool]) -> None:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return
+    _visit(tree, {}, collect)
 
 
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
@@ -153,39 +223,43 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
 _ITERATING = frozenset({"items", "values", "children", "named_children"})
 
 
-def _visit(node: ast.AST, local: dict[str, set[str]], targets: set[str]) -> None:
-    """Add to ``targets`` the paths from ``self`` of the modules whose ``forward`` the code under ``node`` calls;
-    ``local``: the paths each local name in scope stands for (a loop variable over ``self.layers``, an alias
-    ``layer = self.layers[i]``), which assignments in the same scope add to."""
+def _visit(node: ast.AST, local: dict[str, set[str]], collect: Callable[[ast.AST, dict[str, set[str]]], bool]) -> None:
+    """Call ``collect`` on each node under ``node`` (whose parts are then left out where it returns True), with
+    ``local``: the paths from ``self`` each local name in scope stands for (a loop variable over ``self.layers``, an
+    alias ``layer = self.layers[i]``), which assignments in the same scope add to."""
     if isinstance(node, ast.For):
-        _visit(node.iter, local, targets)
+        _visit(node.iter, local, collect)
         inner = {**local, **dict.fromkeys(_names(node.target), _iterated(node.iter, local))}
         for statement in node.body:
-            _visit(statement, inner, targets)
+            _visit(statement, inner, collect)
         for statement in node.orelse:
-            _visit(statement, local, targets)
+            _visit(statement, local, collect)
         return
     if isinstance(node, _COMPREHENSIONS):
         inner = dict(local)
         for generator in node.generators:
-            _visit(generator.iter, inner, targets)
+            _visit(generator.iter, inner, collect)
             inner.update(dict.fromkeys(_names(generator.target), _iterated(generator.iter, inner)))
             for condition in generator.ifs:
-                _visit(condition, inner, targets)
+                _visit(condition, inner, collect)
         for element in (node.key, node.value) if isinstance(node, ast.DictComp) else (node.elt,):
-            _visit(element, inner, targets)
+            _visit(element, inner, collect)
         return
     if isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
-        _visit(node.value, local, targets)
+        _visit(node.value, local, collect)
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         if paths := _reached(node.value, local):  # ``layer = self.layers[i]``, ``model = self``
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            for target in targets:
                 if isinstance(target, ast.Name):
                     local[target.id] = paths
+        for target in targets:
+            if not isinstance(target, ast.Name):
+                _visit(target, local, collect)
         return
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "forward":
-        targets.update(_paths(node.func.value, local))
+    if collect(node, local):
+        return
     for child in ast.iter_child_nodes(node):
-        _visit(child, local, targets)
+        _visit(child, local, collect)
 
 
 def _paths(node: ast.AST, local: dict[str, set[str]]) -> set[str]:

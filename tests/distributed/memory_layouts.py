@@ -235,6 +235,44 @@ class AliasedForwardBlocks(RegressionTask):
         return F.mse_loss(self.head(h), y)
 
 
+class TiedHeadReadDirectly(RegressionTask):
+    """A head that computes with the embedding's own weight (``F.linear(h, self.embed.weight)``, as weight-tied
+    language models write it) and no list of blocks, so by default each child holding parameters would be a unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rnn, self.norm = nn.Linear(8, 16), nn.GRU(16, 16, batch_first=True), nn.LayerNorm(16)
+        self.out = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h, _ = self.rnn(self.embed(x).unsqueeze(1))
+        tied = F.linear(self.norm(h.squeeze(1)), self.embed.weight.t())  # the embedding's transpose decodes
+        return F.mse_loss(self.out(tied), y)
+
+
+class Attention(RegressionTask):
+    """``nn.MultiheadAttention`` blocks, whose forward hands ``self.out_proj.weight`` to the functional attention
+    without calling ``out_proj``: a ``wrap_policy`` naming ``nn.Linear`` must not make ``out_proj`` a unit (FSDP1's
+    size-based policy keeps the attention whole for the same reason). AdamW's ``eps`` is 1e-6: the key biases'
+    gradient is rounding noise (softmax is blind to them) that the default ``eps`` would step at full size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.blocks = nn.ModuleList(nn.MultiheadAttention(8, 2, batch_first=True) for _ in range(2))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.1, eps=1e-6)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.embed(x).view(-1, 2, 8)
+        for block in self.blocks:
+            h = h + block(h, h, h, need_weights=False)[0]
+        return F.mse_loss(self.head(h.flatten(1)), y)
+
+
 class AutoEncoder(nn.Module):
     """Run through its methods, never its forward; a gain of its own."""
 

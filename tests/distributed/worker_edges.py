@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelPruning
+from torch import nn
 
 from lightning_zero import ZeroPrecision, ZeroStrategy, load_from_checkpoint
 from lightning_zero.checkpoint import state_dicts
@@ -163,6 +164,7 @@ CASES = {
         **resumed_against_ddp(memory_layouts.Temperature, directory, [(3, "sharded", 1), (2, "full", 3)])},
     # host masters (fp32, so exactly as ddp) take in what code wrote into the parameters between steps, and so do
     # stage 3's shards what it wrote into the gathered copies of an accumulation window
+    # the prototypes stay in the root's unit (`training_step` computes with their weight): written while gathered
     "written": lambda directory: {
         **against_ddp(memory_layouts.NormalisedPrototypes, {
             "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
@@ -218,6 +220,11 @@ CASES = {
         **{f"aliased_{name}": diff for name, diff in against_ddp(memory_layouts.AliasedForwardBlocks, {
             "stage3": (dict(stage=3), 0.5),
             "stage3_policy": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual}), 0.5)}).items()},
+        **{f"read_{name}": diff for name, diff in against_ddp(memory_layouts.TiedHeadReadDirectly, {
+            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
+            accumulate=1).items()},
+        **{f"attention_{name}": diff for name, diff in against_ddp(memory_layouts.Attention, {
+            "stage3_linear_units": (dict(stage=3, wrap_policy={nn.Linear}), 0.5)}, accumulate=1).items()},
         **{f"autoencoder_{name}": diff for name, diff in against_ddp(memory_layouts.Reconstruction, {
             "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}).items()}},
     # integer parameters kept whole at stage 3; the class FSDP2 gave the module taken back to the user's by loading

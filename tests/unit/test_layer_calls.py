@@ -7,12 +7,13 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units
-from lightning_zero.layer_calls import bypassing_hooks
+from lightning_zero.layer_calls import bypassing_hooks, parameters_used_by_holders
 
 
 class Block(nn.Module):
@@ -165,6 +166,24 @@ class Reconstruction(nn.Module):
         return (self.vae.decode(z) - x).square().mean() + self.head(z).mean()
 
 
+class TiedHead(nn.Module):
+    """A head computing with the embedding's weight; reads that compute nothing (its dtype, its shape, a grouping of
+    parameters in ``configure_optimizers``) and set-up code (tying in ``__init__``) leave a layer alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.norm, self.proj = nn.Embedding(8, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)
+        self.proj.bias = nn.Parameter(torch.zeros(4))  # set-up code naming a layer's parameter
+
+    def forward(self, tokens):
+        h = self.mix(self.embed(tokens)).to(self.norm.weight.dtype) * self.proj.weight.shape[0]
+        assert self.proj.weight.size(0) == 4 and self.proj.weight.requires_grad
+        return F.linear(self.norm(h), self.embed.weight)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([{"params": [self.mix.weight]}, {"params": [self.proj.weight], "lr": 0.0}])
+
+
 def names(module, ids):
     return sorted(n for n, m in module.named_modules() if id(m) in ids)
 
@@ -188,6 +207,17 @@ def test_layers_reached_through_names_getattr_and_nested_attributes_are_found():
     assert "trunk.seq.1" in units and "c" in units and "other_0" in units  # run through `__call__`: units
     assert not {"a", "layer_0", "trunk.blocks.0", "trunk.seq.0"} & set(units)  # run through `.forward`: their layers
     assert {"a.norm", "a.proj", "trunk.blocks.0.norm", "trunk.seq.0.proj"} <= set(units)
+
+
+def test_layers_whose_parameters_their_holder_computes_with_are_found_and_never_units():
+    model = TiedHead()
+    assert list(parameters_used_by_holders(model).values()) == ["embed"]
+    assert names(model, {id(u) for u in select_units(model, None)}) == ["mix", "norm", "proj"]
+    # torch's MultiheadAttention hands `out_proj.weight` to the functional attention: never a unit of its own
+    blocks = nn.ModuleList(nn.TransformerEncoderLayer(4, 2, 8, batch_first=True) for _ in range(2))
+    assert sorted(parameters_used_by_holders(blocks).values()) == ["0.self_attn.out_proj", "1.self_attn.out_proj"]
+    units = names(blocks, {id(u) for u in select_units(blocks, nn.Linear)})
+    assert units == ["0.linear1", "0.linear2", "1.linear1", "1.linear2"]
 
 
 def test_a_block_run_through_forward_gives_its_layers_as_stage_3_units():

@@ -339,6 +339,8 @@ class FullyShardedOptimizer:
         grads = [self._grad(i) for i in indices]
         if any(grad is None or not engine.unused.produced_here(engine.params[i]) for i, grad in zip(indices, grads)):
             return  # whether no rank used it is known when backward ends
+        if self.written is not None:  # written while gathered (the root through `training_step`): in the shard now
+            self.written.take_back(masters, indices, engine.params.__getitem__, self._rows)
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
         standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}
         self.early.start(self.optimizer, pieces, indices, standins, masters)

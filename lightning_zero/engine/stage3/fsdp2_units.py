@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
-from lightning_zero.layer_calls import CONTAINERS, bypassing_hooks
+from lightning_zero.layer_calls import CONTAINERS, bypassing_hooks, parameters_used_by_holders
 
 #: A wrap policy: one module class, several classes, or a predicate on modules.
 WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
@@ -108,8 +108,10 @@ def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.
     ``layer.forward(...)``, a training step calls an autoencoder's ``encode``: ``layer_calls.bypassing_hooks``)
     replaced by its layers that hold parameters, the same rule applied to them: FSDP2 gathers a unit in forward
     hooks, which such a call skips, so the unit would compute with its shards. The layers it calls through
-    ``__call__`` gather as units; its own parameters stay with the enclosing unit. In pre-order."""
-    direct = bypassing_hooks(root)
+    ``__call__`` gather as units; its own parameters stay with the enclosing unit. So does a module whose parameters
+    its holder computes with itself (a tied head ``F.linear(h, self.embed.weight)``, ``MultiheadAttention``'s
+    ``out_proj``: ``layer_calls.parameters_used_by_holders``). In pre-order."""
+    direct = outside_their_calls(root)
     if not any(id(u) in direct for u in units):
         return units
     kept: set[int] = set()
@@ -129,6 +131,13 @@ def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.
     for unit in units:
         place(unit)
     return [m for m in root.modules() if id(m) in kept]
+
+
+def outside_their_calls(root: nn.Module) -> dict[int, str]:
+    """The modules under ``root`` whose parameters are used outside their own forward hooks, by ``id``: run other
+    than through ``__call__`` (``layer_calls.bypassing_hooks``), or their parameters used by the code holding them
+    (``layer_calls.parameters_used_by_holders``). None of them can be a unit: FSDP2 gathers a unit in those hooks."""
+    return {**parameters_used_by_holders(root), **bypassing_hooks(root)}
 
 
 def held_kinds(roots: Iterable[nn.Module], policy: PrecisionPolicy | None) -> Callable[[nn.Module], object]:
@@ -155,9 +164,9 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     enclosing unit, since FSDP2 cannot split a parameter across units (nor nest the units of two of its owners); it
     then follows that unit's kind, which for a tied parameter under a mixed policy is the compute dtype anyway (see
     ``PrecisionPolicy.param_dtypes``). So does a layer its holder runs other than through ``__call__`` (Gemma-3n's
-    AltUp, whose ``predict`` its decoder layer calls: ``layer_calls.bypassing_hooks``)."""
+    AltUp, whose ``predict`` its decoder layer calls) or whose parameters it computes with (:func:`outside_their_calls`)."""
     chosen = {id(m) for m in units}
-    direct = bypassing_hooks(root)
+    direct = outside_their_calls(root)
     owners: dict[int, int] = {}
     for module in root.modules():
         for p in sharded_params(module, recurse=False):
