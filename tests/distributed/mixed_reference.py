@@ -79,19 +79,23 @@ def mixed_reference(
     loss_scale: float = 1.0,
     growth_interval: int = 2000,
     shard_groups: int = 1,
+    held: dict[str, torch.dtype] | None = None,
 ) -> dict:
     """Final fp32 masters, per-step losses and the skipped-step count of the emulated mixed run.
 
     ``hold_sum_in_param_dtype``: stages 1-2 keep the reduced gradient sum in the parameter's dtype before
     unscaling it into fp32; stage 3 (FSDP2) receives it into an fp32 shard. ``shard_groups``: hybrid sharding
     over that many groups of consecutive ranks: each group's sum is held as above, then the groups' held sums
-    are added in the reduce dtype (and held again).
+    are added in the reduce dtype (and held again). ``held``: the dtype a run holds a named parameter in, where
+    that is not the policy's (stage 3 holds a layer whose holder computes with its parameters in the dtype of the
+    unit holding it).
     """
     master = _build(model_kwargs)
     master.load_state_dict(copy.deepcopy(initial))
     opt, sched = _optimizer(master)
     compute = copy.deepcopy(master)
     dtypes = policy.param_dtypes(compute)
+    dtypes.update({id(p): held[name] for name, p in compute.named_parameters() if held and name in held})
     with torch.no_grad():
         for p in compute.parameters():
             p.data = p.data.to(dtypes[id(p)])

@@ -55,6 +55,13 @@ def test_two_nodes_match_plain_pytorch(nodes, case):
     _check_exact(nodes["exact"][case])
 
 
+def test_hpz_leaves_a_layer_whose_weight_its_holder_computes_with_in_the_root(nodes):
+    """hpZ makes each direct child of the root holding parameters a unit of its own; a tied head computing with the
+    embedding's weight (``F.linear(h, self.embed.weight)``) then met its shards ("aten.mm.default got mixed
+    torch.Tensor and DTensor"). Against ``ddp`` on the same 4 ranks, without accumulation."""
+    assert nodes["exact"]["stage3_hpz_tied_head"] <= 1e-6
+
+
 def _check_mixed(result):
     """As tests/distributed/test_precision.py: masters equal the emulation, the loss tracks fp32 training."""
     assert len(result["losses"]) == 20

@@ -50,6 +50,7 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=H
     dataset = data()
     t.fit(module, models.loader(dataset, BATCH))
     final = t.strategy.full_state_dict()
+    held = _held_in_forward(t, module, dataset) if stage == 3 and precision != "32-true" else None
     out = {"steps": t.global_step}
     if RANK == 0:
         build = lambda: module_cls(kind)  # noqa: E731
@@ -64,8 +65,8 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=H
                 units = _unit_names(module, [group[0] for group in t.strategy.engine.unit_groups])
                 build = lambda: _fsdp2_shaped(module_cls(kind), units)  # noqa: E731
             reference = mixed_reference(
-                initial, build, dataset, **kwargs, policy=policy, hold_sum_in_param_dtype=stage != 3, shard_groups=groups
-            )["params"]
+                initial, build, dataset, **kwargs, policy=policy, hold_sum_in_param_dtype=stage != 3, shard_groups=groups,
+                held=held)["params"]
         out["diff"] = max_diff(final, reference)
         out["change"] = max_diff(reference, initial)
         if kind == "gpt2":
@@ -73,6 +74,27 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=H
     # Caches are off only while training (activation checkpointing), and back on for the user afterwards.
     out["use_cache_kept"] = caches == [c.use_cache for c in _hf_configs(module) if hasattr(c, "use_cache")]
     return out
+
+
+def _held_in_forward(t: L.Trainer, module, dataset) -> dict[str, torch.dtype]:
+    """The dtype each parameter has while its layer computes (a forward of one micro-batch on every rank, whose
+    gathered copies are what stage 3 computes with), by name."""
+    held: dict[str, torch.dtype] = {}
+
+    def note(layer, args) -> None:
+        held.update({f"{names[id(layer)]}.{n}".lstrip("."): p.dtype for n, p in layer.named_parameters(recurse=False)})
+
+    names = {id(m): n for n, m in module.named_modules()}
+    hooks = [m.register_forward_pre_hook(note) for m in module.modules()]
+    module.unshard()  # the root's own parameters, as Lightning's call of `training_step` gathers them
+    try:
+        with torch.no_grad(), t.strategy.precision_plugin.forward_context():
+            module._loss(models.global_microbatches(dataset, WORLD, BATCH, 1)[0][RANK])
+    finally:
+        for hook in hooks:
+            hook.remove()
+        module.reshard()
+    return held
 
 
 def _hf_configs(module) -> list:

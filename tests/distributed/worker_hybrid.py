@@ -15,7 +15,9 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.demo.gpt import GPTLightningModule
 from lightning_zero.planning.accounting import live_tensor_bytes
 from lightning_zero.monitor import ZeroMonitor
-from tests.distributed import models, worker_checkpoint, worker_hf_models, worker_precision, worker_pretrained
+from tests.distributed import (
+    memory_layouts, models, worker_checkpoint, worker_edges, worker_hf_models, worker_precision, worker_pretrained,
+)
 from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.distributed.worker_core import NODES, RANK, CommProbe, StateBytesProbe, exactness, max_diff, trainer
 from tests.launch import run_cases_with_directory
@@ -176,6 +178,9 @@ CASES = {
         **{f"stage{s}": exact(s, shard_size=HYBRID) for s in (2, 3)},
         # validated first: the sanity check leaves every unit on its node-local shard as the first window opens
         "stage3_hpz": exact(3, secondary_shard_size=HYBRID, validate_first=True),
+        # a head computing with the embedding's weight: hpZ's units below the root leave that layer in the root
+        "stage3_hpz_tied_head": worker_edges.against_ddp(memory_layouts.TiedHeadReadDirectly, {
+            "hpz": (dict(stage=3, secondary_shard_size=HYBRID), 0.5)}, accumulate=1).get("hpz"),
         "stage3_bf16-mixed": mixed(3, "bf16-mixed", shard_size=HYBRID),
         "gpt2_stage3_bf16-mixed": hugging_face("gpt2", 3, "bf16-mixed", shard_size=HYBRID),
         "grad_norms_stage2": gradient_norms(2, shard_size=HYBRID),

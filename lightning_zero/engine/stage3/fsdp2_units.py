@@ -9,9 +9,10 @@ nested. FSDP2's inner post-forward leaves the root's parameter group idle, so th
 whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ therefore
 moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units) into units of
 their own, one per direct child of the root (:func:`units_below_the_root`), whose forward runs once, so that
-backward gathers them inside the node. Without hpZ the root keeps them: they are whole tensors throughout
-``training_step``, so code there may use them outside the model's forward (a tied head, a penalty on the
-embeddings), which a unit of their own would hand out as shards. The root keeps only what it holds itself, and stays
+backward gathers them inside the node, except a child whose parameters the code holding it computes with (a tied
+head reading the embedding's weight: :func:`outside_their_calls`), which a unit of its own would hand out as
+shards. Without hpZ the root keeps them all: they are whole tensors throughout ``training_step``, so code there may
+use them outside the model's forward (a tied head, a penalty on the embeddings). The root keeps only what it holds itself, and stays
 gathered until backward when its forward is not nested (FSDP2's default for the root).
 """
 
@@ -64,8 +65,9 @@ def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Mod
     """The direct children of ``root`` that hold parameters outside every unit, as units of their own (each then
     encloses its own units), so that the root holds nothing it need not (see [Note: hpZ and the root]). A child
     sharing a parameter with another child, or with the root itself, stays in the root: FSDP2 cannot split a parameter
-    across units."""
-    chosen = {id(u) for u in units}
+    across units; so does one whose parameters are used outside its own forward (:func:`outside_their_calls`: a tied
+    head computing with the embedding's weight, an autoencoder run through its ``encode``)."""
+    chosen = {id(u) for u in units} | set(outside_their_calls(root))
     in_units = {id(p) for u in units for p in sharded_params(u)}
     holders: dict[int, set[int]] = {id(p): {id(root)} for p in sharded_params(root, recurse=False)}
     for child in root.children():
