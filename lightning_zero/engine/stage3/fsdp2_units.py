@@ -12,8 +12,8 @@ their own, one per direct child of the root (:func:`units_below_the_root`), whos
 backward gathers them inside the node, except a child whose parameters the code holding it computes with (a tied
 head reading the embedding's weight: :func:`outside_their_calls`), which a unit of its own would hand out as
 shards. Without hpZ the root keeps them all: they are whole tensors throughout ``training_step``, so code there may
-use them outside the model's forward (a tied head, a penalty on the embeddings). The root keeps only what it holds itself, and stays
-gathered until backward when its forward is not nested (FSDP2's default for the root).
+use them outside the model's forward (a tied head, a penalty on the embeddings). The root keeps only what it holds
+itself, and stays gathered until backward when its forward is not nested (FSDP2's default for the root).
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
     enclosing unit, since FSDP2 cannot split a parameter across units (nor nest the units of two of its owners); it
     then follows that unit's kind, which for a tied parameter under a mixed policy is the compute dtype anyway (see
     ``PrecisionPolicy.param_dtypes``). So does a layer its holder runs other than through ``__call__`` (Gemma-3n's
-    AltUp, whose ``predict`` its decoder layer calls) or whose parameters it computes with (:func:`outside_their_calls`)."""
+    AltUp, whose ``predict`` its decoder layer calls) or whose parameters it computes with
+    (:func:`outside_their_calls`)."""
     chosen = {id(m) for m in units}
     direct = outside_their_calls(root)
     owners: dict[int, int] = {}
