@@ -83,12 +83,14 @@ def is_communication_error(exception: BaseException) -> bool:
 #: torch's word when an operation meets a sharded parameter (a DTensor) beside plain tensors.
 _MIXED_WITH_SHARDS = "got mixed torch.Tensor and DTensor"
 SHARDED_CALL_HINT = (
-    "Under stage 3 a unit's parameters are gathered only while the unit itself runs (its forward, its backward), so "
-    "a layer of a unit called on its own outside a backward (`self.net[0](x)` where `net` is the unit) or a unit's "
-    "parameter used outside its forward meets the DTensor shards; so does a unit run other than through its "
-    "`__call__` (`unit.forward(x)`, `unit.encode(x)`), which skips the hooks that gather it. Call the unit, or make "
-    "that layer a unit of its own (`wrap_policy` naming its class: for a unit run through `.forward`, the classes of "
-    "its layers)."
+    "Under stage 3 a unit's parameters are gathered only while the unit itself runs (its forward, its backward); "
+    "elsewhere they are DTensor shards, which code meets when it calls a layer of a unit on its own outside a backward "
+    "(`self.net[0](x)` where `net` is the unit: call the unit, or make that layer a unit of its own, `wrap_policy` "
+    "naming its class), runs a unit other than through its `__call__` (`unit.forward(x)`, `unit.encode(x)`, which "
+    "skip the hooks that gather it: make its layers the units, `wrap_policy` naming their classes), or computes with "
+    "a unit's parameters outside its forward (a penalty `sum(p.square().sum() for p in self.parameters())` in "
+    "`training_step`: use the optimizer's `weight_decay`, compute it in the unit's forward, or train at stage 1 or 2, "
+    "which hold whole parameters)."
 )
 
 

@@ -75,6 +75,14 @@ def test_a_layer_of_a_stage_3_unit_called_on_its_own_gets_a_hint_beside_torchs_e
     assert "`wrap_policy` naming its class" in result["message"]
 
 
+def test_a_penalty_over_the_parameters_in_training_step_at_stage_3_gets_the_ways_out(edges):
+    """At stage 3 the sum meets the blocks' shards; the hint names the ways out."""
+    result = edges["bad_input"]["penalty"]
+    assert result["type"] == "RuntimeError"
+    assert "got mixed torch.Tensor and DTensor" in result["message"]
+    assert "use the optimizer's `weight_decay`" in result["message"] and "stage 1 or 2" in result["message"]
+
+
 def test_a_module_sharded_by_a_stage_3_fit_is_refused_by_another_stage_and_taken_up_by_stage_3(edges):
     result = edges["bad_input"]["after_stage3"]
     assert result["stage2"]["type"] == "ZeroConfigError"

@@ -126,6 +126,14 @@ class CallsALayerOfAUnit(models.Regression):
         return torch.nn.functional.mse_loss(h.sum(-1, keepdim=True).expand_as(y), y)
 
 
+class PenaltyOnTheParameters(models.Regression):
+    """An L2 penalty over ``self.parameters()`` added in ``training_step``: outside their units' forward the blocks'
+    parameters are shards at stage 3."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + 1e-3 * sum(p.square().sum() for p in self.parameters())
+
+
 class FailingModule(models.Regression):
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and batch_idx == 2:
@@ -150,6 +158,8 @@ CASES = {
                                     "lazy": expect_error(LazyModule),
                                     "layer_of_a_unit": expect_fit_error(CallsALayerOfAUnit, ZeroStrategy(stage=3),
                                                                         models.loader(models.IndexedData(), 4)),
+                                    "penalty": expect_fit_error(PenaltyOnTheParameters, ZeroStrategy(stage=3),
+                                                                models.loader(models.IndexedData(), 4)),
                                     "after_stage3": fit_again_after_stage_3()},
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
     "memory_layouts": lambda directory: trained_as_built(
