@@ -15,6 +15,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import subprocess
 import tempfile
 import time
@@ -64,14 +65,13 @@ class Pool:
             stdin.write(line)
             stdin.flush()
         outcome = self._wait(timeout)
-        if outcome != "ok":
+        if outcome != "ok" or not report.exists():
+            what = outcome if outcome != "ok" else "wrote no report"
+            failure = f"{module} {' '.join(args)}: {what}\n{self._logs(logs)}"
             self.close()
-            raise PoolError(f"{module} {' '.join(args)}: {outcome}\n{self._logs(logs)}")
-        if not report.exists():
-            self.close()
-            raise PoolError(f"{module} {' '.join(args)} wrote no report\n{self._logs(logs)}")
+            raise PoolError(failure)
         result = json.loads(report.read_text())
-        report.unlink()  # read; the command's logs stay
+        report.unlink()  # read; the command's logs stay until the pool closes
         return result
 
     def _wait(self, timeout: float) -> str:
@@ -118,6 +118,7 @@ class Pool:
             except OSError:
                 pass
         self.control = []
+        shutil.rmtree(self.out_dir, ignore_errors=True)  # the logs a failure needed are in its PoolError
         if _POOLS.get((self.nprocs, self.nodes)) is self:
             del _POOLS[(self.nprocs, self.nodes)]
 
