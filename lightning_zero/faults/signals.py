@@ -17,10 +17,33 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterable
 from types import FrameType
 
 Handler = Callable[[int, FrameType | None], None]
+
+
+#: The signals after which a run stops at the next batch boundary (see [Note: SIGTERM] in ``watchdog.py``).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignal:
+    """A stop signal that arrived, and when the process must end if the run has not stopped (see [Note: SIGTERM]
+    in ``watchdog.py``)."""
+
+    def __init__(self, number: int) -> None:
+        self.at = time.monotonic()
+        self.number = number
+        self.name = signal.Signals(number).name
+
+    def overdue(self, now: float, in_collective: bool, blocked_for: float, stall: float, grace: float) -> str | None:
+        """Why the process must end now (waiting in one collective for ``stall`` seconds, or still running
+        ``grace`` seconds after the signal), or None."""
+        since = now - self.at
+        if in_collective and blocked_for >= stall and since >= 1.0:
+            return f"waiting in a collective for {blocked_for:.0f} s after {self.name}"
+        return f"still running {since:.0f} s after {self.name}" if since >= grace else None
 
 
 class WakeupPipe:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import select
-import signal
 import sys
 import threading
 import time
@@ -42,9 +41,7 @@ from lightning_zero.faults.verdict import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
 from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, liveness, this_process
-from lightning_zero.faults.signals import WakeupPipe
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from lightning_zero.faults.signals import STOP_SIGNALS, StopSignal, WakeupPipe
 
 
 class Watchdog:
@@ -66,9 +63,7 @@ class Watchdog:
         self.decision: Diagnosis | None = None
         self.failing = False  # the main thread handles an error (on_exception)
         self.finishing = False
-        self.signal_at: float | None = None
-        self.signal_name: str | None = None
-        self.signal_number = 0
+        self.stop_signal: StopSignal | None = None
         self._exit_at: float | None = None
         self._grace = self.paused = 0.0
         self._last_tick = time.monotonic()
@@ -146,7 +141,7 @@ class Watchdog:
                 return
             if ready:
                 for number in self.pipe.drain():
-                    if number in _STOP_SIGNALS:
+                    if number in STOP_SIGNALS:
                         self._on_signal(number)
             now = time.monotonic()
             if now - last > self.limits.stale_after:  # this process could not run (SIGSTOP, swapping)
@@ -161,7 +156,7 @@ class Watchdog:
         sample = self._sample()
         me = self._record(sample)
         self.exchange.outgoing = me.encode()
-        if self.signal_at is not None:
+        if self.stop_signal is not None:
             self._check_signal(now, sample)
         if self.decision is not None:
             first = self.exchange.snapshot.failure
@@ -212,7 +207,7 @@ class Watchdog:
             phase=mark.phase if mark else None, batch=mark.batch if mark else None, activity=sample,
             marks=list(RECORDER.marks), recent=RECORDER.recent_ops()[-16:],
             steps={phase: count + 1 for phase, count in dict(RECORDER.counts).items()}, proc=self._proc,
-            paused=round(self.paused, 1), signal=self.signal_name, error=self.error,
+            paused=round(self.paused, 1), signal=self.stop_signal.name if self.stop_signal else None, error=self.error,
             stalled=round(time.monotonic() - self._progress[1], 1),
         )
 
@@ -259,7 +254,7 @@ class Watchdog:
             self.exchange.failure_out = found.to_failure(self.rank)
             self.exchange.wake()
         RECORDER.abort = CollectiveError(f"[lightning_zero] {text}")
-        self._grace = 2.0 if self.signal_at is not None else self.current_limits().abort_grace
+        self._grace = 2.0 if self.stop_signal is not None else self.current_limits().abort_grace
         self._exit_at = time.monotonic() + self._grace
 
     def _hard_exit(self, reason: str, code: int) -> None:
@@ -275,31 +270,26 @@ class Watchdog:
         os._exit(code)
 
     def _on_signal(self, number: int) -> None:
-        if self.signal_at is not None:
+        if self.stop_signal is not None:
             return
-        self.signal_at = time.monotonic()
-        self.signal_number = number
-        self.signal_name = signal.Signals(number).name
-        print(f"[lightning_zero] rank {self.rank}: received {self.signal_name}; the run stops at the next batch "
+        self.stop_signal = StopSignal(number)
+        print(f"[lightning_zero] rank {self.rank}: received {self.stop_signal.name}; the run stops at the next batch "
               f"boundary, and this process ends within {self.limits.sigterm_grace:.0f} s in any case.",
               file=sys.stderr, flush=True)
 
     def _check_signal(self, now: float, sample: Activity) -> None:
-        if self.signal_at is None:
+        stop, limits = self.stop_signal, self.limits
+        if stop is None:
             raise RuntimeError("lightning_zero internal error: called once a signal arrived; never reset")
-        since = now - self.signal_at
-        limits = self.limits
         extended = timeouts.ACTIVE is not None and timeouts.ACTIVE.reason is not None  # e.g. a checkpoint being saved
         stall = limits.sigterm_grace if extended else limits.sigterm_stall
-        stalled = sample.in_collective and sample.blocked_for >= stall and since >= 1.0
-        if not stalled and since < limits.sigterm_grace:
+        why = stop.overdue(now, sample.in_collective, sample.blocked_for, stall, limits.sigterm_grace)
+        if why is None:
             return
-        why = (f"waiting in a collective for {sample.blocked_for:.0f} s after {self.signal_name}" if stalled
-               else f"still running {since:.0f} s after {self.signal_name}")
-        summary = f"rank {self.rank} received {self.signal_name} and ended while {why}: {sample.describe()}"
+        summary = f"rank {self.rank} received {stop.name} and ended while {why}: {sample.describe()}"
         if self.decision is None and self.exchange.snapshot.failure is None:
             self.exchange.failure_out = Diagnosis("sigterm", self.rank, summary).to_failure(self.rank)
-        self._hard_exit(summary, 128 + self.signal_number)
+        self._hard_exit(summary, 128 + stop.number)
 
     # ------------------------------------------------------------------ main-thread entry points
     def on_exception(self, exception: BaseException) -> None:
