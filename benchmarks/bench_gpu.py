@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 from bench_core import FSDP2GPTModule, build_strategy, formula_split, model_state_bytes  # noqa: E402
 from host_profile import HostProfile, print_profiles  # noqa: E402
+from timeline import profiler_config, summary as timeline_summary  # noqa: E402
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 
@@ -121,7 +122,7 @@ class GPUBenchCallback(L.Callback):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler = torch.profiler.profile(activities=activities, experimental_config=profiler_config())
             self.profiler.__enter__()
         if self._host_profiled(batch_idx):
             self.host.enter()
@@ -147,7 +148,7 @@ class GPUBenchCallback(L.Callback):
             self.profiler.__exit__(None, None, None)
             events = self.profiler.key_averages()
             tables = [events.table(sort_by=key, row_limit=25) for key in ("self_cpu_time_total", "self_device_time_total")]
-            Path(self.profile_to).write_text("\n\n".join(tables))
+            Path(self.profile_to).write_text("\n\n".join([timeline_summary(self.profiler, self.steps), *tables]))
         if batch_idx == self.warmup + self.steps - 1:
             if device.type == "cuda":
                 self.peak_allocated = torch.cuda.max_memory_allocated(device)
@@ -408,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
         args.search_base = json.dumps(QUICK_MODEL)
         args.rungs = min(args.rungs, 3)
+    if args.part == "profile":
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
         if args.part in ("all", "throughput", "profile"):
             throughput(args, Path(tmp))
