@@ -50,6 +50,7 @@ from lightning_zero.checkpoint.errors import CheckpointSaveError, save_error
 from lightning_zero.checkpoint.files import remove
 from lightning_zero.checkpoint.write import ShardWriter, prepare, publish, split_checkpoint
 from lightning_zero.engine.comm import collectives, topology
+from lightning_zero.engine.dtensor_over import dtensor_over
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,7 @@ class Stager:
     def stage(self, tree: Any, key: tuple = ()) -> Any:
         if isinstance(tree, DTensor):
             local = self._copy(tree.to_local(), key)
-            return DTensor.from_local(
-                local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape, stride=tree.stride()
-            )
+            return dtensor_over(local, tree.device_mesh, tree.placements, tree.shape, tree.stride())
         if isinstance(tree, torch.Tensor):
             return self._copy(tree, key)
         if isinstance(tree, dict):

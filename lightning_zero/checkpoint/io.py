@@ -49,6 +49,7 @@ from lightning_zero.checkpoint.verify import (
 )
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine
+from lightning_zero.engine.dtensor_over import dtensor_over
 from lightning_zero.engine.shard import local_rows
 
 SHARDED_MARKER = "lightning_zero_sharded"
@@ -319,9 +320,7 @@ def load_optimizer_state(
             if isinstance(value, torch.Tensor) and (value.dim() > 0 or _row_of(live.get(name), key)) and value.shape == param.shape:
                 local = local_rows(value, rank, world).to(key.device, copy=True)
                 if key is param and isinstance(param, DTensor):
-                    local = DTensor.from_local(
-                        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-                    )
+                    local = dtensor_over(local, param.device_mesh, param.placements, param.shape, param.stride())
                 value = local
             restored[name] = value
         optimizer.state[key] = restored

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
+from lightning_zero.engine.dtensor_over import dtensor_over
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full
 
 #: Lightning's ``WeightAveraging`` key for the trained weights, where the checkpoint's ``state_dict`` holds their average.
@@ -72,7 +73,7 @@ def as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tenso
     if len(full_shape) == 0:
         return whole_scalar(local, mesh) if local.dim() == 1 else local
     stride = torch.empty(full_shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full_shape, stride=stride)
+    return dtensor_over(local, mesh, [Shard(0)], full_shape, stride)
 
 
 def whole_scalar(row: torch.Tensor, mesh) -> torch.Tensor:

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from lightning_zero.engine.dtensor_over import dtensor_over
 from lightning_zero.engine.optimizers import ELEMENTWISE_OPTIMIZERS
 from lightning_zero.engine.stage3.local_step import stepping_local_shards
 
@@ -80,3 +81,31 @@ def test_the_local_step_equals_the_unsharded_step(mesh, name):
             else:
                 assert not isinstance(got, DTensor), (name, key)
             assert torch.equal(torch.as_tensor(expected), torch.as_tensor(got)), (name, key)
+
+
+def test_state_stepped_on_host_shards_stays_in_host_memory_under_an_accelerator_mesh(mesh):
+    """FSDP2's CPU offload keeps the shards in host memory under a mesh of the accelerator; the state a local-shard
+    step creates must stay beside them, as ``zeros_like`` of the DTensor would leave it (``DTensor.from_local``
+    would move it to the mesh's device, where the next host step meets it: a run's second step failed so on CUDA).
+    Here the mesh names CUDA, which this machine lacks, so any move to the mesh's device fails loudly."""
+    accelerator_mesh = DeviceMesh("cuda", [0], _init_backend=False)
+    torch.manual_seed(0)
+    rows = [torch.randn(3, 2), torch.randn(4)]
+    params = [
+        nn.Parameter(dtensor_over(r.clone(), accelerator_mesh, [Shard(0)], r.shape, r.stride())) for r in rows
+    ]
+    reference = [nn.Parameter(r.clone()) for r in rows]
+    opt, ref_opt = torch.optim.Adam(params, lr=0.01), torch.optim.Adam(reference, lr=0.01)
+    for step in range(2):
+        for p, ref in zip(params, reference):
+            ref.grad = torch.full_like(ref, 0.5 + step)
+            p.grad = dtensor_over(ref.grad.clone(), accelerator_mesh, [Shard(0)], ref.shape, ref.stride())
+        with stepping_local_shards(opt, params):
+            opt.step()
+        ref_opt.step()
+    for p, ref in zip(params, reference):
+        assert p.to_local().device.type == "cpu" and torch.equal(p.to_local(), ref.detach())
+        for key in ("exp_avg", "exp_avg_sq"):
+            held = opt.state[p][key]
+            assert isinstance(held, DTensor) and held.device_mesh is accelerator_mesh
+            assert held.to_local().device.type == "cpu" and torch.equal(held.to_local(), ref_opt.state[ref][key])

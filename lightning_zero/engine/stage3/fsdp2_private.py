@@ -60,9 +60,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-from torch.distributed.tensor import DTensor
 
 from lightning_zero.engine.dense_parameters import gradient_form_error
+from lightning_zero.engine.dtensor_over import dtensor_over
 from lightning_zero.engine.shard import local_rows
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
@@ -204,8 +204,7 @@ def write_back_gathered(group: Any, marks: dict[int, int]) -> None:
         rows = local_rows(unsharded.detach(), info.shard_mesh_rank, info.shard_mesh_size)
         rows = rows.to(sharded.to_local().device, sharded.dtype)  # offload_params: the shard is in host memory
         with torch.no_grad():
-            sharded.copy_(DTensor.from_local(rows, sharded.device_mesh, sharded.placements, run_check=False,
-                                             shape=sharded.shape, stride=sharded.stride()))
+            sharded.copy_(dtensor_over(rows, sharded.device_mesh, sharded.placements, sharded.shape, sharded.stride()))
 
 
 def unshadow_reshard(group: Any, reshard: Callable[[], None]) -> None:

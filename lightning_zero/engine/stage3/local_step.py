@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_zero.engine.dtensor_over import dtensor_over
 from lightning_zero.engine.optimizers import hosted_params
 
 
@@ -67,7 +68,5 @@ def _write_back(held: dict[str, object], stepped: dict[str, object], param: DTen
         if isinstance(old, DTensor) and old.to_local() is value:
             continue
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == local.shape:
-            value = DTensor.from_local(
-                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
+            value = dtensor_over(value, param.device_mesh, param.placements, param.shape, param.stride())
         held[key] = value
