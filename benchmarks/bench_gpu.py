@@ -261,6 +261,10 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             if result is not None:
                 runs[system].append({**result, "round": round_index})
                 print(json.dumps({k: v for k, v in result.items() if k != "host_profile"}), flush=True)
+        if round_index == 0:  # now, not after the last round: a run cut short by its time limit keeps them
+            print_profiles({s: r[0].get("host_profile") for s, r in runs.items() if r},
+                           f"The training thread under cProfile over {args.host_profile_steps} steps after the measured "
+                           "ones, self time in ms per step, by package")
     results = [combine_rounds(rounds, runs.get("ddp", [])) for rounds in runs.values() if rounds]
     rows = [[
         r["system"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
@@ -282,9 +286,6 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
               f"batch {r['batch_per_rank']} x {r['shape']['block_size']} tokens per rank, median of {args.steps} steps "
               f"after {args.warmup} warmup, {args.rounds} interleaved round(s): step and CPU time the median of the "
               "rounds', vs_ddp the median of each round's ratio; GiB = 2^30 bytes.")
-    print_profiles({r["system"]: r.get("host_profile") for r in results},
-                   f"The training thread under cProfile over {args.host_profile_steps} steps after the measured ones, "
-                   "self time in ms per step, by package")
     return results
 
 

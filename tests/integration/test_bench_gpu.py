@@ -75,11 +75,27 @@ def test_the_gpu_session_script_asks_only_for_what_the_benchmarks_accept() -> No
     listed = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env={**os.environ, "DRY": "1"},
                             capture_output=True, text=True, timeout=30, cwd=ROOT, check=True).stdout
     commands = [shlex.split(line.split("): ", 1)[1]) for line in listed.splitlines() if line.startswith("== ")]
-    assert len(commands) == 3, listed
+    assert len(commands) == 6, listed
     for command in commands:
-        assert command[0] == "python" and (ROOT / command[1]).is_file(), command
+        assert Path(command[0]).name.startswith("python") and (ROOT / command[1]).is_file(), command
         if command[1].endswith("bench_gpu.py"):
             args = bench_gpu.parse_args(command[2:])
             assert set(args.systems) <= set(bench_gpu.THROUGHPUT_SYSTEMS), args.systems
             if args.model is not None:
                 assert json.loads(args.model)["n_embd"] == 2048  # the 1.34B GPT of the offload targets
+
+
+@background.in_background
+def test_the_profile_part_shows_the_delayed_host_step_in_a_lane_of_its_own(tmp_path) -> None:
+    """The offloaded step's timeline (benchmarks/timeline.py) must see the host-step thread at all: torch.profiler
+    records only the thread that entered it unless asked for every thread. Under ``offload_step_delay=1`` the host
+    AdamW step runs in a background thread, so its lane is not the training thread's."""
+    proc = _run("--accelerator", "cpu", "--quick", "--part", "profile", "--systems", "zero2+offload_delay",
+                "--profile-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = (tmp_path / "profile_zero2_offload_delay.txt").read_text().split("\n\n")[0].splitlines()
+    assert table[0].startswith("timeline over 3 step(s)")
+    lanes = {line.split("  ")[0]: line for line in table[2:]}
+    training = next(lane for lane, line in lanes.items() if "aten::linear" in line or "aten::mm" in line)
+    host_step = [lane for lane, line in lanes.items() if "_fused_adamw_" in line or "AdamW.step" in line]
+    assert host_step and training not in host_step, table
