@@ -1,21 +1,22 @@
 # One device call's worth of GPU measurements for the open speed issues (host overhead, offload overlap), in the
-# order a short lease should spend its time: stage 3's host-bound 136M step under the profiler (its lanes show where
-# the training thread waits), the 136M rows with FSDP2 beside them, the 1.34B rows with offload (batch 8 and 32),
-# the offloaded step's timeline, then the exactness checks of offload's CUDA schedule. Each part has its own time
+# order a short lease should spend its time: every feature once on the device (a minute; a crash there is the
+# worst finding), stage 3's host-bound 136M step under the profiler (its lanes show where the training thread
+# waits), the 136M rows with FSDP2 beside them, the 1.34B rows with offload, the offloaded step's timeline, the
+# exactness checks of offload's CUDA schedule, then batch 32. Each part has its own time
 # limit, so a slow part costs its own figures and not the rest; everything goes to $OUT (the device tool's folder:
 # at most 8 files come back, so a part's profiler tables are appended to its log) or ./gpu-session. PARTS picks
 # parts, so that a lease can spend two calls on one warm machine (each bench_gpu run costs ~20 s of start-up).
 #
-#   bash benchmarks/gpu_session.sh                                            # every part, in order (~15 minutes)
-#   PARTS="profile_136m 136m 1p34b" bash benchmarks/gpu_session.sh            # call 1 (timeout_s=520)
-#   PARTS="timeline cuda_checks batch32" bash benchmarks/gpu_session.sh       # call 2, on the warm machine (timeout_s=330)
+#   bash benchmarks/gpu_session.sh                                            # every part, in order (~16 minutes)
+#   PARTS="cuda_features profile_136m 136m" bash benchmarks/gpu_session.sh    # call 1 (timeout_s=420)
+#   PARTS="1p34b timeline cuda_checks" bash benchmarks/gpu_session.sh         # call 2, on the warm machine (what is left)
 #   DRY=1 bash benchmarks/gpu_session.sh                                      # print the commands only
 # The device image has torch, Lightning and torchmetrics; this package runs from the working tree.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-gpu-session}"
 PY="${PY:-$(command -v python3 || command -v python)}"
-PARTS="${PARTS:-profile_136m 136m 1p34b timeline cuda_checks batch32}"
+PARTS="${PARTS:-cuda_features profile_136m 136m 1p34b timeline cuda_checks batch32}"
 mkdir -p "$OUT"
 PROFILES="${TMPDIR:-/tmp}/gpu-session-profiles-$$"  # bench_gpu makes it
 LARGE='{"vocab_size": 32768, "block_size": 1024, "n_layer": 24, "n_head": 16, "n_embd": 2048}'
@@ -43,6 +44,8 @@ if [ -z "${DRY:-}" ]; then
         || { echo "lightning_zero does not import here: nothing else is worth running"; exit 1; }
 fi
 
+# Every feature once on the device, against ddp, the plain run of its stage or the uninterrupted run.
+part cuda_features 90 "$PY" benchmarks/cuda_features.py
 # Issue 39: stage 3 on the 136M GPT took 2.9x DDP's step on the H200 (1.09x on the H100 earlier): where its
 # training thread waits, beside FSDP2's, from the profiler's lanes (timeline.py) and operator tables.
 part profile_136m 80 "$PY" benchmarks/bench_gpu.py --part profile --profile-dir "$PROFILES" --systems zero3,fsdp2 \

@@ -15,12 +15,27 @@ SCRIPT = ROOT / "benchmarks" / "cuda_checks.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import cuda_checks  # noqa: E402
+import cuda_features  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_refuses_without_cuda(capsys) -> None:
     assert cuda_checks.main([]) == 2
     assert "needs a CUDA device (or --accelerator cpu)" in capsys.readouterr().err
+    assert cuda_features.main([]) == 2
+    assert "needs a CUDA device (or --accelerator cpu)" in capsys.readouterr().err
+
+
+@pytest.mark.full
+def test_every_feature_row_passes_on_the_cpu() -> None:
+    """benchmarks/cuda_features.py, the device's feature rows, through its CPU switch: each row ran and passed."""
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_features.py"), "--accelerator", "cpu"],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and line.endswith(" |")]
+    kinds = {row[0][2:] for row in rows[1:]}  # after the header
+    assert kinds == {"vs ddp", "vs plain", "trains", "resumed", "monitor"}, rows
+    assert all(row[-1] == "ok |" for row in rows[1:]) and len(rows) - 1 == 26, rows
 
 
 @pytest.mark.full
