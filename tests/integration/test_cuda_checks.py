@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.integration import background
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "cuda_checks.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -26,7 +28,7 @@ def test_refuses_without_cuda(capsys) -> None:
     assert "needs a CUDA device (or --accelerator cpu)" in capsys.readouterr().err
 
 
-@pytest.mark.full
+@background.in_background
 def test_every_feature_row_passes_on_the_cpu() -> None:
     """benchmarks/cuda_features.py, the device's feature rows, through its CPU switch: each row ran and passed."""
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_features.py"), "--accelerator", "cpu"],
