@@ -13,12 +13,14 @@ parameters. Four kinds of row:
 * features that change no arithmetic against the plain run of their stage (fp32, within 1e-5): activation
   checkpointing with dropout (the recomputation must replay the device's RNG), unit sizes, a ``wrap_policy``,
   ``overlap_comm=False``, ``reduce_every_microbatch``, tied weights, ``init_weights`` from a safetensors file;
+* host state under the device's mesh (the optimizer, the parameters, half the optimizer offloaded) with clipping,
+  whose norm reduces host gradients over the device's backend, against the same clipped run on the device (5e-4);
 * inexact features (compressed collectives) must train: a finite loss within 5% of the plain run's (at world
   size 1 nothing is sent, so on one device these rows show only that the settings run there);
 * a run saved halfway and resumed against the uninterrupted run, bit for bit (bf16-mixed): full and sharded
   checkpoints, synchronous and asynchronous saves, with the optimizer and the parameters offloaded;
 
-and ``ZeroMonitor`` must report the device's peak memory. Exit status 1 when a row fails.
+and ``ZeroMonitor`` must report the device's peak memory and the norm of offloaded gradients. Exit status 1 when a row fails.
 """
 
 from __future__ import annotations
@@ -154,6 +156,27 @@ def exact_features(args: argparse.Namespace, report: Report, tmp: Path) -> None:
         report.attempt("vs plain", name, check)
 
 
+def offloaded(args: argparse.Namespace, report: Report) -> None:
+    """Host state under the device's mesh, where norms and gathers must stage through the device: clipped runs
+    against the same run on the device (the host steps with another AdamW kernel, so within 5e-4)."""
+    rows = [
+        ("offload_optimizer, clip 0.5, stage 2", 2, dict(offload_optimizer=True)),
+        ("offload_optimizer, clip 0.5, stage 3", 3, dict(offload_optimizer=True)),
+        ("offload_params, clip 0.5, stage 3", 3, dict(offload_optimizer=True, offload_params=True)),
+        ("offload_optimizer=0.5 (partial), clip 0.5, stage 2", 2, dict(offload_optimizer=0.5)),
+    ]
+    clipped = dict(gradient_clip_val=0.5)
+    plain: dict[int, Params] = {}
+    for name, stage, settings in rows:
+        def check(stage: int = stage, settings: dict = settings, name: str = name) -> None:
+            if stage not in plain:
+                plain[stage] = fit(args, ZeroStrategy(stage=stage), trainer=clipped)[0]
+            got, _, _ = fit(args, ZeroStrategy(stage=stage, **settings), trainer=clipped)
+            diff = max_diff(got, plain[stage])
+            report.row("offloaded", name, f"{diff:.1e}", diff <= 5e-4)
+        report.attempt("offloaded", name, check)
+
+
 def inexact_features(args: argparse.Namespace, report: Report) -> None:
     rows = [
         *((f"gradient_compression=int8, stage {s}", s, dict(gradient_compression="int8")) for s in (1, 2, 3)),
@@ -196,19 +219,22 @@ def resumed(args: argparse.Namespace, report: Report, tmp: Path) -> None:
 
 
 def monitored(args: argparse.Namespace, report: Report) -> None:
+    name = "ZeroMonitor with the gradient's norm, stage 3, offload_params"
+
     def check() -> None:
-        monitor = ZeroMonitor(log_every_n_steps=1)
-        fit(args, ZeroStrategy(stage=3, offload_optimizer=True), "bf16-mixed", callbacks=(monitor,))
+        monitor = ZeroMonitor(log_every_n_steps=1, grad_norm_type=2)
+        fit(args, ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True), "bf16-mixed", callbacks=(monitor,))
         peak = monitor.last.get("monitor/peak_MiB_rank0", math.nan)
-        report.row("monitor", "ZeroMonitor, stage 3 offloaded", f"peak {peak:.1f} MiB", peak > 0)
-    report.attempt("monitor", "ZeroMonitor, stage 3 offloaded", check)
+        norm = monitor.last.get("monitor/grad_2.0_norm", monitor.last.get("monitor/grad_2_norm", math.nan))
+        report.row("monitor", name, f"peak {peak:.1f} MiB, gradient norm {norm:.3f}", peak > 0 and math.isfinite(norm))
+    report.attempt("monitor", name, check)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--parts", default="ddp,exact,inexact,resumed,monitor", help="comma-separated")
+    p.add_argument("--parts", default="ddp,exact,offloaded,inexact,resumed,monitor", help="comma-separated")
     args = p.parse_args(argv)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("cuda_features.py needs a CUDA device (or --accelerator cpu).", file=sys.stderr)
@@ -223,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             against_ddp(args, report)
         if "exact" in parts:
             exact_features(args, report, Path(tmp))
+        if "offloaded" in parts:
+            offloaded(args, report)
         if "inexact" in parts:
             inexact_features(args, report)
         if "resumed" in parts:

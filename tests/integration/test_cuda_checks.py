@@ -36,8 +36,8 @@ def test_every_feature_row_passes_on_the_cpu() -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and line.endswith(" |")]
     kinds = {row[0][2:] for row in rows[1:]}  # after the header
-    assert kinds == {"vs ddp", "vs plain", "trains", "resumed", "monitor"}, rows
-    assert all(row[-1] == "ok |" for row in rows[1:]) and len(rows) - 1 == 26, rows
+    assert kinds == {"vs ddp", "vs plain", "offloaded", "trains", "resumed", "monitor"}, rows
+    assert all(row[-1] == "ok |" for row in rows[1:]) and len(rows) - 1 == 30, rows
 
 
 @pytest.mark.full
