@@ -3,6 +3,7 @@
     python benchmarks/bench_host_step.py                          # 1e7, 3e7, 1e8 elements; 1, 2, all threads
     python benchmarks/bench_host_step.py --sizes 1e6 --threads 1,2 --steps 3 --warmup 1
     python benchmarks/bench_host_step.py --impls torch-fused,torch-forloop --tensors 1 --json host_step.json
+    python benchmarks/bench_host_step.py --impls torch-fused --threads 15,16 --busy 1   # a core taken meanwhile
 
 With ``offload_optimizer`` the optimizer steps fp32 masters in host memory, and ``torch.optim.AdamW`` runs there
 with torch's fused CPU kernel when the user left the kernel to torch (``host_kernel`` in ``engine/offload.py``):
@@ -116,11 +117,20 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
             "setup_s": setup_s}
 
 
-def spawn_cell(cell: dict[str, Any]) -> dict[str, Any]:
+def spawn_cell(cell: dict[str, Any], busy: int = 0) -> dict[str, Any]:
+    """One cell in a fresh process, beside ``busy`` processes that each keep a core spinning: the offloaded step's
+    host AdamW runs while the training thread (and, on a GPU, a thread spinning in a CUDA synchronisation) holds a
+    core, and a ``parallel_for`` split evenly over every core waits for its slowest part."""
     n = str(cell["threads"])
     env = {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cell)], env=env, capture_output=True,
-                          text=True)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cell)], env=env, capture_output=True,
+                              text=True)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not lines:
         return {**cell, "error": ((proc.stderr or proc.stdout).strip().splitlines() or [f"rc {proc.returncode}"])[-1]}
@@ -178,6 +188,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
     p.add_argument("--steps", type=int, default=5, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--busy", type=int, default=0, help="cores kept spinning by other processes meanwhile")
     p.add_argument("--json", help="also write every result here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -196,7 +207,8 @@ def main() -> None:
     has_ds = importlib.util.find_spec("deepspeed") is not None
     ds_version = importlib.metadata.version("deepspeed") if has_ds else "not installed"
     print(f"cpus {os.cpu_count()} (affinity {all_threads}), torch {torch.__version__}, deepspeed {ds_version}; "
-          f"{args.steps} measured steps after {args.warmup}, median")
+          f"{args.steps} measured steps after {args.warmup}, median"
+          + (f"; {args.busy} core(s) kept busy by other processes meanwhile" if args.busy else ""))
     if "deepspeed" in impls and not has_ds:
         print(f"deepspeed is not installed: its rows are left out ({INSTALL_HINT})")
         impls.remove("deepspeed")
@@ -215,7 +227,7 @@ def main() -> None:
     results = []
     for size in sizes:
         rows = [spawn_cell(dict(size=size, tensors=args.tensors, threads=n, impl=impl, steps=args.steps,
-                                warmup=args.warmup)) for impl in impls for n in threads]
+                                warmup=args.warmup), args.busy) for impl in impls for n in threads]
         results += rows
         print_table(size, rows, threads, all_threads)
     if args.json:

@@ -66,6 +66,18 @@ What stays exact is the bookkeeping:
 * training ends with the pending update landed: the module holds every step's update.
 
 Evaluation inside ``fit`` sees the parameters forward computes with, one update behind the masters.
+
+[Note: host-step threads]
+A host step in the worker runs beside the threads that drive an accelerator: the training thread (the next forward,
+the parts' copies) and autograd's device thread (backward's kernels), either of which spins a core while it waits for
+the device. torch's CPU kernels split their work evenly over the intra-op threads and wait for the slowest share, so
+a core another thread holds slows the whole step: with one of 2 cores kept busy, the fused AdamW step over 3e7
+elements took 39.4 ms on 2 threads and 20.5 ms on one (``benchmarks/bench_host_step.py --busy 1``), and on an H200
+the 1.34B GPT's host step took 353 ms a step when its parts ran beside backward, against 218 ms for the same kernel
+over the same elements in the delayed schedule (``benchmarks/results/2026-12-04-h200.md``). With an accelerator the
+worker steps with :data:`CORES_LEFT_TO_TRAINING` fewer threads than the process's budget (OpenMP keeps the count
+per thread, so the training thread keeps its own). On a CPU the training computes with every thread itself, and the
+worker takes torch's count.
 """
 
 from __future__ import annotations
@@ -94,18 +106,44 @@ class PendingUpdate:
             self.future.result()
 
 
-class HostSteps:
-    """The worker thread host steps run in, one engine's steps in the order they were started. On a CUDA ``device``
-    the thread works with that device current (as DataLoader's pinning thread does): its first CUDA call (waiting for
-    a copy's event) would otherwise open a context on device 0 from every rank."""
+#: Cores a host step beside training leaves to the training thread and autograd's device thread (see [Note:
+#: host-step threads]).
+CORES_LEFT_TO_TRAINING = 2
 
-    def __init__(self, device: torch.device | None = None) -> None:
+
+def host_step_threads(device: torch.device | None, budget: int | None = None) -> int | None:
+    """Intra-op threads for host steps beside training on ``device`` (see [Note: host-step threads]); None: torch's
+    own count. ``budget``: the process's threads (default ``torch.get_num_threads()``)."""
+    if device is None or device.type == "cpu":
+        return None
+    budget = torch.get_num_threads() if budget is None else budget
+    return max(1, budget - CORES_LEFT_TO_TRAINING)
+
+
+class HostSteps:
+    """The worker thread host steps run in, one engine's steps in the order they were started, with ``threads``
+    intra-op threads (default :func:`host_step_threads`). On a CUDA ``device`` the thread works with that device
+    current (as DataLoader's pinning thread does): its first CUDA call (waiting for a copy's event) would otherwise
+    open a context on device 0 from every rank."""
+
+    def __init__(self, device: torch.device | None = None, threads: int | None = None) -> None:
+        threads = host_step_threads(device) if threads is None else threads
+
         def use_device() -> None:
+            if threads is not None:
+                torch.set_num_threads(threads)
+                torch.get_num_threads()  # torch takes a thread's count on its first query: take it now
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="lightning_zero-host-step", initializer=use_device)
         self._last: Future[object] | None = None
+        if threads is not None:
+            # torch also records the worker's count as the one threads started later begin with: the worker takes
+            # it now, and the training thread puts its own back.
+            own = torch.get_num_threads()
+            self._pool.submit(lambda: None).result()
+            torch.set_num_threads(own)
 
     def start(self, step: Callable[[], object]) -> PendingUpdate:
         self._last = self._pool.submit(step)

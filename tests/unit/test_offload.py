@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lightning_zero.engine.host_steps import HostSteps, host_step_threads
 from lightning_zero.engine.offload import MasterShards, host_kernel, should_pin
 
 
@@ -181,3 +182,25 @@ def test_finished_units_are_told_in_reduction_order_once_their_gradients_are_mad
     finished.reduced(4, landed=True)
     finished.announce()
     assert told == [0, 1, 2, 3]
+
+
+def test_host_steps_beside_an_accelerator_leave_the_cores_that_drive_it():
+    """[Note: host-step threads]: with an accelerator the worker steps with two threads fewer than the budget (at
+    least one), in its own thread only; on a CPU it keeps torch's count."""
+    assert host_step_threads(torch.device("cuda", 0), budget=16) == 14
+    assert host_step_threads(torch.device("cuda", 0), budget=2) == 1
+    assert host_step_threads(torch.device("cpu"), budget=16) is None and host_step_threads(None) is None
+    before = torch.get_num_threads()
+    worker = HostSteps(torch.device("cpu"), threads=1)
+    try:
+        stepped = worker.start(torch.get_num_threads)
+        stepped.wait()
+        assert stepped.future is not None and stepped.future.result() == 1
+        assert torch.get_num_threads() == before  # the training thread keeps its own
+    finally:
+        worker.close()
+    worker = HostSteps(torch.device("cpu"))
+    try:
+        assert worker.start(torch.get_num_threads).future.result() == before  # type: ignore[union-attr]
+    finally:
+        worker.close()
