@@ -1,22 +1,22 @@
 # One device call's worth of GPU measurements for the open speed issues (host overhead, offload overlap), in the
 # order a short lease should spend its time: every feature once on the device (a minute; a crash there is the
 # worst finding), stage 3's host-bound 136M step under the profiler (its lanes show where the training thread
-# waits), the 136M rows with FSDP2 beside them, the 1.34B rows with offload, the offloaded step's timeline, the
-# exactness checks of offload's CUDA schedule, then batch 32. Each part has its own time
+# waits), the 136M rows with FSDP2 beside them, the 1.34B rows with offload, the offloaded step's timeline, the host
+# step beside busy cores, the exactness checks of offload's CUDA schedule, then batch 32. Each part has its own time
 # limit, so a slow part costs its own figures and not the rest; everything goes to $OUT (the device tool's folder:
 # at most 8 files come back, so a part's profiler tables are appended to its log) or ./gpu-session. PARTS picks
 # parts, so that a lease can spend two calls on one warm machine (each bench_gpu run costs ~20 s of start-up).
 #
 #   bash benchmarks/gpu_session.sh                                            # every part, in order (~16 minutes)
 #   PARTS="cuda_features profile_136m 136m" bash benchmarks/gpu_session.sh    # call 1 (timeout_s=420)
-#   PARTS="1p34b timeline cuda_checks" bash benchmarks/gpu_session.sh         # call 2, on the warm machine (what is left)
+#   PARTS="1p34b timeline host_step cuda_checks" bash benchmarks/gpu_session.sh   # call 2, warm machine (what is left)
 #   DRY=1 bash benchmarks/gpu_session.sh                                      # print the commands only
 # The device image has torch, Lightning and torchmetrics; this package runs from the working tree.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-gpu-session}"
 PY="${PY:-$(command -v python3 || command -v python)}"
-PARTS="${PARTS:-cuda_features profile_136m 136m 1p34b timeline cuda_checks batch32}"
+PARTS="${PARTS:-cuda_features profile_136m 136m 1p34b timeline host_step cuda_checks batch32}"
 mkdir -p "$OUT"
 PROFILES="${TMPDIR:-/tmp}/gpu-session-profiles-$$"  # bench_gpu makes it
 LARGE='{"vocab_size": 32768, "block_size": 1024, "n_layer": 24, "n_head": 16, "n_embd": 2048}'
@@ -60,6 +60,10 @@ part 1p34b 200 "$PY" benchmarks/bench_gpu.py --part throughput --model "$LARGE" 
 # Issue 40: what overlaps in the offloaded step (copy streams, the host-step thread, compute), exact and delayed.
 part timeline 110 "$PY" benchmarks/bench_gpu.py --part profile --profile-dir "$PROFILES" --model "$LARGE" \
     --steps 2 --warmup 2 --systems zero2+offload,zero2+offload_delay
+# Issue 40: the host AdamW step beside busy cores (the training and autograd threads), every thread against two fewer
+# ([Note: host-step threads]).
+part host_step 60 "$PY" benchmarks/bench_host_step.py --impls torch-fused --sizes 1e8 --threads 14,16 --busy 2 \
+    --steps 3 --warmup 1
 # Offload's schedules on a copy stream: every overlap_comm pair bit for bit, parts started during backward; fits after
 # validate and predict (evaluated under inference mode on NCCL unless the strategy says otherwise); EMA resumed.
 part cuda_checks 120 "$PY" benchmarks/cuda_checks.py
