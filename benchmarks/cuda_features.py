@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--parts", default="ddp,exact,offloaded,inexact,resumed,monitor", help="comma-separated")
+    p.add_argument("--parts", default="ddp,exact,offloaded,inexact,resumed,monitor", help="comma-separated groups")
     args = p.parse_args(argv)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("cuda_features.py needs a CUDA device (or --accelerator cpu).", file=sys.stderr)
@@ -245,18 +245,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| kind | row | figure | result |\n|---|---|---|---|", flush=True)
     report, parts = Report(), set(args.parts.split(","))
     with tempfile.TemporaryDirectory(prefix="cuda_features_") as tmp:
-        if "ddp" in parts:
-            against_ddp(args, report)
-        if "exact" in parts:
-            exact_features(args, report, Path(tmp))
-        if "offloaded" in parts:
-            offloaded(args, report)
-        if "inexact" in parts:
-            inexact_features(args, report)
-        if "resumed" in parts:
-            resumed(args, report, Path(tmp))
-        if "monitor" in parts:
-            monitored(args, report)
+        groups = {
+            "ddp": lambda: against_ddp(args, report), "exact": lambda: exact_features(args, report, Path(tmp)),
+            "offloaded": lambda: offloaded(args, report), "inexact": lambda: inexact_features(args, report),
+            "resumed": lambda: resumed(args, report, Path(tmp)), "monitor": lambda: monitored(args, report),
+        }
+        for name, run in groups.items():
+            if name in parts:
+                run()
     print("\n".join(["", "FAILED:", *report.failed]) if report.failed else "\nall rows passed")
     return 1 if report.failed else 0
 
