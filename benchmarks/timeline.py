@@ -4,8 +4,8 @@ A lane is one host thread or one device stream of a ``torch.profiler`` trace. Of
 lanes: gradient copies ride a copy stream while the compute stream runs backward, the host optimizer steps in a
 worker thread meanwhile, and updated rows travel back while the host steps the next part. Per-operator tables
 (``key_averages``) cannot show that; the union of each lane's event intervals, and its intersection with the
-compute stream's, can. The compute stream is the device lane with the most kernel time (on a CPU-only trace there
-is none, and the overlap column compares with the busiest host thread instead).
+compute stream's, can. The compute stream is taken to be the busiest device lane (on a CPU-only trace there is
+none, and the overlap column compares with the busiest host thread instead).
 
 Host threads must be profiled at all: ``torch.profiler`` records only the thread that entered it unless asked for
 every thread (``profile_all_threads``, torch's experimental config), which :func:`profiler_config` requests.
@@ -58,10 +58,13 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return total
 
 
-def lanes(profiler: Any) -> dict[str, Any]:
+Lane = tuple[str, int]  # ("thread", its id) or ("stream", its id)
+
+
+def lanes(profiler: Any) -> dict[Lane, tuple[list[tuple[int, int]], dict[str, int]]]:
     """Per lane: its merged busy intervals and its costliest event names, from a finished profiler's Kineto events."""
-    intervals: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
-    names: dict[tuple[str, int], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    intervals: dict[Lane, list[tuple[int, int]]] = defaultdict(list)
+    names: dict[Lane, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for event in profiler.profiler.kineto_results.events():
         name = event.name()
         if any(label in name for label in _WINDOW_LABELS):
