@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -57,6 +58,40 @@ def test_modules_of_one_fully_shard_call_share_one_group():
         assert len(fsdp2_private.param_groups(module)) == 2  # the merged pair's and the root's
         assert fsdp2_private.unit_heads(module) == [module, module[0]]  # one module per call, first in module order
         assert len(list(fsdp2_private.sharded_params(module[1]))) == 4  # both Linears' weights and biases
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_merged_unit_listed_once_per_module_is_reduced_once_a_backward():
+    """[Note: a merged unit's post-backward called again]: torch 2.11 lists a ``fully_shard([a, b])`` call's state once
+    per module, and its final callback ran the unit's post-backward again after the unit was reduced, each time
+    zero-filling and reducing every parameter. The state is listed twice here as torch 2.11 lists it; the unit is
+    still completed and reduced once a backward, with the gradients of one reduction."""
+    assert not dist.is_initialized()
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard([module[0], module[1]], mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        merged = fsdp2_private.own_groups(module[0])[0]
+        completed: list[Any] = []
+        for group in fsdp2_private.param_groups(module):
+            fsdp2_private.watch_post_backward(
+                group, lambda g: completed.append(g) if g is merged else None)
+        x = torch.randn(3, 4)
+        module(x).square().sum().backward()  # FSDP2's lazy initialisation built the state list
+        first = [p.grad.full_tensor().clone() for p in module[0].parameters()]
+        state = module[0]._get_fsdp_state()
+        state._state_ctx.all_states.append(state)  # as torch 2.11 lists it: once per module of the call
+        for p in module.parameters():
+            p.grad = None
+        completed.clear()
+        module(x).square().sum().backward()
+        assert completed == [merged]
+        assert all(torch.equal(p.grad.full_tensor(), g) for p, g in zip(module[0].parameters(), first))
     finally:
         dist.destroy_process_group()
 

@@ -276,10 +276,26 @@ def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
     inside ``training_step``) leaves the unit gathered instead, as ``set_reshard_after_backward(False)`` would: the
     graph it builds holds the gathered parameters, which the loss's backward reads later (FSDP2 alone frees their
     storage there, and that backward fails). It produces no gradients of the parameters to complete; the loss's
-    backward reshards the unit."""
+    backward reshards the unit.
+
+    [Note: a merged unit's post-backward called again]
+    torch 2.11's FSDP2 lists a ``fully_shard([a, b, ...])`` call's state once per module in its root's state list
+    (torch 2.13 lists it once), and its final callback runs the post-backward of every listed state it finds idle,
+    marking each idle after it: each listing after the first ran the unit's post-backward again, after its
+    gradients were reduced. FSDP2 alone then finds nothing to reduce, but ``before`` gave every parameter a zero
+    gradient again and the unit was reduced again, zeros, once per further module of the call: a zero tensor per
+    parameter and a reduce-scatter each time, host work a GPU waits for. A post-backward in the
+    backward that already reduced the unit, with no gradient left in it, is that call, and is skipped. A unit run
+    twice in one forward (ALBERT's shared block) is reduced once per run, each with gradients, and a unit no
+    gradient reached on this rank (an expert other ranks used) is reduced once, its first call."""
     post_backward = type(group).post_backward
+    reduced_in = [-2]  # the backward (autograd graph task) whose post-backward last ran here
 
     def watched(*unused: Any) -> None:
+        task = _graph_task_id()
+        if task != -1 and task == reduced_in[0] and not _holds_gradients(group):
+            return
+        reduced_in[0] = task
         if _in_backward_building_a_graph():
             reshard, group.reshard_after_backward = group.reshard_after_backward, False
             try:
@@ -301,6 +317,12 @@ def _in_backward_building_a_graph() -> bool:
     """Inside autograd's backward (a graph task runs; not a pipeline schedule calling post-backward itself, where
     grad mode is simply on) with ``create_graph=True`` (autograd keeps grad mode on there, off otherwise)."""
     return _graph_task_id() != -1 and torch.is_grad_enabled()
+
+
+def _holds_gradients(group: Any) -> bool:
+    """Whether any gathered parameter of ``group`` holds a gradient not yet reduced (or accumulated)."""
+    return any(p.unsharded_accumulated_grad is not None
+               or (hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None) for p in group.fsdp_params)
 
 
 def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
