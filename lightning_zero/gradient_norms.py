@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
 
 from lightning_zero.engine.api import ShardRecord
+from lightning_zero.engine import device_groups
 from lightning_zero.engine.comm import collectives
 from lightning_zero.strategy.zero_strategy import RUNNING, ZeroStrategy
 
@@ -91,8 +92,8 @@ def _reduced_norms(named: list[tuple[str, ShardRecord]], norm_type: float, group
     present = [(i, grad) for i, (_, record) in enumerate(named) if (grad := record.grad) is not None]
     partial = torch.zeros(2 * len(named), dtype=torch.float64, device=device)
     if present:
-        local = torch._foreach_norm([grad if grad.is_complex() else grad.float() for _, grad in present], norm_type)
-        values = torch.stack([norm.double() for norm in local]).to(device)
+        values = device_groups.norms([grad if grad.is_complex() else grad.float() for _, grad in present], norm_type,
+                                     device)  # partial offload: host and device gradients
         index = torch.tensor([i for i, _ in present], device=device)
         partial[index] = values if infinite else values.pow(norm_type)
         partial[len(named) + index] = 1.0

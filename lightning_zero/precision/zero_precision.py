@@ -40,6 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice
+from lightning_zero.engine import device_groups
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.mixed_precision import FP32_MODULES, PrecisionPolicy, to_dtype_but_declared_fp32
@@ -236,13 +237,17 @@ class ZeroPrecision(Precision):
         grads = self.engine.optimizer_shards(optimizer).local_gradients()
         # Offloaded gradients are host tensors: check them where they are.
         flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else self._device)
-        if grads:
-            # One fused pass that flags non-finite values (an unscale by 1 leaves the gradients as they are).
+        # One fused pass per device and dtype that flags non-finite values (an unscale by 1 leaves the gradients as
+        # they are); partial offload holds some on the host, some on the device.
+        for where, index in device_groups.by_device(grads).items():
+            here = flag if where == flag.device else torch.zeros(1, dtype=torch.float32, device=where)
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
+            for i in index:
+                by_dtype.setdefault(grads[i].dtype, []).append(grads[i])
             for same in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(same, flag, torch.ones(1, device=flag.device))
+                torch._amp_foreach_non_finite_check_and_unscale_(same, here, torch.ones(1, device=where))
+            if here is not flag:
+                flag += here.to(flag.device)
         collectives.all_reduce(flag, op=collectives.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
@@ -293,8 +298,7 @@ class ZeroPrecision(Precision):
         grads = self.engine.optimizer_shards(optimizer).local_gradients(for_change=True)
         total = global_grad_norm(grads, device=self._device, group=self.engine.norm_group)
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        device_groups.scale_(grads, coef)  # partial offload: host and device gradients
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
@@ -346,7 +350,7 @@ def global_grad_norm(local_grads: list[torch.Tensor], device: torch.device, grou
     all-reduce)."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if local_grads:
-        norms = torch._foreach_norm([g if g.is_complex() else g.float() for g in local_grads], 2.0)  # |g| if complex
-        squares = squares + torch.stack([n.double() for n in norms]).pow(2).sum()
+        floats = [g if g.is_complex() else g.float() for g in local_grads]  # |g| if complex
+        squares = squares + device_groups.norms(floats, 2.0, device).pow(2).sum()
     collectives.all_reduce(squares, group=group)
     return squares.sqrt().float()
