@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 from bench_core import FSDP2GPTModule, build_strategy, formula_split, model_state_bytes  # noqa: E402
 from host_profile import HostProfile, print_profiles  # noqa: E402
+from sync_points import SyncPoints, print_sync_points  # noqa: E402
 from timeline import profiler_config, summary as timeline_summary  # noqa: E402
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
@@ -98,7 +99,8 @@ def ladder(base: dict[str, int], rungs: int) -> list[dict[str, int]]:
 class GPUBenchCallback(L.Callback):
     """Times steps with device synchronisation and records peak device memory over the measured steps."""
 
-    def __init__(self, warmup: int, steps: int, profile_to: str | None = None, host_profile_steps: int = 0) -> None:
+    def __init__(self, warmup: int, steps: int, profile_to: str | None = None, host_profile_steps: int = 0,
+                 sync_steps: int = 0) -> None:
         self.warmup, self.steps = warmup, steps
         self.profile_to = profile_to  # a file: the profiler's tables over the measured steps (times then skewed)
         self.profiler: Any = None
@@ -106,6 +108,10 @@ class GPUBenchCallback(L.Callback):
         self.host_profile_steps = host_profile_steps
         self.host = HostProfile()
         self.host_summary: dict[str, Any] | None = None
+        #: Steps after those under sync debug mode (sync_points.py): where the host waits for the device.
+        self.sync_steps = sync_steps
+        self.syncs = SyncPoints()
+        self.sync_summary: list[dict[str, Any]] | None = None
         self.times: list[float] = []
         self.cpu_seconds = 0.0  # the training process's CPU time (every thread) over the measured steps
         self.state: dict[str, int] = {}
@@ -126,6 +132,8 @@ class GPUBenchCallback(L.Callback):
             self.profiler.__enter__()
         if self._host_profiled(batch_idx):
             self.host.enter()
+        if self._sync_probed(batch_idx) and device.type == "cuda":
+            self.syncs.enter()
         self._t0 = time.perf_counter()
         self._cpu0 = time.process_time()
 
@@ -133,8 +141,16 @@ class GPUBenchCallback(L.Callback):
         start = self.warmup + self.steps
         return start <= batch_idx < start + self.host_profile_steps
 
+    def _sync_probed(self, batch_idx: int) -> bool:
+        start = self.warmup + self.steps + self.host_profile_steps
+        return start <= batch_idx < start + self.sync_steps
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         device = trainer.strategy.root_device
+        if self._sync_probed(batch_idx) and device.type == "cuda":
+            self.syncs.leave()
+            if batch_idx == self.warmup + self.steps + self.host_profile_steps + self.sync_steps - 1:
+                self.sync_summary = self.syncs.summary(self.sync_steps)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if self.warmup <= batch_idx < self.warmup + self.steps:
@@ -179,12 +195,12 @@ def run_one(args: argparse.Namespace) -> None:
     shape = json.loads(args.shape)
     config = GPTConfig(**shape, dropout=0.0, bias=True)
     devices = args.devices
-    total = args.warmup + args.steps + args.host_profile_steps
+    total = args.warmup + args.steps + args.host_profile_steps + args.sync_steps
     data = RandomTokenDataModule(
         vocab_size=config.vocab_size, block_size=config.block_size, batch_size=args.batch_size,
         num_samples=2 * total * args.batch_size * devices,
     )
-    bench = GPUBenchCallback(args.warmup, args.steps, args.profile_to, args.host_profile_steps)
+    bench = GPUBenchCallback(args.warmup, args.steps, args.profile_to, args.host_profile_steps, args.sync_steps)
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=devices, strategy=build_strategy(args.system, devices),
         precision=args.precision, max_steps=total, logger=False, enable_checkpointing=False,
@@ -215,7 +231,7 @@ def run_one(args: argparse.Namespace) -> None:
         "peak_allocated": bench.peak_allocated, "state": bench.state,
         "formula_device": formula_device, "formula_host": formula_host,
         "host_pinned_fraction": pinned_fraction(getattr(trainer.strategy, "engine", None)),
-        "torch": torch.__version__, "host_profile": bench.host_summary,
+        "torch": torch.__version__, "host_profile": bench.host_summary, "syncs": bench.sync_summary,
     }
     Path(args.out).write_text(json.dumps(result) + "\n")
 
@@ -224,14 +240,14 @@ def run_one(args: argparse.Namespace) -> None:
 
 
 def launch(system: str, shape: dict[str, int], args: argparse.Namespace, workdir: Path, steps: int, warmup: int,
-           batch_size: int, host_profile_steps: int = 0) -> tuple[dict[str, Any] | None, str]:
+           batch_size: int, host_profile_steps: int = 0, sync_steps: int = 0) -> tuple[dict[str, Any] | None, str]:
     """One system in a fresh process: (its result or None, why not: 'ok', 'out of memory', 'timeout', 'error')."""
     out = workdir / f"{system}-{shape['n_layer']}x{shape['n_embd']}.json"
     cmd = [
         sys.executable, os.path.abspath(__file__), "--one", system, "--out", str(out), "--shape", json.dumps(shape),
         "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size), "--devices", str(args.devices),
         "--precision", args.precision, "--accelerator", args.accelerator,
-        "--host-profile-steps", str(host_profile_steps),
+        "--host-profile-steps", str(host_profile_steps), "--sync-steps", str(sync_steps),
     ] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
     if args.part == "profile":
         cmd += ["--profile-to", str(Path(args.profile_dir) / f"profile_{system.replace('+', '_')}.txt")]
@@ -257,14 +273,17 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     for round_index in range(args.rounds):  # interleaved: a slow spell of the host hits every system alike
         for system in args.systems:
             result, _ = launch(system, shape, args, workdir, args.steps, args.warmup, args.batch_size,
-                               args.host_profile_steps if round_index == 0 else 0)
+                               *((args.host_profile_steps, args.sync_steps) if round_index == 0 else (0, 0)))
             if result is not None:
                 runs[system].append({**result, "round": round_index})
-                print(json.dumps({k: v for k, v in result.items() if k != "host_profile"}), flush=True)
+                print(json.dumps({k: v for k, v in result.items() if k not in ("host_profile", "syncs")}), flush=True)
         if round_index == 0:  # now, not after the last round: a run cut short by its time limit keeps them
             print_profiles({s: r[0].get("host_profile") for s, r in runs.items() if r},
                            f"The training thread under cProfile over {args.host_profile_steps} steps after the measured "
                            "ones, self time in ms per step, by package")
+            print_sync_points({s: r[0].get("syncs") for s, r in runs.items() if r},
+                              f"Where the host waited for the device, over {args.sync_steps} steps under torch's sync "
+                              "debug mode (synchronising calls from Python, by stack, innermost frame last)")
     results = [combine_rounds(rounds, runs.get("ddp", [])) for rounds in runs.values() if rounds]
     rows = [[
         r["system"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
@@ -372,6 +391,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per device for MFU")
     p.add_argument("--host-profile-steps", type=int, default=0,
                    help="steps after the measured ones under cProfile: host time by package (host_profile.py; 0: none)")
+    p.add_argument("--sync-steps", type=int, default=0,
+                   help="steps after those under sync debug mode: the host's waits for the device by stack (0: none)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run before it is killed")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test of the CUDA paths")
     p.add_argument("--accelerator", default="cuda", help=argparse.SUPPRESS)  # "cpu": develop the script without a GPU
