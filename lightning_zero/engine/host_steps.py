@@ -67,6 +67,16 @@ What stays exact is the bookkeeping:
 
 Evaluation inside ``fit`` sees the parameters forward computes with, one update behind the masters.
 
+[Note: the delayed update in parts]
+The rows a delayed host step sends to the device read the masters the next host step writes, so that step must wait
+for their copies. Waiting for all of them put every copy and the whole step end to end on the host's side of the
+schedule, each step, where the copies of a large model's fp32 rows take half as long as its step. The rows go a
+part at a time (the offloaded step's parts: runs of buckets in the order the next forward needs them), an event
+behind each part's copies, and the next host step steps the same parts in that order, each after its own event:
+the first part starts once its own rows have left, and the later parts' copies run while the earlier parts step.
+Each parameter's update is the one of a single call over all of them (``optimizers.steps_in_parts``; an optimizer
+that cannot step in parts steps in one call behind every copy).
+
 [Note: host-step threads]
 A host step in the worker runs beside the threads that drive an accelerator: the training thread (the next forward,
 the parts' copies) and autograd's device thread (backward's kernels), either of which spins a core while it waits for

@@ -144,6 +144,10 @@ def stepping_view(optimizer: Optimizer) -> Optimizer:
     return view
 
 
+#: ``id(param)`` -> (its stand-in, its gradient for the step), or None: the parameter sits the step out.
+Standins = dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]
+
+
 @contextlib.contextmanager
 def hosted_params(
     optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None] | None]

@@ -25,12 +25,14 @@ STEPS, ACCUMULATE, BATCH, CLIP = 4, 2, 4, 0.5
 
 
 class ThreadNotingAdamW(torch.optim.AdamW):
-    """AdamW that notes the thread each of its steps ran in."""
+    """AdamW that notes the thread each of its steps ran in, and counts its calls."""
 
     threads: set[str] = set()
+    calls = 0
 
     def step(self, closure=None):
         ThreadNotingAdamW.threads.add(threading.current_thread().name)
+        ThreadNotingAdamW.calls += 1
         return super().step(closure)
 
 
@@ -85,7 +87,7 @@ def exactness() -> dict:
         L.seed_everything(7)
         module = NotingRegression()
         initial = {k: v.clone() for k, v in module.state_dict().items()}
-        ThreadNotingAdamW.threads = set()
+        ThreadNotingAdamW.threads, ThreadNotingAdamW.calls = set(), 0
         t = trainer(
             ZeroStrategy(stage=stage, bucket_size_mb=0.001, state_dict_type="full", **DELAYED),
             max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
@@ -93,7 +95,8 @@ def exactness() -> dict:
         t.fit(module, models.loader(data, BATCH))
         final = t.strategy.full_state_dict()
         module_now = {n: p.detach().clone() for n, p in module.named_parameters()}
-        threads = sorted(ThreadNotingAdamW.threads)
+        threads, calls = sorted(ThreadNotingAdamW.threads), ThreadNotingAdamW.calls
+        parts = len(t.strategy.engine.optimizer_shards(t.optimizers[0]).parts)
         if RANK == 0:
             exact, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
                                                accumulate=ACCUMULATE, clip=CLIP, optimizer=noting_optimizer)
@@ -103,6 +106,8 @@ def exactness() -> dict:
                 "param_diff_exact": max_diff(final, exact),
                 "module_diff_final": max_diff(module_now, final),
                 "threads": threads,
+                "host_step_calls": calls,
+                "parts": parts,
             }
     out["stage2_overflow"] = overflow_skips_step(2, **DELAYED)
     out["ema"] = exponential_average()

@@ -240,10 +240,12 @@ def test_partial_offload_in_bf16_mixed_equals_no_offload(report):
 def test_the_delayed_update_is_zero_offloads_dpu_step_for_step(report, stage):
     """``offload_step_delay=1``, 4 steps of 2 accumulated micro-batches, clipping, 2 param groups, StepLR: the
     parameters of plain PyTorch running the delayed update (each step computes with the parameters of two steps
-    back), not those of the exact step; the host steps ran in the worker thread, and the module ends with every
-    update landed."""
+    back), not those of the exact step; the host steps ran in the worker thread, each after the first a part at a
+    time ([Note: the delayed update in parts]: one call for the first, whose rows nothing sent yet), and the module
+    ends with every update landed."""
     result = report["delayed"][f"stage{stage}"]
     assert result["steps"] == 4
+    assert result["parts"] >= 2 and result["host_step_calls"] == 1 + 3 * result["parts"]
     assert result["param_diff_reference"] <= 1e-5
     assert result["param_diff_exact"] > 1e-3, "the update must be delayed"
     assert result["threads"] == ["lightning_zero-host-step_0"]

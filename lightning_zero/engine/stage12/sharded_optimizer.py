@@ -37,8 +37,11 @@ from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout
 from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
-from lightning_zero.engine.optimizers import has_step_hooks, hosted_params, stepping_view, steps_in_parts, steps_whole
+from lightning_zero.engine.optimizers import (
+    Standins, has_step_hooks, hosted_params, stepping_view, steps_in_parts, steps_whole,
+)
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
+from lightning_zero.engine.stage12.delayed_parts import host_step, runs_behind_copies
 from lightning_zero.engine.stage12.grad_records import finalize_landed
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.written_rows import WrittenRows
@@ -215,7 +218,7 @@ class ShardedOptimizer:
         with hosted_params(self.optimizer, standins):
             yield
 
-    def _standins(self, part: Sequence[int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
+    def _standins(self, part: Sequence[int] | None = None) -> Standins:
         """``id(param)`` -> (its shard, its gradient for the step) for the shard-stepped parameters of ``part``."""
         whole = set(self.whole)
         grads = {i: self.reducer.local_grad(i) for i in (self.indices if part is None else part) if i not in whole}
@@ -305,7 +308,7 @@ class ShardedOptimizer:
                 f"{type(self.optimizer).__name__} has step hooks, and with offload_step_delay=1 its step runs in a "
                 "background thread while training goes on: remove the hooks or use offload_step_delay=0."
             )
-        self.land()
+        sent = self.land()
         masters = self.masters
         if masters is None:
             raise RuntimeError("a delayed update needs host masters")  # refused in __init__
@@ -313,23 +316,26 @@ class ShardedOptimizer:
         view = stepping_view(self.optimizer)
         masters.swap_gradient_buffers(self.indices)
         self.reducer.consume(self.indices)
-        queued = masters.copies_queued()  # the rows just sent read the masters this step writes
+        runs = runs_behind_copies(self.optimizer, self.parts, self.params, standins, sent, masters.copies_queued())
+        self.pending = host_steps.start(host_step(view, runs, kwargs))
 
-        def host_step() -> object:
-            if queued is not None:
-                queued.synchronize()
-            with hosted_params(view, standins), host_kernel(view):
-                return view.step(**kwargs)
-
-        self.pending = host_steps.start(host_step)
-
-    def land(self) -> None:
+    def land(self) -> list[torch.Event | None]:
         """The delayed update: wait for the host step in flight and bring its rows to every rank's parameters
-        (collective; nothing to do when none is pending)."""
+        (collective; nothing to do when none is pending), a part at a time. Returns, for each part, an event behind
+        the copies that read its masters (None without an accelerator: they were synchronous); none when nothing
+        was pending."""
         pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.wait()
+        if pending is None:
+            return []
+        pending.wait()
+        if self.masters is None or len(self.parts) < 2:
             self.all_gather_params()
+            return []
+        sent: list[torch.Event | None] = []
+        for buckets, indices in self.parts:
+            self.all_gather_params(buckets, indices)
+            sent.append(self.masters.copies_queued())
+        return sent
 
     def settle(self) -> None:
         """Wait for the host steps in flight, if any, before the masters or the optimizer state are read."""
