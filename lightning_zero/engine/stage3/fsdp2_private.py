@@ -279,21 +279,17 @@ def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
     backward reshards the unit.
 
     [Note: a merged unit's post-backward called again]
-    torch 2.11's FSDP2 lists a ``fully_shard([a, b, ...])`` call's state once per module in its root's state list
-    (torch 2.13 lists it once), and its final callback runs the post-backward of every listed state it finds idle,
-    marking each idle after it: each listing after the first ran the unit's post-backward again, after its
-    gradients were reduced. FSDP2 alone then finds nothing to reduce, but ``before`` gave every parameter a zero
-    gradient again and the unit was reduced again, zeros, once per further module of the call: a zero tensor per
-    parameter and a reduce-scatter each time, host work a GPU waits for. A post-backward in the
-    backward that already reduced the unit, with no gradient left in it, is that call, and is skipped. A unit run
-    twice in one forward (ALBERT's shared block) is reduced once per run, each with gradients, and a unit no
-    gradient reached on this rank (an expert other ranks used) is reduced once, its first call."""
-    post_backward = type(group).post_backward
-    reduced_in = [-2]  # the backward (autograd graph task) whose post-backward last ran here
+    torch 2.11's FSDP2 lists a ``fully_shard([a, b, ...])`` call's state once per module (torch 2.13: once), and its
+    final callback runs the post-backward of each listed state it finds idle, then marks it idle: each further
+    listing ran the unit's post-backward again after its reduction. ``before`` then gave every parameter a zero
+    gradient and the unit was reduced again, zeros, once per further module: host work a GPU waits for. A
+    post-backward in the backward that already reduced the unit, no gradient left in it, is that call: skipped. A
+    unit run twice in a forward (ALBERT) is reduced once per run, with gradients each time; a unit no gradient
+    reached on this rank (an expert other ranks used) is reduced once."""
+    post_backward, reduced_in = type(group).post_backward, [-2]  # the backward (graph task) that last reduced here
 
     def watched(*unused: Any) -> None:
-        task = _graph_task_id()
-        if task != -1 and task == reduced_in[0] and not _holds_gradients(group):
+        if (task := _graph_task_id()) != -1 and task == reduced_in[0] and not _holds_gradients(group):
             return
         reduced_in[0] = task
         if _in_backward_building_a_graph():
@@ -320,7 +316,7 @@ def _in_backward_building_a_graph() -> bool:
 
 
 def _holds_gradients(group: Any) -> bool:
-    """Whether any gathered parameter of ``group`` holds a gradient not yet reduced (or accumulated)."""
+    """Whether a gathered parameter of ``group`` holds a gradient not yet reduced (or an accumulated one)."""
     return any(p.unsharded_accumulated_grad is not None
                or (hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None) for p in group.fsdp_params)
 
