@@ -19,7 +19,9 @@ cannot touch the next one):
   PaLM's count, attention included, recomputation not) against the device's dense bf16 peak (``--peak-tflops``);
 * peak ``torch.cuda.max_memory_allocated`` over the measured steps, against the ZeRO formulas for model state
   on the device (``lightning_zero.planning.formulas``); the rest of the peak is activations and transient buffers;
-* the model state the strategy placed on the device and on the host (``lightning_zero.planning.accounting``).
+* the model state the strategy placed on the device and on the host (``lightning_zero.planning.accounting``);
+* with ``--host-profile-steps N`` the training thread's host time by package (``host_profile.py``), and with
+  ``--sync-steps N`` every call that made the host wait for the device, by Python stack (``sync_points.py``).
 
 The largest-model search doubles the GPT's width, then its depth, then its width... from ``--search-base``; it
 starts at the largest size whose ZeRO formula fits 85% of the device and host memory, walks up while a trial
