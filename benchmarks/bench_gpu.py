@@ -113,7 +113,7 @@ class GPUBenchCallback(L.Callback):
         #: Steps after those under sync debug mode (sync_points.py): where the host waits for the device.
         self.sync_steps = sync_steps
         self.syncs = SyncPoints()
-        self.sync_summary: list[dict[str, Any]] | None = None
+        self.sync_summary: dict[str, Any] | None = None
         self.times: list[float] = []
         self.cpu_seconds = 0.0  # the training process's CPU time (every thread) over the measured steps
         self.state: dict[str, int] = {}
@@ -135,6 +135,8 @@ class GPUBenchCallback(L.Callback):
         if self._host_profiled(batch_idx):
             self.host.enter()
         if self._sync_probed(batch_idx) and device.type == "cuda":
+            if self.syncs.sees is None:
+                self.syncs.check()
             self.syncs.enter()
         self._t0 = time.perf_counter()
         self._cpu0 = time.process_time()

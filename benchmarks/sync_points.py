@@ -15,6 +15,7 @@ import os
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,10 +39,27 @@ def _frame(frame: traceback.FrameSummary) -> str:
 class SyncPoints:
     """Counts the device synchronisations made between :meth:`enter` and :meth:`leave`, by calling stack."""
 
-    def __init__(self) -> None:
+    def __init__(self, set_mode: Callable[[str], None] | None = None) -> None:
+        #: torch's sync debug mode switch (another only where there is no CUDA: the tests).
+        self.set_mode = set_mode or torch.cuda.set_sync_debug_mode
         self.counts: Counter[tuple[str, ...]] = Counter()
         self._catcher: Any = None
         self._shown: Any = None
+        #: Whether a synchronisation made on purpose was counted (:meth:`check`): a report of none means none only then.
+        self.sees: bool | None = None
+
+    def check(self, synchronise: Any = None) -> bool:
+        """Make one synchronisation (a tensor's ``item`` on the device, or ``synchronise()``) under the probe and say
+        whether it was counted; the count itself is left out of the report."""
+        before = self.counts.copy()
+        self.enter()
+        try:
+            synchronise() if synchronise is not None else torch.ones((), device="cuda").item()
+        finally:
+            self.leave()
+        self.sees = sum(self.counts.values()) > sum(before.values())
+        self.counts = before
+        return self.sees
 
     def enter(self) -> None:
         self._catcher = warnings.catch_warnings()
@@ -49,10 +67,10 @@ class SyncPoints:
         warnings.simplefilter("always")
         self._shown = warnings.showwarning
         warnings.showwarning = self._seen
-        torch.cuda.set_sync_debug_mode("warn")
+        self.set_mode("warn")
 
     def leave(self) -> None:
-        torch.cuda.set_sync_debug_mode("default")
+        self.set_mode("default")
         warnings.showwarning = self._shown
         self._catcher.__exit__(None, None, None)
 
@@ -64,21 +82,24 @@ class SyncPoints:
         stack = [f for f in traceback.extract_stack()[:-1] if os.path.basename(f.filename) not in _OWN_FILES]
         self.counts[tuple(_frame(f) for f in stack[-FRAMES_KEPT:])] += 1
 
-    def summary(self, steps: int) -> list[dict[str, Any]]:
-        """Each calling stack's synchronisations per step, most frequent first."""
-        return [{"per_step": n / max(1, steps), "stack": list(stack)} for stack, n in self.counts.most_common()]
+    def summary(self, steps: int) -> dict[str, Any]:
+        """Each calling stack's synchronisations per step, most frequent first, and whether the probe saw its own."""
+        stacks = [{"per_step": n / max(1, steps), "stack": list(stack)} for stack, n in self.counts.most_common()]
+        return {"sees": self.sees, "stacks": stacks}
 
 
-def print_sync_points(reports: dict[str, list[dict[str, Any]] | None], title: str) -> None:
+def print_sync_points(reports: dict[str, dict[str, Any] | None], title: str) -> None:
     """One block per system: its synchronisations per step, each with the stack that made it (innermost last)."""
     shown = {system: report for system, report in reports.items() if report is not None}
     if not shown:
         return
     print(f"\n{title}")
     for system, report in shown.items():
-        total = sum(entry["per_step"] for entry in report)
-        print(f"\n{system}: {total:.1f} synchronisations a step from {len(report)} stack(s)")
-        for entry in report[:12]:
+        stacks = report["stacks"]
+        total = sum(entry["per_step"] for entry in stacks)
+        seen = {True: "it counted one made on purpose", False: "IT MISSED ONE MADE ON PURPOSE", None: "not checked"}
+        print(f"\n{system}: {total:.1f} synchronisations a step from {len(stacks)} stack(s) ({seen[report['sees']]})")
+        for entry in stacks[:12]:
             print(f"  {entry['per_step']:.1f} a step:")
             for frame in entry["stack"]:
                 print(f"      {frame}")
