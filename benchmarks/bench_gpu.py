@@ -54,6 +54,7 @@ from host_profile import HostProfile, print_profiles  # noqa: E402
 from sync_points import SyncPoints, print_sync_points  # noqa: E402
 from timeline import profiler_config, summary as timeline_summary  # noqa: E402
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
+from lightning_zero.engine import host_steps  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 
 NO_CUDA_MESSAGE = (
@@ -195,6 +196,8 @@ def pinned_fraction(engine: Any) -> float | None:
 def run_one(args: argparse.Namespace) -> None:
     """Train one system for warmup + steps batches; rank 0 writes one JSON line to ``--out``."""
     torch.backends.cuda.matmul.allow_tf32 = True  # what anyone training fp32 on a GPU turns on
+    if args.cores_left_to_training is not None:  # the host step's thread rule, varied ([Note: host-step threads])
+        host_steps.CORES_LEFT_TO_TRAINING = args.cores_left_to_training
     L.seed_everything(0, verbose=False)
     shape = json.loads(args.shape)
     config = GPTConfig(**shape, dropout=0.0, bias=True)
@@ -243,9 +246,18 @@ def run_one(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- driver (parent)
 
 
+#: The delayed update's first steady step is its third: step 1's host step (creating the optimizer state) runs during
+#: step 2, whose backward fills the second gradient buffers, allocated there (pinned memory: slow to allocate).
+DELAYED_WARMUP = 2
+
+
 def launch(system: str, shape: dict[str, int], args: argparse.Namespace, workdir: Path, steps: int, warmup: int,
            batch_size: int, host_profile_steps: int = 0, sync_steps: int = 0) -> tuple[dict[str, Any] | None, str]:
     """One system in a fresh process: (its result or None, why not: 'ok', 'out of memory', 'timeout', 'error')."""
+    if "offload_delay" in system and warmup < DELAYED_WARMUP:
+        print(f"   {system}: {DELAYED_WARMUP} warm-up steps, not {warmup}: its first host steps create the optimizer "
+              "state and its second gradient buffers during the steps after them", file=sys.stderr, flush=True)
+        warmup = DELAYED_WARMUP
     out = workdir / f"{system}-{shape['n_layer']}x{shape['n_embd']}.json"
     cmd = [
         sys.executable, os.path.abspath(__file__), "--one", system, "--out", str(out), "--shape", json.dumps(shape),
@@ -253,6 +265,8 @@ def launch(system: str, shape: dict[str, int], args: argparse.Namespace, workdir
         "--precision", args.precision, "--accelerator", args.accelerator,
         "--host-profile-steps", str(host_profile_steps), "--sync-steps", str(sync_steps),
     ] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
+    if args.cores_left_to_training is not None:
+        cmd += ["--cores-left-to-training", str(args.cores_left_to_training)]
     if args.part == "profile":
         cmd += ["--profile-to", str(Path(args.profile_dir) / f"profile_{system.replace('+', '_')}.txt")]
     t0 = time.perf_counter()
@@ -397,6 +411,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps after the measured ones under cProfile: host time by package (host_profile.py; 0: none)")
     p.add_argument("--sync-steps", type=int, default=0,
                    help="steps after those under sync debug mode: the host's waits for the device by stack (0: none)")
+    p.add_argument("--cores-left-to-training", type=int, default=None,
+                   help="cores an offloaded host step leaves to the training threads (default: the package's rule)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run before it is killed")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test of the CUDA paths")
     p.add_argument("--accelerator", default="cuda", help=argparse.SUPPRESS)  # "cpu": develop the script without a GPU

@@ -2,23 +2,24 @@
 # time: every feature once on the device (a minute; a crash there is the worst finding: the partial-offload row
 # failed on the H200 on 2026-12-04 and was fixed after the lease), the 1.34B rows with offload (issue 40), the
 # offloaded step's timeline with the host's waits for the device by calling stack, the host step beside busy
-# cores, the exactness checks of offload's CUDA schedule, then the 136M rows and stage 3's profile beside FSDP2's
-# (issue 39's regression check) and batch 32. Each part has its own time limit, so a slow part costs its own
+# cores and on idle ones at the 1.34B GPT's size (the floor of any offloaded step on that host), the exactness checks
+# of offload's CUDA schedule, then the 136M rows and stage 3's profile beside FSDP2's (issue 39's regression check)
+# and batch 16 and 32. Each part has its own time limit, so a slow part costs its own
 # figures and not the rest; everything goes to $OUT (the device tool's folder: at most 8 files come back, so a
 # part's profiler tables are appended to its log) or ./gpu-session. PARTS picks parts, so that a lease can spend
 # two calls on one warm machine (each bench_gpu run costs ~20 s of start-up; a warm machine goes back after 30 s
 # idle, so the second call must follow at once).
 #
-#   bash benchmarks/gpu_session.sh                                            # every part, in order (~16 minutes)
-#   PARTS="cuda_features 1p34b timeline" bash benchmarks/gpu_session.sh       # call 1 (timeout_s=420)
-#   PARTS="host_step cuda_checks 136m" bash benchmarks/gpu_session.sh         # call 2, warm machine (what is left)
+#   bash benchmarks/gpu_session.sh                                            # every part, in order (~25 minutes)
+#   PARTS="cuda_features 1p34b batch32_delay" bash benchmarks/gpu_session.sh  # call 1 (timeout_s=440)
+#   PARTS="batch16 timeline3 136m" bash benchmarks/gpu_session.sh             # call 2 (what is left)
 #   DRY=1 bash benchmarks/gpu_session.sh                                      # print the commands only
 # The device image has torch, Lightning and torchmetrics; this package runs from the working tree.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-gpu-session}"
 PY="${PY:-$(command -v python3 || command -v python)}"
-PARTS="${PARTS:-cuda_features 1p34b timeline host_step cuda_checks 136m profile_136m batch32}"
+PARTS="${PARTS:-cuda_features 1p34b timeline host_step host_floor timeline3 batch16 delay_threads cuda_checks 136m profile_136m batch32 batch32_delay}"
 mkdir -p "$OUT"
 PROFILES="${TMPDIR:-/tmp}/gpu-session-profiles-$$"  # bench_gpu makes it
 LARGE='{"vocab_size": 32768, "block_size": 1024, "n_layer": 24, "n_head": 16, "n_embd": 2048}'
@@ -60,6 +61,21 @@ part timeline 130 "$PY" benchmarks/bench_gpu.py --part profile --profile-dir "$P
 # ([Note: host-step threads]; 1032 against 24.5 ms on the H200's host on 2026-12-04).
 part host_step 60 "$PY" benchmarks/bench_host_step.py --impls torch-fused --sizes 1e8 --threads 14,16 --busy 2 \
     --steps 3 --warmup 1
+# Issue 40: this host's floor for the 1.34B GPT's host step: torch's fused AdamW over its 1.34e9 fp32 elements on idle
+# cores, every thread and two fewer (the delayed 1.34B step is that step plus what it cannot hide).
+part host_floor 120 "$PY" benchmarks/bench_host_step.py --impls torch-fused --sizes 1.344e9 --threads 14,16 \
+    --steps 3 --warmup 1
+# Issue 40: where stage 3's offloaded step spends its time (one throughput run took 948 ms on the H200 on 2026-12-04,
+# against 523-535 ms in the others that day: not yet explained).
+part timeline3 80 "$PY" benchmarks/bench_gpu.py --part profile --profile-dir "$PROFILES" --model "$LARGE" \
+    --steps 2 --warmup 2 --systems zero3+offload
+# Issue 40: batch 16 x 1024, where forward and backward take about as long as the host step: what the overlap hides
+# once there is compute to hide it behind.
+part batch16 170 "$PY" benchmarks/bench_gpu.py --part throughput --model "$LARGE" --batch-size 16 --rounds 1 \
+    --steps 3 --warmup 2 --systems ddp,zero2+offload,zero2+offload_delay
+# Issue 40: the delayed update's host step on every core (the package leaves two to the training threads).
+part delay_threads 70 "$PY" benchmarks/bench_gpu.py --part throughput --model "$LARGE" --rounds 1 --steps 4 \
+    --warmup 2 --systems zero2+offload_delay --cores-left-to-training 0
 # Offload's schedules on a copy stream: every overlap_comm pair bit for bit, parts started during backward; fits after
 # validate and predict (evaluated under inference mode on NCCL unless the strategy says otherwise); EMA resumed.
 part cuda_checks 120 "$PY" benchmarks/cuda_checks.py
@@ -71,6 +87,9 @@ part 136m 240 "$PY" benchmarks/bench_gpu.py --part throughput --systems ddp,fsdp
 # Issue 39: where stage 3's training thread waits on the 136M GPT, beside FSDP2's (the profiler's lanes, timeline.py).
 part profile_136m 80 "$PY" benchmarks/bench_gpu.py --part profile --profile-dir "$PROFILES" --systems zero3,fsdp2 \
     --steps 3 --warmup 5
+# Issue 40: the delayed update at batch 32 x 1024, where forward and backward outlast the host step.
+part batch32_delay 130 "$PY" benchmarks/bench_gpu.py --part throughput --model "$LARGE" --batch-size 32 --rounds 1 \
+    --steps 2 --warmup 1 --systems ddp,zero2+offload_delay
 # Issue 40: exact overlap <= 1.3x DDP at batch 32 x 1024 (met on the H200 on 2026-12-04: 1.13x).
 part batch32 90 "$PY" benchmarks/bench_gpu.py --part throughput --model "$LARGE" --batch-size 32 --rounds 1 \
     --steps 3 --warmup 1 --systems ddp,zero2+offload

@@ -75,7 +75,7 @@ def test_the_gpu_session_script_asks_only_for_what_the_benchmarks_accept() -> No
     listed = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env={**os.environ, "DRY": "1"},
                             capture_output=True, text=True, timeout=30, cwd=ROOT, check=True).stdout
     commands = [shlex.split(line.split("): ", 1)[1]) for line in listed.splitlines() if line.startswith("== ")]
-    assert len(commands) == 8, listed
+    assert len(commands) == 13, listed
     for command in commands:
         assert Path(command[0]).name.startswith("python") and (ROOT / command[1]).is_file(), command
         if command[1].endswith("bench_gpu.py"):
