@@ -22,8 +22,9 @@ gradients of the first. It is used in a synchronising backward where, besides ``
 * every parameter of the part has a gradient on this rank: whether a parameter this rank produced none for was
   used on some other rank is known only when backward ends (stages 1-2:
   ``GradientReducer._forget_gradients_no_rank_produced``; stage 3: ``fsdp2_unused.UnusedParameters``, which reduces
-  a zero gradient for it meanwhile; at world size 1 FSDP2 runs no reduce-scatter at all, so no unit is announced).
-  Such a part waits for ``optimizer.step()``, as every part did before.
+  a zero gradient for it meanwhile). Such a part waits for ``optimizer.step()``, as every part did before. At world
+  size 1 FSDP2 copies where it would reduce, and each unit is announced when it has done so (``fsdp2_comm``'s [Note:
+  units finished alone]).
 
 Each part's step is the one ``optimizer.step()`` would have run on it: the same averaging of the same host gradients
 (stages 1-2 average in the worker; FSDP2 averaged already), the param groups as they were when the first part

@@ -30,6 +30,12 @@ def report():
 
 
 @pytest.fixture(scope="module")
+def alone():
+    """One rank: the cases of ``during_backward`` that FSDP2 runs without a reduce-scatter at stage 3."""
+    return launch("tests.distributed.worker_offload", "during_backward_alone", nprocs=1)["during_backward_alone"]
+
+
+@pytest.fixture(scope="module")
 def convergence():
     return launch("tests.distributed.worker_offload", "delayed_convergence", nprocs=WORLD)
 
@@ -81,6 +87,19 @@ def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(repor
     else:
         assert all(started == result["parts"] > 1 and in_flight > 0 for started, in_flight in result["early"])
         assert result["threads"] == ["lightning_zero-host-step_0"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_one_rank_the_host_steps_parts_during_backward_bit_for_bit(alone, stage):
+    """One rank (one GPU's case), the same run as above: FSDP2 copies where it would reduce and never calls the
+    reduce-scatter, and still each unit's part starts in the worker as its gradients are made ([Note: units finished
+    alone]); bit for bit ``overlap_comm=False``, and plain PyTorch's parameters."""
+    result = alone[f"stage{stage}"]
+    assert result["steps"] == 4 and result["serial_early"] == [[0, 0]] * 4
+    assert all(started == result["parts"] > 1 and in_flight > 0 for started, in_flight in result["early"])
+    assert result["threads"] == ["lightning_zero-host-step_0"]
+    assert result["param_diff_serial"] == 0.0 and result["module_diff"] == 0.0
+    assert result["param_diff_reference"] <= 1e-5
 
 
 @pytest.mark.parametrize("case", ["full", pytest.param("partial", marks=pytest.mark.full)])

@@ -290,7 +290,7 @@ class EarlyProbe(L.Callback):
         early.take = noting_take
 
 
-def during_backward() -> dict:
+def during_backward(only: tuple[str, ...] | None = None) -> dict:
     """No clipping, no loss scaler: the host steps parts while backward runs ([Note: the host step during backward]),
     against the same run keeping the whole step for ``optimizer.step()`` (``overlap_comm=False``) and plain PyTorch;
     ``unused``: a head no rank uses, whose part must wait for the step; ``reduce_every_microbatch``: the first
@@ -301,6 +301,8 @@ def during_backward() -> dict:
              ("stage2_every_microbatch", 2, False, True, False), ("stage3", 3, False, False, False),
              ("stage3_unused", 3, True, False, False), ("stage3_reduced_in_place", 3, False, False, True)]
     for name, stage, unused, every, hooked in cases:
+        if only is not None and name not in only:
+            continue
         finals, norms = {}, {}
         # Stage 3: one unit per layer, so that units finish one by one during backward.
         pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
@@ -338,7 +340,7 @@ def during_backward() -> dict:
             result["param_diff_serial"] = max_diff(finals[True], finals[False])
             result["param_diff_reference"] = max_diff(finals[True], reference)
         out[name] = result
-    return {**out, **refusals(2)}
+    return out if only is not None else {**out, **refusals(2)}
 
 
 def refusals(stage: int) -> dict:
@@ -476,6 +478,8 @@ class ClippingInHook(delayed_update_cases.NotingRegression):
 
 CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
          "partial": lambda _: partial(), "during_backward": lambda _: during_backward(),
+         # one rank (one GPU's case): FSDP2 copies where it would reduce ([Note: units finished alone])
+         "during_backward_alone": lambda _: during_backward(("stage2", "stage3")),
          "stage3_parts": lambda _: stage3_parts((True,)), **delayed_update_cases.CASES,
          # the full marker's: stage 3's refusals and partial offload in parts (the code is stage 2's, the parts full's)
          "refusals_stage3": lambda _: refusals(3), "stage3_parts_partial": lambda _: stage3_parts((0.5,))}

@@ -184,6 +184,32 @@ def test_finished_units_are_told_in_reduction_order_once_their_gradients_are_mad
     assert told == [0, 1, 2, 3]
 
 
+def test_on_one_rank_a_unit_is_finished_once_the_next_units_output_is_allocated():
+    """[Note: units finished alone]: FSDP2 allocates each unit's input, then its output (standing for the reduce-scatter
+    it does not call); a unit run twice in forward does so twice; a backward left half-way is forgotten."""
+    from lightning_zero.engine.stage3.fsdp2_comm import FinishedUnits
+
+    finished, told = FinishedUnits(), []
+    finished.allocated(0)  # nobody listening: nothing kept
+    finished.listen(told.append)
+    finished.allocated(0)  # unit 0's input
+    finished.allocated(0)  # its output: it copies into it next
+    assert told == []
+    finished.allocated(1)
+    assert told == []
+    finished.allocated(1)  # unit 1's output: unit 0 has its gradients
+    assert told == [0]
+    finished.allocated(1)
+    finished.allocated(1)  # unit 1 again (run twice in forward): its first copy is done
+    assert told == [0, 1]
+    finished.allocated(2)  # unit 2's input, then backward ends without its output
+    finished.finish()
+    assert told == [0, 1, 1]
+    finished.listen(told.append)
+    finished.allocated(2)  # the next backward starts afresh: an input, not an output
+    assert told == [0, 1, 1]
+
+
 def test_host_steps_beside_an_accelerator_leave_the_cores_that_drive_it():
     """[Note: host-step threads]: with an accelerator the worker steps with two threads fewer than the budget (at
     least one), in its own thread only; on a CPU it keeps torch's count."""

@@ -251,9 +251,8 @@ class FullyShardedEngine:
     def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")
         module.set_custom_all_gather(CountingAllGather(self.compression, flight.unit_code(name)))
-        module.set_custom_reduce_scatter(
-            CountingReduceScatter(self.compression, name, module, self.late, self.finished, len(self._heads))
-        )
+        module.set_custom_reduce_scatter(CountingReduceScatter(
+            self.compression, name, module, self.late, self.finished, len(self._heads), alone=self.world_size == 1))
         self._heads.append(module)
         if self.replicate_group is not None:
             module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank

@@ -67,13 +67,17 @@ class CountingReduceScatter(ReduceScatter):
 
     def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: FSDPModule | None = None,
                  landing: "LateReductions | None" = None, finished: "FinishedUnits | None" = None,
-                 position: int = 0) -> None:
+                 position: int = 0, alone: bool = False) -> None:
         self.compression, self.key, self.code = compression, key, flight.unit_code(key)
         self.unit, self.landing = unit, landing
         #: Told when this unit's gradients are final during backward (``position``: the unit's number there).
         self.finished, self.position = finished, position
+        #: The shard group has one rank: FSDP2 copies instead of calling this (see [Note: units finished alone]).
+        self.alone = alone
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.alone and self.finished is not None:
+            self.finished.allocated(self.position)
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
@@ -135,11 +139,20 @@ class FinishedUnits:
     of its reduce-scatter's output after the collective returns, so a unit reduced in place is finished when the
     next reduce-scatter begins, or when backward ends; one whose reduction lands late (see [Note: reduce-scatters
     that land after backward]) once it has landed. On an accelerator the listener runs on FSDP2's reduce-scatter
-    stream, behind the finished unit's work there."""
+    stream, behind the finished unit's work there.
+
+    [Note: units finished alone]
+    With one rank in the shard group (one GPU) FSDP2 reduces nothing: it copies each unit's gradients into the
+    output it would have reduced into, and never calls the reduce-scatter. It still asks the reduce-scatter to
+    allocate both buffers, the input first, then the output, inside its reduce-scatter stream, where the copy and
+    the gradients made of the output follow. So the output's allocation stands for the call that does not come: the
+    units before have their gradients then (the listener runs on that stream, behind their copies, as it does behind
+    their reductions), and this one has them by the next allocation or when backward ends."""
 
     def __init__(self) -> None:
         self._listener: Callable[[int], None] | None = None
         self._queue: deque[_Reduced] = deque()
+        self._inputs: set[int] = set()  # alone: the units whose input FSDP2 allocated, their output not yet
 
     @property
     def listening(self) -> bool:
@@ -147,7 +160,19 @@ class FinishedUnits:
 
     def listen(self, listener: Callable[[int], None]) -> None:
         """Tell ``listener`` each unit's position as it finishes, until :meth:`finish`."""
-        self._listener, self._queue = listener, deque()
+        self._listener, self._queue, self._inputs = listener, deque(), set()
+
+    def allocated(self, position: int) -> None:
+        """FSDP2 allocated a buffer of unit ``position``'s reduction, which it copies instead (see [Note: units
+        finished alone]): its input, or its output, which stands for the reduce-scatter."""
+        if self._listener is None:
+            return
+        if position not in self._inputs:
+            self._inputs.add(position)
+            return
+        self._inputs.discard(position)
+        self.announce()  # the units reduced before this one have their gradients now
+        self.reduced(position, landed=True)
 
     def reduced(self, position: int, landed: bool) -> _Reduced:
         """A unit's reduce-scatter was issued (``landed``: and has completed)."""
@@ -165,7 +190,7 @@ class FinishedUnits:
     def finish(self) -> None:
         """Backward ended and its reductions landed: tell the rest, then stop listening."""
         self.announce()
-        self._listener, self._queue = None, deque()
+        self._listener, self._queue, self._inputs = None, deque(), set()
 
 
 class LateReductions:
