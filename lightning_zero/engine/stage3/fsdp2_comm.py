@@ -144,8 +144,8 @@ class FinishedUnits:
     [Note: units finished alone]
     With one rank in the shard group (one GPU) FSDP2 reduces nothing: it copies each unit's gradients into the
     output it would have reduced into, and never calls the reduce-scatter. It still asks the reduce-scatter to
-    allocate both buffers, the input first, then the output, inside its reduce-scatter stream, where the copy and
-    the gradients made of the output follow. So the output's allocation stands for the call that does not come: the
+    allocate both buffers: the input, then, inside its reduce-scatter stream, the output, which the copy and the
+    gradients made of it follow there. So the output's allocation stands for the call that does not come: the
     units before have their gradients then (the listener runs on that stream, behind their copies, as it does behind
     their reductions), and this one has them by the next allocation or when backward ends."""
 
