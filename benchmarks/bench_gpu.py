@@ -211,6 +211,7 @@ def run_one(args: argparse.Namespace) -> None:
     trainer = L.Trainer(
         accelerator=args.accelerator, devices=devices, strategy=build_strategy(args.system, devices),
         precision=args.precision, max_steps=total, logger=False, enable_checkpointing=False,
+        gradient_clip_val=args.gradient_clip_val,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[bench],
     )
     # FSDP2 (Lightning ModelParallelStrategy): each Block a unit, then the root, bf16 gathers under bf16-mixed.
@@ -267,6 +268,8 @@ def launch(system: str, shape: dict[str, int], args: argparse.Namespace, workdir
     ] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
     if args.cores_left_to_training is not None:
         cmd += ["--cores-left-to-training", str(args.cores_left_to_training)]
+    if args.gradient_clip_val is not None:
+        cmd += ["--gradient-clip-val", str(args.gradient_clip_val)]
     if args.part == "profile":
         cmd += ["--profile-to", str(Path(args.profile_dir) / f"profile_{system.replace('+', '_')}.txt")]
     t0 = time.perf_counter()
@@ -321,7 +324,9 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
         r = results[0]
         print(f"\n{r['device_name']}, {r['precision']}, torch {r['torch']}, {r['devices']} rank(s), P = {r['params']:,}, "
               f"batch {r['batch_per_rank']} x {r['shape']['block_size']} tokens per rank, median of {args.steps} steps "
-              f"after {args.warmup} warmup, {args.rounds} interleaved round(s): step and CPU time the median of the "
+              f"after {args.warmup} warmup, {args.rounds} interleaved round(s)"
+              f"{'' if args.gradient_clip_val is None else f', gradients clipped at {args.gradient_clip_val:g}'}"
+              ": step and CPU time the median of the "
               "rounds', vs_ddp the median of each round's ratio; GiB = 2^30 bytes.")
     return results
 
@@ -411,6 +416,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="steps after the measured ones under cProfile: host time by package (host_profile.py; 0: none)")
     p.add_argument("--sync-steps", type=int, default=0,
                    help="steps after those under sync debug mode: the host's waits for the device by stack (0: none)")
+    p.add_argument("--gradient-clip-val", type=float, default=None,
+                   help="Trainer(gradient_clip_val=...) for every system (clipping keeps an offloaded step after backward)")
     p.add_argument("--cores-left-to-training", type=int, default=None,
                    help="cores an offloaded host step leaves to the training threads (default: the package's rule)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per run before it is killed")

@@ -12,14 +12,14 @@
 #
 #   bash benchmarks/gpu_session.sh                                            # every part, in order (~25 minutes)
 #   PARTS="cuda_features 1p34b batch32_delay" bash benchmarks/gpu_session.sh  # call 1 (timeout_s=440)
-#   PARTS="batch16 timeline3 136m" bash benchmarks/gpu_session.sh             # call 2 (what is left)
+#   PARTS="1p34b_clip timeline3 136m" bash benchmarks/gpu_session.sh          # call 2 (what is left)
 #   DRY=1 bash benchmarks/gpu_session.sh                                      # print the commands only
 # The device image has torch, Lightning and torchmetrics; this package runs from the working tree.
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-gpu-session}"
 PY="${PY:-$(command -v python3 || command -v python)}"
-PARTS="${PARTS:-cuda_features 1p34b timeline host_step host_floor timeline3 batch16 delay_threads cuda_checks 136m profile_136m batch32 batch32_delay}"
+PARTS="${PARTS:-cuda_features 1p34b timeline host_step host_floor 1p34b_clip timeline3 batch16 delay_threads cuda_checks 136m profile_136m batch32 batch32_delay}"
 mkdir -p "$OUT"
 PROFILES="${TMPDIR:-/tmp}/gpu-session-profiles-$$"  # bench_gpu makes it
 LARGE='{"vocab_size": 32768, "block_size": 1024, "n_layer": 24, "n_head": 16, "n_embd": 2048}'
@@ -65,6 +65,9 @@ part host_step 60 "$PY" benchmarks/bench_host_step.py --impls torch-fused --size
 # cores, every thread and two fewer (the delayed 1.34B step is that step plus what it cannot hide).
 part host_floor 120 "$PY" benchmarks/bench_host_step.py --impls torch-fused --sizes 1.344e9 --threads 14,16 \
     --steps 3 --warmup 1
+# Offload as LLM recipes run it, gradients clipped: the host step waits for backward's end (the clip's norm) there.
+part 1p34b_clip 130 "$PY" benchmarks/bench_gpu.py --part throughput --model "$LARGE" --rounds 1 --steps 4 \
+    --warmup 2 --systems ddp,zero2+offload --gradient-clip-val 1.0
 # Issue 40: where stage 3's offloaded step spends its time (one throughput run took 948 ms on the H200 on 2026-12-04,
 # against 523-535 ms in the others that day: not yet explained).
 part timeline3 80 "$PY" benchmarks/bench_gpu.py --part profile --profile-dir "$PROFILES" --model "$LARGE" \

@@ -65,16 +65,26 @@ def lanes(profiler: Any) -> dict[Lane, tuple[list[tuple[int, int]], dict[str, in
     """Per lane: its merged busy intervals and its costliest event names, from a finished profiler's Kineto events."""
     intervals: dict[Lane, list[tuple[int, int]]] = defaultdict(list)
     names: dict[Lane, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    recorded: list[tuple[Lane, str, int, int]] = []
     for event in profiler.profiler.kineto_results.events():
         name = event.name()
         if any(label in name for label in _WINDOW_LABELS):
             continue
         on_host = event.device_type() == DeviceType.CPU
         key = ("thread", event.start_thread_id()) if on_host else ("stream", event.device_resource_id())
-        start = event.start_ns()
-        intervals[key].append((start, start + event.duration_ns()))
-        names[key][name] += event.duration_ns()
+        recorded.append((key, name, event.start_ns(), event.duration_ns()))
+    # An event still open when the profiler stopped (a host step running in the background) has no end: Kineto gives
+    # it a sentinel ~2^62 ns away. It counts up to the last end the profiler saw.
+    horizon = max((start + length for _, _, start, length in recorded if length < _OPEN), default=0)
+    for key, name, start, length in recorded:
+        end = start + length if length < _OPEN else max(start, horizon)
+        intervals[key].append((start, end))
+        names[key][name] += end - start
     return {key: (_merged(spans), names[key]) for key, spans in intervals.items() if spans}
+
+
+#: Longer than any profiled window: the duration of an event the profiler never saw end.
+_OPEN = 10**15
 
 
 def summary(profiler: Any, steps: int) -> str:
