@@ -71,7 +71,7 @@ def _decide(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, 
     # made no progress for as long as a heartbeat may be missing counts as waiting too.
     if waiting or me.stalled >= limits.stale_after:
         for rank, peer in sorted(peers.items()):
-            if peer.record.state == RUNNING and peer.age >= limits.stale_after:
+            if peer.record.state == RUNNING and peer.silent(limits.stale_after):
                 return stale(rank, peer, me)
         if store_silent >= limits.stale_after:
             return Diagnosis(
@@ -251,7 +251,7 @@ def _exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] 
                if p.record.activity.in_collective and _left_unmatched(p.record, me, limits, context)]
     if len(blocked) == len(running):  # nobody left to make progress: they wait for a rank that finished
         return finished_early(me, running[blocked[0]].record, context)
-    stale_ranks = [r for r, p in running.items() if p.age >= limits.stale_after]
+    stale_ranks = [r for r, p in running.items() if p.silent(limits.stale_after)]
     if stale_ranks:
         return stale(stale_ranks[0], running[stale_ranks[0]], me)
     if waited >= limits.timeout:

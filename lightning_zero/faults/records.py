@@ -33,7 +33,7 @@ class Record:
     steps: dict[str, int] = field(default_factory=dict)  # steps run so far, by phase
     recent: list[Op] = field(default_factory=list)
     proc: str = ""
-    paused: float = 0.0  # the longest stretch this process could not run its watchdog (SIGSTOP, swapping)
+    paused: float = 0.0  # a recent stretch this process could not run at all (SIGSTOP, swapping): see watchdog.py
     stalled: float = 0.0  # seconds without progress (no collective issued, no step begun): NCCL never blocks the CPU
     signal: str | None = None  # "SIGTERM" once received
     error: str | None = None  # short, when failed
@@ -88,6 +88,12 @@ class Peer:
     record: Record
     age: float
     liveness: str = "unknown"  # "alive", "stopped", "dead" or "unknown" (another host)
+    ran: float | None = None  # seconds its process ran or waited runnable during ``age`` (this host only)
+
+    def silent(self, after: float) -> bool:
+        """No heartbeat for ``after`` seconds, and not because its process is busy or waits for a core on a loaded
+        machine (``watchdog.py``, [Note: a pause, not a busy machine])."""
+        return self.age >= after and (self.ran is None or self.ran < self.age / 2)
 
 
 def this_process() -> str:
@@ -116,16 +122,49 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields and len(fields) > 19 else None
 
 
-def liveness(proc: str) -> str:
-    """Whether the process a record came from still runs: only answerable on the same host and pid namespace
-    (a pid elsewhere means another process); the start time guards against a reused pid."""
+def scheduled_seconds(pid: int | str = "self") -> float | None:
+    """Seconds the threads of a process have spent on a CPU or runnable in a run queue waiting for one (the first
+    two fields of ``/proc/PID/task/*/schedstat``); None where the kernel does not say.
+
+    What tells a process that could not run (stopped by SIGSTOP or a debugger, or waiting for its pages to be
+    swapped in: neither counts) from one that was merely not scheduled on a busy machine (runnable: it counts),
+    where the time between two of its watchdog's ticks looks the same."""
     try:
-        host, namespace, pid, start = proc.split("|")
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total, read = 0, False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                on_cpu, waiting = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+        total += int(on_cpu) + int(waiting)
+        read = True
+    return total / 1e9 if read else None
+
+
+def local_pid(proc: str) -> int | None:
+    """The pid of the process a record came from, when it is on this host and in this pid namespace (a pid
+    elsewhere means another process)."""
+    try:
+        host, namespace, pid, _ = proc.split("|")
     except ValueError:
-        return "unknown"
+        return None
     if host != socket.gethostname() or namespace != _pid_namespace() or not namespace:
+        return None
+    return int(pid)
+
+
+def liveness(proc: str) -> str:
+    """Whether the process a record came from still runs: only answerable on the same host and pid namespace;
+    the start time guards against a reused pid."""
+    pid = local_pid(proc)
+    if pid is None:
         return "unknown"
-    fields = _stat(int(pid))
+    start = proc.rsplit("|", 1)[1]
+    fields = _stat(pid)
     if fields is None or (start and len(fields) > 19 and fields[19] != start):
         return "dead"
     if fields[0] in ("Z", "X"):

@@ -16,6 +16,17 @@ next batch boundary (Lightning raises ``SIGTERMException`` there). If instead it
 ``Limits.sigterm_stall`` seconds, or has not ended ``Limits.sigterm_grace`` (25 s) after the signal, the process
 ends (exit code 143), within a scheduler's usual 30 s before SIGKILL.
 
+[Note: a pause, not a busy machine]
+A rank whose own process could not run (stopped by SIGSTOP or a debugger, swapped out) while its peers gave up on it
+must say so, not blame the peers that ended meanwhile. The wall clock alone cannot tell that from a busy machine:
+with more runnable threads than cores (data loader workers, a second job, a test session starting processes) a
+watchdog thread can wait seconds for a core. So a gap between ticks longer than ``stale_after`` counts as a
+pause only when the kernel says the process neither ran nor waited runnable for most of it
+(:func:`records.scheduled_seconds`; where it cannot say, no pause is claimed and the diagnosis says what the peers
+show), and only for ``2 * stale_after`` after it ended: the "meanwhile" of the diagnosis, not a stall at start-up
+blamed for a peer's death an hour later. A peer on this host without heartbeat is judged the same way: silent but
+running or runnable is busy, not stale (``Peer.ran``); the collective's ``timeout`` still bounds the wait.
+
 [Note: the exit agreement]
 A rank that finishes its loop must not report success while a peer still waits in a collective it will
 never join (uneven data), because the peer then hangs forever under NCCL. :meth:`Watchdog.finish` publishes
@@ -40,7 +51,9 @@ from lightning_zero.faults.activity import Activity
 from lightning_zero.faults.verdict import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
 from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
-from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, liveness, this_process
+from lightning_zero.faults.records import (
+    FAILED, FINISHED, RUNNING, Peer, Record, liveness, local_pid, scheduled_seconds, this_process,
+)
 from lightning_zero.faults.signals import STOP_SIGNALS, StopSignal, WakeupPipe
 
 
@@ -65,12 +78,15 @@ class Watchdog:
         self.finishing = False
         self.stop_signal: StopSignal | None = None
         self._exit_at: float | None = None
-        self._grace = self.paused = 0.0
+        self._grace = 0.0
+        self._pause: tuple[float, float] | None = None  # (seconds, when it ended): see [Note: a pause, not a busy machine]
         self._last_tick = time.monotonic()
+        self._last_scheduled = scheduled_seconds()
         # ((ops, seq, last mark), since)
         self._progress: tuple[tuple[int, int, Mark | None] | tuple[()], float] = ((), time.monotonic())
         self._beat = 0
-        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (beat, snapshot time it was first seen)
+        # rank -> (beat, snapshot time it was first seen, its process's scheduled seconds then)
+        self._seen: dict[int, tuple[int, float, float | None]] = {}
         self._blocked: tuple[tuple[str | None, int], float] | None = None  # a wait outside collectives.py: (key, since)
         self._stop = False
         self._main = threading.get_ident()
@@ -130,8 +146,27 @@ class Watchdog:
         return self.limits
 
     # ------------------------------------------------------------------ the thread
+    @property
+    def paused(self) -> float:
+        """The seconds of this process's last pause, while it is recent ([Note: a pause, not a busy machine])."""
+        if self._pause is None:
+            return 0.0
+        seconds, ended = self._pause
+        return seconds if time.monotonic() - ended <= 2 * self.current_limits().stale_after else 0.0
+
+    def _pause_since_tick(self, now: float, allowance: float) -> tuple[float, float | None]:
+        """The time since the last tick beyond ``allowance`` (the tick's own wait) if it was a pause, else 0.0; and
+        the process's scheduled seconds now."""
+        scheduled = scheduled_seconds()
+        gap = now - self._last_tick - allowance
+        if gap <= self.limits.stale_after or scheduled is None or self._last_scheduled is None:
+            return 0.0, scheduled  # short, or no evidence: the diagnosis says what the peers show instead
+        if scheduled - self._last_scheduled >= gap / 2:
+            return 0.0, scheduled  # running or runnable for most of it: a busy machine
+        return gap, scheduled
+
     def _run(self) -> None:
-        last = self._last_tick = time.monotonic()
+        self._last_tick, self._last_scheduled = time.monotonic(), scheduled_seconds()
         while not self._stop:
             try:
                 ready, _, _ = select.select([self.pipe.read_fd], [], [], self.limits.tick)
@@ -144,9 +179,10 @@ class Watchdog:
                     if number in STOP_SIGNALS:
                         self._on_signal(number)
             now = time.monotonic()
-            if now - last > self.limits.stale_after:  # this process could not run (SIGSTOP, swapping)
-                self.paused = max(self.paused, now - last)
-            last = self._last_tick = now
+            pause, scheduled = self._pause_since_tick(now, allowance=0.0)
+            if pause:
+                self._pause = (pause, now)
+            self._last_tick, self._last_scheduled = now, scheduled
             try:
                 self._tick(now)
             except Exception as error:  # noqa: BLE001 - never let the watchdog die silently
@@ -220,12 +256,15 @@ class Watchdog:
                 record = Record.decode(raw)
             except (ValueError, TypeError, KeyError):
                 continue
+            state = liveness(record.proc) if record.state == RUNNING else "unknown"
+            pid = local_pid(record.proc) if state == "alive" else None
+            scheduled = None if pid is None else scheduled_seconds(pid)
             seen = self._seen.get(rank)
             if seen is None or seen[0] != record.beat:
-                self._seen[rank] = seen = (record.beat, snapshot.taken_at)
+                self._seen[rank] = seen = (record.beat, snapshot.taken_at, scheduled)
             age = max(0.0, snapshot.taken_at - seen[1])
-            state = liveness(record.proc) if record.state == RUNNING else "unknown"
-            peers[rank] = Peer(record, age, state)
+            ran = None if scheduled is None or seen[2] is None else scheduled - seen[2]
+            peers[rank] = Peer(record, age, state, ran)
         return self._with_black_boxes(peers)
 
     def _with_black_boxes(self, peers: dict[int, Peer]) -> dict[int, Peer]:
@@ -297,9 +336,10 @@ class Watchdog:
         self.failing = True
         if self.state == FAILED:
             return
-        gap = time.monotonic() - self._last_tick - self.limits.tick  # this process was stopped just now?
-        if gap > self.limits.stale_after:
-            self.paused = max(self.paused, gap)
+        now = time.monotonic()
+        pause, _ = self._pause_since_tick(now, allowance=self.limits.tick)  # stopped just now, before a tick saw it?
+        if pause:
+            self._pause = (pause, now)
         seq = self._seq()
         where = activity_mod.from_exception(exception, RECORDER, seq)
         me = self._record(where)

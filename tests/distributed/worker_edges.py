@@ -293,7 +293,7 @@ def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
             if stage:
                 out[f"{name}/stage{stage}"] = {
                     "sparse_after_fit": [m.sparse for m in module.modules() if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag)],
-                    "diff_vs_ddp": max_diff(weights[stage], weights[0]) if RANK == 0 else 0.0,
+                    **(versus_ddp(weights[stage], weights[0], t) if RANK == 0 else {}),
                 }
     return out
 
@@ -318,8 +318,15 @@ def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tupl
             if not zero:
                 reference[clip] = weights
             elif RANK == 0:
-                out[name] = max_diff(weights, reference[clip])
+                out[name] = versus_ddp(weights, reference[clip], t)
     return out
+
+
+def versus_ddp(weights: dict, reference: dict, fitted: L.Trainer) -> dict:
+    """The weights' distance from ``ddp``'s, with what its bound is derived from (``tests/tolerances.py``): the
+    largest learning rate the run started its param groups at, and its optimizer steps."""
+    lr = max(group.get("initial_lr", group["lr"]) for optimizer in fitted.optimizers for group in optimizer.param_groups)
+    return {"diff_vs_ddp": max_diff(weights, reference), "lr": lr, "steps": fitted.global_step}
 
 
 def resumed_against_ddp(model: Callable[[], L.LightningModule], directory: Path,
@@ -342,7 +349,7 @@ def resumed_against_ddp(model: Callable[[], L.LightningModule], directory: Path,
         t = fit(ZeroStrategy(stage=resumed), 2, model(), ckpt_path=path)
         weights = t.strategy.full_state_dict()
         if RANK == 0:
-            out[f"stage{stage}_{kind}_to_stage{resumed}"] = max_diff(weights, reference)
+            out[f"stage{stage}_{kind}_to_stage{resumed}"] = versus_ddp(weights, reference, t)
     return out
 
 
@@ -362,7 +369,7 @@ def loaded_by_the_sharded_class(directory: Path) -> float:
     return max_diff(loaded.state_dict(), weights)
 
 
-def pruned_resumed(directory: Path) -> float:
+def pruned_resumed(directory: Path) -> dict:
     """``PrunedMLP`` saved by ``ModelCheckpoint`` after its first epoch's pruning (optimizer state of ``<name>_orig``
     parameters beside ``ModelPruning``'s permanent ``<name>`` weights) at stage 2 in sharded form, resumed at stage 1
     for a third epoch: the weights against ``ddp`` doing the same through a full file."""
@@ -381,8 +388,9 @@ def pruned_resumed(directory: Path) -> float:
 
     reference = fit("ddp", 3, ckpt_path=first_epoch(fit("ddp", 2, directory / "pruned_ddp"))).lightning_module.state_dict()
     saved = fit(ZeroStrategy(stage=2, state_dict_type="sharded"), 2, directory / "pruned_zero")
-    weights = fit(ZeroStrategy(stage=1), 3, ckpt_path=first_epoch(saved)).strategy.full_state_dict()
-    return max_diff(weights, reference) if RANK == 0 else 0.0
+    resumed = fit(ZeroStrategy(stage=1), 3, ckpt_path=first_epoch(saved))
+    weights = resumed.strategy.full_state_dict()
+    return versus_ddp(weights, reference, resumed) if RANK == 0 else {}
 
 
 def expect_fit_error(model: Callable[[], L.LightningModule], strategy: ZeroStrategy, *data, **kwargs) -> dict:

@@ -1,9 +1,11 @@
 """The watchdog's decisions and messages, without processes: records in, a diagnosis (or none) out."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from lightning_zero.faults.diagnosis import decide, exit_agreement, explain
 from lightning_zero.faults.divergence import compare_marks
 from lightning_zero.faults.verdict import Context, Limits
 from lightning_zero.engine.comm.flight import FlightRecorder, Op
-from lightning_zero.faults.records import FAILED, FINISHED, Record, liveness, this_process
+from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, scheduled_seconds, this_process
 from tests.unit.diagnosis_records import CONTEXT, LIMITS, computing, marks, peer, record, waiting
 
 def test_limits_follow_the_timeout():
@@ -189,6 +191,48 @@ def test_exit_agreement():
     # scheduled since), so the peer will finish too.
     me.ops = 18
     assert exit_agreement(me, {0: peer(blocked)}, None, LIMITS, CONTEXT, 1.0) is None
+
+
+def test_a_silent_peer_whose_process_runs_or_waits_for_a_core_is_busy_not_stale():
+    """On a loaded machine a healthy peer's watchdog can wait seconds for a core: its heartbeat is late, but the
+    kernel counts its process as running or runnable meanwhile. Only a silent process that did not run (stopped,
+    hung asleep in native code) is stale; the collective's timeout still bounds the wait for a busy one."""
+    me = record(0, waiting(blocked_for=5))
+    silent = record(1, computing())
+    age = LIMITS.stale_after + 1
+    assert decide(me, {1: Peer(silent, age, "alive", ran=age * 0.9)}, None, LIMITS, CONTEXT) is None
+    found = decide(me, {1: Peer(silent, age, "alive", ran=0.1)}, None, LIMITS, CONTEXT)
+    assert found.kind == "stale" and found.culprit == 1
+    assert decide(me, {1: Peer(silent, age, "unknown", ran=None)}, None, LIMITS, CONTEXT).kind == "stale"  # another host
+    finished = record(0, waiting(blocked_for=1))
+    assert exit_agreement(finished, {1: Peer(silent, age, "alive", ran=age)}, None, LIMITS, CONTEXT, 1.0) is None
+
+
+def test_scheduled_seconds_tell_a_stopped_process_from_one_waiting_for_a_core():
+    """The evidence behind a pause: a busy process beside two other busy loops (more runnable threads than this
+    machine's cores) is charged the whole time, running or waiting in the run queue; the same process stopped by
+    SIGSTOP is charged nothing."""
+    loop = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
+    processes = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(3)]
+    try:
+        child = processes[0]
+        window = 1.0
+
+        def charged() -> float:
+            before, start = scheduled_seconds(child.pid), time.monotonic()
+            time.sleep(window)
+            return (scheduled_seconds(child.pid) - before) / (time.monotonic() - start)
+
+        assert scheduled_seconds(child.pid) is not None
+        assert charged() >= 0.8  # loaded: on a core or waiting for one
+        os.kill(child.pid, signal.SIGSTOP)
+        assert charged() <= 0.05
+        os.kill(child.pid, signal.SIGCONT)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    assert scheduled_seconds(child.pid) is None  # gone
 
 
 def test_a_rank_that_was_paused_says_so():
