@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install run test test-all coverage bench
+.PHONY: install run test test-all coverage bench fresh-clone
 
 install:
 	$(PIP) torch==2.13.0
@@ -25,3 +25,6 @@ coverage: install  ## `make test` with line coverage of lightning_zero, worker p
 
 bench: install  ## DDP vs FSDP2 vs ZeRO-1/2/3 on a ~25M-parameter GPT, 2 CPU ranks
 	$(PYTHON) benchmarks/bench_core.py
+
+fresh-clone:  ## `make test` as a newcomer runs it: a clone of HEAD, a fresh venv (tests/fresh_clone.sh; FRESH_ARGS="--busy test-all")
+	bash tests/fresh_clone.sh $(FRESH_ARGS)

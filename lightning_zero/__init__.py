@@ -3,7 +3,8 @@
 ``import lightning_zero`` registers the strategy names of ``lightning_zero.config.zero_config.REGISTERED_STRATEGIES`` with
 Lightning (``zero1``, ``zero1_offload``, ``zero1_hsdp``, ``zero2``, ``zero2_offload``, ``zero2_hsdp``,
 ``zero2_compressed``, ``zero3``, ``zero3_offload_optimizer``, ``zero3_offload``, ``zero3_hsdp``, ``zero3_hpz``,
-``zero3_compressed``), so ``Trainer(strategy="zero3")`` works.
+``zero3_compressed``), so ``Trainer(strategy="zero3")`` works, and makes an unknown ``zero…`` name (``"zero4"``)
+answer with these names rather than Lightning's generic list (``strategy/early_checks.py``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -16,6 +17,7 @@ from lightning_zero.gradient_norms import grad_norm
 from lightning_zero.monitor import ZeroMonitor
 from lightning_zero.precision.zero_precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
+from lightning_zero.strategy.early_checks import explain_unknown_zero_names
 from lightning_zero.strategy.zero_strategy import ZeroStrategy
 
 __all__ = [
@@ -26,3 +28,4 @@ __version__ = "0.1.0"
 
 if "zero1" not in StrategyRegistry:
     ZeroStrategy.register_strategies(StrategyRegistry)
+explain_unknown_zero_names(StrategyRegistry)

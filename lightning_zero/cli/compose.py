@@ -11,7 +11,10 @@ config. Where the two overlap the semantics are Hydra's:
   otherwise; ``override`` and ``optional`` in a defaults entry mean what they mean in Hydra.
 * ``group=option`` on the command line picks a group option, ``~group`` drops it; ``a.b=c`` sets a key,
   ``+a.b=c`` adds one (an error if it exists), ``++a.b=c`` adds or overrides, ``~a.b`` deletes one.
-* ``${...}`` is omegaconf interpolation, resolved after every override, as Hydra resolves lazily.
+* ``${...}`` is omegaconf interpolation, resolved after every override, as Hydra resolves lazily; a printed
+  config keeps it (:func:`keep_interpolations`), as Hydra's ``--cfg job`` does.
+* ``~trainer.logger`` switches logging off rather than leaving Lightning to make its default logger
+  (:attr:`Schema.off_when_deleted`).
 
 Merging is LightningCLI-aware: a node whose ``class_path`` changes is replaced, never deep-merged, so no
 argument of the old class leaks into the new one. Which keys exist, and the shorthands (``model.n_layer``
@@ -25,7 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -40,6 +43,7 @@ from lightning_zero.config.choices import closest
 GLOBAL_PACKAGE = "_global_"
 YAML_SUFFIXES = (".yaml", ".yml")
 _PACKAGE_HEADER = re.compile(r"#\s*@package\s+(\S+)")
+_MISSING: Any = object()  # no such key (None is a value)
 
 
 # ---------------------------------------------------------------------------------------------- schema
@@ -54,6 +58,10 @@ class Schema(Protocol):
 
     def check(self, config: dict) -> None:
         """Raise :class:`CLIConfigError` for any key or class the composed config names that does not exist."""
+
+    #: Paths whose ``~key`` sets this value instead of deleting the key: where the key's absence means something
+    #: on (a Trainer without ``logger`` makes Lightning's default logger), so that ``~key`` means "none".
+    off_when_deleted: Mapping[tuple[str, ...], Any]
 
 
 # ---------------------------------------------------------------------------------------------- files and groups
@@ -296,12 +304,18 @@ def delete_path(config: dict, path: Sequence[str]) -> None:
 def apply_override(config: dict, override: Override, schema: Schema) -> None:
     path, exists = schema.locate(config, override.key)
     if override.op == "delete":
-        if not exists:
-            raise CLIConfigError(f"{override.text}: {override.key} is not in the config, so there is nothing to delete.")
-        current = get_path(config, path)
-        if override.value is not None and current != override.parsed_value:
+        off = schema.off_when_deleted.get(tuple(path), _MISSING)
+        if not exists and off is _MISSING:
+            raise CLIConfigError(
+                f"{override.text}: {override.key} is not in the config, so there is nothing to delete."
+            )
+        current = get_path(config, path) if exists else None
+        if exists and override.value is not None and current != override.parsed_value:
             raise CLIConfigError(f"{override.text}: {override.key} is {current!r}, not {override.value}.")
-        delete_path(config, path)
+        if off is _MISSING:
+            delete_path(config, path)
+        else:  # absent, the key would mean "on" (Lightning's default logger): deleted, it means off
+            set_path(config, path, off)
         return
     if exists and override.op == "add":
         raise CLIConfigError(
@@ -328,6 +342,14 @@ def compose(command: CommandLine, schema: Schema, roots: Sequence[Path] | None =
     A group picked on the command line that no defaults list names replaces what its package holds (so
     ``strategy=zero2`` on a printed config swaps the whole strategy); ``~group`` then deletes that key.
     """
+    return compose_keeping_interpolations(command, schema, roots)[0]
+
+
+def compose_keeping_interpolations(
+    command: CommandLine, schema: Schema, roots: Sequence[Path] | None = None
+) -> tuple[dict, dict]:
+    """:func:`compose`'s config, and the same config before its ``${...}`` were resolved: what a printed config
+    must keep so that an override of the key they name still moves them (:func:`keep_interpolations`)."""
     files = [config_file(c) for c in command.configs]
     composer = Composer(search_path(files) if roots is None else roots)
     groups = set(composer.groups())
@@ -358,6 +380,81 @@ def compose(command: CommandLine, schema: Schema, roots: Sequence[Path] | None =
             if "." in override.key or err.suggestion or not groups:
                 raise
             raise CLIConfigError(f"{err} Config groups: {sorted(groups)}.{closest(override.key, groups)}") from None
-    config = resolve(config)
-    schema.check(config)
-    return config
+    resolved = resolve(config)
+    schema.check(resolved)
+    return resolved, config
+
+
+# ---------------------------------------------------------------------------------------------- printed configs
+
+
+def interpolations(node: Any, path: tuple = ()) -> Iterator[tuple[tuple, str]]:
+    """Every string value of ``node`` that holds a ``${...}``, with its path (list items by their index)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from interpolations(value, (*path, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from interpolations(value, (*path, index))
+    elif isinstance(node, str) and "${" in node:
+        yield path, node
+
+
+def _lookup(node: Any, path: tuple) -> Any:
+    for part in path:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            return _MISSING
+    return node
+
+
+def _put(node: Any, path: tuple, value: Any) -> None:
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+
+
+def _resolved(config: DictConfig, path: tuple) -> Any:
+    """The value at ``path`` with its interpolations resolved; :data:`_MISSING` if it does not resolve."""
+    try:
+        node: Any = config
+        for part in path:
+            node = node[part]
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    except (OmegaConfBaseException, KeyError, IndexError, TypeError):
+        return _MISSING
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b  # 1 and True, 150 and 150.0 are different settings
+
+
+def keep_interpolations(printed: dict, unresolved: dict) -> dict:
+    """``printed`` (LightningCLI's ``--print_config``, every value resolved) with each ``${...}`` of the composed
+    config (``unresolved``) put back at its path, so that the printed file, fed back with ``trainer.max_steps=5``,
+    moves ``val_check_interval: ${trainer.max_steps}`` as the original config did.
+
+    An interpolation is kept only where it still resolves, inside the printed config, to the printed value: a
+    LightningCLI argument given after the config (``--trainer.max_steps 3``) changes the key it names but not the
+    interpolations composed before it, and the printed config must still describe the run it printed; there, and
+    where LightningCLI printed the key elsewhere or not at all, the value stays resolved. A value put back resolved
+    may change what another interpolation gives, hence the passes; each drops a candidate, so they end."""
+    candidates = [path for path, _ in interpolations(unresolved) if _lookup(printed, path) is not _MISSING]
+    kept = copy.deepcopy(printed)
+    for path in candidates:
+        _put(kept, path, _lookup(unresolved, path))
+    while candidates:
+        try:
+            config = OmegaConf.create(kept)
+        except OmegaConfBaseException:
+            return printed
+        wrong = [path for path in candidates if not _same(_resolved(config, path), _lookup(printed, path))]
+        if not wrong:
+            break
+        for path in wrong:
+            _put(kept, path, copy.deepcopy(_lookup(printed, path)))
+            candidates.remove(path)
+    return kept

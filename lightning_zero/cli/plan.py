@@ -10,7 +10,8 @@ device.
 on nodes (whose host memory holds the offloaded state). Without ``--memory-per-device`` the plan is for this
 machine's accelerator, or for a common 80 GiB device where there is none; the output says which. With ``--config``
 the model is built under FakeTensorMode (nothing allocated) and one training step of a real batch of the config's
-data is traced. With ``--params`` (no model code yet) the plan is for a GPT of GPT-3's shape closest in size, and
+data is traced. With ``--params`` (no model code yet) the plan is for a GPT of that size (within 2%, as deep as GPT-3's shapes are
+at that size; the first line gives its shape and parameter count), and
 ``--output`` writes a DeepSpeed-style JSON (``.json``, which ``ZeroStrategy(config=...)`` reads) or a config group
 (``.yaml``). The pick is a row of the table and a bar of the plot, marked as such. The planner itself is
 :mod:`lightning_zero.planning`.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_zero.cli.compose import set_path
@@ -65,10 +65,14 @@ def init_parameters(cls: type) -> frozenset[str] | None:
 
 
 def expand_registered_name(name: str) -> dict | None:
-    """``"zero3"`` as ``{class_path: ..., init_args: {stage: 3}}``, so ``strategy.stage=2`` can edit it."""
+    """``"zero3"`` as ``{class_path: ..., init_args: {stage: 3}}``, so ``strategy.stage=2`` can edit it; an unknown
+    ``zero…`` name is refused with the message ``Trainer(strategy=...)`` gives (``strategy/early_checks.py``)."""
     from lightning.pytorch.strategies import StrategyRegistry  # holds the zero* names: importing this package registered them
 
+    from lightning_zero.strategy.early_checks import check_strategy_name
+
     if name not in StrategyRegistry:
+        check_strategy_name(name, setting="trainer.strategy")
         return None
     entry = StrategyRegistry[name]
     cls = entry["strategy"]
@@ -77,6 +81,10 @@ def expand_registered_name(name: str) -> dict | None:
 
 class LightningSchema:
     """The keys ``lightning-zero <subcommand>`` accepts, for :func:`~lightning_zero.cli.compose.compose`."""
+
+    #: A Trainer given no ``logger`` makes Lightning's default one (TensorBoard, or CSV), so Hydra's ``~trainer.logger``
+    #: (remove the configured logger) would bring one back; it means no logger, as a Hydra user expects.
+    off_when_deleted: Mapping[tuple[str, ...], Any] = {("trainer", "logger"): False}
 
     def __init__(self, subcommand: str) -> None:
         self.subcommand = subcommand

@@ -11,32 +11,34 @@ conflicts with Trainer arguments (``before_<subcommand>``).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
+import sys
 import warnings
-import zipfile
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+import yaml
 from jsonargparse import Namespace
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_zero.cli.command_line import CommandLine
-from lightning_zero.cli.compose import compose
+from lightning_zero.cli.compose import compose_keeping_interpolations, keep_interpolations
 from lightning_zero.cli.errors import CLIConfigError
 from lightning_zero.cli.schema import LightningSchema, import_class
-from lightning_zero.checkpoint.verify import CheckpointError, check_complete, verify_files
+from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.deepspeed_compat.config import AUTO, DeepSpeedSettings
 from lightning_zero.deepspeed_compat.trainer import apply_to_trainer
+from lightning_zero.strategy import early_checks
 from lightning_zero.strategy.zero_strategy import ZeroStrategy
 
 #: ZeroStrategy arguments that carry Lightning objects rather than settings to validate.
 _PLUMBING = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
-#: ``ckpt_path`` values Lightning resolves itself (and URLs, read by fsspec): not a local path to check.
-_NAMED_CHECKPOINTS = ("last", "best", "hpc", "registry")
 
 
 class ZeroCLI(LightningCLI):
@@ -50,6 +52,7 @@ class ZeroCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand:
             config = self.config[subcommand]
+            early_checks.check_strategy_name(config.trainer.get("strategy"), setting="trainer.strategy")
             check_devices(config.trainer.get("devices"), config.trainer.get("accelerator"))
             check_ckpt_path(config.get("ckpt_path"), integrity=uses_zero_strategy(config.trainer.get("strategy")))
 
@@ -115,41 +118,12 @@ def _valid_devices(devices: Any, on_cpu: bool) -> bool:
 
 
 def check_ckpt_path(value: Any, integrity: bool = True) -> None:
-    """The checkpoint a run is to load exists and, with ``integrity`` (a ZeroStrategy run, whose checkpoints carry
-    a manifest), is whole by its sizes: every file the manifest lists at its recorded size, a full file's zip
-    directory readable. Byte-level damage (CRC-32s) is still found by the load itself, as ``lightning-zero
-    verify`` finds it; this check reads no file in full, so it costs nothing however large the checkpoint."""
-    if not isinstance(value, (str, Path)) or str(value) in _NAMED_CHECKPOINTS or "://" in str(value):
-        return
-    path = Path(value)
+    """:func:`lightning_zero.strategy.early_checks.check_ckpt_path` (the check ZeroStrategy's launchers make in a
+    Python run, with the same message), as the CLI's one-line error."""
     try:
-        if not integrity:
-            if not path.exists():
-                raise FileNotFoundError(f"Checkpoint {path} does not exist.")
-            return
-        check_complete(path)
-        if path.is_dir():
-            verify_files(path, checksums=False)
-        else:
-            _check_archive_directory(path)
-    except FileNotFoundError:
-        raise CLIConfigError(
-            f"ckpt_path={value}: no such file or directory; give a checkpoint file or sharded checkpoint directory, "
-            "or 'last'."
-        ) from None
-    except CheckpointError as err:
-        raise CLIConfigError(f"ckpt_path={value}: {err} `lightning-zero verify {value}` checks every file.") from None
-
-
-def _check_archive_directory(path: Path) -> None:
-    """A full checkpoint is a torch zip archive; a truncated one has lost its central directory."""
-    try:
-        with zipfile.ZipFile(path):
-            pass
-    except (zipfile.BadZipFile, OSError, ValueError) as err:
-        raise CheckpointError(
-            f"Checkpoint file {path} is damaged or truncated: it is not a torch archive ({err})."
-        ) from None
+        early_checks.check_ckpt_path(value, integrity)
+    except (FileNotFoundError, CheckpointError) as err:
+        raise CLIConfigError(str(err)) from None
 
 
 def check_precision_flag(settings: DeepSpeedSettings | None, flag: Any) -> None:
@@ -165,13 +139,64 @@ def check_precision_flag(settings: DeepSpeedSettings | None, flag: Any) -> None:
         )
 
 
+#: jsonargparse's YAML output (``dump_yaml_kwargs``), so that a printed config we edit reads as one we do not.
+_PRINTED_YAML = {"default_flow_style": False, "allow_unicode": True, "sort_keys": False}
+
+
+@contextlib.contextmanager
+def printed_with_interpolations(unresolved: dict) -> Iterator[None]:
+    """LightningCLI's ``--print_config`` output with the composed config's ``${...}`` put back
+    (:func:`~lightning_zero.cli.compose.keep_interpolations`).
+
+    LightningCLI sees the composed config resolved (its parser knows no interpolation) and prints it so; a printed
+    ``val_check_interval: 150`` would then no longer follow ``trainer.max_steps=5`` when the file is fed back. The
+    printing is jsonargparse's own (every default filled in), caught on its way to stdout as it exits."""
+    caught = io.StringIO()
+    printed = False
+    try:
+        with contextlib.redirect_stdout(caught):
+            yield
+    except SystemExit as exit_:
+        printed = exit_.code in (0, None)
+        raise
+    finally:  # whatever else was written (an error's output) goes out as it came
+        text = caught.getvalue()
+        sys.stdout.write(_with_interpolations(text, unresolved) if printed else text)
+
+
+def _with_interpolations(text: str, unresolved: dict) -> str:
+    try:
+        printed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if not isinstance(printed, dict):
+        return text
+    kept = keep_interpolations(printed, unresolved)
+    if kept == printed:
+        return text
+    lines = text.splitlines(keepends=True)
+    header = "".join(itertools.takewhile(lambda line: line.startswith("#"), lines))  # `# lightning.pytorch==2.6.6`
+    return header + yaml.safe_dump(kept, **_PRINTED_YAML)
+
+
+def _prints_config(cli_args: Sequence[str]) -> bool:
+    """``--print_config`` (or ``--print_config=skip_default``...), but not with ``comments``: our YAML dump would
+    drop jsonargparse's comments, so that output stays as jsonargparse writes it, every value resolved."""
+    flags = [a.partition("=")[2] for a in cli_args if a == "--print_config" or a.startswith("--print_config=")]
+    return bool(flags) and not any("comments" in f.split(",") for f in flags)
+
+
 def run(argv: Sequence[str]) -> None:
     """Compose ``--config`` files and Hydra-style overrides, then hand the result to LightningCLI."""
     command = CommandLine.parse(argv)
     args = list(argv)
+    printing: contextlib.AbstractContextManager = contextlib.nullcontext()
     if command.composes:
-        args = command.lightning_argv(compose(command, LightningSchema(command.subcommand)))
-    with warnings.catch_warnings():
+        config, unresolved = compose_keeping_interpolations(command, LightningSchema(command.subcommand))
+        args = command.lightning_argv(config)
+        if _prints_config(command.cli_args):
+            printing = printed_with_interpolations(unresolved)
+    with warnings.catch_warnings(), printing:
         # We pass the composed argv on purpose; sys.argv stays as typed so each rank re-runs and re-composes it.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         ZeroCLI(

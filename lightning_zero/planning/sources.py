@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,13 +14,22 @@ from torch import nn
 
 from lightning_zero.planning.formulas import GIB, split_devices
 
-#: GPT-3's shapes (Brown et al., 2020, table 2.1): (parameters, layers, width, heads). ``--params`` plans for the
-#: row closest in size; vocabulary 50257, biases and untied embeddings as ``lightning_zero.demo.GPTLightningModule``.
+#: GPT-3's shapes (Brown et al., 2020, table 2.1): (parameters, layers, width, heads). ``--params`` plans a GPT
+#: scaled to the size asked, as deep as these rows are at that size (:func:`gpt_shape`); vocabulary 50257, biases and
+#: untied embeddings as ``lightning_zero.demo.GPTLightningModule``.
 GPT3_SHAPES = (
     (125e6, 12, 768, 12), (350e6, 24, 1024, 16), (760e6, 24, 1536, 16), (1.3e9, 24, 2048, 16), (2.7e9, 32, 2560, 32),
     (6.7e9, 32, 4096, 32), (13e9, 40, 5120, 40), (175e9, 96, 12288, 96),
 )
 VOCAB = 50257
+#: The sizes ``--params`` plans for: GPT-3's smallest row up to a trillion parameters (about 6x its largest row, the
+#: depth extrapolated along its two largest). Below it, the two 50257-token embeddings would be over half the model.
+MIN_PARAMS, MAX_PARAMS = 125e6, 1e12
+#: How close the planned GPT's parameter count comes to ``--params`` at most (relative); a size no shape reaches
+#: this close (a sequence so long that its position embeddings outweigh the model) is refused. Within half of it the
+#: shape nearest GPT-3's depth is kept, else the nearest within it: widths step by 64 or 128, so the count moves in
+#: steps of several percent at a given depth.
+SHAPE_TOLERANCE = 0.02
 #: The device memory a plan assumes on a machine without an accelerator: the common large training GPU (A100 and
 #: H100 80 GiB models). Said in the plan's output, since it is a guess.
 COMMON_DEVICE_MEMORY = 80 * GIB
@@ -91,26 +101,85 @@ def _class_node(config: dict[str, Any], key: str, name: str) -> dict[str, Any]:
     return node
 
 
+@dataclasses.dataclass(frozen=True)
+class GPTShape:
+    """The GPT that ``--params`` plans: its shape and exact parameter count (``demo.count_parameters``), said in
+    the plan's header so a user sees the model planned, not only the size asked."""
+
+    layers: int
+    width: int
+    heads: int
+    params: int
+
+
+def gpt_parameters(layers: int, width: int, seq_len: int, vocab: int = VOCAB) -> int:
+    """The parameters of ``GPTLightningModule`` (biases, untied embeddings) in closed form, so the shape search can
+    solve for the width; ``demo.count_parameters`` stays the count reported (a unit test pins the two equal).
+    Each block: two LayerNorms (4 width) and the attention and MLP linears (12 width^2 + 9 width); around them the
+    token, position and output embeddings and the final LayerNorm."""
+    per_block = 12 * width * width + 13 * width
+    return layers * per_block + (2 * vocab + seq_len + 2) * width
+
+
+def gpt_shape(params: float, seq_len: int = 2048, vocab: int = VOCAB) -> GPTShape:
+    """A GPT of ``params`` parameters (within :data:`SHAPE_TOLERANCE`), so that a plan is for the size asked: as
+    deep as GPT-3's rows are at that size (log-linear between them), give or take a quarter, the width solved for
+    the rest, a multiple of 64 (heads of 64) below 2048 and of 128 (heads of 128) from there, as GPT-3's shapes are.
+    A size out of :data:`MIN_PARAMS` .. :data:`MAX_PARAMS` is refused rather than planned as another."""
+    from lightning_zero.demo.gpt import GPTConfig, count_parameters
+
+    if not (math.isfinite(params) and MIN_PARAMS <= params <= MAX_PARAMS):
+        raise ValueError(f"--params {params:.4g} is out of the sizes the planner shapes a GPT for: {MIN_PARAMS:.4g} to "
+                         f"{MAX_PARAMS:.4g} (GPT-3's smallest shape to a trillion parameters).")
+    depth = _gpt3_depth(params)
+    candidates = []
+    for layers in range(max(1, math.floor(0.75 * depth)), math.ceil(1.25 * depth) + 1):
+        quadratic, linear = 12 * layers, 13 * layers + 2 * vocab + seq_len + 2
+        exact_width = (math.sqrt(linear * linear + 4 * quadratic * params) - linear) / (2 * quadratic)
+        head_width = 128 if exact_width >= 2048 else 64
+        for heads in {max(1, math.floor(exact_width / head_width)), math.ceil(exact_width / head_width)}:
+            count = gpt_parameters(layers, heads * head_width, seq_len, vocab)
+            candidates.append((abs(count / params - 1), layers, heads * head_width, heads))
+    close = [c for c in candidates if c[0] <= SHAPE_TOLERANCE]
+    if not close:
+        nearest = min(candidates)
+        raise ValueError(f"--params {params:.4g} with --seq-len {seq_len}: no GPT shape comes within "
+                         f"{SHAPE_TOLERANCE:.0%} of it (the nearest, {nearest[1]} layers x {nearest[2]} wide, is "
+                         f"{nearest[0]:.1%} off); a shorter --seq-len or a larger --params would be shaped.")
+    _, layers, width, heads = min(close, key=lambda c: (c[0] > SHAPE_TOLERANCE / 2, abs(math.log(c[1] / depth)), c[0]))
+    config = GPTConfig(vocab_size=vocab, block_size=seq_len, n_layer=layers, n_head=heads, n_embd=width)
+    return GPTShape(layers=layers, width=width, heads=heads, params=count_parameters(config))
+
+
+def _gpt3_depth(params: float) -> float:
+    """GPT-3's depth at ``params`` parameters: log-linear in size between the rows of :data:`GPT3_SHAPES` around
+    it, and along its two largest rows beyond them."""
+    points = [(math.log(size), math.log(layers)) for size, layers, _, _ in GPT3_SHAPES]
+    x = math.log(params)
+    (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if x <= b[0]), (points[-2], points[-1]))
+    return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
 def from_size(params: float, devices: int, batch_size: int, seq_len: int = 2048, precision: str = "bf16-mixed",
               devices_per_node: int | None = None) -> Source:
-    """A GPT of GPT-3's shape closest to ``params`` parameters, ``batch_size`` sequences per step over ``devices``
-    ranks in all (on nodes of ``devices_per_node``, by default ``formulas.split_devices``'s)."""
+    """A GPT of ``params`` parameters (:func:`gpt_shape`), ``batch_size`` sequences per step over ``devices`` ranks
+    in all (on nodes of ``devices_per_node``, by default ``formulas.split_devices``'s)."""
     from lightning_zero.demo.gpt import Block, GPTLightningModule
 
     if batch_size % devices:
         raise ValueError(f"--batch-size {batch_size} must be a multiple of --devices {devices} (a global batch split "
                          "evenly over the devices).")
     per_node, _ = split_devices(devices, devices_per_node)
-    size, layers, width, heads = min(GPT3_SHAPES, key=lambda row: abs(row[0] - params))
+    shape = gpt_shape(params, seq_len)
     per_device = batch_size // devices
     tokens = torch.zeros(per_device, seq_len, dtype=torch.long)
     return Source(
-        build=lambda: GPTLightningModule(vocab_size=VOCAB, block_size=seq_len, n_layer=layers, n_head=heads,
-                                         n_embd=width, dropout=0.0),
+        build=lambda: GPTLightningModule(vocab_size=VOCAB, block_size=seq_len, n_layer=shape.layers,
+                                         n_head=shape.heads, n_embd=shape.width, dropout=0.0),
         batch=(tokens, tokens), world_size=devices,
         devices_per_host=per_node, precision=precision, checkpointing=Block,
-        description=f"a GPT of GPT-3's {size:.3g}-parameter shape ({layers} layers x {width} wide, {heads} heads, "
-                    f"vocabulary {VOCAB}, sequence {seq_len})",
+        description=f"a GPT of {shape.params:,} parameters for --params {params:.4g} ({shape.layers} layers x "
+                    f"{shape.width} wide, {shape.heads} heads, vocabulary {VOCAB}, sequence {seq_len})",
     )
 
 

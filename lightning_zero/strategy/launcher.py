@@ -3,9 +3,11 @@
 Both launchers resolve the run's ``ckpt_path`` first (auto-resume after a launcher restart, ``"last"`` among
 complete checkpoints only; see :mod:`lightning_zero.resume.decision`): Lightning fixes ``ckpt_path`` inside the
 function they launch, before the process group exists, so this is the last place it can still be chosen. It is
-also the first place that sees the Trainer and the ``fit`` arguments together: a DeepSpeed config that disagrees
-with the Trainer's clipping, accumulation or the training DataLoader's batch size is refused here, on every
-rank, before any process starts (``deepspeed_compat/trainer.py``).
+also the first place that sees the Trainer and the ``fit`` arguments together: a ``ckpt_path`` that is missing or
+not a whole checkpoint (``strategy/early_checks.py``, in the process that starts the others: a rank started by
+torchrun or by Lightning may be given a path only rank 0's folder holds), and a DeepSpeed config that disagrees with the Trainer's
+clipping, accumulation or the training DataLoader's batch size (``deepspeed_compat/trainer.py``), are refused
+here, on every rank, before any process starts.
 
 * :class:`ZeroScriptLauncher` (``start_method="popen"``): Lightning's script launcher when Lightning starts the
   processes; when a launcher such as ``torchrun`` or SLURM started them (``creates_processes_externally``) it
@@ -41,14 +43,32 @@ from typing_extensions import override
 from lightning_zero.deepspeed_compat.trainer import apply_to_trainer, check_batch_sizes
 from lightning_zero.faults.verdict import Limits
 from lightning_zero.resume import resolve_ckpt_path
+from lightning_zero.strategy.early_checks import check_ckpt_path
 
 
-def _resolved(strategy, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> tuple[tuple, dict]:
+def _resolved(strategy, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None,
+              starts_processes: bool) -> tuple[tuple, dict]:
     if trainer is not None:
+        if starts_processes:  # a rank started by another reads the path the launching process checked, or rank 0's
+            _check_ckpt_path(function, args, kwargs, trainer)
         _check_deepspeed_settings(strategy, function, args, kwargs, trainer)
     args, kwargs, decision = resolve_ckpt_path(function, args, kwargs, trainer, strategy.zero_config.auto_resume)
     strategy._resume.decision = decision
     return args, kwargs
+
+
+def _check_ckpt_path(function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer) -> None:
+    """The checkpoint to load exists and is whole: found here, before any rank starts, it is one error rather than
+    a traceback from every rank. The path set as ``trainer.ckpt_path = ...`` too, which Lightning loads when the
+    call is given none."""
+    try:
+        given = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
+    except (TypeError, ValueError):
+        return
+    if given is not None:
+        check_ckpt_path(given)
+    elif getattr(trainer._checkpoint_connector, "_user_managed", False):
+        check_ckpt_path(trainer.ckpt_path, setting="trainer.ckpt_path")
 
 
 def _check_deepspeed_settings(strategy, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer) -> None:
@@ -76,8 +96,9 @@ class ZeroScriptLauncher(_SubprocessScriptLauncher):
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        args, kwargs = _resolved(self._strategy, function, args, kwargs, trainer)
-        if self.cluster_environment.creates_processes_externally:
+        external = self.cluster_environment.creates_processes_externally
+        args, kwargs = _resolved(self._strategy, function, args, kwargs, trainer, starts_processes=not external)
+        if external:
             return function(*args, **kwargs)  # torchrun / SLURM / a parent Lightning process started this one
         # As Lightning's launch, with our observer.
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -107,7 +128,7 @@ class _PatientObserver(_ChildProcessObserver):
 class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        args, kwargs = _resolved(self._strategy, function, args, kwargs, trainer)
+        args, kwargs = _resolved(self._strategy, function, args, kwargs, trainer, starts_processes=True)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override

@@ -32,6 +32,7 @@ def main(out_dir: str) -> None:
         num_sanity_val_steps=0,
         log_every_n_steps=10,
         default_root_dir=out_dir,
+        logger=False,  # `~trainer.logger`
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,

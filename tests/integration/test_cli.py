@@ -43,7 +43,7 @@ def overrides(out) -> list[str]:
         "model=gpt_tiny", "strategy=zero2_offload",  # group selection
         "model.n_layer=1", "model.block_size=16", "data.batch_size=4", "trainer.max_steps=4",  # a.b=c (shorthands)
         "+trainer.limit_val_batches=2",  # add a key
-        "~trainer.logger",  # drop a key
+        "~trainer.logger",  # drop a key (for the logger: logging off)
         f"trainer.default_root_dir={out}", "trainer.enable_progress_bar=false",
         f"++trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {out}/cli.pt}}}}]",
     ]
@@ -77,8 +77,11 @@ def test_the_printed_config_fed_back_prints_itself_and_trains_the_same_run(tmp_p
     config = yaml.safe_load(printed.read_text())
     assert config["trainer"]["strategy"]["init_args"]["stage"] == 2
     assert config["trainer"]["strategy"]["init_args"]["offload_optimizer"] is True
-    assert config["model"]["init_args"]["n_layer"] == 1 and config["data"]["init_args"]["block_size"] == 16
-    assert config["trainer"]["limit_val_batches"] == 2 and config["trainer"]["logger"] is None
+    assert config["model"]["init_args"]["n_layer"] == 1 and config["model"]["init_args"]["block_size"] == 16
+    # the interpolations stay (a fed-back `trainer.max_steps=N` still moves val_check_interval), `~trainer.logger` is off
+    assert config["data"]["init_args"]["block_size"] == "${model.init_args.block_size}"
+    assert config["trainer"]["val_check_interval"] == "${trainer.max_steps}"
+    assert config["trainer"]["limit_val_batches"] == 2 and config["trainer"]["logger"] is False
     assert ok(cli("fit", "--config", str(printed), "--print_config")).stdout == printed.read_text()
     ok(cli("fit", "--config", str(printed), f"trainer.callbacks.0.init_args.path={tmp_path}/printed.pt"))
     from_printed = torch.load(tmp_path / "printed.pt", weights_only=True)

@@ -11,9 +11,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
+from lightning_zero.cli import main as lightning_zero_command
 from lightning_zero.cli.command_line import CommandLine, Override, parse_value
-from lightning_zero.cli.compose import compose, merge
+from lightning_zero.cli.compose import compose, compose_keeping_interpolations, keep_interpolations, merge
 from lightning_zero.cli.errors import CLIConfigError
 from lightning_zero.cli.schema import LightningSchema
 from tests.launch import REPO
@@ -104,7 +106,7 @@ def test_every_override_form_on_the_main_config():
     assert config["trainer"]["max_steps"] == 7 and config["trainer"]["val_check_interval"] == 7  # resolved late
     assert config["data"]["init_args"] == {"block_size": 32, "batch_size": 4, "num_tokens": 200000}
     assert config["trainer"]["limit_val_batches"] == 2
-    assert "logger" not in config["trainer"]
+    assert config["trainer"]["logger"] is False  # off, not Lightning's default logger
     assert config["seed_everything"] == 7
 
 
@@ -296,3 +298,68 @@ def test_unrelated_folders_next_to_a_config_do_not_hide_the_groups(tmp_path):
     write(tmp_path, "odd.yaml", "1: 2\n")
     with pytest.raises(CLIConfigError, match="unknown key '1'"):
         composed("--config", str(tmp_path / "odd.yaml"), roots=[tmp_path])
+
+
+# ------------------------------------------------------------------------------------ deleted logger, printed configs
+
+
+def test_deleting_the_logger_switches_logging_off():
+    """Lightning makes its default logger for a Trainer given none, so Hydra's `~trainer.logger` (remove the
+    configured logger) means `logger: false`; also where the config names no logger, as Lightning's default is one."""
+    main = str(CONF / "gpt_zero3.yaml")
+    assert composed("--config", main, "~trainer.logger")["trainer"]["logger"] is False
+    assert composed("--config", main, "~trainer.logger", "~trainer.logger")["trainer"]["logger"] is False
+    assert composed("--config", main, "~trainer.logger", "~trainer.logger=false")["trainer"]["logger"] is False
+    with pytest.raises(CLIConfigError, match="trainer.logger is .* not true"):  # `~key=value` still checks the value
+        composed("--config", main, "~trainer.logger=true")
+    # the keys below it are deleted as any key is
+    config = composed("--config", main, "~trainer.logger.save_dir")
+    assert "save_dir" not in config["trainer"]["logger"]["init_args"]
+
+
+def printed(capsys, *argv: str) -> str:
+    """`lightning-zero fit ... --print_config`, in-process: LightningCLI parses the composed config and prints it."""
+    with pytest.raises(SystemExit) as exit_:
+        lightning_zero_command(["fit", *argv, "--print_config"])
+    assert exit_.value.code in (0, None)
+    return capsys.readouterr().out
+
+
+def test_a_printed_config_keeps_its_interpolations_so_overrides_still_move_them(capsys, tmp_path):
+    """Issue 78: `--print_config > run.yaml` then `--config run.yaml trainer.max_steps=5` validated and saved at
+    step 150 because the printed values were resolved; printed, the `${...}` stay, and the file prints itself."""
+    run = tmp_path / "run.yaml"
+    run.write_text(printed(capsys, "--config", str(CONF / "gpt_zero3.yaml"), "~trainer.logger"))
+    config = yaml.safe_load(run.read_text())
+    trainer = config["trainer"]
+    checkpoint = trainer["callbacks"][0]["init_args"]
+    assert trainer["val_check_interval"] == checkpoint["every_n_train_steps"] == "${trainer.max_steps}"
+    assert checkpoint["dirpath"] == "${trainer.default_root_dir}/checkpoints"
+    assert config["data"]["init_args"]["block_size"] == "${model.init_args.block_size}"
+    assert trainer["logger"] is False and trainer["max_steps"] == 150  # everything else as LightningCLI prints it
+    assert printed(capsys, "--config", str(run)) == run.read_text()
+    fed_back = composed("--config", str(run), "trainer.max_steps=5", "trainer.default_root_dir=elsewhere")
+    assert fed_back["trainer"]["val_check_interval"] == 5
+    assert fed_back["trainer"]["callbacks"][0]["init_args"]["every_n_train_steps"] == 5
+    assert fed_back["trainer"]["callbacks"][0]["init_args"]["dirpath"] == "elsewhere/checkpoints"
+    assert fed_back["trainer"]["logger"] is False
+
+
+def test_a_printed_interpolation_is_kept_only_where_it_gives_the_printed_value(capsys):
+    """A LightningCLI argument after the config (`--trainer.max_steps 3`) is applied after the interpolations were
+    resolved: the run validates at step 5, so the printed config says 5, not `${trainer.max_steps}`."""
+    out = printed(capsys, "--config", str(CONF / "gpt_zero3.yaml"), "trainer.max_steps=5", "--trainer.max_steps", "3")
+    trainer = yaml.safe_load(out)["trainer"]
+    assert trainer["max_steps"] == 3 and trainer["val_check_interval"] == 5
+    assert trainer["callbacks"][0]["init_args"]["every_n_train_steps"] == 5
+    assert trainer["callbacks"][0]["init_args"]["dirpath"] == "${trainer.default_root_dir}/checkpoints"
+    # the rule itself: a value put back resolved makes the interpolations that read it agree again
+    resolved, unresolved = compose_keeping_interpolations(
+        CommandLine.parse(["fit", "--config", str(CONF / "gpt_zero3.yaml")]), LightningSchema("fit")
+    )
+    unresolved["trainer"]["limit_val_batches"] = "${trainer.val_check_interval}"
+    resolved["trainer"]["limit_val_batches"] = 150
+    resolved["trainer"]["val_check_interval"] = 7  # changed after composition
+    kept = keep_interpolations(resolved, unresolved)["trainer"]
+    assert kept["val_check_interval"] == 7 and kept["limit_val_batches"] == 150
+    assert keep_interpolations({"other": 1}, unresolved) == {"other": 1}  # keys printed elsewhere: nothing to keep

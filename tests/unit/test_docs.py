@@ -7,6 +7,8 @@ files and the code, in-process and without training.
   ``predict`` through our composition and LightningCLI (``--print_config``: nothing is built), the other commands
   through their argparse parsers (stopped right after parsing);
 * every ```` ```yaml ```` block parses, and one introduced by a ``conf/*.yaml`` file agrees with that file.
+
+The ```` ```python ```` snippets are run, or say what they elide, by tests/integration/test_docs_snippets.py.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import re
 import resource
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +222,145 @@ def test_plan_help_has_no_rest_markup():
 def test_deepspeed_offload_ratio_maps_to_a_partial_offload():
     strategy = ZeroStrategy(config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
     assert strategy.zero_config.offload_optimizer == 0.3
+
+
+# ------------------------------------------------------------------------------ --params: the size asked (issue 78)
+
+
+def test_a_size_is_planned_at_that_size_not_at_the_nearest_gpt3_row(capsys):
+    """70e9 used to be planned as GPT-3's 13B row (and from ~94e9 as its 175B one), only the header saying so: a
+    user trusting the pick ran out of memory. The model planned is now within 2% of the size asked."""
+    assert plan_main(["--params", "70e9", "--devices", "2", "--batch-size", "2", "--memory-per-device", "16GiB"]) == 0
+    printed = capsys.readouterr().out
+    header = re.match(r"Plan for a GPT of ([\d,]+) parameters for --params 7e\+10 \((\d+) layers x (\d+) wide, "
+                      r"(\d+) heads, vocabulary 50257, sequence 2048\)", printed)
+    assert header, printed.splitlines()[0]
+    params, layers, width, heads = int(header[1].replace(",", "")), *map(int, header.groups()[1:])
+    assert params == pytest.approx(70e9, rel=0.02) and width == 128 * heads and 60 <= layers <= 90
+    rows = {(r.split()[0], r.split()[1]): r.split() for r in table_rows(printed)}
+    # 13B's model state was 146.55 GiB per device at zero1 and its zero3_offload fitted 16 GiB without
+    # checkpointing (15.85 GiB); 70B's state is 5.3x that, and only checkpointing keeps zero3_offload under 16 GiB
+    assert float(rows["zero1", "no"][5]) / 146.55 == pytest.approx(params / 13_110_702_080, rel=0.01)
+    assert rows["zero3_offload", "no"][7] == "no" and rows["zero3_offload", "yes"][7:] == ["yes", "<-", "pick"]
+    assert "Fastest that fits 16.00 GiB per device: zero3_offload with activation checkpointing" in printed
+
+
+@pytest.mark.parametrize("params, layers, width, heads", [(175e9, 96, 12288, 96), (1.3e9, 25, 1920, 30),
+                                                          (125e6, 12, 640, 10)])
+def test_the_model_built_for_a_size_has_that_many_parameters(params, layers, width, heads):
+    """The shape the header names is the model traced, and it counts ``params`` within 2% (GPT-3's 175B row
+    itself; its 1.3B row, with untied embeddings, counts 1.42e9, so a shallower, narrower one)."""
+    from lightning_zero.demo.gpt import GPTConfig, count_parameters
+    from lightning_zero.planning.sources import from_size, gpt_parameters, gpt_shape
+
+    shape = gpt_shape(params)
+    assert (shape.layers, shape.width, shape.heads) == (layers, width, heads)
+    assert shape.params == pytest.approx(params, rel=0.02)
+    config = GPTConfig(vocab_size=50257, block_size=2048, n_layer=layers, n_head=heads, n_embd=width)
+    assert gpt_parameters(layers, width, 2048) == count_parameters(config) == shape.params
+    source = from_size(params, devices=8, batch_size=8)
+    with torch.device("meta"):
+        assert source.build().model.num_parameters() == shape.params
+    assert source.description.startswith(f"a GPT of {shape.params:,} parameters for --params {params:.4g} "
+                                         f"({layers} layers x {width} wide, {heads} heads,")
+
+
+@pytest.mark.parametrize("params", ["1e5", "124e6", "2e12", "nan"])
+def test_a_size_out_of_range_is_refused_naming_params_and_the_range(params, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        plan_main(["--params", params, "--devices", "2", "--batch-size", "2"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--params {float(params):.4g} is out of the sizes the planner shapes a GPT for: 1.25e+08 to 1e+12" in error
+
+
+def test_a_size_no_shape_reaches_is_refused_naming_params_and_seq_len(capsys):
+    """A sequence so long that its position embeddings alone outweigh the size asked."""
+    with pytest.raises(SystemExit):
+        plan_main(["--params", "125e6", "--devices", "2", "--batch-size", "2", "--seq-len", "1000000"])
+    error = capsys.readouterr().err
+    assert "--params 1.25e+08 with --seq-len 1000000: no GPT shape comes within 2% of it" in error
+
+
+# ------------------------------------------------------------------------------ docs/planner.md's figures
+
+
+PLANNER_PAGE = Path(__file__).resolve().parents[2] / "docs" / "planner.md"
+
+
+def markdown_table(text: str, header_start: str) -> list[list[str]]:
+    """The body rows (cells stripped) of the table whose header row starts with ``header_start``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def test_the_planner_pages_budget_table_is_what_plan_prints(tmp_path, capsys, monkeypatch):
+    """The page's picks, peaks and plot figures for the demo GPT were copied from ``plan`` once and went stale as
+    the memory model changed (issue 78): each row's command is run here and the page compared with what it
+    prints. The rows share their traces (one config and batch), which keeps the five plans to one trace each."""
+    page = PLANNER_PAGE.read_text()
+    assert "`lightning-zero plan --config conf/gpt_zero3.yaml` prints it with each row's `--memory-per-device`" in (
+        " ".join(page.split()))
+    traces, trace = {}, Planner.trace
+
+    def shared_trace(self, micro_batch, checkpointing):
+        if (micro_batch, checkpointing) not in traces:
+            traces[micro_batch, checkpointing] = trace(self, micro_batch, checkpointing)
+        return traces[micro_batch, checkpointing]
+
+    monkeypatch.setattr(Planner, "trace", shared_trace)
+    rows = markdown_table(page, "| `--memory-per-device` |")
+    assert [row[0] for row in rows] == ["48MiB", "20MiB", "13MiB", "11MiB", "64KiB"]
+    for budget, pick, predicted in rows:
+        code = plan_main(["--config", "conf/gpt_zero3.yaml", "--memory-per-device", budget])
+        printed = " ".join(capsys.readouterr().out.split())
+        if predicted:
+            assert code == 0
+            assert f"per device: {pick.split(' (')[0]}" in printed, budget
+            assert f"predicted peak {predicted} per device" in printed, budget
+        else:
+            assert code == 1
+            assert re.search(r'"(.*) \.\.\."', pick)[1] in printed, budget
+
+    # the plot's bullets: `lightning-zero plan --config conf/gpt_zero3.yaml --memory-per-device 20MiB --plot ...`
+    from PIL import Image
+
+    png = tmp_path / "plan.png"
+    assert plan_main(["--config", "conf/gpt_zero3.yaml", "--memory-per-device", "20MiB", "--plot", str(png)]) == 0
+    bars = {bar["label"]: bar for bar in json.loads(Image.open(png).text["Description"])["bars"]}
+    plain = [bar for label, bar in bars.items() if label.endswith("16 x 1") and "+ AC" not in label]
+    text = " ".join(page.split())
+    activations, total = map(int, re.search(r"Activations \(red\) are (\d+) of the (\d+) MiB", text).groups())
+    assert (round(bars["zero1 16 x 1"]["activations"]), round(bars["zero1 16 x 1"]["device_MiB"])) == (
+        activations, total)
+    low, high = map(int, re.search(r"without it stands at (\d+)-(\d+) MiB", text).groups())
+    assert (round(min(b["device_MiB"] for b in plain)), round(max(b["device_MiB"] for b in plain))) == (low, high)
+    checkpointed = re.search(r"`zero2` and `zero3` \((\d+\.\d+) MiB\) stand just above it", text)[1]
+    printed = capsys.readouterr().out
+    assert {r.split()[5] for r in table_rows(printed) if r.split()[:2] in (["zero2", "yes"], ["zero3", "yes"])} == {
+        checkpointed}
+
+
+def test_the_planner_pages_estimate_table_is_what_estimate_prints(capsys):
+    from lightning_zero.cli.estimate import main as estimate_main
+
+    command = "lightning-zero estimate --params 1.3e9 --devices 16 --devices-per-node 8 --precision bf16-mixed"
+    page = PLANNER_PAGE.read_text()
+    assert command in page
+    assert estimate_main(command.split()[2:]) == 0
+    printed = {r.split()[0]: r.split() for r in capsys.readouterr().out.splitlines() if r.startswith(("ddp", "zero"))}
+    rows = markdown_table(page, "| 1.3B parameters, 2 nodes x 8 GPUs, bf16-mixed |")
+    assert len(rows) == 4
+    for names, device, host in rows:
+        names = names.split(" (")[0].split(" / ")
+        devices, hosts = re.findall(r"[\d.]+", device), re.findall(r"[\d.]+", host)
+        for i, name in enumerate(names):
+            shown_device, shown_host = devices[min(i, len(devices) - 1)], hosts[min(i, len(hosts) - 1)]
+            printed_device, printed_host = printed[name][-3:-1]
+            assert (float(shown_device), float(shown_host)) == (float(printed_device), float(printed_host)), name
