@@ -31,6 +31,13 @@ subprocess._USE_VFORK = False  # type: ignore[attr-defined]
 # One bf16 sum rounded the other way, then Adam's normalisation, moved Hugging Face GPT-2's weights 1e-5 from the
 # emulation there (benchmarks/results/2026-11-27-test-suite.md, thirtieth session).
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
+# The libraries beneath ATen pick their kernels by the CPU too, so the same test rounds differently on another machine
+# of this kind: MKL's GEMMs (MKL_CBWR pins its code path; AVX2 is on every x86 machine this project runs on) and
+# oneDNN's (capped at AVX2 as well). The cap also avoids a torch 2.13 defect: on a CPU with AMX, bf16
+# scaled_dot_product_attention packs its inputs for AMX, which ATen's default capability then refuses ("pack_vnni2
+# is only supported when avx512 is supported": every bf16 attention of the suite failed on such a machine).
+os.environ.setdefault("MKL_CBWR", "AVX2")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 TIERS = ("unit", "distributed", "integration")
 #: Markers of the tests that run before the tiers, in this order, without the integration runs beside them.

@@ -12,6 +12,7 @@ from lightning_zero.checkpoint.consolidate import consolidate
 from tests.distributed import models
 from lightning_zero.cli import main as cli_main
 from tests.launch import launch
+from tests.tolerances import assert_reordered_fp32, assert_reordered_fp32_moments
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +32,20 @@ def shared(tmp_path_factory):
     return {**two, **one, "dir": directory}
 
 
-def _check_resume(result):
+def _check_resume(result, pair):
     assert result["steps"] == 6
-    assert result["param_diff"] <= 1e-6
-    assert result["optim_diff"] <= 1e-6
+    save, resume = pair.split("->")
+    if save == resume:  # the same stage's arithmetic before and after the resume, in the same processes
+        assert result["param_diff"] == 0.0 and result["optim_diff"] == 0.0
+    else:  # the first epoch ran at another stage (another reduction, or gathered weights in other memory)
+        assert_reordered_fp32(pair, result["param_diff"], result["lr"], result["steps"])
+        assert_reordered_fp32_moments(pair, result["optim_diff"], result["steps"], result["moment_scale"])
 
 
 @pytest.mark.parametrize("pair", ["2->2", "3->3", "2->3", "2->1"])
 def test_interrupted_run_equals_uninterrupted(shared, pair):
     """1 epoch, ModelCheckpoint, new Trainer resumes (at the same or another stage) for epoch 2."""
-    _check_resume(shared["exact_resume"][pair])
+    _check_resume(shared["exact_resume"][pair], pair)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -62,7 +67,7 @@ def other_pairs(tmp_path_factory):
 @pytest.mark.full
 @pytest.mark.parametrize("pair", ["1->1", "3->2"])
 def test_interrupted_run_equals_uninterrupted_at_the_other_pairs(other_pairs, pair):
-    _check_resume(other_pairs[pair])
+    _check_resume(other_pairs[pair], pair)
 
 
 @pytest.mark.parametrize("run", ["stage1_full", "stage2_bf16_offload", "stage3"])
@@ -83,7 +88,8 @@ def test_a_run_continued_from_a_save_after_fit_trains_as_ddp_does_without_a_warn
     result = shared["continued_after_fit"]
     assert result[f"zero{stage} {stopped} steps"] == result[f"ddp {stopped} steps"] == 5
     assert result[f"zero{stage} {stopped} skipped"] == []
-    assert result[f"zero{stage} {stopped} diff"] <= 1e-6
+    assert_reordered_fp32(f"zero{stage} stopped at {stopped}", result[f"zero{stage} {stopped} diff"],
+                          result[f"zero{stage} {stopped} lr"], result[f"zero{stage} {stopped} steps"])
 
 
 def test_a_checkpoint_after_evaluating_loaded_weights_is_refused_but_for_the_weights(shared):

@@ -6,6 +6,7 @@ Each fixture launches one pair of processes that runs many Trainer cases in one 
 import pytest
 
 from tests.launch import launch
+from tests.tolerances import assert_reordered_fp32
 
 WORLD = 2
 pytestmark = pytest.mark.slow
@@ -106,7 +107,7 @@ def test_layers_outside_the_blocks_used_after_self_forward_in_training_step_trai
     torch.Tensor and DTensor"); held whole until the step returns, they train as under ``ddp``."""
     result = features[case]
     assert result["steps"] == 3
-    assert result["param_diff"] <= 1e-6
+    assert_reordered_fp32(case, result["param_diff"], result["lr"], result["steps"])
 
 
 def test_sharpness_aware_minimization_through_the_optimizers_parameters_steps_as_under_ddp(features):
@@ -114,7 +115,7 @@ def test_sharpness_aware_minimization_through_the_optimizers_parameters_steps_as
     optimizer's ``param_groups``: at stage 3 their gradients are DTensor shards whose norm is the global one."""
     result = features["sharpness_aware_stage3"]
     assert result["steps"] == 3
-    assert result["param_diff"] <= 1e-6
+    assert_reordered_fp32("sharpness_aware_stage3", result["param_diff"], result["lr"], result["steps"])
 
 
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage1_offloaded"])
@@ -124,7 +125,7 @@ def test_sharpness_aware_minimization_through_the_gathered_gradients_steps_as_un
     (taken into the host masters when offloaded), and the step is ``ddp``'s."""
     result = features[f"sharpness_aware_gathered_{case}"]
     assert result["steps"] == 3
-    assert result["param_diff"] <= 1e-6
+    assert_reordered_fp32(case, result["param_diff"], result["lr"], result["steps"])
 
 
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage1_offloaded"])
@@ -166,12 +167,7 @@ def test_skipped_steps_do_not_leak_gradients_into_the_next_window(features, stag
     """As under ``ddp``: a skipped window's gradients are dropped by the next window's ``zero_grad``, and
     ``optimizer.step()`` after the closure ran by hand steps (every stage took Lightning's ``do_nothing_closure``,
     returning None, for a ``training_step`` that returned None, and skipped that step: 2.0e-2 away)."""
-    import torch
-
-    reference = features["skipped_steps_stage0"]["state"]
-    result = features[f"skipped_steps_stage{stage}"]["state"]
-    for name, value in reference.items():
-        assert torch.allclose(torch.tensor(result[name]), torch.tensor(value), atol=1e-6), name
+    _as_under_ddp(f"skipped_steps_stage{stage}", features[f"skipped_steps_stage{stage}"], features["skipped_steps_stage0"])
 
 
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage2_offloaded"])
@@ -179,20 +175,17 @@ def test_a_parameter_no_optimizer_holds_gets_the_averaged_gradient_as_under_ddp(
     """Its ``p.grad`` is the averaged full gradient, accumulating across windows until the module clears it (stage 1
     held the sum over ranks in this rank's rows: 3.2e-2 away; stage 2 no gradient at all: 9.5e-2; offloaded, the
     value written by hand was then lost to its stale master in checkpoints: 9.5e-2)."""
+    _as_under_ddp(f"stepped_by_hand_{case}", features[f"stepped_by_hand_{case}"], features["stepped_by_hand_stage0"])
+
+
+def _as_under_ddp(case: str, result: dict, ddp: dict) -> None:
+    """Every tensor of the final state within reordered fp32 rounding of ``ddp``'s (``tests/tolerances.py``)."""
     import torch
 
-    reference = features["stepped_by_hand_stage0"]["state"]
-    result = features[f"stepped_by_hand_{case}"]["state"]
-    for name, value in reference.items():
-        assert torch.allclose(torch.tensor(result[name]), torch.tensor(value), atol=1e-6), name
-
-
-def _same_state(result: dict, reference: dict, atol: float = 1e-6) -> None:
-    import torch
-
-    assert result["steps"] == reference["steps"]
-    for name, value in reference["state"].items():
-        assert torch.allclose(torch.tensor(result["state"][name]), torch.tensor(value), atol=atol), name
+    assert result["state"].keys() == ddp["state"].keys() and result["steps"] == ddp["steps"]
+    diff = max((torch.tensor(result["state"][name], dtype=torch.float64) - torch.tensor(value, dtype=torch.float64))
+               .abs().max().item() for name, value in ddp["state"].items())
+    assert_reordered_fp32(case, diff, result["lr"], result["steps"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -200,7 +193,7 @@ def test_an_epoch_ended_inside_an_accumulation_window_leaks_nothing_into_the_nex
     """``on_train_batch_start`` returning -1 after a window's first micro-batch: the next window starts from no
     gradient, as under ``ddp`` (stage 3 held the whole unreduced gradients outside ``p.grad`` and reduced them with
     the next window's: 1.2e-2 away)."""
-    _same_state(features[f"epoch_ended_{stage}"], features["epoch_ended_0"])
+    _as_under_ddp(f"epoch_ended_{stage}", features[f"epoch_ended_{stage}"], features["epoch_ended_0"])
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +205,10 @@ def more_features():
 def test_an_epoch_ended_inside_a_window_elsewhere(features, more_features):
     """Stage 1 and stage 3 with ``offload_params`` against ``ddp``; under bf16-mixed (FSDP2 holds the window's
     gradients upcast beside the parameters) stage 3 against stage 2."""
-    _same_state(more_features["epoch_ended_1"], features["epoch_ended_0"])
-    _same_state(more_features["epoch_ended_3_offload_params"], features["epoch_ended_0"])
-    _same_state(more_features["epoch_ended_3_bf16"], more_features["epoch_ended_2_bf16"], atol=0.0)
+    _as_under_ddp("epoch_ended_1", more_features["epoch_ended_1"], features["epoch_ended_0"])
+    _as_under_ddp("epoch_ended_3_offload_params", more_features["epoch_ended_3_offload_params"], features["epoch_ended_0"])
+    # stage 3 against stage 2: FSDP2's reductions against ours, the fp32 masters stepped alike
+    _as_under_ddp("epoch_ended_3_bf16", more_features["epoch_ended_3_bf16"], more_features["epoch_ended_2_bf16"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -303,7 +297,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(checkpointing, stag
     assert result["checkpointed_blocks"] == 2
     assert result["trained"] == 3
     assert result["param_names_equal"]
-    assert result["param_diff"] <= 1e-6
+    # a recomputed block's activations land in other memory, which may pick another kernel: reordered fp32
+    assert_reordered_fp32(f"stage{stage}", result["param_diff"], result["lr"], result["steps"])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -312,4 +307,4 @@ def test_checkpointed_blocks_update_their_buffers_once_a_forward(checkpointing, 
     2 micro-batches): the same parameters and buffers, each batch counted once."""
     result = checkpointing[f"stage{stage}"]["normalized"]
     assert result["batches_tracked"] == 6
-    assert result["diff"] <= 1e-6
+    assert_reordered_fp32(f"stage{stage}", result["diff"], result["lr"], result["steps"])  # as above

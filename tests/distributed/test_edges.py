@@ -4,7 +4,7 @@ memory layouts than dense row-major (``memory_layouts.py``)."""
 import pytest
 
 from tests.launch import LaunchError, launch
-from tests.tolerances import assert_reordered_fp32
+from tests.tolerances import assert_reordered_fp32, assert_reordered_fp32_moments
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,8 @@ def test_full_checkpoint_is_plain_and_resumes_at_another_stage(edges, case):
     assert result["keys_match"]  # the module's own parameter names
     assert result["param_diff"] <= 1e-5
     assert result["optim_groups_match"]
-    assert result["optim_state_diff"] <= 1e-6  # torch.optim format, full tensors, equal to plain AdamW's
+    # torch.optim format, full tensors, plain AdamW's moments up to another order of the gradients' sums
+    assert_reordered_fp32_moments(case, result["optim_state_diff"], result["saved_steps"], result["moment_scale"])
     assert result["restored_param_diff"] == 0.0
     assert result["restored_optim_diff"] == 0.0
     assert result["restored_lr"] == result["saved_lr"]

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from tests.distributed.worker_hf_models import DEFAULT, META_KINDS, MATRIX, key  # noqa: E402
 from tests.launch import launch  # noqa: E402
+from tests.tolerances import assert_as_reference  # noqa: E402
 
 WORLD = 2
 pytestmark = pytest.mark.slow
@@ -28,27 +29,23 @@ def full_report():
     return launch("tests.distributed.worker_hf_models", "full", nprocs=WORLD)["full"]
 
 
-def check(name: str, result: dict, tolerance: float) -> None:
+def check(name: str, result: dict, precision: str) -> None:
     assert result["steps"] == 3, name
     assert result["change"] > 1e-3, f"{name}: the reference must move the parameters"
-    assert result["diff"] <= tolerance, f"{name}: max |param - reference| = {result['diff']:.3g}"
+    assert_as_reference(name, result, precision)
     if name.startswith("gpt2"):
         assert result["tied"], f"{name}: lm_head and wte stay tied"
     assert result["use_cache_kept"], f"{name}: the model's own use_cache settings are back after fit"
 
 
-def tolerance(precision: str) -> float:
-    return 1e-5 if precision == "32-true" else 1e-6
-
-
 @pytest.mark.parametrize("kind, stage", [(c[0], c[1]) for c in DEFAULT if c[2:] == ("32-true", True)])
 def test_fp32_with_activation_checkpointing_equals_plain_pytorch(report, kind, stage):
-    check(key(kind, stage, "32-true", True), report[key(kind, stage, "32-true", True)], tolerance("32-true"))
+    check(key(kind, stage, "32-true", True), report[key(kind, stage, "32-true", True)], "32-true")
 
 
 @pytest.mark.parametrize("kind, stage", [(c[0], c[1]) for c in DEFAULT if c[2:] == ("bf16-mixed", False)])
 def test_bf16_mixed_masters_equal_the_single_process_emulation(report, kind, stage):
-    check(key(kind, stage, "bf16-mixed", False), report[key(kind, stage, "bf16-mixed", False)], tolerance("bf16-mixed"))
+    check(key(kind, stage, "bf16-mixed", False), report[key(kind, stage, "bf16-mixed", False)], "bf16-mixed")
 
 
 @pytest.mark.parametrize("kind", META_KINDS)
@@ -88,4 +85,4 @@ def test_the_rest_of_the_matrix(full_report):
     assert sorted(full_report) == sorted(key(*c) for c in MATRIX if c not in DEFAULT)
     for configuration in MATRIX:
         if configuration not in DEFAULT:
-            check(key(*configuration), full_report[key(*configuration)], tolerance(configuration[2]))
+            check(key(*configuration), full_report[key(*configuration)], configuration[2])

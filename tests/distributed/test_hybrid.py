@@ -11,7 +11,12 @@ import pytest
 from tests.distributed import worker_pretrained
 from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.launch import launch
-from tests.tolerances import assert_reordered_fp32
+from tests.tolerances import (
+    assert_as_reference,
+    assert_reordered_fp32,
+    assert_reordered_fp32_loss,
+    assert_reordered_fp32_moments,
+)
 
 WORLD, K = 4, 2
 pytestmark = [pytest.mark.slow, pytest.mark.many_ranks]
@@ -68,15 +73,16 @@ def _check_mixed(result):
     """As tests/distributed/test_precision.py: masters equal the emulation, the loss tracks fp32 training."""
     assert len(result["losses"]) == 20
     assert result["master_change"] > 1e-2
-    assert result["master_diff"] <= 1e-6
-    assert result["emulated_loss_diff"] <= 1e-6
+    # the emulation does our arithmetic on tensors of its own, in another process: reordered fp32
+    assert_reordered_fp32("masters", result["master_diff"], result["lr"], result["steps"])
+    assert_reordered_fp32_loss("losses", result["emulated_loss_diff"], max(result["losses"]), result["steps"])
     assert result["skipped"] == result["emulated_skipped"]
     assert result["loss_diff"] <= {"bf16-mixed": 5e-3, "16-mixed": 1e-3}[result["precision"]]
 
 
 def _check_hugging_face(case, result):
     assert result["steps"] == 3 and result["change"] > 1e-3
-    assert result["diff"] <= (1e-5 if "32-true" in case else 1e-6), f"{case}: {result['diff']:.3g}"
+    assert_as_reference(case, result, "32-true" if "32-true" in case else "mixed")
     if case.startswith("gpt2"):
         assert result["tied"], "lm_head and wte stay tied"
 
@@ -230,8 +236,9 @@ def test_hpz_backward_gather_stays_inside_the_node(request, model):
 
 def _check_resume(result):
     assert result["steps"] == 4
-    assert result["param_diff"] <= 1e-6
-    assert result["optim_diff"] <= 1e-6
+    # saved at another stage and sharding: the first epoch's sums in another order (tests/tolerances.py)
+    assert_reordered_fp32("resumed", result["param_diff"], result["lr"], result["steps"])
+    assert_reordered_fp32_moments("resumed", result["optim_diff"], result["steps"], result["moment_scale"])
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import torch
 from lightning_zero import load_from_checkpoint
 from lightning_zero.demo.gpt import GPTLightningModule
 from tests.launch import launch
+from tests.tolerances import FP32_ROUNDING, assert_reordered_fp32, assert_reordered_fp32_loss
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +29,9 @@ def test_lr_find_works_and_matches_ddp(runs, case):
     result, ddp = runs["lr_find"][case], runs["lr_find"]["ddp"]
     assert result["steps"] == 3 and len(result["losses"]) == 20
     assert result["suggestion"] == ddp["suggestion"] and result["learning_rate"] == ddp["suggestion"]
-    assert result["loss_diff_vs_ddp"] <= 1e-6 and result["param_diff_vs_ddp"] <= 1e-6
+    # the search's 20 steps, then fit's 3 from the restored weights at the suggestion
+    assert_reordered_fp32_loss(case, result["loss_diff_vs_ddp"], max(ddp["losses"]), len(ddp["losses"]))
+    assert_reordered_fp32(case, result["param_diff_vs_ddp"], result["lr"], result["steps"])
 
 
 @pytest.mark.parametrize("case", ["stage2", "stage3", "stage3_full"])
@@ -72,7 +75,7 @@ def _check_swa(runs: dict, case: str) -> None:
     it averages the sharded parameters, and a run resumed from a checkpoint taken while averaging ends there too."""
     result = runs[case]
     assert result["epochs"] == 4 and result["averaged"] == runs["ddp"]["averaged"] == 3
-    assert result["diff_vs_ddp"] <= 1e-6
+    assert_reordered_fp32(case, result["diff_vs_ddp"], result["lr"], result["steps"])
 
 
 @pytest.mark.parametrize("case", ["stage1", "stage3_resumed"])
@@ -96,10 +99,14 @@ def _check_ema_resumed(runs: dict, case: str) -> None:
     assert result["epochs"] == 3 and result["averaged"] == runs["ddp"]["averaged"] == 18
     if not case.endswith("to_ddp"):  # this rank's rows of the average, not a whole model as under ddp (2 ranks)
         assert result["average_bytes"] <= 0.55 * runs["ddp"]["average_bytes"]
-    assert result["diff_vs_uninterrupted"] <= 1e-6 and result["val_loss_diff_vs_uninterrupted"] <= 1e-6
-    assert result["val_loss_diff_vs_ddp"] <= 1e-6
+    if result["same_strategy"]:  # saved and resumed under the uninterrupted run's strategy: its arithmetic
+        assert result["diff_vs_uninterrupted"] == 0.0 and result["val_loss_diff_vs_uninterrupted"] == 0.0
+    else:  # the first epoch under another strategy
+        assert_reordered_fp32(case, result["diff_vs_uninterrupted"], result["lr"], result["steps"])
+        assert_reordered_fp32_loss(case, result["val_loss_diff_vs_uninterrupted"], result["val_loss"], result["steps"])
+    assert_reordered_fp32_loss(case, result["val_loss_diff_vs_ddp"], result["val_loss"], result["steps"])
     if "offload" not in case:
-        assert result["diff_vs_ddp"] <= 1e-6
+        assert_reordered_fp32(case, result["diff_vs_ddp"], result["lr"], result["steps"])
 
 
 @pytest.mark.parametrize("case", ["stage3", "ddp_to_stage3"])
@@ -118,7 +125,8 @@ def _check_witnessed(runs: dict, case: str) -> None:
     epoch 1 of 3 ends where the uninterrupted one does."""
     result = runs[case]
     assert result["updates"] == (result["steps"] if case.startswith("ema") else 2)
-    assert result["diff_vs_witness"] <= 1e-5 and result["resumed_diff"] <= 1e-6
+    assert result["diff_vs_witness"] <= 1e-5
+    assert result["resumed_diff"] == 0.0  # resumed under the same strategy: the uninterrupted run's arithmetic
 
 
 @pytest.mark.parametrize("case", ["ema_stage3"])
@@ -160,7 +168,15 @@ def test_weight_averaging_follows_parameters_unfrozen_during_fit(averaging_runs,
     it was frozen) becomes this rank's rows of it."""
     result = averaging_runs["averaging_unfreezing"][case]
     assert result["updates"] == (result["steps"] if case.startswith("ema") else 2)
-    assert result["diff_vs_witness"] <= 1e-6
+    _averaged_as_witnessed(case, result)
+
+
+def _averaged_as_witnessed(case: str, result: dict) -> None:
+    """The witness averages the same run's whole weights, the callback this rank's rows (EMA: one ``_foreach_lerp_``
+    over the rows against one a tensor): each update's few roundings, up to 3 an element on either side, of the
+    weights' size, and nothing of the training (tests/tolerances.py's unit roundoff)."""
+    bound = 6 * result["updates"] * FP32_ROUNDING * result["weight_scale"]
+    assert result["diff_vs_witness"] <= bound, f"{case}: {result['diff_vs_witness']:.3g} > {bound:.3g}"
 
 
 @pytest.mark.full
@@ -168,7 +184,7 @@ def test_weight_averaging_follows_parameters_unfrozen_during_fit(averaging_runs,
 def test_weight_averaging_follows_parameters_unfrozen_during_fit_elsewhere(averaging_rest, case):
     result = averaging_rest["averaging_unfreezing_rest"][case]
     assert result["updates"] == (result["steps"] if case.startswith("ema") else 2)
-    assert result["diff_vs_witness"] <= 1e-6
+    _averaged_as_witnessed(case, result)
 
 
 @pytest.mark.parametrize("case", ["ema_stage3", "swa_stage3"])
@@ -187,9 +203,10 @@ def test_weight_averaging_with_batchnorm_matches_ddp_at_stage_2(averaging_rest, 
 
 
 def _check_batchnorm(result: dict, case: str) -> None:
-    assert result["diff_vs_ddp"] <= 1e-6
+    assert_reordered_fp32(case, result["diff_vs_ddp"], result["lr"], result["steps"])
     compared = result["val_mse_diffs"][:-1] if case.startswith("swa") else result["val_mse_diffs"]
-    assert len(compared) >= 4 and max(compared) <= 1e-6
+    assert len(compared) >= 4
+    assert_reordered_fp32_loss(case, max(compared), max(result["val_mse"]), result["steps"])
 
 
 @pytest.fixture(scope="module")

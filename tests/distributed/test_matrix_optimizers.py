@@ -96,7 +96,7 @@ def test_whole_state_lives_only_on_owners(runs, case):
 def test_resume_is_exact(runs, case):
     result = runs["variants"][case]
     assert result["steps"] == [4, 4]
-    assert result["diff"] <= 1e-7
+    assert result["diff"] == 0.0  # resumed at the same stage: the uninterrupted run's arithmetic in the same processes
 
 
 def test_checkpoint_crosses_world_sizes_and_stages(crossed):

@@ -4,6 +4,7 @@ so the offload path runs with synchronous copies; everything else is the code an
 import pytest
 
 from tests.launch import launch
+from tests.tolerances import assert_reordered_fp32, assert_reordered_fp32_moments
 
 WORLD = 2
 pytestmark = pytest.mark.slow
@@ -40,12 +41,18 @@ def convergence():
     return launch("tests.distributed.worker_offload", "delayed_convergence", nprocs=WORLD)
 
 
+def _as_without_offload(case: str, result: dict) -> None:
+    """The host steps with torch's fused CPU kernel where the run without offload steps with the optimizer's default
+    (``lightning_zero/engine/offload.py``): another order of the same step's roundings (``tests/tolerances.py``)."""
+    assert_reordered_fp32(case, result["param_diff_no_offload"], result["lr"], result["steps"])
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_offload_equals_the_same_run_without_offload(report, config):
     """4 steps of 2 accumulated micro-batches, clipping by norm, 2 param groups, a StepLR schedule."""
     result = report["exact"][f"{config}_32-true"]
     assert result["steps"] == 4
-    assert result["param_diff_no_offload"] <= 1e-6
+    _as_without_offload(config, result)
     assert result["param_diff_reference"] <= 1e-5
     assert result["grad_diff_reference"] <= 1e-5
 
@@ -149,7 +156,8 @@ def test_a_backward_whose_step_never_came_is_refused_at_the_next_one(request, st
 
 @pytest.mark.parametrize("config", CONFIGS[1:])
 def test_offload_equals_the_same_run_without_offload_in_bf16_mixed(report, config):
-    assert report["exact"][f"{config}_bf16-mixed"]["param_diff_no_offload"] <= 1e-6
+    result = report["exact"][f"{config}_bf16-mixed"]
+    _as_without_offload(config, result)  # the fp32 masters: the compute copies are rounded from them alike
 
 
 #: Stage 1 shares the stage 2 offload path; its bf16 case is not run.
@@ -191,7 +199,7 @@ def test_overflow_skips_the_offloaded_step(report, config):
 def test_registered_offload_names_train_exactly(report, name, stage, params):
     result = report["exact"][name]
     assert (result["stage"], result["offload_optimizer"], result["offload_params"]) == (stage, True, params)
-    assert result["param_diff_no_offload"] <= 1e-6
+    _as_without_offload(name, result)
 
 
 #: (device, host) bytes per parameter for fp32 AdamW on N ranks (ZeRO-Offload: 16P/N on the host).
@@ -236,8 +244,9 @@ def test_device_and_host_bytes_match_the_offload_formulas(report, key, formula):
 def test_offloaded_checkpoints_resume_exactly_with_or_without_offload(report, case):
     result = report["checkpoint"][case]
     assert result["steps"] == 6
-    assert result["param_diff"] <= 1e-6
-    assert result["optim_diff"] <= 1e-6
+    # against the uninterrupted run without offload: the host's step is another kernel (see above)
+    assert_reordered_fp32(case, result["param_diff"], result["lr"], result["steps"])
+    assert_reordered_fp32_moments(case, result["optim_diff"], result["steps"], result["moment_scale"])
 
 
 @pytest.mark.parametrize("case", ["stage2_0.25", "stage2_0.5", "stage3_0.25", "stage3_0.5"])
@@ -246,13 +255,15 @@ def test_partial_offload_is_exact_and_puts_that_share_on_the_host(report, case):
     the parameters the share picked, which is the ratio up to one parameter (whole parameters move)."""
     result = report["partial"][case]
     ratio = float(case.split("_")[1])
-    assert result["param_diff_no_offload"] <= 1e-6 and result["param_diff_reference"] <= 1e-5
+    _as_without_offload(case, result)
+    assert result["param_diff_reference"] <= 1e-5
     assert result["host_share_of_state"] == pytest.approx(result["planned_share"], abs=1e-3)
     assert ratio - result["largest_share"] <= result["host_share_of_state"] <= ratio
 
 
 def test_partial_offload_in_bf16_mixed_equals_no_offload(report):
-    assert report["partial"]["stage2_0.5_bf16"]["param_diff_no_offload"] <= 1e-6
+    result = report["partial"]["stage2_0.5_bf16"]
+    _as_without_offload("stage2_0.5_bf16", result)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -285,7 +296,8 @@ def test_an_exponential_average_under_the_delayed_update_averages_every_update_t
     """``EMAWeightAveraging(decay=0.5)`` at stage 2 with ``offload_step_delay=1``: the module ends with the average
     of the masters after each of the 4 updates, as plain PyTorch computes it, not with the last update alone."""
     result = report["delayed"]["ema"]
-    assert result["vs_reference"] <= 1e-6
+    # plain PyTorch's foreach AdamW against the host's fused kernel; an average of weights each within the bound
+    assert_reordered_fp32("ema", result["vs_reference"], result["lr"], result["steps"])
     assert result["vs_last_update"] > 1e-3
 
 

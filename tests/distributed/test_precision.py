@@ -8,6 +8,7 @@ import pytest
 
 from tests.distributed.worker_precision import TRACKED
 from tests.launch import launch
+from tests.tolerances import assert_reordered_fp32, assert_reordered_fp32_loss
 
 WORLD = 2
 pytestmark = pytest.mark.slow
@@ -70,13 +71,20 @@ def test_loss_curve_tracks_fp32_training_under_accumulation(request, stage, prec
     assert result["loss_diff"] <= LOSS_TOLERANCE[precision]
 
 
+def _as_emulated(case: str, result: dict) -> None:
+    """The emulation does our arithmetic in another process, on tensors of its own (the whole batch's sums, other
+    memory than a rank's shards), which may pick other kernels: reordered fp32 (``tests/tolerances.py``) for the
+    masters, and for the losses computed from them."""
+    assert_reordered_fp32(case, result["master_diff"], result["lr"], result["steps"])
+    assert_reordered_fp32_loss(case, result["emulated_loss_diff"], max(result["losses"]), result["steps"])
+
+
 @pytest.mark.parametrize("stage, precision", matrix([1, 2, 3], MIXED))
 def test_master_weights_equal_single_process_mixed_arithmetic(request, stage, precision):
     """20 steps, clipping by norm, two param groups, an LR warmup schedule."""
     result = tracked(request, f"stage{stage}_{precision}")
     assert result["master_change"] > 1e-2
-    assert result["master_diff"] <= 1e-6
-    assert result["emulated_loss_diff"] <= 1e-6
+    _as_emulated(f"stage{stage}_{precision}", result)
     assert result["skipped"] == result["emulated_skipped"]
     # lightning_zero.grad_norm after the step reads the gradients the step used, or none: it unscales nothing twice
     assert all(after in (before, 0.0) for before, after in result["norms"]), result["norms"]

@@ -15,7 +15,7 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import state_dicts
 from lightning_zero.engine.comm import collectives
 from tests.distributed import models
-from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
+from tests.distributed.worker_core import RANK, WORLD, max_diff, run_scale, trainer
 from tests.launch import run_cases_with_directory
 
 COMMON = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
@@ -32,6 +32,17 @@ def optim_diff(a: dict, b: dict) -> float:
         for i in b["state"]
         for k in b["state"][i]
     )
+
+
+def optim_scale(optim: dict) -> dict:
+    """What reordered-fp32 bounds on a run's weights and optimizer state are derived from (``tests/tolerances.py``),
+    read from its full optimizer state: the largest learning rate its param groups started at, and the largest
+    element of its moments."""
+    return {
+        "lr": max(max(g.get("initial_lr", 0.0), g["lr"]) for g in optim["param_groups"]),
+        "moment_scale": max(v.double().abs().max().item() for entry in optim["state"].values()
+                            for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+    }
 
 
 def straight(stage: int, **strategy_kwargs) -> tuple[dict, dict]:
@@ -144,6 +155,7 @@ def exact_resume(directory: Path, pairs=RESUME_PAIRS) -> dict:
                 "steps": steps,
                 "param_diff": max_diff(params, ref_params),
                 "optim_diff": optim_diff(optim, ref_optim),
+                **optim_scale(ref_optim),
             }
     return out
 
@@ -471,6 +483,7 @@ def continued_after_fit(directory: Path) -> dict:
                 warnings.simplefilter("always")
                 second.fit(module, models.loader(DATA, 4), ckpt_path=path)
             finals[name] = module.state_dict() if name == "ddp" else second.strategy.full_state_dict()
+            out[f"{name} {stopped} lr"] = run_scale(second)["lr"]
             out[f"{name} {stopped} skipped"] = [str(w.message) for w in caught if "skipped the train data" in str(w.message)]
             out[f"{name} {stopped} steps"] = second.global_step
         for name in ("zero2", "zero3"):

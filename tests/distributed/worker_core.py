@@ -50,6 +50,15 @@ def max_diff(a: dict, b: dict) -> float:
     return max((_wide(a[k]) - _wide(b[k])).abs().max().item() for k in common)
 
 
+def run_scale(fitted: L.Trainer) -> dict:
+    """What a reordered-fp32 bound on the run's weights is derived from (``tests/tolerances.py``): the largest
+    learning rate its param groups started at (or hold: SWA or the tuner may set a larger one), over ``1 - momentum``
+    for SGD with momentum (whose velocity sums the gradients of that many steps), and its optimizer steps."""
+    lr = max(max(group.get("initial_lr", 0.0), group["lr"]) / (1 - group.get("momentum", 0.0))
+             for optimizer in fitted.optimizers for group in optimizer.param_groups)
+    return {"lr": lr, "steps": fitted.global_step}
+
+
 def _wide(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(torch.complex128) if tensor.is_complex() else tensor.double()  # .double() drops imaginary parts
 
@@ -156,7 +165,7 @@ def sharpness_aware(stage: int, model: type[L.LightningModule] = models.Sharpnes
         t = trainer(strategy, max_steps=3)
         t.fit(module, models.loader(models.IndexedData(), 4))
         finals.append(t.strategy.full_state_dict() if strategy != "ddp" else module.state_dict())
-    return {"steps": t.global_step, "param_diff": max_diff(*finals) if RANK == 0 else None}
+    return {**run_scale(t), "param_diff": max_diff(*finals) if RANK == 0 else None}
 
 
 def head_after_forward(accumulate: int, **options) -> dict:
@@ -168,7 +177,7 @@ def head_after_forward(accumulate: int, **options) -> dict:
         t = trainer(strategy, max_steps=3, accumulate_grad_batches=accumulate, gradient_clip_val=0.5)
         t.fit(module, models.loader(models.IndexedData(), 4))
         finals.append(t.strategy.full_state_dict() if strategy != "ddp" else module.state_dict())
-    return {"steps": t.global_step, "param_diff": max_diff(*finals) if RANK == 0 else None}
+    return {**run_scale(t), "param_diff": max_diff(*finals) if RANK == 0 else None}
 
 
 def final_state(model, stage, options=None, **trainer_kwargs) -> dict:
@@ -179,7 +188,7 @@ def final_state(model, stage, options=None, **trainer_kwargs) -> dict:
     module = model()
     t.fit(module, models.loader(models.IndexedData(), 4))
     state = t.strategy.full_state_dict() if stage else module.state_dict()
-    return {"state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+    return {"state": {k: v.tolist() for k, v in state.items()}, **run_scale(t)} if RANK == 0 else {}
 
 
 def skipped_steps(stage) -> dict:
@@ -190,7 +199,10 @@ def skipped_steps(stage) -> dict:
 
 def stepped_by_hand(stage, **options) -> dict:
     """A parameter no optimizer holds, stepped by the module itself (``models.SteppedByHand``), with clipping."""
-    return final_state(models.SteppedByHand, stage, options, gradient_clip_val=0.5)
+    out = final_state(models.SteppedByHand, stage, options, gradient_clip_val=0.5)
+    if out:  # the gain's own rule steps it by 0.1 times its gradient (SGD-like, its gradient below 1)
+        out["lr"] = max(out["lr"], 0.1)
+    return out
 
 
 def epoch_ended_inside_a_window(strategy, precision: str = "32-true") -> dict:
@@ -200,7 +212,7 @@ def epoch_ended_inside_a_window(strategy, precision: str = "32-true") -> dict:
     module = models.EndsAnEpochInsideAWindow()
     t.fit(module, models.loader(models.IndexedData(), 4))
     state = t.strategy.full_state_dict() if isinstance(t.strategy, ZeroStrategy) else module.state_dict()
-    return {"steps": t.global_step, "state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
+    return {**run_scale(t), "state": {k: v.tolist() for k, v in state.items()}} if RANK == 0 else {}
 
 
 class GradRowsProbe(L.Callback):
@@ -333,7 +345,7 @@ def checkpointing_is_exact(stage: int) -> dict:
         t.fit(module, torch.utils.data.DataLoader([(x, torch.roll(x, -1)) for (x, _) in data], batch_size=4))
         finals.append(t.strategy.full_state_dict())
         checkpointed = [checkpoint.state(b) is not None for b in module.model.blocks]
-    out = {"checkpointed_blocks": sum(checkpointed), "trained": t.global_step}
+    out = {"checkpointed_blocks": sum(checkpointed), "trained": t.global_step, **run_scale(t)}
     if RANK == 0:
         out["param_diff"] = max_diff(finals[0], finals[1])
         out["param_names_equal"] = sorted(finals[0]) == sorted(finals[1])
@@ -380,7 +392,8 @@ def normalized_blocks_checkpointed(stage: int) -> dict:
         finals.append(t.strategy.full_state_dict())
     if RANK != 0:
         return {}
-    return {"diff": max_diff(finals[0], finals[1]), "batches_tracked": int(finals[1]["blocks.0.bn.num_batches_tracked"])}
+    return {"diff": max_diff(finals[0], finals[1]), "batches_tracked": int(finals[1]["blocks.0.bn.num_batches_tracked"]),
+            **run_scale(t)}
 
 
 class FrozenHeadUnfrozenAtEpochOne(L.Callback):

@@ -48,6 +48,9 @@ def full_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> dict
             for i in ref_optim["state"]
             for k in ("exp_avg", "exp_avg_sq")
         )
+        out["moment_scale"] = max(ref_optim["state"][i][k].abs().max().item() for i in ref_optim["state"]
+                                  for k in ("exp_avg", "exp_avg_sq"))  # what its bound is derived from
+        out["saved_steps"] = t.global_step
         out["optim_groups_match"] = [g["params"] for g in saved["param_groups"]] == [
             g["params"] for g in ref_optim["param_groups"]
         ]

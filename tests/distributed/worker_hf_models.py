@@ -19,7 +19,7 @@ from lightning_zero.demo.data import RandomTokenDataset
 from tests.distributed import models
 from tests.distributed.hf_models import LENGTH, MASK_ID, HFLightningModule, block_class, model_class, tiny_config
 from tests.distributed.mixed_reference import fp32_run, mixed_reference
-from tests.distributed.worker_core import max_diff, trainer
+from tests.distributed.worker_core import max_diff, run_scale, trainer
 from tests.launch import run_cases
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -51,7 +51,7 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=H
     t.fit(module, models.loader(dataset, BATCH))
     final = t.strategy.full_state_dict()
     held = _held_in_forward(t, module, dataset) if stage == 3 and precision != "32-true" else None
-    out = {"steps": t.global_step}
+    out = run_scale(t)
     if RANK == 0:
         build = lambda: module_cls(kind)  # noqa: E731
         kwargs = dict(world=WORLD, batch=BATCH, steps=STEPS, clip=CLIP)

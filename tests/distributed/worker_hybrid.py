@@ -114,7 +114,8 @@ def checkpoints(directory: Path, pairs=CHECKPOINT_PAIRS) -> dict:
         )
         if RANK == 0:
             out[name] = {"steps": steps, "param_diff": worker_checkpoint.max_diff(params, ref_params),
-                         "optim_diff": worker_checkpoint.optim_diff(optim, ref_optim)}
+                         "optim_diff": worker_checkpoint.optim_diff(optim, ref_optim),
+                         **worker_checkpoint.optim_scale(ref_optim)}
     return out
 
 

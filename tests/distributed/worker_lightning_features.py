@@ -17,7 +17,7 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.demo.data import RandomTokenDataset
 from lightning_zero.demo.gpt import GPTLightningModule
 from tests.distributed import models, worker_precision
-from tests.distributed.worker_core import RANK, max_diff, trainer
+from tests.distributed.worker_core import RANK, max_diff, run_scale, trainer
 from tests.launch import run_cases_with_directory
 
 
@@ -42,7 +42,7 @@ def lr_find(strategy, directory: Path) -> dict:
         params = t.strategy.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"suggestion": finder.suggestion(), "learning_rate": module.hparams.learning_rate, "steps": t.global_step,
+    return {"suggestion": finder.suggestion(), "learning_rate": module.hparams.learning_rate, **run_scale(t),
             "losses": finder.results["loss"], "params": params}
 
 
@@ -96,7 +96,9 @@ def swa(strategy, build_in_configure_model: bool = False, resume_from: Path | No
         params = t.strategy.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"params": params, "epochs": t.current_epoch, "averaged": int(callback.n_averaged)}
+    # SWA's scheduler replaces the param groups' initial_lr by swa_lrs: the epochs before it ran at the module's
+    return {"params": params, "epochs": t.current_epoch, "averaged": int(callback.n_averaged), **run_scale(t),
+            "lr": max(run_scale(t)["lr"], module.hparams.learning_rate)}
 
 
 def swa_against_ddp(directory: Path, stages=(1, 2, 3), configure_model: bool = True, resumed=(2, 3)) -> dict:
@@ -140,7 +142,8 @@ def ema(strategy, resume_from: Path | None = None, save_to: Path | None = None, 
     average = callback._average_model.module.parameters()
     local = [p.to_local() if isinstance(p, DTensor) else p for p in average]
     return {"params": params, "epochs": t.current_epoch, "averaged": int(callback._average_model.n_averaged),
-            "val_loss": float(t.callback_metrics["val_loss"]), "average_bytes": sum(p.numel() * p.element_size() for p in local)}
+            "val_loss": float(t.callback_metrics["val_loss"]), "average_bytes": sum(p.numel() * p.element_size() for p in local),
+            **run_scale(t)}
 
 
 def ema_resumed(directory: Path, runs: dict[str, tuple[str | dict, str | dict]]) -> dict:
@@ -156,6 +159,7 @@ def ema_resumed(directory: Path, runs: dict[str, tuple[str | dict, str | dict]])
             uninterrupted[key] = ema(build(resuming))
         ema(build(saving), save_to=directory / f"ema_{name}", epochs=2)
         run = ema(build(resuming), resume_from=directory / f"ema_{name}" / "epoch=1.ckpt")
+        run["same_strategy"] = saving == resuming  # the first epoch's arithmetic is the uninterrupted run's
         params = run.pop("params")
         for reference, ref_run in (("uninterrupted", uninterrupted[key]), ("ddp", uninterrupted["ddp"])):
             run[f"diff_vs_{reference}"] = max_diff(params, ref_run["params"]) if RANK == 0 else None
@@ -247,7 +251,8 @@ def tour_averaged(strategy, kind: str) -> dict:
     t.fit(module, models.loader(models.IndexedData(), 4), models.loader(models.IndexedData(), 4))
     state = t.strategy.full_state_dict() if isinstance(strategy, ZeroStrategy) else {
         k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"state": state, "val_mse": metrics.values}
+    # SWA's scheduler replaces the param groups' initial_lr by swa_lrs: Tour's SGD started at 0.05, momentum 0.9
+    return {"state": state, "val_mse": metrics.values, **run_scale(t), "lr": max(run_scale(t)["lr"], 0.05 / (1 - 0.9))}
 
 
 class ValidationMetrics(L.Callback):
@@ -268,6 +273,7 @@ def averaging_with_batchnorm(stages=(2, 3)) -> dict:
             out[f"{kind}_stage{stage}"] = {
                 "diff_vs_ddp": max_diff(run["state"], ddp["state"]) if RANK == 0 else None,
                 "val_mse_diffs": [abs(a - b) for a, b in zip(run["val_mse"], ddp["val_mse"])],
+                "val_mse": ddp["val_mse"], "lr": run["lr"], "steps": run["steps"],
             }
     return out
 
@@ -428,7 +434,8 @@ def averaged_while_unfreezing(stages) -> dict:
             t.fit(Finetune(), models.loader(FINETUNE_DATA, FINETUNE_BATCH))
             params = t.strategy.full_state_dict()
             out[f"{kind}_stage{stage}"] = {"updates": witness.count, "steps": t.global_step,
-                                           "diff_vs_witness": max_diff(params, witness.average) if RANK == 0 else None}
+                                           "diff_vs_witness": max_diff(params, witness.average) if RANK == 0 else None,
+                                           "weight_scale": max(v.abs().max().item() for v in params.values()) if RANK == 0 else None}
     return out
 
 

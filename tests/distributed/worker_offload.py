@@ -17,8 +17,8 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.planning.accounting import live_tensor_bytes, model_state_bytes
 from lightning_zero.monitor import ZeroMonitor
 from tests.distributed import delayed_update_cases, models
-from tests.distributed.worker_checkpoint import interrupted, optim_diff, straight
-from tests.distributed.worker_core import RANK, WORLD, GradientRecorder, max_diff, trainer
+from tests.distributed.worker_checkpoint import interrupted, optim_diff, optim_scale, straight
+from tests.distributed.worker_core import RANK, WORLD, GradientRecorder, max_diff, run_scale, trainer
 from tests.distributed.worker_precision import overflow_skips_step
 from tests.launch import run_cases_with_directory
 
@@ -129,7 +129,7 @@ def run(stage: int, settings: dict, precision: str = "32-true", model=models.Reg
     )
     data = models.IndexedData()
     t.fit(module, models.loader(data, BATCH))
-    out = {"staged_on_landing": schedule.staged_on_landing, "host_step_parts": schedule.parts, "steps": t.global_step, "placement": placement(t), "largest_step_tensor": RecordingAdamW.largest}
+    out = {"staged_on_landing": schedule.staged_on_landing, "host_step_parts": schedule.parts, **run_scale(t), "placement": placement(t), "largest_step_tensor": RecordingAdamW.largest}
     out["bytes"] = model_state_bytes(module, [t.optimizers[0]], t.strategy.engine)
     out["bytes"]["optimizer_tensors"] = _optimizer_bytes(t, host_only=False)
     out["bytes"]["optimizer_host"] = _optimizer_bytes(t, host_only=True)
@@ -166,7 +166,8 @@ def exactness() -> dict:
         final = t.strategy.full_state_dict()
         stage = t.strategy.stage
         config = t.strategy.zero_config
-        out[name] = {"stage": stage, "offload_optimizer": config.offload_optimizer, "offload_params": config.offload_params}
+        out[name] = {"stage": stage, "offload_optimizer": config.offload_optimizer, "offload_params": config.offload_params,
+                     **run_scale(t)}
         if RANK == 0:
             out[name]["param_diff_no_offload"] = max_diff(final, plain[(stage, "32-true")])
     return out
@@ -239,7 +240,8 @@ def checkpoints(directory: Path) -> dict:
         params, optim, steps = interrupted(stage, stage, directory / name, fmt, save_kwargs=save, resume_kwargs=resume)
         if RANK == 0:
             ref_params, ref_optim = references[stage]
-            out[name] = {"steps": steps, "param_diff": max_diff(params, ref_params), "optim_diff": optim_diff(optim, ref_optim)}
+            out[name] = {"steps": steps, "param_diff": max_diff(params, ref_params), "optim_diff": optim_diff(optim, ref_optim),
+                         **optim_scale(ref_optim)}
     return out
 
 
@@ -259,14 +261,15 @@ def partial() -> dict:
             planned = sum(n for n, host in zip(engine_rows, chosen) if host) / sum(engine_rows)
             out[f"stage{stage}_{ratio}"] = {
                 "param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None,
-                "param_diff_reference": result.get("param_diff_reference"),
+                "param_diff_reference": result.get("param_diff_reference"), "lr": result["lr"], "steps": result["steps"],
                 "host_share_of_state": t_bytes["optimizer_host"] / t_bytes["optimizer_tensors"],
                 "planned_share": planned,
                 "largest_share": max(engine_rows) / sum(engine_rows),
             }
     _, plain = run(2, {}, "bf16-mixed")  # device masters are fp32 copies here, host ones as with full offload
-    _, final = run(2, {"offload_optimizer": 0.5}, "bf16-mixed")
-    out["stage2_0.5_bf16"] = {"param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None}
+    result, final = run(2, {"offload_optimizer": 0.5}, "bf16-mixed")
+    out["stage2_0.5_bf16"] = {"param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None,
+                              "lr": result["lr"], "steps": result["steps"]}
     return out
 
 
@@ -476,11 +479,21 @@ class ClippingInHook(delayed_update_cases.NotingRegression):
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
 
 
+def delayed(directory: Path) -> dict:
+    """``delayed_update_cases``'s group, with what the EMA's reordered-fp32 bound is derived from
+    (``tests/tolerances.py``): its optimizer's learning rate and its steps (``max_steps``)."""
+    out = delayed_update_cases.CASES["delayed"](directory)
+    if RANK == 0:
+        opt, _ = delayed_update_cases.noting_optimizer(models.Regression())
+        out["ema"].update(lr=max(g["lr"] for g in opt.param_groups), steps=delayed_update_cases.STEPS)
+    return out
+
+
 CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
          "partial": lambda _: partial(), "during_backward": lambda _: during_backward(),
          # one rank (one GPU's case): FSDP2 copies where it would reduce ([Note: units finished alone])
          "during_backward_alone": lambda _: during_backward(("stage2", "stage3")),
-         "stage3_parts": lambda _: stage3_parts((True,)), **delayed_update_cases.CASES,
+         "stage3_parts": lambda _: stage3_parts((True,)), **delayed_update_cases.CASES, "delayed": delayed,
          # the full marker's: stage 3's refusals and partial offload in parts (the code is stage 2's, the parts full's)
          "refusals_stage3": lambda _: refusals(3), "stage3_parts_partial": lambda _: stage3_parts((0.5,))}
 

@@ -22,7 +22,7 @@ from lightning_zero.demo.gpt import GPTLightningModule
 from lightning_zero.engine.comm.collectives import comm_stats
 from tests.distributed import models
 from tests.distributed.mixed_reference import fp32_reference, mixed_reference
-from tests.distributed.worker_core import StateBytesProbe, max_diff, tour, trainer
+from tests.distributed.worker_core import StateBytesProbe, max_diff, run_scale, tour, trainer
 from tests.launch import run_cases
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -104,6 +104,7 @@ def tracks_reference(stage: int, precision: str, steps: int = 20, accumulate: in
         "loss_scale": plugin.loss_scale,
         "skipped": plugin.scaler.skipped_steps if plugin.scaler is not None else 0,
         "norms": recorder.norms,
+        **run_scale(t),
     }
     if RANK == 0:
         kwargs = dict(world=WORLD, batch=BATCH, steps=steps, clip=CLIP)
