@@ -16,10 +16,13 @@ import pstats
 from collections import defaultdict
 from typing import Any
 
+import lightning_zero
+
+#: Our package's directory, as the profiler names its files: a clone is often itself called ``lightning_zero``,
+#: so ``/lightning_zero/`` in a path does not mean the package (``<clone>/lightning_zero/benchmarks/`` is not ours).
+_PACKAGE = os.path.dirname(lightning_zero.__file__).replace("\\", "/") + "/"
 #: (category, substring of the file path), first match wins: the most specific packages first.
 _FILE_CATEGORIES = (
-    ("model (demo GPT)", "/lightning_zero/demo/"),
-    ("ours: lightning_zero/{}", "/lightning_zero/"),
     ("FSDP2 (torch.distributed.fsdp)", "/torch/distributed/fsdp/"),
     ("torch.distributed (Python)", "/torch/distributed/"),
     ("torch.autograd (Python)", "/torch/autograd/"),
@@ -47,13 +50,12 @@ def category(filename: str, function: str) -> str:
     if filename == "~":
         return next((name for name, key in _BUILTIN_CATEGORIES if key in function), "Python built-ins")
     path = filename.replace("\\", "/")
-    for name, key in _FILE_CATEGORIES:
-        if key in path:
-            if "{}" in name:  # ours, by subpackage: lightning_zero/engine/stage3/units.py -> engine/stage3
-                parts = path.split(key, 1)[1].split("/")
-                return name.format("/".join(parts[:-1]) or parts[0].removesuffix(".py"))
-            return name
-    return "other Python"
+    if path.startswith(_PACKAGE):  # ours, by subpackage: engine/stage3/units.py -> ours: lightning_zero/engine/stage3
+        parts = path[len(_PACKAGE) :].split("/")
+        if parts[0] == "demo":
+            return "model (demo GPT)"
+        return "ours: lightning_zero/" + ("/".join(parts[:-1]) or parts[0].removesuffix(".py"))
+    return next((name for name, key in _FILE_CATEGORIES if key in path), "other Python")
 
 
 class HostProfile:
@@ -80,7 +82,8 @@ class HostProfile:
             name = category(filename, function)
             by_category[name] += tottime
             if name.startswith("ours"):
-                ours.append((tottime, calls, f"{filename.split('/lightning_zero/', 1)[1]}:{line}({function})"))
+                inside = filename.replace("\\", "/").removeprefix(_PACKAGE)  # engine/shard.py
+                ours.append((tottime, calls, f"{inside}:{line}({function})"))
             elif name == "torch operators (C++)":
                 operators.append((tottime, calls, function))
         scale = 1e3 / steps

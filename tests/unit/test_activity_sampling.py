@@ -16,19 +16,27 @@ def build_layers() -> None:  # the user's code the samples must name
 
 
 def test_samples_taken_while_the_main_thread_builds_layers_name_its_call_site():
-    main, recorder, samples, done = threading.get_ident(), FlightRecorder(), [], threading.Event()
+    main, recorder, samples = threading.get_ident(), FlightRecorder(), []
+    building, done = threading.Event(), threading.Event()
 
     def watch() -> None:
-        while not done.is_set() and len(samples) < 500:
+        # From the first build on, until the main thread is done: on a busy machine the main thread can wait for a
+        # core for tens of milliseconds inside `Thread.start`, long enough for hundreds of samples of that wait.
+        building.wait()
+        while not done.is_set():
             samples.append(sample(main, recorder, seq=0))
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        while len(samples) < 200:
+        builds = 0
+        building.set()
+        while len(samples) < 200 or builds < 3:
             build_layers()
+            builds += 1
     finally:
         done.set()
+        building.set()
         watcher.join()
     sites = [s.site for s in samples if s.site]
     assert len(sites) >= 100, len(sites)
