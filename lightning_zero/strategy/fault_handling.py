@@ -152,9 +152,12 @@ def _random_id():
 def _store_client() -> Any:
     """A client of the process group's store for the watchdog's thread (a clone: its own connection)."""
     store = dist.distributed_c10d._get_default_store()
+    clone = getattr(store, "clone", None)  # torch 2.13's Store has it but its stub does not; 2.14's stub has it
+    if clone is None:  # an older store: share the main client
+        return store
     try:
-        return store.clone()  # type: ignore[attr-defined]  # torch 2.13's Store has it, its stub does not
-    except (AttributeError, RuntimeError):  # an older store without clone(): share the main client
+        return clone()
+    except RuntimeError:  # a store that cannot clone itself: share the main client
         return store
 
 

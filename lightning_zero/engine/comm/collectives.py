@@ -197,7 +197,7 @@ def all_to_all(
     _count("all_to_all", input, group)
     with record_function("lightning_zero::all_to_all"):
         work = dist.all_to_all_single(output, input, group=group, async_op=True)
-        if async_op:
+        if async_op and work is not None:  # None only where torch's stub says so (2.14): an async call hands a Work
             return _Tracked(work, number, "all_to_all")
         finish(work, number, "all_to_all")
         return None
@@ -318,7 +318,8 @@ def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.Process
             works.append(dist.broadcast(tensor, src=src, group=group, async_op=True))
         _FLIGHT.wait(number, "broadcast")
         for work in works:
-            work.wait()
+            if work is not None:  # as in all_to_all: torch 2.14's stub types an async call's Work as optional
+                work.wait()
         _FLIGHT.done(number)
 
 

@@ -163,7 +163,9 @@ class SharedMemoryGroup:
                 os.unlink(path)
         # The thread's barrier group can be built only where every rank of the world is here: a group of all ranks.
         whole = group is None or dist.get_world_size(group) == dist.get_world_size()
-        return cls(group, maps, rank, dist.new_group(backend="gloo") if whole else None)
+        barrier_group = dist.new_group(backend="gloo") if whole else None
+        assert barrier_group is None or isinstance(barrier_group, dist.ProcessGroup)  # a member: every rank is one
+        return cls(group, maps, rank, barrier_group)
 
     def close(self) -> None:
         if self._queue is not None:

@@ -103,8 +103,8 @@ def new_group(purpose: str, timeout: timedelta | None = None, backend: str = "gl
     torch.distributed is not initialized. Collective on first use, as :func:`device_mesh`."""
     if not collectives.is_distributed():
         return None
-    group: dist.ProcessGroup = _kept(("group", purpose, backend, timeout),
-                                     lambda: dist.new_group(backend=backend, timeout=timeout))
+    group = _kept(("group", purpose, backend, timeout), lambda: dist.new_group(backend=backend, timeout=timeout))
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member (torch 2.14 types a non-member's -100 in)
     return group
 
 
