@@ -1,10 +1,10 @@
 """lightning_zero: ZeRO stages 1-3 for PyTorch Lightning, with nothing but PyTorch underneath.
 
-``import lightning_zero`` registers the strategy names of ``lightning_zero.config.zero_config.REGISTERED_STRATEGIES`` with
-Lightning (``zero1``, ``zero1_offload``, ``zero1_hsdp``, ``zero2``, ``zero2_offload``, ``zero2_hsdp``,
-``zero2_compressed``, ``zero3``, ``zero3_offload_optimizer``, ``zero3_offload``, ``zero3_hsdp``, ``zero3_hpz``,
-``zero3_compressed``), so ``Trainer(strategy="zero3")`` works, and makes an unknown ``zero…`` name (``"zero4"``)
-answer with these names rather than Lightning's generic list (``strategy/early_checks.py``).
+``import lightning_zero`` registers the strategy names of ``lightning_zero.config.zero_config.REGISTERED_STRATEGIES``
+with Lightning (``zero1``, ``zero1_offload``, ``zero1_hsdp``, ``zero2``, ``zero2_offload``, ``zero2_offload_delay``,
+``zero2_hsdp``, ``zero2_compressed``, ``zero3``, ``zero3_offload_optimizer``, ``zero3_offload``, ``zero3_hsdp``,
+``zero3_hpz``, ``zero3_compressed``), so ``Trainer(strategy="zero3")`` works, and makes an unknown ``zero…`` name
+(``"zero4"``) answer with these names rather than Lightning's generic list (``strategy/early_checks.py``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -11,7 +11,7 @@ target=${1:-test}
 work=$(mktemp -d "${TMPDIR:-/tmp}/lz-fresh-clone-XXXXXX")
 loops=()
 cleanup() {
-  for pid in "${loops[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in ${loops[@]+"${loops[@]}"}; do kill "$pid" 2>/dev/null || true; done  # bash < 4.4: empty under set -u
   rm -rf "$work"
 }
 trap cleanup EXIT

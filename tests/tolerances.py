@@ -16,7 +16,8 @@ pass on one machine:
   by up to ``n * 2**-24`` of the terms' magnitude, and by that times ``k`` relative to a sum that cancels ``k``-fold;
   :data:`REORDERED_RELATIVE` allows ``n * k <= 2**12`` (a few dozen rows a batch, two ranks, sums cancelling by up to
   two decades). A gradient that cancels to its own rounding (an element whose sign rounding decides) can move its
-  weight by ``lr`` a step in either order: such models are compared against DDP's measured distance, not the floor.
+  weight by ``lr`` a step in either order: such a model needs DDP's measured distance, not the floor (no test in the
+  suite measures one yet: every comparison against ddp uses the floor).
   Plain SGD moves a weight by ``lr * |g| * r``, less than Adam's, so the floor holds for it too.
 """
 

@@ -124,7 +124,8 @@ def _start_time(pid: int) -> str | None:
 
 def scheduled_seconds(pid: int | str = "self") -> float | None:
     """Seconds the threads of a process have spent on a CPU or runnable in a run queue waiting for one (the first
-    two fields of ``/proc/PID/task/*/schedstat``); None where the kernel does not say.
+    two fields of ``/proc/PID/task/*/schedstat``); None where the kernel does not say (no such file, or a kernel
+built without scheduler statistics, whose files read all zeros: a live process has always run).
 
     What tells a process that could not run (stopped by SIGSTOP or a debugger, or waiting for its pages to be
     swapped in: neither counts) from one that was merely not scheduled on a busy machine (runnable: it counts),
@@ -142,7 +143,7 @@ def scheduled_seconds(pid: int | str = "self") -> float | None:
             continue  # a thread that ended meanwhile
         total += int(on_cpu) + int(waiting)
         read = True
-    return total / 1e9 if read else None
+    return total / 1e9 if read and total > 0 else None
 
 
 def local_pid(proc: str) -> int | None:

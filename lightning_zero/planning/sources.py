@@ -23,7 +23,7 @@ GPT3_SHAPES = (
 )
 VOCAB = 50257
 #: The sizes ``--params`` plans for: GPT-3's smallest row up to a trillion parameters (about 6x its largest row, the
-#: depth extrapolated along its two largest). Below it, the two 50257-token embeddings would be over half the model.
+#: depth extrapolated along its two largest). At it, the two 50257-token embeddings are already half the model.
 MIN_PARAMS, MAX_PARAMS = 125e6, 1e12
 #: How close the planned GPT's parameter count comes to ``--params`` at most (relative); a size no shape reaches
 #: this close (a sequence so long that its position embeddings outweigh the model) is refused. Within half of it the
@@ -124,8 +124,8 @@ def gpt_parameters(layers: int, width: int, seq_len: int, vocab: int = VOCAB) ->
 def gpt_shape(params: float, seq_len: int = 2048, vocab: int = VOCAB) -> GPTShape:
     """A GPT of ``params`` parameters (within :data:`SHAPE_TOLERANCE`), so that a plan is for the size asked: as
     deep as GPT-3's rows are at that size (log-linear between them), give or take a quarter, the width solved for
-    the rest, a multiple of 64 (heads of 64) below 2048 and of 128 (heads of 128) from there, as GPT-3's shapes are.
-    A size out of :data:`MIN_PARAMS` .. :data:`MAX_PARAMS` is refused rather than planned as another."""
+    the rest, a multiple of 64 (heads of 64) below 2048 and of 128 (heads of 128) from there, as most of GPT-3's
+    shapes are. A size out of :data:`MIN_PARAMS` .. :data:`MAX_PARAMS` is refused rather than planned as another."""
     from lightning_zero.demo.gpt import GPTConfig, count_parameters
 
     if not (math.isfinite(params) and MIN_PARAMS <= params <= MAX_PARAMS):

@@ -15,8 +15,8 @@ from torch import nn
 from lightning_zero import ZeroPrecision, ZeroStrategy, load_from_checkpoint
 from lightning_zero.checkpoint import state_dicts
 from tests.distributed import memory_layouts, models
-from tests.distributed.worker_checkpoint import RestoredProbe
-from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
+from tests.distributed.worker_checkpoint import RestoredProbe, optim_scale
+from tests.distributed.worker_core import RANK, WORLD, max_diff, run_scale, trainer
 from tests.launch import run_cases_with_directory
 
 
@@ -48,8 +48,7 @@ def full_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> dict
             for i in ref_optim["state"]
             for k in ("exp_avg", "exp_avg_sq")
         )
-        out["moment_scale"] = max(ref_optim["state"][i][k].abs().max().item() for i in ref_optim["state"]
-                                  for k in ("exp_avg", "exp_avg_sq"))  # what its bound is derived from
+        out["moment_scale"] = optim_scale(ref_optim)["moment_scale"]  # what its bound is derived from
         out["saved_steps"] = t.global_step
         out["optim_groups_match"] = [g["params"] for g in saved["param_groups"]] == [
             g["params"] for g in ref_optim["param_groups"]
@@ -184,10 +183,10 @@ CASES = {
             "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5),
             "stage1_offload_unclipped": (dict(stage=1, offload_optimizer=True), None),
             "stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
-        **{f"teacher_{name}": diff for name, diff in against_ddp(memory_layouts.MomentumTeacher, {
+        **{f"teacher_{name}": result for name, result in against_ddp(memory_layouts.MomentumTeacher, {
             "stage3": (dict(stage=3), 0.5), "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)}).items()},
         # frozen parameters written while gathered, without accumulation windows (the root gathered in training_step)
-        **{f"codebook_{name}": diff for name, diff in against_ddp(memory_layouts.EMACodebook, {
+        **{f"codebook_{name}": result for name, result in against_ddp(memory_layouts.EMACodebook, {
             "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
             accumulate=1).items()}},
     "zero_dim_rest": lambda directory: {
@@ -197,7 +196,7 @@ CASES = {
         **resumed_against_ddp(memory_layouts.Temperature, directory, [(1, "sharded", 3), (3, "full", 2), (3, "sharded", 3)])},
     # complex parameters under bf16-mixed (held complex) and offloaded (torch's fused host kernels refuse them)
     "complex": lambda directory: {
-        **{f"{name}_bf16": diff for name, diff in against_ddp(memory_layouts.FourierOperator, {
+        **{f"{name}_bf16": result for name, result in against_ddp(memory_layouts.FourierOperator, {
             "stage1": (dict(stage=1), 0.5), "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
             "stage3": (dict(stage=3), 0.5)}, precision="bf16-mixed").items()},
         **against_ddp(memory_layouts.FourierOperator, {  # clipped hard: the norm counts the imaginary parts
@@ -230,15 +229,15 @@ CASES = {
             "stage3_policy_checkpointed": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual},
                                                 activation_checkpointing={memory_layouts.GatedResidual}), 0.5),
             "stage2": (dict(stage=2), 0.5)}),
-        **{f"aliased_{name}": diff for name, diff in against_ddp(memory_layouts.AliasedForwardBlocks, {
+        **{f"aliased_{name}": result for name, result in against_ddp(memory_layouts.AliasedForwardBlocks, {
             "stage3": (dict(stage=3), 0.5),
             "stage3_policy": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual}), 0.5)}).items()},
-        **{f"read_{name}": diff for name, diff in against_ddp(memory_layouts.TiedHeadReadDirectly, {
+        **{f"read_{name}": result for name, result in against_ddp(memory_layouts.TiedHeadReadDirectly, {
             "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
             accumulate=1).items()},
-        **{f"attention_{name}": diff for name, diff in against_ddp(memory_layouts.Attention, {
+        **{f"attention_{name}": result for name, result in against_ddp(memory_layouts.Attention, {
             "stage3_linear_units": (dict(stage=3, wrap_policy={nn.Linear}), 0.5)}, accumulate=1).items()},
-        **{f"autoencoder_{name}": diff for name, diff in against_ddp(memory_layouts.Reconstruction, {
+        **{f"autoencoder_{name}": result for name, result in against_ddp(memory_layouts.Reconstruction, {
             "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}).items()}},
     # integer parameters kept whole at stage 3; the class FSDP2 gave the module taken back to the user's by loading
     "integer": lambda directory: {
@@ -246,7 +245,7 @@ CASES = {
             "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}),
         **resumed_against_ddp(memory_layouts.QuantizedBase, directory, [(3, "sharded", 2)]),
         "loaded_by_the_sharded_class": loaded_by_the_sharded_class(directory),
-        **{f"meta_{name}": diff for name, diff in against_ddp(lambda: memory_layouts.QuantizedBase("layers"), {
+        **{f"meta_{name}": result for name, result in against_ddp(lambda: memory_layouts.QuantizedBase("layers"), {
             "stage3": (dict(stage=3), 0.5)}).items()}},
     "integer_unset": lambda directory: expect_fit_error(lambda: memory_layouts.QuantizedBase("table"), ZeroStrategy(stage=3)),
     "parameter_functions": lambda directory: {
@@ -326,10 +325,9 @@ def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tupl
 
 
 def versus_ddp(weights: dict, reference: dict, fitted: L.Trainer) -> dict:
-    """The weights' distance from ``ddp``'s, with what its bound is derived from (``tests/tolerances.py``): the
-    largest learning rate the run started its param groups at, and its optimizer steps."""
-    lr = max(group.get("initial_lr", group["lr"]) for optimizer in fitted.optimizers for group in optimizer.param_groups)
-    return {"diff_vs_ddp": max_diff(weights, reference), "lr": lr, "steps": fitted.global_step}
+    """The weights' distance from ``ddp``'s, with what its bound is derived from (``tests/tolerances.py``,
+    ``worker_core.run_scale``)."""
+    return {"diff_vs_ddp": max_diff(weights, reference), **run_scale(fitted)}
 
 
 def resumed_against_ddp(model: Callable[[], L.LightningModule], directory: Path,

@@ -209,14 +209,20 @@ def test_a_silent_peer_whose_process_runs_or_waits_for_a_core_is_busy_not_stale(
 
 
 def test_scheduled_seconds_tell_a_stopped_process_from_one_waiting_for_a_core():
-    """The evidence behind a pause: a busy process beside two other busy loops (more runnable threads than this
-    machine's cores) is charged the whole time, running or waiting in the run queue; the same process stopped by
-    SIGSTOP is charged nothing."""
+    """The evidence behind a pause: a busy process beside two other busy loops on the same core (on any machine,
+    more runnable threads than cores) is charged the whole time, running or waiting in the run queue; the same
+    process stopped by SIGSTOP is charged nothing."""
     loop = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
-    processes = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(3)]
+    core = min(os.sched_getaffinity(0))
+    processes = [subprocess.Popen([sys.executable, "-c", loop], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+                 for _ in range(3)]
     try:
         child = processes[0]
         window = 1.0
+
+        def waited() -> float:  # nanoseconds in the run queue, the second field of schedstat
+            with open(f"/proc/{child.pid}/schedstat") as f:
+                return int(f.read().split()[1])
 
         def charged() -> float:
             before, start = scheduled_seconds(child.pid), time.monotonic()
@@ -224,7 +230,9 @@ def test_scheduled_seconds_tell_a_stopped_process_from_one_waiting_for_a_core():
             return (scheduled_seconds(child.pid) - before) / (time.monotonic() - start)
 
         assert scheduled_seconds(child.pid) is not None
-        assert charged() >= 0.8  # loaded: on a core or waiting for one
+        before, start = waited(), time.monotonic()
+        assert charged() >= 0.8  # loaded: on the core or waiting for it
+        assert (waited() - before) / 1e9 >= 0.3 * (time.monotonic() - start)  # a third of the core each: it waited
         os.kill(child.pid, signal.SIGSTOP)
         assert charged() <= 0.05
         os.kill(child.pid, signal.SIGCONT)

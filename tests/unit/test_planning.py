@@ -249,7 +249,7 @@ def test_a_size_is_planned_at_that_size_not_at_the_nearest_gpt3_row(capsys):
                                                           (125e6, 12, 640, 10)])
 def test_the_model_built_for_a_size_has_that_many_parameters(params, layers, width, heads):
     """The shape the header names is the model traced, and it counts ``params`` within 2% (GPT-3's 175B row
-    itself; its 1.3B row, with untied embeddings, counts 1.42e9, so a shallower, narrower one)."""
+    itself; its 1.3B row, with untied embeddings, counts 1.42e9, so a deeper, narrower one)."""
     from lightning_zero.demo.gpt import GPTConfig, count_parameters
     from lightning_zero.planning.sources import from_size, gpt_parameters, gpt_shape
 
