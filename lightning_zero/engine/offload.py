@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 HOST = torch.device("cpu")
 
 #: Optimizers with a fused CPU kernel in torch (``fused=True``); on host shards it is several times faster
-#: than the per-tensor loop torch picks for CPU tensors by default (AdamW on 41M elements: 30 ms vs 122 ms).
+#: than the per-tensor loop torch picks for CPU tensors by default (measured in ``docs/offload.md``).
 FUSED_ON_CPU: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad") if hasattr(torch.optim, name)
 )

@@ -125,7 +125,7 @@ def _start_time(pid: int) -> str | None:
 def scheduled_seconds(pid: int | str = "self") -> float | None:
     """Seconds the threads of a process have spent on a CPU or runnable in a run queue waiting for one (the first
     two fields of ``/proc/PID/task/*/schedstat``); None where the kernel does not say (no such file, or a kernel
-built without scheduler statistics, whose files read all zeros: a live process has always run).
+    built without scheduler statistics, whose files read all zeros: a live process has always run).
 
     What tells a process that could not run (stopped by SIGSTOP or a debugger, or waiting for its pages to be
     swapped in: neither counts) from one that was merely not scheduled on a busy machine (runnable: it counts),

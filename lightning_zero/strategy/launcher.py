@@ -1,14 +1,14 @@
 """Process launching for ZeroStrategy.
 
-Both launchers resolve the run's ``ckpt_path`` first (auto-resume after a launcher restart, ``"last"`` among
-complete checkpoints only; see :mod:`lightning_zero.resume.decision`): Lightning fixes ``ckpt_path`` inside the
-function they launch, before the process group exists, so this is the last place it can still be chosen. It is
-also the first place that sees the Trainer and the ``fit`` arguments together: a ``ckpt_path`` that is missing or
-not a whole checkpoint (``strategy/early_checks.py``, in the process that starts the others: a rank started by
-torchrun or by Lightning may be given a path only rank 0's folder holds), and a DeepSpeed config that disagrees with the Trainer's
-clipping, accumulation or the training DataLoader's batch size (``deepspeed_compat/trainer.py``), are refused
-here, before any process starts (a rank that torchrun or SLURM started has no such moment: Lightning checks the
-path there, on each rank).
+Both launchers resolve the run's ``ckpt_path`` first (auto-resume after a launcher restart, ``"last"`` among complete
+checkpoints only; see :mod:`lightning_zero.resume.decision`): Lightning fixes ``ckpt_path`` inside the function they
+launch, before the process group exists, so this is the last place it can still be chosen. It is also the first place
+that sees the Trainer and the ``fit`` arguments together: a ``ckpt_path`` that is missing or not a whole checkpoint
+(``strategy/early_checks.py``, in the process that starts the others: a rank started by torchrun or by Lightning may
+be given a path only rank 0's folder holds), and a DeepSpeed config that disagrees with the Trainer's clipping,
+accumulation or the training DataLoader's batch size (``deepspeed_compat/trainer.py``), are refused here, before any
+process starts (a rank that torchrun or SLURM started has no such moment: Lightning checks the path there, on each
+rank).
 
 * :class:`ZeroScriptLauncher` (``start_method="popen"``): Lightning's script launcher when Lightning starts the
   processes; when a launcher such as ``torchrun`` or SLURM started them (``creates_processes_externally``) it

@@ -173,8 +173,9 @@ def test_weight_averaging_follows_parameters_unfrozen_during_fit(averaging_runs,
 
 def _averaged_as_witnessed(case: str, result: dict) -> None:
     """The witness averages the same run's whole weights, the callback this rank's rows (EMA: one ``_foreach_lerp_``
-    over the rows against one over each whole tensor): each update's few roundings, up to 3 an element on either side, of the
-    weights' size, and nothing of the training (tests/tolerances.py's unit roundoff)."""
+    over the rows against one over each whole tensor): each update's few roundings, up to 3 an element on either
+    side, of the weights' size, and nothing of the training (tests/tolerances.py's unit roundoff)."""
+
     bound = 6 * result["updates"] * FP32_ROUNDING * result["weight_scale"]
     assert result["diff_vs_witness"] <= bound, f"{case}: {result['diff_vs_witness']:.3g} > {bound:.3g}"
 

@@ -164,7 +164,10 @@ class SharedMemoryGroup:
         # The thread's barrier group can be built only where every rank of the world is here: a group of all ranks.
         whole = group is None or dist.get_world_size(group) == dist.get_world_size()
         barrier_group = dist.new_group(backend="gloo") if whole else None
-        assert barrier_group is None or isinstance(barrier_group, dist.ProcessGroup)  # a member: every rank is one
+        if barrier_group is not None and not isinstance(barrier_group, dist.ProcessGroup):  # torch 2.14's -100
+            raise RuntimeError(
+                f"the shared-memory barrier group holds every rank, yet torch returned {barrier_group!r}"
+            )
         return cls(group, maps, rank, barrier_group)
 
     def close(self) -> None:

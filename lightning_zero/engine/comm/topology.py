@@ -104,7 +104,8 @@ def new_group(purpose: str, timeout: timedelta | None = None, backend: str = "gl
     if not collectives.is_distributed():
         return None
     group = _kept(("group", purpose, backend, timeout), lambda: dist.new_group(backend=backend, timeout=timeout))
-    assert isinstance(group, dist.ProcessGroup)  # every rank is a member (torch 2.14 types a non-member's -100 in)
+    if not isinstance(group, dist.ProcessGroup):  # torch 2.14 types a non-member's -100 into new_group's result
+        raise RuntimeError(f"the process group for {purpose} holds every rank, yet torch returned {group!r} here")
     return group
 
 

@@ -6,7 +6,8 @@ when the run asks for it.
 [Note: reduce-scatters that land after backward]
 FSDP2 overlaps a unit's gradient reduce-scatter with the next unit's backward by running it on a CUDA stream. A
 CPU has no streams, so FSDP2's reduce-scatter returns only when the reduction is done: on the demo GPT over 2
-CPU ranks the training thread waited 230 ms a step for it (``benchmarks/bench_core.py``'s phase breakdown). Here
+CPU ranks the training thread waited for it (``benchmarks/bench_core.py``'s phase breakdown,
+``benchmarks/results/2026-11-26-cpu-step-time.md``). Here
 the reduce-scatter is posted and returns at once; it lands (the sum, then FSDP2's average) when the backward
 pass ends, in an autograd final callback queued behind FSDP2's own, or earlier when more than
 :data:`MAX_IN_FLIGHT` are posted. Until then FSDP2 has only made views of the output as the sharded gradients,

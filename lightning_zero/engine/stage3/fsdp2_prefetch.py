@@ -2,12 +2,13 @@
 
 [Note: prefetching without streams]
 FSDP2 hides a unit's all-gather behind the previous unit's computation by issuing it on a separate CUDA stream
-(implicit prefetching). A CPU has no streams: each unit's all-gather started only when the unit was reached and
-the training thread waited for all of it (190 ms a step on the demo GPT over 2 CPU ranks, ``bench_core.py``'s
-phase breakdown). FSDP2's explicit prefetching does it without streams: with ``unshard_async_op`` its all-gathers
-return a handle (our rings are ``dist.Work``s, ``collectives.py``), a unit's pre-forward posts the next unit's
-all-gather after gathering its own, and backward posts the previous unit's (FSDP2's default backward prefetch,
-in reverse post-forward order). At most two units are gathered at once, as FSDP2's stream prefetching holds.
+(implicit prefetching). A CPU has no streams: each unit's all-gather started only when the unit was reached and the
+training thread waited for all of it (``bench_core.py``'s phase breakdown on the demo GPT over 2 CPU ranks:
+``benchmarks/results/2026-11-26-cpu-step-time.md``). FSDP2's explicit prefetching does it without streams: with
+``unshard_async_op`` its all-gathers return a handle (our rings are ``dist.Work``s, ``collectives.py``), a unit's
+pre-forward posts the next unit's all-gather after gathering its own, and backward posts the previous unit's (FSDP2's
+default backward prefetch, in reverse post-forward order). At most two units are gathered at once, as FSDP2's stream
+prefetching holds.
 
 The forward order is not the modules' order in general, so it is observed: the first forward that builds a
 graph records the order in which units first run, and from then on each unit prefetches the one that ran after
