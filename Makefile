@@ -3,7 +3,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install run test test-all coverage bench fresh-clone
+.PHONY: install run test test-all test-torch coverage bench fresh-clone
 
 install:
 	$(PIP) torch==2.13.0
@@ -16,9 +16,13 @@ test: install  ## the architecture contracts (setup.cfg), then the test suite wi
 	lint-imports
 	$(PYTHON) -m pytest -q -m "not full" --durations=15 tests
 
-test-all: install  ## everything, the full matrices, calibrations and long fault timeouts (`full` marker) included
+test-all: install  ## everything, the full matrices, calibrations and long fault timeouts (`full` marker) included, then `make test-torch`
 	lint-imports
 	$(PYTHON) -m pytest -q --durations=15 tests
+	$(PYTHON) tests/torch_matrix.py
+
+test-torch:  ## the distributed cases under torch 2.11, 2.12, 2.13 and 2.14, a venv each (cached), and a checkpoint across them (tests/torch_matrix.py)
+	$(PYTHON) tests/torch_matrix.py $(TORCH_ARGS)
 
 coverage: install  ## `make test` with line coverage of lightning_zero, worker processes included (slower)
 	$(PYTHON) -m pytest -q -m "not full" --cov --cov-report=term tests

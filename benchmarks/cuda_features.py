@@ -1,7 +1,7 @@
 """Every feature once on an accelerator: what the CPU suite proves over gloo, run where the tensors live on the
 device and host state in pinned memory, so that a defect only a device shows (a tensor left on the wrong device,
 a path taken on CUDA alone) costs one short call to find. The first lease on an H200 found one so
-(``engine/dtensor_over.py``: offloaded optimizer state moved to the device after the first step).
+(``torch_versions/dtensor.py``: offloaded optimizer state moved to the device after the first step).
 
     python benchmarks/cuda_features.py                        # one CUDA device, about a minute
     python benchmarks/cuda_features.py --accelerator cpu      # the same rows on the CPU (develop without a GPU)

@@ -4,7 +4,8 @@
 with Lightning (``zero1``, ``zero1_offload``, ``zero1_hsdp``, ``zero2``, ``zero2_offload``, ``zero2_offload_delay``,
 ``zero2_hsdp``, ``zero2_compressed``, ``zero3``, ``zero3_offload_optimizer``, ``zero3_offload``, ``zero3_hsdp``,
 ``zero3_hpz``, ``zero3_compressed``), so ``Trainer(strategy="zero3")`` works, and makes an unknown ``zero…`` name
-(``"zero4"``) answer with these names rather than Lightning's generic list (``strategy/early_checks.py``).
+(``"zero4"``) answer with these names rather than Lightning's generic list (``strategy/early_checks.py``). A torch
+outside the tested range (2.11 through 2.14) gets a warning here ([Note: version adapters] in ``torch_versions/``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -19,6 +20,7 @@ from lightning_zero.precision.zero_precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy.early_checks import explain_unknown_zero_names
 from lightning_zero.strategy.zero_strategy import ZeroStrategy
+from lightning_zero.torch_versions import warn_if_untested
 
 __all__ = [
     "CheckpointEntry", "CheckpointError", "CheckpointSaveError", "UnsafeCheckpointError", "ZeroConfig", "ZeroConfigError",
@@ -29,3 +31,4 @@ __version__ = "0.1.0"
 if "zero1" not in StrategyRegistry:
     ZeroStrategy.register_strategies(StrategyRegistry)
 explain_unknown_zero_names(StrategyRegistry)
+warn_if_untested()

@@ -21,10 +21,13 @@ from types import TracebackType
 from typing import Any
 
 from torch import nn
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
 
 from lightning_zero.recomputed_buffers import BufferUpdates, ForwardBuffers
+from lightning_zero.torch_versions.autograd import (
+    DEFAULT_DETERMINISM_MODE,
+    checkpoint,
+    checkpoint_without_reentrant_generator,
+)
 
 
 class _CheckpointedForward:
@@ -44,8 +47,8 @@ class _CheckpointedForward:
 
     def before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.active:
-            self.generator = _checkpoint_without_reentrant_generator(
-                module, True, self.contexts, _DEFAULT_DETERMINISM_MODE, False, True, *args, **kwargs
+            self.generator = checkpoint_without_reentrant_generator(
+                module, True, self.contexts, DEFAULT_DETERMINISM_MODE, False, True, *args, **kwargs
             )
             next(self.generator)
 

@@ -23,7 +23,8 @@ from types import TracebackType
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
+
+from lightning_zero.torch_versions.nn import NormBase
 
 Key = tuple[nn.Module, str]  # a buffer, as (the module that registered it, its name there)
 
@@ -82,7 +83,7 @@ class BufferUpdates:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._keys: list[Key] | None = None
-        self._norms: list[_NormBase] = []
+        self._norms: list[NormBase] = []
         self._norm_keys: set[Key] = set()
         self._updated: set[Key] | None = None  # None until the first forward that records a graph
 
@@ -90,7 +91,7 @@ class BufferUpdates:
         if self._keys is None:
             self._keys = [(owner, name) for owner in self.module.modules()
                           for name, buffer in owner._buffers.items() if buffer is not None]
-            self._norms = [m for m in self.module.modules() if isinstance(m, _NormBase)]
+            self._norms = [m for m in self.module.modules() if isinstance(m, NormBase)]
             self._norm_keys = {(m, name) for m in self._norms for name in _RUNNING}
         return self._keys
 

@@ -50,7 +50,7 @@ from lightning_zero.checkpoint.errors import CheckpointSaveError, save_error
 from lightning_zero.checkpoint.files import remove
 from lightning_zero.checkpoint.write import ShardWriter, prepare, publish, split_checkpoint
 from lightning_zero.engine.comm import collectives, topology
-from lightning_zero.engine.dtensor_over import dtensor_over
+from lightning_zero.torch_versions.dtensor import dtensor_over
 
 log = logging.getLogger(__name__)
 

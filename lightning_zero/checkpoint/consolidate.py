@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero.checkpoint.files import remove, temporary_path
@@ -34,6 +33,7 @@ from lightning_zero.checkpoint.verify import (
     verify_files,
 )
 from lightning_zero.checkpoint.safe_load import dcp_load_here, read_dcp_metadata
+from lightning_zero.torch_versions.tracing import FakeTensorMode
 
 
 def _entries(src: Path, prefix: str) -> Iterator[tuple[str, TensorStorageMetadata]]:

@@ -49,7 +49,7 @@ from lightning_zero.checkpoint.verify import (
 )
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine
-from lightning_zero.engine.dtensor_over import dtensor_over
+from lightning_zero.torch_versions.dtensor import dtensor_over
 from lightning_zero.engine.shard import local_rows
 
 SHARDED_MARKER = "lightning_zero_sharded"

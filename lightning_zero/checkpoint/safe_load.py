@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from lightning_zero.checkpoint.verify import CheckpointError
+from lightning_zero.torch_versions.dcp import set_nested
 
 _DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -127,9 +128,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         obj = load_weights_only(value, what=f"entry {fqn!r} of {self.path}")
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
+            set_nested(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
 

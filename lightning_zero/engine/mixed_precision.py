@@ -63,9 +63,11 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
+from lightning_zero.torch_versions.nn import NormBase
+
 #: Layers whose parameters stay fp32 under a mixed policy whatever their shapes (see the module note): the
 #: BatchNorm family, whose parameters the rule already keeps fp32, named for clarity and for users who extend it.
-FP32_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase,)
+FP32_MODULES: tuple[type[nn.Module], ...] = (NormBase,)
 
 
 def holds_fp32(module: nn.Module, fp32_modules: tuple[type[nn.Module], ...] = FP32_MODULES) -> bool:

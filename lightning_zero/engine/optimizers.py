@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch.optim import Optimizer
-from torch.optim import optimizer as torch_optimizer
+
+from lightning_zero.torch_versions.optim import give_standins_state, global_step_hooks_registered
 
 T = TypeVar("T")
 
@@ -97,7 +98,7 @@ def has_step_hooks(optimizer: Optimizer) -> bool:
     each call of ``step`` as a step of its own, and may touch anything."""
     return bool(
         optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-        or torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks
+        or global_step_hooks_registered()
     )
 
 
@@ -170,6 +171,7 @@ def hosted_params(
                 tensor.grad = grad
                 hosted.append(tensor)
             group["params"] = hosted
+        give_standins_state(optimizer)
         yield
     finally:
         for group, params in zip(optimizer.param_groups, saved):

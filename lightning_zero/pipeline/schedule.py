@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
@@ -46,6 +47,13 @@ from lightning_zero.config.pipeline import LOOPED_SCHEDULES, V_SCHEDULES
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage3.fsdp2_private import reshard_all
 from lightning_zero.pipeline.split import PipelineLayout
+from lightning_zero.torch_versions.pipelining import (
+    Action,
+    ComputationType,
+    add_send_recv,
+    add_unshard_reshard,
+    neighbour_exchange,
+)
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -82,6 +90,10 @@ class ShardedStage(PipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.reduce_gradients or not isinstance(self.submod, FSDPModule):
             super().perform_reduce_grad(grad_scale_factor)
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        # torch 2.11-2.12 only: see [Note: a stage's neighbour on its own rank] (``torch_versions/pipelining.py``).
+        return neighbour_exchange(super()._get_init_p2p_neighbors_ops(), self.group_rank)
 
 
 @dataclasses.dataclass
@@ -228,16 +240,14 @@ class PipelineRunner:
         evaluation therefore runs a forward-only action list: every rank runs its first stage for every
         micro-batch, then its second (each depends only on the neighbour's same pass, so nothing waits in a
         cycle), lowered to FSDP2 gathers, sends and receives by torch's own passes. ``_Action``, those passes and
-        the schedule's ``pipeline_order_with_comms`` are the one private piece of ``torch.distributed.pipelining``
-        used (its public loader insists on a backward for every forward)."""
-        from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _add_unshard_reshard, _ComputationType
-
+        the schedule's ``pipeline_order_with_comms`` are private pieces of ``torch.distributed.pipelining``
+        (``torch_versions/pipelining.py``; its public loader insists on a backward for every forward)."""
         order = {
-            rank: _add_unshard_reshard([_Action(stage, _ComputationType.FORWARD, mb) for stage in self.layout.stages_of(rank)
-                                        for mb in range(self.microbatches)])
+            rank: add_unshard_reshard([Action(stage, ComputationType.FORWARD, mb) for stage in self.layout.stages_of(rank)
+                                       for mb in range(self.microbatches)])
             for rank in range(self.layout.ranks_per_pipeline)
         }
-        schedule.pipeline_order_with_comms = _add_send_recv(
+        schedule.pipeline_order_with_comms = add_send_recv(
             order, stage_to_rank=self.layout.rank_of_stage, num_stages=self.num_stages
         )
 

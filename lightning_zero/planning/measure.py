@@ -16,9 +16,9 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+
+from lightning_zero.torch_versions.tracing import MemTracker, tree_leaves
 
 #: What ``MemTracker.track_external`` accepts.
 _Tracked = nn.Module | torch.optim.Optimizer | torch.Tensor

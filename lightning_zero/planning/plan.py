@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from lightning_zero.planning.formulas import format_bytes, unit_for
 from lightning_zero.planning.predict import Configuration, Prediction, predict
 from lightning_zero.planning.trace import StepTrace, trace_step
+from lightning_zero.torch_versions.tracing import tree_map_only
 
 STAGE_COST = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.12}
 OFFLOAD_COST = 2.74

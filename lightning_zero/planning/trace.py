@@ -26,13 +26,12 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
-from torch.utils._pytree import tree_map_only
 
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
 from lightning_zero.planning.measure import _TotalsOnly
+from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, tree_map_only
 
 #: The compute dtype of each Lightning precision the planner knows.
 COMPUTE_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}

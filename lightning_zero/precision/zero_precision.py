@@ -45,6 +45,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.mixed_precision import FP32_MODULES, PrecisionPolicy, to_dtype_but_declared_fp32
 from lightning_zero.precision.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleConfigError
+from lightning_zero.torch_versions.tensors import amp_unscale_
 
 
 PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
@@ -245,7 +246,7 @@ class ZeroPrecision(Precision):
             for i in index:
                 by_dtype.setdefault(grads[i].dtype, []).append(grads[i])
             for same in by_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(same, here, torch.ones(1, device=where))
+                amp_unscale_(same, here, torch.ones(1, device=where))
             if here is not flag:
                 flag += here.to(flag.device)
         collectives.all_reduce(flag, op=collectives.ReduceOp.MAX)

@@ -36,6 +36,7 @@ from torch.optim.swa_utils import AveragedModel
 from lightning_zero.checkpoint.state_dicts import gather_stages
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.strategy.row_average import OptimizerRows, RowAveragedModel, mirror
+from lightning_zero.torch_versions.dtensor import local_rows
 
 try:  # Lightning 2.6
     from lightning.pytorch.callbacks import WeightAveraging
@@ -84,11 +85,7 @@ def copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
 
 def rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
     """The part of ``whole`` that ``shard`` holds on this rank (dim-0 sharding, FSDP2's layout)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(whole.shape, shard.device_mesh, shard.placements)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    return whole[index]
+    return local_rows(whole, shard.device_mesh, shard.placements)
 
 
 def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None,

@@ -168,7 +168,10 @@ def monitor_while_a_host_step_runs() -> dict:
 def exponential_average(decay: float = 0.5) -> dict:
     """``EMAWeightAveraging`` under the delayed update, stage 2: the average the module ends with is that of every
     update taken (the masters after each step), not of the parameters forward computed with, one update behind."""
-    from lightning.pytorch.callbacks import EMAWeightAveraging
+    try:
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+    except ImportError:  # Lightning 2.5 (``make test-torch``'s oldest entry) has no weight averaging callbacks
+        return {"skipped": f"Lightning {L.__version__} has no EMAWeightAveraging"}
 
     L.seed_everything(7)
     module = NotingRegression()

@@ -106,7 +106,7 @@ class FeatureModel(L.LightningModule):
         h = x.to(self.input_dtype)
         for block in self.blocks:
             h = block(h)
-        return F.mse_loss(self.head(h).float(), y)
+        return F.mse_loss(self.head(h).float(), y.float())
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)

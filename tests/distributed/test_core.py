@@ -59,9 +59,10 @@ EXACT_CASES = [
 
 
 @pytest.mark.parametrize("case", EXACT_CASES)
-def test_parameters_and_gradients_match_plain_pytorch(exact, case):
+def test_parameters_and_gradients_match_plain_pytorch(exact, case, record_property):
     """4 optimizer steps, accumulation 2, clipping (by norm 0.5 or by value 0.05), two param groups, StepLR."""
     result = exact[case]
+    record_property("max |dparam| vs plain PyTorch", result["param_diff"])
     assert result["steps"] == 4
     assert result["grad_steps"] == 4
     assert result["param_change"] > 1e-3, "the reference must actually train"
@@ -234,9 +235,10 @@ FORMULAS = {1: lambda p, n: 8 * p + 8 * p / n, 2: lambda p, n: 4 * p + 12 * p / 
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_model_state_bytes_after_backward_match_zero_formulas(costs, stage):
+def test_model_state_bytes_after_backward_match_zero_formulas(costs, stage, record_property):
     result = costs[f"memory_stage{stage}"]
     expected = FORMULAS[stage](result["params"], WORLD)
+    record_property("model state / formula", result["bytes"] / expected)
     assert result["params"] > 5_000_000
     assert result["bytes"] == pytest.approx(expected, rel=0.02)
 

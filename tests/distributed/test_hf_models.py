@@ -9,7 +9,7 @@ schedule, 3 optimizer steps.
 
 import pytest
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from tests.distributed.worker_hf_models import DEFAULT, META_KINDS, MATRIX, key  # noqa: E402
 from tests.launch import launch  # noqa: E402
@@ -17,6 +17,9 @@ from tests.tolerances import assert_as_reference  # noqa: E402
 
 WORLD = 2
 pytestmark = pytest.mark.slow
+#: transformers 4 (``make test-torch``'s oldest Lightning entry runs the floor, 4.57) gives some models constant
+#: buffers that its ``_init_weights`` does not set (GPT-2's ``masked_bias``): built on the meta device, they are refused.
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,8 @@ def check(name: str, result: dict, precision: str) -> None:
 
 
 @pytest.mark.parametrize("kind, stage", [(c[0], c[1]) for c in DEFAULT if c[2:] == ("32-true", True)])
-def test_fp32_with_activation_checkpointing_equals_plain_pytorch(report, kind, stage):
+def test_fp32_with_activation_checkpointing_equals_plain_pytorch(report, kind, stage, record_property):
+    record_property("max |dparam| vs plain PyTorch", report[key(kind, stage, "32-true", True)]["diff"])
     check(key(kind, stage, "32-true", True), report[key(kind, stage, "32-true", True)], "32-true")
 
 
@@ -54,6 +58,10 @@ def test_built_in_configure_model_under_stage_3_gets_the_library_initialisation(
     (norms, biases, zeroed rows, rotary and position buffers) equals an eager build; every random one has the
     library's distribution (GPT-2's residual projections at 0.02 / sqrt(2 n_layer))."""
     result = report[f"{kind}/meta_init"]
+    if TRANSFORMERS_4 and "error" in result:
+        assert result["error"].startswith("Cannot materialise the meta-device model: ["), result["error"]
+        assert "init_weights=" in result["error"]  # the way out is named
+        return
     assert result["steps"] == 2
     assert result["not_equal"] == []
     assert result["spread"], "the model has random weights"

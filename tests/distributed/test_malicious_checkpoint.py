@@ -26,8 +26,9 @@ def shared(tmp_path_factory):
     ("case", "names"),
     [("metadata", [".metadata", "posix.system"]), ("meta", ["meta.pt", "system"]), ("full", ["evil_full", "system"])],
 )
-def test_fit_with_ckpt_path_refuses_the_payload(shared, case, names):
+def test_fit_with_ckpt_path_refuses_the_payload(shared, case, names, record_property):
     result = shared["malicious"][case]
+    record_property("refused with", result["error"])
     assert result["error"] == "UnsafeCheckpointError", result
     for name in names:
         assert name in result["message"], result["message"]

@@ -48,9 +48,10 @@ def _as_without_offload(case: str, result: dict) -> None:
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_offload_equals_the_same_run_without_offload(report, config):
+def test_offload_equals_the_same_run_without_offload(report, config, record_property):
     """4 steps of 2 accumulated micro-batches, clipping by norm, 2 param groups, a StepLR schedule."""
     result = report["exact"][f"{config}_32-true"]
+    record_property("max |dparam| vs plain PyTorch", result["param_diff_reference"])
     assert result["steps"] == 4
     _as_without_offload(config, result)
     assert result["param_diff_reference"] <= 1e-5
@@ -221,10 +222,11 @@ MIXED_FORMULAS = {
     ("key", "formula"),
     [*((f"{k}_32-true", f) for k, f in FP32_FORMULAS.items()), *((f"{k}_bf16-mixed", f) for k, f in MIXED_FORMULAS.items())],
 )
-def test_device_and_host_bytes_match_the_offload_formulas(report, key, formula):
+def test_device_and_host_bytes_match_the_offload_formulas(report, key, formula, record_property):
     measured = report["memory"][key]
     params = measured["params_count"]
     device, host = (per_param * params for per_param in formula(WORLD))
+    record_property("device + host bytes / formula", (measured["device"] + measured["host"]) / (device + host))
     assert measured["device"] == pytest.approx(device, rel=0.02, abs=1024)
     assert measured["host"] == pytest.approx(host, rel=0.02)
     # Nothing is left out of the split: the garbage collector's count of every live tensor agrees.
@@ -296,6 +298,8 @@ def test_an_exponential_average_under_the_delayed_update_averages_every_update_t
     """``EMAWeightAveraging(decay=0.5)`` at stage 2 with ``offload_step_delay=1``: the module ends with the average
     of the masters after each of the 4 updates, as plain PyTorch computes it, not with the last update alone."""
     result = report["delayed"]["ema"]
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
     # plain PyTorch's foreach AdamW against the host's fused kernel; an average of weights each within the bound
     assert_reordered_fp32("ema", result["vs_reference"], result["lr"], result["steps"])
     assert result["vs_last_update"] > 1e-3

@@ -7,6 +7,7 @@ every rank."""
 
 import pytest
 
+from lightning_zero.torch_versions import pipelining
 from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.distributed.worker_pipeline_trainer import INITIAL_SCALE, MATRIX, WIDTH
 from tests.launch import launch
@@ -113,7 +114,8 @@ def _check_two_replicas(result: dict) -> None:
 
 @pytest.mark.many_ranks
 @pytest.mark.parametrize("case", FOUR)
-def test_two_stages_two_replicas_equal_plain_pytorch(four_ranks, case):
+def test_two_stages_two_replicas_equal_plain_pytorch(four_ranks, case, record_property):
+    record_property("max |dparam| vs plain PyTorch", four_ranks[case]["param_diff"])
     _check_two_replicas(four_ranks[case])
 
 
@@ -161,16 +163,19 @@ def test_grad_norm_reports_every_pipeline_stage_on_every_rank(four_ranks, run):
 def test_pipeline_zero3_gathers_a_stage_once_per_step_or_window(four_ranks):
     """Stage 3 under 1F1B keeps a stage gathered over the micro-batches and over an accumulation window (the
     window's second batch gathers nothing); ZBV's action list gathers each stage once per batch. Batch 0 also
-    runs the schedule's shape inference, one more gather. The peak is the rank's whole stage, never more."""
+    runs the schedule's shape inference: from torch 2.12 a forward of its own, after which the stage is resharded,
+    one more gather; torch 2.11 infers shapes in the stage's first forward, which leaves it gathered
+    (``torch_versions/pipelining.py``). The peak is the rank's whole stage, never more."""
     one = four_ranks["gathers_1f1b"]
+    first = 2 if pipelining.WARMS_UP_BY_VOTE else 1
     for gathered, params, peak in zip(one["gathered"], one["params"], one["peak"]):
         per_window = gathered[2]
         assert params <= per_window <= 1.05 * params  # dim 0 rounds up to a multiple of the replicas
-        assert gathered == [2 * per_window, 0, per_window, 0, per_window, 0, per_window, 0], gathered
+        assert gathered == [first * per_window, 0, per_window, 0, per_window, 0, per_window, 0], gathered
         assert peak == params
     v = four_ranks["gathers_zbv"]
     for gathered, params, peak in zip(v["gathered"], v["params"], v["peak"]):
-        assert params <= gathered[1] <= 1.05 * params and gathered == [2 * gathered[1], *[gathered[1]] * 7], gathered
+        assert params <= gathered[1] <= 1.05 * params and gathered == [first * gathered[1], *[gathered[1]] * 7], gathered
         assert peak == params
 
 

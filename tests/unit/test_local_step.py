@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_zero.engine.dtensor_over import dtensor_over
+from lightning_zero.torch_versions.dtensor import dtensor_over
 from lightning_zero.engine.optimizers import ELEMENTWISE_OPTIMIZERS
 from lightning_zero.engine.stage3.local_step import stepping_local_shards
 

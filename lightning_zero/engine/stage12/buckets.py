@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lightning_zero.engine.stage12.layout import BucketSpec, ParamShardSpec, ShardLayout
+from lightning_zero.torch_versions.tensors import flatten_dense_tensors, unflatten_dense_tensors
 
 
 def _columns(buffer: torch.Tensor, bucket: BucketSpec, spec: ParamShardSpec) -> torch.Tensor:
@@ -132,7 +132,7 @@ def land_in_own_rows(
 def widened(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
     """``tensors`` cast to ``dtype``, as views of one flat buffer: three calls whatever their number, where a cast
     each would cost a dispatch per tensor."""
-    return list(_unflatten_dense_tensors(_flatten_dense_tensors(list(tensors)).to(dtype), list(tensors)))
+    return list(unflatten_dense_tensors(flatten_dense_tensors(list(tensors)).to(dtype), list(tensors)))
 
 
 def runs_without(

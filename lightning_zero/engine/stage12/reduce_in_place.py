@@ -26,11 +26,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._utils import _unflatten_dense_tensors
 
 from lightning_zero.engine.comm import collectives, p2p_transport
 from lightning_zero.engine.stage12.buckets import rows_by_rank
 from lightning_zero.engine.stage12.layout import ParamShardSpec, ShardLayout
+from lightning_zero.torch_versions.tensors import chunk_cat, unflatten_dense_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ class InPlaceReduction:
         for run in self.runs:
             if run.packed:  # ``_chunk_cat`` refuses empty tensors; an empty parameter takes no room in the bucket
                 whole = [self._whole(j) for j in range(run.start, run.end) if self.specs[j].chunk_numel]
-                packed = (torch._chunk_cat(whole, 0, world) if whole
+                packed = (chunk_cat(whole, 0, world) if whole
                           else torch.zeros(world, 0, dtype=self.dtype, device=self.device))
                 self.packed.append(packed)
                 pieces: Sequence[torch.Tensor] = packed.unbind(0)
@@ -226,7 +226,7 @@ class InPlaceReduction:
                 packed[r].zero_()
         flat = packed.view(-1).index_select(0, param_order_index(self.layout, self.bucket_index, run, packed.device))
         run_params = params[run.start : run.end]
-        for param, grad in zip(run_params, _unflatten_dense_tensors(flat, run_params)):
+        for param, grad in zip(run_params, unflatten_dense_tensors(flat, run_params)):
             param.grad = grad
         self.flats.append((flat, self.layout.buckets[self.bucket_index].params[run.start : run.end]))
 

@@ -245,6 +245,7 @@ class FullyShardedEngine:
             ignored_params=whole_params(group),  # 0-dim and integer parameters: see ``sharded_by_fsdp2``
         )
         self._set_collectives(sharded[0] if isinstance(sharded, list) else sharded)
+        fsdp2_private.keep_complex_params_complex(sharded[0] if isinstance(sharded, list) else sharded)
         fsdp2_private.skip_conversions_that_change_nothing(group)
         fsdp2_private.forget_classes_of_one_module()
 

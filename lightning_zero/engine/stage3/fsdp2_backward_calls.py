@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
+from lightning_zero.torch_versions.autograd import current_graph_task_id
 
 
 def gather_layers_called_in_backward(root: nn.Module) -> None:
@@ -51,5 +52,5 @@ def _a_parameter_of_the_unit(module: nn.Module) -> tuple[nn.Module, str] | None:
 
 
 def _gather_in_backward(unit: FSDPModule, owner: nn.Module, name: str, module: nn.Module, args: object) -> None:
-    if torch._C._current_graph_task_id() != -1 and isinstance(owner._parameters[name], DTensor):
+    if current_graph_task_id() != -1 and isinstance(owner._parameters[name], DTensor):
         unit.unshard()

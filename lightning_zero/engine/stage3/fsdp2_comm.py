@@ -33,6 +33,7 @@ from lightning_zero.engine.comm import collectives, flight
 from lightning_zero.engine.stage3.fsdp2_private import AllGather, ReduceScatter, sharded_params
 from lightning_zero.engine.comm.collectives import ReduceOp, ReduceOpLike
 from lightning_zero.engine.comm.compression import CompressedComm
+from lightning_zero.torch_versions.autograd import queue_callback
 
 
 class CountingAllGather(AllGather):
@@ -211,7 +212,7 @@ class LateReductions:
         self._owners.append(owner)
         if not self._callback_queued:
             try:
-                torch.autograd.Variable._execution_engine.queue_callback(self.land_all)
+                queue_callback(self.land_all)
                 self._callback_queued = True
             except RuntimeError:  # not inside a backward pass: nothing ends it, land now
                 self.land_all()

@@ -1,12 +1,13 @@
 """Every use of FSDP2's private API, in one module, checked against the installed torch.
 
-The stage-3 engine drives ``fully_shard`` through its public surface wherever torch 2.13 has one
+The stage-3 engine drives ``fully_shard`` through its public surface wherever torch has one
 (``set_custom_all_gather``/``set_custom_reduce_scatter``, ``set_all_reduce_hook``, ``set_reshard_after_backward``,
 ``reshard``, ``set_requires_gradient_sync``). What it cannot do there goes through this module, one function per
 need, each with the reason the public API does not suffice:
 
 * :data:`AllGather` / :data:`ReduceScatter`: the base classes ``set_custom_all_gather`` and
-  ``set_custom_reduce_scatter`` take; torch 2.13 exports them only from ``torch.distributed.fsdp._fully_shard``.
+  ``set_custom_reduce_scatter`` take; torch exports them only from ``torch.distributed.fsdp._fully_shard``. They, and
+  what differs between torch releases (how ``FSDPState`` holds its groups), come from ``torch_versions/fsdp2.py``.
 * :func:`param_groups` (``FSDPState._fsdp_param_groups``): the per-unit objects the next three act on; public
   methods act on a whole module.
 * :func:`keep_gathered_after_forward` / :func:`restore_after_forward` (``FSDPParamGroup.post_forward_mesh_info``):
@@ -44,12 +45,11 @@ need, each with the reason the public API does not suffice:
 
 :func:`check` verifies each of these on a sharded module: the engine runs it when it shards (a torch release that
 moves one fails at set-up, naming it, not mid-training), and ``tests/unit/test_fsdp2_private.py`` runs it on the
-installed torch. ``setup.cfg`` bounds torch at the newest minor version this was checked on.
+installed torch; ``make test-torch`` under every release ``setup.cfg`` admits.
 """
 
 from __future__ import annotations
 
-import importlib
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -58,15 +58,22 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 from lightning_zero.engine.dense_parameters import gradient_form_error
-from lightning_zero.engine.dtensor_over import dtensor_over
 from lightning_zero.engine.shard import local_rows
+from lightning_zero.torch_versions.autograd import current_graph_task_id
+from lightning_zero.torch_versions.dtensor import dtensor_over
+from lightning_zero.torch_versions.fsdp2 import (
+    AllGather,
+    ReduceScatter,
+    TrainingState,
+    fully_shard_class_cache,
+    keep_non_floating_params_in_their_dtype,
+    param_groups_of_state,
+)
 
 __all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
-           "drop_unreduced_gradients", "gathered_dtype", "keep_gathered_after_forward", "param_groups",
+           "drop_unreduced_gradients", "gathered_dtype", "keep_complex_params_complex", "keep_gathered_after_forward", "param_groups",
            "run_more_than_once", "reshard_only_after_backward", "unit_heads", "restore_after_forward", "sharded_params",
            "skip_conversions_that_change_nothing", "unshadow_reshard", "watch_gathering", "watch_post_backward"]
 
@@ -103,13 +110,13 @@ class FSDP2PrivateAPIError(RuntimeError):
 def param_groups(module: nn.Module) -> list[Any]:
     """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order; the modules of
     one ``fully_shard([a, b])`` call share theirs."""
-    groups = {id(group): group for unit in unit_heads(module) for group in _groups_of(unit._get_fsdp_state())}
+    groups = {id(group): group for unit in unit_heads(module) for group in param_groups_of_state(unit._get_fsdp_state())}
     return list(groups.values())
 
 
 def own_groups(module: FSDPModule) -> list[Any]:
     """The ``FSDPParamGroup`` of ``module``'s own ``fully_shard`` call (the root's: its parameters outside every unit)."""
-    return _groups_of(module._get_fsdp_state())
+    return param_groups_of_state(module._get_fsdp_state())
 
 
 def unit_heads(module: nn.Module) -> list[FSDPModule]:
@@ -127,15 +134,6 @@ def reshard_all(module: nn.Module) -> None:
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
-
-
-def _groups_of(state: Any) -> list[Any]:
-    """``FSDPState``'s parameter groups: ``_fsdp_param_groups`` in torch 2.13, one ``_fsdp_param_group`` (or None)
-    in torch 2.11, the GPU image this project's CUDA benchmarks run on."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None and hasattr(state, "_fsdp_param_group"):
-        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-    return list(groups) if groups is not None else []
 
 
 def keep_gathered_after_forward(group: Any) -> Any:
@@ -211,6 +209,13 @@ def unshadow_reshard(group: Any, reshard: Callable[[], None]) -> None:
     group.reshard = reshard
 
 
+def keep_complex_params_complex(unit: FSDPModule) -> None:
+    """Complex parameters of ``unit``'s ``fully_shard`` call gathered in their own dtype under a mixed-precision
+    policy, on every torch (``FSDPParam.init_dtype_attrs``; [Note: complex parameters under FSDP2's mixed precision]
+    in ``torch_versions/fsdp2.py``)."""
+    keep_non_floating_params_in_their_dtype(p for group in own_groups(unit) for p in group.fsdp_params)
+
+
 def skip_conversions_that_change_nothing(modules: Iterable[nn.Module]) -> None:
     """Make ``module.to(...)`` (``float()``, ``cpu()``, ...) on each of ``modules``, units that ``fully_shard`` made,
     return at once where it would convert none of the tensors beneath it (parameters, their gradients, buffers), and
@@ -234,7 +239,7 @@ def _apply_converting_something(module: nn.Module, fn: Callable[[torch.Tensor], 
 def forget_classes_of_one_module() -> None:
     """Drop ``fully_shard``'s cached subclasses of the classes ``torch.nn.utils.parametrize`` makes per instance
     (``Parametrized<Class>``): the sharded instance keeps its class, and no other module has that class to shard."""
-    cache = getattr(importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard"), "cls_to_fsdp_cls", {})
+    cache = fully_shard_class_cache()
     for cls in [cls for cls in cache if _made_for_one_module(cls)]:
         del cache[cls]
 
@@ -246,7 +251,7 @@ def _made_for_one_module(cls: type) -> bool:
 
 def one_group(unit: FSDPModule) -> bool:
     """Whether ``unit``'s ``fully_shard`` call made one parameter group (one reduce-scatter a backward)."""
-    return len(_groups_of(unit._get_fsdp_state())) == 1
+    return len(param_groups_of_state(unit._get_fsdp_state())) == 1
 
 
 def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) -> set[int]:
@@ -255,7 +260,7 @@ def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) 
     backward ends, and the backward of each run whose inputs require gradients reduces the unit again. The roots are
     left out: ``training_step`` calling ``self(...)`` runs the root nested in itself, on inputs that are data."""
     skipped = {id(root) for root in roots}
-    groups = [[] if id(head) in skipped else _groups_of(head._get_fsdp_state()) for head in heads]
+    groups = [[] if id(head) in skipped else param_groups_of_state(head._get_fsdp_state()) for head in heads]
     contexts = {id(g.comm_ctx): g.comm_ctx for unit in groups for g in unit}
     runs = Counter(id(g) for context in contexts.values() for g in context.post_forward_order)
     return {k for k, unit in enumerate(groups) if any(runs[id(g)] > 1 for g in unit)}
@@ -263,7 +268,7 @@ def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) 
 
 def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
     """(sharded parameter, offloaded to the host) of each parameter FSDP2 manages in ``unit``'s own groups."""
-    for group in _groups_of(unit._get_fsdp_state()):
+    for group in param_groups_of_state(unit._get_fsdp_state()):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
 
@@ -289,7 +294,7 @@ def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
     post_backward, reduced_in = type(group).post_backward, [-2]  # the backward (graph task) that last reduced here
 
     def watched(*unused: Any) -> None:
-        if (task := _graph_task_id()) != -1 and task == reduced_in[0] and not _holds_gradients(group):
+        if (task := current_graph_task_id()) != -1 and task == reduced_in[0] and not _holds_gradients(group):
             return
         reduced_in[0] = task
         if _in_backward_building_a_graph():
@@ -305,14 +310,10 @@ def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
     group.post_backward = watched
 
 
-#: The running autograd graph task, -1 outside backward (a torch that lacks it: never a graph-building backward).
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
 def _in_backward_building_a_graph() -> bool:
     """Inside autograd's backward (a graph task runs; not a pipeline schedule calling post-backward itself, where
     grad mode is simply on) with ``create_graph=True`` (autograd keeps grad mode on there, off otherwise)."""
-    return _graph_task_id() != -1 and torch.is_grad_enabled()
+    return current_graph_task_id() != -1 and torch.is_grad_enabled()
 
 
 def _holds_gradients(group: Any) -> bool:
@@ -380,13 +381,7 @@ def check(module: nn.Module) -> None:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"check() needs a module sharded with fully_shard, got {type(module).__name__}")
     state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    if state is not None and not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
-        raise FSDP2PrivateAPIError(
-            f"torch {torch.__version__}: FSDP2's FSDPState._fsdp_param_groups is gone; lightning_zero's stage 3 uses it "
-            "in engine/stage3/fsdp2_private.py (param_groups). Install the torch version setup.cfg names, or update "
-            "that module for this release."
-        )
-    groups = _groups_of(state) or [None]
+    groups = (param_groups_of_state(state) if state is not None else []) or [None]
     params = getattr(groups[0], "fsdp_params", None) or [None]
     owners: dict[str, Any] = {"FSDPModule": module, "FSDPState": state, "FSDPParamGroup": groups[0],
                               "FSDPParam": params[0], "TrainingState": TrainingState}
@@ -394,6 +389,6 @@ def check(module: nn.Module) -> None:
         if owners[owner] is not None and not hasattr(owners[owner], attribute):
             raise FSDP2PrivateAPIError(
                 f"torch {torch.__version__}: FSDP2's {owner}.{attribute} is gone; lightning_zero's stage 3 uses it "
-                f"in engine/stage3/fsdp2_private.py ({used_by}). Install the torch version setup.cfg names, or update that "
-                "module for this release."
+                f"in engine/stage3/fsdp2_private.py ({used_by}). Install a torch release setup.cfg admits, or update "
+                "that module for this release."
             )

@@ -66,4 +66,7 @@ def initialize(module: nn.Module, owner: nn.Module) -> None:
         guard = initialization.guard_torch_init_functions()
     module.__dict__.pop("_is_hf_initialized", None)  # a previous materialisation of this module set it
     with torch.no_grad(), guard:
-        pretrained._initialize_weights(module, pretrained.is_custom_code())
+        if hasattr(pretrained, "is_custom_code"):  # transformers 5: whether the model's code came with its weights
+            pretrained._initialize_weights(module, pretrained.is_custom_code())
+        else:  # transformers 4
+            pretrained._initialize_weights(module)

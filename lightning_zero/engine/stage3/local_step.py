@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine.dtensor_over import dtensor_over
+from lightning_zero.torch_versions.dtensor import dtensor_over
 from lightning_zero.engine.optimizers import hosted_params
 
 

@@ -1,4 +1,4 @@
-"""A DTensor over a local tensor, left on the device it is on.
+"""DTensor's private pieces: a DTensor over a local tensor left where it is, and a rank's rows of a global tensor.
 
 [Note: DTensors over host shards]
 ``DTensor.from_local`` moves its local tensor to the device type of the mesh. Under FSDP2's CPU offload
@@ -17,6 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
 
@@ -28,3 +29,10 @@ def dtensor_over(
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
     return DTensor(local, spec, requires_grad=local.requires_grad)
+
+
+def local_rows(whole: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
+    """The part of ``whole`` that this rank holds of a DTensor of ``whole``'s shape on ``mesh`` with ``placements``
+    (DTensor's own arithmetic, as ``distribute_tensor`` would cut it)."""
+    shape, offset = compute_local_shape_and_global_offset(whole.shape, mesh, placements)
+    return whole[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
