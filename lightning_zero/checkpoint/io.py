@@ -49,8 +49,8 @@ from lightning_zero.checkpoint.verify import (
 )
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine
-from lightning_zero.torch_versions.dtensor import dtensor_over
 from lightning_zero.engine.shard import local_rows
+from lightning_zero.torch_versions.dtensor import dtensor_over
 
 SHARDED_MARKER = "lightning_zero_sharded"
 AVERAGE_LOADED = "lightning_zero_average_loaded"  # the weight average came with the sharded directory

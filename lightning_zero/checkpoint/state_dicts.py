@@ -21,8 +21,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
-from lightning_zero.torch_versions.dtensor import dtensor_over
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full
+from lightning_zero.torch_versions.dtensor import dtensor_over
 
 #: Lightning's ``WeightAveraging`` key for the trained weights, where the checkpoint's ``state_dict`` holds their average.
 CURRENT_MODEL_STATE = "current_model_state"

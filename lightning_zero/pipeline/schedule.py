@@ -28,11 +28,9 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -50,9 +48,9 @@ from lightning_zero.pipeline.split import PipelineLayout
 from lightning_zero.torch_versions.pipelining import (
     Action,
     ComputationType,
+    PipelineStageWithoutSelfExchange,
     add_send_recv,
     add_unshard_reshard,
-    neighbour_exchange,
 )
 
 SCHEDULES = {
@@ -65,7 +63,7 @@ SCHEDULES = {
 }
 
 
-class ShardedStage(PipelineStage):
+class ShardedStage(PipelineStageWithoutSelfExchange):
     """A pipeline stage whose FSDP2-sharded module reduces its gradients only when asked.
 
     [Note: stage 3 under pipeline stages]
@@ -90,10 +88,6 @@ class ShardedStage(PipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.reduce_gradients or not isinstance(self.submod, FSDPModule):
             super().perform_reduce_grad(grad_scale_factor)
-
-    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
-        # torch 2.11-2.12 only: see [Note: a stage's neighbour on its own rank] (``torch_versions/pipelining.py``).
-        return neighbour_exchange(super()._get_init_p2p_neighbors_ops(), self.group_rank)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     _Action,
@@ -23,7 +24,15 @@ from torch.distributed.pipelining.schedules import (
     _ComputationType,
 )
 
-__all__ = ["Action", "ComputationType", "add_send_recv", "add_unshard_reshard", "branches", "neighbour_exchange"]
+__all__ = [
+    "Action",
+    "ComputationType",
+    "PipelineStageWithoutSelfExchange",
+    "add_send_recv",
+    "add_unshard_reshard",
+    "branches",
+    "neighbour_exchange",
+]
 
 Action = _Action
 ComputationType = _ComputationType
@@ -38,6 +47,14 @@ def neighbour_exchange(ops: list[dist.P2POp], group_rank: int) -> list[dist.P2PO
     """A stage's first-step exchange ``ops`` without those addressed to its own rank ``group_rank`` in the stage's
     group (see [Note: a stage's neighbour on its own rank])."""
     return [op for op in ops if op.group_peer != group_rank]
+
+
+class PipelineStageWithoutSelfExchange(PipelineStage):
+    """A ``PipelineStage`` whose first-step exchange leaves out its own rank (torch 2.11; see [Note: a stage's
+    neighbour on its own rank])."""
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        return neighbour_exchange(super()._get_init_p2p_neighbors_ops(), self.group_rank)
 
 
 def branches() -> dict[str, str]:

@@ -15,22 +15,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from lightning_zero.engine.stage3 import fsdp2_private
+from tests.unit.one_rank import one_rank_world
 
 
 @pytest.fixture
 def sharded():
     """A two-unit module sharded with FSDP2 over one rank (the process group is this test's own)."""
-    assert not dist.is_initialized()
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_world():
         mesh = init_device_mesh("cpu", (1,))
         module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
         fully_shard(module[0], mesh=mesh)
         fully_shard(module, mesh=mesh)
         yield module
-    finally:
-        dist.destroy_process_group()
 
 
 def test_every_private_name_is_where_the_engine_expects_it(sharded):

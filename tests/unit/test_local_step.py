@@ -4,19 +4,17 @@ tensors that are DTensors laid out like their parameters (what checkpoints and `
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_zero.torch_versions.dtensor import dtensor_over
 from lightning_zero.engine.optimizers import ELEMENTWISE_OPTIMIZERS
 from lightning_zero.engine.stage3.local_step import stepping_local_shards
+from lightning_zero.torch_versions.dtensor import dtensor_over
+from tests.unit.one_rank import one_rank_world
 
 SETTINGS: dict[str, dict[str, object]] = {
     "SGD": {"lr": 0.1, "momentum": 0.9, "nesterov": True},
@@ -29,13 +27,8 @@ SETTINGS: dict[str, dict[str, object]] = {
 
 @pytest.fixture(scope="module")
 def mesh():
-    assert not dist.is_initialized()
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with one_rank_world():
         yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _module() -> nn.Module:

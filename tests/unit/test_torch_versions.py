@@ -9,7 +9,6 @@ import configparser
 import re
 import types
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from lightning_zero import torch_versions
 from lightning_zero.engine.optimizers import hosted_params
 from lightning_zero.torch_versions import optim, pipelining
 from tests.launch import REPO
+from tests.unit.one_rank import one_rank_world
 
 PACKAGE = REPO / "lightning_zero"
 #: Private torch names allowed outside the adapters: the ``_foreach_*`` kernels, which ``torch.optim``'s own
@@ -160,13 +160,8 @@ def test_the_probe_finds_which_optimizers_make_state_in_their_step():
 
 @pytest.fixture
 def one_rank_group():
-    assert not dist.is_initialized()
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    with one_rank_world() as group:
+        yield group
 
 
 def test_the_neighbour_exchange_leaves_out_only_a_stage_s_own_rank(one_rank_group):

@@ -23,8 +23,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.torch_versions.dtensor import dtensor_over
 from lightning_zero.engine.optimizers import hosted_params
+from lightning_zero.torch_versions.dtensor import dtensor_over
 
 
 @contextlib.contextmanager
