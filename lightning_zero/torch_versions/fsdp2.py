@@ -53,7 +53,9 @@ def _state_layout() -> str:
         return _GROUP_LIST
     if _ONE_GROUP in fresh:
         return _ONE_GROUP
-    raise TorchFeatureMissing("FSDP2's parameter groups on FSDPState", f"{_GROUP_LIST} (torch 2.12+) or {_ONE_GROUP} (torch 2.11)")
+    raise TorchFeatureMissing(
+        "FSDP2's parameter groups on FSDPState", f"{_GROUP_LIST} (torch 2.12+) or {_ONE_GROUP} (torch 2.11)"
+    )
 
 
 #: Which of the two attributes this torch's ``FSDPState`` keeps its parameter groups in.
@@ -69,7 +71,8 @@ def param_groups_of_state(state: Any) -> list[Any]:
 
 
 def fully_shard_class_cache() -> dict[type, type]:
-    """``fully_shard``'s cache of the ``FSDP<Class>`` subclasses it made, by module class (empty if this torch keeps none)."""
+    """``fully_shard``'s cache of the ``FSDP<Class>`` subclasses it made, by module class (empty: this torch keeps
+    none)."""
     module = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
     return getattr(module, "cls_to_fsdp_cls", {})
 

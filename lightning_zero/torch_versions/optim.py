@@ -57,18 +57,20 @@ def give_standins_state(optimizer: Optimizer) -> None:
                 continue
             initial = group["initial_accumulator_value"]
             fused = group.get("fused")
-            scalar = _get_scalar_dtype(is_fused=fused)
-            step = torch.zeros((), dtype=scalar, device=p.device) if fused else torch.tensor(0.0, dtype=_get_scalar_dtype())
-            optimizer.state[p] = {
-                "step": step,
-                "sum": torch.full_like(p, complex(initial, initial) if torch.is_complex(p) else initial, memory_format=torch.preserve_format),
-            }
+            if fused:
+                step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+            else:
+                step = torch.tensor(0.0, dtype=_get_scalar_dtype())
+            value = complex(initial, initial) if torch.is_complex(p) else initial
+            optimizer.state[p] = {"step": step, "sum": torch.full_like(p, value, memory_format=torch.preserve_format)}
 
 
 def branches() -> dict[str, str]:
     eager = not makes_state_when_stepped(torch.optim.Adagrad)
     return {
         "Adagrad's state for a stand-in": (
-            "made by lightning_zero as the constructor would (torch 2.11)" if eager else "made by its own step (torch 2.12+)"
+            "made by lightning_zero as the constructor would (torch 2.11)"
+            if eager
+            else "made by its own step (torch 2.12+)"
         )
     }

@@ -24,6 +24,12 @@ background.register("type_check", type_check)
 
 
 def test_the_package_type_checks(runs):
+    import lightning
+
+    if tuple(int(part) for part in lightning.__version__.split(".")[:2]) < (2, 6):
+        # make test-torch's Lightning 2.5 entry: the package imports 2.6's weight averaging callbacks optionally, and
+        # is typed against them; 2.5 runs the same code without them (the other cases), but its types differ there.
+        pytest.skip(f"typed against Lightning 2.6's callbacks; this is Lightning {lightning.__version__}")
     result = runs.get("type_check").result()
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert result.stdout.startswith("Success: no issues found"), result.stdout[-3000:]
