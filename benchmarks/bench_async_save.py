@@ -85,12 +85,23 @@ def run_mode(args: argparse.Namespace) -> None:
 
     bench = SaveBench()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2, async_save=args.mode == "async"),
-        max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, callbacks=[bench],
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=2, async_save=args.mode == "async"),
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[bench],
     )
-    data = RandomTokenDataModule(vocab_size=model_kw["vocab_size"], block_size=model_kw["block_size"],
-                                 batch_size=args.batch_size, num_samples=2 * total * args.batch_size * 2)
+    data = RandomTokenDataModule(
+        vocab_size=model_kw["vocab_size"],
+        block_size=model_kw["block_size"],
+        batch_size=args.batch_size,
+        num_samples=2 * total * args.batch_size * 2,
+    )
     trainer.fit(GPTLightningModule(**model_kw, dropout=0.0, bias=True), datamodule=data)
     ranks = collectives.all_gather_objects({"rows": bench.rows, "drain_ms": bench.drain_ms})
     if trainer.is_global_zero:
@@ -120,9 +131,24 @@ def run_child(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / f"{mode}.json"
     ckpts = workdir / f"ckpt-{mode}"
-    cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--out", str(out), "--dir", str(ckpts),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--every", str(args.every),
-           "--batch-size", str(args.batch_size)] + (["--quick"] if args.quick else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--mode",
+        mode,
+        "--out",
+        str(out),
+        "--dir",
+        str(ckpts),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--every",
+        str(args.every),
+        "--batch-size",
+        str(args.batch_size),
+    ] + (["--quick"] if args.quick else [])
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if result.returncode != 0 or not out.exists():
         raise SystemExit(f"{mode} failed (rc={result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
@@ -131,17 +157,22 @@ def run_child(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"\n{'mode':<6} {'step ms':>9} {'save blocks ms':>15} {'steps after save ms':>20} {'drain ms':>9} "
-          f"{'checkpoint MiB':>15}")
+    print(
+        f"\n{'mode':<6} {'step ms':>9} {'save blocks ms':>15} {'steps after save ms':>20} {'drain ms':>9} "
+        f"{'checkpoint MiB':>15}"
+    )
     for mode in MODES:
         runs = [r for r in results if r["mode"] == mode]
         med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
         after = f"{med('steps_after_save_ms'):.0f}" if mode == "async" else "-"
-        print(f"{mode:<6} {med('step_ms'):>9.0f} {med('save_blocked_ms'):>15.0f} {after:>20} {med('drain_ms'):>9.0f} "
-              f"{runs[0]['checkpoint_mib']:>15.1f}")
+        print(
+            f"{mode:<6} {med('step_ms'):>9.0f} {med('save_blocked_ms'):>15.0f} {after:>20} {med('drain_ms'):>9.0f} "
+            f"{runs[0]['checkpoint_mib']:>15.1f}"
+        )
     sync, background = (statistics.median(r["save_blocked_ms"] for r in results if r["mode"] == m) for m in MODES)
-    print(f"\nasync blocks {background:.0f} ms per save against {sync:.0f} ms synchronous "
-          f"({sync / background:.1f}x less)")
+    print(
+        f"\nasync blocks {background:.0f} ms per save against {sync:.0f} ms synchronous ({sync / background:.1f}x less)"
+    )
 
 
 def parse_args() -> argparse.Namespace:

@@ -98,16 +98,22 @@ def main() -> None:
     every = json.loads(out.read_text())
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(GPTConfig(**MODEL)).parameters())
-    print(f"P = {params:,} fp32 parameters, {args.ranks} ranks (gloo, 1 thread each), 25 MB buckets, median of "
-          f"{args.reps} repetitions per way; ms per step, each rank")
+    print(
+        f"P = {params:,} fp32 parameters, {args.ranks} ranks (gloo, 1 thread each), 25 MB buckets, median of "
+        f"{args.reps} repetitions per way; ms per step, each rank"
+    )
     print(f"{'stage':>5}  {'phase':>8}  {'rank':>4}  {'packed':>8}  {'in place':>8}  {'ratio':>6}")
     rows = []
     for stage in (1, 2):
         for phase in ("reduce", "gather"):
             for rank, figures in enumerate(every):
-                packed, in_place = (statistics.median(ms for s, ms in figures[way][phase] if s == stage)
-                                    for way in ("packed", "in_place"))
-                rows.append({"stage": stage, "phase": phase, "rank": rank, "packed_ms": packed, "in_place_ms": in_place})
+                packed, in_place = (
+                    statistics.median(ms for s, ms in figures[way][phase] if s == stage)
+                    for way in ("packed", "in_place")
+                )
+                rows.append(
+                    {"stage": stage, "phase": phase, "rank": rank, "packed_ms": packed, "in_place_ms": in_place}
+                )
                 print(f"{stage:>5}  {phase:>8}  {rank:>4}  {packed:>8.1f}  {in_place:>8.1f}  {in_place / packed:>6.2f}")
     for row in rows:
         print(json.dumps(row))

@@ -84,18 +84,30 @@ def run_one(args: argparse.Namespace) -> None:
     stage, mode = args.one.split(":")
     probe = Probe()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=int(stage), **MODES[mode]), max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[probe],
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=int(stage), **MODES[mode]),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[probe],
     )
     trainer.fit(GPTLightningModule(**model_args), datamodule=CharDataModule(**data_args))
     if trainer.is_global_zero:
         steps = len(probe.times) - 1
         grad = sum(probe.bytes.get(k, 0) for k in GRADIENT_KINDS) / steps
         result = {
-            "stage": int(stage), "mode": mode, "steps": len(probe.losses), "final_loss": statistics.mean(probe.losses[-10:]),
-            "gradient_bytes_per_step": grad, "weight_bytes_per_step": probe.bytes.get("all_gather", 0) / steps,
-            "bytes_per_step": sum(probe.bytes.values()) / steps, "step_ms": 1e3 * statistics.median(probe.times[1:]),
+            "stage": int(stage),
+            "mode": mode,
+            "steps": len(probe.losses),
+            "final_loss": statistics.mean(probe.losses[-10:]),
+            "gradient_bytes_per_step": grad,
+            "weight_bytes_per_step": probe.bytes.get("all_gather", 0) / steps,
+            "bytes_per_step": sum(probe.bytes.values()) / steps,
+            "step_ms": 1e3 * statistics.median(probe.times[1:]),
             "params": sum(p.numel() for p in trainer.lightning_module.parameters()),
         }
         Path(args.out).write_text(json.dumps(result))
@@ -103,8 +115,16 @@ def run_one(args: argparse.Namespace) -> None:
 
 def launch(stage: int, mode: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any] | None:
     out = workdir / f"{stage}-{mode}.json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{stage}:{mode}", "--out", str(out),
-           "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--one",
+        f"{stage}:{mode}",
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0 or not out.exists():
@@ -137,17 +157,30 @@ def main() -> None:
                 if result is not None:
                     results.append(result)
                     print(json.dumps(result), flush=True)
-    header = ["stage", "compression", "final loss", "vs none", "gradient KB/step", "fewer gradient bytes",
-              "weight KB/step", "all KB/step", "step ms"]
+    header = [
+        "stage",
+        "compression",
+        "final loss",
+        "vs none",
+        "gradient KB/step",
+        "fewer gradient bytes",
+        "weight KB/step",
+        "all KB/step",
+        "step ms",
+    ]
     print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in results:
         base = next((b for b in results if b["stage"] == r["stage"] and b["mode"] == "none"), r)
-        print(f"| {r['stage']} | {r['mode']} | {r['final_loss']:.4f} | {100 * (r['final_loss'] / base['final_loss'] - 1):+.2f}% | "
-              f"{r['gradient_bytes_per_step'] / 1e3:.1f} | {base['gradient_bytes_per_step'] / r['gradient_bytes_per_step']:.2f}x | "
-              f"{r['weight_bytes_per_step'] / 1e3:.1f} | {r['bytes_per_step'] / 1e3:.1f} | {r['step_ms']:.1f} |")
+        print(
+            f"| {r['stage']} | {r['mode']} | {r['final_loss']:.4f} | {100 * (r['final_loss'] / base['final_loss'] - 1):+.2f}% | "
+            f"{r['gradient_bytes_per_step'] / 1e3:.1f} | {base['gradient_bytes_per_step'] / r['gradient_bytes_per_step']:.2f}x | "
+            f"{r['weight_bytes_per_step'] / 1e3:.1f} | {r['bytes_per_step'] / 1e3:.1f} | {r['step_ms']:.1f} |"
+        )
     if results:
-        print(f"\n{results[0]['params']:,} parameters, 2 ranks, {args.steps} steps; final loss: mean of the last 10 "
-              "steps; KB = 1e3 bytes per rank per step (comm_stats: collective input/output).")
+        print(
+            f"\n{results[0]['params']:,} parameters, 2 ranks, {args.steps} steps; final loss: mean of the last 10 "
+            "steps; KB = 1e3 bytes per rank per step (comm_stats: collective input/output)."
+        )
 
 
 if __name__ == "__main__":

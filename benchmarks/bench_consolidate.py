@@ -30,10 +30,19 @@ def train_and_save(directory: Path) -> None:
 
     L.seed_everything(0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2), max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
     )
-    trainer.fit(GPTLightningModule(**MODEL), datamodule=RandomTokenDataModule(vocab_size=8192, block_size=128, batch_size=2))
+    trainer.fit(
+        GPTLightningModule(**MODEL), datamodule=RandomTokenDataModule(vocab_size=8192, block_size=128, batch_size=2)
+    )
     trainer.save_checkpoint(directory / "sharded")
 
 
@@ -61,7 +70,9 @@ if __name__ == "__main__":
     else:
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run([sys.executable, __file__, "--train", tmp], check=True, capture_output=True)
-            result = subprocess.run([sys.executable, __file__, "--consolidate", tmp], check=True, capture_output=True, text=True)
+            result = subprocess.run(
+                [sys.executable, __file__, "--consolidate", tmp], check=True, capture_output=True, text=True
+            )
             figures = json.loads(result.stdout.strip().splitlines()[-1])
             print(json.dumps(figures))
             print(

@@ -168,8 +168,10 @@ class MuonGPTModule(GPTLightningModule):
         matrices = [p for n, p in self.named_parameters() if p.dim() == 2 and ".blocks." in f".{n}"]
         ids = {id(p) for p in matrices}
         rest = [p for p in self.parameters() if id(p) not in ids]
-        return (torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01),
-                torch.optim.AdamW(rest, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas)))
+        return (
+            torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01),
+            torch.optim.AdamW(rest, lr=self.hparams.learning_rate, betas=tuple(self.hparams.betas)),
+        )
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
@@ -198,9 +200,18 @@ def build_strategy(system: str, devices: int) -> Any:
 
 
 #: bench system name -> the estimator's choice (fsdp2 holds what ZeRO-3 holds)
-_CHOICE_OF = {"ddp": "ddp", "fsdp2": "zero3", "fsdp2_hsdp": "zero3_hsdp", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3",
-              "zero1+offload": "zero1_offload", "zero2+offload": "zero2_offload",
-              "zero3+offload": "zero3_offload_optimizer", "zero3+offload_params": "zero3_offload"}
+_CHOICE_OF = {
+    "ddp": "ddp",
+    "fsdp2": "zero3",
+    "fsdp2_hsdp": "zero3_hsdp",
+    "zero1": "zero1",
+    "zero2": "zero2",
+    "zero3": "zero3",
+    "zero1+offload": "zero1_offload",
+    "zero2+offload": "zero2_offload",
+    "zero3+offload": "zero3_offload_optimizer",
+    "zero3+offload_params": "zero3_offload",
+}
 
 
 def pipeline_stages(system: str) -> int:
@@ -261,9 +272,7 @@ def analytic_comm_bytes(system: str, config: GPTConfig, precision: str = "32-tru
     if system == "fsdp2":
         # Blocks: gather in forward, re-gather in backward, reduce-scatter grads. The root
         # unit (embeddings, ln_f, head) is not resharded after forward: gather once + RS.
-        one_block = count_parameters(replace(config, n_layer=1)) - count_parameters(
-            replace(config, n_layer=0)
-        )
+        one_block = count_parameters(replace(config, n_layer=1)) - count_parameters(replace(config, n_layer=0))
         p_blocks = one_block * config.n_layer
         return width * (3 * p_blocks + 2 * (P - p_blocks))
     raise ValueError(system)
@@ -347,8 +356,18 @@ class BenchCallback(L.Callback):
     """Times steps and records memory/communication on every rank; rank 0 writes the JSON line."""
 
     def __init__(
-        self, system: str, config: GPTConfig, batch_size: int, warmup: int, steps: int, out: str, precision: str,
-        monitor: Any = None, optimizer: str = "adamw", profile_steps: int = 0, accumulate: int = 1,
+        self,
+        system: str,
+        config: GPTConfig,
+        batch_size: int,
+        warmup: int,
+        steps: int,
+        out: str,
+        precision: str,
+        monitor: Any = None,
+        optimizer: str = "adamw",
+        profile_steps: int = 0,
+        accumulate: int = 1,
         host_profile_steps: int = 0,
     ) -> None:
         #: Micro-batches per optimizer step: a step's time is the sum of its micro-batches' (``step_times``).
@@ -390,7 +409,7 @@ class BenchCallback(L.Callback):
     def step_times(self) -> list[float]:
         """One time per optimizer step: the measured micro-batches summed by accumulation window."""
         k = self.accumulate
-        return [sum(self.times[i:i + k]) for i in range(0, len(self.times) - k + 1, k)]
+        return [sum(self.times[i : i + k]) for i in range(0, len(self.times) - k + 1, k)]
 
     def _profiled(self, batch_idx: int) -> bool:
         start = self.warmup + self.steps
@@ -444,7 +463,9 @@ class BenchCallback(L.Callback):
             self.state["live_total"] = live_tensor_bytes() - self._baseline
             engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:  # ZeroStrategy: split by where the engine put each tensor
-                placed = placed_state_bytes(pl_module, [getattr(o, "_optimizer", o) for o in trainer.optimizers], engine)
+                placed = placed_state_bytes(
+                    pl_module, [getattr(o, "_optimizer", o) for o in trainer.optimizers], engine
+                )
                 self.state["device"], self.state["host"] = placed["device"], placed["host"]
             self._excluded += time.perf_counter() - t  # bookkeeping is not part of the step
             self._cpu_excluded += time.process_time() - cpu
@@ -477,9 +498,15 @@ class BenchCallback(L.Callback):
             "cpu_ms_per_step": 1e3 * self.cpu_seconds / self._optimizer_steps,
             "state_bytes": self.state,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,  # KiB on Linux
-            "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self._optimizer_steps) if self.comm_snapshot else None,
-            "comm_elements_per_step": (self.comm_snapshot["elements"] / self._optimizer_steps) if self.comm_snapshot else None,
-            "comm_inter_node_bytes_per_step": (self.comm_snapshot["bytes_inter_node"] / self._optimizer_steps) if self.comm_snapshot else None,
+            "comm_bytes_per_step": (self.comm_snapshot["bytes"] / self._optimizer_steps)
+            if self.comm_snapshot
+            else None,
+            "comm_elements_per_step": (self.comm_snapshot["elements"] / self._optimizer_steps)
+            if self.comm_snapshot
+            else None,
+            "comm_inter_node_bytes_per_step": (self.comm_snapshot["bytes_inter_node"] / self._optimizer_steps)
+            if self.comm_snapshot
+            else None,
             "torch_threads": torch.get_num_threads(),
             # parameters this rank holds (one pipeline stage's, under pipelining)
             "held_params": sum(p.numel() for p in pl_module.parameters() if not p.is_meta),
@@ -519,7 +546,9 @@ class BenchCallback(L.Callback):
             )
             formula = formula_device + formula_host
         measured_comm = [r["comm_bytes_per_step"] for r in ranks if r["comm_bytes_per_step"] is not None]
-        measured_inter = [r["comm_inter_node_bytes_per_step"] for r in ranks if r["comm_inter_node_bytes_per_step"] is not None]
+        measured_inter = [
+            r["comm_inter_node_bytes_per_step"] for r in ranks if r["comm_inter_node_bytes_per_step"] is not None
+        ]
         analytic_comm = analytic_comm_bytes(self.system, self.config, self.precision, shard_size=N // _NODES)
         return {
             "system": self.system,
@@ -605,8 +634,20 @@ def run_system(args: argparse.Namespace) -> None:
         limit_val_batches=0,  # the GPT module has a validation_step; the benchmark data has no val set
         # The bench callback first: its step timer stops before the monitor gathers its figures.
         callbacks=[
-            BenchCallback(args.system, config, args.batch_size, args.warmup, args.steps, args.out, args.precision, monitor,
-                          args.optimizer, args.profile_steps, args.accumulate, args.host_profile_steps),
+            BenchCallback(
+                args.system,
+                config,
+                args.batch_size,
+                args.warmup,
+                args.steps,
+                args.out,
+                args.precision,
+                monitor,
+                args.optimizer,
+                args.profile_steps,
+                args.accumulate,
+                args.host_profile_steps,
+            ),
             *([monitor] if monitor is not None else []),
         ],
     )
@@ -620,13 +661,39 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / f"{system}.json"
     log = workdir / f"{system}.log"
-    cmd = [
-        sys.executable, os.path.abspath(__file__), "--system", system, "--out", str(out),
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--devices", str(args.devices),
-        "--batch-size", str(args.batch_size), "--precision", args.precision,
-        "--nodes", str(args.nodes), "--optimizer", args.optimizer, "--profile-steps", str(args.profile_steps),
-        "--accumulate", str(args.accumulate), "--host-profile-steps", str(args.host_profile_steps),
-    ] + (["--model", args.model] if args.model else []) + (["--quick"] if args.quick else []) + (["--monitor"] if args.monitor else [])
+    cmd = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--system",
+            system,
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--devices",
+            str(args.devices),
+            "--batch-size",
+            str(args.batch_size),
+            "--precision",
+            args.precision,
+            "--nodes",
+            str(args.nodes),
+            "--optimizer",
+            args.optimizer,
+            "--profile-steps",
+            str(args.profile_steps),
+            "--accumulate",
+            str(args.accumulate),
+            "--host-profile-steps",
+            str(args.host_profile_steps),
+        ]
+        + (["--model", args.model] if args.model else [])
+        + (["--quick"] if args.quick else [])
+        + (["--monitor"] if args.monitor else [])
+    )
     print(f"== {system}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     port = _free_port()
@@ -635,7 +702,9 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         # simulated node, as on a cluster (NODE_RANK, one master address and port).
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs = [
-            subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env={**env, "NODE_RANK": str(node)})
+            subprocess.Popen(
+                cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, env={**env, "NODE_RANK": str(node)}
+            )
             for node in range(args.nodes)
         ]
         deadline = time.monotonic() + args.timeout
@@ -653,7 +722,9 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         print(f"   {system}: ok in {elapsed:.0f}s", file=sys.stderr, flush=True)
         return json.loads(out.read_text())
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-    print(f"!! {system} FAILED (rc={rc}, {elapsed:.0f}s); last lines of its log:\n{tail}\n", file=sys.stderr, flush=True)
+    print(
+        f"!! {system} FAILED (rc={rc}, {elapsed:.0f}s); last lines of its log:\n{tail}\n", file=sys.stderr, flush=True
+    )
     return None
 
 
@@ -680,7 +751,9 @@ def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for i in range(len(per_round[0]))
     ]
     config = result["config"]
-    result["tokens_per_s"] = result["batch_per_rank"] * config["block_size"] * result["world_size"] / (result["step_ms"] / 1e3)
+    result["tokens_per_s"] = (
+        result["batch_per_rank"] * config["block_size"] * result["world_size"] / (result["step_ms"] / 1e3)
+    )
     return result
 
 
@@ -696,31 +769,49 @@ def _round_ratios(result: dict[str, Any], ddp: dict[str, Any] | None, key: str =
 def print_table(results: list[dict[str, Any]], failed: list[str]) -> None:
     ddp = next((r for r in results if r["system"] == "ddp"), None)
     cols = [
-        "system", "step_ms", "tokens/s", "ratio_vs_ddp", "round_ratios", "cpu_ms/step", "cpu_round_ratios", "state_MB", "formula_MB", "delta%", "device_MB (formula)",
-        "host_MB (formula)", "peak_RSS_MB", "saved_act_MB", "comm_MB/step", "intra_node_MB/step", "inter_node_MB/step",
+        "system",
+        "step_ms",
+        "tokens/s",
+        "ratio_vs_ddp",
+        "round_ratios",
+        "cpu_ms/step",
+        "cpu_round_ratios",
+        "state_MB",
+        "formula_MB",
+        "delta%",
+        "device_MB (formula)",
+        "host_MB (formula)",
+        "peak_RSS_MB",
+        "saved_act_MB",
+        "comm_MB/step",
+        "intra_node_MB/step",
+        "inter_node_MB/step",
     ]
     rows = []
     for r in results:
         comm = f"{r['comm_bytes_per_step'] / 1e6:.1f}" + (" (analytic)" if r["comm_source"] == "analytic" else "")
-        rows.append([
-            r["system"],
-            f"{r['step_ms']:.1f}",
-            f"{r['tokens_per_s']:.0f}",
-            f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-",
-            _round_ratios(r, ddp),
-            f"{r['cpu_ms_per_step']:.0f}",
-            _round_ratios(r, ddp, "rounds_cpu_ms"),
-            f"{r['state_bytes'] / 1e6:.2f}",
-            f"{r['formula_bytes'] / 1e6:.2f}",
-            f"{r['delta_pct']:+.1f}",
-            f"{r['device_bytes'] / 1e6:.2f} ({r['formula_device_bytes'] / 1e6:.2f})",
-            f"{r['host_bytes'] / 1e6:.2f} ({r['formula_host_bytes'] / 1e6:.2f})",
-            f"{r['peak_rss_mb']:.0f}",
-            f"{r.get('saved_activation_mb', 0):.0f}",
-            comm,
-            f"{(r['comm_bytes_per_step'] - r.get('comm_inter_node_bytes_per_step', 0)) / 1e6:.1f}",
-            f"{r.get('comm_inter_node_bytes_per_step', 0) / 1e6:.1f}" + (" (analytic)" if r["comm_source"] == "analytic" and r.get("nodes", 1) > 1 else ""),
-        ])
+        rows.append(
+            [
+                r["system"],
+                f"{r['step_ms']:.1f}",
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['step_ms'] / ddp['step_ms']:.2f}" if ddp else "-",
+                _round_ratios(r, ddp),
+                f"{r['cpu_ms_per_step']:.0f}",
+                _round_ratios(r, ddp, "rounds_cpu_ms"),
+                f"{r['state_bytes'] / 1e6:.2f}",
+                f"{r['formula_bytes'] / 1e6:.2f}",
+                f"{r['delta_pct']:+.1f}",
+                f"{r['device_bytes'] / 1e6:.2f} ({r['formula_device_bytes'] / 1e6:.2f})",
+                f"{r['host_bytes'] / 1e6:.2f} ({r['formula_host_bytes'] / 1e6:.2f})",
+                f"{r['peak_rss_mb']:.0f}",
+                f"{r.get('saved_activation_mb', 0):.0f}",
+                comm,
+                f"{(r['comm_bytes_per_step'] - r.get('comm_inter_node_bytes_per_step', 0)) / 1e6:.1f}",
+                f"{r.get('comm_inter_node_bytes_per_step', 0) / 1e6:.1f}"
+                + (" (analytic)" if r["comm_source"] == "analytic" and r.get("nodes", 1) > 1 else ""),
+            ]
+        )
     rows += [[name, "FAILED"] + [""] * (len(cols) - 2) for name in failed]
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
@@ -743,11 +834,15 @@ def print_phases(results: list[dict[str, Any]]) -> None:
     """The phase breakdown (phases.py), one row per system and rank."""
     from phases import CATEGORIES
 
-    rows = [(r["system"], rank, phases) for r in results for rank, phases in enumerate(r.get("phases_ms") or []) if phases]
+    rows = [
+        (r["system"], rank, phases) for r in results for rank, phases in enumerate(r.get("phases_ms") or []) if phases
+    ]
     if not rows:
         return
     cols = ["system", "rank", *CATEGORIES, "total", "comm_threads"]
-    print("\nPhase breakdown, ms per step on the training thread (profiled steps; comm_threads: other threads in profiled operators, see phases.py)")
+    print(
+        "\nPhase breakdown, ms per step on the training thread (profiled steps; comm_threads: other threads in profiled operators, see phases.py)"
+    )
     print("  ".join(f"{c:>12}" for c in cols))
     for system, rank, phases in rows:
         print("  ".join([f"{system:>12}", f"{rank:>12}", *(f"{phases[c]:>12.1f}" for c in cols[2:])]))
@@ -755,43 +850,72 @@ def print_phases(results: list[dict[str, Any]]) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ddp vs FSDP2 vs ZeRO-1/2/3 on one GPT (CPU)")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS))
+    p.add_argument(
+        "--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset of " + ",".join(ALL_SYSTEMS)
+    )
     p.add_argument("--steps", type=int, default=15, help="measured steps")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first")
     p.add_argument("--devices", type=int, default=2, help="ranks per node")
     p.add_argument("--nodes", type=int, default=1, help="simulated nodes (one launcher each, on this machine)")
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--quick", action="store_true", help="tiny model: a smoke test, not a benchmark")
-    p.add_argument("--monitor", action="store_true",
-                   help="also run lightning_zero.monitor.ZeroMonitor every step and report its figures (its "
-                        "measurement runs inside the timed step: compare step times without it)")
+    p.add_argument(
+        "--monitor",
+        action="store_true",
+        help="also run lightning_zero.monitor.ZeroMonitor every step and report its figures (its "
+        "measurement runs inside the timed step: compare step times without it)",
+    )
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"), help="Trainer precision")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
-                   help="adamw (the demo's), or torch.optim.Muon on the blocks' matrices + AdamW on the rest")
-    p.add_argument("--accumulate", type=int, default=1,
-                   help="accumulate_grad_batches: step_ms is then one optimizer step (that many micro-batches)")
-    p.add_argument("--profile-steps", type=int, default=3,
-                   help="steps after the measured ones run under torch.profiler for the phase breakdown (0: none)")
-    p.add_argument("--host-profile-steps", type=int, default=0,
-                   help="steps after those that run under cProfile: the training thread's time by package "
-                        "(host_profile.py; 0: none)")
-    p.add_argument("--model", help='GPT settings over the default model\'s, as JSON: \'{"n_layer": 24}\'')
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=("adamw", "muon"),
+        help="adamw (the demo's), or torch.optim.Muon on the blocks' matrices + AdamW on the rest",
+    )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="accumulate_grad_batches: step_ms is then one optimizer step (that many micro-batches)",
+    )
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=3,
+        help="steps after the measured ones run under torch.profiler for the phase breakdown (0: none)",
+    )
+    p.add_argument(
+        "--host-profile-steps",
+        type=int,
+        default=0,
+        help="steps after those that run under cProfile: the training thread's time by package "
+        "(host_profile.py; 0: none)",
+    )
+    p.add_argument("--model", help="GPT settings over the default model's, as JSON: '{\"n_layer\": 24}'")
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(
-        "--rounds", type=int, default=1,
+        "--rounds",
+        type=int,
+        default=1,
         help="run the systems this many times, interleaved (A B C, A B C); step time is the median over rounds",
     )
     p.add_argument("--system", help=argparse.SUPPRESS)  # internal: run one system (child mode)
     p.add_argument("--out", help=argparse.SUPPRESS)  # internal: where rank 0 writes its JSON line
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or min(args.profile_steps, args.host_profile_steps) < 0 \
-            or args.accumulate < 1:
+    if (
+        args.steps < 1
+        or args.warmup < 0
+        or args.rounds < 1
+        or min(args.profile_steps, args.host_profile_steps) < 0
+        or args.accumulate < 1
+    ):
         p.error("--steps, --rounds and --accumulate must be >= 1, --warmup and --profile-steps >= 0")
     # Measured and profiled windows start at an optimizer step: counts are in micro-batches, whole windows. The
     # driver converts them once; a child (``--system``) receives micro-batches already.
     if not args.system:
         args.warmup, args.steps, args.profile_steps, args.host_profile_steps = (
-            args.accumulate * v for v in (args.warmup, args.steps, args.profile_steps, args.host_profile_steps))
+            args.accumulate * v for v in (args.warmup, args.steps, args.profile_steps, args.host_profile_steps)
+        )
     return args
 
 
@@ -802,8 +926,10 @@ def main() -> None:
         return
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [
-        s for s in systems
-        if s not in (*ALL_SYSTEMS, *BASELINES) and not (s.partition("+")[0] in ALL_SYSTEMS[2:] and s.partition("+")[2] in VARIANTS)
+        s
+        for s in systems
+        if s not in (*ALL_SYSTEMS, *BASELINES)
+        and not (s.partition("+")[0] in ALL_SYSTEMS[2:] and s.partition("+")[2] in VARIANTS)
     ]
     if unknown:
         sys.exit(f"unknown system(s): {', '.join(unknown)}; choose from {', '.join(ALL_SYSTEMS)}")

@@ -62,7 +62,15 @@ NO_CUDA_MESSAGE = (
     "(torch {torch}, {devices} CUDA device(s)). Run benchmarks/bench_core.py for the CPU benchmark."
 )
 THROUGHPUT_SYSTEMS = (
-    "ddp", "fsdp2", "zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_params",
+    "ddp",
+    "fsdp2",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero1+offload",
+    "zero2+offload",
+    "zero3+offload",
+    "zero3+offload_params",
     "zero2+offload_delay",
 )
 SEARCH_SYSTEMS = ("zero1", "zero2", "zero3", "zero1+offload", "zero2+offload", "zero3+offload", "zero3+offload_params")
@@ -102,8 +110,9 @@ def ladder(base: dict[str, int], rungs: int) -> list[dict[str, int]]:
 class GPUBenchCallback(L.Callback):
     """Times steps with device synchronisation and records peak device memory over the measured steps."""
 
-    def __init__(self, warmup: int, steps: int, profile_to: str | None = None, host_profile_steps: int = 0,
-                 sync_steps: int = 0) -> None:
+    def __init__(
+        self, warmup: int, steps: int, profile_to: str | None = None, host_profile_steps: int = 0, sync_steps: int = 0
+    ) -> None:
         self.warmup, self.steps = warmup, steps
         self.profile_to = profile_to  # a file: the profiler's tables over the measured steps (times then skewed)
         self.profiler: Any = None
@@ -168,7 +177,9 @@ class GPUBenchCallback(L.Callback):
         if batch_idx == self.warmup + self.steps - 1 and self.profiler is not None:
             self.profiler.__exit__(None, None, None)
             events = self.profiler.key_averages()
-            tables = [events.table(sort_by=key, row_limit=25) for key in ("self_cpu_time_total", "self_device_time_total")]
+            tables = [
+                events.table(sort_by=key, row_limit=25) for key in ("self_cpu_time_total", "self_device_time_total")
+            ]
             Path(self.profile_to).write_text("\n\n".join([timeline_summary(self.profiler, self.steps), *tables]))
         if batch_idx == self.warmup + self.steps - 1:
             if device.type == "cuda":
@@ -176,7 +187,9 @@ class GPUBenchCallback(L.Callback):
             self.state = model_state_bytes(pl_module, trainer.optimizers)
             engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:
-                placed = placed_state_bytes(pl_module, [getattr(o, "_optimizer", o) for o in trainer.optimizers], engine)
+                placed = placed_state_bytes(
+                    pl_module, [getattr(o, "_optimizer", o) for o in trainer.optimizers], engine
+                )
                 self.state["device"], self.state["host"] = placed["device"], placed["host"]
 
 
@@ -204,15 +217,25 @@ def run_one(args: argparse.Namespace) -> None:
     devices = args.devices
     total = args.warmup + args.steps + args.host_profile_steps + args.sync_steps
     data = RandomTokenDataModule(
-        vocab_size=config.vocab_size, block_size=config.block_size, batch_size=args.batch_size,
+        vocab_size=config.vocab_size,
+        block_size=config.block_size,
+        batch_size=args.batch_size,
         num_samples=2 * total * args.batch_size * devices,
     )
     bench = GPUBenchCallback(args.warmup, args.steps, args.profile_to, args.host_profile_steps, args.sync_steps)
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=devices, strategy=build_strategy(args.system, devices),
-        precision=args.precision, max_steps=total, logger=False, enable_checkpointing=False,
+        accelerator=args.accelerator,
+        devices=devices,
+        strategy=build_strategy(args.system, devices),
+        precision=args.precision,
+        max_steps=total,
+        logger=False,
+        enable_checkpointing=False,
         gradient_clip_val=args.gradient_clip_val,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[bench],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[bench],
     )
     # FSDP2 (Lightning ModelParallelStrategy): each Block a unit, then the root, bf16 gathers under bf16-mixed.
     module_cls = FSDP2GPTModule if args.system == "fsdp2" else GPTLightningModule
@@ -232,14 +255,25 @@ def run_one(args: argparse.Namespace) -> None:
     peak = peak_tflops(name, args.peak_tflops)
     formula_device, formula_host = formula_split(args.system, P, devices, args.precision)
     result = {
-        "system": args.system, "precision": args.precision, "devices": devices, "device_name": name,
-        "params": P, "shape": shape, "batch_per_rank": args.batch_size, "step_ms": 1e3 * step_s,
-        "tokens_per_s": tokens_per_s, "cpu_ms_per_step": 1e3 * bench.cpu_seconds / max(1, len(bench.times)),
+        "system": args.system,
+        "precision": args.precision,
+        "devices": devices,
+        "device_name": name,
+        "params": P,
+        "shape": shape,
+        "batch_per_rank": args.batch_size,
+        "step_ms": 1e3 * step_s,
+        "tokens_per_s": tokens_per_s,
+        "cpu_ms_per_step": 1e3 * bench.cpu_seconds / max(1, len(bench.times)),
         "mfu": (model_flops_per_token(config) * tokens_per_s / (peak * 1e12 * devices)) if peak else None,
-        "peak_allocated": bench.peak_allocated, "state": bench.state,
-        "formula_device": formula_device, "formula_host": formula_host,
+        "peak_allocated": bench.peak_allocated,
+        "state": bench.state,
+        "formula_device": formula_device,
+        "formula_host": formula_host,
         "host_pinned_fraction": pinned_fraction(getattr(trainer.strategy, "engine", None)),
-        "torch": torch.__version__, "host_profile": bench.host_summary, "syncs": bench.sync_summary,
+        "torch": torch.__version__,
+        "host_profile": bench.host_summary,
+        "syncs": bench.sync_summary,
     }
     Path(args.out).write_text(json.dumps(result) + "\n")
 
@@ -252,19 +286,52 @@ def run_one(args: argparse.Namespace) -> None:
 DELAYED_WARMUP = 2
 
 
-def launch(system: str, shape: dict[str, int], args: argparse.Namespace, workdir: Path, steps: int, warmup: int,
-           batch_size: int, host_profile_steps: int = 0, sync_steps: int = 0) -> tuple[dict[str, Any] | None, str]:
+def launch(
+    system: str,
+    shape: dict[str, int],
+    args: argparse.Namespace,
+    workdir: Path,
+    steps: int,
+    warmup: int,
+    batch_size: int,
+    host_profile_steps: int = 0,
+    sync_steps: int = 0,
+) -> tuple[dict[str, Any] | None, str]:
     """One system in a fresh process: (its result or None, why not: 'ok', 'out of memory', 'timeout', 'error')."""
     if "offload_delay" in system and warmup < DELAYED_WARMUP:
-        print(f"   {system}: {DELAYED_WARMUP} warm-up steps, not {warmup}: its first host steps create the optimizer "
-              "state and its second gradient buffers during the steps after them", file=sys.stderr, flush=True)
+        print(
+            f"   {system}: {DELAYED_WARMUP} warm-up steps, not {warmup}: its first host steps create the optimizer "
+            "state and its second gradient buffers during the steps after them",
+            file=sys.stderr,
+            flush=True,
+        )
         warmup = DELAYED_WARMUP
     out = workdir / f"{system}-{shape['n_layer']}x{shape['n_embd']}.json"
     cmd = [
-        sys.executable, os.path.abspath(__file__), "--one", system, "--out", str(out), "--shape", json.dumps(shape),
-        "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size), "--devices", str(args.devices),
-        "--precision", args.precision, "--accelerator", args.accelerator,
-        "--host-profile-steps", str(host_profile_steps), "--sync-steps", str(sync_steps),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--one",
+        system,
+        "--out",
+        str(out),
+        "--shape",
+        json.dumps(shape),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--batch-size",
+        str(batch_size),
+        "--devices",
+        str(args.devices),
+        "--precision",
+        args.precision,
+        "--accelerator",
+        args.accelerator,
+        "--host-profile-steps",
+        str(host_profile_steps),
+        "--sync-steps",
+        str(sync_steps),
     ] + (["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else [])
     if args.cores_left_to_training is not None:
         cmd += ["--cores-left-to-training", str(args.cores_left_to_training)]
@@ -293,41 +360,71 @@ def throughput(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     runs: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}
     for round_index in range(args.rounds):  # interleaved: a slow spell of the host hits every system alike
         for system in args.systems:
-            result, _ = launch(system, shape, args, workdir, args.steps, args.warmup, args.batch_size,
-                               *((args.host_profile_steps, args.sync_steps) if round_index == 0 else (0, 0)))
+            result, _ = launch(
+                system,
+                shape,
+                args,
+                workdir,
+                args.steps,
+                args.warmup,
+                args.batch_size,
+                *((args.host_profile_steps, args.sync_steps) if round_index == 0 else (0, 0)),
+            )
             if result is not None:
                 runs[system].append({**result, "round": round_index})
                 print(json.dumps({k: v for k, v in result.items() if k not in ("host_profile", "syncs")}), flush=True)
         if round_index == 0:  # now, not after the last round: a run cut short by its time limit keeps them
-            print_profiles({s: r[0].get("host_profile") for s, r in runs.items() if r},
-                           f"The training thread under cProfile over {args.host_profile_steps} steps after the measured "
-                           "ones, self time in ms per step, by package")
-            print_sync_points({s: r[0].get("syncs") for s, r in runs.items() if r},
-                              f"Where the host waited for the device, over {args.sync_steps} steps under torch's sync "
-                              "debug mode (synchronising calls from Python, by stack, innermost frame last)")
+            print_profiles(
+                {s: r[0].get("host_profile") for s, r in runs.items() if r},
+                f"The training thread under cProfile over {args.host_profile_steps} steps after the measured "
+                "ones, self time in ms per step, by package",
+            )
+            print_sync_points(
+                {s: r[0].get("syncs") for s, r in runs.items() if r},
+                f"Where the host waited for the device, over {args.sync_steps} steps under torch's sync "
+                "debug mode (synchronising calls from Python, by stack, innermost frame last)",
+            )
     results = [combine_rounds(rounds, runs.get("ddp", [])) for rounds in runs.values() if rounds]
-    rows = [[
-        r["system"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}",
-        f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-",
-        f"{r['vs_ddp']:.2f}" if r["vs_ddp"] is not None else "-",
-        f"{r['cpu_ms_per_step']:.1f}",
-        f"{r['peak_allocated'] / 2**30:.2f}",
-        f"{r['state'].get('device', r['state'].get('total', 0)) / 2**30:.2f} ({r['formula_device'] / 2**30:.2f})",
-        f"{r['state'].get('host', 0) / 2**30:.2f} ({r['formula_host'] / 2**30:.2f})",
-        f"{100 * r['host_pinned_fraction']:.0f}" if r["host_pinned_fraction"] is not None else "-",
-        " ".join(f"{x:.1f}" for x in r["rounds_step_ms"]),
-    ] for r in results]
-    cols = ["system", "step_ms", "tokens/s", "MFU%", "vs_ddp", "host_cpu_ms/step", "peak_alloc_GiB", "state_device_GiB (formula)",
-            "state_host_GiB (formula)", "host_pinned%", "rounds' step_ms"]
+    rows = [
+        [
+            r["system"],
+            f"{r['step_ms']:.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{100 * r['mfu']:.1f}" if r["mfu"] is not None else "-",
+            f"{r['vs_ddp']:.2f}" if r["vs_ddp"] is not None else "-",
+            f"{r['cpu_ms_per_step']:.1f}",
+            f"{r['peak_allocated'] / 2**30:.2f}",
+            f"{r['state'].get('device', r['state'].get('total', 0)) / 2**30:.2f} ({r['formula_device'] / 2**30:.2f})",
+            f"{r['state'].get('host', 0) / 2**30:.2f} ({r['formula_host'] / 2**30:.2f})",
+            f"{100 * r['host_pinned_fraction']:.0f}" if r["host_pinned_fraction"] is not None else "-",
+            " ".join(f"{x:.1f}" for x in r["rounds_step_ms"]),
+        ]
+        for r in results
+    ]
+    cols = [
+        "system",
+        "step_ms",
+        "tokens/s",
+        "MFU%",
+        "vs_ddp",
+        "host_cpu_ms/step",
+        "peak_alloc_GiB",
+        "state_device_GiB (formula)",
+        "state_host_GiB (formula)",
+        "host_pinned%",
+        "rounds' step_ms",
+    ]
     print_rows(cols, rows)
     if results:
         r = results[0]
-        print(f"\n{r['device_name']}, {r['precision']}, torch {r['torch']}, {r['devices']} rank(s), P = {r['params']:,}, "
-              f"batch {r['batch_per_rank']} x {r['shape']['block_size']} tokens per rank, median of {args.steps} steps "
-              f"after {args.warmup} warmup, {args.rounds} interleaved round(s)"
-              f"{'' if args.gradient_clip_val is None else f', gradients clipped at {args.gradient_clip_val:g}'}"
-              ": step and CPU time the median of the "
-              "rounds', vs_ddp the median of each round's ratio; GiB = 2^30 bytes.")
+        print(
+            f"\n{r['device_name']}, {r['precision']}, torch {r['torch']}, {r['devices']} rank(s), P = {r['params']:,}, "
+            f"batch {r['batch_per_rank']} x {r['shape']['block_size']} tokens per rank, median of {args.steps} steps "
+            f"after {args.warmup} warmup, {args.rounds} interleaved round(s)"
+            f"{'' if args.gradient_clip_val is None else f', gradients clipped at {args.gradient_clip_val:g}'}"
+            ": step and CPU time the median of the "
+            "rounds', vs_ddp the median of each round's ratio; GiB = 2^30 bytes."
+        )
     return results
 
 
@@ -338,7 +435,8 @@ def combine_rounds(rounds: list[dict[str, Any]], ddp: list[dict[str, Any]]) -> d
     ratios = [r["step_ms"] / ddp_ms[r["round"]] for r in rounds if r["round"] in ddp_ms]
     first = rounds[0]
     return {
-        **first, "rounds_step_ms": [r["step_ms"] for r in rounds],
+        **first,
+        "rounds_step_ms": [r["step_ms"] for r in rounds],
         **{key: statistics.median(r[key] for r in rounds) for key in ("step_ms", "tokens_per_s", "cpu_ms_per_step")},
         "mfu": statistics.median(r["mfu"] for r in rounds) if first["mfu"] is not None else None,
         "vs_ddp": statistics.median(ratios) if ratios else None,
@@ -367,21 +465,31 @@ def largest(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             i = i + 1 if tried[i] == "ok" else i - 1
         best = max((j for j, why in tried.items() if why == "ok"), default=None)
         failed_above = tried.get(best + 1 if best is not None else start)
-        found.append({
-            "system": system, "largest": shapes[best] if best is not None else None,
-            "largest_params": count_parameters(GPTConfig(**shapes[best])) if best is not None else 0,
-            "next": shapes[best + 1] if best is not None and best + 1 < len(shapes) else None,
-            "next_failed_by": failed_above, "tried": {str(count_parameters(GPTConfig(**shapes[j]))): why for j, why in tried.items()},
-        })
+        found.append(
+            {
+                "system": system,
+                "largest": shapes[best] if best is not None else None,
+                "largest_params": count_parameters(GPTConfig(**shapes[best])) if best is not None else 0,
+                "next": shapes[best + 1] if best is not None and best + 1 < len(shapes) else None,
+                "next_failed_by": failed_above,
+                "tried": {str(count_parameters(GPTConfig(**shapes[j]))): why for j, why in tried.items()},
+            }
+        )
         print(json.dumps(found[-1]), flush=True)
-    rows = [[
-        f["system"], f"{f['largest_params'] / 1e9:.2f}B" if f["largest"] else "none",
-        f"{f['largest']['n_layer']} x {f['largest']['n_embd']}" if f["largest"] else "-",
-        f"{count_parameters(GPTConfig(**f['next'])) / 1e9:.2f}B: {f['next_failed_by']}" if f["next"] else "-",
-    ] for f in found]
+    rows = [
+        [
+            f["system"],
+            f"{f['largest_params'] / 1e9:.2f}B" if f["largest"] else "none",
+            f"{f['largest']['n_layer']} x {f['largest']['n_embd']}" if f["largest"] else "-",
+            f"{count_parameters(GPTConfig(**f['next'])) / 1e9:.2f}B: {f['next_failed_by']}" if f["next"] else "-",
+        ]
+        for f in found
+    ]
     print_rows(["system", "largest that trains", "layers x width", "next rung"], rows)
-    print(f"\n{args.precision}, batch {args.search_batch_size} x {json.loads(args.search_base)['block_size']} tokens, "
-          f"2 steps per trial; host {args.host_bytes / 2**30:.0f} GiB, device {args.device_bytes / 2**30:.0f} GiB.")
+    print(
+        f"\n{args.precision}, batch {args.search_batch_size} x {json.loads(args.search_base)['block_size']} tokens, "
+        f"2 steps per trial; host {args.host_bytes / 2**30:.0f} GiB, device {args.device_bytes / 2**30:.0f} GiB."
+    )
     return found
 
 
@@ -395,8 +503,12 @@ def print_rows(cols: list[str], rows: list[list[str]]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="ZeRO stages on CUDA: throughput, memory and the largest GPT that trains")
-    p.add_argument("--part", choices=("all", "throughput", "largest", "profile"), default="all",
-                   help="profile: the throughput runs under torch.profiler, its tables written to --profile-dir")
+    p.add_argument(
+        "--part",
+        choices=("all", "throughput", "largest", "profile"),
+        default="all",
+        help="profile: the throughput runs under torch.profiler, its tables written to --profile-dir",
+    )
     p.add_argument("--profile-dir", default=".", help="where --part profile writes profile_<system>.txt")
     p.add_argument("--systems", default=",".join(THROUGHPUT_SYSTEMS), help="throughput systems, comma-separated")
     p.add_argument("--search-systems", default=",".join(SEARCH_SYSTEMS), help="largest-model systems")
@@ -407,19 +519,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per rank (throughput)")
     p.add_argument("--model", default=None, help="the throughput GPT's shape as JSON (default: ~136M, GPT-2 small's)")
     p.add_argument("--search-batch-size", type=int, default=1, help="sequences per rank (largest-model search)")
-    p.add_argument("--search-base", default=json.dumps(dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=8, n_embd=1024)),
-                   help="first rung of the doubling ladder, as JSON")
+    p.add_argument(
+        "--search-base",
+        default=json.dumps(dict(vocab_size=32768, block_size=1024, n_layer=12, n_head=8, n_embd=1024)),
+        help="first rung of the doubling ladder, as JSON",
+    )
     p.add_argument("--rungs", type=int, default=7, help="rungs of the ladder")
     p.add_argument("--devices", type=int, default=0, help="ranks (default: every CUDA device)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per device for MFU")
-    p.add_argument("--host-profile-steps", type=int, default=0,
-                   help="steps after the measured ones under cProfile: host time by package (host_profile.py; 0: none)")
-    p.add_argument("--sync-steps", type=int, default=0,
-                   help="steps after those under sync debug mode: the host's waits for the device by stack (0: none)")
-    p.add_argument("--gradient-clip-val", type=float, default=None,
-                   help="Trainer(gradient_clip_val=...) for every system (clipping keeps an offloaded step after backward)")
-    p.add_argument("--cores-left-to-training", type=int, default=None,
-                   help="cores an offloaded host step leaves to the training threads (default: the package's rule)")
+    p.add_argument(
+        "--host-profile-steps",
+        type=int,
+        default=0,
+        help="steps after the measured ones under cProfile: host time by package (host_profile.py; 0: none)",
+    )
+    p.add_argument(
+        "--sync-steps",
+        type=int,
+        default=0,
+        help="steps after those under sync debug mode: the host's waits for the device by stack (0: none)",
+    )
+    p.add_argument(
+        "--gradient-clip-val",
+        type=float,
+        default=None,
+        help="Trainer(gradient_clip_val=...) for every system (clipping keeps an offloaded step after backward)",
+    )
+    p.add_argument(
+        "--cores-left-to-training",
+        type=int,
+        default=None,
+        help="cores an offloaded host step leaves to the training threads (default: the package's rule)",
+    )
     p.add_argument("--timeout", type=int, default=300, help="seconds per run before it is killed")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps: a smoke test of the CUDA paths")
     p.add_argument("--accelerator", default="cuda", help=argparse.SUPPRESS)  # "cpu": develop the script without a GPU
@@ -446,8 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         args.devices = args.devices or torch.cuda.device_count()
         free, total = torch.cuda.mem_get_info(0)
         args.device_bytes = total
-        print(f"{torch.cuda.get_device_name(0)}: {total / 2**30:.1f} GiB, {torch.cuda.device_count()} device(s), "
-              f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+        print(
+            f"{torch.cuda.get_device_name(0)}: {total / 2**30:.1f} GiB, {torch.cuda.device_count()} device(s), "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+        )
         if torch.cuda.device_count() < 2:
             print("One CUDA device: world size 1 only (NCCL puts one rank on one device).")
     else:

@@ -112,9 +112,15 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     opt = make_optimizer(cell["impl"], params)
     setup_s = time.perf_counter() - start  # DeepSpeed: loading (or JIT-building) its op
     ms = statistics.median(timed_ms(opt.step, cell["steps"], cell["warmup"]))
-    return {**cell, "n_tensors": len(params), "ms": ms, "elem_per_s": cell["size"] / (ms / 1e3),
-            "stream_bytes_per_s": bandwidth, "floor_ms": BYTES_PER_ELEMENT * cell["size"] / bandwidth * 1e3,
-            "setup_s": setup_s}
+    return {
+        **cell,
+        "n_tensors": len(params),
+        "ms": ms,
+        "elem_per_s": cell["size"] / (ms / 1e3),
+        "stream_bytes_per_s": bandwidth,
+        "floor_ms": BYTES_PER_ELEMENT * cell["size"] / bandwidth * 1e3,
+        "setup_s": setup_s,
+    }
 
 
 def spawn_cell(cell: dict[str, Any], busy: int = 0) -> dict[str, Any]:
@@ -125,8 +131,9 @@ def spawn_cell(cell: dict[str, Any], busy: int = 0) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
-        proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cell)], env=env, capture_output=True,
-                              text=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(cell)], env=env, capture_output=True, text=True
+        )
     finally:
         for spinner in spinners:
             spinner.kill()
@@ -151,30 +158,55 @@ def sanity_check(steps: int = 5) -> dict[str, Any]:
         runs[impl] = torch.cat([p.flatten() for p in params])
     diff = (runs["torch-fused"] - runs["deepspeed"]).abs()
     relative = (diff / runs["deepspeed"].abs().clamp_min(1)).max().item()
-    return {"max_abs_diff": diff.max().item(), "max_rel_diff": relative, "steps": steps,
-            "agree_1e-6": relative <= 1e-6, "seconds_incl_deepspeed_load": time.perf_counter() - start}
+    return {
+        "max_abs_diff": diff.max().item(),
+        "max_rel_diff": relative,
+        "steps": steps,
+        "agree_1e-6": relative <= 1e-6,
+        "seconds_incl_deepspeed_load": time.perf_counter() - start,
+    }
 
 
 def print_table(size: int, rows: list[dict[str, Any]], threads: list[int], all_threads: int) -> None:
-    print(f"\n## {size:.3g} elements ({rows[0].get('n_tensors', '?')} tensors): ms/step (Melem/s, share of "
-          "bandwidth floor)\n")
+    print(
+        f"\n## {size:.3g} elements ({rows[0].get('n_tensors', '?')} tensors): ms/step (Melem/s, share of "
+        "bandwidth floor)\n"
+    )
     heads = [f"{n} thread{'s' * (n > 1)}{' (all)' * (n == all_threads)}" for n in threads]
     print("| implementation | " + " | ".join(heads) + " |\n|---|" + "---|" * len(threads))
     ms = {(r["impl"], r["threads"]): r for r in rows if "error" not in r}
     ok = [[r for (_, t), r in ms.items() if t == n] for n in threads]  # the floor: median over this size's processes
-    floors = [(statistics.median(r["floor_ms"] for r in o), statistics.median(r["stream_bytes_per_s"] for r in o))
-              if o else (math.nan, math.nan) for o in ok]
+    floors = [
+        (statistics.median(r["floor_ms"] for r in o), statistics.median(r["stream_bytes_per_s"] for r in o))
+        if o
+        else (math.nan, math.nan)
+        for o in ok
+    ]
     for impl in dict.fromkeys(r["impl"] for r in rows):
         cells = [ms.get((impl, n)) for n in threads]
-        print(f"| {impl}{' (ours)' * (impl == 'torch-fused')} | " + " | ".join(
-            "failed" if c is None else f"{c['ms']:.2f} ({c['elem_per_s'] / 1e6:.0f}, {f[0] / c['ms']:.0%})"
-            for c, f in zip(cells, floors)) + " |")
+        print(
+            f"| {impl}{' (ours)' * (impl == 'torch-fused')} | "
+            + " | ".join(
+                "failed" if c is None else f"{c['ms']:.2f} ({c['elem_per_s'] / 1e6:.0f}, {f[0] / c['ms']:.0%})"
+                for c, f in zip(cells, floors)
+            )
+            + " |"
+        )
     if any(r["impl"] == "deepspeed" for r in rows):
-        ratios = [ms[("deepspeed", n)]["ms"] / ms[("torch-fused", n)]["ms"]
-                  if ("deepspeed", n) in ms and ("torch-fused", n) in ms else None for n in threads]
-        print("| ours / deepspeed (throughput) | " + " | ".join("-" if x is None else f"{x:.2f}" for x in ratios) + " |")
-    print(f"| floor: {BYTES_PER_ELEMENT} B/elem at add_ bandwidth | " + " | ".join(
-        f"{f[0]:.2f} ({f[1] / 1e9:.1f} GB/s)" for f in floors) + " |")
+        ratios = [
+            ms[("deepspeed", n)]["ms"] / ms[("torch-fused", n)]["ms"]
+            if ("deepspeed", n) in ms and ("torch-fused", n) in ms
+            else None
+            for n in threads
+        ]
+        print(
+            "| ours / deepspeed (throughput) | " + " | ".join("-" if x is None else f"{x:.2f}" for x in ratios) + " |"
+        )
+    print(
+        f"| floor: {BYTES_PER_ELEMENT} B/elem at add_ bandwidth | "
+        + " | ".join(f"{f[0]:.2f} ({f[1] / 1e9:.1f} GB/s)" for f in floors)
+        + " |"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['impl']}, {r['threads']} thread(s) failed: {r['error']}")
@@ -206,9 +238,11 @@ def main() -> None:
     assert set(impls) <= set(IMPLS), f"--impls: unknown {set(impls) - set(IMPLS)}"
     has_ds = importlib.util.find_spec("deepspeed") is not None
     ds_version = importlib.metadata.version("deepspeed") if has_ds else "not installed"
-    print(f"cpus {os.cpu_count()} (affinity {all_threads}), torch {torch.__version__}, deepspeed {ds_version}; "
-          f"{args.steps} measured steps after {args.warmup}, median"
-          + (f"; {args.busy} core(s) kept busy by other processes meanwhile" if args.busy else ""))
+    print(
+        f"cpus {os.cpu_count()} (affinity {all_threads}), torch {torch.__version__}, deepspeed {ds_version}; "
+        f"{args.steps} measured steps after {args.warmup}, median"
+        + (f"; {args.busy} core(s) kept busy by other processes meanwhile" if args.busy else "")
+    )
     if "deepspeed" in impls and not has_ds:
         print(f"deepspeed is not installed: its rows are left out ({INSTALL_HINT})")
         impls.remove("deepspeed")
@@ -220,19 +254,36 @@ def main() -> None:
             print(f"deepspeed failed, its rows are left out: {type(e).__name__}: {e}")
             impls.remove("deepspeed")
     if sanity:
-        print(f"exactness: after {sanity['steps']} steps torch-fused vs deepspeed max |diff| "
-              f"{sanity['max_abs_diff']:.2e}, relative to max(|param|, 1) {sanity['max_rel_diff']:.2e}: "
-              f"{'within' if sanity['agree_1e-6'] else 'NOT within'} 1e-6 "
-              f"({sanity['seconds_incl_deepspeed_load']:.1f} s, DeepSpeed's op load or JIT build included)")
+        print(
+            f"exactness: after {sanity['steps']} steps torch-fused vs deepspeed max |diff| "
+            f"{sanity['max_abs_diff']:.2e}, relative to max(|param|, 1) {sanity['max_rel_diff']:.2e}: "
+            f"{'within' if sanity['agree_1e-6'] else 'NOT within'} 1e-6 "
+            f"({sanity['seconds_incl_deepspeed_load']:.1f} s, DeepSpeed's op load or JIT build included)"
+        )
     results = []
     for size in sizes:
-        rows = [spawn_cell(dict(size=size, tensors=args.tensors, threads=n, impl=impl, steps=args.steps,
-                                warmup=args.warmup), args.busy) for impl in impls for n in threads]
+        rows = [
+            spawn_cell(
+                dict(size=size, tensors=args.tensors, threads=n, impl=impl, steps=args.steps, warmup=args.warmup),
+                args.busy,
+            )
+            for impl in impls
+            for n in threads
+        ]
         results += rows
         print_table(size, rows, threads, all_threads)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpus": os.cpu_count(), "torch": torch.__version__,
-                                               "deepspeed": ds_version, "sanity": sanity, "results": results}))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "cpus": os.cpu_count(),
+                    "torch": torch.__version__,
+                    "deepspeed": ds_version,
+                    "sanity": sanity,
+                    "results": results,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

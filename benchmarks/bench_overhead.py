@@ -49,9 +49,20 @@ def parse_args() -> argparse.Namespace:
 def child_args(args: argparse.Namespace, precision: str) -> argparse.Namespace:
     """The arguments bench_core's driver hands each system's run."""
     return argparse.Namespace(
-        steps=args.steps, warmup=args.warmup, devices=2, nodes=1, batch_size=args.batch_size, precision=precision,
-        optimizer="adamw", profile_steps=0, host_profile_steps=args.host_profile_steps, accumulate=1, quick=False,
-        monitor=False, timeout=600, model=args.model,
+        steps=args.steps,
+        warmup=args.warmup,
+        devices=2,
+        nodes=1,
+        batch_size=args.batch_size,
+        precision=precision,
+        optimizer="adamw",
+        profile_steps=0,
+        host_profile_steps=args.host_profile_steps,
+        accumulate=1,
+        quick=False,
+        monitor=False,
+        timeout=600,
+        model=args.model,
     )
 
 
@@ -68,23 +79,33 @@ def print_times(results: dict[str, dict[str, Any]], precision: str) -> None:
     print("| system | step ms | vs DDP | vs FSDP2 | CPU ms/step | CPU vs DDP | CPU vs FSDP2 | rounds' step ms |")
     print("|---|---|---|---|---|---|---|---|")
     for system, r in results.items():
-        cells = [ratio(r, ddp, "rounds_step_ms"), ratio(r, fsdp2, "rounds_step_ms"),
-                 ratio(r, ddp, "rounds_cpu_ms"), ratio(r, fsdp2, "rounds_cpu_ms")]
+        cells = [
+            ratio(r, ddp, "rounds_step_ms"),
+            ratio(r, fsdp2, "rounds_step_ms"),
+            ratio(r, ddp, "rounds_cpu_ms"),
+            ratio(r, fsdp2, "rounds_cpu_ms"),
+        ]
         f = ["-" if c is None else f"{c:.2f}" for c in cells]
         rounds = " ".join(f"{x:.1f}" for x in r["rounds_step_ms"])
-        print(f"| {system} | {r['step_ms']:.1f} | {f[0]} | {f[1]} | {r['cpu_ms_per_step']:.1f} | {f[2]} | {f[3]} | {rounds} |")
+        print(
+            f"| {system} | {r['step_ms']:.1f} | {f[0]} | {f[1]} | {r['cpu_ms_per_step']:.1f} | {f[2]} | {f[3]} | {rounds} |"
+        )
     for system, (anchor, limit) in TARGETS.items():
         if system in results and anchor in results:
             step = ratio(results[system], results[anchor], "rounds_step_ms")
             cpu = ratio(results[system], results[anchor], "rounds_cpu_ms")
             met = step is not None and cpu is not None and step <= limit and cpu <= limit
-            print(f"target {system} <= {limit:.2f}x {anchor} (step and CPU): {step:.2f} / {cpu:.2f} "
-                  f"{'met' if met else 'NOT met'}")
+            print(
+                f"target {system} <= {limit:.2f}x {anchor} (step and CPU): {step:.2f} / {cpu:.2f} "
+                f"{'met' if met else 'NOT met'}"
+            )
 
 
 def print_overhead_profiles(results: dict[str, dict[str, Any]], precision: str) -> None:
-    print_profiles({s: r["per_rank"][0].get("host_profile") for s, r in results.items()},
-                   f"{precision}: rank 0's training thread under cProfile, self time in ms per step, by package")
+    print_profiles(
+        {s: r["per_rank"][0].get("host_profile") for s, r in results.items()},
+        f"{precision}: rank 0's training thread under cProfile, self time in ms per step, by package",
+    )
 
 
 def main() -> None:
@@ -104,10 +125,12 @@ def main() -> None:
             first = next(iter(results.values()), None)
             if first:
                 c = first["config"]
-                print(f"\n{precision}: GPT {c['n_layer']} blocks x width {c['n_embd']}, sequence {c['block_size']}, "
-                      f"batch {first['batch_per_rank']} per rank, {first['params']:,} parameters, 2 CPU ranks (gloo); "
-                      f"{args.steps} measured steps after {args.warmup}, {args.rounds} round(s)"
-                      + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+                print(
+                    f"\n{precision}: GPT {c['n_layer']} blocks x width {c['n_embd']}, sequence {c['block_size']}, "
+                    f"batch {first['batch_per_rank']} per rank, {first['params']:,} parameters, 2 CPU ranks (gloo); "
+                    f"{args.steps} measured steps after {args.warmup}, {args.rounds} round(s)"
+                    + (f"; FAILED: {', '.join(failed)}" if failed else "")
+                )
             print_times(results, precision)
             print_overhead_profiles(results, precision)
             everything[precision] = results

@@ -62,7 +62,10 @@ class Blocks(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.Sequential(
-            *(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(2 * blocks))
+            *(
+                nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                for _ in range(2 * blocks)
+            )
         )
 
     def pipeline_layers(self) -> nn.Sequential:
@@ -84,7 +87,11 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, schedule: str, m: i
         model = Blocks(args.width, args.blocks)
         config = ZeroConfig(stage=args.zero_stage, pipeline_stages=2, microbatches=m, pipeline_schedule=schedule)
         pipeline = PipelineParallel(model, config, rank, 2, torch.device("cpu"))
-        engine = FullyShardedEngine(model, device=torch.device("cpu"), stages=pipeline.stages) if args.zero_stage == 3 else None
+        engine = (
+            FullyShardedEngine(model, device=torch.device("cpu"), stages=pipeline.stages)
+            if args.zero_stage == 3
+            else None
+        )
         runner = pipeline.runner
         batch = args.microbatch_size * m
         g = torch.Generator().manual_seed(1)
@@ -104,26 +111,38 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, schedule: str, m: i
                 walls.append(dt)
                 busys.append(dc)
         peak_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline) / 1024  # KiB on Linux
-        mine = {"rank": rank, "walls": walls, "busys": busys, "step_s": statistics.median(walls),
-                "busy_s": statistics.median(busys), "peak_mb": peak_mb}
+        mine = {
+            "rank": rank,
+            "walls": walls,
+            "busys": busys,
+            "step_s": statistics.median(walls),
+            "busy_s": statistics.median(busys),
+            "peak_mb": peak_mb,
+        }
         ranks = [None, None]
         dist.all_gather_object(ranks, mine)
         if rank == 0:
             # per step: the busiest rank's busy time against the slower rank's wall time; median over steps
-            per_step = [1 - max(r["busys"][i] for r in ranks) / max(r["walls"][i] for r in ranks) for i in range(args.steps)]
-            Path(out).write_text(json.dumps({
-                "schedule": schedule,
-                "zero_stage": args.zero_stage,
-                "stages": pipeline.layout.num_stages,
-                "microbatches": m,
-                "microbatch_size": args.microbatch_size,
-                "formula_bubble": bubble_fraction(2, m) if schedule not in MULTI else None,
-                "measured_bubble": statistics.median(per_step),
-                "step_s": max(r["step_s"] for r in ranks),
-                "peak_mb": [r["peak_mb"] for r in ranks],
-                "per_step_bubble": per_step,
-                "per_rank": ranks,
-            }))
+            per_step = [
+                1 - max(r["busys"][i] for r in ranks) / max(r["walls"][i] for r in ranks) for i in range(args.steps)
+            ]
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "schedule": schedule,
+                        "zero_stage": args.zero_stage,
+                        "stages": pipeline.layout.num_stages,
+                        "microbatches": m,
+                        "microbatch_size": args.microbatch_size,
+                        "formula_bubble": bubble_fraction(2, m) if schedule not in MULTI else None,
+                        "measured_bubble": statistics.median(per_step),
+                        "step_s": max(r["step_s"] for r in ranks),
+                        "peak_mb": [r["peak_mb"] for r in ranks],
+                        "per_step_bubble": per_step,
+                        "per_rank": ranks,
+                    }
+                )
+            )
     finally:
         dist.destroy_process_group()
 
@@ -143,10 +162,14 @@ def run(args: argparse.Namespace, schedule: str, m: int) -> dict:
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print(f"\n2 ranks x {2 * args.blocks} MLP blocks (width {args.width}), ZeRO stage {args.zero_stage}, micro-batch "
-          f"{args.microbatch_size}, median of {args.steps} steps after {args.warmup} warm-up; gloo, 1 thread per rank")
-    header = (f"{'schedule':<18}{'stages':>7}{'m':>4}{'formula':>9}{'measured':>10}{'step_ms':>9}{'vs 1f1b':>9}"
-              f"{'busy_ms r0/r1':>16}{'peak_mb r0/r1':>16}")
+    print(
+        f"\n2 ranks x {2 * args.blocks} MLP blocks (width {args.width}), ZeRO stage {args.zero_stage}, micro-batch "
+        f"{args.microbatch_size}, median of {args.steps} steps after {args.warmup} warm-up; gloo, 1 thread per rank"
+    )
+    header = (
+        f"{'schedule':<18}{'stages':>7}{'m':>4}{'formula':>9}{'measured':>10}{'step_ms':>9}{'vs 1f1b':>9}"
+        f"{'busy_ms r0/r1':>16}{'peak_mb r0/r1':>16}"
+    )
     print(header)
     print("-" * len(header))
     one_f_one_b = {r["microbatches"]: r["step_s"] for r in rows if r["schedule"] == "1f1b"}
@@ -156,20 +179,34 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
         ratio = f"{r['step_s'] / base:.2f}" if base else "-"
         busy = "/".join(f"{x['busy_s'] * 1e3:.0f}" for x in r["per_rank"])
         peak = "/".join(f"{x:.0f}" for x in r["peak_mb"])
-        print(f"{r['schedule']:<18}{r['stages']:>7}{r['microbatches']:>4}{formula:>9}{r['measured_bubble']:>10.3f}"
-              f"{r['step_s'] * 1e3:>9.1f}{ratio:>9}{busy:>16}{peak:>16}")
+        print(
+            f"{r['schedule']:<18}{r['stages']:>7}{r['microbatches']:>4}{formula:>9}{r['measured_bubble']:>10.3f}"
+            f"{r['step_s'] * 1e3:>9.1f}{ratio:>9}{busy:>16}{peak:>16}"
+        )
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatches", default="4,8", help="comma-separated m values")
-    p.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,interleaved_zb,zbv,dualpipev",
-                   help="comma-separated pipeline_schedule values")
-    p.add_argument("--zero-stage", type=int, default=1, choices=(1, 2, 3),
-                   help="3: each stage an FSDP2 root (pipeline x ZeRO-3); 1 and 2 shard nothing on one replica")
+    p.add_argument(
+        "--schedules",
+        default="gpipe,1f1b,interleaved_1f1b,interleaved_zb,zbv,dualpipev",
+        help="comma-separated pipeline_schedule values",
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        default=1,
+        choices=(1, 2, 3),
+        help="3: each stage an FSDP2 root (pipeline x ZeRO-3); 1 and 2 shard nothing on one replica",
+    )
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--blocks", type=int, default=2, help="MLP blocks per rank (two stages of one block each "
-                   "for the schedules with two stages per rank)")
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=2,
+        help="MLP blocks per rank (two stages of one block each for the schedules with two stages per rank)",
+    )
     p.add_argument("--microbatch-size", type=int, default=16)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)

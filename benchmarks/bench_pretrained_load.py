@@ -63,9 +63,20 @@ def rank_main(weights: str, init: bool, report: str) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
     strategy = ZeroStrategy(stage=3, init_weights=weights if init else None)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 8, dtype=torch.long)), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Probe()],
+    )
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(4, 8, dtype=torch.long)), batch_size=2
+    )
     trainer.fit(Module(), data)
 
 
@@ -82,16 +93,27 @@ def main() -> None:
     rows = {}
     for init in (False, True):
         report = tmp / f"report{int(init)}.json"
-        subprocess.run([sys.executable, __file__, "--rank", str(weights), str(int(init)), str(report)], check=True,
-                       cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            [sys.executable, __file__, "--rank", str(weights), str(int(init)), str(report)],
+            check=True,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         rows[init] = json.loads(report.read_text())
     params = rows[True]["params"]
     full, shard = params * 4 / 2**20, params * 4 / 2 / 2**20
     for rank in range(2):
         without, with_load = (rows[i]["peak_kib"][rank] / 1024 for i in (False, True))
-        line = {"rank": rank, "params": params, "file_mib": round(file_mib, 1), "full_fp32_mib": round(full, 1),
-                "shard_mib": round(shard, 1), "peak_growth_no_load_mib": round(without, 1),
-                "peak_growth_with_load_mib": round(with_load, 1), "load_cost_mib": round(with_load - without, 1)}
+        line = {
+            "rank": rank,
+            "params": params,
+            "file_mib": round(file_mib, 1),
+            "full_fp32_mib": round(full, 1),
+            "shard_mib": round(shard, 1),
+            "peak_growth_no_load_mib": round(without, 1),
+            "peak_growth_with_load_mib": round(with_load, 1),
+            "load_cost_mib": round(with_load - without, 1),
+        }
         print(json.dumps(line))
     print(f"\nGPT-2 {params / 1e6:.1f}M parameters: full fp32 {full:.0f} MiB, one rank's shard {shard:.0f} MiB")
     print("rank | peak RSS growth, meta init only | with init_weights | load's cost")

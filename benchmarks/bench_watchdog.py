@@ -32,8 +32,16 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="bench_core's tiny model (a smoke test, not a measurement)")
     args = p.parse_args()
-    core = argparse.Namespace(steps=args.steps, warmup=args.warmup, devices=2, batch_size=8, quick=args.quick,
-                              monitor=False, precision="32-true", timeout=900)
+    core = argparse.Namespace(
+        steps=args.steps,
+        warmup=args.warmup,
+        devices=2,
+        batch_size=8,
+        quick=args.quick,
+        monitor=False,
+        precision="32-true",
+        timeout=900,
+    )
     systems = [f"zero{s}{suffix}" for s in args.stages.split(",") for suffix in ("", "+nowatchdog")]
     runs: dict[str, list[float]] = {s: [] for s in systems}
     costs = unit_costs()
@@ -52,8 +60,13 @@ def main() -> None:
         if not on or not off:
             print(f"zero{stage}: a run failed (see above)", file=sys.stderr)
             continue
-        row = {"stage": int(stage), "watchdog_on_ms": statistics.median(on), "watchdog_off_ms": statistics.median(off),
-               "rounds_on_ms": on, "rounds_off_ms": off}
+        row = {
+            "stage": int(stage),
+            "watchdog_on_ms": statistics.median(on),
+            "watchdog_off_ms": statistics.median(off),
+            "rounds_on_ms": on,
+            "rounds_off_ms": off,
+        }
         row["overhead_pct"] = 100.0 * (row["watchdog_on_ms"] / row["watchdog_off_ms"] - 1.0)
         rows.append(row)
         print(json.dumps(row))
@@ -62,13 +75,19 @@ def main() -> None:
     for row in rows:
         on, off = (" ".join(f"{x:.0f}" for x in row[key]) for key in ("rounds_on_ms", "rounds_off_ms"))
         rounds = f"{on} / {off}"
-        print(f"zero{row['stage']:<4}  {row['watchdog_on_ms']:16.1f}  {row['watchdog_off_ms']:9.1f}  "
-              f"{row['overhead_pct']:+7.2f}%  {rounds}")
-    print(f"\nmedian step time (worst rank) over {args.rounds} interleaved round(s) of {args.steps} steps after "
-          f"{args.warmup} warmup; 2 CPU ranks, gloo, {'tiny' if args.quick else '~27M-parameter'} GPT, fp32.")
-    print(f"measured unit costs: {costs['collective_us']:.2f} us per collective and {costs['mark_us']:.2f} us per "
-          f"step on the main thread; the watchdog thread {costs['tick_ms']:.2f} ms (CPU) per tick plus "
-          f"{costs['exchange_ms']:.2f} ms (wall, store round trip) per heartbeat, once a second.")
+        print(
+            f"zero{row['stage']:<4}  {row['watchdog_on_ms']:16.1f}  {row['watchdog_off_ms']:9.1f}  "
+            f"{row['overhead_pct']:+7.2f}%  {rounds}"
+        )
+    print(
+        f"\nmedian step time (worst rank) over {args.rounds} interleaved round(s) of {args.steps} steps after "
+        f"{args.warmup} warmup; 2 CPU ranks, gloo, {'tiny' if args.quick else '~27M-parameter'} GPT, fp32."
+    )
+    print(
+        f"measured unit costs: {costs['collective_us']:.2f} us per collective and {costs['mark_us']:.2f} us per "
+        f"step on the main thread; the watchdog thread {costs['tick_ms']:.2f} ms (CPU) per tick plus "
+        f"{costs['exchange_ms']:.2f} ms (wall, store round trip) per heartbeat, once a second."
+    )
 
 
 def unit_costs(repeat: int = 100_000) -> dict[str, float]:
@@ -108,8 +127,12 @@ def unit_costs(repeat: int = 100_000) -> dict[str, float]:
         exchange = (time.perf_counter() - wall) / ticks
     finally:
         watchdog.stop()
-    return {"collective_us": 1e6 * (middle - start) / repeat, "mark_us": 1e6 * (end - middle) / repeat,
-            "tick_ms": 1e3 * tick, "exchange_ms": 1e3 * exchange}
+    return {
+        "collective_us": 1e6 * (middle - start) / repeat,
+        "mark_us": 1e6 * (end - middle) / repeat,
+        "tick_ms": 1e3 * tick,
+        "exchange_ms": 1e3 * exchange,
+    }
 
 
 if __name__ == "__main__":

@@ -111,17 +111,21 @@ def main() -> None:
     if parser.parse_args().json:
         print(json.dumps(shape))
         return
-    print(f"{shape['modules']} modules, {shape['lines']} lines, {shape['lines_over_120']} over 120 characters "
-          f"({shape['lines_over_120_per_1000']} per 1,000)")
+    print(
+        f"{shape['modules']} modules, {shape['lines']} lines, {shape['lines_over_120']} over 120 characters "
+        f"({shape['lines_over_120_per_1000']} per 1,000)"
+    )
     print("\n| package | modules | lines |\n|---|---|---|")
     for name, row in shape["packages"].items():
         print(f"| {name} | {row['modules']} | {row['lines']} |")
     print("\nlargest functions:\n" + "\n".join(f"  {f}" for f in shape["largest_functions"]))
     print(f"\nwords of docstrings and comments in engine/: {shape['engine_docstring_and_comment_words']}")
     print(f"root of lightning_zero/: {', '.join(shape['root_of_lightning_zero'])}")
-    print(f"comparisons on `stage` outside engine/, config/, planning/: "
-          f"{shape['stage_comparisons_outside_engine_config_planning']} "
-          f"({', '.join(f'{k} {v}' for k, v in shape['stage_comparison_sites'].items())})")
+    print(
+        f"comparisons on `stage` outside engine/, config/, planning/: "
+        f"{shape['stage_comparisons_outside_engine_config_planning']} "
+        f"({', '.join(f'{k} {v}' for k, v in shape['stage_comparison_sites'].items())})"
+    )
 
 
 if __name__ == "__main__":

@@ -49,10 +49,24 @@ MODEL = dict(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=64)
 #: (name, stage, ZeroStrategy settings, Trainer settings): small buckets, so the host steps in several parts.
 CASES: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
     *((f"stage{s}", s, dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0), {}) for s in (1, 2, 3)),
-    *((f"stage{s}_accumulate2", s, dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0),
-       dict(accumulate_grad_batches=2)) for s in (1, 2, 3)),
-    *((f"stage{s}_clip", s, dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0),
-       dict(gradient_clip_val=0.5)) for s in (1, 2, 3)),
+    *(
+        (
+            f"stage{s}_accumulate2",
+            s,
+            dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0),
+            dict(accumulate_grad_batches=2),
+        )
+        for s in (1, 2, 3)
+    ),
+    *(
+        (
+            f"stage{s}_clip",
+            s,
+            dict(offload_optimizer=True, bucket_size_mb=0.05, unit_size_mb=0),
+            dict(gradient_clip_val=0.5),
+        )
+        for s in (1, 2, 3)
+    ),
     ("stage2_partial", 2, dict(offload_optimizer=0.5, bucket_size_mb=0.05), {}),
     ("stage3_params", 3, dict(offload_optimizer=True, offload_params=True, unit_size_mb=0), {}),
 ]
@@ -76,25 +90,43 @@ class LastLoss(L.Callback):
     def __init__(self) -> None:
         self.loss = math.nan
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self.loss = float(outputs["loss"])
 
 
-def train(args: argparse.Namespace, precision: str, stage: int, settings: dict[str, Any],
-          trainer_settings: dict[str, Any], callbacks: tuple[L.Callback, ...] = (), steps: int | None = None,
-          ckpt_path: Path | None = None, evaluate_first: bool = False) -> tuple[dict[str, torch.Tensor], float]:
+def train(
+    args: argparse.Namespace,
+    precision: str,
+    stage: int,
+    settings: dict[str, Any],
+    trainer_settings: dict[str, Any],
+    callbacks: tuple[L.Callback, ...] = (),
+    steps: int | None = None,
+    ckpt_path: Path | None = None,
+    evaluate_first: bool = False,
+) -> tuple[dict[str, torch.Tensor], float]:
     """The full parameters after ``steps`` (default ``args.steps``) optimizer steps, and the last loss;
     ``ckpt_path``: resumed from a checkpoint; ``evaluate_first``: after ``validate`` and ``predict`` on the trainer."""
     L.seed_everything(0, verbose=False)
     module = GPTLightningModule(**MODEL, learning_rate=1e-3)
-    data = RandomTokenDataModule(vocab_size=MODEL["vocab_size"], block_size=MODEL["block_size"], batch_size=4,
-                                 num_samples=64)
+    data = RandomTokenDataModule(
+        vocab_size=MODEL["vocab_size"], block_size=MODEL["block_size"], batch_size=4, num_samples=64
+    )
     last = LastLoss()
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=1, strategy=ZeroStrategy(stage=stage, **settings), precision=precision,
-        max_steps=steps or args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[last, *callbacks], **trainer_settings,
+        accelerator=args.accelerator,
+        devices=1,
+        strategy=ZeroStrategy(stage=stage, **settings),
+        precision=precision,
+        max_steps=steps or args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[last, *callbacks],
+        **trainer_settings,
     )
     if evaluate_first:
         data.setup("fit")
@@ -108,7 +140,9 @@ def train(args: argparse.Namespace, precision: str, stage: int, settings: dict[s
 
 #: (name, stage, ZeroStrategy settings) for the fits after evaluating.
 EVALUATED_FIRST: list[tuple[str, int, dict[str, Any]]] = [
-    ("stage1", 1, {}), ("stage2", 2, {}), ("stage3", 3, {}),
+    ("stage1", 1, {}),
+    ("stage2", 2, {}),
+    ("stage3", 3, {}),
     ("stage3_offload_params", 3, dict(offload_optimizer=True, offload_params=True)),
 ]
 
@@ -144,8 +178,9 @@ class SaveAt(L.Callback):
     def __init__(self, step: int, path: Path) -> None:
         self.step, self.path = step, path
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
 
@@ -163,14 +198,25 @@ def check_averaging(args: argparse.Namespace, failed: list[str]) -> None:
             for kind in ("full", "sharded"):
                 chosen = {**settings, "state_dict_type": kind}
                 path = Path(tmp) / f"{kind}.ckpt"
-                train(args, "bf16-mixed", stage, chosen, {}, (EMAWeightAveraging(decay=0.9), SaveAt(args.steps, path)),
-                      steps=steps)
-                resumed, _ = train(args, "bf16-mixed", stage, chosen, {}, (EMAWeightAveraging(decay=0.9),),
-                                   steps=steps, ckpt_path=path)
+                train(
+                    args,
+                    "bf16-mixed",
+                    stage,
+                    chosen,
+                    {},
+                    (EMAWeightAveraging(decay=0.9), SaveAt(args.steps, path)),
+                    steps=steps,
+                )
+                resumed, _ = train(
+                    args, "bf16-mixed", stage, chosen, {}, (EMAWeightAveraging(decay=0.9),), steps=steps, ckpt_path=path
+                )
                 diffs.append(max_diff(resumed, whole))
         print(f"| {name} | {diffs[0]:.1e} | {diffs[1]:.1e} |", flush=True)
-        failed.extend(f"EMA {name}: resumed from a {kind} checkpoint ends {diff:.3e} from the uninterrupted run"
-                      for kind, diff in zip(("full", "sharded"), diffs) if diff != 0.0)
+        failed.extend(
+            f"EMA {name}: resumed from a {kind} checkpoint ends {diff:.3e} from the uninterrupted run"
+            for kind, diff in zip(("full", "sharded"), diffs)
+            if diff != 0.0
+        )
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -182,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accelerator", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--precision", default="32-true,bf16-mixed", help="comma-separated")
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--cases", default=None, help="comma-separated case names, 'evaluate_first' for the fits after "
-                   "evaluating, 'averaging' for the EMA checks (default: all)")
+    p.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated case names, 'evaluate_first' for the fits after "
+        "evaluating, 'averaging' for the EMA checks (default: all)",
+    )
     args = p.parse_args(argv)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("cuda_checks.py needs a CUDA device (or --accelerator cpu).", file=sys.stderr)
@@ -192,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{device}, torch {torch.__version__}, Lightning {L.__version__}, {args.steps} steps")
     chosen = set(args.cases.split(",")) if args.cases else None
     failed: list[str] = []
-    print("| precision | case | parts started in backward | overlap vs after backward | vs no offload | "
-          "delayed update vs exact | last loss |")
+    print(
+        "| precision | case | parts started in backward | overlap vs after backward | vs no offload | "
+        "delayed update vs exact | last loss |"
+    )
     print("|---|---|---|---|---|---|---|")
     for precision in args.precision.split(","):
         plain: dict[int, dict[str, torch.Tensor]] = {}
@@ -214,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                 delayed_text = f"{max_diff(delayed, after):.2e} (loss {delayed_loss:.4f})"
                 if not math.isfinite(delayed_loss) or abs(delayed_loss - loss) > 0.05 * abs(loss):
                     failed.append(f"{precision} {name}: delayed update loss {delayed_loss} against {loss}")
-            print(f"| {precision} | {name} | {early} | {exact:.1e} | {vs_plain:.1e} | {delayed_text} | {loss:.4f} |", flush=True)
+            print(
+                f"| {precision} | {name} | {early} | {exact:.1e} | {vs_plain:.1e} | {delayed_text} | {loss:.4f} |",
+                flush=True,
+            )
             if exact != 0.0:
                 failed.append(f"{precision} {name}: overlap_comm=True differs from False by {exact:.3e}")
             bound = 5e-4 if precision == "32-true" else 2e-2

@@ -65,21 +65,39 @@ class LastLoss(L.Callback):
         self.loss = float(outputs["loss"])
 
 
-def fit(args: argparse.Namespace, strategy: Any, precision: str = "32-true", *, module: dict[str, Any] | None = None,
-        trainer: dict[str, Any] | None = None, callbacks: tuple[L.Callback, ...] = (), steps: int | None = None,
-        ckpt_path: Path | None = None, seed: int = 0) -> tuple[Params, float, L.Trainer]:
+def fit(
+    args: argparse.Namespace,
+    strategy: Any,
+    precision: str = "32-true",
+    *,
+    module: dict[str, Any] | None = None,
+    trainer: dict[str, Any] | None = None,
+    callbacks: tuple[L.Callback, ...] = (),
+    steps: int | None = None,
+    ckpt_path: Path | None = None,
+    seed: int = 0,
+) -> tuple[Params, float, L.Trainer]:
     """The full parameters after ``steps`` optimizer steps (default ``args.steps``), the last loss, the trainer.
     ``seed`` builds the model; the data and the rest of the run always start from seed 0."""
     L.seed_everything(seed, verbose=False)
     model = GPTLightningModule(**MODEL, learning_rate=1e-3, **(module or {}))
     L.seed_everything(0, verbose=False)
-    data = RandomTokenDataModule(vocab_size=MODEL["vocab_size"], block_size=MODEL["block_size"], batch_size=4,
-                                 num_samples=64)
+    data = RandomTokenDataModule(
+        vocab_size=MODEL["vocab_size"], block_size=MODEL["block_size"], batch_size=4, num_samples=64
+    )
     last = LastLoss()
     run = L.Trainer(
-        accelerator=args.accelerator, devices=1, strategy=strategy, precision=precision, max_steps=steps or args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[last, *callbacks], **(trainer or {}),
+        accelerator=args.accelerator,
+        devices=1,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps or args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[last, *callbacks],
+        **(trainer or {}),
     )
     run.fit(model, data, ckpt_path=ckpt_path)
     full = run.strategy.full_state_dict() if hasattr(run.strategy, "full_state_dict") else model.state_dict()
@@ -115,10 +133,12 @@ def against_ddp(args: argparse.Namespace, report: Report) -> None:
         module = dict(tie_weights=tied)
         reference, _, _ = fit(args, "ddp", module=module)
         for stage in (1, 2, 3):
+
             def check(stage: int = stage) -> None:
                 got, _, _ = fit(args, ZeroStrategy(stage=stage), module=module)
                 diff = max_diff(got, reference)
                 report.row("vs ddp", f"stage {stage}" + (", tied weights" if tied else ""), f"{diff:.1e}", diff <= 5e-4)
+
             report.attempt("vs ddp", f"stage {stage}" + (", tied weights" if tied else ""), check)
 
 
@@ -133,26 +153,55 @@ def exact_features(args: argparse.Namespace, report: Report, tmp: Path) -> None:
 
     weights = tmp / "init.safetensors"
     rows: list[tuple[str, int, dict[str, Any], dict[str, Any], dict[str, Any], int]] = [
-        *((f"activation checkpointing, dropout 0.1, stage {s}", s, dict(activation_checkpointing=Block),
-           dict(dropout=0.1), {}, 0) for s in (1, 2, 3)),
+        *(
+            (
+                f"activation checkpointing, dropout 0.1, stage {s}",
+                s,
+                dict(activation_checkpointing=Block),
+                dict(dropout=0.1),
+                {},
+                0,
+            )
+            for s in (1, 2, 3)
+        ),
         ("unit_size_mb=0 (a unit per block), stage 3", 3, dict(unit_size_mb=0), {}, {}, 0),
         ("wrap_policy={Block}, stage 3", 3, dict(wrap_policy={Block}), {}, {}, 0),
         ("overlap_comm=False, stage 2", 2, dict(overlap_comm=False), {}, {}, 0),
-        ("reduce_every_microbatch, accumulate 2, stage 2", 2, dict(reduce_every_microbatch=True), {},
-         dict(accumulate_grad_batches=2), 0),
-        ("init_weights from safetensors (a model built from another seed), stage 3", 3, dict(init_weights=str(weights)),
-         {}, {}, 1),
+        (
+            "reduce_every_microbatch, accumulate 2, stage 2",
+            2,
+            dict(reduce_every_microbatch=True),
+            {},
+            dict(accumulate_grad_batches=2),
+            0,
+        ),
+        (
+            "init_weights from safetensors (a model built from another seed), stage 3",
+            3,
+            dict(init_weights=str(weights)),
+            {},
+            {},
+            1,
+        ),
     ]
     from safetensors.torch import save_file
 
     L.seed_everything(0, verbose=False)
     save_file({k: v.contiguous() for k, v in GPTLightningModule(**MODEL).state_dict().items()}, str(weights))
     for name, stage, settings, module, trainer, seed in rows:
-        def check(stage: int = stage, settings: dict = settings, module: dict = module, trainer: dict = trainer,
-                  seed: int = seed, name: str = name) -> None:
+
+        def check(
+            stage: int = stage,
+            settings: dict = settings,
+            module: dict = module,
+            trainer: dict = trainer,
+            seed: int = seed,
+            name: str = name,
+        ) -> None:
             got, _, _ = fit(args, ZeroStrategy(stage=stage, **settings), module=module, trainer=trainer, seed=seed)
             diff = max_diff(got, baseline(stage, module, trainer))
             report.row("vs plain", name, f"{diff:.1e}", diff <= 1e-5)
+
         report.attempt("vs plain", name, check)
 
 
@@ -168,29 +217,37 @@ def offloaded(args: argparse.Namespace, report: Report) -> None:
     clipped = dict(gradient_clip_val=0.5)
     plain: dict[int, Params] = {}
     for name, stage, settings in rows:
+
         def check(stage: int = stage, settings: dict = settings, name: str = name) -> None:
             if stage not in plain:
                 plain[stage] = fit(args, ZeroStrategy(stage=stage), trainer=clipped)[0]
             got, _, _ = fit(args, ZeroStrategy(stage=stage, **settings), trainer=clipped)
             diff = max_diff(got, plain[stage])
             report.row("offloaded", name, f"{diff:.1e}", diff <= 5e-4)
+
         report.attempt("offloaded", name, check)
 
 
 def inexact_features(args: argparse.Namespace, report: Report) -> None:
     rows = [
         *((f"gradient_compression=int8, stage {s}", s, dict(gradient_compression="int8")) for s in (1, 2, 3)),
-        ("gradient_compression=int4 + error_feedback, stage 2", 2, dict(gradient_compression="int4", error_feedback=True)),
+        (
+            "gradient_compression=int4 + error_feedback, stage 2",
+            2,
+            dict(gradient_compression="int4", error_feedback=True),
+        ),
         ("param_compression=bf16, stage 3", 3, dict(param_compression="bf16")),
     ]
     losses: dict[int, float] = {}
     for name, stage, settings in rows:
+
         def check(stage: int = stage, settings: dict = settings, name: str = name) -> None:
             if stage not in losses:
                 losses[stage] = fit(args, ZeroStrategy(stage=stage))[1]
             _, loss, _ = fit(args, ZeroStrategy(stage=stage, **settings))
             ok = math.isfinite(loss) and abs(loss - losses[stage]) <= 0.05 * abs(losses[stage])
             report.row("trains", name, f"loss {loss:.4f} (plain {losses[stage]:.4f})", ok)
+
         report.attempt("trains", name, check)
 
 
@@ -207,14 +264,23 @@ def resumed(args: argparse.Namespace, report: Report, tmp: Path) -> None:
     for k, (stage, settings, kind) in enumerate(rows):
         name = f"stage {stage}, {kind}" + "".join(f", {key}" for key in settings)
 
-        def check(stage: int = stage, settings: dict = settings, kind: str = kind, name: str = name, k: int = k) -> None:
+        def check(
+            stage: int = stage, settings: dict = settings, kind: str = kind, name: str = name, k: int = k
+        ) -> None:
             chosen = dict(settings, state_dict_type=kind)
             whole, _, _ = fit(args, ZeroStrategy(stage=stage, **chosen), "bf16-mixed", steps=steps)
             path = tmp / f"resume-{k}.ckpt"
-            fit(args, ZeroStrategy(stage=stage, **chosen), "bf16-mixed", steps=steps, callbacks=(SaveAt(args.steps, path),))
+            fit(
+                args,
+                ZeroStrategy(stage=stage, **chosen),
+                "bf16-mixed",
+                steps=steps,
+                callbacks=(SaveAt(args.steps, path),),
+            )
             again, _, _ = fit(args, ZeroStrategy(stage=stage, **chosen), "bf16-mixed", steps=steps, ckpt_path=path)
             diff = max_diff(again, whole)
             report.row("resumed", name, f"{diff:.1e}", diff == 0.0)
+
         report.attempt("resumed", name, check)
 
 
@@ -223,10 +289,13 @@ def monitored(args: argparse.Namespace, report: Report) -> None:
 
     def check() -> None:
         monitor = ZeroMonitor(log_every_n_steps=1, grad_norm_type=2)
-        fit(args, ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True), "bf16-mixed", callbacks=(monitor,))
+        fit(
+            args, ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True), "bf16-mixed", callbacks=(monitor,)
+        )
         peak = monitor.last.get("monitor/peak_MiB_rank0", math.nan)
         norm = monitor.last.get("monitor/grad_2.0_norm", monitor.last.get("monitor/grad_2_norm", math.nan))
         report.row("monitor", name, f"peak {peak:.1f} MiB, gradient norm {norm:.3f}", peak > 0 and math.isfinite(norm))
+
     report.attempt("monitor", name, check)
 
 
@@ -246,9 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     report, parts = Report(), set(args.parts.split(","))
     with tempfile.TemporaryDirectory(prefix="cuda_features_") as tmp:
         groups = {
-            "ddp": lambda: against_ddp(args, report), "exact": lambda: exact_features(args, report, Path(tmp)),
-            "offloaded": lambda: offloaded(args, report), "inexact": lambda: inexact_features(args, report),
-            "resumed": lambda: resumed(args, report, Path(tmp)), "monitor": lambda: monitored(args, report),
+            "ddp": lambda: against_ddp(args, report),
+            "exact": lambda: exact_features(args, report, Path(tmp)),
+            "offloaded": lambda: offloaded(args, report),
+            "inexact": lambda: inexact_features(args, report),
+            "resumed": lambda: resumed(args, report, Path(tmp)),
+            "monitor": lambda: monitored(args, report),
         }
         for name, run in groups.items():
             if name in parts:

@@ -32,8 +32,16 @@ WINDOWS = ("forward", "backward", "step")
 CATEGORIES = ("forward", "backward", "step", "param_gather", "comm", "idle")
 
 #: Regions that bring parameters back (whole subtree).
-_PARAM_GATHER = ("lightning_zero::param_all_gather", "FSDP::all_gather", "FSDP::pre_forward", "FSDP::pre_backward",
-                 "FSDP::forward_prefetch", "FSDP::backward_prefetch", "FSDP::root_pre_forward", "FSDP::post_forward")
+_PARAM_GATHER = (
+    "lightning_zero::param_all_gather",
+    "FSDP::all_gather",
+    "FSDP::pre_forward",
+    "FSDP::pre_backward",
+    "FSDP::forward_prefetch",
+    "FSDP::backward_prefetch",
+    "FSDP::root_pre_forward",
+    "FSDP::post_forward",
+)
 #: Any other communication region (whole subtree).
 _COMM = ("lightning_zero::", "c10d::", "record_param_comms", "torch.distributed.ddp.reducer", "FSDP::")
 #: The backends' transfers, recorded as spans from posting to completion (not work of the thread they are
@@ -93,8 +101,10 @@ def breakdown(events: Iterable[Any], steps: int) -> dict[str, float]:
     if not windows or steps < 1:
         return {}
     thread = windows[0].thread
-    own = sorted((e for e in events if e.thread == thread and not e.name.startswith(("bench::", *_IN_FLIGHT))),
-                 key=lambda e: e.time_range.start)
+    own = sorted(
+        (e for e in events if e.thread == thread and not e.name.startswith(("bench::", *_IN_FLIGHT))),
+        key=lambda e: e.time_range.start,
+    )
     totals = dict.fromkeys(CATEGORIES, 0.0)
     for window in windows:
         lo, hi = window.time_range.start, window.time_range.end

@@ -74,8 +74,9 @@ class SyncPoints:
         warnings.showwarning = self._shown
         self._catcher.__exit__(None, None, None)
 
-    def _seen(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
-              line: Any = None) -> None:
+    def _seen(
+        self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
         if SYNC_WARNING not in str(message):
             self._shown(message, category, filename, lineno, file, line)
             return

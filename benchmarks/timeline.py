@@ -101,11 +101,23 @@ def summary(profiler: Any, steps: int) -> str:
         beside = _overlap(spans, ref_spans) if key != reference else busy
         top = sorted(by_name.items(), key=lambda item: -item[1])[:3]
         label = f"{key[0]} {key[1]}" + (" (compute)" if key == reference and streams else "")
-        rows.append((label, busy / 1e6 / steps, beside / 1e6 / steps, 100.0 * beside / busy if busy else 0.0,
-                     ", ".join(f"{name[:40]} {ns / 1e6 / steps:.1f}" for name, ns in top)))
+        rows.append(
+            (
+                label,
+                busy / 1e6 / steps,
+                beside / 1e6 / steps,
+                100.0 * beside / busy if busy else 0.0,
+                ", ".join(f"{name[:40]} {ns / 1e6 / steps:.1f}" for name, ns in top),
+            )
+        )
     width = max(len(row[0]) for row in rows)
-    lines = [f"timeline over {steps} step(s): per lane, ms a step inside a profiled event, the ms of it beside the "
-             f"{'compute stream' if streams else 'busiest host thread'}, and its costliest events (ms a step)"]
+    lines = [
+        f"timeline over {steps} step(s): per lane, ms a step inside a profiled event, the ms of it beside the "
+        f"{'compute stream' if streams else 'busiest host thread'}, and its costliest events (ms a step)"
+    ]
     lines.append(f"{'lane'.ljust(width)}  busy_ms  beside_ms  beside%  costliest")
-    lines += [f"{label.ljust(width)}  {busy:7.1f}  {beside:9.1f}  {pct:6.0f}%  {top}" for label, busy, beside, pct, top in rows]
+    lines += [
+        f"{label.ljust(width)}  {busy:7.1f}  {beside:9.1f}  {pct:6.0f}%  {top}"
+        for label, busy, beside, pct, top in rows
+    ]
     return "\n".join(lines)

@@ -88,17 +88,25 @@ def main() -> None:
     )
     if trainer.is_global_zero:
         replicas = args.devices // args.stages
-        print(f"{args.stages} pipeline stages ({args.schedule}, {args.microbatches} micro-batches) x {replicas} "
-              f"replica(s), ZeRO-{args.stage}", flush=True)
+        print(
+            f"{args.stages} pipeline stages ({args.schedule}, {args.microbatches} micro-batches) x {replicas} "
+            f"replica(s), ZeRO-{args.stage}",
+            flush=True,
+        )
     trainer.fit(model, datamodule=data)
     checkpoint = args.out / "last.ckpt"
     trainer.save_checkpoint(checkpoint, weights_only=False)
     if trainer.is_global_zero:
-        print(f"rank 0 held {sorted({n.split('.')[1] for n, p in model.named_parameters() if not p.is_meta})} "
-              f"of the GPT's {sorted({n.split('.')[1] for n, _ in model.named_parameters()})}")
+        print(
+            f"rank 0 held {sorted({n.split('.')[1] for n, p in model.named_parameters() if not p.is_meta})} "
+            f"of the GPT's {sorted({n.split('.')[1] for n, _ in model.named_parameters()})}"
+        )
         weights = consolidate(checkpoint, checkpoint.with_suffix(".pt"))
-        print(f"single-process val_loss {evaluate_alone(weights, data):.3f} from {weights} "
-              f"(pipelined run: {float(trainer.callback_metrics['val_loss']):.3f})", flush=True)
+        print(
+            f"single-process val_loss {evaluate_alone(weights, data):.3f} from {weights} "
+            f"(pipelined run: {float(trainer.callback_metrics['val_loss']):.3f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

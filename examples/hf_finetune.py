@@ -82,8 +82,15 @@ class CausalLM(L.LightningModule):
 def make_pretrained(directory: Path, vocab_size: int, steps: int) -> None:
     """A few steps of plain single-process training on one synthetic text, saved with save_pretrained."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config)
     data = CharDataModule(block_size=64, batch_size=16, num_tokens=50_000, seed=1)
     data.setup()
@@ -99,8 +106,10 @@ def make_pretrained(directory: Path, vocab_size: int, steps: int) -> None:
 
 def evaluate(model, data: CharDataModule) -> float:
     with torch.no_grad():
-        losses = [F.cross_entropy(model(input_ids=x).logits.float().flatten(0, 1), y.flatten()).item()
-                  for x, y in data.val_dataloader()]
+        losses = [
+            F.cross_entropy(model(input_ids=x).logits.float().flatten(0, 1), y.flatten()).item()
+            for x, y in data.val_dataloader()
+        ]
     return sum(losses) / len(losses)
 
 
@@ -141,7 +150,9 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(exported)
         data.setup()
         reloaded = evaluate(model, data)
-        print(f"val_loss: pretrained {before:.3f} -> fine-tuned {after:.3f} (uniform guess {math.log(data.vocab_size):.3f})")
+        print(
+            f"val_loss: pretrained {before:.3f} -> fine-tuned {after:.3f} (uniform guess {math.log(data.vocab_size):.3f})"
+        )
         print(f"exported to {exported}; from_pretrained on one process: val_loss {reloaded:.3f}")
 
 

@@ -30,7 +30,9 @@ def spirals(n: int, arms: int = 4, seed: int = 0) -> TensorDataset:
 class SpiralClassifier(L.LightningModule):
     def __init__(self, width: int = 128) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(2, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 4))
+        self.net = nn.Sequential(
+            nn.Linear(2, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 4)
+        )
         self.first_loss: float | None = None
 
     def training_step(self, batch, batch_idx):
@@ -48,8 +50,16 @@ class SpiralClassifier(L.LightningModule):
 if __name__ == "__main__":  # Lightning's launcher re-runs this file in the second process
     L.seed_everything(0, verbose=False)
     model = SpiralClassifier()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="zero2", max_steps=300, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="zero2",
+        max_steps=300,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(spirals(8192), batch_size=64, shuffle=True))
     if trainer.is_global_zero:
         print(f"loss {model.first_loss:.2f} -> {float(trainer.callback_metrics['train_loss']):.2f}")

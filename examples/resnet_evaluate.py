@@ -45,7 +45,9 @@ def main() -> None:
     model, data = build(config["model"]), build(config["data"])
     model.load_state_dict(torch.load(weights, weights_only=True))  # strict: every name must match
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     result = trainer.test(model, datamodule=data, verbose=False)[0]
     print(f"single-process test: test_acc {result['test_acc']:.4f}, test_loss {result['test_loss']:.4f}")
 

@@ -10,7 +10,13 @@ outside the tested range (2.11 through 2.14) gets a warning here ([Note: version
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_zero.checkpoint import CheckpointEntry, CheckpointError, CheckpointSaveError, UnsafeCheckpointError, list_checkpoints
+from lightning_zero.checkpoint import (
+    CheckpointEntry,
+    CheckpointError,
+    CheckpointSaveError,
+    UnsafeCheckpointError,
+    list_checkpoints,
+)
 from lightning_zero.checkpoint.module_loading import load_from_checkpoint
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
@@ -23,8 +29,19 @@ from lightning_zero.strategy.zero_strategy import ZeroStrategy
 from lightning_zero.torch_versions import warn_if_untested
 
 __all__ = [
-    "CheckpointEntry", "CheckpointError", "CheckpointSaveError", "UnsafeCheckpointError", "ZeroConfig", "ZeroConfigError",
-    "ZeroMonitor", "ZeroPrecision", "ZeroStrategy", "grad_norm", "list_checkpoints", "load_from_checkpoint", "load_pretrained",
+    "CheckpointEntry",
+    "CheckpointError",
+    "CheckpointSaveError",
+    "UnsafeCheckpointError",
+    "ZeroConfig",
+    "ZeroConfigError",
+    "ZeroMonitor",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "grad_norm",
+    "list_checkpoints",
+    "load_from_checkpoint",
+    "load_pretrained",
 ]
 __version__ = "0.1.0"
 

@@ -174,8 +174,14 @@ def _warn_about_hooks_bypassed(root: nn.Module, selected: list[tuple[str, nn.Mod
     skipped = [(name, module) for name, module in selected if id(module) in bypassed]
     if not skipped:
         return
-    inner = sorted({type(child).__name__ for _, module in skipped for child in module.children()
-                    if any(True for _ in child.parameters())})
+    inner = sorted(
+        {
+            type(child).__name__
+            for _, module in skipped
+            for child in module.children()
+            if any(True for _ in child.parameters())
+        }
+    )
     rank_zero_warn(
         f"activation_checkpointing: the code holding {', '.join(repr(name) for name, _ in skipped[:3])}"
         f"{' and others' if len(skipped) > 3 else ''} runs it other than through its `__call__` "
@@ -217,8 +223,15 @@ def caches_off_for_training(root: nn.Module, checkpointed: Iterable[str]) -> Cac
         return CachesBack([])
     for config in configs.values():
         config.use_cache = False
-    outermost = sorted({type(m).__name__ for name, m in holders.items()
-                        if not any(_within(name, other) for other in holders if other != name)})
-    rank_zero_info(f"activation_checkpointing: training {', '.join(outermost)} with use_cache=False, as Hugging Face's "
-                   "gradient_checkpointing_enable() does (a cache written in forward cannot be recomputed).")
+    outermost = sorted(
+        {
+            type(m).__name__
+            for name, m in holders.items()
+            if not any(_within(name, other) for other in holders if other != name)
+        }
+    )
+    rank_zero_info(
+        f"activation_checkpointing: training {', '.join(outermost)} with use_cache=False, as Hugging Face's "
+        "gradient_checkpointing_enable() does (a cache written in forward cannot be recomputed)."
+    )
     return CachesBack(list(configs.values()))

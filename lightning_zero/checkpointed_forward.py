@@ -79,7 +79,9 @@ class _Recomputing:
         if self.buffers is not None:
             self.buffers.__enter__()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self.state.active = self.was_active
         if self.buffers is not None:
             self.buffers.__exit__(kind, error, trace)

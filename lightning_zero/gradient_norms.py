@@ -50,7 +50,9 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
     norms: dict[str, Tensor] = {}
     for group, named in by_group.values():
         norms.update(_reduced_norms(named, norm_type, group, strategy.root_device, prefix + group_separator))
-    if strategy.pipeline is not None:  # each stage's ranks hold that stage's layers: every rank gets every stage's norms
+    if (
+        strategy.pipeline is not None
+    ):  # each stage's ranks hold that stage's layers: every rank gets every stage's norms
         merged = collectives.all_gather_objects({k: v.item() for k, v in norms.items()})
         norms = {k: torch.tensor(v, device=strategy.root_device) for part in merged for k, v in part.items()}
     if norms:
@@ -83,8 +85,9 @@ def _final_records(strategy: ZeroStrategy) -> dict[int, ShardRecord]:
     return out
 
 
-def _reduced_norms(named: list[tuple[str, ShardRecord]], norm_type: float, group, device: torch.device,
-                   prefix: str) -> dict[str, Tensor]:
+def _reduced_norms(
+    named: list[tuple[str, ShardRecord]], norm_type: float, group, device: torch.device, prefix: str
+) -> dict[str, Tensor]:
     """The full gradients' norms of ``named``'s parameters, whose rows are spread over ``group``: each rank's
     partial sums (``|g|^p`` summed, or the maximum for the infinity norm) and whether it holds a gradient, reduced in
     one collective."""
@@ -92,12 +95,13 @@ def _reduced_norms(named: list[tuple[str, ShardRecord]], norm_type: float, group
     present = [(i, grad) for i, (_, record) in enumerate(named) if (grad := record.grad) is not None]
     partial = torch.zeros(2 * len(named), dtype=torch.float64, device=device)
     if present:
-        values = device_groups.norms([grad if grad.is_complex() else grad.float() for _, grad in present], norm_type,
-                                     device)  # partial offload: host and device gradients
+        values = device_groups.norms(
+            [grad if grad.is_complex() else grad.float() for _, grad in present], norm_type, device
+        )  # partial offload: host and device gradients
         index = torch.tensor([i for i, _ in present], device=device)
         partial[index] = values if infinite else values.pow(norm_type)
         partial[len(named) + index] = 1.0
     collectives.all_reduce(partial, op=collectives.ReduceOp.MAX if infinite else collectives.ReduceOp.SUM, group=group)
-    totals = (partial[:len(named)] if infinite else partial[:len(named)].pow(1.0 / norm_type)).float()
-    held = partial[len(named):].tolist()
+    totals = (partial[: len(named)] if infinite else partial[: len(named)].pow(1.0 / norm_type)).float()
+    held = partial[len(named) :].tolist()
     return {f"{prefix}{name}": totals[i] for i, (name, _) in enumerate(named) if held[i] > 0}

@@ -77,9 +77,15 @@ def parameters_used_by_holders(root: nn.Module) -> dict[int, str]:
     words = {name for m in root.modules() for name, _ in m.named_parameters(recurse=False)}
     found: dict[int, str] = {}
     for holder_name, holder in root.named_modules():
-        reads = {(path, word) for cls in _model_classes(type(holder)) for word in words
-                 for path in _parameter_reads(cls, word)}
-        reads |= {(child, "*") for cls, children in _TORCH_READS.items() if isinstance(holder, cls) for child in children}
+        reads = {
+            (path, word)
+            for cls in _model_classes(type(holder))
+            for word in words
+            for path in _parameter_reads(cls, word)
+        }
+        reads |= {
+            (child, "*") for cls, children in _TORCH_READS.items() if isinstance(holder, cls) for child in children
+        }
         for path, word in reads:
             for name, module in _matching(holder, path.split(".")):
                 if word == "*" or word in dict(module.named_parameters(recurse=False)):
@@ -157,8 +163,9 @@ def _attribute_calls(cls: type, name: str) -> frozenset[str]:
     """What ``cls``'s code calls on ``self.<name>``."""
     if (cls, name) not in _ATTRIBUTE_CALLS:
         pattern = rf"self\.{re.escape(name)}\.([A-Za-z]\w*)\("
-        _ATTRIBUTE_CALLS[cls, name] = frozenset(m for _, source in _sources_naming(cls, name)
-                                                for m in re.findall(pattern, source))
+        _ATTRIBUTE_CALLS[cls, name] = frozenset(
+            m for _, source in _sources_naming(cls, name) for m in re.findall(pattern, source)
+        )
     return _ATTRIBUTE_CALLS[cls, name]
 
 
@@ -202,12 +209,42 @@ def _parameter_reads(cls: type, name: str) -> frozenset[str]:
 
 
 #: Functions that run before the model is sharded, or only name its parameters (to group them, to tie them).
-_SET_UP = frozenset({"__init__", "reset_parameters", "_reset_parameters", "init_weights", "_init_weights", "post_init",
-                     "initialize_weights", "_initialize_weights", "tie_weights", "_tie_weights", "_tie_or_clone_weights",
-                     "configure_model", "configure_optimizers"})
+_SET_UP = frozenset(
+    {
+        "__init__",
+        "reset_parameters",
+        "_reset_parameters",
+        "init_weights",
+        "_init_weights",
+        "post_init",
+        "initialize_weights",
+        "_initialize_weights",
+        "tie_weights",
+        "_tie_weights",
+        "_tie_or_clone_weights",
+        "configure_model",
+        "configure_optimizers",
+    }
+)
 #: What a parameter's shard answers as the whole parameter does (FSDP2's DTensor keeps the global shape).
-_METADATA = frozenset({"dtype", "device", "shape", "ndim", "size", "dim", "numel", "nelement", "requires_grad",
-                       "is_cuda", "is_floating_point", "is_complex", "element_size", "layout"})
+_METADATA = frozenset(
+    {
+        "dtype",
+        "device",
+        "shape",
+        "ndim",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "requires_grad",
+        "is_cuda",
+        "is_floating_point",
+        "is_complex",
+        "element_size",
+        "layout",
+    }
+)
 
 
 def _walk(source: str, collect: Callable[[ast.AST, dict[str, set[str]]], bool]) -> None:
@@ -299,7 +336,9 @@ def _iterated(node: ast.AST, local: dict[str, set[str]]) -> set[str]:
             return {_join(p, "*") for p in _paths(func.value, local)}
         if isinstance(func, ast.Attribute):  # a method of the model's (``self.blocks_for(x)``): not read
             return set()
-        return set().union(*(_iterated(a, local) for a in node.args))  # ``enumerate(...)``, ``zip(...)``, ``chain(...)``
+        return set().union(
+            *(_iterated(a, local) for a in node.args)
+        )  # ``enumerate(...)``, ``zip(...)``, ``chain(...)``
     if isinstance(node, (ast.Tuple, ast.List)):
         return set().union(*(_paths(e, local) for e in node.elts))
     if isinstance(node, ast.BinOp):  # ``self.layers + self.extra``

@@ -91,8 +91,9 @@ class ZeroMonitor(pl.Callback):
     is the very first step: optimizers create theirs at their first ``step()``.
     """
 
-    def __init__(self, log_every_n_steps: int | None = None, prog_bar: bool = True,
-                 grad_norm_type: float | str | None = None) -> None:
+    def __init__(
+        self, log_every_n_steps: int | None = None, prog_bar: bool = True, grad_norm_type: float | str | None = None
+    ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 0:
             raise ValueError(f"ZeroMonitor(log_every_n_steps={log_every_n_steps}) must be >= 0 (or None).")
         try:
@@ -100,7 +101,9 @@ class ZeroMonitor(pl.Callback):
         except (TypeError, ValueError):
             norm_type = math.nan
         if norm_type is not None and not norm_type > 0:
-            raise ValueError(f"ZeroMonitor(grad_norm_type={grad_norm_type!r}) must be a positive number or 'inf' (or None).")
+            raise ValueError(
+                f"ZeroMonitor(grad_norm_type={grad_norm_type!r}) must be a positive number or 'inf' (or None)."
+            )
         self.grad_norm_type = norm_type
         self._grad_norm: float | None = None
         self.log_every_n_steps = log_every_n_steps
@@ -124,7 +127,9 @@ class ZeroMonitor(pl.Callback):
         every = self._every(trainer)
         return every > 0 and step % every == 0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._interval_started is None:
             self._interval_started = _now(trainer.strategy.root_device)
         if not self._window_open:  # the first micro-batch of an optimizer step
@@ -145,11 +150,17 @@ class ZeroMonitor(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # The gradients are final here (averaged, unscaled), before clipping; every rank reaches this collective.
-        if self.grad_norm_type is not None and pl_module.automatic_optimization and self._logs_at(trainer, trainer.global_step + 1):
+        if (
+            self.grad_norm_type is not None
+            and pl_module.automatic_optimization
+            and self._logs_at(trainer, trainer.global_step + 1)
+        ):
             norms = grad_norm(pl_module, self.grad_norm_type)
             self._grad_norm = float(norms.get(f"grad_{self.grad_norm_type}_norm_total", math.nan))
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self._step_before:
             return  # an accumulation micro-batch: the step is not over yet
         self._window_open = False
@@ -159,10 +170,19 @@ class ZeroMonitor(pl.Callback):
         device = trainer.strategy.root_device
         comm, inter_node = (now - before for now, before in zip(_comm_bytes(), self._comm_before))
         seconds = _now(device) - (self._interval_started or 0.0)
-        state: Mapping[str, float] = self._state or dict.fromkeys(("device", "host"), math.nan)  # e.g. a step without backward
+        state: Mapping[str, float] = self._state or dict.fromkeys(
+            ("device", "host"), math.nan
+        )  # e.g. a step without backward
         mine = torch.tensor(
-            [state["device"] + state["host"], state["device"], state["host"], peak_memory_bytes(device), comm,
-             self._interval_tokens / max(seconds, 1e-9), inter_node],
+            [
+                state["device"] + state["host"],
+                state["device"],
+                state["host"],
+                peak_memory_bytes(device),
+                comm,
+                self._interval_tokens / max(seconds, 1e-9),
+                inter_node,
+            ],
             dtype=torch.float64,
         )
         ranks = _gather(mine, device)  # (world, 7)
@@ -191,10 +211,15 @@ class ZeroMonitor(pl.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step - 1)
         if self.prog_bar:
-            short = {"state_MiB": "monitor/state_MiB_max", "comm_MiB": "monitor/comm_MiB_per_step",
-                     "tok/s" if self._unit == "tokens" else "samples/s": f"monitor/{self._unit}_per_s"}
+            short = {
+                "state_MiB": "monitor/state_MiB_max",
+                "comm_MiB": "monitor/comm_MiB_per_step",
+                "tok/s" if self._unit == "tokens" else "samples/s": f"monitor/{self._unit}_per_s",
+            }
             for label, name in short.items():
-                pl_module.log(label, metrics[name], on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True)
+                pl_module.log(
+                    label, metrics[name], on_step=True, on_epoch=False, prog_bar=True, logger=False, rank_zero_only=True
+                )
 
 
 def _comm_bytes() -> tuple[int, int]:

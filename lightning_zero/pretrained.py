@@ -36,7 +36,12 @@ from lightning_zero.engine.shard import local_rows, row_range
 from lightning_zero.checkpoint.safe_load import load_weights_only
 from lightning_zero.pretrained_conversion import ConvertedWeights, hugging_face_view
 
-_DIRECTORY_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+_DIRECTORY_FILES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
 
 
 class _SliceLike(Protocol):
@@ -81,8 +86,10 @@ class WeightsFile:
                 weight_map = json.loads(candidate.read_text())["weight_map"]
                 return sorted({path / file for file in weight_map.values()})
             return [candidate]
-        raise FileNotFoundError(f"`init_weights`: {path} holds none of {_DIRECTORY_FILES} (a `save_pretrained` "
-                                "directory), nor a sharded checkpoint's .metadata.")
+        raise FileNotFoundError(
+            f"`init_weights`: {path} holds none of {_DIRECTORY_FILES} (a `save_pretrained` "
+            "directory), nor a sharded checkpoint's .metadata."
+        )
 
     def _handle(self, file: Path) -> _Handle:
         handle = self._open.get(file)
@@ -153,7 +160,9 @@ def detect_prefix(module: nn.Module, keys: list[str]) -> str:
     return max(candidates, key=lambda prefix: (sum(prefix + key in live for key in keys), -len(prefix)))
 
 
-def match_keys(module: nn.Module, source: WeightsFile | ConvertedWeights, *, prefix: str | None = None, strict: bool = True) -> dict[str, str]:
+def match_keys(
+    module: nn.Module, source: WeightsFile | ConvertedWeights, *, prefix: str | None = None, strict: bool = True
+) -> dict[str, str]:
     """Live ``state_dict`` name -> source key, after checking names and shapes (see the module docstring)."""
     keys = source.keys()
     prefix = detect_prefix(module, keys) if prefix is None else prefix
@@ -171,9 +180,7 @@ def match_keys(module: nn.Module, source: WeightsFile | ConvertedWeights, *, pre
         aliases.setdefault(id(param), []).append(name)
     loaded_ids = {id(p) for name, p in module.named_parameters(remove_duplicate=False) if name in sources}
     named = dict(module.named_parameters(remove_duplicate=False))
-    missing = sorted(
-        name for name in target - set(sources) if not (name in named and id(named[name]) in loaded_ids)
-    )
+    missing = sorted(name for name in target - set(sources) if not (name in named and id(named[name]) in loaded_ids))
     unexpected = sorted(key for key in keys if prefix + key not in live)
     if mismatched or (strict and (missing or unexpected)):
         lines = [f"`init_weights={str(source.path)!r}` does not match the model (under the prefix {prefix!r}):"]

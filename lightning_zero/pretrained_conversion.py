@@ -71,7 +71,9 @@ class ConvertedWeights:
             index = _list_index(pattern, target, key, renamings)
             found.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append((index, key))
         for target, (converter, by_pattern) in found.items():
-            sources = {p: [key for _, key in sorted(by_pattern[p])] for p in converter.source_patterns if p in by_pattern}
+            sources = {
+                p: [key for _, key in sorted(by_pattern[p])] for p in converter.source_patterns if p in by_pattern
+            }
             self._converted[target] = _Converted(converter, sources)
 
     @property

@@ -35,8 +35,9 @@ class ForwardBuffers:
     """One forward's buffers, for its recomputation: what the updated ones held when the forward began. Entered
     around each recomputation (a graph differentiated twice recomputes twice)."""
 
-    def __init__(self, before: dict[Key, torch.Tensor], versions: dict[Key, tuple[torch.Tensor, int]],
-                 running: set[Key]) -> None:
+    def __init__(
+        self, before: dict[Key, torch.Tensor], versions: dict[Key, tuple[torch.Tensor, int]], running: set[Key]
+    ) -> None:
         self.before = before
         self.versions = versions
         self.running = running
@@ -46,8 +47,11 @@ class ForwardBuffers:
     def ended(self, ignore: set[Key]) -> set[Key]:
         """The forward ended: which buffers it updated (those of ``ignore`` only when known by kind); their values
         at its start are kept, the others' copies dropped."""
-        changed = {key for key, (tensor, version) in self.versions.items()
-                   if key[0]._buffers.get(key[1]) is not tensor or tensor._version != version}
+        changed = {
+            key
+            for key, (tensor, version) in self.versions.items()
+            if key[0]._buffers.get(key[1]) is not tensor or tensor._version != version
+        }
         self.updated = self.running | (changed - ignore)
         self.before = {key: value for key, value in self.before.items() if key in self.updated}
         self.versions = {}
@@ -69,7 +73,9 @@ class ForwardBuffers:
                 owner._buffers[name] = start.clone()
 
     @torch.no_grad()
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         restore, self._restore = self._restore, []
         for owner, name, tensor, value in restore:
             owner._buffers[name] = tensor
@@ -89,8 +95,12 @@ class BufferUpdates:
 
     def _find(self) -> list[Key]:
         if self._keys is None:
-            self._keys = [(owner, name) for owner in self.module.modules()
-                          for name, buffer in owner._buffers.items() if buffer is not None]
+            self._keys = [
+                (owner, name)
+                for owner in self.module.modules()
+                for name, buffer in owner._buffers.items()
+                if buffer is not None
+            ]
             self._norms = [m for m in self.module.modules() if isinstance(m, NormBase)]
             self._norm_keys = {(m, name) for m in self._norms for name in _RUNNING}
         return self._keys
@@ -100,8 +110,13 @@ class BufferUpdates:
         keys = self._find()
         if not keys or not torch.is_grad_enabled():
             return None
-        running: set[Key] = {(m, name) for m in self._norms if m.training and m.track_running_stats
-                   for name in _RUNNING if m._buffers.get(name) is not None}
+        running: set[Key] = {
+            (m, name)
+            for m in self._norms
+            if m.training and m.track_running_stats
+            for name in _RUNNING
+            if m._buffers.get(name) is not None
+        }
         copied = keys if self._updated is None else self._updated | running
         buffers = {key: tensor for key in keys if (tensor := key[0]._buffers.get(key[1])) is not None}
         before = {key: buffers[key].detach().clone() for key in copied if key in buffers}

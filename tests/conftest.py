@@ -60,8 +60,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     session.config.stash[_SELECTED] = {str(item.path.resolve()) for item in session.items}
-    session.config.stash[_SELECTED_FULL] = {str(item.path.resolve()) for item in session.items
-                                            if item.get_closest_marker("full")}
+    session.config.stash[_SELECTED_FULL] = {
+        str(item.path.resolve()) for item in session.items if item.get_closest_marker("full")
+    }
 
 
 #: The session's timeline: when each part of the order began, and each integration run's span (``time.monotonic()``).
@@ -94,8 +95,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, pytestconfig) -> background.Runs:
     """Every registered run of the modules with selected tests, started when the first test that asks starts."""
-    started = background.Runs(tmp_path_factory.mktemp, pytestconfig.stash.get(_SELECTED, set()),
-                              pytestconfig.stash.get(_SELECTED_FULL, set()))
+    started = background.Runs(
+        tmp_path_factory.mktemp, pytestconfig.stash.get(_SELECTED, set()), pytestconfig.stash.get(_SELECTED_FULL, set())
+    )
     yield started
     started.close()
     _RUNS.extend(started.timeline)

@@ -29,8 +29,16 @@ from pathlib import Path
 
 #: What every rank program imports; loaded once in the server. Not the test modules: several read their rank and
 #: world size from the environment when imported, which the server's is not.
-PRELOAD = ("torch", "torch.distributed", "lightning", "lightning.pytorch", "transformers", "lightning_zero",
-           "lightning_zero.strategy.zero_strategy", "lightning_zero.cli.train")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "lightning",
+    "lightning.pytorch",
+    "transformers",
+    "lightning_zero",
+    "lightning_zero.strategy.zero_strategy",
+    "lightning_zero.cli.train",
+)
 _MAX_HEADER = 1 << 20
 
 
@@ -83,8 +91,13 @@ class _Server:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
         with open(folder / "server.log", "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.forkserver", str(self.path), str(ready_write)], cwd=repo, env=env,
-                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, pass_fds=(ready_write,),
+                [sys.executable, "-m", "tests.forkserver", str(self.path), str(ready_write)],
+                cwd=repo,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(ready_write,),
             )
         os.close(ready_write)
         with os.fdopen(ready_read) as ready:
@@ -102,8 +115,9 @@ _SERVER: _Server | None = None
 _LOCK = threading.Lock()
 
 
-def start(module: str, args: list[str], *, env: dict, cwd: Path, stdout: int, fds: dict[int, int] | None = None
-          ) -> ForkedProcess:
+def start(
+    module: str, args: list[str], *, env: dict, cwd: Path, stdout: int, fds: dict[int, int] | None = None
+) -> ForkedProcess:
     """Fork ``python -m module args``: ``stdout`` (a descriptor) takes its stdout and stderr, ``fds`` maps more
     descriptor numbers of the child to descriptors of this process (its stdin is /dev/null unless ``fds`` gives 0)."""
     global _SERVER

@@ -60,15 +60,29 @@ def start_rank(module: str, args, env: dict, log, fds: dict[int, int] | None = N
     ``tests/forkserver.py``'s server, which has imported torch and Lightning already, or, with
     ``LZ_FRESH_PROCESSES=1``, a new Python process. ``fds``: more descriptors the rank gets, by number."""
     if os.environ.get("LZ_FRESH_PROCESSES") == "1":
-        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=(fds or {}).get(0), pass_fds=[fd for n, fd in (fds or {}).items() if n > 2])
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=(fds or {}).get(0),
+            pass_fds=[fd for n, fd in (fds or {}).items() if n > 2],
+        )
     from tests import forkserver
 
     return forkserver.start(module, list(args), env=env, cwd=REPO, stdout=log.fileno(), fds=fds)
 
 
-def launch(module: str, *args: str, nprocs: int = 2, timeout: float = 600, env: dict | None = None, nodes: int = 1,
-           fresh: bool = False) -> dict:
+def launch(
+    module: str,
+    *args: str,
+    nprocs: int = 2,
+    timeout: float = 600,
+    env: dict | None = None,
+    nodes: int = 1,
+    fresh: bool = False,
+) -> dict:
     """Run ``python -m module args`` on ``nprocs`` ranks; return rank 0's JSON report.
 
     ``nodes`` simulates that many nodes of ``nprocs / nodes`` consecutive ranks each (``NODE_RANK`` and
@@ -100,7 +114,11 @@ def _launch_fresh(module: str, args: tuple, nprocs: int, timeout: float, env: di
     for rank in range(nprocs):
         log = open(out_dir / f"rank{rank}.log", "w+")
         logs.append(log)
-        procs.append(start_rank(module, args, rank_env(rank, nprocs, nodes, port, {"LZ_REPORT": str(report), **(env or {})}), log))
+        procs.append(
+            start_rank(
+                module, args, rank_env(rank, nprocs, nodes, port, {"LZ_REPORT": str(report), **(env or {})}), log
+            )
+        )
     deadline = time.monotonic() + timeout
     try:
         codes = [proc.wait(timeout=max(0.0, deadline - time.monotonic())) for proc in procs]
@@ -164,8 +182,14 @@ class FaultRun:
         return self.ranks[rank].exited_at - (self.fault_at or 0.0)
 
 
-def launch_processes(module: str, *args: str, nprocs: int = 2, timeout: float = 120, env: dict | None = None,
-                     signal_on_fault: int | None = None) -> FaultRun:
+def launch_processes(
+    module: str,
+    *args: str,
+    nprocs: int = 2,
+    timeout: float = 120,
+    env: dict | None = None,
+    signal_on_fault: int | None = None,
+) -> FaultRun:
     """Run ``python -m module args`` on ``nprocs`` ranks and return every rank's exit code, output and exit time,
     whether or not they fail (for fault tests; :func:`launch` raises instead).
 

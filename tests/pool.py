@@ -47,8 +47,15 @@ class Pool:
             read_fd, write_fd = os.pipe()
             stdin_read, stdin_write = os.pipe()
             with open(self.logs[rank], "w") as log:
-                self.procs.append(start_rank("tests.pool_worker", [str(_CONTROL_FD)], rank_env(rank, nprocs, nodes), log,
-                                             fds={0: stdin_read, _CONTROL_FD: write_fd}))
+                self.procs.append(
+                    start_rank(
+                        "tests.pool_worker",
+                        [str(_CONTROL_FD)],
+                        rank_env(rank, nprocs, nodes),
+                        log,
+                        fds={0: stdin_read, _CONTROL_FD: write_fd},
+                    )
+                )
             os.close(write_fd)
             os.close(stdin_read)
             self.control.append(read_fd)
@@ -59,8 +66,18 @@ class Pool:
         self.commands += 1
         report = self.out_dir / f"report-{self.commands}.json"
         logs = [self.out_dir / f"command-{self.commands}-rank{rank}.log" for rank in range(self.nprocs)]
-        line = json.dumps({"module": module, "args": list(args), "env": env, "report": str(report),
-                           "logs": [str(path) for path in logs]}) + "\n"
+        line = (
+            json.dumps(
+                {
+                    "module": module,
+                    "args": list(args),
+                    "env": env,
+                    "report": str(report),
+                    "logs": [str(path) for path in logs],
+                }
+            )
+            + "\n"
+        )
         for stdin in self.stdin:
             stdin.write(line)
             stdin.flush()
@@ -75,15 +92,19 @@ class Pool:
         return result
 
     def _wait(self, timeout: float) -> str:
-        """"ok" when every rank finished the command, else what went wrong."""
+        """ "ok" when every rank finished the command, else what went wrong."""
         deadline = time.monotonic() + timeout
         pending = set(range(self.nprocs))
         failed: list[int] = []
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return (f"rank(s) {sorted(failed)} failed and rank(s) {sorted(pending)} did not finish within "
-                        f"{_FAILURE_GRACE:g} s" if failed else f"timed out after {timeout:g} s (a hang)")
+                return (
+                    f"rank(s) {sorted(failed)} failed and rank(s) {sorted(pending)} did not finish within "
+                    f"{_FAILURE_GRACE:g} s"
+                    if failed
+                    else f"timed out after {timeout:g} s (a hang)"
+                )
             ready, _, _ = select.select([self.control[r] for r in pending], [], [], remaining)
             for rank in [r for r in pending if self.control[r] in ready]:
                 pending.discard(rank)

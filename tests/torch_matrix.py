@@ -123,12 +123,25 @@ def versions_of(python: Path) -> dict[str, str]:
         "print(json.dumps({'torch': torch.__version__, 'lightning': lightning.__version__,"
         " 'transformers': transformers.__version__, 'branches': tv.branches()}))"
     )
-    return json.loads(subprocess.run([str(python), "-c", script], check=True, capture_output=True, text=True, cwd=REPO).stdout)
+    return json.loads(
+        subprocess.run([str(python), "-c", script], check=True, capture_output=True, text=True, cwd=REPO).stdout
+    )
 
 
 def run_cases(python: Path, junit: Path) -> tuple[int, float]:
     start = time.perf_counter()
-    command = [str(python), "-m", "pytest", "-q", "-m", "not full", "-p", "no:cacheprovider", f"--junitxml={junit}", *CASES]
+    command = [
+        str(python),
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "not full",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        *CASES,
+    ]
     code = subprocess.run(command, cwd=REPO).returncode
     return code, time.perf_counter() - start
 
@@ -137,8 +150,11 @@ def figures(junit: Path) -> list[tuple[str, str, dict[str, str]]]:
     """(test, outcome, recorded figures) of each case in a JUnit file."""
     out = []
     for case in ET.parse(junit).getroot().iter("testcase"):
-        outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else (
-            "skipped" if case.find("skipped") is not None else "passed")
+        outcome = (
+            "failed"
+            if case.find("failure") is not None or case.find("error") is not None
+            else ("skipped" if case.find("skipped") is not None else "passed")
+        )
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         out.append((f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}", outcome, props))
     return out
@@ -153,7 +169,9 @@ def cross_version(writer: Path, reader: Path, directory: Path) -> dict:
             f"print('REPORT' + json.dumps(launch('tests.distributed.worker_torch_versions', '{case}', nprocs=2,"
             " env={'LZ_SHARED_DIR': sys.argv[1]})))"
         )
-        done = subprocess.run([str(python), "-c", script, str(directory)], cwd=REPO, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [str(python), "-c", script, str(directory)], cwd=REPO, env=env, capture_output=True, text=True
+        )
         if done.returncode != 0:
             return {"failed": case, "output": (done.stdout + done.stderr)[-3000:]}
         report = json.loads(done.stdout.split("REPORT", 1)[1])
@@ -172,8 +190,16 @@ def main() -> int:
         installed = versions_of(python)
         code, test_s = run_cases(python, out / f"{entry.name}.xml")
         failed |= code != 0
-        results[entry.name] = dict(entry=entry, python=python, how=how, build_s=build_s, installed=installed, code=code,
-                                   test_s=test_s, cases=figures(out / f"{entry.name}.xml"))
+        results[entry.name] = dict(
+            entry=entry,
+            python=python,
+            how=how,
+            build_s=build_s,
+            installed=installed,
+            code=code,
+            test_s=test_s,
+            cases=figures(out / f"{entry.name}.xml"),
+        )
     cross = {}
     if len(entries) > 1:
         oldest, newest = results[entries[0].name]["python"], results[entries[-1].name]["python"]
@@ -182,9 +208,11 @@ def main() -> int:
                 cross[label] = cross_version(writer, reader, Path(directory))
     for name, result in results.items():
         installed = result["installed"]
-        print(f"\n== {name}: torch {installed['torch']}, lightning {installed['lightning']}, transformers "
-              f"{installed['transformers']}; venv {result['how']} in {result['build_s']:.1f} s; cases in "
-              f"{result['test_s']:.1f} s, exit {result['code']}")
+        print(
+            f"\n== {name}: torch {installed['torch']}, lightning {installed['lightning']}, transformers "
+            f"{installed['transformers']}; venv {result['how']} in {result['build_s']:.1f} s; cases in "
+            f"{result['test_s']:.1f} s, exit {result['code']}"
+        )
         for difference, branch in installed["branches"].items():
             print(f"   {difference}: {branch}")
         counts: dict[str, int] = {}
@@ -205,9 +233,11 @@ def main() -> int:
                 print(f"   {stage}: written by {result['written_by']}, refused: {result['refused'][:400]}")
                 failed |= label == "oldest -> newest"  # torch promises old-to-new DCP loading only
                 continue
-            print(f"   {stage}: written by {result['written_by']}, resumed by {result['resumed_by']}: max |dparam| vs "
-                  f"this torch's uninterrupted run {result['param_diff']:.3g}, optimizer state {result['optim_diff']:.3g}, "
-                  f"vs the writer's uninterrupted run {result['param_diff_to_writer']:.3g}")
+            print(
+                f"   {stage}: written by {result['written_by']}, resumed by {result['resumed_by']}: max |dparam| vs "
+                f"this torch's uninterrupted run {result['param_diff']:.3g}, optimizer state {result['optim_diff']:.3g}, "
+                f"vs the writer's uninterrupted run {result['param_diff_to_writer']:.3g}"
+            )
             try:
                 check_resumed(f"{label} {stage}", result)
             except AssertionError as error:

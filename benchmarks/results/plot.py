@@ -49,8 +49,13 @@ def step_time() -> None:
     colors = ["#888888" if n in ("ddp", "FSDP2") else "#1f77b4" for n in names]
     bars = ax.bar(names, ms, color=colors)
     for bar, ratio in zip(bars, ratios):
-        ax.annotate(f"{ratio:.2f}x ddp", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{ratio:.2f}x ddp",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("step ms (median of 3 rounds)")
     ax.set_title("Step time, 27.4M GPT, 2 CPU ranks (2026-11-26); label: median round ratio to ddp", fontsize=9)
     fig.tight_layout()

@@ -35,12 +35,16 @@ def add_to_checkpoint(checkpoint: dict[str, Any], engine: ShardingEngine | None,
     records = {record.name: record for record in engine.records()}
     if not full:  # a scalar is whole on every rank: saved as it is, as the model's own entry
         checkpoint[KEY] = {
-            name: as_sharded(row, records[name].shape, engine.mesh) if records[name].shape else records[name].param.detach()
+            name: as_sharded(row, records[name].shape, engine.mesh)
+            if records[name].shape
+            else records[name].param.detach()
             for name, row in rows.items()
         }
         return
     whole = {
-        name: gather_full(row, records[name].shape, group=records[name].group) if records[name].shape else records[name].param.detach()
+        name: gather_full(row, records[name].shape, group=records[name].group)
+        if records[name].shape
+        else records[name].param.detach()
         for name, row in rows.items()
     }
     if collectives.rank() == 0:
@@ -66,7 +70,11 @@ def restore(lagging: Mapping[str, torch.Tensor] | None, engine: ShardingEngine |
     of a full file) the ones forward computes with. Nothing to do without a delay or without saved ones."""
     if engine is None or not engine.update_delay or not lagging:
         return
-    engine.load_lagging_rows({
-        name: tensor.to_local() if isinstance(tensor, DTensor) else local_rows(tensor, engine.rank, engine.world_size)
-        for name, tensor in lagging.items()
-    })
+    engine.load_lagging_rows(
+        {
+            name: tensor.to_local()
+            if isinstance(tensor, DTensor)
+            else local_rows(tensor, engine.rank, engine.world_size)
+            for name, tensor in lagging.items()
+        }
+    )

@@ -36,8 +36,16 @@ def _feedback(engine: ShardingEngine | None) -> CompressedComm | None:
 def _signature(engine: ShardingEngine, comm: CompressedComm) -> list[object]:
     """What residual names and sizes follow from: the world, the engine (stage), its groups and the compression."""
     spec = comm.spec
-    return [collectives.world_size(), type(engine).__name__, engine.stage, engine.world_size,
-            spec.gradients, spec.block_size, spec.inter_node_only, engine.bucket_layout()]
+    return [
+        collectives.world_size(),
+        type(engine).__name__,
+        engine.stage,
+        engine.world_size,
+        spec.gradients,
+        spec.block_size,
+        spec.inter_node_only,
+        engine.bucket_layout(),
+    ]
 
 
 def _world_mesh(device_type: str):
@@ -61,14 +69,23 @@ def add_to_checkpoint(checkpoint: dict[str, Any], engine: ShardingEngine | None)
     if table:
         torch.cat([residuals[name].reshape(-1).float() for name, _ in table], out=row[0, : sum(n for _, n in table)])
     world = collectives.world_size()
-    checkpoint[KEY] = {"residuals": DTensor.from_local(row, _world_mesh(device.type), [Shard(0)], run_check=False,
-                                                       shape=torch.Size((world, width)), stride=(width, 1))}
+    checkpoint[KEY] = {
+        "residuals": DTensor.from_local(
+            row,
+            _world_mesh(device.type),
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size((world, width)),
+            stride=(width, 1),
+        )
+    }
     checkpoint[TABLE_KEY] = tables
     checkpoint[SIGNATURE_KEY] = _signature(engine, comm)
 
 
-def placeholder(saved_shapes: dict[str, Any], checkpoint: dict[str, Any],
-                engine: ShardingEngine | None) -> dict[str, Any] | None:
+def placeholder(
+    saved_shapes: dict[str, Any], checkpoint: dict[str, Any], engine: ShardingEngine | None
+) -> dict[str, Any] | None:
     """What to ask DCP to load into, or None (and a warning when residuals are dropped) if they do not apply."""
     comm = _feedback(engine)
     shape = saved_shapes.get("residuals")
@@ -86,8 +103,11 @@ def placeholder(saved_shapes: dict[str, Any], checkpoint: dict[str, Any],
     records = engine.records()
     device = records[0].param.device if records else torch.device("cpu")  # residuals follow their gradients
     row = torch.zeros(1, shape[1], dtype=torch.float32, device=device)
-    return {"residuals": DTensor.from_local(row, _world_mesh(device.type), [Shard(0)], run_check=False,
-                                            shape=torch.Size(shape), stride=(shape[1], 1))}
+    return {
+        "residuals": DTensor.from_local(
+            row, _world_mesh(device.type), [Shard(0)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)
+        )
+    }
 
 
 def restore(loaded: dict[str, Any], checkpoint: dict[str, Any], engine: ShardingEngine | None) -> None:

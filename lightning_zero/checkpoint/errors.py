@@ -80,9 +80,7 @@ def save_error(path: Path, failures: Mapping[int, BaseException | str], previous
         disk_full = disk_full or (not isinstance(failure, str) and is_disk_full(failure)) or _mentions_disk_full(text)
         lines.append(f"  rank {rank}: {text}")
     if disk_full:
-        lines.append(
-            "The disk may be full (or a file-size limit or quota was reached): free space or save elsewhere."
-        )
+        lines.append("The disk may be full (or a file-size limit or quota was reached): free space or save elsewhere.")
     kept = f"the previous checkpoint at {path} is intact" if previous else f"nothing was written under {path}"
     lines.append(f"The partial files of this save were removed; {kept}.")
     return CheckpointSaveError("\n".join(lines))

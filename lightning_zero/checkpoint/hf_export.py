@@ -87,7 +87,17 @@ def parse_size(text: str | int) -> int:
     if not match:
         raise ValueError(f"Cannot read the size {text!r}; write e.g. '5GB' or '500MiB'.")
     unit = (match.group(2) or "b").lower()
-    scale = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}[unit]
+    scale = {
+        "b": 1,
+        "kb": 1e3,
+        "mb": 1e6,
+        "gb": 1e9,
+        "tb": 1e12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }[unit]
     return int(float(match.group(1)) * scale)
 
 
@@ -122,14 +132,14 @@ def write_hf_dir(
             shard, size = {}, 0
 
         for name, tensor in tensors:
-            if not name.startswith(prefix) or name[len(prefix):] in tied:
+            if not name.startswith(prefix) or name[len(prefix) :] in tied:
                 continue
             cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             tensor = tensor.detach().to("cpu", dtype=cast).contiguous()
             nbytes = tensor.numel() * tensor.element_size()
             if shard and size + nbytes > limit:
                 flush()
-            shard[name[len(prefix):]] = tensor
+            shard[name[len(prefix) :]] = tensor
             size, total = size + nbytes, total + nbytes
         flush()
         if len(files) == 1:
@@ -163,9 +173,15 @@ def sixteen_bit_dir(checkpoint: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".hf")
 
 
-def save_16bit(state: Mapping[str, torch.Tensor], record: Mapping[str, Any] | None, checkpoint: str | os.PathLike,
-               dtype: torch.dtype) -> Path:
+def save_16bit(
+    state: Mapping[str, torch.Tensor],
+    record: Mapping[str, Any] | None,
+    checkpoint: str | os.PathLike,
+    dtype: torch.dtype,
+) -> Path:
     """``gather_16bit_weights_on_save``: the full ``state`` in ``dtype`` next to ``checkpoint``: a Hugging Face
     directory when the module holds a ``transformers`` model (``record``), else ``model.safetensors`` alone
     under the module's own names."""
-    return write_hf_dir(state.items(), record or {"prefix": "", "config": None}, sixteen_bit_dir(checkpoint), dtype=dtype)
+    return write_hf_dir(
+        state.items(), record or {"prefix": "", "config": None}, sixteen_bit_dir(checkpoint), dtype=dtype
+    )

@@ -92,8 +92,9 @@ def load(
     elsewhere = holding.elsewhere
     state = {model_key: model_state}
     if average is not None:
-        check_compatible(saved_tensor_shapes(path, "state_dict"), _shapes(average), "weight average", strict=strict,
-                         checkpoint=path)
+        check_compatible(
+            saved_tensor_shapes(path, "state_dict"), _shapes(average), "weight average", strict=strict, checkpoint=path
+        )
         average = holding.held(average)  # another pipeline stage's tensors are meta here
         if with_current:
             state["state_dict"] = average
@@ -210,7 +211,9 @@ def _materialize_optimizer_state(optimizer: Optimizer, engine: ShardingEngine | 
     shards = set(map(id, hosted.values()))
     with hosting:
         params = [
-            p for g in optimizer.param_groups for p in g["params"]
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
             if (p.requires_grad or id(p) in shards) and id(p) not in stateless
         ]
         if any(p.grad is not None for p in params):
@@ -245,14 +248,21 @@ def _load_param_group_hyperparameters(optimizer: Optimizer, groups: list[dict]) 
 
 
 def load_model_state(
-    module: nn.Module, state_dict: Mapping[str, Any], engine: ShardingEngine | None, strict: bool = True, holding: Holding = Holding()
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    engine: ShardingEngine | None,
+    strict: bool = True,
+    holding: Holding = Holding(),
 ) -> None:
     """Load a full (unsharded) ``state_dict`` into the live model, keeping only this rank's rows."""
     if not state_dict:
         return
     check_compatible(_shapes(state_dict), _shapes(module.state_dict()), "model", strict=strict)
     copy_into_model(
-        module, engine, {name: name for name in state_dict}, lambda key, rank, world: local_rows(state_dict[key], rank, world),
+        module,
+        engine,
+        {name: name for name in state_dict},
+        lambda key, rank, world: local_rows(state_dict[key], rank, world),
         lambda key: state_dict[key],
         holding,
     )
@@ -288,7 +298,11 @@ def copy_into_model(
 
 
 def load_optimizer_state(
-    optimizer: Optimizer, saved: Mapping[str, Any], module: nn.Module, engine: ShardingEngine | None, holding: Holding = Holding()
+    optimizer: Optimizer,
+    saved: Mapping[str, Any],
+    module: nn.Module,
+    engine: ShardingEngine | None,
+    holding: Holding = Holding(),
 ) -> None:
     """Load a ``torch.optim``-format state (full tensors, index keys) into the sharded optimizer."""
     if SHARDED_MARKER in saved:
@@ -302,7 +316,9 @@ def load_optimizer_state(
     if any(p.dim() == 0 and id(p) in hosted and id(p) not in whole for p in params):
         # A 0-dim parameter's state is stepped as a row: which of its 0-dim entries are per element (an Adam
         # moment, not its step count) only the state the optimizer itself creates tells.
-        _materialize_optimizer_state(optimizer, engine, {id(p) for n, p in module.named_parameters() if n in holding.elsewhere})
+        _materialize_optimizer_state(
+            optimizer, engine, {id(p) for n, p in module.named_parameters() if n in holding.elsewhere}
+        )
     for index, entry in saved["state"].items():
         param = params[int(index)]
         if not holding.holds(names[id(param)]):
@@ -311,13 +327,19 @@ def load_optimizer_state(
         if id(param) in whole:  # stepped whole: its owner alone holds the state, whole
             if whole[id(param)] == rank:
                 optimizer.state[key] = {
-                    name: value.to(key.device, copy=True) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                    name: value.to(key.device, copy=True)
+                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    else value
                     for name, value in entry.items()
                 }
             continue
         restored, live = {}, optimizer.state.get(key, {})
         for name, value in entry.items():
-            if isinstance(value, torch.Tensor) and (value.dim() > 0 or _row_of(live.get(name), key)) and value.shape == param.shape:
+            if (
+                isinstance(value, torch.Tensor)
+                and (value.dim() > 0 or _row_of(live.get(name), key))
+                and value.shape == param.shape
+            ):
                 local = local_rows(value, rank, world).to(key.device, copy=True)
                 if key is param and isinstance(param, DTensor):
                     local = dtensor_over(local, param.device_mesh, param.placements, param.shape, param.stride())

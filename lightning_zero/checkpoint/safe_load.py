@@ -36,8 +36,14 @@ from lightning_zero.torch_versions.dcp import set_nested
 
 _DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
     "torch.distributed.checkpoint.planner": {"LoadItemType", "WriteItemType"},
@@ -149,8 +155,14 @@ def load_weights_only(source: str | os.PathLike | io.BytesIO, *, what: str | Non
         ) from None
 
 
-def dcp_load(state: dict, path: Path, *, allow_partial_load: bool = False, no_dist: bool = False,
-             planner: SafeLoadPlanner | None = None) -> None:
+def dcp_load(
+    state: dict,
+    path: Path,
+    *,
+    allow_partial_load: bool = False,
+    no_dist: bool = False,
+    planner: SafeLoadPlanner | None = None,
+) -> None:
     """``torch.distributed.checkpoint.load`` of ``state`` from ``path`` through the safe reader and planner (or
     ``planner``, one that reads as safely)."""
     import torch.distributed.checkpoint as dcp
@@ -182,6 +194,7 @@ def dcp_load_here(state: dict, path: Path, planner: SafeLoadPlanner | None = Non
     distributed is "disabled, unavailable or uninitialized" on every call: that one warning, which here is the
     intent rather than a problem, is silenced; any other is left alone."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+        )
         dcp_load(state, path, no_dist=True, planner=planner)

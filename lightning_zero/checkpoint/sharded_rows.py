@@ -34,8 +34,11 @@ class ShardedWeights:
         check_complete(path)
         self.path = path
         metadata = read_dcp_metadata(path / ".metadata").state_dict_metadata
-        self._items = {key[len(PREFIX):]: item for key, item in metadata.items()
-                       if key.startswith(PREFIX) and isinstance(item, TensorStorageMetadata)}
+        self._items = {
+            key[len(PREFIX) :]: item
+            for key, item in metadata.items()
+            if key.startswith(PREFIX) and isinstance(item, TensorStorageMetadata)
+        }
 
     def keys(self) -> list[str]:
         return list(self._items)

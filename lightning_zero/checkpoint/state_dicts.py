@@ -91,7 +91,11 @@ def full_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: Shardi
     hosted = hosted_tensors(optimizer, engine)
     shapes = {id(p): p.shape for p in module.parameters() if id(p) in hosted or isinstance(p, DTensor)}
     return full_optimizer_state_dict(
-        optimizer, hosted, shapes, rows_group=engine.group if engine is not None else None, whole=owners_of(optimizer, engine)
+        optimizer,
+        hosted,
+        shapes,
+        rows_group=engine.group if engine is not None else None,
+        whole=owners_of(optimizer, engine),
     )
 
 
@@ -128,13 +132,16 @@ def _pipelined_full_state(
     """Pipeline stages: each rank's held tensors (masters, and stage 3's sharded tensors, gathered over its
     stage's replicas), then every stage's, merged in the module's own order."""
     rows = trainable_rows(engine) if engine is not None and engine.holds_masters else {}
-    held = {name: gather_full(rows[name].rows, rows[name].shape, group=rows[name].group) if name in rows else value
-            for name, value in _held_state(module, holding).items()}  # the resident parameters are rounded copies
+    held = {
+        name: gather_full(rows[name].rows, rows[name].shape, group=rows[name].group) if name in rows else value
+        for name, value in _held_state(module, holding).items()
+    }  # the resident parameters are rounded copies
     return gather_stages(held, engine, list(module.state_dict()), rank0_only)
 
 
-def gather_stages(held: dict[str, Any], engine: ShardingEngine | None, order: list[str],
-                  rank0_only: bool = True) -> dict[str, Any]:
+def gather_stages(
+    held: dict[str, Any], engine: ShardingEngine | None, order: list[str], rank0_only: bool = True
+) -> dict[str, Any]:
     """Every pipeline stage's ``held`` tensors (stage 3's DTensors gathered over the stage's replicas) on rank 0, or
     on every rank, whole and on the CPU, in ``order``. Collective."""
     whole = {}
@@ -161,7 +168,9 @@ def whole_tensor(value: DTensor) -> torch.Tensor:
     return value.full_tensor()
 
 
-def sharded_model_state(module: nn.Module, engine: ShardingEngine | None, holding: Holding = Holding()) -> dict[str, Any]:
+def sharded_model_state(
+    module: nn.Module, engine: ShardingEngine | None, holding: Holding = Holding()
+) -> dict[str, Any]:
     """Parameter name -> this rank's rows (as a DTensor); buffers and frozen parameters as they are."""
     state = _held_state(module, holding)
     trainable = trainable_rows(engine)
@@ -192,7 +201,10 @@ def sharded_optimizer_state(optimizer: Optimizer, module: nn.Module, engine: Sha
                 continue
             state[name] = {
                 key: as_sharded(value, param.shape, mesh)
-                if id(param) in hosted and id(param) not in whole and isinstance(value, torch.Tensor) and value.dim() > 0
+                if id(param) in hosted
+                and id(param) not in whole
+                and isinstance(value, torch.Tensor)
+                and value.dim() > 0
                 else value
                 for key, value in entry.items()
             }

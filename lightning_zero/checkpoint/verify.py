@@ -212,7 +212,8 @@ def check_compatible(
     mismatched = sorted(
         f"{name}: checkpoint {tuple(stored)} vs {tuple(current)}"
         for name in set(saved) & set(live)
-        if (stored := saved[name]) is not None and (current := live[name]) is not None
+        if (stored := saved[name]) is not None
+        and (current := live[name]) is not None
         and tuple(stored) != tuple(current)
     )
     if mismatched or (strict and (missing or unexpected)):

@@ -39,10 +39,17 @@ def consolidate_command(argv: Sequence[str]) -> int:
     parser.add_argument("src", help="sharded checkpoint directory")
     parser.add_argument("dst", help="output file")
     parser.add_argument("--optimizer", action="store_true", help="also write the optimizer states (torch.optim format)")
-    parser.add_argument("--hf", action="store_true", help="write a Hugging Face directory (config.json + safetensors) "
-                        "that from_pretrained reads, instead of one file")
-    parser.add_argument("--hf-config", help="--hf: a directory with the model's config.json, for checkpoints that do not "
-                        "describe their Hugging Face model")
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="write a Hugging Face directory (config.json + safetensors) "
+        "that from_pretrained reads, instead of one file",
+    )
+    parser.add_argument(
+        "--hf-config",
+        help="--hf: a directory with the model's config.json, for checkpoints that do not "
+        "describe their Hugging Face model",
+    )
     parser.add_argument("--prefix", help="--hf: the prefix of the model's names in the LightningModule (e.g. 'model.')")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="--hf: dtype of the written weights")
     parser.add_argument("--max-shard-size", default="5GB", help="--hf: largest safetensors file (default 5GB)")
@@ -52,8 +59,14 @@ def consolidate_command(argv: Sequence[str]) -> int:
 
     try:
         if args.hf:
-            out = export_hf(args.src, args.dst, dtype=args.dtype, hf_config=args.hf_config, prefix=args.prefix,
-                            max_shard_size=args.max_shard_size)
+            out = export_hf(
+                args.src,
+                args.dst,
+                dtype=args.dtype,
+                hf_config=args.hf_config,
+                prefix=args.prefix,
+                max_shard_size=args.max_shard_size,
+            )
         else:
             out = consolidate(args.src, args.dst, include_optimizer=args.optimizer)
     except (CheckpointError, FileNotFoundError, ValueError) as err:
@@ -87,8 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(plain(__doc__).strip())
         print(f"\ncommands: {', '.join(COMMANDS)}")
         return 0
-    print(f"lightning-zero: error: unknown command {command!r}; the commands are {', '.join(COMMANDS)}."
-          f"{closest(command, COMMANDS)}", file=sys.stderr)
+    print(
+        f"lightning-zero: error: unknown command {command!r}; the commands are {', '.join(COMMANDS)}."
+        f"{closest(command, COMMANDS)}",
+        file=sys.stderr,
+    )
     return 2
 
 

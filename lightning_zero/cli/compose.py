@@ -143,7 +143,15 @@ class Composer:
         return sorted({p.name for root in self.roots for p in root.iterdir() if p.is_dir() and _has_yaml(p)})
 
     def options(self, group: str) -> list[str]:
-        return sorted({p.stem for root in self.roots if (root / group).is_dir() for p in (root / group).iterdir() if p.suffix in YAML_SUFFIXES})
+        return sorted(
+            {
+                p.stem
+                for root in self.roots
+                if (root / group).is_dir()
+                for p in (root / group).iterdir()
+                if p.suffix in YAML_SUFFIXES
+            }
+        )
 
     def option_file(self, group: str, option: Any) -> Path | None:
         candidates = (root / group / f"{option}{suffix}" for root in self.roots for suffix in YAML_SUFFIXES)
@@ -213,7 +221,9 @@ class Composer:
     def check_overrides_used(self) -> None:
         for group in self.overrides:
             if group not in self.used:
-                raise CLIConfigError(f"`override {group}: ...` in a defaults list matches no `{group}` entry of any defaults list.")
+                raise CLIConfigError(
+                    f"`override {group}: ...` in a defaults list matches no `{group}` entry of any defaults list."
+                )
 
     def _choice(self, group: str, default: Any) -> Any:
         self.used.add(group)

@@ -28,8 +28,15 @@ _KEY = re.compile(r'Parser key "([^"]+)"')
 _EXPECTED = re.compile(r"Expected a (?:<class '([\w.]+)'>|typing\.Literal\[(.*)\])")
 _SUBTYPE = re.compile(r"<class '([\w.]+)'>|typing\.Literal\[([^\]]*)\]")
 _VALUE = re.compile(r"(?:Got|Given) value: (.*?)\s*$")
-_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "NoneType": "null",
-               "dict": "a mapping", "list": "a list"}
+_TYPE_NAMES = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "str": "a string",
+    "NoneType": "null",
+    "dict": "a mapping",
+    "list": "a list",
+}
 
 
 def one_line(text: str) -> str:
@@ -49,7 +56,7 @@ def argument_error_line(message: str) -> str:
     keys = _ancestor_keys(lines, last)
     depth = _indent(lines[last])
     block = []
-    for line in lines[last + 1:]:
+    for line in lines[last + 1 :]:
         if line.strip() and _indent(line) <= depth:
             break
         block.append(line)

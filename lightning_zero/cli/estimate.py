@@ -61,8 +61,9 @@ def count_model_parameters(path: str | Path) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def format_table(estimates: Sequence[Estimate], limit: float | None = None, host_limit: float | None = None,
-                 pick: str | None = None) -> str:
+def format_table(
+    estimates: Sequence[Estimate], limit: float | None = None, host_limit: float | None = None, pick: str | None = None
+) -> str:
     """The table in one unit (GiB once any figure reaches 1 GiB, else MiB); ``pick`` names the row marked as the
     fastest that fits."""
     unit, scale = unit_for(*(e.device_bytes for e in estimates), *(e.host_bytes_per_node for e in estimates))
@@ -94,20 +95,33 @@ def write_strategy(estimate_: Estimate, path: Path, summary: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     description, epilog = description_and_epilog(__doc__)
-    parser = argparse.ArgumentParser(prog="lightning-zero estimate", description=description, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero estimate",
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=float, help="number of trainable parameters, e.g. 1.3e9")
-    size.add_argument("--model", help="a model YAML (conf/model/*.yaml or a full config); parameters counted on the meta device")
+    size.add_argument(
+        "--model", help="a model YAML (conf/model/*.yaml or a full config); parameters counted on the meta device"
+    )
     parser.add_argument("--devices", type=int, default=1, help="ranks in all, over every node (default 1)")
-    parser.add_argument("--devices-per-node", type=int, help="ranks on one node, sharing its host memory (default: "
-                        "--devices up to 8, else 8)")
+    parser.add_argument(
+        "--devices-per-node",
+        type=int,
+        help="ranks on one node, sharing its host memory (default: --devices up to 8, else 8)",
+    )
     parser.add_argument("--nodes", type=int, help=argparse.SUPPRESS)  # removed: refused with the new spelling
     parser.add_argument("--precision", default="32-true", choices=PRECISIONS)
     parser.add_argument("--plot", type=Path, help="write a bar chart (PNG) of the table")
     parser.add_argument("--memory-per-device", type=parse_bytes, help="e.g. 80GiB: name the fastest choice that fits")
-    parser.add_argument("--memory-per-host", type=parse_bytes, help="e.g. 512GiB: host RAM of a node, for offloading choices")
-    parser.add_argument("--output", type=Path, help="write the fastest fitting choice as a strategy YAML (needs --memory-per-device)")
+    parser.add_argument(
+        "--memory-per-host", type=parse_bytes, help="e.g. 512GiB: host RAM of a node, for offloading choices"
+    )
+    parser.add_argument(
+        "--output", type=Path, help="write the fastest fitting choice as a strategy YAML (needs --memory-per-device)"
+    )
     return parser
 
 
@@ -116,8 +130,10 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.nodes is not None:
         per_node = args.devices_per_node or args.devices
-        parser.error(f"--nodes is gone: --devices now counts every rank, as in `lightning-zero plan`; for {args.nodes} "
-                     f"node(s) of {per_node} devices write --devices {args.nodes * per_node} --devices-per-node {per_node}")
+        parser.error(
+            f"--nodes is gone: --devices now counts every rank, as in `lightning-zero plan`; for {args.nodes} "
+            f"node(s) of {per_node} devices write --devices {args.nodes * per_node} --devices-per-node {per_node}"
+        )
     try:
         per_node, nodes = split_devices(args.devices, args.devices_per_node)
     except ValueError as err:
@@ -140,20 +156,31 @@ def main(argv: Sequence[str]) -> int:
     if args.memory_per_device is not None:
         best = fastest_fitting(estimates, args.memory_per_device, args.memory_per_host)
     pick = best.choice.name if best is not None else None
-    print(f"Model states of {params:,.0f} parameters{source} on {world} rank(s) ({nodes} node(s) x {per_node} "
-          f"device(s)), {args.precision}, Adam:")
+    print(
+        f"Model states of {params:,.0f} parameters{source} on {world} rank(s) ({nodes} node(s) x {per_node} "
+        f"device(s)), {args.precision}, Adam:"
+    )
     print(format_table(estimates, args.memory_per_device, args.memory_per_host, pick=pick))
-    print("(parameters, gradients and optimizer state only: activations and temporary buffers come on top"
-          + (f"; {PICK}: the fastest that fits)" if best is not None else ")"))
+    print(
+        "(parameters, gradients and optimizer state only: activations and temporary buffers come on top"
+        + (f"; {PICK}: the fastest that fits)" if best is not None else ")")
+    )
     if nodes > 1:
-        print("(inter_node_xP: elements each rank sends across nodes per step, in units of the parameter count; the *_hsdp\n"
-              " choices shard inside a node and replicate across nodes, zero3_hpz keeps a node-local parameter copy)")
+        print(
+            "(inter_node_xP: elements each rank sends across nodes per step, in units of the parameter count; the *_hsdp\n"
+            " choices shard inside a node and replicate across nodes, zero3_hpz keeps a node-local parameter copy)"
+        )
     if args.plot:
         from lightning_zero.planning.formulas_plot import plot_estimates
 
         try:
-            plot_estimates(estimates, args.plot, title=f"{params:.3g} parameters, {world} ranks, {args.precision}",
-                           limit=args.memory_per_device, pick=pick)
+            plot_estimates(
+                estimates,
+                args.plot,
+                title=f"{params:.3g} parameters, {world} ranks, {args.precision}",
+                limit=args.memory_per_device,
+                pick=pick,
+            )
         except RuntimeError as err:  # matplotlib missing
             parser.error(str(err))
         print(f"wrote {args.plot}")
@@ -165,10 +192,12 @@ def main(argv: Sequence[str]) -> int:
         print(f"nothing fits in {format_bytes(args.memory_per_device, unit)} per device{host}: add devices or nodes.")
         return 1
     unit = unit_for(args.memory_per_device, best.device_bytes, best.host_bytes_per_node)
-    summary = (f"fastest choice whose model states fit {format_bytes(args.memory_per_device, unit)} per device for "
-               f"{params:.3g} parameters on {world} ranks ({args.precision}): {best.choice.name}, "
-               f"{format_bytes(best.device_bytes, unit)} per device, "
-               f"{format_bytes(best.host_bytes_per_node, unit)} per host")
+    summary = (
+        f"fastest choice whose model states fit {format_bytes(args.memory_per_device, unit)} per device for "
+        f"{params:.3g} parameters on {world} ranks ({args.precision}): {best.choice.name}, "
+        f"{format_bytes(best.device_bytes, unit)} per device, "
+        f"{format_bytes(best.host_bytes_per_node, unit)} per host"
+    )
     print(summary[0].upper() + summary[1:])
     if args.output:
         write_strategy(best, args.output, summary)

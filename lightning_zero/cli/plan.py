@@ -32,12 +32,16 @@ PICK = "<- pick"
 def format_rows(rows: list[dict], budget: float | None, host_budget: float | None, unit: tuple[str, float]) -> str:
     """The table in ``unit`` (one for the whole output); ``micro-batch`` is ``per micro-batch x accumulated``."""
     name, scale = unit
-    lines = [f"{'configuration':<28}{'checkpointing':>14}{'micro-batch':>13}{'device_' + name:>14}{'host_' + name:>12}"
-             + (f"{'fits':>6}" if budget is not None else "")]
+    lines = [
+        f"{'configuration':<28}{'checkpointing':>14}{'micro-batch':>13}{'device_' + name:>14}{'host_' + name:>12}"
+        + (f"{'fits':>6}" if budget is not None else "")
+    ]
     for r in rows:
-        line = (f"{r['configuration']:<28}{'yes' if r['checkpointing'] else 'no':>14}"
-                f"{str(r['micro_batch']) + ' x ' + str(r['accumulate']):>13}"
-                f"{r['device_bytes'] / scale:>14.2f}{r['host_bytes'] / scale:>12.2f}")
+        line = (
+            f"{r['configuration']:<28}{'yes' if r['checkpointing'] else 'no':>14}"
+            f"{str(r['micro_batch']) + ' x ' + str(r['accumulate']):>13}"
+            f"{r['device_bytes'] / scale:>14.2f}{r['host_bytes'] / scale:>12.2f}"
+        )
         if budget is not None:
             fits = r["device_bytes"] <= budget and (host_budget is None or r["host_bytes"] <= host_budget)
             line += f"{'yes' if fits else 'no':>6}"
@@ -49,25 +53,44 @@ def format_rows(rows: list[dict], budget: float | None, host_budget: float | Non
 
 def build_parser() -> argparse.ArgumentParser:
     description, epilog = description_and_epilog(__doc__)
-    parser = argparse.ArgumentParser(prog="lightning-zero plan", description=description, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="lightning-zero plan",
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--config", type=Path, help="a lightning-zero fit config (model, data, trainer)")
     what.add_argument("--params", type=float, help="parameters of a standard decoder-only transformer, e.g. 6e9")
-    parser.add_argument("--devices", type=int, help="ranks in all, over every node (default with --config: the "
-                        "config's trainer.devices x trainer.num_nodes)")
-    parser.add_argument("--devices-per-node", type=int, help="ranks on one node, sharing its host memory (default: "
-                        "the config's trainer.devices; with --params, --devices up to 8, else 8)")
+    parser.add_argument(
+        "--devices",
+        type=int,
+        help="ranks in all, over every node (default with --config: the config's trainer.devices x trainer.num_nodes)",
+    )
+    parser.add_argument(
+        "--devices-per-node",
+        type=int,
+        help="ranks on one node, sharing its host memory (default: "
+        "the config's trainer.devices; with --params, --devices up to 8, else 8)",
+    )
     parser.add_argument("--batch-size", type=int, help="--params: sequences per optimizer step over all devices")
     parser.add_argument("--seq-len", type=int, default=2048, help="--params: tokens per sequence (default 2048)")
-    parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS, help="--params: the training "
-                        "precision (default bf16-mixed)")
-    parser.add_argument("--memory-per-device", type=parse_bytes, help="e.g. 16GiB: pick the fastest choice that fits "
-                        "(default: this machine's accelerator, else 80GiB)")
+    parser.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        choices=PRECISIONS,
+        help="--params: the training precision (default bf16-mixed)",
+    )
+    parser.add_argument(
+        "--memory-per-device",
+        type=parse_bytes,
+        help="e.g. 16GiB: pick the fastest choice that fits (default: this machine's accelerator, else 80GiB)",
+    )
     parser.add_argument("--memory-per-host", type=parse_bytes, help="e.g. 64GiB: host RAM of a node, for offloading")
     parser.add_argument("--plot", type=Path, help="write stacked bars by kind (PNG)")
-    parser.add_argument("--output", type=Path, help="write the pick: a config group YAML, or (--params) .json "
-                        "(DeepSpeed-style) / .yaml")
+    parser.add_argument(
+        "--output", type=Path, help="write the pick: a config group YAML, or (--params) .json (DeepSpeed-style) / .yaml"
+    )
     return parser
 
 
@@ -85,26 +108,42 @@ def main(argv: Sequence[str]) -> int:
             from lightning_zero.cli.schema import LightningSchema
 
             config = compose(CommandLine.parse(["fit", "--config", str(args.config)]), LightningSchema("fit"))
-            source = sources.from_config(config, args.devices, name=str(args.config),
-                                         devices_per_node=args.devices_per_node)
+            source = sources.from_config(
+                config, args.devices, name=str(args.config), devices_per_node=args.devices_per_node
+            )
         else:
             if not args.devices or not args.batch_size:
                 parser.error("--params needs --devices and --batch-size")
-            source = sources.from_size(args.params, args.devices, args.batch_size, args.seq_len, args.precision,
-                                       devices_per_node=args.devices_per_node)
+            source = sources.from_size(
+                args.params,
+                args.devices,
+                args.batch_size,
+                args.seq_len,
+                args.precision,
+                devices_per_node=args.devices_per_node,
+            )
     except (OSError, ValueError) as err:
         parser.error(str(err))
     memory, memory_source = args.memory_per_device, "--memory-per-device"
     if memory is None:
         memory, memory_source = sources.device_memory()
         memory_source += "; give --memory-per-device to plan for another"
-    planner = Planner(source.build, source.batch, world_size=source.world_size, precision=source.precision,
-                      accumulate=source.accumulate, checkpointing=source.checkpointing,
-                      devices_per_host=source.devices_per_host, backend=source.backend)
+    planner = Planner(
+        source.build,
+        source.batch,
+        world_size=source.world_size,
+        precision=source.precision,
+        accumulate=source.accumulate,
+        checkpointing=source.checkpointing,
+        devices_per_host=source.devices_per_host,
+        backend=source.backend,
+    )
     nodes = source.world_size // source.devices_per_host
-    print(f"Plan for {source.description}; {source.world_size} rank(s) ({nodes} node(s) x {source.devices_per_host} "
-          f"device(s)), {source.precision}, {planner.per_device * source.accumulate} samples per device per optimizer "
-          "step:")
+    print(
+        f"Plan for {source.description}; {source.world_size} rank(s) ({nodes} node(s) x {source.devices_per_host} "
+        f"device(s)), {source.precision}, {planner.per_device * source.accumulate} samples per device per optimizer "
+        "step:"
+    )
     print(f"Memory per device: {format_bytes(memory)} ({memory_source}).")
     try:
         plan = planner.plan(memory, args.memory_per_host)
@@ -116,9 +155,11 @@ def main(argv: Sequence[str]) -> int:
     candidates, picked = with_pick(plan)
     rows = describe(candidates, source.devices_per_host, picked)
     print(format_rows(rows, memory, args.memory_per_host, _unit(rows)))
-    print(f"(peak per device: model state, activations, gradients and buffers of a traced step; per host: what a "
-          f"node holds offloaded; micro-batch: samples per micro-batch x micro-batches accumulated; {PICK}: the "
-          "fastest that fits)")
+    print(
+        f"(peak per device: model state, activations, gradients and buffers of a traced step; per host: what a "
+        f"node holds offloaded; micro-batch: samples per micro-batch x micro-batches accumulated; {PICK}: the "
+        "fastest that fits)"
+    )
     if args.plot:
         from lightning_zero.planning.plot import plot_plan
 
@@ -132,10 +173,12 @@ def main(argv: Sequence[str]) -> int:
         raise RuntimeError("lightning_zero internal error: planned with a memory budget")
     host_bytes = pick.prediction.host_bytes * source.devices_per_host
     unit = unit_for(memory, pick.prediction.device_bytes, host_bytes)
-    summary = (f"Fastest that fits {format_bytes(memory, unit)} per device: {pick.configuration.name}"
-               f"{' with activation checkpointing' if pick.checkpointing else ''}, micro-batch {pick.micro_batch} x "
-               f"{pick.accumulate} accumulated, predicted peak {format_bytes(pick.prediction.device_bytes, unit)} per "
-               f"device, {format_bytes(host_bytes, unit)} per host.")
+    summary = (
+        f"Fastest that fits {format_bytes(memory, unit)} per device: {pick.configuration.name}"
+        f"{' with activation checkpointing' if pick.checkpointing else ''}, micro-batch {pick.micro_batch} x "
+        f"{pick.accumulate} accumulated, predicted peak {format_bytes(pick.prediction.device_bytes, unit)} per "
+        f"device, {format_bytes(host_bytes, unit)} per host."
+    )
     print(summary)
     if args.output:
         try:
@@ -145,8 +188,10 @@ def main(argv: Sequence[str]) -> int:
                 write_generated(args.output, pick, source.checkpointing, source.world_size, source.precision, summary)
         except ValueError as err:
             parser.error(str(err))
-        print(f"wrote {args.output}" + (f" (use it with `strategy={args.output.stem}` from conf/strategy/)"
-                                        if args.config is not None else ""))
+        print(
+            f"wrote {args.output}"
+            + (f" (use it with `strategy={args.output.stem}` from conf/strategy/)" if args.config is not None else "")
+        )
     return 0
 
 

@@ -67,7 +67,9 @@ def init_parameters(cls: type) -> frozenset[str] | None:
 def expand_registered_name(name: str) -> dict | None:
     """``"zero3"`` as ``{class_path: ..., init_args: {stage: 3}}``, so ``strategy.stage=2`` can edit it; an unknown
     ``zero…`` name is refused with the message ``Trainer(strategy=...)`` gives (``strategy/early_checks.py``)."""
-    from lightning.pytorch.strategies import StrategyRegistry  # holds the zero* names: importing this package registered them
+    from lightning.pytorch.strategies import (
+        StrategyRegistry,
+    )  # holds the zero* names: importing this package registered them
 
     from lightning_zero.strategy.early_checks import check_strategy_name
 
@@ -150,7 +152,9 @@ class LightningSchema:
                 isinstance(node, list) and segment.isdigit() and int(segment) < len(node)
             )
             if allowed is not None and segment not in allowed and not present:
-                candidates = set(allowed) | (set(node) if isinstance(node, dict) else set()) | (set() if path else set(ALIASES))
+                candidates = (
+                    set(allowed) | (set(node) if isinstance(node, dict) else set()) | (set() if path else set(ALIASES))
+                )
                 what = "key" if place.startswith("the ") else "argument"
                 suggestion = _suggest(user, index - offset, segment, candidates)
                 hint = f" Did you mean {suggestion!r}?" if suggestion else ""
@@ -184,7 +188,9 @@ def _check_keys(node: dict, allowed: frozenset[str] | None, place: str, prefix: 
         return
     for key in node:
         if key not in allowed:
-            raise CLIConfigError(f"unknown key {prefix + str(key)!r}: {place} has no argument {str(key)!r}.{closest(str(key), allowed)}")
+            raise CLIConfigError(
+                f"unknown key {prefix + str(key)!r}: {place} has no argument {str(key)!r}.{closest(str(key), allowed)}"
+            )
 
 
 def _check_classes(node: Any, path: list[str]) -> None:

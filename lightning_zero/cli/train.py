@@ -93,8 +93,11 @@ def check_devices(devices: Any, accelerator: Any) -> None:
     on_cpu = accelerator == "cpu"
     if _valid_devices(devices, on_cpu):
         return
-    allowed = ("a number of processes >= 1, or 'auto'" if on_cpu else
-               "a number of devices >= 1, -1 or 'auto' for all of them, or a list of device indices such as [0, 1]")
+    allowed = (
+        "a number of processes >= 1, or 'auto'"
+        if on_cpu
+        else "a number of devices >= 1, -1 or 'auto' for all of them, or a list of device indices such as [0, 1]"
+    )
     raise CLIConfigError(f"trainer.devices={devices!r} is not valid with accelerator={accelerator!r}: give {allowed}.")
 
 

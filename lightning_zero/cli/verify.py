@@ -44,8 +44,9 @@ def main(argv: Sequence[str]) -> int:
         description="Check checkpoints (sharded directories and full files) and list the incomplete ones.",
         epilog="Exit status: 0 all complete, 1 some incomplete or corrupted (or none found), 2 bad usage.",
     )
-    parser.add_argument("paths", nargs="+", metavar="PATH",
-                        help="a checkpoint, or a folder: every checkpoint in it or below it")
+    parser.add_argument(
+        "paths", nargs="+", metavar="PATH", help="a checkpoint, or a folder: every checkpoint in it or below it"
+    )
     parser.add_argument("--quick", action="store_true", help="sizes only: skip the CRC-32s (no file is read in full)")
     parser.add_argument("--json", action="store_true", help="one JSON object per checkpoint instead of a table")
     args = parser.parse_args(argv)

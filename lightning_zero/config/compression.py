@@ -119,7 +119,8 @@ def _compression_block(block: Mapping[str, Any]) -> Iterator[tuple[str, Any, str
         spelled = {v: k for k, v in _QUANTIZATION_TYPES.items()}.get(scheme)  # our name for it, e.g. "asymmetric"
         raise ZeroConfigError(
             f"DeepSpeed config: `compression.quantization_type={scheme!r}` is not supported; choose one of "
-            f"{sorted(_QUANTIZATION_TYPES)}." + (f" Did you mean {spelled!r}?" if spelled else closest(str(scheme), _QUANTIZATION_TYPES))
+            f"{sorted(_QUANTIZATION_TYPES)}."
+            + (f" Did you mean {spelled!r}?" if spelled else closest(str(scheme), _QUANTIZATION_TYPES))
         )
     bits = block.get("quantization_bits", 32)
     if type(bits) is not int or bits not in _BITS:
@@ -137,7 +138,11 @@ def _compression_block(block: Mapping[str, Any]) -> Iterator[tuple[str, Any, str
     if "quantization_type" in block:
         yield "quantization_scheme", _QUANTIZATION_TYPES[scheme], _written("compression", "quantization_type", scheme)
     if "error_feedback" in block:
-        yield "error_feedback", block["error_feedback"], _written("compression", "error_feedback", block["error_feedback"])
+        yield (
+            "error_feedback",
+            block["error_feedback"],
+            _written("compression", "error_feedback", block["error_feedback"]),
+        )
     if block.get("all_gather_fp16"):
         yield "param_compression", "fp16", _written("compression", "all_gather_fp16", True)
 
@@ -147,13 +152,18 @@ def _quantized_zero(zero: Mapping[str, Any]) -> Iterator[tuple[str, Any, str]]:
     gradients in transit; ``false`` sets nothing."""
     for key in QUANTIZED_ZERO_KEYS:
         if key in zero and not isinstance(zero[key], bool):
-            raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{key}` must be true or false, got {zero[key]!r}.")
+            raise ZeroConfigError(
+                f"DeepSpeed config: `zero_optimization.{key}` must be true or false, got {zero[key]!r}."
+            )
     if zero.get("zero_quantized_nontrainable_weights"):
         raise ZeroConfigError(
             "DeepSpeed config: `zero_optimization.zero_quantized_nontrainable_weights` (frozen weights kept quantized "
             "in memory) is not supported by ZeroStrategy; remove it or set it to false. `zero_quantized_weights` "
             "(int8 parameters in the all-gathers) is supported."
         )
-    for key, argument in (("zero_quantized_weights", "param_compression"), ("zero_quantized_gradients", "gradient_compression")):
+    for key, argument in (
+        ("zero_quantized_weights", "param_compression"),
+        ("zero_quantized_gradients", "gradient_compression"),
+    ):
         if zero.get(key):
             yield argument, "int8", _written("zero_optimization", key, True)

@@ -263,8 +263,17 @@ class ZeroConfig:
             object.__setattr__(self, "init_weights", os.fspath(self.init_weights))
         if self.init_weights_prefix is not None and not isinstance(self.init_weights_prefix, str):
             raise ZeroConfigError(f"`init_weights_prefix` must be None or a string, got {self.init_weights_prefix!r}.")
-        flags = ("offload_params", "overlap_comm", "reduce_every_microbatch", "init_weights_strict",
-                 "gather_16bit_weights_on_save", "watchdog", "async_save", "auto_resume", "error_feedback")
+        flags = (
+            "offload_params",
+            "overlap_comm",
+            "reduce_every_microbatch",
+            "init_weights_strict",
+            "gather_16bit_weights_on_save",
+            "watchdog",
+            "async_save",
+            "auto_resume",
+            "error_feedback",
+        )
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):
                 raise ZeroConfigError(f"`{flag}` must be True or False, got {getattr(self, flag)!r}.")
@@ -272,10 +281,14 @@ class ZeroConfig:
             raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb!r}.")
         if not self.bucket_size_mb > 0:
             raise ZeroConfigError(f"`bucket_size_mb` must be a positive number of MiB, got {self.bucket_size_mb}.")
-        if isinstance(self.unit_size_mb, bool) or not isinstance(self.unit_size_mb, (int, float)) \
-                or not self.unit_size_mb >= 0:
-            raise ZeroConfigError(f"`unit_size_mb` must be a number of MiB >= 0 (0: one unit per layer), got "
-                                  f"{self.unit_size_mb!r}.")
+        if (
+            isinstance(self.unit_size_mb, bool)
+            or not isinstance(self.unit_size_mb, (int, float))
+            or not self.unit_size_mb >= 0
+        ):
+            raise ZeroConfigError(
+                f"`unit_size_mb` must be a number of MiB >= 0 (0: one unit per layer), got {self.unit_size_mb!r}."
+            )
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
         check_offload(self)
@@ -294,7 +307,9 @@ class ZeroConfig:
             )
         check_choice("start_method", self.start_method, ("popen", "spawn", "fork", "forkserver"))
         if self.process_group_backend is not None:
-            check_choice("process_group_backend", self.process_group_backend, ("gloo", "nccl", "mpi", "cuda:nccl,cpu:gloo"))
+            check_choice(
+                "process_group_backend", self.process_group_backend, ("gloo", "nccl", "mpi", "cuda:nccl,cpu:gloo")
+            )
         if isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool):
             if self.timeout > 0:  # seconds, as LightningCLI / YAML users write it
                 object.__setattr__(self, "timeout", timedelta(seconds=self.timeout))
@@ -316,9 +331,15 @@ class ZeroConfig:
             value = getattr(self, setting)
             if isinstance(value, str) and value.isdigit():  # "2" from a command line
                 object.__setattr__(self, setting, value := int(value))
-            if value is None or value == "node" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            if (
+                value is None
+                or value == "node"
+                or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+            ):
                 continue
-            raise ZeroConfigError(f"`{setting}` must be None, 'node' or a number of ranks (1 only in one process), got {value!r}.")
+            raise ZeroConfigError(
+                f"`{setting}` must be None, 'node' or a number of ranks (1 only in one process), got {value!r}."
+            )
         if self.secondary_shard_size is not None and self.stage != 3:
             raise ZeroConfigError(
                 f"`secondary_shard_size={self.secondary_shard_size!r}` (hpZ) needs `stage=3` (got stage={self.stage}): "
@@ -331,8 +352,10 @@ class ZeroConfig:
             )
         for setting in ("shard_size", "secondary_shard_size"):
             if getattr(self, setting) is not None and self.pipeline_stages > 1:
-                raise ZeroConfigError(f"`{setting}={getattr(self, setting)!r}` is not supported with `pipeline_stages="
-                                      f"{self.pipeline_stages}`: {PIPELINE_HYBRID_REFUSAL}")
+                raise ZeroConfigError(
+                    f"`{setting}={getattr(self, setting)!r}` is not supported with `pipeline_stages="
+                    f"{self.pipeline_stages}`: {PIPELINE_HYBRID_REFUSAL}"
+                )
 
     def group_sizes(self, world_size: int, node_size: int) -> tuple[int, int | None]:
         """``(shard group size, hpZ group size or None)`` for a run of ``world_size`` ranks in nodes of

@@ -33,40 +33,88 @@ AUTO = "auto"
 #: Top-level keys that only tune DeepSpeed's own logging, profiling or kernels.
 TUNING_KEYS = frozenset(
     {
-        "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown", "flops_profiler",
-        "tensorboard", "wandb", "csv_monitor", "comms_logger", "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor", "sparse_gradients",
-        "checkpoint", "data_types", "amp_enabled", "timers", "elasticity",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "memory_breakdown",
+        "flops_profiler",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comms_logger",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "sparse_gradients",
+        "checkpoint",
+        "data_types",
+        "amp_enabled",
+        "timers",
+        "elasticity",
     }
 )
 #: ``zero_optimization`` keys that tune DeepSpeed's buffers and prefetching.
 ZERO_TUNING_KEYS = frozenset(
     {
-        "allgather_partitions", "allgather_bucket_size", "reduce_scatter", "contiguous_gradients",
-        "round_robin_gradients", "elastic_checkpoint", "load_from_fp32_weights", "cpu_offload_use_pin_memory",
-        "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size",
-        "stage3_param_persistence_threshold", "ignore_unused_parameters", "legacy_stage1",
-        "memory_efficient_linear", "use_multi_rank_bucket_allreduce",
+        "allgather_partitions",
+        "allgather_bucket_size",
+        "reduce_scatter",
+        "contiguous_gradients",
+        "round_robin_gradients",
+        "elastic_checkpoint",
+        "load_from_fp32_weights",
+        "cpu_offload_use_pin_memory",
+        "sub_group_size",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "ignore_unused_parameters",
+        "legacy_stage1",
+        "memory_efficient_linear",
+        "use_multi_rank_bucket_allreduce",
     }
 )
 #: DeepSpeed's (and Hugging Face's) spellings of "also write consolidated 16-bit weights on save".
 GATHER_16BIT_KEYS = (
-    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "gather_16bit_weights_on_model_save",
+    "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save",
 )
 #: Topology-aware sharding: MiCS groups and ZeRO++ hierarchical partitioning (hpZ).
 HYBRID_KEYS = ("mics_shard_size", "mics_hierarchical_params_gather", "zero_hpz_partition_size")
 ZERO_KEYS = frozenset(
-    {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size", "overlap_comm", "cpu_offload",
-     *GATHER_16BIT_KEYS, *HYBRID_KEYS, *QUANTIZED_ZERO_KEYS}
+    {
+        "stage",
+        "offload_optimizer",
+        "offload_param",
+        "reduce_bucket_size",
+        "overlap_comm",
+        "cpu_offload",
+        *GATHER_16BIT_KEYS,
+        *HYBRID_KEYS,
+        *QUANTIZED_ZERO_KEYS,
+    }
 )
 OFFLOAD_KEYS = frozenset({"device", "pin_memory"})
-OFFLOAD_TUNING_KEYS = frozenset({"buffer_count", "buffer_size", "fast_init", "max_in_cpu", "nvme_path", "pipeline_read", "pipeline_write"})
+OFFLOAD_TUNING_KEYS = frozenset(
+    {"buffer_count", "buffer_size", "fast_init", "max_in_cpu", "nvme_path", "pipeline_read", "pipeline_write"}
+)
 TOP_KEYS = frozenset(
     {
-        "zero_optimization", "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps",
-        "train_micro_batch_size_per_gpu", "train_batch_size", "activation_checkpointing", "optimizer",
-        "scheduler", "communication_data_type", "compression",
+        "zero_optimization",
+        "fp16",
+        "bf16",
+        "gradient_clipping",
+        "gradient_accumulation_steps",
+        "train_micro_batch_size_per_gpu",
+        "train_batch_size",
+        "activation_checkpointing",
+        "optimizer",
+        "scheduler",
+        "communication_data_type",
+        "compression",
     }
 )
 #: DeepSpeed optimizer ``type`` -> the torch class and the ``params`` keys it takes.
@@ -78,7 +126,12 @@ OPTIMIZERS = {
 SCHEDULERS = {
     "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration"),
     "WarmupDecayLR": (
-        "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps", "last_batch_iteration",
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "total_num_steps",
+        "last_batch_iteration",
     ),
 }
 
@@ -129,7 +182,9 @@ def _check_keys(section: str, given: Mapping[str, Any], supported: frozenset, tu
         if key in supported:
             continue
         if key in tuning:
-            rank_zero_warn(f"DeepSpeed config: `{section}{key}` tunes DeepSpeed itself and has no effect with ZeroStrategy; ignored.")
+            rank_zero_warn(
+                f"DeepSpeed config: `{section}{key}` tunes DeepSpeed itself and has no effect with ZeroStrategy; ignored."
+            )
             continue
         ignored = ""
         if tuning:
@@ -166,10 +221,14 @@ def _offload(section: str, spec: Any) -> tuple[bool | float, bool | None]:
         )
     ratio = spec.get("ratio", 1.0)
     if section != "offload_optimizer" and ratio != 1.0:
-        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.ratio` must be 1.0 (only the optimizer "
-                              "is partially offloaded).")
+        raise ZeroConfigError(
+            f"DeepSpeed config: `zero_optimization.{section}.ratio` must be 1.0 (only the optimizer "
+            "is partially offloaded)."
+        )
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.ratio` must be in (0, 1], got {ratio!r}.")
+        raise ZeroConfigError(
+            f"DeepSpeed config: `zero_optimization.{section}.ratio` must be in (0, 1], got {ratio!r}."
+        )
     pin = spec.get("pin_memory")
     if pin is not None and not isinstance(pin, bool):
         raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.{section}.pin_memory` must be true or false.")
@@ -231,16 +290,22 @@ def _hybrid(zero: Mapping[str, Any]) -> dict[str, Any]:
     mics = _number("zero_optimization.mics_shard_size", zero.get("mics_shard_size", -1), int, allow_auto=False)
     if mics != -1:
         if mics < 1:
-            raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.mics_shard_size` must be -1 (off) or >= 1, got {mics}.")
+            raise ZeroConfigError(
+                f"DeepSpeed config: `zero_optimization.mics_shard_size` must be -1 (off) or >= 1, got {mics}."
+            )
         out["shard_size"] = int(mics)
     hierarchical = zero.get("mics_hierarchical_params_gather", False)
     if not isinstance(hierarchical, bool):
-        raise ZeroConfigError("DeepSpeed config: `zero_optimization.mics_hierarchical_params_gather` must be true or false.")
+        raise ZeroConfigError(
+            "DeepSpeed config: `zero_optimization.mics_hierarchical_params_gather` must be true or false."
+        )
     if hierarchical and "shard_size" not in out:
         raise ZeroConfigError(
             "DeepSpeed config: `zero_optimization.mics_hierarchical_params_gather` needs `mics_shard_size`."
         )
-    hpz = _number("zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size", 1), int, allow_auto=False)
+    hpz = _number(
+        "zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size", 1), int, allow_auto=False
+    )
     if hpz < 1:
         raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.zero_hpz_partition_size` must be >= 1, got {hpz}.")
     if hpz > 1:
@@ -330,7 +395,9 @@ def parse_deepspeed_config(config: Mapping[str, Any] | str | Path) -> DeepSpeedS
     precision, loss_scale = _precision(data)
     reduce_dtype = data.get("communication_data_type")
     if reduce_dtype is not None and reduce_dtype not in ("fp32", "fp16", "bf16"):
-        raise ZeroConfigError(f"DeepSpeed config: `communication_data_type={reduce_dtype!r}`; choose fp32, fp16 or bf16.")
+        raise ZeroConfigError(
+            f"DeepSpeed config: `communication_data_type={reduce_dtype!r}`; choose fp32, fp16 or bf16."
+        )
     clip = data.get("gradient_clipping")
     return DeepSpeedSettings(
         strategy=strategy,
@@ -357,7 +424,9 @@ def _positive(name: str, value: Any) -> int | str | None:
 
 # ---------------------------------------------------------------------- optimizer and scheduler
 # ---------------------------------------------------------------------- applying to a run
-def merge_strategy_arguments(settings: DeepSpeedSettings, given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
+def merge_strategy_arguments(
+    settings: DeepSpeedSettings, given: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> dict:
     """ZeroStrategy arguments: the explicit ones, completed by the config. An argument left at its default
     takes the config's value; one set to something else must agree with the config."""
     merged = dict(given)

@@ -30,7 +30,7 @@ def build_optimizer(spec: Mapping[str, Any], params, *, default_lr: float | None
     if options.get("lr") == AUTO:
         if default_lr is None:
             raise ZeroConfigError(
-                "DeepSpeed config: `optimizer.params.lr` is \"auto\" but the LightningModule has no `learning_rate` "
+                'DeepSpeed config: `optimizer.params.lr` is "auto" but the LightningModule has no `learning_rate` '
                 "or `lr` attribute or hyperparameter to take it from; give a number."
             )
         options["lr"] = default_lr
@@ -84,13 +84,13 @@ def build_scheduler(spec: Mapping[str, Any], optimizer: Optimizer, *, total_step
         if options.get("total_num_steps", AUTO) == AUTO:
             if total_steps is None or not math.isfinite(total_steps):
                 raise ZeroConfigError(
-                    "DeepSpeed config: `scheduler.params.total_num_steps` is \"auto\" but the Trainer has no finite "
+                    'DeepSpeed config: `scheduler.params.total_num_steps` is "auto" but the Trainer has no finite '
                     "number of steps; give a number or set `max_steps`."
                 )
             options["total_num_steps"] = int(total_steps)
     for key, value in options.items():
         if value == AUTO:
-            raise ZeroConfigError(f"DeepSpeed config: `scheduler.params.{key}` cannot be \"auto\"; give a value.")
+            raise ZeroConfigError(f'DeepSpeed config: `scheduler.params.{key}` cannot be "auto"; give a value.')
     return DeepSpeedWarmupLR(optimizer, **options)
 
 
@@ -163,8 +163,9 @@ def apply_to_trainer(settings: DeepSpeedSettings | None, trainer) -> None:
             )
 
 
-def check_batch_sizes(settings: DeepSpeedSettings | None, trainer, loader: object = None,
-                      world_size: int | None = None) -> None:
+def check_batch_sizes(
+    settings: DeepSpeedSettings | None, trainer, loader: object = None, world_size: int | None = None
+) -> None:
     """``train_micro_batch_size_per_gpu`` and ``train_batch_size`` must describe the run's data loader
     (``loader``, else the trainer's; ``world_size``, else the trainer's): the batch size is the data's, so a config
     that disagrees is an error rather than a silent change."""
@@ -179,7 +180,7 @@ def check_batch_sizes(settings: DeepSpeedSettings | None, trainer, loader: objec
     if micro not in (None, AUTO) and micro != batch:
         raise ZeroConfigError(
             f"DeepSpeed config: `train_micro_batch_size_per_gpu={micro}` but the training DataLoader's batch_size "
-            f"is {batch}; make them agree (or use \"auto\")."
+            f'is {batch}; make them agree (or use "auto").'
         )
     total = settings.train_batch_size
     expected = batch * trainer.accumulate_grad_batches * world_size

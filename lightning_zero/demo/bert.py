@@ -24,11 +24,15 @@ from lightning.pytorch.utilities import AttributeDict
 class MaskedLM(nn.Module):
     """Token + position embeddings -> encoder layers -> LayerNorm -> logits over the vocabulary."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float) -> None:
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab_size + 1, n_embd)  # + [MASK]
         self.pos = nn.Embedding(block_size, n_embd)
-        layer = nn.TransformerEncoderLayer(n_embd, n_head, 4 * n_embd, dropout, activation="gelu", batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            n_embd, n_head, 4 * n_embd, dropout, activation="gelu", batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size)
@@ -88,8 +92,11 @@ class MaskedLMLightningModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         if self.resumed_at_samples is not None and self.trainer.is_global_zero:
-            print(f"resumed at step {self.trainer.global_step}: {self.samples_seen} samples seen, "
-                  f"best val_loss {self.best_val_loss:.3f}", flush=True)
+            print(
+                f"resumed at step {self.trainer.global_step}: {self.samples_seen} samples seen, "
+                f"best val_loss {self.best_val_loss:.3f}",
+                flush=True,
+            )
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

@@ -28,12 +28,22 @@ ADJECTIVES = ("small", "big", "red", "old", "quiet", "happy", "dark", "green", "
 NOUNS = ("cat", "dog", "bird", "child", "farmer", "river", "house", "king", "tree", "ship", "apple", "owl")
 # transitive verbs as (third person singular, base form): questions need the base form
 TRANSITIVE = (
-    ("sees", "see"), ("likes", "like"), ("finds", "find"), ("follows", "follow"),
-    ("builds", "build"), ("carries", "carry"), ("watches", "watch"), ("helps", "help"),
+    ("sees", "see"),
+    ("likes", "like"),
+    ("finds", "find"),
+    ("follows", "follow"),
+    ("builds", "build"),
+    ("carries", "carry"),
+    ("watches", "watch"),
+    ("helps", "help"),
 )
 INTRANSITIVE = (
-    ("sleeps", "sleep"), ("runs", "run"), ("sings", "sing"), ("waits", "wait"),
-    ("falls", "fall"), ("laughs", "laugh"),
+    ("sleeps", "sleep"),
+    ("runs", "run"),
+    ("sings", "sing"),
+    ("waits", "wait"),
+    ("falls", "fall"),
+    ("laughs", "laugh"),
 )
 ADVERBS = ("slowly", "today", "again", "quietly", "at night", "every day")
 PREPOSITIONS = ("near", "under", "behind", "with", "over")

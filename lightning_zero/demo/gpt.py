@@ -223,7 +223,9 @@ class GPTLightningModule(L.LightningModule):
         """Embeddings, each block, then the final LayerNorm and head: ``n_layer + 2`` layers to cut into stages."""
         gpt = self.model
         if gpt is None or gpt.lm_head is None:
-            raise ValueError("The GPT pipelines once built and with `tie_weights=False` (a tied head spans two stages).")
+            raise ValueError(
+                "The GPT pipelines once built and with `tie_weights=False` (a tied head spans two stages)."
+            )
         return [Embeddings(gpt), *gpt.blocks, nn.Sequential(gpt.ln_f, gpt.lm_head)]
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -266,7 +268,5 @@ class GPTLightningModule(L.LightningModule):
         optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
         if hp.warmup_steps <= 0:
             return optimizer
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(_linear_warmup, warmup_steps=hp.warmup_steps)
-        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(_linear_warmup, warmup_steps=hp.warmup_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

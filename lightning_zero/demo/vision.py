@@ -38,8 +38,15 @@ def gratings(num_samples: int, num_classes: int, size: int, seed: int) -> tuple[
 class GratingsDataModule(L.LightningDataModule):
     """Train, validation and test splits of :func:`gratings` (different seeds, so no image repeats)."""
 
-    def __init__(self, num_classes: int = 10, image_size: int = 16, batch_size: int = 32, num_train: int = 4096,
-                 num_val: int = 512, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_classes: int = 10,
+        image_size: int = 16,
+        batch_size: int = 32,
+        num_train: int = 4096,
+        num_val: int = 512,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.splits: dict[str, TensorDataset] = {}
@@ -74,7 +81,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(channels_out)
         self.shortcut = nn.Sequential()
         if stride != 1 or channels_in != channels_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -108,8 +117,16 @@ class ResNetClassifier(L.LightningModule):
     """Cross-entropy training of :class:`ResNet` with SGD + momentum and a cosine schedule; accuracy on
     validation and test through torchmetrics (synchronised across ranks)."""
 
-    def __init__(self, num_classes: int = 10, width: int = 16, blocks_per_stage: tuple[int, ...] = (1, 1, 1),
-                 learning_rate: float = 0.1, momentum: float = 0.9, weight_decay: float = 5e-4, max_steps: int = 300) -> None:
+    def __init__(
+        self,
+        num_classes: int = 10,
+        width: int = 16,
+        blocks_per_stage: tuple[int, ...] = (1, 1, 1),
+        learning_rate: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        max_steps: int = 300,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = ResNet(num_classes, width, tuple(blocks_per_stage))
@@ -140,6 +157,8 @@ class ResNetClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         hp = cast(AttributeDict, self.hparams)
-        optimizer = torch.optim.SGD(self.parameters(), lr=hp.learning_rate, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        optimizer = torch.optim.SGD(
+            self.parameters(), lr=hp.learning_rate, momentum=hp.momentum, weight_decay=hp.weight_decay
+        )
         cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=hp.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}

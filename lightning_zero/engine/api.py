@@ -214,7 +214,10 @@ class ShardingEngine(Protocol):
     def compression(self) -> CompressedComm | None:
         """The compressed gradient communication in use (None: full precision). Its error-feedback residuals are
         per-rank training state that sharded checkpoints keep (``checkpoint/error_feedback.py``)."""
-    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+
+    def wrap_optimizer(
+        self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()
+    ) -> None:
         """Take over ``optimizer``'s steps; ``elementwise`` / ``matrix``: classes the user declared of each kind
         (``optimizers.optimizer_kind``), others refused with a message saying how to declare them."""
 

@@ -41,8 +41,9 @@ def store_row_major(module: nn.Module) -> list[str]:
 def dense_embedding_gradients(module: nn.Module) -> tuple[list[str], Callable[[], None]]:
     """Turn ``sparse`` off in every embedding layer of ``module`` that has it on; returns their names and what turns
     it back on."""
-    layers = {name: m for name, m in module.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+    layers = {
+        name: m for name, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    }
     for layer in layers.values():
         layer.sparse = False
 

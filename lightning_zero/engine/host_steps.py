@@ -196,8 +196,12 @@ class EarlyHostSteps:
         self._worker: HostSteps | None = None
 
     def arm(
-        self, optimizer: Optimizer, parts: Sequence[tuple[Sequence[int], Sequence[int]]], worker: HostSteps,
-        masters: MasterShards | None, eligible: bool = True,
+        self,
+        optimizer: Optimizer,
+        parts: Sequence[tuple[Sequence[int], Sequence[int]]],
+        worker: HostSteps,
+        masters: MasterShards | None,
+        eligible: bool = True,
     ) -> bool:
         """A synchronising backward begins: every part waits for all of its pieces, and will step in ``worker``; False,
         with nothing to start, unless the engine finds it ``eligible``, every master is on the host, there are two
@@ -209,8 +213,14 @@ class EarlyHostSteps:
                 "`optimizer.step()` followed it (an `optimizer_step` override that runs the closure and skips the "
                 "step?). Pass ZeroStrategy(overlap_comm=False) to keep the whole step for `optimizer.step()`."
             )
-        starts = (eligible and masters is not None and masters.offloaded and all(masters.on_host) and len(parts) > 1
-                  and steps_in_parts(optimizer))
+        starts = (
+            eligible
+            and masters is not None
+            and masters.offloaded
+            and all(masters.on_host)
+            and len(parts) > 1
+            and steps_in_parts(optimizer)
+        )
         armed = parts if starts else []
         self._part_of = {piece: k for k, (pieces, _) in enumerate(armed) for piece in pieces}
         self._waiting = {k: len(pieces) for k, (pieces, _) in enumerate(armed)}
@@ -230,8 +240,12 @@ class EarlyHostSteps:
         return k if self._waiting[k] == 0 else None
 
     def start(
-        self, optimizer: Optimizer, pieces: Sequence[int], indices: Sequence[int],
-        standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None] | None], masters: MasterShards,
+        self,
+        optimizer: Optimizer,
+        pieces: Sequence[int],
+        indices: Sequence[int],
+        standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None] | None],
+        masters: MasterShards,
         average: tuple[list[torch.Tensor], float] | None = None,
     ) -> None:
         """Step the part ``standins`` names (``optimizers.hosted_params``) in the worker, on the view of ``optimizer``

@@ -152,7 +152,9 @@ class PrecisionPolicy:
         return dtypes
 
 
-def mixed_state_bytes(compute_params: int, fp32_params: int, world_size: int, stage: int, offload: bool = False) -> dict[str, float]:
+def mixed_state_bytes(
+    compute_params: int, fp32_params: int, world_size: int, stage: int, offload: bool = False
+) -> dict[str, float]:
     """Model-state bytes per rank of a mixed run with AdamW, on the device and in host memory (see [Note: the
     ZeRO mixed-precision memory model]): ``compute_params`` held in a 2-byte dtype, ``fp32_params`` held in
     fp32 (with master rows). ``offload``: ``offload_optimizer`` at stages 1-2 (masters, their gradients and the

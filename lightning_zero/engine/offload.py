@@ -124,7 +124,12 @@ class MasterShards:
     """
 
     def __init__(
-        self, shards: Sequence[torch.Tensor], *, dtype: torch.dtype | None, offloaded: bool | float, pin: bool = False,
+        self,
+        shards: Sequence[torch.Tensor],
+        *,
+        dtype: torch.dtype | None,
+        offloaded: bool | float,
+        pin: bool = False,
         alias_on_device: bool = False,
     ) -> None:
         #: Which masters live in host memory (see [Note: partial offload]).
@@ -162,8 +167,12 @@ class MasterShards:
         placed = all(self.on_host) and self.offloaded
         self.on_host = [self.on_host[s] if isinstance(s, int) else placed for s in sources]
         with torch.no_grad():
-            self.tensors = [self.tensors[s] if isinstance(s, int) else self._master(i, s) for i, s in enumerate(sources)]
-        self.aliased = {i for i, s in enumerate(sources) if self.tensors[i] is s or (isinstance(s, int) and s in self.aliased)}
+            self.tensors = [
+                self.tensors[s] if isinstance(s, int) else self._master(i, s) for i, s in enumerate(sources)
+            ]
+        self.aliased = {
+            i for i, s in enumerate(sources) if self.tensors[i] is s or (isinstance(s, int) and s in self.aliased)
+        }
         self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
         self._grad_buffers, self._second_buffers = (
             {new: kept[s] for new, s in enumerate(sources) if isinstance(s, int) and s in kept}
@@ -340,7 +349,10 @@ def host_kernel(optimizer: Optimizer, enabled: bool = True) -> Iterator[None]:
     chosen = [
         group
         for group in optimizer.param_groups
-        if "fused" in group and group["fused"] is None and group.get("foreach") is None and not group.get("differentiable")
+        if "fused" in group
+        and group["fused"] is None
+        and group.get("foreach") is None
+        and not group.get("differentiable")
         and (dtensor_ok or not any(isinstance(p, DTensor) for p in group["params"]))
         and all(p.is_floating_point() for p in group["params"])  # torch's fused kernels refuse complex tensors
     ]

@@ -71,7 +71,9 @@ def optimizer_kind(
     whole-parameter step is exact for either kind."""
     if isinstance(optimizer, MATRIX_OPTIMIZERS + tuple(matrix)):
         return "matrix"
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(elementwise)) and not isinstance(optimizer, NON_ELEMENTWISE_OPTIMIZERS):
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(elementwise)) and not isinstance(
+        optimizer, NON_ELEMENTWISE_OPTIMIZERS
+    ):
         return "elementwise"
     name = type(optimizer).__name__
     for cls, why in UNSHARDABLE.items():
@@ -90,15 +92,16 @@ def optimizer_kind(
 
 def steps_whole(group: Mapping[str, Any], kind: str) -> bool:
     """Whether a parameter group is stepped whole (see ``ELEMENTWISE_GROUP_MARKS``)."""
-    return kind == "matrix" and not any(key in group and group[key] == mark for key, mark in ELEMENTWISE_GROUP_MARKS.items())
+    return kind == "matrix" and not any(
+        key in group and group[key] == mark for key, mark in ELEMENTWISE_GROUP_MARKS.items()
+    )
 
 
 def has_step_hooks(optimizer: Optimizer) -> bool:
     """Whether a step of ``optimizer`` runs hooks (its own or torch's global ones): code of the user's that sees
     each call of ``step`` as a step of its own, and may touch anything."""
     return bool(
-        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-        or global_step_hooks_registered()
+        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or global_step_hooks_registered()
     )
 
 

@@ -52,7 +52,13 @@ class OwnerStepping:
     of a step (see [Note: owner stepping]). Keys are the engine's parameter indices."""
 
     def __init__(
-        self, *, rank: int, world_size: int, group: dist.ProcessGroup | None = None, comm_device: torch.device, dtype: torch.dtype = torch.float32,
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None = None,
+        comm_device: torch.device,
+        dtype: torch.dtype = torch.float32,
         resident: bool = False,
     ) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -99,7 +105,9 @@ class OwnerStepping:
         return max(self.load) / mean if mean else 1.0
 
     # ------------------------------------------------------------------ a step's communication
-    def gather(self, keys: Iterable[int], rows: Callable[[int], torch.Tensor], grads: Callable[[int], torch.Tensor | None]) -> None:
+    def gather(
+        self, keys: Iterable[int], rows: Callable[[int], torch.Tensor], grads: Callable[[int], torch.Tensor | None]
+    ) -> None:
         """Collective: each owner receives every rank's gradient rows of the ``keys`` it owns (into
         :attr:`grads`; left out where no rank had a gradient) and, unless :attr:`resident`, the parameter rows
         (into its whole tensors)."""
@@ -111,7 +119,9 @@ class OwnerStepping:
                     if value is not None:  # rows are never left out
                         self.whole[key].copy_(value)
         self.grads = {
-            key: value.to(self.whole[key].device, self.whole[key].dtype) for key, value in received.items() if value is not None
+            key: value.to(self.whole[key].device, self.whole[key].dtype)
+            for key, value in received.items()
+            if value is not None
         }
 
     def scatter(self, keys: Iterable[int], write: Callable[[int, torch.Tensor], None]) -> None:
@@ -174,7 +184,9 @@ class OwnerStepping:
             if flag and not bool(lanes[:, offset + chunk].any()):
                 out[key] = None
                 continue
-            out[key] = lanes[:, offset : offset + chunk].reshape(-1)[: math.prod(self.shapes[key])].view(self.shapes[key])
+            out[key] = (
+                lanes[:, offset : offset + chunk].reshape(-1)[: math.prod(self.shapes[key])].view(self.shapes[key])
+            )
         return out
 
 

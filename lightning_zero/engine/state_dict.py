@@ -62,8 +62,12 @@ def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[st
 
 
 def full_optimizer_state_dict(
-    optimizer: Optimizer, hosted: Mapping[int, torch.Tensor], full_shapes: Mapping[int, torch.Size], rank0_only: bool = True,
-    rows_group: dist.ProcessGroup | None = None, whole: Mapping[int, int] | None = None,
+    optimizer: Optimizer,
+    hosted: Mapping[int, torch.Tensor],
+    full_shapes: Mapping[int, torch.Size],
+    rank0_only: bool = True,
+    rows_group: dist.ProcessGroup | None = None,
+    whole: Mapping[int, int] | None = None,
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as an unsharded optimizer would return it. Collective.
 
@@ -84,7 +88,10 @@ def full_optimizer_state_dict(
             entry = optimizer.state.get(key)
             if whole is not None and id(param) in whole:
                 if entry is not None:
-                    owned[index] = {k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                    owned[index] = {
+                        k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in entry.items()
+                    }
             elif entry is not None:
                 shape = full_shapes.get(id(param), param.shape)
                 full_entry = {}
@@ -92,7 +99,9 @@ def full_optimizer_state_dict(
                     if isinstance(value, torch.Tensor) and value.dim() > 0 and id(param) in full_shapes:
                         value = _gather(value, shape, rows_group)
                     if keep:
-                        full_entry[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+                        full_entry[name] = (
+                            value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+                        )
                 state[index] = full_entry
             ids.append(index)
             index += 1

@@ -38,8 +38,13 @@ class WrittenRows:
         mark = self._marks.get(id(tensor))
         return mark is not None and mark != (tensor.data_ptr(), tensor._version)
 
-    def take_back(self, masters: MasterShards, indices: Iterable[int], watched: Callable[[int], torch.Tensor],
-                  rows: Callable[[int], torch.Tensor]) -> None:
+    def take_back(
+        self,
+        masters: MasterShards,
+        indices: Iterable[int],
+        watched: Callable[[int], torch.Tensor],
+        rows: Callable[[int], torch.Tensor],
+    ) -> None:
         """Take the rows of each master of ``indices`` whose ``watched`` tensor was written since its mark back into
         it (``rows``: this rank's rows of that tensor)."""
         with torch.no_grad():

@@ -24,10 +24,13 @@ from lightning_zero.engine.comm.flight import FlightRecorder
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_zero/
 #: Longest first: site-packages lies inside the standard library's directory.
 _PATHS = sysconfig.get_paths()
-_LIBRARIES = tuple(sorted(
-    {os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib") if _PATHS.get(k)},
-    key=len, reverse=True,
-))
+_LIBRARIES = tuple(
+    sorted(
+        {os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib") if _PATHS.get(k)},
+        key=len,
+        reverse=True,
+    )
+)
 _FRAMEWORK = ("torch", "lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "torchmetrics")
 #: Where torch.distributed blocks: the c10d entry points, and any ``wait`` inside torch.distributed.
 _C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
@@ -36,14 +39,14 @@ _CATEGORY: dict[str, str] = {}
 
 
 def category(filename: str) -> str:
-    """"user", "ours" (this package), "framework" (torch, Lightning) or "library" (anything else installed)."""
+    """ "user", "ours" (this package), "framework" (torch, Lightning) or "library" (anything else installed)."""
     found = _CATEGORY.get(filename)
     if found is None:
         path = os.path.abspath(filename) if not filename.startswith("<") else filename
         if path.startswith(_PACKAGE):
             found = "ours"
         elif filename.startswith("<") or path.startswith(_LIBRARIES):
-            top = next((path[len(lib):].split(os.sep, 1)[0] for lib in _LIBRARIES if path.startswith(lib)), "")
+            top = next((path[len(lib) :].split(os.sep, 1)[0] for lib in _LIBRARIES if path.startswith(lib)), "")
             found = "framework" if top in _FRAMEWORK else "library"
         else:
             found = "user"
@@ -86,8 +89,14 @@ class Activity:
         return text
 
     def same_wait(self, other: Activity | None) -> bool:
-        return (other is not None and self.in_collective and other.in_collective and self.kind == other.kind
-                and self.op == other.op and self.seq == other.seq)
+        return (
+            other is not None
+            and self.in_collective
+            and other.in_collective
+            and self.kind == other.kind
+            and self.op == other.op
+            and self.seq == other.seq
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

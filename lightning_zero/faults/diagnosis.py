@@ -24,8 +24,16 @@ from lightning_zero.faults.activity import Activity
 from lightning_zero.faults.divergence import compare_marks, first_difference
 from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
 from lightning_zero.faults.verdict import (
-    GENERATE_HINT, MISMATCH_HINT, SAVE_HINT, Context, Diagnosis, Limits, generate_involved, saving_involved,
+    GENERATE_HINT,
+    MISMATCH_HINT,
+    SAVE_HINT,
+    Context,
+    Diagnosis,
+    Limits,
+    generate_involved,
+    saving_involved,
 )
+
 
 def adopt(failure: dict[str, Any], me: Record, kind: str | None = None) -> Diagnosis:
     """The first failure (of any rank, possibly this one's watchdog) as this rank's diagnosis."""
@@ -48,14 +56,28 @@ def known_failure(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | 
     return None
 
 
-def decide(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,
-           mark_peer: int | None = None, store_silent: float = 0.0) -> Diagnosis | None:
+def decide(
+    me: Record,
+    peers: dict[int, Peer],
+    failure: dict[str, Any] | None,
+    limits: Limits,
+    context: Context,
+    mark_peer: int | None = None,
+    store_silent: float = 0.0,
+) -> Diagnosis | None:
     """The reason to end the run now, or None. Called every tick by the watchdog thread."""
     return _placed(_decide(me, peers, failure, limits, context, mark_peer, store_silent), context)
 
 
-def _decide(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,
-            mark_peer: int | None, store_silent: float) -> Diagnosis | None:
+def _decide(
+    me: Record,
+    peers: dict[int, Peer],
+    failure: dict[str, Any] | None,
+    limits: Limits,
+    context: Context,
+    mark_peer: int | None,
+    store_silent: float,
+) -> Diagnosis | None:
     if (found := known_failure(me, peers, failure)) is not None:
         return found
     if mark_peer is not None and mark_peer in peers:
@@ -75,7 +97,8 @@ def _decide(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, 
                 return stale(rank, peer, me)
         if store_silent >= limits.stale_after:
             return Diagnosis(
-                "store", 0,
+                "store",
+                0,
                 f"rank {me.rank} cannot reach the rendezvous store for {store_silent:.0f} s while it waits in a "
                 f"collective ({me.where()}). The store lives in rank 0's process when Lightning or "
                 "MASTER_ADDR/MASTER_PORT started the run (torchrun's agent hosts it otherwise): rank 0 is "
@@ -93,11 +116,15 @@ def peer_failed(rank: int, peer: Peer, me: Record | None = None) -> Diagnosis | 
     if record.state == FAILED:
         return Diagnosis("failed", rank, f"rank {rank} failed ({record.error or 'error'}); it was {record.where()}")
     if peer.liveness == "dead" and record.state == RUNNING and record.signal:
-        return Diagnosis("sigterm", rank, f"rank {rank}'s process ended after it received {record.signal}; it was last "
-                                          f"seen {record.where()}.")
+        return Diagnosis(
+            "sigterm",
+            rank,
+            f"rank {rank}'s process ended after it received {record.signal}; it was last seen {record.where()}.",
+        )
     if peer.liveness == "dead" and record.state == RUNNING:
         return Diagnosis(
-            "died", rank,
+            "died",
+            rank,
             f"rank {rank}'s process ended without reporting an error (killed, e.g. by SIGKILL or the out-of-memory "
             "killer, or crashed in native code: gloo aborts a process whose collective does not match its peer's, "
             f"see that rank's output); it was last seen {record.where()}.",
@@ -114,16 +141,23 @@ def crashed(record: Record, me: Record | None) -> Diagnosis:
     else:
         doing = "not in a collective" + (f" (the last it issued: {activity.last})" if activity.last else "")
     site = f", called from {activity.site}" if activity.site else ""
-    summary = (f"rank {rank}'s process crashed in native code ({record.crash}) in "
-               f"{step_name(record.phase, record.batch)}, {doing}{site}.")
+    summary = (
+        f"rank {rank}'s process crashed in native code ({record.crash}) in "
+        f"{step_name(record.phase, record.batch)}, {doing}{site}."
+    )
     hint = ""
-    first = None if me is None else first_difference(record.recent, me.recent, min(record.ops, me.ops) + 1,
-                                                     ranks=(rank, me.rank))
+    first = (
+        None
+        if me is None
+        else first_difference(record.recent, me.recent, min(record.ops, me.ops) + 1, ranks=(rank, me.rank))
+    )
     # gloo may abort in its background thread after the collective returned on the Python side: the black box then
     # says "not in a collective", and the differing records are what tell a mismatch
     if record.crash and record.crash.startswith("SIGABRT") and (activity.in_collective or first is not None):
-        summary += (" gloo aborts a process whose collective does not match its peer's (that rank's output says "
-                    "'Is there a distributed collective mismatch in your code?').")
+        summary += (
+            " gloo aborts a process whose collective does not match its peer's (that rank's output says "
+            "'Is there a distributed collective mismatch in your code?')."
+        )
         hint = MISMATCH_HINT
     if first is not None:
         summary += f" The ranks issued different collectives; the first that differs is {first}."
@@ -135,10 +169,13 @@ def crashed(record: Record, me: Record | None) -> Diagnosis:
 
 
 def stale(rank: int, peer: Peer, me: Record) -> Diagnosis:
-    state = {"stopped": " (its process is stopped: SIGSTOP or a debugger)", "alive": " (its process exists but its "
-             "watchdog cannot run: hung in native code?)"}.get(peer.liveness, "")
+    state = {
+        "stopped": " (its process is stopped: SIGSTOP or a debugger)",
+        "alive": " (its process exists but its watchdog cannot run: hung in native code?)",
+    }.get(peer.liveness, "")
     return Diagnosis(
-        "stale", rank,
+        "stale",
+        rank,
         f"rank {rank} stopped responding: no heartbeat for {peer.age:.0f} s{state}. It was last seen "
         f"{peer.record.where()}. This rank ({me.rank}) is {me.where()}.",
         "If that rank is busy but healthy in a long one-sided phase, raise `ZeroStrategy(timeout=...)` or wrap the "
@@ -175,9 +212,11 @@ def finished_early(finished: Record, running: Record, context: Context) -> Diagn
         f"collective rank {finished.rank} will never join: the ranks ran different numbers of batches, or issued "
         "different numbers of collectives in a batch."
     )
-    hint = ("Give every rank the same number of batches: Lightning's DistributedSampler does "
-            "(`use_distributed_sampler=True`); with an IterableDataset or your own sampler, make the per-rank "
-            "lengths equal (drop or pad the remainder).")
+    hint = (
+        "Give every rank the same number of batches: Lightning's DistributedSampler does "
+        "(`use_distributed_sampler=True`); with an IterableDataset or your own sampler, make the per-rank "
+        "lengths equal (drop or pad the remainder)."
+    )
     if generate_involved(phase, (finished, running), context):
         hint = GENERATE_HINT
     if saving_involved((running,)):
@@ -198,17 +237,23 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
         else:
             elsewhere.append(rank)
     site = (f", called from {mine.site}" if mine.site else "") + (f" via {mine.via}" if mine.via else "")
-    head = (f"rank {me.rank} waited {mine.blocked_for:.0f} s (timeout={limits.timeout:g} s) in {_collective(mine)}"
-            f"{site}, in {step_name(me.phase, me.batch)}")
-    hint = ("If that rank is just slow here (one-sided work such as evaluation on rank 0 only), raise "
-            "`ZeroStrategy(timeout=...)` or wrap the work in `lightning_zero.faults.extended(seconds, reason)` on "
-            "every rank.")
+    head = (
+        f"rank {me.rank} waited {mine.blocked_for:.0f} s (timeout={limits.timeout:g} s) in {_collective(mine)}"
+        f"{site}, in {step_name(me.phase, me.batch)}"
+    )
+    hint = (
+        "If that rank is just slow here (one-sided work such as evaluation on rank 0 only), raise "
+        "`ZeroStrategy(timeout=...)` or wrap the work in `lightning_zero.faults.extended(seconds, reason)` on "
+        "every rank."
+    )
     if elsewhere:
         culprit = elsewhere[0]
         record = peers[culprit].record
-        summary = (f"{head}; rank {culprit} is in a different collective: {record.where()}. The ranks issued "
-                   "different collectives (a collective issued on some ranks only: a skipped step, a conditional "
-                   "`self.log(..., sync_dist=True)`, a submodule used on some ranks only under stage 3, ...).")
+        summary = (
+            f"{head}; rank {culprit} is in a different collective: {record.where()}. The ranks issued "
+            "different collectives (a collective issued on some ranks only: a skipped step, a conditional "
+            "`self.log(..., sync_dist=True)`, a submodule used on some ranks only under stage 3, ...)."
+        )
         hint = GENERATE_HINT if generate_involved(me.phase, (me, record), context) else ""
         if saving_involved((me, record)):
             hint = SAVE_HINT
@@ -222,8 +267,10 @@ def stuck(me: Record, peers: dict[int, Peer], limits: Limits, context: Context) 
         if saving_involved((me, *(peers[r].record for r in absent))):
             hint = SAVE_HINT
         return Diagnosis("stuck", culprit, summary, hint)
-    summary = (f"{head}; every rank observed ({', '.join(map(str, alongside)) or 'none'}) waits in it too: the "
-               "collective itself does not complete (the network, or a rank this one does not observe).")
+    summary = (
+        f"{head}; every rank observed ({', '.join(map(str, alongside)) or 'none'}) waits in it too: the "
+        "collective itself does not complete (the network, or a rank this one does not observe)."
+    )
     return Diagnosis("stuck", None, summary, hint)
 
 
@@ -233,22 +280,27 @@ def _collective(activity: Activity) -> str:
     return f"torch.distributed.{activity.kind} (world op {activity.seq})"
 
 
-def exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context,
-                   waited: float) -> Diagnosis | None | bool:
+def exit_agreement(
+    me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context, waited: float
+) -> Diagnosis | None | bool:
     """At the end of a successful run: True when every rank finished, a Diagnosis when this rank must fail after
     all (a peer failed, died, or waits in a collective this rank never joins), None to keep waiting."""
     return _placed(_exit_agreement(me, peers, failure, limits, context, waited), context)
 
 
-def _exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits,
-                    context: Context, waited: float) -> Diagnosis | None | bool:
+def _exit_agreement(
+    me: Record, peers: dict[int, Peer], failure: dict[str, Any] | None, limits: Limits, context: Context, waited: float
+) -> Diagnosis | None | bool:
     if (found := known_failure(me, peers, failure)) is not None:
         return found
     running = {r: p for r, p in peers.items() if p.record.state != FINISHED}
     if not running:
         return True
-    blocked = [r for r, p in running.items()
-               if p.record.activity.in_collective and _left_unmatched(p.record, me, limits, context)]
+    blocked = [
+        r
+        for r, p in running.items()
+        if p.record.activity.in_collective and _left_unmatched(p.record, me, limits, context)
+    ]
     if len(blocked) == len(running):  # nobody left to make progress: they wait for a rank that finished
         return finished_early(me, running[blocked[0]].record, context)
     stale_ranks = [r for r, p in running.items() if p.silent(limits.stale_after)]
@@ -257,7 +309,8 @@ def _exit_agreement(me: Record, peers: dict[int, Peer], failure: dict[str, Any] 
     if waited >= limits.timeout:
         rank = min(running)
         return Diagnosis(
-            "stuck", rank,
+            "stuck",
+            rank,
             f"rank {me.rank} finished, but rank {rank} did not finish within timeout={limits.timeout:g} s: it is "
             f"{running[rank].record.where()}.",
         )
@@ -274,7 +327,8 @@ def explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context
 def _explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Context, error: str) -> Diagnosis:
     if me.paused >= limits.stale_after:
         return Diagnosis(
-            "stale", me.rank,
+            "stale",
+            me.rank,
             f"rank {me.rank}'s process could not run for {me.paused:.0f} s (stopped by SIGSTOP or a debugger, or the "
             f"machine was swapping), and the other ranks ended the run meanwhile; it is {me.where()}.",
         )
@@ -291,11 +345,16 @@ def _explain(me: Record, peers: dict[int, Peer], limits: Limits, context: Contex
     first_line = error.strip().splitlines()[0][:300] if error.strip() else "an error"
     if peers:
         summary = f"a collective failed on rank {me.rank} ({first_line}) while it was {me.where()}; " + "; ".join(
-            f"rank {r} was last seen ({p.age:.0f} s ago) {p.record.where()}" for r, p in sorted(peers.items()))
+            f"rank {r} was last seen ({p.age:.0f} s ago) {p.record.where()}" for r, p in sorted(peers.items())
+        )
         culprit = next((r for r, p in sorted(peers.items()) if not p.record.activity.same_wait(me.activity)), None)
         return Diagnosis("stuck", culprit, summary)
-    return Diagnosis("stuck", None, f"a collective failed on rank {me.rank} ({first_line}) {me.where()}; no peer "
-                                    "record could be read (the store is unreachable).")
+    return Diagnosis(
+        "stuck",
+        None,
+        f"a collective failed on rank {me.rank} ({first_line}) {me.where()}; no peer "
+        "record could be read (the store is unreachable).",
+    )
 
 
 def _placed(found: Any, context: Context) -> Any:

@@ -24,8 +24,15 @@ def compare_marks(a: Record, b: Record, context: Context) -> Diagnosis | None:
     return None
 
 
-def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | None, theirs: dict[tuple[str, int], Mark],
-              context: Context) -> Diagnosis:
+def _diverged(
+    a: Record,
+    b: Record,
+    mark: Mark,
+    other: Mark,
+    previous: Mark | None,
+    theirs: dict[tuple[str, int], Mark],
+    context: Context,
+) -> Diagnosis:
     before = theirs.get((previous.phase, previous.count)) if previous is not None else None
     if previous is not None and before is not None:
         span = f"during {step_name(previous.phase, previous.batch)} (before {step_name(mark.phase, mark.batch)} began)"
@@ -36,9 +43,11 @@ def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | No
     culprit: int | None
     first = first_difference(a.recent, b.recent, min(mark.ops, other.ops) + 1)
     if mark.ops == other.ops and mark.digest == other.digest:
-        detail = (f"the same collectives of lightning_zero but different numbers of other torch.distributed operations "
-                  f"(world op {mark.seq} on rank {a.rank}, {other.seq} on rank {b.rank}: e.g. torchmetrics or "
-                  "Hugging Face generate's own all_reduce, or a torch.distributed call of your code)")
+        detail = (
+            f"the same collectives of lightning_zero but different numbers of other torch.distributed operations "
+            f"(world op {mark.seq} on rank {a.rank}, {other.seq} on rank {b.rank}: e.g. torchmetrics or "
+            "Hugging Face generate's own all_reduce, or a torch.distributed call of your code)"
+        )
         culprit = a.rank if mark.seq < other.seq else b.rank
     else:
         detail = f"{issued_a} collectives on rank {a.rank}, {issued_b} on rank {b.rank}"
@@ -46,12 +55,21 @@ def _diverged(a: Record, b: Record, mark: Mark, other: Mark, previous: Mark | No
             detail += f"; the first that differs is {first}"
         culprit = None if issued_a == issued_b else a.rank if issued_a < issued_b else b.rank
     # As many collectives, different ones: a branch each rank took its own way, with no rank behind the other.
-    blame = (f"Rank {culprit} diverged (it issued fewer)." if culprit is not None else
-             "Neither issued fewer: they took different branches that issue different collectives.")
-    summary = (f"ranks {a.rank} and {b.rank} issued different collectives {span}: {detail}. {blame} "
-               f"Rank {a.rank} is now {a.where()}; rank {b.rank} is {b.where()}.")
-    hint = GENERATE_HINT if generate_involved(mark.phase, (a, b), context) or (
-        context.generate_hint and previous is not None and previous.phase in EVAL_PHASES) else ""
+    blame = (
+        f"Rank {culprit} diverged (it issued fewer)."
+        if culprit is not None
+        else "Neither issued fewer: they took different branches that issue different collectives."
+    )
+    summary = (
+        f"ranks {a.rank} and {b.rank} issued different collectives {span}: {detail}. {blame} "
+        f"Rank {a.rank} is now {a.where()}; rank {b.rank} is {b.where()}."
+    )
+    hint = (
+        GENERATE_HINT
+        if generate_involved(mark.phase, (a, b), context)
+        or (context.generate_hint and previous is not None and previous.phase in EVAL_PHASES)
+        else ""
+    )
     return Diagnosis("diverged", culprit, summary, hint)
 
 

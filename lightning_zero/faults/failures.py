@@ -69,8 +69,18 @@ def brought_down_by(exception: BaseException, first: dict[str, Any], rank: int) 
     add_note(exception, f"the run was brought down by the first failure: {first['message']}")
 
 
-_COMMUNICATION = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "timed out",
-                  "collective mismatch", "pair closure", "Broken pipe", "NCCL", "ProcessGroupGloo", "Socket Timeout")
+_COMMUNICATION = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Timed out waiting",
+    "timed out",
+    "collective mismatch",
+    "pair closure",
+    "Broken pipe",
+    "NCCL",
+    "ProcessGroupGloo",
+    "Socket Timeout",
+)
 
 
 def is_communication_error(exception: BaseException) -> bool:

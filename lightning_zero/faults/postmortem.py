@@ -24,8 +24,13 @@ from lightning_zero.faults.records import RUNNING, Record, liveness
 
 _COMM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "comm") + os.sep
 #: faulthandler's first line names the fatal signal this way.
-_SIGNALS = {"Aborted": "SIGABRT", "Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS",
-            "Floating-point exception": "SIGFPE", "Illegal instruction": "SIGILL"}
+_SIGNALS = {
+    "Aborted": "SIGABRT",
+    "Segmentation fault": "SIGSEGV",
+    "Bus error": "SIGBUS",
+    "Floating-point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
 #: A crashed run's folder (every process in it gone) is kept this long for the user, then removed by a new run.
 _KEEP_SECONDS = 24 * 3600
 
@@ -109,9 +114,17 @@ def read_record(folder: Path, rank: int) -> Record | None:
     marks = [Mark(*m) for m in snapshot.marks]
     last = marks[-1] if marks else None
     return Record(
-        rank=rank, state=RUNNING, ops=snapshot.ops, phase=last.phase if last else None,
-        batch=last.batch if last else None, activity=activity, marks=marks, steps=snapshot.steps,
-        recent=[Op(*op) for op in snapshot.recent], proc=snapshot.proc, crash=_crash(fatal, folder / f"rank{rank}.fatal"),
+        rank=rank,
+        state=RUNNING,
+        ops=snapshot.ops,
+        phase=last.phase if last else None,
+        batch=last.batch if last else None,
+        activity=activity,
+        marks=marks,
+        steps=snapshot.steps,
+        recent=[Op(*op) for op in snapshot.recent],
+        proc=snapshot.proc,
+        crash=_crash(fatal, folder / f"rank{rank}.fatal"),
     )
 
 
@@ -132,5 +145,3 @@ def _crash(fatal: str, path: Path) -> str | None:
         return None
     name = first.split(":", 1)[1].strip()
     return f"{_SIGNALS.get(name, name)}; its Python stack is in {path}"
-
-

@@ -104,8 +104,9 @@ ACTIVE: OpTimeouts | None = None
 
 
 @contextlib.contextmanager
-def extended(seconds: float | None = None, reason: str = "a long one-sided phase",
-             barrier: bool = True) -> Generator[None, None, None]:
+def extended(
+    seconds: float | None = None, reason: str = "a long one-sided phase", barrier: bool = True
+) -> Generator[None, None, None]:
     """Lift the run's collective timeout (and the watchdog's limits) to ``seconds`` (None: the rendezvous
     timeout, at least 10 minutes) for a phase some ranks spend waiting for others, e.g. rank 0 evaluating
     alone. Enter it on every rank::

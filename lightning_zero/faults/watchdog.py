@@ -52,14 +52,32 @@ from lightning_zero.faults.verdict import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
 from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
 from lightning_zero.faults.records import (
-    FAILED, FINISHED, RUNNING, Peer, Record, liveness, local_pid, scheduled_seconds, this_process,
+    FAILED,
+    FINISHED,
+    RUNNING,
+    Peer,
+    Record,
+    liveness,
+    local_pid,
+    scheduled_seconds,
+    this_process,
 )
 from lightning_zero.faults.signals import STOP_SIGNALS, StopSignal, WakeupPipe
 
 
 class Watchdog:
-    def __init__(self, store: Any, namespace: str, rank: int, world_size: int, limits: Limits, context: Context,
-                 group: Any, mark_peer: int | None, long: float = 600.0) -> None:
+    def __init__(
+        self,
+        store: Any,
+        namespace: str,
+        rank: int,
+        world_size: int,
+        limits: Limits,
+        context: Context,
+        group: Any,
+        mark_peer: int | None,
+        long: float = 600.0,
+    ) -> None:
         self.rank = rank
         self.long = long  # seconds: the limit before the loops start
         self.world_size = world_size
@@ -79,7 +97,9 @@ class Watchdog:
         self.stop_signal: StopSignal | None = None
         self._exit_at: float | None = None
         self._grace = 0.0
-        self._pause: tuple[float, float] | None = None  # (seconds, when it ended): see [Note: a pause, not a busy machine]
+        self._pause: tuple[float, float] | None = (
+            None  # (seconds, when it ended): see [Note: a pause, not a busy machine]
+        )
         self._last_tick = time.monotonic()
         self._last_scheduled = scheduled_seconds()
         # ((ops, seq, last mark), since)
@@ -201,16 +221,18 @@ class Watchdog:
                 self.decision = diagnosis.adopt(first, me, kind="adopted")
                 RECORDER.abort = CollectiveError(f"[lightning_zero] {self.decision.text()}")
             if self._exit_at is not None and now >= self._exit_at and not self.failing:
-                self._hard_exit(f"its main thread did not stop within {self._grace:.0f} s of the diagnosis "
-                                f"({sample.describe()})", 1)
+                self._hard_exit(
+                    f"its main thread did not stop within {self._grace:.0f} s of the diagnosis ({sample.describe()})", 1
+                )
             return
         if self.failing or self.finishing:
             return
         peers = self.observe()
         limits = self.current_limits()
         snapshot = self.exchange.snapshot
-        found = diagnosis.decide(me, peers, snapshot.failure, limits, self.context, self.mark_peer,
-                                 self.exchange.silent(now))
+        found = diagnosis.decide(
+            me, peers, snapshot.failure, limits, self.context, self.mark_peer, self.exchange.silent(now)
+        )
         if found is not None:
             self.abort(found)
 
@@ -239,11 +261,21 @@ class Watchdog:
         if progress != self._progress[0]:
             self._progress = (progress, time.monotonic())
         return Record(
-            rank=self.rank, beat=self._beat, state=self.state, ops=RECORDER.ops, seq=sample.seq or self._seq(),
-            phase=mark.phase if mark else None, batch=mark.batch if mark else None, activity=sample,
-            marks=list(RECORDER.marks), recent=RECORDER.recent_ops()[-16:],
-            steps={phase: count + 1 for phase, count in dict(RECORDER.counts).items()}, proc=self._proc,
-            paused=round(self.paused, 1), signal=self.stop_signal.name if self.stop_signal else None, error=self.error,
+            rank=self.rank,
+            beat=self._beat,
+            state=self.state,
+            ops=RECORDER.ops,
+            seq=sample.seq or self._seq(),
+            phase=mark.phase if mark else None,
+            batch=mark.batch if mark else None,
+            activity=sample,
+            marks=list(RECORDER.marks),
+            recent=RECORDER.recent_ops()[-16:],
+            steps={phase: count + 1 for phase, count in dict(RECORDER.counts).items()},
+            proc=self._proc,
+            paused=round(self.paused, 1),
+            signal=self.stop_signal.name if self.stop_signal else None,
+            error=self.error,
             stalled=round(time.monotonic() - self._progress[1], 1),
         )
 
@@ -312,9 +344,12 @@ class Watchdog:
         if self.stop_signal is not None:
             return
         self.stop_signal = StopSignal(number)
-        print(f"[lightning_zero] rank {self.rank}: received {self.stop_signal.name}; the run stops at the next batch "
-              f"boundary, and this process ends within {self.limits.sigterm_grace:.0f} s in any case.",
-              file=sys.stderr, flush=True)
+        print(
+            f"[lightning_zero] rank {self.rank}: received {self.stop_signal.name}; the run stops at the next batch "
+            f"boundary, and this process ends within {self.limits.sigterm_grace:.0f} s in any case.",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _check_signal(self, now: float, sample: Activity) -> None:
         stop, limits = self.stop_signal, self.limits
@@ -364,17 +399,28 @@ class Watchdog:
                 self.exchange.failure_out = found.to_failure(self.rank)
         else:  # this rank's own error: the cause, for everybody
             message = f"rank {self.rank} raised {failures.error_text(exception)} ({me.where()})"
-            failure = {"rank": self.rank, "culprit": self.rank, "kind": "error", "message": message,
-                       "error": failures.error_text(exception)}
+            failure = {
+                "rank": self.rank,
+                "culprit": self.rank,
+                "kind": "error",
+                "message": message,
+                "error": failures.error_text(exception),
+            }
             first = self._first_failure(healthy)
             if first is not None:
                 failures.brought_down_by(exception, first, self.rank)
             else:
                 self.exchange.failure_out = failure
-            waiting = "; ".join(f"rank {r} is {p.record.where()}" for r, p in sorted(self.observe().items())
-                                if p.record.activity.in_collective)
-            print(f"[lightning_zero] {message}; the other ranks stop with it" + (f" ({waiting})." if waiting else "."),
-                  file=sys.stderr, flush=True)
+            waiting = "; ".join(
+                f"rank {r} is {p.record.where()}"
+                for r, p in sorted(self.observe().items())
+                if p.record.activity.in_collective
+            )
+            print(
+                f"[lightning_zero] {message}; the other ranks stop with it" + (f" ({waiting})." if waiting else "."),
+                file=sys.stderr,
+                flush=True,
+            )
         self.state, self.error = FAILED, failures.error_text(exception)[:300]
         self.exchange.outgoing = self._record(where).encode()
         if healthy:  # the peers' sockets close when this process ends: they read the cause from the store
@@ -386,8 +432,12 @@ class Watchdog:
         start, fresh = time.monotonic(), wait <= 0.0
         while True:
             first, waited = self.exchange.snapshot.failure, time.monotonic() - start
-            if first is not None or not healthy or self.exchange.error is not None or (
-                    waited >= wait and (fresh or waited >= self.limits.stale_after)):
+            if (
+                first is not None
+                or not healthy
+                or self.exchange.error is not None
+                or (waited >= wait and (fresh or waited >= self.limits.stale_after))
+            ):
                 return first
             fresh = self.exchange.flush(min(1.0, max(0.05, wait - waited))) or fresh
 
@@ -405,15 +455,26 @@ class Watchdog:
             self.exchange.flush(self.limits.tick)
             if self.exchange.snapshot.cycle == cycle:
                 if time.monotonic() - start >= self.limits.timeout:
-                    return self._agreement_failed(Diagnosis(
-                        "store", None, f"rank {self.rank} finished but could not reach the store for "
-                        f"{self.limits.timeout:g} s to learn whether the other ranks did ({self.exchange.error})."))
+                    return self._agreement_failed(
+                        Diagnosis(
+                            "store",
+                            None,
+                            f"rank {self.rank} finished but could not reach the store for "
+                            f"{self.limits.timeout:g} s to learn whether the other ranks did ({self.exchange.error}).",
+                        )
+                    )
                 continue
             cycle = self.exchange.snapshot.cycle
             if self.exchange.snapshot.finished < self.world_size:
                 me = self._record(Activity(seq=self._seq()))
-                outcome = diagnosis.exit_agreement(me, self.observe(), self.exchange.snapshot.failure,
-                                                   self.current_limits(), self.context, time.monotonic() - start)
+                outcome = diagnosis.exit_agreement(
+                    me,
+                    self.observe(),
+                    self.exchange.snapshot.failure,
+                    self.current_limits(),
+                    self.context,
+                    time.monotonic() - start,
+                )
                 if isinstance(outcome, Diagnosis):
                     return self._agreement_failed(outcome)
                 if outcome is not True:

@@ -73,7 +73,9 @@ def pipeline_layers_of(module: nn.Module) -> Sequence[nn.Module]:
     if not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         layers = list(layers)
     if not len(layers) or not all(isinstance(layer, nn.Module) for layer in layers):
-        raise ZeroConfigError(f"`{type(module).__name__}.pipeline_layers()` must return a non-empty sequence of nn.Modules.")
+        raise ZeroConfigError(
+            f"`{type(module).__name__}.pipeline_layers()` must return a non-empty sequence of nn.Modules."
+        )
     return layers
 
 
@@ -103,7 +105,10 @@ def _check_ownership(module: nn.Module, layers: Sequence[nn.Module], bounds: Seq
 def _holding(module: nn.Module, others: Sequence[nn.Module]) -> Holding:
     """The names (every alias) of the parameters and buffers of the layers of other stages."""
     names: dict[int, list[str]] = {}
-    for name, tensor in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+    for name, tensor in (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ):
         names.setdefault(id(tensor), []).append(name)
     tensors = {id(t): t for layer in others for t in (*layer.parameters(), *layer.buffers())}
     return Holding(frozenset(name for key in tensors for name in names.get(key, ())))
@@ -131,7 +136,9 @@ class PipelineParallel:
         self.bounds = bounds
         self.device = device
         mine = set(self.layout.stages_of(rank))
-        others = [layer for s in range(self.layout.num_stages) if s not in mine for layer in layers[bounds[s] : bounds[s + 1]]]
+        others = [
+            layer for s in range(self.layout.num_stages) if s not in mine for layer in layers[bounds[s] : bounds[s + 1]]
+        ]
         #: What this rank holds, handed to the engine, checkpoints and precision (see ``engine/api.py: Holding``).
         self.holding = _holding(module, others)
         with torch.no_grad():
@@ -140,7 +147,9 @@ class PipelineParallel:
             module._apply(lambda t: t if t.is_meta else t.to(device))
         _update_properties(module, device=device)  # what `module.to(device)` would record (`self.device`)
         #: ("dp", "pp"): row r is replica r's pipeline, column s the data-parallel group of pipeline rank s.
-        self.mesh = topology.device_mesh(device.type, (self.layout.replicas, self.layout.ranks_per_pipeline), ("dp", "pp"))
+        self.mesh = topology.device_mesh(
+            device.type, (self.layout.replicas, self.layout.ranks_per_pipeline), ("dp", "pp")
+        )
         self.dp_mesh = self.mesh["dp"]
         self.dp_group = self.mesh.get_group("dp")
         self.pp_group = self.mesh.get_group("pp")

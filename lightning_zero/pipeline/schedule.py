@@ -162,15 +162,18 @@ class PipelineRunner:
         reused = previous.take(self.stage_ids, chains) if previous is not None else None
         self.modules = reused or [nn.Sequential(*chain) for chain in chains]
         self.stages = [
-            ShardedStage(module, s, layout.num_stages, device, group=group) for module, s in zip(self.modules, self.stage_ids)
+            ShardedStage(module, s, layout.num_stages, device, group=group)
+            for module, s in zip(self.modules, self.stage_ids)
         ]
         self.num_stages = layout.num_stages
         self.layout = layout
         self._boundary: dict[int, tuple[Tensor | None, Tensor | None]] = {}
         observe = weakref.WeakMethod(self._observe)  # the modules may outlive this runner (``StageModules``)
         #: The stage modules, for a later run of the same cut.
-        hooks = [module.register_forward_hook(functools.partial(_call_weakly, observe, s))
-                 for module, s in zip(self.modules, self.stage_ids)]
+        hooks = [
+            module.register_forward_hook(functools.partial(_call_weakly, observe, s))
+            for module, s in zip(self.modules, self.stage_ids)
+        ]
         self.built = StageModules(list(self.stage_ids), list(self.modules), hooks)
         self.schedule = None
         self._shape_key: tuple | None = None
@@ -195,7 +198,10 @@ class PipelineRunner:
         elsewhere = self._on_another_rank
         for stage in self.stage_ids:
             received, output = self._boundary.get(stage, (None, None))
-            for tensor, sent in ((output, elsewhere(stage, stage + 1)), (received, train and elsewhere(stage, stage - 1))):
+            for tensor, sent in (
+                (output, elsewhere(stage, stage + 1)),
+                (received, train and elsewhere(stage, stage - 1)),
+            ):
                 if sent and tensor is not None:
                     for _ in range(self.microbatches):
                         collectives.record_sent(tensor)
@@ -237,8 +243,13 @@ class PipelineRunner:
         the schedule's ``pipeline_order_with_comms`` are private pieces of ``torch.distributed.pipelining``
         (``torch_versions/pipelining.py``; its public loader insists on a backward for every forward)."""
         order = {
-            rank: add_unshard_reshard([Action(stage, ComputationType.FORWARD, mb) for stage in self.layout.stages_of(rank)
-                                       for mb in range(self.microbatches)])
+            rank: add_unshard_reshard(
+                [
+                    Action(stage, ComputationType.FORWARD, mb)
+                    for stage in self.layout.stages_of(rank)
+                    for mb in range(self.microbatches)
+                ]
+            )
             for rank in range(self.layout.ranks_per_pipeline)
         }
         schedule.pipeline_order_with_comms = add_send_recv(

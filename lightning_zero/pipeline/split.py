@@ -151,7 +151,9 @@ class PipelineLayout:
     def __post_init__(self) -> None:
         p, w = self.ranks_per_pipeline, self.world_size
         if p < 1 or self.virtual < 1:
-            raise ZeroConfigError(f"`pipeline_stages` and the virtual stages per rank must be >= 1, got {p} and {self.virtual}.")
+            raise ZeroConfigError(
+                f"`pipeline_stages` and the virtual stages per rank must be >= 1, got {p} and {self.virtual}."
+            )
         if self.v_shape and self.virtual != 2:
             raise ZeroConfigError(f"A V-shaped pipeline runs exactly 2 stages per rank, got {self.virtual}.")
         if w % p:
@@ -199,7 +201,9 @@ class PipelineLayout:
 
 def pipeline_layout(config: ZeroConfig, world_size: int) -> PipelineLayout:
     """The layout ``config``'s pipeline settings give ``world_size`` processes."""
-    return PipelineLayout(world_size, config.pipeline_stages, config.pipeline_virtual, config.pipeline_schedule in V_SCHEDULES)
+    return PipelineLayout(
+        world_size, config.pipeline_stages, config.pipeline_virtual, config.pipeline_schedule in V_SCHEDULES
+    )
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:

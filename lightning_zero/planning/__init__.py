@@ -10,5 +10,16 @@ from lightning_zero.planning.plan import Candidate, NothingFits, Plan, Planner, 
 from lightning_zero.planning.predict import Configuration, Prediction, predict
 from lightning_zero.planning.trace import StepTrace, trace_step
 
-__all__ = ["Candidate", "Configuration", "NothingFits", "Plan", "Planner", "Prediction", "StepTrace", "describe",
-           "predict", "trace_step", "with_pick"]
+__all__ = [
+    "Candidate",
+    "Configuration",
+    "NothingFits",
+    "Plan",
+    "Planner",
+    "Prediction",
+    "StepTrace",
+    "describe",
+    "predict",
+    "trace_step",
+    "with_pick",
+]

@@ -27,8 +27,21 @@ from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 MIB = 2**20
 GIB = 2**30
-_UNITS = {"b": 1, "kb": 1e3, "kib": 2**10, "mb": 1e6, "mib": 2**20, "gb": 1e9, "gib": GIB, "g": GIB,
-          "tb": 1e12, "tib": 2**40, "t": 2**40, "m": 2**20, "k": 2**10}
+_UNITS = {
+    "b": 1,
+    "kb": 1e3,
+    "kib": 2**10,
+    "mb": 1e6,
+    "mib": 2**20,
+    "gb": 1e9,
+    "gib": GIB,
+    "g": GIB,
+    "tb": 1e12,
+    "tib": 2**40,
+    "t": 2**40,
+    "m": 2**20,
+    "k": 2**10,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +93,20 @@ class Choice:
 #: hpZ between hybrid and flat stage 3 (2P); they only appear in estimates for more than one node. The delayed update
 #: follows the exact offload of its stage: it needs the same device memory and more host memory, so whatever fits it
 #: fits the exact step first, and an inexact choice is never the one picked.
-_FASTEST_FIRST = ("zero1_hsdp", "zero1", "zero2_hsdp", "zero2", "zero1_offload", "zero2_offload", "zero2_offload_delay",
-                  "zero3_hsdp", "zero3_hpz", "zero3", "zero3_offload_optimizer", "zero3_offload")
+_FASTEST_FIRST = (
+    "zero1_hsdp",
+    "zero1",
+    "zero2_hsdp",
+    "zero2",
+    "zero1_offload",
+    "zero2_offload",
+    "zero2_offload_delay",
+    "zero3_hsdp",
+    "zero3_hpz",
+    "zero3",
+    "zero3_offload_optimizer",
+    "zero3_offload",
+)
 CHOICES = (
     Choice("ddp", 0),
     *(Choice(name, **REGISTERED_STRATEGIES[name]) for name in _FASTEST_FIRST),
@@ -115,7 +140,9 @@ class Estimate:
         return self.host_bytes_per_device * self.devices_per_node
 
     def fits(self, device_bytes: float, host_bytes_per_node: float | None = None) -> bool:
-        return self.device_bytes <= device_bytes and (host_bytes_per_node is None or self.host_bytes_per_node <= host_bytes_per_node)
+        return self.device_bytes <= device_bytes and (
+            host_bytes_per_node is None or self.host_bytes_per_node <= host_bytes_per_node
+        )
 
 
 def model_state_split(
@@ -146,17 +173,22 @@ def model_state_split(
     }[choice.stage], 0.0
 
 
-def estimate(params: float, devices: int, nodes: int = 1, precision: str = "32-true",
-             choices: Iterable[Choice] = CHOICES) -> list[Estimate]:
+def estimate(
+    params: float, devices: int, nodes: int = 1, precision: str = "32-true", choices: Iterable[Choice] = CHOICES
+) -> list[Estimate]:
     world = devices * nodes
     chosen = [c for c in choices if nodes > 1 or not c.across_nodes]  # on one node they are the flat choices
     return [
-        Estimate(c, *model_state_split(c, params, world, precision, devices), devices, inter_node_elements(c, devices, nodes))
+        Estimate(
+            c, *model_state_split(c, params, world, precision, devices), devices, inter_node_elements(c, devices, nodes)
+        )
         for c in chosen
     ]
 
 
-def fastest_fitting(estimates: Iterable[Estimate], device_bytes: float, host_bytes_per_node: float | None = None) -> Estimate | None:
+def fastest_fitting(
+    estimates: Iterable[Estimate], device_bytes: float, host_bytes_per_node: float | None = None
+) -> Estimate | None:
     """The first (fastest) choice whose model states fit the device, and the node's RAM when a limit is given."""
     return next((item for item in estimates if item.fits(device_bytes, host_bytes_per_node)), None)
 
@@ -175,11 +207,14 @@ def split_devices(devices: int, devices_per_node: int | None = None) -> tuple[in
     if devices_per_node is None:
         devices_per_node = min(devices, DEVICES_PER_NODE)
         if devices % devices_per_node:
-            raise ValueError(f"--devices {devices} is not a whole number of {DEVICES_PER_NODE}-device nodes: give "
-                             "--devices-per-node too (e.g. --devices-per-node 4).")
+            raise ValueError(
+                f"--devices {devices} is not a whole number of {DEVICES_PER_NODE}-device nodes: give "
+                "--devices-per-node too (e.g. --devices-per-node 4)."
+            )
     if devices_per_node < 1 or devices % devices_per_node:
-        raise ValueError(f"--devices-per-node {devices_per_node} must be >= 1 and divide --devices {devices} (the "
-                         "ranks in all).")
+        raise ValueError(
+            f"--devices-per-node {devices_per_node} must be >= 1 and divide --devices {devices} (the ranks in all)."
+        )
     return devices_per_node, devices // devices_per_node
 
 
@@ -199,5 +234,7 @@ def parse_bytes(text: str) -> float:
     """``80GiB``, ``80GB``, ``24000MiB``, ``1.5T``, ``4096B`` -> bytes (the unit is required)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*", text)
     if match is None or match[2].lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a memory size; write a number and a unit, e.g. 80GiB, 80GB or 24000MiB.")
+        raise ValueError(
+            f"cannot read {text!r} as a memory size; write a number and a unit, e.g. 80GiB, 80GB or 24000MiB."
+        )
     return float(match[1]) * _UNITS[match[2].lower()]

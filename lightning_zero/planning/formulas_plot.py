@@ -34,8 +34,13 @@ def boxes_px(fig, ax, legend) -> dict:
     return {"axes_px": box(ax.get_window_extent()), "legend_px": box(legend.get_window_extent())}
 
 
-def plot_estimates(estimates: Sequence[Estimate], path: str | Path, title: str = "", limit: float | None = None,
-                   pick: str | None = None) -> dict:
+def plot_estimates(
+    estimates: Sequence[Estimate],
+    path: str | Path,
+    title: str = "",
+    limit: float | None = None,
+    pick: str | None = None,
+) -> dict:
     """Write the chart to ``path`` (PNG) and return what it shows: groups, bars (``pick``: the name of the chosen
     one) and the axes and legend boxes in pixels."""
     try:
@@ -60,19 +65,40 @@ def plot_estimates(estimates: Sequence[Estimate], path: str | Path, title: str =
         for item in groups[stage]:
             color = _COLORS.get(item.choice.offload, "#8172B3")
             picked = item.choice.name == pick
-            ax.bar(x, item.device_bytes / scale, width, color=color,
-                   edgecolor="black" if picked else "white", linewidth=2.5 if picked else 0.8)
+            ax.bar(
+                x,
+                item.device_bytes / scale,
+                width,
+                color=color,
+                edgecolor="black" if picked else "white",
+                linewidth=2.5 if picked else 0.8,
+            )
             if picked:
-                ax.annotate("pick", (x, item.device_bytes / scale), xytext=(0, 4), textcoords="offset points",
-                            ha="center", fontsize=8, fontweight="bold", bbox={"facecolor": "white", "pad": 1, "lw": 0})
+                ax.annotate(
+                    "pick",
+                    (x, item.device_bytes / scale),
+                    xytext=(0, 4),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=8,
+                    fontweight="bold",
+                    bbox={"facecolor": "white", "pad": 1, "lw": 0},
+                )
             ticks.append(x)
             names.append(item.choice.name + (" (pick)" if picked else ""))
             if item.host_bytes_per_node:
                 x += width
                 ax.bar(x, item.host_bytes_per_node / scale, width, color="white", edgecolor=color, hatch="//")
             x += width
-            bars.append({"stage": stage, "choice": item.choice.name, "device_GiB": item.device_bytes / GIB,
-                         "host_GiB": item.host_bytes_per_node / GIB, "pick": picked})
+            bars.append(
+                {
+                    "stage": stage,
+                    "choice": item.choice.name,
+                    "device_GiB": item.device_bytes / GIB,
+                    "host_GiB": item.host_bytes_per_node / GIB,
+                    "pick": picked,
+                }
+            )
     handles: list[Artist] = [plt.Rectangle((0, 0), 1, 1, color=_COLORS.get(o, "#8172B3")) for o in offloads]
     labels = [f"per device, {'no offload' if o == '-' else 'offload ' + o}" for o in offloads]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="//"))
@@ -87,8 +113,15 @@ def plot_estimates(estimates: Sequence[Estimate], path: str | Path, title: str =
         if name.endswith("(pick)"):
             tick.set_fontweight("bold")
     for g, stage in enumerate(stages):  # the stage of each group, above its bars
-        ax.text(g, 1.01, _STAGE_NAMES.get(stage, f"stage {stage}"), transform=ax.get_xaxis_transform(), ha="center",
-                va="bottom", fontsize=9)
+        ax.text(
+            g,
+            1.01,
+            _STAGE_NAMES.get(stage, f"stage {stage}"),
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
     ax.set_ylabel(f"model states ({unit})")
     ax.set_title(title or "model-state memory per device and per host", pad=18)
     ax.set_xlim(-0.5, len(stages) - 0.5)

@@ -73,7 +73,9 @@ class PeakMemory(L.Callback):
         self.first = accumulate if self.first is None else self.first
         self.count = accumulate if self.count is None else self.count
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx != self.first:
             return
         device = trainer.strategy.root_device

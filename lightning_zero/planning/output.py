@@ -21,10 +21,14 @@ def strategy_node(pick: Candidate, checkpointing: Any) -> dict:
     return {"class_path": "lightning_zero.ZeroStrategy", "init_args": args}
 
 
-def write_group_file(path: Path, pick: Candidate, checkpointing: Any, summary: str, data_keys: tuple[str, ...] = ()) -> None:
+def write_group_file(
+    path: Path, pick: Candidate, checkpointing: Any, summary: str, data_keys: tuple[str, ...] = ()
+) -> None:
     """A ``# @package _global_`` group file: ``strategy=<stem>`` sets the strategy, the accumulation and (where the
     config names it) the per-device batch size together."""
-    body: dict = {"trainer": {"strategy": strategy_node(pick, checkpointing), "accumulate_grad_batches": pick.accumulate}}
+    body: dict = {
+        "trainer": {"strategy": strategy_node(pick, checkpointing), "accumulate_grad_batches": pick.accumulate}
+    }
     if data_keys:
         node = body
         for key in data_keys[:-1]:
@@ -40,7 +44,10 @@ def deepspeed_config(pick: Candidate, checkpointing: Any, world_size: int, preci
     c = pick.configuration
     zero: dict = {"stage": c.stage}
     if c.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", **({"ratio": c.offload_optimizer} if c.offload_optimizer < 1 else {})}
+        zero["offload_optimizer"] = {
+            "device": "cpu",
+            **({"ratio": c.offload_optimizer} if c.offload_optimizer < 1 else {}),
+        }
     if c.offload_params:
         zero["offload_param"] = {"device": "cpu"}
     out: dict = {
@@ -58,7 +65,9 @@ def deepspeed_config(pick: Candidate, checkpointing: Any, world_size: int, preci
     return out
 
 
-def write_generated(path: Path, pick: Candidate, checkpointing: Any, world_size: int, precision: str, summary: str) -> None:
+def write_generated(
+    path: Path, pick: Candidate, checkpointing: Any, world_size: int, precision: str, summary: str
+) -> None:
     """``.json``: the DeepSpeed-style config; ``.yaml``/``.yml``: the same as a group file."""
     if path.suffix == ".json":
         path.parent.mkdir(parents=True, exist_ok=True)

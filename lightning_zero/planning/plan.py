@@ -35,9 +35,13 @@ CHECKPOINTING_COST = 4 / 3
 MICRO_BATCH_COST = 0.1
 #: The configurations the planner weighs, before offload shares are fitted to the budget.
 CONFIGURATIONS = (
-    Configuration(1), Configuration(2), Configuration(3),
-    Configuration(1, offload_optimizer=1.0), Configuration(2, offload_optimizer=1.0),
-    Configuration(3, offload_optimizer=1.0), Configuration(3, offload_optimizer=1.0, offload_params=True),
+    Configuration(1),
+    Configuration(2),
+    Configuration(3),
+    Configuration(1, offload_optimizer=1.0),
+    Configuration(2, offload_optimizer=1.0),
+    Configuration(3, offload_optimizer=1.0),
+    Configuration(3, offload_optimizer=1.0, offload_params=True),
 )
 
 
@@ -84,8 +88,16 @@ class Planner:
     """Traces (cached) and predictions for one module and batch on ``world_size`` ranks."""
 
     def __init__(
-        self, build: Callable[[], Any], batch: Any, *, world_size: int, precision: str = "32-true", accumulate: int = 1,
-        checkpointing: Any = None, devices_per_host: int | None = None, bucket_size_mb: float = 25.0,
+        self,
+        build: Callable[[], Any],
+        batch: Any,
+        *,
+        world_size: int,
+        precision: str = "32-true",
+        accumulate: int = 1,
+        checkpointing: Any = None,
+        devices_per_host: int | None = None,
+        bucket_size_mb: float = 25.0,
         backend: str = "nccl",
     ) -> None:
         self.build, self.batch, self.world_size, self.precision = build, batch, world_size, precision
@@ -103,7 +115,9 @@ class Planner:
         key = (micro_batch, checkpointing)
         if key not in self._traces:
             self._traces[key] = trace_step(
-                self.build, _micro(self.batch, micro_batch), precision=self.precision,
+                self.build,
+                _micro(self.batch, micro_batch),
+                precision=self.precision,
                 activation_checkpointing=self.checkpointing if checkpointing else None,
             )
         return self._traces[key]
@@ -111,8 +125,9 @@ class Planner:
     def candidate(self, configuration: Configuration, checkpointing: bool, micro_batch: int) -> Candidate:
         configuration = dataclasses.replace(configuration, bucket_size_mb=self.bucket_size_mb)
         accumulate = self.accumulate * self.per_device // micro_batch
-        prediction = predict(self.trace(micro_batch, checkpointing), configuration, self.world_size, accumulate,
-                             backend=self.backend)
+        prediction = predict(
+            self.trace(micro_batch, checkpointing), configuration, self.world_size, accumulate, backend=self.backend
+        )
         return Candidate(prediction, checkpointing, micro_batch, accumulate)
 
     def table(self) -> list[Candidate]:
@@ -140,7 +155,10 @@ class Planner:
     def _fastest_fitting(self, configuration: Configuration, checkpointing: bool, device: float, host: float | None):
         """Over the micro-batches that divide the per-device batch: the fastest that fits (the largest, unless a
         smaller one lets a smaller offload share fit)."""
-        found = [self._fill(configuration, checkpointing, micro, device, host) for micro in _divisors_descending(self.per_device)]
+        found = [
+            self._fill(configuration, checkpointing, micro, device, host)
+            for micro in _divisors_descending(self.per_device)
+        ]
         found = [candidate for candidate in found if candidate is not None]
         return min(found, key=lambda c: c.relative_time) if found else None
 
@@ -167,8 +185,10 @@ class Planner:
 
 def _nothing_fits(planner: Planner, device: float, host: float | None) -> str:
     """The refusal: the least any candidate needs (micro-batch 1, every configuration) and what would help."""
-    smallest = min((planner.candidate(c, ac, 1) for c in CONFIGURATIONS for ac in planner._checkpointing_choices()),
-                   key=lambda c: c.prediction.device_bytes)
+    smallest = min(
+        (planner.candidate(c, ac, 1) for c in CONFIGURATIONS for ac in planner._checkpointing_choices()),
+        key=lambda c: c.prediction.device_bytes,
+    )
     peak, host_peak = smallest.prediction.device_bytes, smallest.prediction.host_bytes * planner.devices_per_host
     unit = unit_for(device, host or 0.0, peak, host_peak)
     return (
@@ -229,9 +249,14 @@ def describe(candidates: Sequence[Candidate], devices_per_host: int, pick: int |
     """Rows for printing and plotting; ``pick`` is the index of the chosen row (``with_pick``)."""
     return [
         {
-            "configuration": c.configuration.name, "checkpointing": c.checkpointing, "micro_batch": c.micro_batch,
-            "accumulate": c.accumulate, "device_bytes": c.prediction.device_bytes,
-            "host_bytes": c.prediction.host_bytes * devices_per_host, "pick": i == pick, **c.prediction.breakdown,
+            "configuration": c.configuration.name,
+            "checkpointing": c.checkpointing,
+            "micro_batch": c.micro_batch,
+            "accumulate": c.accumulate,
+            "device_bytes": c.prediction.device_bytes,
+            "host_bytes": c.prediction.host_bytes * devices_per_host,
+            "pick": i == pick,
+            **c.prediction.breakdown,
         }
         for i, c in enumerate(candidates)
     ]

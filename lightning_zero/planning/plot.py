@@ -45,13 +45,26 @@ def plot_plan(rows: list[dict], path: str | Path, title: str = "", limit: float 
         label += f"\n{row['micro_batch']} x {row['accumulate']}"
         if row.get("pick"):
             ax.bar(x - 0.18, bottom, 0.36, fill=False, edgecolor="black", linewidth=2.5)
-            ax.annotate("pick", (x - 0.18, bottom), xytext=(0, 3), textcoords="offset points", ha="center",
-                        fontsize=8, fontweight="bold")
+            ax.annotate(
+                "pick",
+                (x - 0.18, bottom),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                fontsize=8,
+                fontweight="bold",
+            )
             label += "\n(pick)"
         labels.append(label)
-        shown.append({"label": labels[-1].replace("\n", " "), "device_MiB": row["device_bytes"] / 2**20,
-                      "host_MiB": row["host_bytes"] / 2**20, "pick": bool(row.get("pick")),
-                      **{k: row[k] / 2**20 for k in KINDS}})
+        shown.append(
+            {
+                "label": labels[-1].replace("\n", " "),
+                "device_MiB": row["device_bytes"] / 2**20,
+                "host_MiB": row["host_bytes"] / 2**20,
+                "pick": bool(row.get("pick")),
+                **{k: row[k] / 2**20 for k in KINDS},
+            }
+        )
     handles: list[Artist] = [plt.Rectangle((0, 0), 1, 1, color=_COLORS[k]) for k in KINDS]
     names = [f"device: {k}" for k in KINDS]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="#555555", hatch="//"))

@@ -90,8 +90,9 @@ class Prediction:
     """The device peak by kind (:data:`KINDS`)."""
 
 
-def predict(trace: StepTrace, configuration: Configuration, world_size: int, accumulate: int = 1, *,
-            backend: str = "nccl") -> Prediction:
+def predict(
+    trace: StepTrace, configuration: Configuration, world_size: int, accumulate: int = 1, *, backend: str = "nccl"
+) -> Prediction:
     """Peak device and host bytes of one rank running ``trace`` under ``configuration`` on ``world_size`` ranks,
     ``accumulate`` micro-batches per optimizer step (the non-final ones keep whole gradients, unreduced), over the
     process-group ``backend`` the run will use."""
@@ -151,9 +152,19 @@ def predict(trace: StepTrace, configuration: Configuration, world_size: int, acc
         else:
             # A unit's gradient shards exist once its full gradients are reduced and freed: the shards held beside
             # a unit's full gradients are those of the gradients produced before it.
-            dynamic = _most(points, lambda grads: accumulated + (2 * compute_size * unit if grads == 0 else
-                            compute_size * pair + min(grads, grad_size * unit)
-                            + (1 - on_host) * max(0, grads - grad_size * unit) * 4 / grad_size / n))
+            dynamic = _most(
+                points,
+                lambda grads: (
+                    accumulated
+                    + (
+                        2 * compute_size * unit
+                        if grads == 0
+                        else compute_size * pair
+                        + min(grads, grad_size * unit)
+                        + (1 - on_host) * max(0, grads - grad_size * unit) * 4 / grad_size / n
+                    )
+                ),
+            )
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0
     static_total = sum(static.values())
@@ -176,7 +187,7 @@ def _merged_units(layers: tuple[int, ...], budget: float) -> list[int]:
     (``fsdp2_units``'s rule, every ``ModuleList``'s blocks taken as one run)."""
     units, start = [], 0
     for length in merged_lengths(list(layers), budget):
-        units.append(sum(layers[start:start + length]))
+        units.append(sum(layers[start : start + length]))
         start += length
     return units
 

@@ -18,8 +18,14 @@ from lightning_zero.planning.formulas import GIB, split_devices
 #: scaled to the size asked, as deep as these rows are at that size (:func:`gpt_shape`); vocabulary 50257, biases and
 #: untied embeddings as ``lightning_zero.demo.GPTLightningModule``.
 GPT3_SHAPES = (
-    (125e6, 12, 768, 12), (350e6, 24, 1024, 16), (760e6, 24, 1536, 16), (1.3e9, 24, 2048, 16), (2.7e9, 32, 2560, 32),
-    (6.7e9, 32, 4096, 32), (13e9, 40, 5120, 40), (175e9, 96, 12288, 96),
+    (125e6, 12, 768, 12),
+    (350e6, 24, 1024, 16),
+    (760e6, 24, 1536, 16),
+    (1.3e9, 24, 2048, 16),
+    (2.7e9, 32, 2560, 32),
+    (6.7e9, 32, 4096, 32),
+    (13e9, 40, 5120, 40),
+    (175e9, 96, 12288, 96),
 )
 VOCAB = 50257
 #: The sizes ``--params`` plans for: GPT-3's smallest row up to a trillion parameters (about 6x its largest row, the
@@ -41,8 +47,9 @@ def device_memory() -> tuple[float, str]:
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
         return float(properties.total_memory), f"this machine's {properties.name} (cuda:0)"
-    return float(COMMON_DEVICE_MEMORY), ("assumed: no accelerator on this machine, so a common 80 GiB device such as "
-                                         "an A100 or H100")
+    return float(COMMON_DEVICE_MEMORY), (
+        "assumed: no accelerator on this machine, so a common 80 GiB device such as an A100 or H100"
+    )
 
 
 @dataclasses.dataclass
@@ -64,8 +71,9 @@ class Source:
     """The process-group backend of the planned run: ``"gloo"`` where the config trains on the CPU."""
 
 
-def from_config(config: dict[str, Any], devices: int | None = None, name: str = "the config",
-                devices_per_node: int | None = None) -> Source:
+def from_config(
+    config: dict[str, Any], devices: int | None = None, name: str = "the config", devices_per_node: int | None = None
+) -> Source:
     """The model, data and Trainer settings of a composed ``lightning-zero fit`` config (``cli/plan.py`` composes
     it from the files and overrides). ``devices`` counts every rank (as ``estimate``'s does); by default the
     config's ``trainer.devices x trainer.num_nodes``, on nodes of ``trainer.devices``."""
@@ -85,8 +93,12 @@ def from_config(config: dict[str, Any], devices: int | None = None, name: str = 
     init_args = strategy.get("init_args", {}) if isinstance(strategy, dict) else {}
     kwargs = model.get("init_args") or {}
     return Source(
-        build=lambda: model_cls(**kwargs), batch=batch, world_size=world, devices_per_host=per_node,
-        precision=str(trainer.get("precision") or "32-true"), accumulate=int(trainer.get("accumulate_grad_batches") or 1),
+        build=lambda: model_cls(**kwargs),
+        batch=batch,
+        world_size=world,
+        devices_per_host=per_node,
+        precision=str(trainer.get("precision") or "32-true"),
+        accumulate=int(trainer.get("accumulate_grad_batches") or 1),
         checkpointing=init_args.get("activation_checkpointing") or _repeated_block(lambda: model_cls(**kwargs)),
         description=f"{name}: {model['class_path']}",
         data_keys=("data", "init_args", "batch_size") if "batch_size" in (data.get("init_args") or {}) else (),
@@ -129,8 +141,10 @@ def gpt_shape(params: float, seq_len: int = 2048, vocab: int = VOCAB) -> GPTShap
     from lightning_zero.demo.gpt import GPTConfig, count_parameters
 
     if not (math.isfinite(params) and MIN_PARAMS <= params <= MAX_PARAMS):
-        raise ValueError(f"--params {params:.4g} is out of the sizes the planner shapes a GPT for: {MIN_PARAMS:.4g} to "
-                         f"{MAX_PARAMS:.4g} (GPT-3's smallest shape to a trillion parameters).")
+        raise ValueError(
+            f"--params {params:.4g} is out of the sizes the planner shapes a GPT for: {MIN_PARAMS:.4g} to "
+            f"{MAX_PARAMS:.4g} (GPT-3's smallest shape to a trillion parameters)."
+        )
     depth = _gpt3_depth(params)
     candidates = []
     for layers in range(max(1, math.floor(0.75 * depth)), math.ceil(1.25 * depth) + 1):
@@ -143,9 +157,11 @@ def gpt_shape(params: float, seq_len: int = 2048, vocab: int = VOCAB) -> GPTShap
     close = [c for c in candidates if c[0] <= SHAPE_TOLERANCE]
     if not close:
         nearest = min(candidates)
-        raise ValueError(f"--params {params:.4g} with --seq-len {seq_len}: no GPT shape comes within "
-                         f"{SHAPE_TOLERANCE:.0%} of it (the nearest, {nearest[1]} layers x {nearest[2]} wide, is "
-                         f"{nearest[0]:.1%} off); a shorter --seq-len or a larger --params would be shaped.")
+        raise ValueError(
+            f"--params {params:.4g} with --seq-len {seq_len}: no GPT shape comes within "
+            f"{SHAPE_TOLERANCE:.0%} of it (the nearest, {nearest[1]} layers x {nearest[2]} wide, is "
+            f"{nearest[0]:.1%} off); a shorter --seq-len or a larger --params would be shaped."
+        )
     _, layers, width, heads = min(close, key=lambda c: (c[0] > SHAPE_TOLERANCE / 2, abs(math.log(c[1] / depth)), c[0]))
     config = GPTConfig(vocab_size=vocab, block_size=seq_len, n_layer=layers, n_head=heads, n_embd=width)
     return GPTShape(layers=layers, width=width, heads=heads, params=count_parameters(config))
@@ -160,26 +176,43 @@ def _gpt3_depth(params: float) -> float:
     return math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
-def from_size(params: float, devices: int, batch_size: int, seq_len: int = 2048, precision: str = "bf16-mixed",
-              devices_per_node: int | None = None) -> Source:
+def from_size(
+    params: float,
+    devices: int,
+    batch_size: int,
+    seq_len: int = 2048,
+    precision: str = "bf16-mixed",
+    devices_per_node: int | None = None,
+) -> Source:
     """A GPT of ``params`` parameters (:func:`gpt_shape`), ``batch_size`` sequences per step over ``devices`` ranks
     in all (on nodes of ``devices_per_node``, by default ``formulas.split_devices``'s)."""
     from lightning_zero.demo.gpt import Block, GPTLightningModule
 
     if batch_size % devices:
-        raise ValueError(f"--batch-size {batch_size} must be a multiple of --devices {devices} (a global batch split "
-                         "evenly over the devices).")
+        raise ValueError(
+            f"--batch-size {batch_size} must be a multiple of --devices {devices} (a global batch split "
+            "evenly over the devices)."
+        )
     per_node, _ = split_devices(devices, devices_per_node)
     shape = gpt_shape(params, seq_len)
     per_device = batch_size // devices
     tokens = torch.zeros(per_device, seq_len, dtype=torch.long)
     return Source(
-        build=lambda: GPTLightningModule(vocab_size=VOCAB, block_size=seq_len, n_layer=shape.layers,
-                                         n_head=shape.heads, n_embd=shape.width, dropout=0.0),
-        batch=(tokens, tokens), world_size=devices,
-        devices_per_host=per_node, precision=precision, checkpointing=Block,
+        build=lambda: GPTLightningModule(
+            vocab_size=VOCAB,
+            block_size=seq_len,
+            n_layer=shape.layers,
+            n_head=shape.heads,
+            n_embd=shape.width,
+            dropout=0.0,
+        ),
+        batch=(tokens, tokens),
+        world_size=devices,
+        devices_per_host=per_node,
+        precision=precision,
+        checkpointing=Block,
         description=f"a GPT of {shape.params:,} parameters for --params {params:.4g} ({shape.layers} layers x "
-                    f"{shape.width} wide, {shape.heads} heads, vocabulary {VOCAB}, sequence {seq_len})",
+        f"{shape.width} wide, {shape.heads} heads, vocabulary {VOCAB}, sequence {seq_len})",
     )
 
 

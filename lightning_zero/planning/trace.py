@@ -172,8 +172,9 @@ def _traced_step(module: L.LightningModule, batch: Any, compute: torch.dtype | N
     tracker.track_external(module)
     try:
         with tracker:
-            with torch.autocast("cpu", dtype=compute or torch.bfloat16, enabled=compute is not None,
-                                cache_enabled=False):  # as the precision plugin runs forward
+            with torch.autocast(
+                "cpu", dtype=compute or torch.bfloat16, enabled=compute is not None, cache_enabled=False
+            ):  # as the precision plugin runs forward
                 loss = _loss(module.training_step(batch, 0))
             loss.backward()
     finally:
@@ -194,8 +195,12 @@ def _state_elements(module: L.LightningModule) -> int:
             continue
         with torch.no_grad():
             optimizer.step()
-        total += sum(v.numel() for entry in optimizer.state.values() for v in entry.values()
-                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+        total += sum(
+            v.numel()
+            for entry in optimizer.state.values()
+            for v in entry.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
     return total
 
 

@@ -111,7 +111,11 @@ class ZeroPrecision(Precision):
             raise ZeroConfigError(
                 f"`reduce_dtype` applies to the mixed modes ('bf16-mixed', '16-mixed'), not precision={precision!r}."
             )
-        self.reduce_dtype = _as_dtype("reduce_dtype", reduce_dtype) if reduce_dtype is not None else _DEFAULT_REDUCE_DTYPES.get(precision)
+        self.reduce_dtype = (
+            _as_dtype("reduce_dtype", reduce_dtype)
+            if reduce_dtype is not None
+            else _DEFAULT_REDUCE_DTYPES.get(precision)
+        )
         try:
             scaling = LossScaleConfig(
                 initial_scale=initial_scale,
@@ -200,7 +204,9 @@ class ZeroPrecision(Precision):
     @override
     def convert_input(self, data: Any) -> Any:
         if self.precision == "bf16-true":
-            return apply_to_collection(data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self.compute_dtype)
+            return apply_to_collection(
+                data, function=_convert_fp_tensor, dtype=torch.Tensor, dst_type=self.compute_dtype
+            )
         return data
 
     @override
@@ -273,8 +279,7 @@ class ZeroPrecision(Precision):
         # A closure's None is `training_step` returning None, a skipped backward; but ``optimizer.step()`` called
         # without one (an `optimizer_step` override that ran `optimizer_closure()` itself) hands Lightning's
         # `do_nothing_closure` here, whose None says nothing about the backward that already ran.
-        skipped_backward = (model.automatic_optimization and closure_result is None
-                            and closure is not do_nothing_closure)
+        skipped_backward = model.automatic_optimization and closure_result is None and closure is not do_nothing_closure
         found_inf = self.finalize_gradients(optimizer) if not skipped_backward else False
         self._after_closure(model, optimizer)
         if skipped_backward:

@@ -33,7 +33,10 @@ def job_identity() -> dict[str, str]:
     (``--rdzv-id``; ``--standalone`` draws one per job; torchrun's default "none" identifies nothing) and
     SLURM's job id."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    job = {"torchelastic_run_id": run_id if run_id not in ("", "none") else "", "slurm_job_id": os.environ.get("SLURM_JOB_ID", "")}
+    job = {
+        "torchelastic_run_id": run_id if run_id not in ("", "none") else "",
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""),
+    }
     return {k: v for k, v in job.items() if v}
 
 

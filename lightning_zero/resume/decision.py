@@ -28,7 +28,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero.checkpoint.verify import META_FILE, CheckpointError, read_checkpoint_dict
 from lightning_zero.resume.agreement import JOB_KEY, same_job
-from lightning_zero.resume.finding import RESTART_VARIABLES, checkpoint_directories, restart_count, resolve_last, resume_candidates
+from lightning_zero.resume.finding import (
+    RESTART_VARIABLES,
+    checkpoint_directories,
+    restart_count,
+    resolve_last,
+    resume_candidates,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +49,10 @@ class ResumeDecision:
 
 
 def resolve_ckpt_path(
-    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], trainer: pl.Trainer | None,
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    trainer: pl.Trainer | None,
     auto_resume: bool,
 ) -> tuple[tuple[Any, ...], dict[str, Any], ResumeDecision | None]:
     """``function``'s arguments with ``ckpt_path`` resolved, and the auto-resume decision when one was made."""
@@ -86,12 +95,14 @@ def decide(trainer: pl.Trainer) -> ResumeDecision:
     directories = ", ".join(str(d) for d in checkpoint_directories(trainer)) or "(none: no ModelCheckpoint)"
     why = f"restart {restarts} of this job" if restarts else "a restart of this job (its checkpoint is this job's)"
     if newest is None:
-        rank_zero_info(f"Auto-resume: {why}, but no complete checkpoint in {directories}; training starts from the "
-                       "beginning.")
+        rank_zero_info(
+            f"Auto-resume: {why}, but no complete checkpoint in {directories}; training starts from the beginning."
+        )
         return ResumeDecision(None, restarts)
     step = f" (global step {newest.global_step})" if newest.global_step is not None else ""
-    rank_zero_info(f"Auto-resume: {why}; resuming from {newest.path}{step}, the newest complete checkpoint in "
-                   f"{directories}.")
+    rank_zero_info(
+        f"Auto-resume: {why}; resuming from {newest.path}{step}, the newest complete checkpoint in {directories}."
+    )
     return ResumeDecision(str(newest.path), restarts)
 
 

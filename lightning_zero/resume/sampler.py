@@ -40,8 +40,15 @@ class ResumeSampler(Sampler[Any]):
     iterator's base seed and before any sample is loaded in this process (see ``resume/state.py``).
     """
 
-    def __init__(self, source: Iterable[Any], skip: int, epoch: int, on_iterator: Callable[[ResumeSampler], None] | None = None,
-                 uses_global_rng: bool = True, loads_in_process: bool = True) -> None:
+    def __init__(
+        self,
+        source: Iterable[Any],
+        skip: int,
+        epoch: int,
+        on_iterator: Callable[[ResumeSampler], None] | None = None,
+        uses_global_rng: bool = True,
+        loads_in_process: bool = True,
+    ) -> None:
         self.source = source
         self.skip = skip
         self.resume_epoch = epoch

@@ -62,11 +62,18 @@ def save_on_sigterm(trainer: pl.Trainer, exception: BaseException, wait: float =
     try:
         trainer.save_checkpoint(path)
     except Exception as err:  # noqa: BLE001 - the SIGTERMException must still end the run
-        log.error("SIGTERM: saving %s failed on rank %d (%s: %s); earlier checkpoints are intact.",
-                  path, trainer.global_rank, type(err).__name__, err)
+        log.error(
+            "SIGTERM: saving %s failed on rank %d (%s: %s); earlier checkpoints are intact.",
+            path,
+            trainer.global_rank,
+            type(err).__name__,
+            err,
+        )
         return None
-    rank_zero_info(f"SIGTERM: saved {path} at global step {trainer.global_step} in {time.monotonic() - started:.1f} s; "
-                   "a restarted job resumes from it (auto_resume, or ckpt_path='last').")
+    rank_zero_info(
+        f"SIGTERM: saved {path} at global step {trainer.global_step} in {time.monotonic() - started:.1f} s; "
+        "a restarted job resumes from it (auto_resume, or ckpt_path='last')."
+    )
     return path
 
 
@@ -88,8 +95,10 @@ def _unsafe(trainer: pl.Trainer) -> str | None:
     accumulate = trainer.accumulate_grad_batches
     boundary = ready % accumulate == 0 or ready == trainer.num_training_batches or progress.is_last_batch
     if trainer.lightning_module.automatic_optimization and not boundary:
-        return (f"batch {ready} of the epoch is inside an accumulation window of {accumulate}; accumulated "
-                "gradients are not part of a checkpoint")
+        return (
+            f"batch {ready} of the epoch is inside an accumulation window of {accumulate}; accumulated "
+            "gradients are not part of a checkpoint"
+        )
     return None
 
 

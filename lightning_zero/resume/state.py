@@ -69,7 +69,9 @@ class ResumeState:
             decision, self.decision = self.decision, None
             check_agreement(decision.path)
 
-    def loaded(self, checkpoint: Mapping[str, Any], trainer: pl.Trainer | None, rng_state: dict[str, Any] | None) -> None:
+    def loaded(
+        self, checkpoint: Mapping[str, Any], trainer: pl.Trainer | None, rng_state: dict[str, Any] | None
+    ) -> None:
         """A checkpoint was read: keep this rank's RNG state and the data position for the hooks below."""
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             if rng_state is not None:
@@ -156,13 +158,20 @@ def draws_after_save(trainer: pl.Trainer | None) -> dict[str, int]:
     try:
         epoch_loop = trainer.fit_loop.epoch_loop
         current = epoch_loop.batch_progress.current
-        in_batch_end = (trainer.training and isinstance(current, _ProcessedTracker)
-                        and current.completed == current.processed - 1)
+        in_batch_end = (
+            trainer.training and isinstance(current, _ProcessedTracker) and current.completed == current.processed - 1
+        )
         fetcher = trainer.fit_loop._data_fetcher
         if not in_batch_end or fetcher is None or not epoch_loop._should_check_val_fx(fetcher):
             return {"iterators": 0}
         loaders = trainer.val_dataloaders
-        loaders = loaders if isinstance(loaders, (list, tuple)) else list(loaders.values()) if isinstance(loaders, dict) else [loaders]
+        loaders = (
+            loaders
+            if isinstance(loaders, (list, tuple))
+            else list(loaders.values())
+            if isinstance(loaders, dict)
+            else [loaders]
+        )
         return {"iterators": sum(isinstance(dl, DataLoader) and dl.generator is None for dl in loaders)}
     except Exception:  # noqa: BLE001 - outside a fit loop (e.g. a manual save): nothing is pending
         return {"iterators": 0}
@@ -191,4 +200,6 @@ def _report_mid_epoch(position: DataPosition, trainer: pl.Trainer) -> None:
             f"{position.batches_done % accumulate} micro-batch(es) were not saved, so the first optimizer step after "
             "resuming uses only the rest of the window."
         )
-    rank_zero_info(f"Resuming mid-epoch: epoch {position.epoch} continues after its first {position.batches_done} batches.")
+    rank_zero_info(
+        f"Resuming mid-epoch: epoch {position.epoch} continues after its first {position.batches_done} batches."
+    )

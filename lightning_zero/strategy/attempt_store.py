@@ -64,8 +64,9 @@ def uses_torchrun_shared_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
-def attempt_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta,
-                  notice_after: float) -> dist.Store:
+def attempt_store(
+    address: str, port: int, rank: int, world_size: int, timeout: timedelta, notice_after: float
+) -> dist.Store:
     """A client of torchrun's agent store at ``address:port``, prefixed with this attempt's generation.
     Raises :class:`AttemptStoreError` after ``timeout``; says on stderr what it waits for after ``notice_after``
     seconds."""
@@ -122,8 +123,12 @@ class _Joining:
                     if self.store.add(GENERATION, 0) > generation:
                         break  # an earlier attempt's generation, whose rank 0 is gone: join the new one
                     self._refuse_ended([r for r in range(self.world_size) if r != self.rank])
-                    self._wait(lambda: "the other ranks of this torchrun attempt to start (rank 0 opens it when all "
-                                       f"{self.world_size} have)")
+                    self._wait(
+                        lambda: (
+                            "the other ranks of this torchrun attempt to start (rank 0 opens it when all "
+                            f"{self.world_size} have)"
+                        )
+                    )
                 else:
                     return generation
             else:  # full: an earlier attempt's; this attempt's rank 0 has not started yet
@@ -141,8 +146,11 @@ class _Joining:
             )
         if self.notice_at is not None and now > self.notice_at:
             self.notice_at = None
-            print(f"[lightning_zero] rank {self.rank}: waiting {now - self.started:.0f} s so far for {waiting_for()}.",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[lightning_zero] rank {self.rank}: waiting {now - self.started:.0f} s so far for {waiting_for()}.",
+                file=sys.stderr,
+                flush=True,
+            )
         time.sleep(POLL_SECONDS)
 
     def _refuse_ended(self, ranks: list[int]) -> None:

@@ -68,8 +68,13 @@ def _average_tensors(average: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {key.removeprefix("module."): value for key, value in state.items() if key.startswith("module.")}
 
 
-def _save(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, pl_module: pl.LightningModule,
-          checkpoint: dict[str, Any]) -> None:
+def _save(
+    callback: Any,
+    strategy: CheckpointingStrategy,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    checkpoint: dict[str, Any],
+) -> None:
     WeightAveraging.on_save_checkpoint(callback, trainer, pl_module, checkpoint)
     if CURRENT_MODEL_STATE not in checkpoint:
         return
@@ -85,8 +90,13 @@ def _whole_on_rank_zero(state: dict[str, Any]) -> dict[str, Any]:
     return whole if collectives.rank() == 0 else {}
 
 
-def _load(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, pl_module: pl.LightningModule,
-          checkpoint: dict[str, Any]) -> None:
+def _load(
+    callback: Any,
+    strategy: CheckpointingStrategy,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    checkpoint: dict[str, Any],
+) -> None:
     average = callback._average_model
     if average is None:  # outside a fit: the callback's own warning
         WeightAveraging.on_load_checkpoint(callback, trainer, pl_module, checkpoint)
@@ -99,14 +109,20 @@ def _load(callback: Any, strategy: CheckpointingStrategy, trainer: pl.Trainer, p
     if averaged:
         average.load_state_dict(checkpoint[AVERAGING_STATE], strict=False)  # its counters; the weights are in
     else:
-        rank_zero_warn("The checkpoint was not created with WeightAveraging. Both the current and the average model "
-                       "will be initialized with state_dict.")
+        rank_zero_warn(
+            "The checkpoint was not created with WeightAveraging. Both the current and the average model "
+            "will be initialized with state_dict."
+        )
 
 
 def _copy_whole_into(targets: Mapping[str, torch.Tensor], whole: Mapping[str, torch.Tensor], strict: bool) -> None:
     """Whole tensors into the average: a DTensor keeps this rank's rows; another pipeline stage's (meta) none."""
-    check_compatible({k: v.shape for k, v in whole.items()}, {k: v.shape for k, v in targets.items()},
-                     "weight average", strict=strict)
+    check_compatible(
+        {k: v.shape for k, v in whole.items()},
+        {k: v.shape for k, v in targets.items()},
+        "weight average",
+        strict=strict,
+    )
     with torch.no_grad():
         for name, target in targets.items():
             if name in whole and not target.is_meta:

@@ -39,6 +39,8 @@ def may_change_gradients(module: pl.LightningModule, callbacks: list[pl.Callback
     between backward and the step, e.g. clipping with ``torch.nn.utils.clip_grad_norm_``: a host step started during
     backward would not see what it does to the gradients."""
     return any(is_overridden(hook, module, pl.LightningModule) for hook in _GRADIENT_HOOKS) or any(
-        is_overridden(hook, callback, pl.Callback) for callback in callbacks
-        if type(callback).__module__.partition(".")[0] != "lightning_zero" for hook in _GRADIENT_HOOKS
+        is_overridden(hook, callback, pl.Callback)
+        for callback in callbacks
+        if type(callback).__module__.partition(".")[0] != "lightning_zero"
+        for hook in _GRADIENT_HOOKS
     )

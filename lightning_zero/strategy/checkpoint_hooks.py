@@ -163,8 +163,12 @@ class CheckpointingStrategy(ProcessGroupStrategy):
         if self.zero_config.gather_16bit_weights_on_save:
             state = self.full_state_dict()
             if self.is_global_zero:
-                dtype = self.precision_plugin.compute_dtype if isinstance(self.precision_plugin, ZeroPrecision) else None
-                hf_export.save_16bit(state, hf_model, path, dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+                dtype = (
+                    self.precision_plugin.compute_dtype if isinstance(self.precision_plugin, ZeroPrecision) else None
+                )
+                hf_export.save_16bit(
+                    state, hf_model, path, dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+                )
             self.barrier()
 
     def wait_for_checkpoint(self) -> None:
@@ -194,9 +198,16 @@ class CheckpointingStrategy(ProcessGroupStrategy):
             self._fitted = None  # the fit's optimizer state no longer belongs to the module's weights (`_states`)
         optimizers = [] if evaluating else [unwrap(o) for o in self.optimizers]
         average = None if evaluating else average_to_load(trainer)
-        checkpoint = io.load(path, module, optimizers, self._sharded.engine,
-                             strict=module.strict_loading, weights_only=weights_only is not False,
-                             holding=self._sharded.holding, average=average)
+        checkpoint = io.load(
+            path,
+            module,
+            optimizers,
+            self._sharded.engine,
+            strict=module.strict_loading,
+            weights_only=weights_only is not False,
+            holding=self._sharded.holding,
+            average=average,
+        )
         states = checkpoint.get("rng_states")
         # Put back later in a fit, where the uninterrupted run was: [Note: when the RNG state is restored].
         self._resume.loaded(checkpoint, trainer_of(module), states[self.global_rank % len(states)] if states else None)
@@ -204,16 +215,22 @@ class CheckpointingStrategy(ProcessGroupStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        io.load_model_state(require(self.lightning_module, "lightning_module"), checkpoint["state_dict"], self._sharded.engine, strict=strict,
-                            holding=self._sharded.holding)
+        io.load_model_state(
+            require(self.lightning_module, "lightning_module"),
+            checkpoint["state_dict"],
+            self._sharded.engine,
+            strict=strict,
+            holding=self._sharded.holding,
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         module = require(self.lightning_module, "lightning_module")
         clear_schedulers_for_swa(trainer_of(module))  # Lightning restores the schedulers next
         for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            io.load_optimizer_state(unwrap(optimizer), state, module, self._sharded.engine,
-                                    holding=self._sharded.holding)
+            io.load_optimizer_state(
+                unwrap(optimizer), state, module, self._sharded.engine, holding=self._sharded.holding
+            )
         # A full file's parameters one update behind (a sharded directory's were loaded with it, in `io.load`).
         delayed_update.restore(checkpoint.get(delayed_update.KEY), self._sharded.engine)
 

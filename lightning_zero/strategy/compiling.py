@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+
 def compile_units(units: Iterable[nn.Module], compile: bool | dict) -> int:
     """Compile each of ``units`` in place (``compile``: True, or torch.compile's arguments); how many."""
     if not compile:

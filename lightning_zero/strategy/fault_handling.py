@@ -85,8 +85,17 @@ class FaultHandling:
         stages = config.pipeline_stages
         mark_peer = symmetric_peer(config, rank, world_size, node_size)
         context = Context(world_size=world_size, symmetric=stages == 1, places=pipeline_places(config, world_size))
-        self.watchdog = Watchdog(_store_client(), self.namespace, rank, world_size, limits, context,
-                                 dist.group.WORLD, mark_peer, long=self.timeouts.long)
+        self.watchdog = Watchdog(
+            _store_client(),
+            self.namespace,
+            rank,
+            world_size,
+            limits,
+            context,
+            dist.group.WORLD,
+            mark_peer,
+            long=self.timeouts.long,
+        )
         self.watchdog.start()
 
     def activate(self, trainer: Any, gathers_in_forward: bool) -> None:
@@ -115,8 +124,13 @@ class FaultHandling:
             self.watchdog.on_exception(exception)
         elif self.namespace is not None:  # watchdog off: still name the first failure on every rank
             store = _store_client()
-            mine = {"rank": self.rank, "culprit": self.rank, "kind": "error", "error": failures.error_text(exception),
-                    "message": f"rank {self.rank} raised {failures.error_text(exception)}"}
+            mine = {
+                "rank": self.rank,
+                "culprit": self.rank,
+                "kind": "error",
+                "error": failures.error_text(exception),
+                "message": f"rank {self.rank} raised {failures.error_text(exception)}",
+            }
             try:
                 first = failures.record(store, self.namespace, mine)
             except Exception:  # noqa: BLE001 - the store is gone with its host
@@ -189,4 +203,3 @@ def _replace_lightning_sigterm(trainer: Any) -> None:
         connector.received_sigterm = True
 
     signals.replace_handler(signal.SIGTERM, notify, [h for h in handlers if h != notifier])
-

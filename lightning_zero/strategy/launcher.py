@@ -47,8 +47,9 @@ from lightning_zero.resume import resolve_ckpt_path
 from lightning_zero.strategy.early_checks import check_ckpt_path
 
 
-def _resolved(strategy, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None,
-              starts_processes: bool) -> tuple[tuple, dict]:
+def _resolved(
+    strategy, function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None, starts_processes: bool
+) -> tuple[tuple, dict]:
     if trainer is not None:
         if starts_processes:  # a rank started by another reads the path the launching process checked, or rank 0's
             _check_ckpt_path(function, args, kwargs, trainer)
@@ -138,8 +139,11 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         best_model_path = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         # Collective: every rank takes part in gathering the shards.
         # This launcher's strategy is a ZeroStrategy (it made the launcher), which Lightning's annotation cannot say.
-        state_dict = (self._strategy.full_state_dict()  # type: ignore[attr-defined]
-                      if trainer.state.fn == TrainerFn.FITTING else None)
+        state_dict = (
+            self._strategy.full_state_dict()  # type: ignore[attr-defined]
+            if trainer.state.fn == TrainerFn.FITTING
+            else None
+        )
         if self._strategy.local_rank != 0:
             return None
         weights_path = None

@@ -60,6 +60,7 @@ _EXIT_YIELD_SECONDS = 0.05
 
 T = TypeVar("T")
 
+
 class ProcessGroupStrategy(ParallelStrategy):
     """One process per device, a ``torch.distributed`` group over them, and a watchdog over that group."""
 
@@ -121,7 +122,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
         environment = require(self.cluster_environment, "cluster_environment")
         # A slow start is not a hang: `timeout` applies once the loops run (see faults/timeouts.py).
         timeout = long_timeout(self.zero_config.timeout_delta)
@@ -137,8 +140,16 @@ class ProcessGroupStrategy(ParallelStrategy):
         environment = self.cluster_environment
         if environment is None or not uses_torchrun_shared_store():
             return {}
-        return {"store": attempt_store(environment.main_address, environment.main_port, self.global_rank,
-                                       self.world_size, timeout, self.zero_config.timeout_delta.total_seconds())}
+        return {
+            "store": attempt_store(
+                environment.main_address,
+                environment.main_port,
+                self.global_rank,
+                self.world_size,
+                timeout,
+                self.zero_config.timeout_delta.total_seconds(),
+            )
+        }
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -178,7 +189,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         return collectives.broadcast_object(obj, src=src, group=_group.WORLD)
 
     @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
         """Reduce a tensor over ranks (``self.log(..., sync_dist=True)`` and metrics come through here)."""
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
@@ -193,7 +206,9 @@ class ProcessGroupStrategy(ParallelStrategy):
 def require(value: T | None, what: str) -> T:
     """``value``: Lightning sets these up before calling the hook that needs them; say which one is missing if not."""
     if value is None:
-        raise RuntimeError(f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer.")
+        raise RuntimeError(
+            f"ZeroStrategy needs `{what}`, which Lightning has not set up yet; use it through a Trainer."
+        )
     return value
 
 
@@ -202,7 +217,12 @@ def reduce_op_from_name(reduce_op: collectives.ReduceOpLike | str | None) -> tup
     if reduce_op is None or (isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg")):
         return dist.ReduceOp.SUM, True
     if isinstance(reduce_op, str):
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+        ops = {
+            "sum": dist.ReduceOp.SUM,
+            "max": dist.ReduceOp.MAX,
+            "min": dist.ReduceOp.MIN,
+            "product": dist.ReduceOp.PRODUCT,
+        }
         if reduce_op.lower() not in ops:
             raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {('mean', *ops)}.")
         return ops[reduce_op.lower()], False

@@ -46,8 +46,11 @@ class OptimizerRows:
         if self._view is None or rows != self._rows:
             self._view, self._rows = mirror(self._module, {id(r.param): r.rows for r in records}), rows
             by_param = {id(record.param): record for record in records}
-            self.shapes = {name: by_param[id(tensor)].shape
-                           for name, tensor in self._module.state_dict(keep_vars=True).items() if id(tensor) in by_param}
+            self.shapes = {
+                name: by_param[id(tensor)].shape
+                for name, tensor in self._module.state_dict(keep_vars=True).items()
+                if id(tensor) in by_param
+            }
         return self._view
 
     def view_for(self, average: Iterable[torch.Tensor]) -> nn.Module:

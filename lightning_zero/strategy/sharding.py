@@ -20,7 +20,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.activation_checkpointing import CheckpointPolicy, apply_activation_checkpointing, caches_off_for_training
+from lightning_zero.activation_checkpointing import (
+    CheckpointPolicy,
+    apply_activation_checkpointing,
+    caches_off_for_training,
+)
 from lightning_zero.strategy.compiling import compile_units
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
@@ -77,7 +81,9 @@ class ShardedModel:
             group, source = (self.pipeline.dp_group, self.pipeline.dp_source) if self.pipeline else (None, 0)
             collectives.broadcast(self.buffers, src=source, group=group)
 
-    def gather_gradients(self, optimizers: Iterable[Optimizer], finalize: Callable[[Optimizer], object]) -> dict[str, Tensor]:
+    def gather_gradients(
+        self, optimizers: Iterable[Optimizer], finalize: Callable[[Optimizer], object]
+    ) -> dict[str, Tensor]:
         """Full gradients by parameter name, on every rank (collective); ``finalize`` averages/unscales first."""
         if self.engine is None:
             raise RuntimeError("gather_gradients() needs a fitted ZeroStrategy (call it during `fit`).")
@@ -178,8 +184,14 @@ def shard_model(
             offload_step_delay=config.offload_step_delay,
         )
     if config.init_weights is not None:
-        load_pretrained(model, config.init_weights, strict=config.init_weights_strict, prefix=config.init_weights_prefix,
-                        engine=engine, holding=holding)
+        load_pretrained(
+            model,
+            config.init_weights,
+            strict=config.init_weights_strict,
+            prefix=config.init_weights_prefix,
+            engine=engine,
+            holding=holding,
+        )
     if built_on_meta:
         refuse_uninitialised(model)
     if config.compile:  # see compiling.py
@@ -212,13 +224,17 @@ def _in_the_shards_form(model: nn.Module, fitting: bool, afterwards: list[Callab
     """Row-major parameters and, for training, dense embedding gradients (see [Note: the memory the row shards
     need] in ``engine/dense_parameters.py``), each said once."""
     if moved := store_row_major(model):
-        rank_zero_info(f"ZeroStrategy stores {_listed(moved)} row-major (contiguous): it shards parameters by rows, "
-                       "as DeepSpeed and FSDP flatten them. Channels-last inputs still run channels-last kernels.")
+        rank_zero_info(
+            f"ZeroStrategy stores {_listed(moved)} row-major (contiguous): it shards parameters by rows, "
+            "as DeepSpeed and FSDP flatten them. Channels-last inputs still run channels-last kernels."
+        )
     if fitting:
         densified, back = dense_embedding_gradients(model)
         if densified:
-            rank_zero_info(f"ZeroStrategy trains the embeddings {_listed(densified)} with dense gradients "
-                           "(`sparse=False`; it shards dense gradients) and turns `sparse` back on after fit.")
+            rank_zero_info(
+                f"ZeroStrategy trains the embeddings {_listed(densified)} with dense gradients "
+                "(`sparse=False`; it shards dense gradients) and turns `sparse` back on after fit."
+            )
             afterwards.append(back)
 
 

@@ -34,8 +34,14 @@ class RootHeldRedirection(_ForwardRedirection):
         self._strategy = strategy
         self._restore: Callable[[], None] | None = None
 
-    def __call__(self, wrapper_module: nn.Module, original_module: pl.LightningModule, method_name: str,
-                 *args: Any, **kwargs: Any) -> Any:
+    def __call__(
+        self,
+        wrapper_module: nn.Module,
+        original_module: pl.LightningModule,
+        method_name: str,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         engine = self._strategy.engine
         self._restore = engine.hold_root_gathered() if engine is not None else None
         try:

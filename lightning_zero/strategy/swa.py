@@ -48,8 +48,13 @@ class ShardedAverage:
     """What ``StochasticWeightAveraging`` averages into: a detached copy of every parameter as this rank holds it
     (stage 3's shards, the optimizer's rows at stages 1-2, another pipeline stage's on the meta device)."""
 
-    def __init__(self, module: torch.nn.Module, engine: ShardingEngine, holding: Holding,
-                 wrap: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        engine: ShardingEngine,
+        holding: Holding,
+        wrap: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, tensor: tensor,
+    ) -> None:
         self._names = [name for name, _ in module.named_parameters()]
         self._params = [p.detach().clone() for p in module.parameters()]
         self._engine, self._holding = engine, holding
@@ -88,8 +93,13 @@ def rows_of(shard: DTensor, whole: torch.Tensor) -> torch.Tensor:
     return local_rows(whole, shard.device_mesh, shard.placements)
 
 
-def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine: ShardingEngine | None,
-                            holding: Holding, sync_buffers: Callable[[], None]) -> None:
+def average_sharded_weights(
+    trainer: pl.Trainer,
+    module: torch.nn.Module,
+    engine: ShardingEngine | None,
+    holding: Holding,
+    sync_buffers: Callable[[], None],
+) -> None:
     """Point every weight averaging callback at the weights as the optimizer holds them on this rank (see the module
     docstring), and make what it moves into the module reach the optimizer's rows. ``sync_buffers``: rank 0's
     buffers to every rank (collective)."""
@@ -103,13 +113,22 @@ def average_sharded_weights(trainer: pl.Trainer, module: torch.nn.Module, engine
             _average_for_weight_averaging(callback, module, engine, rows, sync_buffers)
 
 
-def _average_for_swa(callback: StochasticWeightAveraging, module: torch.nn.Module, engine: ShardingEngine,
-                     holding: Holding, rows: OptimizerRows | None) -> None:
+def _average_for_swa(
+    callback: StochasticWeightAveraging,
+    module: torch.nn.Module,
+    engine: ShardingEngine,
+    holding: Holding,
+    rows: OptimizerRows | None,
+) -> None:
     # The class's own methods, not the instance's, in what replaces them: a second fit must not wrap the first's.
-    if rows is not None:  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
+    if (
+        rows is not None
+    ):  # a stand-in for the callback's copy of the module: it calls only the methods ShardedAverage has
         callback._average_model = ShardedAverage(rows.view(), engine, holding, wrap=rows.wrap)  # type: ignore[assignment]
 
-        def update_from_rows(average: Any, pl_module: pl.LightningModule, n_averaged: torch.Tensor, avg_fn: Any) -> None:
+        def update_from_rows(
+            average: Any, pl_module: pl.LightningModule, n_averaged: torch.Tensor, avg_fn: Any
+        ) -> None:
             view = rows.view_for(average.parameters())
             StochasticWeightAveraging.update_parameters(average, view, n_averaged, avg_fn)  # type: ignore[arg-type]
 
@@ -130,8 +149,13 @@ def _average_for_swa(callback: StochasticWeightAveraging, module: torch.nn.Modul
     callback.transfer_weights = transfer_and_follow  # type: ignore[method-assign]  # this instance's only
 
 
-def _average_for_weight_averaging(callback: Any, module: torch.nn.Module, engine: ShardingEngine,
-                                  rows: OptimizerRows | None, sync_buffers: Callable[[], None]) -> None:
+def _average_for_weight_averaging(
+    callback: Any,
+    module: torch.nn.Module,
+    engine: ShardingEngine,
+    rows: OptimizerRows | None,
+    sync_buffers: Callable[[], None],
+) -> None:
     """The callback swaps the average in when validation starts and out when it ends; each rank averaged its own
     buffers (BatchNorm statistics), and evaluation runs on rank 0's, as ``ddp``'s first forward broadcasts them."""
     kwargs = dict(device=callback._device, use_buffers=callback._use_buffers, **callback._kwargs)

@@ -35,7 +35,12 @@ from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ModulePolic
 from lightning_zero.config.zero_config import ShardSize, StartMethod, StateDictType, ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.deepspeed_compat.config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
-from lightning_zero.deepspeed_compat.trainer import apply_to_trainer, check_batch_sizes, optimizers_from_config, precision_plugin_for
+from lightning_zero.deepspeed_compat.trainer import (
+    apply_to_trainer,
+    check_batch_sizes,
+    optimizers_from_config,
+    precision_plugin_for,
+)
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
@@ -67,7 +72,9 @@ class ZeroStrategy(CheckpointingStrategy):
         self,
         stage: int = 2,
         *,
-        offload_optimizer: bool | float = False, offload_params: bool = False, offload_step_delay: int = 0,
+        offload_optimizer: bool | float = False,
+        offload_params: bool = False,
+        offload_step_delay: int = 0,
         pin_memory: bool | None = None,
         activation_checkpointing: Any = None,
         wrap_policy: ModulePolicy = None,
@@ -78,14 +85,22 @@ class ZeroStrategy(CheckpointingStrategy):
         pipeline_virtual_stages: int | None = None,
         shard_size: ShardSize = None,
         secondary_shard_size: ShardSize = None,
-        bucket_size_mb: float = 25.0, unit_size_mb: float = 100.0, overlap_comm: bool = True,
-        reduce_every_microbatch: bool = False, compile: bool | dict = False,
-        gradient_compression: Compression | None = None, param_compression: Compression | None = None,
-        quantization_scheme: QuantizationScheme = "symmetric", quantization_block_size: int = 2048,
-        error_feedback: bool = False, compression_scope: CompressionScope = "all",
-        elementwise_optimizers: tuple[type, ...] = (), matrix_optimizers: tuple[type, ...] = (),
+        bucket_size_mb: float = 25.0,
+        unit_size_mb: float = 100.0,
+        overlap_comm: bool = True,
+        reduce_every_microbatch: bool = False,
+        compile: bool | dict = False,
+        gradient_compression: Compression | None = None,
+        param_compression: Compression | None = None,
+        quantization_scheme: QuantizationScheme = "symmetric",
+        quantization_block_size: int = 2048,
+        error_feedback: bool = False,
+        compression_scope: CompressionScope = "all",
+        elementwise_optimizers: tuple[type, ...] = (),
+        matrix_optimizers: tuple[type, ...] = (),
         init_weights: str | Path | None = None,
-        init_weights_strict: bool = True, init_weights_prefix: str | None = None,
+        init_weights_strict: bool = True,
+        init_weights_prefix: str | None = None,
         gather_16bit_weights_on_save: bool = False,
         async_save: bool = False,
         state_dict_type: StateDictType = "sharded",
@@ -160,7 +175,9 @@ class ZeroStrategy(CheckpointingStrategy):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         if precision_plugin is not None and precision_plugin is self._precision_plugin:
             return  # Lightning hands back the plugin this strategy chose
-        self._precision_plugin = as_zero_precision(precision_plugin_for(getattr(self, "_deepspeed", None), precision_plugin))
+        self._precision_plugin = as_zero_precision(
+            precision_plugin_for(getattr(self, "_deepspeed", None), precision_plugin)
+        )
 
     # ------------------------------------------------------------------ model and optimizers
     @contextlib.contextmanager
@@ -186,10 +203,17 @@ class ZeroStrategy(CheckpointingStrategy):
             model = self._layer_sync.apply(model)
         self.model = model = precision.convert_module(model)
         self._sharded = shard_model(
-            model, self.zero_config, policy=precision.policy(), checkpoint_policy=self.checkpoint_policy,
-            fitting=fitting, rank=self.global_rank, world_size=self.world_size, node_size=self.num_processes,
+            model,
+            self.zero_config,
+            policy=precision.policy(),
+            checkpoint_policy=self.checkpoint_policy,
+            fitting=fitting,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            node_size=self.num_processes,
             device=self.root_device,
-            move_to_device=self.model_to_device, sync_batchnorm=bool(self._layer_sync),
+            move_to_device=self.model_to_device,
+            sync_batchnorm=bool(self._layer_sync),
         )
         if fitting:
             self.setup_optimizers(trainer)
@@ -206,8 +230,13 @@ class ZeroStrategy(CheckpointingStrategy):
                 setattr(wrapper, "zero_grad", unwrap(wrapper).zero_grad)
             self.setup_checkpoints(trainer)
             sharded = self._sharded
-            average_sharded_weights(trainer, require(self.lightning_module, "lightning_module"), sharded.engine,
-                                    sharded.holding, sharded.sync_buffers)
+            average_sharded_weights(
+                trainer,
+                require(self.lightning_module, "lightning_module"),
+                sharded.engine,
+                sharded.holding,
+                sharded.sync_buffers,
+            )
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -240,7 +269,9 @@ class ZeroStrategy(CheckpointingStrategy):
         if fitted:
             self._sharded.after_fit()
         if fitted and self._layer_sync and not self._sharded.shards_module_in_place:
-            self.model = self._layer_sync.revert(require(self.model, "model"))  # give the user back their BatchNorm layers, as DDP
+            self.model = self._layer_sync.revert(
+                require(self.model, "model")
+            )  # give the user back their BatchNorm layers, as DDP
         self.teardown_processes()
         if error is not None:
             raise error
@@ -311,7 +342,10 @@ class ZeroStrategy(CheckpointingStrategy):
             if self.pipeline is None:
                 return self._call_module("training_step", args, kwargs)
             # The schedule runs forward, loss and backward here; `backward` then hands the gradients on.
-            scale = self.precision_plugin.loss_scale / require(self.lightning_module, "lightning_module").trainer.accumulate_grad_batches
+            scale = (
+                self.precision_plugin.loss_scale
+                / require(self.lightning_module, "lightning_module").trainer.accumulate_grad_batches
+            )
             return self.pipeline.training_step(_batch(args, kwargs), scale, self.engine)
 
     @override
@@ -325,9 +359,13 @@ class ZeroStrategy(CheckpointingStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is not None:
-            raise ZeroConfigError("`predict` is not available with `pipeline_stages > 1` (only the last stage sees the "
-                                  "outputs): load the checkpoint into a run without pipelining to predict.")
-        return self._evaluation_step("predict", "predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+            raise ZeroConfigError(
+                "`predict` is not available with `pipeline_stages > 1` (only the last stage sees the "
+                "outputs): load the checkpoint into a run without pipelining to predict."
+            )
+        return self._evaluation_step(
+            "predict", "predict_step", self.precision_plugin.predict_step_context, args, kwargs
+        )
 
     @contextlib.contextmanager
     @override
@@ -367,11 +405,16 @@ class ZeroStrategy(CheckpointingStrategy):
         automatic optimization without clipping or a loss scaler, so the offloaded host step may start during
         backward (see [Note: the host step during backward] in ``engine/host_steps.py``)."""
         trainer = trainer_of(module)
-        return (bool(self.zero_config.offload_optimizer) and not self._accumulating and trainer is not None
-                and module.automatic_optimization and not trainer.gradient_clip_val
-                and not is_overridden("configure_gradient_clipping", module, pl.LightningModule)
-                and getattr(self.precision_plugin, "scaler", None) is None
-                and not may_change_gradients(module, getattr(trainer, "callbacks", [])))
+        return (
+            bool(self.zero_config.offload_optimizer)
+            and not self._accumulating
+            and trainer is not None
+            and module.automatic_optimization
+            and not trainer.gradient_clip_val
+            and not is_overridden("configure_gradient_clipping", module, pl.LightningModule)
+            and getattr(self.precision_plugin, "scaler", None) is None
+            and not may_change_gradients(module, getattr(trainer, "callbacks", []))
+        )
 
     def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
         """Full (unsharded) gradients by parameter name, on every rank. Collective; for a step that needs the whole

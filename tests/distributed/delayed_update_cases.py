@@ -72,7 +72,9 @@ def delayed_reference(initial: dict, dataset, *, steps: int, ema_decay: float | 
         opt.step()
         sched.step()
         for n, p in masters.named_parameters() if ema_decay is not None else ():
-            average[n] = p.detach().clone() if n not in average else ema_decay * average[n] + (1 - ema_decay) * p.detach()
+            average[n] = (
+                p.detach().clone() if n not in average else ema_decay * average[n] + (1 - ema_decay) * p.detach()
+            )
     if ema_decay is not None:
         return average
     return {n: p.detach().clone() for n, p in masters.state_dict().items()}
@@ -90,7 +92,9 @@ def exactness() -> dict:
         ThreadNotingAdamW.threads, ThreadNotingAdamW.calls = set(), 0
         t = trainer(
             ZeroStrategy(stage=stage, bucket_size_mb=0.001, state_dict_type="full", **DELAYED),
-            max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
+            max_steps=STEPS,
+            accumulate_grad_batches=ACCUMULATE,
+            gradient_clip_val=CLIP,
         )
         t.fit(module, models.loader(data, BATCH))
         final = t.strategy.full_state_dict()
@@ -98,8 +102,16 @@ def exactness() -> dict:
         threads, calls = sorted(ThreadNotingAdamW.threads), ThreadNotingAdamW.calls
         parts = len(t.strategy.engine.optimizer_shards(t.optimizers[0]).parts)
         if RANK == 0:
-            exact, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
-                                               accumulate=ACCUMULATE, clip=CLIP, optimizer=noting_optimizer)
+            exact, _, _ = models.reference_run(
+                initial,
+                data,
+                world=WORLD,
+                batch=BATCH,
+                steps=STEPS,
+                accumulate=ACCUMULATE,
+                clip=CLIP,
+                optimizer=noting_optimizer,
+            )
             out[f"stage{stage}"] = {
                 "steps": t.global_step,
                 "param_diff_reference": max_diff(final, delayed_reference(initial, data, steps=STEPS)),
@@ -159,8 +171,11 @@ def monitor_while_a_host_step_runs() -> dict:
     GatedAdamW.opened_in_time = None
     monitor = ZeroMonitor(log_every_n_steps=1, prog_bar=False)
     figures = MonitorFigures(monitor)
-    t = trainer(ZeroStrategy(stage=2, bucket_size_mb=0.001, **DELAYED), max_steps=STEPS,
-                callbacks=[OpenTheGate(), monitor, figures])
+    t = trainer(
+        ZeroStrategy(stage=2, bucket_size_mb=0.001, **DELAYED),
+        max_steps=STEPS,
+        callbacks=[OpenTheGate(), monitor, figures],
+    )
     t.fit(GatedRegression(), models.loader(models.IndexedData(), BATCH))
     return {"states": figures.states, "opened_in_time": GatedAdamW.opened_in_time}
 
@@ -177,14 +192,21 @@ def exponential_average(decay: float = 0.5) -> dict:
     module = NotingRegression()
     initial = {k: v.clone() for k, v in module.state_dict().items()}
     data = models.IndexedData()
-    t = trainer(ZeroStrategy(stage=2, bucket_size_mb=0.001, **DELAYED), max_steps=STEPS,
-                accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, callbacks=[EMAWeightAveraging(decay=decay)])
+    t = trainer(
+        ZeroStrategy(stage=2, bucket_size_mb=0.001, **DELAYED),
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        callbacks=[EMAWeightAveraging(decay=decay)],
+    )
     t.fit(module, models.loader(data, BATCH))
     averaged = {n: p.detach().clone() for n, p in module.named_parameters()}
     if RANK != 0:
         return {}
-    return {"vs_reference": max_diff(averaged, delayed_reference(initial, data, steps=STEPS, ema_decay=decay)),
-            "vs_last_update": max_diff(averaged, delayed_reference(initial, data, steps=STEPS))}
+    return {
+        "vs_reference": max_diff(averaged, delayed_reference(initial, data, steps=STEPS, ema_decay=decay)),
+        "vs_last_update": max_diff(averaged, delayed_reference(initial, data, steps=STEPS)),
+    }
 
 
 def checkpoints(directory: Path) -> dict:
@@ -195,8 +217,11 @@ def checkpoints(directory: Path) -> dict:
     for fmt in ("sharded", "full"):
         params, optim, steps = interrupted(2, 2, directory / fmt, fmt, save_kwargs=DELAYED, resume_kwargs=DELAYED)
         if RANK == 0:
-            out[fmt] = {"steps": steps, "param_diff": max_diff(params, reference[0]),
-                        "optim_diff": optim_diff(optim, reference[1])}
+            out[fmt] = {
+                "steps": steps,
+                "param_diff": max_diff(params, reference[0]),
+                "optim_diff": optim_diff(optim, reference[1]),
+            }
     if RANK == 0:
         saved = torch.load(directory / "full" / "epoch=0.ckpt", weights_only=True)
         lagging = saved.get("delayed_update", {})
@@ -207,8 +232,10 @@ def checkpoints(directory: Path) -> dict:
     for name, resume in (("resumed_exact", dict(offload_optimizer=True)), ("resumed_delayed", DELAYED)):
         seen = first_forward_parameters(path, resume)
         if saved is not None:
-            out[name] = {"vs_state_dict": max_diff(seen, saved["state_dict"]),
-                         "vs_lagging": max_diff(seen, saved["delayed_update"])}
+            out[name] = {
+                "vs_state_dict": max_diff(seen, saved["state_dict"]),
+                "vs_lagging": max_diff(seen, saved["delayed_update"]),
+            }
     return out
 
 
@@ -247,15 +274,24 @@ def convergence(steps: int = 100, lr: float = 5e-4) -> dict:
     out = {}
     for name, delay in (("exact", 0), ("delayed", 1)):
         L.seed_everything(3)
-        module = GPTLightningModule(vocab_size=34, block_size=32, n_layer=2, n_head=2, n_embd=32, learning_rate=lr,
-                                    warmup_steps=10)
+        module = GPTLightningModule(
+            vocab_size=34, block_size=32, n_layer=2, n_head=2, n_embd=32, learning_rate=lr, warmup_steps=10
+        )
         trace = LossTrace()
-        t = trainer(ZeroStrategy(stage=2, offload_optimizer=True, offload_step_delay=delay), max_steps=steps,
-                    gradient_clip_val=1.0, limit_val_batches=0, callbacks=[trace])
+        t = trainer(
+            ZeroStrategy(stage=2, offload_optimizer=True, offload_step_delay=delay),
+            max_steps=steps,
+            gradient_clip_val=1.0,
+            limit_val_batches=0,
+            callbacks=[trace],
+        )
         t.fit(module, datamodule=CharDataModule(block_size=32, batch_size=16, num_tokens=40_000))
         out[name] = {"losses": trace.losses, "steps": t.global_step}
     return out
 
 
-CASES = {"delayed": lambda _: exactness(), "delayed_checkpoint": checkpoints,
-         "delayed_convergence": lambda _: convergence()}
+CASES = {
+    "delayed": lambda _: exactness(),
+    "delayed_checkpoint": checkpoints,
+    "delayed_convergence": lambda _: convergence(),
+}

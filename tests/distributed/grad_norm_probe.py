@@ -42,16 +42,22 @@ class GradNormAgainstGathered(L.Callback):
         from lightning_zero import grad_norm
 
         if self.after_backward is not None:
-            self.after_backward_matches &= self.after_backward == {k: float(v) for k, v in grad_norm(pl_module, 2.0).items()}
+            self.after_backward_matches &= self.after_backward == {
+                k: float(v) for k, v in grad_norm(pl_module, 2.0).items()
+            }
             self.after_backward = None
         full = trainer.strategy.gather_gradients()
         for norm_type in (2.0, float("inf")):
             ours = grad_norm(pl_module, norm_type)
-            self.keys_match &= set(ours) == {f"grad_{norm_type}_norm/{name}" for name in full} | {f"grad_{norm_type}_norm_total"}
+            self.keys_match &= set(ours) == {f"grad_{norm_type}_norm/{name}" for name in full} | {
+                f"grad_{norm_type}_norm_total"
+            }
             for name, grad in full.items():
                 expected = float(grad.float().norm(norm_type))
                 got = float(ours.get(f"grad_{norm_type}_norm/{name}", float("nan")))
-                self.worst = max(self.worst, abs(got - expected) / max(expected, 1e-12), 0.0 if got == got else float("inf"))
+                self.worst = max(
+                    self.worst, abs(got - expected) / max(expected, 1e-12), 0.0 if got == got else float("inf")
+                )
                 self.compared += 1
 
     @staticmethod
@@ -65,6 +71,11 @@ class GradNormAgainstGathered(L.Callback):
         assert len(result["batch_end_refusals"]) == steps * (accumulate - 1)
 
     def report(self) -> dict:
-        return {"worst_relative": self.worst, "compared": self.compared, "keys_match": self.keys_match,
-                "refusals": self.refusals, "after_backward_matches": self.after_backward_matches,
-                "batch_end_refusals": self.batch_end_refusals}
+        return {
+            "worst_relative": self.worst,
+            "compared": self.compared,
+            "keys_match": self.keys_match,
+            "refusals": self.refusals,
+            "after_backward_matches": self.after_backward_matches,
+            "batch_end_refusals": self.batch_end_refusals,
+        }

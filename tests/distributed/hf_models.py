@@ -32,41 +32,102 @@ def tiny_config(kind: str):
     from transformers import BertConfig, CLIPConfig, GPT2Config, LlamaConfig, MixtralConfig, T5Config, ViTConfig
 
     if kind == "gpt2":
-        return GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
-                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=LENGTH,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
     if kind == "bert":
-        return BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                          intermediate_size=64, max_position_embeddings=LENGTH,
-                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=LENGTH,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
     if kind == "llama":
-        return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH, initializer_range=0.2)
+        return LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=LENGTH,
+            initializer_range=0.2,
+        )
     if kind == "t5":
         return T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0)
     if kind == "mixtral":
-        return MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                             max_position_embeddings=LENGTH, initializer_range=0.2)
+        return MixtralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=LENGTH,
+            initializer_range=0.2,
+        )
     if kind == "vit":
-        return ViTConfig(image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, intermediate_size=64, num_labels=CLASSES,
-                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return ViTConfig(
+            image_size=IMAGE,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=CLASSES,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
     if kind == "clip":
         return CLIPConfig(
-            text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, max_position_embeddings=LENGTH, eos_token_id=MASK_ID),
-            vision_config=dict(image_size=IMAGE, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=2),
-            projection_dim=16)
+            text_config=dict(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=LENGTH,
+                eos_token_id=MASK_ID,
+            ),
+            vision_config=dict(
+                image_size=IMAGE,
+                patch_size=4,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+            ),
+            projection_dim=16,
+        )
     raise ValueError(kind)
 
 
 def model_class(kind: str):
     import transformers
 
-    return {"gpt2": transformers.GPT2LMHeadModel, "bert": transformers.BertForMaskedLM, "llama": transformers.LlamaForCausalLM,
-            "t5": transformers.T5ForConditionalGeneration, "mixtral": transformers.MixtralForCausalLM,
-            "vit": transformers.ViTForImageClassification, "clip": transformers.CLIPModel}[kind]
+    return {
+        "gpt2": transformers.GPT2LMHeadModel,
+        "bert": transformers.BertForMaskedLM,
+        "llama": transformers.LlamaForCausalLM,
+        "t5": transformers.T5ForConditionalGeneration,
+        "mixtral": transformers.MixtralForCausalLM,
+        "vit": transformers.ViTForImageClassification,
+        "clip": transformers.CLIPModel,
+    }[kind]
 
 
 def block_class(kind: str):
@@ -79,8 +140,15 @@ def block_class(kind: str):
     from transformers.models.t5.modeling_t5 import T5Block
     from transformers.models.vit.modeling_vit import ViTLayer
 
-    return {"gpt2": GPT2Block, "bert": BertLayer, "llama": LlamaDecoderLayer, "t5": T5Block,
-            "mixtral": MixtralDecoderLayer, "vit": ViTLayer, "clip": CLIPEncoderLayer}[kind]
+    return {
+        "gpt2": GPT2Block,
+        "bert": BertLayer,
+        "llama": LlamaDecoderLayer,
+        "t5": T5Block,
+        "mixtral": MixtralDecoderLayer,
+        "vit": ViTLayer,
+        "clip": CLIPEncoderLayer,
+    }[kind]
 
 
 def pixels(tokens: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,38 @@ import torch
 
 VOCAB, LENGTH = 64, 16
 VISION = ("swin", "convnext", "resnet", "convnextv2")
-KINDS = ("qwen2_moe", "olmoe", "deepseek_v3", "jamba", "mamba", "gemma2", "phi3", "bart", "whisper", "wav2vec2",
-         "switch", "deberta", "swin", "convnext", "albert", "llava", "reformer", "gpt_oss", "gemma3n", "qwen3_next",
-         "zamba", "resnet", "patchtst", "funnel", "squeezebert", "convnextv2", "rwkv", "xlnet", "fnet", "vit_mae")
+KINDS = (
+    "qwen2_moe",
+    "olmoe",
+    "deepseek_v3",
+    "jamba",
+    "mamba",
+    "gemma2",
+    "phi3",
+    "bart",
+    "whisper",
+    "wav2vec2",
+    "switch",
+    "deberta",
+    "swin",
+    "convnext",
+    "albert",
+    "llava",
+    "reformer",
+    "gpt_oss",
+    "gemma3n",
+    "qwen3_next",
+    "zamba",
+    "resnet",
+    "patchtst",
+    "funnel",
+    "squeezebert",
+    "convnextv2",
+    "rwkv",
+    "xlnet",
+    "fnet",
+    "vit_mae",
+)
 #: Architectures DDP cannot train ("Expected to mark a variable ready only once", with or without a static graph):
 #: their reference is the same steps in one process (``worker_zoo.plain_reference``).
 WITHOUT_DDP = ("reformer",)
@@ -44,140 +73,413 @@ IMAGE_TOKENS = 17  # LLaVA: the 16 patches and the class token of a 16 x 16 imag
 def build(kind: str) -> torch.nn.Module:
     import transformers as T
 
-    decoder = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=LENGTH, initializer_range=0.2)
+    decoder = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=LENGTH,
+        initializer_range=0.2,
+    )
     if kind == "qwen2_moe":
-        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**decoder, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                                                      num_experts=4, num_experts_per_tok=2))
+        return T.Qwen2MoeForCausalLM(
+            T.Qwen2MoeConfig(
+                **decoder,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+            )
+        )
     if kind == "olmoe":
-        return T.OlmoeForCausalLM(T.OlmoeConfig(**{**decoder, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2))
+        return T.OlmoeForCausalLM(
+            T.OlmoeConfig(**{**decoder, "intermediate_size": 16}, num_experts=4, num_experts_per_tok=2)
+        )
     if kind == "deepseek_v3":
-        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
-            **{**decoder, "num_key_value_heads": 4}, moe_intermediate_size=16, first_k_dense_replace=1, n_routed_experts=4,
-            num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16,
-            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, rope_scaling=None))
+        return T.DeepseekV3ForCausalLM(
+            T.DeepseekV3Config(
+                **{**decoder, "num_key_value_heads": 4},
+                moe_intermediate_size=16,
+                first_k_dense_replace=1,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                n_shared_experts=1,
+                q_lora_rank=16,
+                kv_lora_rank=16,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=4,
+                v_head_dim=8,
+                rope_scaling=None,
+            )
+        )
     if kind == "jamba":
-        return T.JambaForCausalLM(T.JambaConfig(
-            **{k: v for k, v in decoder.items() if k != "initializer_range"}, num_experts=2, num_experts_per_tok=1,
-            expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4,
-            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_mamba_kernels=False))
+        return T.JambaForCausalLM(
+            T.JambaConfig(
+                **{k: v for k, v in decoder.items() if k != "initializer_range"},
+                num_experts=2,
+                num_experts_per_tok=1,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                mamba_d_state=4,
+                mamba_d_conv=4,
+                mamba_expand=2,
+                mamba_dt_rank=4,
+                use_mamba_kernels=False,
+            )
+        )
     if kind == "mamba":
-        return T.MambaForCausalLM(T.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
-                                                conv_kernel=4))
+        return T.MambaForCausalLM(
+            T.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4)
+        )
     if kind == "gemma2":
         return T.Gemma2ForCausalLM(T.Gemma2Config(**decoder, head_dim=8, sliding_window=8))
     if kind == "phi3":
         return T.Phi3ForCausalLM(T.Phi3Config(**decoder, pad_token_id=0))
     if kind == "bart":
-        return T.BartForConditionalGeneration(T.BartConfig(
-            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=LENGTH + 2,
-            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+        return T.BartForConditionalGeneration(
+            T.BartConfig(
+                vocab_size=VOCAB,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_position_embeddings=LENGTH + 2,
+                dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+            )
+        )
     if kind == "whisper":
-        return T.WhisperForConditionalGeneration(T.WhisperConfig(
-            vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=LENGTH // 2,
-            max_target_positions=LENGTH, pad_token_id=0, decoder_start_token_id=1, eos_token_id=2, bos_token_id=1,
-            dropout=0.0))
+        return T.WhisperForConditionalGeneration(
+            T.WhisperConfig(
+                vocab_size=VOCAB,
+                num_mel_bins=8,
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                max_source_positions=LENGTH // 2,
+                max_target_positions=LENGTH,
+                pad_token_id=0,
+                decoder_start_token_id=1,
+                eos_token_id=2,
+                bos_token_id=1,
+                dropout=0.0,
+            )
+        )
     if kind == "wav2vec2":
-        return T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            conv_dim=(16, 16), conv_stride=(2, 2), conv_kernel=(3, 3), num_conv_pos_embeddings=4,
-            num_conv_pos_embedding_groups=2, mask_time_prob=0.0, hidden_dropout=0.0, attention_dropout=0.0,
-            activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, pad_token_id=0, ctc_loss_reduction="mean"))
+        return T.Wav2Vec2ForCTC(
+            T.Wav2Vec2Config(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                conv_dim=(16, 16),
+                conv_stride=(2, 2),
+                conv_kernel=(3, 3),
+                num_conv_pos_embeddings=4,
+                num_conv_pos_embedding_groups=2,
+                mask_time_prob=0.0,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+                feat_proj_dropout=0.0,
+                layerdrop=0.0,
+                pad_token_id=0,
+                ctc_loss_reduction="mean",
+            )
+        )
     if kind == "switch":
-        return T.SwitchTransformersForConditionalGeneration(T.SwitchTransformersConfig(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-            num_experts=4, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1, dropout_rate=0.0,
-            router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0))
+        return T.SwitchTransformersForConditionalGeneration(
+            T.SwitchTransformersConfig(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                num_experts=4,
+                expert_capacity=8,
+                encoder_sparse_step=1,
+                decoder_sparse_step=1,
+                dropout_rate=0.0,
+                router_jitter_noise=0.0,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+            )
+        )
     if kind == "deberta":
-        return T.DebertaV2ForMaskedLM(T.DebertaV2Config(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=LENGTH, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8))
+        return T.DebertaV2ForMaskedLM(
+            T.DebertaV2Config(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=LENGTH,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                relative_attention=True,
+                pos_att_type=["p2c", "c2p"],
+                position_buckets=8,
+            )
+        )
     if kind == "swin":
-        return T.SwinForImageClassification(T.SwinConfig(image_size=16, patch_size=2, num_channels=3, embed_dim=8,
-                                                         depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5))
+        return T.SwinForImageClassification(
+            T.SwinConfig(
+                image_size=16,
+                patch_size=2,
+                num_channels=3,
+                embed_dim=8,
+                depths=[1, 1],
+                num_heads=[2, 2],
+                window_size=4,
+                num_labels=5,
+            )
+        )
     if kind == "convnext":
-        return T.ConvNextForImageClassification(T.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1],
-                                                                 num_stages=2, num_labels=5, patch_size=2))
+        return T.ConvNextForImageClassification(
+            T.ConvNextConfig(
+                num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=5, patch_size=2
+            )
+        )
     if kind == "albert":
-        return T.AlbertForMaskedLM(T.AlbertConfig(
-            vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_hidden_groups=1,
-            num_attention_heads=2, intermediate_size=64, max_position_embeddings=LENGTH, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0))
+        return T.AlbertForMaskedLM(
+            T.AlbertConfig(
+                vocab_size=VOCAB,
+                embedding_size=16,
+                hidden_size=32,
+                num_hidden_layers=3,
+                num_hidden_groups=1,
+                num_attention_heads=2,
+                intermediate_size=64,
+                max_position_embeddings=LENGTH,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+            )
+        )
     if kind == "llava":
-        vision = T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                    image_size=16, patch_size=4)
+        vision = T.CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=16,
+            patch_size=4,
+        )
         text = T.LlamaConfig(**{**decoder, "vocab_size": VOCAB + 1, "max_position_embeddings": LENGTH + IMAGE_TOKENS})
-        return T.LlavaForConditionalGeneration(T.LlavaConfig(
-            vision_config=vision, text_config=text, image_token_index=VOCAB, vision_feature_layer=-1,
-            vision_feature_select_strategy="full"))
+        return T.LlavaForConditionalGeneration(
+            T.LlavaConfig(
+                vision_config=vision,
+                text_config=text,
+                image_token_index=VOCAB,
+                vision_feature_layer=-1,
+                vision_feature_select_strategy="full",
+            )
+        )
     if kind == "reformer":
-        return T.ReformerModelWithLMHead(T.ReformerConfig(
-            vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, attention_head_size=8,
-            attn_layers=["local", "lsh", "local", "lsh"], feed_forward_size=32, axial_pos_shape=[4, 4],
-            axial_pos_embds_dim=[8, 8], max_position_embeddings=LENGTH, local_attn_chunk_length=4,
-            lsh_attn_chunk_length=4, num_buckets=2, num_hashes=1, hash_seed=0, is_decoder=True,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0,
-            local_attention_probs_dropout_prob=0.0))
+        return T.ReformerModelWithLMHead(
+            T.ReformerConfig(
+                vocab_size=VOCAB,
+                hidden_size=16,
+                num_attention_heads=2,
+                attention_head_size=8,
+                attn_layers=["local", "lsh", "local", "lsh"],
+                feed_forward_size=32,
+                axial_pos_shape=[4, 4],
+                axial_pos_embds_dim=[8, 8],
+                max_position_embeddings=LENGTH,
+                local_attn_chunk_length=4,
+                lsh_attn_chunk_length=4,
+                num_buckets=2,
+                num_hashes=1,
+                hash_seed=0,
+                is_decoder=True,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                lsh_attention_probs_dropout_prob=0.0,
+                local_attention_probs_dropout_prob=0.0,
+            )
+        )
     if kind == "gpt_oss":
-        return T.GptOssForCausalLM(T.GptOssConfig(
-            **{**decoder, "intermediate_size": 16}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-            sliding_window=8, layer_types=["sliding_attention", "full_attention"]))
+        return T.GptOssForCausalLM(
+            T.GptOssConfig(
+                **{**decoder, "intermediate_size": 16},
+                head_dim=8,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+            )
+        )
     if kind == "gemma3n":
-        return T.Gemma3nForCausalLM(T.Gemma3nTextConfig(
-            **{**decoder, "intermediate_size": [64] * 4, "num_hidden_layers": 4}, head_dim=8,
-            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2, laurel_rank=4,
-            altup_num_inputs=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
-            activation_sparsity_pattern=[0.0] * 4))
+        return T.Gemma3nForCausalLM(
+            T.Gemma3nTextConfig(
+                **{**decoder, "intermediate_size": [64] * 4, "num_hidden_layers": 4},
+                head_dim=8,
+                vocab_size_per_layer_input=VOCAB,
+                hidden_size_per_layer_input=8,
+                num_kv_shared_layers=2,
+                laurel_rank=4,
+                altup_num_inputs=2,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                activation_sparsity_pattern=[0.0] * 4,
+            )
+        )
     if kind == "qwen3_next":
-        return T.Qwen3NextForCausalLM(T.Qwen3NextConfig(
-            **decoder, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-            linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=16, shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
-            decoder_sparse_step=1))
+        return T.Qwen3NextForCausalLM(
+            T.Qwen3NextConfig(
+                **decoder,
+                head_dim=8,
+                linear_num_value_heads=4,
+                linear_num_key_heads=2,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                linear_conv_kernel_dim=4,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=16,
+                layer_types=["linear_attention", "full_attention"],
+                decoder_sparse_step=1,
+            )
+        )
     if kind == "zamba":
-        return T.ZambaForCausalLM(T.ZambaConfig(
-            **{k: v for k, v in decoder.items() if k not in ("initializer_range", "num_hidden_layers")},
-            attention_hidden_size=64, attention_head_dim=16, num_hidden_layers=4,
-            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
-            mamba_dt_rank=4, n_mamba_heads=1))
+        return T.ZambaForCausalLM(
+            T.ZambaConfig(
+                **{k: v for k, v in decoder.items() if k not in ("initializer_range", "num_hidden_layers")},
+                attention_hidden_size=64,
+                attention_head_dim=16,
+                num_hidden_layers=4,
+                layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                mamba_d_state=4,
+                mamba_d_conv=4,
+                mamba_expand=2,
+                mamba_dt_rank=4,
+                n_mamba_heads=1,
+            )
+        )
     if kind == "resnet":
-        return T.ResNetForImageClassification(T.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
-                                                             depths=[1, 1], layer_type="basic", num_labels=5))
+        return T.ResNetForImageClassification(
+            T.ResNetConfig(
+                num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5
+            )
+        )
     if kind == "funnel":
-        return T.FunnelForMaskedLM(T.FunnelConfig(
-            vocab_size=VOCAB, d_model=32, n_head=2, d_head=16, d_inner=64, block_sizes=[1, 1], hidden_dropout=0.0,
-            attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=LENGTH))
+        return T.FunnelForMaskedLM(
+            T.FunnelConfig(
+                vocab_size=VOCAB,
+                d_model=32,
+                n_head=2,
+                d_head=16,
+                d_inner=64,
+                block_sizes=[1, 1],
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+                max_position_embeddings=LENGTH,
+            )
+        )
     if kind == "patchtst":
-        return T.PatchTSTForPrediction(T.PatchTSTConfig(
-            num_input_channels=2, context_length=LENGTH, patch_length=4, patch_stride=4, prediction_length=4, d_model=16,
-            num_attention_heads=2, num_hidden_layers=2, ffn_dim=32, dropout=0.0, attention_dropout=0.0, ff_dropout=0.0,
-            path_dropout=0.0, head_dropout=0.0))
-    text = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                max_position_embeddings=LENGTH, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return T.PatchTSTForPrediction(
+            T.PatchTSTConfig(
+                num_input_channels=2,
+                context_length=LENGTH,
+                patch_length=4,
+                patch_stride=4,
+                prediction_length=4,
+                d_model=16,
+                num_attention_heads=2,
+                num_hidden_layers=2,
+                ffn_dim=32,
+                dropout=0.0,
+                attention_dropout=0.0,
+                ff_dropout=0.0,
+                path_dropout=0.0,
+                head_dropout=0.0,
+            )
+        )
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=LENGTH,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     if kind == "squeezebert":
-        return T.SqueezeBertForMaskedLM(T.SqueezeBertConfig(
-            **text, embedding_size=32, q_groups=2, k_groups=2, v_groups=2, post_attention_groups=2,
-            intermediate_groups=4, output_groups=4))
+        return T.SqueezeBertForMaskedLM(
+            T.SqueezeBertConfig(
+                **text,
+                embedding_size=32,
+                q_groups=2,
+                k_groups=2,
+                v_groups=2,
+                post_attention_groups=2,
+                intermediate_groups=4,
+                output_groups=4,
+            )
+        )
     if kind == "convnextv2":
-        return T.ConvNextV2ForImageClassification(T.ConvNextV2Config(
-            num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=5, patch_size=2))
+        return T.ConvNextV2ForImageClassification(
+            T.ConvNextV2Config(
+                num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=5, patch_size=2
+            )
+        )
     if kind == "rwkv":
-        return T.RwkvForCausalLM(T.RwkvConfig(vocab_size=VOCAB, context_length=LENGTH, hidden_size=32,
-                                              num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64))
+        return T.RwkvForCausalLM(
+            T.RwkvConfig(
+                vocab_size=VOCAB,
+                context_length=LENGTH,
+                hidden_size=32,
+                num_hidden_layers=2,
+                attention_hidden_size=32,
+                intermediate_size=64,
+            )
+        )
     if kind == "xlnet":
-        return T.XLNetLMHeadModel(T.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64,
-                                                dropout=0.0))
+        return T.XLNetLMHeadModel(
+            T.XLNetConfig(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_inner=64, dropout=0.0)
+        )
     if kind == "fnet":
-        return T.FNetForMaskedLM(T.FNetConfig(**{k: v for k, v in text.items() if "attention" not in k},
-                                              use_tpu_fourier_optimizations=False))
+        return T.FNetForMaskedLM(
+            T.FNetConfig(**{k: v for k, v in text.items() if "attention" not in k}, use_tpu_fourier_optimizations=False)
+        )
     if kind == "vit_mae":
-        return T.ViTMAEForPreTraining(T.ViTMAEConfig(
-            image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, decoder_hidden_size=16,
-            decoder_num_hidden_layers=1, decoder_num_attention_heads=2, decoder_intermediate_size=32, mask_ratio=0.5))
+        return T.ViTMAEForPreTraining(
+            T.ViTMAEConfig(
+                image_size=16,
+                patch_size=4,
+                hidden_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=32,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                decoder_hidden_size=16,
+                decoder_num_hidden_layers=1,
+                decoder_num_attention_heads=2,
+                decoder_intermediate_size=32,
+                mask_ratio=0.5,
+            )
+        )
     raise ValueError(kind)
 
 
@@ -213,7 +515,10 @@ class ZooModule(L.LightningModule):
             loss = self.model(input_values=wave, labels=x[:, :4]).loss
         elif self.kind == "patchtst":  # two series of 16 steps each a window, the next 4 steps to forecast
             rates = torch.tensor([1.0, 0.5])
-            past, future = torch.sin(x[:, :, None].float() * rates / 5.0), torch.cos(x[:, :4, None].float() * rates / 5.0)
+            past, future = (
+                torch.sin(x[:, :, None].float() * rates / 5.0),
+                torch.cos(x[:, :4, None].float() * rates / 5.0),
+            )
             loss = self.model(past_values=past, future_values=future).loss
         else:
             loss = self.model(input_ids=x, labels=x).loss
@@ -237,4 +542,6 @@ def _image(x: torch.Tensor) -> torch.Tensor:
 
 
 def tokens() -> torch.utils.data.TensorDataset:
-    return torch.utils.data.TensorDataset(torch.randint(3, VOCAB, (16, LENGTH), generator=torch.Generator().manual_seed(3)))
+    return torch.utils.data.TensorDataset(
+        torch.randint(3, VOCAB, (16, LENGTH), generator=torch.Generator().manual_seed(3))
+    )

@@ -130,15 +130,20 @@ def others(module: nn.Module) -> list[nn.Parameter]:
 
 def build_optimizer(kind: str, module: nn.Module) -> Optimizer:
     if kind == "aux_adam":
-        return MuonWithAuxAdam([
-            {"params": matrices(module), "use_muon": True, "lr": 0.02, "weight_decay": 0.01},
-            {"params": others(module), "use_muon": False, "lr": 1e-2, "weight_decay": 0.1},
-        ])
+        return MuonWithAuxAdam(
+            [
+                {"params": matrices(module), "use_muon": True, "lr": 0.02, "weight_decay": 0.01},
+                {"params": others(module), "use_muon": False, "lr": 1e-2, "weight_decay": 0.1},
+            ]
+        )
     if kind == "adafactor":
-        return torch.optim.Adafactor([
-            {"params": [p for p in module.parameters() if p.dim() >= 2], "weight_decay": 0.01},
-            {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0},
-        ], lr=0.05)
+        return torch.optim.Adafactor(
+            [
+                {"params": [p for p in module.parameters() if p.dim() >= 2], "weight_decay": 0.01},
+                {"params": [p for p in module.parameters() if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=0.05,
+        )
     raise ValueError(kind)
 
 
@@ -159,15 +164,26 @@ class MatrixRegression(models.Regression):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def reference(kind: str, initial: dict, dataset, *, world: int, batch: int, steps: int, accumulate: int, clip: float) -> dict:
+def reference(
+    kind: str, initial: dict, dataset, *, world: int, batch: int, steps: int, accumulate: int, clip: float
+) -> dict:
     """Plain single-process PyTorch on the same global batches."""
 
     def optimizer(module):
         opt = build_optimizer(kind, module)
         return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
-    return models.reference_run(initial, dataset, world=world, batch=batch, steps=steps, accumulate=accumulate, clip=clip,
-                                build=lambda: MatrixRegression(kind), optimizer=optimizer)[0]
+    return models.reference_run(
+        initial,
+        dataset,
+        world=world,
+        batch=batch,
+        steps=steps,
+        accumulate=accumulate,
+        clip=clip,
+        build=lambda: MatrixRegression(kind),
+        optimizer=optimizer,
+    )[0]
 
 
 class TwoOptimizers(models.Regression):
@@ -199,8 +215,17 @@ def two_optimizers(module: nn.Module, muon: type[Optimizer]) -> tuple[Optimizer,
     return muon(matrices(module), lr=0.02, weight_decay=0.01), torch.optim.AdamW(others(module), lr=1e-2)
 
 
-def two_optimizers_reference(initial: dict, dataset, muon: type[Optimizer], *, world: int, batch: int, steps: int,
-                             accumulate: int = 2, clip: float = 0.5) -> dict:
+def two_optimizers_reference(
+    initial: dict,
+    dataset,
+    muon: type[Optimizer],
+    *,
+    world: int,
+    batch: int,
+    steps: int,
+    accumulate: int = 2,
+    clip: float = 0.5,
+) -> dict:
     model = TwoOptimizers(muon)
     model.load_state_dict(copy.deepcopy(initial))
     opts = two_optimizers(model, muon)
@@ -230,10 +255,12 @@ def hf_module(kind: str):
             else:
                 hidden = [p for n, p in self.named_parameters() if p.dim() == 2 and (".h." in n or ".layers." in n)]
                 ids = {id(p) for p in hidden}
-                opt = MuonWithAuxAdam([
-                    {"params": hidden, "use_muon": True, "lr": 0.02, "weight_decay": 0.01},
-                    {"params": [p for p in self.parameters() if id(p) not in ids], "use_muon": False, "lr": 3e-3},
-                ])
+                opt = MuonWithAuxAdam(
+                    [
+                        {"params": hidden, "use_muon": True, "lr": 0.02, "weight_decay": 0.01},
+                        {"params": [p for p in self.parameters() if id(p) not in ids], "use_muon": False, "lr": 3e-3},
+                    ]
+                )
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

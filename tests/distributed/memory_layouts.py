@@ -22,9 +22,15 @@ class ChannelsLastNet(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2),
+            nn.Conv2d(3, 8, 3, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, bias=False),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 2),
         ).to(memory_format=torch.channels_last)
 
     def training_step(self, batch, batch_idx):
@@ -36,7 +42,9 @@ class ChannelsLastNet(L.LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        return models.loader(TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 2, (32,), generator=g)), 4)
+        return models.loader(
+            TensorDataset(torch.randn(32, 3, 8, 8, generator=g), torch.randint(0, 2, (32,), generator=g)), 4
+        )
 
 
 class RegressionTask(L.LightningModule):
@@ -104,7 +112,9 @@ class SparseEmbeddings(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        return models.loader(TensorDataset(torch.randint(0, 40, (32, 3), generator=g), torch.randn(32, 1, generator=g)), 4)
+        return models.loader(
+            TensorDataset(torch.randint(0, 40, (32, 3), generator=g), torch.randn(32, 1, generator=g)), 4
+        )
 
 
 class SparseLookup(nn.Module):
@@ -340,7 +350,10 @@ class QuantizedLinear(nn.Module):
             self.lora_b.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.qweight.to(x.dtype) * self.scale[:, None], self.bias) + x @ self.lora_a.t() @ self.lora_b.t()
+        return (
+            F.linear(x, self.qweight.to(x.dtype) * self.scale[:, None], self.bias)
+            + x @ self.lora_a.t() @ self.lora_b.t()
+        )
 
 
 class QuantizedBase(RegressionTask):
@@ -438,7 +451,9 @@ class EMACodebook(RegressionTask):
         torch.distributed.all_reduce(stats)
         with torch.no_grad():
             self.cluster_size.mul_(self.decay).add_(stats[: len(self.codebook)], alpha=1 - self.decay)
-            self.code_sum.mul_(self.decay).add_(stats[len(self.codebook):].view_as(self.code_sum), alpha=1 - self.decay)
+            self.code_sum.mul_(self.decay).add_(
+                stats[len(self.codebook) :].view_as(self.code_sum), alpha=1 - self.decay
+            )
             n = self.cluster_size.sum()
             smoothed = (self.cluster_size + 1e-5) / (n + len(self.codebook) * 1e-5) * n
             self.codebook.copy_(self.code_sum / smoothed.unsqueeze(1))

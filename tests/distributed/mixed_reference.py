@@ -38,7 +38,9 @@ def fp32_reference(
     initial: dict, model_kwargs, dataset, *, world: int, batch: int, steps: int, clip: float, accumulate: int = 1
 ) -> list[float]:
     """Loss of every micro-batch (mean over the ranks) of plain fp32 training."""
-    return fp32_run(initial, model_kwargs, dataset, world=world, batch=batch, steps=steps, clip=clip, accumulate=accumulate)[0]
+    return fp32_run(
+        initial, model_kwargs, dataset, world=world, batch=batch, steps=steps, clip=clip, accumulate=accumulate
+    )[0]
 
 
 def fp32_run(
@@ -130,7 +132,9 @@ def mixed_reference(
         found_inf = any(not torch.isfinite(g).all() for g in grads.values())
         if not found_inf:
             if clip:
-                total = math.sqrt(sum(float(torch.linalg.vector_norm(g.float(), 2).double() ** 2) for g in grads.values()))
+                total = math.sqrt(
+                    sum(float(torch.linalg.vector_norm(g.float(), 2).double() ** 2) for g in grads.values())
+                )
                 coef = torch.clamp(clip / (torch.tensor(total, dtype=torch.float32) + 1e-6), max=1.0)
                 for g in grads.values():
                     g.mul_(coef)
@@ -147,7 +151,11 @@ def mixed_reference(
             loss_scale *= 0.5
         if sched is not None:
             sched.step()
-    return {"params": {n: p.detach().clone() for n, p in master.state_dict().items()}, "losses": losses, "skipped": skipped}
+    return {
+        "params": {n: p.detach().clone() for n, p in master.state_dict().items()},
+        "losses": losses,
+        "skipped": skipped,
+    }
 
 
 def _comm_dtype(held: torch.dtype, policy: PrecisionPolicy) -> torch.dtype:

@@ -57,7 +57,9 @@ class Net(nn.Module):
     def __init__(self, width: int = 16) -> None:
         super().__init__()
         self.inp = nn.Linear(IN, 7)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(7, width), nn.GELU(), nn.Linear(width, 7)) for _ in range(2)])
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(7, width), nn.GELU(), nn.Linear(width, 7)) for _ in range(2)]
+        )
         self.norm = nn.LayerNorm(7)
         self.head = nn.Linear(7, OUT)
 
@@ -73,7 +75,9 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, width: int = 16) -> None:
         super().__init__()
-        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(7, width), nn.GELU(), nn.Linear(width, 7)) for _ in range(3)])
+        self.experts = nn.ModuleList(
+            [nn.Sequential(nn.Linear(7, width), nn.GELU(), nn.Linear(width, 7)) for _ in range(3)]
+        )
 
     @staticmethod
     def route(x: torch.Tensor) -> int:
@@ -177,8 +181,14 @@ def make_optimizer(module: nn.Module) -> tuple[torch.optim.Optimizer, torch.opti
 
 
 class Regression(L.LightningModule):
-    def __init__(self, build_in_configure_model: bool = False, unused_head: bool = False, routed: bool = False,
-                 penalty: float = 0.0, reversible: bool = False) -> None:
+    def __init__(
+        self,
+        build_in_configure_model: bool = False,
+        unused_head: bool = False,
+        routed: bool = False,
+        penalty: float = 0.0,
+        reversible: bool = False,
+    ) -> None:
         super().__init__()
         self.build_in_configure_model = build_in_configure_model
         self.penalty = penalty
@@ -203,7 +213,7 @@ class Regression(L.LightningModule):
             return nn.functional.mse_loss(self(x), y)
         x = x.detach().requires_grad_(True)
         out = self(x)
-        slope, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (slope,) = torch.autograd.grad(out.sum(), x, create_graph=True)
         return nn.functional.mse_loss(out, y) + self.penalty * slope.pow(2).sum(1).mean()
 
     def training_step(self, batch, batch_idx):
@@ -273,8 +283,11 @@ def reference_run(
     (averaged over the global batch, before clipping) by parameter name, and the optimizer's state dict.
     ``build()``: another module of the same network (default :class:`Regression`); ``optimizer(module)``: its
     optimizer and scheduler."""
-    model = build() if build is not None else Regression(unused_head=unused_head, routed=routed, penalty=penalty,
-                                                         reversible=reversible)
+    model = (
+        build()
+        if build is not None
+        else Regression(unused_head=unused_head, routed=routed, penalty=penalty, reversible=reversible)
+    )
     model.load_state_dict(copy.deepcopy(initial))
     opt, sched = optimizer(model)
     batches = global_microbatches(dataset, world, batch, steps * accumulate)
@@ -377,7 +390,9 @@ class TwoPlayer(L.LightningModule):
         self.log_dict({"g_loss": g_loss, "d_loss": d_loss})
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.gen.parameters(), lr=1e-2), torch.optim.SGD(self.disc.parameters(), lr=1e-2, momentum=0.9)
+        return torch.optim.Adam(self.gen.parameters(), lr=1e-2), torch.optim.SGD(
+            self.disc.parameters(), lr=1e-2, momentum=0.9
+        )
 
 
 class HeadAfterForward(Regression):
@@ -476,8 +491,9 @@ def clamp_critic(model: TwoPlayer) -> None:
                 p.clamp_(-model.clamp, model.clamp)
 
 
-def two_player_reference(initial: dict, dataset: Dataset, *, world: int, batch: int, steps: int,
-                         clamp: float | None = None) -> dict:
+def two_player_reference(
+    initial: dict, dataset: Dataset, *, world: int, batch: int, steps: int, clamp: float | None = None
+) -> dict:
     model = TwoPlayer()
     model.clamp = clamp
     model.load_state_dict(copy.deepcopy(initial))

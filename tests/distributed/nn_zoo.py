@@ -119,13 +119,23 @@ class ReparametrizedModel(nn.Module):
         return self.head(self.orthogonal(torch.tanh(self.hooked_spectral(self.spectral(h)))))
 
 
-BUILDERS = {"lstm": LSTMModel, "recurrent_cells": RecurrentCells, "attention": AttentionModel,
-            "transformer_encoder": TransformerEncoderModel, "transformer": TransformerModel,
-            "reparametrized": ReparametrizedModel}
+BUILDERS = {
+    "lstm": LSTMModel,
+    "recurrent_cells": RecurrentCells,
+    "attention": AttentionModel,
+    "transformer_encoder": TransformerEncoderModel,
+    "transformer": TransformerModel,
+    "reparametrized": ReparametrizedModel,
+}
 #: What a user lists for activation checkpointing in each model.
-CHECKPOINTED = {"lstm": nn.LSTM, "recurrent_cells": nn.LSTM, "attention": nn.MultiheadAttention,
-                "transformer_encoder": nn.TransformerEncoderLayer, "transformer": nn.TransformerDecoderLayer,
-                "reparametrized": nn.Conv1d}
+CHECKPOINTED = {
+    "lstm": nn.LSTM,
+    "recurrent_cells": nn.LSTM,
+    "attention": nn.MultiheadAttention,
+    "transformer_encoder": nn.TransformerEncoderLayer,
+    "transformer": nn.TransformerDecoderLayer,
+    "reparametrized": nn.Conv1d,
+}
 
 
 class NnZooModule(L.LightningModule):
@@ -149,4 +159,6 @@ class NnZooModule(L.LightningModule):
 
 
 def tokens() -> torch.utils.data.TensorDataset:
-    return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (16, LENGTH), generator=torch.Generator().manual_seed(3)))
+    return torch.utils.data.TensorDataset(
+        torch.randint(0, VOCAB, (16, LENGTH), generator=torch.Generator().manual_seed(3))
+    )

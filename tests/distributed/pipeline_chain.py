@@ -94,7 +94,7 @@ def reference(steps: int, grads: list | None = None, routed: bool = False) -> tu
     for step in range(steps):
         opt.zero_grad()
         for micro in range(ACCUMULATE):
-            (x, y), = batches[step * ACCUMULATE + micro]
+            ((x, y),) = batches[step * ACCUMULATE + micro]
             loss = nn.functional.mse_loss(model(x), y)
             (loss / ACCUMULATE).backward()
             losses.append(float(loss))
@@ -111,7 +111,7 @@ def reference(steps: int, grads: list | None = None, routed: bool = False) -> tu
 def routed_samples(steps: int) -> list[int]:
     """How many samples of each of the reference's micro-batches go to :class:`RoutedInput`'s ``rare`` expert."""
     batches = models.global_microbatches(models.IndexedData(), 1, GLOBAL_BATCH, steps * ACCUMULATE)
-    return [int(RoutedInput.routed(x).sum()) for (x, _), in batches]
+    return [int(RoutedInput.routed(x).sum()) for ((x, _),) in batches]
 
 
 def val_batches() -> list:
@@ -132,8 +132,11 @@ def held_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's parameters, from the ranks that hold each stage (stage 3: gathered over its replicas)."""
     from torch.distributed.tensor import DTensor
 
-    mine = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-            for n, t in module.state_dict().items() if not t.is_meta}
+    mine = {
+        n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        for n, t in module.state_dict().items()
+        if not t.is_meta
+    }
     merged: dict[str, torch.Tensor] = {}
     for part in collectives.all_gather_objects(mine):
         merged.update(part)

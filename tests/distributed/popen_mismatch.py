@@ -41,9 +41,19 @@ def main() -> None:
     L.seed_everything(0)
     data = RandomTokenDataset(num_samples=32, block_size=16, vocab_size=32, seed=0)
     loader = torch.utils.data.DataLoader(data, batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, timeout=8), max_steps=2,
-                        limit_val_batches=2, val_check_interval=2, num_sanity_val_steps=0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=3, timeout=8),
+        max_steps=2,
+        limit_val_batches=2,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(SamplesOnOneRank(), loader, loader)
 
 

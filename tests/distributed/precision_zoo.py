@@ -157,7 +157,9 @@ class TokenModel(L.LightningModule):
         self.blocks = nn.ModuleList([TokenBlock() for _ in range(2)])
         self.head = nn.Linear(DIM, vocab)
         position = torch.arange(length).unsqueeze(1) * torch.exp(torch.arange(0, DIM, 2) * (-math.log(1e4) / DIM))
-        self.register_buffer("positions", torch.cat([torch.sin(position), torch.cos(position)], dim=1), persistent=False)
+        self.register_buffer(
+            "positions", torch.cat([torch.sin(position), torch.cos(position)], dim=1), persistent=False
+        )
         self.vocab = vocab
 
     def training_step(self, batch, batch_idx):

@@ -21,16 +21,27 @@ GROUPS = ("disk_full", "async_exact", "async_top_k", "async_failure", "temporari
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     directory = tmp_path_factory.mktemp("faults")
-    report = launch("tests.distributed.worker_checkpoint_faults", *GROUPS, nprocs=2, timeout=300,
-                    env={"LZ_SHARED_DIR": str(directory)})
+    report = launch(
+        "tests.distributed.worker_checkpoint_faults",
+        *GROUPS,
+        nprocs=2,
+        timeout=300,
+        env={"LZ_SHARED_DIR": str(directory)},
+    )
     return {**report, "dir": directory}
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     directory = tmp_path_factory.mktemp("faults-matrix")
-    return launch("tests.distributed.worker_checkpoint_faults", "disk_full_matrix", "async_exact_matrix", nprocs=2,
-                  timeout=300, env={"LZ_SHARED_DIR": str(directory)})
+    return launch(
+        "tests.distributed.worker_checkpoint_faults",
+        "disk_full_matrix",
+        "async_exact_matrix",
+        nprocs=2,
+        timeout=300,
+        env={"LZ_SHARED_DIR": str(directory)},
+    )
 
 
 def check_disk_full(result: dict, failing_rank: int) -> None:
@@ -64,8 +75,9 @@ def check_async_exact(result: dict) -> None:
     assert set(result["checkpoint_diff"].values()) == {0.0}  # the same bytes' worth as a sync save, every epoch
     assert result["training_diff"] == 0.0  # saving in the background does not disturb training
     assert result["resumed_diff"] == 0.0  # and its checkpoint resumes to the uninterrupted run's end
-    assert result["entries"] == [f"{name}:complete" for name in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt",
-                                                                  "epoch=2-step=6.ckpt")]
+    assert result["entries"] == [
+        f"{name}:complete" for name in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt")
+    ]
 
 
 def test_async_saves_write_what_sync_saves_write_and_resume_exactly(faults):

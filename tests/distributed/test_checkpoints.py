@@ -23,10 +23,19 @@ def shared(tmp_path_factory):
     env = {"LZ_SHARED_DIR": str(directory)}
     two = launch(
         "tests.distributed.worker_checkpoint",
-        "exact_resume", "save_for_other_world", "crash_mid_save", "mismatched_model", "edited_and_lenient", "top_k",
-        "frozen_and_weights_only", "stateless_at_save",
-        "saved_after_evaluation", "scheduled_accumulation", "continued_after_fit",
-        nprocs=2, env=env,
+        "exact_resume",
+        "save_for_other_world",
+        "crash_mid_save",
+        "mismatched_model",
+        "edited_and_lenient",
+        "top_k",
+        "frozen_and_weights_only",
+        "stateless_at_save",
+        "saved_after_evaluation",
+        "scheduled_accumulation",
+        "continued_after_fit",
+        nprocs=2,
+        env=env,
     )
     one = launch("tests.distributed.worker_checkpoint", "resume_in_other_world", "corrupted", nprocs=1, env=env)
     return {**two, **one, "dir": directory}
@@ -88,8 +97,12 @@ def test_a_run_continued_from_a_save_after_fit_trains_as_ddp_does_without_a_warn
     result = shared["continued_after_fit"]
     assert result[f"zero{stage} {stopped} steps"] == result[f"ddp {stopped} steps"] == 5
     assert result[f"zero{stage} {stopped} skipped"] == []
-    assert_reordered_fp32(f"zero{stage} stopped at {stopped}", result[f"zero{stage} {stopped} diff"],
-                          result[f"zero{stage} {stopped} lr"], result[f"zero{stage} {stopped} steps"])
+    assert_reordered_fp32(
+        f"zero{stage} stopped at {stopped}",
+        result[f"zero{stage} {stopped} diff"],
+        result[f"zero{stage} {stopped} lr"],
+        result[f"zero{stage} {stopped} steps"],
+    )
 
 
 def test_a_checkpoint_after_evaluating_loaded_weights_is_refused_but_for_the_weights(shared):
@@ -128,8 +141,11 @@ def test_on_save_checkpoint_edits_are_saved_and_a_lenient_module_resumes_without
     from its ``state_dict`` are not written, and a module with ``strict_loading = False`` resumes without them; a
     sharded directory's ``state_dict`` reaches ``on_load_checkpoint`` empty (each rank reads its rows itself)."""
     result = shared["edited_and_lenient"][kind]
-    body = [f"net.{layer}.{kind}" for layer in ("blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "inp", "norm")
-            for kind in ("bias", "weight")]
+    body = [
+        f"net.{layer}.{kind}"
+        for layer in ("blocks.0.0", "blocks.0.2", "blocks.1.0", "blocks.1.2", "inp", "norm")
+        for kind in ("bias", "weight")
+    ]
     assert result["saved"] == body  # the head dropped
     assert result["loaded"]["vocabulary"] == {"a": 0, "b": 1}
     assert result["loaded"]["keys"] == ([] if kind == "sharded" else sorted(result["saved"]))

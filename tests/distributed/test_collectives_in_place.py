@@ -13,9 +13,18 @@ from tests.launch import launch
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def report(request):
-    return {"world": request.param, **launch("tests.distributed.worker_in_place", "reductions", "gathers",
-                                             "mixed_reductions", "mixed_gathers", "unused_bf16_bucket",
-                                             nprocs=request.param)}
+    return {
+        "world": request.param,
+        **launch(
+            "tests.distributed.worker_in_place",
+            "reductions",
+            "gathers",
+            "mixed_reductions",
+            "mixed_gathers",
+            "unused_bf16_bucket",
+            nprocs=request.param,
+        ),
+    }
 
 
 @pytest.mark.parametrize("pieces", ["", "mixed_"], ids=["small_pieces_packed", "packed_and_alone"])

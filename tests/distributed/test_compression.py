@@ -139,8 +139,16 @@ def test_inter_node_scope_compresses_only_what_crosses_nodes(hybrid, stage):
 
 @pytest.mark.full
 @pytest.mark.parametrize(
-    "case", ["stage1_full", "stage3_full", "stage2_bf16-mixed_qwz", "stage3_bf16-mixed", "stage2_offload",
-             "stage2_no_overlap", "stage2_16-mixed"]
+    "case",
+    [
+        "stage1_full",
+        "stage3_full",
+        "stage2_bf16-mixed_qwz",
+        "stage3_bf16-mixed",
+        "stage2_offload",
+        "stage2_no_overlap",
+        "stage2_16-mixed",
+    ],
 )
 def test_more_configurations_keep_ranks_identical(full_matrix, case):
     _check_modes(full_matrix[case])

@@ -168,7 +168,9 @@ def test_skipped_steps_do_not_leak_gradients_into_the_next_window(features, stag
     """As under ``ddp``: a skipped window's gradients are dropped by the next window's ``zero_grad``, and
     ``optimizer.step()`` after the closure ran by hand steps (every stage took Lightning's ``do_nothing_closure``,
     returning None, for a ``training_step`` that returned None, and skipped that step: 2.0e-2 away)."""
-    _as_under_ddp(f"skipped_steps_stage{stage}", features[f"skipped_steps_stage{stage}"], features["skipped_steps_stage0"])
+    _as_under_ddp(
+        f"skipped_steps_stage{stage}", features[f"skipped_steps_stage{stage}"], features["skipped_steps_stage0"]
+    )
 
 
 @pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage2_offloaded"])
@@ -184,8 +186,13 @@ def _as_under_ddp(case: str, result: dict, ddp: dict) -> None:
     import torch
 
     assert result["state"].keys() == ddp["state"].keys() and result["steps"] == ddp["steps"]
-    diff = max((torch.tensor(result["state"][name], dtype=torch.float64) - torch.tensor(value, dtype=torch.float64))
-               .abs().max().item() for name, value in ddp["state"].items())
+    diff = max(
+        (torch.tensor(result["state"][name], dtype=torch.float64) - torch.tensor(value, dtype=torch.float64))
+        .abs()
+        .max()
+        .item()
+        for name, value in ddp["state"].items()
+    )
     assert_reordered_fp32(case, diff, result["lr"], result["steps"])
 
 
@@ -207,7 +214,9 @@ def test_an_epoch_ended_inside_a_window_elsewhere(features, more_features):
     """Stage 1 and stage 3 with ``offload_params`` against ``ddp``; under bf16-mixed (FSDP2 holds the window's
     gradients upcast beside the parameters) stage 3 against stage 2."""
     _as_under_ddp("epoch_ended_1", more_features["epoch_ended_1"], features["epoch_ended_0"])
-    _as_under_ddp("epoch_ended_3_offload_params", more_features["epoch_ended_3_offload_params"], features["epoch_ended_0"])
+    _as_under_ddp(
+        "epoch_ended_3_offload_params", more_features["epoch_ended_3_offload_params"], features["epoch_ended_0"]
+    )
     # stage 3 against stage 2: FSDP2's reductions against ours, the fp32 masters stepped alike
     _as_under_ddp("epoch_ended_3_bf16", more_features["epoch_ended_3_bf16"], more_features["epoch_ended_2_bf16"])
 
@@ -222,7 +231,9 @@ def test_a_parameter_unfrozen_during_fit_that_no_rank_uses_is_never_moved(featur
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_experts_picked_per_rank_under_mixed_precision_and_accumulation_train_at_stage_3_as_at_stage_2(features, precision):
+def test_experts_picked_per_rank_under_mixed_precision_and_accumulation_train_at_stage_3_as_at_stage_2(
+    features, precision
+):
     """FSDP2 alone raises "FSDP reduce-scatter expects uniform gradient dtype" when an expert is first picked in a
     window's last micro-batch (see ``fsdp2_private.complete_unit_gradients``)."""
     result = features[f"routed_{precision}"]

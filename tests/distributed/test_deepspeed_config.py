@@ -16,9 +16,16 @@ def fits():
 def test_trainer_level_settings_apply_in_a_real_fit(fits):
     """Clipping, accumulation, optimizer, scheduler and precision come from the JSON."""
     assert fits["micro_batch_4"] == {
-        "clip": 1.0, "accumulate": 2, "optimizer": "AdamW", "betas": [0.9, 0.95], "weight_decay": 0.01,
-        "lr": pytest.approx(0.00015 * 3 / 4), "scheduler": "DeepSpeedWarmupLR", "precision": "16-mixed",
-        "offload": True, "steps": 3,
+        "clip": 1.0,
+        "accumulate": 2,
+        "optimizer": "AdamW",
+        "betas": [0.9, 0.95],
+        "weight_decay": 0.01,
+        "lr": pytest.approx(0.00015 * 3 / 4),
+        "scheduler": "DeepSpeedWarmupLR",
+        "precision": "16-mixed",
+        "offload": True,
+        "steps": 3,
     }
 
 

@@ -11,9 +11,25 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def edges():
-    return launch("tests.distributed.worker_edges", "checkpoint", "sharded", "bad_input", "memory_layouts",
-                  "functional_sparse", "changed_dtype", "shared_block", "outside_hooks", "zero_dim", "written",
-                  "complex", "pruning", "integer", "integer_unset", "parameter_functions", nprocs=2)
+    return launch(
+        "tests.distributed.worker_edges",
+        "checkpoint",
+        "sharded",
+        "bad_input",
+        "memory_layouts",
+        "functional_sparse",
+        "changed_dtype",
+        "shared_block",
+        "outside_hooks",
+        "zero_dim",
+        "written",
+        "complex",
+        "pruning",
+        "integer",
+        "integer_unset",
+        "parameter_functions",
+        nprocs=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +191,13 @@ def test_integer_parameters_stay_whole_at_stage_3_and_the_sharded_class_loads_it
     (FSDP2's class) loads the user's class. An integer parameter built on the meta device that nothing initialises
     (no NaN marks it) is refused naming it, as floating ones are; the fp32 gain the same module set in ``__init__``
     keeps its value (the module's tensors were all made anew, so it was named too)."""
-    assert set(edges["integer"]) == {"stage3", "stage3_offload_params", "stage3_sharded_to_stage2",
-                                     "loaded_by_the_sharded_class", "meta_stage3"}
+    assert set(edges["integer"]) == {
+        "stage3",
+        "stage3_offload_params",
+        "stage3_sharded_to_stage2",
+        "loaded_by_the_sharded_class",
+        "meta_stage3",
+    }
     runs = dict(edges["integer"])
     assert runs.pop("loaded_by_the_sharded_class") == 0.0  # the saved weights read back: the same numbers
     _each_as_under_ddp(runs)
@@ -194,8 +215,10 @@ def test_functional_call_trains_as_under_ddp_at_stages_1_2_and_is_refused_at_sta
     _as_under_ddp("stage2", runs["stage2"])
     error = runs["stage3"]
     assert error["type"] == "ShardedFunctionalCallError", error
-    assert ("functional_call would replace `blocks.0.0.weight`, a parameter of the stage-3 unit `blocks.0`"
-            in error["message"]), error["message"]
+    assert (
+        "functional_call would replace `blocks.0.0.weight`, a parameter of the stage-3 unit `blocks.0`"
+        in error["message"]
+    ), error["message"]
     assert "Use stage 1 or 2 for functional calls" in error["message"]
 
 
@@ -249,10 +272,18 @@ def test_layers_run_other_than_through_call_train_at_stage_3_as_under_ddp(edges)
     parameters its holder computes with (a tied head's ``F.linear(h, self.embed.weight)`` without a list of blocks;
     ``MultiheadAttention``'s ``out_proj`` under ``wrap_policy={nn.Linear}``) was a unit resharded or never gathered
     when they were used (the same error, without accumulation); it stays in the enclosing unit now."""
-    assert set(edges["outside_hooks"]) == {"stage3", "stage3_policy_checkpointed", "stage2", "aliased_stage3",
-                                           "aliased_stage3_policy", "read_stage3", "read_stage3_offload_params",
-                                           "attention_stage3_linear_units", "autoencoder_stage3",
-                                           "autoencoder_stage3_offload_params"}
+    assert set(edges["outside_hooks"]) == {
+        "stage3",
+        "stage3_policy_checkpointed",
+        "stage2",
+        "aliased_stage3",
+        "aliased_stage3_policy",
+        "read_stage3",
+        "read_stage3_offload_params",
+        "attention_stage3_linear_units",
+        "autoencoder_stage3",
+        "autoencoder_stage3_offload_params",
+    }
     _each_as_under_ddp(edges["outside_hooks"])
 
 

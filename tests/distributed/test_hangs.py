@@ -35,15 +35,28 @@ COLLECTIVE = re.compile(
 
 
 def run(case: str, nprocs: int = 2, timeout: float = TIMEOUT, watchdog: bool = True, **kwargs):
-    return launch_processes("tests.distributed.worker_hangs", case, nprocs=nprocs, timeout=90,
-                            env={"LZ_TIMEOUT": str(timeout), "LZ_WATCHDOG": "1" if watchdog else "0"}, **kwargs)
+    return launch_processes(
+        "tests.distributed.worker_hangs",
+        case,
+        nprocs=nprocs,
+        timeout=90,
+        env={"LZ_TIMEOUT": str(timeout), "LZ_WATCHDOG": "1" if watchdog else "0"},
+        **kwargs,
+    )
 
 
 #: The default cases, all launched together when the module starts: most of a case is waiting for a timeout,
 #: and the ranks are forked from the fork server, which has imported everything already.
 DEFAULT_CASES = {
-    "sigstop": {}, "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM}, "generate": {},
-    "uneven": {}, "sigkill": {}, "raise_step": {}, "conditional_log": {}, "pipelined_kill": {}, "experts_as_units": {},
+    "sigstop": {},
+    "sleep_forever": {"timeout": 60, "signal_on_fault": signal.SIGTERM},
+    "generate": {},
+    "uneven": {},
+    "sigkill": {},
+    "raise_step": {},
+    "conditional_log": {},
+    "pipelined_kill": {},
+    "experts_as_units": {},
     "save_on_rank0": {},
 }
 
@@ -52,8 +65,13 @@ def run_popen_mismatch(sampling_rank: int) -> tuple[subprocess.CompletedProcess,
     """``tests/distributed/popen_mismatch.py`` as a user runs a script (Lightning's popen launcher), and the seconds
     from the ranks' parting (the script prints when) to the end of every process: its start-up (imports, two
     processes) is not the fault's to bound."""
-    result = subprocess.run([sys.executable, "-m", "tests.distributed.popen_mismatch", str(sampling_rank)], cwd=REPO,
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.distributed.popen_mismatch", str(sampling_rank)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     ended = time.time()
     parted = re.search(re.escape(popen_mismatch.FAULT_LINE) + r"([\d.]+)", result.stdout)
     return result, ended - float(parted.group(1)) if parted else None
@@ -117,8 +135,13 @@ def test_a_rank_that_raises_brings_every_rank_down_with_its_error(launched):
     result = launched["raise_step"].result()
     assert_all_failed_in_time(result)
     survivor = result.output(0)
-    assert_names(survivor, "rank 1 raised ValueError: boom from rank 1 at batch 2", "training batch 2",
-                 "worker_hangs.py", "This rank (0) was in training batch 2, waiting in")
+    assert_names(
+        survivor,
+        "rank 1 raised ValueError: boom from rank 1 at batch 2",
+        "training batch 2",
+        "worker_hangs.py",
+        "This rank (0) was in training batch 2, waiting in",
+    )
     assert_names(result.output(1), "ValueError: boom from rank 1 at batch 2", "the other ranks stop with it")
 
 
@@ -126,8 +149,12 @@ def test_a_killed_rank_is_named(launched):
     result = launched["sigkill"].result()
     assert result.ranks[1].code == -signal.SIGKILL
     assert_all_failed_in_time(result, ranks=[0])
-    assert_names(result.output(0), "rank 1's process ended without reporting an error", "SIGKILL",
-                 "This rank (0) was in training batch 2, waiting in reduce_scatter #")
+    assert_names(
+        result.output(0),
+        "rank 1's process ended without reporting an error",
+        "SIGKILL",
+        "This rank (0) was in training batch 2, waiting in reduce_scatter #",
+    )
 
 
 def test_a_killed_pipeline_stage_is_named_with_its_stage(launched):
@@ -135,8 +162,12 @@ def test_a_killed_pipeline_stage_is_named_with_its_stage(launched):
     result = launched["pipelined_kill"].result()
     assert result.ranks[1].code == -signal.SIGKILL
     assert_all_failed_in_time(result, ranks=[0])
-    assert_names(result.output(0), "rank 1 (pipeline stage 1 of replica 0)'s process ended without reporting an error",
-                 "This rank (0) was in training batch 2", collective=False)
+    assert_names(
+        result.output(0),
+        "rank 1 (pipeline stage 1 of replica 0)'s process ended without reporting an error",
+        "This rank (0) was in training batch 2",
+        collective=False,
+    )
 
 
 def test_a_stopped_rank_nccl_style_is_named_and_every_rank_ends(launched):
@@ -145,8 +176,13 @@ def test_a_stopped_rank_nccl_style_is_named_and_every_rank_ends(launched):
     which then ends too, saying it was stopped."""
     result = launched["sigstop"].result()
     assert_all_failed_in_time(result, ranks=[0])
-    assert_names(result.output(0), "rank 1 stopped responding: no heartbeat", "its process is stopped",
-                 "This rank (0) is in training batch 2, waiting in reduce_scatter #", "ending this process")
+    assert_names(
+        result.output(0),
+        "rank 1 stopped responding: no heartbeat",
+        "its process is stopped",
+        "This rank (0) is in training batch 2, waiting in reduce_scatter #",
+        "ending this process",
+    )
     assert result.ranks[1].code not in (0, None)
     assert result.ranks[1].exited_at - result.ranks[0].exited_at <= 10  # promptly once continued
     assert_names(result.output(1), "rank 1's process could not run for", collective=False)
@@ -157,8 +193,13 @@ def test_the_rank_with_fewer_batches_does_not_report_success(launched):
     for rank in (0, 1):
         assert result.ranks[rank].code not in (0, None), result.output(rank)[-3000:]
         assert result.ranks[rank].exited_at <= 60
-        assert_names(result.output(rank), "rank 1 finished (4 training batches", "rank 0 still runs",
-                     "ran different numbers of batches", "use_distributed_sampler")
+        assert_names(
+            result.output(rank),
+            "rank 1 finished (4 training batches",
+            "rank 0 still runs",
+            "ran different numbers of batches",
+            "use_distributed_sampler",
+        )
 
 
 def test_hugging_face_generate_under_stage_3(launched):
@@ -170,8 +211,13 @@ def test_hugging_face_generate_under_stage_3(launched):
     assert report["default"]["lengths"] == {"0": 6, "1": 6}  # rank 0: 4 prompt + 2 new tokens; rank 1 made 8
     assert_all_failed_in_time(result)
     for rank in (0, 1):
-        assert_names(result.output(rank), "rank 1 still runs", "validation batch 0, waiting in all_gather #",
-                     "in validation_step via generation/utils.py", "synced_gpus=True")
+        assert_names(
+            result.output(rank),
+            "rank 1 still runs",
+            "validation batch 0, waiting in all_gather #",
+            "in validation_step via generation/utils.py",
+            "synced_gpus=True",
+        )
 
 
 def test_sigterm_ends_a_hung_run_within_30_seconds(launched):
@@ -184,8 +230,9 @@ def test_sigterm_ends_a_hung_run_within_30_seconds(launched):
         assert outcome.code not in (0, None), outcome.output[-3000:]
         assert outcome.exited_at - result.signalled_at <= 30
         assert_names(outcome.output, "received SIGTERM", collective=False)
-    assert_names(result.output(0), "rank 0 received SIGTERM and ended while waiting in a collective",
-                 "reduce_scatter #")
+    assert_names(
+        result.output(0), "rank 0 received SIGTERM and ended while waiting in a collective", "reduce_scatter #"
+    )
     assert result.ranks[0].code == 128 + signal.SIGTERM
     assert re.search(r"rank 0('s process ended after it)? received SIGTERM", result.output(1)), result.output(1)[-3000:]
 
@@ -194,8 +241,21 @@ def test_sigterm_ends_a_hung_run_within_30_seconds(launched):
 #: `make test-all`'s cases, launched four at a time once the default cases have ended (a slow rank's steps take 0.6 x
 #: the timeout: with thirteen runs beside it, rank 0's wait for it outlasted the timeout).
 FULL_CASES = {
-    **{case: {} for case in ("raise_backward", "raise_optimizer", "raise_callback", "raise_save", "raise_and_sleep",
-                             "sigstop0", "skip_step", "rank_only_submodule", "slow", "one_sided")},
+    **{
+        case: {}
+        for case in (
+            "raise_backward",
+            "raise_optimizer",
+            "raise_callback",
+            "raise_save",
+            "raise_and_sleep",
+            "sigstop0",
+            "skip_step",
+            "rank_only_submodule",
+            "slow",
+            "one_sided",
+        )
+    },
     "raise_and_sleep_4_ranks": {"case": "raise_and_sleep", "nprocs": 4},
     "raise_step_without_watchdog": {"case": "raise_step", "watchdog": False},
     "sigterm_healthy": {"signal_on_fault": signal.SIGTERM},
@@ -207,17 +267,22 @@ def full_launched(launched):
     for future in launched.values():
         future.exception()  # waits; a default case's failure is its own test's to report
     with ThreadPoolExecutor(max_workers=4) as pool:
-        yield {name: pool.submit(run, kwargs.pop("case", name), **kwargs)
-               for name, kwargs in ((n, dict(k)) for n, k in FULL_CASES.items())}
+        yield {
+            name: pool.submit(run, kwargs.pop("case", name), **kwargs)
+            for name, kwargs in ((n, dict(k)) for n, k in FULL_CASES.items())
+        }
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case, error", [
-    ("raise_backward", "RuntimeError: boom in backward on rank 1"),
-    ("raise_optimizer", "RuntimeError: boom in optimizer.step on rank 1"),
-    ("raise_callback", "KeyError: 'boom in a callback on rank 1'"),
-    ("raise_save", "OSError: boom in on_save_checkpoint on rank 1"),
-])
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("raise_backward", "RuntimeError: boom in backward on rank 1"),
+        ("raise_optimizer", "RuntimeError: boom in optimizer.step on rank 1"),
+        ("raise_callback", "KeyError: 'boom in a callback on rank 1'"),
+        ("raise_save", "OSError: boom in on_save_checkpoint on rank 1"),
+    ],
+)
 def test_a_rank_that_raises_anywhere(full_launched, case, error):
     result = full_launched[case].result()
     assert_all_failed_in_time(result)
@@ -249,8 +314,9 @@ def test_a_rank_that_skips_a_step(full_launched):
     result = full_launched["skip_step"].result()
     assert_all_failed_in_time(result)
     for rank in (0, 1):
-        assert_names(result.output(rank), "is in a different collective", "reduce_scatter #16",
-                     "torch.distributed.broadcast")
+        assert_names(
+            result.output(rank), "is in a different collective", "reduce_scatter #16", "torch.distributed.broadcast"
+        )
 
 
 def test_a_conditional_sync_dist_log(launched):
@@ -269,8 +335,11 @@ def test_a_save_on_rank_0_only_is_named_with_the_way_out(launched):
     for rank in (0, 1):
         output = result.output(rank)
         # rank 0's wait, in whichever rank's diagnosis came first
-        assert re.search(r"called from distributed/worker_hangs\.py:\d+ in on_train_batch_end via \S+ in "
-                         r"save_checkpoint", output), output[-3000:]
+        assert re.search(
+            r"called from distributed/worker_hangs\.py:\d+ in on_train_batch_end via \S+ in "
+            r"save_checkpoint",
+            output,
+        ), output[-3000:]
         assert "`Trainer.save_checkpoint` is collective under ZeroStrategy" in output
         assert "not under `if trainer.is_global_zero:`" in output
 
@@ -283,8 +352,11 @@ def test_experts_made_units_of_their_own_and_picked_per_rank_are_named_where_the
     result = launched["experts_as_units"].result()
     assert_all_failed_in_time(result)
     output = result.output(0) + result.output(1)
-    found = re.search(r"the first that differs is #(\d+): all_gather #\1 \(72 x float32, experts\.(\d)\)[^#]*"
-                      r"all_gather #\1 \(72 x float32, experts\.(\d)\)", output)
+    found = re.search(
+        r"the first that differs is #(\d+): all_gather #\1 \(72 x float32, experts\.(\d)\)[^#]*"
+        r"all_gather #\1 \(72 x float32, experts\.(\d)\)",
+        output,
+    )
     assert found and {found[2], found[3]} == {"0", "1"}, output[-3000:]
     assert "keep it inside a unit every rank runs" in output
 
@@ -295,9 +367,15 @@ def test_a_submodule_used_on_one_rank_under_stage_3(full_launched):
     and the call site, from the crashed rank's flight file and Python stack."""
     result = full_launched["rank_only_submodule"].result()
     assert_all_failed_in_time(result)
-    assert_names(result.output(0), "rank 1's process crashed in native code (SIGABRT", "in training batch 2",
-                 "called from distributed/worker_hangs.py", "in training_step", "the first that differs is #",
-                 "Every rank must issue the same collectives")
+    assert_names(
+        result.output(0),
+        "rank 1's process crashed in native code (SIGABRT",
+        "in training batch 2",
+        "called from distributed/worker_hangs.py",
+        "in training_step",
+        "the first that differs is #",
+        "Every rank must issue the same collectives",
+    )
     assert "collective mismatch" in result.output(1)  # gloo's own message, on the rank it ended
 
 
@@ -315,12 +393,17 @@ def test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launch
     assert "collective mismatch in your code" in output  # gloo's message from the process it aborted
     # gloo may abort the process in its background thread after the all_gather returned there: its flight record then
     # says the collective was the last it issued rather than the one it is in (seen once under `make test-all`)
-    assert re.search(r"rank [01]'s process crashed in native code \(SIGABRT; its Python stack is in \S+rank[01]\.fatal\) "
-                     r"in validation batch 0, (in all_gather #\d+ \(\d+ x float32, [\w.]+\)|not in a collective \(the "
-                     r"last it issued: all_gather #\d+\)), called from distributed/popen_mismatch\.py:\d+ in validation_step",
-                     output), output[-5000:]
-    assert re.search(r"the first that differs is #\d+: all_gather #\d+ \(1056 x float32, sampler\.0\) on rank \d vs "
-                     r"all_gather #\d+ \(\d+ x float32, [\w.]+\) on rank \d", output), output[-5000:]
+    assert re.search(
+        r"rank [01]'s process crashed in native code \(SIGABRT; its Python stack is in \S+rank[01]\.fatal\) "
+        r"in validation batch 0, (in all_gather #\d+ \(\d+ x float32, [\w.]+\)|not in a collective \(the "
+        r"last it issued: all_gather #\d+\)), called from distributed/popen_mismatch\.py:\d+ in validation_step",
+        output,
+    ), output[-5000:]
+    assert re.search(
+        r"the first that differs is #\d+: all_gather #\d+ \(1056 x float32, sampler\.0\) on rank \d vs "
+        r"all_gather #\d+ \(\d+ x float32, [\w.]+\) on rank \d",
+        output,
+    ), output[-5000:]
     assert "Every rank must issue the same collectives in the same order" in output
 
 
@@ -346,8 +429,11 @@ def test_without_the_watchdog_the_first_failure_is_still_named(full_launched):
     """``watchdog=False``: no thread; gloo's own error plus the first failure, and the process-group timeout."""
     result = full_launched["raise_step_without_watchdog"].result()
     assert_all_failed_in_time(result)
-    assert_names(result.output(0), "the run was brought down by the first failure: rank 1 raised ValueError: boom",
-                 collective=False)
+    assert_names(
+        result.output(0),
+        "the run was brought down by the first failure: rank 1 raised ValueError: boom",
+        collective=False,
+    )
     assert "stop with it" not in result.output(1)  # that line is the watchdog's
 
 
@@ -383,10 +469,12 @@ DEFAULT_CHECKS = {
     "conditional_log": test_a_conditional_sync_dist_log,
     "save_on_rank0": test_a_save_on_rank_0_only_is_named_with_the_way_out,
     "experts_as_units": test_experts_made_units_of_their_own_and_picked_per_rank_are_named_where_the_ranks_part,
-    "popen_mismatch_0": functools.partial(test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launcher,
-                                          sampling_rank=0),
-    "popen_mismatch_1": functools.partial(test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launcher,
-                                          sampling_rank=1),
+    "popen_mismatch_0": functools.partial(
+        test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launcher, sampling_rank=0
+    ),
+    "popen_mismatch_1": functools.partial(
+        test_a_collective_mismatch_that_gloo_aborts_is_named_under_lightnings_launcher, sampling_rank=1
+    ),
 }
 
 

@@ -33,8 +33,16 @@ def nodes(tmp_path_factory):
     worker_pretrained.save_pretrained_files(directory / "pretrained")
     four = launch(
         "tests.distributed.worker_hybrid",
-        "exact", "costs", "checkpoints", "pretrained", "directory_bytes", "resume_flat_save", "save_hybrid",
-        nprocs=WORLD, nodes=2, env=env,
+        "exact",
+        "costs",
+        "checkpoints",
+        "pretrained",
+        "directory_bytes",
+        "resume_flat_save",
+        "save_hybrid",
+        nprocs=WORLD,
+        nodes=2,
+        env=env,
     )
     back = launch("tests.distributed.worker_hybrid", "resume_hybrid_save", nprocs=1, env=env)
     return {**one, **four, **back}
@@ -119,16 +127,31 @@ def test_one_node_of_four_with_shard_size_two_matches_plain_pytorch(one_node, ca
 
 @pytest.fixture(scope="module")
 def full_matrix(tmp_path_factory):
-    report = launch("tests.distributed.worker_hybrid", "exact_full", "costs_full", "checkpoints_full", nprocs=WORLD,
-                    nodes=2, env={"LZ_SHARED_DIR": str(tmp_path_factory.mktemp("hybrid_full"))})
+    report = launch(
+        "tests.distributed.worker_hybrid",
+        "exact_full",
+        "costs_full",
+        "checkpoints_full",
+        nprocs=WORLD,
+        nodes=2,
+        env={"LZ_SHARED_DIR": str(tmp_path_factory.mktemp("hybrid_full"))},
+    )
     return {**report["exact_full"], **report["costs_full"], "checkpoints": report["checkpoints_full"]}
 
 
 @pytest.mark.full
 @pytest.mark.parametrize(
     "case",
-    ["stage1", "stage2_unused_parameter", "stage1_no_overlap", "stage2_reduce_every_microbatch", "stage3_unused_parameter",
-     "stage2_offload_optimizer", "stage3_offload_params", "stage3_hpz_offload_params"],
+    [
+        "stage1",
+        "stage2_unused_parameter",
+        "stage1_no_overlap",
+        "stage2_reduce_every_microbatch",
+        "stage3_unused_parameter",
+        "stage2_offload_optimizer",
+        "stage3_offload_params",
+        "stage3_hpz_offload_params",
+    ],
 )
 def test_more_hybrid_configurations_match_plain_pytorch(full_matrix, case):
     _check_exact(full_matrix[case])
@@ -136,7 +159,8 @@ def test_more_hybrid_configurations_match_plain_pytorch(full_matrix, case):
 
 @pytest.mark.full
 @pytest.mark.parametrize(
-    "case", ["stage1_16-mixed", "stage2_bf16-mixed", "stage1_bf16-mixed", "stage2_16-mixed", "stage3_16-mixed"])
+    "case", ["stage1_16-mixed", "stage2_bf16-mixed", "stage1_bf16-mixed", "stage2_16-mixed", "stage3_16-mixed"]
+)
 def test_more_mixed_precision_configurations_match_the_emulation(full_matrix, case):
     _check_mixed(full_matrix[case])
 
@@ -149,8 +173,15 @@ def test_hpz_in_bf16_mixed_ends_bit_for_bit_where_flat_zero3_ends(full_matrix):
 
 @pytest.mark.full
 @pytest.mark.parametrize(
-    "case", ["gpt2_stage2_32-true", "gpt2_stage1_32-true", "gpt2_stage3_32-true", "llama_stage1_32-true",
-             "llama_stage3_32-true", "llama_stage3_hpz_32-true"],
+    "case",
+    [
+        "gpt2_stage2_32-true",
+        "gpt2_stage1_32-true",
+        "gpt2_stage3_32-true",
+        "llama_stage1_32-true",
+        "llama_stage3_32-true",
+        "llama_stage3_hpz_32-true",
+    ],
 )
 def test_more_hugging_face_configurations(full_matrix, case):
     _check_hugging_face(case, full_matrix[case])
@@ -227,7 +258,11 @@ def test_hpz_backward_gather_stays_inside_the_node(request, model):
     """hpZ over 2 nodes: forward's all-gather and the reduce-scatter cross nodes (P each); backward's
     all-gather runs inside the node (P). The GPT has parameters outside its blocks (a tied embedding and head,
     the final norm) and a training_step that calls the module's forward, nested in Lightning's call of the root."""
-    costs = request.getfixturevalue("nodes")["costs"] if model == "comm_stage3_hpz" else request.getfixturevalue("full_matrix")
+    costs = (
+        request.getfixturevalue("nodes")["costs"]
+        if model == "comm_stage3_hpz"
+        else request.getfixturevalue("full_matrix")
+    )
     _, inter, intra = _traffic(costs[model])
     p, flags = costs[model]["params"], costs[model]["tensors"]
     assert inter == {"all_gather": p, "reduce_scatter": p, "all_reduce": 2 * flags}

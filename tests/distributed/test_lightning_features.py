@@ -18,8 +18,13 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("features")
-    report = launch("tests.distributed.worker_lightning_features", "lr_find", "checkpoints", nprocs=2,
-                    env={"LZ_SHARED_DIR": str(directory)})
+    report = launch(
+        "tests.distributed.worker_lightning_features",
+        "lr_find",
+        "checkpoints",
+        nprocs=2,
+        env={"LZ_SHARED_DIR": str(directory)},
+    )
     return report
 
 
@@ -58,16 +63,34 @@ def test_lightnings_own_loader_still_cannot_open_a_directory(runs):
 @pytest.fixture(scope="module")
 def averaging_runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("averaging")
-    return launch("tests.distributed.worker_lightning_features", "swa", "ema_resumed", "averaging_pipeline",
-                  "averaging_bf16", "averaging_batchnorm", "averaging_unfreezing", nprocs=2,
-                  env={"LZ_SHARED_DIR": str(directory)})
+    return launch(
+        "tests.distributed.worker_lightning_features",
+        "swa",
+        "ema_resumed",
+        "averaging_pipeline",
+        "averaging_bf16",
+        "averaging_batchnorm",
+        "averaging_unfreezing",
+        nprocs=2,
+        env={"LZ_SHARED_DIR": str(directory)},
+    )
 
 
 @pytest.fixture(scope="module")
 def averaging_rest(tmp_path_factory):
     directory = tmp_path_factory.mktemp("averaging_rest")
-    return launch("tests.distributed.worker_lightning_features", "swa_rest", "ema_resumed_rest", "averaging_pipeline_rest",
-                  "averaging_bf16_rest", "averaging_unfreezing_rest", "averaging_batchnorm_rest", "averaging_delayed", nprocs=2, env={"LZ_SHARED_DIR": str(directory)})
+    return launch(
+        "tests.distributed.worker_lightning_features",
+        "swa_rest",
+        "ema_resumed_rest",
+        "averaging_pipeline_rest",
+        "averaging_bf16_rest",
+        "averaging_unfreezing_rest",
+        "averaging_batchnorm_rest",
+        "averaging_delayed",
+        nprocs=2,
+        env={"LZ_SHARED_DIR": str(directory)},
+    )
 
 
 def _check_swa(runs: dict, case: str) -> None:
@@ -115,7 +138,10 @@ def test_ema_resumes_where_the_uninterrupted_run_goes(averaging_runs, case):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", ["stage2_offload_full", "stage2_async", "stage3_full", "stage1_offload", "stage3_to_stage2", "stage2_full_to_ddp"])
+@pytest.mark.parametrize(
+    "case",
+    ["stage2_offload_full", "stage2_async", "stage3_full", "stage1_offload", "stage3_to_stage2", "stage2_full_to_ddp"],
+)
 def test_ema_resumes_at_the_other_stages_and_across_strategies(averaging_rest, case):
     _check_ema_resumed(averaging_rest["ema_resumed_rest"], case)
 
@@ -157,7 +183,9 @@ def test_weight_averaging_under_bf16_mixed_averages_the_fp32_weights(averaging_r
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", ["swa_stage2", "ema_stage1_offload", "ema_stage2_full", "swa_stage1", "ema_pipeline_stage1", "ema_stage3"])
+@pytest.mark.parametrize(
+    "case", ["swa_stage2", "ema_stage1_offload", "ema_stage2_full", "swa_stage1", "ema_pipeline_stage1", "ema_stage3"]
+)
 def test_weight_averaging_under_bf16_mixed_elsewhere(averaging_rest, case):
     _check_witnessed(averaging_rest["averaging_bf16_rest"], case)
 

@@ -14,8 +14,14 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("matrix")
-    return launch("tests.distributed.worker_matrix", "exact", "manual", "variants", nprocs=2,
-                  env={"LZ_SHARED_DIR": str(directory)})
+    return launch(
+        "tests.distributed.worker_matrix",
+        "exact",
+        "manual",
+        "variants",
+        nprocs=2,
+        env={"LZ_SHARED_DIR": str(directory)},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +117,9 @@ def test_checkpoint_crosses_world_sizes_and_stages(crossed):
 
 
 @pytest.mark.many_ranks
-@pytest.mark.parametrize("case", ["stage3_aux_adam", "stage2_adafactor", "stage2_hybrid_aux_adam", "stage3_hybrid_adafactor"])
+@pytest.mark.parametrize(
+    "case", ["stage3_aux_adam", "stage2_adafactor", "stage2_hybrid_aux_adam", "stage3_hybrid_adafactor"]
+)
 def test_four_ranks_and_hybrid_sharding(four, case):
     """Hybrid: owners inside each shard group of 2; both replica groups step every matrix."""
     result = four[case]

@@ -26,8 +26,18 @@ def _report(request, stage_or_case) -> dict:
 
 @pytest.fixture(scope="module")
 def report():
-    return launch("tests.distributed.worker_offload", "exact", "during_backward", "memory", "checkpoint", "partial", "stage3_parts", "delayed",
-                  "delayed_checkpoint", nprocs=WORLD)
+    return launch(
+        "tests.distributed.worker_offload",
+        "exact",
+        "during_backward",
+        "memory",
+        "checkpoint",
+        "partial",
+        "stage3_parts",
+        "delayed",
+        "delayed_checkpoint",
+        nprocs=WORLD,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +80,15 @@ def test_gradients_reach_the_host_as_buckets_land_and_the_host_steps_in_parts(re
 
 @pytest.mark.parametrize(
     "case",
-    ["stage1", "stage2", "stage2_unused", "stage2_every_microbatch", "stage3", "stage3_unused", "stage3_reduced_in_place"],
+    [
+        "stage1",
+        "stage2",
+        "stage2_unused",
+        "stage2_every_microbatch",
+        "stage3",
+        "stage3_unused",
+        "stage3_reduced_in_place",
+    ],
 )
 def test_without_clipping_the_host_steps_parts_during_backward_bit_for_bit(report, case):
     """No clipping, no loss scaler ([Note: the host step during backward]), 4 steps of 2 accumulated micro-batches,
@@ -220,7 +238,10 @@ MIXED_FORMULAS = {
 
 @pytest.mark.parametrize(
     ("key", "formula"),
-    [*((f"{k}_32-true", f) for k, f in FP32_FORMULAS.items()), *((f"{k}_bf16-mixed", f) for k, f in MIXED_FORMULAS.items())],
+    [
+        *((f"{k}_32-true", f) for k, f in FP32_FORMULAS.items()),
+        *((f"{k}_bf16-mixed", f) for k, f in MIXED_FORMULAS.items()),
+    ],
 )
 def test_device_and_host_bytes_match_the_offload_formulas(report, key, formula, record_property):
     measured = report["memory"][key]
@@ -342,5 +363,5 @@ def test_the_delayed_update_follows_the_exact_loss_curve_of_the_demo_gpt(converg
     assert runs["exact"]["steps"] == runs["delayed"]["steps"] == len(exact) == len(delayed) == 100
     assert exact[-1] < exact[0] - 0.5, "the run must learn for the comparison to mean something"
     for start in range(20, 100, 10):
-        mean_exact, mean_delayed = sum(exact[start:start + 10]) / 10, sum(delayed[start:start + 10]) / 10
+        mean_exact, mean_delayed = sum(exact[start : start + 10]) / 10, sum(delayed[start : start + 10]) / 10
         assert abs(mean_delayed - mean_exact) <= 0.02 * mean_exact, (start, mean_exact, mean_delayed)

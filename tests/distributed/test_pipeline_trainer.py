@@ -22,14 +22,29 @@ BOUNDS = {"gpipe": [0, 4, 8], "gpipe_stage2": [0, 4, 8], "1f1b": [0, 3, 8], "int
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch("tests.distributed.worker_pipeline_trainer", *TWO, "round_trip", "mixed", "errors", "evaluated_after_fit",
-                  "routed_every_microbatch", nprocs=2)
+    return launch(
+        "tests.distributed.worker_pipeline_trainer",
+        *TWO,
+        "round_trip",
+        "mixed",
+        "errors",
+        "evaluated_after_fit",
+        "routed_every_microbatch",
+        nprocs=2,
+    )
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return launch("tests.distributed.worker_pipeline_trainer", *FOUR, "zero3_round_trip", "zero3_composed", "gathers_1f1b", "gathers_zbv",
-                  nprocs=4)
+    return launch(
+        "tests.distributed.worker_pipeline_trainer",
+        *FOUR,
+        "zero3_round_trip",
+        "zero3_composed",
+        "gathers_1f1b",
+        "gathers_zbv",
+        nprocs=4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +73,11 @@ def _check_memory(result: dict, replicas: int) -> None:
     """Each rank holds its stages' P_s parameters with ZeRO over the replicas: fp32 AdamW, stage 1
     8P_s + 8P_s/d, stage 2 4P_s + 12P_s/d, stage 3 16P_s/d bytes, within 2% (shards of uneven rows differ by a
     few) plus AdamW's 4-byte step counter per tensor."""
-    formulas = {1: lambda p: 8 * p + 8 * p / replicas, 2: lambda p: 4 * p + 12 * p / replicas, 3: lambda p: 16 * p / replicas}
+    formulas = {
+        1: lambda p: 8 * p + 8 * p / replicas,
+        2: lambda p: 4 * p + 12 * p / replicas,
+        3: lambda p: 16 * p / replicas,
+    }
     for state, params, tensors in result["memory"]:
         formula = formulas[result["stage"]](params)
         assert abs(state - formula) <= 0.02 * formula + 4 * tensors, (state, formula)
@@ -175,7 +194,9 @@ def test_pipeline_zero3_gathers_a_stage_once_per_step_or_window(four_ranks):
         assert peak == params
     v = four_ranks["gathers_zbv"]
     for gathered, params, peak in zip(v["gathered"], v["params"], v["peak"]):
-        assert params <= gathered[1] <= 1.05 * params and gathered == [first * gathered[1], *[gathered[1]] * 7], gathered
+        assert params <= gathered[1] <= 1.05 * params and gathered == [first * gathered[1], *[gathered[1]] * 7], (
+            gathered
+        )
         assert peak == params
 
 

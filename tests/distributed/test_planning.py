@@ -17,8 +17,14 @@ BOUND = 0.10
 
 
 #: `make test`'s calibration: each model, each stage, fp32 and bf16-mixed, checkpointing, full and partial offload.
-REPRESENTATIVE = ("gpt_s1_fp32_b8_ac", "gpt_s3_bf16_b8", "gpt_s2_fp32_b8_offload0.5", "resnet_s3_bf16_b64_offload",
-                  "adapted_s3_fp32_b8", "adapted_s3_bf16_b8")
+REPRESENTATIVE = (
+    "gpt_s1_fp32_b8_ac",
+    "gpt_s3_bf16_b8",
+    "gpt_s2_fp32_b8_offload0.5",
+    "resnet_s3_bf16_b64_offload",
+    "adapted_s3_fp32_b8",
+    "adapted_s3_bf16_b8",
+)
 
 
 @pytest.fixture(scope="module")

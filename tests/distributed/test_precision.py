@@ -39,8 +39,11 @@ def tracked(request, key: str) -> dict:
 
 def matrix(stages, precisions, suffix: str = "") -> list:
     """(stage, precision) pairs; those outside ``TRACKED`` are `make test-all`'s."""
-    return [pytest.param(stage, precision, marks=() if f"stage{stage}_{precision}{suffix}" in TRACKED else pytest.mark.full)
-            for stage in stages for precision in precisions]
+    return [
+        pytest.param(stage, precision, marks=() if f"stage{stage}_{precision}{suffix}" in TRACKED else pytest.mark.full)
+        for stage in stages
+        for precision in precisions
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +158,9 @@ def test_a_model_built_in_bf16_gets_fp32_masters_at_stage_3_as_at_stage_2(costs)
     for result in (two, three):
         assert result["final_dtypes"] == ["torch.float32"]
     assert three["bytes"] == pytest.approx(MIXED_FORMULAS[3](three["params"], WORLD), rel=0.02)
-    assert two["state"] and three["state"] == two["state"]  # bit for bit (each entry a digest of dtype, shape and bytes)
+    assert (
+        two["state"] and three["state"] == two["state"]
+    )  # bit for bit (each entry a digest of dtype, shape and bytes)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -25,8 +25,11 @@ def full_report():
 
 
 def zero_cases(report):
-    return {key: value for key, value in report.items()
-            if not key.endswith("/ddp") and not key.startswith(("accumulated/", "bf16-true/"))}
+    return {
+        key: value
+        for key, value in report.items()
+        if not key.endswith("/ddp") and not key.startswith(("accumulated/", "bf16-true/"))
+    }
 
 
 def check_trains(key: str, result: dict) -> None:

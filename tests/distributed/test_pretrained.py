@@ -21,12 +21,19 @@ def report(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("pretrained")
     save_pretrained_files(directory)
-    return launch("tests.distributed.worker_pretrained", "load", "errors", "export", nprocs=2,
-                  env={"LZ_SHARED_DIR": str(directory)})
+    return launch(
+        "tests.distributed.worker_pretrained",
+        "load",
+        "errors",
+        "export",
+        nprocs=2,
+        env={"LZ_SHARED_DIR": str(directory)},
+    )
 
 
 @pytest.mark.parametrize(
-    "case", ["stage1", "stage2", "stage3", "stage3_sharded_dir", "stage2_plain_file", "stage3_bf16", "stage2_bf16_offload"]
+    "case",
+    ["stage1", "stage2", "stage3", "stage3_sharded_dir", "stage2_plain_file", "stage3_bf16", "stage2_bf16_offload"],
 )
 def test_each_rank_holds_the_files_rows(report, case):
     result = report["load"][case]

@@ -12,7 +12,11 @@ from tests.launch import launch
 SHM = {"LIGHTNING_ZERO_SHM_COLLECTIVES": "1"}
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=[pytest.mark.full, pytest.mark.many_ranks])], ids=["2ranks", "4ranks"])
+@pytest.fixture(
+    scope="module",
+    params=[2, pytest.param(4, marks=[pytest.mark.full, pytest.mark.many_ranks])],
+    ids=["2ranks", "4ranks"],
+)
 def report(request):
     return launch("tests.distributed.worker_shm", "collectives", nprocs=request.param, env=SHM)["collectives"]
 
@@ -47,8 +51,10 @@ def exact():
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", ["stage1", "stage2", "stage3", "stage2_small_buckets", "stage2_reduce_every_microbatch",
-                                  "stage3_unused_parameter"])
+@pytest.mark.parametrize(
+    "case",
+    ["stage1", "stage2", "stage3", "stage2_small_buckets", "stage2_reduce_every_microbatch", "stage3_unused_parameter"],
+)
 def test_training_through_mailboxes_matches_plain_pytorch(exact, case):
     """4 optimizer steps, accumulation 2, clipping, two param groups, StepLR (as test_core)."""
     result = exact[case]

@@ -23,7 +23,9 @@ DATA = models.IndexedData(n=48)  # 3 optimizer steps per epoch on 2 ranks: 48 / 
 
 
 def final_state(t: L.Trainer) -> tuple[dict, dict]:
-    return t.strategy.full_state_dict(), state_dicts.full_optimizer_state(t.optimizers[0], t.lightning_module, t.strategy.engine)
+    return t.strategy.full_state_dict(), state_dicts.full_optimizer_state(
+        t.optimizers[0], t.lightning_module, t.strategy.engine
+    )
 
 
 def optim_diff(a: dict, b: dict) -> float:
@@ -40,8 +42,12 @@ def optim_scale(optim: dict) -> dict:
     element of its moments."""
     return {
         "lr": max(max(g.get("initial_lr", 0.0), g["lr"]) for g in optim["param_groups"]),
-        "moment_scale": max(v.double().abs().max().item() for entry in optim["state"].values()
-                            for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+        "moment_scale": max(
+            v.double().abs().max().item()
+            for entry in optim["state"].values()
+            for v in entry.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ),
     }
 
 
@@ -86,8 +92,13 @@ def scheduled_accumulation(directory: Path) -> dict:
         callbacks: list = [GradientAccumulationScheduler({0: 1, 1: 3})]
         if save_to is not None:
             callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{step}", save_top_k=-1, every_n_train_steps=1))
-        t = trainer(ZeroStrategy(stage=stage), max_steps=max_steps, enable_checkpointing=save_to is not None,
-                    callbacks=callbacks, gradient_clip_val=0.5)
+        t = trainer(
+            ZeroStrategy(stage=stage),
+            max_steps=max_steps,
+            enable_checkpointing=save_to is not None,
+            callbacks=callbacks,
+            gradient_clip_val=0.5,
+        )
         t.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=ckpt_path)
         return t
 
@@ -99,8 +110,11 @@ def scheduled_accumulation(directory: Path) -> dict:
         resumed = run(stage, 10, ckpt_path=str(directory / f"gas{stage}" / "step=7.ckpt"))
         params = resumed.strategy.full_state_dict()
         if RANK == 0:
-            out[f"stage{stage}"] = {"steps": resumed.global_step, "accumulate": resumed.accumulate_grad_batches,
-                                    "param_diff": max_diff(params, expected)}
+            out[f"stage{stage}"] = {
+                "steps": resumed.global_step,
+                "accumulate": resumed.accumulate_grad_batches,
+                "param_diff": max_diff(params, expected),
+            }
     return out
 
 
@@ -120,12 +134,18 @@ def stateless_at_save(directory: Path) -> dict:
     """A sharded checkpoint saved while a layer has no optimizer state (each stage, offloaded too), resumed at the
     same and another stage, against the uninterrupted run: the layer's first step after the resume starts its state
     as torch's does, with a step count of 0."""
+
     def run(stage: int, steps: int, ckpt_path: str | None = None, save_to: Path | None = None, **options) -> L.Trainer:
         L.seed_everything(7)
         saving = ModelCheckpoint(dirpath=save_to, filename="{step}", save_top_k=-1, every_n_train_steps=1)
         callbacks = [saving] if save_to else []
-        t = trainer(ZeroStrategy(stage=stage, **options), max_steps=steps, enable_checkpointing=bool(save_to),
-                    callbacks=callbacks, gradient_clip_val=0.5)
+        t = trainer(
+            ZeroStrategy(stage=stage, **options),
+            max_steps=steps,
+            enable_checkpointing=bool(save_to),
+            callbacks=callbacks,
+            gradient_clip_val=0.5,
+        )
         t.fit(LateHead(), models.loader(DATA, 4), ckpt_path=ckpt_path)
         return t
 
@@ -262,7 +282,9 @@ def mismatched_model(directory: Path) -> dict:
             self.net.extra = torch.nn.Linear(2, 2)
 
     try:
-        trainer(ZeroStrategy(stage=3), max_steps=2, **COMMON).fit(Wider(), models.loader(DATA, 4), ckpt_path=str(directory / "m"))
+        trainer(ZeroStrategy(stage=3), max_steps=2, **COMMON).fit(
+            Wider(), models.loader(DATA, 4), ckpt_path=str(directory / "m")
+        )
         return {"error": None}
     except Exception as err:  # the behaviour under test
         return {"error": type(err).__name__, "message": str(err)}
@@ -296,8 +318,15 @@ def edited_and_lenient(directory: Path) -> dict:
         t = trainer(ZeroStrategy(stage=2, state_dict_type=kind), max_steps=1, **COMMON)
         t.fit(EditedCheckpoints(), models.loader(DATA, 4))
         t.save_checkpoint(directory / name)
-        saved = sorted(k.removeprefix("/state_dict/") for k in models.saved_tensors(directory / name)
-                       if k.startswith("/state_dict/")) if RANK == 0 else None
+        saved = (
+            sorted(
+                k.removeprefix("/state_dict/")
+                for k in models.saved_tensors(directory / name)
+                if k.startswith("/state_dict/")
+            )
+            if RANK == 0
+            else None
+        )
         module = EditedCheckpoints()
         t = trainer(ZeroStrategy(stage=3, state_dict_type=kind), max_steps=2, **COMMON)
         t.fit(module, models.loader(DATA, 4), ckpt_path=str(directory / name))
@@ -307,7 +336,14 @@ def edited_and_lenient(directory: Path) -> dict:
 
 def top_k(directory: Path) -> dict:
     L.seed_everything(7)
-    ckpt = ModelCheckpoint(dirpath=directory / "topk", monitor="train_loss", mode="min", save_top_k=2, save_last=True, every_n_train_steps=1)
+    ckpt = ModelCheckpoint(
+        dirpath=directory / "topk",
+        monitor="train_loss",
+        mode="min",
+        save_top_k=2,
+        save_last=True,
+        every_n_train_steps=1,
+    )
     t = trainer(ZeroStrategy(stage=3), max_steps=5, enable_checkpointing=True, callbacks=[ckpt], **COMMON)
     t.fit(models.Regression(), models.loader(DATA, 4))
     t.strategy.barrier()
@@ -401,13 +437,21 @@ def malicious(directory: Path) -> dict:
 
     for name in cases:
         second = trainer(ZeroStrategy(stage=2), max_steps=3, **COMMON)
-        attempt(name, name, lambda: second.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=directory / f"evil_{name}"))
+        attempt(
+            name,
+            name,
+            lambda: second.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=directory / f"evil_{name}"),
+        )
     # The other Trainer entry points that take `ckpt_path`, and pretrained weights (`init_weights`).
     for fn in ("validate", "test", "predict"):
         for name in ("metadata", "meta"):
             evaluator = trainer(ZeroStrategy(stage=2), max_steps=1)
             loader = models.loader(DATA, 4)
-            attempt(f"{fn}_{name}", name, lambda: getattr(evaluator, fn)(Evaluated(), loader, ckpt_path=directory / f"evil_{name}"))
+            attempt(
+                f"{fn}_{name}",
+                name,
+                lambda: getattr(evaluator, fn)(Evaluated(), loader, ckpt_path=directory / f"evil_{name}"),
+            )
     pretrained = trainer(ZeroStrategy(stage=2, init_weights=directory / "evil_full"), max_steps=1)
     attempt("init_weights", "full", lambda: pretrained.fit(models.Regression(), models.loader(DATA, 4)))
     from_directory = trainer(ZeroStrategy(stage=2, init_weights=directory / "evil_metadata"), max_steps=1)
@@ -450,7 +494,11 @@ def saved_after_evaluation(directory: Path) -> dict:
         t.test(module, loader, verbose=False)
         t.predict(module, loader)
         t.save_checkpoint(directory / f"{name}_evaluated{suffix}")
-        out[name] = models.compare_saved(directory / f"{name}_fitted{suffix}", directory / f"{name}_evaluated{suffix}") if RANK == 0 else None
+        out[name] = (
+            models.compare_saved(directory / f"{name}_fitted{suffix}", directory / f"{name}_evaluated{suffix}")
+            if RANK == 0
+            else None
+        )
     t.validate(module, loader, ckpt_path=directory / "stage3_fitted", verbose=False)
     try:
         t.save_checkpoint(directory / "after_loading")
@@ -484,7 +532,9 @@ def continued_after_fit(directory: Path) -> dict:
                 second.fit(module, models.loader(DATA, 4), ckpt_path=path)
             finals[name] = module.state_dict() if name == "ddp" else second.strategy.full_state_dict()
             out[f"{name} {stopped} lr"] = run_scale(second)["lr"]
-            out[f"{name} {stopped} skipped"] = [str(w.message) for w in caught if "skipped the train data" in str(w.message)]
+            out[f"{name} {stopped} skipped"] = [
+                str(w.message) for w in caught if "skipped the train data" in str(w.message)
+            ]
             out[f"{name} {stopped} steps"] = second.global_step
         for name in ("zero2", "zero3"):
             out[f"{name} {stopped} diff"] = max_diff(finals[name], finals["ddp"]) if RANK == 0 else None

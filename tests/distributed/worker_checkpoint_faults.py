@@ -93,8 +93,13 @@ def disk_full(directory: Path, state_dict_type: str, failing_rank: int, stage: i
     L.seed_everything(7)
     ckpt = ModelCheckpoint(dirpath=out_dir, filename="ckpt", every_n_train_steps=1, save_top_k=1)
     state = StateAt()
-    t = trainer(ZeroStrategy(stage=stage, state_dict_type=state_dict_type), max_steps=5, enable_checkpointing=True,
-                callbacks=[state, FileSizeLimit(failing_rank, at_step=3), ckpt], **COMMON)
+    t = trainer(
+        ZeroStrategy(stage=stage, state_dict_type=state_dict_type),
+        max_steps=5,
+        enable_checkpointing=True,
+        callbacks=[state, FileSizeLimit(failing_rank, at_step=3), ckpt],
+        **COMMON,
+    )
     error = error_of(lambda: t.fit(Wide(), loader()))
     lift_file_size_limit()
     out = {"errors": every_rank(error), "steps_run": t.global_step}
@@ -104,8 +109,13 @@ def disk_full(directory: Path, state_dict_type: str, failing_rank: int, stage: i
     resumed.fit(Wide(), loader(), ckpt_path=path)
     if RANK == 0:
         entry = inspect_checkpoint(path, verify=True)
-        out.update(leftovers=leftovers(out_dir), status=entry.status, saved_step=entry.global_step,
-                   restored_diff=max_diff(probe.params, state.params[2]), resumed_steps=resumed.global_step)
+        out.update(
+            leftovers=leftovers(out_dir),
+            status=entry.status,
+            saved_step=entry.global_step,
+            restored_diff=max_diff(probe.params, state.params[2]),
+            resumed_steps=resumed.global_step,
+        )
     return out
 
 
@@ -113,8 +123,13 @@ def disk_full(directory: Path, state_dict_type: str, failing_rank: int, stage: i
 def run_saving_every_epoch(directory: Path, stage: int, async_save: bool) -> L.Trainer:
     L.seed_everything(7)
     ckpt = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1)
-    t = trainer(ZeroStrategy(stage=stage, async_save=async_save), max_epochs=3, enable_checkpointing=True,
-                callbacks=[ckpt], **COMMON)
+    t = trainer(
+        ZeroStrategy(stage=stage, async_save=async_save),
+        max_epochs=3,
+        enable_checkpointing=True,
+        callbacks=[ckpt],
+        **COMMON,
+    )
     t.fit(Wide(), loader(SHORT_EPOCHS))
     return t
 
@@ -153,8 +168,9 @@ def async_exact(directory: Path, stage: int = 2) -> dict:
             "checkpoint_diff": files,
             "training_diff": max(max_diff(params, final_params), optim_diff(optim, final_optim)),
             "resumed_diff": max(max_diff(resumed_params, final_params), optim_diff(resumed_optim, final_optim)),
-            "entries": sorted(f"{e.path.name}:{e.status}"
-                              for e in list_checkpoints(directory / f"async-s{stage}", verify=True)),
+            "entries": sorted(
+                f"{e.path.name}:{e.status}" for e in list_checkpoints(directory / f"async-s{stage}", verify=True)
+            ),
         }
     return out
 
@@ -190,12 +206,20 @@ def async_top_k(directory: Path) -> dict:
         counter = CompleteCheckpoints(where)
         L.seed_everything(7)
         ckpt = ModelCheckpoint(dirpath=where, monitor="train_loss", mode="min", save_top_k=1, every_n_train_steps=1)
-        t = trainer(ZeroStrategy(stage=2, async_save=mode == "async"), max_steps=4, enable_checkpointing=True,
-                    callbacks=[counter, ckpt], **COMMON)
+        t = trainer(
+            ZeroStrategy(stage=2, async_save=mode == "async"),
+            max_steps=4,
+            enable_checkpointing=True,
+            callbacks=[counter, ckpt],
+            **COMMON,
+        )
         t.fit(Wide(), loader())
         if RANK == 0:
-            out[mode] = {"entries": sorted(p.name for p in where.iterdir()), "best": Path(ckpt.best_model_path).name,
-                         "min_complete": counter.fewest_once_one_existed()}
+            out[mode] = {
+                "entries": sorted(p.name for p in where.iterdir()),
+                "best": Path(ckpt.best_model_path).name,
+                "min_complete": counter.fewest_once_one_existed(),
+            }
     return out
 
 
@@ -206,8 +230,13 @@ def async_failure(directory: Path) -> dict:
     L.seed_everything(7)
     ckpt = ModelCheckpoint(dirpath=where, filename="ckpt", every_n_train_steps=1, save_top_k=1)
     state = StateAt()
-    t = trainer(ZeroStrategy(stage=2, async_save=True), max_steps=5, enable_checkpointing=True,
-                callbacks=[state, FileSizeLimit(1, at_step=2), ckpt], **COMMON)
+    t = trainer(
+        ZeroStrategy(stage=2, async_save=True),
+        max_steps=5,
+        enable_checkpointing=True,
+        callbacks=[state, FileSizeLimit(1, at_step=2), ckpt],
+        **COMMON,
+    )
     error = error_of(lambda: t.fit(Wide(), loader()))
     lift_file_size_limit()
     out = {"errors": every_rank(error), "steps_run": t.global_step}
@@ -215,8 +244,12 @@ def async_failure(directory: Path) -> dict:
     if RANK == 0:
         entry = inspect_checkpoint(where / "ckpt.ckpt", verify=True)
         restored = consolidated(where / "ckpt.ckpt")["state_dict"]
-        out.update(leftovers=leftovers(where), status=entry.status, saved_step=entry.global_step,
-                   intact_diff=max_diff(restored, state.params[1]))
+        out.update(
+            leftovers=leftovers(where),
+            status=entry.status,
+            saved_step=entry.global_step,
+            intact_diff=max_diff(restored, state.params[1]),
+        )
     return out
 
 
@@ -252,8 +285,11 @@ def temporaries(directory: Path) -> dict:
     t.save_checkpoint(other / "ckpt")
     out = {}
     if RANK == 0:
-        out = {"at_start": probe.entries, "moved_back": inspect_checkpoint(where / "moved.ckpt", verify=True).status,
-               "elsewhere": sorted(p.name for p in other.iterdir())}
+        out = {
+            "at_start": probe.entries,
+            "moved_back": inspect_checkpoint(where / "moved.ckpt", verify=True).status,
+            "elsewhere": sorted(p.name for p in other.iterdir()),
+        }
     return out
 
 

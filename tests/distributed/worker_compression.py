@@ -51,13 +51,22 @@ def gpt(stage: int, precision: str = "32-true", steps: int = 12, **kwargs) -> di
     L.seed_everything(11)
     module = GPTLightningModule(**worker_precision.GPT_KWARGS)
     recorder = Recorder()
-    t = trainer(ZeroStrategy(stage=stage, **kwargs), max_steps=steps, gradient_clip_val=worker_precision.CLIP,
-                callbacks=[recorder], **worker_precision.precision_kwargs(precision))
+    t = trainer(
+        ZeroStrategy(stage=stage, **kwargs),
+        max_steps=steps,
+        gradient_clip_val=worker_precision.CLIP,
+        callbacks=[recorder],
+        **worker_precision.precision_kwargs(precision),
+    )
     t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH))
     seen = collectives.all_gather_objects(recorder.seen.float())
     full = t.strategy.full_state_dict()
-    return {"losses": recorder.losses, "steps": t.global_step, "params": full if RANK == 0 else None,
-            "ranks_differ_by": max(float((s - seen[0]).abs().max()) for s in seen)}
+    return {
+        "losses": recorder.losses,
+        "steps": t.global_step,
+        "params": full if RANK == 0 else None,
+        "ranks_differ_by": max(float((s - seen[0]).abs().max()) for s in seen),
+    }
 
 
 def modes(stage: int, precision: str = "32-true", names=tuple(MODES), **extra) -> dict:
@@ -81,8 +90,10 @@ def settings_without_compression_change_nothing(stage: int) -> dict:
     """Compression settings that compress nothing (no wire format) leave a run bit for bit as it was."""
     plain = gpt(stage, steps=6)
     inert = gpt(stage, steps=6, quantization_scheme="asymmetric", quantization_block_size=64)
-    return {"diff": max_diff(plain["params"], inert["params"]) if RANK == 0 else None,
-            "loss_diff": max(abs(a - b) for a, b in zip(plain["losses"], inert["losses"]))}
+    return {
+        "diff": max_diff(plain["params"], inert["params"]) if RANK == 0 else None,
+        "loss_diff": max(abs(a - b) for a, b in zip(plain["losses"], inert["losses"])),
+    }
 
 
 class UnitProbe(CommProbe):
@@ -122,10 +133,14 @@ def checkpoint_resume(directory: Path, stage: int, **kwargs) -> dict:
     """Error feedback's residuals travel with a sharded checkpoint: a run interrupted and resumed ends where an
     uninterrupted one does, bit for bit."""
     ref_params, ref_optim = worker_checkpoint.straight(stage, **kwargs)
-    params, optim, steps = worker_checkpoint.interrupted(stage, stage, directory, save_kwargs=kwargs,
-                                                         resume_kwargs=kwargs)
-    return {"steps": steps, "param_diff": worker_checkpoint.max_diff(params, ref_params) if RANK == 0 else None,
-            "optim_diff": worker_checkpoint.optim_diff(optim, ref_optim) if RANK == 0 else None}
+    params, optim, steps = worker_checkpoint.interrupted(
+        stage, stage, directory, save_kwargs=kwargs, resume_kwargs=kwargs
+    )
+    return {
+        "steps": steps,
+        "param_diff": worker_checkpoint.max_diff(params, ref_params) if RANK == 0 else None,
+        "optim_diff": worker_checkpoint.optim_diff(optim, ref_optim) if RANK == 0 else None,
+    }
 
 
 CASES = {
@@ -155,8 +170,11 @@ CASES = {
     "hybrid": lambda directory: {
         "stage2_inter_node": modes(2, names=("off", "int8_ef"), shard_size=HYBRID, compression_scope="inter_node"),
         "stage3_all": modes(3, names=("off", "int8_ef"), shard_size=HYBRID),
-        **{f"comm_stage{s}_{scope}": communication(s, shard_size=HYBRID, compression_scope=scope, **MODES["int8"])
-           for s in (2, 3) for scope in ("all", "inter_node")},
+        **{
+            f"comm_stage{s}_{scope}": communication(s, shard_size=HYBRID, compression_scope=scope, **MODES["int8"])
+            for s in (2, 3)
+            for scope in ("all", "inter_node")
+        },
         **{f"comm_stage{s}_off": communication(s, shard_size=HYBRID) for s in (2, 3)},
     },
     "hybrid_full": lambda directory: {

@@ -37,7 +37,9 @@ class Data(L.LightningDataModule):
         self.batch_size = batch_size
 
     def _loader(self, samples: int, seed: int):
-        data = RandomTokenDataset(num_samples=samples, block_size=KWARGS["block_size"], vocab_size=KWARGS["vocab_size"], seed=seed)
+        data = RandomTokenDataset(
+            num_samples=samples, block_size=KWARGS["block_size"], vocab_size=KWARGS["vocab_size"], seed=seed
+        )
         return models.loader(data, self.batch_size)
 
     def train_dataloader(self):
@@ -81,15 +83,27 @@ def _fit(name: str, directory: Path, callbacks=(), after: Callable | None = None
         return {"error": f"{type(err).__name__}: {err}"[:300]}
     metrics = {k: round(float(v), 6) for k, v in t.callback_metrics.items()}
     files = sorted(p.name for p in directory.rglob("*") if p.suffix in (".ckpt", ".csv")) if directory.exists() else []
-    return {"error": None, "step": t.global_step, "epoch": t.current_epoch, "metrics": metrics, "files": files,
-            "weights": _weights(t, module), **observed}
+    return {
+        "error": None,
+        "step": t.global_step,
+        "epoch": t.current_epoch,
+        "metrics": metrics,
+        "files": files,
+        "weights": _weights(t, module),
+        **observed,
+    }
 
 
 def _resume_last(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
     """After 3 epochs with ModelCheckpoint, a new Trainer continues to 4 from ``ckpt_path="last"``."""
     L.seed_everything(21)
-    again = trainer(_strategy(name), default_root_dir=t.default_root_dir, max_epochs=4, enable_checkpointing=True,
-                    callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)])
+    again = trainer(
+        _strategy(name),
+        default_root_dir=t.default_root_dir,
+        max_epochs=4,
+        enable_checkpointing=True,
+        callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)],
+    )
     resumed = GPTLightningModule(**KWARGS)
     again.fit(resumed, datamodule=Data(), ckpt_path="last")
     return {"resumed_epoch": again.current_epoch, "resumed_weights": _weights(again, resumed)}
@@ -99,8 +113,11 @@ def _best(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
     """``validate``/``test`` from ``ckpt_path="best"``: the best of ModelCheckpoint's kept checkpoints."""
     val = t.validate(module, datamodule=Data(), ckpt_path="best", verbose=False)
     test = t.test(module, datamodule=Data(), ckpt_path="best", verbose=False)
-    return {"best": Path(t.checkpoint_callback.best_model_path).name, "validate": val[0]["val_loss"],
-            "test": test[0]["test_loss"]}
+    return {
+        "best": Path(t.checkpoint_callback.best_model_path).name,
+        "validate": val[0]["val_loss"],
+        "test": test[0]["test_loss"],
+    }
 
 
 def _weights_only(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
@@ -123,8 +140,11 @@ def _evaluate(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
     val = t.validate(module, datamodule=Data(), verbose=False)
     test = t.test(module, datamodule=Data(), verbose=False)
     predictions = t.predict(module, datamodule=Data())
-    return {"validate": val[0]["val_loss"], "test": test[0]["test_loss"],
-            "predictions": sum(int(p.sum()) for p in predictions)}
+    return {
+        "validate": val[0]["val_loss"],
+        "test": test[0]["test_loss"],
+        "predictions": sum(int(p.sum()) for p in predictions),
+    }
 
 
 def _lr_logged(name: str, t: L.Trainer, module: L.LightningModule) -> dict:
@@ -160,8 +180,12 @@ FEATURES: dict[str, dict[str, Any]] = {
     # The average is swapped in for validation, and moved into the module when training ends: the optimizer's own rows
     # (host copies under offload) must take it, or fit's end hands the module the trained weights back.
     "ema": dict(max_epochs=2, limit_train_batches=6, limit_val_batches=2, callbacks=[cb.EMAWeightAveraging(decay=0.9)]),
-    "swa": dict(max_epochs=3, limit_train_batches=4, limit_val_batches=2,
-                callbacks=[cb.StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)]),
+    "swa": dict(
+        max_epochs=3,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        callbacks=[cb.StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1)],
+    ),
     "val_check_interval": dict(max_epochs=1, val_check_interval=3, limit_val_batches=2),
     "limit_batches": dict(max_epochs=2, limit_train_batches=3, limit_val_batches=1),
     "overfit_batches": dict(max_epochs=2, overfit_batches=2),
@@ -175,22 +199,41 @@ FEATURES: dict[str, dict[str, Any]] = {
     "grad_accum_scheduler": dict(max_epochs=2, callbacks=[cb.GradientAccumulationScheduler({0: 1, 1: 2})]),
     "model_summary": dict(max_steps=1, enable_model_summary=True, callbacks=[cb.ModelSummary(max_depth=2)]),
     "device_stats": dict(max_steps=2, logger=True, callbacks=[cb.DeviceStatsMonitor()]),
-    "throughput": dict(max_steps=3, logger=True, callbacks=[cb.ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0))]),
+    "throughput": dict(
+        max_steps=3, logger=True, callbacks=[cb.ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0))]
+    ),
     "batch_size_finder": dict(max_steps=2, callbacks=[cb.BatchSizeFinder()]),
-    "checkpoint_last": dict(max_epochs=3, enable_checkpointing=True,
-                            callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)],
-                            after=_resume_last),
-    "checkpoint_best": dict(max_epochs=3, enable_checkpointing=True,
-                            callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)], after=_best),
-    "checkpoint_weights_only": dict(max_epochs=2, enable_checkpointing=True, after=_weights_only,
-                                    callbacks=[cb.ModelCheckpoint(save_weights_only=True, save_last=True)]),
+    "checkpoint_last": dict(
+        max_epochs=3,
+        enable_checkpointing=True,
+        callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)],
+        after=_resume_last,
+    ),
+    "checkpoint_best": dict(
+        max_epochs=3,
+        enable_checkpointing=True,
+        callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)],
+        after=_best,
+    ),
+    "checkpoint_weights_only": dict(
+        max_epochs=2,
+        enable_checkpointing=True,
+        after=_weights_only,
+        callbacks=[cb.ModelCheckpoint(save_weights_only=True, save_last=True)],
+    ),
     "validate_test_predict": dict(max_steps=3, after=_evaluate),
     # Validation (and ModelCheckpoint's save) after batches 3 and 9 falls inside a window of 2 micro-batches, where
     # stage 3 holds its units gathered (engine/stage3/fsdp2_window.py): both must see the sharded module, and training
     # goes on from the gradients accumulated before them.
     "validation_inside_accumulation_window": dict(
-        max_epochs=1, accumulate_grad_batches=2, val_check_interval=3, limit_val_batches=2, enable_checkpointing=True,
-        callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=1)], after=_best),
+        max_epochs=1,
+        accumulate_grad_batches=2,
+        val_check_interval=3,
+        limit_val_batches=2,
+        enable_checkpointing=True,
+        callbacks=[cb.ModelCheckpoint(monitor="val_loss", save_top_k=1)],
+        after=_best,
+    ),
 }
 
 
@@ -243,8 +286,11 @@ REPRESENTATIVE = {
 }
 #: Features that conform at stage 3 only (they edit ``p.grad``, which stages 1-2 do not hold whole).
 STAGE3_ONLY = {"torch_clip_in_hook"}
-REPRESENTATIVE_OTHER_STAGES = {feature: [s for s in STAGES if s not in stages] for feature, stages in REPRESENTATIVE.items()
-                               if feature not in STAGE3_ONLY}
+REPRESENTATIVE_OTHER_STAGES = {
+    feature: [s for s in STAGES if s not in stages]
+    for feature, stages in REPRESENTATIVE.items()
+    if feature not in STAGE3_ONLY
+}
 REST = {feature: STAGES for feature in FEATURES if feature not in REPRESENTATIVE}
 
 CASES = {

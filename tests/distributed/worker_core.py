@@ -46,7 +46,9 @@ def trainer(strategy, **kwargs) -> L.Trainer:
 def max_diff(a: dict, b: dict) -> float:
     common = set(a) & set(b)
     if set(a) != set(b):
-        raise KeyError(f"name mismatch: only in run {sorted(set(a) - common)}, only in reference {sorted(set(b) - common)}")
+        raise KeyError(
+            f"name mismatch: only in run {sorted(set(a) - common)}, only in reference {sorted(set(b) - common)}"
+        )
     return max((_wide(a[k]) - _wide(b[k])).abs().max().item() for k in common)
 
 
@@ -54,8 +56,11 @@ def run_scale(fitted: L.Trainer) -> dict:
     """What a reordered-fp32 bound on the run's weights is derived from (``tests/tolerances.py``): the largest
     learning rate its param groups started at (or hold: SWA or the tuner may set a larger one), over ``1 - momentum``
     for SGD with momentum (whose velocity sums the gradients of that many steps), and its optimizer steps."""
-    lr = max(max(group.get("initial_lr", 0.0), group["lr"]) / (1 - group.get("momentum", 0.0))
-             for optimizer in fitted.optimizers for group in optimizer.param_groups)
+    lr = max(
+        max(group.get("initial_lr", 0.0), group["lr"]) / (1 - group.get("momentum", 0.0))
+        for optimizer in fitted.optimizers
+        for group in optimizer.param_groups
+    )
     return {"lr": lr, "steps": fitted.global_step}
 
 
@@ -75,15 +80,28 @@ class GradientRecorder(L.Callback):
 
 # ---------------------------------------------------------------------- cases
 def exactness(
-    stage, strategy=None, build_in_configure_model=False, bucket_size_mb=25.0, clip_algorithm="norm", unused_head=False,
-    routed=False, penalty=0.0, validate_first=False, reversible=False,
+    stage,
+    strategy=None,
+    build_in_configure_model=False,
+    bucket_size_mb=25.0,
+    clip_algorithm="norm",
+    unused_head=False,
+    routed=False,
+    penalty=0.0,
+    validate_first=False,
+    reversible=False,
 ) -> dict:
     steps, accumulate, batch = 4, 2, 4
     clip = 0.5 if clip_algorithm == "norm" else 0.05
     L.seed_everything(7)
     built = models.ValidatedRegression if validate_first else models.Regression
-    module = built(build_in_configure_model=build_in_configure_model, unused_head=unused_head, routed=routed,
-                   penalty=penalty, reversible=reversible)
+    module = built(
+        build_in_configure_model=build_in_configure_model,
+        unused_head=unused_head,
+        routed=routed,
+        penalty=penalty,
+        reversible=reversible,
+    )
     initial = None if build_in_configure_model else copy.deepcopy(module.state_dict())
     recorder = GradientRecorder()
     strategy = strategy or ZeroStrategy(stage=stage, bucket_size_mb=bucket_size_mb, state_dict_type="full")
@@ -135,8 +153,10 @@ def exactness(
             micro = models.global_microbatches(data, WORLD, batch, steps * accumulate)
             routes = [[models.RoutedExperts.route(x) for x, _ in ranks] for ranks in micro]
             out["routes_differ"] = sum(len(set(r)) > 1 for r in routes)
-            out["never_picked_unchanged"] = max_diff({k: final[k] for k in final if ".experts.2." in k},
-                                                     {k: initial[k] for k in initial if ".experts.2." in k})
+            out["never_picked_unchanged"] = max_diff(
+                {k: final[k] for k in final if ".experts.2." in k},
+                {k: initial[k] for k in initial if ".experts.2." in k},
+            )
     return out
 
 
@@ -229,8 +249,9 @@ class GradRowsProbe(L.Callback):
                 continue
             start, end = shard.element_range(p.shape, RANK, WORLD)
             flat, expected = p.grad.reshape(-1), full[name].reshape(-1)
-            self.own_rows_diff = max(self.own_rows_diff, float((flat[start:end] - expected[start:end]).abs().max())
-                                     if end > start else 0.0)
+            self.own_rows_diff = max(
+                self.own_rows_diff, float((flat[start:end] - expected[start:end]).abs().max()) if end > start else 0.0
+            )
             self.other_rows_zero &= bool(flat[:start].eq(0).all() and flat[end:].eq(0).all())
             self.checked += 1
 
@@ -385,15 +406,22 @@ def normalized_blocks_checkpointed(stage: int) -> dict:
     finals = []
     for policy in (None, NormalizedBlock):
         L.seed_everything(3)
-        t = trainer(ZeroStrategy(stage=stage, activation_checkpointing=policy, state_dict_type="full"), max_steps=3,
-                    accumulate_grad_batches=2, gradient_clip_val=0.5)
+        t = trainer(
+            ZeroStrategy(stage=stage, activation_checkpointing=policy, state_dict_type="full"),
+            max_steps=3,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+        )
         data = torch.utils.data.TensorDataset(torch.randn(48, 4, 6, generator=torch.Generator().manual_seed(1)))
         t.fit(NormalizedNet(), models.loader(data, 4))
         finals.append(t.strategy.full_state_dict())
     if RANK != 0:
         return {}
-    return {"diff": max_diff(finals[0], finals[1]), "batches_tracked": int(finals[1]["blocks.0.bn.num_batches_tracked"]),
-            **run_scale(t)}
+    return {
+        "diff": max_diff(finals[0], finals[1]),
+        "batches_tracked": int(finals[1]["blocks.0.bn.num_batches_tracked"]),
+        **run_scale(t),
+    }
 
 
 class FrozenHeadUnfrozenAtEpochOne(L.Callback):
@@ -412,12 +440,20 @@ def unfrozen_unused_head(stage: int) -> dict:
     module = models.Regression(unused_head=True)
     module.unused.requires_grad_(False)
     initial = {k: v.clone() for k, v in module.unused.state_dict().items()}
-    t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_epochs=2, limit_train_batches=4,
-                callbacks=[FrozenHeadUnfrozenAtEpochOne()])
+    t = trainer(
+        ZeroStrategy(stage=stage, state_dict_type="full"),
+        max_epochs=2,
+        limit_train_batches=4,
+        callbacks=[FrozenHeadUnfrozenAtEpochOne()],
+    )
     t.fit(module, models.loader(models.IndexedData(), 4))
     final = t.strategy.full_state_dict()
-    return {"steps": t.global_step, "head_change": max(float((final[f"unused.{k}"] - v).abs().max()) for k, v in initial.items())
-            if RANK == 0 else None}
+    return {
+        "steps": t.global_step,
+        "head_change": max(float((final[f"unused.{k}"] - v).abs().max()) for k, v in initial.items())
+        if RANK == 0
+        else None,
+    }
 
 
 def routed_mixed(precision: str) -> dict:
@@ -432,16 +468,27 @@ def routed_mixed(precision: str) -> dict:
         L.seed_everything(7)
         module = models.Regression(routed=True)
         initial = {k: v.clone() for k, v in module.state_dict().items()}
-        kwargs = ({"plugins": [ZeroPrecision("16-mixed", initial_scale=2.0**10)]} if precision == "16-mixed"
-                  else {"precision": precision})
-        t = trainer(ZeroStrategy(stage=stage, state_dict_type="full"), max_steps=4, accumulate_grad_batches=2,
-                    gradient_clip_val=0.5, **kwargs)
+        kwargs = (
+            {"plugins": [ZeroPrecision("16-mixed", initial_scale=2.0**10)]}
+            if precision == "16-mixed"
+            else {"precision": precision}
+        )
+        t = trainer(
+            ZeroStrategy(stage=stage, state_dict_type="full"),
+            max_steps=4,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+            **kwargs,
+        )
         t.fit(module, models.loader(models.IndexedData(), 4))
         finals[stage] = {k: v.float() for k, v in t.strategy.full_state_dict().items()}
     if RANK != 0:
         return {}
-    return {"steps": t.global_step, "stage3_vs_stage2": max_diff(finals[3], finals[2]),
-            "change": max_diff(finals[3], initial)}
+    return {
+        "steps": t.global_step,
+        "stage3_vs_stage2": max_diff(finals[3], finals[2]),
+        "change": max_diff(finals[3], initial),
+    }
 
 
 def registered_name() -> dict:
@@ -453,27 +500,43 @@ CASES = {
         **{f"stage{s}": exactness(s) for s in (1, 2, 3)},
         **{f"stage{s}_small_buckets": exactness(s, bucket_size_mb=0.0005) for s in (1, 2)},
         "stage3_configure_model": exactness(3, build_in_configure_model=True),
-        "stage3_one_unit_per_layer": exactness(3, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")),
+        "stage3_one_unit_per_layer": exactness(
+            3, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")
+        ),
         "stage2_configure_model": exactness(2, build_in_configure_model=True),
         **{f"stage{s}_clip_value": exactness(s, clip_algorithm="value") for s in (1, 2, 3)},
         "registered_zero2": registered_name(),
-        **{f"stage{s}_reduce_every_microbatch": exactness(
-            s, strategy=ZeroStrategy(stage=s, reduce_every_microbatch=True, state_dict_type="full")
-        ) for s in (1, 2)},
+        **{
+            f"stage{s}_reduce_every_microbatch": exactness(
+                s, strategy=ZeroStrategy(stage=s, reduce_every_microbatch=True, state_dict_type="full")
+            )
+            for s in (1, 2)
+        },
         "stage1_no_overlap": exactness(1, strategy=ZeroStrategy(stage=1, overlap_comm=False, state_dict_type="full")),
         **{f"stage{s}_unused_parameter": exactness(s, unused_head=True) for s in (1, 2, 3)},
         **{f"stage{s}_routed": exactness(s, routed=True) for s in (1, 2, 3)},
         "stage2_penalty": exactness(2, penalty=0.1),
-        "stage3_penalty": exactness(3, penalty=0.1, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")),
+        "stage3_penalty": exactness(
+            3, penalty=0.1, strategy=ZeroStrategy(stage=3, unit_size_mb=0, state_dict_type="full")
+        ),
         # the blocks recomputed once for the penalty's backward and once for the loss's
-        "stage3_penalty_checkpointed": exactness(3, penalty=0.1, strategy=ZeroStrategy(
-            stage=3, unit_size_mb=0, activation_checkpointing={torch.nn.Sequential}, state_dict_type="full")),
+        "stage3_penalty_checkpointed": exactness(
+            3,
+            penalty=0.1,
+            strategy=ZeroStrategy(
+                stage=3, unit_size_mb=0, activation_checkpointing={torch.nn.Sequential}, state_dict_type="full"
+            ),
+        ),
         "stage2_reversible": exactness(2, reversible=True),
         # every unit resharded after its forward, so the layers the stack's backward runs meet the shards
-        "stage3_reversible": exactness(3, reversible=True, strategy=ZeroStrategy(
-            stage=3, unit_size_mb=0, reduce_every_microbatch=True, state_dict_type="full")),
-        "stage3_reversible_offload_params": exactness(3, reversible=True, strategy=ZeroStrategy(
-            stage=3, offload_params=True, state_dict_type="full")),
+        "stage3_reversible": exactness(
+            3,
+            reversible=True,
+            strategy=ZeroStrategy(stage=3, unit_size_mb=0, reduce_every_microbatch=True, state_dict_type="full"),
+        ),
+        "stage3_reversible_offload_params": exactness(
+            3, reversible=True, strategy=ZeroStrategy(stage=3, offload_params=True, state_dict_type="full")
+        ),
     },
     "features": lambda: {
         **{f"manual_stage{s}": manual_two_optimizers(s) for s in (1, 2, 3)},
@@ -481,8 +544,9 @@ CASES = {
         "untoggled_stage1_offloaded": manual_two_optimizers(1, models.UntoggledWGAN, offload_optimizer=True),
         "sharpness_aware_stage3": sharpness_aware(3),
         **{f"sharpness_aware_gathered_stage{s}": sharpness_aware(s, models.SharpnessAwareGathered) for s in (1, 2)},
-        "sharpness_aware_gathered_stage1_offloaded": sharpness_aware(1, models.SharpnessAwareGathered,
-                                                                     offload_optimizer=True),
+        "sharpness_aware_gathered_stage1_offloaded": sharpness_aware(
+            1, models.SharpnessAwareGathered, offload_optimizer=True
+        ),
         "head_after_forward": head_after_forward(1),
         "head_after_forward_accumulated_offloaded": head_after_forward(2, offload_params=True, offload_optimizer=True),
         **{f"tour_stage{s}": tour(s) for s in (1, 2, 3)},

@@ -22,12 +22,16 @@ class Probe(L.Callback):
     def on_train_end(self, trainer, pl_module):
         opt = trainer.optimizers[0]
         self.out = dict(
-            clip=trainer.gradient_clip_val, accumulate=trainer.accumulate_grad_batches,
-            optimizer=type(opt).__name__, betas=list(opt.param_groups[0]["betas"]),
-            weight_decay=opt.param_groups[0]["weight_decay"], lr=opt.param_groups[0]["lr"],
+            clip=trainer.gradient_clip_val,
+            accumulate=trainer.accumulate_grad_batches,
+            optimizer=type(opt).__name__,
+            betas=list(opt.param_groups[0]["betas"]),
+            weight_decay=opt.param_groups[0]["weight_decay"],
+            lr=opt.param_groups[0]["lr"],
             scheduler=type(trainer.lr_scheduler_configs[0].scheduler).__name__,
             precision=trainer.strategy.precision_plugin.precision,
-            offload=trainer.strategy.zero_config.offload_optimizer, steps=trainer.global_step,
+            offload=trainer.strategy.zero_config.offload_optimizer,
+            steps=trainer.global_step,
         )
 
 
@@ -42,8 +46,17 @@ def fit_from_json(directory: Path, batch: int) -> dict:
     path = directory / "ds.json"
     path.write_text(json.dumps(config))
     probe = Probe()
-    t = L.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(config=str(path)), max_steps=3, logger=False,
-                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe])
+    t = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=ZeroStrategy(config=str(path)),
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
     try:
         t.fit(NoOptimizer(), models.loader(models.IndexedData(), batch))
     except Exception as err:  # the behaviour under test: the error a contradicting DataLoader gets

@@ -56,7 +56,9 @@ def full_checkpoint(save_stage: int, resume_stage: int, directory: Path) -> dict
         opt, _ = models.make_optimizer(plain)
         opt.load_state_dict(saved)  # and into a plain optimizer
     probe = RestoredProbe()
-    t2 = trainer(ZeroStrategy(stage=resume_stage, state_dict_type="full"), max_steps=steps + 2, callbacks=[probe], **common)
+    t2 = trainer(
+        ZeroStrategy(stage=resume_stage, state_dict_type="full"), max_steps=steps + 2, callbacks=[probe], **common
+    )
     t2.fit(models.Regression(), models.loader(data, batch), ckpt_path=str(t.strategy.broadcast(str(path))))
     out["resumed_steps"] = t2.global_step
     if RANK == 0:
@@ -156,106 +158,237 @@ CASES = {
         "stage2_to_stage3": sharded_checkpoint(2, 3, directory),
         "stage3_to_stage1": sharded_checkpoint(3, 1, directory),
     },
-    "bad_input": lambda directory: {"lbfgs": expect_error(LBFGSModule), "frozen": expect_error(FrozenModule),
-                                    "lazy": expect_error(LazyModule),
-                                    "layer_of_a_unit": expect_fit_error(CallsALayerOfAUnit, ZeroStrategy(stage=3),
-                                                                        models.loader(models.IndexedData(), 4)),
-                                    "penalty": expect_fit_error(PenaltyOnTheParameters, ZeroStrategy(stage=3),
-                                                                models.loader(models.IndexedData(), 4)),
-                                    "after_stage3": fit_again_after_stage_3()},
+    "bad_input": lambda directory: {
+        "lbfgs": expect_error(LBFGSModule),
+        "frozen": expect_error(FrozenModule),
+        "lazy": expect_error(LazyModule),
+        "layer_of_a_unit": expect_fit_error(
+            CallsALayerOfAUnit, ZeroStrategy(stage=3), models.loader(models.IndexedData(), 4)
+        ),
+        "penalty": expect_fit_error(
+            PenaltyOnTheParameters, ZeroStrategy(stage=3), models.loader(models.IndexedData(), 4)
+        ),
+        "after_stage3": fit_again_after_stage_3(),
+    },
     "rank_failure": lambda directory: {"unreachable": expect_error_free_failure()},
     "memory_layouts": lambda directory: trained_as_built(
-        {"channels_last": (2, 3), "transposed": (1,), "fp64_head": (3,), "bf16_body": (2,), "sparse_sgd": (3,),
-         "sparse_adagrad": (2,), "zero_dim": (2, 3)}),
+        {
+            "channels_last": (2, 3),
+            "transposed": (1,),
+            "fp64_head": (3,),
+            "bf16_body": (2,),
+            "sparse_sgd": (3,),
+            "sparse_adagrad": (2,),
+            "zero_dim": (2, 3),
+        }
+    ),
     "memory_layouts_rest": lambda directory: trained_as_built(
-        {"channels_last": (1,), "transposed": (2, 3), "fp64_head": (1, 2), "bf16_body": (1, 3), "sparse_sgd": (1, 2),
-         "sparse_adagrad": (1, 3), "zero_dim": (1,)}),
+        {
+            "channels_last": (1,),
+            "transposed": (2, 3),
+            "fp64_head": (1, 2),
+            "bf16_body": (1, 3),
+            "sparse_sgd": (1, 2),
+            "sparse_adagrad": (1, 3),
+            "zero_dim": (1,),
+        }
+    ),
     # the offloaded step (during backward, unclipped), and checkpoints across stages and formats
     "zero_dim": lambda directory: {
-        **against_ddp(memory_layouts.Temperature, {"stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
-        **resumed_against_ddp(memory_layouts.Temperature, directory, [(3, "sharded", 1), (2, "full", 3)])},
+        **against_ddp(
+            memory_layouts.Temperature, {"stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}
+        ),
+        **resumed_against_ddp(memory_layouts.Temperature, directory, [(3, "sharded", 1), (2, "full", 3)]),
+    },
     # host masters (fp32, so exactly as ddp) take in what code wrote into the parameters between steps, and so do
     # stage 3's shards what it wrote into the gathered copies of an accumulation window
     # the prototypes stay in the root's unit (`training_step` computes with their weight): written while gathered
     "written": lambda directory: {
-        **against_ddp(memory_layouts.NormalisedPrototypes, {
-            "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
-            "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5),
-            "stage1_offload_unclipped": (dict(stage=1, offload_optimizer=True), None),
-            "stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None)}),
-        **{f"teacher_{name}": result for name, result in against_ddp(memory_layouts.MomentumTeacher, {
-            "stage3": (dict(stage=3), 0.5), "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)}).items()},
+        **against_ddp(
+            memory_layouts.NormalisedPrototypes,
+            {
+                "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
+                "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5),
+                "stage1_offload_unclipped": (dict(stage=1, offload_optimizer=True), None),
+                "stage3_offload_unclipped": (dict(stage=3, offload_optimizer=True), None),
+            },
+        ),
+        **{
+            f"teacher_{name}": result
+            for name, result in against_ddp(
+                memory_layouts.MomentumTeacher,
+                {"stage3": (dict(stage=3), 0.5), "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.5)},
+            ).items()
+        },
         # frozen parameters written while gathered, without accumulation windows (the root gathered in training_step)
-        **{f"codebook_{name}": result for name, result in against_ddp(memory_layouts.EMACodebook, {
-            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
-            accumulate=1).items()}},
+        **{
+            f"codebook_{name}": result
+            for name, result in against_ddp(
+                memory_layouts.EMACodebook,
+                {"stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
+                accumulate=1,
+            ).items()
+        },
+    },
     "zero_dim_rest": lambda directory: {
-        **against_ddp(memory_layouts.Temperature, {
-            "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),
-            "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}),
-        **resumed_against_ddp(memory_layouts.Temperature, directory, [(1, "sharded", 3), (3, "full", 2), (3, "sharded", 3)])},
+        **against_ddp(
+            memory_layouts.Temperature,
+            {
+                "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),
+                "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
+            },
+        ),
+        **resumed_against_ddp(
+            memory_layouts.Temperature, directory, [(1, "sharded", 3), (3, "full", 2), (3, "sharded", 3)]
+        ),
+    },
     # complex parameters under bf16-mixed (held complex) and offloaded (torch's fused host kernels refuse them)
     "complex": lambda directory: {
-        **{f"{name}_bf16": result for name, result in against_ddp(memory_layouts.FourierOperator, {
-            "stage1": (dict(stage=1), 0.5), "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
-            "stage3": (dict(stage=3), 0.5)}, precision="bf16-mixed").items()},
-        **against_ddp(memory_layouts.FourierOperator, {  # clipped hard: the norm counts the imaginary parts
-            "stage1_offload": (dict(stage=1, offload_optimizer=True), 0.01),
-            "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.01)})},
+        **{
+            f"{name}_bf16": result
+            for name, result in against_ddp(
+                memory_layouts.FourierOperator,
+                {
+                    "stage1": (dict(stage=1), 0.5),
+                    "stage2_offload": (dict(stage=2, offload_optimizer=True), 0.5),
+                    "stage3": (dict(stage=3), 0.5),
+                },
+                precision="bf16-mixed",
+            ).items()
+        },
+        **against_ddp(
+            memory_layouts.FourierOperator,
+            {  # clipped hard: the norm counts the imaginary parts
+                "stage1_offload": (dict(stage=1, offload_optimizer=True), 0.01),
+                "stage3_offload": (dict(stage=3, offload_optimizer=True), 0.01),
+            },
+        ),
+    },
     # ModelPruning (lottery ticket: parameters given new storage), and its sharded checkpoints named as it writes them
     "pruning": lambda directory: {
-        **against_ddp(memory_layouts.PrunedMLP, {
-            "stage1": (dict(stage=1), 0.5), "stage2_half_offload": (dict(stage=2, offload_optimizer=0.5), 0.5)},
-            callbacks=lambda: [ModelPruning("l1_unstructured", amount=0.3, verbose=0)]),
+        **against_ddp(
+            memory_layouts.PrunedMLP,
+            {"stage1": (dict(stage=1), 0.5), "stage2_half_offload": (dict(stage=2, offload_optimizer=0.5), 0.5)},
+            callbacks=lambda: [ModelPruning("l1_unstructured", amount=0.3, verbose=0)],
+        ),
         "stage2_sharded_mid_fit_to_stage1": pruned_resumed(directory),
-        "stage3": expect_fit_error(memory_layouts.PrunedMLP, ZeroStrategy(stage=3),
-                                   callbacks=[ModelPruning("l1_unstructured", amount=0.3)])},
+        "stage3": expect_fit_error(
+            memory_layouts.PrunedMLP, ZeroStrategy(stage=3), callbacks=[ModelPruning("l1_unstructured", amount=0.3)]
+        ),
+    },
     "functional_sparse": lambda directory: functional_sparse((1, 2, 3)),
     # a layer casting itself in forward under bf16-mixed: refused by name, trained once its class is listed fp32
     "changed_dtype": lambda directory: {
-        **{f"stage{s}": expect_fit_error(memory_layouts.UndeclaredCast, ZeroStrategy(stage=s), precision="bf16-mixed")
-           for s in (1, 2, 3)},
-        **{f"stage{s}_listed": expect_fit_error(memory_layouts.UndeclaredCast, ZeroStrategy(stage=s), plugins=[
-            ZeroPrecision("bf16-mixed", fp32_modules=(memory_layouts.CastsItself,))]) for s in (1, 2, 3)}},
+        **{
+            f"stage{s}": expect_fit_error(memory_layouts.UndeclaredCast, ZeroStrategy(stage=s), precision="bf16-mixed")
+            for s in (1, 2, 3)
+        },
+        **{
+            f"stage{s}_listed": expect_fit_error(
+                memory_layouts.UndeclaredCast,
+                ZeroStrategy(stage=s),
+                plugins=[ZeroPrecision("bf16-mixed", fp32_modules=(memory_layouts.CastsItself,))],
+            )
+            for s in (1, 2, 3)
+        },
+    },
     # the block a unit of its own (reduced once per run), and the host step during backward (no clipping)
-    "shared_block": lambda directory: against_ddp(memory_layouts.SharedBlock, {
-        "stage3": (dict(stage=3, wrap_policy={torch.nn.Sequential}), 0.5),
-        "stage3_offload_unclipped": (dict(stage=3, wrap_policy={torch.nn.Sequential}, offload_optimizer=True), None)}),
+    "shared_block": lambda directory: against_ddp(
+        memory_layouts.SharedBlock,
+        {
+            "stage3": (dict(stage=3, wrap_policy={torch.nn.Sequential}), 0.5),
+            "stage3_offload_unclipped": (
+                dict(stage=3, wrap_policy={torch.nn.Sequential}, offload_optimizer=True),
+                None,
+            ),
+        },
+    ),
     # blocks run as `block.forward(h)`, an autoencoder through its methods: their layers become the units, by default
     # and under a policy naming them
     "outside_hooks": lambda directory: {
-        **against_ddp(memory_layouts.DirectForwardBlocks, {
-            "stage3": (dict(stage=3), 0.5),
-            "stage3_policy_checkpointed": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual},
-                                                activation_checkpointing={memory_layouts.GatedResidual}), 0.5),
-            "stage2": (dict(stage=2), 0.5)}),
-        **{f"aliased_{name}": result for name, result in against_ddp(memory_layouts.AliasedForwardBlocks, {
-            "stage3": (dict(stage=3), 0.5),
-            "stage3_policy": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual}), 0.5)}).items()},
-        **{f"read_{name}": result for name, result in against_ddp(memory_layouts.TiedHeadReadDirectly, {
-            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
-            accumulate=1).items()},
-        **{f"attention_{name}": result for name, result in against_ddp(memory_layouts.Attention, {
-            "stage3_linear_units": (dict(stage=3, wrap_policy={nn.Linear}), 0.5)}, accumulate=1).items()},
-        **{f"autoencoder_{name}": result for name, result in against_ddp(memory_layouts.Reconstruction, {
-            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}).items()}},
+        **against_ddp(
+            memory_layouts.DirectForwardBlocks,
+            {
+                "stage3": (dict(stage=3), 0.5),
+                "stage3_policy_checkpointed": (
+                    dict(
+                        stage=3,
+                        wrap_policy={memory_layouts.GatedResidual},
+                        activation_checkpointing={memory_layouts.GatedResidual},
+                    ),
+                    0.5,
+                ),
+                "stage2": (dict(stage=2), 0.5),
+            },
+        ),
+        **{
+            f"aliased_{name}": result
+            for name, result in against_ddp(
+                memory_layouts.AliasedForwardBlocks,
+                {
+                    "stage3": (dict(stage=3), 0.5),
+                    "stage3_policy": (dict(stage=3, wrap_policy={memory_layouts.GatedResidual}), 0.5),
+                },
+            ).items()
+        },
+        **{
+            f"read_{name}": result
+            for name, result in against_ddp(
+                memory_layouts.TiedHeadReadDirectly,
+                {"stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
+                accumulate=1,
+            ).items()
+        },
+        **{
+            f"attention_{name}": result
+            for name, result in against_ddp(
+                memory_layouts.Attention,
+                {"stage3_linear_units": (dict(stage=3, wrap_policy={nn.Linear}), 0.5)},
+                accumulate=1,
+            ).items()
+        },
+        **{
+            f"autoencoder_{name}": result
+            for name, result in against_ddp(
+                memory_layouts.Reconstruction,
+                {"stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
+            ).items()
+        },
+    },
     # integer parameters kept whole at stage 3; the class FSDP2 gave the module taken back to the user's by loading
     "integer": lambda directory: {
-        **against_ddp(memory_layouts.QuantizedBase, {
-            "stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)}),
+        **against_ddp(
+            memory_layouts.QuantizedBase,
+            {"stage3": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5)},
+        ),
         **resumed_against_ddp(memory_layouts.QuantizedBase, directory, [(3, "sharded", 2)]),
         "loaded_by_the_sharded_class": loaded_by_the_sharded_class(directory),
-        **{f"meta_{name}": result for name, result in against_ddp(lambda: memory_layouts.QuantizedBase("layers"), {
-            "stage3": (dict(stage=3), 0.5)}).items()}},
-    "integer_unset": lambda directory: expect_fit_error(lambda: memory_layouts.QuantizedBase("table"), ZeroStrategy(stage=3)),
+        **{
+            f"meta_{name}": result
+            for name, result in against_ddp(
+                lambda: memory_layouts.QuantizedBase("layers"), {"stage3": (dict(stage=3), 0.5)}
+            ).items()
+        },
+    },
+    "integer_unset": lambda directory: expect_fit_error(
+        lambda: memory_layouts.QuantizedBase("table"), ZeroStrategy(stage=3)
+    ),
     "parameter_functions": lambda directory: {
         **against_ddp(models.MovedWeightsConsistency, {"stage1": (dict(stage=1), 0.5), "stage2": (dict(stage=2), 0.5)}),
         "stage3": expect_fit_error(models.MovedWeightsConsistency, ZeroStrategy(stage=3)),
-        **{f"grad_{k}": v for k, v in against_ddp(models.GradientNormPenalty, {"stage2": (dict(stage=2), 0.5)}).items()},
-        "grad_stage3": expect_fit_error(models.GradientNormPenalty, ZeroStrategy(stage=3))},
-    "shared_block_rest": lambda directory: against_ddp(memory_layouts.SharedBlock, {
-        "stage3_merged": (dict(stage=3), 0.5), "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
-        "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None)}),
+        **{
+            f"grad_{k}": v for k, v in against_ddp(models.GradientNormPenalty, {"stage2": (dict(stage=2), 0.5)}).items()
+        },
+        "grad_stage3": expect_fit_error(models.GradientNormPenalty, ZeroStrategy(stage=3)),
+    },
+    "shared_block_rest": lambda directory: against_ddp(
+        memory_layouts.SharedBlock,
+        {
+            "stage3_merged": (dict(stage=3), 0.5),
+            "stage3_offload_params": (dict(stage=3, offload_params=True), 0.5),
+            "stage2_offload_unclipped": (dict(stage=2, offload_optimizer=True), None),
+        },
+    ),
 }
 
 
@@ -287,21 +420,35 @@ def trained_as_built(layouts: dict[str, tuple[int, ...]]) -> dict:
         for stage in (0, *stages):
             L.seed_everything(3)
             module = memory_layouts.MODELS[name]()
-            t = trainer(ZeroStrategy(stage=stage) if stage else "ddp", max_steps=4, accumulate_grad_batches=2,
-                        gradient_clip_val=clip)
+            t = trainer(
+                ZeroStrategy(stage=stage) if stage else "ddp",
+                max_steps=4,
+                accumulate_grad_batches=2,
+                gradient_clip_val=clip,
+            )
             t.fit(module)
-            weights[stage] = (t.strategy.full_state_dict() if stage else
-                              {k: v.detach().clone() for k, v in module.state_dict().items()})
+            weights[stage] = (
+                t.strategy.full_state_dict()
+                if stage
+                else {k: v.detach().clone() for k, v in module.state_dict().items()}
+            )
             if stage:
                 out[f"{name}/stage{stage}"] = {
-                    "sparse_after_fit": [m.sparse for m in module.modules() if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag)],
+                    "sparse_after_fit": [
+                        m.sparse for m in module.modules() if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag)
+                    ],
                     **(versus_ddp(weights[stage], weights[0], t) if RANK == 0 else {}),
                 }
     return out
 
 
-def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tuple[dict, float | None]],
-                precision: str = "32-true", callbacks: Callable[[], list[L.Callback]] = list, accumulate: int = 2) -> dict:
+def against_ddp(
+    model: Callable[[], L.LightningModule],
+    settings: dict[str, tuple[dict, float | None]],
+    precision: str = "32-true",
+    callbacks: Callable[[], list[L.Callback]] = list,
+    accumulate: int = 2,
+) -> dict:
     """``model`` under ``ddp`` and under each ZeroStrategy setting (keyword arguments, clipping), 4 steps with
     accumulation ``accumulate`` (``precision`` and fresh ``callbacks`` in every run): the weights against ``ddp``'s
     with the same clipping."""
@@ -313,10 +460,20 @@ def against_ddp(model: Callable[[], L.LightningModule], settings: dict[str, tupl
             L.seed_everything(3)
             module = model()
             zero = strategy != "ddp"
-            t = trainer(ZeroStrategy(**kwargs) if zero else "ddp", max_steps=4, accumulate_grad_batches=accumulate,
-                        gradient_clip_val=clip, precision=precision, callbacks=callbacks())
+            t = trainer(
+                ZeroStrategy(**kwargs) if zero else "ddp",
+                max_steps=4,
+                accumulate_grad_batches=accumulate,
+                gradient_clip_val=clip,
+                precision=precision,
+                callbacks=callbacks(),
+            )
             t.fit(module)
-            weights = t.strategy.full_state_dict() if zero else {k: v.detach().clone() for k, v in module.state_dict().items()}
+            weights = (
+                t.strategy.full_state_dict()
+                if zero
+                else {k: v.detach().clone() for k, v in module.state_dict().items()}
+            )
             if not zero:
                 reference[clip] = weights
             elif RANK == 0:
@@ -330,11 +487,13 @@ def versus_ddp(weights: dict, reference: dict, fitted: L.Trainer) -> dict:
     return {"diff_vs_ddp": max_diff(weights, reference), **run_scale(fitted)}
 
 
-def resumed_against_ddp(model: Callable[[], L.LightningModule], directory: Path,
-                        runs: list[tuple[int, str, int]]) -> dict:
+def resumed_against_ddp(
+    model: Callable[[], L.LightningModule], directory: Path, runs: list[tuple[int, str, int]]
+) -> dict:
     """For each (stage, checkpoint format, stage resumed at): ``model`` trained an epoch (2 steps, accumulation 2,
     clipping) and saved, then resumed for a second epoch in a new process's worth of objects: the weights against
     ``ddp``'s two epochs."""
+
     def fit(strategy, epochs: int, module: L.LightningModule, ckpt_path: Path | None = None) -> L.Trainer:
         t = trainer(strategy, max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=0.5)
         t.fit(module, ckpt_path=ckpt_path)
@@ -374,20 +533,29 @@ def pruned_resumed(directory: Path) -> dict:
     """``PrunedMLP`` saved by ``ModelCheckpoint`` after its first epoch's pruning (optimizer state of ``<name>_orig``
     parameters beside ``ModelPruning``'s permanent ``<name>`` weights) at stage 2 in sharded form, resumed at stage 1
     for a third epoch: the weights against ``ddp`` doing the same through a full file."""
+
     def fit(strategy, epochs: int, saved: Path | None = None, ckpt_path: str | None = None) -> L.Trainer:
         L.seed_everything(3)
         callbacks = [ModelPruning("l1_unstructured", amount=0.3, verbose=0)]
         if saved is not None:
             callbacks.append(ModelCheckpoint(dirpath=saved, filename="{epoch}", save_top_k=-1))
-        t = trainer(strategy, max_epochs=epochs, accumulate_grad_batches=2, gradient_clip_val=0.5,
-                    callbacks=callbacks, enable_checkpointing=saved is not None)
+        t = trainer(
+            strategy,
+            max_epochs=epochs,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+            callbacks=callbacks,
+            enable_checkpointing=saved is not None,
+        )
         t.fit(memory_layouts.PrunedMLP(), ckpt_path=ckpt_path)
         return t
 
     def first_epoch(t: L.Trainer) -> str:  # in rank 0's directory, which ModelCheckpoint broadcasts
         return f"{t.checkpoint_callback.dirpath}/epoch=0.ckpt"
 
-    reference = fit("ddp", 3, ckpt_path=first_epoch(fit("ddp", 2, directory / "pruned_ddp"))).lightning_module.state_dict()
+    reference = fit(
+        "ddp", 3, ckpt_path=first_epoch(fit("ddp", 2, directory / "pruned_ddp"))
+    ).lightning_module.state_dict()
     saved = fit(ZeroStrategy(stage=2, state_dict_type="sharded"), 2, directory / "pruned_zero")
     resumed = fit(ZeroStrategy(stage=1), 3, ckpt_path=first_epoch(saved))
     weights = resumed.strategy.full_state_dict()
@@ -405,7 +573,10 @@ def expect_fit_error(model: Callable[[], L.LightningModule], strategy: ZeroStrat
 
 def functional_sparse(stages: tuple[int, ...]) -> dict:
     """``F.embedding(..., sparse=True)`` in ``forward``: what each stage raises."""
-    return {f"stage{stage}": expect_fit_error(memory_layouts.FunctionalSparse, ZeroStrategy(stage=stage)) for stage in stages}
+    return {
+        f"stage{stage}": expect_fit_error(memory_layouts.FunctionalSparse, ZeroStrategy(stage=stage))
+        for stage in stages
+    }
 
 
 def expect_error_free_failure() -> dict:

@@ -41,14 +41,18 @@ def build() -> Net:
 def micro_batches(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Per optimizer step and micro-batch, every rank's (x, y)."""
     g = torch.Generator().manual_seed(1)
-    return [[(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 3, generator=g)) for _ in range(world)]
-            for _ in range(STEPS * ACCUMULATE)]
+    return [
+        [(torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 3, generator=g)) for _ in range(world)]
+        for _ in range(STEPS * ACCUMULATE)
+    ]
 
 
 def optimizer_for(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-2
+    )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
 
 
@@ -57,7 +61,7 @@ def reference(world: int) -> dict[str, torch.Tensor]:
     optimizer, scheduler = optimizer_for(model)
     batches = micro_batches(world)
     for step in range(STEPS):
-        for micro in batches[step * ACCUMULATE:(step + 1) * ACCUMULATE]:
+        for micro in batches[step * ACCUMULATE : (step + 1) * ACCUMULATE]:
             loss = sum(nn.functional.mse_loss(model(x), y) for x, y in micro) / world
             (loss / ACCUMULATE).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -96,7 +100,7 @@ def train(stage: int) -> dict:
     batches = micro_batches(world)
     for step in range(STEPS):
         engine.discard_all_gradients()
-        for index, micro in enumerate(batches[step * ACCUMULATE:(step + 1) * ACCUMULATE]):
+        for index, micro in enumerate(batches[step * ACCUMULATE : (step + 1) * ACCUMULATE]):
             last = index == ACCUMULATE - 1
             with contextlib.nullcontext() if last else engine.no_sync():
                 x, y = micro[rank]
@@ -110,8 +114,10 @@ def train(stage: int) -> dict:
     records = engine.records()
     final = {r.name: gather_full(r.rows, r.shape, group=r.group) for r in records}
     expected = reference(world)
-    chunk_rows = {r.name: (r.rows.shape[0] if len(r.shape) else None, -(-r.shape[0] // world) if len(r.shape) else None)
-                  for r in records}
+    chunk_rows = {
+        r.name: (r.rows.shape[0] if len(r.shape) else None, -(-r.shape[0] // world) if len(r.shape) else None)
+        for r in records
+    }
     out = {
         "names": [r.name for r in records] == trainable,
         "optimizer_names": [r.name for r in shards.records()] == in_groups,

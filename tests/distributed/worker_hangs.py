@@ -50,8 +50,11 @@ class Faulty(models.Regression):
         self.extra = nn.Sequential(nn.Linear(models.IN, models.IN)) if case == "rank_only_submodule" else None
         # Experts of one size, each a stage-3 unit of its own (``nn.Sequential``, unit_size_mb=0): every rank routes
         # to expert 0 until batch 2, where the faulty rank routes to expert 1.
-        self.experts = (nn.ModuleList([nn.Sequential(nn.Linear(models.IN, models.IN)) for _ in range(2)])
-                        if case == "experts_as_units" else None)
+        self.experts = (
+            nn.ModuleList([nn.Sequential(nn.Linear(models.IN, models.IN)) for _ in range(2)])
+            if case == "experts_as_units"
+            else None
+        )
 
     def training_step(self, batch, batch_idx):
         case = self.case
@@ -100,6 +103,7 @@ class Faulty(models.Regression):
             fault()
             self.log("only_rank0", loss, sync_dist=True)  # an all_reduce the other rank never issues
         if case == "raise_backward" and here(batch_idx):
+
             def explode(grad):
                 fault()
                 raise RuntimeError(f"boom in backward on rank {RANK}")
@@ -177,9 +181,13 @@ def fit(case: str, stage: int = 2, **trainer_kwargs) -> None:
         loader = torch.utils.data.DataLoader(subset, batch_size=4)
         trainer_kwargs.update(use_distributed_sampler=False, max_epochs=1)
     trainer_kwargs.setdefault("max_steps", {"slow": 3, "sigterm_healthy": 200}.get(case, 6))
-    strategy = ZeroStrategy(stage=stage, timeout=TIMEOUT, watchdog=os.environ.get("LZ_WATCHDOG", "1") == "1",
-                            **({"wrap_policy": nn.Sequential} if stage == 3 else {}),
-                            **({"unit_size_mb": 0} if case == "experts_as_units" else {}))
+    strategy = ZeroStrategy(
+        stage=stage,
+        timeout=TIMEOUT,
+        watchdog=os.environ.get("LZ_WATCHDOG", "1") == "1",
+        **({"wrap_policy": nn.Sequential} if stage == 3 else {}),
+        **({"unit_size_mb": 0} if case == "experts_as_units" else {}),
+    )
     t = trainer(strategy, callbacks=[FaultyCallback(case)], **trainer_kwargs)
     t.fit(SkipsAStep() if case == "skip_step" else Faulty(case), loader)
 
@@ -212,8 +220,14 @@ def generate(synced_gpus: bool | None) -> dict:
             x, _ = batch
             if batch_idx == 0 and synced_gpus is False:
                 fault()
-            out = self.model.generate(x[:, :4], max_new_tokens=2 + 6 * RANK, min_new_tokens=2 + 6 * RANK,
-                                      do_sample=False, pad_token_id=0, synced_gpus=synced_gpus)
+            out = self.model.generate(
+                x[:, :4],
+                max_new_tokens=2 + 6 * RANK,
+                min_new_tokens=2 + 6 * RANK,
+                do_sample=False,
+                pad_token_id=0,
+                synced_gpus=synced_gpus,
+            )
             lengths[batch_idx] = out.shape[1]
 
     L.seed_everything(7)

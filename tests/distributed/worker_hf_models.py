@@ -35,7 +35,9 @@ def data() -> RandomTokenDataset:
     return RandomTokenDataset(num_samples=32, block_size=LENGTH, vocab_size=MASK_ID, seed=7)
 
 
-def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=HFLightningModule, **strategy_kwargs) -> dict:
+def run(
+    kind: str, stage: int, precision: str, checkpointing: bool, module_cls=HFLightningModule, **strategy_kwargs
+) -> dict:
     """``STEPS`` optimizer steps with clipping, 2 param groups and a warmup schedule; fp32 runs accumulate 2
     micro-batches per step. ``module_cls``: the module (another optimizer); ``strategy_kwargs``: more ZeroStrategy
     settings (hybrid sharding)."""
@@ -46,7 +48,9 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=H
     accumulate = 2 if precision == "32-true" else 1
     checkpointed = block_class(kind) if checkpointing else None
     strategy = ZeroStrategy(stage=stage, activation_checkpointing=checkpointed, **strategy_kwargs)
-    t = trainer(strategy, max_steps=STEPS, gradient_clip_val=CLIP, accumulate_grad_batches=accumulate, precision=precision)
+    t = trainer(
+        strategy, max_steps=STEPS, gradient_clip_val=CLIP, accumulate_grad_batches=accumulate, precision=precision
+    )
     dataset = data()
     t.fit(module, models.loader(dataset, BATCH))
     final = t.strategy.full_state_dict()
@@ -65,8 +69,15 @@ def run(kind: str, stage: int, precision: str, checkpointing: bool, module_cls=H
                 units = _unit_names(module, [group[0] for group in t.strategy.engine.unit_groups])
                 build = lambda: _fsdp2_shaped(module_cls(kind), units)  # noqa: E731
             reference = mixed_reference(
-                initial, build, dataset, **kwargs, policy=policy, hold_sum_in_param_dtype=stage != 3, shard_groups=groups,
-                held=held)["params"]
+                initial,
+                build,
+                dataset,
+                **kwargs,
+                policy=policy,
+                hold_sum_in_param_dtype=stage != 3,
+                shard_groups=groups,
+                held=held,
+            )["params"]
         out["diff"] = max_diff(final, reference)
         out["change"] = max_diff(reference, initial)
         if kind == "gpt2":
@@ -98,7 +109,13 @@ def _held_in_forward(t: L.Trainer, module, dataset) -> dict[str, torch.dtype]:
 
 
 def _hf_configs(module) -> list:
-    return list({id(m.config): m.config for m in module.modules() if type(getattr(m, "config", None)).__module__.startswith("transformers.")}.values())
+    return list(
+        {
+            id(m.config): m.config
+            for m in module.modules()
+            if type(getattr(m, "config", None)).__module__.startswith("transformers.")
+        }.values()
+    )
 
 
 class BuiltInConfigureModel(HFLightningModule):
@@ -154,8 +171,13 @@ def meta_init(kind: str) -> dict:
 
 
 #: Every configuration: (kind, stage, precision, activation checkpointing).
-MATRIX = [(kind, stage, precision, ac) for kind in KINDS for stage in (1, 2, 3)
-          for precision in ("32-true", "bf16-mixed") for ac in (True, False)]
+MATRIX = [
+    (kind, stage, precision, ac)
+    for kind in KINDS
+    for stage in (1, 2, 3)
+    for precision in ("32-true", "bf16-mixed")
+    for ac in (True, False)
+]
 #: `make test`'s: every model at stage 3 (where an architecture meets sharded parameters) and at one of stages 1-2
 #: in fp32 with activation checkpointing; each model once in bf16-mixed without it, at stage 3 for those whose
 #: gradients FSDP2's per-unit summation reorders (GPT-2's tied embedding, T5's shared one, Mixtral's experts) and for
@@ -203,7 +225,10 @@ def fsdp2_association() -> dict:
     grads = {}
     for key, module in (("plain", plain), ("fsdp2", sharded), ("identity", hooked)):
         module._loss(batch).backward()
-        grads[key] = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in module.named_parameters()}
+        grads[key] = {
+            n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+            for n, p in module.named_parameters()
+        }
     return {f"{a}_vs_{b}": max_diff(grads[a], grads[b]) for a, b in (("plain", "fsdp2"), ("identity", "fsdp2"))}
 
 
@@ -238,7 +263,7 @@ def _through_identity(module, args, kwargs):
     args = list(args)
     for i, out in zip(positions, outs):
         args[i] = out
-    kwargs.update(zip(keys, outs[len(positions):]))
+    kwargs.update(zip(keys, outs[len(positions) :]))
     return tuple(args), kwargs
 
 

@@ -16,7 +16,13 @@ from lightning_zero.demo.gpt import GPTLightningModule
 from lightning_zero.planning.accounting import live_tensor_bytes
 from lightning_zero.monitor import ZeroMonitor
 from tests.distributed import (
-    memory_layouts, models, worker_checkpoint, worker_edges, worker_hf_models, worker_precision, worker_pretrained,
+    memory_layouts,
+    models,
+    worker_checkpoint,
+    worker_edges,
+    worker_hf_models,
+    worker_precision,
+    worker_pretrained,
 )
 from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.distributed.worker_core import NODES, RANK, CommProbe, StateBytesProbe, exactness, max_diff, trainer
@@ -71,8 +77,11 @@ def gpt_communication(**kwargs) -> dict:
     probe = CommProbe()
     t = trainer(ZeroStrategy(stage=3, **kwargs), max_steps=2, callbacks=[probe])
     t.fit(module, models.loader(worker_precision.gpt_data(), 2))
-    return {"micro": probe.micro, "params": sum(p.numel() for p in module.parameters()),
-            "tensors": len(list(module.parameters()))}
+    return {
+        "micro": probe.micro,
+        "params": sum(p.numel() for p in module.parameters()),
+        "tensors": len(list(module.parameters())),
+    }
 
 
 class AfterForward(L.Callback):
@@ -93,13 +102,19 @@ def memory(stage: int, **kwargs) -> dict:
     probe, forward = StateBytesProbe(at_step=2), AfterForward()
     t = trainer(ZeroStrategy(stage=stage, **kwargs), max_steps=3, callbacks=[probe, forward])
     t.fit(module, models.loader(models.WideData(module.width), 8))
-    return {"bytes": probe.bytes, "after_forward": forward.bytes, "params": params,
-            "shard_size": t.strategy.engine.world_size}
+    return {
+        "bytes": probe.bytes,
+        "after_forward": forward.bytes,
+        "params": params,
+        "shard_size": t.strategy.engine.world_size,
+    }
 
 
 #: Exact resume across flat/hybrid, shard sizes and stages (4 ranks): `make test`'s pairs, then `make test-all`'s.
-CHECKPOINT_PAIRS = [((3, {"shard_size": HYBRID}), (1, {"shard_size": HYBRID})),
-                    ((3, {"secondary_shard_size": 2}), (2, {"shard_size": 2}))]
+CHECKPOINT_PAIRS = [
+    ((3, {"shard_size": HYBRID}), (1, {"shard_size": HYBRID})),
+    ((3, {"secondary_shard_size": 2}), (2, {"shard_size": 2})),
+]
 CHECKPOINT_PAIRS_FULL = [((2, {"shard_size": HYBRID}), (3, {})), ((1, {}), (3, {"shard_size": HYBRID}))]
 
 
@@ -113,9 +128,12 @@ def checkpoints(directory: Path, pairs=CHECKPOINT_PAIRS) -> dict:
             save_stage, resume_stage, directory / str(len(out)), save_kwargs=save_kwargs, resume_kwargs=resume_kwargs
         )
         if RANK == 0:
-            out[name] = {"steps": steps, "param_diff": worker_checkpoint.max_diff(params, ref_params),
-                         "optim_diff": worker_checkpoint.optim_diff(optim, ref_optim),
-                         **worker_checkpoint.optim_scale(ref_optim)}
+            out[name] = {
+                "steps": steps,
+                "param_diff": worker_checkpoint.max_diff(params, ref_params),
+                "optim_diff": worker_checkpoint.optim_diff(optim, ref_optim),
+                **worker_checkpoint.optim_scale(ref_optim),
+            }
     return out
 
 
@@ -140,8 +158,12 @@ def groups_kept(directory: Path) -> dict:
     counts = []
     for stage in (3, 2, 3):
         saves = ModelCheckpoint(dirpath=directory / f"sweep{len(counts)}", every_n_train_steps=1)
-        t = trainer(ZeroStrategy(stage=stage, shard_size=HYBRID, async_save=True), max_steps=1, callbacks=[saves],
-                    enable_checkpointing=True)
+        t = trainer(
+            ZeroStrategy(stage=stage, shard_size=HYBRID, async_save=True),
+            max_steps=1,
+            callbacks=[saves],
+            enable_checkpointing=True,
+        )
         t.fit(models.Wide(width=16, depth=2), models.loader(models.WideData(16), 4))
         counts.append(len(dist.distributed_c10d._world.pg_map))
     return {"groups": counts}
@@ -161,8 +183,12 @@ def hpz_equals_flat(precision: str) -> dict:
     for kwargs in ({}, {"secondary_shard_size": HYBRID}):
         L.seed_everything(11)
         module = GPTLightningModule(**worker_precision.GPT_KWARGS)
-        t = trainer(ZeroStrategy(stage=3, **kwargs), max_steps=10, gradient_clip_val=worker_precision.CLIP,
-                    **worker_precision.precision_kwargs(precision))
+        t = trainer(
+            ZeroStrategy(stage=3, **kwargs),
+            max_steps=10,
+            gradient_clip_val=worker_precision.CLIP,
+            **worker_precision.precision_kwargs(precision),
+        )
         t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH))
         finals.append(t.strategy.full_state_dict())
     return {"steps": t.global_step, "diff": max_diff(*finals) if RANK == 0 else None}
@@ -180,8 +206,11 @@ CASES = {
         # validated first: the sanity check leaves every unit on its node-local shard as the first window opens
         "stage3_hpz": exact(3, secondary_shard_size=HYBRID, validate_first=True),
         # a head computing with the embedding's weight: hpZ's units below the root leave that layer in the root
-        "stage3_hpz_tied_head": worker_edges.against_ddp(memory_layouts.TiedHeadReadDirectly, {
-            "hpz": (dict(stage=3, secondary_shard_size=HYBRID), 0.5)}, accumulate=1).get("hpz"),
+        "stage3_hpz_tied_head": worker_edges.against_ddp(
+            memory_layouts.TiedHeadReadDirectly,
+            {"hpz": (dict(stage=3, secondary_shard_size=HYBRID), 0.5)},
+            accumulate=1,
+        ).get("hpz"),
         "stage3_bf16-mixed": mixed(3, "bf16-mixed", shard_size=HYBRID),
         "gpt2_stage3_bf16-mixed": hugging_face("gpt2", 3, "bf16-mixed", shard_size=HYBRID),
         "grad_norms_stage2": gradient_norms(2, shard_size=HYBRID),
@@ -203,8 +232,11 @@ CASES = {
         "stage1_bf16-mixed": mixed(1, "bf16-mixed", shard_size=HYBRID),
         **{f"stage{s}_16-mixed": mixed(s, "16-mixed", shard_size=HYBRID) for s in (2, 3)},
         "stage3_hpz_bf16-mixed_vs_flat": hpz_equals_flat("bf16-mixed"),
-        **{f"{kind}_stage{s}_32-true": hugging_face(kind, s, "32-true", shard_size=HYBRID)
-           for kind in ("gpt2", "llama") for s in (1, 3)},
+        **{
+            f"{kind}_stage{s}_32-true": hugging_face(kind, s, "32-true", shard_size=HYBRID)
+            for kind in ("gpt2", "llama")
+            for s in (1, 3)
+        },
         "llama_stage3_hpz_32-true": hugging_face("llama", 3, "32-true", secondary_shard_size=HYBRID),
     },
     "costs": lambda directory: {
@@ -231,7 +263,9 @@ CASES = {
     # Another world size (through tests/distributed/worker_checkpoint): one process saves flat and a hybrid run of 4
     # resumes from it; the hybrid run saves and one process resumes from that.
     "save_flat": lambda directory: worker_checkpoint.save_for_other_world(directory / "flat"),
-    "resume_flat_save": lambda directory: worker_checkpoint.resume_in_other_world(directory / "flat", shard_size=HYBRID),
+    "resume_flat_save": lambda directory: worker_checkpoint.resume_in_other_world(
+        directory / "flat", shard_size=HYBRID
+    ),
     "save_hybrid": lambda directory: worker_checkpoint.save_for_other_world(directory / "hybrid", shard_size=HYBRID),
     "resume_hybrid_save": lambda directory: worker_checkpoint.resume_in_other_world(directory / "hybrid"),
 }

@@ -55,8 +55,12 @@ def gradients(rank: int, salt: int) -> list[torch.Tensor | None]:
 
 def _packed_reduction(layout, bucket_index: int, grads, group=None) -> torch.Tensor:
     bucket = layout.buckets[bucket_index]
-    comm = pack_bucket(layout, bucket, [grads[i] if i in bucket.params else None for i in range(len(SHAPES))],
-                       torch.empty(bucket.numel))
+    comm = pack_bucket(
+        layout,
+        bucket,
+        [grads[i] if i in bucket.params else None for i in range(len(SHAPES))],
+        torch.empty(bucket.numel),
+    )
     out = torch.empty(bucket.segment_numel)
     collectives.reduce_scatter(out, comm, group=group)
     return out
@@ -65,8 +69,14 @@ def _packed_reduction(layout, bucket_index: int, grads, group=None) -> torch.Ten
 def reductions(layout=None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = layout or _layout(world)
-    report = {"buckets": len(layout.buckets), "stage2_max_diff": 0.0, "stage2_held_max_diff": 0.0,
-              "stage1_max_diff": 0.0, "stage1_other_rows_zero": True, "grads_dropped": True}
+    report = {
+        "buckets": len(layout.buckets),
+        "stage2_max_diff": 0.0,
+        "stage2_held_max_diff": 0.0,
+        "stage1_max_diff": 0.0,
+        "stage1_other_rows_zero": True,
+        "grads_dropped": True,
+    }
     first, second = gradients(rank, 1), gradients(rank, 2)
     for b, bucket in enumerate(layout.buckets):
         expected = _packed_reduction(layout, b, first)
@@ -74,8 +84,10 @@ def reductions(layout=None) -> dict:
         # Stage 2: into an empty storage, then a second backward adds to the sums it holds.
         storage = torch.full((bucket.segment_numel,), float("nan"))
         params = [torch.nn.Parameter(torch.zeros(SHAPES[i])) for i in bucket.params]
-        for held, grads, want, key in ((False, first, expected, "stage2_max_diff"),
-                                       (True, second, held_expected, "stage2_held_max_diff")):
+        for held, grads, want, key in (
+            (False, first, expected, "stage2_max_diff"),
+            (True, second, held_expected, "stage2_held_max_diff"),
+        ):
             for p, i in zip(params, bucket.params):
                 p.grad = None if grads[i] is None else grads[i].clone()
             InPlaceReduction(layout, b, [p.grad for p in params], rank=rank, storage=storage, held=held).land(params)
@@ -91,7 +103,9 @@ def reductions(layout=None) -> dict:
             start, end = layout.params[i].element_range(rank)
             flat = p.grad.view(-1)
             ref = segment_view(layout, expected, i, rank).reshape(-1)
-            report["stage1_max_diff"] = max(report["stage1_max_diff"], (flat[start:end] - ref).abs().max().item() if end > start else 0.0)
+            report["stage1_max_diff"] = max(
+                report["stage1_max_diff"], (flat[start:end] - ref).abs().max().item() if end > start else 0.0
+            )
             report["stage1_other_rows_zero"] &= bool(flat[:start].eq(0).all() and flat[end:].eq(0).all())
     return _every_rank(report)
 
@@ -99,8 +113,10 @@ def reductions(layout=None) -> dict:
 def _every_rank(report: dict) -> dict:
     """The worst of every rank's figures: the largest number, and a flag only where every rank has it."""
     reports = collectives.all_gather_objects(report)
-    return {key: (all(r[key] for r in reports) if isinstance(value, bool) else max(r[key] for r in reports))
-            for key, value in report.items()}
+    return {
+        key: (all(r[key] for r in reports) if isinstance(value, bool) else max(r[key] for r in reports))
+        for key, value in report.items()
+    }
 
 
 def gathers(layout=None) -> dict:
@@ -116,13 +132,15 @@ def gathers(layout=None) -> dict:
     collectives.comm_stats().reset()
     all_gather_params(layout, params, range(len(layout.buckets)), rank=rank)
     counted = collectives.comm_stats().snapshot()
-    return _every_rank({
-        "in_place": collectives.exchanges_in_place(),
-        "equal": all(torch.equal(p.detach(), t) for p, t in zip(params, truth)),
-        "counted_elements": counted["elements_by_kind"].get("all_gather", 0),
-        "packed_elements": sum(b.numel for b in layout.buckets),
-        "calls": counted["calls"].get("all_gather", 0),
-    })
+    return _every_rank(
+        {
+            "in_place": collectives.exchanges_in_place(),
+            "equal": all(torch.equal(p.detach(), t) for p, t in zip(params, truth)),
+            "counted_elements": counted["elements_by_kind"].get("all_gather", 0),
+            "packed_elements": sum(b.numel for b in layout.buckets),
+            "calls": counted["calls"].get("all_gather", 0),
+        }
+    )
 
 
 def mixed_reductions() -> dict:
@@ -153,6 +171,11 @@ def unused_bf16_bucket() -> dict:
 
 if __name__ == "__main__":
     ensure_process_group()
-    cases = {"reductions": reductions, "gathers": gathers, "mixed_reductions": mixed_reductions,
-             "mixed_gathers": mixed_gathers, "unused_bf16_bucket": unused_bf16_bucket}
+    cases = {
+        "reductions": reductions,
+        "gathers": gathers,
+        "mixed_reductions": mixed_reductions,
+        "mixed_gathers": mixed_gathers,
+        "unused_bf16_bucket": unused_bf16_bucket,
+    }
     run_cases(cases, sys.argv[1:])

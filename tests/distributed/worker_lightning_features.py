@@ -26,7 +26,9 @@ class TunableGPT(GPTLightningModule):
 
     def train_dataloader(self):
         kwargs = worker_precision.GPT_KWARGS
-        data = RandomTokenDataset(num_samples=200, block_size=kwargs["block_size"], vocab_size=kwargs["vocab_size"], seed=5)
+        data = RandomTokenDataset(
+            num_samples=200, block_size=kwargs["block_size"], vocab_size=kwargs["vocab_size"], seed=5
+        )
         return models.loader(data, worker_precision.BATCH)
 
 
@@ -42,8 +44,13 @@ def lr_find(strategy, directory: Path) -> dict:
         params = t.strategy.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"suggestion": finder.suggestion(), "learning_rate": module.hparams.learning_rate, **run_scale(t),
-            "losses": finder.results["loss"], "params": params}
+    return {
+        "suggestion": finder.suggestion(),
+        "learning_rate": module.hparams.learning_rate,
+        **run_scale(t),
+        "losses": finder.results["loss"],
+        "params": params,
+    }
 
 
 def lr_find_against_ddp(directory: Path) -> dict:
@@ -66,7 +73,11 @@ def trained_checkpoints(directory: Path) -> dict:
     """Sharded (stages 2 and 3, what ModelCheckpoint writes by default) and full checkpoints of the demo GPT built in
     ``configure_model``, with the full weights beside them (``*.weights.pt``) for the one-process loader's test."""
     out = {}
-    for name, kwargs in (("stage2", dict(stage=2)), ("stage3", dict(stage=3)), ("stage3_full", dict(stage=3, state_dict_type="full"))):
+    for name, kwargs in (
+        ("stage2", dict(stage=2)),
+        ("stage3", dict(stage=3)),
+        ("stage3_full", dict(stage=3, state_dict_type="full")),
+    ):
         L.seed_everything(5)
         module = GPTLightningModule(**worker_precision.GPT_KWARGS, build_in_configure_model=True)
         t = trainer(ZeroStrategy(**kwargs), max_steps=3)
@@ -80,8 +91,13 @@ def trained_checkpoints(directory: Path) -> dict:
     return out
 
 
-def swa(strategy, build_in_configure_model: bool = False, resume_from: Path | None = None,
-        save_to: Path | None = None, epochs: int = 4) -> dict:
+def swa(
+    strategy,
+    build_in_configure_model: bool = False,
+    resume_from: Path | None = None,
+    save_to: Path | None = None,
+    epochs: int = 4,
+) -> dict:
     """``StochasticWeightAveraging`` from epoch 2 of 4: the weights the module ends with (the average). With
     ``save_to`` a checkpoint per epoch; with ``resume_from`` the run starts from one."""
     L.seed_everything(9)
@@ -97,8 +113,13 @@ def swa(strategy, build_in_configure_model: bool = False, resume_from: Path | No
     else:
         params = {k: v.detach().clone() for k, v in module.state_dict().items()}
     # SWA's scheduler replaces the param groups' initial_lr by swa_lrs: the epochs before it ran at the module's
-    return {"params": params, "epochs": t.current_epoch, "averaged": int(callback.n_averaged), **run_scale(t),
-            "lr": max(run_scale(t)["lr"], module.hparams.learning_rate)}
+    return {
+        "params": params,
+        "epochs": t.current_epoch,
+        "averaged": int(callback.n_averaged),
+        **run_scale(t),
+        "lr": max(run_scale(t)["lr"], module.hparams.learning_rate),
+    }
 
 
 def swa_against_ddp(directory: Path, stages=(1, 2, 3), configure_model: bool = True, resumed=(2, 3)) -> dict:
@@ -110,7 +131,9 @@ def swa_against_ddp(directory: Path, stages=(1, 2, 3), configure_model: bool = T
         runs["stage3_configure_model"] = swa(ZeroStrategy(stage=3), build_in_configure_model=True)
     for stage in resumed:
         swa(ZeroStrategy(stage=stage), save_to=directory / f"swa{stage}", epochs=3)
-        runs[f"stage{stage}_resumed"] = swa(ZeroStrategy(stage=stage), resume_from=directory / f"swa{stage}" / "epoch=2.ckpt")
+        runs[f"stage{stage}_resumed"] = swa(
+            ZeroStrategy(stage=stage), resume_from=directory / f"swa{stage}" / "epoch=2.ckpt"
+        )
     out = {}
     for name, run in runs.items():
         params = run.pop("params")
@@ -130,20 +153,30 @@ def ema(strategy, resume_from: Path | None = None, save_to: Path | None = None, 
     callbacks = [callback]
     if save_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
-    t = trainer(strategy, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=save_to is not None,
-                limit_val_batches=2)
+    t = trainer(
+        strategy, max_epochs=epochs, callbacks=callbacks, enable_checkpointing=save_to is not None, limit_val_batches=2
+    )
     data = worker_precision.gpt_data()
-    t.fit(module, models.loader(data, worker_precision.BATCH), models.loader(data, worker_precision.BATCH),
-          ckpt_path=resume_from)
+    t.fit(
+        module,
+        models.loader(data, worker_precision.BATCH),
+        models.loader(data, worker_precision.BATCH),
+        ckpt_path=resume_from,
+    )
     if isinstance(strategy, ZeroStrategy):
         params = t.strategy.full_state_dict()
     else:
         params = {k: v.detach().clone() for k, v in module.state_dict().items()}
     average = callback._average_model.module.parameters()
     local = [p.to_local() if isinstance(p, DTensor) else p for p in average]
-    return {"params": params, "epochs": t.current_epoch, "averaged": int(callback._average_model.n_averaged),
-            "val_loss": float(t.callback_metrics["val_loss"]), "average_bytes": sum(p.numel() * p.element_size() for p in local),
-            **run_scale(t)}
+    return {
+        "params": params,
+        "epochs": t.current_epoch,
+        "averaged": int(callback._average_model.n_averaged),
+        "val_loss": float(t.callback_metrics["val_loss"]),
+        "average_bytes": sum(p.numel() * p.element_size() for p in local),
+        **run_scale(t),
+    }
 
 
 def ema_resumed(directory: Path, runs: dict[str, tuple[str | dict, str | dict]]) -> dict:
@@ -199,8 +232,14 @@ class AverageWitness(L.Callback):
             self._add(trainer)
 
 
-def witnessed_average(kind: str, strategy_kwargs: dict, precision: str = "32-true", resume_from: Path | None = None,
-                      save_to: Path | None = None, epochs: int = 3) -> dict:
+def witnessed_average(
+    kind: str,
+    strategy_kwargs: dict,
+    precision: str = "32-true",
+    resume_from: Path | None = None,
+    save_to: Path | None = None,
+    epochs: int = 3,
+) -> dict:
     """The demo GPT under ``EMAWeightAveraging`` (``kind`` "ema") or ``StochasticWeightAveraging`` from epoch 2
     ("swa"), validated every epoch (the average swapped in and out), with a witness of the average it should end
     with."""
@@ -209,15 +248,28 @@ def witnessed_average(kind: str, strategy_kwargs: dict, precision: str = "32-tru
     if kind == "ema":
         callback, witness = EMAWeightAveraging(decay=0.8), AverageWitness(decay=0.8)
     else:
-        callback, witness = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2), AverageWitness(swa_epochs=range(1, epochs))
+        callback, witness = (
+            StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=2),
+            AverageWitness(swa_epochs=range(1, epochs)),
+        )
     callbacks = [callback, witness]
     if save_to is not None:
         callbacks.append(ModelCheckpoint(dirpath=save_to, filename="{epoch}", save_top_k=-1, every_n_epochs=1))
-    t = trainer(ZeroStrategy(**strategy_kwargs), max_epochs=epochs, callbacks=callbacks, precision=precision,
-                enable_checkpointing=save_to is not None, limit_val_batches=2)
+    t = trainer(
+        ZeroStrategy(**strategy_kwargs),
+        max_epochs=epochs,
+        callbacks=callbacks,
+        precision=precision,
+        enable_checkpointing=save_to is not None,
+        limit_val_batches=2,
+    )
     data = worker_precision.gpt_data()
-    t.fit(module, models.loader(data, worker_precision.BATCH), models.loader(data, worker_precision.BATCH),
-          ckpt_path=resume_from)
+    t.fit(
+        module,
+        models.loader(data, worker_precision.BATCH),
+        models.loader(data, worker_precision.BATCH),
+        ckpt_path=resume_from,
+    )
     params = t.strategy.full_state_dict()
     return {"params": params, "witness": witness.average, "updates": witness.count, "steps": t.global_step}
 
@@ -230,10 +282,18 @@ def witnessed_averages(directory: Path, cases: dict[str, tuple[str, dict, str]])
     for name, (kind, kwargs, precision) in cases.items():
         run = witnessed_average(kind, kwargs, precision)
         # SWA's schedule depends on max_epochs: its saving run must be the whole run
-        witnessed_average(kind, kwargs, precision, save_to=directory / f"witnessed_{name}", epochs=2 if kind == "ema" else 3)
-        resumed = witnessed_average(kind, kwargs, precision, resume_from=directory / f"witnessed_{name}" / "epoch=1.ckpt")
-        out[name] = {"updates": run["updates"], "steps": run["steps"], "diff_vs_witness": max_diff(run["params"], run["witness"]) if RANK == 0 else None,
-                     "resumed_diff": max_diff(resumed["params"], run["params"]) if RANK == 0 else None}
+        witnessed_average(
+            kind, kwargs, precision, save_to=directory / f"witnessed_{name}", epochs=2 if kind == "ema" else 3
+        )
+        resumed = witnessed_average(
+            kind, kwargs, precision, resume_from=directory / f"witnessed_{name}" / "epoch=1.ckpt"
+        )
+        out[name] = {
+            "updates": run["updates"],
+            "steps": run["steps"],
+            "diff_vs_witness": max_diff(run["params"], run["witness"]) if RANK == 0 else None,
+            "resumed_diff": max_diff(resumed["params"], run["params"]) if RANK == 0 else None,
+        }
     return out
 
 
@@ -245,12 +305,17 @@ def tour_averaged(strategy, kind: str) -> dict:
     epoch): the weights and buffers it ends with, and each validation's metric, synced over the ranks."""
     L.seed_everything(5)
     module = models.Tour()
-    callback = EMAWeightAveraging(decay=0.8) if kind == "ema" else StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)
+    callback = (
+        EMAWeightAveraging(decay=0.8) if kind == "ema" else StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)
+    )
     metrics = ValidationMetrics()
     t = trainer(strategy, max_epochs=4, limit_val_batches=2, callbacks=[callback, metrics])
     t.fit(module, models.loader(models.IndexedData(), 4), models.loader(models.IndexedData(), 4))
-    state = t.strategy.full_state_dict() if isinstance(strategy, ZeroStrategy) else {
-        k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = (
+        t.strategy.full_state_dict()
+        if isinstance(strategy, ZeroStrategy)
+        else {k: v.detach().clone() for k, v in module.state_dict().items()}
+    )
     # SWA's scheduler replaces the param groups' initial_lr by swa_lrs: Tour's SGD started at 0.05, momentum 0.9
     return {"state": state, "val_mse": metrics.values, **run_scale(t), "lr": max(run_scale(t)["lr"], 0.05 / (1 - 0.9))}
 
@@ -273,7 +338,9 @@ def averaging_with_batchnorm(stages=(2, 3)) -> dict:
             out[f"{kind}_stage{stage}"] = {
                 "diff_vs_ddp": max_diff(run["state"], ddp["state"]) if RANK == 0 else None,
                 "val_mse_diffs": [abs(a - b) for a, b in zip(run["val_mse"], ddp["val_mse"])],
-                "val_mse": ddp["val_mse"], "lr": run["lr"], "steps": run["steps"],
+                "val_mse": ddp["val_mse"],
+                "lr": run["lr"],
+                "steps": run["steps"],
             }
     return out
 
@@ -295,10 +362,16 @@ def compiled(strategy, module_class=GPTLightningModule, compile_options: dict | 
     module.compile_options = compile_options or {}
     t = trainer(strategy, max_steps=3, gradient_clip_val=1.0)
     t.fit(module, models.loader(worker_precision.gpt_data(), worker_precision.BATCH))
-    weights = t.strategy.full_state_dict() if isinstance(strategy, ZeroStrategy) else {
-        k: v.detach().clone() for k, v in module.state_dict().items()}
-    return {"weights": weights, "steps": t.global_step,
-            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"])}
+    weights = (
+        t.strategy.full_state_dict()
+        if isinstance(strategy, ZeroStrategy)
+        else {k: v.detach().clone() for k, v in module.state_dict().items()}
+    )
+    return {
+        "weights": weights,
+        "steps": t.global_step,
+        "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+    }
 
 
 @contextlib.contextmanager
@@ -323,7 +396,10 @@ def compile_against_eager(backend: str, stages=(1, 2, 3), configure_model: bool 
 
 def _compile_against_eager(backend: str, stages, configure_model: bool) -> dict:
     options = {"backend": backend}
-    references = {"ddp_eager": compiled("ddp"), "ddp_compiled": compiled("ddp", BlocksCompiledInConfigureModel, options)}
+    references = {
+        "ddp_eager": compiled("ddp"),
+        "ddp_compiled": compiled("ddp", BlocksCompiledInConfigureModel, options),
+    }
     runs = {f"stage{s}": compiled(ZeroStrategy(stage=s, compile=options)) for s in stages}
     if configure_model:
         runs["stage3_configure_model"] = compiled(ZeroStrategy(stage=3), BlocksCompiledInConfigureModel, options)
@@ -334,7 +410,9 @@ def _compile_against_eager(backend: str, stages, configure_model: bool) -> dict:
             run[f"diff_vs_{ref}"] = max_diff(weights, ref_run["weights"]) if RANK == 0 else None
         out[name] = run
     try:
-        trainer(ZeroStrategy(stage=2), max_steps=1).fit(torch.compile(GPTLightningModule(**worker_precision.GPT_KWARGS)))
+        trainer(ZeroStrategy(stage=2), max_steps=1).fit(
+            torch.compile(GPTLightningModule(**worker_precision.GPT_KWARGS))
+        )
         out["refused"] = None
     except Exception as err:  # noqa: BLE001 - Lightning's own refusal is what the user sees
         out["refused"] = f"{type(err).__name__}: {err}"
@@ -407,13 +485,24 @@ def unfreezing(strategy) -> dict:
     initial = {k: v.detach().clone() for k, v in module.state_dict().items()}
     t = trainer(strategy, max_epochs=FINETUNE_EPOCHS, callbacks=[UnfreezeBackboneThenFreezeHead()])
     t.fit(module, models.loader(FINETUNE_DATA, FINETUNE_BATCH))
-    weights = t.strategy.full_state_dict() if isinstance(strategy, ZeroStrategy) else {
-        k: v.detach().clone() for k, v in module.state_dict().items()}
+    weights = (
+        t.strategy.full_state_dict()
+        if isinstance(strategy, ZeroStrategy)
+        else {k: v.detach().clone() for k, v in module.state_dict().items()}
+    )
     reference = finetune_reference(initial, world=t.world_size) if RANK == 0 else None
-    changed = max(float((initial[k] - reference[k]).abs().max()) for k in initial if k.startswith("backbone")) if RANK == 0 else None
+    changed = (
+        max(float((initial[k] - reference[k]).abs().max()) for k in initial if k.startswith("backbone"))
+        if RANK == 0
+        else None
+    )
     engine = getattr(t.strategy, "engine", None)
-    return {"steps": t.global_step, "diff": max_diff(weights, reference) if RANK == 0 else None,
-            "backbone_change": changed, "growths": getattr(engine, "growths", None)}
+    return {
+        "steps": t.global_step,
+        "diff": max_diff(weights, reference) if RANK == 0 else None,
+        "backbone_change": changed,
+        "growths": getattr(engine, "growths", None),
+    }
 
 
 def averaged_while_unfreezing(stages) -> dict:
@@ -429,13 +518,19 @@ def averaged_while_unfreezing(stages) -> dict:
             else:
                 callback = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)
                 witness = AverageWitness(swa_epochs=range(1, FINETUNE_EPOCHS))
-            t = trainer(ZeroStrategy(stage=stage), max_epochs=FINETUNE_EPOCHS,
-                        callbacks=[UnfreezeBackboneThenFreezeHead(), callback, witness])
+            t = trainer(
+                ZeroStrategy(stage=stage),
+                max_epochs=FINETUNE_EPOCHS,
+                callbacks=[UnfreezeBackboneThenFreezeHead(), callback, witness],
+            )
             t.fit(Finetune(), models.loader(FINETUNE_DATA, FINETUNE_BATCH))
             params = t.strategy.full_state_dict()
-            out[f"{kind}_stage{stage}"] = {"updates": witness.count, "steps": t.global_step,
-                                           "diff_vs_witness": max_diff(params, witness.average) if RANK == 0 else None,
-                                           "weight_scale": max(v.abs().max().item() for v in params.values()) if RANK == 0 else None}
+            out[f"{kind}_stage{stage}"] = {
+                "updates": witness.count,
+                "steps": t.global_step,
+                "diff_vs_witness": max_diff(params, witness.average) if RANK == 0 else None,
+                "weight_scale": max(v.abs().max().item() for v in params.values()) if RANK == 0 else None,
+            }
     return out
 
 
@@ -455,41 +550,62 @@ CASES = {
         "stage3_offload": unfreezing(ZeroStrategy(stage=3, offload_optimizer=True, unit_size_mb=0)),
     },
     "compile_inductor": lambda directory: compile_against_eager("inductor", stages=(2, 3)),
-    "ema_resumed": lambda directory: ema_resumed(directory, {
-        "stage3": (dict(stage=3), dict(stage=3)),
-        "ddp_to_stage3": ("ddp", dict(stage=3)),
-    }),
-    "averaging_pipeline": lambda directory: witnessed_averages(directory / "averaging_pipeline", {
-        "ema_stage3": ("ema", dict(stage=3, **PIPELINE), "32-true")}),
-    "averaging_pipeline_rest": lambda directory: witnessed_averages(directory / "averaging_pipeline_rest", {
-        "swa_stage3": ("swa", dict(stage=3, **PIPELINE), "32-true"),
-        "ema_stage1": ("ema", dict(stage=1, **PIPELINE), "32-true"), "swa_stage1": ("swa", dict(stage=1, **PIPELINE), "32-true")}),
-    "averaging_bf16": lambda directory: witnessed_averages(directory / "averaging_bf16", {
-        "ema_stage2": ("ema", dict(stage=2), "bf16-mixed")}),
+    "ema_resumed": lambda directory: ema_resumed(
+        directory,
+        {
+            "stage3": (dict(stage=3), dict(stage=3)),
+            "ddp_to_stage3": ("ddp", dict(stage=3)),
+        },
+    ),
+    "averaging_pipeline": lambda directory: witnessed_averages(
+        directory / "averaging_pipeline", {"ema_stage3": ("ema", dict(stage=3, **PIPELINE), "32-true")}
+    ),
+    "averaging_pipeline_rest": lambda directory: witnessed_averages(
+        directory / "averaging_pipeline_rest",
+        {
+            "swa_stage3": ("swa", dict(stage=3, **PIPELINE), "32-true"),
+            "ema_stage1": ("ema", dict(stage=1, **PIPELINE), "32-true"),
+            "swa_stage1": ("swa", dict(stage=1, **PIPELINE), "32-true"),
+        },
+    ),
+    "averaging_bf16": lambda directory: witnessed_averages(
+        directory / "averaging_bf16", {"ema_stage2": ("ema", dict(stage=2), "bf16-mixed")}
+    ),
     "averaging_batchnorm": lambda directory: averaging_with_batchnorm(stages=(3,)),
     "averaging_batchnorm_rest": lambda directory: averaging_with_batchnorm(stages=(2,)),
     "averaging_unfreezing": lambda directory: averaged_while_unfreezing(stages=(2,)),
     "averaging_unfreezing_rest": lambda directory: averaged_while_unfreezing(stages=(1, 3)),
-    "averaging_bf16_rest": lambda directory: witnessed_averages(directory / "averaging_bf16_rest", {
-        "swa_stage2": ("swa", dict(stage=2), "bf16-mixed"),
-        "ema_stage1_offload": ("ema", dict(stage=1, offload_optimizer=True), "bf16-mixed"),
-        "ema_stage2_full": ("ema", dict(stage=2, state_dict_type="full"), "bf16-mixed"),
-        "swa_stage1": ("swa", dict(stage=1), "bf16-mixed"),
-        "ema_pipeline_stage1": ("ema", dict(stage=1, **PIPELINE), "bf16-mixed"),
-        "ema_stage3": ("ema", dict(stage=3), "bf16-mixed")}),
+    "averaging_bf16_rest": lambda directory: witnessed_averages(
+        directory / "averaging_bf16_rest",
+        {
+            "swa_stage2": ("swa", dict(stage=2), "bf16-mixed"),
+            "ema_stage1_offload": ("ema", dict(stage=1, offload_optimizer=True), "bf16-mixed"),
+            "ema_stage2_full": ("ema", dict(stage=2, state_dict_type="full"), "bf16-mixed"),
+            "swa_stage1": ("swa", dict(stage=1), "bf16-mixed"),
+            "ema_pipeline_stage1": ("ema", dict(stage=1, **PIPELINE), "bf16-mixed"),
+            "ema_stage3": ("ema", dict(stage=3), "bf16-mixed"),
+        },
+    ),
     # the masters after each update averaged, not the parameters forward used one update behind; resumed with the
     # pending update in the checkpoint
-    "averaging_delayed": lambda directory: witnessed_averages(directory / "averaging_delayed", {
-        "swa_stage2": ("swa", dict(stage=2, offload_optimizer=True, offload_step_delay=1), "32-true"),
-        "ema_stage1": ("ema", dict(stage=1, offload_optimizer=True, offload_step_delay=1), "32-true")}),
-    "ema_resumed_rest": lambda directory: ema_resumed(directory, {
-        "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
-        "stage2_async": (dict(stage=2, async_save=True),) * 2,
-        "stage3_full": (dict(stage=3, state_dict_type="full"),) * 2,
-        "stage1_offload": (dict(stage=1, offload_optimizer=True),) * 2,
-        "stage3_to_stage2": (dict(stage=3), dict(stage=2)),
-        "stage2_full_to_ddp": (dict(stage=2, state_dict_type="full"), "ddp"),
-    }),
+    "averaging_delayed": lambda directory: witnessed_averages(
+        directory / "averaging_delayed",
+        {
+            "swa_stage2": ("swa", dict(stage=2, offload_optimizer=True, offload_step_delay=1), "32-true"),
+            "ema_stage1": ("ema", dict(stage=1, offload_optimizer=True, offload_step_delay=1), "32-true"),
+        },
+    ),
+    "ema_resumed_rest": lambda directory: ema_resumed(
+        directory,
+        {
+            "stage2_offload_full": (dict(stage=2, offload_optimizer=True, state_dict_type="full"),) * 2,
+            "stage2_async": (dict(stage=2, async_save=True),) * 2,
+            "stage3_full": (dict(stage=3, state_dict_type="full"),) * 2,
+            "stage1_offload": (dict(stage=1, offload_optimizer=True),) * 2,
+            "stage3_to_stage2": (dict(stage=3), dict(stage=2)),
+            "stage2_full_to_ddp": (dict(stage=2, state_dict_type="full"), "ddp"),
+        },
+    ),
 }
 
 if __name__ == "__main__":

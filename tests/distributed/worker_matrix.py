@@ -46,26 +46,45 @@ def exact_run(kind: str, strategy, steps: int = STEPS, precision: str = "32-true
     initial = copy.deepcopy(module.state_dict())
     mm.CountingNewtonSchulz.reset()
     accumulate = ACCUMULATE if precision == "32-true" else 1
-    t = trainer(strategy, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=CLIP,
-                gradient_clip_algorithm="norm", precision=precision)
+    t = trainer(
+        strategy,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=CLIP,
+        gradient_clip_algorithm="norm",
+        precision=precision,
+    )
     data = models.IndexedData()
     t.fit(module, models.loader(data, BATCH))
     final = t.strategy.full_state_dict()
     shards = t.strategy.engine.optimizer_shards(t.optimizers[0])
     calls = _ns_calls()
-    out = {"steps": t.global_step, "ns_calls": [len(c) for c in calls], "imbalance": shards.owners.imbalance(),
-           "owned_elements": list(shards.owners.load), "matrices": len(mm.matrices(module)),
-           "ns_shapes": sorted({tuple(s) for c in calls for s in c}),
-           "matrix_shapes": sorted({tuple(p.shape) for p in mm.matrices(module)}),
-           "ranks_agree": _ranks_agree(module)}
+    out = {
+        "steps": t.global_step,
+        "ns_calls": [len(c) for c in calls],
+        "imbalance": shards.owners.imbalance(),
+        "owned_elements": list(shards.owners.load),
+        "matrices": len(mm.matrices(module)),
+        "ns_shapes": sorted({tuple(s) for c in calls for s in c}),
+        "matrix_shapes": sorted({tuple(p.shape) for p in mm.matrices(module)}),
+        "ranks_agree": _ranks_agree(module),
+    }
     if RANK == 0 and precision == "32-true":
         ref = mm.reference(kind, initial, data, world=WORLD, batch=BATCH, steps=steps, accumulate=accumulate, clip=CLIP)
         out["param_diff"] = max_diff(final, ref)
         out["param_change"] = max_diff(ref, initial)
     elif RANK == 0:
-        emulated = mixed_reference(initial, lambda: mm.MatrixRegression(kind), data, world=WORLD, batch=BATCH,
-                                   steps=steps, clip=CLIP, policy=t.strategy.precision_plugin.policy(),
-                                   hold_sum_in_param_dtype=t.strategy.stage != 3)
+        emulated = mixed_reference(
+            initial,
+            lambda: mm.MatrixRegression(kind),
+            data,
+            world=WORLD,
+            batch=BATCH,
+            steps=steps,
+            clip=CLIP,
+            policy=t.strategy.precision_plugin.policy(),
+            hold_sum_in_param_dtype=t.strategy.stage != 3,
+        )
         out["param_diff"] = max_diff(final, emulated["params"])
         out["param_change"] = max_diff(emulated["params"], initial)
     return out
@@ -73,7 +92,9 @@ def exact_run(kind: str, strategy, steps: int = STEPS, precision: str = "32-true
 
 def _ranks_agree(module: nn.Module) -> bool:
     """Every rank computes with the same parameters (the full tensors at stages 1-2, the gathered ones at 3)."""
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float() for n, p in module.named_parameters()}
+    full = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float() for n, p in module.named_parameters()
+    }
     parts = collectives.all_gather_objects({n: t.sum().item() for n, t in full.items()})
     return all(part == parts[0] for part in parts)
 
@@ -109,7 +130,10 @@ def manual_run(strategy, muon: type) -> dict:
 def manual(directory: Path) -> dict:
     """``torch.optim.Muon`` + ``AdamW`` in manual optimization, as a user writes it; the fp32-Newton-Schulz Muon
     exactly, torch's bf16 one against Lightning ``ddp``'s own distance from one process."""
-    out = {f"stage{s}_fp32_muon": manual_run(ZeroStrategy(stage=s, matrix_optimizers=MATRIX), mm.FP32Muon) for s in (1, 2, 3)}
+    out = {
+        f"stage{s}_fp32_muon": manual_run(ZeroStrategy(stage=s, matrix_optimizers=MATRIX), mm.FP32Muon)
+        for s in (1, 2, 3)
+    }
     out.update({f"stage{s}_torch_muon": manual_run(ZeroStrategy(stage=s), torch.optim.Muon) for s in (1, 2, 3)})
     out["ddp_torch_muon"] = manual_run("ddp", torch.optim.Muon)
     out["ddp_fp32_muon"] = manual_run("ddp", mm.FP32Muon)
@@ -131,7 +155,9 @@ def state_bytes(stage: int, **kwargs) -> dict:
     for group in optimizer.param_groups:
         for p in group["params"]:
             entry = optimizer.state.get(hosted.get(id(p), p), {})
-            tensors = [v.to_local() if isinstance(v, DTensor) else v for v in entry.values() if isinstance(v, torch.Tensor)]
+            tensors = [
+                v.to_local() if isinstance(v, DTensor) else v for v in entry.values() if isinstance(v, torch.Tensor)
+            ]
             devices.update(str(v.device) for v in tensors)
             numel = sum(v.numel() for v in tensors if v.dim() > 0)
             if id(p) in owners:
@@ -139,9 +165,15 @@ def state_bytes(stage: int, **kwargs) -> dict:
             else:
                 sharded += numel
     elementwise_full = sum(p.numel() for p in mm.others(module))
-    return {"whole": collectives.all_gather_objects(whole), "sharded": collectives.all_gather_objects(sharded),
-            "owned_elements": list(shards.owners.load), "matrix_elements": sum(p.numel() for p in mm.matrices(module)),
-            "elementwise_elements": elementwise_full, "devices": sorted(devices), "imbalance": shards.owners.imbalance()}
+    return {
+        "whole": collectives.all_gather_objects(whole),
+        "sharded": collectives.all_gather_objects(sharded),
+        "owned_elements": list(shards.owners.load),
+        "matrix_elements": sum(p.numel() for p in mm.matrices(module)),
+        "elementwise_elements": elementwise_full,
+        "devices": sorted(devices),
+        "imbalance": shards.owners.imbalance(),
+    }
 
 
 def resumed_equals_uninterrupted(stage: int, directory: Path, state_dict_type: str, kind: str = "aux_adam") -> dict:
@@ -192,12 +224,16 @@ def refusal() -> dict:
 def variants(directory: Path) -> dict:
     out = {}
     for stage in (2, 3):  # fp32 masters of the owned matrices; ranks agree, close to the fp32 reference
-        out[f"stage{stage}_bf16"] = exact_run("aux_adam", ZeroStrategy(stage=stage, matrix_optimizers=MATRIX),
-                                              precision="bf16-mixed")
-    out["stage2_offload"] = exact_run("aux_adam", ZeroStrategy(stage=2, offload_optimizer=True, matrix_optimizers=MATRIX))
+        out[f"stage{stage}_bf16"] = exact_run(
+            "aux_adam", ZeroStrategy(stage=stage, matrix_optimizers=MATRIX), precision="bf16-mixed"
+        )
+    out["stage2_offload"] = exact_run(
+        "aux_adam", ZeroStrategy(stage=2, offload_optimizer=True, matrix_optimizers=MATRIX)
+    )
     out["stage3_offload_params"] = exact_run("adafactor", ZeroStrategy(stage=3, offload_params=True))
-    out["stage3_offload_optimizer"] = exact_run("aux_adam", ZeroStrategy(stage=3, offload_optimizer=True,
-                                                                         matrix_optimizers=MATRIX))
+    out["stage3_offload_optimizer"] = exact_run(
+        "aux_adam", ZeroStrategy(stage=3, offload_optimizer=True, matrix_optimizers=MATRIX)
+    )
     out["bytes_stage2"] = state_bytes(2)
     out["bytes_stage3"] = state_bytes(3)
     out["bytes_stage2_offload"] = state_bytes(2, offload_optimizer=True)
@@ -230,7 +266,9 @@ def hf_models(directory: Path) -> dict:
         for optimizer in ("adafactor", "aux_adam"):
             module_cls = mm.hf_module(optimizer)
             for stage in (2, 3):
-                result = worker_hf_models.run(kind, stage, "32-true", False, module_cls=module_cls, matrix_optimizers=MATRIX)
+                result = worker_hf_models.run(
+                    kind, stage, "32-true", False, module_cls=module_cls, matrix_optimizers=MATRIX
+                )
                 out[f"{kind}_{optimizer}_stage{stage}"] = result
     return out
 
@@ -257,8 +295,9 @@ def _cross_run(stage: int, epochs: int, directory: Path, name: str, resume: str 
     model_state = t.strategy.full_state_dict()
     optim_state = state_dicts.full_optimizer_state(optimizer, t.strategy.lightning_module, t.strategy.engine)
     if RANK == 0:
-        torch.save({"model": model_state, "optimizer": optim_state, "epoch": t.current_epoch},
-                   directory / f"{name}.full.pt")
+        torch.save(
+            {"model": model_state, "optimizer": optim_state, "epoch": t.current_epoch}, directory / f"{name}.full.pt"
+        )
     return {"steps": t.global_step}
 
 
@@ -295,12 +334,17 @@ def resume_s3(directory: Path) -> dict:
     out["diff"] = max_diff(saved["model"], ref)
     out["whole_state_keys"] = sorted(k for k, v in saved["optimizer"]["state"].items() if "momentum_buffer" in v)
     # `lightning-zero consolidate --optimizer` of the 2-rank directory: the torch.optim state the run held.
-    consolidated = torch.load(consolidate(directory / "s2", directory / "s2.consolidated.pt", include_optimizer=True),
-                              weights_only=True)["optimizer_states"][0]["state"]
+    consolidated = torch.load(
+        consolidate(directory / "s2", directory / "s2.consolidated.pt", include_optimizer=True), weights_only=True
+    )["optimizer_states"][0]["state"]
     held = torch.load(directory / "s2.full.pt", weights_only=True)["optimizer"]["state"]
     out["consolidated_keys_equal"] = sorted(consolidated) == sorted(held)
-    out["consolidated_diff"] = max((consolidated[i][k] - v).abs().max().item()
-                                   for i, entry in held.items() for k, v in entry.items() if v.dim() > 0)
+    out["consolidated_diff"] = max(
+        (consolidated[i][k] - v).abs().max().item()
+        for i, entry in held.items()
+        for k, v in entry.items()
+        if v.dim() > 0
+    )
     return out
 
 
@@ -313,8 +357,16 @@ def resume_s2(directory: Path) -> dict:
     return out
 
 
-CASES = {"exact": exact, "manual": manual, "variants": variants, "four_ranks": four_ranks, "hf": hf_models, "save_s2": save_s2, "resume_s3": resume_s3,
-         "resume_s2": resume_s2}
+CASES = {
+    "exact": exact,
+    "manual": manual,
+    "variants": variants,
+    "four_ranks": four_ranks,
+    "hf": hf_models,
+    "save_s2": save_s2,
+    "resume_s3": resume_s3,
+    "resume_s2": resume_s2,
+}
 
 if __name__ == "__main__":
     run_cases_with_directory(CASES, sys.argv[1:])

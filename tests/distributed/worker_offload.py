@@ -107,8 +107,13 @@ def placement(t: L.Trainer) -> dict:
 def _optimizer_bytes(t: L.Trainer, host_only: bool) -> int:
     """Bytes of optimizer state tensors (scalar step counters aside), or of those the engine placed on the host."""
     engine, optimizer = t.strategy.engine, t.optimizers[0]
-    return sum(_local(v).untyped_storage().nbytes() for key, entry in optimizer.state.items()
-               if not host_only or engine.on_host(key) for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return sum(
+        _local(v).untyped_storage().nbytes()
+        for key, entry in optimizer.state.items()
+        if not host_only or engine.on_host(key)
+        for v in entry.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
 
 
 def run(stage: int, settings: dict, precision: str = "32-true", model=models.Regression) -> tuple[dict, dict]:
@@ -129,7 +134,13 @@ def run(stage: int, settings: dict, precision: str = "32-true", model=models.Reg
     )
     data = models.IndexedData()
     t.fit(module, models.loader(data, BATCH))
-    out = {"staged_on_landing": schedule.staged_on_landing, "host_step_parts": schedule.parts, **run_scale(t), "placement": placement(t), "largest_step_tensor": RecordingAdamW.largest}
+    out = {
+        "staged_on_landing": schedule.staged_on_landing,
+        "host_step_parts": schedule.parts,
+        **run_scale(t),
+        "placement": placement(t),
+        "largest_step_tensor": RecordingAdamW.largest,
+    }
     out["bytes"] = model_state_bytes(module, [t.optimizers[0]], t.strategy.engine)
     out["bytes"]["optimizer_tensors"] = _optimizer_bytes(t, host_only=False)
     out["bytes"]["optimizer_host"] = _optimizer_bytes(t, host_only=True)
@@ -166,8 +177,12 @@ def exactness() -> dict:
         final = t.strategy.full_state_dict()
         stage = t.strategy.stage
         config = t.strategy.zero_config
-        out[name] = {"stage": stage, "offload_optimizer": config.offload_optimizer, "offload_params": config.offload_params,
-                     **run_scale(t)}
+        out[name] = {
+            "stage": stage,
+            "offload_optimizer": config.offload_optimizer,
+            "offload_params": config.offload_params,
+            **run_scale(t),
+        }
         if RANK == 0:
             out[name]["param_diff_no_offload"] = max_diff(final, plain[(stage, "32-true")])
     return out
@@ -240,8 +255,12 @@ def checkpoints(directory: Path) -> dict:
         params, optim, steps = interrupted(stage, stage, directory / name, fmt, save_kwargs=save, resume_kwargs=resume)
         if RANK == 0:
             ref_params, ref_optim = references[stage]
-            out[name] = {"steps": steps, "param_diff": max_diff(params, ref_params), "optim_diff": optim_diff(optim, ref_optim),
-                         **optim_scale(ref_optim)}
+            out[name] = {
+                "steps": steps,
+                "param_diff": max_diff(params, ref_params),
+                "optim_diff": optim_diff(optim, ref_optim),
+                **optim_scale(ref_optim),
+            }
     return out
 
 
@@ -261,15 +280,20 @@ def partial() -> dict:
             planned = sum(n for n, host in zip(engine_rows, chosen) if host) / sum(engine_rows)
             out[f"stage{stage}_{ratio}"] = {
                 "param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None,
-                "param_diff_reference": result.get("param_diff_reference"), "lr": result["lr"], "steps": result["steps"],
+                "param_diff_reference": result.get("param_diff_reference"),
+                "lr": result["lr"],
+                "steps": result["steps"],
                 "host_share_of_state": t_bytes["optimizer_host"] / t_bytes["optimizer_tensors"],
                 "planned_share": planned,
                 "largest_share": max(engine_rows) / sum(engine_rows),
             }
     _, plain = run(2, {}, "bf16-mixed")  # device masters are fp32 copies here, host ones as with full offload
     result, final = run(2, {"offload_optimizer": 0.5}, "bf16-mixed")
-    out["stage2_0.5_bf16"] = {"param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None,
-                              "lr": result["lr"], "steps": result["steps"]}
+    out["stage2_0.5_bf16"] = {
+        "param_diff_no_offload": max_diff(final, plain) if RANK == 0 else None,
+        "lr": result["lr"],
+        "steps": result["steps"],
+    }
     return out
 
 
@@ -300,9 +324,15 @@ def during_backward(only: tuple[str, ...] | None = None) -> dict:
     micro-batch's reductions land too, but only the last one's gradients are the step's."""
     out = {}
     data = models.IndexedData()
-    cases = [("stage1", 1, False, False, False), ("stage2", 2, False, False, False), ("stage2_unused", 2, True, False, False),
-             ("stage2_every_microbatch", 2, False, True, False), ("stage3", 3, False, False, False),
-             ("stage3_unused", 3, True, False, False), ("stage3_reduced_in_place", 3, False, False, True)]
+    cases = [
+        ("stage1", 1, False, False, False),
+        ("stage2", 2, False, False, False),
+        ("stage2_unused", 2, True, False, False),
+        ("stage2_every_microbatch", 2, False, True, False),
+        ("stage3", 3, False, False, False),
+        ("stage3_unused", 3, True, False, False),
+        ("stage3_reduced_in_place", 3, False, False, True),
+    ]
     for name, stage, unused, every, hooked in cases:
         if only is not None and name not in only:
             continue
@@ -318,27 +348,48 @@ def during_backward(only: tuple[str, ...] | None = None) -> dict:
             monitor = ZeroMonitor(log_every_n_steps=1, prog_bar=False, grad_norm_type=2)
             delayed_update_cases.ThreadNotingAdamW.threads = set()
             t = trainer(
-                ZeroStrategy(stage=stage, offload_optimizer=True, overlap_comm=overlap, reduce_every_microbatch=every,
-                             state_dict_type="full", **pieces),
-                max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, callbacks=[probe, monitor],
+                ZeroStrategy(
+                    stage=stage,
+                    offload_optimizer=True,
+                    overlap_comm=overlap,
+                    reduce_every_microbatch=every,
+                    state_dict_type="full",
+                    **pieces,
+                ),
+                max_steps=STEPS,
+                accumulate_grad_batches=ACCUMULATE,
+                callbacks=[probe, monitor],
             )
             t.fit(module, models.loader(data, BATCH))
             finals[overlap] = t.strategy.full_state_dict()
             norms[overlap] = monitor.last.get("monitor/grad_2_norm")
             if overlap:
-                module_now = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                              for n, p in module.named_parameters()}
+                module_now = {
+                    n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                    for n, p in module.named_parameters()
+                }
                 shards = t.strategy.engine.optimizer_shards(t.optimizers[0])
-                result = {"steps": t.global_step, "early": probe.steps,
-                          "parts": len(shards.parts if stage < 3 else shards.unit_parts),
-                          "threads": sorted(delayed_update_cases.ThreadNotingAdamW.threads)}
+                result = {
+                    "steps": t.global_step,
+                    "early": probe.steps,
+                    "parts": len(shards.parts if stage < 3 else shards.unit_parts),
+                    "threads": sorted(delayed_update_cases.ThreadNotingAdamW.threads),
+                }
             else:
                 result["serial_early"] = probe.steps
                 result["monitor_grad_norms"] = (norms[True], norms[False])
         if RANK == 0:
-            reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
-                                                   accumulate=ACCUMULATE, clip=0.0, unused_head=unused,
-                                                   optimizer=delayed_update_cases.noting_optimizer)
+            reference, _, _ = models.reference_run(
+                initial,
+                data,
+                world=WORLD,
+                batch=BATCH,
+                steps=STEPS,
+                accumulate=ACCUMULATE,
+                clip=0.0,
+                unused_head=unused,
+                optimizer=delayed_update_cases.noting_optimizer,
+            )
             result["module_diff"] = max_diff(module_now, finals[True])
             result["param_diff_serial"] = max_diff(finals[True], finals[False])
             result["param_diff_reference"] = max_diff(finals[True], reference)
@@ -362,11 +413,18 @@ def refusals(stage: int) -> dict:
     for make, clip, callbacks in ((ClippingInHook, None, [probe]), (delayed_update_cases.NotingRegression, 0.5, [])):
         L.seed_everything(7)
         module = make()
-        t = trainer(ZeroStrategy(stage=stage, offload_optimizer=True, state_dict_type="full", **pieces),
-                    max_steps=STEPS, gradient_clip_val=clip, callbacks=callbacks)
+        t = trainer(
+            ZeroStrategy(stage=stage, offload_optimizer=True, state_dict_type="full", **pieces),
+            max_steps=STEPS,
+            gradient_clip_val=clip,
+            callbacks=callbacks,
+        )
         t.fit(module, models.loader(models.IndexedData(), BATCH))
         finals[clip] = t.strategy.full_state_dict()
-    out[f"clip_in_hook_stage{stage}"] = {"early": probe.steps, "diff": max_diff(finals[None], finals[0.5]) if RANK == 0 else None}
+    out[f"clip_in_hook_stage{stage}"] = {
+        "early": probe.steps,
+        "diff": max_diff(finals[None], finals[0.5]) if RANK == 0 else None,
+    }
     return out
 
 
@@ -423,16 +481,21 @@ def stage3_parts(offloads: tuple[bool | float, ...]) -> dict:
             module = CountedRegression(hooked, adagrad)
             initial = {k: v.clone() for k, v in module.state_dict().items()}
             CountingAdamW.calls = 0
-            t = trainer(ZeroStrategy(stage=3, offload_optimizer=offload, state_dict_type="full"), max_steps=STEPS,
-                        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP)
+            t = trainer(
+                ZeroStrategy(stage=3, offload_optimizer=offload, state_dict_type="full"),
+                max_steps=STEPS,
+                accumulate_grad_batches=ACCUMULATE,
+                gradient_clip_val=CLIP,
+            )
             t.fit(module, models.loader(data, BATCH))
             finals[hooked], calls[hooked] = t.strategy.full_state_dict(), CountingAdamW.calls / t.global_step
         result = {"calls_per_step": calls[False], "calls_per_step_one_call": calls[True]}
         if RANK == 0 and adagrad:
             result["param_diff_one_call"] = max_diff(finals[False], finals[True])
         elif RANK == 0:
-            reference, _, _ = models.reference_run(initial, data, world=WORLD, batch=BATCH, steps=STEPS,
-                                                   accumulate=ACCUMULATE, clip=CLIP)
+            reference, _, _ = models.reference_run(
+                initial, data, world=WORLD, batch=BATCH, steps=STEPS, accumulate=ACCUMULATE, clip=CLIP
+            )
             result["param_diff_one_call"] = max_diff(finals[False], finals[True])
             result["param_diff_reference"] = max_diff(finals[False], reference)
         out[name] = result
@@ -489,13 +552,21 @@ def delayed(directory: Path) -> dict:
     return out
 
 
-CASES = {"exact": lambda _: exactness(), "memory": lambda _: memory(), "checkpoint": checkpoints,
-         "partial": lambda _: partial(), "during_backward": lambda _: during_backward(),
-         # one rank (one GPU's case): FSDP2 copies where it would reduce ([Note: units finished alone])
-         "during_backward_alone": lambda _: during_backward(("stage2", "stage3")),
-         "stage3_parts": lambda _: stage3_parts((True,)), **delayed_update_cases.CASES, "delayed": delayed,
-         # the full marker's: stage 3's refusals and partial offload in parts (the code is stage 2's, the parts full's)
-         "refusals_stage3": lambda _: refusals(3), "stage3_parts_partial": lambda _: stage3_parts((0.5,))}
+CASES = {
+    "exact": lambda _: exactness(),
+    "memory": lambda _: memory(),
+    "checkpoint": checkpoints,
+    "partial": lambda _: partial(),
+    "during_backward": lambda _: during_backward(),
+    # one rank (one GPU's case): FSDP2 copies where it would reduce ([Note: units finished alone])
+    "during_backward_alone": lambda _: during_backward(("stage2", "stage3")),
+    "stage3_parts": lambda _: stage3_parts((True,)),
+    **delayed_update_cases.CASES,
+    "delayed": delayed,
+    # the full marker's: stage 3's refusals and partial offload in parts (the code is stage 2's, the parts full's)
+    "refusals_stage3": lambda _: refusals(3),
+    "stage3_parts_partial": lambda _: stage3_parts((0.5,)),
+}
 
 if __name__ == "__main__":
     run_cases_with_directory(CASES, sys.argv[1:])

@@ -36,7 +36,9 @@ def reference() -> tuple[nn.Sequential, list[float]]:
     losses = []
     for x, y in batches():
         # the mean of the micro-batch losses, as the schedule computes it
-        loss = sum(loss_fn(model(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))) / MICROBATCHES
+        loss = (
+            sum(loss_fn(model(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))) / MICROBATCHES
+        )
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -74,7 +76,10 @@ def run_schedule(schedule: str, virtual: int, split: str) -> dict:
     vals = [None] * world
     dist.all_gather_object(vals, None if val is None else float(val))
     with torch.no_grad():
-        expected_val = float(sum(loss_fn(expected(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))) / MICROBATCHES)
+        expected_val = float(
+            sum(loss_fn(expected(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES)))
+            / MICROBATCHES
+        )
     return {
         "bounds": bounds,
         "param_diff": max(diffs),

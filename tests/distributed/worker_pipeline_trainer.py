@@ -17,7 +17,16 @@ from lightning_zero.planning.accounting import model_state_bytes
 from tests.distributed import models
 from tests.distributed.grad_norm_probe import GradNormAgainstGathered
 from tests.distributed.pipeline_chain import (
-    ACCUMULATE, CLIP, STEPS_PER_EPOCH, WIDTH, Chain, held_parameters, initial_state, loader, reference, routed_samples,
+    ACCUMULATE,
+    CLIP,
+    STEPS_PER_EPOCH,
+    WIDTH,
+    Chain,
+    held_parameters,
+    initial_state,
+    loader,
+    reference,
+    routed_samples,
     val_loader,
 )
 from tests.distributed.worker_core import GradientRecorder, max_diff, trainer
@@ -58,7 +67,9 @@ class SentElements(L.Callback):
         self.per_batch.append((sent, batch[0].shape[0]))
 
 
-def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, module=None, **kwargs) -> tuple[L.Trainer, Chain]:
+def fit(
+    strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, module=None, **kwargs
+) -> tuple[L.Trainer, Chain]:
     module = module or Chain()
     if ckpt_path is None:
         module.load_state_dict(initial_state(module.routed))
@@ -75,16 +86,29 @@ def fit(strategy: ZeroStrategy, replicas: int, epochs: int, ckpt_path=None, modu
     return t, module
 
 
-def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, routed: bool = False,
-               strategy_kwargs: dict | None = None, **kwargs) -> dict:
+def exactness(
+    stage: int,
+    schedule: str,
+    split="layers",
+    microbatches: int = 4,
+    routed: bool = False,
+    strategy_kwargs: dict | None = None,
+    **kwargs,
+) -> dict:
     replicas = WORLD // 2
     strategy = ZeroStrategy(
-        stage=stage, pipeline_stages=2, microbatches=microbatches, pipeline_schedule=schedule, pipeline_split=split,
+        stage=stage,
+        pipeline_stages=2,
+        microbatches=microbatches,
+        pipeline_schedule=schedule,
+        pipeline_split=split,
         **(strategy_kwargs or {}),
     )
     recorder = GradientRecorder()  # strategy.gather_gradients(): every stage's, reduced over the replicas
     sent = SentElements()
-    t, module = fit(strategy, replicas, epochs=1, callbacks=[LoggedLosses(), recorder, sent], module=Chain(routed), **kwargs)
+    t, module = fit(
+        strategy, replicas, epochs=1, callbacks=[LoggedLosses(), recorder, sent], module=Chain(routed), **kwargs
+    )
     full = t.strategy.full_state_dict()  # every stage's parameters, on rank 0
     params = held_parameters(module)
     expected_grads: list[dict] = []
@@ -94,8 +118,11 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
     )
     held = collectives.all_gather_objects(sorted(n for n, p in module.named_parameters() if not p.is_meta))
     memory = collectives.all_gather_objects(
-        (t.callbacks[0].state_bytes, sum(p.numel() for p in module.parameters() if not p.is_meta),
-         sum(1 for p in module.parameters() if not p.is_meta))
+        (
+            t.callbacks[0].state_bytes,
+            sum(p.numel() for p in module.parameters() if not p.is_meta),
+            sum(1 for p in module.parameters() if not p.is_meta),
+        )
     )
     return {
         "steps": t.global_step,
@@ -105,8 +132,11 @@ def exactness(stage: int, schedule: str, split="layers", microbatches: int = 4, 
         "grad_steps": len(recorder.steps),
         "param_change": max_diff(expected, initial_state(routed)),
         "routed_samples": routed_samples(STEPS_PER_EPOCH) if routed else None,
-        "rare_change": float((expected["layers.0.rare.weight"] - initial_state(True)["layers.0.rare.weight"]).abs().max())
-        if routed else None,
+        "rare_change": float(
+            (expected["layers.0.rare.weight"] - initial_state(True)["layers.0.rare.weight"]).abs().max()
+        )
+        if routed
+        else None,
         "logged": logged,
         "reference_train_losses": losses,
         "reference_val_loss": val_loss,
@@ -137,7 +167,9 @@ class GatheredPeak(L.Callback):
         groups = [g for m in trainer.strategy.pipeline.runner.modules for g in fsdp2_private.param_groups(m)]
 
         def probe(*_):
-            held = sum(fp._orig_size.numel() for g in groups for fp in g.fsdp_params if fp.sharded_state.name == "UNSHARDED")
+            held = sum(
+                fp._orig_size.numel() for g in groups for fp in g.fsdp_params if fp.sharded_state.name == "UNSHARDED"
+            )
             self.peak = max(self.peak, held)
 
         for module in trainer.strategy.pipeline.runner.modules:
@@ -148,7 +180,9 @@ class GatheredPeak(L.Callback):
         self._before = collectives.comm_stats().snapshot()["elements_by_kind"].get("all_gather", 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.gathered.append(collectives.comm_stats().snapshot()["elements_by_kind"].get("all_gather", 0) - self._before)
+        self.gathered.append(
+            collectives.comm_stats().snapshot()["elements_by_kind"].get("all_gather", 0) - self._before
+        )
 
 
 def gathers(schedule: str) -> dict:
@@ -159,7 +193,9 @@ def gathers(schedule: str) -> dict:
     return {
         "gathered": collectives.all_gather_objects(probe.gathered),
         "peak": collectives.all_gather_objects(probe.peak),
-        "params": collectives.all_gather_objects(sum(p.numel() for p in strategy.lightning_module.parameters() if not p.is_meta)),
+        "params": collectives.all_gather_objects(
+            sum(p.numel() for p in strategy.lightning_module.parameters() if not p.is_meta)
+        ),
     }
 
 
@@ -179,7 +215,10 @@ def mixed_precision() -> dict:
 
     expected = reference(STEPS_PER_EPOCH)[0]
     out = {}
-    for name, kwargs in (("bf16-mixed", {"precision": "bf16-mixed"}), ("16-mixed", {"plugins": [ZeroPrecision("16-mixed", initial_scale=INITIAL_SCALE)]})):
+    for name, kwargs in (
+        ("bf16-mixed", {"precision": "bf16-mixed"}),
+        ("16-mixed", {"plugins": [ZeroPrecision("16-mixed", initial_scale=INITIAL_SCALE)]}),
+    ):
         t, module = fit(ZeroStrategy(stage=2, pipeline_stages=2, microbatches=4), WORLD // 2, epochs=1, **kwargs)
         params = held_parameters(module)
         out[name] = {
@@ -198,7 +237,7 @@ def checkpoint_round_trip(directory: Path) -> dict:
     directory = Path(collectives.broadcast_object(str(directory)))  # the Trainer has made the process group
     piped_ckpt, plain_ckpt = directory / "piped.ckpt", directory / "plain.ckpt"
     t.save_checkpoint(piped_ckpt)
-    saved_names = sorted(k[len("state_dict."):] for k in _checkpoint_keys(piped_ckpt) if k.startswith("state_dict."))
+    saved_names = sorted(k[len("state_dict.") :] for k in _checkpoint_keys(piped_ckpt) if k.startswith("state_dict."))
 
     t, module = fit(ZeroStrategy(stage=2), WORLD, epochs=2, ckpt_path=piped_ckpt, module=Chain())
     plain = t.strategy.full_state_dict()
@@ -317,7 +356,13 @@ def errors(directory: Path) -> dict:
         ("manual_optimization", Manual(), {}, manual),
     ):
         try:
-            fit(ZeroStrategy(stage=1, pipeline_stages=2, **kwargs), WORLD // 2, epochs=1, module=module, **trainer_kwargs)
+            fit(
+                ZeroStrategy(stage=1, pipeline_stages=2, **kwargs),
+                WORLD // 2,
+                epochs=1,
+                module=module,
+                **trainer_kwargs,
+            )
             out[name] = None
         except ZeroConfigError as err:
             out[name] = str(err)
@@ -339,8 +384,9 @@ def cases() -> dict:
         "interleaved": lambda d: exactness(1, "interleaved_1f1b", microbatches=4),
         "gpipe_stage2": lambda d: exactness(2, "gpipe", split=["4"], microbatches=2),  # cut before the child "4"
         # an expert used in a window's first micro-batch and by no rank in its second, each micro-batch reduced
-        "routed_every_microbatch": lambda d: exactness(3, "gpipe", microbatches=2, routed=True,
-                                                       strategy_kwargs={"reduce_every_microbatch": True}),
+        "routed_every_microbatch": lambda d: exactness(
+            3, "gpipe", microbatches=2, routed=True, strategy_kwargs={"reduce_every_microbatch": True}
+        ),
         "round_trip": checkpoint_round_trip,
         "zero3_round_trip": zero3_round_trip,
         "zero3_composed": lambda d: zero3_composed(),

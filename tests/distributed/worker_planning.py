@@ -121,8 +121,9 @@ def measure(model: str, stage: int, precision: str, batch: int, ac: bool, ratio:
     probe = PeakMemory(first=1, count=1)
     checkpointing = (Block if model == "gpt" else BasicBlock) if ac else None
     offload = True if ratio >= 1 else ratio or False
-    strategy = ZeroStrategy(stage=stage, activation_checkpointing=checkpointing, offload_optimizer=offload,
-                            offload_params=params_off)
+    strategy = ZeroStrategy(
+        stage=stage, activation_checkpointing=checkpointing, offload_optimizer=offload, offload_params=params_off
+    )
     t = trainer(strategy, max_steps=3, callbacks=[probe], limit_val_batches=0, precision=precision)
     t.fit(build(model), models.loader(data(model), batch))
     return probe.peaks
@@ -144,9 +145,14 @@ def calibration(directory: Path) -> dict:
         peaks = measure(*case)
         if RANK == 0:
             prediction = predicted(*case)
-            out[name] = {"peaks": peaks, "measured": max(peaks), "predicted": prediction.device_bytes,
-                         "host": prediction.host_bytes, "error": prediction.device_bytes / max(peaks) - 1,
-                         "breakdown": prediction.breakdown}
+            out[name] = {
+                "peaks": peaks,
+                "measured": max(peaks),
+                "predicted": prediction.device_bytes,
+                "host": prediction.host_bytes,
+                "error": prediction.device_bytes / max(peaks) - 1,
+                "breakdown": prediction.breakdown,
+            }
     return out
 
 
@@ -169,12 +175,20 @@ def budget(directory: Path) -> dict:
         L.seed_everything(0)
         probe = PeakMemory()
         strategy = ZeroStrategy(**c.strategy_args(), activation_checkpointing=Block if pick.checkpointing else None)
-        t = trainer(strategy, max_steps=3, callbacks=[probe], limit_val_batches=0,
-                    accumulate_grad_batches=pick.accumulate)
+        t = trainer(
+            strategy, max_steps=3, callbacks=[probe], limit_val_batches=0, accumulate_grad_batches=pick.accumulate
+        )
         t.fit(build("gpt"), models.loader(data("gpt"), pick.micro_batch))
-        out[str(mib)] = {"configuration": c.name, "checkpointing": pick.checkpointing, "micro_batch": pick.micro_batch,
-                         "accumulate": pick.accumulate, "predicted": pick.prediction.device_bytes,
-                         "host": pick.prediction.host_bytes, "measured": max(probe.peaks), "budget": mib * 2**20}
+        out[str(mib)] = {
+            "configuration": c.name,
+            "checkpointing": pick.checkpointing,
+            "micro_batch": pick.micro_batch,
+            "accumulate": pick.accumulate,
+            "predicted": pick.prediction.device_bytes,
+            "host": pick.prediction.host_bytes,
+            "measured": max(probe.peaks),
+            "budget": mib * 2**20,
+        }
     return out
 
 

@@ -35,7 +35,9 @@ BATCH, CLIP = 4, 1.0
 
 
 def gpt_data() -> RandomTokenDataset:
-    return RandomTokenDataset(num_samples=48, block_size=GPT_KWARGS["block_size"], vocab_size=GPT_KWARGS["vocab_size"], seed=5)
+    return RandomTokenDataset(
+        num_samples=48, block_size=GPT_KWARGS["block_size"], vocab_size=GPT_KWARGS["vocab_size"], seed=5
+    )
 
 
 def precision_kwargs(precision: str) -> dict:
@@ -141,7 +143,9 @@ class OverflowProbe(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy
         self.params.append(strategy.full_state_dict())
-        self.optim.append(strategy.optimizer_state(trainer.optimizers[0]) if strategy.zero_config.state_dict_type == "full" else {})
+        self.optim.append(
+            strategy.optimizer_state(trainer.optimizers[0]) if strategy.zero_config.state_dict_type == "full" else {}
+        )
         self.scales.append(strategy.precision_plugin.loss_scale)
 
 
@@ -225,9 +229,12 @@ def built_in_bf16(stage: int) -> dict:
     t = trainer(ZeroStrategy(stage=stage), max_steps=3, callbacks=[probe], precision="bf16-mixed")
     t.fit(module, models.loader(models.WideData(module.width), 8))
     state = t.strategy.full_state_dict()
-    return {"bytes": probe.bytes, "params": sum(p.numel() for p in module.parameters()),
-            "final_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-            "state": {k: digest(v) for k, v in state.items()} if RANK == 0 else {}}
+    return {
+        "bytes": probe.bytes,
+        "params": sum(p.numel() for p in module.parameters()),
+        "final_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+        "state": {k: digest(v) for k, v in state.items()} if RANK == 0 else {},
+    }
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -310,11 +317,19 @@ def collectives_tempdir() -> str:
 
 
 #: Every run of the loss-curve and master-weight tests: each stage and precision, and under accumulation.
-_TRACKING = [*(f"stage{s}_{p}" for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed", "bf16-true")),
-             *(f"stage{s}_{p}_accumulate" for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed"))]
+_TRACKING = [
+    *(f"stage{s}_{p}" for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed", "bf16-true")),
+    *(f"stage{s}_{p}_accumulate" for s in (1, 2, 3) for p in ("bf16-mixed", "16-mixed")),
+]
 #: `make test`'s share: each stage, each precision and accumulation at least once.
-TRACKED = ("stage1_16-mixed", "stage2_bf16-mixed", "stage3_bf16-mixed", "stage3_16-mixed", "stage2_bf16-true",
-           "stage3_16-mixed_accumulate")
+TRACKED = (
+    "stage1_16-mixed",
+    "stage2_bf16-mixed",
+    "stage3_bf16-mixed",
+    "stage3_16-mixed",
+    "stage2_bf16-true",
+    "stage3_16-mixed_accumulate",
+)
 
 
 def tracked(key: str) -> dict:

@@ -84,7 +84,11 @@ def fit(name: str, strategy, precision: str, accumulate: int = 1, build=None) ->
     observer = Observer()
     # 16-mixed goes in as a plugin (on CPU Lightning rewrites the string to bf16), with a loss scale that does
     # not overflow at the first steps, so the optimizer state exists when the bytes are counted.
-    kwargs = {"plugins": [ZeroPrecision("16-mixed", initial_scale=2.0**8)]} if precision == "16-mixed" else {"precision": precision}
+    kwargs = (
+        {"plugins": [ZeroPrecision("16-mixed", initial_scale=2.0**8)]}
+        if precision == "16-mixed"
+        else {"precision": precision}
+    )
     t = trainer(strategy, max_steps=STEPS, callbacks=[observer], accumulate_grad_batches=accumulate, **kwargs)
     t.fit(module, data_for(name))
     out = {"losses": observer.losses, "used_dtypes": observer.used_dtypes, "fp32_names": sorted(fp32_names), **counts}
@@ -108,7 +112,10 @@ def zero(name: str, stage: int, precision: str, accumulate: int = 1, **options) 
 
 
 LAYOUTS = {"stage1": dict(stage=1), "stage2": dict(stage=2), "stage3": dict(stage=3)}
-OFFLOAD = {"stage2_offload": dict(stage=2, offload_optimizer=True), "stage3_offload": dict(stage=3, offload_params=True)}
+OFFLOAD = {
+    "stage2_offload": dict(stage=2, offload_optimizer=True),
+    "stage3_offload": dict(stage=3, offload_params=True),
+}
 
 
 def zoo_cases(names, precisions, layouts) -> dict:
@@ -128,11 +135,19 @@ CASES = {
         **zoo_cases(["prenorm_mlp", "conv_groupnorm"], ["bf16-mixed"], OFFLOAD),
         **{f"{name}/bf16-mixed/ddp": fit(name, "ddp", "bf16-mixed") for name in ZOO},
         # Stage 3 keeps its units gathered through an accumulation window, where the router's cast met FSDP2's `_apply`.
-        **{f"accumulated/self_casting_router/stage{s}": zero("self_casting_router", s, "bf16-mixed", accumulate=2)
-           for s in (1, 3)},
-        **{f"bf16-true/self_casting_router/stage{s}": fit("self_casting_router", ZeroStrategy(stage=s), "bf16-true",
-                                                          build=lambda: FeatureModel(RoutedBlock, torch.bfloat16))
-           for s in (1, 2, 3)},
+        **{
+            f"accumulated/self_casting_router/stage{s}": zero("self_casting_router", s, "bf16-mixed", accumulate=2)
+            for s in (1, 3)
+        },
+        **{
+            f"bf16-true/self_casting_router/stage{s}": fit(
+                "self_casting_router",
+                ZeroStrategy(stage=s),
+                "bf16-true",
+                build=lambda: FeatureModel(RoutedBlock, torch.bfloat16),
+            )
+            for s in (1, 2, 3)
+        },
     },
     # `make test-all`: the whole matrix.
     "full": lambda: zoo_cases(ZOO, ["bf16-mixed", "16-mixed"], {**LAYOUTS, **OFFLOAD}),

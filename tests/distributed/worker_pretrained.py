@@ -105,7 +105,9 @@ def errors(directory: Path) -> dict:
     config = tiny_config("gpt2")
     config.n_layer = 3
     module = BuiltInConfigureModel("gpt2")
-    module.configure_model = lambda: setattr(module, "model", model_class("gpt2")(config)) if module.model is None else None
+    module.configure_model = lambda: (
+        setattr(module, "model", model_class("gpt2")(config)) if module.model is None else None
+    )
     t = trainer(ZeroStrategy(stage=3, init_weights=str(directory / "single"), init_weights_strict=False), max_steps=1)
     t.fit(module, models.loader(data(), 2))
     out["lenient_steps"] = t.global_step

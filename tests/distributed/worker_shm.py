@@ -28,9 +28,9 @@ def _compare(group, size: int, numel: int, dtype: torch.dtype) -> dict:
     expected = torch.cat([_inputs(r, numel, dtype)[:seg] for r in ranks])
     reduced = torch.empty(seg, dtype=dtype)
     collectives.reduce_scatter(reduced, _inputs(ranks[me], numel, dtype).clone(), group=group)
-    rank_order = _inputs(ranks[0], numel, dtype)[me * seg:(me + 1) * seg].clone()
+    rank_order = _inputs(ranks[0], numel, dtype)[me * seg : (me + 1) * seg].clone()
     for r in ranks[1:]:
-        rank_order += _inputs(r, numel, dtype)[me * seg:(me + 1) * seg]
+        rank_order += _inputs(r, numel, dtype)[me * seg : (me + 1) * seg]
     ring = torch.empty(seg, dtype=dtype)
     p2p_transport.RingReduceScatter(ring, _inputs(ranks[me], numel, dtype).clone(), group).wait()
     return {

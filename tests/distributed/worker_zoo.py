@@ -23,8 +23,10 @@ from tests.distributed import hf_zoo, models, nn_zoo
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
 from tests.launch import run_cases
 
-SYSTEMS = {"hf": ("zero1", "zero2", "zero3", "zero3_checkpointed"),
-           "nn": ("zero1", "zero2", "zero3", "zero3_checkpointed", "zero2_offload")}
+SYSTEMS = {
+    "hf": ("zero1", "zero2", "zero3", "zero3_checkpointed"),
+    "nn": ("zero1", "zero2", "zero3", "zero3_checkpointed", "zero2_offload"),
+}
 #: Runs that must train but compute otherwise than ``ddp`` in fp32: stage 3 under bf16-mixed (its fp32 norm units,
 #: their groups and the layers that stay in their blocks' units: ``fsdp2_units.one_dtype_units``).
 MIXED = {"hf": ("zero3_bf16",), "nn": ()}
@@ -49,10 +51,16 @@ def fit(zoo: ModuleType, kind: str, system: str) -> dict:
         checkpointed = None
         if system.endswith("checkpointed"):
             checkpointed = {hf_zoo.block_class(module) if zoo is hf_zoo else nn_zoo.CHECKPOINTED[kind]}
-        strategy = ZeroStrategy(stage=int(system[4]), activation_checkpointing=checkpointed,
-                                offload_optimizer=system.endswith("offload"))
-    t = trainer(strategy, max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP,
-                precision="bf16-mixed" if system.endswith("bf16") else "32-true")
+        strategy = ZeroStrategy(
+            stage=int(system[4]), activation_checkpointing=checkpointed, offload_optimizer=system.endswith("offload")
+        )
+    t = trainer(
+        strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        precision="bf16-mixed" if system.endswith("bf16") else "32-true",
+    )
     dataset = zoo.tokens()
     if plain:  # Lightning keeps a sampler the user set: rank r takes rows r, r + WORLD, ..., as the reference does
         sampler = DistributedSampler(dataset, WORLD, RANK, shuffle=False)
@@ -71,7 +79,7 @@ def plain_reference(module: L.LightningModule, dataset: TensorDataset) -> dict:
     for step in range(STEPS):
         for micro in range(ACCUMULATE):
             index = (step * ACCUMULATE + micro) % batches
-            losses = [module.training_step((r[index * BATCH:(index + 1) * BATCH],), index) for r in rows]
+            losses = [module.training_step((r[index * BATCH : (index + 1) * BATCH],), index) for r in rows]
             (sum(losses) / (WORLD * ACCUMULATE)).backward()
         torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
         optimizer.step()
@@ -90,8 +98,14 @@ def architecture(zoo: ModuleType, group: str, kind: str) -> dict:
             final = fit(zoo, kind, system)
             finite = all(bool(v.isfinite().all()) for v in final.values() if v.is_floating_point())
             weights = {n for n, _ in module_of(zoo, kind).named_parameters()}  # buffers (BatchNorm's) move otherwise
-            out[system] = {"finite": finite, "from_ddp": max_diff({n: final[n] for n in weights},
-                                                                  {n: reference[n] for n in weights})} if RANK == 0 else None
+            out[system] = (
+                {
+                    "finite": finite,
+                    "from_ddp": max_diff({n: final[n] for n in weights}, {n: reference[n] for n in weights}),
+                }
+                if RANK == 0
+                else None
+            )
     except Exception:  # the behaviour under test: which architecture fails, and how
         out["error"] = traceback.format_exc()
     return out

@@ -63,7 +63,11 @@ def in_background(test: Callable[[Path], None]) -> Callable:
     def wait_for_run(runs: Runs) -> None:
         runs.get(name).result()
 
-    wait_for_run.__name__, wait_for_run.__qualname__, wait_for_run.__doc__ = test.__name__, test.__qualname__, test.__doc__
+    wait_for_run.__name__, wait_for_run.__qualname__, wait_for_run.__doc__ = (
+        test.__name__,
+        test.__qualname__,
+        test.__doc__,
+    )
     wait_for_run.__module__ = test.__module__
     return pytest.mark.full(wait_for_run)
 
@@ -84,8 +88,9 @@ class Runs:
     The ``full`` runs start first: they are the longest.
     """
 
-    def __init__(self, make_folder: Callable[[str], Path], selected_files: set[str],
-                 selected_full_files: set[str] = frozenset()) -> None:
+    def __init__(
+        self, make_folder: Callable[[str], Path], selected_files: set[str], selected_full_files: set[str] = frozenset()
+    ) -> None:
         self._make_folder = make_folder
         self._executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="integration-run")
         self._started: dict[str, Started] = {}

@@ -24,30 +24,48 @@ WORKER = "tests.integration.worker_auto_resume"
 #: (kill, accumulate) -> (epoch, batch) of the first batch the resumed attempt trains on: where the newest
 #: complete checkpoint at the fault leaves off (see KILL_AT / CHECKPOINT_EVERY in the worker).
 RESUMES_AT = {
-    ("step", 1): (1, 0), ("step", 2): (1, 0),  # the epoch-0 end checkpoint; killed in epoch 1, batch 3
-    ("epoch", 1): (0, 6), ("epoch", 2): (0, 8),  # a mid-epoch checkpoint; killed later in the epoch
-    ("save", 1): (0, 3), ("save", 2): (0, 4),  # killed writing the step-6 (step-3) checkpoint: the one before
-    ("sigterm", 1): (0, 8), ("sigterm", 2): (0, 8),  # sigterm.ckpt, taken after batch 7
+    ("step", 1): (1, 0),
+    ("step", 2): (1, 0),  # the epoch-0 end checkpoint; killed in epoch 1, batch 3
+    ("epoch", 1): (0, 6),
+    ("epoch", 2): (0, 8),  # a mid-epoch checkpoint; killed later in the epoch
+    ("save", 1): (0, 3),
+    ("save", 2): (0, 4),  # killed writing the step-6 (step-3) checkpoint: the one before
+    ("sigterm", 1): (0, 8),
+    ("sigterm", 2): (0, 8),  # sigterm.ckpt, taken after batch 7
     ("node", 1): (0, 6),  # as "epoch", with one rank per torchrun agent
 }
 
 DEFAULT = ["s2-f32-a2-epoch"]
 #: kill -9 inside a step and while writing a checkpoint, at stages 2 and 3, five times each.
-REPEATED = [f"s{2 + (rep + save) % 2}-f32-a1-{'save' if save else 'step'}-{rep}" for rep in range(1, 6) for save in (0, 1)]
+REPEATED = [
+    f"s{2 + (rep + save) % 2}-f32-a1-{'save' if save else 'step'}-{rep}" for rep in range(1, 6) for save in (0, 1)
+]
 #: The other kill points; a kill inside a step or a save at stages 2-3 without accumulation is REPEATED's.
 FULL = [
-    "s2-f32-a1-epoch", "s3-f32-a2-epoch", "s3-f32-a2-save", "s2-f16-a2-epoch", "s3-f16-a1-save",
-    "s2-f32-a1-sigterm", "s3-f32-a2-sigterm",
+    "s2-f32-a1-epoch",
+    "s3-f32-a2-epoch",
+    "s3-f32-a2-save",
+    "s2-f16-a2-epoch",
+    "s3-f16-a1-save",
+    "s2-f32-a1-sigterm",
+    "s3-f32-a2-sigterm",
 ]
 
 
 def run(directory: Path, cases: list[str], timeout: float, nnodes: int = 1, late: float = 0.0) -> dict:
-    result = torchrun(WORKER, str(directory), *cases, nprocs=2 // nnodes, nnodes=nnodes, max_restarts=len(cases),
-                      timeout=timeout, env={"LATE_RESTART": str(late)})
+    result = torchrun(
+        WORKER,
+        str(directory),
+        *cases,
+        nprocs=2 // nnodes,
+        nnodes=nnodes,
+        max_restarts=len(cases),
+        timeout=timeout,
+        env={"LATE_RESTART": str(late)},
+    )
     (directory / "torchrun.log").write_text(result.output)  # kept with the run's files, to read when it fails
     assert result.returncode == 0, result.output[-8000:]
-    return {"output": result.output, "seconds": result.seconds,
-            **{case: compare(directory, case) for case in cases}}
+    return {"output": result.output, "seconds": result.seconds, **{case: compare(directory, case) for case in cases}}
 
 
 def compare(directory: Path, case: str) -> dict:
@@ -55,8 +73,10 @@ def compare(directory: Path, case: str) -> dict:
     stage, precision, accumulate, fault, *_ = case.split("-")
     reference_dir = directory / f"reference-{stage}-{precision}-{accumulate}"
     reference, resumed = torch.load(reference_dir / "reference.pt"), torch.load(directory / case / "run.pt")
-    param_diff = max((reference["params"][k].double() - resumed["params"][k].double()).abs().max().item()
-                     for k in reference["params"])
+    param_diff = max(
+        (reference["params"][k].double() - resumed["params"][k].double()).abs().max().item()
+        for k in reference["params"]
+    )
     steps = {"same_data": True, "same_rng": True, "covered": True, "processes": [], "resumed_at": [], "restarts": []}
     for rank in (0, 1):
         expected = {(r["epoch"], r["batch"]): r for r in _records(reference_dir / f"steps-reference-rank{rank}.jsonl")}
@@ -71,9 +91,13 @@ def compare(directory: Path, case: str) -> dict:
         steps["processes"].append(len(pids))
         steps["resumed_at"].append((last_process[0]["epoch"], last_process[0]["batch"]))
         steps["restarts"].append(last_process[0]["restarts"])  # the restarted process's TORCHELASTIC_RESTART_COUNT
-    return {"param_diff": param_diff, "global_step": (reference["global_step"], resumed["global_step"]),
-            "scale": (reference["scale"], resumed["scale"]), **steps,
-            "expected_resume": RESUMES_AT[(fault, int(accumulate[1:]))]}
+    return {
+        "param_diff": param_diff,
+        "global_step": (reference["global_step"], resumed["global_step"]),
+        "scale": (reference["scale"], resumed["scale"]),
+        **steps,
+        "expected_resume": RESUMES_AT[(fault, int(accumulate[1:]))],
+    }
 
 
 def _records(path: Path) -> list[dict]:
@@ -141,7 +165,9 @@ def test_kills_inside_a_step_and_a_save_resume_exactly_every_time(repeated, case
 def test_faults_happened_where_intended(full):
     output = full["output"]
     saves = sum(case.split("-")[3] == "save" for case in FULL)
-    assert output.count("SIGKILLs itself while writing") == saves  # mid-save: inside the checkpoint's temporary directory
+    assert (
+        output.count("SIGKILLs itself while writing") == saves
+    )  # mid-save: inside the checkpoint's temporary directory
     assert output.count("SIGTERM: saved") == 2 and "SIGTERM: no checkpoint taken" not in output
     assert f"[worker] rank 0 done (TORCHELASTIC_RESTART_COUNT={len(FULL)})" in output
 

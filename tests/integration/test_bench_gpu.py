@@ -23,7 +23,9 @@ import bench_gpu  # noqa: E402
 
 
 def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
@@ -36,7 +38,12 @@ def test_refuses_without_cuda(capsys) -> None:
 def test_ladder_doubles_width_then_depth() -> None:
     base = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     shapes = bench_gpu.ladder(base, 4)
-    assert [(s["n_layer"], s["n_embd"], s["n_head"]) for s in shapes] == [(2, 32, 2), (2, 64, 4), (4, 64, 4), (4, 128, 8)]
+    assert [(s["n_layer"], s["n_embd"], s["n_head"]) for s in shapes] == [
+        (2, 32, 2),
+        (2, 64, 4),
+        (4, 64, 4),
+        (4, 128, 8),
+    ]
 
 
 def test_mfu_counts_attention_and_uses_the_known_peak() -> None:
@@ -48,8 +55,14 @@ def test_mfu_counts_attention_and_uses_the_known_peak() -> None:
 
 def test_rounds_combine_into_the_median_of_each_rounds_ratio_to_ddp() -> None:
     def run(system: str, round_index: int, step_ms: float) -> dict:
-        return dict(system=system, round=round_index, step_ms=step_ms, tokens_per_s=1e3 / step_ms,
-                    cpu_ms_per_step=step_ms, mfu=None)
+        return dict(
+            system=system,
+            round=round_index,
+            step_ms=step_ms,
+            tokens_per_s=1e3 / step_ms,
+            cpu_ms_per_step=step_ms,
+            mfu=None,
+        )
 
     ddp = [run("ddp", 0, 10.0), run("ddp", 1, 30.0), run("ddp", 2, 12.0)]
     zero1 = [run("zero1", 0, 13.0), run("zero1", 1, 31.0), run("zero1", 2, 12.6)]  # 1.3, 1.03, 1.05 times DDP's
@@ -61,8 +74,17 @@ def test_rounds_combine_into_the_median_of_each_rounds_ratio_to_ddp() -> None:
 
 @background.in_background
 def test_both_parts_run_end_to_end_on_the_cpu() -> None:
-    proc = _run("--accelerator", "cpu", "--quick", "--systems", "zero3+offload_params",
-                "--search-systems", "zero2", "--rungs", "2")
+    proc = _run(
+        "--accelerator",
+        "cpu",
+        "--quick",
+        "--systems",
+        "zero3+offload_params",
+        "--search-systems",
+        "zero2",
+        "--rungs",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     throughput, _, largest = proc.stdout.partition("largest that trains")
     assert "zero3+offload_params" in throughput and "tokens/s" in throughput
@@ -72,8 +94,15 @@ def test_both_parts_run_end_to_end_on_the_cpu() -> None:
 def test_the_gpu_session_script_asks_only_for_what_the_benchmarks_accept() -> None:
     """benchmarks/gpu_session.sh is what a session with a GPU lent runs first: its commands must still parse when
     that session comes (a typo there would cost a device call)."""
-    listed = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh")], env={**os.environ, "DRY": "1"},
-                            capture_output=True, text=True, timeout=30, cwd=ROOT, check=True).stdout
+    listed = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_session.sh")],
+        env={**os.environ, "DRY": "1"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=True,
+    ).stdout
     commands = [shlex.split(line.split("): ", 1)[1]) for line in listed.splitlines() if line.startswith("== ")]
     assert len(commands) == 14, listed
     for command in commands:
@@ -90,8 +119,17 @@ def test_the_profile_part_shows_the_delayed_host_step_in_a_lane_of_its_own(tmp_p
     """The offloaded step's timeline (benchmarks/timeline.py) must see the host-step thread at all: torch.profiler
     records only the thread that entered it unless asked for every thread. Under ``offload_step_delay=1`` the host
     AdamW step runs in a background thread, so its lane is not the training thread's."""
-    proc = _run("--accelerator", "cpu", "--quick", "--part", "profile", "--systems", "zero2+offload_delay",
-                "--profile-dir", str(tmp_path))
+    proc = _run(
+        "--accelerator",
+        "cpu",
+        "--quick",
+        "--part",
+        "profile",
+        "--systems",
+        "zero2+offload_delay",
+        "--profile-dir",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = (tmp_path / "profile_zero2_offload_delay.txt").read_text().split("\n\n")[0].splitlines()
     assert table[0].startswith("timeline over 3 step(s)")

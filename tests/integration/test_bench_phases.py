@@ -19,9 +19,23 @@ SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 
 def breakdown_run(root) -> dict:
     result = subprocess.run(
-        [sys.executable, "benchmarks/bench_core.py", "--quick", "--systems", ",".join(SYSTEMS), "--steps", "1",
-         "--warmup", "1", "--profile-steps", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            "benchmarks/bench_core.py",
+            "--quick",
+            "--systems",
+            ",".join(SYSTEMS),
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "Phase breakdown" in result.stdout
@@ -42,7 +56,9 @@ def test_every_rank_of_every_system_has_a_breakdown(breakdown, system):
     assert len(phases) == 2
     for rank in phases:
         assert rank["forward"] > 0 and rank["backward"] > 0 and rank["step"] > 0
-        assert rank["total"] == pytest.approx(sum(rank[c] for c in ("forward", "backward", "step", "param_gather", "comm", "idle")))
+        assert rank["total"] == pytest.approx(
+            sum(rank[c] for c in ("forward", "backward", "step", "param_gather", "comm", "idle"))
+        )
 
 
 def test_parameter_gathers_are_where_each_system_does_them(breakdown):

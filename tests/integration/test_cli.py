@@ -39,12 +39,18 @@ def overrides(out) -> list[str]:
     """conf/gpt_zero3.yaml turned into cli_python_run.py's run with every override form; `${}` interpolation
     carries model.block_size into the data and max_steps into val_check_interval."""
     return [
-        "--config", "conf/gpt_zero3.yaml",
-        "model=gpt_tiny", "strategy=zero2_offload",  # group selection
-        "model.n_layer=1", "model.block_size=16", "data.batch_size=4", "trainer.max_steps=4",  # a.b=c (shorthands)
+        "--config",
+        "conf/gpt_zero3.yaml",
+        "model=gpt_tiny",
+        "strategy=zero2_offload",  # group selection
+        "model.n_layer=1",
+        "model.block_size=16",
+        "data.batch_size=4",
+        "trainer.max_steps=4",  # a.b=c (shorthands)
         "+trainer.limit_val_batches=2",  # add a key
         "~trainer.logger",  # drop a key (for the logger: logging off)
-        f"trainer.default_root_dir={out}", "trainer.enable_progress_bar=false",
+        f"trainer.default_root_dir={out}",
+        "trainer.enable_progress_bar=false",
         f"++trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {out}/cli.pt}}}}]",
     ]
 
@@ -54,8 +60,15 @@ def test_fit_from_yaml_and_overrides_equals_the_same_run_configured_in_python(tm
     """(`make test` composes in-process, tests/unit/test_cli_compose.py, and trains the main job from YAML with
     overrides, test_main_job.py.)"""
     ok(cli("fit", *overrides(tmp_path)))
-    ok(subprocess.run([sys.executable, "-m", "tests.integration.cli_python_run", str(tmp_path)], cwd=REPO,
-                      capture_output=True, text=True, timeout=300))
+    ok(
+        subprocess.run(
+            [sys.executable, "-m", "tests.integration.cli_python_run", str(tmp_path)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     from_cli = torch.load(tmp_path / "cli.pt", weights_only=True)
     from_python = torch.load(tmp_path / "python.pt", weights_only=True)
     assert from_cli["info"] == from_python["info"]
@@ -94,13 +107,25 @@ def test_the_printed_config_fed_back_prints_itself_and_trains_the_same_run(tmp_p
 def test_a_deepspeed_json_on_the_command_line_gives_the_explicit_arguments_run(tmp_path):
     """DeepSpeed's ZeRO-2 + CPU optimizer offload + fp16 example as `strategy.config=`: the strategy, precision,
     clipping, accumulation, optimizer and scheduler equal those of the explicit arguments."""
-    ok(cli(
-        "fit", "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "strategy=zero2", "~strategy.stage",
-        f"strategy.config={EXAMPLE}", "model.class_path=tests.integration.cli_support.OptimizerFromConfigGPT",
-        "data.batch_size=4", "trainer.max_steps=3", "+trainer.limit_val_batches=1", "~trainer.logger",
-        f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
-        f"++trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {tmp_path}/ds.pt}}}}]",
-    ))
+    ok(
+        cli(
+            "fit",
+            "--config",
+            "conf/gpt_zero3.yaml",
+            "model=gpt_tiny",
+            "strategy=zero2",
+            "~strategy.stage",
+            f"strategy.config={EXAMPLE}",
+            "model.class_path=tests.integration.cli_support.OptimizerFromConfigGPT",
+            "data.batch_size=4",
+            "trainer.max_steps=3",
+            "+trainer.limit_val_batches=1",
+            "~trainer.logger",
+            f"trainer.default_root_dir={tmp_path}",
+            "trainer.enable_progress_bar=false",
+            f"++trainer.callbacks=[{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {tmp_path}/ds.pt}}}}]",
+        )
+    )
     info = torch.load(tmp_path / "ds.pt", weights_only=True)["info"]
     explicit = ZeroStrategy(stage=2, offload_optimizer=True, pin_memory=True, bucket_size_mb=2e8 * 4 / 2**20)
     precision = ZeroPrecision("16-mixed", initial_scale=2.0**16, growth_interval=1000, hysteresis=2, min_scale=1.0)
@@ -115,15 +140,26 @@ def evaluation_subcommands(root) -> str:
     """`validate`, `test` and `predict` on one process (`trainer.devices=1`: no launcher re-runs the command), each
     through the same entry point as `lightning-zero`, in one Python process to start Python once."""
     runs = [
-        [subcommand, "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "trainer.devices=1",
-         f"+trainer.limit_{limit}_batches=2", "~trainer.logger", f"trainer.default_root_dir={root}",
-         "trainer.enable_progress_bar=false"]
+        [
+            subcommand,
+            "--config",
+            "conf/gpt_zero3.yaml",
+            "model=gpt_tiny",
+            "trainer.devices=1",
+            f"+trainer.limit_{limit}_batches=2",
+            "~trainer.logger",
+            f"trainer.default_root_dir={root}",
+            "trainer.enable_progress_bar=false",
+        ]
         for subcommand, limit in (("validate", "val"), ("test", "test"), ("predict", "predict"))
     ]
-    script = ("from lightning_zero.cli import main\n"
-              f"for argv in {runs!r}:\n    print('=====', argv[0], flush=True)\n    assert main(argv) == 0\n")
-    return ok(subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                             timeout=300)).stdout
+    script = (
+        "from lightning_zero.cli import main\n"
+        f"for argv in {runs!r}:\n    print('=====', argv[0], flush=True)\n    assert main(argv) == 0\n"
+    )
+    return ok(
+        subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    ).stdout
 
 
 background.register("evaluation_subcommands", evaluation_subcommands)

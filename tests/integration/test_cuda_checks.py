@@ -31,8 +31,13 @@ def test_refuses_without_cuda(capsys) -> None:
 @background.in_background
 def test_every_feature_row_passes_on_the_cpu() -> None:
     """benchmarks/cuda_features.py, the device's feature rows, through its CPU switch: each row ran and passed."""
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_features.py"), "--accelerator", "cpu"],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cuda_features.py"), "--accelerator", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and line.endswith(" |")]
     kinds = {row[0][2:] for row in rows[1:]}  # after the header
@@ -42,8 +47,9 @@ def test_every_feature_row_passes_on_the_cpu() -> None:
 
 @pytest.mark.full
 def test_every_check_passes_on_the_cpu() -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), "--accelerator", "cpu"], capture_output=True, text=True,
-                            timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--accelerator", "cpu"], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 32-true | stage")]
     assert len(rows) == len(cuda_checks.CASES)

@@ -43,7 +43,6 @@ _ELIDED = re.compile(r"#\s*elided:\s*(.*\S)")
 _MAIN_GUARD = re.compile(r"^if __name__ == [\"']__main__[\"']:", re.MULTILINE)
 
 
-
 @dataclass(frozen=True)
 class Snippet:
     page: str  # relative to the checkout

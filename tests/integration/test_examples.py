@@ -36,10 +36,12 @@ EXAMPLES = {
     "bert": lambda root: bert_first_run(root),
     "resnet": lambda root: resnet_runs(root),
     # 2 stages x 1 replica: stages x replicas on 4 ranks is tests/distributed/test_pipeline_trainer.py's
-    "pipeline": lambda root: run(sys.executable, "examples/gpt_pipeline.py", "--devices", "2", "--max-steps", "30",
-                                 "--out", str(root)),
-    "hf_finetune": lambda root: run(sys.executable, "examples/hf_finetune.py", "--out", str(root),
-                                    "--pretrain-steps", "30", "--max-steps", "20"),
+    "pipeline": lambda root: run(
+        sys.executable, "examples/gpt_pipeline.py", "--devices", "2", "--max-steps", "30", "--out", str(root)
+    ),
+    "hf_finetune": lambda root: run(
+        sys.executable, "examples/hf_finetune.py", "--out", str(root), "--pretrain-steps", "30", "--max-steps", "20"
+    ),
 }
 for _name, _run in EXAMPLES.items():
     background.register(f"example_{_name}", _run)
@@ -55,8 +57,17 @@ def test_quickstart(examples):
     assert last < first - 0.3, (first, last)
 
 
-BERT_ARGS = ["-m", "lightning_zero", "fit", "--config", "conf/bert_mlm_zero1.yaml", "trainer.val_check_interval=3",
-             "trainer.limit_val_batches=1", "trainer.callbacks.0.every_n_train_steps=3", "trainer.log_every_n_steps=1"]
+BERT_ARGS = [
+    "-m",
+    "lightning_zero",
+    "fit",
+    "--config",
+    "conf/bert_mlm_zero1.yaml",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=1",
+    "trainer.callbacks.0.every_n_train_steps=3",
+    "trainer.log_every_n_steps=1",
+]
 
 
 def bert_first_run(root) -> str:
@@ -76,8 +87,13 @@ def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints(examples):
 @background.in_background
 def test_bert_masked_lm_with_zero1_offload_fp16_checkpoints_and_resumes(tmp_path):
     first_run = bert_first_run(tmp_path)
-    resumed = run(sys.executable, *BERT_ARGS, f"trainer.default_root_dir={tmp_path}", "trainer.max_steps=10",
-                  f"+ckpt_path={tmp_path}/checkpoints/last.ckpt")
+    resumed = run(
+        sys.executable,
+        *BERT_ARGS,
+        f"trainer.default_root_dir={tmp_path}",
+        "trainer.max_steps=10",
+        f"+ckpt_path={tmp_path}/checkpoints/last.ckpt",
+    )
     # the model's own state came back with the weights: 6 steps x 16 samples x 2 ranks
     assert re.search(r"resumed at step 6: 192 samples seen, best val_loss \d+\.\d+", resumed), resumed[-2000:]
     rows = list(csv.DictReader(sorted(tmp_path.glob("logs/version_*/metrics.csv"))[-1].read_text().splitlines()))
@@ -120,7 +136,9 @@ def test_hf_finetune_loads_pretrained_weights_and_exports(examples):
     checkpointing from init_weights, exported, reloaded with from_pretrained."""
     out = examples["hf_finetune"].result()
     tmp_path = examples["hf_finetune"].root
-    before, after, uniform = map(float, re.search(r"val_loss: pretrained (\S+) -> fine-tuned (\S+) \(uniform guess (\S+)\)", out).groups())
+    before, after, uniform = map(
+        float, re.search(r"val_loss: pretrained (\S+) -> fine-tuned (\S+) \(uniform guess (\S+)\)", out).groups()
+    )
     reloaded = float(re.search(r"from_pretrained on one process: val_loss (\S+)", out).group(1))
     assert before < uniform - 0.5, "the fine-tune starts from the pretrained weights, not from scratch"
     assert after < before - 0.1

@@ -27,10 +27,25 @@ def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_mo
         f"{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {tmp_path}/run.pt}}}}]"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_zero", "fit", "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny",
-         "strategy=zero2", "trainer.max_steps=4", "+trainer.limit_val_batches=1", f"trainer.default_root_dir={tmp_path}",
-         "trainer.enable_progress_bar=false", callbacks],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lightning_zero",
+            "fit",
+            "--config",
+            "conf/gpt_zero3.yaml",
+            "model=gpt_tiny",
+            "strategy=zero2",
+            "trainer.max_steps=4",
+            "+trainer.limit_val_batches=1",
+            f"trainer.default_root_dir={tmp_path}",
+            "trainer.enable_progress_bar=false",
+            callbacks,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     rows = list(csv.DictReader(next(tmp_path.glob("logs/version_*/metrics.csv")).read_text().splitlines()))
@@ -54,9 +69,22 @@ def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_mo
 @background.in_background
 def test_monitor_figures_equal_the_benchmark_measurements_of_the_same_run():
     result = subprocess.run(
-        [sys.executable, "benchmarks/bench_core.py", "--quick", "--systems", "zero2,zero3+offload", "--monitor",
-         "--steps", "2", "--warmup", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "benchmarks/bench_core.py",
+            "--quick",
+            "--systems",
+            "zero2,zero3+offload",
+            "--monitor",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     runs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

@@ -26,15 +26,42 @@ def two_torchrun_nodes(tmp_path: Path, per_node: int, *overrides: str) -> list[d
     the ZeroMonitor's rows (one per step)."""
     port = str(free_port())
     command = [
-        "-m", "lightning_zero", "fit", "--config", "conf/gpt_zero3.yaml", "model=gpt_tiny", "trainer.max_steps=5",
-        "+trainer.limit_val_batches=1", f"trainer.default_root_dir={tmp_path}", "trainer.num_nodes=2",
-        f"trainer.devices={per_node}", "trainer.log_every_n_steps=1", *overrides,
+        "-m",
+        "lightning_zero",
+        "fit",
+        "--config",
+        "conf/gpt_zero3.yaml",
+        "model=gpt_tiny",
+        "trainer.max_steps=5",
+        "+trainer.limit_val_batches=1",
+        f"trainer.default_root_dir={tmp_path}",
+        "trainer.num_nodes=2",
+        f"trainer.devices={per_node}",
+        "trainer.log_every_n_steps=1",
+        *overrides,
     ]
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank),
-             "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port", port, *command],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                str(per_node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                *command,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for rank in (0, 1)
     ]
@@ -47,7 +74,11 @@ def two_torchrun_nodes(tmp_path: Path, per_node: int, *overrides: str) -> list[d
     world = 2 * per_node
     for rank in range(world):
         assert f"GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world}" in outputs[rank // per_node]
-    rows = [r for r in csv.DictReader(next(tmp_path.glob("logs/version_*/metrics.csv")).read_text().splitlines()) if r.get("monitor/state_MiB_rank0")]
+    rows = [
+        r
+        for r in csv.DictReader(next(tmp_path.glob("logs/version_*/metrics.csv")).read_text().splitlines())
+        if r.get("monitor/state_MiB_rank0")
+    ]
     assert len(rows) == 5
     return rows
 

@@ -13,11 +13,17 @@ from tests.distributed import models
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("start_method, stage", [
-    ("spawn", 3), ("fork", 2),
-    *(pytest.param(method, stage, marks=pytest.mark.full) for method, stage in
-      (("spawn", 1), ("spawn", 2), ("fork", 1), ("fork", 3))),
-])
+@pytest.mark.parametrize(
+    "start_method, stage",
+    [
+        ("spawn", 3),
+        ("fork", 2),
+        *(
+            pytest.param(method, stage, marks=pytest.mark.full)
+            for method, stage in (("spawn", 1), ("spawn", 2), ("fork", 1), ("fork", 3))
+        ),
+    ],
+)
 def test_spawned_training_returns_full_weights_to_the_main_process(start_method, stage, tmp_path, monkeypatch):
     temporary = tmp_path / "tmp"
     temporary.mkdir()

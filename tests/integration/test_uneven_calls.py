@@ -18,7 +18,7 @@ from tests.launch import REPO, free_port
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import lightning as L, torch
     from lightning.pytorch.demos.boring_classes import BoringModel
     from lightning_zero import ZeroStrategy
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
 
     if run().global_rank == 0:
         run()
-''')
+""")
 
 
 def rank_1_ends_after_the_first_fit(root: Path) -> dict:
@@ -39,11 +39,28 @@ def rank_1_ends_after_the_first_fit(root: Path) -> dict:
     script.write_text(SCRIPT)
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(script)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    return {"returncode": result.returncode, "seconds": time.monotonic() - started, "output": result.stdout + result.stderr}
+    return {
+        "returncode": result.returncode,
+        "seconds": time.monotonic() - started,
+        "output": result.stdout + result.stderr,
+    }
 
 
 background.register("rank_1_ends_after_the_first_fit", rank_1_ends_after_the_first_fit)
@@ -52,6 +69,8 @@ background.register("rank_1_ends_after_the_first_fit", rank_1_ends_after_the_fir
 def test_a_rank_starting_a_run_its_peer_ended_before_fails_at_once_naming_it(runs):
     result = runs.get("rank_1_ends_after_the_first_fit").result()
     assert result["returncode"] != 0
-    assert ("rank 0 starts another run, but rank(s) [1] ended their script after the last one and will not start it: "
-            "every rank must make the same Trainer calls") in result["output"], result["output"][-3000:]
+    assert (
+        "rank 0 starts another run, but rank(s) [1] ended their script after the last one and will not start it: "
+        "every rank must make the same Trainer calls"
+    ) in result["output"], result["output"][-3000:]
     assert result["seconds"] < 120  # the rendezvous timeout is 10 minutes

@@ -3,6 +3,7 @@ processes (reaped children: user and sys), to see what the background runs cost 
 
     python tests/integration/time_runs.py [NAME ...]     # from the repository root
 """
+
 import importlib
 import resource
 import sys
@@ -30,8 +31,11 @@ def main(selected: list[str]) -> None:
         except Exception as error:  # noqa: BLE001 - report and go on with the next run
             outcome = f"FAILED {type(error).__name__}"
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        print(f"{name:28s} wall {time.monotonic() - started:6.1f} s  cpu {after.ru_utime - before.ru_utime:6.1f} user"
-              f" + {after.ru_stime - before.ru_stime:5.1f} sys  {outcome}", flush=True)
+        print(
+            f"{name:28s} wall {time.monotonic() - started:6.1f} s  cpu {after.ru_utime - before.ru_utime:6.1f} user"
+            f" + {after.ru_stime - before.ru_stime:5.1f} sys  {outcome}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

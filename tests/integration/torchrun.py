@@ -24,23 +24,53 @@ class TorchrunResult:
     seconds: float
 
 
-def torchrun(module: str, *args: str, nprocs: int = 2, nnodes: int = 1, max_restarts: int = 1, timeout: float = 300,
-             env: dict | None = None) -> TorchrunResult:
+def torchrun(
+    module: str,
+    *args: str,
+    nprocs: int = 2,
+    nnodes: int = 1,
+    max_restarts: int = 1,
+    timeout: float = 300,
+    env: dict | None = None,
+) -> TorchrunResult:
     """``torchrun --max-restarts=max_restarts -m module args`` on ``nnodes`` agents of ``nprocs`` local workers each
     (several agents on this machine stand for several nodes). A run still going after ``timeout`` seconds is a
     hang: every process of it dumps its Python stacks into the output (workers that call
     ``faulthandler.register(SIGUSR1)``) and is killed; the result then has returncode -9."""
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex[:8]
-    commands = [[
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node),
-        "--nproc-per-node", str(nprocs), "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--monitor-interval", "0.1", "-m", module, *args,
-    ] for node in range(nnodes)]
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            str(nprocs),
+            "--max-restarts",
+            str(max_restarts),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            run_id,
+            "--monitor-interval",
+            "0.1",
+            "-m",
+            module,
+            *args,
+        ]
+        for node in range(nnodes)
+    ]
     # torch's default agent store, shared by every attempt, as a user's torchrun has it: ZeroStrategy must not
     # read an earlier attempt's keys there (lightning_zero/strategy/attempt_store.py).
     run_env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
-    run_env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                   **(env or {}))
+    run_env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})
+    )
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: workers torchrun leaves behind cannot block us
         agents = [subprocess.Popen(c, cwd=REPO, env=run_env, stdout=log, stderr=subprocess.STDOUT) for c in commands]

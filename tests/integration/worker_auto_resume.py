@@ -100,9 +100,14 @@ class DropoutModel(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y, index = batch
         seen = self.trainer.current_epoch * (SAMPLES // BATCH // 2) + batch_idx
-        record = dict(epoch=self.trainer.current_epoch, batch=batch_idx, samples=index.tolist(),
-                      rng=hashlib.md5(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12], pid=os.getpid(),
-                      restarts=RESTARTS)
+        record = dict(
+            epoch=self.trainer.current_epoch,
+            batch=batch_idx,
+            samples=index.tolist(),
+            rng=hashlib.md5(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12],
+            pid=os.getpid(),
+            restarts=RESTARTS,
+        )
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         loss = nn.functional.mse_loss(self(x), y)
@@ -125,7 +130,10 @@ class DropoutModel(L.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.8), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.8), "interval": "step"},
+        }
 
 
 class KillDuringSave(Callback):
@@ -159,23 +167,38 @@ def fit(case_dir: Path, run: str, stage: int, precision: str, accumulate: int, f
     callbacks = []
     if run == "run":
         every = CHECKPOINT_EVERY_FOR.get(case_dir.name.split("-")[3], CHECKPOINT_EVERY) // accumulate
-        callbacks.append(ModelCheckpoint(dirpath=case_dir / "checkpoints", filename="{epoch}-{step}",
-                                         every_n_train_steps=every, save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=case_dir / "checkpoints", filename="{epoch}-{step}", every_n_train_steps=every, save_top_k=-1
+            )
+        )
         if fault == "save":
             callbacks.insert(0, KillDuringSave(case_dir / "checkpoints", FAULT_AT["save"] // accumulate, marker))
     plugins = [ZeroPrecision("16-mixed", initial_scale=2.0**10, growth_interval=2)] if precision == "f16" else []
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), num_nodes=int(os.environ["GROUP_WORLD_SIZE"]),
-        strategy=ZeroStrategy(stage=stage, watchdog=fault != "node"), max_epochs=EPOCHS, accumulate_grad_batches=accumulate,
-        gradient_clip_val=1.0, plugins=plugins, callbacks=callbacks, enable_checkpointing=bool(callbacks),
-        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        num_nodes=int(os.environ["GROUP_WORLD_SIZE"]),
+        strategy=ZeroStrategy(stage=stage, watchdog=fault != "node"),
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=1.0,
+        plugins=plugins,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     loader = DataLoader(Numbers(), batch_size=BATCH, shuffle=True)
     trainer.fit(model, loader)
     state = trainer.strategy.full_state_dict()  # collective
     if RANK == 0:
-        torch.save({"params": state, "global_step": trainer.global_step, "scale": trainer.precision_plugin.loss_scale},
-                   case_dir / f"{run}.pt")
+        torch.save(
+            {"params": state, "global_step": trainer.global_step, "scale": trainer.precision_plugin.loss_scale},
+            case_dir / f"{run}.pt",
+        )
 
 
 def main(directory: Path, cases: list[str]) -> None:

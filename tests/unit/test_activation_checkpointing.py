@@ -36,8 +36,15 @@ def loss_of(model, x, y):
 
 @pytest.mark.parametrize(
     "spec",
-    [Block, {Block}, [Block], "lightning_zero.demo.gpt.Block", lambda m: isinstance(m, Block),
-     {"classes": ["lightning_zero.demo.gpt.Block"]}, {"classes": Block, "every": 1}],
+    [
+        Block,
+        {Block},
+        [Block],
+        "lightning_zero.demo.gpt.Block",
+        lambda m: isinstance(m, Block),
+        {"classes": ["lightning_zero.demo.gpt.Block"]},
+        {"classes": Block, "every": 1},
+    ],
 )
 def test_every_policy_form_selects_the_blocks(spec):
     names = apply_activation_checkpointing(gpt(), resolve_policy(spec))
@@ -46,7 +53,10 @@ def test_every_policy_form_selects_the_blocks(spec):
 
 def test_every_k_and_nested_matches():
     model = gpt()
-    assert apply_activation_checkpointing(model, resolve_policy({"classes": [Block], "every": 2})) == ["blocks.0", "blocks.2"]
+    assert apply_activation_checkpointing(model, resolve_policy({"classes": [Block], "every": 2})) == [
+        "blocks.0",
+        "blocks.2",
+    ]
     # a policy that also matches modules inside a chosen block checkpoints the outer one only
     names = apply_activation_checkpointing(gpt(), resolve_policy([Block, nn.Linear]))
     assert "blocks.0" in names and not any(n.startswith("blocks.0.") for n in names)
@@ -85,7 +95,9 @@ def test_bad_policies_fail_when_the_strategy_is_built(spec, needle):
 
 def test_deepspeed_switches_without_meaning_here_are_ignored_with_a_warning():
     with pytest.warns(UserWarning, match="contiguous_memory_optimization"):
-        policy = resolve_policy({"classes": [Block], "contiguous_memory_optimization": True, "cpu_checkpointing": False})
+        policy = resolve_policy(
+            {"classes": [Block], "contiguous_memory_optimization": True, "cpu_checkpointing": False}
+        )
     assert policy.every == 1
 
 
@@ -115,10 +127,10 @@ def test_layers_whose_forward_pre_hooks_compute_recompute_those_hooks_as_they_ra
     there; the recomputation runs the module's hooks again, so the checkpoint must begin before them, else the
     recomputed tensors do not match the saved ones (``CheckpointError``) and a hook that rewrites the input is
     applied twice."""
+
     def build() -> nn.Sequential:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.utils.weight_norm(nn.Conv1d(8, 8, 3, padding=1)),
-                              nn.Linear(4, 4), Scaled())
+        model = nn.Sequential(nn.utils.weight_norm(nn.Conv1d(8, 8, 3, padding=1)), nn.Linear(4, 4), Scaled())
         torch.nn.utils.prune.l1_unstructured(model[1], "bias", amount=0.5)
         return model
 
@@ -185,6 +197,7 @@ def test_buffers_a_forward_updates_are_updated_once_and_recomputed_as_they_were(
     statistics drifted, and spectral norm's recomputed weight was one power iteration further on (gradients 4.5e-2
     apart at the first step): against the same model without checkpointing, every buffer and gradient is equal after
     each step, also for a block run three times a forward."""
+
     def build():
         if shape == "two_blocks":
             return nn.Sequential(NormalizedBlock(), NormalizedBlock())
@@ -220,7 +233,9 @@ def test_checkpointing_keeps_only_block_inputs_and_one_blocks_activations():
         hooks = []
         for block in plain.blocks:
             hooks.append(block.register_forward_pre_hook(lambda m, a: per_block.append(-total["bytes"])))
-            hooks.append(block.register_forward_hook(lambda m, a, o: per_block.append(per_block.pop() + total["bytes"])))
+            hooks.append(
+                block.register_forward_hook(lambda m, a, o: per_block.append(per_block.pop() + total["bytes"]))
+            )
         loss_of(plain, x, y)
     without = total["bytes"]
     outside_blocks = without - sum(per_block)
@@ -243,7 +258,9 @@ def test_hugging_face_encoder_decoder_trains_checkpointed_with_its_cache_off_the
     from transformers.models.t5.modeling_t5 import T5Block
 
     torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0
+    )
     model = transformers.T5ForConditionalGeneration(config)
     plain = copy.deepcopy(model)
     x = torch.randint(0, 64, (2, 12))
@@ -271,8 +288,9 @@ def test_models_without_a_checkpointed_module_keep_their_cache():
     transformers = pytest.importorskip("transformers")
     from lightning_zero.activation_checkpointing import caches_off_for_training
 
-    model = nn.ModuleDict({"lm": transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2)),
-                           "other": gpt()})
+    model = nn.ModuleDict(
+        {"lm": transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2)), "other": gpt()}
+    )
     names = apply_activation_checkpointing(model, resolve_policy(Block))
     caches_off_for_training(model, names)
     assert model["lm"].config.use_cache

@@ -46,8 +46,10 @@ def test_samples_taken_while_the_main_thread_builds_layers_name_its_call_site():
 
 
 def test_the_main_threads_frames_are_read_from_a_dump_of_every_thread():
-    dump = ('Thread 0x0000000000000002 (most recent call first):\n  File "/x/other.py", line 3 in wait\n\n'
-            'Current thread 0x0000000000000001 (most recent call first):\n  File "/x/train.py", line 12 in step\n'
-            '  File "/x/train.py", line 30 in <module>\n')
+    dump = (
+        'Thread 0x0000000000000002 (most recent call first):\n  File "/x/other.py", line 3 in wait\n\n'
+        'Current thread 0x0000000000000001 (most recent call first):\n  File "/x/train.py", line 12 in step\n'
+        '  File "/x/train.py", line 30 in <module>\n'
+    )
     assert main_thread_frames(dump, 1) == [("/x/train.py", 12, "step"), ("/x/train.py", 30, "<module>")]
     assert main_thread_frames(dump, 2) == [("/x/other.py", 3, "wait")]

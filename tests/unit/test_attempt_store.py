@@ -26,8 +26,13 @@ def agent_store():
     attempt_store_module._JOINED.clear()
 
 
-def attempt(agent_store, world_size: int, start_after: dict[int, float] | None = None, timeout: float = 20,
-            ranks: list[int] | None = None) -> dict[int, dist.Store]:
+def attempt(
+    agent_store,
+    world_size: int,
+    start_after: dict[int, float] | None = None,
+    timeout: float = 20,
+    ranks: list[int] | None = None,
+) -> dict[int, dist.Store]:
     """One torchrun attempt: each rank (a thread) joins after its delay; returns every rank's store."""
     start_after = start_after or {}
 
@@ -89,7 +94,9 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(agent_store, caps
         with pytest.raises(AttemptStoreError, match=waiting):
             rank_1.result()
     assert time.monotonic() - started < 5
-    assert re.search(r"rank 0: waiting \d s so far for rank\(s\) \[2\] of this torchrun attempt", capsys.readouterr().err)
+    assert re.search(
+        r"rank 0: waiting \d s so far for rank\(s\) \[2\] of this torchrun attempt", capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("ended", [0, 1])
@@ -101,7 +108,10 @@ def test_a_rank_that_ended_its_script_is_named_at_once_by_a_peer_starting_anothe
     say_ended(rank=ended)
     started = time.monotonic()
     peer = 1 - ended
-    with pytest.raises(AttemptStoreError, match=rf"rank {peer} starts another run, but rank\(s\) \[{ended}\] ended their "
-                                                r"script after the last one"):
+    with pytest.raises(
+        AttemptStoreError,
+        match=rf"rank {peer} starts another run, but rank\(s\) \[{ended}\] ended their "
+        r"script after the last one",
+    ):
         attempt(agent_store, 2, ranks=[peer], timeout=20)
     assert time.monotonic() - started < 5

@@ -54,8 +54,11 @@ def test_cleanup_removes_temporaries_and_puts_back_a_checkpoint_moved_aside(tmp_
     (tmp_path / ".notes").write_text("someone else's")
     (tmp_path / "[weird]").mkdir()  # glob metacharacters in names must not confuse anything
     removed = clean_directory(tmp_path)
-    assert sorted(p.name for p in removed) == [".keep.ckpt.old-0000bbbb", ".keep.ckpt.tmp-0000aaaa",
-                                               ".moved.ckpt.tmp-0000dddd"]
+    assert sorted(p.name for p in removed) == [
+        ".keep.ckpt.old-0000bbbb",
+        ".keep.ckpt.tmp-0000aaaa",
+        ".moved.ckpt.tmp-0000dddd",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".notes", "[weird]", "keep.ckpt", "moved.ckpt"]
     assert inspect_checkpoint(tmp_path / "moved.ckpt", verify=True).global_step == 2
     assert remove_temporaries(tmp_path / "keep.ckpt") == []

@@ -183,8 +183,11 @@ def test_damage_behind_a_matching_manifest_still_ends_in_a_checkpoint_error(good
                 (good / file).write_bytes(_damage(original, how, rng))
                 write_manifest(good, {**manifest, **describe_files(good, [file])})
                 out = tmp_path / "out.pt"
-                for reader, run in (("verify", lambda: _verify(good)), ("load", lambda: _load(good)),
-                                    ("consolidate", lambda: consolidate(good, out))):
+                for reader, run in (
+                    ("verify", lambda: _verify(good)),
+                    ("load", lambda: _load(good)),
+                    ("consolidate", lambda: consolidate(good, out)),
+                ):
                     result = _outcome(run, file, lambda _: True, names=(str(good),)).replace("identical", "loaded")
                     outcomes[(file, reader)][result.split(":")[0]] += 1
                     if result not in ("named", "loaded"):

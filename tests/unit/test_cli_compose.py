@@ -39,13 +39,31 @@ def write(folder: Path, name: str, text: str) -> Path:
 
 def test_command_line_splits_overrides_from_lightning_arguments():
     command = CommandLine.parse(
-        ["fit", "--trainer.devices", "2", "--config", "a.yaml", "trainer.max_steps=5", "-c", "b.yaml", "+x.y=1",
-         "~trainer.logger", "--trainer.strategy", "zero3", "++z=2", "--print_config", "model.n_layer=4"]
+        [
+            "fit",
+            "--trainer.devices",
+            "2",
+            "--config",
+            "a.yaml",
+            "trainer.max_steps=5",
+            "-c",
+            "b.yaml",
+            "+x.y=1",
+            "~trainer.logger",
+            "--trainer.strategy",
+            "zero3",
+            "++z=2",
+            "--print_config",
+            "model.n_layer=4",
+        ]
     )
     assert command.configs == ["a.yaml", "b.yaml"]
     assert [(o.op, o.key, o.value) for o in command.overrides] == [
-        ("set", "trainer.max_steps", "5"), ("add", "x.y", "1"), ("delete", "trainer.logger", None),
-        ("force", "z", "2"), ("set", "model.n_layer", "4"),
+        ("set", "trainer.max_steps", "5"),
+        ("add", "x.y", "1"),
+        ("delete", "trainer.logger", None),
+        ("force", "z", "2"),
+        ("set", "model.n_layer", "4"),
     ]
     assert command.cli_args == ["--trainer.devices", "2", "--trainer.strategy", "zero3", "--print_config"]
     # the composed config goes where the first --config was, so later LightningCLI arguments still win
@@ -58,7 +76,9 @@ def test_command_line_splits_overrides_from_lightning_arguments():
 
 
 def test_a_value_of_a_lightning_option_is_not_taken_for_an_override():
-    command = CommandLine.parse(["fit", "--trainer.default_root_dir", "runs/a=b", "x=1", "--trainer.max_steps", "-1", "y=2"])
+    command = CommandLine.parse(
+        ["fit", "--trainer.default_root_dir", "runs/a=b", "x=1", "--trainer.max_steps", "-1", "y=2"]
+    )
     assert command.cli_args == ["--trainer.default_root_dir", "runs/a=b", "--trainer.max_steps", "-1"]
     assert [o.text for o in command.overrides] == ["x=1", "y=2"]
     assert not CommandLine.parse(["fit", "--trainer.max_steps", "3"]).composes
@@ -66,10 +86,27 @@ def test_a_value_of_a_lightning_option_is_not_taken_for_an_override():
 
 @pytest.mark.parametrize(
     "text, value",
-    [("3", 3), ("-1", -1), ("1e-3", 1e-3), ("2.0e-3", 2e-3), ("true", True), ("False", False), ("null", None),
-     ("[1, 2]", [1, 2]), ("{a: 1}", {"a": 1}), ("zero3", "zero3"), ("${model.x}", "${model.x}"), ("", ""),
-     ("'3'", "3"), ("exp #1", "exp #1"), ("run: 2", "run: 2"), ("1:30", "1:30"), ("yes", "yes"),
-     ("2024-01-01", "2024-01-01"), ("01", 1)],
+    [
+        ("3", 3),
+        ("-1", -1),
+        ("1e-3", 1e-3),
+        ("2.0e-3", 2e-3),
+        ("true", True),
+        ("False", False),
+        ("null", None),
+        ("[1, 2]", [1, 2]),
+        ("{a: 1}", {"a": 1}),
+        ("zero3", "zero3"),
+        ("${model.x}", "${model.x}"),
+        ("", ""),
+        ("'3'", "3"),
+        ("exp #1", "exp #1"),
+        ("run: 2", "run: 2"),
+        ("1:30", "1:30"),
+        ("yes", "yes"),
+        ("2024-01-01", "2024-01-01"),
+        ("01", 1),
+    ],
 )
 def test_override_values_read_as_yaml(text, value):
     assert parse_value(text) == value
@@ -96,9 +133,17 @@ def test_the_shipped_main_config_composes_its_groups_and_interpolations():
 
 def test_every_override_form_on_the_main_config():
     config = composed(
-        "--config", str(CONF / "gpt_zero3.yaml"),
-        "strategy=zero2_offload", "model=gpt_tiny", "trainer.max_steps=7", "model.n_layer=3", "strategy.bucket_size_mb=5",
-        "+trainer.limit_val_batches=2", "~trainer.logger", "data.batch_size=4", "++seed_everything=7",
+        "--config",
+        str(CONF / "gpt_zero3.yaml"),
+        "strategy=zero2_offload",
+        "model=gpt_tiny",
+        "trainer.max_steps=7",
+        "model.n_layer=3",
+        "strategy.bucket_size_mb=5",
+        "+trainer.limit_val_batches=2",
+        "~trainer.logger",
+        "data.batch_size=4",
+        "++seed_everything=7",
     )
     assert config["trainer"]["strategy"]["init_args"] == {"stage": 2, "offload_optimizer": True, "bucket_size_mb": 5}
     assert config["model"]["init_args"]["n_embd"] == 32  # gpt_tiny
@@ -112,11 +157,16 @@ def test_every_override_form_on_the_main_config():
 
 def test_defaults_order_self_packages_and_nested_files(tmp_path):
     write(tmp_path, "base.yaml", "trainer: {max_steps: 1, devices: 1}\n")
-    write(tmp_path, "strategy/a.yaml", "# @package trainer.strategy\nclass_path: lightning_zero.ZeroStrategy\ninit_args: {stage: 1}\n")
+    write(
+        tmp_path,
+        "strategy/a.yaml",
+        "# @package trainer.strategy\nclass_path: lightning_zero.ZeroStrategy\ninit_args: {stage: 1}\n",
+    )
     write(tmp_path, "extra/opt.yaml", "# @package _global_\ntrainer: {max_steps: 9}\nseed_everything: 3\n")
     write(tmp_path, "model/m.yaml", "class_path: lightning_zero.demo.GPTLightningModule\ninit_args: {n_layer: 1}\n")
     main = write(
-        tmp_path, "main.yaml",
+        tmp_path,
+        "main.yaml",
         """
         defaults:
           - base
@@ -130,7 +180,9 @@ def test_defaults_order_self_packages_and_nested_files(tmp_path):
     config = composed("--config", str(main), roots=[tmp_path])
     # _self_ before the groups: the groups win; `# @package` places the files; optional + missing is skipped
     assert config["trainer"] == {
-        "max_steps": 9, "devices": 1, "strategy": {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 1}}
+        "max_steps": 9,
+        "devices": 1,
+        "strategy": {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 1}},
     }
     assert config["seed_everything"] == 3
     # a group picked on the command line that no defaults list names is merged last
@@ -169,7 +221,10 @@ def test_groups_resolve_from_the_checkout_conf_when_the_config_lives_elsewhere(t
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.max_stpes=3", "unknown key 'trainer.max_stpes': lightning.pytorch.Trainer has no argument 'max_stpes'. Did you mean 'trainer.max_steps'?"),
+        (
+            "trainer.max_stpes=3",
+            "unknown key 'trainer.max_stpes': lightning.pytorch.Trainer has no argument 'max_stpes'. Did you mean 'trainer.max_steps'?",
+        ),
         ("+trainer.max_stpes=3", "Did you mean 'trainer.max_steps'?"),
         ("strategy.stgae=2", "lightning_zero.ZeroStrategy has no argument 'stgae'. Did you mean 'strategy.stage'?"),
         ("model.n_layr=2", "GPTLightningModule has no argument 'n_layr'. Did you mean 'model.n_layer'?"),
@@ -189,7 +244,10 @@ def test_override_errors_name_the_key_and_the_nearest_valid_one(override, messag
 
 
 def test_unknown_group_option_lists_the_options():
-    with pytest.raises(CLIConfigError, match=r"choose one of \['ddp', .*'zero3', 'zero3_compressed', 'zero3_hpz', 'zero3_hsdp', 'zero3_offload', 'zero3_offload_optimizer'\]\. Did you mean 'zero3'\?"):
+    with pytest.raises(
+        CLIConfigError,
+        match=r"choose one of \['ddp', .*'zero3', 'zero3_compressed', 'zero3_hpz', 'zero3_hsdp', 'zero3_offload', 'zero3_offload_optimizer'\]\. Did you mean 'zero3'\?",
+    ):
         composed("--config", str(CONF / "gpt_zero3.yaml"), "strategy=zero4")
 
 
@@ -199,8 +257,7 @@ def test_typos_inside_yaml_files_are_found_too(tmp_path):
         "modle: {}\n": "Did you mean 'model'?",
         "model: {class_path: lightning_zero.demo.GPTLightningModul}\n": "Did you mean 'GPTLightningModule'?",
         "model: {class_path: lightning_zero.demo.GPTLightningModule, init_args: {n_layr: 1}}\n": "model.init_args.n_layr",
-        "trainer: {callbacks: [{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {every_n_step: 1}}]}\n":
-            "Did you mean 'every_n_train_steps'?",
+        "trainer: {callbacks: [{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {every_n_step: 1}}]}\n": "Did you mean 'every_n_train_steps'?",
         "model: {class_path: no_such_module.Model}\n": "cannot be imported",
         "defaults: [{strategy: zero9}]\n": "main.yaml, defaults: strategy=zero9 names no strategy/zero9.yaml",
     }
@@ -226,7 +283,9 @@ def test_subcommand_keys_follow_the_subcommand():
 
 def test_list_items_are_addressed_by_index():
     main = str(CONF / "gpt_zero3.yaml")
-    callbacks = "++trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_top_k: 1}}]"
+    callbacks = (
+        "++trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_top_k: 1}}]"
+    )
     config = composed("--config", main, callbacks, "trainer.callbacks.0.save_top_k=3")
     assert config["trainer"]["callbacks"] == [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_top_k": 3}}
@@ -236,7 +295,11 @@ def test_list_items_are_addressed_by_index():
 
 
 def test_yaml_is_read_by_omegaconf_and_a_defaults_cycle_is_an_error(tmp_path):
-    main = write(tmp_path, "main.yaml", "defaults: [other]\nmodel: {class_path: lightning_zero.demo.GPTLightningModule, init_args: {learning_rate: 1e-3}}\n")
+    main = write(
+        tmp_path,
+        "main.yaml",
+        "defaults: [other]\nmodel: {class_path: lightning_zero.demo.GPTLightningModule, init_args: {learning_rate: 1e-3}}\n",
+    )
     write(tmp_path, "other.yaml", "seed_everything: 1\n")
     assert composed("--config", str(main), roots=[tmp_path])["model"]["init_args"]["learning_rate"] == 1e-3
     write(tmp_path, "other.yaml", "defaults: [main]\n")
@@ -251,7 +314,9 @@ def test_override_in_a_defaults_list_replaces_the_option_of_a_nested_list(tmp_pa
     assert "warmup_steps" not in config["model"]["init_args"]  # nothing of gpt_small leaks into gpt_tiny
     assert config["trainer"]["strategy"]["init_args"] == {"stage": 2}
     # the command line still wins over a file's override
-    assert composed("--config", str(main), "model=gpt_small", roots=[tmp_path, CONF])["model"]["init_args"]["n_layer"] == 4
+    assert (
+        composed("--config", str(main), "model=gpt_small", roots=[tmp_path, CONF])["model"]["init_args"]["n_layer"] == 4
+    )
     write(tmp_path, "orphan.yaml", "defaults: [{override data: chars}]\n")
     with pytest.raises(CLIConfigError, match="`override data: ...` in a defaults list matches no `data` entry"):
         composed("--config", str(tmp_path / "orphan.yaml"), roots=[tmp_path, CONF])
@@ -259,7 +324,8 @@ def test_override_in_a_defaults_list_replaces_the_option_of_a_nested_list(tmp_pa
 
 def test_a_group_picked_for_a_config_without_defaults_replaces_its_node(tmp_path):
     printed = write(
-        tmp_path, "printed.yaml",
+        tmp_path,
+        "printed.yaml",
         "trainer:\n  strategy: {class_path: lightning_zero.ZeroStrategy, init_args: {stage: 3, offload_optimizer: true, offload_params: true}}\n"
         "model: {class_path: lightning_zero.demo.GPTLightningModule, init_args: {n_layer: 1}}\n",
     )
@@ -273,7 +339,9 @@ def test_list_items_and_missing_keys_are_errors_not_crashes():
     main = str(CONF / "gpt_zero3.yaml")
     callbacks = "++trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint}]"
     assert composed("--config", main, callbacks, "~trainer.callbacks.0")["trainer"]["callbacks"] == []
-    replaced = composed("--config", main, callbacks, "trainer.callbacks.0={class_path: lightning.pytorch.callbacks.Timer}")
+    replaced = composed(
+        "--config", main, callbacks, "trainer.callbacks.0={class_path: lightning.pytorch.callbacks.Timer}"
+    )
     assert replaced["trainer"]["callbacks"] == [{"class_path": "lightning.pytorch.callbacks.Timer"}]
     for override, message in [
         ("trainer.callbacks.3.save_top_k=2", "`trainer.callbacks` is a list of 1; '3' is not an index of it"),
@@ -294,7 +362,10 @@ def test_unrelated_folders_next_to_a_config_do_not_hide_the_groups(tmp_path):
     config = composed("--config", str(main), roots=[tmp_path, CONF])
     assert config["model"]["init_args"]["n_layer"] == 2
     # a file named in a group file's defaults lands in that group's package
-    assert config["trainer"]["strategy"] == {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"bucket_size_mb": 4, "stage": 1}}
+    assert config["trainer"]["strategy"] == {
+        "class_path": "lightning_zero.ZeroStrategy",
+        "init_args": {"bucket_size_mb": 4, "stage": 1},
+    }
     write(tmp_path, "odd.yaml", "1: 2\n")
     with pytest.raises(CLIConfigError, match="unknown key '1'"):
         composed("--config", str(tmp_path / "odd.yaml"), roots=[tmp_path])

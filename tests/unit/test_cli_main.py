@@ -26,7 +26,9 @@ def printed(capsys, *argv: str) -> dict:
 
 
 def test_lightning_cli_arguments_after_the_config_win_over_it(capsys):
-    config = printed(capsys, "--config", MAIN, "trainer.max_steps=5", "--trainer.max_steps", "3", "--model.n_layer", "1")
+    config = printed(
+        capsys, "--config", MAIN, "trainer.max_steps=5", "--trainer.max_steps", "3", "--model.n_layer", "1"
+    )
     assert config["trainer"]["max_steps"] == 3
     assert config["trainer"]["val_check_interval"] == 5  # interpolated before LightningCLI saw --trainer.max_steps
     assert config["model"]["init_args"]["n_layer"] == 1
@@ -49,7 +51,10 @@ def test_errors_return_status_2_with_the_message(capsys):
     assert main(["fit", "--config", MAIN, "trainer.max_stpes=3"]) == 2
     assert "Did you mean 'trainer.max_steps'?" in capsys.readouterr().err
     assert main(["fit", "--config", MAIN, "strategy.config={zero_optimization: {stage: 2}}"]) == 2
-    assert "`stage` is given both in the DeepSpeed config (2) and as a ZeroStrategy argument (3)" in capsys.readouterr().err
+    assert (
+        "`stage` is given both in the DeepSpeed config (2) and as a ZeroStrategy argument (3)"
+        in capsys.readouterr().err
+    )
 
 
 # A user's mistake ends in one line naming the setting (and what it accepts) and exit status 2, found before any
@@ -135,7 +140,10 @@ def test_top_level_help_has_no_rest_markup(capsys):
     "override, needles",
     [
         ("trainer.max_stpes=3", ["unknown key 'trainer.max_stpes'", "Did you mean 'trainer.max_steps'?"]),
-        ("strategy.stage=7", ["trainer.strategy", "`stage=7` is not supported; choose one of (1, 2, 3). Did you mean 3?"]),
+        (
+            "strategy.stage=7",
+            ["trainer.strategy", "`stage=7` is not supported; choose one of (1, 2, 3). Did you mean 3?"],
+        ),
         ("strategy=zero4", ["strategy=zero4", "choose one of ['ddp',", "Did you mean 'zero3'?"]),
     ],
 )
@@ -151,8 +159,10 @@ def test_bad_input_is_one_line_naming_the_key_and_a_suggestion(capsys, override,
 @pytest.mark.parametrize(
     "override, needles",
     [
-        ("strategy.config={zero_optimization: {stage: 2, reduce_buket_size: 5}}",
-         ["zero_optimization.reduce_buket_size", "Did you mean 'reduce_bucket_size'"]),
+        (
+            "strategy.config={zero_optimization: {stage: 2, reduce_buket_size: 5}}",
+            ["zero_optimization.reduce_buket_size", "Did you mean 'reduce_bucket_size'"],
+        ),
         ("trainer.gradient_clip_val=0.5", ["gradient_clipping=1.0", "gradient_clip_val=0.5", "set it in one place"]),
         ("trainer.precision=bf16-mixed", ["DeepSpeed config ('16-mixed')", "trainer.precision='bf16-mixed'"]),
     ],

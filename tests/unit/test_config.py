@@ -29,9 +29,14 @@ from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
         (dict(offload_optimizer=True, offload_step_delay=True), ["offload_step_delay='True'", "(0, 1)"]),
         (dict(offload_step_delay=1), ["offload_step_delay=1", "offload_optimizer=True", "got offload_optimizer=False"]),
         (dict(offload_optimizer=0.5, offload_step_delay=1), ["offload_step_delay=1", "offload_optimizer=0.5"]),
-        (dict(stage=3, offload_optimizer=True, offload_step_delay=1), ["offload_step_delay=1", "stage=3", "stage=1 or 2"]),
-        (dict(stage=2, offload_optimizer=True, offload_step_delay=1, pipeline_stages=2),
-         ["offload_step_delay=1", "pipeline_stages=2"]),
+        (
+            dict(stage=3, offload_optimizer=True, offload_step_delay=1),
+            ["offload_step_delay=1", "stage=3", "stage=1 or 2"],
+        ),
+        (
+            dict(stage=2, offload_optimizer=True, offload_step_delay=1, pipeline_stages=2),
+            ["offload_step_delay=1", "pipeline_stages=2"],
+        ),
     ],
 )
 def test_bad_settings_name_the_setting_and_the_allowed_values(kwargs, needles):
@@ -62,7 +67,11 @@ def test_registered_names_build_the_strategy(name, stage):
 def test_offload_names_build_the_strategy(name, stage, offload_optimizer, offload_params):
     trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     config = trainer.strategy.zero_config
-    assert (trainer.strategy.stage, config.offload_optimizer, config.offload_params) == (stage, offload_optimizer, offload_params)
+    assert (trainer.strategy.stage, config.offload_optimizer, config.offload_params) == (
+        stage,
+        offload_optimizer,
+        offload_params,
+    )
     assert config.optimizer_on_host
 
 

@@ -55,11 +55,20 @@ def test_a_dict_works_like_a_file():
 @pytest.mark.parametrize(
     ("config", "needles"),
     [
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, ["offload_optimizer.device", "'cpu'"]),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+            ["offload_optimizer.device", "'cpu'"],
+        ),
         ({"zero_optimization": {"stage": 0}}, ["zero_optimization.stage=0", "1, 2 or 3"]),
-        ({"zero_optimization": {"stage": 2, "reduce_buket_size": 5e8}}, ["reduce_buket_size", "Did you mean 'reduce_bucket_size'"]),
+        (
+            {"zero_optimization": {"stage": 2, "reduce_buket_size": 5e8}},
+            ["reduce_buket_size", "Did you mean 'reduce_bucket_size'"],
+        ),
         ({"optimizer": {"type": "Lamb", "params": {}}}, ["optimizer.type='Lamb'", "AdamW"]),
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}, ["optimizer.params.max_grad_norm"]),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}},
+            ["optimizer.params.max_grad_norm"],
+        ),
         ({"scheduler": {"type": "OneCycle", "params": {}}}, ["scheduler.type='OneCycle'", "WarmupLR"]),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["fp16.enabled", "bf16.enabled"]),
         ({"fp16": {"enabled": True, "loss_scale_windw": 100}}, ["loss_scale_windw"]),
@@ -85,8 +94,11 @@ def test_tuning_keys_are_warnings_naming_them():
     [
         ({"pipeline": {"stages": 2}}, "'zero_optimization'", "'steps_per_print'"),
         ({"zero_optimization": {"stage": 2, "prefetch": 1}}, "'reduce_bucket_size'", "'allgather_bucket_size'"),
-        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "fast": 1}}}, "'pin_memory'",
-         "'buffer_count'"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "fast": 1}}},
+            "'pin_memory'",
+            "'buffer_count'",
+        ),
     ],
 )
 def test_the_error_lists_the_keys_accepted_with_a_warning_too(config, supported, ignored):
@@ -119,7 +131,12 @@ def test_a_setting_given_twice_with_different_values_is_an_error(strategy_kwargs
     [
         ({"gradient_clipping": 1.0}, dict(gradient_clip_val=2.0), 4, "Gradient clipping is given both"),
         ({"gradient_accumulation_steps": 2}, dict(accumulate_grad_batches=4), 4, "Gradient accumulation is given both"),
-        ({"train_micro_batch_size_per_gpu": 8}, {}, 4, "`train_micro_batch_size_per_gpu=8` but the training DataLoader"),
+        (
+            {"train_micro_batch_size_per_gpu": 8},
+            {},
+            4,
+            "`train_micro_batch_size_per_gpu=8` but the training DataLoader",
+        ),
         ({"train_batch_size": 8}, {}, 2, "`train_batch_size=8` but batch 2 x accumulation 1 x 2 ranks = 4"),
     ],
 )
@@ -143,7 +160,9 @@ def test_the_same_value_given_twice_is_fine():
 def test_activation_checkpointing_section_takes_its_modules_from_the_argument():
     from lightning_zero.demo.gpt import Block
 
-    strategy = ZeroStrategy(config={"activation_checkpointing": {"partition_activations": False}}, activation_checkpointing=Block)
+    strategy = ZeroStrategy(
+        config={"activation_checkpointing": {"partition_activations": False}}, activation_checkpointing=Block
+    )
     assert "Block" in strategy.checkpoint_policy.description
 
 

@@ -20,6 +20,7 @@ from lightning_zero.engine.comm.flight import FlightRecorder, Op
 from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, scheduled_seconds, this_process
 from tests.unit.diagnosis_records import CONTEXT, LIMITS, computing, marks, peer, record, waiting
 
+
 def test_limits_follow_the_timeout():
     short, default = Limits.for_timeout(8), Limits.for_timeout(60)
     assert short.pg_timeout > short.timeout and default.pg_timeout > default.timeout  # the diagnosis comes first
@@ -36,8 +37,12 @@ def test_a_healthy_or_merely_slow_peer_is_not_a_hang():
 
 
 def test_the_first_failure_is_every_ranks_error():
-    failure = {"rank": 1, "culprit": 1, "kind": "error",
-               "message": "rank 1 raised ValueError: boom (in training batch 2)"}
+    failure = {
+        "rank": 1,
+        "culprit": 1,
+        "kind": "error",
+        "message": "rank 1 raised ValueError: boom (in training batch 2)",
+    }
     found = decide(record(0, waiting()), {}, failure, LIMITS, CONTEXT)
     assert found.culprit == 1 and "ValueError: boom" in found.summary
     assert "This rank (0) was in training batch 2, waiting in reduce_scatter #16 (world op 39)" in found.summary
@@ -116,10 +121,16 @@ def test_a_rank_that_issued_this_ranks_collective_and_finished_is_not_early():
 
 def test_silent_divergence_the_first_differing_step_and_collective():
     common = [Op(14, "all_gather", 247, "float32"), Op(15, "reduce_scatter", 494, "float32")]
-    a = record(0, marks=marks(("train", 1, 12, 111, 30), ("train", 2, 15, 222, 38), ("train", 3, 19, 333, 48)),
-               recent=common + [Op(16, "all_reduce", 1, "float32"), Op(17, "reduce_scatter", 494, "float32")])
-    b = record(1, marks=marks(("train", 1, 12, 111, 30), ("train", 2, 15, 222, 38), ("train", 3, 18, 444, 47)),
-               recent=common + [Op(16, "reduce_scatter", 494, "float32")])
+    a = record(
+        0,
+        marks=marks(("train", 1, 12, 111, 30), ("train", 2, 15, 222, 38), ("train", 3, 19, 333, 48)),
+        recent=common + [Op(16, "all_reduce", 1, "float32"), Op(17, "reduce_scatter", 494, "float32")],
+    )
+    b = record(
+        1,
+        marks=marks(("train", 1, 12, 111, 30), ("train", 2, 15, 222, 38), ("train", 3, 18, 444, 47)),
+        recent=common + [Op(16, "reduce_scatter", 494, "float32")],
+    )
     assert compare_marks(a, a, CONTEXT) is None
     found = compare_marks(a, b, CONTEXT)
     assert found.kind == "diverged" and found.culprit == 1
@@ -133,13 +144,22 @@ def test_as_many_but_different_collectives_blame_no_rank_for_issuing_fewer():
     """Each rank took its own branch (an expert unit gathered on one rank, another on the other): the same count,
     different collectives, and neither is behind the other."""
     common = [Op(14, "all_gather", 247, "float32")]
-    a = record(0, marks=marks(("train", 1, 12, 111, 30), ("train", 2, 14, 222, 38)),
-               recent=common + [Op(15, "all_gather", 96, "float32", unit="experts.0"), Op(16, "all_reduce", 1, "float32")])
-    b = record(1, marks=marks(("train", 1, 12, 111, 30), ("train", 2, 14, 333, 38)),
-               recent=common + [Op(15, "all_gather", 96, "float32", unit="experts.1"), Op(16, "all_reduce", 1, "float32")])
+    a = record(
+        0,
+        marks=marks(("train", 1, 12, 111, 30), ("train", 2, 14, 222, 38)),
+        recent=common + [Op(15, "all_gather", 96, "float32", unit="experts.0"), Op(16, "all_reduce", 1, "float32")],
+    )
+    b = record(
+        1,
+        marks=marks(("train", 1, 12, 111, 30), ("train", 2, 14, 333, 38)),
+        recent=common + [Op(15, "all_gather", 96, "float32", unit="experts.1"), Op(16, "all_reduce", 1, "float32")],
+    )
     found = compare_marks(a, b, CONTEXT)
     assert found.kind == "diverged" and found.culprit is None
-    assert "2 collectives on rank 0, 2 on rank 1" in found.summary and "#15: all_gather #15 (96 x float32, experts.0)" in found.summary
+    assert (
+        "2 collectives on rank 0, 2 on rank 1" in found.summary
+        and "#15: all_gather #15 (96 x float32, experts.0)" in found.summary
+    )
     assert "(it issued fewer)" not in found.summary and "Neither issued fewer" in found.summary
 
 
@@ -203,7 +223,9 @@ def test_a_silent_peer_whose_process_runs_or_waits_for_a_core_is_busy_not_stale(
     assert decide(me, {1: Peer(silent, age, "alive", ran=age * 0.9)}, None, LIMITS, CONTEXT) is None
     found = decide(me, {1: Peer(silent, age, "alive", ran=0.1)}, None, LIMITS, CONTEXT)
     assert found.kind == "stale" and found.culprit == 1
-    assert decide(me, {1: Peer(silent, age, "unknown", ran=None)}, None, LIMITS, CONTEXT).kind == "stale"  # another host
+    assert (
+        decide(me, {1: Peer(silent, age, "unknown", ran=None)}, None, LIMITS, CONTEXT).kind == "stale"
+    )  # another host
     finished = record(0, waiting(blocked_for=1))
     assert exit_agreement(finished, {1: Peer(silent, age, "alive", ran=age)}, None, LIMITS, CONTEXT, 1.0) is None
 
@@ -214,8 +236,10 @@ def test_scheduled_seconds_tell_a_stopped_process_from_one_waiting_for_a_core():
     process stopped by SIGSTOP is charged nothing."""
     loop = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass"
     core = min(os.sched_getaffinity(0))
-    processes = [subprocess.Popen([sys.executable, "-c", loop], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-                 for _ in range(3)]
+    processes = [
+        subprocess.Popen([sys.executable, "-c", loop], preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+        for _ in range(3)
+    ]
     try:
         child = processes[0]
         window = 1.0
@@ -251,16 +275,28 @@ def test_a_rank_that_was_paused_says_so():
 
 def test_explain_a_communication_error_with_what_the_peers_do():
     me = record(0, waiting())
-    found = explain(me, {1: peer(record(1, computing(site="x.py:1 in f")), age=2)}, LIMITS, CONTEXT,
-                    "[pair.cc:553] Connection closed by peer\nmore")
+    found = explain(
+        me,
+        {1: peer(record(1, computing(site="x.py:1 in f")), age=2)},
+        LIMITS,
+        CONTEXT,
+        "[pair.cc:553] Connection closed by peer\nmore",
+    )
     assert "Connection closed by peer" in found.summary and "more" not in found.summary
     seen = "rank 1 was last seen (2 s ago) in training batch 2, not in a collective, called from x.py:1 in f"
     assert seen in found.summary
 
 
 def test_records_round_trip():
-    rec = record(3, waiting(), marks=marks(("train", 0, 1, 2, 3)), recent=[Op(1, "all_gather", 4, "bfloat16")],
-                 steps={"train": 1}, proc=this_process(), signal="SIGTERM")
+    rec = record(
+        3,
+        waiting(),
+        marks=marks(("train", 0, 1, 2, 3)),
+        recent=[Op(1, "all_gather", 4, "bfloat16")],
+        steps={"train": 1},
+        proc=this_process(),
+        signal="SIGTERM",
+    )
     assert Record.decode(rec.encode()) == rec
 
 

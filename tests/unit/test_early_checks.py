@@ -22,8 +22,10 @@ from lightning_zero.strategy.early_checks import check_ckpt_path, check_strategy
 from lightning_zero.strategy.launcher import ZeroScriptLauncher
 from tests.distributed import models
 
-NAMES = ("zero1, zero1_hsdp, zero1_offload, zero2, zero2_compressed, zero2_hsdp, zero2_offload, zero2_offload_delay, "
-         "zero3, zero3_compressed, zero3_hpz, zero3_hsdp, zero3_offload, zero3_offload_optimizer")
+NAMES = (
+    "zero1, zero1_hsdp, zero1_offload, zero2, zero2_compressed, zero2_hsdp, zero2_offload, zero2_offload_delay, "
+    "zero3, zero3_compressed, zero3_hpz, zero3_hsdp, zero3_offload, zero3_offload_optimizer"
+)
 
 
 def test_an_unknown_zero_strategy_name_lists_ours_and_the_class_form():
@@ -45,8 +47,11 @@ def test_other_unknown_names_get_lightnings_own_error_and_registered_names_work(
 
 
 def test_the_cli_schema_gives_the_same_message():
-    with pytest.raises(ZeroConfigError, match=r"^trainer\.strategy='zero4' is not a lightning_zero strategy: the names "
-                                              r"are zero1, .* \(or ZeroStrategy\(stage=1\|2\|3, \.\.\.\)\)\."):
+    with pytest.raises(
+        ZeroConfigError,
+        match=r"^trainer\.strategy='zero4' is not a lightning_zero strategy: the names "
+        r"are zero1, .* \(or ZeroStrategy\(stage=1\|2\|3, \.\.\.\)\)\.",
+    ):
         expand_registered_name("zero4")
     assert expand_registered_name("zero2")["init_args"] == {"stage": 2}
     assert expand_registered_name("ddp") is not None
@@ -66,8 +71,10 @@ def checkpoints(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("value", [None, "last", "best", "hpc", "registry", "registry:my-model:v2", "s3://b/x.ckpt",
-                                   "full.ckpt", "sharded.ckpt"])
+@pytest.mark.parametrize(
+    "value",
+    [None, "last", "best", "hpc", "registry", "registry:my-model:v2", "s3://b/x.ckpt", "full.ckpt", "sharded.ckpt"],
+)
 def test_named_checkpoints_urls_and_whole_checkpoints_pass(checkpoints, monkeypatch, value):
     monkeypatch.chdir(checkpoints)
     check_ckpt_path(value)
@@ -75,12 +82,18 @@ def test_named_checkpoints_urls_and_whole_checkpoints_pass(checkpoints, monkeypa
 
 def test_a_missing_path_or_a_directory_that_is_no_checkpoint_names_ckpt_path(checkpoints):
     missing = checkpoints / "missing.ckpt"
-    with pytest.raises(FileNotFoundError, match=rf"^ckpt_path={missing}: no such file or directory; give a checkpoint "
-                                                "file or sharded checkpoint directory, or 'last'.$"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"^ckpt_path={missing}: no such file or directory; give a checkpoint "
+        "file or sharded checkpoint directory, or 'last'.$",
+    ):
         check_ckpt_path(missing)
     folder = checkpoints / "not_a_checkpoint"
-    with pytest.raises(CheckpointError, match=rf"^ckpt_path={folder}: {folder} is not a lightning_zero checkpoint "
-                                              "directory: it has no manifest.json"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^ckpt_path={folder}: {folder} is not a lightning_zero checkpoint "
+        "directory: it has no manifest.json",
+    ):
         check_ckpt_path(str(folder))
 
 
@@ -96,9 +109,17 @@ def fit(monkeypatch, tmp_path):
     monkeypatch.setattr(ZeroScriptLauncher, "_call_children_scripts", started)
 
     def fit(strategy, ckpt_path=None, set_on_trainer=None):
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            default_root_dir=tmp_path)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy,
+            max_steps=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
         if set_on_trainer is not None:
             trainer.ckpt_path = set_on_trainer
         trainer.fit(models.Regression(), models.loader(models.IndexedData(), 4), ckpt_path=ckpt_path)
@@ -125,9 +146,17 @@ def test_fit_with_a_valid_ckpt_path_goes_on_to_start_the_ranks(fit, checkpoints,
 
 
 def test_the_spawn_launcher_checks_before_spawning(tmp_path):
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2, start_method="spawn"),
-                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ZeroStrategy(stage=2, start_method="spawn"),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     with pytest.raises(FileNotFoundError, match=r"^ckpt_path=missing.ckpt: no such file or directory"):
         trainer.fit(models.Regression(), models.loader(models.IndexedData(), 4), ckpt_path="missing.ckpt")
     assert not multiprocessing.active_children()

@@ -13,7 +13,15 @@ import yaml
 from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.cli.estimate import main as estimate_main
 from lightning_zero.demo import GPTConfig, count_parameters
-from lightning_zero.planning.formulas import CHOICES, CHOICES_BY_NAME, GIB, estimate, fastest_fitting, model_state_split, parse_bytes
+from lightning_zero.planning.formulas import (
+    CHOICES,
+    CHOICES_BY_NAME,
+    GIB,
+    estimate,
+    fastest_fitting,
+    model_state_split,
+    parse_bytes,
+)
 from tests.launch import REPO
 
 BY_NAME = CHOICES_BY_NAME
@@ -47,7 +55,9 @@ def test_formulas(params, world, choice, precision, device, host):
 def test_host_memory_is_per_node_and_nodes_multiply_the_ranks():
     rows = {e.choice.name: e for e in estimate(1.3e9, devices=8, nodes=2, precision="bf16-mixed")}
     assert rows["zero3"].device_bytes == pytest.approx(16 * 1.3e9 / 16)
-    assert rows["zero2_offload"].host_bytes_per_node == pytest.approx(8 * 16 * 1.3e9 / 16)  # 8 devices share a node's RAM
+    assert rows["zero2_offload"].host_bytes_per_node == pytest.approx(
+        8 * 16 * 1.3e9 / 16
+    )  # 8 devices share a node's RAM
 
 
 def test_the_delayed_update_has_a_row_and_is_never_the_pick():
@@ -58,7 +68,9 @@ def test_the_delayed_update_has_a_row_and_is_never_the_pick():
     assert names.index("zero2_offload_delay") == names.index("zero2_offload") + 1
     delayed = rows[names.index("zero2_offload_delay")]
     assert (delayed.choice.offload, delayed.choice.strategy()["init_args"]) == (
-        "optimizer, delayed", {"stage": 2, "offload_optimizer": True, "offload_step_delay": 1})
+        "optimizer, delayed",
+        {"stage": 2, "offload_optimizer": True, "offload_step_delay": 1},
+    )
     picks = {fastest_fitting(rows, quarters * GIB / 4).choice.name for quarters in range(1, 100)}
     assert "zero2_offload" in picks and "zero2_offload_delay" not in picks
 
@@ -68,7 +80,9 @@ def test_the_fastest_fitting_choice_and_memory_sizes():
     assert fastest_fitting(rows, parse_bytes("80GiB")).choice.name == "zero1"  # ddp needs 112 GB
     assert fastest_fitting(rows, parse_bytes("16GiB")).choice.name == "zero3"
     assert fastest_fitting(rows, parse_bytes("8GiB")).choice.name == "zero3_offload_optimizer"
-    assert fastest_fitting(rows, parse_bytes("8GiB"), host_bytes_per_node=parse_bytes("64GiB")) is None  # 112 GB offloaded
+    assert (
+        fastest_fitting(rows, parse_bytes("8GiB"), host_bytes_per_node=parse_bytes("64GiB")) is None
+    )  # 112 GB offloaded
     assert parse_bytes("80GB") == 80e9 and parse_bytes("24000MiB") == 24000 * 2**20 and parse_bytes("2 GiB") == 2 * GIB
     for bad in ("80 parsecs", "80", "1.2.3GiB"):
         with pytest.raises(ValueError, match="write a number and a unit"):
@@ -86,9 +100,9 @@ def _png_text(path) -> dict[str, str]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     chunks, offset = {}, 8
     while offset < len(data):
-        (length,), kind = struct.unpack(">I", data[offset:offset + 4]), data[offset + 4:offset + 8]
-        body = data[offset + 8:offset + 8 + length]
-        assert struct.unpack(">I", data[offset + 8 + length:offset + 12 + length])[0] == zlib.crc32(kind + body)
+        (length,), kind = struct.unpack(">I", data[offset : offset + 4]), data[offset + 4 : offset + 8]
+        body = data[offset + 8 : offset + 8 + length]
+        assert struct.unpack(">I", data[offset + 8 + length : offset + 12 + length])[0] == zlib.crc32(kind + body)
         if kind == b"tEXt":
             key, _, value = body.partition(b"\0")
             chunks[key.decode()] = value.decode("latin-1")
@@ -103,8 +117,27 @@ def table_rows(out: str) -> dict[str, list[str]]:
 
 def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_group_per_stage(tmp_path, capsys):
     plot, output = tmp_path / "memory.png", tmp_path / "strategy" / "recommended.yaml"
-    assert estimate_main(["--params", "1.3e9", "--devices", "16", "--devices-per-node", "8", "--precision", "bf16-mixed",
-                          "--memory-per-device", "3GiB", "--plot", str(plot), "--output", str(output)]) == 0
+    assert (
+        estimate_main(
+            [
+                "--params",
+                "1.3e9",
+                "--devices",
+                "16",
+                "--devices-per-node",
+                "8",
+                "--precision",
+                "bf16-mixed",
+                "--memory-per-device",
+                "3GiB",
+                "--plot",
+                str(plot),
+                "--output",
+                str(output),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "on 16 rank(s) (2 node(s) x 8 device(s)), bf16-mixed" in out
     rows = table_rows(out)
@@ -115,7 +148,10 @@ def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_gr
     # the pick is marked in the table, and only there
     assert [name for name, row in rows.items() if row[-2:] == ["<-", "pick"]] == ["zero2_offload"]
     written = yaml.safe_load(output.read_text())
-    assert written == {"class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 2, "offload_optimizer": True}}
+    assert written == {
+        "class_path": "lightning_zero.ZeroStrategy",
+        "init_args": {"stage": 2, "offload_optimizer": True},
+    }
     assert output.read_text().startswith("# @package trainer.strategy\n")
 
     shown = json.loads(_png_text(plot)["Description"])
@@ -128,7 +164,7 @@ def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_gr
 
     image = imread(plot)
     x0, _, x1, bottom = shown["axes_px"]
-    row = image[bottom - 3, x0 + 2:x1 - 2, :3]
+    row = image[bottom - 3, x0 + 2 : x1 - 2, :3]
     inked = [bool((pixel < 0.9).any()) for pixel in row]
     unit = (x1 - x0) / len(shown["groups"])
     clusters, last = 0, None
@@ -144,12 +180,18 @@ def test_command_prints_the_table_writes_the_recommendation_and_plots_one_bar_gr
 
 
 def test_nothing_fits_is_exit_status_1(capsys):
-    assert estimate_main(["--params", "7e9", "--devices", "1", "--memory-per-device", "1GiB",
-                          "--memory-per-host", "64GiB"]) == 1
+    assert (
+        estimate_main(
+            ["--params", "7e9", "--devices", "1", "--memory-per-device", "1GiB", "--memory-per-host", "64GiB"]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "nothing fits in 1.00 GiB per device and 64.00 GiB per host" in out
     fits = [row[-1] for row in table_rows(out).values()]
-    assert fits == ["no"] * len([c for c in CHOICES if not c.across_nodes])  # zero3_offload needs no device memory but 104 GiB of host
+    assert fits == ["no"] * len(
+        [c for c in CHOICES if not c.across_nodes]
+    )  # zero3_offload needs no device memory but 104 GiB of host
 
 
 def test_devices_counts_every_rank_as_in_plan(capsys):

@@ -49,18 +49,31 @@ def test_a_rank_that_died_in_native_code_is_read_back_from_its_flight_file_and_s
     assert dead.ops == 41 and [op.number for op in dead.recent] == list(range(10, 42))
     assert dead.recent[-1] == Op(41, "all_gather", 1056, "float32")
     assert dead.phase == "val" and dead.batch == 0 and dead.steps == {"val": 1}
-    assert dead.activity.in_collective and dead.activity.op == 41 and dead.activity.site == "project/train.py:16 in validation_step"
+    assert (
+        dead.activity.in_collective
+        and dead.activity.op == 41
+        and dead.activity.site == "project/train.py:16 in validation_step"
+    )
     assert dead.crash.startswith("SIGABRT; its Python stack is in ") and dead.crash.endswith("rank1.fatal")
-    me = record(0, waiting(kind="all_gather", op=41), phase="val", batch=1,
-                recent=[Op(n, "all_gather", 2624, "float32") for n in range(30, 42)], ops=41)
+    me = record(
+        0,
+        waiting(kind="all_gather", op=41),
+        phase="val",
+        batch=1,
+        recent=[Op(n, "all_gather", 2624, "float32") for n in range(30, 42)],
+        ops=41,
+    )
     found = decide(me, {1: peer(dead, liveness="dead")}, None, LIMITS, CONTEXT)
     assert found == crashed(dead, me) and found.culprit == 1
-    assert found.summary.startswith(
-        "rank 1's process crashed in native code (SIGABRT; its Python stack is in ")
-    assert ("in validation batch 0, in all_gather #41 (1056 x float32), called from project/train.py:16 in "
-            "validation_step. gloo aborts a process whose collective does not match its peer's") in found.summary
-    assert ("the first that differs is #41: all_gather #41 (1056 x float32) on rank 1 vs all_gather #41 (2624 x "
-            "float32) on rank 0") in found.summary
+    assert found.summary.startswith("rank 1's process crashed in native code (SIGABRT; its Python stack is in ")
+    assert (
+        "in validation batch 0, in all_gather #41 (1056 x float32), called from project/train.py:16 in "
+        "validation_step. gloo aborts a process whose collective does not match its peer's"
+    ) in found.summary
+    assert (
+        "the first that differs is #41: all_gather #41 (1056 x float32) on rank 1 vs all_gather #41 (2624 x "
+        "float32) on rank 0"
+    ) in found.summary
     assert "Every rank must issue the same collectives in the same order" in found.hint
 
 
@@ -71,10 +84,23 @@ def test_a_rank_gloo_aborted_after_its_collective_returned_still_gets_the_mismat
     from lightning_zero.faults.diagnosis import crashed
 
     after = Activity(False, None, None, 80, 0.0, "project/train.py:16 in validation_step", None, "all_gather #41")
-    dead = record(1, after, phase="val", batch=0, recent=[Op(41, "all_gather", 1056, "float32")], ops=41,
-                  crash="SIGABRT; its Python stack is in /tmp/rank1.fatal")
-    me = record(0, waiting(kind="all_gather", op=41), phase="val", batch=0,
-                recent=[Op(41, "all_gather", 2624, "float32")], ops=41)
+    dead = record(
+        1,
+        after,
+        phase="val",
+        batch=0,
+        recent=[Op(41, "all_gather", 1056, "float32")],
+        ops=41,
+        crash="SIGABRT; its Python stack is in /tmp/rank1.fatal",
+    )
+    me = record(
+        0,
+        waiting(kind="all_gather", op=41),
+        phase="val",
+        batch=0,
+        recent=[Op(41, "all_gather", 2624, "float32")],
+        ops=41,
+    )
     found = crashed(dead, me)
     assert "not in a collective (the last it issued: all_gather #41)" in found.summary
     assert "gloo aborts a process whose collective does not match its peer's" in found.summary
@@ -153,4 +179,5 @@ def test_collectives_of_different_stage_3_units_part_the_digests_and_are_named(t
     assert [Op(*op) for op in snapshot.recent] == a.recent_ops()
     assert first_difference(a.recent_ops(), b.recent_ops(), 1, ranks=(0, 1)) == (
         "#2: all_gather #2 (72 x float32, blocks.0.experts.0) on rank 0 vs all_gather #2 (72 x float32, "
-        "blocks.0.experts.1) on rank 1")
+        "blocks.0.experts.1) on rank 1"
+    )

@@ -73,8 +73,7 @@ def test_a_merged_unit_listed_once_per_module_is_reduced_once_a_backward():
         merged = fsdp2_private.own_groups(module[0])[0]
         completed: list[Any] = []
         for group in fsdp2_private.param_groups(module):
-            fsdp2_private.watch_post_backward(
-                group, lambda g: completed.append(g) if g is merged else None)
+            fsdp2_private.watch_post_backward(group, lambda g: completed.append(g) if g is merged else None)
         x = torch.randn(3, 4)
         module(x).square().sum().backward()  # FSDP2's lazy initialisation built the state list
         first = [p.grad.full_tensor().clone() for p in module[0].parameters()]
@@ -156,12 +155,16 @@ def test_a_write_to_a_gathered_parameter_is_copied_into_its_shard(sharded):
     sharded.reshard()
 
 
-@pytest.mark.parametrize("owner, attribute", [("FSDPParamGroup", "post_forward_mesh_info"), ("FSDPParam", "sharded_param")])
+@pytest.mark.parametrize(
+    "owner, attribute", [("FSDPParamGroup", "post_forward_mesh_info"), ("FSDPParam", "sharded_param")]
+)
 def test_a_moved_name_fails_naming_it(sharded, owner, attribute):
     group = fsdp2_private.param_groups(sharded)[0]
     holder = group if owner == "FSDPParamGroup" else group.fsdp_params[0]
     delattr(holder, attribute)  # as a torch release that renamed it
-    with pytest.raises(fsdp2_private.FSDP2PrivateAPIError, match=rf"FSDP2's {owner}\.{attribute} is gone; .*fsdp2_private\.py"):
+    with pytest.raises(
+        fsdp2_private.FSDP2PrivateAPIError, match=rf"FSDP2's {owner}\.{attribute} is gone; .*fsdp2_private\.py"
+    ):
         fsdp2_private.check(sharded)
 
 

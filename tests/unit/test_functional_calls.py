@@ -22,8 +22,11 @@ def model():
 
 def test_a_units_sharded_parameter_is_refused_naming_it_and_the_unit(model):
     x = torch.randn(3, 4)
-    with pytest.raises(calls.ShardedFunctionalCallError, match=r"replace `1.0.weight`, a parameter of the stage-3 unit "
-                                                                r"`1` \(Sequential\)"):
+    with pytest.raises(
+        calls.ShardedFunctionalCallError,
+        match=r"replace `1.0.weight`, a parameter of the stage-3 unit "
+        r"`1` \(Sequential\)",
+    ):
         torch.func.functional_call(model, {"1.0.weight": torch.zeros(4, 4)}, (x,))
     with pytest.raises(calls.ShardedFunctionalCallError, match="the module itself"):
         torch.nn.utils.stateless.functional_call(model[1], {"0.bias": torch.zeros(4)}, (x,))
@@ -31,8 +34,13 @@ def test_a_units_sharded_parameter_is_refused_naming_it_and_the_unit(model):
 
 def test_buffers_whole_parameters_and_parameters_outside_units_may_be_replaced(model):
     x = torch.randn(3, 4)
-    replaced = {"0.weight": torch.zeros(4, 4), "0.bias": torch.ones(4), "temperature": torch.tensor(3.0),
-                "1.scale": torch.tensor(1.0), "1.1.running_mean": torch.zeros(4)}
+    replaced = {
+        "0.weight": torch.zeros(4, 4),
+        "0.bias": torch.ones(4),
+        "temperature": torch.tensor(3.0),
+        "1.scale": torch.tensor(1.0),
+        "1.1.running_mean": torch.zeros(4),
+    }
     out = torch.func.functional_call(model, replaced, (x,))
     assert out.shape == (3, 4)
     calls._UNITS.discard(model[1])

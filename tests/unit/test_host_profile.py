@@ -24,10 +24,14 @@ def test_functions_are_charged_to_their_package():
     assert category(f"{PACKAGE}/demo/gpt.py", "forward") == "model (demo GPT)"
     # A clone is often called lightning_zero too: its benchmarks are not the package.
     assert category("/home/me/lightning_zero/benchmarks/bench_core.py", "f") == "benchmark harness"
-    assert category(f"{site}/torch/distributed/fsdp/_fully_shard/_fsdp_state.py", "f") == "FSDP2 (torch.distributed.fsdp)"
+    assert (
+        category(f"{site}/torch/distributed/fsdp/_fully_shard/_fsdp_state.py", "f") == "FSDP2 (torch.distributed.fsdp)"
+    )
     assert category(f"{site}/torch/distributed/tensor/_dispatch.py", "f") == "torch.distributed (Python)"
     assert category(f"{site}/lightning/pytorch/loops/fit_loop.py", "run") == "Lightning"
-    assert category("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>") == "autograd engine (C++ backward)"
+    assert (
+        category("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>") == "autograd engine (C++ backward)"
+    )
     assert category("~", "<built-in method torch.addmm>") == "torch operators (C++)"
     assert category("~", "<built-in method builtins.len>") == "Python built-ins"
 

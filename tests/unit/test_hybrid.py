@@ -28,7 +28,10 @@ def _trainer(strategy, devices=4, num_nodes=1):
         (dict(shard_size="rack"), ["shard_size", "'node'"]),
         (dict(shard_size=True), ["shard_size"]),
         (dict(secondary_shard_size=2), ["secondary_shard_size", "stage=3"]),
-        (dict(stage=3, shard_size=2, secondary_shard_size=2), ["secondary_shard_size", "shard_size", "cannot be combined"]),
+        (
+            dict(stage=3, shard_size=2, secondary_shard_size=2),
+            ["secondary_shard_size", "shard_size", "cannot be combined"],
+        ),
         (dict(shard_size=2, pipeline_stages=2), ["shard_size", "pipeline_stages"]),
     ],
 )
@@ -58,8 +61,17 @@ def test_sizes_that_do_not_fit_the_cluster_fail_before_any_process_group(kwargs,
 
 def test_node_groups_on_an_uneven_torchrun_cluster_are_refused():
     """torchrun started 3 ranks for 2 nodes of 2 devices: a node cannot be a shard group."""
-    env = dict(TORCHELASTIC_RUN_ID="x", GROUP_RANK="0", LOCAL_WORLD_SIZE="2", LOCAL_RANK="0", WORLD_SIZE="3", RANK="0",
-               NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    env = dict(
+        TORCHELASTIC_RUN_ID="x",
+        GROUP_RANK="0",
+        LOCAL_WORLD_SIZE="2",
+        LOCAL_RANK="0",
+        WORLD_SIZE="3",
+        RANK="0",
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29555",
+    )
     with mock.patch.dict(os.environ, env), pytest.raises(ZeroConfigError, match="uneven cluster"):
         _trainer(ZeroStrategy(shard_size="node"), devices=2, num_nodes=2)
 
@@ -73,7 +85,9 @@ def test_fitting_sizes_are_accepted_and_typed():
 
 
 def test_deepspeed_keys_map_onto_the_arguments():
-    mics = ZeroStrategy(config={"zero_optimization": {"stage": 2, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}})
+    mics = ZeroStrategy(
+        config={"zero_optimization": {"stage": 2, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}}
+    )
     assert (mics.zero_config.stage, mics.zero_config.shard_size) == (2, 2)
     hpz = ZeroStrategy(config={"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}})
     assert hpz.zero_config.secondary_shard_size == 4
@@ -122,9 +136,15 @@ def test_traffic_is_split_by_group_and_node():
     stats.set_node_size(2)
     snapshot = stats.snapshot()
     assert (snapshot["elements_intra_node"], snapshot["elements_inter_node"]) == (10, 10)
-    assert snapshot["bytes_inter_node"] == 40 and snapshot["elements_by_kind"] == {"reduce_scatter": 10, "all_reduce": 10}
+    assert snapshot["bytes_inter_node"] == 40 and snapshot["elements_by_kind"] == {
+        "reduce_scatter": 10,
+        "all_reduce": 10,
+    }
     assert snapshot["by_group"]["0,2"] == {
-        "inter_node": True, "calls": {"all_reduce": 1}, "elements_by_kind": {"all_reduce": 10}, "bytes_by_kind": {"all_reduce": 40}
+        "inter_node": True,
+        "calls": {"all_reduce": 1},
+        "elements_by_kind": {"all_reduce": 10},
+        "bytes_by_kind": {"all_reduce": 40},
     }
 
 
@@ -137,12 +157,19 @@ def test_estimate_knows_hybrid_sharding_and_hpz():
     assert by_name["zero3_hsdp"].device_bytes == pytest.approx(16 * p / 8)
     assert by_name["zero3_hpz"].device_bytes == pytest.approx(16 * p / 32 + 4 * p / 8)  # plus the node-local copy
     assert [by_name[n].inter_node_elements for n in ("zero2_hsdp", "zero2", "zero3_hsdp", "zero3_hpz", "zero3")] == [
-        pytest.approx(2 / 8), 2.0, pytest.approx(2 / 8), 2.0, 3.0
+        pytest.approx(2 / 8),
+        2.0,
+        pytest.approx(2 / 8),
+        2.0,
+        3.0,
     ]
     assert "zero2_hsdp" not in {e.choice.name for e in estimate(p, devices=8, nodes=1)}  # on one node: the flat rows
-    assert model_state_split(CHOICES_BY_NAME["zero3_hpz"], p, 32, "bf16-mixed", 8)[0] == pytest.approx(16 * p / 32 + 2 * p / 8)
+    assert model_state_split(CHOICES_BY_NAME["zero3_hpz"], p, 32, "bf16-mixed", 8)[0] == pytest.approx(
+        16 * p / 32 + 2 * p / 8
+    )
     assert CHOICES_BY_NAME["zero2_hsdp"].strategy() == {
-        "class_path": "lightning_zero.ZeroStrategy", "init_args": {"stage": 2, "shard_size": "node"}
+        "class_path": "lightning_zero.ZeroStrategy",
+        "init_args": {"stage": 2, "shard_size": "node"},
     }
 
 

@@ -172,7 +172,12 @@ class TiedHead(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed, self.mix, self.norm, self.proj = nn.Embedding(8, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)
+        self.embed, self.mix, self.norm, self.proj = (
+            nn.Embedding(8, 4),
+            nn.Linear(4, 4),
+            nn.LayerNorm(4),
+            nn.Linear(4, 4),
+        )
         self.proj.bias = nn.Parameter(torch.zeros(4))  # set-up code naming a layer's parameter
 
     def forward(self, tokens):
@@ -260,8 +265,10 @@ def test_a_layer_run_through_forward_is_no_extra_unit_of_its_own_dtype():
 
 def test_checkpointing_a_layer_run_through_forward_warns_with_what_to_checkpoint_instead():
     model = LoopedDirectly()
-    expected = (r"the code holding 'layers.0', 'layers.1' runs it other than through its `__call__` .* what runs so keeps "
-                r"its activations\. Checkpoint the layers they call instead \(LayerNorm, Linear\)")
+    expected = (
+        r"the code holding 'layers.0', 'layers.1' runs it other than through its `__call__` .* what runs so keeps "
+        r"its activations\. Checkpoint the layers they call instead \(LayerNorm, Linear\)"
+    )
     with pytest.warns(UserWarning, match=expected):
         apply_activation_checkpointing(model, resolve_policy(Block))
     with warnings.catch_warnings(record=True) as record:

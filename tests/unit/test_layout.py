@@ -7,7 +7,14 @@ import torch
 
 from lightning_zero.engine.comm import p2p_transport
 from lightning_zero.engine.stage12.buckets import (
-    pack_bucket, pack_segment, rows_by_rank, scale_gradients, segment_parts, segment_view, unpack_bucket, widened,
+    pack_bucket,
+    pack_segment,
+    rows_by_rank,
+    scale_gradients,
+    segment_parts,
+    segment_view,
+    unpack_bucket,
+    widened,
 )
 from lightning_zero.engine.stage12.reduce_in_place import param_order_index, transfer_runs
 from lightning_zero.engine.stage12.layout import plan_layout
@@ -63,7 +70,9 @@ def test_pack_then_reduce_scatter_segments_hold_each_ranks_rows(world):
                 assert torch.equal(segment_view(layout, segment, i, rank), expected)
                 assert torch.equal(local_rows(tensors[i], rank, world), expected)
         # all-gather input (one segment per rank) reassembles the same buffer; unpack restores the tensors
-        gathered = torch.cat([pack_segment(layout, bucket, r, tensors, torch.empty(bucket.segment_numel)) for r in range(world)])
+        gathered = torch.cat(
+            [pack_segment(layout, bucket, r, tensors, torch.empty(bucket.segment_numel)) for r in range(world)]
+        )
         assert torch.equal(gathered, buf)
         restored = [torch.zeros(shape) for _, shape in SHAPES]
         unpack_bucket(layout, bucket, gathered, restored)
@@ -168,7 +177,11 @@ def test_an_average_scales_each_buffer_holding_only_gradients_of_this_step_once_
 
 
 def test_narrow_sums_widen_into_views_of_one_buffer_with_their_values():
-    sums = [torch.randn(4, 3, dtype=torch.bfloat16), torch.randn(0, dtype=torch.bfloat16), torch.randn(5, dtype=torch.bfloat16)]
+    sums = [
+        torch.randn(4, 3, dtype=torch.bfloat16),
+        torch.randn(0, dtype=torch.bfloat16),
+        torch.randn(5, dtype=torch.bfloat16),
+    ]
     wide = widened(sums, torch.float32)
     assert [w.shape for w in wide] == [s.shape for s in sums] and {w.dtype for w in wide} == {torch.float32}
     assert all(torch.equal(w, s.float()) for w, s in zip(wide, sums))

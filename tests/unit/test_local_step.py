@@ -84,9 +84,7 @@ def test_state_stepped_on_host_shards_stays_in_host_memory_under_an_accelerator_
     accelerator_mesh = DeviceMesh("cuda", [0], _init_backend=False)
     torch.manual_seed(0)
     rows = [torch.randn(3, 2), torch.randn(4)]
-    params = [
-        nn.Parameter(dtensor_over(r.clone(), accelerator_mesh, [Shard(0)], r.shape, r.stride())) for r in rows
-    ]
+    params = [nn.Parameter(dtensor_over(r.clone(), accelerator_mesh, [Shard(0)], r.shape, r.stride())) for r in rows]
     reference = [nn.Parameter(r.clone()) for r in rows]
     opt, ref_opt = torch.optim.Adam(params, lr=0.01), torch.optim.Adam(reference, lr=0.01)
     for step in range(2):

@@ -42,8 +42,16 @@ class Terminal(io.StringIO):
 def fit(tmp_path, report: LossReport, *, max_steps: int = 12, **trainer_kwargs) -> L.Trainer:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(40, 8), torch.randint(0, 2, (40,)))  # 5 batches an epoch: several epochs
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=CSVLogger(tmp_path),
-                        callbacks=[report], enable_checkpointing=False, enable_model_summary=False, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=CSVLogger(tmp_path),
+        callbacks=[report],
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
     trainer.fit(Tiny(), DataLoader(data, batch_size=8))
     return trainer
 

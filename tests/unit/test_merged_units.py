@@ -32,7 +32,9 @@ def groups(root: nn.Module, budget: float, policy: PrecisionPolicy | None = POLI
     chosen = {id(u) for u in units} | (one_dtype_units(root, units, policy.holds_fp32) if policy else set())
     units = [m for m in root.modules() if m is not root and id(m) in chosen]
     fp32 = {id(m) for m in units if policy is not None and policy.holds_fp32(m)}
-    size = {id(m): sum(p.numel() for p in m.parameters()) * (4 if id(m) in fp32 or policy is None else 2) for m in units}
+    size = {
+        id(m): sum(p.numel() for p in m.parameters()) * (4 if id(m) in fp32 or policy is None else 2) for m in units
+    }
     names = {id(m): n for n, m in root.named_modules()}
     found = unit_groups(root, units, lambda m: size[id(m)], lambda m: id(m) in fp32, budget)
     return [[names[id(m)] for m in group] for group in found]
@@ -41,9 +43,12 @@ def groups(root: nn.Module, budget: float, policy: PrecisionPolicy | None = POLI
 def test_adjacent_blocks_merge_within_the_budget_and_their_norms_form_one_fp32_unit():
     block = 16 * 4 + 72 * 2  # its norm in fp32 and its Linear in bf16: 208 bytes
     assert groups(model(), 2 * block) == [
-        ["blocks.0", "blocks.1"], ["blocks.0.norm", "blocks.1.norm"],
-        ["blocks.2", "blocks.3"], ["blocks.2.norm", "blocks.3.norm"],
-        ["blocks.4"], ["blocks.4.norm"],
+        ["blocks.0", "blocks.1"],
+        ["blocks.0.norm", "blocks.1.norm"],
+        ["blocks.2", "blocks.3"],
+        ["blocks.2.norm", "blocks.3.norm"],
+        ["blocks.4"],
+        ["blocks.4.norm"],
         ["norm"],  # the root's final norm: an fp32 layer outside every block, a unit of its own
     ]
 
@@ -53,8 +58,15 @@ def test_a_budget_of_zero_keeps_one_unit_per_layer_in_pre_order():
 
 
 def test_a_layer_over_the_budget_stays_alone_and_fp32_runs_never_join_compute_dtype_ones():
-    assert groups(model(3), 100) == [["blocks.0"], ["blocks.0.norm"], ["blocks.1"], ["blocks.1.norm"],
-                                     ["blocks.2"], ["blocks.2.norm"], ["norm"]]
+    assert groups(model(3), 100) == [
+        ["blocks.0"],
+        ["blocks.0.norm"],
+        ["blocks.1"],
+        ["blocks.1.norm"],
+        ["blocks.2"],
+        ["blocks.2.norm"],
+        ["norm"],
+    ]
     # fp32 (no mixed policy): every layer is one dtype, and everything fits one unit.
     assert groups(model(3), 1e9, policy=None) == [["blocks.0", "blocks.1", "blocks.2"]]
 
@@ -68,8 +80,12 @@ def test_units_that_nest_units_that_nest_units_merge_only_their_innermost_runs()
         outer.layer = nn.ModuleList([Block(), Block()])
         root.blocks.append(outer)
     assert groups(root, 1e9) == [
-        ["blocks.0"], ["blocks.0.layer.0", "blocks.0.layer.1"], ["blocks.0.layer.0.norm", "blocks.0.layer.1.norm"],
-        ["blocks.1"], ["blocks.1.layer.0", "blocks.1.layer.1"], ["blocks.1.layer.0.norm", "blocks.1.layer.1.norm"],
+        ["blocks.0"],
+        ["blocks.0.layer.0", "blocks.0.layer.1"],
+        ["blocks.0.layer.0.norm", "blocks.0.layer.1.norm"],
+        ["blocks.1"],
+        ["blocks.1.layer.0", "blocks.1.layer.1"],
+        ["blocks.1.layer.0.norm", "blocks.1.layer.1.norm"],
     ]
 
 
@@ -129,7 +145,16 @@ def test_a_list_of_lists_makes_units_of_the_inner_elements_not_of_the_lists():
     root = nn.Module()
     root.blocks = nn.ModuleList([nn.ModuleList([Block()]), nn.ModuleList([Block(), Block()])])
     units = select_units(root, None)
-    assert [name for name, m in root.named_modules() if any(m is u for u in units)] == ["blocks.0.0", "blocks.1.0",
-                                                                                       "blocks.1.1"]
-    assert groups(root, 0) == [["blocks.0.0"], ["blocks.0.0.norm"], ["blocks.1.0"], ["blocks.1.0.norm"],
-                               ["blocks.1.1"], ["blocks.1.1.norm"]]
+    assert [name for name, m in root.named_modules() if any(m is u for u in units)] == [
+        "blocks.0.0",
+        "blocks.1.0",
+        "blocks.1.1",
+    ]
+    assert groups(root, 0) == [
+        ["blocks.0.0"],
+        ["blocks.0.0.norm"],
+        ["blocks.1.0"],
+        ["blocks.1.0.norm"],
+        ["blocks.1.1"],
+        ["blocks.1.1.norm"],
+    ]

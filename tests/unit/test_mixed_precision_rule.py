@@ -38,12 +38,30 @@ def names(module, ids):
 
 
 def test_vector_only_layers_are_fp32_whatever_their_class():
-    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GroupNorm(2, 4), nn.RMSNorm(4), nn.Embedding(3, 4),
-                          nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4), GainBlock())
+    model = nn.Sequential(
+        nn.Linear(4, 4),
+        nn.LayerNorm(4),
+        nn.GroupNorm(2, 4),
+        nn.RMSNorm(4),
+        nn.Embedding(3, 4),
+        nn.Conv1d(4, 4, 1),
+        nn.BatchNorm1d(4),
+        GainBlock(),
+    )
     dtypes = {n: POLICY.param_dtypes(model)[id(p)] for n, p in model.named_parameters()}
     fp32 = sorted(n for n, d in dtypes.items() if d == torch.float32)
-    assert fp32 == ["1.bias", "1.weight", "2.bias", "2.weight", "3.weight", "6.bias", "6.weight",
-                    "7.gain", "7.norm.bias", "7.norm.weight"]
+    assert fp32 == [
+        "1.bias",
+        "1.weight",
+        "2.bias",
+        "2.weight",
+        "3.weight",
+        "6.bias",
+        "6.weight",
+        "7.gain",
+        "7.norm.bias",
+        "7.norm.weight",
+    ]
     assert dtypes["0.bias"] == torch.bfloat16, "a Linear's bias goes through autocast's cast with its weight"
     assert dtypes["4.weight"] == torch.bfloat16
 
@@ -80,13 +98,27 @@ def test_the_inputs_of_a_reparametrized_weight_are_fp32_and_its_parametrization_
     """Weight and spectral norms compute the weight (norms, a power iteration beside fp32 buffers) before the Linear
     sees it: their parameters are held in fp32, as autocast leaves them, and so is each Linear's bias (its only own
     parameter beside a ``ParametrizationList``; the hooked layer's own beside ``weight_g``/``weight_v``)."""
-    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
-                          nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.utils.weight_norm(nn.Linear(4, 4)),
-                          nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 4))
+    model = nn.Sequential(
+        nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)),
+        nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)),
+        nn.utils.weight_norm(nn.Linear(4, 4)),
+        nn.utils.spectral_norm(nn.Linear(4, 4)),
+        nn.Linear(4, 4),
+    )
     dtypes = {n: POLICY.param_dtypes(model)[id(p)] for n, p in model.named_parameters()}
     fp32 = sorted(n for n, d in dtypes.items() if d == torch.float32)
-    assert fp32 == ["0.bias", "0.parametrizations.weight.original", "1.bias", "1.parametrizations.weight.original0",
-                    "1.parametrizations.weight.original1", "2.bias", "2.weight_g", "2.weight_v", "3.bias", "3.weight_orig"]
+    assert fp32 == [
+        "0.bias",
+        "0.parametrizations.weight.original",
+        "1.bias",
+        "1.parametrizations.weight.original0",
+        "1.parametrizations.weight.original1",
+        "2.bias",
+        "2.weight_g",
+        "2.weight_v",
+        "3.bias",
+        "3.weight_orig",
+    ]
     assert dtypes["4.weight"] == dtypes["4.bias"] == torch.bfloat16
     assert names(model, one_dtype_units(model, [], POLICY.holds_fp32)) == ["0", "1", "2", "3"]  # fp32 units, at stage 3
 
@@ -107,19 +139,27 @@ def test_stage3_units_hold_one_dtype_each():
     assert names(model, extra) == ["blocks.0.proj", "blocks.1.proj"]
     plain = nn.Module()
     plain.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)) for _ in range(2)])
-    assert names(plain, one_dtype_units(plain, select_units(plain, None), POLICY.holds_fp32)) == ["blocks.0.0", "blocks.1.0"]
+    assert names(plain, one_dtype_units(plain, select_units(plain, None), POLICY.holds_fp32)) == [
+        "blocks.0.0",
+        "blocks.1.0",
+    ]
 
 
 def test_a_model_built_in_two_dtypes_gets_one_unit_per_dtype_and_merges_only_alike_units():
     """No policy (``32-true``): a bf16 Linear inside an fp32 block becomes a unit of its own; the kind units merge by is
     the dtype their own parameters are held in (the model's main dtype where they hold none)."""
     model = nn.Module()
-    model.blocks = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4))
-                                  for _ in range(2)])
+    model.blocks = nn.ModuleList(
+        [nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4)) for _ in range(2)]
+    )
     model.head = nn.Linear(4, 2).to(torch.float64)
     units, kind = units_of_one_dtype([model], select_units(model, None), None)
     assert sorted(names(model, {id(u) for u in units})) == ["blocks.0", "blocks.0.1", "blocks.1", "blocks.1.1", "head"]
-    assert [kind(m) for m in (model.blocks[0], model.blocks[0][1], model.head)] == [torch.float32, torch.bfloat16, torch.float64]
+    assert [kind(m) for m in (model.blocks[0], model.blocks[0][1], model.head)] == [
+        torch.float32,
+        torch.bfloat16,
+        torch.float64,
+    ]
 
 
 def test_a_layer_holding_two_dtypes_itself_is_refused_at_stage_3_naming_the_unit():

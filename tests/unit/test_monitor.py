@@ -30,12 +30,25 @@ class Tiny(L.LightningModule):
 def fit(tmp_path, monitor: ZeroMonitor, **trainer_kwargs) -> list[dict]:
     data = TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,)))
     logger = CSVLogger(tmp_path)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=logger, callbacks=[monitor],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=logger,
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
     trainer.fit(Tiny(), DataLoader(data, batch_size=4))
     monitor.shown = dict(trainer.progress_bar_metrics)  # what a progress bar would show
     path = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
-    return [r for r in csv.DictReader(path.read_text().splitlines()) if r.get("monitor/state_MiB_rank0")] if path.exists() else []
+    return (
+        [r for r in csv.DictReader(path.read_text().splitlines()) if r.get("monitor/state_MiB_rank0")]
+        if path.exists()
+        else []
+    )
 
 
 def test_one_row_per_logged_optimizer_step_under_accumulation(tmp_path):

@@ -8,8 +8,9 @@ from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.stage12.zero_dp import ZeroDataParallel
 
 
-def _steps(model: nn.Module, engine: ZeroDataParallel | None, optimizer: torch.optim.Optimizer, n: int,
-           mixed: bool) -> None:
+def _steps(
+    model: nn.Module, engine: ZeroDataParallel | None, optimizer: torch.optim.Optimizer, n: int, mixed: bool
+) -> None:
     x = torch.linspace(-1, 1, 12).reshape(3, 4)
     for _ in range(n):
         if engine is not None:
@@ -63,7 +64,9 @@ def test_a_parameter_given_another_shape_is_refused_by_name():
     try:
         engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         model[0].weight.data = torch.zeros(2, 4)
-        with pytest.raises(RuntimeError, match=r"'0.weight' was given a tensor of shape \(2, 4\).*laid out for \(4, 4\)"):
+        with pytest.raises(
+            RuntimeError, match=r"'0.weight' was given a tensor of shape \(2, 4\).*laid out for \(4, 4\)"
+        ):
             engine.follow_trainability()
     finally:
         engine.teardown()

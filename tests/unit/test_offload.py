@@ -129,7 +129,9 @@ def test_a_stepping_view_reads_the_groups_as_they_were_and_writes_the_optimizers
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     twin = _adamw()
     twin.load_state_dict(opt.state_dict())
-    for p, q in zip((p for g in opt.param_groups for p in g["params"]), (p for g in twin.param_groups for p in g["params"])):
+    for p, q in zip(
+        (p for g in opt.param_groups for p in g["params"]), (p for g in twin.param_groups for p in g["params"])
+    ):
         q.data.copy_(p.data)
         q.grad = p.grad.clone()
     view = stepping_view(opt)
@@ -137,7 +139,9 @@ def test_a_stepping_view_reads_the_groups_as_they_were_and_writes_the_optimizers
     assert opt.param_groups[0]["lr"] == 5e-3 and view.param_groups[0]["lr"] == 1e-2
     view.step()
     twin.step()
-    for p, q in zip((p for g in opt.param_groups for p in g["params"]), (p for g in twin.param_groups for p in g["params"])):
+    for p, q in zip(
+        (p for g in opt.param_groups for p in g["params"]), (p for g in twin.param_groups for p in g["params"])
+    ):
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg"], twin.state[q]["exp_avg"])
     assert opt._opt_called  # what the scheduler checks before its first step
@@ -146,7 +150,9 @@ def test_a_stepping_view_reads_the_groups_as_they_were_and_writes_the_optimizers
 def test_a_delayed_update_refuses_an_optimizer_that_steps_whole_parameters():
     from lightning_zero.engine.stage12.zero_dp import ZeroDataParallel
 
-    engine = ZeroDataParallel(torch.nn.Linear(4, 4), stage=2, bucket_numel=64, offload_optimizer=True, offload_step_delay=1)
+    engine = ZeroDataParallel(
+        torch.nn.Linear(4, 4), stage=2, bucket_numel=64, offload_optimizer=True, offload_step_delay=1
+    )
     try:
         with pytest.raises(TypeError, match=r"offload_step_delay=1.*element-wise optimizer.*offload_step_delay=0"):
             engine.wrap_optimizer(torch.optim.Muon([engine.params[0]], lr=1e-2))

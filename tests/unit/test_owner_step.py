@@ -46,10 +46,13 @@ def test_an_unknown_optimizer_is_refused_with_the_ways_to_declare_it():
     assert "matrix_optimizers=(Shampoo,)" in str(err.value) and "Muon" in str(err.value)
 
 
-@pytest.mark.parametrize(("build", "why"), [
-    (lambda p: torch.optim.LBFGS(p), "dot products over every parameter"),
-    (lambda p: torch.optim.SparseAdam(p), "sparse gradients only"),
-])
+@pytest.mark.parametrize(
+    ("build", "why"),
+    [
+        (lambda p: torch.optim.LBFGS(p), "dot products over every parameter"),
+        (lambda p: torch.optim.SparseAdam(p), "sparse gradients only"),
+    ],
+)
 def test_optimizers_no_declaration_could_shard_are_refused_with_the_reason_not_a_declaration(build, why):
     """Neither declaration would be exact for them (LBFGS couples every parameter; SparseAdam cannot take the dense
     gradients ZeroStrategy makes), so the error says why and points to ``ddp``, not to a declaration."""
@@ -69,8 +72,14 @@ def test_groups_marked_elementwise_step_on_shards():
 
 
 def test_owners_balance_elements_and_every_rank_plans_the_same():
-    shapes = {0: torch.Size((64, 64)), 1: torch.Size((64, 16)), 2: torch.Size((64, 16)), 3: torch.Size((16, 64)),
-              4: torch.Size((64, 64)), 5: torch.Size((8,))}
+    shapes = {
+        0: torch.Size((64, 64)),
+        1: torch.Size((64, 16)),
+        2: torch.Size((64, 16)),
+        3: torch.Size((16, 64)),
+        4: torch.Size((64, 64)),
+        5: torch.Size((8,)),
+    }
     plan = plan_owners(shapes, 2)
     assert plan == plan_owners(dict(reversed(list(shapes.items()))), 2)  # order-independent, deterministic
     load = [sum(math.prod(shapes[k]) for k, r in plan.items() if r == rank) for rank in range(2)]

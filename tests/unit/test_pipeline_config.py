@@ -13,12 +13,17 @@ from lightning_zero import ZeroConfigError, ZeroStrategy
     "kwargs, message",
     [
         (dict(pipeline_stages=2, state_dict_type="full"), "`state_dict_type='full'` is not available"),
-        (dict(pipeline_stages=2, pipeline_schedule="zero_bubble"),
-         "choose one of ('gpipe', '1f1b', 'interleaved_1f1b', 'interleaved_zb', 'zbv', 'dualpipev')"),
+        (
+            dict(pipeline_stages=2, pipeline_schedule="zero_bubble"),
+            "choose one of ('gpipe', '1f1b', 'interleaved_1f1b', 'interleaved_zb', 'zbv', 'dualpipev')",
+        ),
         (dict(pipeline_stages=2, pipeline_schedule="zbv1"), "Did you mean 'zbv'?"),
         (dict(pipeline_stages=2, pipeline_schedule="interleaved_zb", pipeline_virtual_stages=1), ">= 2"),
         (dict(pipeline_stages=2, pipeline_schedule="zbv", pipeline_virtual_stages=3), "runs exactly 2 stages per rank"),
-        (dict(pipeline_stages=2, pipeline_schedule="dualpipev", microbatches=3), "at least as many micro-batches as stages (4"),
+        (
+            dict(pipeline_stages=2, pipeline_schedule="dualpipev", microbatches=3),
+            "at least as many micro-batches as stages (4",
+        ),
         (dict(stage=3, pipeline_stages=2, shard_size=2), "would need a 3-D mesh"),
         (dict(stage=3, pipeline_stages=2, secondary_shard_size=2), "`secondary_shard_size=2` is not supported"),
         (dict(pipeline_stages=2, pipeline_schedule="1fb1"), "Did you mean '1f1b'?"),
@@ -37,10 +42,14 @@ def test_bad_pipeline_settings_fail_when_the_strategy_is_built(kwargs, message):
 
 
 def test_devices_not_divisible_by_stages_fail_when_the_trainer_is_built():
-    with pytest.raises(ZeroConfigError, match=r"3 processes cannot be divided into pipelines of 2 stages.*\(e\.g\. 2 or 4\)"):
+    with pytest.raises(
+        ZeroConfigError, match=r"3 processes cannot be divided into pipelines of 2 stages.*\(e\.g\. 2 or 4\)"
+    ):
         L.Trainer(accelerator="cpu", devices=3, strategy=ZeroStrategy(stage=1, pipeline_stages=2), logger=False)
     # Fewer processes than stages: one multiple to suggest, said once.
-    with pytest.raises(ZeroConfigError, match=r"2 processes cannot be divided into pipelines of 3 stages.*\(e\.g\. 3\)\."):
+    with pytest.raises(
+        ZeroConfigError, match=r"2 processes cannot be divided into pipelines of 3 stages.*\(e\.g\. 3\)\."
+    ):
         L.Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=1, pipeline_stages=3), logger=False)
 
 

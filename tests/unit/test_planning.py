@@ -29,8 +29,9 @@ def _batch(size=4, length=32):
 
 def test_tracing_a_billion_parameter_model_allocates_nothing():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    trace = trace_step(lambda: GPTLightningModule(vocab_size=50257, block_size=256, n_layer=24, n_head=16, n_embd=2048),
-                       _batch(1, 256))
+    trace = trace_step(
+        lambda: GPTLightningModule(vocab_size=50257, block_size=256, n_layer=24, n_head=16, n_embd=2048), _batch(1, 256)
+    )
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert trace.params > 1.3e9 and trace.state_per_element == 2.0  # AdamW
     assert grown_kib < 1e6, "a 1.3B model's 5 GB of fp32 weights must never exist"
@@ -78,10 +79,14 @@ def test_frozen_layers_under_mixed_precision_trace_a_second_step_as_stage_3_hold
     mixed = trace_step(frozen_gpt, _batch(), precision="bf16-mixed")
     assert mixed.stage3_timeline is not None and mixed.timeline_at(1) is mixed.timeline
     assert max(o for o, _ in mixed.timeline_at(3)) < max(o for o, _ in mixed.timeline)
-    assert predict(mixed, Configuration(3), 2).device_bytes < predict(
-        dataclasses.replace(mixed, stage3_timeline=None), Configuration(3), 2).device_bytes
-    for nothing_differs in (trace_step(frozen_gpt, _batch()), trace_step(lambda: GPTLightningModule(**TINY), _batch(),
-                                                                          precision="bf16-mixed")):
+    assert (
+        predict(mixed, Configuration(3), 2).device_bytes
+        < predict(dataclasses.replace(mixed, stage3_timeline=None), Configuration(3), 2).device_bytes
+    )
+    for nothing_differs in (
+        trace_step(frozen_gpt, _batch()),
+        trace_step(lambda: GPTLightningModule(**TINY), _batch(), precision="bf16-mixed"),
+    ):
         assert nothing_differs.stage3_timeline is None
 
 
@@ -127,8 +132,21 @@ def assert_one_binary_unit_per_line(out: str) -> None:
 
 def test_plan_writes_a_group_file_and_a_plot_with_the_pick_in_both(tmp_path, capsys):
     out, png = tmp_path / "planned.yaml", tmp_path / "plan.png"
-    assert plan_main(["--config", "conf/gpt_zero3.yaml", "--memory-per-device", "20MiB", "--output", str(out),
-                      "--plot", str(png)]) == 0
+    assert (
+        plan_main(
+            [
+                "--config",
+                "conf/gpt_zero3.yaml",
+                "--memory-per-device",
+                "20MiB",
+                "--output",
+                str(out),
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     text = out.read_text()
     assert text.startswith("# @package _global_")
     written = yaml.safe_load(text)
@@ -166,14 +184,32 @@ def test_plan_for_a_size_writes_a_config_the_strategy_reads_back(tmp_path, suffi
     out = tmp_path / f"generated{suffix}"
     budget = [] if suffix == ".json" else ["--memory-per-device", "24GiB"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plan_main(["--params", "125e6", "--devices", "8", "--batch-size", "8", "--seq-len", "512", *budget,
-                      "--output", str(out)]) == 0
+    assert (
+        plan_main(
+            [
+                "--params",
+                "125e6",
+                "--devices",
+                "8",
+                "--batch-size",
+                "8",
+                "--seq-len",
+                "512",
+                *budget,
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert_one_binary_unit_per_line(printed)
     assert "; 8 rank(s) (1 node(s) x 8 device(s)), bf16-mixed" in printed
     if suffix == ".json":
-        assert ("Memory per device: 80.00 GiB (assumed: no accelerator on this machine, so a common 80 GiB device "
-                "such as an A100 or H100; give --memory-per-device to plan for another).") in printed
+        assert (
+            "Memory per device: 80.00 GiB (assumed: no accelerator on this machine, so a common 80 GiB device "
+            "such as an A100 or H100; give --memory-per-device to plan for another)."
+        ) in printed
         assert "Fastest that fits 80.00 GiB per device" in printed
         config = json.loads(out.read_text())
         assert config["train_batch_size"] == 8 and config["bf16"] == {"enabled": True}
@@ -190,8 +226,11 @@ def test_the_default_memory_is_the_local_accelerators(monkeypatch):
     from lightning_zero.planning import sources
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: SimpleNamespace(total_memory=85_000_000_000, name="NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index: SimpleNamespace(total_memory=85_000_000_000, name="NVIDIA H100 80GB HBM3"),
+    )
     assert sources.device_memory() == (85e9, "this machine's NVIDIA H100 80GB HBM3 (cuda:0)")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert sources.device_memory()[0] == 80 * 2**30
@@ -204,8 +243,23 @@ def test_plan_refuses_bad_requests(capsys):
     with pytest.raises(SystemExit):
         plan_main(["--params", "1e9", "--devices", "12", "--batch-size", "24"])
     assert "--devices 12 is not a whole number of 8-device nodes: give --devices-per-node" in capsys.readouterr().err
-    assert plan_main(["--params", "125e6", "--devices", "2", "--batch-size", "2", "--seq-len", "64",
-                      "--memory-per-device", "64KiB"]) == 1
+    assert (
+        plan_main(
+            [
+                "--params",
+                "125e6",
+                "--devices",
+                "2",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "64",
+                "--memory-per-device",
+                "64KiB",
+            ]
+        )
+        == 1
+    )
     printed = capsys.readouterr().out
     assert "Nothing fits" in printed
     assert_one_binary_unit_per_line(printed)
@@ -220,7 +274,9 @@ def test_plan_help_has_no_rest_markup():
 
 
 def test_deepspeed_offload_ratio_maps_to_a_partial_offload():
-    strategy = ZeroStrategy(config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})
+    strategy = ZeroStrategy(
+        config={"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}
+    )
     assert strategy.zero_config.offload_optimizer == 0.3
 
 
@@ -232,8 +288,11 @@ def test_a_size_is_planned_at_that_size_not_at_the_nearest_gpt3_row(capsys):
     user trusting the pick ran out of memory. The model planned is now within 2% of the size asked."""
     assert plan_main(["--params", "70e9", "--devices", "2", "--batch-size", "2", "--memory-per-device", "16GiB"]) == 0
     printed = capsys.readouterr().out
-    header = re.match(r"Plan for a GPT of ([\d,]+) parameters for --params 7e\+10 \((\d+) layers x (\d+) wide, "
-                      r"(\d+) heads, vocabulary 50257, sequence 2048\)", printed)
+    header = re.match(
+        r"Plan for a GPT of ([\d,]+) parameters for --params 7e\+10 \((\d+) layers x (\d+) wide, "
+        r"(\d+) heads, vocabulary 50257, sequence 2048\)",
+        printed,
+    )
     assert header, printed.splitlines()[0]
     params, layers, width, heads = int(header[1].replace(",", "")), *map(int, header.groups()[1:])
     assert params == pytest.approx(70e9, rel=0.02) and width == 128 * heads and 60 <= layers <= 90
@@ -245,8 +304,9 @@ def test_a_size_is_planned_at_that_size_not_at_the_nearest_gpt3_row(capsys):
     assert "Fastest that fits 16.00 GiB per device: zero3_offload with activation checkpointing" in printed
 
 
-@pytest.mark.parametrize("params, layers, width, heads", [(175e9, 96, 12288, 96), (1.3e9, 25, 1920, 30),
-                                                          (125e6, 12, 640, 10)])
+@pytest.mark.parametrize(
+    "params, layers, width, heads", [(175e9, 96, 12288, 96), (1.3e9, 25, 1920, 30), (125e6, 12, 640, 10)]
+)
 def test_the_model_built_for_a_size_has_that_many_parameters(params, layers, width, heads):
     """The shape the header names is the model traced, and it counts ``params`` within 2% (GPT-3's 175B row
     itself; its 1.3B row, with untied embeddings, counts 1.42e9, so a deeper, narrower one)."""
@@ -261,8 +321,10 @@ def test_the_model_built_for_a_size_has_that_many_parameters(params, layers, wid
     source = from_size(params, devices=8, batch_size=8)
     with torch.device("meta"):
         assert source.build().model.num_parameters() == shape.params
-    assert source.description.startswith(f"a GPT of {shape.params:,} parameters for --params {params:.4g} "
-                                         f"({layers} layers x {width} wide, {heads} heads,")
+    assert source.description.startswith(
+        f"a GPT of {shape.params:,} parameters for --params {params:.4g} "
+        f"({layers} layers x {width} wide, {heads} heads,"
+    )
 
 
 @pytest.mark.parametrize("params", ["1e5", "124e6", "2e12", "nan"])
@@ -293,7 +355,7 @@ def markdown_table(text: str, header_start: str) -> list[list[str]]:
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
@@ -306,7 +368,8 @@ def test_the_planner_pages_budget_table_is_what_plan_prints(tmp_path, capsys, mo
     prints. The rows share their traces (one config and batch), which keeps the five plans to one trace each."""
     page = PLANNER_PAGE.read_text()
     assert "`lightning-zero plan --config conf/gpt_zero3.yaml` prints it with each row's `--memory-per-device`" in (
-        " ".join(page.split()))
+        " ".join(page.split())
+    )
     traces, trace = {}, Planner.trace
 
     def shared_trace(self, micro_batch, checkpointing):
@@ -338,13 +401,16 @@ def test_the_planner_pages_budget_table_is_what_plan_prints(tmp_path, capsys, mo
     text = " ".join(page.split())
     activations, total = map(int, re.search(r"Activations \(red\) are (\d+) of the (\d+) MiB", text).groups())
     assert (round(bars["zero1 16 x 1"]["activations"]), round(bars["zero1 16 x 1"]["device_MiB"])) == (
-        activations, total)
+        activations,
+        total,
+    )
     low, high = map(int, re.search(r"without it stands at (\d+)-(\d+) MiB", text).groups())
     assert (round(min(b["device_MiB"] for b in plain)), round(max(b["device_MiB"] for b in plain))) == (low, high)
     checkpointed = re.search(r"`zero2` and `zero3` \((\d+\.\d+) MiB\) stand just above it", text)[1]
     printed = capsys.readouterr().out
     assert {r.split()[5] for r in table_rows(printed) if r.split()[:2] in (["zero2", "yes"], ["zero3", "yes"])} == {
-        checkpointed}
+        checkpointed
+    }
 
 
 def test_the_planner_pages_estimate_table_is_what_estimate_prints(capsys):

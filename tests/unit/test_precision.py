@@ -33,7 +33,14 @@ def test_state_dict_round_trip():
 
 def test_deepspeed_fp16_section_maps_onto_the_schedule():
     config = LossScaleConfig.from_deepspeed(
-        {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1}
+        {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 12,
+            "loss_scale_window": 500,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
     )
     assert config == LossScaleConfig(initial_scale=4096.0, growth_interval=500, hysteresis=2, min_scale=1.0)
     static = LossScaleConfig.from_deepspeed({"enabled": True, "loss_scale": 128})
@@ -95,7 +102,9 @@ def test_unsupported_trainer_precision_fails_at_construction():
 
 
 def test_fp16_plugin_passes_through_on_cpu():
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="zero2", plugins=[ZeroPrecision("16-mixed")], logger=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy="zero2", plugins=[ZeroPrecision("16-mixed")], logger=False
+    )
     assert trainer.precision_plugin.precision == "16-mixed"
 
 

@@ -69,8 +69,13 @@ def test_a_directory_without_weights_is_named(tmp_path):
 
 def test_sharded_export_reads_back(tmp_path):
     tensors = [(f"model.layer{i}.weight", torch.full((256,), float(i))) for i in range(4)]
-    out = write_hf_dir(iter(tensors), {"prefix": "model.", "config": {"model_type": "x"}, "class": "X"}, tmp_path / "hf",
-                       dtype=torch.bfloat16, max_shard_size=1024)
+    out = write_hf_dir(
+        iter(tensors),
+        {"prefix": "model.", "config": {"model_type": "x"}, "class": "X"},
+        tmp_path / "hf",
+        dtype=torch.bfloat16,
+        max_shard_size=1024,
+    )
     names = sorted(p.name for p in out.iterdir())
     assert names[-1] == "model.safetensors.index.json" and len(names) == 2 + 2  # config, 2 shards, index
     source = WeightsFile(out)
@@ -80,8 +85,12 @@ def test_sharded_export_reads_back(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "key", ["gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save"],
+    "key",
+    [
+        "gather_16bit_weights_on_model_save",
+        "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+    ],
 )
 def test_deepspeed_16bit_save_keys_in_every_spelling(key):
     config = {"zero_optimization": {"stage": 3, key: True}}
@@ -92,11 +101,26 @@ def test_deepspeed_16bit_save_keys_in_every_spelling(key):
 def _hugging_face(kind: str):
     transformers = pytest.importorskip("transformers")
     if kind == "vit":  # renamed on loading (`encoder.layer.N.attention.attention.query` -> `layers.N.attention.q_proj`)
-        config = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
-                                        num_attention_heads=2, intermediate_size=32, num_labels=3)
+        config = transformers.ViTConfig(
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=3,
+        )
         return transformers.ViTForImageClassification, config
-    config = transformers.MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=8, num_hidden_layers=2,  # experts fused
-                                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=3)
+    config = transformers.MixtralConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=2,  # experts fused
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=3,
+    )
     return transformers.MixtralForCausalLM, config
 
 
@@ -119,4 +143,6 @@ def test_a_files_layout_that_transformers_converts_on_loading_is_converted_row_b
         assert torch.equal(want, got), name
     view = hugging_face_view(module, WeightsFile(tmp_path))
     for key in view.keys():
-        assert torch.equal(torch.cat([view.rows(key, rank, 2) for rank in range(2)]).reshape(view.shape(key)), view.full(key))
+        assert torch.equal(
+            torch.cat([view.rows(key, rank, 2) for rank in range(2)]).reshape(view.shape(key)), view.full(key)
+        )

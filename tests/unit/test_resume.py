@@ -12,7 +12,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-from lightning_zero.resume import DataPosition, checkpoint_directories, position_from_loops, restart_count, resume_candidates
+from lightning_zero.resume import (
+    DataPosition,
+    checkpoint_directories,
+    position_from_loops,
+    restart_count,
+    resume_candidates,
+)
 from lightning_zero.resume.agreement import JOB_KEY, job_identity, same_job
 from lightning_zero.resume.decision import decide
 from lightning_zero.resume.finding import resolve_last
@@ -21,8 +27,12 @@ from lightning_zero.resume.sampler import ResumeBatchSampler, ResumeSampler, res
 
 def loops(epoch: dict, batch: dict, is_last_batch: bool = False) -> dict:
     """The parts of ``checkpoint["loops"]`` a position is read from (as lightning 2.6 saves them)."""
-    return {"fit_loop": {"epoch_progress": {"current": epoch, "total": epoch},
-                         "epoch_loop.batch_progress": {"current": batch, "total": batch, "is_last_batch": is_last_batch}}}
+    return {
+        "fit_loop": {
+            "epoch_progress": {"current": epoch, "total": epoch},
+            "epoch_loop.batch_progress": {"current": batch, "total": batch, "is_last_batch": is_last_batch},
+        }
+    }
 
 
 def counts(ready, started, processed, completed) -> dict:
@@ -30,20 +40,26 @@ def counts(ready, started, processed, completed) -> dict:
 
 
 # Loop states measured from real checkpoints (lightning 2.6.6; 5 batches per epoch), and where Lightning resumed.
-@pytest.mark.parametrize("state, expected", [
-    (loops(counts(1, 1, 0, 0), counts(2, 2, 2, 1)), DataPosition(0, 2)),  # on_train_batch_end of batch 1
-    (loops(counts(2, 2, 1, 1), counts(2, 2, 2, 1)), DataPosition(1, 2)),  # the same, epoch 1
-    (loops(counts(1, 1, 0, 0), counts(5, 5, 5, 4), True), DataPosition(1, 0)),  # on_train_batch_end of the last batch
-    (loops(counts(1, 1, 1, 0), counts(5, 5, 5, 5), True), DataPosition(1, 0)),  # on_train_epoch_end
-    (loops(counts(1, 1, 0, 0), counts(3, 3, 3, 3)), DataPosition(0, 3)),  # between batches (SIGTERM checkpoint)
-    (loops(counts(1, 1, 0, 0), counts(5, 5, 5, 5), True), DataPosition(1, 0)),  # between batches, after the last
-    (loops(counts(1, 1, 0, 0), counts(3, 3, 2, 2)), DataPosition(0, 2)),  # inside training_step of batch 2: again
-    # After ``fit`` returned, mid-epoch and after the epoch's last batch: Lightning numbers the next batches from its
-    # counters, the data starts again, nothing was trained on, nothing is skipped (as under ``ddp``).
-    (loops(counts(1, 1, 1, 1), counts(3, 3, 3, 3)), DataPosition(1, 0, after_fit=True)),
-    (loops(counts(1, 1, 1, 1), counts(5, 5, 5, 5), True), DataPosition(1, 0, after_fit=True)),
-    (loops(counts(0, 0, 0, 0), counts(0, 0, 0, 0)), DataPosition(0, 0)),  # before the first epoch began
-])
+@pytest.mark.parametrize(
+    "state, expected",
+    [
+        (loops(counts(1, 1, 0, 0), counts(2, 2, 2, 1)), DataPosition(0, 2)),  # on_train_batch_end of batch 1
+        (loops(counts(2, 2, 1, 1), counts(2, 2, 2, 1)), DataPosition(1, 2)),  # the same, epoch 1
+        (
+            loops(counts(1, 1, 0, 0), counts(5, 5, 5, 4), True),
+            DataPosition(1, 0),
+        ),  # on_train_batch_end of the last batch
+        (loops(counts(1, 1, 1, 0), counts(5, 5, 5, 5), True), DataPosition(1, 0)),  # on_train_epoch_end
+        (loops(counts(1, 1, 0, 0), counts(3, 3, 3, 3)), DataPosition(0, 3)),  # between batches (SIGTERM checkpoint)
+        (loops(counts(1, 1, 0, 0), counts(5, 5, 5, 5), True), DataPosition(1, 0)),  # between batches, after the last
+        (loops(counts(1, 1, 0, 0), counts(3, 3, 2, 2)), DataPosition(0, 2)),  # inside training_step of batch 2: again
+        # After ``fit`` returned, mid-epoch and after the epoch's last batch: Lightning numbers the next batches from its
+        # counters, the data starts again, nothing was trained on, nothing is skipped (as under ``ddp``).
+        (loops(counts(1, 1, 1, 1), counts(3, 3, 3, 3)), DataPosition(1, 0, after_fit=True)),
+        (loops(counts(1, 1, 1, 1), counts(5, 5, 5, 5), True), DataPosition(1, 0, after_fit=True)),
+        (loops(counts(0, 0, 0, 0), counts(0, 0, 0, 0)), DataPosition(0, 0)),  # before the first epoch began
+    ],
+)
 def test_position_mirrors_lightnings_restart(state, expected):
     assert position_from_loops(state) == expected
 
@@ -68,7 +84,9 @@ def test_resume_sampler_skips_once_in_the_resumed_epoch_only():
 
 def test_resumed_dataloader_continues_with_the_same_batches():
     data = list(range(30))
-    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=5), drop_last=True)
+    loader = DataLoader(
+        data, batch_size=4, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=5), drop_last=True
+    )
     loader.sampler.set_epoch(1)
     uninterrupted = [b.tolist() for b in loader]
     seen = []
@@ -82,7 +100,7 @@ def test_a_custom_batch_sampler_is_skipped_by_whole_batches():
     class Pairs(BatchSampler):  # groups indices its own way: a sampler-level skip would regroup them
         def __iter__(self):
             ids = list(self.sampler)
-            return iter([ids[i:i + 2] + ids[-1 - i:][:1] for i in range(0, len(ids) // 2, 2)])
+            return iter([ids[i : i + 2] + ids[-1 - i :][:1] for i in range(0, len(ids) // 2, 2)])
 
     data = list(range(12))
     loader = DataLoader(data, batch_sampler=Pairs(SequentialSampler(data), batch_size=3, drop_last=False))
@@ -154,7 +172,9 @@ def test_last_skips_a_damaged_last_checkpoint(tmp_path):
     _full_checkpoint(tmp_path / "last.ckpt", 5, 2000)
     _full_checkpoint(tmp_path / "last-v1.ckpt", 8, 3000)
     (tmp_path / "last-v1.ckpt").write_bytes(b"not a checkpoint")
-    trainer = L.Trainer(callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], logger=False, default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], logger=False, default_root_dir=tmp_path
+    )
     with pytest.warns(UserWarning, match="last-v1.ckpt"):
         assert resolve_last(trainer) == str(tmp_path.resolve() / "last.ckpt")
 

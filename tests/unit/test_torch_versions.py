@@ -43,7 +43,11 @@ def _private_torch_uses(path) -> list[str]:
             name = _dotted(node)
             if name and name.split(".")[0] in ("torch", "nn") and not ALLOWED.match(name):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"torch(\.\w+)*\._\w+(\.\w+)*", node.value):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"torch(\.\w+)*\._\w+(\.\w+)*", node.value)
+        ):
             found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
     return found
 
@@ -77,8 +81,12 @@ def test_the_scan_sees_each_kind_of_private_use():
     finally:
         sample.unlink()
     assert sorted(use.split(": ", 1)[1] for use in found) == [
-        "'torch.distributed._composable'", "import torch._dynamo", "import torch.utils._pytree",
-        "import torch.utils._pytree.tree_map", "nn.modules.batchnorm._NormBase", "torch._chunk_cat",
+        "'torch.distributed._composable'",
+        "import torch._dynamo",
+        "import torch.utils._pytree",
+        "import torch.utils._pytree.tree_map",
+        "nn.modules.batchnorm._NormBase",
+        "torch._chunk_cat",
     ]
 
 
@@ -94,8 +102,16 @@ def test_setup_cfg_admits_the_tested_range_and_the_installed_torch_lies_in_it():
 
 @pytest.mark.parametrize(
     "version, warns",
-    [("2.11.0", False), ("2.14.1+cu130", False), ("2.14.0a0+git4f3e2a1", False), ("2.13.0+cpu", False),
-     ("2.10.1", True), ("2.15.0", True), ("2.15.0.dev20261201+cpu", True), ("3.0.0", True)],
+    [
+        ("2.11.0", False),
+        ("2.14.1+cu130", False),
+        ("2.14.0a0+git4f3e2a1", False),
+        ("2.13.0+cpu", False),
+        ("2.10.1", True),
+        ("2.15.0", True),
+        ("2.15.0.dev20261201+cpu", True),
+        ("3.0.0", True),
+    ],
 )
 def test_a_torch_outside_the_tested_range_warns_naming_the_range(version, warns):
     with warnings.catch_warnings(record=True) as caught:
@@ -111,8 +127,13 @@ def test_importing_the_package_under_the_installed_torch_warns_nothing():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-W", "error::UserWarning:lightning_zero", "-c", "import lightning_zero"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning:lightning_zero", "-c", "import lightning_zero"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -124,8 +145,12 @@ def test_a_missing_feature_raises_naming_it():
 
 def test_every_branch_is_named_for_the_installed_torch():
     branches = torch_versions.branches()
-    assert set(branches) == {"FSDP2 parameter groups per fully_shard call", "FSDP2's mixed precision for a complex parameter",
-                             "Adagrad's state for a stand-in", "pipelining's first-step warm-up"}
+    assert set(branches) == {
+        "FSDP2 parameter groups per fully_shard call",
+        "FSDP2's mixed precision for a complex parameter",
+        "Adagrad's state for a stand-in",
+        "pipelining's first-step warm-up",
+    }
     assert all("torch 2." in branch for branch in branches.values())
 
 
@@ -137,8 +162,13 @@ def test_adagrad_steps_stand_ins_as_it_steps_its_own_parameters(fused):
     own = torch.nn.Parameter(torch.randn(6, 3))
     standin = own.detach().clone()
     reference = torch.optim.Adagrad([own], lr=0.1, initial_accumulator_value=0.3, weight_decay=0.01, fused=fused)
-    hosting = torch.optim.Adagrad([torch.nn.Parameter(own.detach().clone())], lr=0.1, initial_accumulator_value=0.3,
-                                  weight_decay=0.01, fused=fused)
+    hosting = torch.optim.Adagrad(
+        [torch.nn.Parameter(own.detach().clone())],
+        lr=0.1,
+        initial_accumulator_value=0.3,
+        weight_decay=0.01,
+        fused=fused,
+    )
     param = hosting.param_groups[0]["params"][0]
     for step in range(3):
         grad = torch.randn(6, 3)
@@ -168,8 +198,10 @@ def test_the_neighbour_exchange_leaves_out_only_a_stage_s_own_rank(one_rank_grou
     """[Note: a stage's neighbour on its own rank]: a V-shaped schedule's turn sits on one rank, which gloo cannot
     send to; the same rank's send and receive go together, so nothing is left unpaired."""
     tensor = torch.zeros(1)
-    ops = [dist.P2POp(dist.isend, tensor, group_peer=0, group=one_rank_group),
-           dist.P2POp(dist.irecv, tensor, group_peer=0, group=one_rank_group)]
+    ops = [
+        dist.P2POp(dist.isend, tensor, group_peer=0, group=one_rank_group),
+        dist.P2POp(dist.irecv, tensor, group_peer=0, group=one_rank_group),
+    ]
     assert pipelining.neighbour_exchange(ops, group_rank=0) == []
     assert pipelining.neighbour_exchange(ops, group_rank=1) == ops
 

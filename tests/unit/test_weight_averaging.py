@@ -32,8 +32,12 @@ def test_the_mirror_has_the_module_s_state_dict_names_and_parameter_order():
 
 def test_a_sharded_directory_keeps_the_trained_weights_beside_their_average():
     current, average = {"w": torch.ones(2)}, {"w": torch.zeros(2)}
-    checkpoint = {"state_dict": average, "current_model_state": current, "averaging_state": {"n_averaged": torch.tensor(3)},
-                  "epoch": 1}
+    checkpoint = {
+        "state_dict": average,
+        "current_model_state": current,
+        "averaging_state": {"n_averaged": torch.tensor(3)},
+        "epoch": 1,
+    }
     tensors, meta = split_checkpoint(checkpoint)
     assert tensors["state_dict"] is average and tensors["current_model_state"] is current
     assert "current_model_state" not in meta and meta["averaging_state"]["n_averaged"] == 3 and meta["epoch"] == 1

@@ -33,7 +33,9 @@ ReduceOp = dist.ReduceOp
 ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
 #: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
 _all_gather_flat: Callable[..., dist.Work | None] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_flat: Callable[..., dist.Work | None] = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_reduce_scatter_flat: Callable[..., dist.Work | None] = getattr(
+    dist, "reduce_scatter_single", dist.reduce_scatter_tensor
+)
 _T = TypeVar("_T")
 
 _STATS = CommStats()
@@ -76,7 +78,11 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
 
 
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False, unit: int = 0
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    unit: int = 0,
 ) -> dist.Work | p2p.Ring | None:
     """Sum ``input`` over ranks into rank r's segment in ``output`` (may overwrite ``input``); ``unit``: the stage-3
     unit served (``flight.unit_code``)."""
@@ -87,7 +93,9 @@ def reduce_scatter(
     _count("reduce_scatter", input, group)
     with record_function("lightning_zero::reduce_scatter"):
         if (mailboxes := _shared_memory(group, output, input)) is not None:
-            return _through_mailboxes(mailboxes, mailboxes.reduce_scatter, output, input, number, "reduce_scatter", async_op)
+            return _through_mailboxes(
+                mailboxes, mailboxes.reduce_scatter, output, input, number, "reduce_scatter", async_op
+            )
         work: dist.Work | None
         if _use_ring(group):
             work = p2p.RingReduceScatter(output, input, group, number)
@@ -97,7 +105,11 @@ def reduce_scatter(
 
 
 def all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False, unit: int = 0
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    unit: int = 0,
 ) -> dist.Work | p2p.Ring | None:
     """Concatenate every rank's ``input`` into ``output`` (``unit``: as for :func:`reduce_scatter`)."""
     if world_size(group) == 1:
@@ -145,7 +157,9 @@ def packed_only() -> Iterator[None]:
 
 
 def all_gather_in_place(
-    pieces: Sequence[Sequence[torch.Tensor]], packed_numel: int, group: dist.ProcessGroup | None = None,
+    pieces: Sequence[Sequence[torch.Tensor]],
+    packed_numel: int,
+    group: dist.ProcessGroup | None = None,
     chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
     """Every rank's ``pieces[rank]`` into ``pieces[rank]`` of every other rank, tensor by tensor, with no bucket
@@ -160,8 +174,11 @@ def all_gather_in_place(
 
 
 def reduce_scatter_in_place(
-    sends: Sequence[Sequence[torch.Tensor]], receives: Sequence[Sequence[torch.Tensor]], packed_numel: int,
-    group: dist.ProcessGroup | None = None, chunk_numels: Sequence[int] | None = None,
+    sends: Sequence[Sequence[torch.Tensor]],
+    receives: Sequence[Sequence[torch.Tensor]],
+    packed_numel: int,
+    group: dist.ProcessGroup | None = None,
+    chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
     """The transfers of a reduce-scatter without its buffers (see [Note: collectives in place] in
     ``p2p_transport.py``): ``sends[r]``, this rank's contributions to rank r's rows, go to rank r and land there in
@@ -169,13 +186,18 @@ def reduce_scatter_in_place(
     size of the input the packed collective would reduce, as counted; ``chunk_numels`` as in
     :func:`all_gather_in_place`."""
     mine = [piece for pieces in sends for piece in pieces]
-    return _exchange_counted("reduce_scatter", mine, packed_numel, group, lambda peer: sends[peer],
-                             lambda peer: receives[peer], chunk_numels)
+    return _exchange_counted(
+        "reduce_scatter", mine, packed_numel, group, lambda peer: sends[peer], lambda peer: receives[peer], chunk_numels
+    )
 
 
 def _exchange_counted(
-    kind: str, like: Sequence[torch.Tensor], packed_numel: int, group: dist.ProcessGroup | None,
-    to: Callable[[int], Sequence[torch.Tensor]], source: Callable[[int], Sequence[torch.Tensor]],
+    kind: str,
+    like: Sequence[torch.Tensor],
+    packed_numel: int,
+    group: dist.ProcessGroup | None,
+    to: Callable[[int], Sequence[torch.Tensor]],
+    source: Callable[[int], Sequence[torch.Tensor]],
     chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
     dtype = like[0].dtype if like else torch.float32
@@ -186,7 +208,11 @@ def _exchange_counted(
 
 
 def all_to_all(
-    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False, unit: int = 0
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    unit: int = 0,
 ) -> dist.Work | None:
     """Rank r's chunk j of ``input`` (dim 0 split in equal chunks) lands as chunk r of rank j's ``output``: compressed
     gradient reduction (``compression.py``) sends each owner its rows this way (``unit``: as for :func:`reduce_scatter`)."""
@@ -245,15 +271,26 @@ def _shared_memory(
 ) -> shm_transport.SharedMemoryGroup | None:
     """The group's shared-memory mailboxes (``shm_transport.py``) where they serve this call: gloo, host tensors,
     one host. Every rank decides alike (same backend, devices and layout)."""
-    if not (_use_ring(group) and output.device.type == "cpu" and input.device.type == "cpu"
-            and output.is_contiguous() and input.is_contiguous() and output.dtype == input.dtype):
+    if not (
+        _use_ring(group)
+        and output.device.type == "cpu"
+        and input.device.type == "cpu"
+        and output.is_contiguous()
+        and input.is_contiguous()
+        and output.dtype == input.dtype
+    ):
         return None
     return shm_transport.for_group(group)
 
 
 def _through_mailboxes(
-    mailboxes: shm_transport.SharedMemoryGroup, collective: Callable[[torch.Tensor, torch.Tensor], None],
-    output: torch.Tensor, input: torch.Tensor, number: int, kind: str, async_op: bool,
+    mailboxes: shm_transport.SharedMemoryGroup,
+    collective: Callable[[torch.Tensor, torch.Tensor], None],
+    output: torch.Tensor,
+    input: torch.Tensor,
+    number: int,
+    kind: str,
+    async_op: bool,
 ) -> dist.Work | None:
     """Queue a collective to the group's mailbox thread: its handle, or None once it ran (``async_op=False``,
     or a group whose collectives run in the calling thread)."""
@@ -369,8 +406,12 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 
 def reduce_scatter_op(
-    output: torch.Tensor, input: torch.Tensor, op: ReduceOpLike, group: dist.ProcessGroup | None = None,
-    async_op: bool = False, unit: int = 0,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOpLike,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    unit: int = 0,
 ) -> dist.Work | None:
     """A reduce-scatter with any op, by the backend itself (FSDP2's fp16 pre/post-divide and async paths)."""
     number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype, unit)

@@ -79,17 +79,23 @@ class CommStats:
         totals, the same split ``intra_node``/``inter_node``, and ``by_group`` (``"0,1"`` -> its counts)."""
         with self._lock:
             groups = list(self.groups.values())
-        out: dict[str, Any] = {"calls": _sum(g.calls for g in groups),
-                               "elements_by_kind": _sum(g.elements for g in groups),
-                               "bytes_by_kind": _sum(g.bytes for g in groups)}
+        out: dict[str, Any] = {
+            "calls": _sum(g.calls for g in groups),
+            "elements_by_kind": _sum(g.elements for g in groups),
+            "bytes_by_kind": _sum(g.bytes for g in groups),
+        }
         out["elements"], out["bytes"] = sum(out["elements_by_kind"].values()), sum(out["bytes_by_kind"].values())
         for where, inter in (("intra_node", False), ("inter_node", True)):
             chosen = [g for g in groups if g.inter_node is inter]
             out[f"elements_{where}"] = sum(sum(g.elements.values()) for g in chosen)
             out[f"bytes_{where}"] = sum(sum(g.bytes.values()) for g in chosen)
         out["by_group"] = {
-            ",".join(map(str, g.ranks)): {"inter_node": g.inter_node, "calls": dict(g.calls),
-                                          "elements_by_kind": dict(g.elements), "bytes_by_kind": dict(g.bytes)}
+            ",".join(map(str, g.ranks)): {
+                "inter_node": g.inter_node,
+                "calls": dict(g.calls),
+                "elements_by_kind": dict(g.elements),
+                "bytes_by_kind": dict(g.bytes),
+            }
             for g in groups
         }
         return out

@@ -136,8 +136,13 @@ class CompressedComm:
 
     # ------------------------------------------------------------------ gradients
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, key: object,
-        async_op: bool = True, unit: int = 0,
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        key: object,
+        async_op: bool = True,
+        unit: int = 0,
     ) -> dist.Work | _Pending | None:
         """Sum ``input`` (rank-major chunks) over ``group`` into this rank's chunk ``output``, like
         ``collectives.reduce_scatter`` (``unit`` too); not compressed under ``inter_node_only`` (a shard group is a
@@ -198,7 +203,11 @@ class CompressedComm:
         return _transport(self.spec.params, self.spec, dtype) is not None
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = True,
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        async_op: bool = True,
         unit: int = 0,
     ) -> dist.Work | _Pending | None:
         """Every rank's ``input`` into ``output`` (rank-major), decoded from the same bytes on every rank, this

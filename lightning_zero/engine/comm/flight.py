@@ -33,11 +33,30 @@ import torch
 from lightning_zero.engine.comm import flight_file
 
 #: Stable codes for the hash (see [Note: operation numbers and the running hash]).
-_KIND_CODES = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "broadcast_object": 5,
-               "all_gather_object": 6, "gather_object": 7, "barrier": 8, "all_gather_uncounted": 9,
-               "all_to_all": 10}
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
-           torch.uint8, torch.bool, torch.int16)
+_KIND_CODES = {
+    "all_reduce": 1,
+    "reduce_scatter": 2,
+    "all_gather": 3,
+    "broadcast": 4,
+    "broadcast_object": 5,
+    "all_gather_object": 6,
+    "gather_object": 7,
+    "barrier": 8,
+    "all_gather_uncounted": 9,
+    "all_to_all": 10,
+}
+_DTYPES = (
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.int16,
+)
 #: Keyed by an optional dtype: a collective of pickled objects has none (code 15, as any dtype not listed).
 _DTYPE_CODES: dict[torch.dtype | None, int] = {dtype: i + 1 for i, dtype in enumerate(_DTYPES)}
 _MASK = (1 << 61) - 1
@@ -132,8 +151,13 @@ class FlightRecorder:
         if not self.enabled or threading.get_ident() != self.main:
             return 0
         self.ops = number = self.ops + 1
-        self.digest = ((self.digest * 1000003) ^ (numel << 8) ^ (_DTYPE_CODES.get(dtype, 15) << 4)
-                       ^ _KIND_CODES.get(kind, 10) ^ (unit << 28)) & _MASK
+        self.digest = (
+            (self.digest * 1000003)
+            ^ (numel << 8)
+            ^ (_DTYPE_CODES.get(dtype, 15) << 4)
+            ^ _KIND_CODES.get(kind, 10)
+            ^ (unit << 28)
+        ) & _MASK
         self.recent.append((number, kind, numel, dtype, unit))
         if self.file is not None:
             self.file.issue(number, kind, numel, dtype, unit, self.digest)
@@ -182,8 +206,10 @@ class FlightRecorder:
     # ------------------------------------------------------------------ readers (any thread)
     def recent_ops(self) -> list[Op]:
         """As a peer reads them from the flight file: a dtype without a code (a collective of pickled objects) is "?"."""
-        return [Op(n, kind, numel, str(dtype).replace("torch.", "") if dtype in _DTYPE_CODES else "?", unit_name(unit))
-                for n, kind, numel, dtype, unit in list(self.recent)]
+        return [
+            Op(n, kind, numel, str(dtype).replace("torch.", "") if dtype in _DTYPE_CODES else "?", unit_name(unit))
+            for n, kind, numel, dtype, unit in list(self.recent)
+        ]
 
     def last_mark(self) -> Mark | None:
         marks = list(self.marks)

@@ -63,8 +63,16 @@ class FlightSnapshot:
 class FlightFile:
     """The writer: one per process and run, owned by the flight recorder while the watchdog runs."""
 
-    def __init__(self, path: Path, proc: str, main_ident: int, ring: int, marks: int,
-                 kinds: dict[str, int], dtypes: dict[torch.dtype | None, int]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        proc: str,
+        main_ident: int,
+        ring: int,
+        marks: int,
+        kinds: dict[str, int],
+        dtypes: dict[torch.dtype | None, int],
+    ) -> None:
         self.path = path
         self.ring, self.mark_slots = ring, marks
         self._kinds, self._dtypes = kinds, dtypes
@@ -80,15 +88,23 @@ class FlightFile:
         self._marks_written = 0
 
     def issue(self, number: int, kind: str, numel: int, dtype: torch.dtype | None, unit: int, digest: int) -> None:
-        _OP.pack_into(self._map, _RING_AT + (number % self.ring) * _OP.size, number, numel,
-                      self._kinds.get(kind, 0), self._dtypes.get(dtype, 0), unit)
+        _OP.pack_into(
+            self._map,
+            _RING_AT + (number % self.ring) * _OP.size,
+            number,
+            numel,
+            self._kinds.get(kind, 0),
+            self._dtypes.get(dtype, 0),
+            unit,
+        )
         _COUNTERS.pack_into(self._map, _COUNTERS_AT, number, digest)
 
     def wait(self, number: int, kind: str) -> None:
         _WAITING.pack_into(self._map, _WAITING_AT, number, self._kinds.get(kind, 0))
 
-    def mark(self, phase: str, count: int, batch: int | None, ops: int, digest: int, seq: int,
-             steps: dict[str, int]) -> None:
+    def mark(
+        self, phase: str, count: int, batch: int | None, ops: int, digest: int, seq: int, steps: dict[str, int]
+    ) -> None:
         slot = self._marks_at + (self._marks_written % self.mark_slots) * _MARK.size
         code = PHASES.index(phase) + 1 if phase in PHASES else 0
         _MARK.pack_into(self._map, slot, code, count, -1 if batch is None else batch, ops, digest, seq)
@@ -103,7 +119,11 @@ class FlightFile:
 
 
 def read(
-    path: Path, ring: int, marks: int, kinds: dict[str, int], dtypes: dict[torch.dtype | None, int],
+    path: Path,
+    ring: int,
+    marks: int,
+    kinds: dict[str, int],
+    dtypes: dict[torch.dtype | None, int],
     unit_name: Callable[[int], str],
 ) -> FlightSnapshot | None:
     """The flight file at ``path`` (None if absent or not one); ``unit_name`` names a unit code."""
@@ -125,16 +145,26 @@ def read(
     for slot in range(ring):
         number, numel, kind, dtype, unit = _OP.unpack_from(data, _RING_AT + slot * _OP.size)
         if number and number > ops - ring:
-            recent.append((number, kind_names.get(kind, "collective"), numel, dtype_names.get(dtype, "?"), unit_name(unit)))
+            recent.append(
+                (number, kind_names.get(kind, "collective"), numel, dtype_names.get(dtype, "?"), unit_name(unit))
+            )
     (written,) = _MARK_COUNT.unpack_from(data, _MARK_COUNT_AT)
     marks_out = []
     for index in range(max(0, written - marks), written):
-        code, count, batch, mark_ops, mark_digest, seq = _MARK.unpack_from(data, marks_at + (index % marks) * _MARK.size)
-        marks_out.append((PHASES[code - 1] if code else "?", count, None if batch < 0 else batch, mark_ops,
-                          mark_digest, seq))
+        code, count, batch, mark_ops, mark_digest, seq = _MARK.unpack_from(
+            data, marks_at + (index % marks) * _MARK.size
+        )
+        marks_out.append(
+            (PHASES[code - 1] if code else "?", count, None if batch < 0 else batch, mark_ops, mark_digest, seq)
+        )
     steps = dict(zip(PHASES, _STEPS.unpack_from(data, _STEPS_AT)))
     return FlightSnapshot(
-        proc=proc.rstrip(b"\0").decode(errors="replace"), main_ident=main_ident, ops=ops, digest=digest,
+        proc=proc.rstrip(b"\0").decode(errors="replace"),
+        main_ident=main_ident,
+        ops=ops,
+        digest=digest,
         waiting=(waiting_number, kind_names.get(waiting_kind, "collective")) if waiting_number else None,
-        recent=sorted(recent), marks=marks_out, steps={p: n for p, n in steps.items() if n},
+        recent=sorted(recent),
+        marks=marks_out,
+        steps={p: n for p, n in steps.items() if n},
     )

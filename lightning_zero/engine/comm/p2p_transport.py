@@ -169,8 +169,13 @@ class Exchange(Ring):
     travels alone)."""
 
     def __init__(
-        self, kind: str, to: Callable[[int], Sequence[torch.Tensor]], source: Callable[[int], Sequence[torch.Tensor]],
-        group: dist.ProcessGroup | None, number: int = 0, chunk_numels: Sequence[int] | None = None,
+        self,
+        kind: str,
+        to: Callable[[int], Sequence[torch.Tensor]],
+        source: Callable[[int], Sequence[torch.Tensor]],
+        group: dist.ProcessGroup | None,
+        number: int = 0,
+        chunk_numels: Sequence[int] | None = None,
     ) -> None:
         super().__init__(group, number)
         self.kind = kind

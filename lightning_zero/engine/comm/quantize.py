@@ -231,8 +231,11 @@ class ErrorFeedback:
         elif residual.numel() != x.numel():
             if name not in self._restored:
                 raise ValueError(f"error feedback key {name!r} holds {residual.numel()} elements, got {x.numel()}")
-            warnings.warn(f"error feedback residual {name!r} from the checkpoint holds {residual.numel()} elements, "
-                          f"this run's chunk {x.numel()}: it starts from zero.", stacklevel=2)
+            warnings.warn(
+                f"error feedback residual {name!r} from the checkpoint holds {residual.numel()} elements, "
+                f"this run's chunk {x.numel()}: it starts from zero.",
+                stacklevel=2,
+            )
             residual = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
         elif residual.device != x.device:
             residual = residual.to(x.device)

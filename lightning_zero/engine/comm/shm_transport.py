@@ -88,7 +88,10 @@ class SharedMemoryGroup:
     """One group's mailboxes (see [Note: shared-memory collectives])."""
 
     def __init__(
-        self, group: dist.ProcessGroup | None, maps: list[mmap.mmap], rank: int,
+        self,
+        group: dist.ProcessGroup | None,
+        maps: list[mmap.mmap],
+        rank: int,
         sync_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group, self.maps, self.rank, self.size = group, maps, rank, len(maps)
@@ -140,8 +143,11 @@ class SharedMemoryGroup:
         hosts = collectives.all_gather_objects((socket.gethostname(), _boot_id()), group=group)
         if len(set(hosts)) != 1:
             return None
-        token = collectives.broadcast_object(uuid.uuid4().hex if rank == 0 else None,
-                                             src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        token = collectives.broadcast_object(
+            uuid.uuid4().hex if rank == 0 else None,
+            src=dist.get_global_rank(group, 0) if group is not None else 0,
+            group=group,
+        )
         path = os.path.join(_DIRECTORY, f"lightning_zero-{token}-{rank}")
         reserved = _reserve(path)
         maps: list[mmap.mmap] = []
@@ -194,11 +200,11 @@ class SharedMemoryGroup:
         source = input.reshape(-1)
         for start in range(0, seg, step):
             width = min(step, seg - start)
-            self._box(self.rank, input.dtype, width).copy_(source[start:start + width])
+            self._box(self.rank, input.dtype, width).copy_(source[start : start + width])
             self._barrier()
             for peer in range(self.size):
-                part = source[start:start + width] if peer == self.rank else self._box(peer, input.dtype, width)
-                rows[peer, start:start + width].copy_(part)
+                part = source[start : start + width] if peer == self.rank else self._box(peer, input.dtype, width)
+                rows[peer, start : start + width].copy_(part)
             self._barrier()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -210,12 +216,16 @@ class SharedMemoryGroup:
         for start in range(0, seg, step):
             width = min(step, seg - start)
             self._box(self.rank, input.dtype, self.size * width).view(self.size, width).copy_(
-                columns[:, start:start + width])
+                columns[:, start : start + width]
+            )
             self._barrier()
-            out = output.view(-1)[start:start + width]
+            out = output.view(-1)[start : start + width]
             for peer in range(self.size):
-                part = (columns[self.rank, start:start + width] if peer == self.rank
-                        else self._box(peer, input.dtype, self.size * width).view(self.size, width)[self.rank])
+                part = (
+                    columns[self.rank, start : start + width]
+                    if peer == self.rank
+                    else self._box(peer, input.dtype, self.size * width).view(self.size, width)[self.rank]
+                )
                 if peer == 0:
                     out.copy_(part)
                 else:

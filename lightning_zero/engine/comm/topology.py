@@ -93,7 +93,9 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     first use: every rank asks for the same mesh at the same point (see [Note: groups live as long as the world])."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return _kept(("mesh", device_type, tuple(shape), names), lambda: init_device_mesh(device_type, shape, mesh_dim_names=names))
+    return _kept(
+        ("mesh", device_type, tuple(shape), names), lambda: init_device_mesh(device_type, shape, mesh_dim_names=names)
+    )
 
 
 def new_group(purpose: str, timeout: timedelta | None = None, backend: str = "gloo") -> dist.ProcessGroup | None:

@@ -18,8 +18,12 @@ class UsedFlags:
     (:meth:`start`, behind the backward's last transfers), so that its latency hides behind theirs instead of ending
     every backward with a blocking all-reduce; other transports all-reduce them in :meth:`reduced`."""
 
-    def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
-                 mine: Callable[[], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        replicate_group: dist.ProcessGroup | None,
+        mine: Callable[[], torch.Tensor],
+    ) -> None:
         self.group, self.replicate_group, self.mine = group, replicate_group, mine
         self._posted: tuple[torch.Tensor, dist.Work] | None = None
 

@@ -62,7 +62,9 @@ def unpack_bucket(
         cols = _columns(full, bucket, spec)
         flat = targets[i].view(-1)
         for start, end in _row_blocks(spec, skip_rank):
-            flat[start * spec.chunk_numel : end * spec.chunk_numel].view(end - start, spec.chunk_numel).copy_(cols[start:end])
+            flat[start * spec.chunk_numel : end * spec.chunk_numel].view(end - start, spec.chunk_numel).copy_(
+                cols[start:end]
+            )
         rest = spec.numel - spec.full_chunks * spec.chunk_numel
         if rest and spec.full_chunks != skip_rank:
             k = spec.full_chunks
@@ -146,7 +148,9 @@ def runs_without(
 
 
 def scale_gradients(
-    grads: Sequence[torch.Tensor], coefficient: float, buffers: Sequence[tuple[torch.Tensor, Sequence[int]]],
+    grads: Sequence[torch.Tensor],
+    coefficient: float,
+    buffers: Sequence[tuple[torch.Tensor, Sequence[int]]],
     in_place: Mapping[int, torch.Tensor],
 ) -> None:
     """Multiply ``grads`` by ``coefficient`` (the average over ranks, an unscale), a flat buffer at a time where one

@@ -19,8 +19,12 @@ Run = tuple[Standins, torch.Event | None]
 
 
 def runs_behind_copies(
-    optimizer: Optimizer, parts: Sequence[tuple[list[int], list[int]]], params: Sequence[nn.Parameter],
-    standins: Standins, sent: Sequence[torch.Event | None], all_sent: torch.Event | None,
+    optimizer: Optimizer,
+    parts: Sequence[tuple[list[int], list[int]]],
+    params: Sequence[nn.Parameter],
+    standins: Standins,
+    sent: Sequence[torch.Event | None],
+    all_sent: torch.Event | None,
 ) -> list[Run]:
     """Each part's stand-ins (the others sitting out) behind the event of the copies ``sent`` for that part, in the
     parts' order; one call behind ``all_sent`` where the rows did not go a part at a time or ``optimizer`` cannot step

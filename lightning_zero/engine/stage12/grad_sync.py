@@ -100,7 +100,9 @@ class GradientReducer:
         #: Hybrid sharding: the ranks holding the same rows as this one (None: no copies).
         self.replicate_group = replicate_group
         self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
-        self.produced = UsedFlags(group, replicate_group if self.replicas > 1 else None, lambda: produced_flags(self.records))
+        self.produced = UsedFlags(
+            group, replicate_group if self.replicas > 1 else None, lambda: produced_flags(self.records)
+        )
         self.require_sync = True
         self._ready = [0] * len(layout.buckets)
         self._sizes = [len(b.params) for b in layout.buckets]
@@ -122,9 +124,14 @@ class GradientReducer:
         self.reduce_dtype = reduce_dtype
         self.comm_dtypes = [comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
         # Stage 2: a flat storage per bucket for this rank's gradient shards, viewed per parameter.
-        self.storage = [
-            torch.zeros(b.segment_numel, device=self.device, dtype=dtype) for b, dtype in zip(layout.buckets, self.bucket_dtypes)
-        ] if shard_gradients else None
+        self.storage = (
+            [
+                torch.zeros(b.segment_numel, device=self.device, dtype=dtype)
+                for b, dtype in zip(layout.buckets, self.bucket_dtypes)
+            ]
+            if shard_gradients
+            else None
+        )
         #: Flat buffers the sums are views of, with their parameters: stage 2's storage, stage 1's runs as they land.
         self.storage_runs = [(s, b.params) for s, b in zip(self.storage, layout.buckets)] if self.storage else []
         self.flat_runs: list[tuple[torch.Tensor, Sequence[int]]] = []
@@ -135,7 +142,8 @@ class GradientReducer:
         ]
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
-            for i, p in enumerate(self.params) if p.requires_grad
+            for i, p in enumerate(self.params)
+            if p.requires_grad
         ]
 
     # ------------------------------------------------------------------ views
@@ -224,9 +232,15 @@ class GradientReducer:
         if self._reduces_in_place(bucket_index):
             held = self.shard_gradients and self._holds_sums(bucket)
             reduction = InPlaceReduction(
-                self.layout, bucket_index, [sources[i] for i in bucket.params], rank=self.rank, group=self.group,
-                storage=self._bucket_storage(bucket_index) if self.shard_gradients else None, held=held,
-                dtype=dtype, device=self.device,
+                self.layout,
+                bucket_index,
+                [sources[i] for i in bucket.params],
+                rank=self.rank,
+                group=self.group,
+                storage=self._bucket_storage(bucket_index) if self.shard_gradients else None,
+                held=held,
+                dtype=dtype,
+                device=self.device,
             )
             return self._post(_Inflight(bucket_index, None, None, None, False, held, reduction))
         comm = torch.empty(bucket.numel, dtype=self.comm_dtypes[bucket_index], device=self.device)
@@ -250,8 +264,11 @@ class GradientReducer:
     def _reduces_in_place(self, bucket_index: int) -> bool:
         """Exact reductions over gloo in the gradients' own dtype move without packing (``reduce_in_place.py``);
         every rank decides alike (same backend, settings and layout)."""
-        return (self.compression is None and self.comm_dtypes[bucket_index] == self.bucket_dtypes[bucket_index]
-                and collectives.exchanges_in_place(self.group))
+        return (
+            self.compression is None
+            and self.comm_dtypes[bucket_index] == self.bucket_dtypes[bucket_index]
+            and collectives.exchanges_in_place(self.group)
+        )
 
     def _post(self, flight: _Inflight) -> None:
         self._next = flight.bucket + 1
@@ -313,7 +330,11 @@ class GradientReducer:
             if record.state is not GradState.FINALIZED:
                 record.state = GradState.REDUCED
         if self.stages_on_landing and self.host_gradients is not None:
-            held = [(i, g) for i in bucket.params if self.host_gradients.on_host[i] and (g := self.local_grad(i)) is not None]
+            held = [
+                (i, g)
+                for i in bucket.params
+                if self.host_gradients.on_host[i] and (g := self.local_grad(i)) is not None
+            ]
             for (i, _), copy in zip(held, self.host_gradients.stage_gradients(held)):
                 self.records[i].staged = copy
             if self.on_landed is not None:  # see [Note: the host step during backward]
@@ -384,8 +405,11 @@ class GradientReducer:
         if self.shard_gradients:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
             # buckets still holding another optimizer's gradients need their consumed slices zeroed.
-            holding = {b for b in {r.spec.bucket for r in records if r.shard is not None}
-                       if self._holds_sums(self.layout.buckets[b])}
+            holding = {
+                b
+                for b in {r.spec.bucket for r in records if r.shard is not None}
+                if self._holds_sums(self.layout.buckets[b])
+            }
             views = [r.shard for r in records if r.shard is not None and r.spec.bucket in holding]
             if views:
                 torch._foreach_zero_(views)

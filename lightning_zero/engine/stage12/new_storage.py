@@ -49,8 +49,15 @@ class StorageWatch:
 
 
 def hold_again(
-    indices: Iterable[int], params: Sequence[nn.Parameter], names: Sequence[str], shapes: Sequence[tuple[int, ...]],
-    held_dtypes: Sequence[torch.dtype], *, rank: int, world_size: int, masters: MasterShards | None,
+    indices: Iterable[int],
+    params: Sequence[nn.Parameter],
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    held_dtypes: Sequence[torch.dtype],
+    *,
+    rank: int,
+    world_size: int,
+    masters: MasterShards | None,
     row_views: Callable[[int], Iterable[torch.Tensor]],
 ) -> None:
     """Hold the parameters of ``indices`` again after new storage was assigned to them (see the Note):

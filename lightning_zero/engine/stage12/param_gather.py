@@ -81,11 +81,20 @@ def all_gather_params(
         if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
             chunks = row_views.chunk_numels(bucket)
             flights.append(
-                (bucket, collectives.all_gather_in_place(pieces, bucket.numel, group=group, chunk_numels=chunks), None, False)
+                (
+                    bucket,
+                    collectives.all_gather_in_place(pieces, bucket.numel, group=group, chunk_numels=chunks),
+                    None,
+                    False,
+                )
             )
         else:
             segment = pack_segment(
-                layout, bucket, rank, sources(), torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device),
+                layout,
+                bucket,
+                rank,
+                sources(),
+                torch.empty(bucket.segment_numel, dtype=like.dtype, device=like.device),
             )
             full = torch.empty(bucket.numel, dtype=segment.dtype, device=segment.device)
             if compression is not None and encoded:

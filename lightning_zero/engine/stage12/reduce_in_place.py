@@ -53,8 +53,13 @@ def transfer_runs(layout: ShardLayout, bucket_index: int, itemsize: int) -> list
     if runs is None:
         specs = [layout.params[i] for i in layout.buckets[bucket_index].params]
         runs = layout.memo[key] = [
-            Run(a, b, specs[a].offset, specs[b - 1].offset + specs[b - 1].chunk_numel,
-                specs[a].chunk_numel * itemsize <= p2p_transport.PACK_PIECE_BYTES)
+            Run(
+                a,
+                b,
+                specs[a].offset,
+                specs[b - 1].offset + specs[b - 1].chunk_numel,
+                specs[a].chunk_numel * itemsize <= p2p_transport.PACK_PIECE_BYTES,
+            )
             for a, b in p2p_transport.packed_runs([s.chunk_numel for s in specs], itemsize)
         ]
     return runs
@@ -108,16 +113,19 @@ class InPlaceReduction:
         like = next((g for g in self.grads if g is not None), None)
         # The bucket's dtype, which every rank knows alike (a rank with no gradient in the bucket must send the same
         # bytes, in the same runs, as the others).
-        self.dtype = dtype or (storage.dtype if storage is not None else like.dtype if like is not None
-                               else torch.float32)
-        self.device = device or (storage.device if storage is not None else like.device if like is not None
-                                 else torch.device("cpu"))
+        self.dtype = dtype or (
+            storage.dtype if storage is not None else like.dtype if like is not None else torch.float32
+        )
+        self.device = device or (
+            storage.device if storage is not None else like.device if like is not None else torch.device("cpu")
+        )
         self.storage, self.held = storage, held
         self.into_storage = storage is not None and not held
         peers = [(rank - distance) % world for distance in range(1, world)]
         #: The segment each peer's contributions land in: the first one's the storage itself when it holds nothing.
         self.segments: dict[int, torch.Tensor] = {
-            peer: storage if storage is not None and k == 0 and self.into_storage
+            peer: storage
+            if storage is not None and k == 0 and self.into_storage
             else torch.empty(bucket.segment_numel, dtype=self.dtype, device=self.device)
             for k, peer in enumerate(peers)
         }
@@ -130,8 +138,9 @@ class InPlaceReduction:
         for run in self.runs:
             if run.packed:  # ``_chunk_cat`` refuses empty tensors; an empty parameter takes no room in the bucket
                 whole = [self._whole(j) for j in range(run.start, run.end) if self.specs[j].chunk_numel]
-                packed = (chunk_cat(whole, 0, world) if whole
-                          else torch.zeros(world, 0, dtype=self.dtype, device=self.device))
+                packed = (
+                    chunk_cat(whole, 0, world) if whole else torch.zeros(world, 0, dtype=self.dtype, device=self.device)
+                )
                 self.packed.append(packed)
                 pieces: Sequence[torch.Tensor] = packed.unbind(0)
             else:
@@ -146,8 +155,12 @@ class InPlaceReduction:
         #: Per peer, where its contribution to each run lands: a slice of its segment (the rows only, unpadded,
         #: for a piece alone, as the sender sends just them).
         self.received: dict[int, list[torch.Tensor]] = {
-            peer: [segment[run.low : run.high] if run.packed
-                   else segment[run.low : run.low + self.specs[run.start].rank_numels[rank]] for run in self.runs]
+            peer: [
+                segment[run.low : run.high]
+                if run.packed
+                else segment[run.low : run.low + self.specs[run.start].rank_numels[rank]]
+                for run in self.runs
+            ]
             for peer, segment in self.segments.items()
         }
         receives = [self.received.get(peer, []) for peer in range(world)]
@@ -246,4 +259,3 @@ class InPlaceReduction:
             for r, other in enumerate(rows):
                 if r != self.rank:
                     other.zero_()
-

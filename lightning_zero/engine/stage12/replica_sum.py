@@ -15,7 +15,10 @@ from lightning_zero.engine.comm.compression import CompressedComm
 
 
 def sum_over_replicas(
-    group: dist.ProcessGroup | None, tensors: list[torch.Tensor], reduce_dtype: torch.dtype | None, compression: CompressedComm | None = None
+    group: dist.ProcessGroup | None,
+    tensors: list[torch.Tensor],
+    reduce_dtype: torch.dtype | None,
+    compression: CompressedComm | None = None,
 ) -> None:
     """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
     shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
@@ -29,7 +32,9 @@ def sum_over_replicas(
             compression.sum_over(flat, group, key=str(held).removeprefix("torch."))
         else:
             collectives.all_reduce(flat, group=group)
-        torch._foreach_copy_(same, [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in same]), same)])
+        torch._foreach_copy_(
+            same, [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in same]), same)]
+        )
 
 
 def comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:

@@ -38,13 +38,19 @@ from lightning_zero.engine.stage12.layout import ShardLayout
 from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import (
-    Standins, has_step_hooks, hosted_params, stepping_view, steps_in_parts, steps_whole,
+    Standins,
+    has_step_hooks,
+    hosted_params,
+    stepping_view,
+    steps_in_parts,
+    steps_whole,
 )
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
 from lightning_zero.engine.stage12.delayed_parts import host_step, runs_behind_copies
 from lightning_zero.engine.stage12.grad_records import finalize_landed
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.written_rows import WrittenRows
+
 
 class ShardedOptimizer:
     """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (an
@@ -93,7 +99,12 @@ class ShardedOptimizer:
             device = params[0].device if params else torch.device("cpu")
             dtype = masters.dtype if masters is not None else params[0].dtype if params else torch.float32
             self.owners = OwnerStepping(
-                rank=rank, world_size=layout.world_size, group=group, comm_device=device, dtype=dtype, resident=masters is None
+                rank=rank,
+                world_size=layout.world_size,
+                group=group,
+                comm_device=device,
+                dtype=dtype,
+                resident=masters is None,
             )
             self.owners.on_host = masters is not None and masters.offloaded
         self.row_views = RowViews(layout)
@@ -143,11 +154,7 @@ class ShardedOptimizer:
                 if steps_whole(group, self.kind):
                     whole.append(i)
                 elif i not in self.shards:
-                    self.shards[i] = (
-                        self.masters[i]
-                        if self.masters is not None
-                        else self._resident_rows(i)
-                    )
+                    self.shards[i] = self.masters[i] if self.masters is not None else self._resident_rows(i)
         #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
         self.indices = indices
         #: Those stepped whole, on their owner ranks.
@@ -180,8 +187,9 @@ class ShardedOptimizer:
         if self.masters is None:
             return self.params[i].detach()
         device = torch.device("cpu") if self.masters.offloaded else self.params[i].device
-        return torch.zeros(self.layout.params[i].shape, dtype=self.masters.dtype, device=device,
-                           pin_memory=self.masters.pinned)
+        return torch.zeros(
+            self.layout.params[i].shape, dtype=self.masters.dtype, device=device, pin_memory=self.masters.pinned
+        )
 
     def hosted(self) -> dict[int, torch.Tensor]:
         """``id(param)`` -> the tensor the optimizer keys that parameter's state by: a shard, or the owner's whole
@@ -240,11 +248,15 @@ class ShardedOptimizer:
         if k is None or self.masters is None:
             return
         buckets, part = self.parts[k]
-        finalized = finalize_landed([self.reducer.records[i] for i in part], self.reducer.world_size * self.reducer.replicas)
+        finalized = finalize_landed(
+            [self.reducer.records[i] for i in part], self.reducer.world_size * self.reducer.replicas
+        )
         if finalized is None:
             return
         grads, _ = finalized
-        standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {id(self.params[i]): None for i in self.indices}
+        standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {
+            id(self.params[i]): None for i in self.indices
+        }
         standins.update({id(self.params[i]): (self.shards[i], grad) for i, grad in zip(part, grads)})
         self.early.start(self.optimizer, buckets, part, standins, self.masters, average=finalized)
 
@@ -380,8 +392,15 @@ class ShardedOptimizer:
                 self.written.take_back(self.masters, others, self.params.__getitem__, self._resident_rows)
         with record_function("lightning_zero::param_all_gather"):  # a phase of bench_core's breakdown
             all_gather_params(
-                self.layout, self.params, gathered, rank=self.rank, group=self.group, masters=self.masters,
-                indices=indices, compression=self.reducer.compression, row_views=self.row_views,
+                self.layout,
+                self.params,
+                gathered,
+                rank=self.rank,
+                group=self.group,
+                masters=self.masters,
+                indices=indices,
+                compression=self.reducer.compression,
+                row_views=self.row_views,
             )
         if self.written is not None:
             self.written.mark(self.params[i] for b in gathered for i in self.layout.buckets[b].params)

@@ -40,7 +40,9 @@ def hand_over(reducer: GradientReducer, indices: Sequence[int], group: dist.Proc
     if not sums:
         return
     if reducer.replicas > 1:
-        sum_over_replicas(reducer.replicate_group, [held for _, held in sums], reducer.reduce_dtype, reducer.compression)
+        sum_over_replicas(
+            reducer.replicate_group, [held for _, held in sums], reducer.reduce_dtype, reducer.compression
+        )
     coefficient = 1.0 / (reducer.world_size * reducer.replicas)
     full = [gather_full(held * coefficient, reducer.layout.params[i].shape, group=group) for i, held in sums]
     reducer.consume([i for i, _ in sums])

@@ -179,17 +179,27 @@ class ZeroDataParallel:
             owners = old.owners.rekey(moved) if old.owners is not None else None
             self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners, old.pending)
         #: Each growth: the parameters that joined and what re-planning took (tests and the README report it).
-        self.growths.append({"params": len(grown), "elements": sum(p.numel() for _, p in grown),
-                             "seconds": time.perf_counter() - started})
+        self.growths.append(
+            {
+                "params": len(grown),
+                "elements": sum(p.numel() for _, p in grown),
+                "seconds": time.perf_counter() - started,
+            }
+        )
         return True
 
     def _follow_new_storage(self) -> None:
         """See [Note: parameters given new storage]."""
         if moved := self._storage.moved():
             hold_again(
-                moved, self.params, self.names, [spec.shape for spec in self.layout.params],
+                moved,
+                self.params,
+                self.names,
+                [spec.shape for spec in self.layout.params],
                 [self.reducer.bucket_dtypes[spec.bucket] for spec in self.layout.params],
-                rank=self.rank, world_size=self.world_size, masters=self.masters,
+                rank=self.rank,
+                world_size=self.world_size,
+                masters=self.masters,
                 row_views=lambda i: [o.shards[i] for o in self._optimizers.values() if i in o.shards],
             )
             self._storage = StorageWatch(self.params)
@@ -223,8 +233,12 @@ class ZeroDataParallel:
 
     def _record(self, index: int) -> ShardRecord:
         return ShardRecord(
-            self.names[index], self.params[index], self.params[index].shape, self.group,
-            _rows=lambda: self.local_rows(index), _grad=lambda: self.reducer.local_grad(index),
+            self.names[index],
+            self.params[index],
+            self.params[index].shape,
+            self.group,
+            _rows=lambda: self.local_rows(index),
+            _grad=lambda: self.reducer.local_grad(index),
         )
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -234,17 +248,37 @@ class ZeroDataParallel:
         yield from (("grads", grad, False) for grad in self.reducer.held_gradients())
 
     # ------------------------------------------------------------------ optimizers
-    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+    def wrap_optimizer(
+        self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()
+    ) -> None:
         kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
         self._optimizers[id(optimizer)] = self._sharded_optimizer(optimizer, kind)
         follow_zero_grad(optimizer, lambda: self.reducer.consume(self.optimizer_shards(optimizer).indices))
 
-    def _sharded_optimizer(self, optimizer: Optimizer, kind: str, shards: dict[int, torch.Tensor] | None = None,
-                           owners: OwnerStepping | None = None, pending: PendingUpdate | None = None) -> ShardedOptimizer:
+    def _sharded_optimizer(
+        self,
+        optimizer: Optimizer,
+        kind: str,
+        shards: dict[int, torch.Tensor] | None = None,
+        owners: OwnerStepping | None = None,
+        pending: PendingUpdate | None = None,
+    ) -> ShardedOptimizer:
         return ShardedOptimizer(
-            optimizer, self.params, self.layout, self.reducer, self._records, rank=self.rank, masters=self.masters,
-            group=self.group, elsewhere=self._elsewhere, shards=shards, kind=kind, owners=owners,
-            host_steps=self.host_steps, pending=pending, written=self.written,
+            optimizer,
+            self.params,
+            self.layout,
+            self.reducer,
+            self._records,
+            rank=self.rank,
+            masters=self.masters,
+            group=self.group,
+            elsewhere=self._elsewhere,
+            shards=shards,
+            kind=kind,
+            owners=owners,
+            host_steps=self.host_steps,
+            pending=pending,
+            written=self.written,
         )
 
     def on_host(self, tensor: torch.Tensor) -> bool:
@@ -312,8 +346,13 @@ class ZeroDataParallel:
     def params_loaded(self) -> None:
         """Checkpoint rows were written into :meth:`local_rows`: give every rank every rank's rows (collective)."""
         all_gather_params(
-            self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group,
-            masters=self.masters, compression=self.compression,
+            self.layout,
+            self.params,
+            range(len(self.layout.buckets)),
+            rank=self.rank,
+            group=self.group,
+            masters=self.masters,
+            compression=self.compression,
         )
         if self.written is not None:
             self.written.mark(self.params)
@@ -389,7 +428,6 @@ def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:
     for name, param in named:
         if not param.is_contiguous():
             raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
-
 
 
 if TYPE_CHECKING:  # the engine contract (``engine/api.py``), checked statically

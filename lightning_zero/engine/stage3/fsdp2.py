@@ -63,7 +63,11 @@ from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_functional_
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.stage3.fsdp2_comm import (
-    CountingAllGather, CountingReduceScatter, FinishedUnits, LateReductions, SumOverReplicas,
+    CountingAllGather,
+    CountingReduceScatter,
+    FinishedUnits,
+    LateReductions,
+    SumOverReplicas,
 )
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
@@ -72,7 +76,13 @@ from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, 
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3.fsdp2_units import (
-    WrapPolicy, select_units, sharded_params, unit_groups, units_below_the_root, units_of_one_dtype, whole_params,
+    WrapPolicy,
+    select_units,
+    sharded_params,
+    unit_groups,
+    units_below_the_root,
+    units_of_one_dtype,
+    whole_params,
 )
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, fsdp2_mixed_precision, hold_as_masters
@@ -143,13 +153,23 @@ class FullyShardedEngine:
         chosen = {id(m) for m in self.units}
         self._fp32_units = {id(m) for m in (*self.units, *self.roots) if policy is not None and policy.holds_fp32(m)}
         #: The ``fully_shard`` calls: see [Note: merged units].
-        self.unit_groups = [group for root in self.roots for group in unit_groups(
-            root, [u for u in root.modules() if u is not root and id(u) in chosen], self._gathered_bytes,
-            kind, unit_size_mb * 2**20)]
+        self.unit_groups = [
+            group
+            for root in self.roots
+            for group in unit_groups(
+                root,
+                [u for u in root.modules() if u is not root and id(u) in chosen],
+                self._gathered_bytes,
+                kind,
+                unit_size_mb * 2**20,
+            )
+        ]
         #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
         #: reads each reduced shard at once, so those land as they are issued, and a pipeline schedule reduces
         #: outside any backward. On CUDA, FSDP2's streams overlap.
-        self.late = LateReductions() if self.replicate_group is None and stages is None and device.type == "cpu" else None
+        self.late = (
+            LateReductions() if self.replicate_group is None and stages is None and device.type == "cpu" else None
+        )
         #: Units whose gradients are final, for the host step during backward; one head per ``fully_shard`` call.
         self.finished = FinishedUnits() if overlap_comm and self.replicate_group is None and stages is None else None
         self._early_worker: HostSteps | None = None
@@ -179,8 +199,11 @@ class FullyShardedEngine:
         self._roots = [cast(FSDPModule, root) for root in self.roots]
         #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams; a pipeline schedule
         #: gathers each stage itself).
-        self.prefetch = (ForwardPrefetch(self._roots[0], [group[0] for group in self.unit_groups])
-                         if device.type == "cpu" and stages is None else None)
+        self.prefetch = (
+            ForwardPrefetch(self._roots[0], [group[0] for group in self.unit_groups])
+            if device.type == "cpu" and stages is None
+            else None
+        )
         #: See [Note: writes into gathered parameters], and [Note: gathered accumulation windows] (not with
         #: ``offload_params``: parameters leave the device; under pipeline stages the schedule keeps them gathered, see
         #: [Note: stage 3 under pipeline stages]).
@@ -194,8 +217,13 @@ class FullyShardedEngine:
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         #: See [Note: 0-dim parameters at stage 3] (frozen ones too, which a callback may unfreeze during ``fit``).
-        self.zero_dim = ZeroDimParameters([p for p in held.values() if p.dim() == 0], self.rank, self.world_size,
-                                          self.group, self.group if stages is not None else None)
+        self.zero_dim = ZeroDimParameters(
+            [p for p in held.values() if p.dim() == 0],
+            self.rank,
+            self.world_size,
+            self.group,
+            self.group if stages is not None else None,
+        )
         self._records = [self._record(n, p) for n, p in named]
         #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_unused.py``).
         self.unused = UnusedParameters(list(held.values()), self.group, self.replicate_group)
@@ -204,7 +232,10 @@ class FullyShardedEngine:
         self.masters: MasterShards | None = None
         if offload_optimizer and not offload_params:
             self.masters = MasterShards(
-                [record.rows for record in self._records], dtype=None, offloaded=offload_optimizer, pin=pin_memory,
+                [record.rows for record in self._records],
+                dtype=None,
+                offloaded=offload_optimizer,
+                pin=pin_memory,
                 alias_on_device=True,
             )
 
@@ -212,9 +243,13 @@ class FullyShardedEngine:
         """Shard this rank's pipeline stages: their units, then each stage module as a root. Their layers were
         built whole and are the same on every replica (``pipeline/parallel.py``)."""
         if any(has_meta(root, recurse=True) for root in self.roots):
-            raise ValueError("`pipeline_stages > 1` with `stage=3` builds the model whole on every rank before the cut: "
-                             "build it in `__init__` or in `configure_model` without the meta device.")
-        for sharded in (h for root in self.roots if isinstance(root, FSDPModule) for h in fsdp2_private.unit_heads(root)):
+            raise ValueError(
+                "`pipeline_stages > 1` with `stage=3` builds the model whole on every rank before the cut: "
+                "build it in `__init__` or in `configure_model` without the meta device."
+            )
+        for sharded in (
+            h for root in self.roots if isinstance(root, FSDPModule) for h in fsdp2_private.unit_heads(root)
+        ):
             self._set_collectives(sharded)  # sharded by an earlier run: [Note: a later run keeps the stage modules]
         for group in reversed(self.unit_groups):
             self._shard(group)
@@ -252,8 +287,11 @@ class FullyShardedEngine:
     def _set_collectives(self, module: FSDPModule) -> None:
         name = self._unit_names.get(id(module), "root")
         module.set_custom_all_gather(CountingAllGather(self.compression, flight.unit_code(name)))
-        module.set_custom_reduce_scatter(CountingReduceScatter(
-            self.compression, name, module, self.late, self.finished, len(self._heads), alone=self.world_size == 1))
+        module.set_custom_reduce_scatter(
+            CountingReduceScatter(
+                self.compression, name, module, self.late, self.finished, len(self._heads), alone=self.world_size == 1
+            )
+        )
         self._heads.append(module)
         if self.replicate_group is not None:
             module.set_force_sum_reduction_for_comms(True)  # sum in both collectives, then divide by every rank
@@ -271,20 +309,27 @@ class FullyShardedEngine:
     def _record(self, name: str, param: torch.Tensor) -> ShardRecord:
         if param in self.zero_dim:
             return self.zero_dim.record(name, param)
-        return ShardRecord(name, param, param.shape, self.group, _rows=lambda: local_tensor(param), _grad=lambda: local_grad(param))
+        return ShardRecord(
+            name, param, param.shape, self.group, _rows=lambda: local_tensor(param), _grad=lambda: local_grad(param)
+        )
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
         if self.masters is not None:
             yield from self.masters.state_tensors()
 
     # ------------------------------------------------------------------ optimizers
-    def wrap_optimizer(self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()) -> None:
+    def wrap_optimizer(
+        self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()
+    ) -> None:
         kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
         self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer, kind)
 
     def on_host(self, tensor: torch.Tensor) -> bool:
-        return (self.params_on_host or (self.masters is not None and self.masters.holds_on_host(tensor))
-                or any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values()))
+        return (
+            self.params_on_host
+            or (self.masters is not None and self.masters.holds_on_host(tensor))
+            or any(o.owners is not None and o.owners.holds_on_host(tensor) for o in self._optimizers.values())
+        )
 
     def optimizer_shards(self, optimizer: Optimizer) -> FullyShardedOptimizer:
         return shards_of(self._optimizers, optimizer)

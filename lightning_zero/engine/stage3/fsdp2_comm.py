@@ -51,7 +51,9 @@ class CountingAllGather(AllGather):
     ) -> dist.Work | None:
         # FSDP2 gathers a unit in uint8 when its parameters' dtypes differ: such bytes travel as they are.
         if self.compression is not None and self.compression.compresses_params(output_tensor.dtype):
-            self.compression.all_gather(output_tensor, input_tensor, group, async_op=False, unit=self.unit)  # done on return
+            self.compression.all_gather(
+                output_tensor, input_tensor, group, async_op=False, unit=self.unit
+            )  # done on return
             return None
         # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
         work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op, unit=self.unit)
@@ -67,9 +69,16 @@ class CountingReduceScatter(ReduceScatter):
     ``key`` names. With ``landing``, the reductions of ``unit`` that nobody reads during backward land after it
     (see [Note: reduce-scatters that land after backward])."""
 
-    def __init__(self, compression: CompressedComm | None = None, key: str = "", unit: FSDPModule | None = None,
-                 landing: "LateReductions | None" = None, finished: "FinishedUnits | None" = None,
-                 position: int = 0, alone: bool = False) -> None:
+    def __init__(
+        self,
+        compression: CompressedComm | None = None,
+        key: str = "",
+        unit: FSDPModule | None = None,
+        landing: "LateReductions | None" = None,
+        finished: "FinishedUnits | None" = None,
+        position: int = 0,
+        alone: bool = False,
+    ) -> None:
         self.compression, self.key, self.code = compression, key, flight.unit_code(key)
         self.unit, self.landing = unit, landing
         #: Told when this unit's gradients are final during backward (``position``: the unit's number there).
@@ -83,7 +92,11 @@ class CountingReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: ReduceOpLike,
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: ReduceOpLike,
         async_op: bool = False,
     ) -> dist.Work | None:
         if self.finished is not None:
@@ -93,9 +106,13 @@ class CountingReduceScatter(ReduceScatter):
         # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
         if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
             if self.compression is not None:
-                self.compression.reduce_scatter(output_tensor, input_tensor, group, self.key, async_op=False, unit=self.code)
+                self.compression.reduce_scatter(
+                    output_tensor, input_tensor, group, self.key, async_op=False, unit=self.code
+                )
             elif op == ReduceOp.AVG and self.landing is not None and self._unread(output_tensor):
-                work = collectives.reduce_scatter(output_tensor, input_tensor, group=group, async_op=True, unit=self.code)
+                work = collectives.reduce_scatter(
+                    output_tensor, input_tensor, group=group, async_op=True, unit=self.code
+                )
                 reduced = self.finished.reduced(self.position, landed=False) if self.finished is not None else None
                 self.landing.add(work, output_tensor, collectives.world_size(group), reduced, owner=self)
                 if self.finished is not None:
@@ -110,8 +127,9 @@ class CountingReduceScatter(ReduceScatter):
             return None
         if self.finished is not None:
             self.finished.reduced(self.position, landed=not async_op)
-        return collectives.reduce_scatter_op(output_tensor, input_tensor, op, group=group, async_op=async_op,
-                                             unit=self.code)
+        return collectives.reduce_scatter_op(
+            output_tensor, input_tensor, op, group=group, async_op=async_op, unit=self.code
+        )
 
     def _unread(self, output: torch.Tensor) -> bool:
         """Whether FSDP2 only views ``output`` as the unit's new sharded gradients (nothing there to add to, no
@@ -119,8 +137,12 @@ class CountingReduceScatter(ReduceScatter):
         if self.unit is None:
             raise RuntimeError("lightning_zero internal error: the engine gives ``landing`` together with its unit")
         for param, offloaded in sharded_params(self.unit):
-            if (param.grad is not None or param.dtype != output.dtype or (offloaded and output.device.type != "cpu")
-                    or getattr(param, "_post_accumulate_grad_hooks", None)):
+            if (
+                param.grad is not None
+                or param.dtype != output.dtype
+                or (offloaded and output.device.type != "cpu")
+                or getattr(param, "_post_accumulate_grad_hooks", None)
+            ):
                 return False
         return True
 
@@ -204,8 +226,14 @@ class LateReductions:
         self._owners: deque[object] = deque()  # who posted each pending reduction
         self._callback_queued = False
 
-    def add(self, work: dist.Work | None, output: torch.Tensor, divide: int, reduced: _Reduced | None = None,
-            owner: object = None) -> None:
+    def add(
+        self,
+        work: dist.Work | None,
+        output: torch.Tensor,
+        divide: int,
+        reduced: _Reduced | None = None,
+        owner: object = None,
+    ) -> None:
         """``reduced``: the unit's entry in :class:`FinishedUnits`, marked landed with the reduction; ``owner``: the
         unit's reduce-scatter, for :meth:`land_through`."""
         self._pending.append((work, output, divide, reduced))

@@ -79,7 +79,11 @@ class FullyShardedOptimizer:
             params = [p for p in self._params() if id(p) in engine.index]
             dtype = engine.masters.dtype if engine.masters is not None else params[0].dtype if params else torch.float32
             self.owners = OwnerStepping(
-                rank=engine.rank, world_size=engine.world_size, group=engine.group, comm_device=engine.device, dtype=dtype
+                rank=engine.rank,
+                world_size=engine.world_size,
+                group=engine.group,
+                comm_device=engine.device,
+                dtype=dtype,
             )
             self.owners.on_host = engine.optimizer_on_host
         self.whole: list[int] = []
@@ -116,8 +120,10 @@ class FullyShardedOptimizer:
         engine = self.engine
         self.whole = [
             engine.index[id(p)]
-            for group in self.optimizer.param_groups if steps_whole(group, self.kind)
-            for p in group["params"] if id(p) in engine.index
+            for group in self.optimizer.param_groups
+            if steps_whole(group, self.kind)
+            for p in group["params"]
+            if id(p) in engine.index
         ]
         if self.whole:
             self._owners().adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
@@ -141,7 +147,9 @@ class FullyShardedOptimizer:
         if engine.masters is None:
             return []
         whole = set(self.whole)
-        return [engine.index[id(p)] for p in self._params() if id(p) in engine.index and engine.index[id(p)] not in whole]
+        return [
+            engine.index[id(p)] for p in self._params() if id(p) in engine.index and engine.index[id(p)] not in whole
+        ]
 
     def _sharded_in_place(self) -> list[DTensor]:
         """The sharded parameters the optimizer steps where they are, element-wise: neither stepped whole nor
@@ -149,7 +157,8 @@ class FullyShardedOptimizer:
         engine = self.engine
         elsewhere = set(self.whole) | set(self._hosted_indices())
         return [
-            p for p in self._params()
+            p
+            for p in self._params()
             if isinstance(p, DTensor) and id(p) in engine.index and engine.index[id(p)] not in elsewhere
         ]
 
@@ -160,7 +169,9 @@ class FullyShardedOptimizer:
         if not zero_dim.params:
             return []
         elsewhere = set(self.whole) | set(self._hosted_indices())
-        return [i for p in self._params() if p in zero_dim and (i := index.get(id(p))) is not None and i not in elsewhere]
+        return [
+            i for p in self._params() if p in zero_dim and (i := index.get(id(p))) is not None and i not in elsewhere
+        ]
 
     def _masters(self) -> MasterShards:
         """The engine's host masters: :meth:`_hosted_indices` names some only where it has them."""
@@ -231,8 +242,10 @@ class FullyShardedOptimizer:
             self._mark_hosted()
             return result
         on_host = engine.masters is not None or engine.params_on_host
-        with self.hosting(), stepping_local_shards(self.optimizer, self._sharded_in_place()), host_kernel(
-            self.optimizer, enabled=on_host
+        with (
+            self.hosting(),
+            stepping_local_shards(self.optimizer, self._sharded_in_place()),
+            host_kernel(self.optimizer, enabled=on_host),
         ):
             result = self.optimizer.step(**kwargs)
         with torch.no_grad():
@@ -246,7 +259,9 @@ class FullyShardedOptimizer:
 
     def _take_back_writes(self) -> None:
         if self.written is not None and self.engine.masters is not None:
-            self.written.take_back(self.engine.masters, self._hosted_indices(), self.engine.params.__getitem__, self._rows)
+            self.written.take_back(
+                self.engine.masters, self._hosted_indices(), self.engine.params.__getitem__, self._rows
+            )
 
     def _mark_hosted(self) -> None:
         if self.written is not None:
@@ -371,7 +386,9 @@ class FullyShardedOptimizer:
         grads = (local_grad(p) for p in self._params())
         zero_dim, index = self.engine.zero_dim, self.engine.index
         if zero_dim.params:  # their rows (one frozen at set-up and trained since steps whole on every rank)
-            grads = (zero_dim.grad_rows(p) if p in zero_dim and id(p) in index else local_grad(p) for p in self._params())
+            grads = (
+                zero_dim.grad_rows(p) if p in zero_dim and id(p) in index else local_grad(p) for p in self._params()
+            )
         return [g for g in grads if g is not None]
 
 

@@ -72,10 +72,27 @@ from lightning_zero.torch_versions.fsdp2 import (
     param_groups_of_state,
 )
 
-__all__ = ["AllGather", "ReduceScatter", "FSDP2PrivateAPIError", "check", "complete_unit_gradients",
-           "drop_unreduced_gradients", "gathered_dtype", "keep_complex_params_complex", "keep_gathered_after_forward", "param_groups",
-           "run_more_than_once", "reshard_only_after_backward", "unit_heads", "restore_after_forward", "sharded_params",
-           "skip_conversions_that_change_nothing", "unshadow_reshard", "watch_gathering", "watch_post_backward"]
+__all__ = [
+    "AllGather",
+    "ReduceScatter",
+    "FSDP2PrivateAPIError",
+    "check",
+    "complete_unit_gradients",
+    "drop_unreduced_gradients",
+    "gathered_dtype",
+    "keep_complex_params_complex",
+    "keep_gathered_after_forward",
+    "param_groups",
+    "run_more_than_once",
+    "reshard_only_after_backward",
+    "unit_heads",
+    "restore_after_forward",
+    "sharded_params",
+    "skip_conversions_that_change_nothing",
+    "unshadow_reshard",
+    "watch_gathering",
+    "watch_post_backward",
+]
 
 #: (owner, attribute, what uses it): checked by :func:`check` on a sharded module.
 PRIVATE_NAMES = (
@@ -110,7 +127,9 @@ class FSDP2PrivateAPIError(RuntimeError):
 def param_groups(module: nn.Module) -> list[Any]:
     """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order; the modules of
     one ``fully_shard([a, b])`` call share theirs."""
-    groups = {id(group): group for unit in unit_heads(module) for group in param_groups_of_state(unit._get_fsdp_state())}
+    groups = {
+        id(group): group for unit in unit_heads(module) for group in param_groups_of_state(unit._get_fsdp_state())
+    }
     return list(groups.values())
 
 
@@ -168,7 +187,9 @@ def watch_gathering(group: Any, gathered: Callable[[Any], None], resharding: Cal
     """Call ``gathered(group)`` once each all-gather of ``group`` has landed in its unsharded parameters, and
     ``resharding(group)`` before each reshard that frees them (fully, or hpZ's partial reshard after forward)."""
     # FSDP2's own methods, also where an earlier engine on this module watched them (a second stage-3 ``fit``)
-    wait_for_unshard, reshard = group.__dict__.setdefault("_unwatched_gathering", (group.wait_for_unshard, group.reshard))
+    wait_for_unshard, reshard = group.__dict__.setdefault(
+        "_unwatched_gathering", (group.wait_for_unshard, group.reshard)
+    )
 
     def watched_wait_for_unshard() -> None:
         gathering = group._all_gather_result is not None  # else a no-op: the unit is gathered already
@@ -226,8 +247,9 @@ def skip_conversions_that_change_nothing(modules: Iterable[nn.Module]) -> None:
         module._apply = types.MethodType(_apply_converting_something, module)  # type: ignore[method-assign]
 
 
-def _apply_converting_something(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor],
-                                recurse: bool = True) -> nn.Module:
+def _apply_converting_something(
+    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+) -> nn.Module:
     params = list(module.parameters(recurse=recurse))
     tensors = [*params, *(p.grad for p in params if p.grad is not None), *module.buffers(recurse=recurse)]
     if any(fn(t) is not t for t in tensors):
@@ -318,8 +340,11 @@ def _in_backward_building_a_graph() -> bool:
 
 def _holds_gradients(group: Any) -> bool:
     """Whether a gathered parameter of ``group`` holds a gradient not yet reduced (or an accumulated one)."""
-    return any(p.unsharded_accumulated_grad is not None
-               or (hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None) for p in group.fsdp_params)
+    return any(
+        p.unsharded_accumulated_grad is not None
+        or (hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None)
+        for p in group.fsdp_params
+    )
 
 
 def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
@@ -383,8 +408,13 @@ def check(module: nn.Module) -> None:
     state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
     groups = (param_groups_of_state(state) if state is not None else []) or [None]
     params = getattr(groups[0], "fsdp_params", None) or [None]
-    owners: dict[str, Any] = {"FSDPModule": module, "FSDPState": state, "FSDPParamGroup": groups[0],
-                              "FSDPParam": params[0], "TrainingState": TrainingState}
+    owners: dict[str, Any] = {
+        "FSDPModule": module,
+        "FSDPState": state,
+        "FSDPParamGroup": groups[0],
+        "FSDPParam": params[0],
+        "TrainingState": TrainingState,
+    }
     for owner, attribute, used_by in PRIVATE_NAMES:
         if owners[owner] is not None and not hasattr(owners[owner], attribute):
             raise FSDP2PrivateAPIError(

@@ -30,8 +30,14 @@ class ZeroDimParameters:
     ``group``: the ranks the rows are spread over (the shard group); ``average_group``: the ranks whose gradients
     are averaged (every data-parallel rank: all ranks, or a pipeline stage's replicas)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], rank: int, world_size: int,
-                 group: dist.ProcessGroup | None, average_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        average_group: dist.ProcessGroup | None,
+    ) -> None:
         self.params = list(params)
         self.rank, self.world_size = rank, world_size
         self.group, self.average_group = group, average_group
@@ -42,8 +48,9 @@ class ZeroDimParameters:
         return id(param) in self._rows
 
     def record(self, name: str, param: torch.Tensor) -> ShardRecord:
-        return ShardRecord(name, param, param.shape, self.group, _rows=lambda: self.rows(param),
-                           _grad=lambda: self.grad_rows(param))
+        return ShardRecord(
+            name, param, param.shape, self.group, _rows=lambda: self.rows(param), _grad=lambda: self.grad_rows(param)
+        )
 
     def rows(self, param: torch.Tensor) -> torch.Tensor:
         return self._rows[id(param)]

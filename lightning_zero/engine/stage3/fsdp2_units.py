@@ -54,8 +54,13 @@ def default_units(root: nn.Module) -> list[nn.Module]:
     the inner ones, Funnel Transformer's blocks); a model without one gets each direct child that holds parameters
     (e.g. a generator and a discriminator), so every sub-network gathers its parameters around its own forward and
     backward."""
-    listed = {id(child) for m in root.modules() if isinstance(m, nn.ModuleList) for child in m
-              if not isinstance(child, CONTAINERS)}
+    listed = {
+        id(child)
+        for m in root.modules()
+        if isinstance(m, nn.ModuleList)
+        for child in m
+        if not isinstance(child, CONTAINERS)
+    }
     if listed:
         return [m for m in root.modules() if id(m) in listed]
     return [child for child in root.children() if any(True for _ in sharded_params(child))]
@@ -241,8 +246,11 @@ def check_one_dtype_per_unit(roots: Iterable[nn.Module], units: Iterable[nn.Modu
 
 
 def unit_groups(
-    root: nn.Module, units: list[nn.Module], gathered_bytes: Callable[[nn.Module], int],
-    kind: Callable[[nn.Module], object], budget: float,
+    root: nn.Module,
+    units: list[nn.Module],
+    gathered_bytes: Callable[[nn.Module], int],
+    kind: Callable[[nn.Module], object],
+    budget: float,
 ) -> list[list[nn.Module]]:
     """The FSDP2 units as groups of ``units`` (pre-order), each group one ``fully_shard`` call: see [Note: merged
     units] in ``fsdp2.py``. Adjacent sibling units of one ``kind`` (the dtype they are gathered in) merge while
@@ -293,8 +301,13 @@ def unit_groups(
         run: list[nn.Module] = []
         for unit in nested.get(enclosing_id, []):
             previous = run[-1] if run else None
-            joins = (previous is not None and flat(unit) and parent_of.get(id(unit)) is parent_of.get(id(previous))
-                     and sibling_index[id(unit)] == sibling_index[id(previous)] + 1 and kind(unit) == kind(previous))
+            joins = (
+                previous is not None
+                and flat(unit)
+                and parent_of.get(id(unit)) is parent_of.get(id(previous))
+                and sibling_index[id(unit)] == sibling_index[id(previous)] + 1
+                and kind(unit) == kind(previous)
+            )
             if joins:
                 run.append(unit)
                 continue

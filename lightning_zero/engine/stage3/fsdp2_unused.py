@@ -36,8 +36,9 @@ class UnusedParameters:
     ``fit``) this rank produced a gradient for in the current synchronising backward, and the gradients to take back
     once every rank's flags are known."""
 
-    def __init__(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
-                 replicate_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
+    ) -> None:
         self.params = params
         self.index = {id(p): i for i, p in enumerate(params)}
         self.flags = UsedFlags(group, replicate_group, lambda: self._produced.clone())

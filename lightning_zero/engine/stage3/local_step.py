@@ -41,7 +41,10 @@ def stepping_local_shards(optimizer: Optimizer, params: Sequence[DTensor]) -> It
         for p, local in zip(params, locals_):
             held = state.get(p)
             if held:
-                state[local] = {key: local_tensor(value) if isinstance(value, torch.Tensor) else value for key, value in held.items()}
+                state[local] = {
+                    key: local_tensor(value) if isinstance(value, torch.Tensor) else value
+                    for key, value in held.items()
+                }
     try:
         with hosted_params(optimizer, {id(p): (local, grad) for p, local, grad in zip(params, locals_, grads)}):
             yield

@@ -47,8 +47,12 @@ def has_meta(module: nn.Module, recurse: bool) -> bool:
     return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
 
 
-def materialize_and_shard(module: nn.Module, device: torch.device, unit_groups: list[list[nn.Module]],
-                          shard: Callable[[list[nn.Module]], None]) -> None:
+def materialize_and_shard(
+    module: nn.Module,
+    device: torch.device,
+    unit_groups: list[list[nn.Module]],
+    shard: Callable[[list[nn.Module]], None],
+) -> None:
     """Materialise ``module``'s meta tensors and shard each unit group (``shard``) as soon as it exists: see
     [Note: materialising meta modules in construction order]."""
     real = [t.data for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
