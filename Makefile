@@ -12,11 +12,15 @@ install:
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)
 
-test: install  ## the architecture contracts (setup.cfg), then the test suite without the `full` matrices, the type check among its runs (tests/README.md)
+test: install  ## the formatter and linter (ruff), the architecture contracts (setup.cfg), then the test suite without the `full` matrices, the type check among its runs (tests/README.md)
+	ruff format --check .
+	ruff check .
 	lint-imports
 	$(PYTHON) -m pytest -q -m "not full" --durations=15 tests
 
 test-all: install  ## everything, the full matrices, calibrations and long fault timeouts (`full` marker) included, then `make test-torch`
+	ruff format --check .
+	ruff check .
 	lint-imports
 	$(PYTHON) -m pytest -q --durations=15 tests
 	$(PYTHON) tests/torch_matrix.py

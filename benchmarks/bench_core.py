@@ -81,17 +81,15 @@ if _REPO_ROOT not in sys.path:
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-
-from lightning_zero.planning.accounting import live_tensor_bytes, saved_tensor_bytes  # noqa: E402
-from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
-from lightning_zero.planning.formulas import CHOICES_BY_NAME, model_state_split  # noqa: E402
-from lightning_zero.monitor import ZeroMonitor  # noqa: E402
-
 from host_profile import HostProfile  # noqa: E402  (benchmarks/, the script's own directory)
 from phases import PhaseWindows  # noqa: E402
+
+from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
+from lightning_zero.monitor import ZeroMonitor  # noqa: E402
+from lightning_zero.planning.accounting import live_tensor_bytes, saved_tensor_bytes  # noqa: E402
+from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
+from lightning_zero.planning.formulas import CHOICES_BY_NAME, model_state_split  # noqa: E402
 
 ALL_SYSTEMS = ("ddp", "fsdp2", "zero1", "zero2", "zero3")
 BASELINES = ("ddp", "fsdp2", "fsdp2_hsdp")

@@ -48,11 +48,12 @@ for path in (str(_BENCH_DIR.parent), str(_BENCH_DIR)):
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-
 from bench_core import FSDP2GPTModule, build_strategy, formula_split, model_state_bytes  # noqa: E402
 from host_profile import HostProfile, print_profiles  # noqa: E402
 from sync_points import SyncPoints, print_sync_points  # noqa: E402
-from timeline import profiler_config, summary as timeline_summary  # noqa: E402
+from timeline import profiler_config  # noqa: E402
+from timeline import summary as timeline_summary  # noqa: E402
+
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
 from lightning_zero.engine import host_steps  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402

@@ -51,7 +51,6 @@ from torch import nn  # noqa: E402
 
 from lightning_zero.pipeline import bubble_fraction  # noqa: E402
 
-
 MULTI = {"interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"}  # two stages per rank
 
 

@@ -99,8 +99,8 @@ def unit_costs(repeat: int = 100_000) -> dict[str, float]:
     import torch
     from torch.distributed import TCPStore
 
-    from lightning_zero.faults.diagnosis import Context, Limits
     from lightning_zero.engine.comm.flight import RECORDER
+    from lightning_zero.faults.diagnosis import Context, Limits
     from lightning_zero.faults.watchdog import Watchdog
 
     store = TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))

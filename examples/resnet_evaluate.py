@@ -22,10 +22,10 @@ if str(_REPO_ROOT) not in sys.path:
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
+from lightning_zero.checkpoint.consolidate import consolidate  # noqa: E402
 from lightning_zero.cli.command_line import CommandLine  # noqa: E402
 from lightning_zero.cli.compose import compose  # noqa: E402
 from lightning_zero.cli.schema import LightningSchema, import_class  # noqa: E402
-from lightning_zero.checkpoint.consolidate import consolidate  # noqa: E402
 
 
 def build(node: dict):

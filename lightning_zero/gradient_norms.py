@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
 
-from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine import device_groups
+from lightning_zero.engine.api import ShardRecord
 from lightning_zero.engine.comm import collectives
 from lightning_zero.strategy.zero_strategy import RUNNING, ZeroStrategy
 

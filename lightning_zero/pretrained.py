@@ -29,11 +29,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lightning_zero.checkpoint.safe_load import load_weights_only
 from lightning_zero.checkpoint.sharded_rows import ShardedWeights, is_sharded_directory
 from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows, row_range
-from lightning_zero.checkpoint.safe_load import load_weights_only
 from lightning_zero.pretrained_conversion import ConvertedWeights, hugging_face_view
 
 _DIRECTORY_FILES = (

@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero.checkpoint.files import remove, temporary_path
+from lightning_zero.checkpoint.safe_load import dcp_load_here, read_dcp_metadata
 from lightning_zero.checkpoint.verify import (
     META_FILE,
     CheckpointError,
@@ -32,7 +33,6 @@ from lightning_zero.checkpoint.verify import (
     verify_archive,
     verify_files,
 )
-from lightning_zero.checkpoint.safe_load import dcp_load_here, read_dcp_metadata
 from lightning_zero.torch_versions.tracing import FakeTensorMode
 
 

@@ -31,9 +31,9 @@ from lightning_zero.checkpoint.state_dicts import (
     owners_of,
     param_names,
     shard_coords,
-    trainable_rows,
     sharded_model_state,
     sharded_optimizer_state,
+    trainable_rows,
 )
 from lightning_zero.checkpoint.verify import (
     META_FILE,
@@ -47,8 +47,8 @@ from lightning_zero.checkpoint.verify import (
     verify_archive,
     verify_files,
 )
-from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.torch_versions.dtensor import dtensor_over
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from lightning_zero.checkpoint.files import parse_temporary
+from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 from lightning_zero.checkpoint.verify import (
     DCP_METADATA_FILE,
     MANIFEST_FILE,
@@ -24,7 +25,6 @@ from lightning_zero.checkpoint.verify import (
     verify_archive,
     verify_files,
 )
-from lightning_zero.checkpoint.safe_load import read_dcp_metadata
 
 CheckpointKind = Literal["sharded", "full"]
 CheckpointStatus = Literal["complete", "incomplete", "corrupted"]

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
-from torch.distributed.fsdp import FSDPModule
 from lightning.pytorch.core.saving import _load_state
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero.checkpoint.consolidate import iter_model_tensors
 from lightning_zero.checkpoint.verify import META_FILE, check_complete, read_checkpoint_dict

@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full
 from lightning_zero.torch_versions.dtensor import dtensor_over
 

@@ -22,10 +22,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lightning_zero.config.choices import closest
 from lightning_zero.cli.command_line import SUBCOMMANDS
 from lightning_zero.cli.errors import CLIConfigError, argument_error_line, one_line
 from lightning_zero.cli.helptext import plain
+from lightning_zero.config.choices import closest
 
 #: Every ``lightning-zero`` command: LightningCLI's subcommands, then our tools.
 COMMANDS = (*SUBCOMMANDS, "estimate", "plan", "consolidate", "verify")
@@ -54,8 +54,8 @@ def consolidate_command(argv: Sequence[str]) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="--hf: dtype of the written weights")
     parser.add_argument("--max-shard-size", default="5GB", help="--hf: largest safetensors file (default 5GB)")
     args = parser.parse_args(argv)
-    from lightning_zero.checkpoint.verify import CheckpointError
     from lightning_zero.checkpoint.consolidate import consolidate, export_hf
+    from lightning_zero.checkpoint.verify import CheckpointError
 
     try:
         if args.hf:

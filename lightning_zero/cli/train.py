@@ -25,13 +25,13 @@ from jsonargparse import Namespace
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.cli.command_line import CommandLine
 from lightning_zero.cli.compose import compose_keeping_interpolations, keep_interpolations
 from lightning_zero.cli.errors import CLIConfigError
 from lightning_zero.cli.schema import LightningSchema, import_class
-from lightning_zero.checkpoint.verify import CheckpointError
-from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
 from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
 from lightning_zero.deepspeed_compat.config import AUTO, DeepSpeedSettings
 from lightning_zero.deepspeed_compat.trainer import apply_to_trainer
 from lightning_zero.strategy import early_checks

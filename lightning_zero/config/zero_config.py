@@ -16,8 +16,8 @@ from typing import Any, Literal, Union
 from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice, check_compile
-from lightning_zero.config.offload import check_offload
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme, check_compression
+from lightning_zero.config.offload import check_offload
 from lightning_zero.config.pipeline import PIPELINE_HYBRID_REFUSAL, PIPELINE_SCHEDULES, check_pipeline, virtual_stages
 
 StateDictType = Literal["sharded", "full"]

@@ -24,8 +24,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_zero.config.compression import COMPRESSION_KEYS, QUANTIZED_ZERO_KEYS, deepspeed_compression
 from lightning_zero.config.choices import ZeroConfigError, closest
+from lightning_zero.config.compression import COMPRESSION_KEYS, QUANTIZED_ZERO_KEYS, deepspeed_compression
 from lightning_zero.precision.loss_scaler import LossScaleConfig, LossScaleConfigError
 
 AUTO = "auto"

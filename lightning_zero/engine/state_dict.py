@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import collectives
 from lightning_zero.engine import shard
+from lightning_zero.engine.comm import collectives
 
 
 def gather_full(

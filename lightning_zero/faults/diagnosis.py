@@ -17,7 +17,6 @@ for ``timeout``, explained by what every peer is doing. What the decisions are m
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 from lightning_zero.faults.activity import Activity

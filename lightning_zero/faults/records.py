@@ -13,8 +13,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from lightning_zero.faults.activity import Activity
 from lightning_zero.engine.comm.flight import Mark, Op
+from lightning_zero.faults.activity import Activity
 
 RUNNING, FINISHED, FAILED = "running", "finished", "failed"
 

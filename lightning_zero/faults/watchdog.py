@@ -45,12 +45,11 @@ import threading
 import time
 from typing import Any
 
+from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
 from lightning_zero.faults import activity as activity_mod
 from lightning_zero.faults import diagnosis, failures, postmortem, timeouts
 from lightning_zero.faults.activity import Activity
-from lightning_zero.faults.verdict import Context, Diagnosis, Limits
 from lightning_zero.faults.exchange import Exchange
-from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
 from lightning_zero.faults.records import (
     FAILED,
     FINISHED,
@@ -63,6 +62,7 @@ from lightning_zero.faults.records import (
     this_process,
 )
 from lightning_zero.faults.signals import STOP_SIGNALS, StopSignal, WakeupPipe
+from lightning_zero.faults.verdict import Context, Diagnosis, Limits
 
 
 class Watchdog:

@@ -34,14 +34,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from lightning.fabric.utilities.device_dtype_mixin import _update_properties
 from torch import Tensor, nn
 
-from lightning.fabric.utilities.device_dtype_mixin import _update_properties
-
-from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
-from lightning_zero.engine.comm import collectives, topology
+from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine
+from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.pipeline.schedule import PipelineRunner, StageModules
 from lightning_zero.pipeline.split import pipeline_layout, split_bounds
 

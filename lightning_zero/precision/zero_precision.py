@@ -41,12 +41,11 @@ from typing_extensions import override
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice
 from lightning_zero.engine import device_groups
-from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.api import ShardingEngine
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.mixed_precision import FP32_MODULES, PrecisionPolicy, to_dtype_but_declared_fp32
 from lightning_zero.precision.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaleConfigError
 from lightning_zero.torch_versions.tensors import amp_unscale_
-
 
 PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")

@@ -31,8 +31,8 @@ from lightning_zero.resume.agreement import JOB_KEY, same_job
 from lightning_zero.resume.finding import (
     RESTART_VARIABLES,
     checkpoint_directories,
-    restart_count,
     resolve_last,
+    restart_count,
     resume_candidates,
 )
 

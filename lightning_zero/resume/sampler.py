@@ -25,8 +25,8 @@ from typing import Any
 
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset, sized_len
 from lightning.fabric.utilities.types import _Stateful
-from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs, _update_dataloader
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
 from lightning_zero.resume.position import DataPosition

@@ -33,8 +33,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_zero.resume.finding import SIGTERM_CHECKPOINT
 

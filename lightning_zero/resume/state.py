@@ -43,9 +43,9 @@ from torch.utils.data import DataLoader
 from lightning_zero.resume.agreement import JOB_KEY, check_agreement, job_identity
 from lightning_zero.resume.decision import ResumeDecision
 from lightning_zero.resume.position import DataPosition, position_from_loops
+from lightning_zero.resume.rng import restore_rng_state
 from lightning_zero.resume.sampler import ResumeSampler, resume_dataloader
 from lightning_zero.resume.sigterm import save_on_sigterm
-from lightning_zero.resume.rng import restore_rng_state
 
 #: Checkpoint key of :func:`draws_after_save`.
 DRAWS_KEY = "lightning_zero_draws_after_save"

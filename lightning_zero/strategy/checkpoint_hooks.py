@@ -28,11 +28,11 @@ from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.engine.comm import collectives
 from lightning_zero.faults.timeouts import extended_during
 from lightning_zero.precision.zero_precision import ZeroPrecision
-from lightning_zero.strategy.processes import ProcessGroupStrategy, require
 from lightning_zero.resume import ResumeState
 from lightning_zero.resume.rng import collect_rng_state
-from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel
 from lightning_zero.strategy.averaging_checkpoints import average_to_load, keep_averages_in_checkpoints
+from lightning_zero.strategy.processes import ProcessGroupStrategy, require
+from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel
 from lightning_zero.strategy.swa import clear_schedulers_for_swa
 
 

@@ -29,14 +29,14 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from lightning_zero.strategy.attempt_store import attempt_store, uses_torchrun_shared_store
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.engine.comm import collectives
-from lightning_zero.strategy.fault_handling import FaultHandling
 from lightning_zero.faults.failures import note_sharded_call
 from lightning_zero.faults.timeouts import long_timeout
-from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
 from lightning_zero.pipeline.split import pipeline_layout
+from lightning_zero.strategy.attempt_store import attempt_store, uses_torchrun_shared_store
+from lightning_zero.strategy.fault_handling import FaultHandling
+from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
 
 
 def _yield_to_collective_threads_at_exit() -> None:

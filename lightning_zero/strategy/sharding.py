@@ -25,24 +25,24 @@ from lightning_zero.activation_checkpointing import (
     apply_activation_checkpointing,
     caches_off_for_training,
 )
-from lightning_zero.strategy.compiling import compile_units
-from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
-from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.dense_parameters import dense_embedding_gradients, store_row_major
+from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.engine.api import Holding, ShardingEngine
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressionSpec
+from lightning_zero.engine.comm.topology import Topology, data_parallel_groups
+from lightning_zero.engine.dense_parameters import dense_embedding_gradients, store_row_major
+from lightning_zero.engine.mixed_precision import PrecisionPolicy
+from lightning_zero.engine.offload import should_pin
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.stage3.fsdp2_units import select_units
 from lightning_zero.engine.stage3.materialize import has_meta, refuse_uninitialised
 from lightning_zero.engine.stage12.layout import check_initialized, check_trainable
-from lightning_zero.engine.mixed_precision import PrecisionPolicy
-from lightning_zero.engine.offload import should_pin
-from lightning_zero.engine.state_dict import gather_full
-from lightning_zero.engine.comm.topology import Topology, data_parallel_groups
 from lightning_zero.engine.stage12.zero_dp import ZeroDataParallel
+from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.pretrained import load_pretrained
+from lightning_zero.strategy.compiling import compile_units
 
 
 def construction_device(config: ZeroConfig) -> contextlib.AbstractContextManager:

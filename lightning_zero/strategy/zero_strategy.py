@@ -28,12 +28,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.activation_checkpointing import resolve_policy
-from lightning_zero.strategy.callback_support import may_change_gradients, refuse_unsupported_callbacks
-from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy, trainer_of, unwrap
-from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
-from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ModulePolicy, PipelineSchedule, PipelineSplit
-from lightning_zero.config.zero_config import ShardSize, StartMethod, StateDictType, ZeroConfig
 from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
+from lightning_zero.config.zero_config import (
+    REGISTERED_STRATEGIES,
+    ModulePolicy,
+    PipelineSchedule,
+    PipelineSplit,
+    ShardSize,
+    StartMethod,
+    StateDictType,
+    ZeroConfig,
+)
 from lightning_zero.deepspeed_compat.config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
 from lightning_zero.deepspeed_compat.trainer import (
     apply_to_trainer,
@@ -44,6 +50,8 @@ from lightning_zero.deepspeed_compat.trainer import (
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
+from lightning_zero.strategy.callback_support import may_change_gradients, refuse_unsupported_callbacks
+from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy, trainer_of, unwrap
 from lightning_zero.strategy.evaluation_loops import evaluate_under_no_grad
 from lightning_zero.strategy.processes import require
 from lightning_zero.strategy.sharding import NOT_SHARDED, construction_device, shard_model

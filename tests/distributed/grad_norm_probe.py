@@ -4,7 +4,6 @@ the hybrid and pipeline tests."""
 from __future__ import annotations
 
 import lightning as L
-import torch
 
 
 class GradNormAgainstGathered(L.Callback):

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from lightning_zero.checkpoint.verify import CheckpointError, check_complete, verify_files
 from lightning_zero.checkpoint.consolidate import consolidate
-from tests.distributed import models
+from lightning_zero.checkpoint.verify import CheckpointError, check_complete, verify_files
 from lightning_zero.cli import main as cli_main
+from tests.distributed import models
 from tests.launch import launch
 from tests.tolerances import assert_reordered_fp32, assert_reordered_fp32_moments
 

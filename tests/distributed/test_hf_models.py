@@ -11,7 +11,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from tests.distributed.worker_hf_models import DEFAULT, META_KINDS, MATRIX, key  # noqa: E402
+from tests.distributed.worker_hf_models import DEFAULT, MATRIX, META_KINDS, key  # noqa: E402
 from tests.launch import launch  # noqa: E402
 from tests.tolerances import assert_as_reference  # noqa: E402
 

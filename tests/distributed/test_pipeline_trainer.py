@@ -9,7 +9,8 @@ import pytest
 
 from lightning_zero.torch_versions import pipelining
 from tests.distributed.grad_norm_probe import GradNormAgainstGathered
-from tests.distributed.worker_pipeline_trainer import INITIAL_SCALE, MATRIX, WIDTH
+from tests.distributed.pipeline_chain import WIDTH
+from tests.distributed.worker_pipeline_trainer import INITIAL_SCALE, MATRIX
 from tests.launch import launch
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from torch import nn
 
 from lightning_zero.engine.api import OptimizerShards, ShardingEngine
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
-from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.engine.stage12.zero_dp import ZeroDataParallel
+from lightning_zero.engine.state_dict import gather_full
 from tests.launch import ensure_process_group, run_cases
 
 STEPS, ACCUMULATE, BATCH, CLIP = 3, 2, 4, 0.05

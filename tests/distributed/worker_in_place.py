@@ -11,11 +11,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine.comm import collectives, p2p_transport as p2p
+from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.comm import p2p_transport as p2p
 from lightning_zero.engine.stage12.buckets import pack_bucket, segment_view
 from lightning_zero.engine.stage12.layout import plan_layout
-from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
 from lightning_zero.engine.stage12.param_gather import all_gather_params
+from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
 from tests.launch import ensure_process_group, run_cases
 
 #: Rows that split unevenly over 2 and 3 ranks, a 1-row parameter (some ranks hold none of it), a vector, an empty one.

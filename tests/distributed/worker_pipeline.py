@@ -85,7 +85,7 @@ def run_schedule(schedule: str, virtual: int, split: str) -> dict:
         "param_diff": max(diffs),
         "names_cover_model": sorted(n for names_ in held_names for n in names_) == sorted(wanted),
         "names_disjoint": sum(len(n) for n in held_names) == len(wanted),
-        "losses": next(l for l in last_losses if l),
+        "losses": next(loss for loss in last_losses if loss),
         "reference_losses": expected_losses,
         "eval_loss": next(v for v in vals if v is not None),
         "reference_eval_loss": expected_val,

@@ -20,7 +20,6 @@ from tests.distributed.pipeline_chain import (
     ACCUMULATE,
     CLIP,
     STEPS_PER_EPOCH,
-    WIDTH,
     Chain,
     held_parameters,
     initial_state,

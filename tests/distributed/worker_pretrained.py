@@ -14,9 +14,9 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.consolidate import export_hf, iter_model_tensors
+from lightning_zero.checkpoint.hf_export import sixteen_bit_dir
 from lightning_zero.demo.data import RandomTokenDataset
 from lightning_zero.engine.shard import local_rows
-from lightning_zero.checkpoint.hf_export import sixteen_bit_dir
 from tests.distributed import models
 from tests.distributed.hf_models import LENGTH, MASK_ID, HFLightningModule, model_class, tiny_config
 from tests.distributed.worker_core import RANK, trainer

@@ -39,7 +39,9 @@ def breakdown_run(root) -> dict:
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "Phase breakdown" in result.stdout
-    return {r["system"]: r for r in map(json.loads, (l for l in result.stdout.splitlines() if l.startswith("{")))}
+    return {
+        r["system"]: r for r in map(json.loads, (line for line in result.stdout.splitlines() if line.startswith("{")))
+    }
 
 
 background.register("bench_phases", breakdown_run, full=True)

@@ -17,8 +17,8 @@ import torch
 
 from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.planning.formulas import CHOICES_BY_NAME, MIB, model_state_split
-from tests.launch import REPO
 from tests.integration import background
+from tests.launch import REPO
 from tests.readme import main_job_command, main_job_quotes, numbers, output_pattern
 
 pytestmark = pytest.mark.slow

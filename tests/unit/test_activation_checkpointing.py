@@ -254,8 +254,9 @@ def test_hugging_face_encoder_decoder_trains_checkpointed_with_its_cache_off_the
     ``CheckpointError`` (a different number of tensors saved in the recomputation) until the cache was turned off
     for training, as Hugging Face's ``gradient_checkpointing_enable()`` does."""
     transformers = pytest.importorskip("transformers")
-    from lightning_zero.activation_checkpointing import caches_off_for_training
     from transformers.models.t5.modeling_t5 import T5Block
+
+    from lightning_zero.activation_checkpointing import caches_off_for_training
 
     torch.manual_seed(0)
     config = transformers.T5Config(

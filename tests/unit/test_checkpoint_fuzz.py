@@ -23,10 +23,10 @@ import torch
 
 from lightning_zero.checkpoint import io as checkpoint_io
 from lightning_zero.checkpoint import state_dicts
+from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.checkpoint.listing import inspect_checkpoint
 from lightning_zero.checkpoint.verify import CheckpointError, describe_files, read_manifest, write_manifest
 from lightning_zero.checkpoint.write import save_sharded
-from lightning_zero.checkpoint.consolidate import consolidate
 from tests.distributed import models
 
 SEED = 18

@@ -10,14 +10,13 @@ import time
 import pytest
 import torch
 
-import lightning_zero
+from lightning_zero.engine.comm.flight import FlightRecorder, Op
 from lightning_zero.faults import failures
 from lightning_zero.faults.activity import Activity, category, classify
 from lightning_zero.faults.diagnosis import decide, exit_agreement, explain
 from lightning_zero.faults.divergence import compare_marks
-from lightning_zero.faults.verdict import Context, Limits
-from lightning_zero.engine.comm.flight import FlightRecorder, Op
 from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, scheduled_seconds, this_process
+from lightning_zero.faults.verdict import Context, Limits
 from tests.unit.diagnosis_records import CONTEXT, LIMITS, computing, marks, peer, record, waiting
 
 
@@ -357,8 +356,8 @@ def test_the_same_error_on_every_rank_needs_no_note():
 
 @pytest.mark.parametrize("value", [0, -3, "60", True])
 def test_timeout_must_be_positive_seconds_or_a_timedelta(value):
-    from lightning_zero.config.zero_config import ZeroConfig
     from lightning_zero.config.choices import ZeroConfigError
+    from lightning_zero.config.zero_config import ZeroConfig
 
     with pytest.raises(ZeroConfigError, match="`timeout` must be a positive"):
         ZeroConfig(timeout=value)

@@ -2,14 +2,12 @@
 the rank died in native code, was killed, or parted from the others in another stage-3 unit."""
 
 import os
-import threading
 
 import torch
 
 import lightning_zero
 from lightning_zero.engine.comm.flight import FlightRecorder, Op
 from lightning_zero.faults.diagnosis import decide
-from lightning_zero.faults.records import liveness
 from tests.unit.diagnosis_records import CONTEXT, LIMITS, peer, record, waiting
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_zero.engine.comm import p2p_transport
+from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.buckets import (
     pack_bucket,
     pack_segment,
@@ -16,10 +17,9 @@ from lightning_zero.engine.stage12.buckets import (
     unpack_bucket,
     widened,
 )
-from lightning_zero.engine.stage12.reduce_in_place import param_order_index, transfer_runs
 from lightning_zero.engine.stage12.layout import plan_layout
-from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.param_gather import RowViews
+from lightning_zero.engine.stage12.reduce_in_place import param_order_index, transfer_runs
 
 SHAPES = [("emb", (10, 3)), ("w", (7, 5)), ("b", (7,)), ("tiny", (1,)), ("scalar", ())]
 

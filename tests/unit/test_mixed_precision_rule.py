@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units, units_of_one_dtype, whole_params
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, mixed_state_bytes
+from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units, units_of_one_dtype, whole_params
 
 POLICY = PrecisionPolicy(torch.bfloat16, torch.bfloat16)
 

@@ -6,9 +6,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.checkpoint.hf_export import parse_size, write_hf_dir
 from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.deepspeed_compat.config import parse_deepspeed_config
-from lightning_zero.checkpoint.hf_export import parse_size, write_hf_dir
 from lightning_zero.pretrained import WeightsFile, detect_prefix, load_pretrained, match_keys
 
 

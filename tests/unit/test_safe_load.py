@@ -7,8 +7,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_zero.checkpoint.io import load
-from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.checkpoint.safe_load import UnsafeCheckpointError, dcp_load, load_weights_only, read_dcp_metadata
+from lightning_zero.checkpoint.verify import CheckpointError
 from tests.distributed.malicious import RunsShell
 
 

@@ -15,8 +15,8 @@ What is counted, and how groups are told apart as intra- or inter-node, is ``com
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch

@@ -39,16 +39,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine.comm import collectives
-from lightning_zero.engine.stage12 import buckets
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
 from lightning_zero.engine.dense_parameters import gradient_form_error
+from lightning_zero.engine.offload import MasterShards, master_dtype_of
+from lightning_zero.engine.stage12 import buckets
 from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
-from lightning_zero.engine.offload import MasterShards, master_dtype_of
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
 from lightning_zero.engine.stage12.replica_sum import comm_dtype, sum_over_replicas
-
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
 MAX_BUCKETS_IN_FLIGHT = 2

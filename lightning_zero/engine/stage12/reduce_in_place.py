@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from lightning_zero.engine.comm import collectives, p2p_transport
 from lightning_zero.engine.stage12.buckets import rows_by_rank
-from lightning_zero.engine.stage12.layout import ParamShardSpec, ShardLayout
+from lightning_zero.engine.stage12.layout import ShardLayout
 from lightning_zero.torch_versions.tensors import chunk_cat, unflatten_dense_tensors
 
 

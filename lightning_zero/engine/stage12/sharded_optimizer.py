@@ -32,10 +32,7 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
-from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.grad_sync import GradientReducer
-from lightning_zero.engine.stage12.layout import ShardLayout
-from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
+from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import (
     Standins,
@@ -45,10 +42,13 @@ from lightning_zero.engine.optimizers import (
     steps_in_parts,
     steps_whole,
 )
-from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
+from lightning_zero.engine.owner_step import OwnerStepping
+from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.delayed_parts import host_step, runs_behind_copies
 from lightning_zero.engine.stage12.grad_records import finalize_landed
-from lightning_zero.engine.owner_step import OwnerStepping
+from lightning_zero.engine.stage12.grad_sync import GradientReducer
+from lightning_zero.engine.stage12.layout import ShardLayout
+from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
 from lightning_zero.engine.written_rows import WrittenRows
 
 

@@ -19,23 +19,23 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
-from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.host_steps import HostSteps, PendingUpdate
-from lightning_zero.engine.stage12.grad_sync import GradientReducer
-from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
-from lightning_zero.engine.stage12.new_storage import StorageWatch, hold_again
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
-from lightning_zero.engine.written_rows import WrittenRows
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.optimizers import follow_zero_grad, optimizer_kind, shards_of, unfollow_zero_grad
 from lightning_zero.engine.owner_step import OwnerStepping
+from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.stage12.grad_sync import GradientReducer
+from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
+from lightning_zero.engine.stage12.new_storage import StorageWatch, hold_again
 from lightning_zero.engine.stage12.param_gather import all_gather_params
 from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer
 from lightning_zero.engine.stage12.unstepped import UnsteppedLookup, hand_over
 from lightning_zero.engine.state_dict import gather_full
+from lightning_zero.engine.written_rows import WrittenRows
 
 
 class ZeroDataParallel:

@@ -58,10 +58,15 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import collectives, flight, topology
-from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_functional_calls, fsdp2_private
 from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, ShardRecord
+from lightning_zero.engine.comm import collectives, flight, topology
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
+from lightning_zero.engine.comm.topology import DataParallelGroups
+from lightning_zero.engine.host_steps import HostSteps
+from lightning_zero.engine.mixed_precision import PrecisionPolicy, fsdp2_mixed_precision, hold_as_masters
+from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.optimizers import optimizer_kind, shards_of
+from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_functional_calls, fsdp2_private
 from lightning_zero.engine.stage3.fsdp2_comm import (
     CountingAllGather,
     CountingReduceScatter,
@@ -69,12 +74,9 @@ from lightning_zero.engine.stage3.fsdp2_comm import (
     LateReductions,
     SumOverReplicas,
 )
+from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
 from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
-from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWrites, hold_root_gathered
-from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
-from lightning_zero.engine.stage3.local_step import local_tensor
-from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3.fsdp2_units import (
     WrapPolicy,
     select_units,
@@ -84,12 +86,10 @@ from lightning_zero.engine.stage3.fsdp2_units import (
     units_of_one_dtype,
     whole_params,
 )
+from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
+from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWrites, hold_root_gathered
+from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
-from lightning_zero.engine.mixed_precision import PrecisionPolicy, fsdp2_mixed_precision, hold_as_masters
-from lightning_zero.engine.host_steps import HostSteps
-from lightning_zero.engine.offload import MasterShards
-from lightning_zero.engine.comm.topology import DataParallelGroups
-from lightning_zero.engine.optimizers import optimizer_kind, shards_of
 
 
 class FullyShardedEngine:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero.engine.comm import collectives, flight
-from lightning_zero.engine.stage3.fsdp2_private import AllGather, ReduceScatter, sharded_params
 from lightning_zero.engine.comm.collectives import ReduceOp, ReduceOpLike
 from lightning_zero.engine.comm.compression import CompressedComm
+from lightning_zero.engine.stage3.fsdp2_private import AllGather, ReduceScatter, sharded_params
 from lightning_zero.torch_versions.autograd import queue_callback
 
 

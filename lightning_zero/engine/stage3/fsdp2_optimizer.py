@@ -19,11 +19,11 @@ from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
+from lightning_zero.engine.owner_step import OwnerStepping
+from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
 from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
-from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
-from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.written_rows import WrittenRows
 
 
