@@ -86,7 +86,7 @@ from host_profile import HostProfile  # noqa: E402  (benchmarks/, the script's o
 from phases import PhaseWindows  # noqa: E402
 
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
-from lightning_zero.monitor import ZeroMonitor  # noqa: E402
+from lightning_zero.observability.monitor import ZeroMonitor  # noqa: E402
 from lightning_zero.planning.accounting import live_tensor_bytes, saved_tensor_bytes  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 from lightning_zero.planning.formulas import CHOICES_BY_NAME, model_state_split  # noqa: E402
@@ -860,7 +860,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--monitor",
         action="store_true",
-        help="also run lightning_zero.monitor.ZeroMonitor every step and report its figures (its "
+        help="also run lightning_zero.observability.ZeroMonitor every step and report its figures (its "
         "measurement runs inside the timed step: compare step times without it)",
     )
     p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"), help="Trainer precision")

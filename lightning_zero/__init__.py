@@ -20,8 +20,8 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.module_loading import load_from_checkpoint
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.config.zero_config import ZeroConfig
-from lightning_zero.gradient_norms import grad_norm
-from lightning_zero.monitor import ZeroMonitor
+from lightning_zero.observability.gradient_norms import grad_norm
+from lightning_zero.observability.monitor import ZeroMonitor
 from lightning_zero.precision.zero_precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy.early_checks import explain_unknown_zero_names

@@ -202,7 +202,7 @@ class ZeroConfig:
     init_weights: str | None = None
     """Pretrained weights to start from: a Hugging Face ``save_pretrained`` directory (safetensors, sharded or
     not), a ``.safetensors`` file, or a plain ``state_dict`` / consolidated / Lightning checkpoint file. Read
-    after sharding, each rank only its rows (see ``pretrained.py``); a ``ckpt_path`` resume overrides it."""
+    after sharding, each rank only its rows (see ``pretrained/loading.py``); a ``ckpt_path`` resume overrides it."""
 
     init_weights_strict: bool = True
     """Whether keys of the module missing from ``init_weights`` (or of the file missing from the module) are an

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo.gpt import GPTLightningModule
-from lightning_zero.monitor import ZeroMonitor
+from lightning_zero.observability.monitor import ZeroMonitor
 from lightning_zero.planning.accounting import live_tensor_bytes
 from tests.distributed import (
     memory_layouts,

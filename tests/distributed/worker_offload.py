@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.monitor import ZeroMonitor
+from lightning_zero.observability.monitor import ZeroMonitor
 from lightning_zero.planning.accounting import live_tensor_bytes, model_state_bytes
 from tests.distributed import delayed_update_cases, models
 from tests.distributed.worker_checkpoint import interrupted, optim_diff, optim_scale, straight

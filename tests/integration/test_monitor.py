@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.full]
 @background.in_background
 def test_logged_state_bytes_match_the_estimate_and_the_progress_bar_shows_the_monitor(tmp_path):
     callbacks = (
-        "++trainer.callbacks=[{class_path: lightning_zero.monitor.ZeroMonitor, init_args: {log_every_n_steps: 2}}, "
+        "++trainer.callbacks=[{class_path: lightning_zero.observability.ZeroMonitor, init_args: {log_every_n_steps: 2}}, "
         f"{{class_path: tests.integration.cli_support.RecordRun, init_args: {{path: {tmp_path}/run.pt}}}}]"
     )
     result = subprocess.run(

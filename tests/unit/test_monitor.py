@@ -12,7 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero.monitor import ZeroMonitor, count_tokens
+from lightning_zero.observability.monitor import ZeroMonitor, count_tokens
 
 
 class Tiny(L.LightningModule):

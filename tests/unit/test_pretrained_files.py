@@ -128,7 +128,7 @@ def _hugging_face(kind: str):
 def test_a_files_layout_that_transformers_converts_on_loading_is_converted_row_by_row(tmp_path, kind):
     """``save_pretrained`` writes the Hub's layout, which transformers 5 renames or fuses on loading: the same
     conversion applies, every tensor loads, and each rank's rows of a fused tensor are those of the whole."""
-    from lightning_zero.pretrained_conversion import hugging_face_view
+    from lightning_zero.pretrained.conversion import hugging_face_view
 
     cls, config = _hugging_face(kind)
     torch.manual_seed(0)

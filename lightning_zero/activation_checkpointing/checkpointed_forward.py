@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_zero.recomputed_buffers import BufferUpdates, ForwardBuffers
+from lightning_zero.activation_checkpointing.recomputed_buffers import BufferUpdates, ForwardBuffers
 from lightning_zero.torch_versions.autograd import (
     DEFAULT_DETERMINISM_MODE,
     checkpoint,

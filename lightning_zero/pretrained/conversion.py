@@ -51,7 +51,7 @@ class _Converted:
 
 
 class ConvertedWeights:
-    """A :class:`~lightning_zero.pretrained.WeightsFile` seen through a Hugging Face model's conversion mapping."""
+    """A :class:`~lightning_zero.pretrained.loading.WeightsFile` seen through a Hugging Face model's conversion mapping."""
 
     def __init__(self, source, transforms: list[Any]) -> None:
         from transformers.core_model_loading import WeightConverter, rename_source_key

@@ -34,7 +34,7 @@ from lightning_zero.checkpoint.sharded_rows import ShardedWeights, is_sharded_di
 from lightning_zero.checkpoint.verify import CheckpointError
 from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.shard import local_rows, row_range
-from lightning_zero.pretrained_conversion import ConvertedWeights, hugging_face_view
+from lightning_zero.pretrained.conversion import ConvertedWeights, hugging_face_view
 
 _DIRECTORY_FILES = (
     "model.safetensors.index.json",

@@ -39,7 +39,7 @@ import torch
 
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.collectives import comm_stats
-from lightning_zero.gradient_norms import grad_norm
+from lightning_zero.observability.gradient_norms import grad_norm
 from lightning_zero.planning.accounting import model_state_bytes
 
 MIB = 2**20
