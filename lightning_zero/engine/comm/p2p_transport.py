@@ -2,9 +2,8 @@
 the textbook rings, and the exchanges that move stages 1-2's rows without packed buffers.
 
 [Note: ring collectives over gloo]
-gloo's reduce_scatter_tensor and all_gather_into_tensor are 1.5-2x slower on CPU than a ring of
-point-to-point transfers moving the same bytes (measured on 2 ranks, 25 MB buckets: reduce-scatter 35 ms
-vs 19 ms, all-gather 23 ms vs 17 ms; gloo's own all_reduce is a ring and takes 33 ms). Over gloo we
+gloo's reduce_scatter_tensor and all_gather_into_tensor are slower on CPU than a ring of point-to-point
+transfers moving the same bytes (``benchmarks/results/2026-11-21-gloo-rings.md``). Over gloo we
 therefore run the textbook ring: N-1 steps, each sending one segment to the next rank and receiving one
 from the previous. The first step's transfers are posted at once and proceed in gloo's threads, so a
 bucket's reduction overlaps backward; with 2 ranks that is the whole collective.
@@ -131,9 +130,8 @@ class RingAllGather(Ring):
 # the kernel must fault in and zero (a persistent buffer would break the stage's memory formula). Each rank
 # instead sends every other rank its part of each parameter, a contiguous view, and receives into views: the
 # all-gather's straight into the parameters, the reduce-scatter's into one segment per peer, which the caller
-# adds. On 2 CPU ranks, bench_core's 27M-parameter GPT in 25 MB buckets (``benchmarks/bench_collectives.py``), the
-# post-step all-gather takes 46-48 ms a step against 86-87 ms packed, and a backward with its reduction 134-144 ms
-# against 163-219. Point-to-point transfers between two ranks are matched in posting order, and every rank posts
+# adds; both are faster than through packed buffers (``benchmarks/bench_collectives.py``; the figures in
+# ``benchmarks/results/2026-11-21-gloo-rings.md``). Point-to-point transfers between two ranks are matched in posting order, and every rank posts
 # the same pieces in the same order; the bytes on the wire are the ring's, (N-1)/N of the packed buffer.
 #
 # Each transfer costs gloo tens of microseconds whatever its size, so a model of hundreds of small tensors (norms,
