@@ -120,8 +120,10 @@ def _quiet(command: list[str]) -> None:
 def versions_of(python: Path) -> dict[str, str]:
     script = (
         "import json, torch, lightning, transformers, lightning_zero.torch_versions as tv;"
+        "from lightning_zero.engine.stage3 import fsdp2_private;"
         "print(json.dumps({'torch': torch.__version__, 'lightning': lightning.__version__,"
-        " 'transformers': transformers.__version__, 'branches': tv.branches()}))"
+        " 'transformers': transformers.__version__,"
+        " 'branches': {**fsdp2_private.branches(), **tv.branches()}}))"
     )
     return json.loads(
         subprocess.run([str(python), "-c", script], check=True, capture_output=True, text=True, cwd=REPO).stdout

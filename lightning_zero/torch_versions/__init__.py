@@ -3,10 +3,12 @@
 [Note: version adapters]
 ``lightning_zero`` admits torch 2.11 through 2.14 (``setup.cfg``; ``make test-torch`` runs the distributed cases under
 each). Everything it needs from torch that torch does not promise to keep (a private module, a private function, an
-attribute of a private class) is imported or read here and nowhere else (``tests/unit/test_torch_versions.py`` scans the
-package for it), one module per area: :mod:`.fsdp2` (FSDP2's classes and state), :mod:`.dtensor`, :mod:`.dcp`,
-:mod:`.tracing` (fake tensors, the memory tracker, pytrees), :mod:`.pipelining`, :mod:`.optim` and :mod:`.tensors`
-(kernels torch exports only privately). Where releases differ, the adapter probes for the feature itself, not the
+attribute of a private class) is imported or read here, one module per area: :mod:`.dtensor`, :mod:`.dcp`,
+:mod:`.tracing` (fake tensors, the memory tracker, pytrees), :mod:`.pipelining`, :mod:`.optim`, :mod:`.autograd`,
+:mod:`.nn` and :mod:`.tensors` (kernels torch exports only privately), or in FSDP2's one door,
+``engine/stage3/fsdp2_private.py``, which reads FSDP2's objects for the stage-3 engine and keeps FSDP2's per-release
+differences beside them (its own ``branches()``); ``tests/unit/test_torch_versions.py`` scans the package for
+private uses anywhere else. Where releases differ, the adapter probes for the feature itself, not the
 version string (NGC and source builds report versions such as ``2.14.0a0+git...``), and the branch it takes is named
 in :func:`branches`. A probe that finds neither known form raises :class:`TorchFeatureMissing`, naming what it
 looked for: a wrong number is never the fallback.
@@ -75,9 +77,9 @@ def warn_if_untested(version: str | None = None) -> bool:
 
 def branches() -> dict[str, str]:
     """Each version difference the adapters know, and the branch the installed torch takes (for reports)."""
-    from lightning_zero.torch_versions import fsdp2, optim, pipelining
+    from lightning_zero.torch_versions import optim, pipelining
 
-    return {**fsdp2.branches(), **optim.branches(), **pipelining.branches()}
+    return {**optim.branches(), **pipelining.branches()}
 
 
 def _tested_range() -> str:

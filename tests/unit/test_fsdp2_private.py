@@ -218,3 +218,42 @@ def test_a_sharded_weight_normed_model_is_freed_once_nothing_refers_to_it():
         assert layer() is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_complex_parameter_is_gathered_complex_under_a_bf16_policy_and_a_real_one_in_bf16():
+    """[Note: complex parameters under FSDP2's mixed precision]: torch 2.11's FSDP2 would gather the complex
+    weight in bf16, its imaginary part lost; every torch gathers it complex once the engine has been through."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    class Weights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = nn.Parameter(torch.full((4,), 1 + 2j, dtype=torch.complex64))
+
+        def forward(self, x):
+            return x.to(torch.complex64) * self.weights
+
+    class Spectral(nn.Module):  # FSDP2 gathers one dtype per unit: the complex weights are a unit of their own
+        def __init__(self) -> None:
+            super().__init__()
+            self.spectral = Weights()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x), self.spectral(x)
+
+    with one_rank_world():
+        module, mesh = Spectral(), init_device_mesh("cpu", (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        for unit in (
+            fully_shard(module.spectral, mesh=mesh, mp_policy=policy),
+            fully_shard(module, mesh=mesh, mp_policy=policy),
+        ):
+            fsdp2_private.keep_complex_params_complex(unit)
+        real, spectral = module(torch.ones(2, 4))
+        gathered = {
+            p._param_fqn: p.param_dtype for group in fsdp2_private.param_groups(module) for p in group.fsdp_params
+        }
+        assert gathered == {"spectral.weights": None, "linear.weight": torch.bfloat16, "linear.bias": torch.bfloat16}
+        assert real.dtype == torch.bfloat16 and spectral.dtype == torch.complex64
+        assert torch.equal(spectral, torch.full((2, 4), 1 + 2j, dtype=torch.complex64))

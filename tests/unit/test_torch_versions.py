@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import configparser
 import re
-import types
 import warnings
 
 import pytest
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from lightning_zero import torch_versions
 from lightning_zero.engine.optimizers import hosted_params
+from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.torch_versions import optim, pipelining
 from tests.launch import REPO
 from tests.unit.one_rank import one_rank_world
@@ -62,8 +62,12 @@ def _dotted(node: ast.expr) -> str | None:
     return None
 
 
+#: FSDP2's one door: the stage-3 engine's reads of FSDP2's objects, with FSDP2's per-release differences beside them.
+FSDP2_DOOR = PACKAGE / "engine" / "stage3" / "fsdp2_private.py"
+
+
 def test_torch_private_apis_are_used_only_in_the_adapters():
-    sources = [p for p in PACKAGE.rglob("*.py") if "torch_versions" not in p.parts]
+    sources = [p for p in PACKAGE.rglob("*.py") if "torch_versions" not in p.parts and p != FSDP2_DOOR]
     assert len(sources) > 100
     found = [use for path in sources for use in _private_torch_uses(path)]
     assert found == []
@@ -144,7 +148,7 @@ def test_a_missing_feature_raises_naming_it():
 
 
 def test_every_branch_is_named_for_the_installed_torch():
-    branches = torch_versions.branches()
+    branches = {**torch_versions.branches(), **fsdp2_private.branches()}
     assert set(branches) == {
         "FSDP2 parameter groups per fully_shard call",
         "FSDP2's mixed precision for a complex parameter",
@@ -204,19 +208,3 @@ def test_the_neighbour_exchange_leaves_out_only_a_stage_s_own_rank(one_rank_grou
     ]
     assert pipelining.neighbour_exchange(ops, group_rank=0) == []
     assert pipelining.neighbour_exchange(ops, group_rank=1) == ops
-
-
-def test_complex_parameters_keep_their_dtype_under_fsdp2_mixed_precision_and_real_ones_are_cast():
-    """[Note: complex parameters under FSDP2's mixed precision]: torch 2.11 would gather a complex shard in bf16."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from lightning_zero.torch_versions import fsdp2
-
-    class StandIn(types.SimpleNamespace):  # what FSDPParam.init_dtype_attrs reads and writes
-        init_dtype_attrs = fsdp2.FSDPParam.init_dtype_attrs
-
-    params = [StandIn(sharded_param=torch.zeros(2, dtype=dtype)) for dtype in (torch.complex64, torch.float32)]
-    fsdp2.keep_non_floating_params_in_their_dtype(params)
-    for param in params:
-        param.init_dtype_attrs(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    assert [p.param_dtype for p in params] == [None, torch.bfloat16]

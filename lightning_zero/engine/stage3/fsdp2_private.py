@@ -6,10 +6,13 @@ The stage-3 engine drives ``fully_shard`` through its public surface wherever to
 need, each with the reason the public API does not suffice:
 
 * :data:`AllGather` / :data:`ReduceScatter`: the base classes ``set_custom_all_gather`` and
-  ``set_custom_reduce_scatter`` take; torch exports them only from ``torch.distributed.fsdp._fully_shard``. They, and
-  what differs between torch releases (how ``FSDPState`` holds its groups), come from ``torch_versions/fsdp2.py``.
+  ``set_custom_reduce_scatter`` take; torch exports them only from ``torch.distributed.fsdp._fully_shard``.
 * :func:`param_groups` (``FSDPState._fsdp_param_groups``): the per-unit objects the next three act on; public
-  methods act on a whole module.
+  methods act on a whole module. torch 2.11 keeps one ``_fsdp_param_group`` (or None) per state, 2.12 and later a
+  list (where one ``fully_shard([a, b])`` call may make several groups): :data:`STATE_GROUPS`, probed on a fresh
+  ``FSDPState``, says which.
+* :func:`keep_complex_params_complex` (an instance attribute shadowing ``FSDPParam.init_dtype_attrs``): [Note:
+  complex parameters under FSDP2's mixed precision] below.
 * :func:`keep_gathered_after_forward` / :func:`restore_after_forward` (``FSDPParamGroup.post_forward_mesh_info``):
   the public ``set_reshard_after_forward`` takes a bool, so it cannot put back an hpZ unit's partial reshard (a
   mesh) when an accumulation window closes ([Note: gathered accumulation windows] in ``fsdp2_window.py``).
@@ -45,11 +48,21 @@ need, each with the reason the public API does not suffice:
 
 :func:`check` verifies each of these on a sharded module: the engine runs it when it shards (a torch release that
 moves one fails at set-up, naming it, not mid-training), and ``tests/unit/test_fsdp2_private.py`` runs it on the
-installed torch; ``make test-torch`` under every release ``setup.cfg`` admits.
+installed torch; ``make test-torch`` under every release ``setup.cfg`` admits. This module is FSDP2's door of the
+version adapters ([Note: version adapters] in ``torch_versions/__init__.py``): :func:`branches` names the branch each
+per-release difference takes here.
+
+[Note: complex parameters under FSDP2's mixed precision]
+torch 2.11's ``FSDPParam.init_dtype_attrs`` casts every parameter to the policy's ``param_dtype``, complex ones
+included: a complex shard gathered as bf16 loses its imaginary part (a Fourier layer's weights then fail in
+``einsum``, or train on half their values). torch 2.12 and later leave a parameter that is not floating point in its
+own dtype; :func:`keep_complex_params_complex` makes torch 2.11 do the same. :data:`CASTS_COMPLEX_PARAMS` is probed by
+calling the method on a stand-in holding a complex shard.
 """
 
 from __future__ import annotations
 
+import importlib
 import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -57,25 +70,23 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
 from lightning_zero.engine.dense_parameters import gradient_form_error
 from lightning_zero.engine.shard import local_rows
+from lightning_zero.torch_versions import TorchFeatureMissing
 from lightning_zero.torch_versions.autograd import current_graph_task_id
 from lightning_zero.torch_versions.dtensor import dtensor_over
-from lightning_zero.torch_versions.fsdp2 import (
-    AllGather,
-    ReduceScatter,
-    TrainingState,
-    fully_shard_class_cache,
-    keep_non_floating_params_in_their_dtype,
-    param_groups_of_state,
-)
 
 __all__ = [
     "AllGather",
     "ReduceScatter",
     "FSDP2PrivateAPIError",
+    "branches",
     "check",
     "complete_unit_gradients",
     "drop_unreduced_gradients",
@@ -124,18 +135,69 @@ class FSDP2PrivateAPIError(RuntimeError):
     """The installed torch moved a private FSDP2 name the stage-3 engine relies on."""
 
 
+_GROUP_LIST = "_fsdp_param_groups"
+_ONE_GROUP = "_fsdp_param_group"
+
+
+def _state_groups() -> str:
+    fresh = vars(FSDPState())
+    if _GROUP_LIST in fresh:
+        return _GROUP_LIST
+    if _ONE_GROUP in fresh:
+        return _ONE_GROUP
+    raise TorchFeatureMissing(
+        "FSDP2's parameter groups on FSDPState", f"{_GROUP_LIST} (torch 2.12+) or {_ONE_GROUP} (torch 2.11)"
+    )
+
+
+#: Which of the two attributes this torch's ``FSDPState`` keeps its parameter groups in.
+STATE_GROUPS = _state_groups()
+
+
+def _casts_complex_params() -> bool:
+    standin = types.SimpleNamespace(sharded_param=torch.zeros(1, dtype=torch.complex64))
+    FSDPParam.init_dtype_attrs(standin, MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # type: ignore[arg-type]
+    return standin.param_dtype is not None
+
+
+#: Whether this torch's FSDP2 gathers complex parameters in the policy's ``param_dtype`` (torch 2.11).
+CASTS_COMPLEX_PARAMS = _casts_complex_params()
+
+
+def branches() -> dict[str, str]:
+    """The branch each of FSDP2's per-release differences takes on the installed torch (for reports)."""
+    return {
+        "FSDP2 parameter groups per fully_shard call": (
+            "a list, FSDPState._fsdp_param_groups (torch 2.12+)"
+            if STATE_GROUPS == _GROUP_LIST
+            else "one, FSDPState._fsdp_param_group (torch 2.11)"
+        ),
+        "FSDP2's mixed precision for a complex parameter": (
+            "cast to param_dtype by FSDP2, kept complex by lightning_zero (torch 2.11)"
+            if CASTS_COMPLEX_PARAMS
+            else "kept complex by FSDP2 (torch 2.12+)"
+        ),
+    }
+
+
+def _groups_of(state: Any) -> list[Any]:
+    """The ``FSDPParamGroup``s of one ``FSDPState`` (of one ``fully_shard`` call), in order; empty if it has none."""
+    if STATE_GROUPS == _GROUP_LIST:
+        return list(getattr(state, _GROUP_LIST))
+    group = getattr(state, _ONE_GROUP)
+    return [group] if group is not None else []
+
+
 def param_groups(module: nn.Module) -> list[Any]:
     """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order; the modules of
     one ``fully_shard([a, b])`` call share theirs."""
-    groups = {
-        id(group): group for unit in unit_heads(module) for group in param_groups_of_state(unit._get_fsdp_state())
-    }
+    groups = {id(group): group for unit in unit_heads(module) for group in _groups_of(unit._get_fsdp_state())}
     return list(groups.values())
 
 
 def own_groups(module: FSDPModule) -> list[Any]:
     """The ``FSDPParamGroup`` of ``module``'s own ``fully_shard`` call (the root's: its parameters outside every unit)."""
-    return param_groups_of_state(module._get_fsdp_state())
+    return _groups_of(module._get_fsdp_state())
 
 
 def unit_heads(module: nn.Module) -> list[FSDPModule]:
@@ -232,9 +294,19 @@ def unshadow_reshard(group: Any, reshard: Callable[[], None]) -> None:
 
 def keep_complex_params_complex(unit: FSDPModule) -> None:
     """Complex parameters of ``unit``'s ``fully_shard`` call gathered in their own dtype under a mixed-precision
-    policy, on every torch (``FSDPParam.init_dtype_attrs``; [Note: complex parameters under FSDP2's mixed precision]
-    in ``torch_versions/fsdp2.py``)."""
-    keep_non_floating_params_in_their_dtype(p for group in own_groups(unit) for p in group.fsdp_params)
+    policy, on every torch ([Note: complex parameters under FSDP2's mixed precision]): where FSDP2 would cast them,
+    an instance attribute over ``FSDPParam.init_dtype_attrs``, which the unit's lazy initialisation calls."""
+    if not CASTS_COMPLEX_PARAMS:
+        return
+    for fsdp_param in (p for group in own_groups(unit) for p in group.fsdp_params):
+        if fsdp_param.sharded_param.dtype.is_floating_point:
+            continue
+
+        def init_dtype_attrs(policy: MixedPrecisionPolicy, fsdp_param: Any = fsdp_param) -> None:
+            FSDPParam.init_dtype_attrs(fsdp_param, policy)
+            fsdp_param.param_dtype = None
+
+        fsdp_param.init_dtype_attrs = init_dtype_attrs
 
 
 def skip_conversions_that_change_nothing(modules: Iterable[nn.Module]) -> None:
@@ -261,7 +333,7 @@ def _apply_converting_something(
 def forget_classes_of_one_module() -> None:
     """Drop ``fully_shard``'s cached subclasses of the classes ``torch.nn.utils.parametrize`` makes per instance
     (``Parametrized<Class>``): the sharded instance keeps its class, and no other module has that class to shard."""
-    cache = fully_shard_class_cache()
+    cache = getattr(importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard"), "cls_to_fsdp_cls", {})
     for cls in [cls for cls in cache if _made_for_one_module(cls)]:
         del cache[cls]
 
@@ -273,7 +345,7 @@ def _made_for_one_module(cls: type) -> bool:
 
 def one_group(unit: FSDPModule) -> bool:
     """Whether ``unit``'s ``fully_shard`` call made one parameter group (one reduce-scatter a backward)."""
-    return len(param_groups_of_state(unit._get_fsdp_state())) == 1
+    return len(_groups_of(unit._get_fsdp_state())) == 1
 
 
 def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) -> set[int]:
@@ -282,7 +354,7 @@ def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) 
     backward ends, and the backward of each run whose inputs require gradients reduces the unit again. The roots are
     left out: ``training_step`` calling ``self(...)`` runs the root nested in itself, on inputs that are data."""
     skipped = {id(root) for root in roots}
-    groups = [[] if id(head) in skipped else param_groups_of_state(head._get_fsdp_state()) for head in heads]
+    groups = [[] if id(head) in skipped else _groups_of(head._get_fsdp_state()) for head in heads]
     contexts = {id(g.comm_ctx): g.comm_ctx for unit in groups for g in unit}
     runs = Counter(id(g) for context in contexts.values() for g in context.post_forward_order)
     return {k for k, unit in enumerate(groups) if any(runs[id(g)] > 1 for g in unit)}
@@ -290,7 +362,7 @@ def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) 
 
 def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
     """(sharded parameter, offloaded to the host) of each parameter FSDP2 manages in ``unit``'s own groups."""
-    for group in param_groups_of_state(unit._get_fsdp_state()):
+    for group in _groups_of(unit._get_fsdp_state()):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
 
@@ -406,7 +478,7 @@ def check(module: nn.Module) -> None:
     if not isinstance(module, FSDPModule):
         raise TypeError(f"check() needs a module sharded with fully_shard, got {type(module).__name__}")
     state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    groups = (param_groups_of_state(state) if state is not None else []) or [None]
+    groups = (_groups_of(state) if state is not None else []) or [None]
     params = getattr(groups[0], "fsdp_params", None) or [None]
     owners: dict[str, Any] = {
         "FSDPModule": module,
