@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.checkpoint.consolidate import consolidate  # noqa: E402
-from lightning_zero.config.pipeline import PIPELINE_SCHEDULES  # noqa: E402
+from lightning_zero.config.zero_config import PIPELINE_SCHEDULES  # noqa: E402
 from lightning_zero.demo import CharDataModule, GPTLightningModule, LossReport  # noqa: E402
 
 MODEL = dict(block_size=64, n_layer=4, n_head=4, n_embd=128, learning_rate=2e-3, warmup_steps=10)

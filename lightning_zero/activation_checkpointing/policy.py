@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_zero.activation_checkpointing.checkpointed_forward import checkpoint_forward
-from lightning_zero.layer_calls import bypassing_hooks
+from lightning_zero.hook_bypasses import bypassing_hooks
 
 _IGNORED_DEEPSPEED_KEYS = ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile")
 _FALSE_ONLY_DEEPSPEED_KEYS = ("partition_activations", "cpu_checkpointing")

@@ -64,8 +64,9 @@ class MetadataUnpickler(pickle._Unpickler):
 
     The pure-Python unpickler, not the C one: the C unpickler grows its memo array to whatever index a
     ``LONG_BINPUT`` names, so one damaged or crafted byte asks for gigabytes (found by the corruption fuzz:
-    a 13 KB file held the machine for a minute). The Python one keeps its memo in a dict. It parses about
-    2.7x slower; :func:`read_dcp_metadata` caches the result, so a load parses each file once.
+    a 13 KB file held the machine for a minute). The Python one keeps its memo in a dict. It parses slower
+    (``benchmarks/results/2026-12-07-docstring-figures.md``); :func:`read_dcp_metadata` caches the result, so
+    a load parses each file once.
     """
 
     def __init__(self, file, path: str | os.PathLike) -> None:

@@ -1,7 +1,7 @@
 """The error every setting raises and the checks of a named choice ("Did you mean ...?").
 
-A leaf (the standard library and torch only), so that ``zero_config.py`` and the modules its checks are split
-into (``compression.py``, ``pipeline.py``) share one error type without importing each other.
+A leaf (the standard library and torch only), so that ``zero_config.py`` and ``compression.py`` (the
+compression settings, their checks and DeepSpeed keys) share one error type without importing each other.
 """
 
 from __future__ import annotations

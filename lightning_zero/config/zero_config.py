@@ -17,8 +17,6 @@ from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice, check_compile
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme, check_compression
-from lightning_zero.config.offload import check_offload
-from lightning_zero.config.pipeline import PIPELINE_HYBRID_REFUSAL, PIPELINE_SCHEDULES, check_pipeline, virtual_stages
 
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -31,6 +29,21 @@ ShardSize = Union[int, Literal["node"], None]
 ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Module], bool], None]
 
 SUPPORTED_STAGES = (1, 2, 3)
+
+#: Every ``pipeline_schedule`` (``pipeline/schedule.py`` maps each to its ``torch.distributed.pipelining`` class).
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
+#: Several stages per rank, rank ``r`` of ``p`` running stages ``r, r + p, r + 2p, ...`` (``pipeline_virtual_stages``).
+LOOPED_SCHEDULES = ("interleaved_1f1b", "interleaved_zb")
+#: Exactly two stages per rank in a V: rank ``r`` of ``p`` runs stages ``r`` and ``2p - 1 - r``, so the first and the
+#: last stage share rank 0.
+V_SCHEDULES = ("zbv", "dualpipev")
+
+#: Why ``shard_size`` / ``secondary_shard_size`` do not combine with pipeline stages.
+PIPELINE_HYBRID_REFUSAL = (
+    "each stage is already sharded over its data-parallel ranks only (one per pipeline replica), and sharding those "
+    "again in groups would need a 3-D mesh (pipeline x replicate x shard) that is not implemented. Drop one of the two "
+    "settings (more pipeline stages also shrink each stage's data-parallel group, and what crosses nodes)."
+)
 
 #: ``Trainer(strategy=name)`` -> the ``ZeroStrategy`` arguments it stands for (after ``import lightning_zero``).
 REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
@@ -52,6 +65,13 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2_compressed": dict(stage=2, gradient_compression="int8", error_feedback=True),
     "zero3_compressed": dict(stage=3, gradient_compression="int8", error_feedback=True, param_compression="int8"),
 }
+
+
+def virtual_stages(schedule: str, virtual: int | None) -> int:
+    """Stages per rank: ``virtual`` for a looped schedule (2 unless set), 2 for a V, else 1."""
+    if schedule in LOOPED_SCHEDULES:
+        return 2 if virtual is None else virtual
+    return 2 if schedule in V_SCHEDULES else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,11 +311,11 @@ class ZeroConfig:
             )
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
-        check_offload(self)
+        self._check_offload()
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
         check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
-        check_pipeline(self)
+        self._check_pipeline()
         self._check_shard_sizes()
         check_compression(self)
         check_choice("state_dict_type", self.state_dict_type, ("sharded", "full"))
@@ -325,6 +345,78 @@ class ZeroConfig:
             if not isinstance(classes, (tuple, list)) or not all(isinstance(c, type) for c in classes):
                 raise ZeroConfigError(f"`{name}` must be a tuple of optimizer classes, got {classes!r}.")
             object.__setattr__(self, name, tuple(classes))
+
+    def _check_offload(self) -> None:
+        """The offload settings, normalised in place (``offload_optimizer=1`` is ``True``)."""
+        ratio = self.offload_optimizer
+        if not isinstance(ratio, bool) and (not isinstance(ratio, (int, float)) or not 0 < ratio <= 1):
+            raise ZeroConfigError(f"`offload_optimizer` must be True, False or a share in (0, 1], got {ratio!r}.")
+        if not isinstance(ratio, bool):
+            object.__setattr__(self, "offload_optimizer", True if ratio == 1 else float(ratio))
+        if self.offload_params and self.stage != 3:
+            raise ZeroConfigError(
+                f"`offload_params=True` needs `stage=3` (got stage={self.stage}): only stage 3 shards parameters."
+            )
+        delay = self.offload_step_delay
+        check_choice("offload_step_delay", delay if not isinstance(delay, bool) else str(delay), (0, 1))
+        if not delay:
+            return
+        if self.offload_optimizer is not True:
+            raise ZeroConfigError(
+                f"`offload_step_delay=1` runs the optimizer step on the host while the next step computes: it needs "
+                f"`offload_optimizer=True` (every master on the host), got offload_optimizer={self.offload_optimizer!r}."
+            )
+        if self.stage == 3 or self.pipeline_stages > 1:
+            setting = f"stage={self.stage}" if self.stage == 3 else f"pipeline_stages={self.pipeline_stages}"
+            raise ZeroConfigError(
+                f"`offload_step_delay=1` is built for stages 1 and 2 without pipeline stages, not `{setting}`: use "
+                "stage=1 or 2 with offload_optimizer=True, or offload_step_delay=0."
+            )
+
+    def _check_pipeline(self) -> None:
+        """The pipeline settings, and how they combine with the checkpoint format."""
+        split = self.pipeline_split
+        if isinstance(split, str):
+            check_choice("pipeline_split", split, ("layers", "params"))
+        elif not isinstance(split, (list, tuple)) or not all(
+            isinstance(x, (int, str)) and not isinstance(x, bool) for x in split
+        ):
+            raise ZeroConfigError(
+                f"`pipeline_split` must be 'layers', 'params' or a list of layer indices or names, got {split!r}."
+            )
+        virtual = self.pipeline_virtual_stages
+        if virtual is not None and (not isinstance(virtual, int) or isinstance(virtual, bool) or virtual < 1):
+            raise ZeroConfigError(f"`pipeline_virtual_stages` must be None or an integer >= 1, got {virtual!r}.")
+        schedule = self.pipeline_schedule
+        if schedule in LOOPED_SCHEDULES and virtual == 1:
+            raise ZeroConfigError(
+                f"`pipeline_schedule={schedule!r}` runs several stages per rank; set `pipeline_virtual_stages` "
+                ">= 2 (or leave it None for 2), or use pipeline_schedule='1f1b'."
+            )
+        if schedule in V_SCHEDULES and virtual not in (None, 2):
+            raise ZeroConfigError(
+                f"`pipeline_schedule={schedule!r}` runs exactly 2 stages per rank (a V: rank r holds stages r and "
+                f"2p-1-r); leave `pipeline_virtual_stages` None (or 2), got {virtual}."
+            )
+        if schedule not in (*LOOPED_SCHEDULES, *V_SCHEDULES) and virtual not in (None, 1):
+            raise ZeroConfigError(
+                f"`pipeline_virtual_stages={virtual}` needs a schedule with several stages per rank "
+                f"({', '.join(repr(s) for s in (*LOOPED_SCHEDULES, *V_SCHEDULES))}); {schedule!r} runs one stage per rank."
+            )
+        stages = self.pipeline_stages * virtual_stages(schedule, virtual)
+        if schedule == "dualpipev" and self.microbatches is not None and self.microbatches < stages:
+            raise ZeroConfigError(
+                f"`pipeline_schedule='dualpipev'` needs at least as many micro-batches as stages ({stages} = 2 x "
+                f"pipeline_stages); got `microbatches={self.microbatches}`."
+            )
+        if self.pipeline_stages == 1:
+            return
+        if self.state_dict_type == "full":
+            raise ZeroConfigError(
+                "`state_dict_type='full'` is not available with `pipeline_stages > 1` (each stage's ranks hold only its "
+                "layers); use 'sharded' (the default), whose directory loads into a run with or without pipelining, "
+                "and `lightning-zero consolidate` for one plain file."
+            )
 
     def _check_shard_sizes(self) -> None:
         for setting in ("shard_size", "secondary_shard_size"):

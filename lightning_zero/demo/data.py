@@ -205,8 +205,8 @@ class CharDataModule(L.LightningDataModule):
         return GrammarGenerator(hp.seed).text(hp.num_tokens)
 
     def setup(self, stage: str | None = None) -> None:
-        # Cheap (~0.1 s for 200k chars) and deterministic, so every rank simply builds
-        # its own copy; no prepare_data()/filesystem handshake needed.
+        # Cheap and deterministic, so every rank simply builds its own copy; no prepare_data()/filesystem
+        # handshake needed.
         if self.train_set is not None:
             return
         data = self.encode(self.corpus())  # (num_tokens,)

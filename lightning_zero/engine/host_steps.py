@@ -21,7 +21,7 @@ gradients of the first. It is used in a synchronising backward where, besides ``
   (``optimizers.steps_in_parts``);
 * every parameter of the part has a gradient on this rank: whether a parameter this rank produced none for was
   used on some other rank is known only when backward ends (stages 1-2:
-  ``GradientReducer._forget_gradients_no_rank_produced``; stage 3: ``fsdp2_unused.UnusedParameters``, which reduces
+  ``GradientReducer._forget_gradients_no_rank_produced``; stage 3: ``fsdp2_missing_grads.UnusedParameters``, which reduces
   a zero gradient for it meanwhile). Such a part waits for ``optimizer.step()``, as every part did before. At world
   size 1 FSDP2 copies where it would reduce, and each unit is announced when it has done so (``fsdp2_comm``'s [Note:
   units finished alone]).
@@ -82,13 +82,11 @@ that cannot step in parts steps in one call behind every copy).
 A host step in the worker runs beside the threads that drive an accelerator: the training thread (the next forward,
 the parts' copies) and autograd's device thread (backward's kernels), either of which spins a core while it waits for
 the device. torch's CPU kernels split their work evenly over the intra-op threads and wait for the slowest share, so
-a core another thread holds slows the whole step: with one of 2 cores kept busy, the fused AdamW step over 3e7
-elements took 39.4 ms on 2 threads and 20.5 ms on one (``benchmarks/bench_host_step.py --busy 1``), and on an H200
-the 1.34B GPT's host step took 353 ms a step when its parts ran beside backward, against 218 ms for the same kernel
-over the same elements in the delayed schedule (``benchmarks/results/2026-12-04-h200.md``). With an accelerator the
-worker steps with :data:`CORES_LEFT_TO_TRAINING` fewer threads than the process's budget (OpenMP keeps the count
-per thread, so the training thread keeps its own). On a CPU the training computes with every thread itself, and the
-worker takes torch's count.
+a core another thread holds slows the whole step, on 2 CPU cores (``benchmarks/bench_host_step.py --busy 1``,
+``benchmarks/results/2026-11-27-host-overhead.md``) as on an H200 (``benchmarks/results/2026-12-04-h200.md``).
+With an accelerator the worker steps with :data:`CORES_LEFT_TO_TRAINING` fewer threads than the process's budget
+(OpenMP keeps the count per thread, so the training thread keeps its own). On a CPU the training computes with every
+thread itself, and the worker takes torch's count.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Master shards of this rank's parameters, where the optimizer steps them: on the device, or in host memory
-(ZeRO-Offload).
+(ZeRO-Offload). Master, part, staged, landed: [Note: vocabulary] in ``engine/__init__.py``.
 
 [Note: the offloaded step]
 With ``offload_optimizer`` the optimizer is re-hosted (see ``sharded_optimizer.py``) on fp32 master rows that

@@ -1,4 +1,4 @@
-"""The one row-sharding rule: which rows of a tensor each rank holds.
+"""The one row-sharding rule: which rows of a tensor each rank holds (words: [Note: vocabulary] in ``engine/__init__.py``).
 
 [Note: one shard convention for every stage]
 Every parameter (and every optimizer-state tensor shaped like one) is split along dim 0 into ``world_size``

@@ -1,11 +1,11 @@
 """Fault handling that knows nothing of Lightning beyond what it is handed: a collective watchdog with a flight
 recorder, the diagnosis of hangs, process-group timeouts and SIGTERM.
 
-* ``flight.py``      what this rank communicated (written by ``engine/comm/collectives.py``, always on, ~1 us)
+* ``flight.py``      what this rank communicated (written by ``engine/comm/collectives.py``, always on)
 * ``activity.py``    what the main thread is doing, sampled from another thread
-* ``records.py``     the heartbeat record each rank publishes, and process liveness
+* ``heartbeat.py``     the heartbeat record each rank publishes, and process liveness
 * ``diagnosis.py``   pure decisions over records: who diverged, where, and the message
-* ``exchange.py``    the store I/O thread
+* ``heartbeat_store.py``    the store I/O thread
 * ``watchdog.py``    the thread that decides and ends a run that cannot go on; the exit agreement
 * ``timeouts.py``    process-group timeouts while a run is active; :func:`extended`
 * ``signals.py``     the wakeup pipe that sees SIGTERM while the main thread is blocked; a handler that never

@@ -11,7 +11,7 @@ failed or whose process is gone; step marks that differ (silent divergence); a p
 this rank waits in a collective (uneven data); a peer without heartbeat (stopped, hung in native code, lost
 with its node) or an unreachable store while this rank waits; finally this rank waiting in one collective
 for ``timeout``, explained by what every peer is doing. What the decisions are made of (limits, context,
-:class:`~lightning_zero.faults.verdict.Diagnosis`) is in ``verdict.py``; silent divergence in ``divergence.py``.
+:class:`~lightning_zero.faults.diagnosis_types.Diagnosis`) is in ``diagnosis_types.py``; silent divergence in ``divergence.py``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import dataclasses
 from typing import Any
 
 from lightning_zero.faults.activity import Activity
-from lightning_zero.faults.divergence import compare_marks, first_difference
-from lightning_zero.faults.records import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
-from lightning_zero.faults.verdict import (
+from lightning_zero.faults.diagnosis_types import (
     GENERATE_HINT,
     MISMATCH_HINT,
     SAVE_HINT,
@@ -32,6 +30,8 @@ from lightning_zero.faults.verdict import (
     generate_involved,
     saving_involved,
 )
+from lightning_zero.faults.divergence import compare_marks, first_difference
+from lightning_zero.faults.heartbeat import FAILED, FINISHED, RUNNING, Peer, Record, phase_name, step_name
 
 
 def adopt(failure: dict[str, Any], me: Record, kind: str | None = None) -> Diagnosis:

@@ -4,8 +4,8 @@ recent collectives every rank publishes with its heartbeat (``engine/comm/flight
 from __future__ import annotations
 
 from lightning_zero.engine.comm.flight import Mark, Op
-from lightning_zero.faults.records import Record, step_name
-from lightning_zero.faults.verdict import EVAL_PHASES, GENERATE_HINT, Context, Diagnosis, generate_involved
+from lightning_zero.faults.diagnosis_types import EVAL_PHASES, GENERATE_HINT, Context, Diagnosis, generate_involved
+from lightning_zero.faults.heartbeat import Record, step_name
 
 
 def compare_marks(a: Record, b: Record, context: Context) -> Diagnosis | None:

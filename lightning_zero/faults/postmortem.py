@@ -20,7 +20,7 @@ from typing import IO
 
 from lightning_zero.engine.comm.flight import RECORDER, Mark, Op, read_file
 from lightning_zero.faults.activity import classify_frames, main_thread_frames
-from lightning_zero.faults.records import RUNNING, Record, liveness
+from lightning_zero.faults.heartbeat import RUNNING, Record, liveness
 
 _COMM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "comm") + os.sep
 #: faulthandler's first line names the fatal signal this way.

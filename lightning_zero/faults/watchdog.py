@@ -3,7 +3,7 @@ and the collective, and makes every rank end within ``timeout`` (plus a few seco
 semantics, where nothing raises.
 
 Each tick (``Limits.tick``, 1 s) the thread samples the main thread (``activity.py``), publishes this rank's
-record through :class:`~lightning_zero.faults.exchange.Exchange`, and runs :func:`diagnosis.decide` over the
+record through :class:`~lightning_zero.faults.heartbeat_store.HeartbeatStore`, and runs :func:`diagnosis.decide` over the
 peers' records. On a decision it (1) prints the diagnosis to stderr, (2) records it as the run's first
 failure so every rank's error carries the same text, (3) arms the flight recorder so the main thread raises
 it at its next collective or step, and (4) if the main thread has not started handling an error
@@ -49,8 +49,8 @@ from lightning_zero.engine.comm.flight import RECORDER, CollectiveError, Mark
 from lightning_zero.faults import activity as activity_mod
 from lightning_zero.faults import diagnosis, failures, postmortem, timeouts
 from lightning_zero.faults.activity import Activity
-from lightning_zero.faults.exchange import Exchange
-from lightning_zero.faults.records import (
+from lightning_zero.faults.diagnosis_types import Context, Diagnosis, Limits
+from lightning_zero.faults.heartbeat import (
     FAILED,
     FINISHED,
     RUNNING,
@@ -61,8 +61,8 @@ from lightning_zero.faults.records import (
     scheduled_seconds,
     this_process,
 )
+from lightning_zero.faults.heartbeat_store import HeartbeatStore
 from lightning_zero.faults.signals import STOP_SIGNALS, StopSignal, WakeupPipe
-from lightning_zero.faults.verdict import Context, Diagnosis, Limits
 
 
 class Watchdog:
@@ -86,7 +86,7 @@ class Watchdog:
         self.group = group
         self.mark_peer = mark_peer
         self.namespace = namespace
-        self.exchange = Exchange(store, namespace, rank, world_size, limits.tick)
+        self.exchange = HeartbeatStore(store, namespace, rank, world_size, limits.tick)
         self.exchange.wanted = [r for r in range(world_size) if r != rank] if world_size <= 16 else self._neighbours()
         self.pipe = WakeupPipe()
         self.state = RUNNING
@@ -483,7 +483,7 @@ class Watchdog:
             return None
 
     def _agreement_failed(self, found: Diagnosis) -> CollectiveError:
-        if self.exchange.snapshot.failure is None:  # before this rank's record says "failed" (see exchange.py)
+        if self.exchange.snapshot.failure is None:  # before this rank's record says "failed" (see heartbeat_store.py)
             self.exchange.failure_out = found.to_failure(self.rank)
         self.state = FAILED
         self.error = found.summary[:300]

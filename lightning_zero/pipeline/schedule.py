@@ -41,7 +41,7 @@ from torch.distributed.pipelining import (
 from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice
-from lightning_zero.config.pipeline import LOOPED_SCHEDULES, V_SCHEDULES
+from lightning_zero.config.zero_config import LOOPED_SCHEDULES, V_SCHEDULES
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.stage3.fsdp2_private import reshard_all
 from lightning_zero.pipeline.split import PipelineLayout

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Union
 from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, closest
-from lightning_zero.config.pipeline import V_SCHEDULES
+from lightning_zero.config.zero_config import V_SCHEDULES
 
 if TYPE_CHECKING:
     from lightning_zero.config.zero_config import ZeroConfig

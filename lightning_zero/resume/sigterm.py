@@ -36,7 +36,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lightning_zero.resume.finding import SIGTERM_CHECKPOINT
+from lightning_zero.resume.newest_checkpoint import SIGTERM_CHECKPOINT
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_zero.resume.agreement import JOB_KEY, check_agreement, job_identity
-from lightning_zero.resume.decision import ResumeDecision
+from lightning_zero.resume.ckpt_path import ResumeDecision
 from lightning_zero.resume.position import DataPosition, position_from_loops
 from lightning_zero.resume.rng import restore_rng_state
 from lightning_zero.resume.sampler import ResumeSampler, resume_dataloader

@@ -19,8 +19,8 @@ here resumes under ``ddp``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -33,20 +33,26 @@ from lightning_zero.checkpoint.verify import check_compatible
 from lightning_zero.engine.comm import collectives
 from lightning_zero.strategy.swa import WeightAveraging, copy_whole_into
 
-if TYPE_CHECKING:
-    from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy
-
 AVERAGING_STATE = "averaging_state"  # the callback's key for the AveragedModel's own buffers (``n_averaged``)
 
 
-def keep_averages_in_checkpoints(trainer: pl.Trainer, strategy: CheckpointingStrategy) -> None:
-    """Take over the checkpoint hooks of every ``WeightAveraging`` callback of ``trainer`` (this instance's only)."""
+def keep_averages_in_checkpoints(
+    trainer: pl.Trainer,
+    full: bool,
+    held: Callable[[dict[str, Any]], dict[str, Any]],
+    load_model_state: Callable[[Mapping[str, Any]], None],
+) -> None:
+    """Take over the checkpoint hooks of every ``WeightAveraging`` callback of ``trainer`` (this instance's only).
+    ``full``: checkpoints are one file written by rank 0; ``held``: the entries of a state this rank writes (its
+    pipeline stages'); ``load_model_state``: the strategy's ``load_model_state_dict``."""
     if WeightAveraging is None:
         return
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, WeightAveraging):
-            callback.on_save_checkpoint = functools.partial(_save, callback, strategy)  # type: ignore[method-assign]
-            callback.on_load_checkpoint = functools.partial(_load, callback, strategy)  # type: ignore[method-assign]
+            save = functools.partial(_save, callback, full, held)
+            load = functools.partial(_load, callback, load_model_state)
+            callback.on_save_checkpoint = save  # type: ignore[method-assign]
+            callback.on_load_checkpoint = load  # type: ignore[method-assign]
 
 
 def average_to_load(trainer: pl.Trainer | None) -> dict[str, torch.Tensor] | None:
@@ -70,7 +76,8 @@ def _average_tensors(average: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _save(
     callback: Any,
-    strategy: CheckpointingStrategy,
+    full: bool,
+    held: Callable[[dict[str, Any]], dict[str, Any]],
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
     checkpoint: dict[str, Any],
@@ -78,10 +85,10 @@ def _save(
     WeightAveraging.on_save_checkpoint(callback, trainer, pl_module, checkpoint)
     if CURRENT_MODEL_STATE not in checkpoint:
         return
-    if strategy._full:  # the average's shards (stage 3) or rows (stages 1-2) are DTensors: rank 0 writes them whole
+    if full:  # the average's shards (stage 3) or rows (stages 1-2) are DTensors: rank 0 writes them whole
         checkpoint["state_dict"] = _whole_on_rank_zero(checkpoint["state_dict"])
     else:  # each pipeline stage writes its own tensors (another stage's are meta here)
-        checkpoint["state_dict"] = strategy._sharded.holding.held(checkpoint["state_dict"])
+        checkpoint["state_dict"] = held(checkpoint["state_dict"])
 
 
 def _whole_on_rank_zero(state: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +99,7 @@ def _whole_on_rank_zero(state: dict[str, Any]) -> dict[str, Any]:
 
 def _load(
     callback: Any,
-    strategy: CheckpointingStrategy,
+    load_model_state: Callable[[Mapping[str, Any]], None],
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
     checkpoint: dict[str, Any],
@@ -105,7 +112,7 @@ def _load(
     if not checkpoint.get(AVERAGE_LOADED):  # a full file: the module holds its state_dict (the average) now
         _copy_whole_into(_average_tensors(average), checkpoint["state_dict"], strict=averaged)
         if CURRENT_MODEL_STATE in checkpoint:
-            strategy.load_model_state_dict({"state_dict": checkpoint[CURRENT_MODEL_STATE]})
+            load_model_state({"state_dict": checkpoint[CURRENT_MODEL_STATE]})
     if averaged:
         average.load_state_dict(checkpoint[AVERAGING_STATE], strict=False)  # its counters; the weights are in
     else:

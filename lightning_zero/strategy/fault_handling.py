@@ -24,8 +24,8 @@ import torch.distributed as dist
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.flight import RECORDER, CollectiveError
 from lightning_zero.faults import failures, signals
+from lightning_zero.faults.diagnosis_types import Context, Limits
 from lightning_zero.faults.timeouts import OpTimeouts, long_timeout
-from lightning_zero.faults.verdict import Context, Limits
 from lightning_zero.faults.watchdog import Watchdog
 from lightning_zero.pipeline.split import pipeline_layout
 

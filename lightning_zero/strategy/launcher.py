@@ -1,7 +1,7 @@
 """Process launching for ZeroStrategy.
 
 Both launchers resolve the run's ``ckpt_path`` first (auto-resume after a launcher restart, ``"last"`` among complete
-checkpoints only; see :mod:`lightning_zero.resume.decision`): Lightning fixes ``ckpt_path`` inside the function they
+checkpoints only; see :mod:`lightning_zero.resume.ckpt_path`): Lightning fixes ``ckpt_path`` inside the function they
 launch, before the process group exists, so this is the last place it can still be chosen. It is also the first place
 that sees the Trainer and the ``fit`` arguments together: a ``ckpt_path`` that is missing or not a whole checkpoint
 (``strategy/early_checks.py``, in the process that starts the others: a rank started by torchrun or by Lightning may
@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_zero.deepspeed_compat.trainer import apply_to_trainer, check_batch_sizes
-from lightning_zero.faults.verdict import Limits
+from lightning_zero.faults.diagnosis_types import Limits
 from lightning_zero.resume import resolve_ckpt_path
 from lightning_zero.strategy.early_checks import check_ckpt_path
 

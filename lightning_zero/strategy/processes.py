@@ -1,9 +1,6 @@
-"""The process half of ZeroStrategy: launching, the process group, ranks, the collectives Lightning asks for
-(barrier, broadcast, ``self.log(sync_dist=True)``), and the fault handling around them (``fault_handling.py``).
-
-Lightning's own strategies layer the same way (``ParallelStrategy`` -> ``DDPStrategy``);
-:class:`ProcessGroupStrategy` knows nothing of sharding, which :class:`~lightning_zero.strategy.zero_strategy.ZeroStrategy`
-adds on top.
+"""The processes of a run: the process group, the collectives Lightning asks for (barrier, broadcast,
+``self.log(sync_dist=True)``) and the fault handling around them (``fault_handling.py``). Knows nothing of sharding
+nor of ``Trainer``: a strategy holds one :class:`DistributedProcesses`.
 """
 
 from __future__ import annotations
@@ -15,28 +12,22 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed import ReduceOp
-from typing_extensions import override
 
 from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.engine.comm import collectives
 from lightning_zero.faults.failures import note_sharded_call
 from lightning_zero.faults.timeouts import long_timeout
-from lightning_zero.pipeline.split import pipeline_layout
 from lightning_zero.strategy.attempt_store import attempt_store, uses_torchrun_shared_store
 from lightning_zero.strategy.fault_handling import FaultHandling
-from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
 
 
 def _yield_to_collective_threads_at_exit() -> None:
@@ -61,146 +52,93 @@ _EXIT_YIELD_SECONDS = 0.05
 T = TypeVar("T")
 
 
-class ProcessGroupStrategy(ParallelStrategy):
-    """One process per device, a ``torch.distributed`` group over them, and a watchdog over that group."""
+class DistributedProcesses:
+    """The process group over one process per device and the fault handling around it (watchdog, timeouts, SIGTERM,
+    the exit agreement): what a Lightning front end drives, the ``Trainer`` strategy as a Fabric one would. It takes
+    plain values (ranks, a cluster environment, a device), never a ``Trainer``."""
 
-    def __init__(self, zero_config: ZeroConfig, **kwargs: Any) -> None:
+    def __init__(self, zero_config: ZeroConfig) -> None:
         self.zero_config = zero_config
-        self._num_nodes = 1
-        self._failed = False  # a rank failed: teardown must not start collectives a failed peer never joins
-        self._faults = FaultHandling()  # watchdog, timeouts, SIGTERM, first failure (fault_handling.py)
-        super().__init__(**kwargs)
+        #: A rank failed: teardown must not start collectives a failed peer never joins.
+        self.failed = False
+        self.faults = FaultHandling()  # watchdog, timeouts, SIGTERM, first failure (fault_handling.py)
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        return require(self.parallel_devices, "parallel_devices")[self.local_rank]
-
-    @property
-    def is_distributed(self) -> bool:
-        """Tells Lightning to give every rank its own part of the data (a DistributedSampler)."""
-        return True
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self.zero_config.process_group_backend
-
-    @override
-    def _configure_launcher(self) -> None:
-        environment = require(self.cluster_environment, "cluster_environment")
-        if (config := self.zero_config).pipeline_stages > 1:  # before any process starts: devices x nodes must divide
-            pipeline_layout(config, self.num_nodes * self.num_processes)
-        config.group_sizes(self.cluster_world_size(), self.num_processes)  # shard_size / hpZ fit the cluster
-        if config.start_method == "popen":
-            # Under torchrun/SLURM too (it then starts nothing): it resolves `ckpt_path` (auto-resume, "last").
-            self._launcher = ZeroScriptLauncher(self, environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = ZeroMultiProcessingLauncher(self, start_method=config.start_method)
-
-    def cluster_world_size(self) -> int:
-        """The ranks of the run: ``num_nodes x devices``, or what an external launcher (torchrun, SLURM) says when
-        it started a different number (an uneven cluster, which ``shard_size="node"`` cannot split)."""
-        environment = self.cluster_environment
-        if environment is not None and environment.creates_processes_externally:
-            return environment.world_size()
-        return self.num_nodes * self.num_processes
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        environment = require(self.cluster_environment, "cluster_environment")
-        # A slow start is not a hang: `timeout` applies once the loops run (see faults/timeouts.py).
+    def start(
+        self,
+        environment: ClusterEnvironment,
+        device: torch.device,
+        global_rank: int,
+        world_size: int,
+        local_processes: int,
+    ) -> None:
+        """Join the process group (a slow start is not a hang: ``timeout`` applies once the loops run, see
+        ``faults/timeouts.py``) and start the watchdog over it."""
+        self.failed = False
+        backend = self.zero_config.process_group_backend or _get_default_process_group_backend_for_device(device)
         timeout = long_timeout(self.zero_config.timeout_delta)
-        _init_dist_connection(environment, backend, timeout=timeout, **self._store_for(timeout))
+        store = self._store_for(environment, global_rank, world_size, timeout)
+        _init_dist_connection(environment, backend, timeout=timeout, **store)
         atexit.unregister(_yield_to_collective_threads_at_exit)  # once per process, however many runs
         atexit.register(_yield_to_collective_threads_at_exit)  # see [Note: gloo's worker threads at exit]
-        self._faults.start(self.zero_config, self.global_rank, self.world_size, self.num_processes)
-        collectives.comm_stats().set_node_size(self.num_processes)  # intra- vs inter-node traffic
+        self.faults.start(self.zero_config, global_rank, world_size, local_processes)
+        collectives.comm_stats().set_node_size(local_processes)  # intra- vs inter-node traffic
 
-    def _store_for(self, timeout: timedelta) -> dict[str, Any]:
+    def _store_for(
+        self, environment: ClusterEnvironment, global_rank: int, world_size: int, timeout: timedelta
+    ) -> dict[str, Any]:
         """Under torchrun's shared agent store, a key space of this attempt's own (see
         [Note: torchrun's shared store across restarts]); elsewhere torch's own rendezvous."""
-        environment = self.cluster_environment
-        if environment is None or not uses_torchrun_shared_store():
+        if not uses_torchrun_shared_store():
             return {}
-        return {
-            "store": attempt_store(
-                environment.main_address,
-                environment.main_port,
-                self.global_rank,
-                self.world_size,
-                timeout,
-                self.zero_config.timeout_delta.total_seconds(),
-            )
-        }
+        seconds = self.zero_config.timeout_delta.total_seconds()
+        store = attempt_store(
+            environment.main_address, environment.main_port, global_rank, world_size, timeout, seconds
+        )
+        return {"store": store}
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # Both functions carry the rank as an attribute Lightning sets at run time, undeclared.
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-
-    @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
+        """A rank failed: name the cause on every rank (``faults/watchdog.py``)."""
+        self.failed = True
         note_sharded_call(exception, self.zero_config.stage)
-        self._faults.on_exception(exception)  # names the cause on every rank (faults/watchdog.py)
+        self.faults.on_exception(exception)
 
-    def finish_processes(self) -> BaseException | None:
+    def finish(self) -> BaseException | None:
         """Teardown's first step, the exit agreement: a rank that finished while a peer still waits must fail,
         not report success. Returns the error to raise once teardown is done."""
-        error = self._faults.finish(succeeded=not self._failed)
-        self._failed = self._failed or error is not None
+        error = self.faults.finish(succeeded=not self.failed)
+        self.failed = self.failed or error is not None
         return error
 
-    def teardown_processes(self) -> None:
-        require(self.cluster_environment, "cluster_environment").teardown()
-        self.precision_plugin.teardown()
-        require(self.accelerator, "accelerator").teardown()
 
-    # ------------------------------------------------------------------ collectives for Lightning
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            collectives.barrier()
+def cluster_world_size(environment: ClusterEnvironment | None, num_nodes: int, num_processes: int) -> int:
+    """The ranks of the run: ``num_nodes x devices``, or what an external launcher (torchrun, SLURM) says when it
+    started a different number (an uneven cluster, which ``shard_size="node"`` cannot split)."""
+    if environment is not None and environment.creates_processes_externally:
+        return environment.world_size()
+    return num_nodes * num_processes
 
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        return collectives.broadcast_object(obj, src=src, group=_group.WORLD)
 
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        """Reduce a tensor over ranks (``self.log(..., sync_dist=True)`` and metrics come through here)."""
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
-            return tensor
-        op, divide = reduce_op_from_name(reduce_op)
-        out = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
-        if not out.is_floating_point() and divide:
-            out = out.float()
-        collectives.all_reduce(out, op=op, group=group)
-        return out / self.world_size if divide else out
+def barrier() -> None:
+    if _distributed_is_initialized():
+        collectives.barrier()
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    if not _distributed_is_initialized():
+        return obj
+    return collectives.broadcast_object(obj, src=src, group=_group.WORLD)
+
+
+def reduce(tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None, world_size: int) -> Tensor:
+    """Reduce a tensor over ranks (``self.log(..., sync_dist=True)`` and metrics come through here)."""
+    if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+        return tensor
+    op, divide = reduce_op_from_name(reduce_op)
+    out = tensor.detach().clone() if tensor.requires_grad else tensor.clone()
+    if not out.is_floating_point() and divide:
+        out = out.float()
+    collectives.all_reduce(out, op=op, group=group)
+    return out / world_size if divide else out
 
 
 def require(value: T | None, what: str) -> T:

@@ -31,9 +31,9 @@ from lightning_zero.engine.api import Holding, ShardingEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressionSpec
 from lightning_zero.engine.comm.topology import Topology, data_parallel_groups
-from lightning_zero.engine.dense_parameters import dense_embedding_gradients, store_row_major
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload import should_pin
+from lightning_zero.engine.row_major import dense_embedding_gradients, store_row_major
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.stage3.fsdp2_units import select_units
 from lightning_zero.engine.stage3.materialize import has_meta, refuse_uninitialised
@@ -222,7 +222,7 @@ def _check_not_sharded_elsewhere(model: nn.Module, config: ZeroConfig) -> None:
 
 def _in_the_shards_form(model: nn.Module, fitting: bool, afterwards: list[Callable[[], None]]) -> None:
     """Row-major parameters and, for training, dense embedding gradients (see [Note: the memory the row shards
-    need] in ``engine/dense_parameters.py``), each said once."""
+    need] in ``engine/row_major.py``), each said once."""
     if moved := store_row_major(model):
         rank_zero_info(
             f"ZeroStrategy stores {_listed(moved)} row-major (contiguous): it shards parameters by rows, "

@@ -1,8 +1,11 @@
-"""ZeroStrategy: Lightning hook wiring for ZeRO stages 1-3.
+"""ZeroStrategy: Lightning's ``Trainer`` hooks over ZeRO stages 1-3.
 
-The layers under it: ``processes.py`` (launch, process group, collectives for Lightning, faults),
-``checkpoint_hooks.py`` (save and load hooks), ``sharding.py`` (the module made sharded in ``setup``),
-``precision/`` and ``pipeline/``; the sharding itself lives in ``engine/`` behind ``engine/api.py``.
+It holds collaborators that take no ``Trainer`` (a Fabric strategy can hold the same ones):
+:class:`~lightning_zero.strategy.processes.DistributedProcesses` (the process group, faults),
+:class:`~lightning_zero.strategy.checkpoints.ShardedCheckpoints` (saving and loading) and the
+:class:`~lightning_zero.strategy.sharding.ShardedModel` that ``sharding.shard_model`` makes in ``setup``; the
+sharding itself lives in ``engine/`` behind ``engine/api.py``. What only a ``Trainer`` has (its state, callbacks,
+loops, launchers) stays here.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,11 +22,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -48,15 +56,23 @@ from lightning_zero.deepspeed_compat.trainer import (
     precision_plugin_for,
 )
 from lightning_zero.engine.api import ShardingEngine
+from lightning_zero.engine.comm import collectives
+from lightning_zero.faults.timeouts import extended_during
 from lightning_zero.pipeline.parallel import PipelineParallel
+from lightning_zero.pipeline.split import pipeline_layout
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
+from lightning_zero.resume import ResumeState
+from lightning_zero.resume.rng import collect_rng_state
+from lightning_zero.strategy import processes
+from lightning_zero.strategy.averaging_checkpoints import average_to_load, keep_averages_in_checkpoints
 from lightning_zero.strategy.callback_support import may_change_gradients, refuse_unsupported_callbacks
-from lightning_zero.strategy.checkpoint_hooks import CheckpointingStrategy, trainer_of, unwrap
+from lightning_zero.strategy.checkpoints import ShardedCheckpoints, unwrap
 from lightning_zero.strategy.evaluation_loops import evaluate_under_no_grad
-from lightning_zero.strategy.processes import require
-from lightning_zero.strategy.sharding import NOT_SHARDED, construction_device, shard_model
+from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
+from lightning_zero.strategy.processes import DistributedProcesses, require
+from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel, construction_device, shard_model
 from lightning_zero.strategy.step_redirection import RootHeldRedirection
-from lightning_zero.strategy.swa import average_sharded_weights
+from lightning_zero.strategy.swa import average_sharded_weights, clear_schedulers_for_swa
 
 #: The strategies set up in this process, for what is handed only a module (``gradient_norms.grad_norm``).
 RUNNING: weakref.WeakSet[ZeroStrategy] = weakref.WeakSet()
@@ -64,7 +80,7 @@ RUNNING: weakref.WeakSet[ZeroStrategy] = weakref.WeakSet()
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 
 
-class ZeroStrategy(CheckpointingStrategy):
+class ZeroStrategy(ParallelStrategy):
     """ZeRO data parallelism for any LightningModule.
 
     Stage 1 shards optimizer state, stage 2 also gradients, stage 3 also parameters (over FSDP2). Every
@@ -130,11 +146,17 @@ class ZeroStrategy(CheckpointingStrategy):
         if self._deepspeed is not None:
             defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
             arguments = merge_strategy_arguments(self._deepspeed, arguments, defaults)
-        zero_config = ZeroConfig(**arguments)
+        self.zero_config = zero_config = ZeroConfig(**arguments)
         #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
         self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing)
+        self._num_nodes = 1
+        self._processes = DistributedProcesses(zero_config)  # process group, watchdog, exit agreement
+        self._checkpoints = ShardedCheckpoints(zero_config)
+        self._sharded: ShardedModel = NOT_SHARDED  # engine, pipeline stages, what this rank holds (sharding.py)
+        #: The last fit's sharding and module, while the trainer's optimizers are that fit's (``_states``).
+        self._fitted: tuple[ShardedModel, torch.nn.Module] | None = None
+        self._resume = ResumeState()  # auto-resume, exact mid-epoch resume, the SIGTERM checkpoint (resume/)
         super().__init__(
-            zero_config,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -152,6 +174,43 @@ class ZeroStrategy(CheckpointingStrategy):
     @property
     def stage(self) -> int:
         return self.zero_config.stage
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return require(self.parallel_devices, "parallel_devices")[self.local_rank]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to give every rank its own part of the data (a DistributedSampler)."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self.zero_config.process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Optimizer state is restored into shards, which exist only after `setup`.
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return True
 
     @property
     def engine(self) -> ShardingEngine | None:
@@ -187,6 +246,55 @@ class ZeroStrategy(CheckpointingStrategy):
             precision_plugin_for(getattr(self, "_deepspeed", None), precision_plugin)
         )
 
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        environment = require(self.cluster_environment, "cluster_environment")
+        if (config := self.zero_config).pipeline_stages > 1:  # before any process starts: devices x nodes must divide
+            pipeline_layout(config, self.num_nodes * self.num_processes)
+        world_size = processes.cluster_world_size(environment, self.num_nodes, self.num_processes)
+        config.group_sizes(world_size, self.num_processes)  # shard_size / hpZ fit the cluster
+        if config.start_method == "popen":
+            # Under torchrun/SLURM too (it then starts nothing): it resolves `ckpt_path` (auto-resume, "last").
+            self._launcher = ZeroScriptLauncher(self, environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = ZeroMultiProcessingLauncher(self, start_method=config.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        environment = require(self.cluster_environment, "cluster_environment")
+        self._processes.start(environment, self.root_device, self.global_rank, self.world_size, self.num_processes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Both functions carry the rank as an attribute Lightning sets at run time, undeclared.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._resume.on_exception(trainer_of(self.lightning_module), exception)  # the SIGTERM checkpoint
+        self._processes.on_exception(exception)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        processes.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return processes.broadcast(obj, src)
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        """Reduce a tensor over ranks (``self.log(..., sync_dist=True)`` and metrics come through here)."""
+        return processes.reduce(tensor, group, reduce_op, self.world_size)
+
     # ------------------------------------------------------------------ model and optimizers
     @contextlib.contextmanager
     @override
@@ -204,7 +312,8 @@ class ZeroStrategy(CheckpointingStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         apply_to_trainer(self._deepspeed, trainer)
         evaluate_under_no_grad(trainer)
-        self._sharded, self._failed = NOT_SHARDED, False  # never reuse an earlier run's (another module's, maybe)
+        self._sharded = NOT_SHARDED  # never reuse an earlier run's (another module's, maybe)
+        self._processes.failed = False
         RUNNING.add(self)
         precision = self.precision_plugin
         if fitting and self._layer_sync:
@@ -236,7 +345,10 @@ class ZeroStrategy(CheckpointingStrategy):
         if fitting:
             for wrapper in self._lightning_optimizers:  # `opt.zero_grad()` in manual optimization: the engine's, if any
                 setattr(wrapper, "zero_grad", unwrap(wrapper).zero_grad)
-            self.setup_checkpoints(trainer)
+            directories = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
+            self._checkpoints.open([Path(d) for d in directories if isinstance(d, (str, Path))], self.is_global_zero)
+            self._fitted = (self._sharded, require(self.lightning_module, "lightning_module"))
+            keep_averages_in_checkpoints(trainer, self._checkpoints.full, self._held, self.load_model_state_dict)
             sharded = self._sharded
             average_sharded_weights(
                 trainer,
@@ -265,13 +377,13 @@ class ZeroStrategy(CheckpointingStrategy):
     @override
     def teardown(self) -> None:
         RUNNING.discard(self)
-        error = self.finish_processes()  # the exit agreement comes first (processes.py)
-        self.close_checkpoints()
+        error = self._processes.finish()  # the exit agreement comes first (processes.py)
+        self._checkpoints.close(agree=not self._processes.failed)
         trainer = trainer_of(self.lightning_module)
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if self.engine is not None:
             self.engine.reshard()
-            if fitted and not self._failed:
+            if fitted and not self._processes.failed:
                 self.engine.restore_master_params()
             self.engine.teardown()
         if fitted:
@@ -280,9 +392,123 @@ class ZeroStrategy(CheckpointingStrategy):
             self.model = self._layer_sync.revert(
                 require(self.model, "model")
             )  # give the user back their BatchNorm layers, as DDP
-        self.teardown_processes()
+        require(self.cluster_environment, "cluster_environment").teardown()
+        self.precision_plugin.teardown()
+        require(self.accelerator, "accelerator").teardown()
         if error is not None:
             raise error
+
+    # ------------------------------------------------------------------ checkpoints
+    def _states(self, optimizers: bool = False) -> ShardedModel:
+        """The sharding a checkpoint reads the module's and the optimizers' states through: this run's, or in
+        ``validate``/``test``/``predict`` after a ``fit`` of the same module, the fit's. Lightning keeps a fit's
+        optimizers on the trainer and writes their state into every later checkpoint, as under ``ddp``; that state
+        is keyed by the fit's shards (masters, host rows), which an evaluation run's sharding does not hold.
+        ``optimizers``: the caller writes their state, which is refused where the fit's sharding is gone."""
+        trainer = trainer_of(self.lightning_module)
+        if trainer is None or trainer.state.fn == TrainerFn.FITTING or not self.optimizers:
+            return self._sharded
+        if self._fitted is not None and self._fitted[1] is self.lightning_module:
+            return self._fitted[0]
+        if optimizers:
+            run = f"`trainer.{trainer.state.fn.value}`" if trainer.state.fn is not None else "an evaluation"
+            raise RuntimeError(
+                f"trainer.save_checkpoint() during or after {run} cannot write the optimizer "
+                "state of the earlier `fit`: this run evaluates another module, or loaded other weights into it "
+                "(`ckpt_path=`). Save with `trainer.save_checkpoint(path, weights_only=True)`, or save before evaluating."
+            )
+        return self._sharded
+
+    def _held(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``state`` this rank's pipeline stages hold (another stage's tensors are meta here)."""
+        return self._sharded.holding.held(state)
+
+    def _reshard(self) -> None:
+        """Close an accumulation window that keeps stage 3's units gathered (the engine's ``reshard``): a state
+        dict, an evaluation loop and the end of training read the module as sharded."""
+        if self._sharded.engine is not None:
+            self._sharded.engine.reshard()
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
+        precision the optimizer updates them in. Collective."""
+        module = require(self.lightning_module, "lightning_module")
+        self._reshard()
+        return self._checkpoints.full_model_state(module, self._states())
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        module = require(self.lightning_module, "lightning_module")
+        self._reshard()
+        return self._checkpoints.model_state(module, self._states())
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        module = require(self.lightning_module, "lightning_module")
+        return self._checkpoints.optimizer_state(optimizer, module, self._states(optimizers=True))
+
+    @override
+    @extended_during("saving a checkpoint")  # rank 0 may write alone while the others wait (faults/timeouts.py)
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint["rng_states"] = collectives.all_gather_objects(collect_rng_state())
+        self._resume.on_save(checkpoint, trainer_of(self.lightning_module))  # what a resume replays (resume/state.py)
+        self._checkpoints.save(
+            checkpoint,
+            path,
+            self.lightning_module,
+            self._states(),
+            self.full_state_dict,
+            self.precision_plugin.compute_dtype,
+            self.is_global_zero,
+            self.barrier,
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """With ``async_save``: block until the save in flight (if any) is complete, and raise its failure on
+        every rank. Collective. Fit already waits at each save and when training ends."""
+        self._checkpoints.wait()
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        self._checkpoints.remove(Path(filepath), self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        module = require(self.lightning_module, "lightning_module")
+        trainer = trainer_of(module)
+        # validate/test/predict from a checkpoint read the model alone, as Lightning's strategies do (a fit's
+        # optimizers outlive it on the strategy).
+        evaluating = trainer is not None and trainer.state.fn != TrainerFn.FITTING
+        if evaluating:
+            self._fitted = None  # the fit's optimizer state no longer belongs to the module's weights (`_states`)
+        checkpoint = self._checkpoints.load(
+            path,
+            module,
+            [] if evaluating else self.optimizers,
+            self._sharded,
+            strict=module.strict_loading,
+            weights_only=weights_only is not False,
+            average=None if evaluating else average_to_load(trainer),
+        )
+        states = checkpoint.get("rng_states")
+        # Put back later in a fit, where the uninterrupted run was: [Note: when the RNG state is restored].
+        self._resume.loaded(checkpoint, trainer, states[self.global_rank % len(states)] if states else None)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = require(self.lightning_module, "lightning_module")
+        self._checkpoints.load_model_state(module, checkpoint["state_dict"], self._sharded, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        module = require(self.lightning_module, "lightning_module")
+        clear_schedulers_for_swa(trainer_of(module))  # Lightning restores the schedulers next
+        self._checkpoints.load_optimizer_states(self.optimizers, checkpoint, module, self._sharded)
 
     # ------------------------------------------------------------------ loops
     @override
@@ -324,7 +550,7 @@ class ZeroStrategy(CheckpointingStrategy):
 
     def _activate_fault_handling(self) -> None:
         if (trainer := trainer_of(self.lightning_module)) is not None:
-            self._faults.activate(trainer, self._sharded.shards_module_in_place)
+            self._processes.faults.activate(trainer, self._sharded.shards_module_in_place)
 
     # ------------------------------------------------------------------ steps
     def _call_module(self, method: str, args: tuple, kwargs: dict) -> Any:
@@ -336,7 +562,7 @@ class ZeroStrategy(CheckpointingStrategy):
         return getattr(module, method)(*args, **kwargs)
 
     def _evaluation_step(self, split: str, method: str, context, args: tuple, kwargs: dict) -> Any:
-        self._faults.mark(split, args, kwargs)  # step marks: see engine/comm/flight.py
+        self._processes.faults.mark(split, args, kwargs)  # step marks: see engine/comm/flight.py
         with context():
             if self.pipeline is not None:
                 return self.pipeline.evaluation_step(split, _batch(args, kwargs))
@@ -344,7 +570,7 @@ class ZeroStrategy(CheckpointingStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._faults.mark("train", args, kwargs)
+        self._processes.faults.mark("train", args, kwargs)
         self._sharded.sync_buffers()  # as DDP's `broadcast_buffers=True`, before every training step
         with self.precision_plugin.train_step_context():
             if self.pipeline is None:
@@ -436,6 +662,10 @@ class ZeroStrategy(CheckpointingStrategy):
     def register_strategies(cls, strategy_registry) -> None:
         for name, kwargs in REGISTERED_STRATEGIES.items():
             strategy_registry.register(name, cls, description=f"ZeroStrategy({kwargs})", **kwargs)
+
+
+def trainer_of(module: pl.LightningModule | None) -> pl.Trainer | None:
+    return module.trainer if module is not None and module._trainer is not None else None
 
 
 def _batch(args: tuple, kwargs: dict) -> Any:

@@ -1,6 +1,6 @@
 """Models that train under Lightning ``ddp`` as built and once tripped ZeroStrategy: parameters or gradients that are
 not dense row-major tensors of one dtype (see [Note: the memory the row shards need] in
-``lightning_zero/engine/dense_parameters.py``), 0-dim parameters, a block run several times a forward, layers run
+``lightning_zero/engine/row_major.py``), 0-dim parameters, a block run several times a forward, layers run
 other than through ``__call__``, parameters written in place between steps, integer parameters. Under ZeroStrategy
 each must train to ``ddp``'s weights."""
 
@@ -314,7 +314,7 @@ class Reconstruction(RegressionTask):
 
 class Temperature(RegressionTask):
     """A learned 0-dim temperature (CLIP's ``logit_scale``) beside a frozen 0-dim constant: FSDP2 refuses to shard
-    either (see [Note: 0-dim parameters at stage 3] in ``lightning_zero/engine/stage3/fsdp2_scalars.py``)."""
+    either (see [Note: 0-dim parameters at stage 3] in ``lightning_zero/engine/stage3/fsdp2_zero_dim_params.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -388,7 +388,7 @@ class QuantizedBase(RegressionTask):
 class NormalisedPrototypes(RegressionTask):
     """SwAV's prototypes: normalised in place at the start of every ``training_step``, a write between steps that the
     optimizer's masters must take in (see [Note: parameters written between steps] in
-    ``lightning_zero/engine/written_rows.py``)."""
+    ``lightning_zero/engine/in_place_writes.py``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -502,7 +502,7 @@ class PrunedMLP(RegressionTask):
     """An MLP for Lightning's ``ModelPruning`` with its defaults: each epoch's end re-registers every weight and bias
     as ``<name>_orig`` with a mask, and resets the survivors to their initial values (the lottery ticket) by
     assigning ``.data``, new storage the optimizer's rows must follow (see [Note: parameters given new storage] in
-    ``lightning_zero/engine/stage12/new_storage.py``)."""
+    ``lightning_zero/engine/stage12/replaced_storage.py``)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -267,7 +267,7 @@ def test_layers_run_other_than_through_call_train_at_stage_3_as_under_ddp(edges)
     stage 3 made each block, and the autoencoder, a unit that FSDP2 never gathered ("aten.native_layer_norm.default
     got mixed torch.Tensor and DTensor", "aten.addmm.default ..."). Their layers are now the units, by default and
     under a ``wrap_policy`` naming the block class (checkpointing it too, which then keeps its activations, with a
-    warning: ``unit/test_layer_calls.py``); their own gains stay with the root. The same holds where the source
+    warning: ``unit/test_hook_bypasses.py``); their own gains stay with the root. The same holds where the source
     reaches the blocks through a local name, ``getattr`` and two attribute levels (``aliased_*``). A layer whose
     parameters its holder computes with (a tied head's ``F.linear(h, self.embed.weight)`` without a list of blocks;
     ``MultiheadAttention``'s ``out_proj`` under ``wrap_policy={nn.Linear}``) was a unit resharded or never gathered

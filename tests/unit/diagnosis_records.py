@@ -2,8 +2,8 @@
 
 from lightning_zero.engine.comm.flight import Mark
 from lightning_zero.faults.activity import Activity
-from lightning_zero.faults.records import Peer, Record
-from lightning_zero.faults.verdict import Context, Limits
+from lightning_zero.faults.diagnosis_types import Context, Limits
+from lightning_zero.faults.heartbeat import Peer, Record
 
 LIMITS = Limits.for_timeout(8.0)
 CONTEXT = Context(world_size=2)

@@ -14,9 +14,9 @@ from lightning_zero.engine.comm.flight import FlightRecorder, Op
 from lightning_zero.faults import failures
 from lightning_zero.faults.activity import Activity, category, classify
 from lightning_zero.faults.diagnosis import decide, exit_agreement, explain
+from lightning_zero.faults.diagnosis_types import Context, Limits
 from lightning_zero.faults.divergence import compare_marks
-from lightning_zero.faults.records import FAILED, FINISHED, Peer, Record, liveness, scheduled_seconds, this_process
-from lightning_zero.faults.verdict import Context, Limits
+from lightning_zero.faults.heartbeat import FAILED, FINISHED, Peer, Record, liveness, scheduled_seconds, this_process
 from tests.unit.diagnosis_records import CONTEXT, LIMITS, computing, marks, peer, record, waiting
 
 

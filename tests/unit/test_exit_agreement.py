@@ -7,7 +7,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_zero.faults.activity import Activity
-from lightning_zero.faults.verdict import Context, Limits
+from lightning_zero.faults.diagnosis_types import Context, Limits
 from lightning_zero.faults.watchdog import Watchdog
 
 

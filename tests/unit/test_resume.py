@@ -20,8 +20,8 @@ from lightning_zero.resume import (
     resume_candidates,
 )
 from lightning_zero.resume.agreement import JOB_KEY, job_identity, same_job
-from lightning_zero.resume.decision import decide
-from lightning_zero.resume.finding import resolve_last
+from lightning_zero.resume.ckpt_path import decide
+from lightning_zero.resume.newest_checkpoint import resolve_last
 from lightning_zero.resume.sampler import ResumeBatchSampler, ResumeSampler, resume_dataloader
 
 

@@ -2,11 +2,9 @@
 
 [Note: shared-memory collectives]
 gloo moves every byte through a TCP socket, even between processes on one host: the kernel copies it in and
-out, and gloo's threads spend CPU on it that a CPU-bound training step does not have to spare. On 2 CPU ranks
-(27M fp32 elements, ``benchmarks/bench_core.py``'s model) our ring took 30 ms to all-gather them and 100 ms to
-reduce-scatter them; gloo's own all-reduce took 61 ms. Through a mailbox in ``/dev/shm`` each rank copies its
-data in once and reads its peers' once: 12 ms for the all-gather. DeepSpeed's CPU backend does the same
-(its ``shm`` all-reduce).
+out, and gloo's threads spend CPU on it that a CPU-bound training step does not have to spare. Through a mailbox
+in ``/dev/shm`` each rank copies its data in once and reads its peers' once, as DeepSpeed's CPU backend does (its
+``shm`` all-reduce); the figures are in ``benchmarks/results/2026-11-26-cpu-step-time.md``.
 
 Each rank owns one mailbox of :data:`MAILBOX_BYTES` and maps every peer's. A collective runs in rounds that
 fit the mailboxes: every rank writes its part, a barrier, every rank reads what it needs, a barrier (so no

@@ -1,5 +1,6 @@
 """The stage 1-2 reducer's record of each trainable parameter's gradient through one optimizer step (see
-[Note: gradients are held as sums until finalized] in ``grad_sync.py``), and the flags of which of them any rank
+[Note: gradients are held as sums until finalized] in ``grad_sync.py``; staged, landed, finalized: [Note: vocabulary]
+in ``engine/__init__.py``), and the flags of which of them any rank
 produced a gradient for; which of them a part stepping during backward may take as final."""
 
 from __future__ import annotations

@@ -41,13 +41,12 @@ from torch import nn
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
-from lightning_zero.engine.dense_parameters import gradient_form_error
 from lightning_zero.engine.offload import MasterShards, master_dtype_of
+from lightning_zero.engine.row_major import gradient_form_error
 from lightning_zero.engine.stage12 import buckets
 from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
-from lightning_zero.engine.stage12.replica_sum import comm_dtype, sum_over_replicas
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
 MAX_BUCKETS_IN_FLIGHT = 2
@@ -421,3 +420,33 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def sum_over_replicas(
+    group: dist.ProcessGroup | None,
+    tensors: list[torch.Tensor],
+    reduce_dtype: torch.dtype | None,
+    compression: CompressedComm | None = None,
+) -> None:
+    """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
+    shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
+    fp16 sums of ``16-mixed``), or compressed (``compression.py``)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for held, same in by_dtype.items():
+        flat = torch.cat([t.reshape(-1) for t in same]).to(comm_dtype(held, reduce_dtype))
+        if compression is not None:
+            compression.sum_over(flat, group, key=str(held).removeprefix("torch."))
+        else:
+            collectives.all_reduce(flat, group=group)
+        torch._foreach_copy_(
+            same, [part.view_as(t) for part, t in zip(torch.split(flat, [t.numel() for t in same]), same)]
+        )
+
+
+def comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
+    """Sum in ``reduce_dtype`` unless the gradients are held in a wider dtype (fp32 layers of a mixed run)."""
+    if reduce_dtype is None or held.itemsize > reduce_dtype.itemsize:
+        return held
+    return reduce_dtype

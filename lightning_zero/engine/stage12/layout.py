@@ -2,7 +2,8 @@
 parameters are packed into communication buckets.
 
 Which rows a rank owns is ``shard.py``'s rule ([Note: one shard convention for every stage]); a
-:class:`ParamShardSpec` applies it to one parameter.
+:class:`ParamShardSpec` applies it to one parameter. Rows, chunk, bucket, segment: [Note: vocabulary] in
+``engine/__init__.py``.
 
 [Note: rank-major buckets]
 ``reduce_scatter_tensor`` hands rank ``r`` the ``r``-th contiguous segment of its input, and

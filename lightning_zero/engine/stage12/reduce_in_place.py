@@ -34,7 +34,7 @@ from lightning_zero.torch_versions.tensors import chunk_cat, unflatten_dense_ten
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class TransferRun:
     """Pieces ``[start, end)`` of a bucket (positions in ``BucketSpec.params``) that travel as one transfer,
     occupying ``[low, high)`` of every segment; ``packed``: small pieces packed by ``_chunk_cat`` (else one piece
     alone, its rows sent as views)."""
@@ -46,14 +46,14 @@ class Run:
     packed: bool
 
 
-def transfer_runs(layout: ShardLayout, bucket_index: int, itemsize: int) -> list[Run]:
+def transfer_runs(layout: ShardLayout, bucket_index: int, itemsize: int) -> list[TransferRun]:
     """The bucket's runs (see [Note: small gradients travel as runs]), the same on every rank; kept on the layout."""
     key = ("runs", bucket_index, itemsize, p2p_transport.PACK_PIECE_BYTES)
     runs = layout.memo.get(key)
     if runs is None:
         specs = [layout.params[i] for i in layout.buckets[bucket_index].params]
         runs = layout.memo[key] = [
-            Run(
+            TransferRun(
                 a,
                 b,
                 specs[a].offset,
@@ -65,7 +65,7 @@ def transfer_runs(layout: ShardLayout, bucket_index: int, itemsize: int) -> list
     return runs
 
 
-def param_order_index(layout: ShardLayout, bucket_index: int, run: Run, device: torch.device) -> torch.Tensor:
+def param_order_index(layout: ShardLayout, bucket_index: int, run: TransferRun, device: torch.device) -> torch.Tensor:
     """For each element of a packed run's gradients flattened one after another, its place in the run's rank-major
     rows (``[world, high - low]`` flattened), on ``device``; kept on the layout: 4 bytes per element of the run's
     gradients, which are small pieces (norms, biases, narrow layers), a bucket at most."""
@@ -204,12 +204,12 @@ class InPlaceReduction:
             for param in params:
                 param.grad = None
 
-    def _own(self, k: int, run: Run) -> torch.Tensor:
+    def _own(self, k: int, run: TransferRun) -> torch.Tensor:
         """This rank's contribution to run ``k``: its packed row, or its rows of the piece alone."""
         packed = self.packed[k]
         return packed[self.rank] if packed is not None else self._rows(run.start, self.rank)
 
-    def _sum_into_storage(self, k: int, run: Run, received: list[torch.Tensor]) -> None:
+    def _sum_into_storage(self, k: int, run: TransferRun, received: list[torch.Tensor]) -> None:
         """This rank's contribution and every peer's to run ``k`` into the shard storage: written where it held
         nothing (it holds the first peer's already), else added to the sums it held."""
         storage = self.storage
@@ -228,7 +228,7 @@ class InPlaceReduction:
         storage[run.low : run.low + total.numel()].add_(total)
 
     def _sum_into_new_grads(
-        self, packed: torch.Tensor, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
+        self, packed: torch.Tensor, run: TransferRun, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
     ) -> None:
         """Stage 1, a packed run whose gradients are unchanged since the launch: new gradients, views of one flat
         buffer, this rank's rows the sums and the others zeros (see [Note: small gradients travel as runs])."""
@@ -244,7 +244,7 @@ class InPlaceReduction:
         self.flats.append((flat, self.layout.buckets[self.bucket_index].params[run.start : run.end]))
 
     def _sum_into_current_grads(
-        self, k: int, run: Run, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
+        self, k: int, run: TransferRun, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
     ) -> None:
         """Stage 1 one parameter at a time, into this rank's rows of ``p.grad``: a piece alone, or a run whose
         gradient changed since the launch."""

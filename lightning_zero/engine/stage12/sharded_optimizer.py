@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
+from lightning_zero.engine.in_place_writes import InPlaceWrites
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import (
     Standins,
@@ -44,12 +45,11 @@ from lightning_zero.engine.optimizers import (
 )
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.delayed_parts import host_step, runs_behind_copies
+from lightning_zero.engine.stage12.delayed_update_parts import host_step, runs_behind_copies
 from lightning_zero.engine.stage12.grad_records import finalize_landed
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout
 from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
-from lightning_zero.engine.written_rows import WrittenRows
 
 
 class ShardedOptimizer:
@@ -73,10 +73,10 @@ class ShardedOptimizer:
         owners: OwnerStepping | None = None,
         host_steps: HostSteps | None = None,
         pending: PendingUpdate | None = None,
-        written: WrittenRows | None = None,
+        written: InPlaceWrites | None = None,
     ) -> None:
         self.optimizer = optimizer
-        #: See [Note: parameters written between steps] (``engine/written_rows.py``); None: nothing to watch.
+        #: See [Note: parameters written between steps] (``engine/in_place_writes.py``); None: nothing to watch.
         self.written = written
         #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
         self.elsewhere = elsewhere

@@ -23,6 +23,7 @@ from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.host_steps import HostSteps, PendingUpdate
+from lightning_zero.engine.in_place_writes import InPlaceWrites
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.offload import MasterShards
 from lightning_zero.engine.optimizers import follow_zero_grad, optimizer_kind, shards_of, unfollow_zero_grad
@@ -30,12 +31,11 @@ from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout, plan_layout
-from lightning_zero.engine.stage12.new_storage import StorageWatch, hold_again
 from lightning_zero.engine.stage12.param_gather import all_gather_params
+from lightning_zero.engine.stage12.params_outside_optimizers import UnsteppedLookup, hand_over
+from lightning_zero.engine.stage12.replaced_storage import StorageWatch, hold_again
 from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer
-from lightning_zero.engine.stage12.unstepped import UnsteppedLookup, hand_over
 from lightning_zero.engine.state_dict import gather_full
-from lightning_zero.engine.written_rows import WrittenRows
 
 
 class ZeroDataParallel:
@@ -102,7 +102,7 @@ class ZeroDataParallel:
             cast_parameters(module, [p for _, p in named], policy)
         self._plan(named)
         #: See [Note: parameters written between steps] (not under the delayed update, whose parameters lag anyway).
-        self.written = WrittenRows() if self.masters is not None and not offload_step_delay else None
+        self.written = InPlaceWrites() if self.masters is not None and not offload_step_delay else None
         if self.written is not None:
             self.written.mark(self.params)
         #: ``offload_step_delay=1``: the thread the optimizers' host steps run in ([Note: the delayed update]).

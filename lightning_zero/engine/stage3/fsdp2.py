@@ -74,9 +74,9 @@ from lightning_zero.engine.stage3.fsdp2_comm import (
     LateReductions,
     SumOverReplicas,
 )
+from lightning_zero.engine.stage3.fsdp2_missing_grads import UnusedParameters
 from lightning_zero.engine.stage3.fsdp2_optimizer import FullyShardedOptimizer, local_grad
 from lightning_zero.engine.stage3.fsdp2_prefetch import ForwardPrefetch
-from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
 from lightning_zero.engine.stage3.fsdp2_units import (
     WrapPolicy,
     select_units,
@@ -86,8 +86,8 @@ from lightning_zero.engine.stage3.fsdp2_units import (
     units_of_one_dtype,
     whole_params,
 )
-from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
 from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWrites, hold_root_gathered
+from lightning_zero.engine.stage3.fsdp2_zero_dim_params import ZeroDimParameters
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
 
@@ -225,7 +225,7 @@ class FullyShardedEngine:
             self.group if stages is not None else None,
         )
         self._records = [self._record(n, p) for n, p in named]
-        #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_unused.py``).
+        #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_missing_grads.py``).
         self.unused = UnusedParameters(list(held.values()), self.group, self.replicate_group)
         self.unused.watch(group for root in self.roots for group in fsdp2_private.param_groups(root))
         self._optimizers: dict[int, FullyShardedOptimizer] = {}

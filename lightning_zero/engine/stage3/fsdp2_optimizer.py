@@ -17,14 +17,14 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
 from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps
+from lightning_zero.engine.in_place_writes import InPlaceWrites
 from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
 from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.stage3 import fsdp2_private
-from lightning_zero.engine.stage3.fsdp2_scalars import ZeroDimParameters
-from lightning_zero.engine.stage3.fsdp2_unused import UnusedParameters
+from lightning_zero.engine.stage3.fsdp2_missing_grads import UnusedParameters
+from lightning_zero.engine.stage3.fsdp2_zero_dim_params import ZeroDimParameters
 from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local_shards
-from lightning_zero.engine.written_rows import WrittenRows
 
 
 class ShardedParams(Protocol):
@@ -97,9 +97,9 @@ class FullyShardedOptimizer:
         #: Units run more than once in this step's forward, so reduced again later in its backward: their parts wait
         #: for :meth:`step`.
         self._run_again: set[int] = set()
-        #: See [Note: parameters written between steps] (``engine/written_rows.py``): the sharded parameters the
+        #: See [Note: parameters written between steps] (``engine/in_place_writes.py``): the sharded parameters the
         #: host masters are copied over (a DTensor's own version counts its in-place operations).
-        self.written = WrittenRows() if engine.masters is not None else None
+        self.written = InPlaceWrites() if engine.masters is not None else None
         self._refresh()
         self._mark_hosted()
 
@@ -164,7 +164,7 @@ class FullyShardedOptimizer:
 
     def _zero_dim_in_place(self) -> list[int]:
         """The 0-dim parameters the optimizer steps where they are: a view of their row (see [Note: 0-dim parameters
-        at stage 3] in ``fsdp2_scalars.py``)."""
+        at stage 3] in ``fsdp2_zero_dim_params.py``)."""
         zero_dim, index = self.engine.zero_dim, self.engine.index
         if not zero_dim.params:
             return []

@@ -33,7 +33,7 @@ need, each with the reason the public API does not suffice:
   ``FSDPParamGroup.post_backward``; ``FSDPParam._unsharded_param``, ``unsharded_accumulated_grad``,
   ``param_dtype`` (:func:`gathered_dtype`), ``FSDPParamGroup.reduce_grads``): which gathered parameters hold a
   gradient on this rank when a unit is about to be reduced (in the dtype it was gathered in), and a zero one for
-  those that do not ([Note: parameters some ranks leave without a gradient] in ``fsdp2_unused.py``). torch 2.13's
+  those that do not ([Note: parameters some ranks leave without a gradient] in ``fsdp2_missing_grads.py``). torch 2.13's
   ``set_reduce_scatter_unused_params`` zero-fills too, but does not say which parameters it filled, and older
   releases lack it.
 * :func:`forget_classes_of_one_module` (``_fully_shard.cls_to_fsdp_cls``): ``fully_shard`` caches the subclass it
@@ -76,7 +76,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-from lightning_zero.engine.dense_parameters import gradient_form_error
+from lightning_zero.engine.row_major import gradient_form_error
 from lightning_zero.engine.shard import local_rows
 from lightning_zero.torch_versions import TorchFeatureMissing
 from lightning_zero.torch_versions.autograd import current_graph_task_id

@@ -1,6 +1,7 @@
 """Which modules become FSDP2 units (``fully_shard`` calls): the wrap policy, its default, and the rule that
 keeps every unit's parameters in one dtype (under mixed precision: [Note: stage 3 mixed precision] in
-``fsdp2.py``). Pure module-tree logic: no process group, testable on its own.
+``fsdp2.py``). Pure module-tree logic: no process group, testable on its own. Unit: [Note: vocabulary] in
+``engine/__init__.py``.
 
 [Note: hpZ and the root]
 The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
-from lightning_zero.layer_calls import CONTAINERS, bypassing_hooks, parameters_used_by_holders
+from lightning_zero.hook_bypasses import CONTAINERS, bypassing_hooks, parameters_used_by_holders
 
 #: A wrap policy: one module class, several classes, or a predicate on modules.
 WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
@@ -33,7 +34,7 @@ WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module],
 
 def sharded_by_fsdp2(param: torch.Tensor) -> bool:
     """Whether ``fully_shard`` shards ``param``: it refuses 0-dim parameters (see [Note: 0-dim parameters at stage
-    3] in ``fsdp2_scalars.py``), and an integer parameter (an index table, a quantized weight) never has a gradient
+    3] in ``fsdp2_zero_dim_params.py``), and an integer parameter (an index table, a quantized weight) never has a gradient
     and cannot share a unit's gathered buffer with the unit's floating parameters. Both stay whole on every rank
     (``ignored_params``), as a buffer does, and take no part in a unit's choice or dtype."""
     return param.dim() > 0 and (param.is_floating_point() or param.is_complex())
@@ -112,12 +113,12 @@ def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
 
 def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     """``units`` with each one its holder runs other than through ``__call__`` (SqueezeBERT's encoder runs
-    ``layer.forward(...)``, a training step calls an autoencoder's ``encode``: ``layer_calls.bypassing_hooks``)
+    ``layer.forward(...)``, a training step calls an autoencoder's ``encode``: ``hook_bypasses.bypassing_hooks``)
     replaced by its layers that hold parameters, the same rule applied to them: FSDP2 gathers a unit in forward
     hooks, which such a call skips, so the unit would compute with its shards. The layers it calls through
     ``__call__`` gather as units; its own parameters stay with the enclosing unit. So does a module whose parameters
     its holder computes with itself (a tied head ``F.linear(h, self.embed.weight)``, ``MultiheadAttention``'s
-    ``out_proj``: ``layer_calls.parameters_used_by_holders``). In pre-order."""
+    ``out_proj``: ``hook_bypasses.parameters_used_by_holders``). In pre-order."""
     direct = outside_their_calls(root)
     if not any(id(u) in direct for u in units):
         return units
@@ -142,8 +143,8 @@ def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.
 
 def outside_their_calls(root: nn.Module) -> dict[int, str]:
     """The modules under ``root`` whose parameters are used outside their own forward hooks, by ``id``: run other
-    than through ``__call__`` (``layer_calls.bypassing_hooks``), or their parameters used by the code holding them
-    (``layer_calls.parameters_used_by_holders``). None of them can be a unit: FSDP2 gathers a unit in those hooks."""
+    than through ``__call__`` (``hook_bypasses.bypassing_hooks``), or their parameters used by the code holding them
+    (``hook_bypasses.parameters_used_by_holders``). None of them can be a unit: FSDP2 gathers a unit in those hooks."""
     return {**parameters_used_by_holders(root), **bypassing_hooks(root)}
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_zero.faults.records import Record
+from lightning_zero.faults.heartbeat import Record
 
 EVAL_PHASES = ("val", "test", "predict")
 

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.stage3.fsdp2_units import one_dtype_units, select_units
-from lightning_zero.layer_calls import bypassing_hooks, parameters_used_by_holders
+from lightning_zero.hook_bypasses import bypassing_hooks, parameters_used_by_holders
 
 
 class Block(nn.Module):

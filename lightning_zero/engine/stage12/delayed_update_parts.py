@@ -15,7 +15,7 @@ from lightning_zero.engine.optimizers import Standins, hosted_params, steps_in_p
 
 #: One call of the host step: its stand-ins and the event behind the copies that read their masters (None: nothing
 #: to wait for).
-Run = tuple[Standins, torch.Event | None]
+PartStep = tuple[Standins, torch.Event | None]
 
 
 def runs_behind_copies(
@@ -25,20 +25,20 @@ def runs_behind_copies(
     standins: Standins,
     sent: Sequence[torch.Event | None],
     all_sent: torch.Event | None,
-) -> list[Run]:
+) -> list[PartStep]:
     """Each part's stand-ins (the others sitting out) behind the event of the copies ``sent`` for that part, in the
     parts' order; one call behind ``all_sent`` where the rows did not go a part at a time or ``optimizer`` cannot step
     in parts."""
     if len(sent) != len(parts) or len(parts) < 2 or not steps_in_parts(optimizer):
         return [(standins, all_sent)]
-    runs: list[Run] = []
+    runs: list[PartStep] = []
     for (_, indices), copied in zip(parts, sent):
         part = {id(params[i]) for i in indices}
         runs.append(({key: standin if key in part else None for key, standin in standins.items()}, copied))
     return runs
 
 
-def host_step(view: Optimizer, runs: Sequence[Run], kwargs: Mapping[str, Any]) -> Callable[[], object]:
+def host_step(view: Optimizer, runs: Sequence[PartStep], kwargs: Mapping[str, Any]) -> Callable[[], object]:
     """The worker's step of ``view`` over ``runs``, each after its event."""
 
     def step() -> object:

@@ -7,7 +7,7 @@ at once. The watchdog must act on time in both cases (end the process after SIGT
 is silent), so it never touches the store itself: this thread does, and the watchdog judges the store by
 how long ago a round trip last succeeded.
 
-Keys, under the run's namespace: ``hb/<rank>`` (each rank's :class:`~lightning_zero.faults.records.Record`),
+Keys, under the run's namespace: ``hb/<rank>`` (each rank's :class:`~lightning_zero.faults.heartbeat.Record`),
 ``first_failure`` (see ``failures.py``), ``finished`` (a counter the exit agreement waits on) and ``left`` (the ranks
 that have read the agreement, which the store's host waits for before its process may end).
 """
@@ -38,7 +38,7 @@ def short(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-class Exchange:
+class HeartbeatStore:
     """Publishes this rank's record and fetches the peers' every ``period`` seconds (or when woken)."""
 
     def __init__(self, store: Any, namespace: str, rank: int, world_size: int, period: float) -> None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from lightning_zero.engine.offload import MasterShards
 
 
-class WrittenRows:
+class InPlaceWrites:
     """The version marks of the tensors forward computes with, taken when the masters were last copied over them."""
 
     def __init__(self) -> None:

@@ -6,7 +6,7 @@ it before the process group exists.
 
 * ``fit(ckpt_path=None)`` in a process the launcher restarted (``TORCHELASTIC_RESTART_COUNT`` or
   ``SLURM_RESTART_COUNT`` > 0, or a newest checkpoint written by this same job: see :mod:`.agreement`), with
-  ``ZeroStrategy(auto_resume=True)``: the newest complete checkpoint (:mod:`.finding`), checked to be every
+  ``ZeroStrategy(auto_resume=True)``: the newest complete checkpoint (:mod:`.newest_checkpoint`), checked to be every
   rank's once the process group exists. An explicit ``ckpt_path`` always wins.
 * ``ckpt_path="last"`` (any trainer function): Lightning's own "last" candidates plus the SIGTERM checkpoint,
   complete ones only.
@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_zero.checkpoint.verify import META_FILE, CheckpointError, read_checkpoint_dict
 from lightning_zero.resume.agreement import JOB_KEY, same_job
-from lightning_zero.resume.finding import (
+from lightning_zero.resume.newest_checkpoint import (
     RESTART_VARIABLES,
     checkpoint_directories,
     resolve_last,
