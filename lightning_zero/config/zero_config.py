@@ -505,6 +505,14 @@ class ZeroConfig:
         return self.gradient_compression is not None or self.param_compression is not None
 
     @property
+    def shards_parameters(self) -> bool:
+        """Stage 3: parameters become DTensor shards of FSDP2, in place. What the layers above ask before any engine
+        exists: the module is built on the meta device and materialised a unit at a time, starts from rank 0's values
+        as it is sharded (no broadcast), is sharded for evaluation too, and only a run that shards parameters can take
+        it up later. Once it exists, the engine answers (``ShardingEngine.holds_whole_parameters``)."""
+        return self.stage == 3
+
+    @property
     def optimizer_on_host(self) -> bool:
         """Whether the optimizer state lives in host memory (``offload_params`` puts it there too)."""
         return bool(self.offload_optimizer) or self.offload_params

@@ -201,6 +201,12 @@ class ShardingEngine(Protocol):
         """Optimizer state (and the step) lives in host memory (``offload_optimizer``, or ``offload_params``)."""
 
     @property
+    def holds_whole_parameters(self) -> bool:
+        """Every parameter stays a whole tensor on every rank and the optimizer steps views of this rank's rows
+        (stages 1-2); False: parameters are DTensor shards, gathered for compute (stage 3). What averaging and
+        pipeline schedules ask, rather than the stage."""
+
+    @property
     def shards_module_in_place(self) -> bool:
         """The engine converted the module in place (FSDP2's ``fully_shard``): steps go through the module's
         ``__call__`` so the engine's hooks run, and its layers cannot be swapped back afterwards."""

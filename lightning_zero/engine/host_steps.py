@@ -2,91 +2,61 @@
 use it: the host step during backward (stages 1-3, exact) and the one-step delayed update (stages 1-2, not exact).
 
 [Note: the host step during backward]
-With the optimizer offloaded, the host step is the longest piece of a step on a GPU (the host AdamW step of a 1.34B
-GPT takes longer than its forward and backward together), and it used to start only when ``optimizer.step()`` was
-called. Backward reduces the gradients a piece at a time, last layers first (a bucket at stages 1-2, an FSDP2 unit at
-stage 3), and each piece's reduced shards are copied to the host as it lands (see [Note: the offloaded step] in
-``offload.py``); once every piece of a part of the step has landed, nothing but the step's coefficient and the
-used-parameter flags stands between those gradients and the step. Where both are known before backward ends, the
-part's step starts at once in a worker thread, so the host steps the last layers while the device still computes the
-gradients of the first. It is used in a synchronising backward where, besides ``overlap_comm`` (the default):
+With the optimizer offloaded, the host step is the longest piece of a step. Backward reduces the gradients a piece at a
+time, last layers first (a bucket at stages 1-2, an FSDP2 unit at stage 3), and each piece's shards are copied to the
+host as they land (see [Note: the offloaded step] in ``offload.py``). Once every piece of a part has landed, the part's
+step can start in a worker thread, so the host steps the last layers while the device still computes the gradients of
+the first, but only where the step's coefficient is known before backward ends:
 
-* the step's coefficient is the averaging alone: no clipping (``gradient_clip_val`` unset and
-  ``configure_gradient_clipping`` not overridden), no loss scaler (``16-mixed`` can skip a step on overflow), and
-  no code of the user's between backward and the step (``on_after_backward`` or ``on_before_optimizer_step`` of
-  the module or of a callback, where ``clip_grad_norm_`` or an edit of ``.grad`` would come too late);
-* there is one backward a step (automatic optimization; at stages 1-2 a second backward into a part already stepped
-  is refused by the reducer, loudly), no delayed update, no hybrid replicas (their sums are added after the
-  reduction), no pipeline stages, every master on the host and an element-wise torch optimizer without step hooks
-  (``optimizers.steps_in_parts``);
-* every parameter of the part has a gradient on this rank: whether a parameter this rank produced none for was
-  used on some other rank is known only when backward ends (stages 1-2:
-  ``GradientReducer._forget_gradients_no_rank_produced``; stage 3: ``fsdp2_missing_grads.UnusedParameters``, which reduces
-  a zero gradient for it meanwhile). Such a part waits for ``optimizer.step()``, as every part did before. At world
-  size 1 FSDP2 copies where it would reduce, and each unit is announced when it has done so (``fsdp2_comm``'s [Note:
-  units finished alone]).
+* it is the averaging alone: no clipping, no loss scaler (``16-mixed`` can skip a step on overflow), and no user code
+  between backward and the step (``on_after_backward``, ``on_before_optimizer_step``), where ``clip_grad_norm_`` or an
+  edit of ``.grad`` would come too late;
+* there is one backward a step, no delayed update, no hybrid replicas (their sums are added after the
+  reduction), no pipeline stages, every master on the host and an element-wise torch optimizer without step
+  hooks (``optimizers.steps_in_parts``);
+* every parameter of the part has a gradient on this rank: whether one this rank produced none for was used on
+  another rank is known only when backward ends (``GradientReducer._forget_gradients_no_rank_produced``,
+  ``fsdp2_missing_grads.UnusedParameters``). At world size 1 FSDP2 copies where it would reduce
+  (``fsdp2_comm``'s [Note: units finished alone]).
 
-Each part's step is the one ``optimizer.step()`` would have run on it: the same averaging of the same host gradients
-(stages 1-2 average in the worker; FSDP2 averaged already), the param groups as they were when the first part
-started (:func:`~lightning_zero.engine.optimizers.stepping_view`), torch's per-parameter state, the fused host
-kernel: bit for bit the serial step, which ``tests/distributed/test_offload.py`` compares. The rows still travel back
-(and, at stages 1-2, are all-gathered) from ``optimizer.step()`` on the training thread, in the order the parts
-started (the collectives keep one order on every rank), each part's copies overlapping the host step of the next. A
-part's step first waits for the copies of its gradients (an event on the copy stream, which also follows the
-previous step's copies of those masters to the device, queued before this backward).
-
-What may still change the gradients or skip the step after backward is refused once parts were stepped, with the
-fix in the message: clipping by hand inside the step's closure (``OptimizerShards.local_gradients(for_change=True)``),
-and an ``optimizer_step`` override that runs the closure but not ``optimizer.step()`` (found at the next backward,
-or at the skipped step's ``discard_gradients``).
+Each part's step is bit for bit the one ``optimizer.step()`` would have run on it, with the param groups as they were
+when the first part started (:func:`~lightning_zero.engine.optimizers.stepping_view`). The rows still travel back from
+``optimizer.step()`` on the training thread, in the order the parts started, because the collectives must keep one order
+on every rank. Once parts were stepped, anything that could still change the gradients or skip the step is refused:
+clipping by hand inside the closure (``OptimizerShards.local_gradients(for_change=True)``), and an ``optimizer_step``
+override that runs the closure but not ``optimizer.step()``.
 
 [Note: the delayed update]
-Stages 1-2 (``ShardedOptimizer._step_delayed``). With the optimizer offloaded, an exact step leaves the device
-idle while the host steps the masters (on a 1.34B GPT the host AdamW step is longer than forward and backward
-together). ZeRO-Offload's delayed parameter update (DPU) trades one step of staleness for that time: the host
-step of step ``t`` runs in a worker thread while step ``t + 1`` computes its forward and backward with the
-parameters of step ``t - 1``. When step ``t + 1``'s gradients are final, the engine waits for the host step of step
-``t``, sends its rows to the device (the parameters step ``t + 2`` computes with), and starts the host step of step
-``t + 1``. So every update lands, one step late: the gradient of step ``t + 1``, taken at ``W[t - 1]``, updates
-``W[t]``. It is not the exact step; ZeRO-Offload
-reports no loss of accuracy after the first steps, and ``tests/distributed/test_offload.py`` follows the demo
-GPT's loss curve against the exact run.
+Stages 1-2 (``ShardedOptimizer._step_delayed``). ZeRO-Offload's delayed parameter update (DPU) trades one step of
+staleness for the time the device would idle during the host step: the host step of step ``t`` runs in a worker thread
+while step ``t + 1`` computes its forward and backward with the parameters of step ``t - 1``. Every update lands, one
+step late. It is not the exact step; ``tests/distributed/test_offload.py`` follows the demo GPT's loss curve against the
+exact run. What stays exact is the bookkeeping:
 
-What stays exact is the bookkeeping:
-
-* the step in the thread steps a *view* of the user's optimizer (:func:`~lightning_zero.engine.optimizers.
-  stepping_view`): its own copies of the param groups, taken when the step starts, and the optimizer's own state.
-  The learning rate is the one of step ``t`` however late the thread runs, and an LR scheduler stepping the
-  optimizer's groups meanwhile changes the next step's, not this one's;
-* the gradient buffers it reads are not the ones the next backward fills (``MasterShards.swap_gradient_buffers``:
-  one more fp32 gradient shard in host memory, ``4 P / N`` bytes);
-* whatever reads the masters or the optimizer state (a checkpoint, ``full_state_dict``, loading one) first waits
-  for the step in flight (:meth:`HostSteps.wait`), and a checkpoint keeps the parameters forward computes with
-  beside the masters (``checkpoint/delayed_update.py``): a resume continues the delayed schedule exactly, and a
-  run without the delay resumes from the masters, as if the pending update had landed;
-* training ends with the pending update landed: the module holds every step's update.
+* the thread steps a view of the user's optimizer (:func:`~lightning_zero.engine.optimizers.stepping_view`) with its own
+  copies of the param groups, so an LR scheduler stepping meanwhile changes the next step, not this one;
+* the gradient buffers it reads are not the ones the next backward fills (``MasterShards.swap_gradient_buffers``);
+* whatever reads the masters or the optimizer state first waits for the step in flight (:meth:`HostSteps.wait`), and a
+  checkpoint keeps the parameters forward computes with beside the masters (``checkpoint/delayed_update.py``), so a
+  resume continues the delayed schedule exactly;
+* training ends with the pending update landed.
 
 Evaluation inside ``fit`` sees the parameters forward computes with, one update behind the masters.
 
 [Note: the delayed update in parts]
-The rows a delayed host step sends to the device read the masters the next host step writes, so that step must wait
-for their copies. Waiting for all of them put every copy and the whole step end to end on the host's side of the
-schedule, each step, where the copies of a large model's fp32 rows take half as long as its step. The rows go a
-part at a time (the offloaded step's parts: runs of buckets in the order the next forward needs them), an event
-behind each part's copies, and the next host step steps the same parts in that order, each after its own event:
-the first part starts once its own rows have left, and the later parts' copies run while the earlier parts step.
-Each parameter's update is the one of a single call over all of them (``optimizers.steps_in_parts``; an optimizer
-that cannot step in parts steps in one call behind every copy).
+The rows a delayed host step sends to the device read the masters the next host step writes, so that step must wait for
+their copies; waiting for all of them would put every copy and the whole step end to end. The rows therefore go a part
+at a time, in the order the next forward needs them, and the next host step steps the same parts in that order, each
+after its own copies' event.
 
 [Note: host-step threads]
-A host step in the worker runs beside the threads that drive an accelerator: the training thread (the next forward,
-the parts' copies) and autograd's device thread (backward's kernels), either of which spins a core while it waits for
-the device. torch's CPU kernels split their work evenly over the intra-op threads and wait for the slowest share, so
-a core another thread holds slows the whole step, on 2 CPU cores (``benchmarks/bench_host_step.py --busy 1``,
-``benchmarks/results/2026-11-27-host-overhead.md``) as on an H200 (``benchmarks/results/2026-12-04-h200.md``).
-With an accelerator the worker steps with :data:`CORES_LEFT_TO_TRAINING` fewer threads than the process's budget
-(OpenMP keeps the count per thread, so the training thread keeps its own). On a CPU the training computes with every
-thread itself, and the worker takes torch's count.
+A host step in the worker runs beside the training thread and autograd's device thread, either of which spins a core
+while it waits for the device. torch's CPU kernels split their work evenly over the intra-op threads and wait for the
+slowest share, so one core held by another thread slows the whole step
+(``benchmarks/results/2026-11-27-host-overhead.md``, ``benchmarks/results/2026-12-04-h200.md``). With an accelerator the
+worker therefore steps with :data:`CORES_LEFT_TO_TRAINING` fewer threads than the process's budget (OpenMP keeps the
+count per thread, so the training thread keeps its own). On a CPU the training computes with every thread itself, and
+the worker takes torch's count.
 """
 
 from __future__ import annotations
@@ -104,13 +74,12 @@ from lightning_zero.engine.optimizers import hosted_params, stepping_view, steps
 
 @dataclasses.dataclass
 class PendingUpdate:
-    """A host step whose rows have not reached the device yet: running (``future``), or loaded with a checkpoint
-    that was saved while one was (``future`` None: the masters already hold it)."""
+    """A host step whose rows have not reached the device yet; ``future`` None: loaded from a checkpoint saved while one
+    ran, so the masters already hold it."""
 
     future: Future[object] | None = None
 
     def wait(self) -> None:
-        """Block until the host step is done; its exception, if it failed, is raised here."""
         if self.future is not None:
             self.future.result()
 
@@ -121,8 +90,8 @@ CORES_LEFT_TO_TRAINING = 2
 
 
 def host_step_threads(device: torch.device | None, budget: int | None = None) -> int | None:
-    """Intra-op threads for host steps beside training on ``device`` (see [Note: host-step threads]); None: torch's
-    own count. ``budget``: the process's threads (default ``torch.get_num_threads()``)."""
+    """Intra-op threads for host steps beside training on ``device`` (see [Note: host-step threads]); None:
+    torch's own count."""
     if device is None or device.type == "cpu":
         return None
     budget = torch.get_num_threads() if budget is None else budget
@@ -130,10 +99,9 @@ def host_step_threads(device: torch.device | None, budget: int | None = None) ->
 
 
 class HostSteps:
-    """The worker thread host steps run in, one engine's steps in the order they were started, with ``threads``
-    intra-op threads (default :func:`host_step_threads`). On a CUDA ``device`` the thread works with that device
-    current (as DataLoader's pinning thread does): its first CUDA call (waiting for a copy's event) would otherwise
-    open a context on device 0 from every rank."""
+    """The worker thread one engine's host steps run in, in order. On a CUDA ``device`` the thread makes that device
+    current (as DataLoader's pinning thread does): its first CUDA call would otherwise open a context on device 0
+    from every rank."""
 
     def __init__(self, device: torch.device | None = None, threads: int | None = None) -> None:
         threads = host_step_threads(device) if threads is None else threads
@@ -159,20 +127,17 @@ class HostSteps:
         return PendingUpdate(self._last)
 
     def wait(self) -> None:
-        """Block until every step started so far is done (the thread runs them in order; a failure is raised by
-        the :class:`PendingUpdate` of its own step, when it lands)."""
+        """Block until every step started so far is done; a failure is raised by its own :class:`PendingUpdate`."""
         if self._last is not None:
             self._last.exception()
 
     def close(self) -> None:
-        """Finish what runs and stop the thread (teardown; a failed step's error is not raised again here)."""
         self._pool.shutdown(wait=True)
 
 
 @dataclasses.dataclass
 class EarlyPart:
-    """A part of the step started during backward: its pieces (buckets or units), its parameters' indices in the
-    engine, its host step."""
+    """A part of the step started during backward; ``pieces`` are buckets or units."""
 
     pieces: list[int]
     indices: list[int]
@@ -182,11 +147,9 @@ class EarlyPart:
 
 
 class EarlyHostSteps:
-    """One optimizer's parts in the current backward (see [Note: the host step during backward]): which pieces each
-    still waits for, and those started."""
+    """One optimizer's parts in the current backward (see [Note: the host step during backward])."""
 
     def __init__(self) -> None:
-        #: The parts started in this step, in the order they started.
         self.started: list[EarlyPart] = []
         self._waiting: dict[int, int] = {}
         self._part_of: dict[int, int] = {}
@@ -201,10 +164,8 @@ class EarlyHostSteps:
         masters: MasterShards | None,
         eligible: bool = True,
     ) -> bool:
-        """A synchronising backward begins: every part waits for all of its pieces, and will step in ``worker``; False,
-        with nothing to start, unless the engine finds it ``eligible``, every master is on the host, there are two
-        parts or more and ``optimizer`` steps in parts (see the Note). Refused where the parts of the previous
-        backward were never stepped."""
+        """A synchronising backward begins; False where nothing will start early (see the Note). Refused where the parts
+        of the previous backward were never stepped."""
         if self.started:
             raise RuntimeError(
                 f"The host stepped parts of {type(optimizer).__name__} during the last backward, but no "
@@ -226,11 +187,10 @@ class EarlyHostSteps:
         return starts
 
     def disarm(self) -> None:
-        """Backward ended: nothing more starts before ``optimizer.step()``."""
         self._part_of, self._waiting, self._worker = {}, {}, None
 
     def landed(self, piece: int) -> int | None:
-        """The position of the part whose last piece this was, or None (also when nothing is armed)."""
+        """The position of the part whose last piece this was, or None."""
         k = self._part_of.pop(piece, None)
         if k is None or self._worker is None:
             return None
@@ -246,9 +206,9 @@ class EarlyHostSteps:
         masters: MasterShards,
         average: tuple[list[torch.Tensor], float] | None = None,
     ) -> None:
-        """Step the part ``standins`` names (``optimizers.hosted_params``) in the worker, on the view of ``optimizer``
-        taken when this step's first part started, once the gradient copies queued so far have landed; ``average``:
-        gradients the worker multiplies by a coefficient first (stages 1-2 average there)."""
+        """Step the part ``standins`` names (``optimizers.hosted_params``) in the worker, once the gradient copies
+        queued so far have landed. The view of ``optimizer`` is taken once, when the first part starts, so every part
+        steps with the same param groups. ``average``: gradients the worker scales first (stages 1-2 average there)."""
         if self._worker is None:
             raise RuntimeError("lightning_zero internal error: a part started with no backward armed")
         if self._view is None:
@@ -267,18 +227,16 @@ class EarlyHostSteps:
         self.started.append(EarlyPart(list(pieces), list(indices), self._worker.start(host_step), in_flight))
 
     def take(self) -> list[EarlyPart]:
-        """The parts started, handed to the step that lands them."""
         started, self.started = self.started, []
         return started
 
     def wait(self) -> None:
-        """Block until every part started so far has been stepped (before the masters or the state are read)."""
+        """Block until every part started so far has been stepped (before the masters or state are read)."""
         for part in self.started:
             part.pending.wait()
 
     def refuse(self, optimizer: Optimizer, action: str) -> None:
-        """Raise where parts were stepped already, so ``action`` (which changes the gradients or skips the step)
-        comes too late."""
+        """Raise where parts were stepped already, so ``action`` comes too late."""
         if self.started:
             raise RuntimeError(
                 f"Cannot {action}: with the optimizer offloaded, the host already stepped parts of "

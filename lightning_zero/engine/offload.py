@@ -2,37 +2,31 @@
 (ZeRO-Offload). Master, part, staged, landed: [Note: vocabulary] in ``engine/__init__.py``.
 
 [Note: the offloaded step]
-With ``offload_optimizer`` the optimizer is re-hosted (see ``sharded_optimizer.py``) on fp32 master rows that
-live in host memory, so its state is born there too. One step is then:
+With ``offload_optimizer`` the optimizer is re-hosted (see ``sharded_optimizer.py``) on fp32 master rows in host memory,
+so its state is born there too. One step is then:
 
-1. device->host, during backward: as each bucket's reduction lands, its reduced shards are copied, cast to
-   fp32, into host buffers allocated once and reused (no fp32 gradient shard is ever made on the device). A
-   later backward of the same window that adds to a bucket copies it again, so what the host holds is always
-   the final sum. When the gradients are finalized they are averaged (and unscaled) there; clipping and the
-   overflow check read the host copies;
-2. the user's optimizer steps the host masters (torch's fused CPU kernel when the optimizer has one and the
-   user did not choose a kernel, see :func:`host_kernel`), a few buckets at a time when the optimizer's state
-   is per parameter (see ``optimizers.steps_in_parts``); where nothing after backward changes the gradients, a
-   part starts in a worker thread as soon as its buckets have landed (see [Note: the host step during backward]
+1. device->host, during backward: as each bucket's reduction lands, its reduced shards are copied, cast to fp32, into
+   reused host buffers, so no fp32 gradient shard is ever made on the device. A later backward of the same window copies
+   the bucket again, so the host always holds the final sum. Averaging, unscaling, clipping and the overflow check all
+   read the host copies;
+2. the user's optimizer steps the host masters (torch's fused CPU kernel where the user did not choose one, see
+   :func:`host_kernel`), a few buckets at a time where the optimizer's state is per parameter
+   (``optimizers.steps_in_parts``); a part may start during backward (see [Note: the host step during backward]
    in ``host_steps.py``);
-3. host->device: each part's updated rows are copied into the device's parameter shard as soon as that part
-   is stepped, and all-gathered, so the copies of one part overlap the host step of the next.
+3. host->device: each part's rows are copied to the device's parameter shard and all-gathered as soon as the part is
+   stepped, so the copies of one part overlap the host step of the next.
 
-With an accelerator the host buffers are pinned and the copies are ``non_blocking``; the gradient copies run
-on a copy stream of their own (:class:`CopyStream`), so they overlap the backward still computing, and the
-host waits for them once, when the gradients are finalized: that wait also covers everything queued before on
-the compute stream, the previous step's parameter copies included, so a pinned master is never written while
-its copy to the device is in flight. On a CPU-only machine host and device are the same memory, nothing is
-pinned (pinning needs an accelerator), and the very same copies run synchronously, in the same order: CI
-exercises the offload schedule bit for bit.
+With an accelerator the host buffers are pinned, the copies are ``non_blocking`` and the gradient copies run on a stream
+of their own (:class:`CopyStream`) to overlap the rest of backward. The host waits for them once, when the gradients are
+finalized; that wait also covers the previous step's parameter copies queued on the compute stream, so a pinned master
+is never written while its copy to the device is in flight. On a CPU-only machine nothing is pinned and the same copies
+run synchronously in the same order, so CI exercises the offload schedule bit for bit.
 
 [Note: partial offload]
-``offload_optimizer=r`` with ``0 < r < 1`` (DeepSpeed's ``offload_optimizer.ratio``, ZeRO's Twin-Flow) puts the
-masters of about a share ``r`` of this rank's elements in host memory, whole parameters at a time: the largest
-first while they fit under ``r`` of the total (:func:`host_share`), so the share on the host is ``r`` up to the
-smallest parameters left out. Those follow the path above; the others stay on the device: wider-dtype copies
-under mixed precision, else the very rows of the resident parameter (no copy at all, as without offload). One
-optimizer step then updates host and device tensors together; the optimizer state follows its tensor.
+``offload_optimizer=r`` with ``0 < r < 1`` (DeepSpeed's ``offload_optimizer.ratio``, ZeRO's Twin-Flow) puts the masters
+of about a share ``r`` of this rank's elements in host memory, whole parameters at a time, largest first
+(:func:`host_share`). The others stay on the device: wider-dtype copies under mixed precision, else the resident rows
+themselves. One optimizer step then updates host and device tensors together; the state follows its tensor.
 """
 
 from __future__ import annotations
@@ -47,8 +41,8 @@ from torch.optim import Optimizer
 
 HOST = torch.device("cpu")
 
-#: Optimizers with a fused CPU kernel in torch (``fused=True``); on host shards it is several times faster
-#: than the per-tensor loop torch picks for CPU tensors by default (measured in ``docs/offload.md``).
+#: Optimizers with a fused CPU kernel in torch (``fused=True``), much faster on host shards than the per-tensor loop
+#: torch picks for CPU tensors by default (``docs/offload.md``).
 FUSED_ON_CPU: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad") if hasattr(torch.optim, name)
 )
@@ -58,17 +52,15 @@ FUSED_ON_DTENSOR: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.A
 
 
 def master_dtype_of(dtype: torch.dtype, master_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype of the master rows (and their gradients) of a parameter held in ``dtype``: ``master_dtype`` for
-    floating parameters (None: their own); complex ones keep theirs, as autocast and the mixed policy leave them,
-    since a cast to a real dtype would drop their imaginary parts."""
+    """The dtype of the master rows of a parameter held in ``dtype``. Complex parameters keep theirs, as autocast and
+    the mixed policy leave them: a cast to a real dtype would drop their imaginary parts."""
     if master_dtype is None or not dtype.is_floating_point:
         return dtype
     return master_dtype
 
 
 def should_pin(device: torch.device, requested: bool | None) -> bool:
-    """Pinned host memory speeds up device<->host copies but needs an accelerator: ``None`` pins exactly when
-    the compute device is one; ``True`` on a CPU-only run is ignored with a warning (pinning would fail)."""
+    """Pinning needs an accelerator: ``None`` pins exactly when there is one; ``True`` without one warns."""
     accelerated = device.type != "cpu"
     if requested is None:
         return accelerated
@@ -83,9 +75,8 @@ def should_pin(device: torch.device, requested: bool | None) -> bool:
 
 
 class CopyStream:
-    """A device stream for the gradient copies to the host, beside the compute stream (see [Note: the offloaded
-    step]): each batch of copies first waits for what the compute stream has queued so far (the reductions
-    that produced the gradients), then runs while the compute stream goes on."""
+    """A device stream for the gradient copies to the host (see [Note: the offloaded step]); each batch of copies waits
+    for the reductions the compute stream has queued, then runs beside it."""
 
     def __init__(self, device: torch.device) -> None:
         self.module = torch.get_device_module(device.type)
@@ -94,8 +85,7 @@ class CopyStream:
 
     @contextlib.contextmanager
     def after_compute(self, sources: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Run the block's copies on this stream, after the compute stream's queued work; ``sources`` are kept
-        from reuse by the caching allocator until the copies have read them."""
+        """``sources`` are recorded on this stream so the caching allocator does not reuse them before they are read."""
         self.stream.wait_stream(self.module.current_stream(self.device))
         for source in sources:
             source.record_stream(self.stream)
@@ -103,13 +93,12 @@ class CopyStream:
             yield
 
     def event(self, stream: torch.Stream) -> torch.Event:
-        """An event behind what ``stream`` (this one, or the compute stream) has queued so far."""
         event = torch.Event(device=self.device)
         event.record(stream)
         return event
 
     def wait(self) -> None:
-        """Block the host until every copy and everything queued on the compute stream so far is done."""
+        """Block until every copy and everything queued on the compute stream so far is done."""
         self.stream.wait_stream(self.module.current_stream(self.device))
         self.stream.synchronize()
 
@@ -117,10 +106,8 @@ class CopyStream:
 class MasterShards:
     """The tensors the optimizer steps in place of this rank's parameter shards.
 
-    ``offloaded=False``: wider-dtype copies on the device (mixed precision); the gradients the engine
-    finalizes are used where they are. ``offloaded=True``: copies in host memory (pinned when ``pin``), and
-    gradients pass through host buffers. ``dtype=None`` keeps each shard's dtype. Index ``i`` is the engine's
-    trainable parameter ``i``.
+    ``offloaded=False``: wider-dtype copies on the device (mixed precision). ``offloaded=True``: copies in host memory,
+    with gradients passing through host buffers. Index ``i`` is the engine's trainable parameter ``i``.
     """
 
     def __init__(
@@ -132,38 +119,32 @@ class MasterShards:
         pin: bool = False,
         alias_on_device: bool = False,
     ) -> None:
-        #: Which masters live in host memory (see [Note: partial offload]).
+        #: See [Note: partial offload].
         self.on_host = host_share([s.numel() for s in shards], float(offloaded))
         self.offloaded = any(self.on_host)
         self.pinned = self.offloaded and pin
         self.device = shards[0].device if shards else HOST
         self._dtype = dtype
-        #: Masters kept on the device are the given rows themselves (they are exact: masters exist only to be
-        #: offloaded), not copies.
+        #: Masters kept on the device in the same dtype are the rows themselves: they exist only to be offloaded.
         self._alias = alias_on_device
         with torch.no_grad():
             self.tensors = [self._master(i, s) for i, s in enumerate(shards)]
-        #: Masters that are the given rows themselves (no memory of their own).
         self.aliased = {i for i, (t, s) in enumerate(zip(self.tensors, shards)) if t is s}
         self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
         self._grad_buffers: dict[int, torch.Tensor] = {}
-        #: ``offload_step_delay``: each master's second gradient buffer, the one the host step in flight reads
-        #: while the next backward fills the first (see :meth:`swap_gradient_buffers`).
+        #: ``offload_step_delay``: see :meth:`swap_gradient_buffers`.
         self._second_buffers: dict[int, torch.Tensor] = {}
-        #: With an accelerator, the stream the gradient copies to the host run on (None: synchronous copies).
         self.copies = CopyStream(self.device) if self.pinned else None
 
     def _master(self, index: int, rows: torch.Tensor) -> torch.Tensor:
-        """Master ``index``: a host copy, a wider-dtype device copy, or (device, same dtype) the rows themselves."""
         dtype = master_dtype_of(rows.dtype, self._dtype)
         if self._alias and not self.on_host[index] and dtype == rows.dtype:
             return rows
         return self._allocate(rows, dtype, self.on_host[index]).copy_(rows)
 
     def rebuild(self, sources: Sequence[int | torch.Tensor]) -> None:
-        """Re-index for a grown layout: master ``i`` becomes old master ``sources[i]`` (an index: the same tensor,
-        which the optimizer keys its state by) or a fresh copy of the rows ``sources[i]`` (a tensor), placed as the
-        offload setting places new masters (on the host under full offload, on the device otherwise)."""
+        """Re-index for a grown layout: master ``i`` becomes old master ``sources[i]`` (an index: the same tensor, as
+        the optimizer keys its state by it) or a fresh copy of the rows ``sources[i]``."""
         placed = all(self.on_host) and self.offloaded
         self.on_host = [self.on_host[s] if isinstance(s, int) else placed for s in sources]
         with torch.no_grad():
@@ -197,10 +178,8 @@ class MasterShards:
         return iter(self.tensors)
 
     def stage_gradients(self, grads: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        """Start copying each ``(index, grad)``'s gradient (cast to the master's dtype) into master ``index``'s host
-        gradient buffer, allocated on first use and reused every step, and return the buffers: with an accelerator
-        the copies run on :attr:`copies` and :meth:`gradients_ready` waits for them. A master kept on the device
-        (partial offload) takes its gradient where it is."""
+        """Start copying each gradient into its master's host buffer and return the buffers; with an accelerator
+        :meth:`gradients_ready` waits for the copies. A master kept on the device takes its gradient where it is."""
         out: list[torch.Tensor] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, grad in grads:
@@ -224,13 +203,11 @@ class MasterShards:
         return out
 
     def gradients_ready(self) -> None:
-        """Wait until the staged gradient copies have landed in host memory."""
         if self.copies is not None:
             self.copies.wait()
 
     def receive_gradients(self, grads: Mapping[int, torch.Tensor | None]) -> dict[int, torch.Tensor | None]:
-        """The gradients for the masters: the given ones, or (offloaded) their host copies (waited for, when
-        any had to be made)."""
+        """The gradients for the masters: the given ones, or (offloaded) their landed host copies."""
         if not self.offloaded:
             return dict(grads)
         given = [(i, grad) for i, grad in grads.items() if grad is not None]
@@ -240,9 +217,8 @@ class MasterShards:
         return {i: staged.get(i) for i in grads}
 
     def swap_gradient_buffers(self, indices: Sequence[int]) -> None:
-        """``offload_step_delay``: hand the gradient buffers of ``indices`` to the host step about to run in the
-        background, and give the next backward each master's other buffer (allocated on its first use), so no
-        gradient copy writes what that step reads. A buffer comes back at the next swap, after that step ended."""
+        """``offload_step_delay``: give the next backward each master's other buffer, so no gradient copy writes what
+        the host step in the background reads."""
         for i in indices:
             active, second = self._grad_buffers.pop(i, None), self._second_buffers.pop(i, None)
             if active is not None:
@@ -251,25 +227,20 @@ class MasterShards:
                 self._grad_buffers[i] = second
 
     def copies_queued(self) -> torch.Event | None:
-        """An event behind the copies of masters to the device queued so far (None without an accelerator: the
-        copies were synchronous), which a host step must wait for before it writes those masters again."""
+        """What a host step must wait for before it writes the masters again (None: the copies were synchronous)."""
         return None if self.copies is None else self.copies.event(self.copies.module.current_stream(self.device))
 
     def gradient_copies_queued(self) -> torch.Event | None:
-        """An event behind the gradient copies to the host queued so far (None without an accelerator: they were
-        synchronous), which a host step must wait for before it reads those gradients."""
+        """What a host step must wait for before it reads the gradients (None: the copies were synchronous)."""
         return None if self.copies is None else self.copies.event(self.copies.stream)
 
     def copy_into(self, index: int, target: torch.Tensor) -> None:
-        """Write master ``index`` into ``target`` (this rank's rows on the device), cast to its dtype."""
         master = self.tensors[index]
         if master is not target:
             target.copy_(master, non_blocking=self.pinned and self.on_host[index])
 
     def copy_all_into(self, pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """:meth:`copy_into` of many masters, each into a flat ``target``: one ``foreach`` copy for those that travel
-        asynchronously (pinned host masters) and one for the rest, where a copy each would cost a dispatch a
-        parameter."""
+        """:meth:`copy_into` of many masters as two ``foreach`` copies (asynchronous and not), not a dispatch each."""
         batches: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for index, target in pairs:
             if index not in self.aliased:
@@ -280,16 +251,15 @@ class MasterShards:
             torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
 
     def refresh_from(self, index: int, source: torch.Tensor) -> None:
-        """Take master ``index`` from ``source`` (a checkpoint was loaded into the device shard, or code wrote it)."""
+        """A checkpoint was loaded into the device shard, or code wrote it."""
         if self.tensors[index] is not source:
             self.tensors[index].copy_(source)
 
     def holds_on_host(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is one of the masters placed in host memory."""
         return id(tensor) in self._host_ids  # the masters live as long as this object: their ids stay theirs
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
-        """``(kind, tensor, on_host)`` of the memory the masters hold: copies and host gradient buffers."""
+        """``(kind, tensor, on_host)`` of the memory the masters hold."""
         for i, master in enumerate(self.tensors):
             if i not in self.aliased:
                 yield "masters", master, self.on_host[i]
@@ -297,13 +267,11 @@ class MasterShards:
 
     @property
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The host gradient buffers allocated so far (offloaded only; two per master with a delayed update)."""
         return [*self._grad_buffers.values(), *self._second_buffers.values()]
 
 
 def host_share(elements: Sequence[int], ratio: float) -> list[bool]:
-    """Which of tensors of ``elements`` go to the host for a share ``ratio`` of their total: all for 1, none for 0,
-    else the largest first while the host's total stays within ``ratio`` of the whole (see [Note: partial offload])."""
+    """Which tensors go to the host for a share ``ratio`` of the elements (see [Note: partial offload])."""
     if ratio >= 1.0:
         return [True] * len(elements)
     chosen, budget = [False] * len(elements), ratio * sum(elements)
@@ -315,13 +283,12 @@ def host_share(elements: Sequence[int], ratio: float) -> list[bool]:
     return chosen
 
 
-#: Parts of the host step (see [Note: the offloaded step]): enough that the copies behind the last part are short,
-#: few enough that the optimizer's per-call overhead stays small.
+#: Enough parts that the copies behind the last one are short, few enough that the optimizer's per-call overhead
+#: stays small.
 HOST_STEP_PARTS = 8
 
 
 def split_in_parts(sizes: Sequence[int], parts: int = HOST_STEP_PARTS) -> list[list[int]]:
-    """Consecutive runs of the positions of ``sizes``, each closed once it holds about ``1/parts`` of the total."""
     target = sum(sizes) / max(parts, 1)
     runs: list[list[int]] = []
     current: list[int] = []
@@ -339,9 +306,8 @@ def split_in_parts(sizes: Sequence[int], parts: int = HOST_STEP_PARTS) -> list[l
 
 @contextlib.contextmanager
 def host_kernel(optimizer: Optimizer, enabled: bool = True) -> Iterator[None]:
-    """Run a step on host tensors with torch's fused CPU kernel, for the param groups where the user left the
-    choice to torch (``fused`` and ``foreach`` both unset); an explicit choice is kept. The groups' settings
-    are restored afterwards, so checkpoints and ``state_dict`` show the user's own values."""
+    """Use torch's fused CPU kernel for the param groups where the user left ``fused`` and ``foreach`` unset. The
+    settings are restored afterwards so checkpoints and ``state_dict`` show the user's own values."""
     if not enabled or not isinstance(optimizer, FUSED_ON_CPU):
         yield
         return

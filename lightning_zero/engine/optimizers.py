@@ -1,7 +1,6 @@
-"""What every engine needs of the user's optimizer, whichever stage: which optimizers may step shards instead of
-whole tensors, which step whole parameters on an owner rank (``owner_step.py``), and stand-in tensors in
-``param_groups`` for the duration of a step (see [Note: re-hosting without replacing the optimizer] in
-``sharded_optimizer.py``)."""
+"""What every engine needs of the user's optimizer: which optimizers may step shards, which step whole parameters on an
+owner rank (``owner_step.py``), and stand-in tensors in ``param_groups`` for the duration of a step (see
+[Note: re-hosting without replacing the optimizer] in ``sharded_optimizer.py``)."""
 
 from __future__ import annotations
 
@@ -16,30 +15,24 @@ from lightning_zero.torch_versions.optim import give_standins_state, global_step
 
 T = TypeVar("T")
 
-#: Optimizers whose update of an element depends only on that element's gradient and state, so stepping
-#: each rank's shard separately equals stepping the whole tensor.
+#: Stepping each rank's shard separately equals stepping the whole tensor.
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name)
     for name in ("SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
     if hasattr(torch.optim, name)
 )
-#: Optimizers whose update of a parameter needs the whole parameter (Newton-Schulz orthogonalisation, factored
-#: row/column statistics, norms of the whole tensor): each such parameter is stepped whole on one owner rank.
+#: The update needs the whole parameter (Newton-Schulz orthogonalisation, factored row/column statistics).
 MATRIX_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)
 )
-#: Optimizers known to couple elements in ways no per-parameter owner can serve (line searches over every
-#: parameter at once, sparse updates).
 NON_ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam") if hasattr(torch.optim, name)
 )
-#: A parameter group of a matrix optimizer carrying one of these marks is stepped element-wise, on shards
-#: (``MuonWithAuxAdam``-style optimizers run AdamW on the groups with ``use_muon=False``).
+#: ``MuonWithAuxAdam``-style optimizers run AdamW on the groups with ``use_muon=False``: those step on shards.
 ELEMENTWISE_GROUP_MARKS: dict[str, object] = {"use_muon": False, "elementwise": True}
 
 
 def shards_of(wrapped: Mapping[int, T], optimizer: Optimizer) -> T:
-    """The engine's handle of ``optimizer`` (keyed by ``id``), or an error saying how it came to be missing."""
     try:
         return wrapped[id(optimizer)]
     except KeyError:
@@ -49,7 +42,6 @@ def shards_of(wrapped: Mapping[int, T], optimizer: Optimizer) -> T:
         ) from None
 
 
-#: Optimizers that neither a shard nor a whole parameter on one rank can step, with the reason and the way out.
 UNSHARDABLE: dict[type[Optimizer], str] = {
     torch.optim.SparseAdam: "it takes sparse gradients only, and gradients are dense under ZeroStrategy "
     "(`nn.Embedding(sparse=True)` trains with dense ones). Use `torch.optim.Adam` (it also updates the moments of rows "
@@ -63,12 +55,9 @@ UNSHARDABLE: dict[type[Optimizer], str] = {
 def optimizer_kind(
     optimizer: Optimizer, stage: int, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()
 ) -> str:
-    """``"elementwise"`` (each rank steps its shard of every parameter) or ``"matrix"`` (whole parameters on
-    owner ranks). Refuse optimizers whose sharded step could differ from the unsharded one and that no one
-    declared: known non-element-wise ones, and any class neither we nor the user vouch for, since per-tensor
-    statistics (LAMB's trust ratio, Shampoo's preconditioners) are silently wrong on shards. A class declared
-    in both lists, or a subclass of a known matrix optimizer declared element-wise, counts as matrix: the
-    whole-parameter step is exact for either kind."""
+    """``"elementwise"`` or ``"matrix"``. Any class neither we nor the user vouch for is refused, since per-tensor
+    statistics (LAMB's trust ratio, Shampoo's preconditioners) are silently wrong on shards. A class declared as both
+    counts as matrix: the whole-parameter step is exact for either kind."""
     if isinstance(optimizer, MATRIX_OPTIMIZERS + tuple(matrix)):
         return "matrix"
     if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(elementwise)) and not isinstance(
@@ -91,33 +80,30 @@ def optimizer_kind(
 
 
 def steps_whole(group: Mapping[str, Any], kind: str) -> bool:
-    """Whether a parameter group is stepped whole (see ``ELEMENTWISE_GROUP_MARKS``)."""
     return kind == "matrix" and not any(
         key in group and group[key] == mark for key, mark in ELEMENTWISE_GROUP_MARKS.items()
     )
 
 
 def has_step_hooks(optimizer: Optimizer) -> bool:
-    """Whether a step of ``optimizer`` runs hooks (its own or torch's global ones): code of the user's that sees
-    each call of ``step`` as a step of its own, and may touch anything."""
+    """Step hooks see each call of ``step`` as a step of its own, and may touch anything."""
     return bool(
         optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or global_step_hooks_registered()
     )
 
 
 def steps_in_parts(optimizer: Optimizer) -> bool:
-    """Whether stepping ``optimizer`` a few parameters at a time gives the very numbers of one step over all of them
-    (the offloaded step in parts, ``offload.py``): torch's element-wise optimizers keep every state (the step count
-    included) per parameter; a step hook, though, would see one step as several, so an optimizer with hooks steps
-    whole."""
+    """Whether stepping a few parameters at a time gives the very numbers of one step over all of them: torch's
+    element-wise optimizers keep every state, the step count included, per parameter; a step hook would see one
+    step as several."""
     return isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and not has_step_hooks(optimizer)
 
 
 def follow_zero_grad(optimizer: Optimizer, drop_held: Callable[[], None]) -> None:
-    """Make ``optimizer.zero_grad()`` also drop what the engine holds of its gradients outside ``p.grad`` (stage 2's
-    shard sums): manual optimization that clears one optimizer's gradients after another loss's backward reached its
-    parameters (a GAN's critic, without ``toggle_optimizer``) would otherwise step them with that loss's gradients too.
-    An instance attribute over the class's method, so that wrapping the optimizer again replaces it, never stacks."""
+    """Make ``optimizer.zero_grad()`` also drop what the engine holds of its gradients outside ``p.grad``: manual
+    optimization that clears one optimizer's gradients after another loss's backward reached its parameters (a GAN's
+    critic) would otherwise step them with that loss's gradients too. An instance attribute over the class's method, so
+    that wrapping the optimizer again replaces it, never stacks."""
     zero_grad = type(optimizer).zero_grad
 
     def zero_grad_and_held(set_to_none: bool = True) -> None:
@@ -132,13 +118,12 @@ def unfollow_zero_grad(optimizer: Optimizer) -> None:
 
 
 def stepping_view(optimizer: Optimizer) -> Optimizer:
-    """A second face of ``optimizer`` for a step in another thread (see [Note: the delayed update] in
-    ``host_steps.py``): the same object state, the same ``state`` (what the step updates), but copies
-    of the param group dicts as they are now, so what the training thread does to the groups while the step runs
-    (an LR scheduler's next rate, stand-ins for the next step's shards) is not what this step reads.
+    """``optimizer`` with its own copies of the param group dicts, for a step in another thread (see
+    [Note: the delayed update] in ``host_steps.py``): what the training thread does to the groups meanwhile (an LR
+    scheduler's next rate, stand-ins for the next step's shards) is not what this step reads.
 
-    An LR scheduler wraps the optimizer's bound ``step`` to note that it was called; the view steps through the
-    class's ``step`` instead, so that note is made on the optimizer here, as its own ``step`` would have made it."""
+    An LR scheduler wraps the optimizer's bound ``step`` to note that it was called; the view steps through the class's
+    ``step``, so that note is made here."""
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)
     wrapped = view.__dict__.pop("step", None)
@@ -148,7 +133,7 @@ def stepping_view(optimizer: Optimizer) -> Optimizer:
     return view
 
 
-#: ``id(param)`` -> (its stand-in, its gradient for the step), or None: the parameter sits the step out.
+#: ``id(param)`` -> (its stand-in, its gradient), or None: the parameter sits the step out.
 Standins = dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]
 
 
@@ -156,9 +141,7 @@ Standins = dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]
 def hosted_params(
     optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None] | None]
 ) -> Iterator[None]:
-    """For the duration of the block, ``optimizer.param_groups`` holds, in place of each parameter ``p`` with
-    ``id(p)`` in ``standins``, the stand-in tensor given for it, its ``.grad`` set to the gradient given; a
-    stand-in of None leaves ``p`` out of its group (a whole parameter another rank steps)."""
+    """For the duration of the block, ``optimizer.param_groups`` holds the stand-ins of :data:`Standins`."""
     saved = [group["params"] for group in optimizer.param_groups]
     try:
         for group in optimizer.param_groups:

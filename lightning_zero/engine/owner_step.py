@@ -1,24 +1,20 @@
 """Whole-parameter steps for optimizers that are not element-wise (Muon, Adafactor), at every stage.
 
 [Note: owner stepping]
-Newton-Schulz orthogonalisation (Muon) and factored row/column statistics or whole-tensor norms (Adafactor)
-need the whole parameter, so the usual ZeRO step (each rank updates its dim-0 rows) would compute something
-else. Each such parameter instead gets an *owner* rank, chosen once from the parameters' full shapes (never
-a stage-3 shard's shape) by longest-processing-time-first on elements, so optimizer state and the owners'
-work are spread about evenly. A step then:
+Newton-Schulz orthogonalisation (Muon) and factored row/column statistics (Adafactor) need the whole parameter, so the
+usual ZeRO step on dim-0 rows would compute something else. Each such parameter instead gets an owner rank, chosen once
+from the parameters' full shapes (never a stage-3 shard's shape) by longest-processing-time-first on elements, so
+optimizer state and the owners' work are spread about evenly. A step then:
 
-1. sends every rank's rows of each whole parameter's reduced (and clipped) gradient to its owner, and, when
-   the rows that are the truth live apart from a full copy (fp32 masters, host copies, stage 3's shards), the
-   rows of the parameter too: one all-to-all each, every owner's rows packed together;
-2. the owner steps the whole parameter in fp32 (its *whole* tensor, which the optimizer keys its state by,
-   so that state exists only on the owner);
-3. sends each rank its rows of the updated parameter back (one all-to-all), into the rows the engine treats
-   as the truth; the engine's own post-step gather (stages 1-2) or FSDP2's next all-gather (stage 3) does the
-   rest.
+1. sends every rank's rows of each whole parameter's reduced gradient to its owner, and, where the truth lives apart
+   from a full copy (fp32 masters, host copies, stage 3's shards), the parameter's rows too, one all-to-all each;
+2. the owner steps its whole tensor, which the optimizer keys its state by, so that state exists only on the owner;
+3. sends each rank its rows of the updated parameter back (one all-to-all); the engine's own post-step gather (stages
+   1-2) or FSDP2's next all-gather (stage 3) does the rest.
 
-Ranks other than the owner leave the parameter out of the optimizer's groups for the step, so the optimizer
-never sees it there and creates no state for it. Stages 1-2 in full precision keep whole parameters on every
-rank already: the owner's whole tensor is then the resident parameter itself and step 1 sends gradients only.
+Other ranks leave the parameter out of the optimizer's groups for the step, so the optimizer creates no state for it
+there. Stages 1-2 in full precision already hold whole parameters, so the owner's whole tensor is the resident parameter
+itself and step 1 sends gradients only.
 """
 
 from __future__ import annotations
@@ -35,9 +31,7 @@ from lightning_zero.engine.shard import chunk_numel, element_range
 
 
 def plan_owners(shapes: Mapping[int, torch.Size], world_size: int, load: list[int] | None = None) -> dict[int, int]:
-    """Key -> owner rank: largest parameters first, each to the rank with the fewest elements so far (ties:
-    the lower key, the lower rank), on top of ``load`` (elements each rank already owns). Every rank computes
-    the same plan from the same shapes."""
+    """Key -> owner rank. Ties go to the lower key and rank, so every rank computes the same plan."""
     load = list(load) if load is not None else [0] * world_size
     owners = {}
     for key in sorted(shapes, key=lambda k: (-math.prod(shapes[k]), k)):
@@ -48,8 +42,7 @@ def plan_owners(shapes: Mapping[int, torch.Size], world_size: int, load: list[in
 
 
 class OwnerStepping:
-    """The whole parameters of one optimizer: who owns each, the owner's whole tensors, and the two all-to-alls
-    of a step (see [Note: owner stepping]). Keys are the engine's parameter indices."""
+    """The whole parameters of one optimizer (see [Note: owner stepping]), keyed by the engine's parameter indices."""
 
     def __init__(
         self,
@@ -63,22 +56,20 @@ class OwnerStepping:
     ) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.comm_device, self.dtype = comm_device, dtype
-        #: The owners' whole tensors alias the truth (stages 1-2 in full precision: the resident parameters), so a
-        #: step gathers gradients only. The same on every rank: it decides which collectives run.
+        #: The owners' whole tensors alias the truth, so a step gathers gradients only. The same on every rank: it
+        #: decides which collectives run.
         self.resident = resident
         self.owner: dict[int, int] = {}
         self.shapes: dict[int, torch.Size] = {}
-        #: key -> the owner's whole tensor (this rank's keys only); the optimizer keys its state by it.
+        #: This rank's keys only; the optimizer keys its state by them.
         self.whole: dict[int, torch.Tensor] = {}
-        #: Whether the engine placed the whole tensors (and so their optimizer state) in host memory.
         self.on_host = False
-        #: key -> the whole gradient the owner steps with, between :meth:`gather` and :meth:`scatter`.
+        #: Between :meth:`gather` and :meth:`scatter`.
         self.grads: dict[int, torch.Tensor] = {}
         self.load = [0] * world_size
 
     def adopt(self, shapes: Mapping[int, torch.Size], make_whole: Callable[[int], torch.Tensor]) -> None:
-        """Give the parameters not planned yet an owner; ``make_whole(key)`` builds the owner's whole tensor.
-        Plans made earlier stay (the optimizer state is keyed by them)."""
+        """Plans made earlier stay: the optimizer state is keyed by them."""
         new = {key: torch.Size(shape) for key, shape in shapes.items() if key not in self.owner}
         if not new:
             return
@@ -89,8 +80,7 @@ class OwnerStepping:
                 self.whole[key] = make_whole(key)
 
     def rekey(self, index: Mapping[int, int]) -> OwnerStepping:
-        """The same plan and whole tensors under new keys (``index``: old key -> new), after the engine re-planned
-        its layout around parameters unfrozen during ``fit``."""
+        """After the engine re-planned its layout around parameters unfrozen during ``fit``."""
         _rekey(self.owner, index)
         _rekey(self.shapes, index)
         _rekey(self.whole, index)
@@ -100,7 +90,6 @@ class OwnerStepping:
         return self.on_host and any(whole is tensor for whole in self.whole.values())
 
     def imbalance(self) -> float:
-        """The largest rank's owned elements over the mean (1.0: perfectly even)."""
         mean = sum(self.load) / self.world_size
         return max(self.load) / mean if mean else 1.0
 
@@ -108,15 +97,14 @@ class OwnerStepping:
     def gather(
         self, keys: Iterable[int], rows: Callable[[int], torch.Tensor], grads: Callable[[int], torch.Tensor | None]
     ) -> None:
-        """Collective: each owner receives every rank's gradient rows of the ``keys`` it owns (into
-        :attr:`grads`; left out where no rank had a gradient) and, unless :attr:`resident`, the parameter rows
-        (into its whole tensors)."""
+        """Collective: each owner receives every rank's gradient rows of the ``keys`` it owns and, unless
+        :attr:`resident`, the parameter rows."""
         keys = sorted(keys)
         received = self._to_owners(keys, grads, flag=True)
         if not self.resident:
             with torch.no_grad():
                 for key, value in self._to_owners(keys, rows, flag=False).items():
-                    if value is not None:  # rows are never left out
+                    if value is not None:
                         self.whole[key].copy_(value)
         self.grads = {
             key: value.to(self.whole[key].device, self.whole[key].dtype)
@@ -125,8 +113,7 @@ class OwnerStepping:
         }
 
     def scatter(self, keys: Iterable[int], write: Callable[[int, torch.Tensor], None]) -> None:
-        """Collective: every rank receives its rows of the updated whole parameters of ``keys`` and hands them to
-        ``write(key, rows)``. Ends the step: the whole gradients are dropped."""
+        """Collective: every rank receives its rows of the updated whole parameters of ``keys``."""
         keys = sorted(keys)
         self.grads = {}
         world, segment, offsets = self.world_size, *self._segments(keys, flag=False)
@@ -148,8 +135,8 @@ class OwnerStepping:
 
     # ------------------------------------------------------------------ packing
     def _segments(self, keys: list[int], flag: bool) -> tuple[int, dict[int, int]]:
-        """Elements each owner's lane needs (the largest owner's), and each key's offset in its owner's lane;
-        ``flag``: one more element per key saying whether the sender had anything for it."""
+        """``flag``: one more element per key saying whether the sender had anything for it, so a parameter no rank had
+        a gradient for stays without one."""
         offsets, used = {}, [0] * self.world_size
         for key in keys:
             owner = self.owner[key]
@@ -160,7 +147,6 @@ class OwnerStepping:
     def _to_owners(
         self, keys: list[int], read: Callable[[int], torch.Tensor | None], flag: bool
     ) -> dict[int, torch.Tensor | None]:
-        """Every rank's rows of each key (``read(key)``, None: nothing) whole on its owner (one all-to-all)."""
         world = self.world_size
         segment, offsets = self._segments(keys, flag)
         send = torch.zeros(world * segment, dtype=self.dtype, device=self.comm_device)

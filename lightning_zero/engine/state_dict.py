@@ -1,9 +1,7 @@
 """Per-parameter views of shards, gathered into full tensors (or sliced back) for checkpoints.
 
-Every stage uses the dim-0 convention (``shard.py``), so :func:`gather_full` serves them all: it rebuilds a
-full tensor from each rank's rows (``shard.local_rows`` takes them back out). Full state dicts are produced in the plain formats (``module.state_dict()`` keys and
-``torch.optim.Optimizer.state_dict()`` layout) so a file written here loads into a model and optimizer with
-no ZeroStrategy at all.
+Every stage uses the dim-0 convention (``shard.py``), so :func:`gather_full` serves them all. Full state dicts are
+produced in the plain formats, so a file written here loads into a model and optimizer with no ZeroStrategy at all.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from lightning_zero.engine.comm import collectives
 def gather_full(
     local: torch.Tensor, full_shape: torch.Size | tuple[int, ...], group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """All ranks' rows of a tensor, concatenated on every rank (collective: every rank must call it)."""
+    """Collective."""
     world = collectives.world_size(group)
     full_shape = torch.Size(full_shape)
     if world == 1:
@@ -39,16 +37,14 @@ def gather_full(
 
 
 def _gather(value: torch.Tensor, shape: torch.Size, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """A sharded tensor whole: a DTensor over its own mesh's ranks (a hybrid run's shard group), rows over
-    ``group``."""
+    """A DTensor gathers over its own mesh's ranks (a hybrid run's shard group)."""
     if isinstance(value, DTensor):
         return gather_full(value.to_local(), shape, group=value.device_mesh.get_group())
     return gather_full(value, shape, group=group)
 
 
 def full_model_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The module's ``state_dict`` with every sharded tensor gathered, on CPU (empty on other ranks when
-    ``rank0_only``). Collective."""
+    """Collective."""
     keep = not rank0_only or collectives.rank() == 0
     out: dict[str, torch.Tensor] = {}
     for name, value in module.state_dict().items():
@@ -71,14 +67,12 @@ def full_optimizer_state_dict(
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as an unsharded optimizer would return it. Collective.
 
-    ``hosted`` maps ``id(param)`` to the tensor the optimizer keys that parameter's state by (its shard view
-    in stages 1-2, the DTensor itself in stage 3); ``full_shapes`` maps ``id(param)`` to the full shape;
-    ``rows_group`` holds the rows of the hosted tensors (None: every rank); ``whole`` lists the parameters whose
-    state one owner rank holds whole (matrix optimizers), sent from there.
+    ``hosted``: the tensor the optimizer keys each parameter's state by; ``whole``: the parameters whose state one owner
+    rank holds whole (matrix optimizers), sent from there.
     """
     keep = not rank0_only or collectives.rank() == 0
     state: dict[int, dict[str, Any]] = {}
-    owned: dict[int, dict[str, Any]] = {}  # this rank's whole entries, by index
+    owned: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
     for group in optimizer.param_groups:

@@ -114,9 +114,10 @@ PARAMETER_GRAD_HINT = (
 )
 
 
-def note_sharded_call(exception: BaseException, stage: int = 3) -> None:
-    """Say why an operation met stage 3's shards, where torch's error names only the operator."""
+def note_sharded_call(exception: BaseException, shards_parameters: bool = True) -> None:
+    """Say why an operation met stage 3's shards, where torch's error names only the operator; ``shards_parameters``:
+    the run holds its parameters as shards (``ZeroConfig.shards_parameters``)."""
     if isinstance(exception, RuntimeError) and _MIXED_WITH_SHARDS in str(exception):
         add_note(exception, SHARDED_CALL_HINT)
-    elif stage == 3 and isinstance(exception, RuntimeError) and _NOT_IN_THE_GRAPH in str(exception):
+    elif shards_parameters and isinstance(exception, RuntimeError) and _NOT_IN_THE_GRAPH in str(exception):
         add_note(exception, PARAMETER_GRAD_HINT)

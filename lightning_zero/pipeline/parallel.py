@@ -203,7 +203,7 @@ class PipelineParallel:
         """:meth:`train_step`, and the loss logged. Stages 1-2 hold the engine's gradient reduction back (it runs
         once, after the last micro-batch, when the strategy's ``backward`` flushes it); stage 3 reduces inside
         the schedule's last backward when the engine synchronises (see [Note: stage 3 under pipeline stages])."""
-        if engine is not None and engine.stage == 3:
+        if engine is not None and not engine.holds_whole_parameters:
             self.runner.reduce_gradients = engine.synchronizing
             loss = self.train_step(batch, factor, engine)
         else:

@@ -17,10 +17,12 @@ def refuse_unsupported_callbacks(trainer: pl.Trainer, config: ZeroConfig) -> Non
     of every layer and re-registers them (``weight`` -> ``weight_orig`` plus a mask buffer), where stage 3 holds each
     parameter as a DTensor shard that FSDP2 gathers by its registered name, and a pipeline stage holds only its own
     layers (the others are on the meta device). Stages 1-2 hold whole parameters and follow it."""
-    if config.stage != 3 and config.pipeline_stages == 1:
+    if not config.shards_parameters and config.pipeline_stages == 1:
         return
-    setting = f"stage={config.stage}" if config.stage == 3 else f"pipeline_stages={config.pipeline_stages}"
-    held = "DTensor shards" if config.stage == 3 else "the layers of one pipeline stage on each rank"
+    if config.shards_parameters:
+        setting, held = f"stage={config.stage}", "DTensor shards"
+    else:
+        setting, held = f"pipeline_stages={config.pipeline_stages}", "the layers of one pipeline stage on each rank"
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, ModelPruning):
             raise ZeroConfigError(

@@ -99,7 +99,7 @@ class DistributedProcesses:
     def on_exception(self, exception: BaseException) -> None:
         """A rank failed: name the cause on every rank (``faults/watchdog.py``)."""
         self.failed = True
-        note_sharded_call(exception, self.zero_config.stage)
+        note_sharded_call(exception, self.zero_config.shards_parameters)
         self.faults.on_exception(exception)
 
     def finish(self) -> BaseException | None:

@@ -49,7 +49,8 @@ def construction_device(config: ZeroConfig) -> contextlib.AbstractContextManager
     """Where ``configure_model`` builds layers: stage 3 on the meta device (FSDP2 materialises one unit at a
     time, so no rank ever holds the whole model), the others where they are. Pipeline stages build the model
     whole, then free the layers of other stages (``pipeline/parallel.py``), at every stage."""
-    return torch.device("meta") if config.stage == 3 and config.pipeline_stages == 1 else contextlib.nullcontext()
+    on_meta = config.shards_parameters and config.pipeline_stages == 1
+    return torch.device("meta") if on_meta else contextlib.nullcontext()
 
 
 def _nothing() -> None:
@@ -122,7 +123,7 @@ def shard_model(
     if fitting:
         check_trainable(model)
     afterwards: list[Callable[[], None]] = []
-    if fitting or config.stage == 3:
+    if fitting or config.shards_parameters:
         _in_the_shards_form(model, fitting, afterwards)
     if checkpoint_policy is not None:
         # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
@@ -144,14 +145,14 @@ def shard_model(
         pipeline = PipelineParallel(model, config, rank, world_size, device)
         group, source, mesh, holding = pipeline.dp_group, pipeline.dp_source, pipeline.dp_mesh, pipeline.holding
         replicas = group
-    if pipeline is not None or config.stage != 3:  # stage 3 alone starts from rank 0's values as it shards
+    if pipeline is not None or not config.shards_parameters:  # stage 3 alone starts from rank 0's values as it shards
         if pipeline is None:
             move_to_device()
         held = holding.held((*model.named_parameters(), *model.named_buffers()))
         collectives.broadcast([t.data for t in held.values()], src=source, group=replicas)
     # See [Note: materialising meta modules in construction order]: checked once pretrained weights had their say.
-    built_on_meta = config.stage == 3 and pipeline is None and has_meta(model, recurse=True)
-    if config.stage == 3:
+    built_on_meta = config.shards_parameters and pipeline is None and has_meta(model, recurse=True)
+    if config.shards_parameters:
         engine = FullyShardedEngine(
             model,
             device=device,
@@ -209,7 +210,7 @@ def shard_model(
 def _check_not_sharded_elsewhere(model: nn.Module, config: ZeroConfig) -> None:
     """A stage-3 run converts the module (or its pipeline stages) in place, to FSDP2's DTensor shards and hooks, and
     leaves it so, as FSDP and DeepSpeed's stage 3 do: only another stage-3 run can take it up."""
-    if config.stage == 3 or not any(isinstance(p, DTensor) for p in model.parameters()):
+    if config.shards_parameters or not any(isinstance(p, DTensor) for p in model.parameters()):
         return
     name = type(model).__name__.removeprefix("FSDP") if isinstance(model, FSDPModule) else type(model).__name__
     raise ZeroConfigError(

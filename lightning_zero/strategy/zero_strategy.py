@@ -146,7 +146,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._deepspeed is not None:
             defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
             arguments = merge_strategy_arguments(self._deepspeed, arguments, defaults)
-        self.zero_config = zero_config = ZeroConfig(**arguments)
+        self._zero_config = zero_config = ZeroConfig(**arguments)
         #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
         self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing)
         self._num_nodes = 1
@@ -170,6 +170,16 @@ class ZeroStrategy(ParallelStrategy):
     def deepspeed_settings(self) -> DeepSpeedSettings | None:
         """What ``config=`` asked for beyond the strategy's own arguments (precision, Trainer, optimizer)."""
         return self._deepspeed
+
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The validated settings."""
+        return self._zero_config
+
+    @zero_config.setter
+    def zero_config(self, zero_config: ZeroConfig) -> None:
+        """Other settings for the next save or run (e.g. ``state_dict_type``), for the collaborators too."""
+        self._zero_config = self._processes.zero_config = self._checkpoints.zero_config = zero_config
 
     @property
     def stage(self) -> int:

@@ -1,15 +1,10 @@
 """The only module that calls ``torch.distributed`` collectives.
 
-Every call is labelled with ``torch.profiler.record_function`` and counted in :func:`comm_stats`, so tests
-and benchmarks can assert what a step communicates (``elements`` per kind) without patching torch. FSDP2
-(stage 3) is routed through here too, via its custom all-gather / reduce-scatter hooks (``fsdp2_comm.py``);
-pipeline stages' point-to-point sends are counted by the pipeline as they happen (:func:`record_sent`). Over
-gloo, reduce-scatter and all-gather run as point-to-point transfers (``p2p_transport.py``: rings, and stages 1-2's
-exchanges without packed buffers), or through shared-memory mailboxes (``shm_transport.py``); both are reached only
-through this module.
-
-What is counted, and how groups are told apart as intra- or inter-node, is ``comm_stats.py``'s
-[Note: counting convention].
+Every call is labelled with ``torch.profiler.record_function`` and counted in :func:`comm_stats`, so tests and
+benchmarks can assert what a step communicates without patching torch. FSDP2 is routed through here too, via its custom
+all-gather / reduce-scatter hooks (``fsdp2_comm.py``). Over gloo, reduce-scatter and all-gather run as point-to-point
+transfers (``p2p_transport.py``) or through shared-memory mailboxes (``shm_transport.py``). What is counted is
+``comm_stats.py``'s [Note: counting convention].
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ from lightning_zero.engine.comm.comm_stats import CommStats
 from lightning_zero.engine.comm.flight import RECORDER as _FLIGHT
 
 ReduceOp = dist.ReduceOp
-#: A reduce op as torch takes it: ``ReduceOp.SUM`` and the other members are ``RedOpType`` values.
+#: ``ReduceOp.SUM`` and the other members are ``RedOpType`` values.
 ReduceOpLike = dist.ReduceOp | dist.ReduceOp.RedOpType
 #: torch 2.13 renamed the flat collectives (the old names now warn); earlier releases have only the old ones.
 _all_gather_flat: Callable[..., dist.Work | None] = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -42,13 +37,11 @@ _STATS = CommStats()
 
 
 def set_wait_timeout(timeout: timedelta | None) -> None:
-    """How long a point-to-point wait (our ring collectives) may block: gloo applies the process group's timeout
-    to collectives but not to isend/irecv waits. Set by ``faults/timeouts.py`` while a run is active."""
+    """gloo applies the process group's timeout to collectives but not to isend/irecv waits, which our rings use."""
     p2p.WAIT_TIMEOUT = timeout
 
 
 def comm_stats() -> CommStats:
-    """This process's communication counters."""
     return _STATS
 
 
@@ -57,7 +50,6 @@ def _count(kind: str, tensor: torch.Tensor, group: dist.ProcessGroup | None, tim
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
-    """The global ranks of ``group`` (None: every rank), in group order."""
     if not is_distributed():
         return (0,)
     if group is None or group is dist.group.WORLD:
@@ -86,10 +78,10 @@ def reduce_scatter(
 ) -> dist.Work | p2p.Ring | None:
     """Sum ``input`` over ranks into rank r's segment in ``output`` (may overwrite ``input``); ``unit``: the stage-3
     unit served (``flight.unit_code``)."""
-    if world_size(group) == 1:  # a group of one (e.g. a pipeline stage without replicas) sends nothing
+    if world_size(group) == 1:
         output.copy_(input)
         return None
-    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype, unit)  # see engine/comm/flight.py
+    number = _FLIGHT.issue("reduce_scatter", input.numel(), input.dtype, unit)
     _count("reduce_scatter", input, group)
     with record_function("lightning_zero::reduce_scatter"):
         if (mailboxes := _shared_memory(group, output, input)) is not None:
@@ -111,7 +103,6 @@ def all_gather(
     async_op: bool = False,
     unit: int = 0,
 ) -> dist.Work | p2p.Ring | None:
-    """Concatenate every rank's ``input`` into ``output`` (``unit``: as for :func:`reduce_scatter`)."""
     if world_size(group) == 1:
         output.copy_(input)
         return None
@@ -140,8 +131,8 @@ _PACKED_ONLY = False
 
 
 def exchanges_in_place(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether the in-place exchanges (:func:`all_gather_in_place`, ...) serve ``group``: gloo's point-to-point
-    transfers ([Note: collectives in place], ``p2p_transport.py``); mailboxes and other backends take packed buffers."""
+    """[Note: collectives in place] (``p2p_transport.py``) needs gloo's point-to-point transfers; mailboxes and other
+    backends take packed buffers."""
     return not _PACKED_ONLY and world_size(group) > 1 and _use_ring(group) and shm_transport.for_group(group) is None
 
 
@@ -162,11 +153,9 @@ def all_gather_in_place(
     group: dist.ProcessGroup | None = None,
     chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
-    """Every rank's ``pieces[rank]`` into ``pieces[rank]`` of every other rank, tensor by tensor, with no bucket
-    buffer (see [Note: collectives in place] in ``p2p_transport.py``). ``pieces[r]`` are contiguous views of the
-    destinations, the same shapes on every rank; ``packed_numel`` is the size of the buffer the packed collective
-    would fill, as counted; ``chunk_numels``, each piece's padded chunk length, lets small pieces travel together.
-    Returns the handle to wait on."""
+    """Every rank's ``pieces[rank]`` into ``pieces[rank]`` of every other rank, with no bucket buffer (see
+    [Note: collectives in place] in ``p2p_transport.py``). ``packed_numel`` is counted, as the packed collective's
+    buffer; ``chunk_numels`` lets small pieces travel together."""
     mine = pieces[rank(group)]
     return _exchange_counted(
         "all_gather", mine, packed_numel, group, lambda peer: mine, lambda peer: pieces[peer], chunk_numels
@@ -181,10 +170,8 @@ def reduce_scatter_in_place(
     chunk_numels: Sequence[int] | None = None,
 ) -> p2p.Ring:
     """The transfers of a reduce-scatter without its buffers (see [Note: collectives in place] in
-    ``p2p_transport.py``): ``sends[r]``, this rank's contributions to rank r's rows, go to rank r and land there in
-    ``receives[this rank]``; the caller adds what it received once the handle is waited on. ``packed_numel`` is the
-    size of the input the packed collective would reduce, as counted; ``chunk_numels`` as in
-    :func:`all_gather_in_place`."""
+    ``p2p_transport.py``): ``sends[r]`` lands in rank r's ``receives[this rank]``, and the caller adds what it received
+    once the handle is waited on."""
     mine = [piece for pieces in sends for piece in pieces]
     return _exchange_counted(
         "reduce_scatter", mine, packed_numel, group, lambda peer: sends[peer], lambda peer: receives[peer], chunk_numels
@@ -214,8 +201,7 @@ def all_to_all(
     async_op: bool = False,
     unit: int = 0,
 ) -> dist.Work | None:
-    """Rank r's chunk j of ``input`` (dim 0 split in equal chunks) lands as chunk r of rank j's ``output``: compressed
-    gradient reduction (``compression.py``) sends each owner its rows this way (``unit``: as for :func:`reduce_scatter`)."""
+    """Rank r's chunk j of ``input`` lands as chunk r of rank j's ``output`` (compressed gradient reduction)."""
     if world_size(group) == 1:
         output.copy_(input)
         return None
@@ -223,27 +209,25 @@ def all_to_all(
     _count("all_to_all", input, group)
     with record_function("lightning_zero::all_to_all"):
         work = dist.all_to_all_single(output, input, group=group, async_op=True)
-        if async_op and work is not None:  # None only where torch's stub says so (2.14): an async call hands a Work
+        if async_op and work is not None:  # torch 2.14's stub types an async call's Work as optional
             return _Tracked(work, number, "all_to_all")
         finish(work, number, "all_to_all")
         return None
 
 
 class _Tracked(dist.Work):
-    """A backend's handle that reports its wait to the flight recorder, as our rings do."""
+    """Reports its wait to the flight recorder, as our rings do."""
 
     def __init__(self, work: dist.Work, number: int, kind: str) -> None:
         super().__init__()
         self.work, self.number, self.kind = work, number, kind
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """``timeout`` is ``dist.Work``'s; unused, as by our rings."""
         finish(self.work, self.number, self.kind)
         return True
 
 
 def _handed_back(work: dist.Work | None, async_op: bool, number: int, kind: str) -> dist.Work | None:
-    """``work`` for the caller to wait on (``async_op``), or None once it completed here."""
     if async_op:
         return work
     finish(work, number, kind)
@@ -251,7 +235,6 @@ def _handed_back(work: dist.Work | None, async_op: bool, number: int, kind: str)
 
 
 def finish(work: dist.Work | None, number: int = 0, kind: str = "") -> None:
-    """Wait for an asynchronous collective's handle (one of our rings, or a ``dist.Work``)."""
     if isinstance(work, p2p.Ring):
         work.wait()  # records its own wait
     elif work is not None:
@@ -269,8 +252,7 @@ def _use_ring(group: dist.ProcessGroup | None) -> bool:
 def _shared_memory(
     group: dist.ProcessGroup | None, output: torch.Tensor, input: torch.Tensor
 ) -> shm_transport.SharedMemoryGroup | None:
-    """The group's shared-memory mailboxes (``shm_transport.py``) where they serve this call: gloo, host tensors,
-    one host. Every rank decides alike (same backend, devices and layout)."""
+    """Every rank decides alike (same backend, devices and layout)."""
     if not (
         _use_ring(group)
         and output.device.type == "cpu"
@@ -292,8 +274,6 @@ def _through_mailboxes(
     kind: str,
     async_op: bool,
 ) -> dist.Work | None:
-    """Queue a collective to the group's mailbox thread: its handle, or None once it ran (``async_op=False``,
-    or a group whose collectives run in the calling thread)."""
     work = mailboxes.submit(collective, output, input)
     if work is None:
         _FLIGHT.wait(number, kind)
@@ -308,7 +288,6 @@ def _through_mailboxes(
 def all_reduce(
     tensor: torch.Tensor, op: ReduceOpLike = ReduceOp.SUM, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """In-place all-reduce (small tensors: norms, overflow flags)."""
     if world_size(group) == 1:
         return tensor
     number = _FLIGHT.issue("all_reduce", tensor.numel(), tensor.dtype)
@@ -327,8 +306,7 @@ def all_reduce(
 
 
 def max_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> p2p.Ring:
-    """A started all-reduce (MAX) of a small tensor as an exchange (``p2p.MaxExchange``, where
-    :func:`exchanges_in_place` serves ``group``), recorded and counted as the all-reduce it replaces."""
+    """A started MAX all-reduce as an exchange, recorded and counted as the all-reduce it replaces."""
     number = _FLIGHT.issue("all_reduce", tensor.numel(), tensor.dtype)
     _count("all_reduce", tensor, group, times=2)
     with record_function("lightning_zero::all_reduce"):
@@ -336,15 +314,13 @@ def max_in_place(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -
 
 
 def _staging_device(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.device | None:
-    """NCCL moves only CUDA tensors: host tensors (offloaded gradients and optimizer state) go through the
-    current CUDA device. None when the backend takes the tensor where it is."""
+    """NCCL moves only CUDA tensors: offloaded host tensors go through the current CUDA device."""
     if tensor.device.type == "cpu" and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return None
 
 
 def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
-    """Broadcast ``tensors`` in place from global rank ``src``."""
     if world_size(group) == 1:
         return
     number = _FLIGHT.issue("broadcast", sum(t.numel() for t in tensors), tensors[0].dtype if tensors else None)
@@ -355,7 +331,7 @@ def broadcast(tensors: Sequence[torch.Tensor], src: int = 0, group: dist.Process
             works.append(dist.broadcast(tensor, src=src, group=group, async_op=True))
         _FLIGHT.wait(number, "broadcast")
         for work in works:
-            if work is not None:  # as in all_to_all: torch 2.14's stub types an async call's Work as optional
+            if work is not None:  # as in all_to_all
                 work.wait()
         _FLIGHT.done(number)
 
@@ -368,14 +344,12 @@ def broadcast_object(obj: _T, src: int = 0, group: dist.ProcessGroup | None = No
 
 
 def _blocking(kind: str, numel: int = 0, dtype: torch.dtype | None = None) -> int:
-    """Record a blocking collective (of pickled objects when there is no tensor to describe) and its wait."""
     number = _FLIGHT.issue(kind, numel, dtype)
     _FLIGHT.wait(number, kind)
     return number
 
 
 def _pickled(kind: str, call: Callable[[], object]) -> None:
-    """Run a blocking collective of pickled objects (or a barrier), recorded and labelled as ``kind``."""
     number = _blocking(kind)
     with record_function(f"lightning_zero::{kind}"):
         call()
@@ -383,7 +357,6 @@ def _pickled(kind: str, call: Callable[[], object]) -> None:
 
 
 def all_gather_objects(obj: _T, group: dist.ProcessGroup | None = None) -> list[_T]:
-    """Every rank's ``obj`` (small, picklable), in rank order, on every rank."""
     if world_size(group) == 1:
         return [obj]
     out: list[Any] = [None] * world_size(group)
@@ -392,7 +365,6 @@ def all_gather_objects(obj: _T, group: dist.ProcessGroup | None = None) -> list[
 
 
 def gather_objects(obj: _T, dst: int = 0) -> list[_T] | None:
-    """Every rank's ``obj`` in rank order on rank ``dst``; None elsewhere."""
     if world_size() == 1:
         return [obj]
     out: list[Any] | None = [None] * world_size() if rank() == dst else None
@@ -426,13 +398,12 @@ def reduce_scatter_op(
 
 
 def record_sent(tensor: torch.Tensor) -> None:
-    """Count, as ``"send"``, a point-to-point send of another library (``torch.distributed.pipelining``'s)."""
+    """Count a point-to-point send of ``torch.distributed.pipelining``."""
     _count("send", tensor, None)
 
 
 def all_gather_uncounted(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``tensor`` stacked, ``(world, *shape)``: for bookkeeping (the monitor's figures) that must
-    not show up in the model's communication counts."""
+    """For bookkeeping (the monitor's figures) that must not show up in the model's communication counts."""
     if world_size() == 1:
         return tensor.unsqueeze(0)
     out = torch.empty(world_size() * tensor.numel(), dtype=tensor.dtype, device=tensor.device)

@@ -44,12 +44,10 @@ class CommStats:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def record(self, kind: str, tensor: torch.Tensor, ranks: tuple[int, ...], times: int = 1) -> None:
-        """Count ``tensor`` (``times`` over, see the note) as one ``kind`` collective over ``ranks``."""
         self.record_elements(kind, tensor.numel() * times, tensor.element_size(), ranks)
 
     def record_elements(self, kind: str, numel: int, itemsize: int, ranks: tuple[int, ...]) -> None:
-        """Count ``numel`` elements of ``itemsize`` bytes as one ``kind`` collective over ``ranks`` (a collective
-        without a buffer of that size, e.g. stages 1-2's exchanges in place)."""
+        """For a collective without a buffer of that size (stages 1-2's exchanges in place)."""
         with self._lock:
             traffic = self.groups.get(ranks)
             if traffic is None:
@@ -64,7 +62,7 @@ class CommStats:
         return len({rank // self.node_size for rank in ranks}) > 1
 
     def set_node_size(self, node_size: int | None) -> None:
-        """Ranks per node (the Trainer's ``devices``); reclassifies the groups counted so far."""
+        """Reclassifies the groups counted so far."""
         with self._lock:
             self.node_size = node_size
             for traffic in self.groups.values():

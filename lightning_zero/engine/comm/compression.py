@@ -1,29 +1,22 @@
 """Compressed collectives: smaller payloads on the wire, fp32 arithmetic at both ends (ZeRO++ qgZ and qwZ, and
 16-bit transport).
 
-Three collectives carry a run's bulk, and each has a compressed form here:
-
-* gradients, reduce-scatter (stages 1-3): each rank encodes the chunks it owes its peers, one all-to-all delivers
-  every chunk to the rank that owns those rows, and the owner decodes and sums them in fp32 (qgZ). A quantized
-  reduce-scatter cannot run as a ring: every hop would sum and re-quantize, compounding the error.
-* gradients across replica groups (hybrid sharding): each rank encodes its held shard, an all-gather over the
-  replica group brings every replica's encoding, and every rank decodes all of them and sums in fp32;
-* parameters, all-gather (the stage 1-2 post-step gather, stage 3's forward and backward gathers): each rank
-  encodes its rows, and every rank decodes every rank's rows, its own included (qwZ).
+The gradient reduce-scatter (qgZ) runs as one all-to-all of encoded chunks, each owner decoding and summing in fp32: a
+quantized reduce-scatter cannot run as a ring, since every hop would sum and re-quantize, compounding the error. The sum
+across replica groups and the parameter all-gather (qwZ) are all-gathers of encoded rows.
 
 [Note: whose values are decoded]
 Replicas must compute with the same numbers. A sum that only the owner computes (the reduce-scatter's) may use the
-owner's own chunk exactly: it never travels, and stage 1's own rows hold the running sum of earlier backwards,
-which must not be re-quantized. A result that every rank computes (the replica sum, the gathered parameters) is
-decoded from the same bytes everywhere, a rank's own encoding included; otherwise each rank would keep its own
-rows exact and its peers' rows rounded, and the replicas would drift apart. The exact values live on in the fp32
-master rows, which compression never touches.
+owner's own chunk exactly: it never travels, and stage 1's own rows hold the running sum of earlier backwards, which
+must not be re-quantized. A result that every rank computes (the replica sum, the gathered parameters) is decoded from
+the same bytes everywhere, a rank's own encoding included; otherwise each rank would keep its own rows exact and its
+peers' rounded, and the replicas would drift apart. The exact values live on in the fp32 master rows.
 
 [Note: error feedback]
 With ``error_feedback`` each rank keeps, per chunk it sends, what quantization dropped last time, and adds it to the
-next gradient of that chunk (EF-SGD, as 1-bit Adam does), so the sum of the applied gradients tracks the true sum
-to within one step's rounding instead of drifting. Residuals are named by the peer's offset from this rank, not by
-the peer's rank, so every rank of a run has the same names (see ``checkpoint/error_feedback.py``).
+next gradient of that chunk (EF-SGD, as 1-bit Adam does), so the applied gradients track the true sum instead of
+drifting. Residuals are named by the peer's offset from this rank, not by the peer's rank, so every rank of a run has
+the same names (see ``checkpoint/error_feedback.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +36,6 @@ _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclasses.dataclass(frozen=True)
 class CompressionSpec:
-    """What a run compresses (``ZeroStrategy``'s ``gradient_compression``, ``param_compression`` and the rest)."""
-
     gradients: str | None = None
     params: str | None = None
     scheme: str = "symmetric"
@@ -59,8 +50,6 @@ class CompressionSpec:
 
 
 class _Cast:
-    """16-bit transport: the values themselves, rounded to ``dtype``."""
-
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
@@ -83,8 +72,8 @@ class _Quantized:
 
     @functools.lru_cache(maxsize=None)
     def codec(self, numel: int) -> Codec:
-        """As many blocks as ``block_size`` asks for, evened out over the chunk: 6240 elements in blocks of at most
-        2048 travel as 4 blocks of 1560, not 3 of 2048 and a padded fourth."""
+        """Blocks evened out over the chunk: 6240 elements in blocks of at most 2048 travel as 4 blocks of 1560, not 3
+        of 2048 and a padded fourth."""
         blocks = max(1, -(-numel // self.block_size))
         block = -(-numel // blocks)
         return Codec(bits=self.bits, block_size=max(2, block + block % 2), scheme=self.scheme)
@@ -105,8 +94,7 @@ class _Quantized:
 
 @functools.lru_cache(maxsize=None)
 def _transport(wire: str | None, spec: CompressionSpec, dtype: torch.dtype) -> _Cast | _Quantized | None:
-    """How a tensor of ``dtype`` travels; None: as it is (no compression asked for, a 16-bit format for a tensor
-    that already is 16-bit, or a non-floating tensor)."""
+    """None: as it is."""
     if wire is None or not dtype.is_floating_point:
         return None
     if wire in _CAST_DTYPES:
@@ -115,8 +103,6 @@ def _transport(wire: str | None, spec: CompressionSpec, dtype: torch.dtype) -> _
 
 
 class _Pending:
-    """A compressed collective in flight: ``wait()`` finishes the transfer, then decodes into the output."""
-
     def __init__(self, work: dist.Work | None, land: Callable[[], None]) -> None:
         self.work, self.land = work, land
 
@@ -128,8 +114,6 @@ class _Pending:
 
 
 class CompressedComm:
-    """One engine's compressed collectives and this rank's error-feedback residuals."""
-
     def __init__(self, spec: CompressionSpec) -> None:
         self.spec = spec
         self.feedback = ErrorFeedback(Codec()) if spec.error_feedback else None
@@ -144,9 +128,8 @@ class CompressedComm:
         async_op: bool = True,
         unit: int = 0,
     ) -> dist.Work | _Pending | None:
-        """Sum ``input`` (rank-major chunks) over ``group`` into this rank's chunk ``output``, like
-        ``collectives.reduce_scatter`` (``unit`` too); not compressed under ``inter_node_only`` (a shard group is a
-        node's)."""
+        """Like ``collectives.reduce_scatter``; not compressed under ``inter_node_only``, a shard group being a
+        node's."""
         transport = self._gradient_transport(input.dtype, replicas=False)
         world = collectives.world_size(group)
         if transport is None or world == 1:
@@ -176,8 +159,7 @@ class CompressedComm:
         return None
 
     def sum_over(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, key: object) -> None:
-        """In place: ``tensor`` summed over ``group`` (hybrid sharding's replicas), every rank decoding the same
-        bytes (see [Note: whose values are decoded])."""
+        """See [Note: whose values are decoded]."""
         transport = self._gradient_transport(tensor.dtype, replicas=True)
         if transport is None:
             collectives.all_reduce(tensor, group=group)
@@ -210,8 +192,7 @@ class CompressedComm:
         async_op: bool = True,
         unit: int = 0,
     ) -> dist.Work | _Pending | None:
-        """Every rank's ``input`` into ``output`` (rank-major), decoded from the same bytes on every rank, this
-        rank's own rows included (``unit``: as for ``collectives.all_gather``)."""
+        """See [Note: whose values are decoded]."""
         transport = _transport(self.spec.params, self.spec, input.dtype)
         world = collectives.world_size(group)
         if transport is None or world == 1:
@@ -236,7 +217,6 @@ class CompressedComm:
 
     # ------------------------------------------------------------------ state
     def residuals(self) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residuals by name (empty without error feedback)."""
         return self.feedback.state_dict() if self.feedback is not None else {}
 
     def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:

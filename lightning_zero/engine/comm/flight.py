@@ -1,22 +1,19 @@
 """The flight recorder: what this rank's main thread has communicated, cheap enough to stay always on.
 
-Like torch's NCCL flight recorder, each rank keeps a short ring of its most recent collectives, but it
-records only what ``engine/comm/collectives.py`` issues (kind, elements, dtype) plus step-boundary *marks*; the
-watchdog thread (``faults/watchdog.py``) reads it and publishes it. Everything on the main thread is a few attribute
-writes and one ``deque.append`` per collective, so it costs nothing against a step
+Like torch's NCCL flight recorder, each rank keeps a short ring of its most recent collectives, but only those
+``collectives.py`` issues plus step-boundary marks; the watchdog thread (``faults/watchdog.py``) reads and publishes it.
+The main thread's share is a few attribute writes and one ``deque.append`` per collective
 (``benchmarks/results/2026-12-07-docstring-figures.md``).
 
 [Note: operation numbers and the running hash]
-``ops`` counts the collectives this rank issued through ``collectives.py`` since the run started; in a
-data-parallel run every rank issues the same sequence, so ``all_gather #412`` names the same collective on
-every rank. ``digest`` folds (kind, elements, dtype) of each into a running hash; two ranks whose digests
-differ at the same mark (the same phase and step) issued different collectives since the run started, which
-gloo may not notice (equal sizes pair silently) and NCCL never does. The hash uses fixed codes, never
-Python's ``hash`` of strings, which differs between processes.
+In a data-parallel run every rank issues the same sequence of collectives, so ``all_gather #412`` names the same
+collective on every rank. ``digest`` folds (kind, elements, dtype) of each into a running hash; two ranks whose digests
+differ at the same mark issued different collectives, which gloo may not notice (equal sizes pair silently) and NCCL
+never does. The hash uses fixed codes, never Python's ``hash`` of strings, which differs between processes.
 
-Stage 3's collectives also fold in the unit they serve (:func:`unit_code`, a CRC of its module path): ranks that
-gather different units of one size (experts made units of their own, each rank gathering the ones its tokens
-reach) pair them silently, each rank computing with the other's parameters; their digests part there.
+Stage 3's collectives also fold in the unit they serve (:func:`unit_code`): ranks that gather different units of one
+size (experts, each rank gathering the ones its tokens reach) would pair them silently, each computing with the
+other's parameters.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import torch
 
 from lightning_zero.engine.comm import flight_file
 
-#: Stable codes for the hash (see [Note: operation numbers and the running hash]).
 _KIND_CODES = {
     "all_reduce": 1,
     "reduce_scatter": 2,
@@ -63,20 +59,17 @@ _DTYPE_CODES: dict[torch.dtype | None, int] = {dtype: i + 1 for i, dtype in enum
 _MASK = (1 << 61) - 1
 RING = 32  # collectives kept per rank
 MARKS = 8  # step marks kept per rank
-#: Unit codes back to their module paths (the same on every rank, which builds the same model).
 _UNITS: dict[int, str] = {}
 
 
 def unit_code(name: str) -> int:
-    """The code stage 3's collectives for the unit at module path ``name`` carry (see [Note: operation numbers and
-    the running hash])."""
+    """See [Note: operation numbers and the running hash]."""
     code = zlib.crc32(name.encode()) or 1
     _UNITS[code] = name
     return code
 
 
 def unit_name(code: int) -> str:
-    """The module path of a unit code ("" for none); a code no unit of this process registered stays a number."""
     return _UNITS.get(code, f"unit {code:08x}") if code else ""
 
 
@@ -88,7 +81,6 @@ class Op(NamedTuple):
     numel: int
     dtype: str
     unit: str = ""
-    """The stage-3 unit whose parameters or gradients it carries ("": none)."""
 
     def describe(self) -> str:
         unit = f", {self.unit}" if self.unit else ""
@@ -96,7 +88,7 @@ class Op(NamedTuple):
 
 
 class Mark(NamedTuple):
-    """The state at the start of one step: ``count`` is the step's position in its phase on this rank."""
+    """The state at the start of one step."""
 
     phase: str
     count: int  # type: ignore[assignment]  # mypy rejects a field shadowing tuple.count; diagnosis reads it by name
@@ -113,8 +105,7 @@ class Waiting(NamedTuple):
 
 
 class CollectiveError(RuntimeError):
-    """The run cannot go on: a rank failed, died, diverged or is stuck. The message names the rank, the
-    collective (kind and number) and where each rank was; the same text is every rank's error."""
+    """A rank failed, died, diverged or is stuck; the same text is every rank's error."""
 
 
 class FlightRecorder:
@@ -128,8 +119,7 @@ class FlightRecorder:
         self.reset(None)
 
     def reset(self, group: Any) -> None:
-        """Start a run (on the thread that runs the loops): counters to zero; ``group`` (the world) is read for
-        its sequence number at marks."""
+        """Called on the thread that runs the loops; ``group`` is read for its sequence number at marks."""
         self.main = threading.get_ident()
         self.group = group
         self.ops = 0
@@ -139,14 +129,13 @@ class FlightRecorder:
         self.counts: dict[str, int] = {}
         self.waiting: Waiting | None = None
         self.abort = None
-        #: Set by the timeouts manager: applies the op timeout to groups created later.
+        #: Set by the timeouts manager, to apply the op timeout to groups created later.
         self.on_mark: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ hot path (main thread)
     def issue(self, kind: str, numel: int, dtype: torch.dtype | None, unit: int = 0) -> int:
-        """Record a collective about to be issued (``unit``: a stage-3 unit's :func:`unit_code`); raise the watchdog's
-        diagnosis if the run is over. Collectives of other threads (a background checkpoint writer) are not part of
-        the main sequence: number 0."""
+        """Raise the watchdog's diagnosis if the run is over. Collectives of other threads (a background checkpoint
+        writer) are not part of the main sequence: number 0."""
         if self.abort is not None:
             raise self.abort
         if not self.enabled or threading.get_ident() != self.main:
@@ -165,8 +154,7 @@ class FlightRecorder:
         return number
 
     def wait(self, number: int, kind: str) -> None:
-        """The main thread is about to block on collective ``number``; :meth:`done` when it returns. A wait that
-        raises leaves this set, so the error handler still knows which collective failed."""
+        """A wait that raises leaves this set, so the error handler still knows which collective failed."""
         if number:
             self.waiting = Waiting(number, kind, time.monotonic())
             if self.file is not None:
@@ -179,7 +167,6 @@ class FlightRecorder:
                 self.file.wait(0, "")
 
     def mark(self, phase: str, batch: int | None) -> None:
-        """A step starts (``training_step``, ``validation_step``, ...)."""
         if self.abort is not None:
             raise self.abort
         if not self.enabled:
@@ -195,7 +182,7 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ the flight file (watchdog start and stop)
     def write_to(self, path: Path, proc: str) -> None:
-        """Mirror this run's record into ``path`` (see [Note: the flight file])."""
+        """See [Note: the flight file]."""
         self.close_file()
         self.file = flight_file.FlightFile(path, proc, self.main or 0, RING, MARKS, _KIND_CODES, _DTYPE_CODES)
 
@@ -206,7 +193,7 @@ class FlightRecorder:
 
     # ------------------------------------------------------------------ readers (any thread)
     def recent_ops(self) -> list[Op]:
-        """As a peer reads them from the flight file: a dtype without a code (a collective of pickled objects) is "?"."""
+        """As a peer reads them from the flight file."""
         return [
             Op(n, kind, numel, str(dtype).replace("torch.", "") if dtype in _DTYPE_CODES else "?", unit_name(unit))
             for n, kind, numel, dtype, unit in list(self.recent)
@@ -217,10 +204,8 @@ class FlightRecorder:
         return marks[-1] if marks else None
 
 
-#: This process's recorder.
 RECORDER = FlightRecorder()
 
 
 def read_file(path: Path) -> flight_file.FlightSnapshot | None:
-    """Another process's flight file, in this recorder's codes."""
     return flight_file.read(path, RING, MARKS, _KIND_CODES, _DTYPE_CODES, unit_name)

@@ -2,18 +2,15 @@
 
 [Note: the flight file]
 gloo ends a process whose collective does not match its peer's with ``abort()`` from one of its own threads
-(``op.preamble.length <= op.nbytes ... Is there a distributed collective mismatch in your code?``): no Python
-code runs after that, so the watchdog cannot publish what the main thread was doing, and its last published
-record is up to a tick old (before the divergence, typically). The recorder therefore also writes each
-collective, wait and step mark into a fixed-layout file in a folder of the run (``struct.pack_into`` on an
-``mmap``: about half a microsecond, and the kernel keeps the pages when the process dies). A peer on the same
-host that sees the process gone reads it back (:func:`read`) and, with the Python stack ``faulthandler`` wrote
-beside it, names the collective and the call site the rank died in.
+(``op.preamble.length <= op.nbytes ... Is there a distributed collective mismatch in your code?``): no Python code runs
+after that, so the watchdog cannot publish what the main thread was doing, and its last published record is typically
+from before the divergence. The recorder therefore also writes each collective, wait and step mark into a fixed-layout
+file (``struct.pack_into`` on an ``mmap``, whose pages the kernel keeps when the process dies). A peer on the same host
+that sees the process gone reads it back (:func:`read`) and, with the Python stack ``faulthandler`` wrote beside it,
+names the collective and the call site the rank died in.
 
-Layout (little-endian): a header (magic, version, the process's identity as ``records.this_process`` gives
-it, the main thread's ident, the collective counter and running hash, the collective being waited in, the
-number of marks, steps per phase), then a ring of ``RING`` collectives and a ring of ``MARKS`` step marks,
-each slot chosen by its number modulo the ring's length.
+Layout (little-endian): a header, then a ring of ``RING`` collectives and a ring of ``MARKS`` step marks, each slot
+chosen by its number modulo the ring's length.
 """
 
 from __future__ import annotations
@@ -47,8 +44,8 @@ PHASES = ("train", "val", "test", "predict")
 
 @dataclass
 class FlightSnapshot:
-    """What a flight file held when it was read. ``recent``: (number, kind, elements, dtype name, unit name),
-    oldest first; ``marks``: (phase, count, batch, ops, digest, seq), oldest first; ``waiting``: (number, kind) or None."""
+    """``recent``: (number, kind, elements, dtype name, unit name), oldest first; ``marks``: (phase, count, batch, ops,
+    digest, seq), oldest first."""
 
     proc: str
     main_ident: int
@@ -61,8 +58,6 @@ class FlightSnapshot:
 
 
 class FlightFile:
-    """The writer: one per process and run, owned by the flight recorder while the watchdog runs."""
-
     def __init__(
         self,
         path: Path,
@@ -126,7 +121,6 @@ def read(
     dtypes: dict[torch.dtype | None, int],
     unit_name: Callable[[int], str],
 ) -> FlightSnapshot | None:
-    """The flight file at ``path`` (None if absent or not one); ``unit_name`` names a unit code."""
     try:
         data = path.read_bytes()
     except OSError:

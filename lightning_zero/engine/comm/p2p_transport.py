@@ -1,12 +1,11 @@
-"""Collectives as point-to-point transfers over gloo, for ``collectives.py`` (which counts and labels them):
-the textbook rings, and the exchanges that move stages 1-2's rows without packed buffers.
+"""Collectives as point-to-point transfers over gloo, for ``collectives.py``: the textbook rings, and the exchanges that
+move stages 1-2's rows without packed buffers.
 
 [Note: ring collectives over gloo]
-gloo's reduce_scatter_tensor and all_gather_into_tensor are slower on CPU than a ring of point-to-point
-transfers moving the same bytes (``benchmarks/results/2026-11-21-gloo-rings.md``). Over gloo we
-therefore run the textbook ring: N-1 steps, each sending one segment to the next rank and receiving one
-from the previous. The first step's transfers are posted at once and proceed in gloo's threads, so a
-bucket's reduction overlaps backward; with 2 ranks that is the whole collective.
+gloo's reduce_scatter_tensor and all_gather_into_tensor are slower on CPU than a ring of point-to-point transfers moving
+the same bytes (``benchmarks/results/2026-11-21-gloo-rings.md``), so over gloo we run the textbook ring. The first
+step's transfers are posted at once and proceed in gloo's threads, so a bucket's reduction overlaps backward; with 2
+ranks that is the whole collective.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from torch.profiler import record_function
 
 from lightning_zero.engine.comm.flight import RECORDER as _FLIGHT
 
-#: How long a point-to-point wait may block (``collectives.set_wait_timeout``); None: no limit.
+#: See ``collectives.set_wait_timeout``.
 WAIT_TIMEOUT: timedelta | None = None
 
 
@@ -32,7 +31,7 @@ class Ring(dist.Work):
     def __init__(self, group: dist.ProcessGroup | None, number: int) -> None:
         super().__init__()
         self.group = group
-        self.number = number  # in the flight recorder
+        self.number = number
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size) if group else (self.rank + 1) % self.size
@@ -56,9 +55,8 @@ class Ring(dist.Work):
 
 
 class RingReduceScatter(Ring):
-    """Segment ``(rank - k - 1)`` travels at step k; after N-1 steps rank r holds the sum of segment r. The last
-    step receives straight into ``output`` (which must not alias ``input``) and adds this rank's segment there:
-    with 2 ranks no buffer at all, and the same two-term sums."""
+    """The last step receives straight into ``output`` (which must not alias ``input``) and adds this rank's segment
+    there: with 2 ranks no buffer at all, and the same two-term sums."""
 
     kind = "reduce_scatter"
 
@@ -68,7 +66,6 @@ class RingReduceScatter(Ring):
         super().__init__(group, number)
         self.output = output
         self.acc = input.view(self.size, -1)
-        # With 2 ranks the only step is the last, which receives into ``output``: no buffer.
         self.recv = torch.empty_like(self.acc[0]) if self.size > 2 else output
         self._post()
 
@@ -79,7 +76,7 @@ class RingReduceScatter(Ring):
         self._exchange(self.acc[(self.rank - self.step - 1) % self.size], self.output if self._last() else self.recv)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Run the remaining steps (``timeout``, ``dist.Work``'s, is unused: :data:`WAIT_TIMEOUT` bounds each)."""
+        """``timeout`` is unused: :data:`WAIT_TIMEOUT` bounds each step."""
         _FLIGHT.wait(self.number, self.kind)
         while self.pending:
             self._complete()
@@ -95,8 +92,6 @@ class RingReduceScatter(Ring):
 
 
 class RingAllGather(Ring):
-    """Segment ``(rank - k)`` travels at step k, received straight into its place in ``output``."""
-
     kind = "all_gather"
 
     def __init__(
@@ -112,7 +107,7 @@ class RingAllGather(Ring):
         self._exchange(self.acc[(self.rank - k) % self.size], self.acc[(self.rank - k - 1) % self.size])
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Run the remaining steps (``timeout``, ``dist.Work``'s, is unused: :data:`WAIT_TIMEOUT` bounds each)."""
+        """``timeout`` is unused: :data:`WAIT_TIMEOUT` bounds each step."""
         _FLIGHT.wait(self.number, self.kind)
         while self.pending:
             self._complete()
@@ -124,30 +119,23 @@ class RingAllGather(Ring):
 
 
 # [Note: collectives in place]
-# Stages 1-2 reduce gradients straight out of ``p.grad`` and gather updated rows straight into the resident
-# parameters. Through a packed collective each is a copy into a bucket-sized buffer, the collective, and a copy
-# out of it; on a CPU the buffers cost more than the copies, since every allocation of that size is fresh pages
-# the kernel must fault in and zero (a persistent buffer would break the stage's memory formula). Each rank
-# instead sends every other rank its part of each parameter, a contiguous view, and receives into views: the
-# all-gather's straight into the parameters, the reduce-scatter's into one segment per peer, which the caller
-# adds; both are faster than through packed buffers (``benchmarks/bench_collectives.py``; the figures in
-# ``benchmarks/results/2026-11-21-gloo-rings.md``). Point-to-point transfers between two ranks are matched in posting order, and every rank posts
-# the same pieces in the same order; the bytes on the wire are the ring's, (N-1)/N of the packed buffer.
+# Through a packed collective, stages 1-2's reductions and gathers are a copy into a bucket-sized buffer, the
+# collective, and a copy out. On a CPU the buffers cost more than the copies, since every allocation of that size is
+# fresh pages the kernel must fault in and zero, and a persistent buffer would break the stage's memory formula. Each
+# rank instead sends every other rank its part of each parameter, a contiguous view, and receives into views: the
+# all-gather's straight into the parameters, the reduce-scatter's into one segment per peer, which the caller adds
+# (``benchmarks/results/2026-11-21-gloo-rings.md``). Point-to-point transfers between two ranks are matched in posting
+# order, so every rank posts the same pieces in the same order.
 #
-# Each transfer costs gloo tens of microseconds whatever its size, so a model of hundreds of small tensors (norms,
-# biases, narrow layers) would pay more for the transfers than for the bytes. Runs of adjacent pieces whose padded
-# chunk is at most :data:`PACK_PIECE_BYTES` therefore travel as one transfer: packed into one buffer to send,
-# received into one buffer and copied out to their views once it lands. The runs are decided from the padded
-# chunk lengths, which every rank knows alike, so every rank posts the same number of transfers; the extra memory
-# is those small pieces' bytes alone, twice (out and in), never a bucket.
+# Each transfer costs gloo a fixed overhead whatever its size, so a model of hundreds of small tensors would pay more
+# for the transfers than for the bytes. Runs of adjacent pieces whose padded chunk is at most :data:`PACK_PIECE_BYTES`
+# therefore travel as one transfer. The runs are decided from the padded chunk lengths, which every rank knows alike, so
+# every rank posts the same number of transfers.
 
-#: A piece whose padded chunk is at most this many bytes travels packed with its small neighbours.
 PACK_PIECE_BYTES = 64 * 1024
 
 
 def packed_runs(chunk_numels: Sequence[int], itemsize: int) -> list[tuple[int, int]]:
-    """Pieces ``[start, end)`` that travel as one transfer: each maximal run of adjacent small pieces (see
-    :data:`PACK_PIECE_BYTES`), and every larger piece alone."""
     runs: list[tuple[int, int]] = []
     start = 0
     for i, numel in enumerate(chunk_numels):
@@ -162,9 +150,7 @@ def packed_runs(chunk_numels: Sequence[int], itemsize: int) -> list[tuple[int, i
 
 
 class Exchange(Ring):
-    """Sends ``to(peer)`` to each peer and receives ``source(peer)`` from each, nearest peers first.
-    ``chunk_numels``: the padded chunk length of each piece's tensor, for :func:`packed_runs` (None: every piece
-    travels alone)."""
+    """Sends ``to(peer)`` to each peer and receives ``source(peer)`` from each, nearest peers first."""
 
     def __init__(
         self,
@@ -177,9 +163,8 @@ class Exchange(Ring):
     ) -> None:
         super().__init__(group, number)
         self.kind = kind
-        #: Packed receive buffers and the views their pieces go to once they land.
         self.unpack: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-        #: Packed send buffers, alive until their transfers complete.
+        #: Alive until their transfers complete.
         self.sent: list[torch.Tensor] = []
         runs: list[tuple[int, int]] | None = None
         for distance in range(1, self.size):
@@ -195,11 +180,9 @@ class Exchange(Ring):
                 self.pending.append(dist.irecv(piece, self._global(peer_from), group=self.group))
 
     def _outgoing(self, pieces: Sequence[torch.Tensor], runs: list[tuple[int, int]] | None) -> list[torch.Tensor]:
-        """The tensors to send: each piece alone, or each run of pieces packed into one buffer."""
         return [pieces[a] if b - a == 1 else self._pack(pieces[a:b]) for a, b in runs] if runs else list(pieces)
 
     def _incoming(self, pieces: Sequence[torch.Tensor], runs: list[tuple[int, int]] | None) -> list[torch.Tensor]:
-        """The tensors to receive into: each piece itself, or one buffer per run, unpacked in :meth:`wait`."""
         return [pieces[a] if b - a == 1 else self._unpacked(pieces[a:b]) for a, b in runs] if runs else list(pieces)
 
     def _pack(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -216,8 +199,7 @@ class Exchange(Ring):
         return dist.get_global_rank(self.group, rank) if self.group else rank
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Complete the transfers and copy packed pieces to their views (``timeout``, ``dist.Work``'s, is unused:
-        :data:`WAIT_TIMEOUT` bounds each)."""
+        """``timeout`` is unused: :data:`WAIT_TIMEOUT` bounds each transfer."""
         _FLIGHT.wait(self.number, self.kind)
         if self.pending:
             self._complete()
@@ -231,8 +213,7 @@ class Exchange(Ring):
 
 
 class MaxExchange(Exchange):
-    """A small tensor's all-reduce (MAX) as an exchange (``collectives.max_in_place``): every rank sends it to every
-    other; :meth:`wait` leaves the maximum of all of them in ``tensor``."""
+    """A small tensor's MAX all-reduce as an exchange (``collectives.max_in_place``)."""
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, number: int = 0) -> None:
         self.tensor = tensor

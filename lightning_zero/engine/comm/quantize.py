@@ -7,13 +7,12 @@ A flat tensor of ``numel`` elements travels as one ``uint8`` buffer::
     | scales: one fp32 per block
     | zero points: one fp32 per block (asymmetric only) ]
 
-The size is a pure function of ``numel`` (:meth:`Codec.packed_nbytes`), so equal-numel chunks give equal-size byte
-buffers that ``all_gather_into_tensor`` / ``all_to_all_single`` can move as equal chunks. Every section starts at a
-multiple of 4 bytes and the total is one too, so the fp32 sections of any chunk of such a concatenation can be read
-with ``Tensor.view(torch.float32)`` without a copy. The fp32 bytes are in the machine's native (little-endian) order.
+The size is a function of ``numel`` alone, so equal-numel chunks give equal-size buffers that the collectives can move
+as equal chunks. Every section starts at a multiple of 4 bytes and the total is one too, so the fp32 sections of any
+chunk of such a concatenation can be read with ``Tensor.view(torch.float32)`` without a copy.
 
-Non-finite inputs are not hidden: a block holding ``inf`` or ``nan`` gets a NaN scale and decodes to all NaN, so a
-loss scaler's overflow check after the collective still sees the overflow. The payload of such a block is unspecified.
+Non-finite inputs are not hidden: a block holding ``inf`` or ``nan`` gets a NaN scale and decodes to all NaN, so a loss
+scaler's overflow check after the collective still sees the overflow.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ BITS = (4, 8)
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """How a flat tensor travels: block-wise int{bits} with an fp32 scale (and fp32 zero point when asymmetric) per
-    block. Small blocks follow outliers more closely at the price of more scale bytes (see [Note: packed layout])."""
+    """See [Note: packed layout]. Small blocks follow outliers more closely at the price of more scale bytes."""
 
     bits: int = 8
     block_size: int = 2048
@@ -65,7 +63,6 @@ class Codec:
         return -(-nbytes // 4) * 4  # keeps the fp32 sections 4-byte aligned
 
     def packed_nbytes(self, numel: int) -> int:
-        """Exact size of :meth:`encode`'s output; depends on ``numel`` only, so equal chunks pack to equal sizes."""
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
         n_blocks = self._n_blocks(numel)
@@ -74,7 +71,6 @@ class Codec:
     # -- encode ------------------------------------------------------------------------------------------------------
 
     def encode(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """Pack the 1-D floating ``x`` (arithmetic in fp32) into ``out`` (a fresh buffer when ``None``)."""
         if x.dim() != 1 or not x.is_floating_point():
             raise ValueError(f"encode expects a 1-D floating tensor, got {x.dtype} of shape {tuple(x.shape)}")
         numel = x.numel()
@@ -142,8 +138,7 @@ class Codec:
     def decode(
         self, packed: Tensor, numel: int, dtype: torch.dtype = torch.float32, out: Tensor | None = None
     ) -> Tensor:
-        """Inverse of :meth:`encode`: ``numel`` values of ``dtype``, or written into ``out`` (any floating dtype,
-        which then wins over ``dtype``) and returned."""
+        """Inverse of :meth:`encode`; the dtype of ``out``, where given, wins over ``dtype``."""
         _check_bytes("packed", packed, self.packed_nbytes(numel))
         if out is not None:
             if out.dim() != 1 or out.numel() != numel or not out.is_floating_point():
@@ -193,7 +188,7 @@ def _check_bytes(name: str, t: Tensor, nbytes: int) -> None:
 
 
 def _as_float32(section: Tensor) -> Tensor:
-    """The fp32 values stored in ``section``; copies only when a caller's buffer starts off a 4-byte boundary."""
+    """Copies only when a caller's buffer starts off a 4-byte boundary."""
     if section.storage_offset() % 4:
         section = section.clone()
     return section.view(torch.float32)
@@ -206,12 +201,8 @@ def _key_name(key: Hashable) -> str:
 
 
 class ErrorFeedback:
-    """Keeps what quantization dropped from a tensor and adds it to the next one, so the values that travel sum, over
-    steps, to within one step's quantization error of the values that were meant to (1-bit Adam / EF-SGD).
-
-    Residuals are kept per key under a string name (``3`` -> ``"3"``, ``(2, 1)`` -> ``"2.1"``), so a checkpoint's
-    :meth:`state_dict` can be loaded back and found again by the same keys; keys whose names coincide share a residual.
-    """
+    """See [Note: error feedback] in ``compression.py``. Residuals are kept under string names (``(2, 1)`` -> ``"2.1"``)
+    so a checkpoint's :meth:`state_dict` is found again by the same keys."""
 
     def __init__(self, codec: Codec) -> None:
         self.codec = codec
@@ -219,8 +210,7 @@ class ErrorFeedback:
         self._restored: set[str] = set()  # loaded from a checkpoint and not used since: a size change is not a bug
 
     def encode(self, key: Hashable, x: Tensor, out: Tensor | None = None, codec: Codec | None = None) -> Tensor:
-        """``codec.encode(x + residual)``, keeping the new residual (fp32, on ``x``'s device) for the next call;
-        ``codec`` overrides this object's (e.g. blocks sized to a small chunk)."""
+        """``codec.encode(x + residual)``, keeping the new residual for the next call."""
         codec = codec or self.codec
         if x.dim() != 1:
             raise ValueError(f"error feedback expects a 1-D tensor, got shape {tuple(x.shape)}")

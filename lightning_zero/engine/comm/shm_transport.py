@@ -1,21 +1,20 @@
 """All-gather and reduce-scatter through shared memory, for the ranks of a gloo group that share one host.
 
 [Note: shared-memory collectives]
-gloo moves every byte through a TCP socket, even between processes on one host: the kernel copies it in and
-out, and gloo's threads spend CPU on it that a CPU-bound training step does not have to spare. Through a mailbox
-in ``/dev/shm`` each rank copies its data in once and reads its peers' once, as DeepSpeed's CPU backend does (its
-``shm`` all-reduce); the figures are in ``benchmarks/results/2026-11-26-cpu-step-time.md``.
+gloo moves every byte through a TCP socket, even between processes on one host: the kernel copies it in and out, and
+gloo's threads spend CPU a CPU-bound training step does not have to spare. Through a mailbox in ``/dev/shm`` each rank
+copies its data in once and reads its peers' once, as DeepSpeed's CPU backend does
+(``benchmarks/results/2026-11-26-cpu-step-time.md``).
 
-Each rank owns one mailbox of :data:`MAILBOX_BYTES` and maps every peer's. A collective runs in rounds that
-fit the mailboxes: every rank writes its part, a barrier, every rank reads what it needs, a barrier (so no
-mailbox is overwritten while a peer still reads it). The collective is complete when the call returns: it
-does not overlap computation, but it costs the CPU a quarter of what the socket did, and on a machine with a
-core per rank that is what a step waits for. A reduce-scatter sums in rank order, the same on every rank.
+A collective runs in rounds that fit the mailboxes: every rank writes its part, a barrier, every rank reads what it
+needs, a barrier, so no mailbox is overwritten while a peer still reads it. It does not overlap computation, but it
+costs the CPU far less than the socket did, and on a machine with a core per rank that is what a step waits for. A
+reduce-scatter sums in rank order, the same on every rank.
 
 A group uses the mailboxes when every rank reports the same host and each could reserve its mailbox
-(``posix_fallocate``: a full ``/dev/shm`` is refused here, never met later as a SIGBUS); otherwise it keeps
-the socket ring. ``LIGHTNING_ZERO_SHM_COLLECTIVES=0`` turns them off. The files are unlinked as soon as every
-rank has mapped them, so a killed process leaves nothing behind in ``/dev/shm``.
+(``posix_fallocate``, so a full ``/dev/shm`` is refused here, never met later as a SIGBUS); otherwise it keeps the
+socket ring. The files are unlinked as soon as every rank has mapped them, so a killed process leaves nothing behind
+in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -32,11 +31,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-#: Bytes of one rank's mailbox: each round of a collective moves at most this much per rank.
 MAILBOX_BYTES = 16 * 2**20
 _DIRECTORY = "/dev/shm"
 _GROUPS: dict[object, "SharedMemoryGroup | None"] = {}
-#: One of :class:`SharedMemoryGroup`'s collectives: ``(output, input)``, synchronously.
 Collective = Callable[[torch.Tensor, torch.Tensor], None]
 
 
@@ -45,8 +42,8 @@ def enabled() -> bool:
 
 
 def for_group(group: dist.ProcessGroup | None) -> "SharedMemoryGroup | None":
-    """The mailboxes of ``group``, set up on first use (collective: every rank of the group calls this at the
-    same point, as it calls the collective that needs it); None where they cannot serve it."""
+    """Collective on first use: every rank of the group calls this at the same point, as it calls the collective
+    that needs it."""
     key = group if group is not None else dist.group.WORLD
     if key not in _GROUPS:
         _forget_destroyed_groups()
@@ -55,7 +52,7 @@ def for_group(group: dist.ProcessGroup | None) -> "SharedMemoryGroup | None":
 
 
 def _forget_destroyed_groups() -> None:
-    """Unmap the mailboxes of process groups since destroyed (a test or a second ``fit`` builds new groups)."""
+    """A test or a second ``fit`` builds new groups."""
     alive = dist.distributed_c10d._world.pg_map
     for key in [key for key in _GROUPS if key not in alive]:
         mailboxes = _GROUPS.pop(key)
@@ -64,11 +61,8 @@ def _forget_destroyed_groups() -> None:
 
 
 class MailboxWork(dist.Work):
-    """A collective queued to the mailbox thread; ``wait`` returns once it ran (or raises what it raised)."""
-
     def __init__(self, run: Collective, output: torch.Tensor, input: torch.Tensor) -> None:
         super().__init__()
-        #: The tensors stay alive until it ran; the mailbox thread then drops all three.
         self.run: Collective | None = run
         self.output: torch.Tensor | None = output
         self.input: torch.Tensor | None = input
@@ -93,8 +87,8 @@ class SharedMemoryGroup:
         sync_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group, self.maps, self.rank, self.size = group, maps, rank, len(maps)
-        #: Barriers of the mailbox thread, a group of their own (the training thread's collectives on ``group``
-        #: must not interleave with them); None: collectives run in the calling thread.
+        #: The mailbox thread's barriers need a group of their own: the training thread's collectives on ``group`` must
+        #: not interleave with them. None: collectives run in the calling thread.
         self.sync_group = sync_group
         self._queue: queue.SimpleQueue[MailboxWork | None] | None = None
         self._failure: BaseException | None = None
@@ -103,8 +97,6 @@ class SharedMemoryGroup:
             threading.Thread(target=self._serve, name="lightning_zero-mailboxes", daemon=True).start()
 
     def submit(self, collective: Collective, output: torch.Tensor, input: torch.Tensor) -> MailboxWork | None:
-        """Run ``collective`` (:meth:`all_gather` or :meth:`reduce_scatter`) on the mailbox thread, in submission
-        order (the same on every rank); without one, run it now and return None."""
         if self._queue is None:
             collective(output, input)
             return None
@@ -125,7 +117,7 @@ class SharedMemoryGroup:
                 if work.run is None or work.output is None or work.input is None:
                     raise RuntimeError("lightning_zero internal error: not yet run")
                 work.run(work.output, work.input)
-            except BaseException as error:  # handed to the waiting thread
+            except BaseException as error:
                 self._failure = self._failure or error
                 work.error = error
             finally:
@@ -191,7 +183,6 @@ class SharedMemoryGroup:
         dist.barrier(group=self.sync_group if self.sync_group is not None else self.group)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """Every rank's ``input`` into ``output`` (flat, rank-major), synchronously."""
         seg = input.numel()
         rows = output.view(self.size, seg)
         step = MAILBOX_BYTES // input.element_size()
@@ -206,8 +197,6 @@ class SharedMemoryGroup:
             self._barrier()
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """The sum over ranks of segment ``rank`` of ``input`` (flat, rank-major) into ``output``, summed in rank
-        order, synchronously."""
         seg = output.numel()
         columns = input.view(self.size, seg)
         step = MAILBOX_BYTES // (input.element_size() * self.size)
@@ -232,7 +221,6 @@ class SharedMemoryGroup:
 
 
 def _reserve(path: str) -> bool:
-    """Create this rank's mailbox file with its pages reserved; False where ``/dev/shm`` cannot hold it."""
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError:

@@ -1,13 +1,10 @@
 """Which ranks shard together and which hold copies: the data-parallel topology of flat and hybrid sharding.
 
 [Note: hybrid sharding]
-With ``shard_size=k`` the ``N`` ranks form ``R = N / k`` shard groups of ``k`` consecutive ranks (rank ``r`` is
-in group ``r // k`` at position ``r % k``); the ranks at one position across the groups form a replica group
-and hold the same rows. Consecutive ranks share a node under every launcher we support (torchrun, SLURM,
-Lightning's), so a group of ``k = devices`` ranks is a node and only the replica groups cross nodes. A step
-reduce-scatters each gradient bucket inside the shard group, all-reduces the shard across the replica
-group (the only inter-node traffic), steps the optimizer on the shard and all-gathers inside the group again.
-Every rank divides by ``N``: the gradients are averaged over every rank's batch, as in flat sharding.
+With ``shard_size=k`` the ``N`` ranks form ``N / k`` shard groups of ``k`` consecutive ranks; the ranks at one position
+across the groups form a replica group and hold the same rows. Consecutive ranks share a node under every launcher we
+support (torchrun, SLURM, Lightning's), so a group of ``k = devices`` ranks is a node and only the replica all-reduce of
+each shard crosses nodes. Every rank divides by ``N``, as in flat sharding.
 
 The process groups come from one 2-D ``DeviceMesh`` ``(replicate, shard)``, as FSDP2's HSDP and torchtitan's
 ``dp_replicate x dp_shard`` build them; its ``"shard"`` sub-mesh is what DTensor checkpoints shard over.
@@ -30,8 +27,6 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-    """Pure arithmetic over ranks: nodes, shard groups and replica groups (no process group needed)."""
-
     world_size: int
     node_size: int
     shard_size: int
@@ -45,7 +40,6 @@ class Topology:
 
     @property
     def replicas(self) -> int:
-        """Copies of each row: the number of shard groups."""
         return self.world_size // self.shard_size
 
     @property
@@ -69,11 +63,8 @@ class DataParallelGroups:
 
     topology: Topology
     shard_group: dist.ProcessGroup | None
-    """Ranks a parameter's rows are spread over (None: every rank, flat sharding)."""
     replicate_group: dist.ProcessGroup | None
-    """Ranks holding the same rows (None: no copies)."""
     shard_mesh: DeviceMesh | None
-    """``shard_group`` as a 1-D mesh (None: built by the engine over every rank)."""
 
     @property
     def replicas(self) -> int:
@@ -81,7 +72,7 @@ class DataParallelGroups:
 
 
 def data_parallel_groups(topology: Topology, device_type: str) -> DataParallelGroups:
-    """The groups of ``topology`` (collective when hybrid: every rank builds the same mesh at the same point)."""
+    """Collective when hybrid: every rank builds the same mesh at the same point."""
     if not topology.hybrid:
         return DataParallelGroups(topology, None, None, None)
     mesh = device_mesh(device_type, (topology.replicas, topology.shard_size), ("replicate", "shard"))
@@ -89,8 +80,8 @@ def data_parallel_groups(topology: Topology, device_type: str) -> DataParallelGr
 
 
 def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> DeviceMesh:
-    """A ``DeviceMesh`` of every rank in row-major order, with one process group per dimension. Collective on
-    first use: every rank asks for the same mesh at the same point (see [Note: groups live as long as the world])."""
+    """Collective on first use: every rank asks for the same mesh at the same point (see
+    [Note: groups live as long as the world])."""
     from torch.distributed.device_mesh import init_device_mesh
 
     return _kept(
@@ -99,10 +90,9 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
 
 
 def new_group(purpose: str, timeout: timedelta | None = None, backend: str = "gloo") -> dist.ProcessGroup | None:
-    """A process group of every rank for work that runs beside training (an asynchronous checkpoint's
-    collectives, issued from a background thread), which must never interleave with the training collectives on
-    the world group, nor with another ``purpose``'s. gloo by default: such work moves host-side objects. None when
-    torch.distributed is not initialized. Collective on first use, as :func:`device_mesh`."""
+    """A process group for work that runs beside training (an asynchronous checkpoint's collectives), which must never
+    interleave with the training collectives on the world group, nor with another ``purpose``'s. gloo by default: such
+    work moves host-side objects. Collective on first use, as :func:`device_mesh`."""
     if not collectives.is_distributed():
         return None
     group = _kept(("group", purpose, backend, timeout), lambda: dist.new_group(backend=backend, timeout=timeout))
@@ -112,12 +102,11 @@ def new_group(purpose: str, timeout: timedelta | None = None, backend: str = "gl
 
 
 # [Note: groups live as long as the world]
-# Building a mesh or a group is collective and creates communicators: under gloo a socket loop and two worker
-# threads per group on every member (which wake and take CPU even when idle), under NCCL device memory. One
-# process often runs several ``fit`` calls (a sweep, a notebook, ``fit`` then ``test``), so each mesh and side
-# group is built once per world group and request and handed out again, as Lightning keeps the world group
-# itself. A new world group (after ``destroy_process_group()``, which destroyed every subgroup with the old one)
-# starts afresh. Every rank makes the same requests in the same order, so every rank finds the same ones built.
+# Building a mesh or a group is collective and creates communicators: under gloo a socket loop and worker threads per
+# group on every member, which take CPU even when idle; under NCCL device memory. One process often runs several ``fit``
+# calls (a sweep, a notebook), so each mesh and side group is built once per world group and handed out again, as
+# Lightning keeps the world group itself. A new world group (after ``destroy_process_group()``) starts afresh. Every
+# rank makes the same requests in the same order, so every rank finds the same ones built.
 _KEPT: dict[tuple[object, ...], object] = {}
 _KEPT_WORLD: list[object] = [None]
 

@@ -23,8 +23,7 @@ def _columns(buffer: torch.Tensor, bucket: BucketSpec, spec: ParamShardSpec) -> 
 def pack_bucket(
     layout: ShardLayout, bucket: BucketSpec, sources: Sequence[torch.Tensor | None], out: torch.Tensor
 ) -> torch.Tensor:
-    """Scatter full tensors (``sources[i]`` for the bucket's parameters, ``None`` meaning zeros) into the
-    rank-major ``out``; padding is zeroed."""
+    """``None`` sources and padding are zeroed."""
     for i in bucket.params:
         spec = layout.params[i]
         cols = _columns(out, bucket, spec)
@@ -55,8 +54,7 @@ def unpack_bucket(
     targets: Sequence[torch.Tensor],
     skip_rank: int | None = None,
 ) -> None:
-    """Inverse of :func:`pack_bucket`: copy every rank's chunk from ``full`` into ``targets[i]``
-    (except ``skip_rank``'s, when the target already holds it)."""
+    """Inverse of :func:`pack_bucket`, leaving out ``skip_rank``'s chunk, which the target already holds."""
     for i in bucket.params:
         spec = layout.params[i]
         cols = _columns(full, bucket, spec)
@@ -72,7 +70,6 @@ def unpack_bucket(
 
 
 def _row_blocks(spec: ParamShardSpec, skip_rank: int | None) -> list[tuple[int, int]]:
-    """Runs of full chunks ``[start, end)`` to copy, leaving out ``skip_rank``."""
     k = spec.full_chunks
     if skip_rank is None or skip_rank >= k:
         return [(0, k)] if k else []
@@ -82,7 +79,6 @@ def _row_blocks(spec: ParamShardSpec, skip_rank: int | None) -> list[tuple[int, 
 def pack_segment(
     layout: ShardLayout, bucket: BucketSpec, rank: int, sources: Sequence[torch.Tensor], out: torch.Tensor
 ) -> torch.Tensor:
-    """Copy ``rank``'s chunk of each full tensor into a one-segment buffer (the all-gather input)."""
     for i in bucket.params:
         spec = layout.params[i]
         start, end = spec.element_range(rank)
@@ -93,7 +89,6 @@ def pack_segment(
 
 
 def segment_view(layout: ShardLayout, segment: torch.Tensor, index: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s unpadded chunk of parameter ``index`` inside that bucket's segment, shaped by rows."""
     spec = layout.params[index]
     start, end = spec.row_range(rank)
     numel = (end - start) * spec.row_numel
@@ -102,21 +97,19 @@ def segment_view(layout: ShardLayout, segment: torch.Tensor, index: int, rank: i
 
 
 def rows_by_rank(flat: torch.Tensor, spec: ParamShardSpec) -> tuple[torch.Tensor, ...]:
-    """Every rank's rows of a flattened parameter (or gradient), as views, in one ``split``: the per-step cost of
-    views is paid per parameter, not per parameter and rank."""
+    """One ``split``: the per-step cost of views is paid per parameter, not per parameter and rank."""
     return tuple(flat.split_with_sizes(spec.rank_numels))
 
 
 def segment_parts(segment: torch.Tensor, layout: ShardLayout, bucket_index: int, rank: int) -> list[torch.Tensor]:
-    """Views of a rank segment of the bucket holding each parameter's rows of ``rank``, in one ``split``."""
     return list(segment.split_with_sizes(layout.segment_split(bucket_index, rank))[::2])
 
 
 def land_in_own_rows(
     layout: ShardLayout, bucket_index: int, params: Sequence[torch.nn.Parameter], segment: torch.Tensor, rank: int
 ) -> None:
-    """Stage 1's landing of a packed reduction: ``rank``'s rows of each ``p.grad`` of the bucket take the reduced
-    sums in ``segment``, its other rows restart from zero (``p.grad`` made where there was none)."""
+    """Stage 1's landing of a packed reduction: the other rows restart from zero (see
+    [Note: gradients are held as sums until finalized] in ``grad_sync.py``)."""
     own: list[torch.Tensor] = []
     others: list[torch.Tensor] = []
     for i in layout.buckets[bucket_index].params:
@@ -132,15 +125,13 @@ def land_in_own_rows(
 
 
 def widened(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """``tensors`` cast to ``dtype``, as views of one flat buffer: three calls whatever their number, where a cast
-    each would cost a dispatch per tensor."""
+    """As views of one flat buffer: three calls whatever their number, not a dispatch per tensor."""
     return list(unflatten_dense_tensors(flatten_dense_tensors(list(tensors)).to(dtype), list(tensors)))
 
 
 def runs_without(
     runs: Sequence[tuple[torch.Tensor, Sequence[int]]], indices: Iterable[int]
 ) -> list[tuple[torch.Tensor, Sequence[int]]]:
-    """The flat buffers of ``runs`` holding none of the gradients ``indices`` (the others were consumed or replaced)."""
     if not runs:
         return []
     gone = set(indices)
@@ -153,10 +144,8 @@ def scale_gradients(
     buffers: Sequence[tuple[torch.Tensor, Sequence[int]]],
     in_place: Mapping[int, torch.Tensor],
 ) -> None:
-    """Multiply ``grads`` by ``coefficient`` (the average over ranks, an unscale), a flat buffer at a time where one
-    holds them: each of ``buffers`` (stage 2's bucket storage, a stage-1 run landed packed, with the layout indices of
-    its gradients) whose every gradient is in ``in_place`` (layout index -> a gradient of ``grads``) and still its view
-    takes one kernel, the rest of it being padding or, at stage 1, other ranks' rows (zeros); the others one each."""
+    """A flat buffer at a time where one holds only gradients of ``in_place`` (the rest of it being padding or, at stage
+    1, other ranks' zero rows), one kernel for it; the others through one ``foreach``."""
     scaled: set[int] = set()
     for flat, indices in buffers:
         if all(i in in_place and in_place[i]._base is flat for i in indices):

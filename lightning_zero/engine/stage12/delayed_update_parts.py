@@ -13,8 +13,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine.offload import host_kernel
 from lightning_zero.engine.optimizers import Standins, hosted_params, steps_in_parts
 
-#: One call of the host step: its stand-ins and the event behind the copies that read their masters (None: nothing
-#: to wait for).
+#: One call of the host step: its stand-ins and the event behind the copies that read their masters.
 PartStep = tuple[Standins, torch.Event | None]
 
 
@@ -26,9 +25,7 @@ def runs_behind_copies(
     sent: Sequence[torch.Event | None],
     all_sent: torch.Event | None,
 ) -> list[PartStep]:
-    """Each part's stand-ins (the others sitting out) behind the event of the copies ``sent`` for that part, in the
-    parts' order; one call behind ``all_sent`` where the rows did not go a part at a time or ``optimizer`` cannot step
-    in parts."""
+    """One call behind ``all_sent`` where the rows did not go a part at a time or ``optimizer`` cannot step in parts."""
     if len(sent) != len(parts) or len(parts) < 2 or not steps_in_parts(optimizer):
         return [(standins, all_sent)]
     runs: list[PartStep] = []
@@ -39,7 +36,6 @@ def runs_behind_copies(
 
 
 def host_step(view: Optimizer, runs: Sequence[PartStep], kwargs: Mapping[str, Any]) -> Callable[[], object]:
-    """The worker's step of ``view`` over ``runs``, each after its event."""
 
     def step() -> object:
         result = None

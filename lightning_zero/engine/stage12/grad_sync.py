@@ -1,29 +1,24 @@
-"""Gradient reduction for stages 1 and 2: post-accumulate-grad hooks fill rank-major buckets, each bucket
-is reduce-scattered during backward once it and every earlier bucket are full, and this rank keeps only
-its shard.
+"""Gradient reduction for stages 1 and 2: post-accumulate-grad hooks fill rank-major buckets, each bucket is
+reduce-scattered during backward once it and every earlier bucket are full, and this rank keeps only its shard.
 
 [Note: gradients are held as sums until finalized]
-Reduce-scatter runs with ``SUM``; the average over ranks (and, later, a loss-scale unscale) is applied once
-per optimizer step by :meth:`GradientReducer.finalize`, just before clipping and the step. Holding sums lets
-several synchronising backwards accumulate exactly: in stage 1 a rank's own chunk of ``p.grad`` holds the
-reduced sum while the other chunks restart from zero, so the next reduce-scatter adds ``previous sum + new
-local gradients of every rank``. Pre-dividing instead would divide the previous sum again.
+Reduce-scatter runs with ``SUM``; the average over ranks (and a loss-scale unscale) is applied once per optimizer step
+by :meth:`GradientReducer.finalize`. Holding sums keeps several synchronising backwards exact: at stage 1 a rank's own
+chunk of ``p.grad`` holds the reduced sum while the other chunks restart from zero, so the next reduce-scatter adds
+``previous sum + new local gradients of every rank``; pre-dividing would divide the previous sum again.
 
-Stage 1 keeps the full ``p.grad`` (its own chunk holds the reduced gradient); stage 2 copies the gradient
-into the bucket, drops ``p.grad`` and receives the reduced shard into a flat per-bucket storage, so full
-gradients never outlive the bucket they are reduced in.
+Stage 1 keeps the full ``p.grad``; stage 2 drops ``p.grad`` once it is packed and receives the reduced shard into a flat
+per-bucket storage, so full gradients never outlive their bucket.
 
 Under hybrid sharding (``replicate_group``, see ``topology.py``) the held sums are the shard group's;
-:meth:`GradientReducer.finalize` all-reduces them across the replica group once per step (one flat collective
-per dtype) before averaging over all ranks. Reducing there rather than as each bucket lands keeps several
-synchronising backwards exact: stage 1's own chunk holds a sum that autograd then adds to, which a per-backward
-all-reduce would count once per replica.
+:meth:`GradientReducer.finalize` all-reduces them across the replica group once per step. Reducing there rather than as
+each bucket lands is what keeps several backwards exact: stage 1's own chunk holds a sum that autograd then adds to,
+which a per-backward all-reduce would count once per replica.
 
-Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype (the communication buffer
-may be wider, ``reduce_dtype``), and :meth:`GradientReducer.finalize` produces fresh fp32 gradients for the
-master shards: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values to zero. With
-``offload_optimizer`` those fresh gradients are made directly in host memory, each bucket's as soon as its
-reduction lands (see [Note: the offloaded step] in ``offload.py``).
+Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype and :meth:`GradientReducer.finalize`
+makes fresh fp32 gradients for the masters: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values
+to zero. With ``offload_optimizer`` they are made in host memory as each bucket lands (see [Note: the offloaded step]
+in ``offload.py``).
 """
 
 from __future__ import annotations
@@ -53,8 +48,6 @@ MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class Pending(Protocol):
-    """An asynchronous reduction: a process group's work or one of our transports' exchanges."""
-
     def wait(self) -> object: ...
 
 
@@ -65,9 +58,9 @@ class _Inflight:
     comm: torch.Tensor | None
     out: torch.Tensor | None
     direct: bool
-    """True when ``out`` already is the storage slice (stage 2, clean bucket): nothing to add afterwards."""
+    """``out`` is the storage slice itself (stage 2, clean bucket)."""
     accumulate: bool
-    """Stage 2: whether the storage slice holds earlier sums that ``out`` adds to (else it is overwritten)."""
+    """Stage 2: the storage slice holds earlier sums that ``out`` adds to."""
     in_place: InPlaceReduction | None = None  # a reduction without ``comm`` and ``out`` (``reduce_in_place.py``)
 
 
@@ -90,12 +83,10 @@ class GradientReducer:
         compression: CompressedComm | None = None,
     ) -> None:
         self.params = list(params)
-        #: Compressed transport of the reductions (``compression.py``); None: the plain collectives.
         self.compression = compression
         self.layout, self.rank, self.world_size = layout, rank, layout.world_size
         self.shard_gradients, self.overlap_comm = shard_gradients, overlap_comm
         self.group = group
-        #: Hybrid sharding: the ranks holding the same rows as this one (None: no copies).
         self.replicate_group = replicate_group
         self.replicas = collectives.world_size(replicate_group) if replicate_group is not None else 1
         self.produced = UsedFlags(
@@ -106,22 +97,18 @@ class GradientReducer:
         self._sizes = [len(b.params) for b in layout.buckets]
         self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
         self._inflight: list[_Inflight] = []
-        #: Whether anything may be held for a step (a gradient arrived or a bucket launched since every record was
-        #: last consumed): a window's start then has something to clear.
+        #: Whether a window's start has anything to clear.
         self._holding = False
-        #: The finalized gradient's dtype when it differs from the held sums' (fp32 masters of a mixed run).
         self.master_dtype = master_dtype
-        #: With ``offload_optimizer``: finalized gradients are made in these masters' host buffers.
         self.host_gradients = host_gradients
-        #: Copy each bucket's sums to the host as it lands (not under hybrid sharding: :meth:`finalize` adds replicas').
+        #: Not under hybrid sharding: :meth:`finalize` adds the replicas' sums first.
         self.stages_on_landing = host_gradients is not None and host_gradients.offloaded and self.replicas == 1
-        self.on_landed: Callable[[int], None] | None = None  # told each bucket's index once its shards are staged
+        self.on_landed: Callable[[int], None] | None = None
         self.device = self.params[0].device if self.params else torch.device("cpu")
         #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
         self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
         self.reduce_dtype = reduce_dtype
         self.comm_dtypes = [comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
-        # Stage 2: a flat storage per bucket for this rank's gradient shards, viewed per parameter.
         self.storage = (
             [
                 torch.zeros(b.segment_numel, device=self.device, dtype=dtype)
@@ -130,10 +117,9 @@ class GradientReducer:
             if shard_gradients
             else None
         )
-        #: Flat buffers the sums are views of, with their parameters: stage 2's storage, stage 1's runs as they land.
+        #: Flat buffers the sums are views of, so scaling is one op per buffer rather than per parameter.
         self.storage_runs = [(s, b.params) for s, b in zip(self.storage, layout.buckets)] if self.storage else []
         self.flat_runs: list[tuple[torch.Tensor, Sequence[int]]] = []
-        #: One record per parameter, in layout order.
         self.records = [
             ParamGradient(i, p, layout.params[i], self._storage_view(i) if shard_gradients else None)
             for i, p in enumerate(self.params)
@@ -155,8 +141,8 @@ class GradientReducer:
         return buckets.segment_view(self.layout, self._bucket_storage(spec.bucket), index, self.rank)
 
     def local_grad(self, index: int) -> torch.Tensor | None:
-        """This rank's shard of parameter ``index``'s gradient, or None if it has none: the held sum (a view)
-        until :meth:`finalize`, the finalized gradient after it."""
+        """This rank's shard of parameter ``index``'s gradient: the held sum until :meth:`finalize`, then the
+        finalized gradient."""
         record = self.records[index]
         if record.state is GradState.FINALIZED:
             return record.final
@@ -166,19 +152,17 @@ class GradientReducer:
         if grad is None:
             return None
         if record.own_rows is None or record.own_rows[0] is not grad:
-            start, end = record.spec.row_range(self.rank)  # ``shard.local_rows``, its arithmetic done once
+            start, end = record.spec.row_range(self.rank)
             record.own_rows = (grad, (grad.view(1) if record.spec.shape == () else grad)[start:end])
         return record.own_rows[1]
 
     def held_gradients(self) -> list[torch.Tensor]:
-        """Gradient tensors the reducer itself owns (stage 2's shard storage, finalized copies), for
-        memory accounting; stage 1's full gradients are the parameters' ``.grad``."""
+        """Gradient tensors the reducer itself owns, for memory accounting (stage 1's are the ``.grad``)."""
         return [*(self.storage or []), *(r.final for r in self.records if r.final is not None)]
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backwards inside accumulate into ``p.grad`` locally and communicate nothing."""
         previous, self.require_sync = self.require_sync, False
         try:
             yield
@@ -203,14 +187,10 @@ class GradientReducer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch full buckets strictly in bucket order.
-
-        [Note: every rank launches buckets in the same order]
-        The ring transfers of concurrent reduce-scatters are matched by posting order alone, so a rank that
-        launched bucket 1 before bucket 0 (say, a parameter unused only on that rank) would pair its
-        segments with another bucket's on its peers. Launching in index order, and only once every earlier
-        bucket is launched, keeps the order identical everywhere; buckets are planned in the order
-        gradients usually arrive, so this rarely delays one.
+        """[Note: every rank launches buckets in the same order]
+        Concurrent reduce-scatters are matched by posting order alone, so a rank that launched bucket 1 before bucket 0
+        (say, a parameter unused only on that rank) would pair its segments with another bucket's on its peers. Buckets
+        are planned in the order gradients usually arrive, so launching in index order rarely delays one.
         """
         while self._next < len(self.layout.buckets):
             bucket = self._next
@@ -260,8 +240,7 @@ class GradientReducer:
         self._post(_Inflight(bucket_index, work, comm, out, direct, accumulate))
 
     def _reduces_in_place(self, bucket_index: int) -> bool:
-        """Exact reductions over gloo in the gradients' own dtype move without packing (``reduce_in_place.py``);
-        every rank decides alike (same backend, settings and layout)."""
+        """See ``reduce_in_place.py``; every rank decides alike (same backend, settings and layout)."""
         return (
             self.compression is None
             and self.comm_dtypes[bucket_index] == self.bucket_dtypes[bucket_index]
@@ -273,13 +252,13 @@ class GradientReducer:
         self._inflight.append(flight)
         if self._next == len(self.layout.buckets):  # behind the last bucket's transfers: the flags are final now
             self.produced.start()
-        # Bound the buffers (or gradients) alive at once, stage 2's below a whole gradient: land the oldest first.
+        # Bound the buffers alive at once, stage 2's below a whole gradient.
         while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
             self._land(self._inflight.pop(0))
 
     def flush(self) -> None:
-        """End of a synchronising backward: reduce buckets that never filled (parameters unused on this rank
-        contribute ``p.grad`` or zeros) and land every reduced shard."""
+        """End of a synchronising backward: reduce the buckets that never filled (parameters unused on this rank
+        contribute zeros) and land every shard."""
         if not self.require_sync:
             return
         while self._next < len(self.layout.buckets):
@@ -340,10 +319,9 @@ class GradientReducer:
 
     # ------------------------------------------------------------------ step
     def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:
-        """Turn the held sums of ``indices`` into the averaged gradient (times ``scale``), once: in place, or
-        as fresh ``master_dtype`` tensors when the sums are held in another dtype."""
+        """Turn the held sums of ``indices`` into the averaged gradient, once."""
         if self._inflight or any(self._ready):
-            # A backward ran outside ``strategy.backward`` (e.g. a bare ``loss.backward()``): land it now.
+            # A backward ran outside ``strategy.backward`` (a bare ``loss.backward()``).
             self.flush()
         pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
         if not pending:  # the step's own call after clipping or unscaling finalized them
@@ -355,8 +333,8 @@ class GradientReducer:
             sum_over_replicas(self.replicate_group, sums, self.reduce_dtype, self.compression)
         grads = []
         unstaged: list[tuple[int, torch.Tensor]] = []
-        narrow: list[tuple[int, torch.Tensor]] = []  # sums held in a narrower dtype than the masters'
-        in_place: dict[int, torch.Tensor] = {}  # the sums themselves, averaged where they are held
+        narrow: list[tuple[int, torch.Tensor]] = []
+        in_place: dict[int, torch.Tensor] = {}
         for i, held in held_by_index.items():
             record = self.records[i]
             record.state = GradState.FINALIZED
@@ -384,11 +362,10 @@ class GradientReducer:
                 grads.append(grad)
             self.host_gradients.gradients_ready()
         coefficient = scale / (self.world_size * self.replicas)
-        if grads and coefficient != 1.0:  # one rank, nothing to unscale: a pass over every gradient for nothing
+        if grads and coefficient != 1.0:
             buckets.scale_gradients(grads, coefficient, self.storage_runs or self.flat_runs, in_place)
 
     def consume(self, indices: Sequence[int]) -> None:
-        """The optimizer step used (or skipped) these gradients: clear them for the next window."""
         everything = len(indices) == len(self.records)
         if everything and not self._holding:  # a window's start after a step that consumed them all
             return
@@ -401,8 +378,8 @@ class GradientReducer:
             record.state, record.produced, record.landed, record.final = GradState.EMPTY, False, False, None
             record.staged = record.own_rows = None
         if self.shard_gradients:
-            # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only
-            # buckets still holding another optimizer's gradients need their consumed slices zeroed.
+            # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only buckets still
+            # holding another optimizer's gradients need their consumed slices zeroed.
             holding = {
                 b
                 for b in {r.spec.bucket for r in records if r.shard is not None}
@@ -413,7 +390,7 @@ class GradientReducer:
                 torch._foreach_zero_(views)
 
     def _holds_sums(self, bucket: BucketSpec) -> bool:
-        """Whether the bucket's shard storage holds sums not yet consumed (the next reduction adds to them)."""
+        """Whether the next reduction must add to sums not yet consumed."""
         return any(self.records[i].landed for i in bucket.params)
 
     def remove_hooks(self) -> None:
@@ -428,9 +405,8 @@ def sum_over_replicas(
     reduce_dtype: torch.dtype | None,
     compression: CompressedComm | None = None,
 ) -> None:
-    """Sum ``tensors`` in place over ``group``: one flat all-reduce per held dtype (every rank passes the same
-    shapes), summed in the same dtype as the shard group's reduce-scatter (``reduce_dtype``, e.g. fp32 for the
-    fp16 sums of ``16-mixed``), or compressed (``compression.py``)."""
+    """Sum ``tensors`` in place over ``group``, one flat all-reduce per dtype, in the same dtype as the shard group's
+    reduce-scatter (e.g. fp32 for the fp16 sums of ``16-mixed``)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -446,7 +422,7 @@ def sum_over_replicas(
 
 
 def comm_dtype(held: torch.dtype, reduce_dtype: torch.dtype | None) -> torch.dtype:
-    """Sum in ``reduce_dtype`` unless the gradients are held in a wider dtype (fp32 layers of a mixed run)."""
+    """Never narrower than the held gradients (fp32 layers of a mixed run)."""
     if reduce_dtype is None or held.itemsize > reduce_dtype.itemsize:
         return held
     return reduce_dtype

@@ -1,17 +1,12 @@
-"""Pure arithmetic of the shard convention: which rows of which parameter each rank owns, and how
-parameters are packed into communication buckets.
-
-Which rows a rank owns is ``shard.py``'s rule ([Note: one shard convention for every stage]); a
-:class:`ParamShardSpec` applies it to one parameter. Rows, chunk, bucket, segment: [Note: vocabulary] in
-``engine/__init__.py``.
+"""Pure arithmetic of the shard convention: which rows of which parameter each rank owns, and how parameters are packed
+into communication buckets. The rule is ``shard.py``'s ([Note: one shard convention for every stage]). Rows, chunk,
+bucket, segment: [Note: vocabulary] in ``engine/__init__.py``.
 
 [Note: rank-major buckets]
 ``reduce_scatter_tensor`` hands rank ``r`` the ``r``-th contiguous segment of its input, and
-``all_gather_into_tensor`` concatenates one segment per rank. A bucket is therefore laid out rank-major:
-segment ``r`` holds chunk ``r`` of every parameter of the bucket, each padded to the full chunk length, at
-the same offset in every segment. Packing a gradient into a bucket is one strided copy per parameter.
-
-Nothing here touches tensors' data or processes, so the plan can be printed and tested on its own.
+``all_gather_into_tensor`` concatenates one segment per rank. A bucket is therefore laid out rank-major: segment
+``r`` holds chunk ``r`` of every parameter of the bucket, each padded to the full chunk length, at the same offset in
+every segment. Packing a gradient into a bucket is one strided copy per parameter.
 """
 
 from __future__ import annotations
@@ -33,14 +28,12 @@ class ParamShardSpec:
     """Where one parameter's chunks live."""
 
     index: int
-    """Position of the parameter in the list the layout was planned from."""
     name: str
     shape: tuple[int, ...]
     world_size: int
     bucket: int
-    """Index of the bucket holding this parameter."""
     offset: int
-    """Element offset of this parameter's chunk inside each rank segment of its bucket."""
+    """Of this parameter's chunk inside each rank segment of its bucket."""
 
     @property
     def numel(self) -> int:
@@ -56,23 +49,20 @@ class ParamShardSpec:
 
     @functools.cached_property
     def chunk_numel(self) -> int:
-        """Padded length of every rank's chunk."""
         return shard.chunk_numel(self.shape, self.world_size)
 
     def row_range(self, rank: int) -> tuple[int, int]:
-        """Rows ``[start, end)`` owned by ``rank`` (empty when the parameter has fewer rows than ranks)."""
         return self._row_ranges[rank]
 
     def element_range(self, rank: int) -> tuple[int, int]:
-        """Elements ``[start, end)`` of the flattened parameter owned by ``rank``."""
         return self._element_ranges[rank]
 
     def local_numel(self, rank: int) -> int:
         start, end = self.element_range(rank)
         return end - start
 
-    # Asked per parameter in every step's reduction and gather: computed once (``cached_property`` writes the
-    # instance dict directly, which a frozen dataclass allows).
+    # Asked per parameter in every step's reduction and gather (``cached_property`` writes the instance dict directly,
+    # which a frozen dataclass allows).
     @functools.cached_property
     def _row_ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple(shard.row_range(self.shape, r, self.world_size) for r in range(self.world_size))
@@ -83,13 +73,11 @@ class ParamShardSpec:
 
     @functools.cached_property
     def rank_numels(self) -> list[int]:
-        """Elements each rank holds, in rank order: they tile the flattened parameter, so one ``split`` by them
-        gives every rank's rows at once (:func:`rows_by_rank`)."""
+        """They tile the flattened parameter, so one ``split`` by them gives every rank's rows at once."""
         return [end - start for start, end in self._element_ranges]
 
     @property
     def full_chunks(self) -> int:
-        """Number of ranks whose chunk is not short (they get exactly ``chunk_numel`` elements)."""
         return self.numel // self.chunk_numel if self.chunk_numel else 0
 
 
@@ -99,9 +87,7 @@ class BucketSpec:
 
     index: int
     params: tuple[int, ...]
-    """Indices (into :attr:`ShardLayout.params`) of the parameters in this bucket, in packing order."""
     segment_numel: int
-    """Elements of one rank's segment (sum of the padded chunk lengths)."""
     world_size: int
 
     @property
@@ -111,8 +97,6 @@ class BucketSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
-    """The whole plan: per-parameter shards and the buckets they are communicated in."""
-
     params: tuple[ParamShardSpec, ...]
     buckets: tuple[BucketSpec, ...]
     world_size: int
@@ -123,26 +107,23 @@ class ShardLayout:
 
     @property
     def padded_numel(self) -> int:
-        """Elements communicated by one reduce-scatter (or all-gather) of every bucket."""
         return sum(b.numel for b in self.buckets)
 
     @property
     def shard_numel(self) -> int:
-        """Elements of one rank's shards of every parameter, padded (its stage-2 gradient storage)."""
         return sum(b.segment_numel for b in self.buckets)
 
     def segment_split(self, bucket_index: int, rank: int) -> list[int]:
-        """Sizes that ``split`` a rank segment of the bucket into, alternately, each parameter's rows of ``rank``
-        and its chunk's padding (:func:`segment_parts`)."""
+        """Sizes that ``split`` a rank segment into, alternately, each parameter's rows and its padding."""
         key = (bucket_index, rank)
         sizes = self._segment_splits.get(key)
         if sizes is None:
-            sizes = self._segment_splits[key] = [
-                n
-                for i in self.buckets[bucket_index].params
-                for local in (self.params[i].rank_numels[rank],)
-                for n in (local, self.params[i].chunk_numel - local)
-            ]
+            sizes = []
+            for i in self.buckets[bucket_index].params:
+                spec = self.params[i]
+                local = spec.rank_numels[rank]
+                sizes += [local, spec.chunk_numel - local]
+            self._segment_splits[key] = sizes
         return sizes
 
     @functools.cached_property
@@ -151,12 +132,10 @@ class ShardLayout:
 
     @functools.cached_property
     def memo(self) -> dict[tuple[object, ...], Any]:
-        """What the step derives from the plan alone and asks again every step (the transfers' runs, index
-        tensors), kept with the plan it was derived from."""
+        """What every step derives from the plan alone, kept with the plan it was derived from."""
         return {}
 
     def describe(self, rank: int = 0) -> str:
-        """A printable plan, for debugging and for the docs."""
         lines = [
             f"ShardLayout: {len(self.params)} params, {self.total_numel:,} elements, "
             f"{len(self.buckets)} buckets, world_size={self.world_size}, "
@@ -180,13 +159,8 @@ def plan_layout(
     bucket_numel: int,
     classes: Sequence[int] | None = None,
 ) -> ShardLayout:
-    """Assign parameters to buckets in reverse order (gradients arrive roughly last layer first, as DDP
-    assumes), closing a bucket once its full size reaches ``bucket_numel`` elements.
-
-    ``classes`` (one small integer per parameter, e.g. 0 for parameters held in bf16 and 1 for those kept
-    in fp32) keeps parameters of different classes out of each other's buckets, so a bucket has one dtype;
-    class 0's buckets come first.
-    """
+    """Assign parameters to buckets in reverse order, as gradients arrive roughly last layer first (as DDP assumes).
+    ``classes`` keeps parameters of different classes (dtypes) out of each other's buckets."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_numel < 1:
@@ -227,7 +201,6 @@ def plan_layout(
 
 
 def check_initialized(module: nn.Module) -> None:
-    """Refuse, before any sharding, lazy layers whose shapes are still unknown."""
     lazy = [name for name, t in (*module.named_parameters(), *module.named_buffers()) if is_lazy(t)]
     if lazy:
         shown = ", ".join(lazy[:3]) + (f" and {len(lazy) - 3} more" if len(lazy) > 3 else "")
@@ -239,7 +212,6 @@ def check_initialized(module: nn.Module) -> None:
 
 
 def check_trainable(module: nn.Module) -> None:
-    """Refuse, before any sharding, a model with nothing to train."""
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError(
             f"ZeroStrategy found no trainable parameters in {type(module).__name__}: every parameter has "

@@ -1,8 +1,7 @@
 """The post-step all-gather of stages 1-2: every rank's updated rows into every rank's resident parameters.
 
-After a step each rank holds the new values of its own rows only (the optimizer stepped its shard); the
-parameters forward computes with are whole on every rank, so the rows travel bucket by bucket, overlapping the
-packing (or, with offload, the host->device copy of the masters) of one bucket with the gather of the previous.
+The rows travel bucket by bucket, overlapping the packing (or, with offload, the host->device copy of the masters) of
+one bucket with the gather of the previous.
 """
 
 from __future__ import annotations
@@ -33,17 +32,13 @@ def all_gather_params(
     compression: CompressedComm | None = None,
     row_views: RowViews | None = None,
 ) -> None:
-    """Bring every rank's rows of ``params`` into the resident parameters, one bucket at a time: in place over
-    gloo (see [Note: collectives in place] in ``p2p_transport.py``), else packed, overlapping the packing of the next
-    bucket with the in-flight gather of the previous one. With ``masters``, the
-    masters of ``indices`` (default: all) are first copied into this rank's rows, bucket by bucket, so the
-    host->device copy of one bucket overlaps the gather of the one before. With ``compression`` of parameters
-    every rank's rows, this rank's too, become the decoded ones (``compression.py``); the masters stay exact.
-    ``row_views``: the parameters' row views kept from earlier gathers (made here when None)."""
+    """In place over gloo (see [Note: collectives in place] in ``p2p_transport.py``), else packed. With ``compression``
+    of parameters this rank's rows too become the decoded ones (see [Note: whose values are decoded] in
+    ``compression.py``); the masters stay exact."""
     row_views = row_views or RowViews(layout)
     wanted = set(range(len(params)) if indices is None else indices) if masters is not None else set()
 
-    detached: list[torch.Tensor] = []  # the packed path's sources, made once, when a bucket first needs them
+    detached: list[torch.Tensor] = []
 
     def sources() -> list[torch.Tensor]:
         if not detached:
@@ -51,7 +46,6 @@ def all_gather_params(
         return detached
 
     def copy_masters(bucket: BucketSpec) -> list[list[torch.Tensor]]:
-        """The masters of the bucket into this rank's rows; every rank's rows of it (the in-place gather's pieces)."""
         pieces = row_views.of_bucket(bucket, params)
         if masters is not None:
             with torch.no_grad():
@@ -76,9 +70,9 @@ def all_gather_params(
     for b in buckets:
         bucket = layout.buckets[b]
         pieces = copy_masters(bucket)
-        like = params[bucket.params[0]]  # a bucket holds one dtype
+        like = params[bucket.params[0]]
         encoded = compression is not None and compression.compresses_params(like.dtype)
-        if in_place and not encoded:  # see [Note: collectives in place] in p2p_transport.py
+        if in_place and not encoded:
             chunks = row_views.chunk_numels(bucket)
             flights.append(
                 (
@@ -101,18 +95,16 @@ def all_gather_params(
                 flights.append((bucket, compression.all_gather(full, segment, group), full, True))
             else:
                 flights.append((bucket, collectives.all_gather(full, segment, group=group, async_op=True), full, False))
-        if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers (and transfers) alive at once
+        if len(flights) > MAX_BUCKETS_IN_FLIGHT:  # bound the full-size buffers alive at once
             land(*flights.pop(0))
     for flight in flights:
         land(*flight)
 
 
 class RowViews:
-    """Every rank's rows of the resident parameters, as flat views, per bucket: the in-place all-gather's pieces.
-
-    Made once and kept while the parameters keep their memory (``data_ptr``, asked per parameter, is the check:
-    a kept view holds the old storage alive, so a parameter given new memory always has a new address), since
-    making them costs a few microseconds a parameter and rank, every step."""
+    """The in-place all-gather's pieces, kept while the parameters keep their memory, since making them costs per
+    parameter and rank, every step. ``data_ptr`` is a safe check: a kept view holds the old storage alive, so a
+    parameter given new memory always has a new address."""
 
     def __init__(self, layout: ShardLayout) -> None:
         self.layout = layout
@@ -129,7 +121,6 @@ class RowViews:
         return kept[1]
 
     def chunk_numels(self, bucket: BucketSpec) -> list[int]:
-        """The padded chunk length of each of the bucket's parameters (which of their rows travel packed)."""
         if (chunks := self._chunks.get(bucket.index)) is None:
             chunks = self._chunks[bucket.index] = [self.layout.params[i].chunk_numel for i in bucket.params]
         return chunks

@@ -1,17 +1,14 @@
 """Gradients of trainable parameters that no optimizer steps, handed over whole, as DDP leaves them.
 
 [Note: parameters no optimizer steps]
-A trainable parameter left out of every optimizer (forgotten, or updated by a rule of the user's own from its
-gradient, e.g. in ``on_before_optimizer_step``) is laid out and reduced with the others, but no step finalizes
-or consumes its sums: stage 1 would leave this rank's rows of ``p.grad`` holding the sum over ranks rather than
-the average, and zeros in the other rows; stage 2 would leave no ``p.grad`` at all; and the held sums would grow
-window after window. DDP leaves such a parameter the averaged full gradient in ``p.grad``, where it accumulates
-across windows until the user clears it, since Lightning's ``zero_grad`` clears only an optimizer's parameters.
-So does this, at the end of every synchronising backward: the held sums are averaged, gathered whole into
-``p.grad`` and released, and the next window's reduction adds that ``p.grad`` (with whatever the new backward
-added to it) over the ranks again, as DDP's all-reduce does. A loss-scaled gradient stays scaled, as under
-Lightning's AMP, whose unscaling also covers only an optimizer's parameters. One all-gather per such parameter
-used in the window; nothing at all where every trainable parameter is in an optimizer.
+A trainable parameter left out of every optimizer (updated by a rule of the user's own, say) is reduced with the others,
+but no step finalizes or consumes its sums: stage 1 would leave this rank's rows of ``p.grad`` holding the sum over
+ranks and zeros elsewhere, stage 2 no ``p.grad`` at all, and the held sums would grow window after window. DDP leaves
+such a parameter the averaged full gradient in ``p.grad``, where it accumulates until the user clears it, since
+Lightning's ``zero_grad`` clears only an optimizer's parameters. So does this, at the end of every synchronising
+backward: the held sums are averaged, gathered whole into ``p.grad`` and released, and the next window's reduction adds
+that ``p.grad`` over the ranks again, as DDP's all-reduce does. A loss-scaled gradient stays scaled, as under
+Lightning's AMP, whose unscaling also covers only an optimizer's parameters.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ from lightning_zero.engine.state_dict import gather_full
 
 
 def hand_over(reducer: GradientReducer, indices: Sequence[int], group: dist.ProcessGroup | None) -> None:
-    """Average the held sums of ``indices`` (parameters no optimizer holds) into whole ``p.grad`` tensors and release
-    them (collective: every rank passes the same indices, and every rank has reduced the same ones)."""
+    """Collective: every rank passes the same indices, and has reduced the same ones."""
     sums: list[tuple[int, torch.Tensor]] = []
     for i in indices:
         held = reducer.local_grad(i) if reducer.records[i].state is GradState.REDUCED else None
@@ -50,8 +46,8 @@ def hand_over(reducer: GradientReducer, indices: Sequence[int], group: dist.Proc
 
 
 class UnsteppedLookup:
-    """The layout indices of ``params`` in no optimizer's ``param_groups``, looked up again only when the groups change
-    (a callback adds one during ``fit``): a key of a few integers per group is all a step pays."""
+    """Looked up again only when the groups change (a callback adds one during ``fit``): a key of a few integers per
+    group is all a step pays."""
 
     def __init__(self) -> None:
         self._key: tuple[tuple[int, int], ...] | None = None

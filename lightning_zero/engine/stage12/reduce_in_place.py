@@ -1,22 +1,18 @@
 """One bucket's gradient reduce-scatter without its bucket-sized buffer (stages 1-2 over gloo).
 
-The packed reduction copies every gradient of the bucket into a fresh rank-major buffer, reduces it and copies this
-rank's segment out. Here each rank sends every other rank that rank's rows of each gradient straight out of
-``p.grad`` and receives the other ranks' contributions to its own rows into one segment per peer (stage 2: the
-first straight into the bucket's shard storage), which :meth:`InPlaceReduction.land` adds to its own rows.
-See [Note: collectives in place] in ``p2p_transport.py``; with 2 ranks the sums are the packed ring's, bit for bit
-(``mine + peer``: a two-term float sum does not depend on its order).
+Each rank sends every other rank that rank's rows of each gradient straight out of ``p.grad`` and receives the other
+ranks' contributions to its own rows into one segment per peer (stage 2: the first straight into the bucket's shard
+storage), which :meth:`InPlaceReduction.land` adds to its own rows. See [Note: collectives in place] in
+``p2p_transport.py``; with 2 ranks the sums are the packed ring's, bit for bit (a two-term float sum does not depend
+on its order).
 
 [Note: small gradients travel as runs]
-Adjacent small pieces travel as one transfer (``p2p_transport.packed_runs``). Their gradients are packed for it by
-one ``torch._chunk_cat``, which lays them out rank-major exactly as the bucket is ([Note: rank-major buckets]: rows
-split as ``torch.chunk`` does, each chunk padded to the same length), so a run's row for a peer is one contiguous
-tensor to send and a run's place in a segment one contiguous slice to receive into: no view per gradient and rank,
-and the sums of a run are two flat kernels, not a kernel per parameter. At stage 1 the summed rows then become new
-gradients, views of one flat buffer of the run (the packed rows, others zeroed, put in parameter order by one
-``index_select``),
-where writing them into the old ``p.grad`` would take a view and two kernels per parameter. A model of hundreds of
-narrow tensors pays per parameter what the bytes cost, so this is where its step goes.
+Adjacent small pieces travel as one transfer (``p2p_transport.packed_runs``), packed by one ``torch._chunk_cat``, which
+lays them out rank-major exactly as the bucket is ([Note: rank-major buckets]). A run's row for a peer is then one
+contiguous tensor to send and its place in a segment one contiguous slice: no view per gradient and rank, and the sums
+of a run are two flat kernels, not a kernel per parameter. At stage 1 the summed rows then become new gradients, views
+of one flat buffer of the run, where writing them into the old ``p.grad`` would take a view and two kernels per
+parameter. A model of hundreds of narrow tensors pays per parameter what the bytes cost, so this is where its step goes.
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ from lightning_zero.torch_versions.tensors import chunk_cat, unflatten_dense_ten
 
 @dataclasses.dataclass(frozen=True)
 class TransferRun:
-    """Pieces ``[start, end)`` of a bucket (positions in ``BucketSpec.params``) that travel as one transfer,
-    occupying ``[low, high)`` of every segment; ``packed``: small pieces packed by ``_chunk_cat`` (else one piece
-    alone, its rows sent as views)."""
+    """Pieces ``[start, end)`` of a bucket that travel as one transfer, occupying ``[low, high)`` of every segment; not
+    ``packed``: one piece alone, its rows sent as views."""
 
     start: int
     end: int
@@ -47,7 +42,7 @@ class TransferRun:
 
 
 def transfer_runs(layout: ShardLayout, bucket_index: int, itemsize: int) -> list[TransferRun]:
-    """The bucket's runs (see [Note: small gradients travel as runs]), the same on every rank; kept on the layout."""
+    """See [Note: small gradients travel as runs]; the same on every rank."""
     key = ("runs", bucket_index, itemsize, p2p_transport.PACK_PIECE_BYTES)
     runs = layout.memo.get(key)
     if runs is None:
@@ -66,9 +61,8 @@ def transfer_runs(layout: ShardLayout, bucket_index: int, itemsize: int) -> list
 
 
 def param_order_index(layout: ShardLayout, bucket_index: int, run: TransferRun, device: torch.device) -> torch.Tensor:
-    """For each element of a packed run's gradients flattened one after another, its place in the run's rank-major
-    rows (``[world, high - low]`` flattened), on ``device``; kept on the layout: 4 bytes per element of the run's
-    gradients, which are small pieces (norms, biases, narrow layers), a bucket at most."""
+    """For each element of a packed run's gradients flattened one after another, its place in the run's rank-major rows.
+    Kept on the layout: 4 bytes per element of small pieces, a bucket at most."""
     key = ("param order", bucket_index, run, device)
     index = layout.memo.get(key)
     if index is None:
@@ -86,9 +80,8 @@ def param_order_index(layout: ShardLayout, bucket_index: int, run: TransferRun, 
 
 
 class InPlaceReduction:
-    """Posts one bucket's transfers on construction; :meth:`land` waits and sums. ``storage``: stage 2's shard
-    storage of the bucket, ``held`` when it holds sums from an earlier backward (the reduced rows are added to
-    them); otherwise the first peer's contributions land in it. ``dtype`` and ``device``: the bucket's."""
+    """Posts one bucket's transfers on construction; :meth:`land` waits and sums. ``held``: stage 2's ``storage`` holds
+    sums from an earlier backward; otherwise the first peer's contributions land in it."""
 
     def __init__(
         self,
@@ -107,12 +100,10 @@ class InPlaceReduction:
         self.layout, self.bucket_index = layout, bucket_index
         self.specs = [layout.params[i] for i in bucket.params]
         self.rank, world = rank, layout.world_size
-        #: ``p.grad`` of the bucket's parameters (None: no gradient here, contributing zeros), kept alive until
-        #: their sends complete.
+        #: Kept alive until their sends complete.
         self.grads = list(grads)
         like = next((g for g in self.grads if g is not None), None)
-        # The bucket's dtype, which every rank knows alike (a rank with no gradient in the bucket must send the same
-        # bytes, in the same runs, as the others).
+        # A rank with no gradient in the bucket must still send the same bytes, in the same runs, as the others.
         self.dtype = dtype or (
             storage.dtype if storage is not None else like.dtype if like is not None else torch.float32
         )
@@ -122,7 +113,6 @@ class InPlaceReduction:
         self.storage, self.held = storage, held
         self.into_storage = storage is not None and not held
         peers = [(rank - distance) % world for distance in range(1, world)]
-        #: The segment each peer's contributions land in: the first one's the storage itself when it holds nothing.
         self.segments: dict[int, torch.Tensor] = {
             peer: storage
             if storage is not None and k == 0 and self.into_storage
@@ -130,9 +120,7 @@ class InPlaceReduction:
             for k, peer in enumerate(peers)
         }
         self.runs = transfer_runs(layout, bucket_index, self.dtype.itemsize)
-        #: Per packed run, its gradients rank-major (``[world, high - low]``); None for the pieces travelling alone.
         self.packed: list[torch.Tensor | None] = []
-        #: Every rank's rows of each gradient travelling alone (None: packed, or no gradient here).
         self.rows: list[tuple[torch.Tensor, ...] | None] = [None] * len(self.specs)
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for run in self.runs:
@@ -152,8 +140,7 @@ class InPlaceReduction:
             for r in range(world):
                 if r != rank:
                     sends[r].append(pieces[r])
-        #: Per peer, where its contribution to each run lands: a slice of its segment (the rows only, unpadded,
-        #: for a piece alone, as the sender sends just them).
+        #: A piece alone lands unpadded, as the sender sends just its rows.
         self.received: dict[int, list[torch.Tensor]] = {
             peer: [
                 segment[run.low : run.high]
@@ -165,28 +152,24 @@ class InPlaceReduction:
         }
         receives = [self.received.get(peer, []) for peer in range(world)]
         self.work = collectives.reduce_scatter_in_place(sends, receives, bucket.numel, group=group)
-        #: Stage 1: each packed run's new gradients, one flat buffer, with the layout indices of its parameters.
         self.flats: list[tuple[torch.Tensor, Sequence[int]]] = []
 
     def _whole(self, j: int) -> torch.Tensor:
-        """Gradient ``j`` as ``_chunk_cat`` splits it by rows (zeros where this rank has none)."""
         grad = self.grads[j]
         if grad is None:
             return torch.zeros(self.specs[j].shape or (1,), dtype=self.dtype, device=self.device)
         return grad.view(1) if grad.dim() == 0 else grad
 
     def _rows(self, j: int, rank: int) -> torch.Tensor:
-        """Gradient ``j``'s rows of ``rank``, flat (zeros where this rank has no gradient)."""
         rows = self.rows[j]
         if rows is None:
             return torch.zeros(self.specs[j].rank_numels[rank], dtype=self.dtype, device=self.device)
         return rows[rank]
 
     def land(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Wait, then leave each parameter's reduced rows where its stage keeps them: stage 2 in the shard storage
-        (added to what it held), dropping ``p.grad``; stage 1 in this rank's rows of ``p.grad``, its other rows
-        zeroed (see [Note: gradients are held as sums until finalized] in ``grad_sync.py``). Each element's terms
-        are added in the same order as one parameter at a time would: this rank's, then each peer's in turn."""
+        """Leave each parameter's reduced rows where its stage keeps them (see
+        [Note: gradients are held as sums until finalized] in ``grad_sync.py``). Each element's terms are added in the
+        same order as one parameter at a time would: this rank's, then each peer's in turn."""
         self.work.wait()
         if not params:
             return
@@ -205,13 +188,10 @@ class InPlaceReduction:
                 param.grad = None
 
     def _own(self, k: int, run: TransferRun) -> torch.Tensor:
-        """This rank's contribution to run ``k``: its packed row, or its rows of the piece alone."""
         packed = self.packed[k]
         return packed[self.rank] if packed is not None else self._rows(run.start, self.rank)
 
     def _sum_into_storage(self, k: int, run: TransferRun, received: list[torch.Tensor]) -> None:
-        """This rank's contribution and every peer's to run ``k`` into the shard storage: written where it held
-        nothing (it holds the first peer's already), else added to the sums it held."""
         storage = self.storage
         if storage is None:
             raise RuntimeError("only stage 2 reduces into shard storage")
@@ -230,8 +210,7 @@ class InPlaceReduction:
     def _sum_into_new_grads(
         self, packed: torch.Tensor, run: TransferRun, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
     ) -> None:
-        """Stage 1, a packed run whose gradients are unchanged since the launch: new gradients, views of one flat
-        buffer, this rank's rows the sums and the others zeros (see [Note: small gradients travel as runs])."""
+        """See [Note: small gradients travel as runs]."""
         for part in received:  # the sends are complete: the packed rows are ours to reuse
             packed[self.rank].add_(part)
         for r in range(len(packed)):
@@ -246,8 +225,6 @@ class InPlaceReduction:
     def _sum_into_current_grads(
         self, k: int, run: TransferRun, received: list[torch.Tensor], params: Sequence[torch.nn.Parameter]
     ) -> None:
-        """Stage 1 one parameter at a time, into this rank's rows of ``p.grad``: a piece alone, or a run whose
-        gradient changed since the launch."""
         for j in range(run.start, run.end):
             param, spec = params[j], self.specs[j]
             if param.grad is None:

@@ -1,21 +1,17 @@
 """The user's optimizer, stepping only this rank's shard of every parameter (stages 1 and 2).
 
 [Note: re-hosting without replacing the optimizer]
-The optimizer object the user built stays the one Lightning, LR schedulers and ``toggle_optimizer`` see:
-its ``param_groups`` keep the real parameters. For the duration of ``step`` each trainable parameter in
-``param_groups`` is swapped for a persistent *view* of this rank's rows of it (its gradient set to this
-rank's reduced gradient shard), so the optimizer reads and writes shard-sized tensors and keys its state
-by those views: optimizer state is born sharded and never exists at full size. Because the views alias the
-resident parameters, no fp32 master copy exists; after the step the updated rows are all-gathered back
-into every rank's parameters.
+The optimizer object the user built stays the one Lightning, LR schedulers and ``toggle_optimizer`` see: its
+``param_groups`` keep the real parameters. For the duration of ``step`` each trainable parameter is swapped for a
+persistent view of this rank's rows of it, with this rank's reduced gradient shard, so the optimizer keys its state by
+those views and the state is born sharded, never existing at full size. The views alias the resident parameters, so no
+fp32 master copy exists; after the step the updated rows are all-gathered back.
 
-Under a mixed-precision policy, or with ``offload_optimizer``, the hosted tensors are instead this rank's
-*master* rows (owned by the engine, see ``offload.py``): fp32 copies on the device, or in host memory. After
-the step they are copied (and cast) into the resident parameters' rows, which are then all-gathered in the
-parameters' dtype.
+Under a mixed-precision policy, or with ``offload_optimizer``, the hosted tensors are the engine's master rows instead
+(see ``offload.py``), copied and cast into the resident rows after the step.
 
-Matrix optimizers (Muon, Adafactor: ``optimizers.optimizer_kind``) step whole parameters on owner ranks instead
-of shard views (see [Note: owner stepping] in ``owner_step.py``); their element-wise groups stay on shards.
+Matrix optimizers (Muon, Adafactor: ``optimizers.optimizer_kind``) step whole parameters on owner ranks (see
+[Note: owner stepping] in ``owner_step.py``); their element-wise groups stay on shards.
 """
 
 from __future__ import annotations
@@ -54,7 +50,7 @@ from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_para
 
 class ShardedOptimizer:
     """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (an
-    :class:`~lightning_zero.engine.api.OptimizerShards`: mypy checks it, see the end of this module)."""
+    :class:`~lightning_zero.engine.api.OptimizerShards`)."""
 
     def __init__(
         self,
@@ -76,7 +72,7 @@ class ShardedOptimizer:
         written: InPlaceWrites | None = None,
     ) -> None:
         self.optimizer = optimizer
-        #: See [Note: parameters written between steps] (``engine/in_place_writes.py``); None: nothing to watch.
+        #: See [Note: parameters written between steps] (``engine/in_place_writes.py``).
         self.written = written
         #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
         self.elsewhere = elsewhere
@@ -88,12 +84,9 @@ class ShardedOptimizer:
         self.params = list(params)
         self._records = records
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        #: Persistent shard views (stable identity: the optimizer keys its state by them); ``shards``: those of the
-        #: engine's previous layout, re-indexed (``ZeroDataParallel.follow_trainability``).
+        #: Persistent, because the optimizer keys its state by them.
         self.shards: dict[int, torch.Tensor] = dict(shards or {})
         self.kind = kind
-        #: Whole parameters' owners and the owners' whole tensors (matrix optimizers; ``owners``: the engine's
-        #: previous layout's, re-keyed).
         self.owners = owners
         if owners is None and kind == "matrix":
             device = params[0].device if params else torch.device("cpu")
@@ -108,14 +101,12 @@ class ShardedOptimizer:
             )
             self.owners.on_host = masters is not None and masters.offloaded
         self.row_views = RowViews(layout)
-        self._members: tuple[int, ...] | None = None  # the ``id``s ``param_groups`` held when last followed
-        self._untracked: list[nn.Parameter] = []  # those of them without a shard (frozen then, or not the model's)
-        #: ``offload_step_delay=1``: the thread the host steps run in (see [Note: the delayed update]), and the
-        #: step whose rows have not reached the device yet (``pending``: the engine's previous layout's).
+        self._members: tuple[int, ...] | None = None
+        self._untracked: list[nn.Parameter] = []
+        #: ``offload_step_delay=1``: see [Note: the delayed update].
         self.host_steps = host_steps
         self.pending = pending
-        #: The parts of the offloaded step that start during backward (see [Note: the host step during backward] in
-        #: ``engine/host_steps.py``).
+        #: See [Note: the host step during backward] in ``engine/host_steps.py``.
         self.early = EarlyHostSteps()
         if host_steps is not None and (kind == "matrix" or masters is None or not all(masters.on_host)):
             raise TypeError(
@@ -126,9 +117,8 @@ class ShardedOptimizer:
         self.refresh()
 
     def refresh(self) -> None:
-        """Follow ``param_groups`` (callbacks such as ``BackboneFinetuning`` add groups during training); nothing to
-        do while the groups hold the parameters they held last time (under a matrix optimizer a group's marks decide
-        too: followed every step)."""
+        """Follow ``param_groups``: callbacks such as ``BackboneFinetuning`` add groups during training. Under a matrix
+        optimizer a group's marks decide too, so it is followed every step."""
         groups = self.optimizer.param_groups
         members = tuple(map(id, itertools.chain.from_iterable([group["params"] for group in groups])))
         if members == self._members and self.kind != "matrix" and not any(p.requires_grad for p in self._untracked):
@@ -155,15 +145,12 @@ class ShardedOptimizer:
                     whole.append(i)
                 elif i not in self.shards:
                     self.shards[i] = self.masters[i] if self.masters is not None else self._resident_rows(i)
-        #: Layout indices of the trainable parameters this optimizer owns, in param_groups order.
         self.indices = indices
-        #: Those stepped whole, on their owner ranks.
         self.whole = whole
         if whole:
             self._owners.adopt({i: torch.Size(self.layout.params[i].shape) for i in whole}, self._whole_tensor)
         self.buckets = sorted({self.layout.params[i].bucket for i in indices})
-        #: With the optimizer offloaded, the host step's parts: runs of buckets with this optimizer's parameters in
-        #: them, in the order the next forward needs them (buckets are planned in backward order: the last first).
+        #: Runs of buckets in the order the next forward needs them (buckets are planned in backward order).
         self.parts: list[tuple[list[int], list[int]]] = []
         if self.masters is not None and self.masters.offloaded and not whole:
             by_bucket: dict[int, list[int]] = {b: [] for b in reversed(self.buckets)}
@@ -176,14 +163,11 @@ class ShardedOptimizer:
 
     @property
     def _owners(self) -> OwnerStepping:
-        """The owners of the parameters stepped whole (there are some only under a matrix optimizer)."""
         if self.owners is None:
             raise RuntimeError("only a matrix optimizer steps parameters whole")
         return self.owners
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
-        """The owner's whole tensor of parameter ``i``: the resident parameter itself, or an fp32 (host) copy
-        beside the master rows."""
         if self.masters is None:
             return self.params[i].detach()
         device = torch.device("cpu") if self.masters.offloaded else self.params[i].device
@@ -192,8 +176,8 @@ class ShardedOptimizer:
         )
 
     def hosted(self) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the tensor the optimizer keys that parameter's state by: a shard, or the owner's whole
-        tensor (a whole parameter another rank owns has no entry: no state here)."""
+        """``id(param)`` -> the tensor the optimizer keys that parameter's state by (none where another rank owns
+        it)."""
         self.settle()
         hosted = {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
         if self.whole:
@@ -202,7 +186,6 @@ class ShardedOptimizer:
         return hosted
 
     def owners_of(self) -> dict[int, int] | None:
-        """``id(param)`` -> the rank stepping it whole (matrix optimizers); shard-stepped parameters have none."""
         if self.owners is None:
             return None
         return {id(self.params[i]): self.owners.owner[i] for i in self.whole}
@@ -213,21 +196,19 @@ class ShardedOptimizer:
 
     @contextlib.contextmanager
     def hosting(self, part: Sequence[int] | None = None) -> Iterator[None]:
-        """Swap trainable parameters in ``param_groups`` for their shard views (see the module note); with ``part``,
-        only those parameters take part in the step, the others sit it out."""
+        """See [Note: re-hosting without replacing the optimizer]; with ``part``, the others sit the step out."""
         self.settle()
         whole = set(self.whole)
         standins = self._standins(part)
         if part is not None:
             standins.update({id(self.params[i]): None for i in self.indices if id(self.params[i]) not in standins})
-        for i in whole:  # the owner steps the whole parameter; elsewhere it sits this step out
+        for i in whole:
             owned = self._owners.whole.get(i)
             standins[id(self.params[i])] = None if owned is None else (owned, self._owners.grads.get(i))
         with hosted_params(self.optimizer, standins):
             yield
 
     def _standins(self, part: Sequence[int] | None = None) -> Standins:
-        """``id(param)`` -> (its shard, its gradient for the step) for the shard-stepped parameters of ``part``."""
         whole = set(self.whole)
         grads = {i: self.reducer.local_grad(i) for i in (self.indices if part is None else part) if i not in whole}
         if self.masters is not None:
@@ -235,15 +216,13 @@ class ShardedOptimizer:
         return {id(self.params[i]): (self.shards[i], grads[i]) for i in grads}
 
     def step_during_backward(self, worker: HostSteps) -> bool:
-        """In the coming backward, start each part of the offloaded step in ``worker`` once its gradients are on the
-        host (see [Note: the host step during backward] in ``engine/host_steps.py``); False where this optimizer
-        steps whole, on the device, or in one part, and the step waits for :meth:`step`."""
+        """See [Note: the host step during backward] in ``engine/host_steps.py``; False where the step waits
+        for :meth:`step`."""
         self.take_back_writes()
         eligible = not self.whole and self.host_steps is None
         return self.early.arm(self.optimizer, self.parts, worker, self.masters, eligible)
 
     def bucket_landed(self, bucket: int) -> None:
-        """A bucket's reduced gradients were staged for the host: start the part it completes, if it can."""
         k = self.early.landed(bucket)
         if k is None or self.masters is None:
             return
@@ -264,7 +243,7 @@ class ShardedOptimizer:
         self.reducer.finalize(self.indices, scale)
 
     def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
-        """This rank's gradient shards (for the global norm); ``for_change``: the caller is about to change them."""
+        """``for_change``: the caller is about to change them, which parts stepped early forbid."""
         if for_change:
             self.early.refuse(self.optimizer, "change the gradients now")
         self.early.wait()
@@ -273,7 +252,7 @@ class ShardedOptimizer:
 
     def step(self, **kwargs: Any) -> object:
         self.refresh()
-        if not self.early.started:  # else taken back before the backward whose host steps run now
+        if not self.early.started:  # else taken back before the backward that started them
             self.take_back_writes()
         self.reducer.finalize(self.indices)
         if self.whole:
@@ -294,9 +273,8 @@ class ShardedOptimizer:
         return result
 
     def _step_in_parts(self, early: Sequence[EarlyPart], **kwargs: Any) -> object:
-        """The offloaded step a part at a time (see [Note: the offloaded step] in ``offload.py``): each part's rows
-        go to the device and are gathered while the host steps the next part. The ``early`` parts' host steps started
-        during backward: their rows go first, in the order they started."""
+        """See [Note: the offloaded step] in ``offload.py``. The ``early`` parts' rows go first, in the order they
+        started, so every rank gathers in the same order."""
         result = None
         stepped: set[int] = set()
         for part in early:
@@ -313,8 +291,7 @@ class ShardedOptimizer:
         return result
 
     def _step_delayed(self, host_steps: HostSteps, **kwargs: Any) -> None:
-        """``offload_step_delay=1`` (see [Note: the delayed update]): land the previous step's rows on the device,
-        then start this step's host step in the background and return."""
+        """See [Note: the delayed update]."""
         if has_step_hooks(self.optimizer):
             raise RuntimeError(
                 f"{type(self.optimizer).__name__} has step hooks, and with offload_step_delay=1 its step runs in a "
@@ -323,7 +300,7 @@ class ShardedOptimizer:
         sent = self.land()
         masters = self.masters
         if masters is None:
-            raise RuntimeError("a delayed update needs host masters")  # refused in __init__
+            raise RuntimeError("a delayed update needs host masters")
         standins = self._standins()
         view = stepping_view(self.optimizer)
         masters.swap_gradient_buffers(self.indices)
@@ -332,10 +309,9 @@ class ShardedOptimizer:
         self.pending = host_steps.start(host_step(view, runs, kwargs))
 
     def land(self) -> list[torch.Event | None]:
-        """The delayed update: wait for the host step in flight and bring its rows to every rank's parameters
-        (collective; nothing to do when none is pending), a part at a time. Returns, for each part, an event behind
-        the copies that read its masters (None without an accelerator: they were synchronous); none when nothing
-        was pending."""
+        """Collective: bring the delayed host step's rows to every rank's parameters, a part at a time (see
+        [Note: the delayed update in parts]). Returns, for each part, an event behind the copies that read its
+        masters."""
         pending, self.pending = self.pending, None
         if pending is None:
             return []
@@ -350,13 +326,13 @@ class ShardedOptimizer:
         return sent
 
     def settle(self) -> None:
-        """Wait for the host steps in flight, if any, before the masters or the optimizer state are read."""
+        """Wait for the host steps in flight before the masters or the optimizer state are read."""
         if self.pending is not None:
             self.pending.wait()
         self.early.wait()
 
     def take_back_writes(self) -> None:
-        """See [Note: parameters written between steps]: parameters written since the last gather into their masters."""
+        """See [Note: parameters written between steps]."""
         if self.written is not None and self.masters is not None:
             self.written.take_back(self.masters, self.indices, self.params.__getitem__, self._resident_rows)
 
@@ -364,29 +340,25 @@ class ShardedOptimizer:
         self.local_rows(i).view(-1).copy_(rows)
 
     def local_rows(self, i: int) -> torch.Tensor:
-        """This rank's rows of parameter ``i`` as the optimizer's truth: its master, or a view of the resident
-        parameter."""
+        """This rank's rows of parameter ``i`` as the optimizer's truth."""
         return self.masters[i] if self.masters is not None else self._resident_rows(i)
 
     def _resident_rows(self, i: int) -> torch.Tensor:
         return local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
 
     def discard_gradients(self) -> None:
-        """A skipped step: drop the gradients as the step would have consumed them (a delayed update still lands,
-        so the parameters a step computes with do not depend on which steps were skipped)."""
+        """A skipped step. A delayed update still lands, so the parameters a step computes with do not depend on which
+        steps were skipped."""
         self.early.refuse(self.optimizer, "skip this optimizer step")
         self.land()
         self.reducer.consume(self.indices)
 
     def all_gather_params(self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None) -> None:
-        """Bring the updated rows of ``buckets`` (default: all of this optimizer's) into every rank's parameters,
-        copying the masters of ``indices`` (default: all) first."""
         gathered = self.buckets if buckets is None else buckets
         indices = self.indices if indices is None else indices
         if self.written is not None and self.masters is not None:
-            # The buckets' other parameters (another optimizer's, or no optimizer's) keep their resident rows, which the
-            # gather rewrites: what was written into them since their mark goes into their masters first, or the mark
-            # the gather leaves would hide it from their own step and from checkpoints.
+            # The gather rewrites the resident rows of the buckets' other parameters too: what was written into them
+            # goes into their masters first, or the new mark would hide it from their own step and from checkpoints.
             copied = set(indices)
             if others := [i for b in gathered for i in self.layout.buckets[b].params if i not in copied]:
                 self.written.take_back(self.masters, others, self.params.__getitem__, self._resident_rows)
@@ -406,5 +378,5 @@ class ShardedOptimizer:
             self.written.mark(self.params[i] for b in gathered for i in self.layout.buckets[b].params)
 
 
-if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``), checked statically
+if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``)
     _SHARDS: type[OptimizerShards] = ShardedOptimizer

@@ -1,9 +1,7 @@
 """Stages 1 and 2: parameters stay whole on every rank, gradients and optimizer state are sharded.
 
-One class serves both stages; they differ only in what the gradient reduction keeps (see
-``grad_sync.py``): stage 1 the full ``p.grad`` with the reduced own rows, stage 2 the reduced shard alone.
-With a mixed-precision policy or ``offload_optimizer`` the engine also owns master rows (see ``offload.py``),
-on the device or in host memory.
+One class serves both stages; they differ only in what the gradient reduction keeps (see ``grad_sync.py``). With a
+mixed-precision policy or ``offload_optimizer`` the engine also owns master rows (see ``offload.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +38,10 @@ from lightning_zero.engine.state_dict import gather_full
 
 class ZeroDataParallel:
     """Gradient sharding and sharded optimizer steps for a module whose parameters stay resident (a
-    :class:`~lightning_zero.engine.api.ShardingEngine`: mypy checks it, see the end of this module)."""
+    :class:`~lightning_zero.engine.api.ShardingEngine`)."""
 
     #: The module stays the user's; its parameters are whole on every rank.
+    holds_whole_parameters = True
     shards_module_in_place = False
     params_on_host = False
     units = None
@@ -70,9 +69,7 @@ class ZeroDataParallel:
         self.stage = stage
         self.group = group
         self._mesh = mesh  # see `mesh`
-        #: Hybrid sharding: the ranks holding this rank's rows too (see ``topology.py``); None: no copies.
         self.replicate_group = replicate_group
-        #: Another pipeline stage's parameters: this rank neither holds nor steps them.
         self.holding = holding
         held = holding.held(module.named_parameters())
         self.device_type = next((p.device.type for p in held.values()), "cpu")
@@ -83,12 +80,10 @@ class ZeroDataParallel:
         self._bucket_numel, self._overlap_comm, self._policy = bucket_numel, overlap_comm, policy
         _check_contiguous(named)
         self.mixed = policy is not None
-        #: This rank's rows as the optimizer updates them, when they are not the resident parameters: fp32
-        #: copies taken before the parameters are cast to their compute dtype, and/or held in host memory.
+        #: Taken before the parameters are cast to their compute dtype.
         self.masters: MasterShards | None = None
-        #: Compressed gradients and/or parameters in transit (``compression.py``); None: exact collectives.
         self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
-        # Compressed parameters arrive rounded, this rank's rows too: the optimizer then steps exact fp32 masters.
+        # Compressed parameters arrive rounded, this rank's rows too, so the optimizer needs exact masters.
         lossy_params = compression is not None and compression.params is not None
         if policy is not None or offload_optimizer or lossy_params:
             self.masters = MasterShards(
@@ -96,7 +91,7 @@ class ZeroDataParallel:
                 dtype=policy.master_dtype if policy is not None else None,
                 offloaded=offload_optimizer,
                 pin=pin_memory,
-                alias_on_device=policy is None and not lossy_params,  # masters only for (partial) offload
+                alias_on_device=policy is None and not lossy_params,
             )
         if policy is not None:
             cast_parameters(module, [p for _, p in named], policy)
@@ -105,15 +100,14 @@ class ZeroDataParallel:
         self.written = InPlaceWrites() if self.masters is not None and not offload_step_delay else None
         if self.written is not None:
             self.written.mark(self.params)
-        #: ``offload_step_delay=1``: the thread the optimizers' host steps run in ([Note: the delayed update]).
+        #: See [Note: the delayed update].
         self.host_steps = HostSteps(self.reducer.device) if offload_step_delay else None
-        #: The thread parts of the exact offloaded step run in during backward (made on first use).
+        #: See [Note: the host step during backward].
         self._early_worker: HostSteps | None = None
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self.growths: list[dict[str, float]] = []
 
     def _plan(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        """Lay out ``named`` (the trainable parameters) in buckets and hook their gradient reduction."""
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         policy = self._policy
@@ -121,9 +115,8 @@ class ZeroDataParallel:
             [(n, tuple(p.shape)) for n, p in named],
             self.world_size,
             self._bucket_numel,
-            # Each bucket has one dtype, the one its parameters are held in (already cast to it under a mixed policy):
-            # parameters kept in fp32 get buckets of their own, and so do complex ones and those a model holds in
-            # another dtype than the rest.
+            # Each bucket has one dtype, so parameters kept in fp32 under a mixed policy, complex ones and any held in
+            # another dtype than the rest get buckets of their own.
             classes=_by_dtype(self.params),
         )
         offloaded = self.masters is not None and self.masters.offloaded
@@ -145,17 +138,15 @@ class ZeroDataParallel:
         #: See [Note: parameters given new storage].
         self._storage = StorageWatch(self.params)
         laid_out = {id(p) for p in self.params}
-        #: The held parameters outside the layout (frozen when it was planned), watched for being unfrozen.
+        #: Frozen when the layout was planned: watched for being unfrozen.
         self._frozen = [p for p in self.holding.held(self.module.named_parameters()).values() if id(p) not in laid_out]
 
     def follow_trainability(self) -> bool:
-        """Parameters made trainable during ``fit`` (``BackboneFinetuning`` unfreezes a backbone between epochs)
-        join the layout: new buckets, gradient hooks and optimizer shards, once, where it happens. Parameters
-        frozen during ``fit`` stay laid out and produce no gradient, which the optimizer skips as PyTorch's does.
-        Every rank changes the same parameters at the same point of the same script. Returns whether it grew.
-        Parameters given new storage since the last batch are held again first."""
+        """Parameters made trainable during ``fit`` (``BackboneFinetuning``) join the layout; every rank changes the
+        same parameters at the same point of the same script. Parameters frozen during ``fit`` stay laid out and produce
+        no gradient, which the optimizer skips as PyTorch's does. Returns whether it grew."""
         self._follow_new_storage()
-        if not any(p.requires_grad for p in self._frozen):  # every batch: only the frozen ones are looked at
+        if not any(p.requires_grad for p in self._frozen):  # runs every batch: keep it cheap
             return False
         started = time.perf_counter()
         held = self.holding.held(self.module.named_parameters())
@@ -178,7 +169,7 @@ class ZeroDataParallel:
             shards = {moved[i]: shard for i, shard in old.shards.items()}
             owners = old.owners.rekey(moved) if old.owners is not None else None
             self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners, old.pending)
-        #: Each growth: the parameters that joined and what re-planning took (tests and the README report it).
+        #: Reported by tests and the README.
         self.growths.append(
             {
                 "params": len(grown),
@@ -209,7 +200,6 @@ class ZeroDataParallel:
     # ------------------------------------------------------------------ the contract (engine/api.py)
     @property
     def mesh(self) -> DeviceMesh:
-        """``group`` as a 1-D device mesh (built on first use when the group is every rank)."""
         if self._mesh is None:
             self._mesh = topology.device_mesh(self.device_type, (self.world_size,))
         return self._mesh
@@ -244,7 +234,7 @@ class ZeroDataParallel:
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
         if self.masters is not None:
             yield from self.masters.state_tensors()
-        # Stage 2's shard storage and finalized copies (host buffers among them were yielded just above).
+        # Host buffers among the finalized copies were yielded just above, by the masters.
         yield from (("grads", grad, False) for grad in self.reducer.held_gradients())
 
     # ------------------------------------------------------------------ optimizers
@@ -293,8 +283,8 @@ class ZeroDataParallel:
         return [bucket.segment_numel for bucket in self.layout.buckets]
 
     def discard_all_gradients(self) -> None:
-        """Start a new accumulation window: whatever was reduced and not stepped is dropped, but for the gradients
-        handed to parameters no optimizer holds, theirs now (see [Note: parameters no optimizer steps])."""
+        """Start a new accumulation window, keeping the gradients handed to parameters no optimizer holds
+        (see [Note: parameters no optimizer steps])."""
         kept = set(self._unstepped())
         self.reducer.consume([i for i in range(len(self.params)) if i not in kept] if kept else range(len(self.params)))
 
@@ -310,7 +300,7 @@ class ZeroDataParallel:
 
     def step_during_backward(self, optimizer: Optimizer) -> None:
         """See [Note: the host step during backward] (``engine/host_steps.py``): the caller vouches that nothing after
-        this backward changes the gradients or skips the step; the engine checks the rest."""
+        this backward changes the gradients or skips the step."""
         shards = self._optimizers.get(id(optimizer))
         if shards is None or not self._overlap_comm or not self.reducer.require_sync or self.host_steps is not None:
             return
@@ -334,17 +324,16 @@ class ZeroDataParallel:
         return self._unstepped_lookup(self.params, [shards.optimizer for shards in self._optimizers.values()])
 
     def land_gradients(self) -> None:
-        """Stages 1-2 reduce a pipeline's gradients once they are back in place (:meth:`post_backward`), and every
-        parameter of a bucket reduces whether or not this rank used it: nothing to settle earlier."""
+        """Nothing to settle early: every parameter of a bucket reduces whether or not this rank used it."""
 
     def reshard(self) -> None:
-        """Stages 1-2 keep every parameter whole on every rank: nothing is ever gathered beyond that."""
+        """Parameters stay whole at stages 1-2: nothing was gathered."""
 
     def hold_root_gathered(self) -> Callable[[], None]:
         return lambda: None
 
     def params_loaded(self) -> None:
-        """Checkpoint rows were written into :meth:`local_rows`: give every rank every rank's rows (collective)."""
+        """Collective: checkpoint rows were written into :meth:`local_rows`."""
         all_gather_params(
             self.layout,
             self.params,
@@ -358,8 +347,8 @@ class ZeroDataParallel:
             self.written.mark(self.params)
 
     def local_rows(self, index: int) -> torch.Tensor:
-        """This rank's rows of trainable parameter ``index`` as the optimizer updates them: its master when
-        there are masters, else a view of the resident parameter. Checkpoints read and write these."""
+        """This rank's rows of trainable parameter ``index`` as the optimizer updates them; checkpoints read and
+        write these."""
         if self.masters is not None:
             if self.host_steps is not None:
                 self.host_steps.wait()  # a delayed host step may be writing them
@@ -390,20 +379,18 @@ class ZeroDataParallel:
                     local_rows(param.detach(), self.rank, self.world_size).view(-1).copy_(rows[name].reshape(-1))
         all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
         for optimizer in self._optimizers.values():
-            optimizer.pending = PendingUpdate()  # the masters hold it: the next step sends them
+            optimizer.pending = PendingUpdate()  # the masters hold it
 
     def land_updates(self) -> None:
-        """Bring every delayed update still on the host to the parameters (collective)."""
         for optimizer in self._optimizers.values():
             optimizer.land()
 
     def restore_master_params(self) -> None:
-        """Give the module back its parameters at full precision (collective): the end of a mixed run leaves
-        the model as Lightning's own mixed modes do, in fp32, and with every delayed update landed."""
+        """Collective: the end of a mixed run leaves the model in fp32, as Lightning's own mixed modes do."""
         self.land_updates()
         if not self.mixed or self.masters is None:
-            return  # the resident parameters already hold the masters' values
-        self._follow_new_storage()  # what was assigned or written since the last step (``ModelPruning`` at the end)
+            return
+        self._follow_new_storage()  # ``ModelPruning`` assigns at the end
         if self.written is not None:
             self.written.take_back(self.masters, range(len(self.params)), self.params.__getitem__, self._resident_rows)
         with torch.no_grad():
@@ -430,5 +417,5 @@ def _check_contiguous(named: list[tuple[str, nn.Parameter]]) -> None:
             raise ValueError(f"Parameter {name!r} is not contiguous; ZeroStrategy shards parameters by rows.")
 
 
-if TYPE_CHECKING:  # the engine contract (``engine/api.py``), checked statically
+if TYPE_CHECKING:  # the engine contract (``engine/api.py``)
     _ENGINE: type[ShardingEngine] = ZeroDataParallel

@@ -1,50 +1,42 @@
 """Stage 3: parameters, gradients and optimizer state sharded by ``torch.distributed.fsdp.fully_shard``.
 
-FSDP2 already shards per parameter along dim 0 (our convention), prefetches, and reshards after backward.
-This adapter adds what ZeroStrategy promises on top: the wrap policy, shard-by-shard materialisation of
-meta-device models with the values an eager build would have had, counted collectives, no-sync under
-gradient accumulation, and the shard-level view the precision plugin needs for clipping.
+FSDP2 already shards per parameter along dim 0 (our convention), prefetches, and reshards after backward. This
+adapter adds what ZeroStrategy promises on top: the wrap policy, shard-by-shard materialisation of meta-device models
+with the values an eager build would have had, counted collectives, no-sync under gradient accumulation, and the
+shard-level view the precision plugin needs for clipping.
 
 [Note: stage 3 mixed precision]
-FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 (it is
-the master; a model built in bf16 is held so too, as stages 1-2 take fp32 masters of it), gathers are cast to the
-2-byte compute dtype, gradients are reduced in ``reduce_dtype`` and land as fp32 shards. Layers that keep fp32
-parameters (see ``mixed_precision.py``) become units of their own with an fp32 policy (and without a mixed policy,
-layers held in another dtype than the model's, by the same rule: ``fsdp2_units.held_kinds``). Forward inputs are
-not cast (``cast_forward_inputs=False``): autocast decides per operation, exactly as in stages 1 and 2, so the
-three stages compute the same thing.
+FSDP2's ``MixedPrecisionPolicy`` gives the ZeRO-3 memory model directly: the sharded parameter stays fp32 and is the
+master (a model built in bf16 is held in fp32 too, as stages 1-2 take fp32 masters of it), gathers are cast to the
+compute dtype, gradients are reduced in ``reduce_dtype`` and land as fp32 shards. Layers that keep fp32 parameters (see
+``mixed_precision.py``) become units of their own with an fp32 policy, as do layers held in another dtype than the
+model's (``fsdp2_units.held_kinds``). Forward inputs are not cast (``cast_forward_inputs=False``): autocast decides per
+operation, exactly as at stages 1 and 2, so the three stages compute the same thing.
 
 [Note: merged units]
-Each FSDP2 unit costs host work on every step whatever its size: its pre- and post-forward hooks, a pre- and a
-post-backward hook, copies into and out of its all-gather buffer, a reduce-scatter, their launches and waits.
-A model of many small layers (a GPT of narrow blocks; under mixed precision, every norm layer, which is a unit of
-its own in fp32) then spends its step in that work, not in arithmetic, and so does GPT-2 small's shape on a GPU,
-whose kernels take less time than launching them. Adjacent units of one dtype (the blocks of a ``ModuleList``) are
-therefore merged into one ``fully_shard([a, b, ...])`` group while their gathered parameters fit in
-``unit_size_mb``, and the fp32 layers nested in one group form one fp32 group: the same parameters, shards,
-gradients and arithmetic, with fewer gathers and hooks. FSDP2 gathers a group at its first module's
-pre-forward, reshards it after its last module's forward, and reduces it once, after the backward of all of
-it. The price is memory in flight: a merged group is gathered whole (two with prefetching), so the budget bounds
-it; a layer larger than the budget stays a unit of its own, and so does a unit whose units enclose units again
-(the rule then applies inside it).
+Each FSDP2 unit costs host work every step whatever its size: its forward and backward hooks, copies into and out of its
+all-gather buffer, a reduce-scatter, their launches and waits. A model of many small layers (narrow blocks; under mixed
+precision, every norm layer is an fp32 unit of its own) then spends its step in that work, not in arithmetic. Adjacent
+units of one dtype are therefore merged into one ``fully_shard([a, b, ...])`` group while their gathered parameters fit
+in ``unit_size_mb``, and the fp32 layers nested in one group form one fp32 group: the same arithmetic, with fewer
+gathers and hooks. FSDP2 gathers a group at its first module's pre-forward, reshards it after its last module's forward,
+and reduces it once after the backward of all of it. The price is memory in flight (a merged group is gathered whole,
+two with prefetching), which the budget bounds; a layer larger than the budget stays a unit of its own, and so does a
+unit whose units enclose units again (the rule then applies inside it).
 
 [Note: stage 3 hybrid sharding and hpZ]
-Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced
-gradient shard across the replica group in FSDP2's all-reduce hook (``fsdp2_comm.SumOverReplicas``, counted like
-every collective), with both collectives summing and one divide by the number of ranks. It is what FSDP2's
-2-D mesh HSDP computes, but FSDP2 issues that all-reduce itself, uncounted. hpZ is FSDP2's
-``reshard_after_forward=s``: after forward each unit stays sharded over ``s`` consecutive ranks, so backward's
-all-gather runs inside that group.
+Hybrid sharding shards each unit over the ``"shard"`` sub-mesh only (``topology.py``) and sums each reduced gradient
+shard across the replica group in FSDP2's all-reduce hook (``fsdp2_comm.SumOverReplicas``), both collectives summing and
+one divide by the number of ranks. It is what FSDP2's 2-D mesh HSDP computes, but FSDP2 would issue that all-reduce
+itself, uncounted. hpZ is FSDP2's ``reshard_after_forward=s``: after forward each unit stays sharded over ``s``
+consecutive ranks, so backward's all-gather runs inside that group.
 
 [Note: stage 3 offload]
-``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters (the fp32 masters under mixed
-precision), their gradients and therefore the optimizer state live in host memory; each unit's shards are
-copied to the device just before its all-gather, and reduced gradient shards come back to the host. The
-user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded parameters on
-the device and re-hosts the optimizer on host copies of them (see ``offload.py``), exactly as stages 1 and 2
-do: gradient shards go to the host, the host steps, updated shards come back, a run of parameters at a time
-(``FullyShardedOptimizer._step_in_parts``), each unit's run during backward where nothing after it changes the
-gradients (see [Note: the host step during backward] in ``engine/host_steps.py``).
+``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters, their gradients and so the optimizer state live
+in host memory, and the user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded
+parameters on the device and re-hosts the optimizer on host copies of them (see ``offload.py``), as stages 1 and 2 do, a
+run of parameters at a time (``FullyShardedOptimizer._step_in_parts``), each unit's run during backward where nothing
+after it changes the gradients (see [Note: the host step during backward] in ``engine/host_steps.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +85,7 @@ from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_s
 
 
 class FullyShardedEngine:
-    """ZeRO stage 3 over FSDP2 (an ``engine/api.py`` ``ShardingEngine``: mypy checks it, see this module's end)."""
+    """ZeRO stage 3 over FSDP2 (an ``engine/api.py`` ``ShardingEngine``)."""
 
     stage = 3
     #: The parameters' rows are the DTensor shards themselves; offload masters only mirror them.
@@ -118,7 +110,7 @@ class FullyShardedEngine:
     ) -> None:
         self.module = module
         self.device, self.pin_memory = device, pin_memory
-        #: Compressed collectives (``compression.py``); None: exact ones. Units name their residuals by path.
+        #: Units name their compression residuals by path.
         self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
         self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
         self.params_on_host = offload_params
@@ -127,15 +119,15 @@ class FullyShardedEngine:
         #: See [Note: stage 3 under pipeline stages]; the module itself is the one root otherwise.
         self.stages = stages
         self.roots: list[nn.Module] = list(stages.modules) if stages is not None else [module]
-        #: ``fully_shard`` converts the module in place: the LightningModule itself is the root unit, unless
-        #: pipeline stages run this rank's layers (their stage modules are the roots then).
+        self.holds_whole_parameters = False  # DTensor shards, gathered per unit for compute
+        #: ``fully_shard`` converts the module in place, unless pipeline stages' modules are the roots.
         self.shards_module_in_place = stages is None
         self.holding = stages.holding if stages is not None else Holding()
         #: See [Note: stage 3 hybrid sharding and hpZ].
         self.group = hybrid.shard_group if hybrid is not None else None
         self.replicate_group = hybrid.replicate_group if hybrid is not None else None
         self.norm_group = self.group
-        if stages is not None:  # each stage sharded over its data-parallel ranks; the norm sums over every rank
+        if stages is not None:  # the norm still sums over every rank
             self.group = stages.mesh.get_group()
         self.world_size = collectives.world_size(self.group)
         self.rank = collectives.rank(self.group)
@@ -153,24 +145,17 @@ class FullyShardedEngine:
         chosen = {id(m) for m in self.units}
         self._fp32_units = {id(m) for m in (*self.units, *self.roots) if policy is not None and policy.holds_fp32(m)}
         #: The ``fully_shard`` calls: see [Note: merged units].
-        self.unit_groups = [
-            group
-            for root in self.roots
-            for group in unit_groups(
-                root,
-                [u for u in root.modules() if u is not root and id(u) in chosen],
-                self._gathered_bytes,
-                kind,
-                unit_size_mb * 2**20,
-            )
-        ]
-        #: Reduce-scatters that land when backward ends (see fsdp2_comm's Note); hybrid sharding's all-reduce hook
-        #: reads each reduced shard at once, so those land as they are issued, and a pipeline schedule reduces
-        #: outside any backward. On CUDA, FSDP2's streams overlap.
+        self.unit_groups: list[list[nn.Module]] = []
+        for root in self.roots:
+            below = [u for u in root.modules() if u is not root and id(u) in chosen]
+            self.unit_groups += unit_groups(root, below, self._gathered_bytes, kind, unit_size_mb * 2**20)
+        #: See [Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``; on CUDA FSDP2's streams overlap
+        #: them already. Not under hybrid sharding, whose all-reduce hook reads each shard at once, nor under a
+        #: pipeline schedule, which reduces outside any backward.
         self.late = (
             LateReductions() if self.replicate_group is None and stages is None and device.type == "cpu" else None
         )
-        #: Units whose gradients are final, for the host step during backward; one head per ``fully_shard`` call.
+        #: For the host step during backward.
         self.finished = FinishedUnits() if overlap_comm and self.replicate_group is None and stages is None else None
         self._early_worker: HostSteps | None = None
         self._heads: list[FSDPModule] = []
@@ -195,28 +180,25 @@ class FullyShardedEngine:
                 self._set_collectives(sharded)
         for root in self.roots:
             fsdp2_private.check(root)  # a torch that moved a private name fails here, naming it
-        #: The roots as ``fully_shard`` made them (``check`` raised otherwise).
         self._roots = [cast(FSDPModule, root) for root in self.roots]
-        #: See [Note: prefetching without streams] (on CUDA, FSDP2 prefetches on its streams; a pipeline schedule
-        #: gathers each stage itself).
+        #: See [Note: prefetching without streams]; on CUDA FSDP2 prefetches on its streams, and a pipeline schedule
+        #: gathers each stage itself.
         self.prefetch = (
             ForwardPrefetch(self._roots[0], [group[0] for group in self.unit_groups])
             if device.type == "cpu" and stages is None
             else None
         )
-        #: See [Note: writes into gathered parameters], and [Note: gathered accumulation windows] (not with
-        #: ``offload_params``: parameters leave the device; under pipeline stages the schedule keeps them gathered, see
-        #: [Note: stage 3 under pipeline stages]).
+        #: See [Note: writes into gathered parameters] and [Note: gathered accumulation windows] (not with
+        #: ``offload_params``, whose parameters leave the device, nor under [Note: stage 3 under pipeline stages]).
         self.gathered_writes = GatheredWrites(g for root in self.roots for g in fsdp2_private.param_groups(root))
         self.window = GatheredWindow(module) if not offload_params and stages is None else None
-        #: False inside ``no_sync``; whether the latest backward ran there, leaving its gradients whole and unreduced.
+        #: ``_unreduced``: the latest backward ran inside ``no_sync``, leaving its gradients whole.
         self._reducing, self._unreduced = True, False
-        #: Trainable sharded parameters and, with ``offload_optimizer`` alone, their host masters.
         held = self.holding.held(module.named_parameters())
         named = [(n, p) for n, p in held.items() if p.requires_grad]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        #: See [Note: 0-dim parameters at stage 3] (frozen ones too, which a callback may unfreeze during ``fit``).
+        #: See [Note: 0-dim parameters at stage 3]; frozen ones too, which a callback may unfreeze.
         self.zero_dim = ZeroDimParameters(
             [p for p in held.values() if p.dim() == 0],
             self.rank,
@@ -240,17 +222,16 @@ class FullyShardedEngine:
             )
 
     def _shard_stages(self) -> None:
-        """Shard this rank's pipeline stages: their units, then each stage module as a root. Their layers were
-        built whole and are the same on every replica (``pipeline/parallel.py``)."""
+        """Their layers were built whole and are the same on every replica (``pipeline/parallel.py``)."""
         if any(has_meta(root, recurse=True) for root in self.roots):
             raise ValueError(
                 "`pipeline_stages > 1` with `stage=3` builds the model whole on every rank before the cut: "
                 "build it in `__init__` or in `configure_model` without the meta device."
             )
-        for sharded in (
-            h for root in self.roots if isinstance(root, FSDPModule) for h in fsdp2_private.unit_heads(root)
-        ):
-            self._set_collectives(sharded)  # sharded by an earlier run: [Note: a later run keeps the stage modules]
+        for root in self.roots:
+            if isinstance(root, FSDPModule):  # sharded by an earlier run: [Note: a later run keeps the stage modules]
+                for sharded in fsdp2_private.unit_heads(root):
+                    self._set_collectives(sharded)
         for group in reversed(self.unit_groups):
             self._shard(group)
         for root in self.roots:
@@ -258,12 +239,10 @@ class FullyShardedEngine:
 
     # ------------------------------------------------------------------ sharding
     def _gathered_bytes(self, unit: nn.Module) -> int:
-        """Bytes of ``unit``'s parameters in the dtype FSDP2 gathers them in."""
         dtype = None if self.policy is None or id(unit) in self._fp32_units else self.policy.compute_dtype
         return sum(p.numel() * (dtype or p.dtype).itemsize for p in sharded_params(unit))
 
     def _shard(self, group: list[nn.Module]) -> None:
-        """One ``fully_shard`` call over ``group``'s modules (see [Note: merged units])."""
         first = group[0]
         if isinstance(first, FSDPModule):
             return
@@ -335,11 +314,11 @@ class FullyShardedEngine:
         return shards_of(self._optimizers, optimizer)
 
     def bucket_layout(self) -> None:
-        """FSDP2 reduces each unit's gradients on their own, in no buckets of ours."""
+        """FSDP2 reduces each unit's gradients on their own."""
 
     def discard_all_gradients(self) -> None:
-        """Lightning's ``zero_grad`` clears the sharded ``p.grad``; whole gradients still held from a window that never
-        reduced (its epoch ended inside it: ``on_train_batch_start`` returned -1) are dropped here."""
+        """Lightning's ``zero_grad`` clears the sharded ``p.grad``, but not the whole gradients of a window that never
+        reduced (its epoch ended inside it: ``on_train_batch_start`` returned -1)."""
         if self._unreduced:
             fsdp2_private.drop_unreduced_gradients(self.roots)
             self._unreduced = False
@@ -367,8 +346,7 @@ class FullyShardedEngine:
         return self._reducing
 
     def step_during_backward(self, optimizer: Optimizer) -> None:
-        """See [Note: the host step during backward] (``engine/host_steps.py``): with the optimizer offloaded, each
-        unit's part of the host step starts once FSDP2 has finished that unit's gradients."""
+        """See [Note: the host step during backward] (``engine/host_steps.py``)."""
         shards = self._optimizers.get(id(optimizer))
         if shards is None or self.finished is None or not self._reducing or self.masters is None:
             return
@@ -378,8 +356,7 @@ class FullyShardedEngine:
             self.finished.listen(shards.unit_finished)
 
     def post_backward(self) -> None:
-        """FSDP2's reduce-scatters land when its backward ends; forward prefetching follows the first forward. A
-        backward that reduced ends the accumulation window: every unit is sharded again."""
+        """A backward that reduced ends the accumulation window: every unit is sharded again."""
         self.land_gradients()
         if self._reducing:
             self.zero_dim.average_gradients()
@@ -394,8 +371,7 @@ class FullyShardedEngine:
             self.reshard()
 
     def reshard(self) -> None:
-        """Close an open accumulation window (see [Note: gathered accumulation windows]); free pipeline stages
-        kept gathered over a step (see [Note: stage 3 under pipeline stages])."""
+        """See [Note: gathered accumulation windows] and [Note: stage 3 under pipeline stages]."""
         if self.window is not None:
             self.window.close()
         elif self.stages is not None:
@@ -406,8 +382,7 @@ class FullyShardedEngine:
         return hold_root_gathered(self.module)
 
     def land_gradients(self) -> None:
-        """Land reductions still in flight (a backward not run through the strategy leaves them to the step), then
-        take back the zero gradients of parameters no rank used."""
+        """A backward not run through the strategy leaves its reductions in flight until the step."""
         self.unused.start()
         if self.late is not None:
             self.late.land_all()
@@ -417,17 +392,16 @@ class FullyShardedEngine:
         return False  # FSDP2 shards every parameter, trainable or not, and reduces whatever gradients backward produces
 
     def params_loaded(self) -> None:
-        """A checkpoint was loaded into the sharded parameters: refresh the host masters from them, and give every rank
-        the 0-dim parameters' rows (collective)."""
+        """Collective: a checkpoint was loaded into the sharded parameters."""
         self.zero_dim.share()
         if self.masters is not None:
             for i, record in enumerate(self._records):
                 self.masters.refresh_from(i, record.rows)
 
     def restore_master_params(self) -> None:
-        """FSDP2 keeps the sharded parameters at full precision and casts them per forward: nothing to do."""
+        """FSDP2 keeps the sharded parameters at full precision and casts them per forward."""
 
-    update_delay = 0  # stage 3 steps without a delayed update (``offload_step_delay`` is a stage 1-2 setting)
+    update_delay = 0  # ``offload_step_delay`` is a stage 1-2 setting
 
     def lagging_rows(self) -> None:
         return None
@@ -441,5 +415,5 @@ class FullyShardedEngine:
             self._early_worker.close()
 
 
-if TYPE_CHECKING:  # the engine contract (``engine/api.py``), checked statically
+if TYPE_CHECKING:  # the engine contract (``engine/api.py``)
     _ENGINE: type[ShardingEngine] = FullyShardedEngine

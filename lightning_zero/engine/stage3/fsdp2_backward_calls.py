@@ -1,20 +1,17 @@
 """Stage 3 units whose layers their own backward calls.
 
 [Note: a unit's layers called in backward]
-Reversible layers (Reformer's, RevNets') keep no activations: the autograd Function standing for a stack of them
-runs the layers' forwards under ``no_grad``, and its backward re-runs each layer's parts (its attention, its
-feed-forward) one by one and calls ``torch.autograd.backward`` on them. FSDP2 gathers a unit around the unit's own
-forward and around the backward of the outputs that forward gave autograd; neither happens here, so those parts
-met their unit's shards (``aten.addmm.default got mixed torch.Tensor and DTensor``), however the unit was chosen.
+Reversible layers (Reformer's, RevNets') keep no activations: the autograd Function standing for a stack of them runs
+the layers' forwards under ``no_grad``, and its backward re-runs each layer's parts and calls
+``torch.autograd.backward`` on them. FSDP2 gathers a unit around the unit's own forward and around the backward of the
+outputs that forward gave autograd; neither happens here, so those parts met their unit's shards.
 
-A forward pre-hook on each direct child of a unit gathers the unit when the child runs inside a backward while the
-unit is sharded (in a unit's own backward, the unit is gathered already: activation checkpointing's recomputation
-finds it so, and the hook does nothing). The layers' gradients then land in the gathered parameters, and FSDP2's
-end-of-backward callback reduce-scatters them and reshards the unit, as it does for any unit whose backward did
-not run through its hooks; so the numbers are those of plain PyTorch. Such a unit stays gathered from that call to
-the end of the backward. Outside a backward the hook does nothing: a unit's layer called in ``training_step``
-(``self.net[0](x)``) would hand autograd gathered tensors that the unit's next reshard frees before backward reads
-them, so that case keeps torch's error, with a note naming the way out (``faults/failures.py``).
+A forward pre-hook on each direct child of a unit therefore gathers the unit when the child runs inside a backward while
+the unit is sharded. The layers' gradients then land in the gathered parameters, and FSDP2's end-of-backward callback
+reduce-scatters them and reshards the unit, as it does for any unit whose backward did not run through its hooks.
+Outside a backward the hook does nothing: a unit's layer called in ``training_step`` would hand autograd gathered
+tensors that the unit's next reshard frees before backward reads them, so that case keeps torch's error, with a note
+naming the way out (``faults/failures.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from lightning_zero.torch_versions.autograd import current_graph_task_id
 
 
 def gather_layers_called_in_backward(root: nn.Module) -> None:
-    """Hook every direct child of every unit below ``root`` that holds some of its unit's sharded parameters."""
     for unit in root.modules():
         if unit is root or not isinstance(unit, FSDPModule):
             continue
@@ -41,7 +37,7 @@ def gather_layers_called_in_backward(root: nn.Module) -> None:
 
 
 def _a_parameter_of_the_unit(module: nn.Module) -> tuple[nn.Module, str] | None:
-    """Where one sharded parameter of ``module`` lives (its owner and name), outside the units nested in it."""
+    """Where one sharded parameter of ``module`` lives, outside the units nested in it."""
     if isinstance(module, FSDPModule):
         return None
     for name, param in module.named_parameters(recurse=False):

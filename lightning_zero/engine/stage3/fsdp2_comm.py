@@ -1,22 +1,17 @@
-"""FSDP2's collectives, routed through ``collectives.py`` so stage 3 is counted, labelled and watched like
-stages 1-2 (``fully_shard`` modules take them via ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, and
-hybrid sharding's sum across replicas via ``set_all_reduce_hook``), and compressed like them (``compression.py``)
-when the run asks for it.
+"""FSDP2's collectives, routed through ``collectives.py`` so stage 3 is counted, labelled, watched and compressed
+(``compression.py``) like stages 1-2 (``fully_shard`` modules take them via ``set_custom_all_gather`` /
+``set_custom_reduce_scatter``, and hybrid sharding's sum across replicas via ``set_all_reduce_hook``).
 
 [Note: reduce-scatters that land after backward]
-FSDP2 overlaps a unit's gradient reduce-scatter with the next unit's backward by running it on a CUDA stream. A
-CPU has no streams, so FSDP2's reduce-scatter returns only when the reduction is done: on the demo GPT over 2
-CPU ranks the training thread waited for it (``benchmarks/bench_core.py``'s phase breakdown,
-``benchmarks/results/2026-11-26-cpu-step-time.md``). Here
-the reduce-scatter is posted and returns at once; it lands (the sum, then FSDP2's average) when the backward
-pass ends, in an autograd final callback queued behind FSDP2's own, or earlier when more than
-:data:`MAX_IN_FLIGHT` are posted. Until then FSDP2 has only made views of the output as the sharded gradients,
-which nobody reads during backward, unless FSDP2 itself reads the output right away: it adds it to gradients
-already there (several synchronising backwards), casts it (a reduce dtype other than the parameters'), copies
-it to the host (CUDA offload), divides it after a SUM, or hands it to post-accumulate-grad hooks or to an
-all-reduce hook (hybrid sharding). Each of those is checked per call, and that reduce-scatter runs to completion
-as before. A unit run several times in one forward (a block shared across depth) is reduced once per run: its
-earlier reductions land before the next, which FSDP2 adds to them.
+FSDP2 overlaps a unit's gradient reduce-scatter with the next unit's backward by running it on a CUDA stream. A CPU has
+no streams, so FSDP2's reduce-scatter would return only when the reduction is done, with the training thread waiting for
+it (``benchmarks/results/2026-11-26-cpu-step-time.md``). Here it is posted and returns at once; it lands (the sum, then
+FSDP2's average) when backward ends, in an autograd final callback queued behind FSDP2's own, or earlier when more than
+:data:`MAX_IN_FLIGHT` are posted. Until then FSDP2 has only made views of the output as the sharded gradients, which
+nobody reads during backward, unless FSDP2 itself reads the output right away: it adds it to gradients already there,
+casts it, copies it to the host, divides it after a SUM, or hands it to post-accumulate-grad hooks or an all-reduce
+hook. Each of those is checked per call, and that reduce-scatter completes at once. A unit run several times in one
+forward is reduced once per run: its earlier reductions land before the next, which FSDP2 adds to them.
 """
 
 from __future__ import annotations
@@ -37,8 +32,7 @@ from lightning_zero.torch_versions.autograd import queue_callback
 
 
 class CountingAllGather(AllGather):
-    """FSDP2's all-gather, counted and labelled like ours, recorded with its ``unit`` (``flight.unit_code``: see [Note:
-    operation numbers and the running hash]); compressed parameters with ``compression``."""
+    """FSDP2's all-gather, recorded with its ``unit`` (see [Note: operation numbers and the running hash])."""
 
     def __init__(self, compression: CompressedComm | None = None, unit: int = 0) -> None:
         self.compression, self.unit = compression, unit
@@ -51,9 +45,7 @@ class CountingAllGather(AllGather):
     ) -> dist.Work | None:
         # FSDP2 gathers a unit in uint8 when its parameters' dtypes differ: such bytes travel as they are.
         if self.compression is not None and self.compression.compresses_params(output_tensor.dtype):
-            self.compression.all_gather(
-                output_tensor, input_tensor, group, async_op=False, unit=self.unit
-            )  # done on return
+            self.compression.all_gather(output_tensor, input_tensor, group, async_op=False, unit=self.unit)
             return None
         # FSDP2 only waits on a real `dist.Work`; complete ring gathers before returning.
         work = collectives.all_gather(output_tensor, input_tensor, group=group, async_op=async_op, unit=self.unit)
@@ -64,10 +56,8 @@ class CountingAllGather(AllGather):
 
 
 class CountingReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter, counted and labelled like ours (FSDP2 picks the reduce op) and recorded with its unit
-    (``key``'s ``flight.unit_code``); compressed gradients with ``compression``, whose error-feedback residuals
-    ``key`` names. With ``landing``, the reductions of ``unit`` that nobody reads during backward land after it
-    (see [Note: reduce-scatters that land after backward])."""
+    """FSDP2's reduce-scatter; ``key`` names the unit and its error-feedback residuals. With ``landing``,
+    see [Note: reduce-scatters that land after backward]."""
 
     def __init__(
         self,
@@ -81,9 +71,8 @@ class CountingReduceScatter(ReduceScatter):
     ) -> None:
         self.compression, self.key, self.code = compression, key, flight.unit_code(key)
         self.unit, self.landing = unit, landing
-        #: Told when this unit's gradients are final during backward (``position``: the unit's number there).
         self.finished, self.position = finished, position
-        #: The shard group has one rank: FSDP2 copies instead of calling this (see [Note: units finished alone]).
+        #: See [Note: units finished alone].
         self.alone = alone
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -101,7 +90,7 @@ class CountingReduceScatter(ReduceScatter):
     ) -> dist.Work | None:
         if self.finished is not None:
             self.finished.announce()  # the units reduced before this one have their gradients now
-        if self.landing is not None:  # a unit reduced again in one backward (run twice in forward) adds to its first
+        if self.landing is not None:  # a unit run twice in forward: FSDP2 adds the second reduction to the first
             self.landing.land_through(self)
         # FSDP2 asks for AVG in fp32/bf16 (SUM, then a divide, is the same arithmetic) and SUM otherwise.
         if op in (ReduceOp.SUM, ReduceOp.AVG) and not async_op:
@@ -132,8 +121,7 @@ class CountingReduceScatter(ReduceScatter):
         )
 
     def _unread(self, output: torch.Tensor) -> bool:
-        """Whether FSDP2 only views ``output`` as the unit's new sharded gradients (nothing there to add to, no
-        cast, no host copy, no hooks): then it may land after backward."""
+        """Whether FSDP2 only views ``output`` as the unit's new sharded gradients, so it may land after backward."""
         if self.unit is None:
             raise RuntimeError("lightning_zero internal error: the engine gives ``landing`` together with its unit")
         for param, offloaded in sharded_params(self.unit):
@@ -158,72 +146,63 @@ class _Reduced:
 
 
 class FinishedUnits:
-    """The units whose gradients FSDP2 has finished during a backward, told to a listener in the order they were
-    reduced (see [Note: the host step during backward] in ``engine/host_steps.py``). FSDP2 makes a unit's gradients
-    of its reduce-scatter's output after the collective returns, so a unit reduced in place is finished when the
-    next reduce-scatter begins, or when backward ends; one whose reduction lands late (see [Note: reduce-scatters
-    that land after backward]) once it has landed. On an accelerator the listener runs on FSDP2's reduce-scatter
-    stream, behind the finished unit's work there.
+    """The units whose gradients FSDP2 has finished during a backward, told to a listener in the order they were reduced
+    (see [Note: the host step during backward] in ``engine/host_steps.py``). FSDP2 makes a unit's gradients of its
+    reduce-scatter's output after the collective returns, so a unit is finished only when the next reduce-scatter
+    begins, when backward ends, or when its late reduction has landed. On an accelerator the listener runs on FSDP2's
+    reduce-scatter stream, behind the finished unit's work there.
 
     [Note: units finished alone]
-    With one rank in the shard group (one GPU) FSDP2 reduces nothing: it copies each unit's gradients into the
-    output it would have reduced into, and never calls the reduce-scatter. It still asks the reduce-scatter to
-    allocate both buffers: the input, then, inside its reduce-scatter stream, the output, which the copy and the
-    gradients made of it follow there. So the output's allocation stands for the call that does not come: the
-    units before have their gradients then (the listener runs on that stream, behind their copies, as it does behind
-    their reductions), and this one has them by the next allocation or when backward ends."""
+    With one rank in the shard group FSDP2 never calls the reduce-scatter: it copies each unit's gradients into the
+    output instead. It still asks the reduce-scatter to allocate the input, then, on its reduce-scatter stream, the
+    output, so the output's allocation stands for the call that does not come: the units before have their gradients
+    then, and this one has them by the next allocation or when backward ends."""
 
     def __init__(self) -> None:
         self._listener: Callable[[int], None] | None = None
         self._queue: deque[_Reduced] = deque()
-        self._inputs: set[int] = set()  # alone: the units whose input FSDP2 allocated, their output not yet
+        self._inputs: set[int] = set()  # alone: input allocated, output not yet
 
     @property
     def listening(self) -> bool:
         return self._listener is not None
 
     def listen(self, listener: Callable[[int], None]) -> None:
-        """Tell ``listener`` each unit's position as it finishes, until :meth:`finish`."""
         self._listener, self._queue, self._inputs = listener, deque(), set()
 
     def allocated(self, position: int) -> None:
-        """FSDP2 allocated a buffer of unit ``position``'s reduction, which it copies instead (see [Note: units
-        finished alone]): its input, or its output, which stands for the reduce-scatter."""
+        """See [Note: units finished alone]."""
         if self._listener is None:
             return
         if position not in self._inputs:
             self._inputs.add(position)
             return
         self._inputs.discard(position)
-        self.announce()  # the units reduced before this one have their gradients now
+        self.announce()
         self.reduced(position, landed=True)
 
     def reduced(self, position: int, landed: bool) -> _Reduced:
-        """A unit's reduce-scatter was issued (``landed``: and has completed)."""
         entry = _Reduced(position, landed)
         if self._listener is not None:
             self._queue.append(entry)
         return entry
 
     def announce(self) -> None:
-        """Tell the listener of the units at the head of the queue that have landed (a later unit waits for the
-        earlier ones: reductions land in order)."""
+        """A later unit waits for the earlier ones: reductions land in order."""
         while self._queue and self._queue[0].landed and self._listener is not None:
             self._listener(self._queue.popleft().position)
 
     def finish(self) -> None:
-        """Backward ended and its reductions landed: tell the rest, then stop listening."""
         self.announce()
         self._listener, self._queue, self._inputs = None, deque(), set()
 
 
 class LateReductions:
-    """The stage-3 reduce-scatters still in flight during a backward pass, landed in posting order (the same on
-    every rank) when the pass ends: see [Note: reduce-scatters that land after backward]."""
+    """Landed in posting order, the same on every rank: see [Note: reduce-scatters that land after backward]."""
 
     def __init__(self) -> None:
         self._pending: deque[tuple[dist.Work | None, torch.Tensor, int, _Reduced | None]] = deque()
-        self._owners: deque[object] = deque()  # who posted each pending reduction
+        self._owners: deque[object] = deque()
         self._callback_queued = False
 
     def add(
@@ -234,27 +213,24 @@ class LateReductions:
         reduced: _Reduced | None = None,
         owner: object = None,
     ) -> None:
-        """``reduced``: the unit's entry in :class:`FinishedUnits`, marked landed with the reduction; ``owner``: the
-        unit's reduce-scatter, for :meth:`land_through`."""
         self._pending.append((work, output, divide, reduced))
         self._owners.append(owner)
         if not self._callback_queued:
             try:
                 queue_callback(self.land_all)
                 self._callback_queued = True
-            except RuntimeError:  # not inside a backward pass: nothing ends it, land now
+            except RuntimeError:  # not inside a backward pass: nothing would land it
                 self.land_all()
                 return
         while len(self._pending) > MAX_IN_FLIGHT:
             self._land_first()
 
     def land_through(self, owner: object) -> None:
-        """Land, in posting order, up to the last reduction ``owner`` posted: FSDP2 is about to add to its output."""
+        """FSDP2 is about to add to the output of ``owner``'s reductions."""
         while owner in self._owners:
             self._land_first()
 
     def land_all(self) -> None:
-        """Land every posted reduction (the end of backward; also before anything reads gradients)."""
         self._callback_queued = False
         while self._pending:
             self._land_first()
@@ -272,8 +248,7 @@ class LateReductions:
 
 
 class SumOverReplicas:
-    """FSDP2's all-reduce hook under hybrid sharding: sum a unit's reduced gradient shard (in the reduce dtype)
-    over the ranks holding the same rows."""
+    """FSDP2's all-reduce hook under hybrid sharding (see [Note: stage 3 hybrid sharding and hpZ])."""
 
     def __init__(self, group: dist.ProcessGroup, compression: CompressedComm | None = None, key: str = "") -> None:
         self.group, self.compression, self.key = group, compression, key

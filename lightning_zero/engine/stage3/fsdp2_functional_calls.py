@@ -2,14 +2,12 @@
 
 [Note: functional calls on stage 3 units]
 ``functional_call(module, tensors, args)`` registers ``tensors`` in place of the module's parameters for one call
-(meta-learning's inner loops, sharpness-aware or consistency losses at moved weights). A stage-3 unit's forward
-gathers its parameters and registers the gathered copies over whatever the module holds, and a prefetch does so
-before the unit's forward begins; so the unit computes with its own weights, not the tensors passed, and nothing
-says so (measured: 2e-2 from ``ddp`` after 3 steps of a loss at 0.9 times the weights). Nor could the tensors be
-used as they are: built from a unit's parameters outside its forward, they are its shards. Stages 1-2 hold whole
-parameters, and ``functional_call`` works there as in plain PyTorch. The check wraps torch's one entry point of both
-``torch.func.functional_call`` and ``torch.nn.utils.stateless.functional_call`` while a module holds units this
-package made; the root's own parameters (gathered throughout ``training_step``) may be replaced.
+(meta-learning's inner loops, sharpness-aware losses). A stage-3 unit's forward gathers its parameters and registers the
+gathered copies over whatever the module holds, and a prefetch does so before the unit's forward begins; so the unit
+computes with its own weights, not the tensors passed, and nothing says so. Nor could the tensors be used as they are:
+built from a unit's parameters outside its forward, they are its shards. The check wraps torch's one entry point of both
+``torch.func.functional_call`` and ``torch.nn.utils.stateless.functional_call``; the root's own parameters, gathered
+throughout ``training_step``, may be replaced.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from torch.nn.utils import stateless
 
 from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
 
-#: The units this package's stage-3 engines made (their roots excepted); weak, so a finished run leaves nothing.
+#: Weak, so a finished run leaves nothing.
 _UNITS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
@@ -33,7 +31,6 @@ class ShardedFunctionalCallError(RuntimeError):
 
 
 def refuse_functional_calls(root: nn.Module) -> None:
-    """Refuse ``functional_call`` on the units below ``root`` from now on (see the Note)."""
     _UNITS.update(m for m in root.modules() if m is not root and isinstance(m, FSDPModule))
     if not getattr(stateless._functional_call, "_refuses_stage_3_units", False):
         stateless._functional_call = _checked(stateless._functional_call)
@@ -51,8 +48,7 @@ def _checked(functional_call: Any) -> Any:
 
 
 def _refuse_units(module: nn.Module, tensors: Any) -> None:
-    """Raise if a name of ``tensors`` is a parameter FSDP2 shards, held in a unit: ``module`` itself or a module on
-    the name's path (buffers, and the parameters FSDP2 leaves whole, may be replaced)."""
+    """Buffers, and the parameters FSDP2 leaves whole, may be replaced."""
     mappings = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
     for name in (n for mapping in mappings for n in mapping):
         *parts, leaf = name.split(".")

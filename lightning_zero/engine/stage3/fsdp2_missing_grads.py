@@ -1,22 +1,18 @@
 """Stage 3's gradients where ranks use different parameters of a unit.
 
 [Note: parameters some ranks leave without a gradient]
-FSDP2 reduce-scatters, per unit, the gradients its gathered parameters hold on this rank, packed one after the
-other. Where ranks use different parameters of a unit (a mixture of experts routing each rank's tokens to other
-experts, a branch taken on some ranks only), the ranks pack different lists, and where the sizes agree (experts
-of one shape) the collective pairs one rank's expert with another's: each expert gets the sum of some other
-expert's gradients, silently. Before each unit is reduced (:func:`~lightning_zero.engine.stage3.fsdp2_private.
-watch_post_backward`), every trainable gathered parameter without a gradient on this rank gets a zero one, so
-every rank packs the same list, as DDP's ``find_unused_parameters`` and stages 1-2's buckets do. When the
-backward ends, the ranks exchange which parameters any of them produced a gradient for
-(:class:`~lightning_zero.engine.comm.used_flags.UsedFlags`, as stages 1-2 do), and a parameter no rank used, that
-had no gradient before this backward, gets ``None`` back: the optimizer skips it, as in plain PyTorch, instead of
-decaying it with a zero gradient.
+FSDP2 reduce-scatters, per unit, the gradients its gathered parameters hold on this rank, packed one after the other.
+Where ranks use different parameters of a unit (a mixture of experts), the ranks pack different lists, and where the
+sizes agree the collective pairs one rank's expert with another's: each expert gets the sum of some other expert's
+gradients, silently. So before each unit is reduced every trainable gathered parameter without a gradient on this rank
+gets a zero one, and every rank packs the same list, as DDP's ``find_unused_parameters`` and stages 1-2's buckets do.
+When backward ends the ranks exchange which parameters any of them used
+(:class:`~lightning_zero.engine.comm.used_flags.UsedFlags`), and a parameter no rank used gets ``None`` back: the
+optimizer skips it, as in plain PyTorch, instead of decaying it with a zero gradient.
 
-A unit whose *forward* runs on some ranks only (an expert wrapped as a unit of its own, called when tokens reach
-it) is another matter: its all-gather is issued on those ranks only. Keep such modules inside a unit every rank
-runs (``wrap_policy`` naming the block that owns them); the fault handling names the collective where they part,
-with both units (``docs/faults.md``).
+A unit whose forward runs on some ranks only (an expert wrapped as a unit of its own) is another matter: its all-gather
+is issued on those ranks only. Keep such modules inside a unit every rank runs; the fault handling names the collective
+where they part (``docs/faults.md``).
 """
 
 from __future__ import annotations
@@ -32,9 +28,8 @@ from lightning_zero.engine.stage3 import fsdp2_private
 
 
 class UnusedParameters:
-    """Which of the module's parameters (``params``, sharded; frozen ones too, which a callback may unfreeze during
-    ``fit``) this rank produced a gradient for in the current synchronising backward, and the gradients to take back
-    once every rank's flags are known."""
+    """See [Note: parameters some ranks leave without a gradient]. Frozen parameters are watched too, since a callback
+    may unfreeze them during ``fit``."""
 
     def __init__(
         self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None
@@ -43,14 +38,12 @@ class UnusedParameters:
         self.index = {id(p): i for i, p in enumerate(params)}
         self.flags = UsedFlags(group, replicate_group, lambda: self._produced.clone())
         self._produced = torch.zeros(len(params), dtype=torch.int32)
-        #: Parameters given a zero gradient in this backward, and whether each held a gradient before it.
+        #: Whether each parameter given a zero gradient held one before this backward.
         self._zeroed: dict[int, bool] = {}
-        #: A unit was reduced since the flags were last exchanged: the same on every rank, which reduce the same
-        #: units, so every rank exchanges them alike (:meth:`forget_unused`).
+        #: The same on every rank, which reduce the same units, so every rank exchanges the flags alike.
         self.pending = False
 
     def watch(self, groups: Iterable[Any]) -> None:
-        """Complete each of these FSDP2 parameter groups' gradients before it is reduced."""
         for group in groups:
             fsdp2_private.watch_post_backward(group, self._before_reduction)
 
@@ -70,18 +63,16 @@ class UnusedParameters:
                 self._zeroed.setdefault(i, param.grad is not None)  # a second reduction sees the first's zeros
 
     def produced_here(self, param: torch.Tensor) -> bool:
-        """Whether this rank produced ``param``'s gradient in the latest synchronising backward (then some rank did,
-        and its reduced gradient is final)."""
+        """Then some rank did, and its reduced gradient is final."""
         i = self.index.get(id(param))
         return i is not None and bool(self._produced[i])
 
     def start(self) -> None:
-        """Post this rank's flags (before the reductions still in flight land, where any are)."""
+        """Post this rank's flags before the reductions still in flight land."""
         if self.pending:
             self.flags.start()
 
     def forget_unused(self) -> None:
-        """Take back the zero gradients of the parameters no rank used (after :meth:`start`)."""
         if not self.pending:
             return
         used = self.flags.reduced()

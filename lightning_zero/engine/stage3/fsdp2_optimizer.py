@@ -1,6 +1,5 @@
-"""The user's optimizer over FSDP2's sharded parameters (stage 3): the optimizer handle of
-:class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` (see its [Note: stage 3 offload]) and the local-shard
-helpers both use."""
+"""The optimizer handle of :class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` (see its
+[Note: stage 3 offload])."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from lightning_zero.engine.stage3.local_step import local_tensor, stepping_local
 
 class ShardedParams(Protocol):
     """What the optimizer handle reads of its :class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` (a
-    Protocol: the engine imports this module)."""
+    Protocol, since the engine imports this module)."""
 
     @property
     def rank(self) -> int: ...
@@ -63,14 +62,11 @@ class ShardedParams(Protocol):
 
 
 class FullyShardedOptimizer:
-    """The user's optimizer over FSDP2's sharded parameters (an :class:`~lightning_zero.engine.api.OptimizerShards`,
-    checked by mypy at the end of this module): it steps the DTensor shards themselves, or, with
+    """An :class:`~lightning_zero.engine.api.OptimizerShards` stepping the DTensor shards themselves, or, with
     ``offload_optimizer`` alone, their host masters. A matrix optimizer steps whole parameters on owner ranks
     (``owner_step.py``), decided from each DTensor's full shape."""
 
     def __init__(self, engine: ShardedParams, optimizer: Optimizer, kind: str = "elementwise") -> None:
-        """``engine``: the :class:`~lightning_zero.engine.stage3.fsdp2.FullyShardedEngine` whose parameters these
-        are."""
         self.engine = engine
         self.optimizer = optimizer
         self.kind = kind
@@ -87,24 +83,20 @@ class FullyShardedOptimizer:
             )
             self.owners.on_host = engine.optimizer_on_host
         self.whole: list[int] = []
-        #: The parts of the offloaded step that start during backward, a unit each (see [Note: the host step during
-        #: backward] in ``engine/host_steps.py``).
+        #: A part per unit (see [Note: the host step during backward] in ``engine/host_steps.py``).
         self.early = EarlyHostSteps()
         self.unit_parts: list[tuple[list[int], list[int]]] = []
-        #: Each unit's trainable parameters (engine indices, by unit position), and whether every unit reduces in
-        #: one collective; found at the first backward that may step during it.
+        #: Each unit's trainable parameters, and whether every unit reduces in one collective.
         self._units: tuple[list[list[int]], bool] | None = None
-        #: Units run more than once in this step's forward, so reduced again later in its backward: their parts wait
-        #: for :meth:`step`.
+        #: Reduced again later in this backward, so their parts wait for :meth:`step`.
         self._run_again: set[int] = set()
-        #: See [Note: parameters written between steps] (``engine/in_place_writes.py``): the sharded parameters the
-        #: host masters are copied over (a DTensor's own version counts its in-place operations).
+        #: See [Note: parameters written between steps] (``engine/in_place_writes.py``); a DTensor's own version counts
+        #: its in-place operations.
         self.written = InPlaceWrites() if engine.masters is not None else None
         self._refresh()
         self._mark_hosted()
 
     def _rows(self, i: int) -> torch.Tensor:
-        """This rank's rows of parameter ``i``: its DTensor's local shard, or a view of a 0-dim parameter's row."""
         param = self.engine.params[i]
         return local_tensor(param) if isinstance(param, DTensor) else self.engine.zero_dim.rows(param)
 
@@ -116,20 +108,15 @@ class FullyShardedOptimizer:
         return (p for group in self.optimizer.param_groups for p in group["params"])
 
     def _refresh(self) -> None:
-        """Which parameters are stepped whole (matrix groups), with an owner for each new one."""
         engine = self.engine
-        self.whole = [
-            engine.index[id(p)]
-            for group in self.optimizer.param_groups
-            if steps_whole(group, self.kind)
-            for p in group["params"]
-            if id(p) in engine.index
-        ]
+        self.whole = []
+        for group in self.optimizer.param_groups:
+            if steps_whole(group, self.kind):
+                self.whole += [engine.index[id(p)] for p in group["params"] if id(p) in engine.index]
         if self.whole:
             self._owners().adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
-        """The owner's whole copy of parameter ``i`` (where the optimizer state lives: the host under offload)."""
         engine = self.engine
         on_host = engine.optimizer_on_host
         device = torch.device("cpu") if on_host else self._rows(i).device
@@ -137,7 +124,6 @@ class FullyShardedOptimizer:
         return torch.zeros(engine.params[i].shape, dtype=self._owners().dtype, device=device, pin_memory=pin)
 
     def _owners(self) -> OwnerStepping:
-        """The owners of the whole parameters: only a matrix optimizer steps any, and it has them."""
         if self.owners is None:
             raise RuntimeError("lightning_zero internal error: only a matrix optimizer steps parameters whole")
         return self.owners
@@ -152,8 +138,8 @@ class FullyShardedOptimizer:
         ]
 
     def _sharded_in_place(self) -> list[DTensor]:
-        """The sharded parameters the optimizer steps where they are, element-wise: neither stepped whole nor
-        re-hosted on host masters. It steps their local tensors (see [Note: local-shard step])."""
+        """Neither stepped whole nor re-hosted: the optimizer steps their local tensors (see [Note: local-shard
+        step])."""
         engine = self.engine
         elsewhere = set(self.whole) | set(self._hosted_indices())
         return [
@@ -163,8 +149,7 @@ class FullyShardedOptimizer:
         ]
 
     def _zero_dim_in_place(self) -> list[int]:
-        """The 0-dim parameters the optimizer steps where they are: a view of their row (see [Note: 0-dim parameters
-        at stage 3] in ``fsdp2_zero_dim_params.py``)."""
+        """See [Note: 0-dim parameters at stage 3] in ``fsdp2_zero_dim_params.py``."""
         zero_dim, index = self.engine.zero_dim, self.engine.index
         if not zero_dim.params:
             return []
@@ -174,7 +159,6 @@ class FullyShardedOptimizer:
         ]
 
     def _masters(self) -> MasterShards:
-        """The engine's host masters: :meth:`_hosted_indices` names some only where it has them."""
         if self.engine.masters is None:
             raise RuntimeError("lightning_zero internal error: host masters exist only under offload_optimizer")
         return self.engine.masters
@@ -188,8 +172,7 @@ class FullyShardedOptimizer:
         return [engine.records()[engine.index[id(p)]] for p in self._params() if id(p) in engine.index]
 
     def hosted(self) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the host master the optimizer keys its state by (``offload_optimizer`` alone), or the
-        owner's whole tensor; otherwise the optimizer steps the sharded parameters themselves."""
+        """``id(param)`` -> the tensor the optimizer keys its state by, where it is not the sharded parameter."""
         self.early.wait()
         engine = self.engine
         hosted = {id(engine.params[i]): self._masters()[i] for i in self._hosted_indices()}
@@ -205,8 +188,6 @@ class FullyShardedOptimizer:
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
-        """A block in which the optimizer holds the host masters, with host copies of the gradient shards, and
-        the owners' whole parameters (left out of the groups on other ranks)."""
         self.early.wait()
         engine, indices = self.engine, self._hosted_indices()
         standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
@@ -231,7 +212,7 @@ class FullyShardedOptimizer:
         engine.land_gradients()
         engine.reshard()  # the step writes the shards: no gathered copy may outlive it
         self._refresh()
-        if not self.early.started:  # else taken back before the backward whose host steps run now
+        if not self.early.started:  # else taken back before the backward that started them
             self._take_back_writes()
         if self.whole:
             self._owners().gather(self.whole, self._rows, self._grad)
@@ -268,10 +249,7 @@ class FullyShardedOptimizer:
             self.written.mark(self.engine.params[i] for i in self._hosted_indices())
 
     def _host_parts(self) -> list[list[int]]:
-        """With the optimizer offloaded, runs of the hosted parameters, first layers first (engine order is the
-        module's, the order the next forward gathers them in), each about ``1/HOST_STEP_PARTS`` of the elements;
-        none where the step is one call: nothing on the host, whole parameters, or an optimizer whose state is not
-        per parameter or that has step hooks (``optimizers.steps_in_parts``)."""
+        """Runs of the hosted parameters in the order the next forward gathers them; none where the step is one call."""
         masters = self.engine.masters
         if masters is None or not masters.offloaded or self.whole or not steps_in_parts(self.optimizer):
             return []
@@ -280,13 +258,9 @@ class FullyShardedOptimizer:
         return [[indices[k] for k in run] for run in runs] if len(runs) > 1 else []
 
     def _step_in_parts(self, parts: Sequence[Sequence[int]], early: Sequence[EarlyPart] = (), **kwargs: Any) -> object:
-        """The offloaded step a part at a time (see [Note: stage 3 offload] in ``fsdp2.py``): every part's gradient
-        copies to the host are queued first, each part behind an event, so the host steps a part as soon as its own
-        gradients have landed while the later parts' still travel; each stepped part's masters go back to the
-        device shards while the host steps the next. The ``early`` parts started during backward: the other parts'
-        copies are queued first (behind the early parts' masters on the compute stream they would wait), then the
-        early parts' masters go back, in the order they started. Bit for bit one step over everything: the
-        optimizer's state is per parameter."""
+        """See [Note: stage 3 offload] in ``fsdp2.py``. Every part's gradient copies are queued first, each behind an
+        event, so the host steps a part as soon as its own gradients have landed. They are queued before the ``early``
+        parts' masters go back, since behind those on the compute stream they would wait."""
         engine, masters = self.engine, self._masters()
         stepped = {i for started in early for i in started.indices}
         staged: list[tuple[list[int], dict[int, torch.Tensor], torch.Event | None]] = []
@@ -302,8 +276,7 @@ class FullyShardedOptimizer:
                 for i in started.indices:
                     masters.copy_into(i, self._rows(i))
         result = None
-        # Parameters the engine does not shard step where they are, in a call of their own: only when one has a
-        # gradient (frozen parameters in the groups cost no call).
+        # Parameters the engine does not shard (added to the optimizer after setup) step in a call of their own.
         if any(id(p) not in engine.index and p.grad is not None for p in self._params()):
             in_place = {id(p): None for p in self._params() if id(p) in engine.index}
             with hosted_params(self.optimizer, in_place), host_kernel(self.optimizer):
@@ -312,7 +285,7 @@ class FullyShardedOptimizer:
             if landed is not None:
                 landed.synchronize()
             standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], grads.get(i)) for i in rest}}
-            with hosted_params(self.optimizer, standins), host_kernel(self.optimizer):  # the kernel the worker's is
+            with hosted_params(self.optimizer, standins), host_kernel(self.optimizer):  # the worker's kernel too
                 result = self.optimizer.step(**kwargs)
             with torch.no_grad():
                 for i in rest:
@@ -320,16 +293,11 @@ class FullyShardedOptimizer:
         return result
 
     def _sitting_out(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
-        """Stand-ins that leave every parameter of the optimizer out of a part's step (a part then adds its own);
-        parameters the engine does not shard (added to the optimizer after setup) step in a call of their own."""
         return {id(p): None for p in self._params()}
 
     def step_during_backward(self, worker: HostSteps, heads: Sequence[FSDPModule]) -> bool:
-        """In the coming backward, start the host step of each unit's parameters (``heads``: one module per
-        ``fully_shard`` call, by position) in ``worker`` once FSDP2 has finished their gradients (see [Note: the host
-        step during backward] in ``engine/host_steps.py``); False where the step waits for :meth:`step`: masters on
-        the device, whole parameters, an optimizer that steps whole, or a unit reduced in more than one collective
-        (a unit run more than once in forward waits too)."""
+        """See [Note: the host step during backward] in ``engine/host_steps.py``; False where the step waits for
+        :meth:`step`, as it must where a unit reduces in more than one collective."""
         self._take_back_writes()
         if self._units is None:
             index = self.engine.index
@@ -344,8 +312,6 @@ class FullyShardedOptimizer:
         return self.early.arm(self.optimizer, self.unit_parts, worker, self.engine.masters, eligible)
 
     def unit_finished(self, position: int) -> None:
-        """FSDP2 finished the gradients of unit ``position``: start the host step of its parameters, if it can (every
-        one of them has a gradient)."""
         k = self.early.landed(position)
         if k is None or position in self._run_again:
             return
@@ -354,7 +320,7 @@ class FullyShardedOptimizer:
         grads = [self._grad(i) for i in indices]
         if any(grad is None or not engine.unused.produced_here(engine.params[i]) for i, grad in zip(indices, grads)):
             return  # whether no rank used it is known when backward ends
-        if self.written is not None:  # written while gathered (the root through `training_step`): in the shard now
+        if self.written is not None:  # written while gathered (the root through `training_step`)
             self.written.take_back(masters, indices, engine.params.__getitem__, self._rows)
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
         standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}
@@ -385,7 +351,7 @@ class FullyShardedOptimizer:
         self.engine.land_gradients()
         grads = (local_grad(p) for p in self._params())
         zero_dim, index = self.engine.zero_dim, self.engine.index
-        if zero_dim.params:  # their rows (one frozen at set-up and trained since steps whole on every rank)
+        if zero_dim.params:
             grads = (
                 zero_dim.grad_rows(p) if p in zero_dim and id(p) in index else local_grad(p) for p in self._params()
             )
@@ -393,9 +359,8 @@ class FullyShardedOptimizer:
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's shard of ``param``'s gradient (None before a backward produced one)."""
     return None if param.grad is None else local_tensor(param.grad)
 
 
-if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``), checked statically
+if TYPE_CHECKING:  # the optimizer contract (``engine/api.py``)
     _SHARDS: type[OptimizerShards] = FullyShardedOptimizer

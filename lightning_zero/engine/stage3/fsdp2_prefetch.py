@@ -1,19 +1,16 @@
 """Stage 3's all-gathers posted one unit ahead, in forward and in backward.
 
 [Note: prefetching without streams]
-FSDP2 hides a unit's all-gather behind the previous unit's computation by issuing it on a separate CUDA stream
-(implicit prefetching). A CPU has no streams: each unit's all-gather started only when the unit was reached and the
-training thread waited for all of it (``bench_core.py``'s phase breakdown on the demo GPT over 2 CPU ranks:
-``benchmarks/results/2026-11-26-cpu-step-time.md``). FSDP2's explicit prefetching does it without streams: with
-``unshard_async_op`` its all-gathers return a handle (our rings are ``dist.Work``s, ``collectives.py``), a unit's
-pre-forward posts the next unit's all-gather after gathering its own, and backward posts the previous unit's (FSDP2's
-default backward prefetch, in reverse post-forward order). At most two units are gathered at once, as FSDP2's stream
-prefetching holds.
+FSDP2 hides a unit's all-gather behind the previous unit's computation by issuing it on a separate CUDA stream. A CPU
+has no streams, so each unit's all-gather would start only when the unit is reached, with the training thread waiting
+for all of it (``benchmarks/results/2026-11-26-cpu-step-time.md``). FSDP2's explicit prefetching does it without
+streams: with ``unshard_async_op`` its all-gathers return a handle, a unit's pre-forward posts the next unit's
+all-gather after gathering its own, and backward posts the previous unit's. At most two units are gathered at once, as
+with FSDP2's stream prefetching.
 
-The forward order is not the modules' order in general, so it is observed: the first forward that builds a
-graph records the order in which units first run, and from then on each unit prefetches the one that ran after
-it. A unit that does not run in some forward stays prefetched until its next use or FSDP2's post-backward
-reshard; nothing is ever computed with stale values, since prefetching only moves an all-gather earlier.
+The forward order is not the modules' order in general, so the first forward that builds a graph records the order in
+which units first run. A unit that does not run in some forward stays prefetched until its next use or FSDP2's
+post-backward reshard; nothing is computed with stale values, since prefetching only moves an all-gather earlier.
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ from torch.distributed.fsdp import FSDPModule
 
 
 class ForwardPrefetch:
-    """Records the units' forward order on the first training forward, then chains their prefetches."""
-
     def __init__(self, root: FSDPModule, units: list[nn.Module]) -> None:
         self.units = [u for u in units if isinstance(u, FSDPModule)]
         self.order: list[FSDPModule] = []
@@ -38,10 +33,9 @@ class ForwardPrefetch:
     def _ran(self, unit: nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled() and unit.training and id(unit) not in self._seen:
             self._seen.add(id(unit))
-            self.order.append(cast(FSDPModule, unit))  # the hook is registered on FSDP2 units only
+            self.order.append(cast(FSDPModule, unit))
 
     def settle(self) -> None:
-        """After the first backward: each unit prefetches the unit that first ran after it."""
         if not self._handles or not self.order:
             return
         for handle in self._handles:

@@ -2,62 +2,47 @@
 
 The stage-3 engine drives ``fully_shard`` through its public surface wherever torch has one
 (``set_custom_all_gather``/``set_custom_reduce_scatter``, ``set_all_reduce_hook``, ``set_reshard_after_backward``,
-``reshard``, ``set_requires_gradient_sync``). What it cannot do there goes through this module, one function per
-need, each with the reason the public API does not suffice:
+``reshard``, ``set_requires_gradient_sync``). What it cannot do there goes through this module, one function per need,
+each with the reason the public API does not suffice:
 
-* :data:`AllGather` / :data:`ReduceScatter`: the base classes ``set_custom_all_gather`` and
-  ``set_custom_reduce_scatter`` take; torch exports them only from ``torch.distributed.fsdp._fully_shard``.
-* :func:`param_groups` (``FSDPState._fsdp_param_groups``): the per-unit objects the next three act on; public
-  methods act on a whole module. torch 2.11 keeps one ``_fsdp_param_group`` (or None) per state, 2.12 and later a
-  list (where one ``fully_shard([a, b])`` call may make several groups): :data:`STATE_GROUPS`, probed on a fresh
-  ``FSDPState``, says which.
-* :func:`keep_complex_params_complex` (an instance attribute shadowing ``FSDPParam.init_dtype_attrs``): [Note:
-  complex parameters under FSDP2's mixed precision] below.
-* :func:`keep_gathered_after_forward` / :func:`restore_after_forward` (``FSDPParamGroup.post_forward_mesh_info``):
-  the public ``set_reshard_after_forward`` takes a bool, so it cannot put back an hpZ unit's partial reshard (a
-  mesh) when an accumulation window closes ([Note: gathered accumulation windows] in ``fsdp2_window.py``).
-* :func:`reshard_only_after_backward` / :func:`unshadow_reshard` (an instance attribute shadowing
-  ``FSDPParamGroup.reshard``, and ``_training_state``): FSDP2's post-forward of the root reshards it whatever its
-  settings say when ``training_step`` calls ``self(...)`` ([Note: hpZ and the root] in ``fsdp2_units.py``); no setting
-  keeps the root gathered through a window.
-* :func:`watch_gathering` (instance attributes shadowing ``FSDPParamGroup.wait_for_unshard`` and ``reshard``;
-  ``_all_gather_result``), :func:`gathered_versions` / :func:`write_back_gathered` (``FSDPParam._unsharded_param``,
-  ``mesh_info``): code writing the module's parameters while a unit is gathered writes the gathered copies, which
-  resharding frees; FSDP2 writes nothing back and has no hook around its gathers ([Note: writes into gathered
-  parameters] in ``fsdp2_window.py``).
-* :func:`sharded_params` (``FSDPParamGroup.fsdp_params``, ``FSDPParam.sharded_param``/``offload_to_cpu``): whether
-  FSDP2 reads a reduce-scatter's output right away, so the reduction may land after backward
-  ([Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``); no public view of a unit's parameters
-  in FSDP2's own bookkeeping.
-* :func:`watch_post_backward` / :func:`complete_unit_gradients` (an instance attribute shadowing
-  ``FSDPParamGroup.post_backward``; ``FSDPParam._unsharded_param``, ``unsharded_accumulated_grad``,
-  ``param_dtype`` (:func:`gathered_dtype`), ``FSDPParamGroup.reduce_grads``): which gathered parameters hold a
-  gradient on this rank when a unit is about to be reduced (in the dtype it was gathered in), and a zero one for
-  those that do not ([Note: parameters some ranks leave without a gradient] in ``fsdp2_missing_grads.py``). torch 2.13's
-  ``set_reduce_scatter_unused_params`` zero-fills too, but does not say which parameters it filled, and older
-  releases lack it.
-* :func:`forget_classes_of_one_module` (``_fully_shard.cls_to_fsdp_cls``): ``fully_shard`` caches the subclass it
-  makes for each module class, forever; a parametrized layer (``parametrizations.weight_norm``: Wav2Vec2's positional
-  convolution) has a class of its own made for that one instance, whose ``weight`` property closes over the instance,
-  so the cache kept every such model alive, with its shards, after ``fit`` (a process that trains several models, a
-  sweep or a notebook, held all of them). There is no public way to drop an entry.
-* :func:`skip_conversions_that_change_nothing` (an instance attribute shadowing ``FSDPModule._apply``): FSDP2's
-  ``_apply`` reshards a unit and re-registers its shards for any ``module.to(...)``, even one that converts nothing,
-  and fails on a unit kept gathered through an accumulation window; a layer that casts itself in its forward (Hugging
-  Face's Switch Transformers and NLLB-MoE routers) makes that call every step. There is no setting for it.
+* :data:`AllGather` / :data:`ReduceScatter`: torch exports these base classes only from
+  ``torch.distributed.fsdp._fully_shard``.
+* :func:`param_groups` (``FSDPState._fsdp_param_groups``): public methods act on a whole module, not a unit's groups.
+  torch 2.11 keeps one group (or None) per state, 2.12 and later a list: :data:`STATE_GROUPS` says which.
+* :func:`keep_complex_params_complex`: [Note: complex parameters under FSDP2's mixed precision] below.
+* :func:`keep_gathered_after_forward` / :func:`restore_after_forward` (``post_forward_mesh_info``): the public
+  ``set_reshard_after_forward`` takes a bool, so it cannot put back an hpZ unit's mesh when an accumulation window
+  closes ([Note: gathered accumulation windows] in ``fsdp2_window.py``).
+* :func:`reshard_only_after_backward` / :func:`unshadow_reshard`: FSDP2's post-forward of the root reshards it whatever
+  its settings say when ``training_step`` calls ``self(...)`` ([Note: hpZ and the root] in ``fsdp2_units.py``).
+* :func:`watch_gathering`, :func:`gathered_versions` / :func:`write_back_gathered`: code writing the module's parameters
+  while a unit is gathered writes the gathered copies, which resharding frees; FSDP2 writes nothing back and has no hook
+  around its gathers ([Note: writes into gathered parameters] in ``fsdp2_window.py``).
+* :func:`sharded_params`: whether FSDP2 reads a reduce-scatter's output right away
+  ([Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``); there is no public view of a
+  unit's parameters.
+* :func:`watch_post_backward` / :func:`complete_unit_gradients`: which gathered parameters hold a gradient when a unit
+  is about to be reduced, and a zero one for those that do not ([Note: parameters some ranks leave without a gradient]
+  in ``fsdp2_missing_grads.py``). torch 2.13's ``set_reduce_scatter_unused_params`` zero-fills too, but does not say
+  which parameters it filled, and older releases lack it.
+* :func:`forget_classes_of_one_module` (``cls_to_fsdp_cls``): ``fully_shard`` caches the subclass it makes for each
+  module class forever; a parametrized layer (``parametrizations.weight_norm``) has a class made for that one instance
+  whose ``weight`` property closes over it, so the cache kept every such model alive, with its shards, after ``fit``.
+  There is no public way to drop an entry.
+* :func:`skip_conversions_that_change_nothing` (shadowing ``FSDPModule._apply``): FSDP2's ``_apply`` reshards a unit for
+  any ``module.to(...)``, even one that converts nothing, and fails on a unit kept gathered through an accumulation
+  window; a layer that casts itself in its forward (Hugging Face's Switch Transformers and NLLB-MoE routers) makes that
+  call every step.
 
-:func:`check` verifies each of these on a sharded module: the engine runs it when it shards (a torch release that
-moves one fails at set-up, naming it, not mid-training), and ``tests/unit/test_fsdp2_private.py`` runs it on the
-installed torch; ``make test-torch`` under every release ``setup.cfg`` admits. This module is FSDP2's door of the
-version adapters ([Note: version adapters] in ``torch_versions/__init__.py``): :func:`branches` names the branch each
-per-release difference takes here.
+:func:`check` verifies each of these on a sharded module when the engine shards, so a torch release that moves one fails
+at set-up, naming it, not mid-training; ``tests/unit/test_fsdp2_private.py`` runs it on the installed torch. This module
+is FSDP2's door of the version adapters ([Note: version adapters] in ``torch_versions/__init__.py``): :func:`branches`
+names the branch each per-release difference takes here.
 
 [Note: complex parameters under FSDP2's mixed precision]
 torch 2.11's ``FSDPParam.init_dtype_attrs`` casts every parameter to the policy's ``param_dtype``, complex ones
-included: a complex shard gathered as bf16 loses its imaginary part (a Fourier layer's weights then fail in
-``einsum``, or train on half their values). torch 2.12 and later leave a parameter that is not floating point in its
-own dtype; :func:`keep_complex_params_complex` makes torch 2.11 do the same. :data:`CASTS_COMPLEX_PARAMS` is probed by
-calling the method on a stand-in holding a complex shard.
+included: a complex shard gathered as bf16 loses its imaginary part. torch 2.12 and later leave a parameter that is not
+floating point in its own dtype; :func:`keep_complex_params_complex` makes torch 2.11 do the same.
 """
 
 from __future__ import annotations
@@ -181,7 +166,6 @@ def branches() -> dict[str, str]:
 
 
 def _groups_of(state: Any) -> list[Any]:
-    """The ``FSDPParamGroup``s of one ``FSDPState`` (of one ``fully_shard`` call), in order; empty if it has none."""
     if STATE_GROUPS == _GROUP_LIST:
         return list(getattr(state, _GROUP_LIST))
     group = getattr(state, _ONE_GROUP)
@@ -189,20 +173,19 @@ def _groups_of(state: Any) -> list[Any]:
 
 
 def param_groups(module: nn.Module) -> list[Any]:
-    """The ``FSDPParamGroup`` of each FSDP2 unit in ``module`` (itself included), in module order; the modules of
-    one ``fully_shard([a, b])`` call share theirs."""
+    """The ``FSDPParamGroup`` of each FSDP2 unit in ``module``; the modules of one ``fully_shard([a, b])`` call
+    share theirs."""
     groups = {id(group): group for unit in unit_heads(module) for group in _groups_of(unit._get_fsdp_state())}
     return list(groups.values())
 
 
 def own_groups(module: FSDPModule) -> list[Any]:
-    """The ``FSDPParamGroup`` of ``module``'s own ``fully_shard`` call (the root's: its parameters outside every unit)."""
     return _groups_of(module._get_fsdp_state())
 
 
 def unit_heads(module: nn.Module) -> list[FSDPModule]:
-    """One module per ``fully_shard`` call in ``module`` (itself included), the first in module order: the modules
-    of one call share one state, whose hooks and collectives are set through any of them."""
+    """One module per ``fully_shard`` call in ``module``: the modules of one call share one state, whose hooks and
+    collectives are set through any of them."""
     heads: dict[int, FSDPModule] = {}
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
@@ -211,16 +194,14 @@ def unit_heads(module: nn.Module) -> list[FSDPModule]:
 
 
 def reshard_all(module: nn.Module) -> None:
-    """Free the gathered parameters of every FSDP2 unit in ``module`` (itself included)."""
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
             unit.reshard()
 
 
 def keep_gathered_after_forward(group: Any) -> Any:
-    """Stop ``group`` resharding (fully or hpZ-partially) after forward; returns the setting to restore. A group an
-    earlier forward left on its hpZ node-local shard (a validation forward: no backward resharded it) is sharded
-    fully first, since its next gather would gather from the node-local mesh cleared here."""
+    """Returns the setting to restore. A group an earlier forward left on its hpZ node-local shard (a validation
+    forward) is sharded fully first, since its next gather would read the node-local mesh cleared here."""
     if group.is_sharded_post_forward:
         group.reshard()
     setting = group.post_forward_mesh_info
@@ -233,8 +214,7 @@ def restore_after_forward(group: Any, setting: Any) -> None:
 
 
 def reshard_only_after_backward(group: Any) -> Callable[[], None]:
-    """Shadow ``group.reshard`` until :func:`unshadow_reshard` (which takes what this returns): only the
-    post-backward of a backward that reshards goes through; a forward's, nested or not, keeps the parameters."""
+    """Until :func:`unshadow_reshard`, only the post-backward of a backward that reshards goes through."""
     reshard: Callable[[], None] = group.reshard
 
     def reshard_in_window() -> None:
@@ -246,15 +226,15 @@ def reshard_only_after_backward(group: Any) -> Callable[[], None]:
 
 
 def watch_gathering(group: Any, gathered: Callable[[Any], None], resharding: Callable[[Any], None]) -> None:
-    """Call ``gathered(group)`` once each all-gather of ``group`` has landed in its unsharded parameters, and
-    ``resharding(group)`` before each reshard that frees them (fully, or hpZ's partial reshard after forward)."""
+    """Call ``gathered(group)`` once each all-gather of ``group`` has landed, and ``resharding(group)`` before each
+    reshard that frees the gathered parameters."""
     # FSDP2's own methods, also where an earlier engine on this module watched them (a second stage-3 ``fit``)
     wait_for_unshard, reshard = group.__dict__.setdefault(
         "_unwatched_gathering", (group.wait_for_unshard, group.reshard)
     )
 
     def watched_wait_for_unshard() -> None:
-        gathering = group._all_gather_result is not None  # else a no-op: the unit is gathered already
+        gathering = group._all_gather_result is not None
         wait_for_unshard()
         if gathering:
             gathered(group)
@@ -269,14 +249,13 @@ def watch_gathering(group: Any, gathered: Callable[[Any], None], resharding: Cal
 
 
 def gathered_versions(group: Any) -> dict[int, int]:
-    """The version counter of each gathered parameter of ``group`` (``FSDPParam._unsharded_param``), by parameter:
-    in-place writes to the module's parameters while the unit is held gathered land there."""
+    """In-place writes to the module's parameters while the unit is held gathered land in these."""
     return {id(p): p._unsharded_param._version for p in group.fsdp_params if hasattr(p, "_unsharded_param")}
 
 
 def write_back_gathered(group: Any, marks: dict[int, int]) -> None:
-    """Copy this rank's rows of each gathered parameter of ``group`` written since ``marks`` (:func:`gathered_versions`)
-    into its shard, through the sharded parameter itself (so its own version counts the write), cast to its dtype."""
+    """Copy this rank's rows of each gathered parameter written since ``marks`` into its shard, through the sharded
+    parameter itself so its own version counts the write."""
     for fsdp_param in group.fsdp_params:
         unsharded = getattr(fsdp_param, "_unsharded_param", None)
         if unsharded is None or marks.get(id(fsdp_param), unsharded._version) == unsharded._version:
@@ -293,9 +272,8 @@ def unshadow_reshard(group: Any, reshard: Callable[[], None]) -> None:
 
 
 def keep_complex_params_complex(unit: FSDPModule) -> None:
-    """Complex parameters of ``unit``'s ``fully_shard`` call gathered in their own dtype under a mixed-precision
-    policy, on every torch ([Note: complex parameters under FSDP2's mixed precision]): where FSDP2 would cast them,
-    an instance attribute over ``FSDPParam.init_dtype_attrs``, which the unit's lazy initialisation calls."""
+    """See [Note: complex parameters under FSDP2's mixed precision]; the unit's lazy initialisation calls the
+    shadowing ``init_dtype_attrs``."""
     if not CASTS_COMPLEX_PARAMS:
         return
     for fsdp_param in (p for group in own_groups(unit) for p in group.fsdp_params):
@@ -310,11 +288,9 @@ def keep_complex_params_complex(unit: FSDPModule) -> None:
 
 
 def skip_conversions_that_change_nothing(modules: Iterable[nn.Module]) -> None:
-    """Make ``module.to(...)`` (``float()``, ``cpu()``, ...) on each of ``modules``, units that ``fully_shard`` made,
-    return at once where it would convert none of the tensors beneath it (parameters, their gradients, buffers), and
-    go through FSDP2's ``_apply`` otherwise. Under ``bf16-mixed`` a layer that casts itself to fp32 in its forward is
-    held in fp32 (``engine/mixed_precision.py``), so its call changes nothing, and no longer reshards its unit in the
-    middle of forward."""
+    """Make ``module.to(...)`` return at once where it would convert nothing. Under ``bf16-mixed`` a layer that casts
+    itself to fp32 in its forward is held in fp32 (``engine/mixed_precision.py``), so its call no longer reshards its
+    unit in the middle of forward."""
     for module in modules:
         module._apply = types.MethodType(_apply_converting_something, module)  # type: ignore[method-assign]
 
@@ -331,8 +307,8 @@ def _apply_converting_something(
 
 
 def forget_classes_of_one_module() -> None:
-    """Drop ``fully_shard``'s cached subclasses of the classes ``torch.nn.utils.parametrize`` makes per instance
-    (``Parametrized<Class>``): the sharded instance keeps its class, and no other module has that class to shard."""
+    """Drop the cached subclasses of the classes ``torch.nn.utils.parametrize`` makes per instance: no other module has
+    that class to shard."""
     cache = getattr(importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard"), "cls_to_fsdp_cls", {})
     for cls in [cls for cls in cache if _made_for_one_module(cls)]:
         del cache[cls]
@@ -344,15 +320,13 @@ def _made_for_one_module(cls: type) -> bool:
 
 
 def one_group(unit: FSDPModule) -> bool:
-    """Whether ``unit``'s ``fully_shard`` call made one parameter group (one reduce-scatter a backward)."""
     return len(_groups_of(unit._get_fsdp_state())) == 1
 
 
 def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) -> set[int]:
-    """Positions in ``heads`` (one module per ``fully_shard`` call) of the units whose forward ran more than once in
-    the running step (a block shared by several layers, as in ALBERT): FSDP2 records each run's post-forward until
-    backward ends, and the backward of each run whose inputs require gradients reduces the unit again. The roots are
-    left out: ``training_step`` calling ``self(...)`` runs the root nested in itself, on inputs that are data."""
+    """Positions in ``heads`` of the units whose forward ran more than once in the running step (a block shared by
+    several layers, as in ALBERT): the backward of each run reduces the unit again. The roots are left out:
+    ``training_step`` calling ``self(...)`` runs the root nested in itself, on inputs that are data."""
     skipped = {id(root) for root in roots}
     groups = [[] if id(head) in skipped else _groups_of(head._get_fsdp_state()) for head in heads]
     contexts = {id(g.comm_ctx): g.comm_ctx for unit in groups for g in unit}
@@ -361,31 +335,26 @@ def run_more_than_once(heads: Sequence[FSDPModule], roots: Sequence[nn.Module]) 
 
 
 def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
-    """(sharded parameter, offloaded to the host) of each parameter FSDP2 manages in ``unit``'s own groups."""
     for group in _groups_of(unit._get_fsdp_state()):
         for fsdp_param in group.fsdp_params:
             yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
 
 
 def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
-    """Call ``before(group)`` at the start of each of ``group``'s post-backwards (autograd's hook, the root's final
-    callback, a pipeline schedule's reduction): the last moment its unsharded gradients are in view.
+    """Call ``before(group)`` at the start of each of ``group``'s post-backwards: the last moment its unsharded
+    gradients are in view.
 
-    A backward that builds a graph of its own (``create_graph=True``: ``torch.autograd.grad`` of a gradient penalty
-    inside ``training_step``) leaves the unit gathered instead, as ``set_reshard_after_backward(False)`` would: the
-    graph it builds holds the gathered parameters, which the loss's backward reads later (FSDP2 alone frees their
-    storage there, and that backward fails). It produces no gradients of the parameters to complete; the loss's
-    backward reshards the unit.
+    A backward that builds a graph of its own (``create_graph=True``: a gradient penalty inside ``training_step``)
+    leaves the unit gathered instead: the graph it builds holds the gathered parameters, which the loss's backward reads
+    later, and FSDP2 alone would free their storage there.
 
     [Note: a merged unit's post-backward called again]
-    torch 2.11's FSDP2 lists a ``fully_shard([a, b, ...])`` call's state once per module (torch 2.13: once), and its
-    final callback runs the post-backward of each listed state it finds idle, then marks it idle: each further
-    listing ran the unit's post-backward again after its reduction. ``before`` then gave every parameter a zero
-    gradient and the unit was reduced again, zeros, once per further module: host work a GPU waits for. A
-    post-backward in the backward that already reduced the unit, no gradient left in it, is that call: skipped. A
-    unit run twice in a forward (ALBERT) is reduced once per run, with gradients each time; a unit no gradient
-    reached on this rank (an expert other ranks used) is reduced once."""
-    post_backward, reduced_in = type(group).post_backward, [-2]  # the backward (graph task) that last reduced here
+    torch 2.11's FSDP2 lists a ``fully_shard([a, b, ...])`` call's state once per module, and its final callback runs
+    the post-backward of each listed state it finds idle, so the unit's post-backward ran again after its reduction;
+    ``before`` then gave every parameter a zero gradient and the unit was reduced again, once per further module. A
+    post-backward in the backward that already reduced the unit, no gradient left in it, is that call: skipped. A unit
+    run twice in a forward (ALBERT) is still reduced once per run."""
+    post_backward, reduced_in = type(group).post_backward, [-2]  # the graph task that last reduced here
 
     def watched(*unused: Any) -> None:
         if (task := current_graph_task_id()) != -1 and task == reduced_in[0] and not _holds_gradients(group):
@@ -405,13 +374,12 @@ def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
 
 
 def _in_backward_building_a_graph() -> bool:
-    """Inside autograd's backward (a graph task runs; not a pipeline schedule calling post-backward itself, where
-    grad mode is simply on) with ``create_graph=True`` (autograd keeps grad mode on there, off otherwise)."""
+    """Autograd keeps grad mode on in a backward only with ``create_graph=True``; the graph task tells it from a
+    pipeline schedule calling post-backward itself."""
     return current_graph_task_id() != -1 and torch.is_grad_enabled()
 
 
 def _holds_gradients(group: Any) -> bool:
-    """Whether a gathered parameter of ``group`` holds a gradient not yet reduced (or an accumulated one)."""
     return any(
         p.unsharded_accumulated_grad is not None
         or (hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None)
@@ -420,17 +388,15 @@ def _holds_gradients(group: Any) -> bool:
 
 
 def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-    """Where ``group``'s coming post-backward reduces: give each trainable gathered parameter that holds no gradient
-    on this rank a zero one, so that every rank reduce-scatters every parameter of the unit (FSDP2 packs only those
-    holding one). Returns the sharded parameters (holding a gradient, given a zero one); None where it does not
-    reduce. FSDP2 itself passes over a parameter never gathered on this rank (no ``_unsharded_param``)."""
+    """Give each trainable gathered parameter without a gradient on this rank a zero one, so every rank reduce-scatters
+    the same parameters (FSDP2 packs only those holding one). Returns the sharded parameters (holding a gradient, given
+    a zero one); None where the post-backward does not reduce."""
     if not group.reduce_grads:
         return None
     held: list[torch.Tensor] = []
     zeroed: list[torch.Tensor] = []
-    # Under accumulation in a wider reduce dtype, FSDP2 holds the window's gradients upcast, and packs a unit's
-    # gradients only when they share one dtype: a zero one joins them so, and so does the first gradient of a
-    # parameter this window's earlier micro-batches left without one (an expert picked only now).
+    # Under accumulation in a wider reduce dtype FSDP2 holds the window's gradients upcast, and packs a unit's gradients
+    # only when they share one dtype: a zero one, or a first gradient this window, is upcast too.
     upcast = any(p.unsharded_accumulated_grad is not None for p in group.fsdp_params)
     for fsdp_param in group.fsdp_params:
         if not hasattr(fsdp_param, "_unsharded_param") or not fsdp_param.sharded_param.requires_grad:
@@ -454,9 +420,9 @@ def complete_unit_gradients(group: Any) -> tuple[list[torch.Tensor], list[torch.
 
 
 def gathered_dtype(fsdp_param: Any) -> torch.dtype | None:
-    """The dtype FSDP2 gathers a parameter in, and packs its gradient's reduce-scatter in (``FSDPParam.param_dtype``,
-    set at FSDP2's lazy initialisation, before the first forward: :func:`check` cannot see it at set-up, so a torch
-    without it skips the check this serves, and ``tests/unit/test_fsdp2_private.py`` looks for it after a forward)."""
+    """The dtype FSDP2 gathers a parameter and packs its gradient in. ``FSDPParam.param_dtype`` is set at lazy
+    initialisation, so :func:`check` cannot see it at set-up; ``tests/unit/test_fsdp2_private.py`` looks for it
+    after a forward."""
     if not hasattr(fsdp_param, "param_dtype"):
         return None
     dtype: torch.dtype = fsdp_param.param_dtype or fsdp_param.sharded_param.dtype
@@ -464,8 +430,7 @@ def gathered_dtype(fsdp_param: Any) -> torch.dtype | None:
 
 
 def drop_unreduced_gradients(roots: Iterable[nn.Module]) -> None:
-    """Free the whole gradients the units of ``roots`` hold from micro-batches no reducing backward followed (FSDP2
-    keeps them on the gathered parameters, or upcast beside them, until one does)."""
+    """FSDP2 keeps the whole gradients of micro-batches until a reducing backward follows."""
     for fsdp_param in (p for root in roots for group in param_groups(root) for p in group.fsdp_params):
         fsdp_param.unsharded_accumulated_grad = None
         if hasattr(fsdp_param, "_unsharded_param"):
@@ -473,8 +438,7 @@ def drop_unreduced_gradients(roots: Iterable[nn.Module]) -> None:
 
 
 def check(module: nn.Module) -> None:
-    """Raise :class:`FSDP2PrivateAPIError` naming the first private name of :data:`PRIVATE_NAMES` that the
-    installed torch lacks on ``module`` (an FSDP2-sharded module)."""
+    """Raise :class:`FSDP2PrivateAPIError` naming the first of :data:`PRIVATE_NAMES` the installed torch lacks."""
     if not isinstance(module, FSDPModule):
         raise TypeError(f"check() needs a module sharded with fully_shard, got {type(module).__name__}")
     state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None

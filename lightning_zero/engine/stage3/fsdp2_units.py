@@ -1,20 +1,17 @@
-"""Which modules become FSDP2 units (``fully_shard`` calls): the wrap policy, its default, and the rule that
-keeps every unit's parameters in one dtype (under mixed precision: [Note: stage 3 mixed precision] in
-``fsdp2.py``). Pure module-tree logic: no process group, testable on its own. Unit: [Note: vocabulary] in
-``engine/__init__.py``.
+"""Which modules become FSDP2 units (``fully_shard`` calls): the wrap policy, its default, and the rule that keeps every
+unit's parameters in one dtype ([Note: stage 3 mixed precision] in ``fsdp2.py``). Pure module-tree logic, testable
+without a process group. Unit: [Note: vocabulary] in ``engine/__init__.py``.
 
 [Note: hpZ and the root]
-The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__`` (so FSDP2's
-root hooks run); a ``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time,
-nested. FSDP2's inner post-forward leaves the root's parameter group idle, so the outer one reshards it fully
-whatever ``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ therefore
-moves the root's other parameters (embeddings, final norm, head: everything outside the wrap units) into units of
-their own, one per direct child of the root (:func:`units_below_the_root`), whose forward runs once, so that
-backward gathers them inside the node, except a child whose parameters the code holding it computes with (a tied
-head reading the embedding's weight: :func:`outside_their_calls`), which a unit of its own would hand out as
-shards. Without hpZ the root keeps them all: they are whole tensors throughout ``training_step``, so code there may
-use them outside the model's forward (a tied head, a penalty on the embeddings). The root keeps only what it holds
-itself, and stays gathered until backward when its forward is not nested (FSDP2's default for the root).
+The root unit is the LightningModule, and Lightning calls ``training_step`` through its ``__call__``; a
+``training_step`` that calls ``self(...)`` then runs the root's forward hooks a second time, nested. FSDP2's inner
+post-forward leaves the root's parameter group idle, so the outer one reshards it fully whatever
+``reshard_after_forward`` says, and backward gathers it again over every rank, across nodes. hpZ therefore moves the
+root's other parameters (embeddings, final norm, head) into units of their own, one per direct child of the root
+(:func:`units_below_the_root`), whose forward runs once, so backward gathers them inside the node. A child whose
+parameters the code holding it computes with (a tied head: :func:`outside_their_calls`) stays in the root, since a unit
+of its own would hand out shards. Without hpZ the root keeps them all: they are whole tensors throughout
+``training_step``, so code there may use them outside the model's forward.
 """
 
 from __future__ import annotations
@@ -28,33 +25,28 @@ from torch import nn
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.hook_bypasses import CONTAINERS, bypassing_hooks, parameters_used_by_holders
 
-#: A wrap policy: one module class, several classes, or a predicate on modules.
 WrapPolicy = type[nn.Module] | Iterable[type[nn.Module]] | Callable[[nn.Module], bool]
 
 
 def sharded_by_fsdp2(param: torch.Tensor) -> bool:
-    """Whether ``fully_shard`` shards ``param``: it refuses 0-dim parameters (see [Note: 0-dim parameters at stage
-    3] in ``fsdp2_zero_dim_params.py``), and an integer parameter (an index table, a quantized weight) never has a gradient
-    and cannot share a unit's gathered buffer with the unit's floating parameters. Both stay whole on every rank
-    (``ignored_params``), as a buffer does, and take no part in a unit's choice or dtype."""
+    """``fully_shard`` refuses 0-dim parameters (see [Note: 0-dim parameters at stage 3] in
+    ``fsdp2_zero_dim_params.py``), and an integer parameter never has a gradient and cannot share a unit's gathered
+    buffer with its floating parameters. Both stay whole on every rank (``ignored_params``), as a buffer does."""
     return param.dim() > 0 and (param.is_floating_point() or param.is_complex())
 
 
 def sharded_params(module: nn.Module, recurse: bool = True) -> Iterator[nn.Parameter]:
-    """``module.parameters(recurse)`` that FSDP2 shards (:func:`sharded_by_fsdp2`)."""
     return (p for p in module.parameters(recurse=recurse) if sharded_by_fsdp2(p))
 
 
 def whole_params(modules: Iterable[nn.Module]) -> set[nn.Parameter]:
-    """The parameters of ``modules`` and their submodules that stay whole: ``fully_shard``'s ``ignored_params``."""
     return {p for module in modules for p in module.parameters() if not sharded_by_fsdp2(p)}
 
 
 def default_units(root: nn.Module) -> list[nn.Module]:
-    """Every element of an ``nn.ModuleList`` (the blocks of most transformers; a list of lists gives the elements of
-    the inner ones, Funnel Transformer's blocks); a model without one gets each direct child that holds parameters
-    (e.g. a generator and a discriminator), so every sub-network gathers its parameters around its own forward and
-    backward."""
+    """Every element of an ``nn.ModuleList`` (the blocks of most transformers); a model without one gets each direct
+    child that holds parameters (a generator and a discriminator), so every sub-network gathers its parameters around
+    its own forward and backward."""
     listed = {
         id(child)
         for m in root.modules()
@@ -68,11 +60,9 @@ def default_units(root: nn.Module) -> list[nn.Module]:
 
 
 def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
-    """The direct children of ``root`` that hold parameters outside every unit, as units of their own (each then
-    encloses its own units), so that the root holds nothing it need not (see [Note: hpZ and the root]). A child
-    sharing a parameter with another child, or with the root itself, stays in the root: FSDP2 cannot split a parameter
-    across units; so does one whose parameters are used outside its own forward (:func:`outside_their_calls`: a tied
-    head computing with the embedding's weight, an autoencoder run through its ``encode``)."""
+    """See [Note: hpZ and the root]. A child sharing a parameter with another child or the root stays in the root,
+    since FSDP2 cannot split a parameter across units; so does one whose parameters are used outside its own
+    forward (:func:`outside_their_calls`)."""
     chosen = {id(u) for u in units} | set(outside_their_calls(root))
     in_units = {id(p) for u in units for p in sharded_params(u)}
     holders: dict[int, set[int]] = {id(p): {id(root)} for p in sharded_params(root, recurse=False)}
@@ -89,11 +79,10 @@ def units_below_the_root(root: nn.Module, units: list[nn.Module]) -> list[nn.Mod
 
 
 def resolve_wrap_policy(policy: WrapPolicy) -> Callable[[nn.Module], bool]:
-    """A predicate from a class, an iterable of classes or a callable."""
     if isinstance(policy, type) and issubclass(policy, nn.Module):
         return lambda module: isinstance(module, policy)
     if callable(policy):
-        return cast(Callable[[nn.Module], bool], policy)  # mypy keeps any class here: classes are callable
+        return cast(Callable[[nn.Module], bool], policy)
     classes = tuple(policy)
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(f"`wrap_policy` must be a module class, classes or a callable, got {policy!r}")
@@ -101,7 +90,6 @@ def resolve_wrap_policy(policy: WrapPolicy) -> Callable[[nn.Module], bool]:
 
 
 def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
-    """Modules (other than the root) that become one all-gather unit each, in pre-order."""
     if policy is None:
         units = default_units(root)
     else:
@@ -113,12 +101,9 @@ def select_units(root: nn.Module, policy: WrapPolicy | None) -> list[nn.Module]:
 
 def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
     """``units`` with each one its holder runs other than through ``__call__`` (SqueezeBERT's encoder runs
-    ``layer.forward(...)``, a training step calls an autoencoder's ``encode``: ``hook_bypasses.bypassing_hooks``)
-    replaced by its layers that hold parameters, the same rule applied to them: FSDP2 gathers a unit in forward
-    hooks, which such a call skips, so the unit would compute with its shards. The layers it calls through
-    ``__call__`` gather as units; its own parameters stay with the enclosing unit. So does a module whose parameters
-    its holder computes with itself (a tied head ``F.linear(h, self.embed.weight)``, ``MultiheadAttention``'s
-    ``out_proj``: ``hook_bypasses.parameters_used_by_holders``). In pre-order."""
+    ``layer.forward(...)``) replaced by its layers that hold parameters: FSDP2 gathers a unit in forward hooks, which
+    such a call skips, so the unit would compute with its shards. Its own parameters stay with the enclosing unit, as do
+    those of a module whose holder computes with its parameters (a tied head, ``MultiheadAttention``'s ``out_proj``)."""
     direct = outside_their_calls(root)
     if not any(id(u) in direct for u in units):
         return units
@@ -142,16 +127,14 @@ def units_run_through_hooks(root: nn.Module, units: list[nn.Module]) -> list[nn.
 
 
 def outside_their_calls(root: nn.Module) -> dict[int, str]:
-    """The modules under ``root`` whose parameters are used outside their own forward hooks, by ``id``: run other
-    than through ``__call__`` (``hook_bypasses.bypassing_hooks``), or their parameters used by the code holding them
-    (``hook_bypasses.parameters_used_by_holders``). None of them can be a unit: FSDP2 gathers a unit in those hooks."""
+    """The modules under ``root`` whose parameters are used outside their own forward hooks. None of them can be a unit:
+    FSDP2 gathers a unit in those hooks."""
     return {**parameters_used_by_holders(root), **bypassing_hooks(root)}
 
 
 def held_kinds(roots: Iterable[nn.Module], policy: PrecisionPolicy | None) -> Callable[[nn.Module], object]:
-    """What FSDP2 needs uniform within a unit, for each module's own parameters: under a mixed policy whether they
-    are held in fp32 (FSDP2 casts a unit as a whole), else the dtype they are held in (a model built partly in
-    another dtype, e.g. fp32 layers kept in a bf16 model). A module without own parameters has the root's kind."""
+    """What FSDP2 needs uniform within a unit: under a mixed policy whether the parameters are held in fp32 (FSDP2 casts
+    a unit as a whole), else their dtype."""
     if policy is not None:
         return policy.holds_fp32
     dtypes = [p.dtype for root in roots for p in sharded_params(root)]
@@ -165,15 +148,10 @@ def held_kinds(roots: Iterable[nn.Module], policy: PrecisionPolicy | None) -> Ca
 
 
 def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.Module], object]) -> set[int]:
-    """``id`` of the extra units needed so that every unit holds one ``kind`` of parameters (:func:`held_kinds`):
-    each layer whose own parameters are of another kind than its enclosing unit's, e.g. a LayerNorm in a
-    transformer block under mixed precision (see ``mixed_precision.py``), the Linear of a block that owns a gain
-    vector, or a layer left in fp32 in a bf16 model. A layer with a tied parameter anywhere in it stays in its
-    enclosing unit, since FSDP2 cannot split a parameter across units (nor nest the units of two of its owners); it
-    then follows that unit's kind, which for a tied parameter under a mixed policy is the compute dtype anyway (see
-    ``PrecisionPolicy.param_dtypes``). So does a layer its holder runs other than through ``__call__`` (Gemma-3n's
-    AltUp, whose ``predict`` its decoder layer calls) or whose parameters it computes with
-    (:func:`outside_their_calls`)."""
+    """``id`` of the extra units needed so that every unit holds one ``kind`` of parameters, e.g. a LayerNorm in a
+    transformer block under mixed precision. A layer with a tied parameter anywhere in it stays in its enclosing unit,
+    since FSDP2 cannot split a parameter across units; under a mixed policy a tied parameter is in the compute dtype
+    anyway (``PrecisionPolicy.param_dtypes``). So does a layer in :func:`outside_their_calls` (Gemma-3n's AltUp)."""
     chosen = {id(m) for m in units}
     direct = outside_their_calls(root)
     owners: dict[int, int] = {}
@@ -211,8 +189,7 @@ def one_dtype_units(root: nn.Module, units: list[nn.Module], kind: Callable[[nn.
 def units_of_one_dtype(
     roots: list[nn.Module], units: list[nn.Module], policy: PrecisionPolicy | None
 ) -> tuple[list[nn.Module], Callable[[nn.Module], object]]:
-    """``units`` with the extra ones :func:`one_dtype_units` adds, in pre-order, and the kind (:func:`held_kinds`)
-    that adjacent units must share to merge; a unit that still mixes dtypes is refused."""
+    """``units`` with the extra ones :func:`one_dtype_units` adds, and the kind adjacent units must share to merge."""
     kind = held_kinds(roots, policy)
     chosen = {id(m) for m in units} | {i for root in roots for i in one_dtype_units(root, units, kind)}
     every = [m for root in roots for m in root.modules() if m is not root and id(m) in chosen]
@@ -222,9 +199,7 @@ def units_of_one_dtype(
 
 
 def check_one_dtype_per_unit(roots: Iterable[nn.Module], units: Iterable[nn.Module]) -> None:
-    """Refuse, naming it, a unit whose parameters (those of nested units left out) come in several dtypes even after
-    :func:`one_dtype_units`: one layer holding parameters of two dtypes itself, or a tied one. FSDP2 gathers a unit
-    as one buffer of one dtype."""
+    """FSDP2 gathers a unit as one buffer of one dtype."""
     chosen = {id(m) for m in units}
     found: dict[str, set[str]] = {}
 
@@ -253,12 +228,8 @@ def unit_groups(
     kind: Callable[[nn.Module], object],
     budget: float,
 ) -> list[list[nn.Module]]:
-    """The FSDP2 units as groups of ``units`` (pre-order), each group one ``fully_shard`` call: see [Note: merged
-    units] in ``fsdp2.py``. Adjacent sibling units of one ``kind`` (the dtype they are gathered in) merge while
-    their ``gathered_bytes`` stay within ``budget``; the units nested in a merged group (a block's norms under
-    mixed precision) then form one group per kind. A unit enclosing units that enclose units again is a group of
-    its own, and the rule applies anew to the units inside it. ``budget <= 0``: one group per unit.
-    Groups come in pre-order of their first module, so ``reversed`` shards them bottom-up, as FSDP2 requires."""
+    """Each group is one ``fully_shard`` call: see [Note: merged units] in ``fsdp2.py``. Groups come in pre-order of
+    their first module, so ``reversed`` shards them bottom-up, as FSDP2 requires."""
     if budget <= 0:
         return [[u] for u in units]
     chosen = {id(u) for u in units}
@@ -283,7 +254,6 @@ def unit_groups(
         nested.setdefault(enclosing(unit), []).append(unit)
 
     def flat(unit: nn.Module) -> bool:
-        """Encloses no unit that encloses units: it may merge with its siblings."""
         return all(not nested.get(id(inner)) for inner in nested.get(id(unit), []))
 
     groups: list[list[nn.Module]] = []
@@ -326,8 +296,7 @@ def unit_groups(
 
 
 def merged_lengths(sizes: list[int], budget: float) -> list[int]:
-    """How many consecutive items of ``sizes`` each merged group takes: an item joins the group before it while
-    their sum stays within ``budget``; an item over ``budget`` forms a group alone."""
+    """How many consecutive items of ``sizes`` each merged group takes."""
     lengths: list[int] = []
     total = 0.0
     for size in sizes:

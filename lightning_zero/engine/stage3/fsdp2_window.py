@@ -2,33 +2,21 @@
 writes into them taken into the shards.
 
 [Note: gathered accumulation windows]
-With ``accumulate_grad_batches=k``, the k-1 non-final micro-batches run under ``no_sync``: every gradient is kept
-whole and unreduced until the window's last backward, so a rank already holds the whole model's gradients through
-the window. FSDP2 still reshards each unit after its forward and again after its backward, and gathers it twice
-per micro-batch: 2kP elements gathered a window on top of the final reduce-scatter, where DDP and stages 1-2
-move 2P. Keeping the gathered parameters until the last backward (FSDP2 offers ``reshard_after_backward=False``
-for this trade, with no reshard after forward) leaves one gather in the window's first forward and the
-reduce-scatter of its last backward: 2P a window, as DDP. The price is the gathered parameters of the whole model
-(compute dtype) held through the window, beside the whole gradients it holds already.
+With ``accumulate_grad_batches=k``, the k-1 non-final micro-batches run under ``no_sync``: every gradient is kept whole
+and unreduced until the window's last backward, so a rank already holds the whole model's gradients through the window.
+FSDP2 would still reshard each unit after its forward and again after its backward, and gather it twice per micro-batch:
+2kP elements a window, where DDP and stages 1-2 move 2P. Keeping the gathered parameters until the last backward (the
+trade FSDP2's ``reshard_after_backward=False`` offers) leaves one gather in the window's first forward and the
+reduce-scatter of its last backward. The price is the whole model's gathered parameters held through the window, beside
+the whole gradients it holds already. Numbers do not change. ``reduce_every_microbatch=True`` keeps the ZeRO-3 footprint
+throughout, and so does ``offload_params``, whose point is that the parameters leave the device.
 
-Numbers do not change: the same shards are gathered once instead of again, and the gradients accumulate in the
-same tensors by the same operations. ``reduce_every_microbatch=True`` keeps the ZeRO-3 footprint throughout
-(each unit resharded after its forward and backward, every micro-batch reduced), and so does ``offload_params``,
-whose point is that the parameters do not stay on the device.
+While the window is open a group reshards only after a backward that reduces. That setting alone would not hold the
+root's own parameters: when ``training_step`` calls ``self(...)``, FSDP2's outer post-forward reshards the root whatever
+its setting says ([Note: hpZ and the root] in ``fsdp2_units.py``).
 
-While the window is open a group reshards only after a backward that reduces. That setting alone would not
-hold the root's own parameters: when ``training_step`` calls ``self(...)``, the root's forward hooks run nested
-and FSDP2's outer post-forward reshards the root whatever its setting says ([Note: hpZ and the root] in
-``fsdp2_units.py``), so the embeddings and head (0.4P on the demo GPT) were gathered again on every micro-batch.
-
-While a unit is held gathered the module's parameters are the gathered copies, and code written between
-micro-batches writes those (a momentum teacher updated from the student after every batch, as in BYOL, MoCo and
-DINO): :class:`GatheredWrites` takes such writes into the shards when the units reshard.
-
-The window opens when a non-final micro-batch begins and closes after the backward that reduces (the last
-micro-batch's): every unit is sharded again then, before the optimizer step. Anything that must see the
-sharded module in between (an evaluation loop, a checkpoint) closes the window first; the next non-final
-micro-batch opens it again.
+The window closes after the backward that reduces, so every unit is sharded again before the optimizer step. Anything
+that must see the sharded module in between (an evaluation loop, a checkpoint) closes the window first.
 """
 
 from __future__ import annotations
@@ -47,27 +35,22 @@ class GatheredWindow:
 
     def __init__(self, root: nn.Module) -> None:
         self.groups = fsdp2_private.param_groups(root)
-        #: Each group's reshard-after-forward setting (None for no reshard, a mesh for hpZ's partial reshard),
-        #: kept while the window is open; None: closed.
+        #: Each group's reshard-after-forward setting while the window is open; None: closed.
         self._after_forward: list[Any] | None = None
-        #: Each group's own reshard, shadowed while the window is open.
         self._reshards: list[Callable[[], None]] = []
 
     def hold(self) -> None:
-        """A non-final micro-batch begins: what its forward gathers stays gathered through its backward and after."""
         if self._after_forward is None:
             self._after_forward = [fsdp2_private.keep_gathered_after_forward(group) for group in self.groups]
-            self._reshards = [fsdp2_private.reshard_only_after_backward(group) for group in self.groups]  # until close
+            self._reshards = [fsdp2_private.reshard_only_after_backward(group) for group in self.groups]
         for group in self.groups:
             group.reshard_after_backward = False
 
     def release_after_backward(self) -> None:
-        """A non-final micro-batch ended: the next backward that runs outside ``no_sync`` reduces and reshards."""
         for group in self.groups:
             group.reshard_after_backward = True
 
     def close(self) -> None:
-        """Every unit sharded again, with its own reshard-after-forward setting back."""
         if self._after_forward is None:
             return
         for group, after_forward, reshard in zip(self.groups, self._after_forward, self._reshards):
@@ -82,10 +65,9 @@ class GatheredWindow:
 
 def hold_root_gathered(root: nn.Module) -> Callable[[], None]:
     """Keep the root's own parameters gathered across a nested forward of the root (``self(x)`` inside
-    ``training_step``), whose post-forward would reshard them where the group's setting says to: code after it in
-    the step (a metric-learning head, an auxiliary loss, a tied weight) would meet shards. The outer post-forward
-    still reshards them (see [Note: hpZ and the root] in ``fsdp2_units.py``), so memory and traffic do not change.
-    Returns what puts the setting back, to call before that outer post-forward."""
+    ``training_step``): code after it in the step (an auxiliary loss, a tied weight) would meet shards. The outer
+    post-forward still reshards them (see [Note: hpZ and the root] in ``fsdp2_units.py``), so memory and traffic do not
+    change. Returns what puts the setting back, to call before that outer post-forward."""
     if not isinstance(root, FSDPModule):
         return lambda: None
     held = [(group, fsdp2_private.keep_gathered_after_forward(group)) for group in fsdp2_private.own_groups(root)]
@@ -99,20 +81,17 @@ def hold_root_gathered(root: nn.Module) -> Callable[[], None]:
 
 class GatheredWrites:
     """[Note: writes into gathered parameters]
-    While FSDP2 holds a unit gathered, the module's parameters are the gathered copies: code that writes a parameter
-    in place then writes the copy, and resharding frees it with the write. Such code is common where a parameter
-    is state rather than a weight: an EMA codebook of a VQ-VAE kept as frozen parameters and updated inside
-    ``training_step`` (taming-transformers' ``EmbeddingEMA``), a momentum teacher moved between the micro-batches
-    of an accumulation window, a weight renormalised at the start of ``training_step`` (the root is gathered
-    through it). ``ddp`` and stages 1-2 keep them, each rank holding whole parameters.
+    While FSDP2 holds a unit gathered, the module's parameters are the gathered copies: code that writes a parameter in
+    place writes the copy, and resharding frees it with the write. Such code is common where a parameter is state rather
+    than a weight: an EMA codebook of a VQ-VAE updated inside ``training_step``, a momentum teacher moved between the
+    micro-batches of an accumulation window (BYOL, MoCo, DINO). ``ddp`` and stages 1-2 keep such writes.
 
-    So each gathered parameter's version counter is noted when a gather lands (``watch_gathering``: after FSDP2's
-    copy-out, not after a gather that was a no-op on a unit gathered already), and before the unit reshards a
-    parameter written since is copied into its shard, through the sharded parameter (its own version counts the
-    write: offloaded masters take it in, see [Note: parameters written between steps]). Under mixed precision the
-    copies are in the compute dtype, so the write reaches the fp32 shard at that precision. A write into ``.data``
-    (``p.data.mul_(...)``) moves no version counter and is not seen: write to the parameter under
-    ``torch.no_grad()``, or hold such state in buffers, which FSDP2 leaves whole on every rank.
+    So each gathered parameter's version counter is noted when a gather lands, and before the unit reshards a
+    parameter written since is copied into its shard, through the sharded parameter so that its own version counts the
+    write (offloaded masters take it in: [Note: parameters written between steps]). Under mixed precision the write
+    reaches the fp32 shard at the compute dtype's precision. A write into ``.data`` moves no version counter and is
+    not seen: write to the parameter under ``torch.no_grad()``, or hold such state in buffers, which FSDP2 leaves
+    whole on every rank.
     """
 
     def __init__(self, groups: Iterable[Any]) -> None:

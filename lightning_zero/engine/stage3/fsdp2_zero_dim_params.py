@@ -1,14 +1,12 @@
 """Stage 3's 0-dim parameters, which ``fully_shard`` refuses.
 
 [Note: 0-dim parameters at stage 3]
-A learned temperature or gate is often a 0-dim parameter (CLIP's ``logit_scale``, BLIP's ``temp``), and FSDP2 refuses
-to shard one ("fully_shard doesn't support scalar parameters"). Changing its shape would change the user's module and
-its ``state_dict``, so every ``fully_shard`` call leaves such parameters out (``ignored_params``) and they stay whole
-on every rank, as stages 1-2 keep every parameter. The one-row rule (``engine/shard.py``) still decides who steps
-one: its single row belongs to rank 0 of the shard group, so the optimizer steps a 1-element view there and an empty
-view on the other ranks, exactly as at stages 1-2. The gradient norm then counts each once, the optimizer state
-exists once and checkpoints hold the same entries as at stages 1-2. A backward that reduces averages their
-gradients over the data-parallel ranks in one all-reduce; after each step the row's holder broadcasts the values.
+A learned temperature or gate is often a 0-dim parameter (CLIP's ``logit_scale``), and FSDP2 refuses to shard one.
+Changing its shape would change the user's module and its ``state_dict``, so every ``fully_shard`` call leaves such
+parameters out (``ignored_params``) and they stay whole on every rank. The one-row rule (``engine/shard.py``) still
+decides who steps one: rank 0 of the shard group steps a 1-element view and the other ranks an empty one, exactly as at
+stages 1-2, so the gradient norm counts each once, the optimizer state exists once and checkpoints hold the same entries
+as at stages 1-2. After each step the row's holder broadcasts the values.
 """
 
 from __future__ import annotations
@@ -24,11 +22,8 @@ from lightning_zero.engine.shard import local_rows
 
 
 class ZeroDimParameters:
-    """The module's 0-dim parameters, whole on every rank: this rank's row views of them and their gradients, the
-    gradient average and the broadcast after a step (see [Note: 0-dim parameters at stage 3]).
-
-    ``group``: the ranks the rows are spread over (the shard group); ``average_group``: the ranks whose gradients
-    are averaged (every data-parallel rank: all ranks, or a pipeline stage's replicas)."""
+    """See [Note: 0-dim parameters at stage 3]. ``average_group``: every data-parallel rank (all ranks, or a pipeline
+    stage's replicas)."""
 
     def __init__(
         self,
@@ -59,8 +54,8 @@ class ZeroDimParameters:
         return None if param.grad is None else local_rows(param.grad, self.rank, self.world_size)
 
     def average_gradients(self) -> None:
-        """Average the gradients over the data-parallel ranks (collective). A rank without a gradient adds zeros; a
-        parameter no rank has a gradient for keeps none, as the sharded parameters' unused gradients do."""
+        """Collective. A parameter no rank has a gradient for keeps none, as the sharded parameters' unused
+        gradients do."""
         if not self.params:
             return
         count = len(self.params)
@@ -75,7 +70,7 @@ class ZeroDimParameters:
                 param.grad = average[k].to(param.dtype, copy=True)
 
     def share(self) -> None:
-        """After a step: the row's holder broadcasts the updated values to the other ranks (collective)."""
+        """Collective, after a step."""
         if not self.params or self.world_size == 1:
             return
         flat = torch.stack([p.detach().double() for p in self.params])

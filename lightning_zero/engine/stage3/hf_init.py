@@ -1,23 +1,18 @@
 """Initialising Hugging Face ``transformers`` modules that were built on the meta device.
 
 [Note: Hugging Face initialisation on the meta device]
-``transformers`` models initialise through ``PreTrainedModel._init_weights`` (``post_init`` -> ``init_weights``
--> ``initialize_weights``), not ``reset_parameters``: ``initialize_weights`` visits the module tree children
-first (``smart_apply``), dispatching each module to the ``_initialize_weights`` of its nearest
-``PreTrainedModel`` (composite models nest several), and ``_init_weights`` also recomputes the buffers an
-``__init__`` computed (rotary ``inv_freq``, BERT's ``position_ids``). Under a meta device ``init_weights`` skips
-the initialisation and only ties weights, which is what ``configure_model`` leaves us. The stage-3 engine then
-visits each Hugging Face subtree in that same children-first order, materialises a module, applies the layer's
-own ``reset_parameters`` (if any, for parameters ``_init_weights`` leaves alone) and then the library's
-``_initialize_weights``, so every tensor gets the library's initialisation and distribution.
+``transformers`` models initialise through ``PreTrainedModel._init_weights``, not ``reset_parameters``:
+``initialize_weights`` visits the module tree children first (``smart_apply``), dispatching each module to the
+``_initialize_weights`` of its nearest ``PreTrainedModel``, and ``_init_weights`` also recomputes the buffers an
+``__init__`` computed (rotary ``inv_freq``, BERT's ``position_ids``). Under a meta device ``init_weights`` skips the
+initialisation and only ties weights, which is what ``configure_model`` leaves us. The stage-3 engine therefore visits
+each Hugging Face subtree in that same children-first order, materialises a module, applies the layer's own
+``reset_parameters`` (for parameters ``_init_weights`` leaves alone) and then the library's ``_initialize_weights``.
 
-Not the same values as an eager CPU build with the same seed: an eager build first draws every layer's
-constructor initialisation (``nn.Linear.reset_parameters``, ``Conv1D``'s ``normal_`` inside its ``__init__``)
-and only then redraws them in ``post_init``; a meta build has no constructor draws to replay (``Conv1D`` has no
-``reset_parameters``), so the random stream is at another offset. Every tensor that is not random (norms,
-biases, zeroed padding rows, rotary and position buffers) equals the eager build's. A tied parameter (GPT-2's
-``lm_head.weight`` is ``wte.weight``) stays one parameter, drawn from the same distribution by each of its
-owners in turn. Load pretrained weights with ``ZeroStrategy(init_weights=...)``.
+The values differ from an eager build with the same seed: an eager build first draws every layer's constructor
+initialisation and redraws them in ``post_init``, while a meta build has no constructor draws to replay (``Conv1D`` has
+no ``reset_parameters``), so the random stream is at another offset. Every tensor that is not random equals the eager
+build's. Load pretrained weights with ``ZeroStrategy(init_weights=...)``.
 """
 
 from __future__ import annotations
@@ -31,15 +26,13 @@ from torch import nn
 
 
 def _pretrained_class() -> type[nn.Module] | None:
-    """``transformers.PreTrainedModel`` if the library is loaded (a model built from it imported it), else None."""
     module = sys.modules.get("transformers")
     pretrained: type[nn.Module] | None = getattr(module, "PreTrainedModel", None) if module is not None else None
     return pretrained
 
 
 def hf_owners(root: nn.Module) -> dict[int, nn.Module]:
-    """``id(module)`` -> the ``PreTrainedModel`` whose ``_initialize_weights`` initialises it: its nearest
-    ``PreTrainedModel`` ancestor, itself included (``smart_apply``'s dispatch). Empty without ``transformers``."""
+    """``id(module)`` -> its nearest ``PreTrainedModel`` ancestor, itself included (``smart_apply``'s dispatch)."""
     pretrained = _pretrained_class()
     owners: dict[int, nn.Module] = {}
     if pretrained is None:
@@ -58,8 +51,7 @@ def hf_owners(root: nn.Module) -> dict[int, nn.Module]:
 
 
 def initialize(module: nn.Module, owner: nn.Module) -> None:
-    """Apply the library's initialisation to ``module`` (its own tensors, freshly materialised)."""
-    pretrained: Any = owner  # a ``transformers.PreTrainedModel``: the library is optional, its methods untyped here
+    pretrained: Any = owner  # the library is optional, its methods untyped here
     guard = contextlib.nullcontext()
     initialization = sys.modules.get("transformers.initialization")
     if initialization is not None and hasattr(initialization, "guard_torch_init_functions"):

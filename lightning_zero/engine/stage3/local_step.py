@@ -2,16 +2,12 @@
 DTensors themselves.
 
 [Note: local-shard step]
-An element-wise optimizer (``optimizers.ELEMENTWISE_OPTIMIZERS``) updates each element from that element's
-gradient and state alone, so stepping a rank's local shard is the same arithmetic as stepping the DTensor: the
-DTensor only adds dispatch. That dispatch is paid per operator per parameter (sharding propagation, wrapping and
-unwrapping in Python), about ten operators per parameter for AdamW, and with hundreds of parameter tensors it is
-most of stage 3's host time in a step. So for the duration of a step the optimizer's ``param_groups`` hold the
-local tensors (``hosted_params``) and its ``state`` holds, under each local tensor, the local tensors of that
-parameter's DTensor state. The optimizer updates them in place; afterwards the entries keyed by the local tensors
-are removed again, and any state tensor the step created or replaced is wrapped back into a DTensor laid out
-like its parameter, so ``optimizer.state`` between steps (checkpoints, ``state_dict``, the user) is exactly what
-stepping the DTensors would have left.
+An element-wise optimizer updates each element from that element's gradient and state alone, so stepping a rank's local
+shard is the same arithmetic as stepping the DTensor: the DTensor only adds dispatch, paid per operator per parameter,
+and with hundreds of parameter tensors that is most of stage 3's host time in a step. So for the duration of a step the
+optimizer's ``param_groups`` hold the local tensors and its ``state`` holds, under each local tensor, the local tensors
+of that parameter's DTensor state. Afterwards any state tensor the step created is wrapped back into a DTensor laid out
+like its parameter, so ``optimizer.state`` between steps is exactly what stepping the DTensors would have left.
 """
 
 from __future__ import annotations
@@ -29,8 +25,8 @@ from lightning_zero.torch_versions.dtensor import dtensor_over
 
 @contextlib.contextmanager
 def stepping_local_shards(optimizer: Optimizer, params: Sequence[DTensor]) -> Iterator[None]:
-    """A block in which ``optimizer`` steps the local tensors of ``params`` (see [Note: local-shard step]).
-    Enter it inside any other re-hosting of the same optimizer: the parameters here must be in its groups."""
+    """See [Note: local-shard step]. Enter it inside any other re-hosting of the same optimizer: the parameters here
+    must be in its groups."""
     if not params:
         yield
         return
@@ -57,15 +53,12 @@ def stepping_local_shards(optimizer: Optimizer, params: Sequence[DTensor]) -> It
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the DTensor's own tensor under ``no_grad``); any other tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _write_back(held: dict[str, object], stepped: dict[str, object], param: DTensor, local: torch.Tensor) -> None:
-    """Put the step's state of ``param`` back under the DTensor: tensors updated in place are already there;
-    a tensor the step created (or replaced) of the local shard's shape becomes a DTensor laid out like
-    ``param``, as the optimizer's ``zeros_like(param)`` would have made it; anything else (step counts,
-    scalars) is kept as it is."""
+    """A tensor the step created of the local shard's shape becomes a DTensor laid out like ``param``, as the
+    optimizer's ``zeros_like(param)`` would have made it."""
     for key, value in stepped.items():
         old = held.get(key)
         if isinstance(old, DTensor) and old.to_local() is value:

@@ -1,15 +1,13 @@
-"""Stage 3's meta-device models made real: each module's tensors materialised and initialised in the order an
-eager build would have used, each unit sharded as soon as it exists.
+"""Stage 3's meta-device models made real, each unit sharded as soon as it exists.
 
 [Note: materialising meta modules in construction order]
-Modules are materialised (their meta tensors made empty, then ``reset_parameters``) in pre-order, which is the
-order an eager build draws random numbers in for ordinary models, with the RNG state of rank 0 on every rank. A unit is
-sharded as soon as the last module of its subtree is materialised, so at most the root's own parameters
-plus one unit exist at full size at any time. Inside a Hugging Face model the library's own initialisation
-runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN (integer ones, which have no NaN, as their
-dtype's largest value): one that neither an initialiser nor the pretrained weights (``init_weights=``) wrote is an
-error naming it (:func:`refuse_uninitialised`), never silently trained on. An integer tensor counts as unwritten only
-when every element still holds that value (an int8 weight's largest entries legitimately do).
+Modules are materialised in pre-order, the order an eager build draws random numbers in for ordinary models, with the
+RNG state of rank 0 on every rank. A unit is sharded as soon as the last module of its subtree is materialised, so at
+most the root's own parameters plus one unit exist at full size at any time. Inside a Hugging Face model the library's
+own initialisation runs instead, in its own order (see ``hf_init.py``). Tensors start as NaN (integer ones as their
+dtype's largest value), so one that neither an initialiser nor the pretrained weights wrote is an error naming it
+(:func:`refuse_uninitialised`), never silently trained on. An integer tensor counts as unwritten only when every element
+still holds that value, since an int8 weight's largest entries legitimately do.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ from lightning_zero.engine.stage3.local_step import local_tensor
 
 
 def _unset_marker(tensor: torch.Tensor) -> float | None:
-    """What a materialised tensor holds until something writes it (see [Note: materialising meta modules in
-    construction order]); None for booleans, which have no value to spare."""
+    """None for booleans, which have no value to spare."""
     if tensor.is_floating_point() or tensor.is_complex():
         return float("nan")
     return None if tensor.dtype == torch.bool else torch.iinfo(tensor.dtype).max
@@ -53,8 +50,7 @@ def materialize_and_shard(
     unit_groups: list[list[nn.Module]],
     shard: Callable[[list[nn.Module]], None],
 ) -> None:
-    """Materialise ``module``'s meta tensors and shard each unit group (``shard``) as soon as it exists: see
-    [Note: materialising meta modules in construction order]."""
+    """See [Note: materialising meta modules in construction order]."""
     real = [t.data for t in (*module.parameters(), *module.buffers()) if not t.is_meta]
     collectives.broadcast(real, src=0)  # parts built eagerly must agree across ranks too
     cpu_state, device_state = collectives.broadcast_object(
@@ -69,8 +65,7 @@ def materialize_and_shard(
     tied: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised parameter
 
     def materialize(sub: nn.Module) -> None:
-        """Construction order (pre-order) for ordinary modules; children first inside a Hugging Face model,
-        as its own initialisation visits them. A unit is sharded once its whole subtree exists."""
+        """Children first inside a Hugging Face model, as its own initialisation visits them."""
         if id(sub) in done:
             return
         done.add(id(sub))
@@ -82,15 +77,14 @@ def materialize_and_shard(
         if hf is not None:
             _initialize(sub, device, hf, tied)
         group = group_of.get(id(sub))
-        if group is not None and all(id(m) in done for m in group):  # the group's last module (and subtree)
+        if group is not None and all(id(m) in done for m in group):
             shard(group)
 
     materialize(module)
 
 
 def refuse_uninitialised(module: nn.Module) -> None:
-    """Raise, on every rank, naming the tensors of a materialised model that neither an initialiser nor pretrained
-    weights wrote (still NaN: see [Note: materialising meta modules in construction order]). Collective."""
+    """Collective: see [Note: materialising meta modules in construction order]."""
     unset: list[str] = []
     for path, sub in module.named_modules():
         named = [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]
@@ -112,12 +106,9 @@ def refuse_uninitialised(module: nn.Module) -> None:
 def _initialize(
     sub: nn.Module, device: torch.device, hf_owner: nn.Module | None, tied: dict[int, nn.Parameter]
 ) -> None:
-    """Materialise ``sub``'s own meta tensors and initialise them: ``reset_parameters()``, then the owning
-    Hugging Face model's initialisation (see [Note: Hugging Face initialisation on the meta device]).
-    They start marked unwritten so that one nothing wrote is caught (:func:`refuse_uninitialised`). A parameter
-    another module already materialised (tied weights) is shared, not materialised twice, and a tensor the module
-    holds for real (set in ``__init__``, before ``configure_model`` added meta ones beside it) keeps its value:
-    ``to_empty`` would make every tensor of the module anew."""
+    """See [Note: Hugging Face initialisation on the meta device]. A parameter another module already materialised (tied
+    weights) is shared, and a tensor the module holds for real (set in ``__init__``, before ``configure_model`` added
+    meta ones beside it) keeps its value, which ``to_empty`` would not."""
     for name, param in list(sub._parameters.items()):
         if param is not None and id(param) in tied:
             sub._parameters[name] = tied[id(param)]
@@ -135,8 +126,7 @@ def _initialize(
 
 
 def _materialize_own(sub: nn.Module, device: torch.device, tied: dict[int, nn.Parameter]) -> list[torch.Tensor]:
-    """Empty tensors on ``device`` for ``sub``'s own meta parameters and buffers, in their places (recorded in
-    ``tied`` by the meta parameter's id, for its other owners); its real tensors stay as they are."""
+    """Recorded in ``tied`` by the meta parameter's id, for its other owners."""
     made: list[torch.Tensor] = []
     for name, param in list(sub._parameters.items()):
         if param is not None and param.is_meta:
