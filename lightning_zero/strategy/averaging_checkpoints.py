@@ -38,13 +38,14 @@ AVERAGING_STATE = "averaging_state"  # the callback's key for the AveragedModel'
 
 def keep_averages_in_checkpoints(
     trainer: pl.Trainer,
-    full: bool,
+    full: Callable[[], bool],
     held: Callable[[dict[str, Any]], dict[str, Any]],
     load_model_state: Callable[[Mapping[str, Any]], None],
 ) -> None:
     """Take over the checkpoint hooks of every ``WeightAveraging`` callback of ``trainer`` (this instance's only).
-    ``full``: checkpoints are one file written by rank 0; ``held``: the entries of a state this rank writes (its
-    pipeline stages'); ``load_model_state``: the strategy's ``load_model_state_dict``."""
+    ``full``: whether a save now writes one file from rank 0 (asked at each save: the settings may change between
+    saves); ``held``: the entries of a state this rank writes (its pipeline stages'); ``load_model_state``: the
+    strategy's ``load_model_state_dict``."""
     if WeightAveraging is None:
         return
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
@@ -76,7 +77,7 @@ def _average_tensors(average: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _save(
     callback: Any,
-    full: bool,
+    full: Callable[[], bool],
     held: Callable[[dict[str, Any]], dict[str, Any]],
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
@@ -85,7 +86,7 @@ def _save(
     WeightAveraging.on_save_checkpoint(callback, trainer, pl_module, checkpoint)
     if CURRENT_MODEL_STATE not in checkpoint:
         return
-    if full:  # the average's shards (stage 3) or rows (stages 1-2) are DTensors: rank 0 writes them whole
+    if full():  # the average's shards (stage 3) or rows (stages 1-2) are DTensors: rank 0 writes them whole
         checkpoint["state_dict"] = _whole_on_rank_zero(checkpoint["state_dict"])
     else:  # each pipeline stage writes its own tensors (another stage's are meta here)
         checkpoint["state_dict"] = held(checkpoint["state_dict"])

@@ -358,7 +358,7 @@ class ZeroStrategy(ParallelStrategy):
             directories = [getattr(callback, "dirpath", None) for callback in trainer.checkpoint_callbacks]
             self._checkpoints.open([Path(d) for d in directories if isinstance(d, (str, Path))], self.is_global_zero)
             self._fitted = (self._sharded, require(self.lightning_module, "lightning_module"))
-            keep_averages_in_checkpoints(trainer, self._checkpoints.full, self._held, self.load_model_state_dict)
+            keep_averages_in_checkpoints(trainer, self._full_checkpoints, self._held, self.load_model_state_dict)
             sharded = self._sharded
             average_sharded_weights(
                 trainer,
@@ -428,6 +428,9 @@ class ZeroStrategy(ParallelStrategy):
                 "(`ckpt_path=`). Save with `trainer.save_checkpoint(path, weights_only=True)`, or save before evaluating."
             )
         return self._sharded
+
+    def _full_checkpoints(self) -> bool:
+        return self._checkpoints.full
 
     def _held(self, state: dict[str, Any]) -> dict[str, Any]:
         """The entries of ``state`` this rank's pipeline stages hold (another stage's tensors are meta here)."""
