@@ -3,6 +3,7 @@ site and what it is inside, read from faulthandler's dump (``faults/activity.py:
 frames by ``f_back`` crashed CPython 3.11 now and then)."""
 
 import threading
+import time
 
 from torch import nn
 
@@ -26,12 +27,18 @@ def test_samples_taken_while_the_main_thread_builds_layers_name_its_call_site():
         while not done.is_set():
             samples.append(sample(main, recorder, seq=0))
 
+    def inside_a_build() -> bool:
+        return any(s.site.endswith("in build_layers") for s in list(samples) if s.site)
+
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
         builds = 0
         building.set()
-        while len(samples) < 200 or builds < 3:
+        # On a busy machine whole builds can pass between two samples (each is a dump of every thread): build until a
+        # sample landed inside one, or for a minute, rather than for a fixed count.
+        deadline = time.monotonic() + 60
+        while (len(samples) < 200 or builds < 3 or not inside_a_build()) and time.monotonic() < deadline:
             build_layers()
             builds += 1
     finally:
