@@ -69,7 +69,7 @@ from lightning_zero.strategy.callback_support import may_change_gradients, refus
 from lightning_zero.strategy.checkpoints import ShardedCheckpoints, unwrap
 from lightning_zero.strategy.evaluation_loops import evaluate_under_no_grad
 from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
-from lightning_zero.strategy.processes import DistributedProcesses, require
+from lightning_zero.strategy.processes import require
 from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel, construction_device, shard_model
 from lightning_zero.strategy.step_redirection import RootHeldRedirection
 from lightning_zero.strategy.swa import average_sharded_weights, clear_schedulers_for_swa
@@ -150,7 +150,7 @@ class ZeroStrategy(ParallelStrategy):
         #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
         self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing)
         self._num_nodes = 1
-        self._processes = DistributedProcesses(zero_config)  # process group, watchdog, exit agreement
+        self._processes = processes.DistributedProcesses(zero_config)  # process group, watchdog, exit agreement
         self._checkpoints = ShardedCheckpoints(zero_config)
         self._sharded: ShardedModel = NOT_SHARDED  # engine, pipeline stages, what this rank holds (sharding.py)
         #: The last fit's sharding and module, while the trainer's optimizers are that fit's (``_states``).
