@@ -55,7 +55,7 @@ from timeline import profiler_config  # noqa: E402
 from timeline import summary as timeline_summary  # noqa: E402
 
 from lightning_zero.demo import GPTConfig, GPTLightningModule, RandomTokenDataModule, count_parameters  # noqa: E402
-from lightning_zero.engine import host_steps  # noqa: E402
+from lightning_zero.engine.offload import worker as host_step_worker  # noqa: E402
 from lightning_zero.planning.accounting import model_state_bytes as placed_state_bytes  # noqa: E402
 
 NO_CUDA_MESSAGE = (
@@ -211,7 +211,7 @@ def run_one(args: argparse.Namespace) -> None:
     """Train one system for warmup + steps batches; rank 0 writes one JSON line to ``--out``."""
     torch.backends.cuda.matmul.allow_tf32 = True  # what anyone training fp32 on a GPU turns on
     if args.cores_left_to_training is not None:  # the host step's thread rule, varied ([Note: host-step threads])
-        host_steps.CORES_LEFT_TO_TRAINING = args.cores_left_to_training
+        host_step_worker.CORES_LEFT_TO_TRAINING = args.cores_left_to_training
     L.seed_everything(0, verbose=False)
     shape = json.loads(args.shape)
     config = GPTConfig(**shape, dropout=0.0, bias=True)

@@ -1,6 +1,8 @@
 """The shape of the package's code, for the "organised by concept" issue's before/after: modules and lines per
 package, lines over 120 characters, the largest functions, the words of docstrings and comments in ``engine/``, what
-sits at the root of ``lightning_zero/``, and the comparisons on ``stage`` outside the engine, config and planner.
+sits at the root of ``lightning_zero/``, and the comparisons on ``stage`` outside the engine, config and planner;
+for the engine-internals issue, the members of the engine contract, the engines' constructors, the places that run a
+host step (a ``with`` block entering ``host_kernel``) and the methods both optimizer shells define.
 
     python benchmarks/code_shape.py            # a table
     python benchmarks/code_shape.py --json     # one JSON object
@@ -64,6 +66,69 @@ def _stage_comparisons(tree: ast.AST) -> int:
     )
 
 
+#: The engine-internals issue's figures: the contract's classes, the engines' constructors, the two optimizer shells.
+CONTRACT = ("engine/api.py", ("ShardingEngine", "OptimizerShards"))
+ENGINES = {"engine/stage12/zero_dp.py": "ZeroDataParallel", "engine/stage3/fsdp2.py": "FullyShardedEngine"}
+SHELLS = {
+    "engine/stage12/sharded_optimizer.py": "ShardedOptimizer",
+    "engine/stage3/fsdp2_optimizer.py": "FullyShardedOptimizer",
+}
+
+
+def _class(path: Path, name: str) -> ast.ClassDef | None:
+    if not path.exists():
+        return None
+    tree = ast.parse(path.read_text(), str(path))
+    return next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def _members(node: ast.ClassDef) -> list[str]:
+    names = []
+    for item in node.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.append(item.name)
+        elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+            names.append(item.target.id)
+    return names
+
+
+def _host_step_sites(tree: ast.AST, relative: str) -> list[str]:
+    """``with`` blocks that enter ``host_kernel(...)``: each one runs the host step's sequence itself."""
+    sites = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With):
+            for item in node.items:
+                call = item.context_expr
+                if (
+                    isinstance(call, ast.Call)
+                    and getattr(call.func, "id", getattr(call.func, "attr", "")) == "host_kernel"
+                ):
+                    sites.append(f"{relative}:{node.lineno}")
+    return sites
+
+
+def engine_internals() -> dict:
+    contract = {name: _members(c) for name in CONTRACT[1] if (c := _class(PACKAGE / CONTRACT[0], name))}
+    constructors = {}
+    for path, name in ENGINES.items():
+        c = _class(PACKAGE / path, name)
+        init = next((n for n in (c.body if c else []) if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        if init is not None:
+            constructors[name] = init.end_lineno - init.lineno + 1
+    shells = [set(_members(c)) for path, name in SHELLS.items() if (c := _class(PACKAGE / path, name))]
+    mirrored = sorted(set.intersection(*shells) - {"__init__"}) if len(shells) == 2 else []
+    sites = []
+    for path in _modules():
+        relative = str(path.relative_to(PACKAGE))
+        sites += _host_step_sites(ast.parse(path.read_text(), str(path)), relative)
+    return {
+        "contract_members": {name: len(members) for name, members in contract.items()},
+        "engine_constructor_lines": constructors,
+        "host_step_sites": sites,
+        "methods_both_shells_define": mirrored,
+    }
+
+
 def measure() -> dict:
     per_package: Counter[str] = Counter()
     modules_per_package: Counter[str] = Counter()
@@ -101,6 +166,7 @@ def measure() -> dict:
         "root_of_lightning_zero": root,
         "stage_comparisons_outside_engine_config_planning": stage_reads,
         "stage_comparison_sites": dict(stage_sites.most_common()),
+        **engine_internals(),
     }
 
 
@@ -126,6 +192,11 @@ def main() -> None:
         f"{shape['stage_comparisons_outside_engine_config_planning']} "
         f"({', '.join(f'{k} {v}' for k, v in shape['stage_comparison_sites'].items())})"
     )
+    print(f"engine contract members: {shape['contract_members']}")
+    print(f"engine constructors (lines): {shape['engine_constructor_lines']}")
+    print(f"host-step sites ({len(shape['host_step_sites'])}): {', '.join(shape['host_step_sites'])}")
+    mirrored = shape["methods_both_shells_define"]
+    print(f"methods both optimizer shells define ({len(mirrored)}): {', '.join(mirrored)}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.demo import GPTLightningModule, RandomTokenDataModule  # noqa: E402
-from lightning_zero.engine.host_steps import EarlyHostSteps  # noqa: E402
+from lightning_zero.engine.offload.schedule import HostStepSchedule  # noqa: E402
 
 MODEL = dict(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=64)
 
@@ -74,16 +74,16 @@ CASES: list[tuple[str, int, dict[str, Any], dict[str, Any]]] = [
 
 #: Parts of host steps started during backward, counted as the steps take them (whether the early path ran).
 STARTED_EARLY = [0]
-_take = EarlyHostSteps.take
+_take = HostStepSchedule.take
 
 
-def _counting_take(self: EarlyHostSteps) -> list:
+def _counting_take(self: HostStepSchedule) -> list:
     parts = _take(self)
     STARTED_EARLY[0] += len(parts)
     return parts
 
 
-EarlyHostSteps.take = _counting_take  # type: ignore[method-assign]
+HostStepSchedule.take = _counting_take  # type: ignore[method-assign]
 
 
 class LastLoss(L.Callback):

@@ -1,7 +1,7 @@
 """The parameters one update behind, in checkpoints of a run with ``offload_step_delay=1``.
 
 Between steps such a run has two versions of its trainable parameters (see [Note: the delayed update] in
-``engine/host_steps.py``): the optimizer's rows, which hold every update taken, and the parameters
+``engine/offload/schedule.py``): the optimizer's rows, which hold every update taken, and the parameters
 forward computes with, which lack the last one until the next step lands it. The checkpoint's ``state_dict`` is the
 first (what every other reader of a checkpoint wants: consolidation, export, a run without the delay, evaluation);
 the second is saved beside it under :data:`KEY`, by parameter name, in the layout of the model's entries: each
@@ -29,7 +29,8 @@ KEY = "delayed_update"
 
 def add_to_checkpoint(checkpoint: dict[str, Any], engine: ShardingEngine | None, full: bool) -> None:
     """Put the lagging parameters into ``checkpoint`` when an update is pending (collective when ``full``)."""
-    rows = engine.lagging_rows() if engine is not None else None
+    delayed = engine.delayed_update if engine is not None else None
+    rows = delayed.lagging_rows() if delayed is not None else None
     if engine is None or rows is None:
         return
     records = {record.name: record for record in engine.records()}
@@ -54,7 +55,7 @@ def add_to_checkpoint(checkpoint: dict[str, Any], engine: ShardingEngine | None,
 def placeholder(saved_shapes: Mapping[str, Any], engine: ShardingEngine | None) -> dict[str, torch.Tensor] | None:
     """What a sharded load reads the lagging parameters into, or None when the run has no delay or the checkpoint
     had no update pending."""
-    if engine is None or not engine.update_delay or not saved_shapes:
+    if engine is None or engine.delayed_update is None or not saved_shapes:
         return None
     out: dict[str, torch.Tensor] = {}
     for record in engine.records():
@@ -68,9 +69,10 @@ def placeholder(saved_shapes: Mapping[str, Any], engine: ShardingEngine | None) 
 def restore(lagging: Mapping[str, torch.Tensor] | None, engine: ShardingEngine | None) -> None:
     """Collective: make the loaded lagging parameters (``lagging``: DTensor rows of a sharded directory, whole tensors
     of a full file) the ones forward computes with. Nothing to do without a delay or without saved ones."""
-    if engine is None or not engine.update_delay or not lagging:
+    delayed = engine.delayed_update if engine is not None else None
+    if engine is None or delayed is None or not lagging:
         return
-    engine.load_lagging_rows(
+    delayed.load_lagging_rows(
         {
             name: tensor.to_local()
             if isinstance(tensor, DTensor)

@@ -51,7 +51,7 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2": dict(stage=2),
     "zero1_offload": dict(stage=1, offload_optimizer=True),
     "zero2_offload": dict(stage=2, offload_optimizer=True),
-    # ZeRO-Offload's delayed parameter update: inexact by design (``engine/host_steps.py``).
+    # ZeRO-Offload's delayed parameter update: inexact by design (``engine/offload/schedule.py``).
     "zero2_offload_delay": dict(stage=2, offload_optimizer=True, offload_step_delay=1),
     "zero3": dict(stage=3),
     "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
@@ -84,7 +84,7 @@ class ZeroConfig:
     offload_optimizer: bool | float = False
     """Keep master shards and optimizer state in host memory (ZeRO-Offload): gradient shards go to the host,
     the optimizer steps there, updated shards come back. A number ``r`` in (0, 1] offloads that share of them
-    (DeepSpeed's ``ratio``), whole parameters at a time; the rest stays on the device (``engine/offload.py``)."""
+    (DeepSpeed's ``ratio``), whole parameters at a time; the rest stays on the device (``engine/offload/masters.py``)."""
 
     offload_params: bool = False
     """Stage 3 only: keep sharded parameters in host memory between uses, copying each unit's shards to the
@@ -96,7 +96,7 @@ class ZeroConfig:
     ``t`` runs while step ``t + 1`` computes with the parameters of step ``t - 1``, hiding the host step behind the
     device's work. Not exact (each gradient updates parameters one step newer than those it was taken at);
     checkpoints and resumes are. Costs a second host gradient buffer. ``0``: the exact step ([Note: the delayed
-    update] in ``engine/host_steps.py``)."""
+    update] in ``engine/offload/schedule.py``)."""
 
     pin_memory: bool | None = None
     """Pin offloaded host memory for fast asynchronous copies. ``None``: pin when an accelerator exists (on a
@@ -168,7 +168,7 @@ class ZeroConfig:
     overlap_comm: bool = True
     """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward; with
     ``offload_optimizer`` and no clipping or loss scaler, also start each part's host step during backward (stages
-    1-3, see [Note: the host step during backward] in ``engine/host_steps.py``)."""
+    1-3, see [Note: the host step during backward] in ``engine/offload/schedule.py``)."""
 
     reduce_every_microbatch: bool = False
     """Under gradient accumulation, reduce-scatter on every micro-batch instead of only the last, so full
@@ -509,7 +509,7 @@ class ZeroConfig:
         """Stage 3: parameters become DTensor shards of FSDP2, in place. What the layers above ask before any engine
         exists: the module is built on the meta device and materialised a unit at a time, starts from rank 0's values
         as it is sharded (no broadcast), is sharded for evaluation too, and only a run that shards parameters can take
-        it up later. Once it exists, the engine answers (``ShardingEngine.holds_whole_parameters``)."""
+        it up later. Once it exists, the engine answers (``ShardingEngine.gathered_units``)."""
         return self.stage == 3
 
     @property

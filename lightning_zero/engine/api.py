@@ -5,7 +5,9 @@ two sharding engines: :class:`~lightning_zero.engine.stage12.zero_dp.ZeroDataPar
 Callers see three things and nothing else:
 
 * :class:`ShardingEngine`: the module-level calls (backward hooks, accumulation, checkpoint hand-over,
-  teardown) and the facts a caller may branch on (``holds_masters``, ``params_on_host``);
+  teardown) and the facts a caller may branch on (``holds_masters``, ``optimizer_on_host``), with what only one
+  engine has behind a capability that is None on the other: :class:`GatheredUnits` (stage 3's parameters,
+  gathered per unit for compute) and :class:`DelayedUpdate` (stages 1-2 under ``offload_step_delay``);
 * :class:`OptimizerShards`: one per optimizer, what precision and clipping need (finalize/unscale, gradient
   shards, the step, skipping a step) and what checkpoints need (which tensor holds each parameter's state, and
   which rank alone holds it for parameters stepped whole);
@@ -150,6 +152,54 @@ class OptimizerShards(Protocol):
 
 
 @runtime_checkable
+class GatheredUnits(Protocol):
+    """An engine whose parameters are DTensor shards, gathered a unit at a time for compute (stage 3): what a caller
+    that reads parameters outside forward, compiles blocks or runs its own schedule must ask of it. Where every
+    rank holds every parameter whole and the optimizer steps views of its rows (stages 1-2) there is none."""
+
+    @property
+    def units(self) -> list[torch.nn.Module]:
+        """The blocks the engine divided the module into (one ``fully_shard`` each), which compiling must follow."""
+
+    @property
+    def shards_module_in_place(self) -> bool:
+        """The engine converted the module in place (FSDP2's ``fully_shard``): steps go through the module's
+        ``__call__`` so the engine's hooks run, and its layers cannot be swapped back afterwards."""
+
+    @property
+    def params_on_host(self) -> bool:
+        """``offload_params``: parameter shards and their gradients live in host memory."""
+
+    def land_gradients(self) -> None:
+        """Land the reductions of the backward that just ran and settle which parameters hold a gradient (the zero
+        gradients of parameters no rank used go back to None), for a caller that sets the parameters' earlier
+        gradients aside around a backward and must do this before it puts them back (pipeline stages)."""
+
+    def reshard(self) -> None:
+        """Parameters back to their shards now, where an accumulation window kept them gathered, before anything
+        reads the module as sharded: an evaluation loop, a checkpoint, the end of training."""
+
+    def hold_root_gathered(self) -> Callable[[], None]:
+        """A step method (``training_step``, ...) begins inside the root module's forward: keep the parameters it
+        holds outside every unit whole across a nested forward of the root (``self(x)`` in the method), so code after
+        it may use them. Returns what lets the root's outer post-forward reshard them as before."""
+
+
+@runtime_checkable
+class DelayedUpdate(Protocol):
+    """``offload_step_delay=1`` (stages 1-2): the parameters forward computes with lag the optimizer's rows by one
+    update (see [Note: the delayed update] in ``offload/schedule.py``); a checkpoint keeps both."""
+
+    def lagging_rows(self) -> dict[str, torch.Tensor] | None:
+        """With an update pending: this rank's rows of the parameters forward computes with, one update behind
+        :attr:`ShardRecord.rows`, by name; None when none is pending (``checkpoint/delayed_update.py``)."""
+
+    def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
+        """Collective, after a checkpoint's rows were loaded: make ``rows`` (as :meth:`lagging_rows` gave them) the
+        parameters forward computes with; the next step sends the loaded rows to them."""
+
+
+@runtime_checkable
 class ShardingEngine(Protocol):
     """What the strategy, precision plugin, checkpoints and accounting ask of an engine."""
 
@@ -193,28 +243,18 @@ class ShardingEngine(Protocol):
         mixed-precision run, host copies of offload): checkpoints read :attr:`ShardRecord.rows` then."""
 
     @property
-    def params_on_host(self) -> bool:
-        """Stage 3 ``offload_params``: parameter shards and their gradients live in host memory."""
-
-    @property
     def optimizer_on_host(self) -> bool:
         """Optimizer state (and the step) lives in host memory (``offload_optimizer``, or ``offload_params``)."""
 
     @property
-    def holds_whole_parameters(self) -> bool:
-        """Every parameter stays a whole tensor on every rank and the optimizer steps views of this rank's rows
-        (stages 1-2); False: parameters are DTensor shards, gathered for compute (stage 3). What averaging and
-        pipeline schedules ask, rather than the stage."""
+    def gathered_units(self) -> GatheredUnits | None:
+        """Stage 3: parameters sharded as DTensors and gathered per unit; None where every rank holds them whole
+        (stages 1-2). What averaging, compiling and pipeline schedules ask, rather than the stage."""
 
     @property
-    def shards_module_in_place(self) -> bool:
-        """The engine converted the module in place (FSDP2's ``fully_shard``): steps go through the module's
-        ``__call__`` so the engine's hooks run, and its layers cannot be swapped back afterwards."""
-
-    @property
-    def units(self) -> list[torch.nn.Module] | None:
-        """The blocks the engine divided the module into (stage 3: one ``fully_shard`` each), which compiling must
-        follow; None where the engine does not divide it (stages 1-2: the wrap policy alone chooses blocks)."""
+    def delayed_update(self) -> DelayedUpdate | None:
+        """The parameters forward computes with lag the optimizer by one update (``offload_step_delay``); None
+        where they never lag."""
 
     @property
     def compression(self) -> CompressedComm | None:
@@ -261,20 +301,6 @@ class ShardingEngine(Protocol):
     def post_backward(self) -> None:
         """After each backward; after the final micro-batch's: land the gradient reductions still in flight."""
 
-    def land_gradients(self) -> None:
-        """Land the reductions of the backward that just ran and settle which parameters hold a gradient (stage 3
-        takes back the zero gradients of parameters no rank used), for a caller that sets the parameters' earlier
-        gradients aside around a backward and must do this before it puts them back (pipeline stages)."""
-
-    def reshard(self) -> None:
-        """Parameters back to their shards now, where an accumulation window kept them gathered (stage 3), before
-        anything reads the module as sharded: an evaluation loop, a checkpoint, the end of training."""
-
-    def hold_root_gathered(self) -> Callable[[], None]:
-        """A step method (``training_step``, ...) begins inside the root module's forward: keep the parameters it
-        holds outside every unit whole across a nested forward of the root (``self(x)`` in the method), so code after
-        it may use them (stage 3). Returns what lets the root's outer post-forward reshard them as before."""
-
     def discard_all_gradients(self) -> None:
         """Start a new accumulation window: whatever was reduced and not stepped is dropped."""
 
@@ -287,18 +313,5 @@ class ShardingEngine(Protocol):
     def restore_master_params(self) -> None:
         """Give the module its parameters at full precision when training ends, every delayed update landed
         (collective)."""
-
-    @property
-    def update_delay(self) -> int:
-        """Steps the parameters forward computes with may lag the optimizer's rows by (``offload_step_delay``)."""
-
-    def lagging_rows(self) -> dict[str, torch.Tensor] | None:
-        """With a delayed update pending: this rank's rows of the parameters forward computes with, one update
-        behind :attr:`ShardRecord.rows`, by name; None when none is pending. A checkpoint keeps them, so a resume
-        continues the delayed schedule exactly (``checkpoint/delayed_update.py``)."""
-
-    def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
-        """Collective, after a checkpoint's rows were loaded: make ``rows`` (as :meth:`lagging_rows` gave them) the
-        parameters forward computes with; the next step sends the loaded rows to them."""
 
     def teardown(self) -> None: ...

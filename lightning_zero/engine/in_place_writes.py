@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_zero.engine.offload import MasterShards
+    from lightning_zero.engine.offload.masters import MasterShards
 
 
 class InPlaceWrites:

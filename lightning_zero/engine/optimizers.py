@@ -119,7 +119,7 @@ def unfollow_zero_grad(optimizer: Optimizer) -> None:
 
 def stepping_view(optimizer: Optimizer) -> Optimizer:
     """``optimizer`` with its own copies of the param group dicts, for a step in another thread (see
-    [Note: the delayed update] in ``host_steps.py``): what the training thread does to the groups meanwhile (an LR
+    [Note: the delayed update] in ``offload/schedule.py``): what the training thread does to the groups meanwhile (an LR
     scheduler's next rate, stand-ins for the next step's shards) is not what this step reads.
 
     An LR scheduler wraps the optimizer's bound ``step`` to note that it was called; the view steps through the class's

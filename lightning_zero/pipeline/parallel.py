@@ -203,7 +203,7 @@ class PipelineParallel:
         """:meth:`train_step`, and the loss logged. Stages 1-2 hold the engine's gradient reduction back (it runs
         once, after the last micro-batch, when the strategy's ``backward`` flushes it); stage 3 reduces inside
         the schedule's last backward when the engine synchronises (see [Note: stage 3 under pipeline stages])."""
-        if engine is not None and not engine.holds_whole_parameters:
+        if engine is not None and engine.gathered_units is not None:
             self.runner.reduce_gradients = engine.synchronizing
             loss = self.train_step(batch, factor, engine)
         else:
@@ -235,8 +235,8 @@ class PipelineParallel:
         for p in params:
             p.grad = None
         loss = self.runner.step(inputs, target, factor)
-        if engine is not None and self.runner.reduce_gradients:
-            engine.land_gradients()  # while the parameters hold this schedule's gradients only
+        if engine is not None and engine.gathered_units is not None and self.runner.reduce_gradients:
+            engine.gathered_units.land_gradients()  # while the parameters hold this schedule's gradients only
         for p, held in zip(params, before):
             if p.grad is not None:
                 self._stash.append((p, p.grad))

@@ -88,7 +88,8 @@ def model_state_bytes(
     with ``offload_params`` the parameter shards and their gradients too. On an accelerator this is the tensors' device type; on a CPU-only run, where host and
     device are one memory, it is the only way to tell them apart.
     """
-    params_on_host = engine is not None and engine.params_on_host
+    gathered = engine.gathered_units if engine is not None else None
+    params_on_host = gathered is not None and gathered.params_on_host
     out = dict.fromkeys(("params", "grads", "masters", "optimizer", "device", "host"), 0)
     seen: set[int] = set()
 

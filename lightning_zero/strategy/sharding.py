@@ -32,7 +32,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressionSpec
 from lightning_zero.engine.comm.topology import Topology, data_parallel_groups
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
-from lightning_zero.engine.offload import should_pin
+from lightning_zero.engine.offload.masters import should_pin
 from lightning_zero.engine.row_major import dense_embedding_gradients, store_row_major
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.stage3.fsdp2_units import select_units
@@ -73,7 +73,8 @@ class ShardedModel:
 
     @property
     def shards_module_in_place(self) -> bool:
-        return self.engine is not None and self.engine.shards_module_in_place
+        gathered = self.engine.gathered_units if self.engine is not None else None
+        return gathered is not None and gathered.shards_module_in_place
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers (e.g. BatchNorm running statistics) on every replica, so results and checkpoints
@@ -196,7 +197,8 @@ def shard_model(
     if built_on_meta:
         refuse_uninitialised(model)
     if config.compile:  # see compiling.py
-        units = engine.units if engine is not None else None  # the engine's blocks, where it divided the module
+        gathered = engine.gathered_units if engine is not None else None
+        units = gathered.units if gathered is not None else None  # the engine's blocks, where it divided the module
         compile_units(units if units is not None else select_units(model, config.wrap_policy), config.compile)
     buffers = list(holding.held(model.named_buffers()).values())
 

@@ -6,7 +6,7 @@ through its ``__call__`` and FSDP2's root hooks gather the parameters no block h
 weights) around it. A ``self(x)`` inside the method runs the root's hooks again, nested, and their post-forward would
 reshard those parameters in the middle of the method: what it does with them afterwards (an ArcFace head on the
 embeddings ``self(x)`` returned, a loss on a root layer) would meet shards. The engine keeps them gathered until the
-method returns (``ShardingEngine.hold_root_gathered``); the outer post-forward reshards them as before.
+method returns (``GatheredUnits.hold_root_gathered``); the outer post-forward reshards them as before.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class RootHeldRedirection(_ForwardRedirection):
         **kwargs: Any,
     ) -> Any:
         engine = self._strategy.engine
-        self._restore = engine.hold_root_gathered() if engine is not None else None
+        gathered = engine.gathered_units if engine is not None else None
+        self._restore = gathered.hold_root_gathered() if gathered is not None else None
         try:
             return super().__call__(wrapper_module, original_module, method_name, *args, **kwargs)
         finally:

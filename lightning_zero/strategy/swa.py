@@ -105,7 +105,7 @@ def average_sharded_weights(
     buffers to every rank (collective)."""
     if engine is None:
         return
-    rows = OptimizerRows(module, engine) if engine.holds_whole_parameters else None
+    rows = OptimizerRows(module, engine) if engine.gathered_units is None else None
     for callback in _callbacks(trainer):
         if isinstance(callback, StochasticWeightAveraging):
             _average_for_swa(callback, module, engine, holding, rows)

@@ -392,7 +392,7 @@ class ZeroStrategy(ParallelStrategy):
         trainer = trainer_of(self.lightning_module)
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if self.engine is not None:
-            self.engine.reshard()
+            self._reshard()
             if fitted and not self._processes.failed:
                 self.engine.restore_master_params()
             self.engine.teardown()
@@ -439,8 +439,9 @@ class ZeroStrategy(ParallelStrategy):
     def _reshard(self) -> None:
         """Close an accumulation window that keeps stage 3's units gathered (the engine's ``reshard``): a state
         dict, an evaluation loop and the end of training read the module as sharded."""
-        if self._sharded.engine is not None:
-            self._sharded.engine.reshard()
+        engine = self._sharded.engine
+        if engine is not None and engine.gathered_units is not None:
+            engine.gathered_units.reshard()
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
@@ -650,7 +651,7 @@ class ZeroStrategy(ParallelStrategy):
     def _step_follows_backward_as_is(self, module: pl.LightningModule) -> bool:
         """Whether the optimizer step after this backward uses its gradients as they land, averaged and nothing more:
         automatic optimization without clipping or a loss scaler, so the offloaded host step may start during
-        backward (see [Note: the host step during backward] in ``engine/host_steps.py``)."""
+        backward (see [Note: the host step during backward] in ``engine/offload/schedule.py``)."""
         trainer = trainer_of(module)
         return (
             bool(self.zero_config.offload_optimizer)

@@ -53,7 +53,7 @@ def convergence():
 
 def _as_without_offload(case: str, result: dict) -> None:
     """The host steps with torch's fused CPU kernel where the run without offload steps with the optimizer's default
-    (``lightning_zero/engine/offload.py``): another order of the same step's roundings (``tests/tolerances.py``)."""
+    (``lightning_zero/engine/offload/``): another order of the same step's roundings (``tests/tolerances.py``)."""
     assert_reordered_fp32(case, result["param_diff_no_offload"], result["lr"], result["steps"])
 
 

@@ -267,7 +267,7 @@ def checkpoints(directory: Path) -> dict:
 def partial() -> dict:
     """``offload_optimizer=r``: the same parameters as no offload, and optimizer state on the host for the share
     of elements ``host_share`` picks (whole parameters, largest first within ``r``)."""
-    from lightning_zero.engine.offload import host_share
+    from lightning_zero.engine.offload.masters import host_share
 
     out = {}
     for stage in (2, 3):
@@ -306,7 +306,7 @@ class EarlyProbe(L.Callback):
         self.steps: list[tuple[int, int]] = []
 
     def on_train_start(self, trainer, pl_module):
-        early = trainer.strategy.engine.optimizer_shards(trainer.optimizers[0]).early
+        early = trainer.strategy.engine.optimizer_shards(trainer.optimizers[0]).schedule
         take = early.take
 
         def noting_take():

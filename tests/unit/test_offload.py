@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from lightning_zero.engine.host_steps import HostSteps, host_step_threads
-from lightning_zero.engine.offload import MasterShards, host_kernel, should_pin
+from lightning_zero.engine.offload.host_step import host_kernel
+from lightning_zero.engine.offload.masters import MasterShards, should_pin
+from lightning_zero.engine.offload.worker import HostStepWorker, host_step_threads
 
 
 def test_pinning_follows_the_accelerator():
@@ -90,7 +91,7 @@ def test_device_masters_use_the_gradients_where_they_are():
 
 
 def test_the_host_step_splits_into_consecutive_runs_of_about_equal_size():
-    from lightning_zero.engine.offload import split_in_parts
+    from lightning_zero.engine.offload.schedule import split_in_parts
 
     assert split_in_parts([5, 5, 5, 5], parts=2) == [[0, 1], [2, 3]]
     assert split_in_parts([10, 1, 1, 1, 1], parts=2) == [[0], [1, 2, 3, 4]]  # a large bucket is a part of its own
@@ -223,7 +224,7 @@ def test_host_steps_beside_an_accelerator_leave_the_cores_that_drive_it():
     assert host_step_threads(torch.device("cuda", 0), budget=2) == 1
     assert host_step_threads(torch.device("cpu"), budget=16) is None and host_step_threads(None) is None
     before = torch.get_num_threads()
-    worker = HostSteps(torch.device("cpu"), threads=1)
+    worker = HostStepWorker(torch.device("cpu"), threads=1)
     try:
         stepped = worker.start(torch.get_num_threads)
         stepped.wait()
@@ -231,7 +232,7 @@ def test_host_steps_beside_an_accelerator_leave_the_cores_that_drive_it():
         assert torch.get_num_threads() == before  # the training thread keeps its own
     finally:
         worker.close()
-    worker = HostSteps(torch.device("cpu"))
+    worker = HostStepWorker(torch.device("cpu"))
     try:
         assert worker.start(torch.get_num_threads).future.result() == before  # type: ignore[union-attr]
     finally:

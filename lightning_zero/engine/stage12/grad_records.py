@@ -54,7 +54,7 @@ def produced_flags(records: Sequence[ParamGradient]) -> torch.Tensor:
 
 def finalize_landed(records: Sequence[ParamGradient], ranks: int) -> tuple[list[torch.Tensor], float] | None:
     """What ``GradientReducer.finalize`` does, for a part stepping during backward (see
-    [Note: the host step during backward] in ``engine/host_steps.py``); the worker averages by the coefficient returned
+    [Note: the host step during backward] in ``engine/offload/schedule.py``); the worker averages by the coefficient returned
     once the copies have landed. None where a parameter produced no gradient on this rank, since whether another rank
     did is known only when backward ends."""
     if not all(r.produced and r.state is GradState.REDUCED and r.staged is not None for r in records):

@@ -18,7 +18,7 @@ which a per-backward all-reduce would count once per replica.
 Under a mixed-precision policy the held sums stay in the parameters' 2-byte dtype and :meth:`GradientReducer.finalize`
 makes fresh fp32 gradients for the masters: unscaling a loss-scaled fp16 gradient in fp16 would flush its small values
 to zero. With ``offload_optimizer`` they are made in host memory as each bucket lands (see [Note: the offloaded step]
-in ``offload.py``).
+in ``engine/offload/schedule.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from torch import nn
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
-from lightning_zero.engine.offload import MasterShards, master_dtype_of
+from lightning_zero.engine.offload.masters import MasterShards, master_dtype_of
 from lightning_zero.engine.row_major import gradient_form_error
 from lightning_zero.engine.stage12 import buckets
 from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags

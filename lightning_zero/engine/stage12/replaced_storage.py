@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.offload.masters import MasterShards
 from lightning_zero.engine.shard import local_rows
 
 

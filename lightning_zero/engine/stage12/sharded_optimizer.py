@@ -8,7 +8,7 @@ those views and the state is born sharded, never existing at full size. The view
 fp32 master copy exists; after the step the updated rows are all-gathered back.
 
 Under a mixed-precision policy, or with ``offload_optimizer``, the hosted tensors are the engine's master rows instead
-(see ``offload.py``), copied and cast into the resident rows after the step.
+(see ``engine/offload/``), copied and cast into the resident rows after the step.
 
 Matrix optimizers (Muon, Adafactor: ``optimizers.optimizer_kind``) step whole parameters on owner ranks (see
 [Note: owner stepping] in ``owner_step.py``); their element-wise groups stay on shards.
@@ -28,27 +28,27 @@ from torch.optim import Optimizer
 from torch.profiler import record_function
 
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
-from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps, PendingUpdate
 from lightning_zero.engine.in_place_writes import InPlaceWrites
-from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
-from lightning_zero.engine.optimizers import (
-    Standins,
-    has_step_hooks,
-    hosted_params,
-    stepping_view,
-    steps_in_parts,
-    steps_whole,
+from lightning_zero.engine.offload.host_step import step_on_host
+from lightning_zero.engine.offload.masters import MasterShards
+from lightning_zero.engine.offload.schedule import (
+    HostPart,
+    HostStepSchedule,
+    StepMode,
+    runs_behind_copies,
+    split_in_parts,
 )
+from lightning_zero.engine.optimizer_shell import OptimizerShell
+from lightning_zero.engine.optimizers import Standins, has_step_hooks, hosted_params, steps_in_parts, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.delayed_update_parts import host_step, runs_behind_copies
 from lightning_zero.engine.stage12.grad_records import finalize_landed
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout
 from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(OptimizerShell):
     """Steps ``optimizer`` on this rank's shards and all-gathers the updated parameters (an
     :class:`~lightning_zero.engine.api.OptimizerShards`)."""
 
@@ -61,17 +61,16 @@ class ShardedOptimizer:
         records: Sequence[ShardRecord],
         *,
         rank: int,
+        schedule: HostStepSchedule,
         masters: MasterShards | None = None,
         group: dist.ProcessGroup | None = None,
         elsewhere: set[int] | frozenset[int] = frozenset(),
         shards: dict[int, torch.Tensor] | None = None,
         kind: str = "elementwise",
         owners: OwnerStepping | None = None,
-        host_steps: HostSteps | None = None,
-        pending: PendingUpdate | None = None,
         written: InPlaceWrites | None = None,
     ) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer, kind, schedule)
         #: See [Note: parameters written between steps] (``engine/in_place_writes.py``).
         self.written = written
         #: ``id``s of the parameters another pipeline stage holds and steps (see ``api.Holding``).
@@ -86,7 +85,6 @@ class ShardedOptimizer:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         #: Persistent, because the optimizer keys its state by them.
         self.shards: dict[int, torch.Tensor] = dict(shards or {})
-        self.kind = kind
         self.owners = owners
         if owners is None and kind == "matrix":
             device = params[0].device if params else torch.device("cpu")
@@ -103,12 +101,7 @@ class ShardedOptimizer:
         self.row_views = RowViews(layout)
         self._members: tuple[int, ...] | None = None
         self._untracked: list[nn.Parameter] = []
-        #: ``offload_step_delay=1``: see [Note: the delayed update].
-        self.host_steps = host_steps
-        self.pending = pending
-        #: See [Note: the host step during backward] in ``engine/host_steps.py``.
-        self.early = EarlyHostSteps()
-        if host_steps is not None and (kind == "matrix" or masters is None or not all(masters.on_host)):
+        if schedule.delayed and (kind == "matrix" or masters is None or not all(masters.on_host)):
             raise TypeError(
                 f"ZeroStrategy(offload_step_delay=1) steps {type(optimizer).__name__} in a background thread on host "
                 "masters: it needs an element-wise optimizer (torch's SGD, Adam, AdamW, ...) and every master on the "
@@ -151,21 +144,18 @@ class ShardedOptimizer:
             self._owners.adopt({i: torch.Size(self.layout.params[i].shape) for i in whole}, self._whole_tensor)
         self.buckets = sorted({self.layout.params[i].bucket for i in indices})
         #: Runs of buckets in the order the next forward needs them (buckets are planned in backward order).
-        self.parts: list[tuple[list[int], list[int]]] = []
+        self.parts: list[HostPart] = []
         if self.masters is not None and self.masters.offloaded and not whole:
             by_bucket: dict[int, list[int]] = {b: [] for b in reversed(self.buckets)}
             for i in indices:
                 by_bucket[self.layout.params[i].bucket].append(i)
             buckets = list(by_bucket)
             runs = split_in_parts([sum(self.layout.params[i].chunk_numel for i in by_bucket[b]) for b in buckets])
-            self.parts = [([buckets[k] for k in run], [i for k in run for i in by_bucket[buckets[k]]]) for run in runs]
+            self.parts = [
+                HostPart(tuple(buckets[k] for k in run), tuple(i for k in run for i in by_bucket[buckets[k]]))
+                for run in runs
+            ]
         self._members, self._untracked = members, untracked
-
-    @property
-    def _owners(self) -> OwnerStepping:
-        if self.owners is None:
-            raise RuntimeError("only a matrix optimizer steps parameters whole")
-        return self.owners
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
         if self.masters is None:
@@ -175,96 +165,83 @@ class ShardedOptimizer:
             self.layout.params[i].shape, dtype=self.masters.dtype, device=device, pin_memory=self.masters.pinned
         )
 
-    def hosted(self) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the tensor the optimizer keys that parameter's state by (none where another rank owns
-        it)."""
-        self.settle()
-        hosted = {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
-        if self.whole:
-            owned = self._owners.whole
-            hosted.update({id(self.params[i]): owned[i] for i in self.whole if i in owned})
-        return hosted
+    def _param(self, i: int) -> torch.Tensor:
+        return self.params[i]
 
-    def owners_of(self) -> dict[int, int] | None:
-        if self.owners is None:
-            return None
-        return {id(self.params[i]): self.owners.owner[i] for i in self.whole}
-
-    def records(self) -> list[ShardRecord]:
-        self.early.wait()  # their gradients are averaged in the worker
+    def _ordered_records(self) -> list[ShardRecord]:
         return [self._records[i] for i in self.indices]
 
+    def _hosted_shards(self) -> dict[int, torch.Tensor]:
+        return {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
+
+    def _gradients(self) -> list[torch.Tensor]:
+        grads = (self.reducer.local_grad(i) for i in self.indices)
+        return [g for g in grads if g is not None]
+
+    def _discard(self) -> None:
+        """A delayed update still lands, so the parameters a step computes with do not depend on which steps were
+        skipped."""
+        self.land()
+        self.reducer.consume(self.indices)
+
     @contextlib.contextmanager
-    def hosting(self, part: Sequence[int] | None = None) -> Iterator[None]:
-        """See [Note: re-hosting without replacing the optimizer]; with ``part``, the others sit the step out."""
+    def hosting(self) -> Iterator[None]:
+        """See [Note: re-hosting without replacing the optimizer]."""
         self.settle()
-        whole = set(self.whole)
-        standins = self._standins(part)
-        if part is not None:
-            standins.update({id(self.params[i]): None for i in self.indices if id(self.params[i]) not in standins})
-        for i in whole:
-            owned = self._owners.whole.get(i)
-            standins[id(self.params[i])] = None if owned is None else (owned, self._owners.grads.get(i))
-        with hosted_params(self.optimizer, standins):
+        with hosted_params(self.optimizer, self._standins()):
             yield
 
     def _standins(self, part: Sequence[int] | None = None) -> Standins:
+        """With ``part``, the others sit the step out."""
         whole = set(self.whole)
         grads = {i: self.reducer.local_grad(i) for i in (self.indices if part is None else part) if i not in whole}
         if self.masters is not None:
             grads = self.masters.receive_gradients(grads)
-        return {id(self.params[i]): (self.shards[i], grads[i]) for i in grads}
+        standins: Standins = {id(self.params[i]): (self.shards[i], grads[i]) for i in grads}
+        if part is not None:
+            standins.update({id(self.params[i]): None for i in self.indices if id(self.params[i]) not in standins})
+        standins.update(self._owner_standins())
+        return standins
 
-    def step_during_backward(self, worker: HostSteps) -> bool:
-        """See [Note: the host step during backward] in ``engine/host_steps.py``; False where the step waits
+    def step_during_backward(self) -> bool:
+        """See [Note: the host step during backward] in ``engine/offload/schedule.py``; False where the step waits
         for :meth:`step`."""
         self.take_back_writes()
-        eligible = not self.whole and self.host_steps is None
-        return self.early.arm(self.optimizer, self.parts, worker, self.masters, eligible)
+        return self.schedule.arm(self.parts, self.masters, eligible=not self.whole)
 
     def bucket_landed(self, bucket: int) -> None:
-        k = self.early.landed(bucket)
-        if k is None or self.masters is None:
+        part = self.schedule.landed(bucket)
+        if part is None or self.masters is None:
             return
-        buckets, part = self.parts[k]
         finalized = finalize_landed(
-            [self.reducer.records[i] for i in part], self.reducer.world_size * self.reducer.replicas
+            [self.reducer.records[i] for i in part.indices], self.reducer.world_size * self.reducer.replicas
         )
         if finalized is None:
             return
         grads, _ = finalized
-        standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {
-            id(self.params[i]): None for i in self.indices
-        }
-        standins.update({id(self.params[i]): (self.shards[i], grad) for i, grad in zip(part, grads)})
-        self.early.start(self.optimizer, buckets, part, standins, self.masters, average=finalized)
+        standins: Standins = {id(self.params[i]): None for i in self.indices}
+        standins.update({id(self.params[i]): (self.shards[i], grad) for i, grad in zip(part.indices, grads)})
+        self.schedule.start(part, standins, self.masters.gradient_copies_queued(), average=finalized)
 
     def finalize_gradients(self, scale: float = 1.0) -> None:
         self.reducer.finalize(self.indices, scale)
 
-    def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
-        """``for_change``: the caller is about to change them, which parts stepped early forbid."""
-        if for_change:
-            self.early.refuse(self.optimizer, "change the gradients now")
-        self.early.wait()
-        grads = (self.reducer.local_grad(i) for i in self.indices)
-        return [g for g in grads if g is not None]
-
     def step(self, **kwargs: Any) -> object:
         self.refresh()
-        if not self.early.started:  # else taken back before the backward that started them
+        mode = self.schedule.mode
+        if mode is not StepMode.DURING_BACKWARD:  # else taken back before the backward that started them
             self.take_back_writes()
         self.reducer.finalize(self.indices)
         if self.whole:
             self._owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
-        if self.host_steps is not None:
-            self._step_delayed(self.host_steps, **kwargs)
+        if mode is StepMode.DELAYED:
+            self._step_delayed(**kwargs)
             return None
+        if mode is StepMode.DURING_BACKWARD or (len(self.parts) > 1 and steps_in_parts(self.optimizer)):
+            return self._step_in_parts(**kwargs)
+        self.settle()
         offloaded = self.masters is not None and self.masters.offloaded
-        if self.early.started or (len(self.parts) > 1 and steps_in_parts(self.optimizer)):
-            return self._step_in_parts(self.early.take(), **kwargs)
-        with self.hosting(), host_kernel(self.optimizer, enabled=offloaded):
-            result = self.optimizer.step(**kwargs)
+        result = step_on_host(self.optimizer, self._standins(), kernel=offloaded, **kwargs)
         if self.whole:
             with torch.no_grad():
                 self._owners.scatter(self.whole, self._write_rows)
@@ -272,25 +249,24 @@ class ShardedOptimizer:
         self.all_gather_params()
         return result
 
-    def _step_in_parts(self, early: Sequence[EarlyPart], **kwargs: Any) -> object:
-        """See [Note: the offloaded step] in ``offload.py``. The ``early`` parts' rows go first, in the order they
-        started, so every rank gathers in the same order."""
-        result = None
-        stepped: set[int] = set()
-        for part in early:
-            part.pending.wait()
-            self.all_gather_params(part.pieces, part.indices)
-            stepped.update(part.indices)
-        for buckets, indices in self.parts:
-            rest = [i for i in indices if i not in stepped] if stepped else indices
-            if rest:
-                with self.hosting(rest), host_kernel(self.optimizer):
-                    result = self.optimizer.step(**kwargs)
-                self.all_gather_params(buckets, rest)
+    def _step_in_parts(self, **kwargs: Any) -> object:
+        """See [Note: the offloaded step] in ``engine/offload/schedule.py``: the parts started during backward send
+        their rows first, then the rest are stepped here."""
+        stepped = self.schedule.send_back(self.schedule.take(), self._send)
+        self.settle()
+        runs = (
+            (HostPart(part.pieces, tuple(rest)), self._standins(rest), None)
+            for part in self.parts
+            if (rest := [i for i in part.indices if i not in stepped])
+        )
+        result = self.schedule.step_serially(runs, self._send, **kwargs)
         self.reducer.consume(self.indices)
         return result
 
-    def _step_delayed(self, host_steps: HostSteps, **kwargs: Any) -> None:
+    def _send(self, part: HostPart) -> None:
+        self.all_gather_params(part.pieces, part.indices)
+
+    def _step_delayed(self, **kwargs: Any) -> None:
         """See [Note: the delayed update]."""
         if has_step_hooks(self.optimizer):
             raise RuntimeError(
@@ -302,17 +278,16 @@ class ShardedOptimizer:
         if masters is None:
             raise RuntimeError("a delayed update needs host masters")
         standins = self._standins()
-        view = stepping_view(self.optimizer)
         masters.swap_gradient_buffers(self.indices)
         self.reducer.consume(self.indices)
         runs = runs_behind_copies(self.optimizer, self.parts, self.params, standins, sent, masters.copies_queued())
-        self.pending = host_steps.start(host_step(view, runs, kwargs))
+        self.schedule.start_delayed(runs, **kwargs)
 
     def land(self) -> list[torch.Event | None]:
         """Collective: bring the delayed host step's rows to every rank's parameters, a part at a time (see
         [Note: the delayed update in parts]). Returns, for each part, an event behind the copies that read its
         masters."""
-        pending, self.pending = self.pending, None
+        pending = self.schedule.take_pending()
         if pending is None:
             return []
         pending.wait()
@@ -320,16 +295,10 @@ class ShardedOptimizer:
             self.all_gather_params()
             return []
         sent: list[torch.Event | None] = []
-        for buckets, indices in self.parts:
-            self.all_gather_params(buckets, indices)
+        for part in self.parts:
+            self._send(part)
             sent.append(self.masters.copies_queued())
         return sent
-
-    def settle(self) -> None:
-        """Wait for the host steps in flight before the masters or the optimizer state are read."""
-        if self.pending is not None:
-            self.pending.wait()
-        self.early.wait()
 
     def take_back_writes(self) -> None:
         """See [Note: parameters written between steps]."""
@@ -345,13 +314,6 @@ class ShardedOptimizer:
 
     def _resident_rows(self, i: int) -> torch.Tensor:
         return local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
-
-    def discard_gradients(self) -> None:
-        """A skipped step. A delayed update still lands, so the parameters a step computes with do not depend on which
-        steps were skipped."""
-        self.early.refuse(self.optimizer, "skip this optimizer step")
-        self.land()
-        self.reducer.consume(self.indices)
 
     def all_gather_params(self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None) -> None:
         gathered = self.buckets if buckets is None else buckets

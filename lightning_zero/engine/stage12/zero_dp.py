@@ -1,14 +1,14 @@
 """Stages 1 and 2: parameters stay whole on every rank, gradients and optimizer state are sharded.
 
 One class serves both stages; they differ only in what the gradient reduction keeps (see ``grad_sync.py``). With a
-mixed-precision policy or ``offload_optimizer`` the engine also owns master rows (see ``offload.py``).
+mixed-precision policy or ``offload_optimizer`` the engine also owns master rows (see ``engine/offload/``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,10 +20,11 @@ from torch.optim import Optimizer
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm import collectives, topology
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
-from lightning_zero.engine.host_steps import HostSteps, PendingUpdate
 from lightning_zero.engine.in_place_writes import InPlaceWrites
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
-from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.offload.masters import MasterShards
+from lightning_zero.engine.offload.schedule import HostStepSchedule
+from lightning_zero.engine.offload.worker import HostStepWorker, PendingUpdate
 from lightning_zero.engine.optimizers import follow_zero_grad, optimizer_kind, shards_of, unfollow_zero_grad
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.shard import local_rows
@@ -41,10 +42,7 @@ class ZeroDataParallel:
     :class:`~lightning_zero.engine.api.ShardingEngine`)."""
 
     #: The module stays the user's; its parameters are whole on every rank.
-    holds_whole_parameters = True
-    shards_module_in_place = False
-    params_on_host = False
-    units = None
+    gathered_units = None
 
     def __init__(
         self,
@@ -100,10 +98,10 @@ class ZeroDataParallel:
         self.written = InPlaceWrites() if self.masters is not None and not offload_step_delay else None
         if self.written is not None:
             self.written.mark(self.params)
-        #: See [Note: the delayed update].
-        self.host_steps = HostSteps(self.reducer.device) if offload_step_delay else None
-        #: See [Note: the host step during backward].
-        self._early_worker: HostSteps | None = None
+        #: See [Note: the delayed update] in ``engine/offload/schedule.py``.
+        self.delayed = bool(offload_step_delay)
+        #: Where host steps run beside training (its thread starts with the first).
+        self.worker = HostStepWorker(self.reducer.device)
         self._optimizers: dict[int, ShardedOptimizer] = {}
         self.growths: list[dict[str, float]] = []
 
@@ -168,7 +166,7 @@ class ZeroDataParallel:
             moved = {i: index[id(p)] for i, p in enumerate(old.params) if id(p) in index}
             shards = {moved[i]: shard for i, shard in old.shards.items()}
             owners = old.owners.rekey(moved) if old.owners is not None else None
-            self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners, old.pending)
+            self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners, old.schedule)
         #: Reported by tests and the README.
         self.growths.append(
             {
@@ -251,7 +249,7 @@ class ZeroDataParallel:
         kind: str,
         shards: dict[int, torch.Tensor] | None = None,
         owners: OwnerStepping | None = None,
-        pending: PendingUpdate | None = None,
+        schedule: HostStepSchedule | None = None,
     ) -> ShardedOptimizer:
         return ShardedOptimizer(
             optimizer,
@@ -260,14 +258,13 @@ class ZeroDataParallel:
             self.reducer,
             self._records,
             rank=self.rank,
+            schedule=schedule or HostStepSchedule(optimizer, self.worker, delayed=self.delayed),
             masters=self.masters,
             group=self.group,
             elsewhere=self._elsewhere,
             shards=shards,
             kind=kind,
             owners=owners,
-            host_steps=self.host_steps,
-            pending=pending,
             written=self.written,
         )
 
@@ -299,16 +296,13 @@ class ZeroDataParallel:
         return self.reducer.require_sync
 
     def step_during_backward(self, optimizer: Optimizer) -> None:
-        """See [Note: the host step during backward] (``engine/host_steps.py``): the caller vouches that nothing after
-        this backward changes the gradients or skips the step."""
+        """See [Note: the host step during backward] (``engine/offload/schedule.py``): the caller vouches that nothing
+        after this backward changes the gradients or skips the step."""
         shards = self._optimizers.get(id(optimizer))
-        if shards is None or not self._overlap_comm or not self.reducer.require_sync or self.host_steps is not None:
+        if shards is None or not self._overlap_comm or not self.reducer.require_sync or self.delayed:
             return
-        if self.reducer.stages_on_landing:
-            if self._early_worker is None:
-                self._early_worker = HostSteps(self.reducer.device)
-            if shards.step_during_backward(self._early_worker):
-                self.reducer.on_landed = shards.bucket_landed
+        if self.reducer.stages_on_landing and shards.step_during_backward():
+            self.reducer.on_landed = shards.bucket_landed
 
     def post_backward(self) -> None:
         synchronizing = self.reducer.require_sync
@@ -316,21 +310,12 @@ class ZeroDataParallel:
         if self.reducer.on_landed is not None:
             self.reducer.on_landed = None
             for shards in self._optimizers.values():
-                shards.early.disarm()
+                shards.schedule.disarm()
         if synchronizing and (unstepped := self._unstepped()):
             hand_over(self.reducer, unstepped, self.group)
 
     def _unstepped(self) -> list[int]:
         return self._unstepped_lookup(self.params, [shards.optimizer for shards in self._optimizers.values()])
-
-    def land_gradients(self) -> None:
-        """Nothing to settle early: every parameter of a bucket reduces whether or not this rank used it."""
-
-    def reshard(self) -> None:
-        """Parameters stay whole at stages 1-2: nothing was gathered."""
-
-    def hold_root_gathered(self) -> Callable[[], None]:
-        return lambda: None
 
     def params_loaded(self) -> None:
         """Collective: checkpoint rows were written into :meth:`local_rows`."""
@@ -350,8 +335,8 @@ class ZeroDataParallel:
         """This rank's rows of trainable parameter ``index`` as the optimizer updates them; checkpoints read and
         write these."""
         if self.masters is not None:
-            if self.host_steps is not None:
-                self.host_steps.wait()  # a delayed host step may be writing them
+            if self.delayed:
+                self.worker.wait()  # a delayed host step may be writing them
             if self.written is not None:  # see [Note: parameters written between steps]
                 self.written.take_back(self.masters, [index], self.params.__getitem__, self._resident_rows)
             return self.masters[index]
@@ -360,18 +345,19 @@ class ZeroDataParallel:
     def _resident_rows(self, index: int) -> torch.Tensor:
         return local_rows(self.params[index].detach(), self.rank, self.world_size)
 
-    # ------------------------------------------------------------------ the delayed update (see host_steps.py)
+    # ------------------------------------------------------------------ the delayed update (see offload/schedule.py)
     @property
-    def update_delay(self) -> int:
-        return 0 if self.host_steps is None else 1
+    def delayed_update(self) -> ZeroDataParallel | None:
+        """This engine, under ``offload_step_delay`` (an ``api.DelayedUpdate``)."""
+        return self if self.delayed else None
 
     def lagging_rows(self) -> dict[str, torch.Tensor] | None:
-        if not any(o.pending is not None for o in self._optimizers.values()):
+        if not any(o.schedule.pending is not None for o in self._optimizers.values()):
             return None
         return {name: local_rows(p.detach(), self.rank, self.world_size) for name, p in zip(self.names, self.params)}
 
     def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
-        if self.host_steps is None:
+        if not self.delayed:
             raise RuntimeError("parameters one update behind were loaded into a run without offload_step_delay")
         with torch.no_grad():
             for name, param in zip(self.names, self.params):
@@ -379,7 +365,7 @@ class ZeroDataParallel:
                     local_rows(param.detach(), self.rank, self.world_size).view(-1).copy_(rows[name].reshape(-1))
         all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
         for optimizer in self._optimizers.values():
-            optimizer.pending = PendingUpdate()  # the masters hold it
+            optimizer.schedule.pending = PendingUpdate()  # the masters hold it
 
     def land_updates(self) -> None:
         for optimizer in self._optimizers.values():
@@ -401,9 +387,7 @@ class ZeroDataParallel:
         self.reducer.remove_hooks()
         for shards in self._optimizers.values():
             unfollow_zero_grad(shards.optimizer)
-        for worker in (self.host_steps, self._early_worker):
-            if worker is not None:
-                worker.close()
+        self.worker.close()
 
 
 def _by_dtype(params: list[nn.Parameter]) -> list[int]:

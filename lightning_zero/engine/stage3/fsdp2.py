@@ -34,15 +34,15 @@ consecutive ranks, so backward's all-gather runs inside that group.
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters, their gradients and so the optimizer state live
 in host memory, and the user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded
-parameters on the device and re-hosts the optimizer on host copies of them (see ``offload.py``), as stages 1 and 2 do, a
-run of parameters at a time (``FullyShardedOptimizer._step_in_parts``), each unit's run during backward where nothing
-after it changes the gradients (see [Note: the host step during backward] in ``engine/host_steps.py``).
+parameters on the device and re-hosts the optimizer on host copies of them (see ``engine/offload/``), as stages 1 and 2
+do, a run of parameters at a time (``FullyShardedOptimizer._step_in_parts``), each unit's run during backward where
+nothing after it changes the gradients (see [Note: the host step during backward] in ``engine/offload/schedule.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -54,9 +54,10 @@ from lightning_zero.engine.api import Holding, PipelineStages, ShardingEngine, S
 from lightning_zero.engine.comm import collectives, flight, topology
 from lightning_zero.engine.comm.compression import CompressedComm, CompressionSpec
 from lightning_zero.engine.comm.topology import DataParallelGroups
-from lightning_zero.engine.host_steps import HostSteps
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, fsdp2_mixed_precision, hold_as_masters
-from lightning_zero.engine.offload import MasterShards
+from lightning_zero.engine.offload.masters import MasterShards
+from lightning_zero.engine.offload.schedule import HostStepSchedule
+from lightning_zero.engine.offload.worker import HostStepWorker
 from lightning_zero.engine.optimizers import optimizer_kind, shards_of
 from lightning_zero.engine.stage3 import fsdp2_backward_calls, fsdp2_functional_calls, fsdp2_private
 from lightning_zero.engine.stage3.fsdp2_comm import (
@@ -119,7 +120,6 @@ class FullyShardedEngine:
         #: See [Note: stage 3 under pipeline stages]; the module itself is the one root otherwise.
         self.stages = stages
         self.roots: list[nn.Module] = list(stages.modules) if stages is not None else [module]
-        self.holds_whole_parameters = False  # DTensor shards, gathered per unit for compute
         #: ``fully_shard`` converts the module in place, unless pipeline stages' modules are the roots.
         self.shards_module_in_place = stages is None
         self.holding = stages.holding if stages is not None else Holding()
@@ -157,7 +157,8 @@ class FullyShardedEngine:
         )
         #: For the host step during backward.
         self.finished = FinishedUnits() if overlap_comm and self.replicate_group is None and stages is None else None
-        self._early_worker: HostSteps | None = None
+        #: Where host steps run beside training (its thread starts with the first).
+        self.worker = HostStepWorker(device)
         self._heads: list[FSDPModule] = []
         if stages is not None:
             for index, root in zip(stages.indices, self.roots):
@@ -301,7 +302,9 @@ class FullyShardedEngine:
         self, optimizer: Optimizer, elementwise: tuple[type, ...] = (), matrix: tuple[type, ...] = ()
     ) -> None:
         kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
-        self._optimizers[id(optimizer)] = FullyShardedOptimizer(self, optimizer, kind)
+        self._optimizers[id(optimizer)] = FullyShardedOptimizer(
+            self, optimizer, HostStepSchedule(optimizer, self.worker), kind
+        )
 
     def on_host(self, tensor: torch.Tensor) -> bool:
         return (
@@ -346,13 +349,11 @@ class FullyShardedEngine:
         return self._reducing
 
     def step_during_backward(self, optimizer: Optimizer) -> None:
-        """See [Note: the host step during backward] (``engine/host_steps.py``)."""
+        """See [Note: the host step during backward] (``engine/offload/schedule.py``)."""
         shards = self._optimizers.get(id(optimizer))
         if shards is None or self.finished is None or not self._reducing or self.masters is None:
             return
-        if self._early_worker is None:
-            self._early_worker = HostSteps(self.device)
-        if shards.step_during_backward(self._early_worker, self._heads):
+        if shards.step_during_backward(self._heads):
             self.finished.listen(shards.unit_finished)
 
     def post_backward(self) -> None:
@@ -364,7 +365,7 @@ class FullyShardedEngine:
         if self.finished is not None and self.finished.listening:
             self.finished.finish()
             for shards in self._optimizers.values():
-                shards.early.disarm()
+                shards.schedule.disarm()
         if self.prefetch is not None:
             self.prefetch.settle()
         if self._reducing:
@@ -401,18 +402,16 @@ class FullyShardedEngine:
     def restore_master_params(self) -> None:
         """FSDP2 keeps the sharded parameters at full precision and casts them per forward."""
 
-    update_delay = 0  # ``offload_step_delay`` is a stage 1-2 setting
+    delayed_update = None  # ``offload_step_delay`` is a stage 1-2 setting
 
-    def lagging_rows(self) -> None:
-        return None
-
-    def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
-        raise RuntimeError("stage 3 has no delayed update to load parameters one update behind into")
+    @property
+    def gathered_units(self) -> FullyShardedEngine:
+        """This engine: its parameters are DTensor shards gathered per unit (an ``api.GatheredUnits``)."""
+        return self
 
     def teardown(self) -> None:
         """FSDP2's hooks live as long as the module; the host-step thread does not."""
-        if self._early_worker is not None:
-            self._early_worker.close()
+        self.worker.close()
 
 
 if TYPE_CHECKING:  # the engine contract (``engine/api.py``)

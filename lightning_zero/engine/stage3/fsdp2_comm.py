@@ -147,7 +147,7 @@ class _Reduced:
 
 class FinishedUnits:
     """The units whose gradients FSDP2 has finished during a backward, told to a listener in the order they were reduced
-    (see [Note: the host step during backward] in ``engine/host_steps.py``). FSDP2 makes a unit's gradients of its
+    (see [Note: the host step during backward] in ``engine/offload/schedule.py``). FSDP2 makes a unit's gradients of its
     reduce-scatter's output after the collective returns, so a unit is finished only when the next reduce-scatter
     begins, when backward ends, or when its late reduction has landed. On an accelerator the listener runs on FSDP2's
     reduce-scatter stream, behind the finished unit's work there.

@@ -15,10 +15,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.api import OptimizerShards, ShardRecord
-from lightning_zero.engine.host_steps import EarlyHostSteps, EarlyPart, HostSteps
 from lightning_zero.engine.in_place_writes import InPlaceWrites
-from lightning_zero.engine.offload import MasterShards, host_kernel, split_in_parts
-from lightning_zero.engine.optimizers import hosted_params, steps_in_parts, steps_whole
+from lightning_zero.engine.offload.host_step import host_kernel, step_on_host
+from lightning_zero.engine.offload.masters import MasterShards
+from lightning_zero.engine.offload.schedule import HostPart, HostStepSchedule, StartedPart, StepMode, split_in_parts
+from lightning_zero.engine.optimizer_shell import OptimizerShell
+from lightning_zero.engine.optimizers import Standins, hosted_params, steps_in_parts, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
 from lightning_zero.engine.stage3 import fsdp2_private
 from lightning_zero.engine.stage3.fsdp2_missing_grads import UnusedParameters
@@ -61,16 +63,16 @@ class ShardedParams(Protocol):
     def reshard(self) -> None: ...
 
 
-class FullyShardedOptimizer:
+class FullyShardedOptimizer(OptimizerShell):
     """An :class:`~lightning_zero.engine.api.OptimizerShards` stepping the DTensor shards themselves, or, with
     ``offload_optimizer`` alone, their host masters. A matrix optimizer steps whole parameters on owner ranks
     (``owner_step.py``), decided from each DTensor's full shape."""
 
-    def __init__(self, engine: ShardedParams, optimizer: Optimizer, kind: str = "elementwise") -> None:
+    def __init__(
+        self, engine: ShardedParams, optimizer: Optimizer, schedule: HostStepSchedule, kind: str = "elementwise"
+    ) -> None:
+        super().__init__(optimizer, kind, schedule)
         self.engine = engine
-        self.optimizer = optimizer
-        self.kind = kind
-        self.owners: OwnerStepping | None = None
         if kind == "matrix":
             params = [p for p in self._params() if id(p) in engine.index]
             dtype = engine.masters.dtype if engine.masters is not None else params[0].dtype if params else torch.float32
@@ -82,10 +84,8 @@ class FullyShardedOptimizer:
                 dtype=dtype,
             )
             self.owners.on_host = engine.optimizer_on_host
-        self.whole: list[int] = []
-        #: A part per unit (see [Note: the host step during backward] in ``engine/host_steps.py``).
-        self.early = EarlyHostSteps()
-        self.unit_parts: list[tuple[list[int], list[int]]] = []
+        #: A part per unit (see [Note: the host step during backward] in ``engine/offload/schedule.py``).
+        self.unit_parts: list[HostPart] = []
         #: Each unit's trainable parameters, and whether every unit reduces in one collective.
         self._units: tuple[list[list[int]], bool] | None = None
         #: Reduced again later in this backward, so their parts wait for :meth:`step`.
@@ -114,19 +114,14 @@ class FullyShardedOptimizer:
             if steps_whole(group, self.kind):
                 self.whole += [engine.index[id(p)] for p in group["params"] if id(p) in engine.index]
         if self.whole:
-            self._owners().adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
+            self._owners.adopt({i: engine.params[i].shape for i in self.whole}, self._whole_tensor)
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
         engine = self.engine
         on_host = engine.optimizer_on_host
         device = torch.device("cpu") if on_host else self._rows(i).device
         pin = on_host and engine.pin_memory and torch.cuda.is_available()
-        return torch.zeros(engine.params[i].shape, dtype=self._owners().dtype, device=device, pin_memory=pin)
-
-    def _owners(self) -> OwnerStepping:
-        if self.owners is None:
-            raise RuntimeError("lightning_zero internal error: only a matrix optimizer steps parameters whole")
-        return self.owners
+        return torch.zeros(engine.params[i].shape, dtype=self._owners.dtype, device=device, pin_memory=pin)
 
     def _hosted_indices(self) -> list[int]:
         engine = self.engine
@@ -163,42 +158,29 @@ class FullyShardedOptimizer:
             raise RuntimeError("lightning_zero internal error: host masters exist only under offload_optimizer")
         return self.engine.masters
 
-    def settle(self) -> None:
-        self.early.wait()
+    def _param(self, i: int) -> torch.Tensor:
+        return self.engine.params[i]
 
-    def records(self) -> list[ShardRecord]:
-        self.early.wait()
+    def _ordered_records(self) -> list[ShardRecord]:
         engine = self.engine
         return [engine.records()[engine.index[id(p)]] for p in self._params() if id(p) in engine.index]
 
-    def hosted(self) -> dict[int, torch.Tensor]:
-        """``id(param)`` -> the tensor the optimizer keys its state by, where it is not the sharded parameter."""
-        self.early.wait()
+    def _hosted_shards(self) -> dict[int, torch.Tensor]:
         engine = self.engine
         hosted = {id(engine.params[i]): self._masters()[i] for i in self._hosted_indices()}
         hosted.update({id(engine.params[i]): self._rows(i) for i in self._zero_dim_in_place()})
-        if self.owners is not None:
-            hosted.update({id(engine.params[i]): self.owners.whole[i] for i in self.whole if i in self.owners.whole})
         return hosted
-
-    def owners_of(self) -> dict[int, int] | None:
-        if self.owners is None:
-            return None
-        return {id(self.engine.params[i]): self.owners.owner[i] for i in self.whole}
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
-        self.early.wait()
+        self.schedule.wait_started()
         engine, indices = self.engine, self._hosted_indices()
-        standins: dict[int, tuple[torch.Tensor, torch.Tensor | None] | None] = {}
+        standins: Standins = {}
         if indices:
             masters = self._masters()
             grads = masters.receive_gradients({i: self._grad(i) for i in indices})
             standins = {id(engine.params[i]): (masters[i], grads[i]) for i in indices}
-        for i in self.whole:
-            owners = self._owners()
-            owned = owners.whole.get(i)
-            standins[id(engine.params[i])] = None if owned is None else (owned, owners.grads.get(i))
+        standins.update(self._owner_standins())
         standins.update({id(engine.params[i]): (self._rows(i), self._grad(i)) for i in self._zero_dim_in_place()})
         if not standins:
             yield
@@ -212,11 +194,11 @@ class FullyShardedOptimizer:
         engine.land_gradients()
         engine.reshard()  # the step writes the shards: no gathered copy may outlive it
         self._refresh()
-        if not self.early.started:  # else taken back before the backward that started them
+        if self.schedule.mode is not StepMode.DURING_BACKWARD:  # else taken back before the backward that started them
             self._take_back_writes()
         if self.whole:
-            self._owners().gather(self.whole, self._rows, self._grad)
-        early, parts = self.early.take(), self._host_parts()
+            self._owners.gather(self.whole, self._rows, self._grad)
+        early, parts = self.schedule.take(), self._host_parts()
         if early or parts:
             result = self._step_in_parts(parts or [sorted(self._hosted_indices())], early, **kwargs)
             engine.zero_dim.share()
@@ -233,7 +215,7 @@ class FullyShardedOptimizer:
             for i in self._hosted_indices():
                 self._masters().copy_into(i, self._rows(i))
             if self.whole:
-                self._owners().scatter(self.whole, self._write_rows)
+                self._owners.scatter(self.whole, self._write_rows)
         engine.zero_dim.share()
         self._mark_hosted()
         return result
@@ -257,46 +239,41 @@ class FullyShardedOptimizer:
         runs = split_in_parts([masters[i].numel() for i in indices])
         return [[indices[k] for k in run] for run in runs] if len(runs) > 1 else []
 
-    def _step_in_parts(self, parts: Sequence[Sequence[int]], early: Sequence[EarlyPart] = (), **kwargs: Any) -> object:
+    def _step_in_parts(
+        self, parts: Sequence[Sequence[int]], early: Sequence[StartedPart] = (), **kwargs: Any
+    ) -> object:
         """See [Note: stage 3 offload] in ``fsdp2.py``. Every part's gradient copies are queued first, each behind an
         event, so the host steps a part as soon as its own gradients have landed. They are queued before the ``early``
         parts' masters go back, since behind those on the compute stream they would wait."""
         engine, masters = self.engine, self._masters()
-        stepped = {i for started in early for i in started.indices}
-        staged: list[tuple[list[int], dict[int, torch.Tensor], torch.Event | None]] = []
+        stepped = {i for started in early for i in started.part.indices}
+        staged: list[tuple[HostPart, Standins, torch.Event | None]] = []
         for part in parts:
-            rest = [i for i in part if i not in stepped]
+            rest = tuple(i for i in part if i not in stepped)
             given = [(i, grad) for i in rest if (grad := self._grad(i)) is not None]
             grads = dict(zip((i for i, _ in given), masters.stage_gradients(given)))
             if rest:
-                staged.append((rest, grads, masters.gradient_copies_queued()))
-        for started in early:
-            started.pending.wait()
-            with torch.no_grad():
-                for i in started.indices:
-                    masters.copy_into(i, self._rows(i))
+                standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], grads.get(i)) for i in rest}}
+                staged.append((HostPart((), rest), standins, masters.gradient_copies_queued()))
+        self.schedule.send_back(early, self._send)
         result = None
         # Parameters the engine does not shard (added to the optimizer after setup) step in a call of their own.
         if any(id(p) not in engine.index and p.grad is not None for p in self._params()):
-            in_place = {id(p): None for p in self._params() if id(p) in engine.index}
-            with hosted_params(self.optimizer, in_place), host_kernel(self.optimizer):
-                result = self.optimizer.step(**kwargs)
-        for rest, grads, landed in staged:
-            if landed is not None:
-                landed.synchronize()
-            standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], grads.get(i)) for i in rest}}
-            with hosted_params(self.optimizer, standins), host_kernel(self.optimizer):  # the worker's kernel too
-                result = self.optimizer.step(**kwargs)
-            with torch.no_grad():
-                for i in rest:
-                    masters.copy_into(i, self._rows(i))
-        return result
+            in_place: Standins = {id(p): None for p in self._params() if id(p) in engine.index}
+            result = step_on_host(self.optimizer, in_place, **kwargs)
+        return self.schedule.step_serially(staged, self._send, **kwargs) if staged else result
+
+    def _send(self, part: HostPart) -> None:
+        masters = self._masters()
+        with torch.no_grad():
+            for i in part.indices:
+                masters.copy_into(i, self._rows(i))
 
     def _sitting_out(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
         return {id(p): None for p in self._params()}
 
-    def step_during_backward(self, worker: HostSteps, heads: Sequence[FSDPModule]) -> bool:
-        """See [Note: the host step during backward] in ``engine/host_steps.py``; False where the step waits for
+    def step_during_backward(self, heads: Sequence[FSDPModule]) -> bool:
+        """See [Note: the host step during backward] in ``engine/offload/schedule.py``; False where the step waits for
         :meth:`step`, as it must where a unit reduces in more than one collective."""
         self._take_back_writes()
         if self._units is None:
@@ -305,18 +282,18 @@ class FullyShardedOptimizer:
             self._units = (per_unit, all(fsdp2_private.one_group(h) for h in heads))
         units, one_group_each = self._units
         hosted = set(self._hosted_indices())
-        self.unit_parts = [([k], [i for i in indices if i in hosted]) for k, indices in enumerate(units)]
-        self.unit_parts = [(key, indices) for key, indices in self.unit_parts if indices]
+        parts = (HostPart((k,), tuple(i for i in indices if i in hosted)) for k, indices in enumerate(units))
+        self.unit_parts = [part for part in parts if part.indices]
         eligible = not self.whole and one_group_each
         self._run_again = fsdp2_private.run_more_than_once(heads, self.engine.roots) if eligible else set()
-        return self.early.arm(self.optimizer, self.unit_parts, worker, self.engine.masters, eligible)
+        return self.schedule.arm(self.unit_parts, self.engine.masters, eligible)
 
     def unit_finished(self, position: int) -> None:
-        k = self.early.landed(position)
-        if k is None or position in self._run_again:
+        part = self.schedule.landed(position)
+        if part is None or position in self._run_again:
             return
         engine, masters = self.engine, self._masters()
-        pieces, indices = self.unit_parts[k]
+        indices = part.indices
         grads = [self._grad(i) for i in indices]
         if any(grad is None or not engine.unused.produced_here(engine.params[i]) for i, grad in zip(indices, grads)):
             return  # whether no rank used it is known when backward ends
@@ -324,7 +301,7 @@ class FullyShardedOptimizer:
             self.written.take_back(masters, indices, engine.params.__getitem__, self._rows)
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
         standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}
-        self.early.start(self.optimizer, pieces, indices, standins, masters)
+        self.schedule.start(part, standins, masters.gradient_copies_queued())
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         engine = self.engine
@@ -333,21 +310,17 @@ class FullyShardedOptimizer:
         if engine.masters is not None:
             engine.masters.refresh_from(i, local)
 
-    def discard_gradients(self) -> None:
-        self.early.refuse(self.optimizer, "skip this optimizer step")
+    def _discard(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def finalize_gradients(self, scale: float = 1.0) -> None:
         # FSDP2 already averaged over ranks in its reduce-scatter.
         if scale != 1.0:
-            grads = self.local_gradients()
+            grads = self._gradients()
             if grads:
                 torch._foreach_mul_(grads, scale)
 
-    def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
-        if for_change:
-            self.early.refuse(self.optimizer, "change the gradients now")
-        self.early.wait()
+    def _gradients(self) -> list[torch.Tensor]:
         self.engine.land_gradients()
         grads = (local_grad(p) for p in self._params())
         zero_dim, index = self.engine.zero_dim, self.engine.index

@@ -1,26 +1,7 @@
 """Master shards of this rank's parameters, where the optimizer steps them: on the device, or in host memory
-(ZeRO-Offload). Master, part, staged, landed: [Note: vocabulary] in ``engine/__init__.py``.
-
-[Note: the offloaded step]
-With ``offload_optimizer`` the optimizer is re-hosted (see ``sharded_optimizer.py``) on fp32 master rows in host memory,
-so its state is born there too. One step is then:
-
-1. device->host, during backward: as each bucket's reduction lands, its reduced shards are copied, cast to fp32, into
-   reused host buffers, so no fp32 gradient shard is ever made on the device. A later backward of the same window copies
-   the bucket again, so the host always holds the final sum. Averaging, unscaling, clipping and the overflow check all
-   read the host copies;
-2. the user's optimizer steps the host masters (torch's fused CPU kernel where the user did not choose one, see
-   :func:`host_kernel`), a few buckets at a time where the optimizer's state is per parameter
-   (``optimizers.steps_in_parts``); a part may start during backward (see [Note: the host step during backward]
-   in ``host_steps.py``);
-3. host->device: each part's rows are copied to the device's parameter shard and all-gathered as soon as the part is
-   stepped, so the copies of one part overlap the host step of the next.
-
-With an accelerator the host buffers are pinned, the copies are ``non_blocking`` and the gradient copies run on a stream
-of their own (:class:`CopyStream`) to overlap the rest of backward. The host waits for them once, when the gradients are
-finalized; that wait also covers the previous step's parameter copies queued on the compute stream, so a pinned master
-is never written while its copy to the device is in flight. On a CPU-only machine nothing is pinned and the same copies
-run synchronously in the same order, so CI exercises the offload schedule bit for bit.
+(ZeRO-Offload), with the host buffers their gradients pass through and the stream that copies them (when a step
+reads or writes which: [Note: the offloaded step] in ``schedule.py``). Master, staged: [Note: vocabulary] in
+``engine/__init__.py``.
 
 [Note: partial offload]
 ``offload_optimizer=r`` with ``0 < r < 1`` (DeepSpeed's ``offload_optimizer.ratio``, ZeRO's Twin-Flow) puts the masters
@@ -36,19 +17,8 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
 HOST = torch.device("cpu")
-
-#: Optimizers with a fused CPU kernel in torch (``fused=True``), much faster on host shards than the per-tensor loop
-#: torch picks for CPU tensors by default (``docs/offload.md``).
-FUSED_ON_CPU: tuple[type[Optimizer], ...] = tuple(
-    getattr(torch.optim, name) for name in ("Adam", "AdamW", "SGD", "Adagrad") if hasattr(torch.optim, name)
-)
-#: Those whose fused kernel DTensor can run (stage 3 ``offload_params`` steps FSDP2's DTensor shards directly):
-#: ``_fused_sgd_`` and ``_fused_adagrad_`` have no sharding strategy registered.
-FUSED_ON_DTENSOR: tuple[type[Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def master_dtype_of(dtype: torch.dtype, master_dtype: torch.dtype | None) -> torch.dtype:
@@ -281,51 +251,3 @@ def host_share(elements: Sequence[int], ratio: float) -> list[bool]:
             chosen[i] = True
             used += elements[i]
     return chosen
-
-
-#: Enough parts that the copies behind the last one are short, few enough that the optimizer's per-call overhead
-#: stays small.
-HOST_STEP_PARTS = 8
-
-
-def split_in_parts(sizes: Sequence[int], parts: int = HOST_STEP_PARTS) -> list[list[int]]:
-    target = sum(sizes) / max(parts, 1)
-    runs: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for position, size in enumerate(sizes):
-        current.append(position)
-        filled += size
-        if filled >= target:
-            runs.append(current)
-            current, filled = [], 0
-    if current:
-        runs.append(current)
-    return runs
-
-
-@contextlib.contextmanager
-def host_kernel(optimizer: Optimizer, enabled: bool = True) -> Iterator[None]:
-    """Use torch's fused CPU kernel for the param groups where the user left ``fused`` and ``foreach`` unset. The
-    settings are restored afterwards so checkpoints and ``state_dict`` show the user's own values."""
-    if not enabled or not isinstance(optimizer, FUSED_ON_CPU):
-        yield
-        return
-    dtensor_ok = isinstance(optimizer, FUSED_ON_DTENSOR)
-    chosen = [
-        group
-        for group in optimizer.param_groups
-        if "fused" in group
-        and group["fused"] is None
-        and group.get("foreach") is None
-        and not group.get("differentiable")
-        and (dtensor_ok or not any(isinstance(p, DTensor) for p in group["params"]))
-        and all(p.is_floating_point() for p in group["params"])  # torch's fused kernels refuse complex tensors
-    ]
-    for group in chosen:
-        group["fused"] = True
-    try:
-        yield
-    finally:
-        for group in chosen:
-            group["fused"] = None
