@@ -111,19 +111,40 @@ class FullyShardedEngine:
     ) -> None:
         self.module = module
         self.device, self.pin_memory = device, pin_memory
+        self.policy = policy
         #: Units name their compression residuals by path.
         self.compression = CompressedComm(compression) if compression is not None and compression.enabled else None
-        self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
         self.params_on_host = offload_params
-        self._offload_policy = CPUOffloadPolicy(pin_memory=pin_memory) if offload_params else OffloadPolicy()
-        hybrid = groups if groups is not None and groups.replicas > 1 else None
         #: See [Note: stage 3 under pipeline stages]; the module itself is the one root otherwise.
         self.stages = stages
         self.roots: list[nn.Module] = list(stages.modules) if stages is not None else [module]
         #: ``fully_shard`` converts the module in place, unless pipeline stages' modules are the roots.
         self.shards_module_in_place = stages is None
         self.holding = stages.holding if stages is not None else Holding()
-        #: See [Note: stage 3 hybrid sharding and hpZ].
+        self._spread_over_ranks(groups)
+        self._choose_units(wrap_policy, secondary_shard_size, unit_size_mb)
+        self._listen_to_reductions(overlap_comm)
+        #: Where host steps run beside training (its thread starts with the first).
+        self.worker = HostStepWorker(device)
+        self._shard_module(offload_params, secondary_shard_size)
+        self._follow_gathers(offload_params)
+        self._index_trainable_parameters()
+        self._optimizers: dict[int, FullyShardedOptimizer] = {}
+        self.masters: MasterShards | None = None
+        if offload_optimizer and not offload_params:
+            self.masters = MasterShards(
+                [record.rows for record in self._records],
+                dtype=None,
+                offloaded=offload_optimizer,
+                pin=pin_memory,
+                alias_on_device=True,
+            )
+
+    def _spread_over_ranks(self, groups: DataParallelGroups | None) -> None:
+        """The ranks each parameter's rows are spread over: see [Note: stage 3 hybrid sharding and hpZ]; under pipeline
+        stages, the ranks holding the same stages."""
+        hybrid = groups if groups is not None and groups.replicas > 1 else None
+        stages = self.stages
         self.group = hybrid.shard_group if hybrid is not None else None
         self.replicate_group = hybrid.replicate_group if hybrid is not None else None
         self.norm_group = self.group
@@ -132,33 +153,43 @@ class FullyShardedEngine:
         self.world_size = collectives.world_size(self.group)
         self.rank = collectives.rank(self.group)
         shard_mesh = stages.mesh if stages is not None else hybrid.shard_mesh if hybrid is not None else None
-        self.mesh = shard_mesh if shard_mesh is not None else topology.device_mesh(device.type, (self.world_size,))
-        #: Under pipeline stages a unit stays gathered over a step's micro-batches: see [Note: stage 3 under
-        #: pipeline stages] in ``pipeline/schedule.py``.
-        self._reshard_after_forward = secondary_shard_size or stages is None
+        self.mesh = shard_mesh if shard_mesh is not None else topology.device_mesh(self.device.type, (self.world_size,))
         self._all_ranks = collectives.world_size()  # a hybrid run's gradients average over every rank
-        self.policy = policy
+
+    def _choose_units(
+        self, wrap_policy: WrapPolicy | None, secondary_shard_size: int | None, unit_size_mb: float
+    ) -> None:
+        """The blocks the wrap policy picks, split by dtype, then merged into ``fully_shard`` groups: see [Note: merged
+        units]."""
+        policy = self.policy
         units = [unit for root in self.roots for unit in select_units(root, wrap_policy)]
         if secondary_shard_size:  # see [Note: hpZ and the root] in fsdp2_units.py
-            units = [*units, *units_below_the_root(module, units)]
+            units = [*units, *units_below_the_root(self.module, units)]
         self.units, kind = units_of_one_dtype(self.roots, units, policy)
         chosen = {id(m) for m in self.units}
         self._fp32_units = {id(m) for m in (*self.units, *self.roots) if policy is not None and policy.holds_fp32(m)}
-        #: The ``fully_shard`` calls: see [Note: merged units].
         self.unit_groups: list[list[nn.Module]] = []
         for root in self.roots:
             below = [u for u in root.modules() if u is not root and id(u) in chosen]
             self.unit_groups += unit_groups(root, below, self._gathered_bytes, kind, unit_size_mb * 2**20)
-        #: See [Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``; on CUDA FSDP2's streams overlap
-        #: them already. Not under hybrid sharding, whose all-reduce hook reads each shard at once, nor under a
-        #: pipeline schedule, which reduces outside any backward.
-        self.late = (
-            LateReductions() if self.replicate_group is None and stages is None and device.type == "cpu" else None
-        )
-        #: For the host step during backward.
-        self.finished = FinishedUnits() if overlap_comm and self.replicate_group is None and stages is None else None
-        #: Where host steps run beside training (its thread starts with the first).
-        self.worker = HostStepWorker(device)
+
+    def _listen_to_reductions(self, overlap_comm: bool) -> None:
+        """See [Note: reduce-scatters that land after backward] in ``fsdp2_comm.py``; on CUDA FSDP2's streams overlap
+        them already. Not under hybrid sharding, whose all-reduce hook reads each shard at once, nor under a pipeline
+        schedule, which reduces outside any backward. ``finished``: for the host step during backward."""
+        alone = self.replicate_group is None and self.stages is None
+        self.late = LateReductions() if alone and self.device.type == "cpu" else None
+        self.finished = FinishedUnits() if overlap_comm and alone else None
+
+    def _shard_module(self, offload_params: bool, secondary_shard_size: int | None) -> None:
+        """``fully_shard`` each unit group, then each root; a module an earlier fit sharded gets this engine's
+        collectives instead."""
+        module, stages = self.module, self.stages
+        self._unit_names = {id(m): name or "root" for name, m in module.named_modules()}
+        self._offload_policy = CPUOffloadPolicy(pin_memory=self.pin_memory) if offload_params else OffloadPolicy()
+        #: Under pipeline stages a unit stays gathered over a step's micro-batches: see [Note: stage 3 under
+        #: pipeline stages] in ``pipeline/schedule.py``.
+        self._reshard_after_forward = secondary_shard_size or stages is None
         self._heads: list[FSDPModule] = []
         if stages is not None:
             for index, root in zip(stages.indices, self.roots):
@@ -166,9 +197,9 @@ class FullyShardedEngine:
             self._shard_stages()
         elif not isinstance(module, FSDPModule):  # else sharded by an earlier fit/validate/test on this module
             if has_meta(module, recurse=True):
-                materialize_and_shard(module, device, self.unit_groups, self._shard)
+                materialize_and_shard(module, self.device, self.unit_groups, self._shard)
             else:
-                module.to(device)
+                module.to(self.device)
                 # Every rank must start from the same values before it keeps only its rows.
                 collectives.broadcast([t.data for t in (*module.parameters(), *module.buffers())], src=0)
                 for group in reversed(self.unit_groups):
@@ -182,20 +213,27 @@ class FullyShardedEngine:
         for root in self.roots:
             fsdp2_private.check(root)  # a torch that moved a private name fails here, naming it
         self._roots = [cast(FSDPModule, root) for root in self.roots]
+
+    def _follow_gathers(self, offload_params: bool) -> None:
+        """What runs around FSDP2's gathers on a CPU, and within an accumulation window."""
+        stages = self.stages
         #: See [Note: prefetching without streams]; on CUDA FSDP2 prefetches on its streams, and a pipeline schedule
         #: gathers each stage itself.
         self.prefetch = (
             ForwardPrefetch(self._roots[0], [group[0] for group in self.unit_groups])
-            if device.type == "cpu" and stages is None
+            if self.device.type == "cpu" and stages is None
             else None
         )
         #: See [Note: writes into gathered parameters] and [Note: gathered accumulation windows] (not with
         #: ``offload_params``, whose parameters leave the device, nor under [Note: stage 3 under pipeline stages]).
         self.gathered_writes = GatheredWrites(g for root in self.roots for g in fsdp2_private.param_groups(root))
-        self.window = GatheredWindow(module) if not offload_params and stages is None else None
+        self.window = GatheredWindow(self.module) if not offload_params and stages is None else None
         #: ``_unreduced``: the latest backward ran inside ``no_sync``, leaving its gradients whole.
         self._reducing, self._unreduced = True, False
-        held = self.holding.held(module.named_parameters())
+
+    def _index_trainable_parameters(self) -> None:
+        """The trainable parameters this rank holds, their records, and the watch over which of them got a gradient."""
+        held = self.holding.held(self.module.named_parameters())
         named = [(n, p) for n, p in held.items() if p.requires_grad]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -205,22 +243,12 @@ class FullyShardedEngine:
             self.rank,
             self.world_size,
             self.group,
-            self.group if stages is not None else None,
+            self.group if self.stages is not None else None,
         )
         self._records = [self._record(n, p) for n, p in named]
         #: See [Note: parameters some ranks leave without a gradient] (``fsdp2_missing_grads.py``).
         self.unused = UnusedParameters(list(held.values()), self.group, self.replicate_group)
         self.unused.watch(group for root in self.roots for group in fsdp2_private.param_groups(root))
-        self._optimizers: dict[int, FullyShardedOptimizer] = {}
-        self.masters: MasterShards | None = None
-        if offload_optimizer and not offload_params:
-            self.masters = MasterShards(
-                [record.rows for record in self._records],
-                dtype=None,
-                offloaded=offload_optimizer,
-                pin=pin_memory,
-                alias_on_device=True,
-            )
 
     def _shard_stages(self) -> None:
         """Their layers were built whole and are the same on every replica (``pipeline/parallel.py``)."""
