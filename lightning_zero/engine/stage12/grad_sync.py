@@ -1,5 +1,6 @@
 """Gradient reduction for stages 1 and 2: post-accumulate-grad hooks fill rank-major buckets, each bucket is
-reduce-scattered during backward once it and every earlier bucket are full, and this rank keeps only its shard.
+reduce-scattered during backward once it and every earlier bucket are full, and this rank keeps only its shard. Each
+bucket launches and lands its own reduction (``grad_bucket.py``); the reducer decides when, and what a step reads.
 
 [Note: gradients are held as sums until finalized]
 Reduce-scatter runs with ``SUM``; the average over ranks (and a loss-scale unscale) is applied once per optimizer step
@@ -24,10 +25,8 @@ in ``engine/offload/schedule.py``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,31 +36,13 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.comm.used_flags import UsedFlags
 from lightning_zero.engine.offload.masters import MasterShards, master_dtype_of
-from lightning_zero.engine.row_major import gradient_form_error
 from lightning_zero.engine.stage12 import buckets
+from lightning_zero.engine.stage12.grad_bucket import BucketComm, GradBucket
 from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
-from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
-from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
+from lightning_zero.engine.stage12.layout import ShardLayout
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
 MAX_BUCKETS_IN_FLIGHT = 2
-
-
-class Pending(Protocol):
-    def wait(self) -> object: ...
-
-
-@dataclasses.dataclass
-class _Inflight:
-    bucket: int
-    work: Pending | None
-    comm: torch.Tensor | None
-    out: torch.Tensor | None
-    direct: bool
-    """``out`` is the storage slice itself (stage 2, clean bucket)."""
-    accumulate: bool
-    """Stage 2: the storage slice holds earlier sums that ``out`` adds to."""
-    in_place: InPlaceReduction | None = None  # a reduction without ``comm`` and ``out`` (``reduce_in_place.py``)
 
 
 class GradientReducer:
@@ -93,10 +74,8 @@ class GradientReducer:
             group, replicate_group if self.replicas > 1 else None, lambda: produced_flags(self.records)
         )
         self.require_sync = True
-        self._ready = [0] * len(layout.buckets)
-        self._sizes = [len(b.params) for b in layout.buckets]
         self._next = 0  # the next bucket to launch (see [Note: every rank launches buckets in the same order])
-        self._inflight: list[_Inflight] = []
+        self._inflight: list[GradBucket] = []
         #: Whether a window's start has anything to clear.
         self._holding = False
         self.master_dtype = master_dtype
@@ -105,41 +84,34 @@ class GradientReducer:
         self.stages_on_landing = host_gradients is not None and host_gradients.offloaded and self.replicas == 1
         self.on_landed: Callable[[int], None] | None = None
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        #: Each bucket holds parameters of one dtype (see ``plan_layout(classes=...)``).
-        self.bucket_dtypes = [self.params[b.params[0]].dtype for b in layout.buckets]
         self.reduce_dtype = reduce_dtype
-        self.comm_dtypes = [comm_dtype(dtype, reduce_dtype) for dtype in self.bucket_dtypes]
-        self.storage = (
-            [
-                torch.zeros(b.segment_numel, device=self.device, dtype=dtype)
-                for b, dtype in zip(layout.buckets, self.bucket_dtypes)
-            ]
-            if shard_gradients
-            else None
-        )
-        #: Flat buffers the sums are views of, so scaling is one op per buffer rather than per parameter.
-        self.storage_runs = [(s, b.params) for s, b in zip(self.storage, layout.buckets)] if self.storage else []
-        self.flat_runs: list[tuple[torch.Tensor, Sequence[int]]] = []
-        self.records = [
-            ParamGradient(i, p, layout.params[i], self._storage_view(i) if shard_gradients else None)
-            for i, p in enumerate(self.params)
+        self.records = [ParamGradient(i, p, layout.params[i], None) for i, p in enumerate(self.params)]
+        comm = BucketComm(layout, self.params, rank, group, shard_gradients, compression, self.device)
+        #: Each holds parameters of one dtype (see ``plan_layout(classes=...)``); stage 2's records view its storage.
+        self.buckets = [
+            GradBucket(
+                spec,
+                [self.records[i] for i in spec.params],
+                dtype := self.params[spec.params[0]].dtype,
+                comm_dtype(dtype, reduce_dtype),
+                comm,
+            )
+            for spec in layout.buckets
         ]
+        #: Flat buffers the sums are views of, so scaling is one op per buffer rather than per parameter.
+        self.storage_runs = [(b.storage, b.spec.params) for b in self.buckets if b.storage is not None]
+        self.flat_runs: list[tuple[torch.Tensor, Sequence[int]]] = []
         self._handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(self.params)
             if p.requires_grad
         ]
 
+    @property
+    def bucket_dtypes(self) -> list[torch.dtype]:
+        return [bucket.dtype for bucket in self.buckets]
+
     # ------------------------------------------------------------------ views
-    def _bucket_storage(self, bucket: int) -> torch.Tensor:
-        if self.storage is None:
-            raise RuntimeError("only stage 2 holds gradient shards in bucket storage")
-        return self.storage[bucket]
-
-    def _storage_view(self, index: int) -> torch.Tensor:
-        spec = self.layout.params[index]
-        return buckets.segment_view(self.layout, self._bucket_storage(spec.bucket), index, self.rank)
-
     def local_grad(self, index: int) -> torch.Tensor | None:
         """This rank's shard of parameter ``index``'s gradient: the held sum until :meth:`finalize`, then the
         finalized gradient."""
@@ -158,7 +130,8 @@ class GradientReducer:
 
     def held_gradients(self) -> list[torch.Tensor]:
         """Gradient tensors the reducer itself owns, for memory accounting (stage 1's are the ``.grad``)."""
-        return [*(self.storage or []), *(r.final for r in self.records if r.final is not None)]
+        storage = [b.storage for b in self.buckets if b.storage is not None]
+        return [*storage, *(r.final for r in self.records if r.final is not None)]
 
     # ------------------------------------------------------------------ backward
     @contextlib.contextmanager
@@ -181,9 +154,9 @@ class GradientReducer:
                 "finalized for an optimizer step (clipping or unscaling) but before that step ran. Call "
                 "`optimizer.step()` (or skip it) before the next backward."
             )
-        bucket = record.spec.bucket
-        self._ready[bucket] += 1
-        if self.overlap_comm and bucket == self._next and self._ready[bucket] == self._sizes[bucket]:
+        bucket = self.buckets[record.spec.bucket]
+        bucket.ready += 1
+        if self.overlap_comm and bucket.index == self._next and bucket.full:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -192,65 +165,18 @@ class GradientReducer:
         (say, a parameter unused only on that rank) would pair its segments with another bucket's on its peers. Buckets
         are planned in the order gradients usually arrive, so launching in index order rarely delays one.
         """
-        while self._next < len(self.layout.buckets):
-            bucket = self._next
-            if self._ready[bucket] < self._sizes[bucket]:
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not bucket.full:
                 return
             self._launch(bucket)
 
-    def _launch(self, bucket_index: int) -> None:
-        bucket, dtype = self.layout.buckets[bucket_index], self.bucket_dtypes[bucket_index]
+    def _launch(self, bucket: GradBucket) -> None:
         self._holding = True
-        sources: list[torch.Tensor | None] = [None] * len(self.params)
-        for i in bucket.params:
-            sources[i] = grad = self.params[i].grad
-            if grad is not None and (grad.is_sparse or grad.dtype != dtype):
-                raise gradient_form_error(self.records[i].spec.name, grad, dtype)
-            self.records[i].produced |= grad is not None
-        if self._reduces_in_place(bucket_index):
-            held = self.shard_gradients and self._holds_sums(bucket)
-            reduction = InPlaceReduction(
-                self.layout,
-                bucket_index,
-                [sources[i] for i in bucket.params],
-                rank=self.rank,
-                group=self.group,
-                storage=self._bucket_storage(bucket_index) if self.shard_gradients else None,
-                held=held,
-                dtype=dtype,
-                device=self.device,
-            )
-            return self._post(_Inflight(bucket_index, None, None, None, False, held, reduction))
-        comm = torch.empty(bucket.numel, dtype=self.comm_dtypes[bucket_index], device=self.device)
-        buckets.pack_bucket(self.layout, bucket, sources, comm)
-        direct = accumulate = False
-        if self.shard_gradients:
-            for i in bucket.params:
-                self.params[i].grad = None
-            accumulate = self._holds_sums(bucket)
-            direct = not accumulate and comm.dtype == self.bucket_dtypes[bucket_index]
-        if direct:
-            out = self._bucket_storage(bucket_index)
-        else:
-            out = torch.empty(bucket.segment_numel, dtype=comm.dtype, device=comm.device)
-        if self.compression is not None:
-            work = self.compression.reduce_scatter(out, comm, self.group, key=bucket_index)
-        else:
-            work = collectives.reduce_scatter(out, comm, group=self.group, async_op=True)
-        self._post(_Inflight(bucket_index, work, comm, out, direct, accumulate))
-
-    def _reduces_in_place(self, bucket_index: int) -> bool:
-        """See ``reduce_in_place.py``; every rank decides alike (same backend, settings and layout)."""
-        return (
-            self.compression is None
-            and self.comm_dtypes[bucket_index] == self.bucket_dtypes[bucket_index]
-            and collectives.exchanges_in_place(self.group)
-        )
-
-    def _post(self, flight: _Inflight) -> None:
-        self._next = flight.bucket + 1
-        self._inflight.append(flight)
-        if self._next == len(self.layout.buckets):  # behind the last bucket's transfers: the flags are final now
+        bucket.launch()
+        self._next = bucket.index + 1
+        self._inflight.append(bucket)
+        if self._next == len(self.buckets):  # behind the last bucket's transfers: the flags are final now
             self.produced.start()
         # Bound the buffers alive at once, stage 2's below a whole gradient.
         while len(self._inflight) > MAX_BUCKETS_IN_FLIGHT:
@@ -261,11 +187,12 @@ class GradientReducer:
         contribute zeros) and land every shard."""
         if not self.require_sync:
             return
-        while self._next < len(self.layout.buckets):
-            self._launch(self._next)
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
         while self._inflight:
             self._land(self._inflight.pop(0))
-        self._ready = [0] * len(self.layout.buckets)
+        for bucket in self.buckets:
+            bucket.restart()
         self._next = 0
         self._forget_gradients_no_rank_produced()
 
@@ -279,38 +206,19 @@ class GradientReducer:
             if not self.shard_gradients:
                 record.param.grad, record.own_rows = None, None
 
-    def _land(self, flight: _Inflight) -> None:
-        if flight.work is not None:
-            flight.work.wait()
-        bucket = self.layout.buckets[flight.bucket]
-        if flight.in_place is not None:
-            flight.in_place.land([self.params[i] for i in bucket.params])
-            if flats := flight.in_place.flats:  # they replace the runs of an earlier backward of the window
-                self.flat_runs = buckets.runs_without(self.flat_runs, (i for _, ix in flats for i in ix)) + flats
-            self._landed(bucket)
-            return
-        if flight.out is None:
-            raise RuntimeError(f"bucket {flight.bucket}'s reduction has no output")
-        if self.shard_gradients:
-            if flight.accumulate:
-                self._bucket_storage(flight.bucket).add_(flight.out)
-            elif not flight.direct:
-                self._bucket_storage(flight.bucket).copy_(flight.out)
-        else:
-            buckets.land_in_own_rows(self.layout, flight.bucket, self.params, flight.out, self.rank)
+    def _land(self, bucket: GradBucket) -> None:
+        if flats := bucket.land():  # they replace the runs of an earlier backward of the window
+            self.flat_runs = buckets.runs_without(self.flat_runs, (i for _, ix in flats for i in ix)) + flats
         self._landed(bucket)
 
-    def _landed(self, bucket: BucketSpec) -> None:
-        for i in bucket.params:
-            record = self.records[i]
-            record.landed = True
-            if record.state is not GradState.FINALIZED:
-                record.state = GradState.REDUCED
+    def _landed(self, bucket: GradBucket) -> None:
+        """With the optimizer offloaded, the landed sums start for the host at once (see [Note: the offloaded step]
+        in ``engine/offload/schedule.py``)."""
         if self.stages_on_landing and self.host_gradients is not None:
             held = [
-                (i, g)
-                for i in bucket.params
-                if self.host_gradients.on_host[i] and (g := self.local_grad(i)) is not None
+                (r.index, g)
+                for r in bucket.records
+                if self.host_gradients.on_host[r.index] and (g := self.local_grad(r.index)) is not None
             ]
             for (i, _), copy in zip(held, self.host_gradients.stage_gradients(held)):
                 self.records[i].staged = copy
@@ -320,7 +228,7 @@ class GradientReducer:
     # ------------------------------------------------------------------ step
     def finalize(self, indices: Iterable[int], scale: float = 1.0) -> None:
         """Turn the held sums of ``indices`` into the averaged gradient, once."""
-        if self._inflight or any(self._ready):
+        if self._inflight or any(b.ready for b in self.buckets):
             # A backward ran outside ``strategy.backward`` (a bare ``loss.backward()``).
             self.flush()
         pending = [i for i in indices if self.records[i].state is not GradState.FINALIZED]
@@ -381,17 +289,11 @@ class GradientReducer:
             # A bucket with nothing left unconsumed is overwritten by its next reduce-scatter; only buckets still
             # holding another optimizer's gradients need their consumed slices zeroed.
             holding = {
-                b
-                for b in {r.spec.bucket for r in records if r.shard is not None}
-                if self._holds_sums(self.layout.buckets[b])
+                b for b in {r.spec.bucket for r in records if r.shard is not None} if self.buckets[b].holds_sums()
             }
             views = [r.shard for r in records if r.shard is not None and r.spec.bucket in holding]
             if views:
                 torch._foreach_zero_(views)
-
-    def _holds_sums(self, bucket: BucketSpec) -> bool:
-        """Whether the next reduction must add to sums not yet consumed."""
-        return any(self.records[i].landed for i in bucket.params)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -16,7 +16,8 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.offload.masters import MasterShards
 from lightning_zero.engine.stage12.buckets import pack_segment, rows_by_rank, unpack_bucket
-from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT, Pending
+from lightning_zero.engine.stage12.grad_bucket import Pending
+from lightning_zero.engine.stage12.grad_sync import MAX_BUCKETS_IN_FLIGHT
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 
 
