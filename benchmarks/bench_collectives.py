@@ -34,6 +34,7 @@ from lightning_zero.engine.comm import collectives  # noqa: E402
 from lightning_zero.engine.stage12.grad_sync import GradientReducer  # noqa: E402
 from lightning_zero.engine.stage12.layout import plan_layout  # noqa: E402
 from lightning_zero.engine.stage12.param_gather import all_gather_params  # noqa: E402
+from lightning_zero.engine.stage12.zero_param import ZeroParam  # noqa: E402
 
 MODEL = dict(vocab_size=8192, block_size=128, n_layer=6, n_head=8, n_embd=512)  # bench_core's FULL_MODEL
 BUCKET_NUMEL = 25 * 2**20 // 4  # ZeroStrategy's default bucket_size_mb=25, fp32
@@ -63,7 +64,8 @@ def worker(rank: int, world: int, port: int, reps: int, out: str) -> None:
     layout = plan_layout(shapes, world, BUCKET_NUMEL)
     figures = {way: {"reduce": [], "gather": []} for way in ("packed", "in_place")}
     for stage in (1, 2):
-        reducer = GradientReducer(params, layout, rank=rank, shard_gradients=stage == 2)
+        records = [ZeroParam(i, p, layout.params[i], rank) for i, p in enumerate(params)]
+        reducer = GradientReducer(records, layout, rank=rank, shard_gradients=stage == 2)
         for rep in range(reps + 1):  # the first repetition warms up
             for way in ("packed", "in_place") if rep % 2 else ("in_place", "packed"):
                 with collectives.packed_only() if way == "packed" else contextlib.nullcontext():

@@ -116,7 +116,10 @@ def engine_internals() -> dict:
         if init is not None:
             constructors[name] = init.end_lineno - init.lineno + 1
     shells = [set(_members(c)) for path, name in SHELLS.items() if (c := _class(PACKAGE / path, name))]
-    mirrored = sorted(set.intersection(*shells) - {"__init__"}) if len(shells) == 2 else []
+    # What both fill in for a base class they share is its hooks, not a mirror.
+    base = _class(PACKAGE / "engine/optimizer_shell.py", "OptimizerShell")
+    hooks = {n for n in _members(base) if n.startswith("_")} if base is not None else set()
+    mirrored = sorted(set.intersection(*shells) - {"__init__"} - hooks) if len(shells) == 2 else []
     sites = []
     for path in _modules():
         relative = str(path.relative_to(PACKAGE))
@@ -196,7 +199,7 @@ def main() -> None:
     print(f"engine constructors (lines): {shape['engine_constructor_lines']}")
     print(f"host-step sites ({len(shape['host_step_sites'])}): {', '.join(shape['host_step_sites'])}")
     mirrored = shape["methods_both_shells_define"]
-    print(f"methods both optimizer shells define ({len(mirrored)}): {', '.join(mirrored)}")
+    print(f"methods both optimizer shells define, a shared base's hooks aside ({len(mirrored)}): {', '.join(mirrored)}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ The words every module of the package uses in one sense only (FSDP2 keeps its ow
 * **unit** (stage 3): the layers one FSDP2 ``fully_shard`` call groups, gathered and reduced together
   (``stage3/fsdp2_units.py``).
 * **part**: a share of the optimizer step (about ``1/HOST_STEP_PARTS`` of its elements), stepped on its own so
-  that the host step can start before the whole gradient is there (``offload/schedule.py``).
+  that the host step can start before the whole gradient is there (``offload/schedule.py``); a part waits for
+  its **pieces**, the buckets (stages 1-2) or units (stage 3) whose reductions bring its gradients.
 * **master**: the fp32 copy of a parameter's rows that the optimizer steps when the tensors forward computes
   with are something else (bf16, on another device, compressed); on the host under ``offload_optimizer``.
 * **staged**: copied to the host ahead of the step (a gradient's held sum, as soon as its reduction landed).

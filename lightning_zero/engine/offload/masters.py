@@ -13,6 +13,7 @@ themselves. One optimizer step then updates host and device tensors together; th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -73,8 +74,23 @@ class CopyStream:
         self.stream.synchronize()
 
 
+@dataclasses.dataclass(eq=False)
+class Master:
+    """One parameter's master rows, where they live, and the host buffers its gradient passes through."""
+
+    tensor: torch.Tensor
+    on_host: bool
+    aliased: bool
+    """The resident rows themselves (kept on the device in their own dtype): they exist only to be offloaded."""
+    grad_buffer: torch.Tensor | None = None
+    """Host memory the gradient is copied into (made by its first copy)."""
+    second_buffer: torch.Tensor | None = None
+    """``offload_step_delay``: the buffer the host step in the background reads, while the next backward fills the
+    other (see :meth:`MasterShards.swap_gradient_buffers`)."""
+
+
 class MasterShards:
-    """The tensors the optimizer steps in place of this rank's parameter shards.
+    """The tensors the optimizer steps in place of this rank's parameter shards, one :class:`Master` each.
 
     ``offloaded=False``: wider-dtype copies on the device (mixed precision). ``offloaded=True``: copies in host memory,
     with gradients passing through host buffers. Index ``i`` is the engine's trainable parameter ``i``.
@@ -90,62 +106,60 @@ class MasterShards:
         alias_on_device: bool = False,
     ) -> None:
         #: See [Note: partial offload].
-        self.on_host = host_share([s.numel() for s in shards], float(offloaded))
-        self.offloaded = any(self.on_host)
+        on_host = host_share([s.numel() for s in shards], float(offloaded))
+        self.offloaded = any(on_host)
         self.pinned = self.offloaded and pin
         self.device = shards[0].device if shards else HOST
         self._dtype = dtype
         #: Masters kept on the device in the same dtype are the rows themselves: they exist only to be offloaded.
         self._alias = alias_on_device
         with torch.no_grad():
-            self.tensors = [self._master(i, s) for i, s in enumerate(shards)]
-        self.aliased = {i for i, (t, s) in enumerate(zip(self.tensors, shards)) if t is s}
-        self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
-        self._grad_buffers: dict[int, torch.Tensor] = {}
-        #: ``offload_step_delay``: see :meth:`swap_gradient_buffers`.
-        self._second_buffers: dict[int, torch.Tensor] = {}
+            self.entries = [self._master(s, host) for s, host in zip(shards, on_host)]
+        self._host_ids = {id(m.tensor) for m in self.entries if m.on_host}
         self.copies = CopyStream(self.device) if self.pinned else None
 
-    def _master(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+    def _master(self, rows: torch.Tensor, on_host: bool) -> Master:
         dtype = master_dtype_of(rows.dtype, self._dtype)
-        if self._alias and not self.on_host[index] and dtype == rows.dtype:
-            return rows
-        return self._allocate(rows, dtype, self.on_host[index]).copy_(rows)
+        if self._alias and not on_host and dtype == rows.dtype:
+            return Master(rows, on_host, aliased=True)
+        return Master(self._allocate(rows, dtype, on_host).copy_(rows), on_host, aliased=False)
 
     def rebuild(self, sources: Sequence[int | torch.Tensor]) -> None:
         """Re-index for a grown layout: master ``i`` becomes old master ``sources[i]`` (an index: the same tensor, as
         the optimizer keys its state by it) or a fresh copy of the rows ``sources[i]``."""
-        placed = all(self.on_host) and self.offloaded
-        self.on_host = [self.on_host[s] if isinstance(s, int) else placed for s in sources]
+        placed = self.offloaded and all(self.on_host)
         with torch.no_grad():
-            self.tensors = [
-                self.tensors[s] if isinstance(s, int) else self._master(i, s) for i, s in enumerate(sources)
-            ]
-        self.aliased = {
-            i for i, s in enumerate(sources) if self.tensors[i] is s or (isinstance(s, int) and s in self.aliased)
-        }
-        self._host_ids = {id(t) for t, host in zip(self.tensors, self.on_host) if host}
-        self._grad_buffers, self._second_buffers = (
-            {new: kept[s] for new, s in enumerate(sources) if isinstance(s, int) and s in kept}
-            for kept in (self._grad_buffers, self._second_buffers)
-        )
+            self.entries = [self.entries[s] if isinstance(s, int) else self._master(s, placed) for s in sources]
+        self._host_ids = {id(m.tensor) for m in self.entries if m.on_host}
 
     def _allocate(self, like: torch.Tensor, dtype: torch.dtype, on_host: bool) -> torch.Tensor:
         device = HOST if on_host else like.device
         return torch.empty(like.shape, dtype=dtype, device=device, pin_memory=self.pinned and on_host)
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [m.tensor for m in self.entries]
+
+    @property
+    def on_host(self) -> list[bool]:
+        return [m.on_host for m in self.entries]
+
+    @property
+    def aliased(self) -> set[int]:
+        return {i for i, m in enumerate(self.entries) if m.aliased}
+
+    @property
     def dtype(self) -> torch.dtype:
-        return self.tensors[0].dtype if self.tensors else torch.float32
+        return self.entries[0].tensor.dtype if self.entries else torch.float32
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        return self.tensors[index]
+        return self.entries[index].tensor
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self.entries)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self.tensors)
+        return (m.tensor for m in self.entries)
 
     def stage_gradients(self, grads: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
         """Start copying each gradient into its master's host buffer and return the buffers; with an accelerator
@@ -153,13 +167,13 @@ class MasterShards:
         out: list[torch.Tensor] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, grad in grads:
-            master = self.tensors[index]
-            if not self.on_host[index]:
-                out.append(grad if grad.dtype == master.dtype else grad.to(master.dtype))
+            master = self.entries[index]
+            if not master.on_host:
+                out.append(grad if grad.dtype == master.tensor.dtype else grad.to(master.tensor.dtype))
                 continue
-            buffer = self._grad_buffers.get(index)
+            buffer = master.grad_buffer
             if buffer is None:
-                buffer = self._grad_buffers[index] = self._allocate(master, master.dtype, True)
+                buffer = master.grad_buffer = self._allocate(master.tensor, master.tensor.dtype, True)
             if grad is not buffer:
                 copies.append((buffer, grad))
             out.append(buffer)
@@ -182,7 +196,7 @@ class MasterShards:
             return dict(grads)
         given = [(i, grad) for i, grad in grads.items() if grad is not None]
         staged = dict(zip((i for i, _ in given), self.stage_gradients(given)))
-        if any(staged[i] is not grad for i, grad in given if self.on_host[i]):
+        if any(staged[i] is not grad for i, grad in given if self.entries[i].on_host):
             self.gradients_ready()
         return {i: staged.get(i) for i in grads}
 
@@ -190,11 +204,8 @@ class MasterShards:
         """``offload_step_delay``: give the next backward each master's other buffer, so no gradient copy writes what
         the host step in the background reads."""
         for i in indices:
-            active, second = self._grad_buffers.pop(i, None), self._second_buffers.pop(i, None)
-            if active is not None:
-                self._second_buffers[i] = active
-            if second is not None:
-                self._grad_buffers[i] = second
+            master = self.entries[i]
+            master.grad_buffer, master.second_buffer = master.second_buffer, master.grad_buffer
 
     def copies_queued(self) -> torch.Event | None:
         """What a host step must wait for before it writes the masters again (None: the copies were synchronous)."""
@@ -205,39 +216,41 @@ class MasterShards:
         return None if self.copies is None else self.copies.event(self.copies.stream)
 
     def copy_into(self, index: int, target: torch.Tensor) -> None:
-        master = self.tensors[index]
-        if master is not target:
-            target.copy_(master, non_blocking=self.pinned and self.on_host[index])
+        master = self.entries[index]
+        if master.tensor is not target:
+            target.copy_(master.tensor, non_blocking=self.pinned and master.on_host)
 
     def copy_all_into(self, pairs: Sequence[tuple[int, torch.Tensor]]) -> None:
         """:meth:`copy_into` of many masters as two ``foreach`` copies (asynchronous and not), not a dispatch each."""
         batches: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for index, target in pairs:
-            if index not in self.aliased:
-                targets, sources = batches.setdefault(self.pinned and self.on_host[index], ([], []))
+            master = self.entries[index]
+            if not master.aliased:
+                targets, sources = batches.setdefault(self.pinned and master.on_host, ([], []))
                 targets.append(target)
-                sources.append(self.tensors[index].view(-1))
+                sources.append(master.tensor.view(-1))
         for non_blocking, (targets, sources) in batches.items():
             torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
 
     def refresh_from(self, index: int, source: torch.Tensor) -> None:
         """A checkpoint was loaded into the device shard, or code wrote it."""
-        if self.tensors[index] is not source:
-            self.tensors[index].copy_(source)
+        if self.entries[index].tensor is not source:
+            self.entries[index].tensor.copy_(source)
 
     def holds_on_host(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._host_ids  # the masters live as long as this object: their ids stay theirs
 
     def state_tensors(self) -> Iterator[tuple[str, torch.Tensor, bool]]:
         """``(kind, tensor, on_host)`` of the memory the masters hold."""
-        for i, master in enumerate(self.tensors):
-            if i not in self.aliased:
-                yield "masters", master, self.on_host[i]
+        for master in self.entries:
+            if not master.aliased:
+                yield "masters", master.tensor, master.on_host
         yield from (("grads", grad, True) for grad in self.gradient_buffers)
 
     @property
     def gradient_buffers(self) -> list[torch.Tensor]:
-        return [*self._grad_buffers.values(), *self._second_buffers.values()]
+        buffers = [m.grad_buffer for m in self.entries] + [m.second_buffer for m in self.entries]
+        return [b for b in buffers if b is not None]
 
 
 def host_share(elements: Sequence[int], ratio: float) -> list[bool]:

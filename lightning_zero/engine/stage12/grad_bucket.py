@@ -20,9 +20,9 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.comm.compression import CompressedComm
 from lightning_zero.engine.row_major import gradient_form_error
 from lightning_zero.engine.stage12 import buckets
-from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient
 from lightning_zero.engine.stage12.layout import BucketSpec, ShardLayout
 from lightning_zero.engine.stage12.reduce_in_place import InPlaceReduction
+from lightning_zero.engine.stage12.zero_param import GradState, ZeroParam
 
 
 class Pending(Protocol):
@@ -74,7 +74,7 @@ class GradBucket:
     def __init__(
         self,
         spec: BucketSpec,
-        records: Sequence[ParamGradient],
+        records: Sequence[ZeroParam],
         dtype: torch.dtype,
         comm_dtype: torch.dtype,
         comm: BucketComm,

@@ -38,19 +38,19 @@ from lightning_zero.engine.comm.used_flags import UsedFlags
 from lightning_zero.engine.offload.masters import MasterShards, master_dtype_of
 from lightning_zero.engine.stage12 import buckets
 from lightning_zero.engine.stage12.grad_bucket import BucketComm, GradBucket
-from lightning_zero.engine.stage12.grad_records import GradState, ParamGradient, produced_flags
 from lightning_zero.engine.stage12.layout import ShardLayout
+from lightning_zero.engine.stage12.zero_param import GradState, ZeroParam, produced_flags
 
 #: Reductions allowed in flight before the oldest is landed; two keep the link busy while bounding memory.
 MAX_BUCKETS_IN_FLIGHT = 2
 
 
 class GradientReducer:
-    """Reduce-scatters the gradients of ``params`` (the trainable parameters, in layout order)."""
+    """Reduce-scatters the gradients of the trainable parameters ``records`` hold (in layout order)."""
 
     def __init__(
         self,
-        params: Sequence[nn.Parameter],
+        records: Sequence[ZeroParam],
         layout: ShardLayout,
         *,
         rank: int,
@@ -63,7 +63,8 @@ class GradientReducer:
         replicate_group: dist.ProcessGroup | None = None,
         compression: CompressedComm | None = None,
     ) -> None:
-        self.params = list(params)
+        self.records = list(records)
+        self.params = [record.param for record in self.records]
         self.compression = compression
         self.layout, self.rank, self.world_size = layout, rank, layout.world_size
         self.shard_gradients, self.overlap_comm = shard_gradients, overlap_comm
@@ -85,7 +86,6 @@ class GradientReducer:
         self.on_landed: Callable[[int], None] | None = None
         self.device = self.params[0].device if self.params else torch.device("cpu")
         self.reduce_dtype = reduce_dtype
-        self.records = [ParamGradient(i, p, layout.params[i], None) for i, p in enumerate(self.params)]
         comm = BucketComm(layout, self.params, rank, group, shard_gradients, compression, self.device)
         #: Each holds parameters of one dtype (see ``plan_layout(classes=...)``); stage 2's records view its storage.
         self.buckets = [
@@ -215,11 +215,7 @@ class GradientReducer:
         """With the optimizer offloaded, the landed sums start for the host at once (see [Note: the offloaded step]
         in ``engine/offload/schedule.py``)."""
         if self.stages_on_landing and self.host_gradients is not None:
-            held = [
-                (r.index, g)
-                for r in bucket.records
-                if self.host_gradients.on_host[r.index] and (g := self.local_grad(r.index)) is not None
-            ]
+            held = [(r.index, g) for r in bucket.records if r.on_host and (g := self.local_grad(r.index)) is not None]
             for (i, _), copy in zip(held, self.host_gradients.stage_gradients(held)):
                 self.records[i].staged = copy
             if self.on_landed is not None:  # see [Note: the host step during backward]

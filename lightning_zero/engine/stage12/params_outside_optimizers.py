@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine.stage12.grad_records import GradState
 from lightning_zero.engine.stage12.grad_sync import GradientReducer, sum_over_replicas
+from lightning_zero.engine.stage12.zero_param import GradState
 from lightning_zero.engine.state_dict import gather_full
 
 

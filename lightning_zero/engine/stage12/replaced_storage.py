@@ -24,8 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from lightning_zero.engine.offload.masters import MasterShards
-from lightning_zero.engine.shard import local_rows
+from lightning_zero.engine.stage12.zero_param import ZeroParam
 
 
 class StorageWatch:
@@ -43,35 +42,29 @@ class StorageWatch:
 
 
 def hold_again(
-    indices: Iterable[int],
-    params: Sequence[nn.Parameter],
-    names: Sequence[str],
-    shapes: Sequence[tuple[int, ...]],
+    moved: Iterable[ZeroParam],
     held_dtypes: Sequence[torch.dtype],
     *,
-    rank: int,
-    world_size: int,
-    masters: MasterShards | None,
     row_views: Callable[[int], Iterable[torch.Tensor]],
 ) -> None:
-    """See [Note: parameters given new storage]. ``row_views(i)``: the optimizers' views of parameter ``i``'s rows,
-    where there are no masters."""
+    """See [Note: parameters given new storage]. ``held_dtypes``: each moved parameter's dtype in its bucket;
+    ``row_views(i)``: the optimizers' views of parameter ``i``'s rows, where there are no masters."""
     with torch.no_grad():
-        for i in indices:
-            param = params[i]
-            if tuple(param.shape) != tuple(shapes[i]):
+        for zp, held_dtype in zip(moved, held_dtypes):
+            param, shape = zp.param, zp.spec.shape
+            if tuple(param.shape) != tuple(shape):
                 raise RuntimeError(
-                    f"Parameter {names[i]!r} was given a tensor of shape {tuple(param.shape)} during fit, where its "
-                    f"shards were laid out for {tuple(shapes[i])}. ZeroStrategy at stages 1-2 follows new values of "
+                    f"Parameter {zp.name!r} was given a tensor of shape {tuple(param.shape)} during fit, where its "
+                    f"shards were laid out for {tuple(shape)}. ZeroStrategy at stages 1-2 follows new values of "
                     "the same shape (`p.data = ...`, `p.copy_(...)`); change a parameter's shape before `fit`."
                 )
-            if masters is not None and i not in masters.aliased:
-                masters.refresh_from(i, local_rows(param.detach(), rank, world_size))
-            if param.dtype != held_dtypes[i] or not param.is_contiguous():
-                param.data = param.data.to(held_dtypes[i], memory_format=torch.contiguous_format)
-            if masters is None:
-                views = list(row_views(i))
+            if zp.master is not None and not zp.master.aliased:
+                zp.master.tensor.copy_(zp.resident_rows())
+            if param.dtype != held_dtype or not param.is_contiguous():
+                param.data = param.data.to(held_dtype, memory_format=torch.contiguous_format)
+            if zp.master is None:
+                views = list(row_views(zp.index))
             else:  # a copy was refreshed above
-                views = [masters[i]] if i in masters.aliased else []
+                views = [zp.master.tensor] if zp.master.aliased else []
             for view in views:
-                view.data = local_rows(param.detach(), rank, world_size)
+                view.data = zp.resident_rows()

@@ -41,11 +41,10 @@ from lightning_zero.engine.offload.schedule import (
 from lightning_zero.engine.optimizer_shell import OptimizerShell
 from lightning_zero.engine.optimizers import Standins, has_step_hooks, hosted_params, steps_in_parts, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
-from lightning_zero.engine.shard import local_rows
-from lightning_zero.engine.stage12.grad_records import finalize_landed
 from lightning_zero.engine.stage12.grad_sync import GradientReducer
 from lightning_zero.engine.stage12.layout import ShardLayout
 from lightning_zero.engine.stage12.param_gather import RowViews, all_gather_params
+from lightning_zero.engine.stage12.zero_param import ZeroParam, finalize_landed
 
 
 class ShardedOptimizer(OptimizerShell):
@@ -55,10 +54,9 @@ class ShardedOptimizer(OptimizerShell):
     def __init__(
         self,
         optimizer: Optimizer,
-        params: Sequence[nn.Parameter],
+        zero_params: Sequence[ZeroParam],
         layout: ShardLayout,
         reducer: GradientReducer,
-        records: Sequence[ShardRecord],
         *,
         rank: int,
         schedule: HostStepSchedule,
@@ -80,8 +78,10 @@ class ShardedOptimizer(OptimizerShell):
         self.reducer = reducer
         self.rank = rank
         self.group = group
-        self.params = list(params)
-        self._records = records
+        #: The engine's parameters (``zero_param.py``); ``params`` holds the same, for the helpers that take tensors.
+        self.zero_params = list(zero_params)
+        self.params = [zp.param for zp in self.zero_params]
+        params = self.params
         self._index = {id(p): i for i, p in enumerate(self.params)}
         #: Persistent, because the optimizer keys its state by them.
         self.shards: dict[int, torch.Tensor] = dict(shards or {})
@@ -137,7 +137,7 @@ class ShardedOptimizer(OptimizerShell):
                 if steps_whole(group, self.kind):
                     whole.append(i)
                 elif i not in self.shards:
-                    self.shards[i] = self.masters[i] if self.masters is not None else self._resident_rows(i)
+                    self.shards[i] = self.zero_params[i].optimizer_rows()
         self.indices = indices
         self.whole = whole
         if whole:
@@ -169,7 +169,7 @@ class ShardedOptimizer(OptimizerShell):
         return self.params[i]
 
     def _ordered_records(self) -> list[ShardRecord]:
-        return [self._records[i] for i in self.indices]
+        return [record for i in self.indices if (record := self.zero_params[i].record) is not None]
 
     def _hosted_shards(self) -> dict[int, torch.Tensor]:
         return {id(self.params[i]): self.shards[i] for i in self.indices if i in self.shards}
@@ -214,7 +214,7 @@ class ShardedOptimizer(OptimizerShell):
         if part is None or self.masters is None:
             return
         finalized = finalize_landed(
-            [self.reducer.records[i] for i in part.indices], self.reducer.world_size * self.reducer.replicas
+            [self.zero_params[i] for i in part.indices], self.reducer.world_size * self.reducer.replicas
         )
         if finalized is None:
             return
@@ -310,10 +310,10 @@ class ShardedOptimizer(OptimizerShell):
 
     def local_rows(self, i: int) -> torch.Tensor:
         """This rank's rows of parameter ``i`` as the optimizer's truth."""
-        return self.masters[i] if self.masters is not None else self._resident_rows(i)
+        return self.zero_params[i].optimizer_rows()
 
     def _resident_rows(self, i: int) -> torch.Tensor:
-        return local_rows(self.params[i].detach(), self.rank, self.layout.world_size)
+        return self.zero_params[i].resident_rows()
 
     def all_gather_params(self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None) -> None:
         gathered = self.buckets if buckets is None else buckets

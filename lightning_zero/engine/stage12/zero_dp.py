@@ -34,6 +34,7 @@ from lightning_zero.engine.stage12.param_gather import all_gather_params
 from lightning_zero.engine.stage12.params_outside_optimizers import UnsteppedLookup, hand_over
 from lightning_zero.engine.stage12.replaced_storage import StorageWatch, hold_again
 from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer
+from lightning_zero.engine.stage12.zero_param import ZeroParam
 from lightning_zero.engine.state_dict import gather_full
 
 
@@ -106,8 +107,7 @@ class ZeroDataParallel:
         self.growths: list[dict[str, float]] = []
 
     def _plan(self, named: list[tuple[str, nn.Parameter]]) -> None:
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        params = [p for _, p in named]
         policy = self._policy
         self.layout: ShardLayout = plan_layout(
             [(n, tuple(p.shape)) for n, p in named],
@@ -115,11 +115,21 @@ class ZeroDataParallel:
             self._bucket_numel,
             # Each bucket has one dtype, so parameters kept in fp32 under a mixed policy, complex ones and any held in
             # another dtype than the rest get buckets of their own.
-            classes=_by_dtype(self.params),
+            classes=_by_dtype(params),
         )
+        masters = self.masters.entries if self.masters is not None else [None] * len(params)
+        #: One object per trainable parameter: its rows, gradient, master and record (``zero_param.py``).
+        self.zero_params = [
+            ZeroParam(i, p, spec, self.rank, master)
+            for i, (p, spec, master) in enumerate(zip(params, self.layout.params, masters))
+        ]
+        for zp in self.zero_params:
+            zp.record = self._record(zp)
+        #: The parameters alone, for the helpers that take tensors (in the same order).
+        self.params = params
         offloaded = self.masters is not None and self.masters.offloaded
         self.reducer = GradientReducer(
-            self.params,
+            self.zero_params,
             self.layout,
             rank=self.rank,
             shard_gradients=self.stage == 2,
@@ -131,7 +141,6 @@ class ZeroDataParallel:
             replicate_group=self.replicate_group,
             compression=self.compression,
         )
-        self._records = [self._record(i) for i in range(len(self.params))]
         self._unstepped_lookup = UnsteppedLookup()
         #: See [Note: parameters given new storage].
         self._storage = StorageWatch(self.params)
@@ -181,14 +190,8 @@ class ZeroDataParallel:
         """See [Note: parameters given new storage]."""
         if moved := self._storage.moved():
             hold_again(
-                moved,
-                self.params,
-                self.names,
-                [spec.shape for spec in self.layout.params],
-                [self.reducer.bucket_dtypes[spec.bucket] for spec in self.layout.params],
-                rank=self.rank,
-                world_size=self.world_size,
-                masters=self.masters,
+                [self.zero_params[i] for i in moved],
+                [self.reducer.bucket_dtypes[self.layout.params[i].bucket] for i in moved],
                 row_views=lambda i: [o.shards[i] for o in self._optimizers.values() if i in o.shards],
             )
             self._storage = StorageWatch(self.params)
@@ -217,13 +220,14 @@ class ZeroDataParallel:
         return self.masters is not None and self.masters.offloaded
 
     def records(self) -> list[ShardRecord]:
-        return self._records
+        return [zp.record for zp in self.zero_params if zp.record is not None]
 
-    def _record(self, index: int) -> ShardRecord:
+    def _record(self, zp: ZeroParam) -> ShardRecord:
+        index = zp.index
         return ShardRecord(
-            self.names[index],
-            self.params[index],
-            self.params[index].shape,
+            zp.name,
+            zp.param,
+            zp.param.shape,
             self.group,
             _rows=lambda: self.local_rows(index),
             _grad=lambda: self.reducer.local_grad(index),
@@ -253,10 +257,9 @@ class ZeroDataParallel:
     ) -> ShardedOptimizer:
         return ShardedOptimizer(
             optimizer,
-            self.params,
+            self.zero_params,
             self.layout,
             self.reducer,
-            self._records,
             rank=self.rank,
             schedule=schedule or HostStepSchedule(optimizer, self.worker, delayed=self.delayed),
             masters=self.masters,
@@ -339,11 +342,10 @@ class ZeroDataParallel:
                 self.worker.wait()  # a delayed host step may be writing them
             if self.written is not None:  # see [Note: parameters written between steps]
                 self.written.take_back(self.masters, [index], self.params.__getitem__, self._resident_rows)
-            return self.masters[index]
-        return local_rows(self.params[index].detach(), self.rank, self.world_size)
+        return self.zero_params[index].optimizer_rows()
 
     def _resident_rows(self, index: int) -> torch.Tensor:
-        return local_rows(self.params[index].detach(), self.rank, self.world_size)
+        return self.zero_params[index].resident_rows()
 
     # ------------------------------------------------------------------ the delayed update (see offload/schedule.py)
     @property
@@ -354,15 +356,15 @@ class ZeroDataParallel:
     def lagging_rows(self) -> dict[str, torch.Tensor] | None:
         if not any(o.schedule.pending is not None for o in self._optimizers.values()):
             return None
-        return {name: local_rows(p.detach(), self.rank, self.world_size) for name, p in zip(self.names, self.params)}
+        return {zp.name: zp.resident_rows() for zp in self.zero_params}
 
     def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
         if not self.delayed:
             raise RuntimeError("parameters one update behind were loaded into a run without offload_step_delay")
         with torch.no_grad():
-            for name, param in zip(self.names, self.params):
-                if name in rows:
-                    local_rows(param.detach(), self.rank, self.world_size).view(-1).copy_(rows[name].reshape(-1))
+            for zp in self.zero_params:
+                if zp.name in rows:
+                    zp.resident_rows().view(-1).copy_(rows[zp.name].reshape(-1))
         all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
         for optimizer in self._optimizers.values():
             optimizer.schedule.pending = PendingUpdate()  # the masters hold it

@@ -1,6 +1,7 @@
-"""The stage 1-2 reducer's record of each trainable parameter's gradient through one optimizer step (see
-[Note: gradients are held as sums until finalized] in ``grad_sync.py``; staged, landed, finalized: [Note: vocabulary]
-in ``engine/__init__.py``)."""
+"""One object per trainable parameter at stages 1-2, as FSDP2 keeps an ``FSDPParam``: where its rows are (its spec in the
+layout), its gradient through one optimizer step (see [Note: gradients are held as sums until finalized] in
+``grad_sync.py``), its master where the optimizer steps one (``engine/offload/masters.py``), and the contract's record
+of it (staged, landed, finalized, master: [Note: vocabulary] in ``engine/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lightning_zero.engine.api import ShardRecord
+from lightning_zero.engine.offload.masters import Master
+from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.stage12.layout import ParamShardSpec
 
 
@@ -27,14 +31,21 @@ class GradState(enum.Enum):
 
 
 @dataclasses.dataclass(eq=False)
-class ParamGradient:
-    """The reducer's record of one trainable parameter, as FSDP2 keeps an ``FSDPParam`` per parameter."""
+class ZeroParam:
+    """One trainable parameter this rank holds at stages 1-2."""
 
     index: int
+    """Its place among the engine's trainable parameters (layout order)."""
     param: nn.Parameter
     spec: ParamShardSpec
-    shard: torch.Tensor | None
-    """Stage 2: a view of its bucket's shard storage."""
+    """Its rows and its place in a bucket (``layout.py``)."""
+    rank: int
+    master: Master | None = None
+    """The rows the optimizer steps, where they are not a view of the parameter (mixed precision, offload)."""
+    record: ShardRecord | None = None
+    """What the contract shows of it (``engine/api.py``); set by the engine."""
+    shard: torch.Tensor | None = None
+    """Stage 2: a view of its bucket's shard storage (``grad_bucket.py``)."""
     state: GradState = GradState.EMPTY
     produced: bool = False
     """See ``_forget_gradients_no_rank_produced``."""
@@ -47,12 +58,29 @@ class ParamGradient:
     staged: torch.Tensor | None = None
     """With ``offload_optimizer``: the host copy of the held sum; None once a later backward changes the sum."""
 
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
-def produced_flags(records: Sequence[ParamGradient]) -> torch.Tensor:
+    @property
+    def on_host(self) -> bool:
+        """Its master (and so its optimizer state) lives in host memory."""
+        return self.master is not None and self.master.on_host
+
+    def resident_rows(self) -> torch.Tensor:
+        """This rank's rows of the parameter forward computes with (a view)."""
+        return local_rows(self.param.detach(), self.rank, self.spec.world_size)
+
+    def optimizer_rows(self) -> torch.Tensor:
+        """This rank's rows as the optimizer updates them: its master, or a view of the parameter."""
+        return self.master.tensor if self.master is not None else self.resident_rows()
+
+
+def produced_flags(records: Sequence[ZeroParam]) -> torch.Tensor:
     return torch.tensor([r.produced for r in records], dtype=torch.int32)
 
 
-def finalize_landed(records: Sequence[ParamGradient], ranks: int) -> tuple[list[torch.Tensor], float] | None:
+def finalize_landed(records: Sequence[ZeroParam], ranks: int) -> tuple[list[torch.Tensor], float] | None:
     """What ``GradientReducer.finalize`` does, for a part stepping during backward (see
     [Note: the host step during backward] in ``engine/offload/schedule.py``); the worker averages by the coefficient returned
     once the copies have landed. None where a parameter produced no gradient on this rank, since whether another rank
