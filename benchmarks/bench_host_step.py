@@ -6,8 +6,8 @@
     python benchmarks/bench_host_step.py --impls torch-fused --threads 15,16 --busy 1   # a core taken meanwhile
 
 With ``offload_optimizer`` the optimizer steps fp32 masters in host memory, and ``torch.optim.AdamW`` runs there
-with torch's fused CPU kernel when the user left the kernel to torch (``host_kernel`` in ``engine/offload/host_step.py``):
-``torch-fused`` is that, ``AdamW(fused=True)`` (built here directly: importing the package would cost each
+with torch's fused CPU kernel when the user left the kernel to torch (``host_kernel`` in
+``engine/offload/host_step.py``): ``torch-fused`` is that, ``AdamW(fused=True)`` (built here directly: importing the package would cost each
 process Lightning's import). ``torch-foreach`` and ``torch-forloop`` are torch's other kernels, for reference;
 ``deepspeed`` is ``DeepSpeedCPUAdam(adamw_mode=True)``, the step of DeepSpeed's ZeRO-Offload. It is OpenMP, so
 its thread count is fixed when the process starts: each size, thread count and implementation runs in a fresh

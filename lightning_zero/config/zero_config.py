@@ -84,7 +84,8 @@ class ZeroConfig:
     offload_optimizer: bool | float = False
     """Keep master shards and optimizer state in host memory (ZeRO-Offload): gradient shards go to the host,
     the optimizer steps there, updated shards come back. A number ``r`` in (0, 1] offloads that share of them
-    (DeepSpeed's ``ratio``), whole parameters at a time; the rest stays on the device (``engine/offload/masters.py``)."""
+    (DeepSpeed's ``ratio``), whole parameters at a time; the rest stays on the device
+    (``engine/offload/masters.py``)."""
 
     offload_params: bool = False
     """Stage 3 only: keep sharded parameters in host memory between uses, copying each unit's shards to the

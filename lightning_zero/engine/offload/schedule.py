@@ -11,8 +11,8 @@ where and when the parts are stepped, never in how (``host_step.step_on_host``).
 Part, piece (a bucket at stages 1-2, a unit at stage 3), landed: [Note: vocabulary] in ``engine/__init__.py``.
 
 [Note: the offloaded step]
-With ``offload_optimizer`` the optimizer is re-hosted (see ``stage12/sharded_optimizer.py``) on fp32 master rows in host memory,
-so its state is born there too. One step is then:
+With ``offload_optimizer`` the optimizer is re-hosted (see ``stage12/sharded_optimizer.py``) on fp32 master rows in
+host memory, so its state is born there too. One step is then:
 
 1. device->host, during backward: as each bucket's reduction lands, its reduced shards are copied, cast to fp32, into
    reused host buffers, so no fp32 gradient shard is ever made on the device. A later backward of the same window copies
@@ -25,10 +25,10 @@ so its state is born there too. One step is then:
    stepped, so the copies of one part overlap the host step of the next.
 
 With an accelerator the host buffers are pinned, the copies are ``non_blocking`` and the gradient copies run on a stream
-of their own (``masters.CopyStream``) to overlap the rest of backward. The host waits for them once, when the gradients are
-finalized; that wait also covers the previous step's parameter copies queued on the compute stream, so a pinned master
-is never written while its copy to the device is in flight. On a CPU-only machine nothing is pinned and the same copies
-run synchronously in the same order, so CI exercises the offload schedule bit for bit.
+of their own (``masters.CopyStream``) to overlap the rest of backward. The host waits for them once, when the
+gradients are finalized; that wait also covers the previous step's parameter copies queued on the compute stream, so a
+pinned master is never written while its copy to the device is in flight. On a CPU-only machine nothing is pinned and
+the same copies run synchronously in the same order, so CI exercises the offload schedule bit for bit.
 
 [Note: the host step during backward]
 With the optimizer offloaded, the host step is the longest piece of a step. Backward reduces the gradients a piece at a
@@ -65,9 +65,9 @@ exact run. What stays exact is the bookkeeping:
 * the thread steps a view of the user's optimizer (:func:`~lightning_zero.engine.optimizers.stepping_view`) with its own
   copies of the param groups, so an LR scheduler stepping meanwhile changes the next step, not this one;
 * the gradient buffers it reads are not the ones the next backward fills (``MasterShards.swap_gradient_buffers``);
-* whatever reads the masters or the optimizer state first waits for the step in flight (:meth:`HostStepSchedule.settle`), and a
-  checkpoint keeps the parameters forward computes with beside the masters (``checkpoint/delayed_update.py``), so a
-  resume continues the delayed schedule exactly;
+* whatever reads the masters or the optimizer state first waits for the step in flight
+  (:meth:`HostStepSchedule.settle`), and a checkpoint keeps the parameters forward computes with beside the masters
+  (``checkpoint/delayed_update.py``), so a resume continues the delayed schedule exactly;
 * training ends with the pending update landed.
 
 Evaluation inside ``fit`` sees the parameters forward computes with, one update behind the masters.

@@ -1,5 +1,5 @@
-"""One object per trainable parameter at stages 1-2, as FSDP2 keeps an ``FSDPParam``: where its rows are (its spec in the
-layout), its gradient through one optimizer step (see [Note: gradients are held as sums until finalized] in
+"""One object per trainable parameter at stages 1-2, as FSDP2 keeps an ``FSDPParam``: where its rows are (its spec in
+the layout), its gradient through one optimizer step (see [Note: gradients are held as sums until finalized] in
 ``grad_sync.py``), its master where the optimizer steps one (``engine/offload/masters.py``), and the contract's record
 of it (staged, landed, finalized, master: [Note: vocabulary] in ``engine/__init__.py``)."""
 
@@ -82,9 +82,9 @@ def produced_flags(records: Sequence[ZeroParam]) -> torch.Tensor:
 
 def finalize_landed(records: Sequence[ZeroParam], ranks: int) -> tuple[list[torch.Tensor], float] | None:
     """What ``GradientReducer.finalize`` does, for a part stepping during backward (see
-    [Note: the host step during backward] in ``engine/offload/schedule.py``); the worker averages by the coefficient returned
-    once the copies have landed. None where a parameter produced no gradient on this rank, since whether another rank
-    did is known only when backward ends."""
+    [Note: the host step during backward] in ``engine/offload/schedule.py``); the worker averages by the coefficient
+    returned once the copies have landed. None where a parameter produced no gradient on this rank, since whether
+    another rank did is known only when backward ends."""
     if not all(r.produced and r.state is GradState.REDUCED and r.staged is not None for r in records):
         return None
     grads: list[torch.Tensor] = []

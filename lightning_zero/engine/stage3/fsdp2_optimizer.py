@@ -316,7 +316,7 @@ class FullyShardedOptimizer(OptimizerShell):
     def finalize_gradients(self, scale: float = 1.0) -> None:
         # FSDP2 already averaged over ranks in its reduce-scatter.
         if scale != 1.0:
-            grads = self._gradients()
+            grads = self.local_gradients()
             if grads:
                 torch._foreach_mul_(grads, scale)
 
