@@ -174,11 +174,10 @@ class Watchdog:
         seconds, ended = self._pause
         return seconds if time.monotonic() - ended <= 2 * self.current_limits().stale_after else 0.0
 
-    def _pause_since_tick(self, now: float, allowance: float) -> tuple[float, float | None]:
-        """The time since the last tick beyond ``allowance`` (the tick's own wait) if it was a pause, else 0.0; and
-        the process's scheduled seconds now."""
+    def _pause_since_tick(self, now: float) -> tuple[float, float | None]:
+        """The time since the last tick if it was a pause, else 0.0; and the process's scheduled seconds now."""
         scheduled = scheduled_seconds()
-        gap = now - self._last_tick - allowance
+        gap = now - self._last_tick
         if gap <= self.limits.stale_after or scheduled is None or self._last_scheduled is None:
             return 0.0, scheduled  # short, or no evidence: the diagnosis says what the peers show instead
         if scheduled - self._last_scheduled >= gap / 2:
@@ -199,7 +198,7 @@ class Watchdog:
                     if number in STOP_SIGNALS:
                         self._on_signal(number)
             now = time.monotonic()
-            pause, scheduled = self._pause_since_tick(now, allowance=0.0)
+            pause, scheduled = self._pause_since_tick(now)
             if pause:
                 self._pause = (pause, now)
             self._last_tick, self._last_scheduled = now, scheduled
@@ -372,7 +371,9 @@ class Watchdog:
         if self.state == FAILED:
             return
         now = time.monotonic()
-        pause, _ = self._pause_since_tick(now, allowance=self.limits.tick)  # stopped just now, before a tick saw it?
+        # Stopped just now, before a tick saw it? The whole gap counts: the ranks that gave up on this one waited
+        # ``stale_after`` from its last tick, so less would miss the pause whenever they ended within a tick.
+        pause, _ = self._pause_since_tick(now)
         if pause:
             self._pause = (pause, now)
         seq = self._seq()
