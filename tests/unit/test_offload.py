@@ -5,6 +5,7 @@ import torch
 
 from lightning_zero.engine.offload.host_step import host_kernel
 from lightning_zero.engine.offload.masters import MasterShards, should_pin
+from lightning_zero.engine.offload.schedule import HostPart, HostStepSchedule, StepMode
 from lightning_zero.engine.offload.worker import HostStepWorker, host_step_threads
 
 
@@ -235,5 +236,35 @@ def test_host_steps_beside_an_accelerator_leave_the_cores_that_drive_it():
     worker = HostStepWorker(torch.device("cpu"))
     try:
         assert worker.start(torch.get_num_threads).future.result() == before  # type: ignore[union-attr]
+    finally:
+        worker.close()
+
+
+def test_every_mode_of_the_schedule_steps_through_the_one_host_step():
+    """``offload/schedule.py``: a part started during backward is averaged and stepped in the worker and sent back
+    by the step; the delayed mode steps in the worker after the step call; both read as the mode they are."""
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    worker = HostStepWorker(torch.device("cpu"))
+    try:
+        during = HostStepSchedule(optimizer, worker)
+        assert during.mode is StepMode.SERIAL
+        master, grad = torch.ones(4), torch.full((4,), 2.0)
+        part = HostPart(pieces=(0,), indices=(0,))
+        during.start(part, {id(param): (master, grad)}, None, average=([grad], 0.5))
+        assert during.mode is StepMode.DURING_BACKWARD
+        with pytest.raises(RuntimeError, match="Cannot skip this optimizer step"):
+            during.refuse("skip this optimizer step")
+        sent: list[HostPart] = []
+        assert during.send_back(during.take(), sent.append) == {0} and sent == [part]
+        assert torch.equal(master, torch.full((4,), 0.9))  # the gradient averaged to 1 first
+        assert during.mode is StepMode.SERIAL and torch.equal(param.detach(), torch.ones(4))
+        delayed = HostStepSchedule(optimizer, worker, delayed=True)
+        assert delayed.mode is StepMode.DELAYED
+        delayed.start_delayed([({id(param): (master, torch.ones(4))}, None)])
+        delayed.settle()
+        pending = delayed.take_pending()
+        assert pending is not None and delayed.pending is None
+        assert torch.allclose(master, torch.full((4,), 0.8))
     finally:
         worker.close()
