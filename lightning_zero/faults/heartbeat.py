@@ -122,22 +122,23 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields and len(fields) > 19 else None
 
 
-def scheduled_seconds(pid: int | str = "self") -> float | None:
-    """Seconds the threads of a process have spent on a CPU or runnable in a run queue waiting for one (the first
-    two fields of ``/proc/PID/task/*/schedstat``); None where the kernel does not say (no such file, or a kernel
-    built without scheduler statistics, whose files read all zeros: a live process has always run).
+def scheduled_seconds(pid: int | str = "self", task: int | None = None) -> float | None:
+    """Seconds the threads of a process (``task``: that one thread of it) have spent on a CPU or runnable in a run
+    queue waiting for one (the first two fields of ``/proc/PID/task/*/schedstat``); None where the kernel does not
+    say (no such file, or a kernel built without scheduler statistics, whose files read all zeros: a live process has
+    always run).
 
     What tells a process that could not run (stopped by SIGSTOP or a debugger, or waiting for its pages to be
     swapped in: neither counts) from one that was merely not scheduled on a busy machine (runnable: it counts),
     where the time between two of its watchdog's ticks looks the same."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        tasks = [str(task)] if task is not None else os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
     total, read = 0, False
-    for task in tasks:
+    for name in tasks:
         try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            with open(f"/proc/{pid}/task/{name}/schedstat") as f:
                 on_cpu, waiting = f.read().split()[:2]
         except (OSError, ValueError):
             continue  # a thread that ended meanwhile

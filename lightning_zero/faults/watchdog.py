@@ -21,8 +21,9 @@ A rank whose own process could not run (stopped by SIGSTOP or a debugger, swappe
 must say so, not blame the peers that ended meanwhile. The wall clock alone cannot tell that from a busy machine:
 with more runnable threads than cores (data loader workers, a second job, a test session starting processes) a
 watchdog thread can wait seconds for a core. So a gap between ticks longer than ``stale_after`` counts as a
-pause only when the kernel says the process neither ran nor waited runnable for most of it
-(:func:`records.scheduled_seconds`; where it cannot say, no pause is claimed and the diagnosis says what the peers
+pause only when the kernel says the watchdog thread neither ran nor waited runnable for most of it
+(:func:`heartbeat.scheduled_seconds` of that thread: the process's other threads may have worked or waited for a core
+just before it was stopped; where the kernel cannot say, no pause is claimed and the diagnosis says what the peers
 show), and only for ``2 * stale_after`` after it ended: the "meanwhile" of the diagnosis, not a stall at start-up
 blamed for a peer's death an hour later. A peer on this host without heartbeat is judged the same way: silent but
 running or runnable is busy, not stale (``Peer.ran``); the collective's ``timeout`` still bounds the wait.
@@ -101,7 +102,9 @@ class Watchdog:
             None  # (seconds, when it ended): see [Note: a pause, not a busy machine]
         )
         self._last_tick = time.monotonic()
-        self._last_scheduled = scheduled_seconds()
+        #: The watchdog thread's own id, whose schedule tells a pause (see the Note); set when it starts.
+        self._thread_id: int | None = None
+        self._last_scheduled: float | None = None
         # ((ops, seq, last mark), since)
         self._progress: tuple[tuple[int, int, Mark | None] | tuple[()], float] = ((), time.monotonic())
         self._beat = 0
@@ -175,8 +178,13 @@ class Watchdog:
         return seconds if time.monotonic() - ended <= 2 * self.current_limits().stale_after else 0.0
 
     def _pause_since_tick(self, now: float) -> tuple[float, float | None]:
-        """The time since the last tick if it was a pause, else 0.0; and the process's scheduled seconds now."""
-        scheduled = scheduled_seconds()
+        """The time since the last tick if it was a pause, else 0.0; and the watchdog thread's scheduled seconds now.
+
+        The watchdog thread's alone: it sleeps between ticks, so over a pause it gains next to nothing, and over a busy
+        stretch it waits runnable for a core the whole overdue time. The sum over every thread of the process would
+        also count the main thread's work and the other threads' waits just before the process was stopped, which on
+        a loaded machine reached half the gap and hid a SIGSTOP as a busy machine."""
+        scheduled = scheduled_seconds(task=self._thread_id) if self._thread_id is not None else None
         gap = now - self._last_tick
         if gap <= self.limits.stale_after or scheduled is None or self._last_scheduled is None:
             return 0.0, scheduled  # short, or no evidence: the diagnosis says what the peers show instead
@@ -185,7 +193,8 @@ class Watchdog:
         return gap, scheduled
 
     def _run(self) -> None:
-        self._last_tick, self._last_scheduled = time.monotonic(), scheduled_seconds()
+        self._thread_id = threading.get_native_id()
+        self._last_tick, self._last_scheduled = time.monotonic(), scheduled_seconds(task=self._thread_id)
         while not self._stop:
             try:
                 ready, _, _ = select.select([self.pipe.read_fd], [], [], self.limits.tick)

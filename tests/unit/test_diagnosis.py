@@ -266,6 +266,35 @@ def test_scheduled_seconds_tell_a_stopped_process_from_one_waiting_for_a_core():
     assert scheduled_seconds(child.pid) is None  # gone
 
 
+def test_a_sleeping_threads_schedule_is_its_own_not_its_busy_processs():
+    """[Note: a pause, not a busy machine] reads the watchdog thread alone: while another thread of the same process
+    works (or waits for a core), a thread asleep in ``select`` is charged next to nothing, as it would be over a
+    SIGSTOP, where the whole process is charged the other threads' time."""
+    started, stop = threading.Event(), threading.Event()
+    sleeper: list[int] = []
+
+    def sleep() -> None:
+        sleeper.append(threading.get_native_id())
+        started.set()
+        stop.wait()
+
+    thread = threading.Thread(target=sleep)
+    thread.start()
+    try:
+        started.wait()
+        thread_before, process_before = scheduled_seconds(task=sleeper[0]), scheduled_seconds()
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:  # this thread works meanwhile
+            pass
+        thread_after, process_after = scheduled_seconds(task=sleeper[0]), scheduled_seconds()
+    finally:
+        stop.set()
+        thread.join()
+    assert None not in (thread_before, process_before, thread_after, process_after)
+    assert process_after - process_before >= 0.4  # the worker: on a core or waiting for one, the whole time
+    assert thread_after - thread_before <= 0.05  # the sleeper: neither
+
+
 def test_a_rank_that_was_paused_says_so():
     me = record(1, computing(), paused=12.0)
     found = explain(me, {}, LIMITS, CONTEXT, "Connection closed by peer")
