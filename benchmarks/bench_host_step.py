@@ -4,12 +4,16 @@
     python benchmarks/bench_host_step.py --sizes 1e6 --threads 1,2 --steps 3 --warmup 1
     python benchmarks/bench_host_step.py --impls torch-fused,torch-forloop --tensors 1 --json host_step.json
     python benchmarks/bench_host_step.py --impls torch-fused --threads 15,16 --busy 1   # a core taken meanwhile
+    python benchmarks/bench_host_step.py --impls torch-fused,torch-fused-bf16 --tile 65536,4194304
 
 With ``offload_optimizer`` the optimizer steps fp32 masters in host memory, and ``torch.optim.AdamW`` runs there
 with torch's fused CPU kernel when the user left the kernel to torch (``host_kernel`` in
 ``engine/offload/host_step.py``): ``torch-fused`` is that, ``AdamW(fused=True)`` (built here directly: importing the package would cost each
 process Lightning's import). ``torch-foreach`` and ``torch-forloop`` are torch's other kernels, for reference;
-``deepspeed`` is ``DeepSpeedCPUAdam(adamw_mode=True)``, the step of DeepSpeed's ZeRO-Offload. It is OpenMP, so
+``deepspeed`` is ``DeepSpeedCPUAdam(adamw_mode=True)``, the step of DeepSpeed's ZeRO-Offload.
+``torch-fused-bf16`` is ``ZeroStrategy(optimizer_state_dtype="bf16")``'s step (``engine/state_dtype.py``): the same
+fused kernel on moments held in bf16 and widened to fp32 a tile (``--tile`` elements) at a time, 20 bytes per element
+to and from memory where a tile's fp32 copy stays in cache (param 4 + 4, gradient 4, two moments 2 + 2 each). It is OpenMP, so
 its thread count is fixed when the process starts: each size, thread count and implementation runs in a fresh
 process with ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set. All take lr 1e-3, betas (0.9, 0.999), eps 1e-8,
 weight decay 0.01, on GPT-like tensors (``--tensors``) whose gradients are set once; figures are medians over
@@ -44,9 +48,11 @@ from typing import Any
 
 import torch
 
-IMPLS = ("torch-fused", "torch-foreach", "torch-forloop", "deepspeed")
+IMPLS = ("torch-fused", "torch-fused-bf16", "torch-foreach", "torch-forloop", "deepspeed")
 HYPER: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BYTES_PER_ELEMENT = 28  # fp32 AdamW: 4 tensors read (16 B), 3 written (12 B)
+#: What each implementation must move per element; bf16 moments: param 4 + 4, gradient 4, moments 2 + 2 each.
+BYTES_BY_IMPL = {"torch-fused-bf16": 20}
 INSTALL_HINT = "pip install --no-deps deepspeed, then its missing pure-Python requirements; see the docstring"
 
 
@@ -72,7 +78,7 @@ def make_optimizer(impl: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # the only import of DeepSpeed, here in the benchmark
 
         return DeepSpeedCPUAdam(params, adamw_mode=True, **HYPER)
-    if impl == "torch-fused":  # what host_kernel makes of an AdamW whose kernel the user left to torch
+    if impl.startswith("torch-fused"):  # what host_kernel makes of an AdamW whose kernel the user left to torch
         return torch.optim.AdamW(params, fused=True, **HYPER)
     return torch.optim.AdamW(params, foreach=impl == "torch-foreach", fused=False, **HYPER)
 
@@ -110,15 +116,24 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     params = make_params(gpt_shapes(cell["size"], cell["tensors"]), seed=0)
     start = time.perf_counter()
     opt = make_optimizer(cell["impl"], params)
+    step = opt.step
+    if cell["impl"] == "torch-fused-bf16":  # the package's import (Lightning's) only in these processes, untimed
+        from lightning_zero.engine.state_dtype import StateDtype
+
+        states = StateDtype("bf16", tile_elements=cell["tile"])
+        step = lambda: states.step(opt)  # noqa: E731
     setup_s = time.perf_counter() - start  # DeepSpeed: loading (or JIT-building) its op
-    ms = statistics.median(timed_ms(opt.step, cell["steps"], cell["warmup"]))
+    ms = statistics.median(timed_ms(step, cell["steps"], cell["warmup"]))
+    moved = BYTES_BY_IMPL.get(cell["impl"], BYTES_PER_ELEMENT)
     return {
         **cell,
         "n_tensors": len(params),
         "ms": ms,
         "elem_per_s": cell["size"] / (ms / 1e3),
+        "bytes_per_element": moved,
+        "bytes_per_s": moved * cell["size"] / (ms / 1e3),
         "stream_bytes_per_s": bandwidth,
-        "floor_ms": BYTES_PER_ELEMENT * cell["size"] / bandwidth * 1e3,
+        "floor_ms": moved * cell["size"] / bandwidth * 1e3,
         "setup_s": setup_s,
     }
 
@@ -169,33 +184,40 @@ def sanity_check(steps: int = 5) -> dict[str, Any]:
 
 def print_table(size: int, rows: list[dict[str, Any]], threads: list[int], all_threads: int) -> None:
     print(
-        f"\n## {size:.3g} elements ({rows[0].get('n_tensors', '?')} tensors): ms/step (Melem/s, share of "
-        "bandwidth floor)\n"
+        f"\n## {size:.3g} elements ({rows[0].get('n_tensors', '?')} tensors): ms/step (Melem/s, GB/s moved at its "
+        "bytes per element, share of the 28 B fp32 floor)\n"
     )
     heads = [f"{n} thread{'s' * (n > 1)}{' (all)' * (n == all_threads)}" for n in threads]
     print("| implementation | " + " | ".join(heads) + " |\n|---|" + "---|" * len(threads))
-    ms = {(r["impl"], r["threads"]): r for r in rows if "error" not in r}
-    ok = [[r for (_, t), r in ms.items() if t == n] for n in threads]  # the floor: median over this size's processes
+    ms = {(r["impl"], r.get("tile"), r["threads"]): r for r in rows if "error" not in r}
+    ok = [[r for (_, _, t), r in ms.items() if t == n] for n in threads]  # the floor: median over this size's processes
     floors = [
-        (statistics.median(r["floor_ms"] for r in o), statistics.median(r["stream_bytes_per_s"] for r in o))
+        (
+            statistics.median(BYTES_PER_ELEMENT * size / r["stream_bytes_per_s"] * 1e3 for r in o),
+            statistics.median(r["stream_bytes_per_s"] for r in o),
+        )
         if o
         else (math.nan, math.nan)
         for o in ok
     ]
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        cells = [ms.get((impl, n)) for n in threads]
+    for impl, tile in dict.fromkeys((r["impl"], r.get("tile")) for r in rows):
+        cells = [ms.get((impl, tile, n)) for n in threads]
+        ours = " (ours)" if impl.startswith("torch-fused") else ""
+        name = f"{impl}, tile {tile:.3g}" if impl == "torch-fused-bf16" else impl
         print(
-            f"| {impl}{' (ours)' * (impl == 'torch-fused')} | "
+            f"| {name}{ours}, {BYTES_BY_IMPL.get(impl, BYTES_PER_ELEMENT)} B/elem | "
             + " | ".join(
-                "failed" if c is None else f"{c['ms']:.2f} ({c['elem_per_s'] / 1e6:.0f}, {f[0] / c['ms']:.0%})"
+                "failed"
+                if c is None
+                else f"{c['ms']:.2f} ({c['elem_per_s'] / 1e6:.0f}, {c['bytes_per_s'] / 1e9:.1f}, {f[0] / c['ms']:.0%})"
                 for c, f in zip(cells, floors)
             )
             + " |"
         )
     if any(r["impl"] == "deepspeed" for r in rows):
         ratios = [
-            ms[("deepspeed", n)]["ms"] / ms[("torch-fused", n)]["ms"]
-            if ("deepspeed", n) in ms and ("torch-fused", n) in ms
+            ms[("deepspeed", None, n)]["ms"] / ms[("torch-fused", None, n)]["ms"]
+            if ("deepspeed", None, n) in ms and ("torch-fused", None, n) in ms
             else None
             for n in threads
         ]
@@ -221,6 +243,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="measured steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--busy", type=int, default=0, help="cores kept spinning by other processes meanwhile")
+    p.add_argument("--tile", default="4194304", help="torch-fused-bf16: elements widened at once, comma-separated")
     p.add_argument("--json", help="also write every result here")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -262,14 +285,18 @@ def main() -> None:
         )
     results = []
     for size in sizes:
-        rows = [
-            spawn_cell(
-                dict(size=size, tensors=args.tensors, threads=n, impl=impl, steps=args.steps, warmup=args.warmup),
-                args.busy,
-            )
+        cells = [
+            dict(size=size, tensors=args.tensors, threads=n, impl=impl, steps=args.steps, warmup=args.warmup)
             for impl in impls
             for n in threads
         ]
+        tiles = [int(float(t)) for t in args.tile.split(",")]
+        cells = [
+            {**cell, "tile": tile} if cell["impl"] == "torch-fused-bf16" else cell
+            for cell in cells
+            for tile in (tiles if cell["impl"] == "torch-fused-bf16" else [None])
+        ]
+        rows = [spawn_cell(cell, args.busy) for cell in cells]
         results += rows
         print_table(size, rows, threads, all_threads)
     if args.json:

@@ -304,9 +304,21 @@ def load_optimizer_state(
     engine: ShardingEngine | None,
     holding: Holding = Holding(),
 ) -> None:
-    """Load a ``torch.optim``-format state (full tensors, index keys) into the sharded optimizer."""
-    if SHARDED_MARKER in saved:
-        return
+    """Load a ``torch.optim``-format state (full tensors, index keys) into the sharded optimizer, or, from a sharded
+    directory, leave what :func:`load` wrote; either way held in the run's ``optimizer_state_dtype`` afterwards."""
+    if SHARDED_MARKER not in saved:
+        _load_full_optimizer_state(optimizer, saved, module, engine, holding)
+    if engine is not None:
+        engine.optimizer_shards(optimizer).state_loaded()
+
+
+def _load_full_optimizer_state(
+    optimizer: Optimizer,
+    saved: Mapping[str, Any],
+    module: nn.Module,
+    engine: ShardingEngine | None,
+    holding: Holding,
+) -> None:
     hosted = hosted_tensors(optimizer, engine)
     whole = owners_of(optimizer, engine) or {}
     rank, world = shard_coords(engine)

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--nodes", type=int, help=argparse.SUPPRESS)  # removed: refused with the new spelling
     parser.add_argument("--precision", default="32-true", choices=PRECISIONS)
+    parser.add_argument(
+        "--optimizer-state-dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="Adam's moments as ZeroStrategy(optimizer_state_dtype=...) holds them (default fp32)",
+    )
     parser.add_argument("--plot", type=Path, help="write a bar chart (PNG) of the table")
     parser.add_argument("--memory-per-device", type=parse_bytes, help="e.g. 80GiB: name the fastest choice that fits")
     parser.add_argument(
@@ -150,7 +156,7 @@ def main(argv: Sequence[str]) -> int:
         params, source = args.params, ""
     if params <= 0:
         parser.error("--params must be > 0")
-    estimates = estimate(params, per_node, nodes, args.precision)
+    estimates = estimate(params, per_node, nodes, args.precision, optimizer_state_dtype=args.optimizer_state_dtype)
     world = args.devices
     best = None
     if args.memory_per_device is not None:
@@ -158,7 +164,8 @@ def main(argv: Sequence[str]) -> int:
     pick = best.choice.name if best is not None else None
     print(
         f"Model states of {params:,.0f} parameters{source} on {world} rank(s) ({nodes} node(s) x {per_node} "
-        f"device(s)), {args.precision}, Adam:"
+        f"device(s)), {args.precision}, Adam"
+        + (" with bf16 moments (stages 1-3):" if args.optimizer_state_dtype == "bf16" else ":")
     )
     print(format_table(estimates, args.memory_per_device, args.memory_per_host, pick=pick))
     print(

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. 16GiB: pick the fastest choice that fits (default: this machine's accelerator, else 80GiB)",
     )
     parser.add_argument("--memory-per-host", type=parse_bytes, help="e.g. 64GiB: host RAM of a node, for offloading")
+    parser.add_argument(
+        "--optimizer-state-dtype",
+        choices=("fp32", "bf16"),
+        help="the optimizer's state as ZeroStrategy(optimizer_state_dtype=...) holds it (default: the config's, or fp32)",
+    )
     parser.add_argument("--plot", type=Path, help="write stacked bars by kind (PNG)")
     parser.add_argument(
         "--output", type=Path, help="write the pick: a config group YAML, or (--params) .json (DeepSpeed-style) / .yaml"
@@ -137,12 +142,14 @@ def main(argv: Sequence[str]) -> int:
         checkpointing=source.checkpointing,
         devices_per_host=source.devices_per_host,
         backend=source.backend,
+        optimizer_state_dtype=args.optimizer_state_dtype or source.optimizer_state_dtype,
     )
     nodes = source.world_size // source.devices_per_host
     print(
         f"Plan for {source.description}; {source.world_size} rank(s) ({nodes} node(s) x {source.devices_per_host} "
-        f"device(s)), {source.precision}, {planner.per_device * source.accumulate} samples per device per optimizer "
-        "step:"
+        f"device(s)), {source.precision}"
+        + (", bf16 optimizer states" if planner.optimizer_state_dtype == "bf16" else "")
+        + f", {planner.per_device * source.accumulate} samples per device per optimizer step:"
     )
     print(f"Memory per device: {format_bytes(memory)} ({memory_source}).")
     try:

@@ -21,6 +21,7 @@ from lightning_zero.config.compression import Compression, CompressionScope, Qua
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"]
+OptimizerStateDtype = Literal["fp32", "bf16"]
 PipelineSplit = Union[Literal["layers", "params"], list[int], list[str]]
 #: A sharding group's size: a number of consecutive ranks, or "node" (the ranks of one node).
 ShardSize = Union[int, Literal["node"], None]
@@ -98,6 +99,13 @@ class ZeroConfig:
     device's work. Not exact (each gradient updates parameters one step newer than those it was taken at);
     checkpoints and resumes are. Costs a second host gradient buffer. ``0``: the exact step ([Note: the delayed
     update] in ``engine/offload/schedule.py``)."""
+
+    optimizer_state_dtype: OptimizerStateDtype = "fp32"
+    """``"bf16"``: hold the optimizer's per-element state (Adam's moments, SGD's momentum) in bf16 between steps, at
+    every stage, on the device or the host; the masters stay fp32 and each step computes in fp32 on a widened tile of
+    the state, rounding it back to nearest once (4 bytes a parameter fewer for Adam, 8 fewer moved by each host step).
+    Inexact by design ([Note: bf16 optimizer states] in ``engine/state_dtype.py``, ``docs/optimizer_states.md``).
+    DeepSpeed's ``bf16.bf16_optimizer_states``. ``"fp32"``: as the optimizer makes it."""
 
     pin_memory: bool | None = None
     """Pin offloaded host memory for fast asynchronous copies. ``None``: pin when an accelerator exists (on a
@@ -358,6 +366,7 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`offload_params=True` needs `stage=3` (got stage={self.stage}): only stage 3 shards parameters."
             )
+        check_choice("optimizer_state_dtype", self.optimizer_state_dtype, ("fp32", "bf16"))
         delay = self.offload_step_delay
         check_choice("offload_step_delay", delay if not isinstance(delay, bool) else str(delay), (0, 1))
         if not delay:

@@ -318,7 +318,9 @@ def _precision(config: Mapping[str, Any]) -> tuple[str | None, LossScaleConfig |
     bf16 = config.get("bf16") or {}
     if not isinstance(fp16, Mapping) or not isinstance(bf16, Mapping):
         raise ZeroConfigError("DeepSpeed config: `fp16` and `bf16` must be objects.")
-    _check_keys("bf16.", bf16, frozenset({"enabled", "immediate_grad_update", "check_grad_overflow"}))
+    _check_keys(
+        "bf16.", bf16, frozenset({"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_optimizer_states"})
+    )
     fp16_on, bf16_on = fp16.get("enabled", False), bf16.get("enabled", False)
     if fp16_on is True and bf16_on is True:
         raise ZeroConfigError("DeepSpeed config: `fp16.enabled` and `bf16.enabled` cannot both be true.")
@@ -335,6 +337,16 @@ def _precision(config: Mapping[str, Any]) -> tuple[str | None, LossScaleConfig |
     if "fp16" in config or "bf16" in config:
         return "32-true", None
     return None, None
+
+
+def _state_dtype(bf16: Mapping[str, Any]) -> dict[str, str]:
+    """``bf16.bf16_optimizer_states``: the optimizer's moments in bf16 (``optimizer_state_dtype``)."""
+    if "bf16_optimizer_states" not in bf16:
+        return {}
+    value = bf16["bf16_optimizer_states"]
+    if not isinstance(value, bool):
+        raise ZeroConfigError(f"DeepSpeed config: `bf16.bf16_optimizer_states` must be true or false, got {value!r}.")
+    return {"optimizer_state_dtype": "bf16" if value else "fp32"}
 
 
 def _typed_section(name: str, spec: Any) -> bool:
@@ -393,6 +405,7 @@ def parse_deepspeed_config(config: Mapping[str, Any] | str | Path) -> DeepSpeedS
     if "activation_checkpointing" in data:
         strategy["activation_checkpointing"] = dict(data["activation_checkpointing"])
     precision, loss_scale = _precision(data)
+    strategy.update(_state_dtype(data.get("bf16") or {}))
     reduce_dtype = data.get("communication_data_type")
     if reduce_dtype is not None and reduce_dtype not in ("fp32", "fp16", "bf16"):
         raise ZeroConfigError(

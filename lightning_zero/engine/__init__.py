@@ -18,6 +18,8 @@ The words every module of the package uses in one sense only (FSDP2 keeps its ow
   its **pieces**, the buckets (stages 1-2) or units (stage 3) whose reductions bring its gradients.
 * **master**: the fp32 copy of a parameter's rows that the optimizer steps when the tensors forward computes
   with are something else (bf16, on another device, compressed); on the host under ``offload_optimizer``.
+* **tile** (``optimizer_state_dtype="bf16"``): at most ``TILE_ELEMENTS`` of state widened to fp32 at once for a
+  step, whole tensors or flat slices of a larger one (``state_dtype.py``).
 * **staged**: copied to the host ahead of the step (a gradient's held sum, as soon as its reduction landed).
 * **landed**: a collective's result written into the rows it was for (the work waited on), not merely launched.
 * **finalized**: a gradient averaged over ranks (and unscaled) for this step, what the optimizer reads; before

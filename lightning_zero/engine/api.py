@@ -141,6 +141,10 @@ class OptimizerShards(Protocol):
     def hosting(self) -> contextlib.AbstractContextManager[None]:
         """A block in which the optimizer holds those tensors in place of the parameters (loading its state)."""
 
+    def state_loaded(self) -> None:
+        """A checkpoint wrote the optimizer's state (in the dtype it was saved in): hold it in this run's
+        ``optimizer_state_dtype``."""
+
     def records(self) -> list[ShardRecord]:
         """The :class:`ShardRecord` of each trainable parameter this optimizer steps, in ``param_groups`` order."""
 

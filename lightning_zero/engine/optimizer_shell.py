@@ -61,6 +61,9 @@ class OptimizerShell:
         """Wait for the host steps in flight before the masters or the optimizer state are read."""
         self.schedule.settle()
 
+    def state_loaded(self) -> None:
+        self.schedule.states.conform(self.optimizer)
+
     def records(self) -> list[ShardRecord]:
         self.schedule.wait_started()  # their gradients are averaged in the worker
         return self._ordered_records()

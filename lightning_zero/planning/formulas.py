@@ -11,7 +11,8 @@ between forward and backward (``P/k`` in the compute dtype, counted here since i
 that backward's all-gather stays in the node (``2P`` inter-node elements per rank instead of ``3P``). Offloading the
 optimizer moves its fp32 masters, their gradients and Adam's moments to host memory, 16P/N per rank (20P/N with
 the delayed update, whose host step reads one gradient shard while the next backward fills another); the device
-keeps what forward and backward compute with. Activations, buffers and temporary buffers
+keeps what forward and backward compute with. ``optimizer_state_dtype="bf16"`` holds Adam's moments in 4 bytes instead of
+8, so every 16 above becomes 12 (Lightning's ``ddp`` keeps its own). Activations, buffers and temporary buffers
 are not model state and are not counted. Measured: tests/distributed holds stages 1-3 to these formulas within
 2% on a 1M-parameter model, tests/integration/test_monitor.py within 5% on a 30K-parameter one.
 """
@@ -25,6 +26,8 @@ from collections.abc import Iterable
 from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+#: Bytes of Adam's two moments per parameter, by ``ZeroStrategy(optimizer_state_dtype=...)``.
+MOMENT_BYTES = {"fp32": 8, "bf16": 4}
 MIB = 2**20
 GIB = 2**30
 _UNITS = {
@@ -146,41 +149,57 @@ class Estimate:
 
 
 def model_state_split(
-    choice: Choice, params: float, world_size: int, precision: str = "32-true", devices_per_node: int | None = None
+    choice: Choice,
+    params: float,
+    world_size: int,
+    precision: str = "32-true",
+    devices_per_node: int | None = None,
+    optimizer_state_dtype: str = "fp32",
 ) -> tuple[float, float]:
     """(device, host) bytes of model state per rank (``devices_per_node``: the node size of hybrid choices,
     ``world_size`` when not given)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not supported; choose one of {PRECISIONS}.")
+    if optimizer_state_dtype not in MOMENT_BYTES:
+        raise ValueError(f"optimizer_state_dtype={optimizer_state_dtype!r}; choose one of {tuple(MOMENT_BYTES)}.")
     node = devices_per_node or world_size
     p, n = float(params), node if choice.shard_size == "node" else world_size
     weight = grad = 2 if precision != "32-true" else 4  # what forward and backward compute with
+    total = 8 + MOMENT_BYTES[optimizer_state_dtype]  # 16 in fp32: weights or masters 4, gradients 4, moments 8
     if choice.secondary_shard_size == "node":
-        return 16 * p / n + weight * p / node, 0.0
+        return total * p / n + weight * p / node, 0.0
     if choice.stage == 0:
         return 16 * p, 0.0
     if choice.offload_params:
-        return 0.0, 16 * p / n
+        return 0.0, total * p / n
     if choice.offload_optimizer:
         device = {1: (weight + grad) * p, 2: weight * p + grad * p / n, 3: 8 * p / n}[choice.stage]
         # fp32 masters, their gradients and Adam's moments; the delayed update's second gradient shard
-        return device, (16 + 4 * choice.offload_step_delay) * p / n
-    optimizer = 16 - weight - grad  # Adam's moments, plus the fp32 masters under mixed precision
+        return device, (total + 4 * choice.offload_step_delay) * p / n
+    optimizer = total - weight - grad  # Adam's moments, plus the fp32 masters under mixed precision
     return {
         1: (weight + grad) * p + optimizer * p / n,
         2: weight * p + (grad + optimizer) * p / n,
-        3: 16 * p / n,  # FSDP2 keeps fp32 shards of weights and gradients: 4 + 4 + 8
+        3: total * p / n,  # FSDP2 keeps fp32 shards of weights and gradients: 4 + 4 + the moments
     }[choice.stage], 0.0
 
 
 def estimate(
-    params: float, devices: int, nodes: int = 1, precision: str = "32-true", choices: Iterable[Choice] = CHOICES
+    params: float,
+    devices: int,
+    nodes: int = 1,
+    precision: str = "32-true",
+    choices: Iterable[Choice] = CHOICES,
+    optimizer_state_dtype: str = "fp32",
 ) -> list[Estimate]:
     world = devices * nodes
     chosen = [c for c in choices if nodes > 1 or not c.across_nodes]  # on one node they are the flat choices
     return [
         Estimate(
-            c, *model_state_split(c, params, world, precision, devices), devices, inter_node_elements(c, devices, nodes)
+            c,
+            *model_state_split(c, params, world, precision, devices, optimizer_state_dtype),
+            devices,
+            inter_node_elements(c, devices, nodes),
         )
         for c in chosen
     ]

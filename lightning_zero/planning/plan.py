@@ -99,8 +99,11 @@ class Planner:
         devices_per_host: int | None = None,
         bucket_size_mb: float = 25.0,
         backend: str = "nccl",
+        optimizer_state_dtype: str = "fp32",
     ) -> None:
         self.build, self.batch, self.world_size, self.precision = build, batch, world_size, precision
+        #: Every configuration holds the optimizer's state so (an inexact choice is the user's, never the plan's).
+        self.optimizer_state_dtype = optimizer_state_dtype
         #: The process-group backend of the planned run (``"gloo"``: a CPU run, see ``predict``).
         self.backend = backend
         self.accumulate = accumulate
@@ -123,7 +126,9 @@ class Planner:
         return self._traces[key]
 
     def candidate(self, configuration: Configuration, checkpointing: bool, micro_batch: int) -> Candidate:
-        configuration = dataclasses.replace(configuration, bucket_size_mb=self.bucket_size_mb)
+        configuration = dataclasses.replace(
+            configuration, bucket_size_mb=self.bucket_size_mb, optimizer_state_dtype=self.optimizer_state_dtype
+        )
         accumulate = self.accumulate * self.per_device // micro_batch
         prediction = predict(
             self.trace(micro_batch, checkpointing), configuration, self.world_size, accumulate, backend=self.backend

@@ -2,7 +2,7 @@
 
 [Note: the memory model]
 A rank's memory has a *static* part, alive across steps (the ZeRO formulas' model state, with the optimizer's
-own state size per element as traced), and a *dynamic* part that rises and falls within a step. The trace gives,
+own state size per element as traced, 2 bytes each under ``optimizer_state_dtype="bf16"``), and a *dynamic* part that rises and falls within a step. The trace gives,
 after every operation of forward and backward, the bytes alive beyond parameters and gradients (activations,
 the batch, logits, temporaries, recomputation under activation checkpointing) and the gradient bytes produced so
 far. Each stage keeps those gradients differently, so the dynamic part is the most, over the traced operations,
@@ -22,7 +22,8 @@ also keeps every unit gathered from the window's first forward to its last backw
 
 The optimizer step is the other candidate for the peak: the static part, the gradients the step reads and, at
 stages 1-2, the full-size buffers of the post-step all-gather (two buckets in flight; none over gloo, where the
-rows are gathered straight into the parameters: [Note: collectives in place] in ``engine/comm/p2p_transport.py``).
+rows are gathered straight into the parameters: [Note: collectives in place] in ``engine/comm/p2p_transport.py``),
+and bf16 state's fp32 tile widened for the step where the state is on the device (``engine/state_dtype.py``).
 The peak is the larger.
 Host memory holds what offload puts there: ``r`` of the masters, their gradients and the optimizer state
 (``offload_optimizer=r``), and at stage 3 with ``offload_params`` the parameter and gradient shards too.
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from lightning_zero.engine.stage3.fsdp2_units import merged_lengths
+from lightning_zero.engine.state_dtype import STATE_DTYPES, TILE_ELEMENTS
 from lightning_zero.planning.trace import StepTrace
 
 #: Buckets of the stage 1-2 post-step all-gather alive at once (``grad_sync.MAX_BUCKETS_IN_FLIGHT``).
@@ -51,6 +53,8 @@ class Configuration:
     bucket_size_mb: float = 25.0
     unit_size_mb: float = 100.0
     """Stage 3: adjacent layers share one gathered unit up to this size (``ZeroStrategy(unit_size_mb=...)``)."""
+    optimizer_state_dtype: str = "fp32"
+    """``"bf16"``: the optimizer's per-element state held in 2 bytes (``engine/state_dtype.py``)."""
 
     @property
     def name(self) -> str:
@@ -75,6 +79,8 @@ class Configuration:
             args["bucket_size_mb"] = self.bucket_size_mb
         if self.unit_size_mb != 100.0 and self.stage == 3:
             args["unit_size_mb"] = self.unit_size_mb
+        if self.optimizer_state_dtype != "fp32":
+            args["optimizer_state_dtype"] = self.optimizer_state_dtype
         return args
 
 
@@ -100,7 +106,10 @@ def predict(
     mixed = trace.precision != "32-true"
     grad_size = 2 if mixed else 4  # gradients are held in the parameters' dtype
     weights = trace.param_bytes  # as forward computes with them
-    state = 4 * trace.state_per_element * p  # fp32 optimizer state, whole model
+    state_dtype = STATE_DTYPES[c.optimizer_state_dtype] if c.stage != 0 else None  # ddp: the optimizer's own
+    state = (state_dtype.itemsize if state_dtype is not None else 4) * trace.state_per_element * p  # whole model
+    # bf16 state is widened to fp32 a tile at a time for the step, where it is on the device.
+    widened = 0 if state_dtype is None else 4 * trace.state_per_element * min(TILE_ELEMENTS, p / n)
     masters = 4 * p if mixed else 0
     r = 1.0 if c.offload_params else c.offload_optimizer
     bucket = int(c.bucket_size_mb * 2**20) // 4  # elements of one gradient bucket
@@ -168,6 +177,8 @@ def predict(
         grads_at_step = (1 - on_host) * 4 * p / n
         step_buffers = 0
     static_total = sum(static.values())
+    if r < 1 and c.stage != 0:
+        step_buffers += widened
     activations, held_grads = dynamic
     during = static_total + gathered + activations + held_grads
     at_step = static_total + grads_at_step + step_buffers

@@ -69,6 +69,8 @@ class Source:
     """Where the config sets the per-device batch size (``data.init_args.batch_size``), if it does."""
     backend: str = "nccl"
     """The process-group backend of the planned run: ``"gloo"`` where the config trains on the CPU."""
+    optimizer_state_dtype: str = "fp32"
+    """``ZeroStrategy(optimizer_state_dtype=...)`` of the planned run: the config's, else ``plan``'s flag."""
 
 
 def from_config(
@@ -103,6 +105,7 @@ def from_config(
         description=f"{name}: {model['class_path']}",
         data_keys=("data", "init_args", "batch_size") if "batch_size" in (data.get("init_args") or {}) else (),
         backend="gloo" if trainer.get("accelerator") == "cpu" else "nccl",
+        optimizer_state_dtype=str(init_args.get("optimizer_state_dtype") or "fp32"),
     )
 
 

@@ -168,6 +168,7 @@ def shard_model(
             unit_size_mb=config.unit_size_mb,
             stages=pipeline.stages if pipeline is not None else None,
             overlap_comm=config.overlap_comm,
+            optimizer_state_dtype=config.optimizer_state_dtype,
         )
     elif fitting:
         engine = ZeroDataParallel(
@@ -184,6 +185,7 @@ def shard_model(
             holding=holding,
             compression=compression_spec(config),
             offload_step_delay=config.offload_step_delay,
+            optimizer_state_dtype=config.optimizer_state_dtype,
         )
     if config.init_weights is not None:
         load_pretrained(

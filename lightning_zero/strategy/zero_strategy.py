@@ -41,6 +41,7 @@ from lightning_zero.config.compression import Compression, CompressionScope, Qua
 from lightning_zero.config.zero_config import (
     REGISTERED_STRATEGIES,
     ModulePolicy,
+    OptimizerStateDtype,
     PipelineSchedule,
     PipelineSplit,
     ShardSize,
@@ -99,6 +100,7 @@ class ZeroStrategy(ParallelStrategy):
         offload_optimizer: bool | float = False,
         offload_params: bool = False,
         offload_step_delay: int = 0,
+        optimizer_state_dtype: OptimizerStateDtype = "fp32",
         pin_memory: bool | None = None,
         activation_checkpointing: Any = None,
         wrap_policy: ModulePolicy = None,

@@ -24,6 +24,7 @@ REPRESENTATIVE = (
     "resnet_s3_bf16_b64_offload",
     "adapted_s3_fp32_b8",
     "adapted_s3_bf16_b8",
+    "gpt_s2_fp32_b8_bf16states",
 )
 
 

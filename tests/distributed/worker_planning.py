@@ -30,7 +30,8 @@ from tests.launch import run_cases_with_directory
 GPT = dict(vocab_size=34, block_size=64, n_layer=4, n_head=4, n_embd=128)  # conf/model/gpt_small.yaml
 RESNET = dict(num_classes=10, width=16, blocks_per_stage=(1, 1, 1))  # conf/model/resnet_small.yaml
 
-#: name -> (model, stage, precision, micro-batch, activation checkpointing, offload_optimizer, offload_params)
+#: name -> (model, stage, precision, micro-batch, activation checkpointing, offload_optimizer, offload_params[,
+#: optimizer_state_dtype])
 CASES = {
     "gpt_s1_fp32_b8": ("gpt", 1, "32-true", 8, False, 0.0, False),
     "gpt_s2_fp32_b8": ("gpt", 2, "32-true", 8, False, 0.0, False),
@@ -60,6 +61,8 @@ CASES = {
     "adapted_s3_fp32_b8": ("adapted", 3, "32-true", 8, False, 0.0, False),
     "adapted_s2_bf16_b8": ("adapted", 2, "bf16-mixed", 8, False, 0.0, False),
     "adapted_s3_bf16_b8": ("adapted", 3, "bf16-mixed", 8, False, 0.0, False),
+    "gpt_s2_fp32_b8_bf16states": ("gpt", 2, "32-true", 8, False, 0.0, False, "bf16"),
+    "gpt_s3_bf16_b8_offload_bf16states": ("gpt", 3, "bf16-mixed", 8, False, 1.0, False, "bf16"),
 }
 
 
@@ -116,24 +119,47 @@ def data(model: str):
     return torch.utils.data.TensorDataset(images, labels)
 
 
-def measure(model: str, stage: int, precision: str, batch: int, ac: bool, ratio: float, params_off: bool) -> list[int]:
+def measure(
+    model: str,
+    stage: int,
+    precision: str,
+    batch: int,
+    ac: bool,
+    ratio: float,
+    params_off: bool,
+    state_dtype: str = "fp32",
+) -> list[int]:
     L.seed_everything(0)
     probe = PeakMemory(first=1, count=1)
     checkpointing = (Block if model == "gpt" else BasicBlock) if ac else None
     offload = True if ratio >= 1 else ratio or False
     strategy = ZeroStrategy(
-        stage=stage, activation_checkpointing=checkpointing, offload_optimizer=offload, offload_params=params_off
+        stage=stage,
+        activation_checkpointing=checkpointing,
+        offload_optimizer=offload,
+        offload_params=params_off,
+        optimizer_state_dtype=state_dtype,
     )
     t = trainer(strategy, max_steps=3, callbacks=[probe], limit_val_batches=0, precision=precision)
     t.fit(build(model), models.loader(data(model), batch))
     return probe.peaks
 
 
-def predicted(model: str, stage: int, precision: str, batch: int, ac: bool, ratio: float, params_off: bool):
+def predicted(
+    model: str,
+    stage: int,
+    precision: str,
+    batch: int,
+    ac: bool,
+    ratio: float,
+    params_off: bool,
+    state_dtype: str = "fp32",
+):
     sample = next(iter(models.loader(data(model), batch)))
     checkpointing = (Block if model == "gpt" else BasicBlock) if ac else None
     trace = trace_step(lambda: build(model), sample, precision=precision, activation_checkpointing=checkpointing)
-    return predict(trace, Configuration(stage, ratio, params_off), WORLD, backend="gloo")
+    configuration = Configuration(stage, ratio, params_off, optimizer_state_dtype=state_dtype)
+    return predict(trace, configuration, WORLD, backend="gloo")
 
 
 def calibration(directory: Path) -> dict:

@@ -26,6 +26,8 @@ from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
         (dict(offload_optimizer=0.0), ["offload_optimizer", "(0, 1]"]),
         (dict(stage=3, offload_params=True, pin_memory="yes"), ["pin_memory", "None, True or False"]),
         (dict(offload_optimizer=True, offload_step_delay=2), ["offload_step_delay=2", "(0, 1)"]),
+        (dict(optimizer_state_dtype="bfloat16"), ["optimizer_state_dtype='bfloat16'", "('fp32', 'bf16')", "'bf16'"]),
+        (dict(optimizer_state_dtype="fp16"), ["optimizer_state_dtype='fp16'", "('fp32', 'bf16')"]),
         (dict(offload_optimizer=True, offload_step_delay=True), ["offload_step_delay='True'", "(0, 1)"]),
         (dict(offload_step_delay=1), ["offload_step_delay=1", "offload_optimizer=True", "got offload_optimizer=False"]),
         (dict(offload_optimizer=0.5, offload_step_delay=1), ["offload_step_delay=1", "offload_optimizer=0.5"]),

@@ -199,3 +199,17 @@ def test_zero3_offload_sections_map_onto_parameter_and_optimizer_offload():
     with pytest.warns(UserWarning, match="stage3_max_live_parameters"):
         from_json = ZeroStrategy(config=config).zero_config
     assert from_json == ZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, pin_memory=False).zero_config
+
+
+def test_bf16_optimizer_states_map_onto_optimizer_state_dtype():
+    """DeepSpeed's ``bf16.bf16_optimizer_states``; its other low-precision key (bf16 masters) is refused by name."""
+    config = {"bf16": {"enabled": True, "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}}
+    assert ZeroStrategy(config=config).zero_config == ZeroStrategy(stage=2, optimizer_state_dtype="bf16").zero_config
+    config["bf16"]["bf16_optimizer_states"] = "yes"
+    with pytest.raises(ZeroConfigError, match="bf16.bf16_optimizer_states` must be true or false"):
+        ZeroStrategy(config=config)
+    with pytest.raises(ZeroConfigError, match="bf16_master_weights_and_grads"):
+        ZeroStrategy(config={"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}})
+    given_twice = {"bf16": {"enabled": True, "bf16_optimizer_states": False}}
+    with pytest.raises(ZeroConfigError, match="optimizer_state_dtype"):
+        ZeroStrategy(config=given_twice, optimizer_state_dtype="bf16")

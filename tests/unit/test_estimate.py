@@ -241,3 +241,29 @@ def test_help_has_no_rest_markup():
     text = build_parser().format_help()
     assert "`" not in text and ":class:" not in text and ":func:" not in text
     assert "--devices counts every rank, as in lightning-zero plan" in text
+
+
+@pytest.mark.parametrize(
+    "choice, precision, device, host",
+    [
+        # Adam's moments in bf16: 4 bytes instead of 8, so 12 bytes a parameter where fp32 states take 16
+        ("ddp", "bf16-mixed", 16e9, 0),  # Lightning's ddp holds the optimizer's own state
+        ("zero1", "bf16-mixed", 4e9 + 8e9 / 8, 0),
+        ("zero2", "32-true", 4e9 + 8e9 / 8, 0),
+        ("zero3", "bf16-mixed", 12e9 / 8, 0),
+        ("zero2_offload", "bf16-mixed", 2e9 + 2e9 / 8, 12e9 / 8),
+        ("zero3_offload", "bf16-mixed", 0, 12e9 / 8),
+        ("zero2_offload_delay", "bf16-mixed", 2e9 + 2e9 / 8, 16e9 / 8),
+    ],
+)
+def test_formulas_with_bf16_optimizer_states(choice, precision, device, host):
+    split = model_state_split(BY_NAME[choice], 1e9, 8, precision, optimizer_state_dtype="bf16")
+    assert split == pytest.approx((device, host))
+
+
+def test_the_command_counts_bf16_optimizer_states(capsys):
+    assert estimate_main(["--params", "1e9", "--devices", "8", "--optimizer-state-dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "Adam with bf16 moments" in out
+    zero3 = next(line for line in out.splitlines() if line.startswith("zero3 "))
+    assert f"{12e9 / 8 / GIB:.2f}" in zero3

@@ -67,6 +67,25 @@ def test_stages_order_as_the_formulas_say_and_checkpointing_trims_activations():
     assert offloaded.host_bytes == pytest.approx(0.5 * (8 + 4 + 4) * plain.params / 2)  # state, masters, grads
 
 
+def test_bf16_optimizer_states_halve_the_state_the_plan_counts():
+    """On the device the step also widens a tile of it to fp32 (here the whole shard: the model is one tile)."""
+    trace = trace_step(lambda: GPTLightningModule(**TINY), _batch())
+    for stage in (1, 2, 3):
+        fp32 = predict(trace, Configuration(stage), 2)
+        bf16 = predict(trace, Configuration(stage, optimizer_state_dtype="bf16"), 2)
+        assert bf16.breakdown["optimizer state"] * 2 == pytest.approx(fp32.breakdown["optimizer state"])
+    offloaded = predict(trace, Configuration(2, offload_optimizer=1.0, optimizer_state_dtype="bf16"), 2)
+    assert offloaded.host_bytes == pytest.approx((4 + 4 + 4) * trace.params / 2)  # state, masters, grads
+    assert Configuration(2, optimizer_state_dtype="bf16").strategy_args() == {
+        "stage": 2,
+        "optimizer_state_dtype": "bf16",
+    }
+    assert (
+        predict(trace, Configuration(0, optimizer_state_dtype="bf16"), 2).breakdown["optimizer state"]
+        == (predict(trace, Configuration(0), 2).breakdown["optimizer state"])
+    )
+
+
 def test_frozen_layers_under_mixed_precision_trace_a_second_step_as_stage_3_holds_them():
     """Stages 1-2 keep a frozen layer as built and autocast saves a bf16 copy of its weight for backward; stage 3
     gathers it in bf16 and saves no copy, so its timeline is traced apart and its peak is lower."""

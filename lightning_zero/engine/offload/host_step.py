@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_zero.engine.optimizers import Standins, hosted_params
+from lightning_zero.engine.state_dtype import StateDtype
 
 #: Optimizers with a fused CPU kernel in torch (``fused=True``), much faster on host shards than the per-tensor loop
 #: torch picks for CPU tensors by default (``docs/offload.md``).
@@ -63,14 +64,15 @@ def step_on_host(
     after: torch.Event | None = None,
     average: tuple[list[torch.Tensor], float] | None = None,
     kernel: bool = True,
+    states: StateDtype | None = None,
     **kwargs: Any,
 ) -> object:
     """Step ``optimizer`` on ``standins`` (``optimizers.hosted_params``) once the copies behind ``after`` are done;
     ``average``: gradients to scale by a coefficient first; ``kernel``: choose the fused CPU kernel (off where the
-    tensors are not on the host)."""
+    tensors are not on the host); ``states``: the dtype its state is held in between steps."""
     if after is not None:
         after.synchronize()
     if average is not None and average[0] and average[1] != 1.0:
         torch._foreach_mul_(*average)
     with hosted_params(optimizer, standins), host_kernel(optimizer, enabled=kernel):
-        return optimizer.step(**kwargs)
+        return states.step(optimizer, **kwargs) if states is not None else optimizer.step(**kwargs)

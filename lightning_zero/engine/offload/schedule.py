@@ -94,6 +94,7 @@ from lightning_zero.engine.offload.host_step import step_on_host
 from lightning_zero.engine.offload.masters import MasterShards
 from lightning_zero.engine.offload.worker import HostStepWorker, PendingUpdate
 from lightning_zero.engine.optimizers import Standins, stepping_view, steps_in_parts
+from lightning_zero.engine.state_dtype import StateDtype
 
 #: Enough parts that the copies behind the last one are short, few enough that the optimizer's per-call overhead
 #: stays small.
@@ -152,10 +153,14 @@ class HostStepSchedule:
     """One optimizer's offloaded step over its parts: the mode, the parts started during backward, the delayed update
     in flight, and the engine's worker they run in."""
 
-    def __init__(self, optimizer: Optimizer, worker: HostStepWorker, *, delayed: bool = False) -> None:
+    def __init__(
+        self, optimizer: Optimizer, worker: HostStepWorker, *, delayed: bool = False, states: StateDtype | None = None
+    ) -> None:
         self.optimizer = optimizer
         self.worker = worker
         self.delayed = delayed
+        #: The dtype the optimizer's state is held in between steps; every call of the step goes through it.
+        self.states = states if states is not None else StateDtype()
         self.started: list[StartedPart] = []
         #: The delayed update whose rows have not reached the device.
         self.pending: PendingUpdate | None = None
@@ -219,7 +224,9 @@ class HostStepSchedule:
         if self._view is None:
             self._view = stepping_view(self.optimizer)
         view = self._view
-        pending = self.worker.start(lambda: step_on_host(view, standins, after=after, average=average))
+        pending = self.worker.start(
+            lambda: step_on_host(view, standins, after=after, average=average, states=self.states)
+        )
         self.started.append(StartedPart(part, pending, sum(self._waiting.values())))
 
     def take(self) -> list[StartedPart]:
@@ -265,7 +272,7 @@ class HostStepSchedule:
         step of the next. ``runs`` may be a generator: a part's stand-ins are made when its turn comes."""
         result = None
         for part, standins, after in runs:
-            result = step_on_host(self.optimizer, standins, after=after, **kwargs)
+            result = step_on_host(self.optimizer, standins, after=after, states=self.states, **kwargs)
             send(part)
         return result
 
@@ -278,7 +285,7 @@ class HostStepSchedule:
         def step() -> object:
             result = None
             for standins, after in runs:
-                result = step_on_host(view, standins, after=after, **kwargs)
+                result = step_on_host(view, standins, after=after, states=self.states, **kwargs)
             return result
 
         self.pending = self.worker.start(step)

@@ -241,7 +241,7 @@ class ShardedOptimizer(OptimizerShell):
             return self._step_in_parts(**kwargs)
         self.settle()
         offloaded = self.masters is not None and self.masters.offloaded
-        result = step_on_host(self.optimizer, self._standins(), kernel=offloaded, **kwargs)
+        result = step_on_host(self.optimizer, self._standins(), kernel=offloaded, states=self.schedule.states, **kwargs)
         if self.whole:
             with torch.no_grad():
                 self._owners.scatter(self.whole, self._write_rows)

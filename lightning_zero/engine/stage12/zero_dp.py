@@ -36,6 +36,7 @@ from lightning_zero.engine.stage12.replaced_storage import StorageWatch, hold_ag
 from lightning_zero.engine.stage12.sharded_optimizer import ShardedOptimizer
 from lightning_zero.engine.stage12.zero_param import ZeroParam
 from lightning_zero.engine.state_dict import gather_full
+from lightning_zero.engine.state_dtype import StateDtype
 
 
 class ZeroDataParallel:
@@ -61,6 +62,7 @@ class ZeroDataParallel:
         holding: Holding = Holding(),
         compression: CompressionSpec | None = None,
         offload_step_delay: int = 0,
+        optimizer_state_dtype: str = "fp32",
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
@@ -101,6 +103,8 @@ class ZeroDataParallel:
             self.written.mark(self.params)
         #: See [Note: the delayed update] in ``engine/offload/schedule.py``.
         self.delayed = bool(offload_step_delay)
+        #: See [Note: bf16 optimizer states] in ``engine/state_dtype.py``.
+        self.optimizer_state_dtype = optimizer_state_dtype
         #: Where host steps run beside training (its thread starts with the first).
         self.worker = HostStepWorker(self.reducer.device)
         self._optimizers: dict[int, ShardedOptimizer] = {}
@@ -261,7 +265,10 @@ class ZeroDataParallel:
             self.layout,
             self.reducer,
             rank=self.rank,
-            schedule=schedule or HostStepSchedule(optimizer, self.worker, delayed=self.delayed),
+            schedule=schedule
+            or HostStepSchedule(
+                optimizer, self.worker, delayed=self.delayed, states=StateDtype(self.optimizer_state_dtype)
+            ),
             masters=self.masters,
             group=self.group,
             elsewhere=self._elsewhere,

@@ -83,6 +83,7 @@ from lightning_zero.engine.stage3.fsdp2_window import GatheredWindow, GatheredWr
 from lightning_zero.engine.stage3.fsdp2_zero_dim_params import ZeroDimParameters
 from lightning_zero.engine.stage3.local_step import local_tensor
 from lightning_zero.engine.stage3.materialize import has_meta, materialize_and_shard
+from lightning_zero.engine.state_dtype import StateDtype
 
 
 class FullyShardedEngine:
@@ -108,8 +109,11 @@ class FullyShardedEngine:
         unit_size_mb: float = 0.0,
         stages: PipelineStages | None = None,
         overlap_comm: bool = True,
+        optimizer_state_dtype: str = "fp32",
     ) -> None:
         self.module = module
+        #: See [Note: bf16 optimizer states] in ``engine/state_dtype.py``.
+        self.optimizer_state_dtype = optimizer_state_dtype
         self.device, self.pin_memory = device, pin_memory
         self.policy = policy
         #: Units name their compression residuals by path.
@@ -331,7 +335,10 @@ class FullyShardedEngine:
     ) -> None:
         kind = optimizer_kind(optimizer, self.stage, elementwise, matrix)
         self._optimizers[id(optimizer)] = FullyShardedOptimizer(
-            self, optimizer, HostStepSchedule(optimizer, self.worker), kind
+            self,
+            optimizer,
+            HostStepSchedule(optimizer, self.worker, states=StateDtype(self.optimizer_state_dtype)),
+            kind,
         )
 
     def on_host(self, tensor: torch.Tensor) -> bool:

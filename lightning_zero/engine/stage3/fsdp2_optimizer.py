@@ -210,7 +210,7 @@ class FullyShardedOptimizer(OptimizerShell):
             stepping_local_shards(self.optimizer, self._sharded_in_place()),
             host_kernel(self.optimizer, enabled=on_host),
         ):
-            result = self.optimizer.step(**kwargs)
+            result = self.schedule.states.step(self.optimizer, **kwargs)
         with torch.no_grad():
             for i in self._hosted_indices():
                 self._masters().copy_into(i, self._rows(i))
@@ -260,7 +260,7 @@ class FullyShardedOptimizer(OptimizerShell):
         # Parameters the engine does not shard (added to the optimizer after setup) step in a call of their own.
         if any(id(p) not in engine.index and p.grad is not None for p in self._params()):
             in_place: Standins = {id(p): None for p in self._params() if id(p) in engine.index}
-            result = step_on_host(self.optimizer, in_place, **kwargs)
+            result = step_on_host(self.optimizer, in_place, states=self.schedule.states, **kwargs)
         return self.schedule.step_serially(staged, self._send, **kwargs) if staged else result
 
     def _send(self, part: HostPart) -> None:
