@@ -442,6 +442,16 @@ class BenchCallback(L.Callback):
         # caches) is not model state, and nothing of the strategy's exists yet.
         params = sum(_local(p).untyped_storage().nbytes() for p in pl_module.parameters() if not p.is_meta)
         self._baseline = live_tensor_bytes() - params
+        # After backward through the strategy's own `post_backward`, not the `on_after_backward` hook: a callback
+        # with code there may change the gradients, so ZeroStrategy would keep the offloaded step from starting
+        # during backward (`strategy/callback_support.py`) and the benchmark would measure another schedule.
+        post_backward = trainer.strategy.post_backward
+
+        def post_backward_then_measure(closure_loss):
+            post_backward(closure_loss)
+            self._after_backward(trainer, pl_module)
+
+        trainer.strategy.post_backward = post_backward_then_measure
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self._profiled(self._batch_idx):
@@ -451,15 +461,17 @@ class BenchCallback(L.Callback):
             self._saved_ctx.__exit__(None, None, None)
             self._saved_ctx = None
 
-    def on_after_backward(self, trainer, pl_module) -> None:
+    def _after_backward(self, trainer, pl_module) -> None:
         if self._profiled(self._batch_idx):
             self.windows.enter("step")
         # Count once, on the last measured step: by then optimizer state exists.
         if self._batch_idx == self.warmup + self.steps - 1:
             t, cpu = time.perf_counter(), time.process_time()
+            engine = getattr(trainer.strategy, "engine", None)
+            for optimizer in trainer.optimizers if engine is not None else ():
+                engine.optimizer_shards(getattr(optimizer, "_optimizer", optimizer)).settle()  # parts in flight
             self.state = model_state_bytes(pl_module, trainer.optimizers)
             self.state["live_total"] = live_tensor_bytes() - self._baseline
-            engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:  # ZeroStrategy: split by where the engine put each tensor
                 placed = placed_state_bytes(
                     pl_module, [getattr(o, "_optimizer", o) for o in trainer.optimizers], engine
@@ -510,6 +522,9 @@ class BenchCallback(L.Callback):
             "held_params": sum(p.numel() for p in pl_module.parameters() if not p.is_meta),
             "saved_activation_bytes": self.saved_activation_bytes,
             "monitor": dict(self.monitor.last) if self.monitor is not None else None,
+            # [Note: speculative clipping]: steps whose parts ran before the clip was known, and those it undid.
+            "speculated_steps": getattr(trainer.precision_plugin, "speculated_steps", None),
+            "clips_fired": getattr(trainer.precision_plugin, "clips_fired", None),
             "phases_ms": self.phases,
             "host_profile": self.host_summary,
         }
@@ -578,6 +593,8 @@ class BenchCallback(L.Callback):
             "nodes": _NODES,
             "comm_analytic_bytes_per_step": analytic_comm,
             "monitor": ranks[0]["monitor"],
+            "speculated_steps": ranks[0]["speculated_steps"],
+            "clips_fired": ranks[0]["clips_fired"],
             "per_rank": ranks,
             "torch": torch.__version__,
             "lightning": L.__version__,
@@ -625,6 +642,7 @@ def run_system(args: argparse.Namespace) -> None:
         # Manual optimization counts each optimizer's step: Muon + AdamW make two per batch.
         max_steps=total_steps // args.accumulate * (2 if args.optimizer == "muon" else 1),
         accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.gradient_clip_val,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -689,6 +707,7 @@ def run_child(system: str, args: argparse.Namespace, workdir: Path) -> dict[str,
             str(args.host_profile_steps),
         ]
         + (["--model", args.model] if args.model else [])
+        + (["--gradient-clip-val", str(args.gradient_clip_val)] if args.gradient_clip_val else [])
         + (["--quick"] if args.quick else [])
         + (["--monitor"] if args.monitor else [])
     )
@@ -890,6 +909,13 @@ def parse_args() -> argparse.Namespace:
         "(host_profile.py; 0: none)",
     )
     p.add_argument("--model", help="GPT settings over the default model's, as JSON: '{\"n_layer\": 24}'")
+    p.add_argument(
+        "--gradient-clip-val",
+        type=float,
+        default=None,
+        help="Trainer(gradient_clip_val=...); with offload the host steps parts speculatively and the result counts "
+        "the steps the clip fired in",
+    )
     p.add_argument("--timeout", type=int, default=900, help="seconds per system before it is killed")
     p.add_argument(
         "--rounds",

@@ -143,6 +143,7 @@ def main(argv: Sequence[str]) -> int:
         devices_per_host=source.devices_per_host,
         backend=source.backend,
         optimizer_state_dtype=args.optimizer_state_dtype or source.optimizer_state_dtype,
+        clipped=source.clipped,
     )
     nodes = source.world_size // source.devices_per_host
     print(

@@ -176,8 +176,9 @@ class ZeroConfig:
 
     overlap_comm: bool = True
     """Launch each bucket's reduce-scatter as soon as its gradients are ready, overlapping backward; with
-    ``offload_optimizer`` and no clipping or loss scaler, also start each part's host step during backward (stages
-    1-3, see [Note: the host step during backward] in ``engine/offload/schedule.py``)."""
+    ``offload_optimizer`` and no loss scaler, also start each part's host step during backward (stages 1-3, see
+    [Note: the host step during backward] in ``engine/offload/schedule.py``), under Lightning's clipping by norm
+    speculatively ([Note: speculative clipping] in ``engine/offload/speculation.py``)."""
 
     reduce_every_microbatch: bool = False
     """Under gradient accumulation, reduce-scatter on every micro-batch instead of only the last, so full

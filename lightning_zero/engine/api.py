@@ -141,6 +141,15 @@ class OptimizerShards(Protocol):
     def hosting(self) -> contextlib.AbstractContextManager[None]:
         """A block in which the optimizer holds those tensors in place of the parameters (loading its state)."""
 
+    def speculated_norms(self) -> dict[int, torch.Tensor] | None:
+        """Where parts of the step ran during backward before the clipping coefficient was known (see
+        [Note: speculative clipping] in ``offload/speculation.py``): ``id(gradient)`` -> the 2-norm of each gradient
+        they read, for the global norm; else None."""
+
+    def undo_speculation(self) -> None:
+        """The clip fired: put the parts stepped speculatively back, to be stepped again with the clipped
+        gradients."""
+
     def state_loaded(self) -> None:
         """A checkpoint wrote the optimizer's state (in the dtype it was saved in): hold it in this run's
         ``optimizer_state_dtype``."""
@@ -297,10 +306,11 @@ class ShardingEngine(Protocol):
     def synchronizing(self) -> bool:
         """False inside :meth:`no_sync`: a backward now reduces no gradients."""
 
-    def step_during_backward(self, optimizer: Optimizer) -> None:
+    def step_during_backward(self, optimizer: Optimizer, clipped: bool = False) -> None:
         """The coming backward is the step's only one, and nothing after it changes the gradients or skips the step
-        (no clipping, no loss scaler): the engine may start ``optimizer``'s host step while backward still runs
-        (see [Note: the host step during backward]), or ignore this."""
+        (no loss scaler), unless ``clipped``: Lightning's clipping by the global norm: the engine may start
+        ``optimizer``'s host step while backward still runs (see [Note: the host step during backward]; clipped,
+        speculatively: [Note: speculative clipping]), or ignore this."""
 
     def post_backward(self) -> None:
         """After each backward; after the final micro-batch's: land the gradient reductions still in flight."""

@@ -8,7 +8,7 @@ meet on one device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -20,8 +20,24 @@ def by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
     return groups
 
 
-def norms(tensors: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """One float64 vector on ``device``: a foreach kernel per device."""
+def norms(
+    tensors: Sequence[torch.Tensor],
+    norm_type: float,
+    device: torch.device,
+    known: Mapping[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One float64 vector on ``device``: a foreach kernel per device; ``known``: ``id(tensor)`` -> its norm taken
+    already by the same kernel (the same value it would give here), for those it need not read again."""
+    if known:
+        taken = [i for i, tensor in enumerate(tensors) if id(tensor) in known]
+        if taken:
+            rest = [i for i, tensor in enumerate(tensors) if id(tensor) not in known]
+            out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+            values = torch.stack([known[id(tensors[i])] for i in taken]).double()
+            out[torch.tensor(taken, device=device)] = values.to(device)
+            if rest:
+                out[torch.tensor(rest, device=device)] = norms([tensors[i] for i in rest], norm_type, device)
+            return out
     groups = by_device(tensors)
     if len(groups) == 1:
         return torch.stack(torch._foreach_norm(list(tensors), norm_type)).double().to(device)

@@ -95,5 +95,15 @@ class OptimizerShell:
 
     def discard_gradients(self) -> None:
         """A skipped step."""
+        if self.schedule.speculated:
+            self.schedule.undo_started()
         self.schedule.refuse("skip this optimizer step")
         self._discard()
+
+    def speculated_norms(self) -> dict[int, torch.Tensor] | None:
+        if not self.schedule.speculated:
+            return None
+        return self.schedule.speculated_norms()
+
+    def undo_speculation(self) -> None:
+        self.schedule.undo_started()

@@ -100,10 +100,13 @@ class Planner:
         bucket_size_mb: float = 25.0,
         backend: str = "nccl",
         optimizer_state_dtype: str = "fp32",
+        clipped: bool = False,
     ) -> None:
         self.build, self.batch, self.world_size, self.precision = build, batch, world_size, precision
         #: Every configuration holds the optimizer's state so (an inexact choice is the user's, never the plan's).
         self.optimizer_state_dtype = optimizer_state_dtype
+        #: The run clips by the global norm (``gradient_clip_val``): see ``predict``.
+        self.clipped = clipped
         #: The process-group backend of the planned run (``"gloo"``: a CPU run, see ``predict``).
         self.backend = backend
         self.accumulate = accumulate
@@ -131,7 +134,12 @@ class Planner:
         )
         accumulate = self.accumulate * self.per_device // micro_batch
         prediction = predict(
-            self.trace(micro_batch, checkpointing), configuration, self.world_size, accumulate, backend=self.backend
+            self.trace(micro_batch, checkpointing),
+            configuration,
+            self.world_size,
+            accumulate,
+            backend=self.backend,
+            clipped=self.clipped,
         )
         return Candidate(prediction, checkpointing, micro_batch, accumulate)
 

@@ -26,7 +26,9 @@ rows are gathered straight into the parameters: [Note: collectives in place] in 
 and bf16 state's fp32 tile widened for the step where the state is on the device (``engine/state_dtype.py``).
 The peak is the larger.
 Host memory holds what offload puts there: ``r`` of the masters, their gradients and the optimizer state
-(``offload_optimizer=r``), and at stage 3 with ``offload_params`` the parameter and gradient shards too.
+(``offload_optimizer=r``), and at stage 3 with ``offload_params`` the parameter and gradient shards too; with every
+master offloaded and clipping by the global norm, the copies of the masters and state that the parts stepped during
+backward keep until the clip is known ([Note: speculative clipping] in ``engine/offload/speculation.py``).
 """
 
 from __future__ import annotations
@@ -97,11 +99,18 @@ class Prediction:
 
 
 def predict(
-    trace: StepTrace, configuration: Configuration, world_size: int, accumulate: int = 1, *, backend: str = "nccl"
+    trace: StepTrace,
+    configuration: Configuration,
+    world_size: int,
+    accumulate: int = 1,
+    *,
+    backend: str = "nccl",
+    clipped: bool = False,
 ) -> Prediction:
     """Peak device and host bytes of one rank running ``trace`` under ``configuration`` on ``world_size`` ranks,
     ``accumulate`` micro-batches per optimizer step (the non-final ones keep whole gradients, unreduced), over the
-    process-group ``backend`` the run will use."""
+    process-group ``backend`` the run will use; ``clipped``: the run clips by the global norm, so an offloaded step
+    that starts during backward keeps copies of what it writes ([Note: speculative clipping])."""
     c, n, p = configuration, world_size, trace.params
     mixed = trace.precision != "32-true"
     grad_size = 2 if mixed else 4  # gradients are held in the parameters' dtype
@@ -190,6 +199,8 @@ def predict(
         breakdown["buffers"] = step_buffers
         breakdown["gradients"] = breakdown.get("gradients", 0) + grads_at_step
     by_kind = {kind: int(breakdown.get(kind, 0)) for kind in KINDS}
+    if clipped and c.offload_optimizer >= 1 and not c.offload_params and c.stage != 0:
+        host += (4 * p + state) / n  # the speculated parts' copies of their masters and state
     return Prediction(c, trace, int(max(during, at_step)), int(host), by_kind)
 
 

@@ -71,6 +71,8 @@ class Source:
     """The process-group backend of the planned run: ``"gloo"`` where the config trains on the CPU."""
     optimizer_state_dtype: str = "fp32"
     """``ZeroStrategy(optimizer_state_dtype=...)`` of the planned run: the config's, else ``plan``'s flag."""
+    clipped: bool = False
+    """The config clips by the global norm (``trainer.gradient_clip_val``, algorithm ``norm``)."""
 
 
 def from_config(
@@ -106,6 +108,7 @@ def from_config(
         data_keys=("data", "init_args", "batch_size") if "batch_size" in (data.get("init_args") or {}) else (),
         backend="gloo" if trainer.get("accelerator") == "cpu" else "nccl",
         optimizer_state_dtype=str(init_args.get("optimizer_state_dtype") or "fp32"),
+        clipped=bool(trainer.get("gradient_clip_val")) and trainer.get("gradient_clip_algorithm") in (None, "norm"),
     )
 
 

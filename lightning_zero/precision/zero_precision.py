@@ -25,7 +25,7 @@ rank; clipping by norm uses the global norm over every rank's shards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -136,6 +136,9 @@ class ZeroPrecision(Precision):
         self._engine: ShardingEngine | None = None
         #: Per optimizer (by id) with finalized gradients awaiting their step: whether any rank overflowed.
         self._found_inf: dict[int, bool] = {}
+        #: Steps whose offloaded parts ran during backward before the clip was known, and in how many of them the clip
+        #: fired and undid them ([Note: speculative clipping] in ``engine/offload/speculation.py``).
+        self.speculated_steps = self.clips_fired = 0
 
     # ------------------------------------------------------------------ dtype policy
     @property
@@ -300,9 +303,17 @@ class ZeroPrecision(Precision):
         optimizer = _unwrap(optimizer)
         if self.finalize_gradients(optimizer):
             return  # the step is skipped on every rank anyway
-        grads = self.engine.optimizer_shards(optimizer).local_gradients(for_change=True)
-        total = global_grad_norm(grads, device=self._device, group=self.engine.norm_group)
+        shards = self.engine.optimizer_shards(optimizer)
+        grads = shards.local_gradients(for_change=True)
+        speculated = shards.speculated_norms()
+        total = global_grad_norm(grads, device=self._device, group=self.engine.norm_group, known=speculated)
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        if speculated is not None:  # parts were stepped during backward: see [Note: speculative clipping]
+            self.speculated_steps += 1
+            if not bool(coef < 1.0):
+                return  # a coefficient of 1 changes no bit: the parts stand
+            self.clips_fired += 1
+            shards.undo_speculation()
         device_groups.scale_(grads, coef)  # partial offload: host and device gradients
 
     @override
@@ -350,12 +361,17 @@ def as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
     return ZeroPrecision(precision)
 
 
-def global_grad_norm(local_grads: list[torch.Tensor], device: torch.device, group=None) -> torch.Tensor:
+def global_grad_norm(
+    local_grads: list[torch.Tensor],
+    device: torch.device,
+    group=None,
+    known: Mapping[int, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The 2-norm of the full gradient, from the non-overlapping shards of the ranks of ``group`` (one scalar
-    all-reduce)."""
+    all-reduce); ``known``: ``id(gradient)`` -> its 2-norm, taken already by the kernel this takes the others with."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if local_grads:
         floats = [g if g.is_complex() else g.float() for g in local_grads]  # |g| if complex
-        squares = squares + device_groups.norms(floats, 2.0, device).pow(2).sum()
+        squares = squares + device_groups.norms(floats, 2.0, device, known=known).pow(2).sum()
     collectives.all_reduce(squares, group=group)
     return squares.sqrt().float()

@@ -27,6 +27,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -641,8 +642,9 @@ class ZeroStrategy(ParallelStrategy):
         if self.pipeline is not None:
             self.pipeline.restore_gradients()  # the schedule ran backward inside `training_step`
         else:
-            if self.engine is not None and optimizer is not None and self._step_follows_backward_as_is(module):
-                self.engine.step_during_backward(unwrap(optimizer))
+            follows = self._step_follows_backward(module) if self.engine is not None and optimizer is not None else None
+            if self.engine is not None and optimizer is not None and follows is not None:
+                self.engine.step_during_backward(unwrap(optimizer), clipped=follows == "clipped")
             self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         if self.engine is not None:
             self.engine.post_backward()
@@ -650,21 +652,27 @@ class ZeroStrategy(ParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _step_follows_backward_as_is(self, module: pl.LightningModule) -> bool:
-        """Whether the optimizer step after this backward uses its gradients as they land, averaged and nothing more:
-        automatic optimization without clipping or a loss scaler, so the offloaded host step may start during
-        backward (see [Note: the host step during backward] in ``engine/offload/schedule.py``)."""
+    def _step_follows_backward(self, module: pl.LightningModule) -> str | None:
+        """How the optimizer step after this backward uses its gradients as they land, averaged: ``"as is"``
+        (automatic optimization without clipping or a loss scaler), ``"clipped"`` (the same with Lightning's clipping
+        by the global norm), or None (anything else may change them): the offloaded host step may start during
+        backward (see [Note: the host step during backward] in ``engine/offload/schedule.py``; clipped, speculatively:
+        [Note: speculative clipping] in ``engine/offload/speculation.py``)."""
         trainer = trainer_of(module)
-        return (
+        if not (
             bool(self.zero_config.offload_optimizer)
             and not self._accumulating
             and trainer is not None
             and module.automatic_optimization
-            and not trainer.gradient_clip_val
             and not is_overridden("configure_gradient_clipping", module, pl.LightningModule)
             and getattr(self.precision_plugin, "scaler", None) is None
             and not may_change_gradients(module, getattr(trainer, "callbacks", []))
-        )
+        ):
+            return None
+        if not trainer.gradient_clip_val:
+            return "as is"
+        algorithm = trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM  # Lightning's default when unset
+        return "clipped" if algorithm == GradClipAlgorithmType.NORM else None
 
     def gather_gradients(self, optimizer: Optimizer | None = None) -> dict[str, Tensor]:
         """Full (unsharded) gradients by parameter name, on every rank. Collective; for a step that needs the whole

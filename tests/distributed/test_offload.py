@@ -30,6 +30,7 @@ def report():
         "tests.distributed.worker_offload",
         "exact",
         "during_backward",
+        "clipped_during_backward",
         "memory",
         "checkpoint",
         "partial",
@@ -66,6 +67,39 @@ def test_offload_equals_the_same_run_without_offload(report, config, record_prop
     _as_without_offload(config, result)
     assert result["param_diff_reference"] <= 1e-5
     assert result["grad_diff_reference"] <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(("clip", "fired"), [("never", 0), ("always", 6), ("some", 2)])
+def test_clipped_parts_start_during_backward_and_end_bit_for_bit_as_the_serial_clipped_step(report, stage, clip, fired):
+    """[Note: speculative clipping]: with `gradient_clip_val` the host steps parts during backward before the norm is
+    known, and puts them back where the clip fires; 6 steps against the same run with `overlap_comm=False` (today's
+    clipped step, nothing started early), the clip firing on none of them, on all and on 2."""
+    result = report["clipped_during_backward"][f"stage{stage}_{clip}"]
+    overlap, serial = result["overlap"], result["serial"]
+    assert overlap["steps"] == serial["steps"] == 6
+    assert overlap["parts_started"] >= 2 * 6 and serial["parts_started"] == 0
+    assert overlap["speculated_steps"] == 6 and overlap["clips_fired"] == fired
+    assert result["param_diff_serial"] == 0.0
+    # The copies held until the clip: every master and its state, the planner's (4 + 8) bytes an element, plus the
+    # step counts (4 bytes a parameter, which the planner leaves out).
+    counts = 4 * len(overlap["param_names"])
+    assert overlap["copied_bytes"] == overlap["master_bytes"] + overlap["optimizer_host_bytes"] + counts
+
+
+def test_clipped_parts_with_bf16_state_are_put_back_bit_for_bit(report):
+    """The undo of a part whose state is held in bf16 (``optimizer_state_dtype="bf16"``), the clip firing on 2 of 6."""
+    result = report["clipped_during_backward"]["stage2_some_bf16_states"]
+    assert result["overlap"]["clips_fired"] == 2 and result["overlap"]["parts_started"] >= 12
+    assert result["param_diff_serial"] == 0.0
+
+
+def test_clipping_by_value_keeps_the_step_for_after_backward(report):
+    """Each element clipped on its own could run in the part; today it runs after backward, and nothing starts early."""
+    result = report["clipped_during_backward"]["stage2_value"]
+    assert result["overlap"]["parts_started"] == result["serial"]["parts_started"] == 0
+    assert result["overlap"]["speculated_steps"] == 0
+    assert result["param_diff_serial"] == 0.0
 
 
 @pytest.mark.parametrize("config", CONFIGS[:2])

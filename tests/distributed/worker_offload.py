@@ -397,6 +397,92 @@ def during_backward(only: tuple[str, ...] | None = None) -> dict:
     return out if only is not None else {**out, **refusals(2)}
 
 
+class StartProbe(L.Callback):
+    """How many parts of the offloaded step started during backward, over the whole fit, and the most bytes their
+    copies ([Note: speculative clipping]) held when the clip read their norms."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.copied_bytes = 0
+
+    def on_train_start(self, trainer, pl_module):
+        schedule = trainer.strategy.engine.optimizer_shards(trainer.optimizers[0]).schedule
+        start, norms = schedule.start, schedule.speculated_norms
+
+        def counting_start(*args, **kwargs):
+            self.started += 1
+            return start(*args, **kwargs)
+
+        def measuring_norms():
+            known = norms()
+            copies = [
+                tensor
+                for each in schedule.started
+                for noted in each.speculated
+                for _, copy, state in noted.saved
+                for tensor in [copy, *(v for v in (state or {}).values() if isinstance(v, torch.Tensor))]
+            ]
+            self.copied_bytes = max(self.copied_bytes, sum(t.untyped_storage().nbytes() for t in copies))
+            return known
+
+        schedule.start, schedule.speculated_norms = counting_start, measuring_norms
+
+
+#: Clipping values that fire on no step of the run, on every step of it and on 2 of its 6 steps, at every stage.
+NEVER_FIRES, ALWAYS_FIRES, SOME_FIRE = 1e6, 0.05, 2.0
+
+
+def clipped_during_backward() -> dict:
+    """Clipping by the global norm with the optimizer offloaded: the parts start during backward speculatively
+    ([Note: speculative clipping]), against the same run keeping the whole step for ``optimizer.step()``
+    (``overlap_comm=False``, today's clipped step): bit for bit, the clip firing on every step and on none; and with
+    a clip between, firing on some steps. Clipping by value starts nothing early."""
+    out = {}
+    data = models.IndexedData()
+    for stage in (1, 2, 3):
+        pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
+        cases = [
+            ("never", NEVER_FIRES, "norm", {}),
+            ("always", ALWAYS_FIRES, "norm", {}),
+            ("some", SOME_FIRE, "norm", {}),
+        ]
+        if stage == 2:  # clipping by value; the undo of state held in bf16
+            cases += [
+                ("value", 0.01, "value", {}),
+                ("some_bf16_states", SOME_FIRE, "norm", {"optimizer_state_dtype": "bf16"}),
+            ]
+        for name, clip, algorithm, settings in cases:
+            finals, result = {}, {}
+            for overlap in (True, False):
+                L.seed_everything(7)
+                probe = StartProbe()
+                t = trainer(
+                    ZeroStrategy(stage=stage, offload_optimizer=True, overlap_comm=overlap, **pieces, **settings),
+                    max_steps=6,
+                    accumulate_grad_batches=ACCUMULATE,
+                    gradient_clip_val=clip,
+                    gradient_clip_algorithm=algorithm,
+                    callbacks=[probe],
+                )
+                t.fit(models.Regression(), models.loader(data, BATCH))
+                finals[overlap] = t.strategy.full_state_dict()
+                precision = t.strategy.precision_plugin
+                result["overlap" if overlap else "serial"] = {
+                    "steps": t.global_step,
+                    "parts_started": probe.started,
+                    "copied_bytes": probe.copied_bytes,
+                    "optimizer_host_bytes": _optimizer_bytes(t, host_only=True),
+                    "master_bytes": sum(r.rows.numel() * 4 for r in t.strategy.engine.records()),
+                    "param_names": [r.name for r in t.strategy.engine.records()],
+                    "speculated_steps": precision.speculated_steps,
+                    "clips_fired": precision.clips_fired,
+                }
+            if RANK == 0:
+                result["param_diff_serial"] = max_diff(finals[True], finals[False])
+            out[f"stage{stage}_{name}"] = result
+    return out
+
+
 def refusals(stage: int) -> dict:
     """Clipping by hand after parts were stepped during backward, and a step skipped after them; clipping in a hook
     between backward and the step, which keeps the whole step for ``optimizer.step()``, against Lightning's own."""
@@ -558,6 +644,7 @@ CASES = {
     "checkpoint": checkpoints,
     "partial": lambda _: partial(),
     "during_backward": lambda _: during_backward(),
+    "clipped_during_backward": lambda _: clipped_during_backward(),
     # one rank (one GPU's case): FSDP2 copies where it would reduce ([Note: units finished alone])
     "during_backward_alone": lambda _: during_backward(("stage2", "stage3")),
     "stage3_parts": lambda _: stage3_parts((True,)),

@@ -86,6 +86,17 @@ def test_bf16_optimizer_states_halve_the_state_the_plan_counts():
     )
 
 
+def test_clipping_with_the_whole_optimizer_offloaded_counts_the_speculated_copies():
+    """[Note: speculative clipping]: the parts stepped during backward keep copies of their masters and state (AdamW:
+    4 + 8 bytes an element) until the clip is known; not where the step waits for backward's end anyway."""
+    trace = trace_step(lambda: GPTLightningModule(**TINY), _batch())
+    for c in (Configuration(2, offload_optimizer=1.0), Configuration(3, offload_optimizer=1.0)):
+        plain, clipped = predict(trace, c, 2), predict(trace, c, 2, clipped=True)
+        assert clipped.host_bytes - plain.host_bytes == pytest.approx((4 + 8) * trace.params / 2, abs=1)
+    for c in (Configuration(2), Configuration(2, offload_optimizer=0.5), Configuration(3, 1.0, offload_params=True)):
+        assert predict(trace, c, 2, clipped=True).host_bytes == predict(trace, c, 2).host_bytes
+
+
 def test_frozen_layers_under_mixed_precision_trace_a_second_step_as_stage_3_holds_them():
     """Stages 1-2 keep a frozen layer as built and autocast saves a bf16 copy of its weight for backward; stage 3
     gathers it in bf16 and saves no copy, so its timeline is traced apart and its peak is lower."""

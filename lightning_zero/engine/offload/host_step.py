@@ -10,7 +10,7 @@ none (:func:`host_kernel`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -65,14 +65,18 @@ def step_on_host(
     average: tuple[list[torch.Tensor], float] | None = None,
     kernel: bool = True,
     states: StateDtype | None = None,
+    before: Callable[[], None] | None = None,
     **kwargs: Any,
 ) -> object:
     """Step ``optimizer`` on ``standins`` (``optimizers.hosted_params``) once the copies behind ``after`` are done;
     ``average``: gradients to scale by a coefficient first; ``kernel``: choose the fused CPU kernel (off where the
-    tensors are not on the host); ``states``: the dtype its state is held in between steps."""
+    tensors are not on the host); ``states``: the dtype its state is held in between steps; ``before``: called with
+    the gradients final, before the step writes anything (``speculation.py``)."""
     if after is not None:
         after.synchronize()
     if average is not None and average[0] and average[1] != 1.0:
         torch._foreach_mul_(*average)
+    if before is not None:
+        before()
     with hosted_params(optimizer, standins), host_kernel(optimizer, enabled=kernel):
         return states.step(optimizer, **kwargs) if states is not None else optimizer.step(**kwargs)

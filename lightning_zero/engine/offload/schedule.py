@@ -35,11 +35,13 @@ With the optimizer offloaded, the host step is the longest piece of a step. Back
 time, last layers first (a bucket at stages 1-2, an FSDP2 unit at stage 3), and each piece's shards are copied to the
 host as they land (see [Note: the offloaded step]). Once every piece of a part has landed, the part's
 step can start in a worker thread, so the host steps the last layers while the device still computes the gradients of
-the first, but only where the step's coefficient is known before backward ends:
+the first, but only where the step's coefficient is known before backward ends, or can be checked after it:
 
-* it is the averaging alone: no clipping, no loss scaler (``16-mixed`` can skip a step on overflow), and no user code
-  between backward and the step (``on_after_backward``, ``on_before_optimizer_step``), where ``clip_grad_norm_`` or an
-  edit of ``.grad`` would come too late;
+* it is the averaging alone, or with Lightning's clipping by the global norm (``gradient_clip_val``), whose
+  coefficient the parts speculate is 1 and undo where it is not ([Note: speculative clipping] in
+  ``speculation.py``); no loss scaler (``16-mixed`` can skip a step on overflow), and no user code between backward
+  and the step (``on_after_backward``, ``on_before_optimizer_step``), where ``clip_grad_norm_`` or an edit of
+  ``.grad`` would come too late;
 * there is one backward a step, no delayed update, no hybrid replicas (their sums are added after the
   reduction), no pipeline stages, every master on the host and an element-wise torch optimizer without step
   hooks (``optimizers.steps_in_parts``);
@@ -92,6 +94,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.offload.host_step import step_on_host
 from lightning_zero.engine.offload.masters import MasterShards
+from lightning_zero.engine.offload.speculation import CopyBuffers, Speculation
 from lightning_zero.engine.offload.worker import HostStepWorker, PendingUpdate
 from lightning_zero.engine.optimizers import Standins, stepping_view, steps_in_parts
 from lightning_zero.engine.state_dtype import StateDtype
@@ -143,6 +146,9 @@ class StartedPart:
     pending: PendingUpdate
     pieces_in_flight: int
     """Pieces of this optimizer whose reduction had not landed yet when the part started (0: backward's end)."""
+    speculated: list[Speculation] = dataclasses.field(default_factory=list)
+    """Under clipping, what the worker noted before the step (see [Note: speculative clipping] in
+    ``speculation.py``): filled in the worker, read once the part is done."""
 
 
 #: One host-step call of the delayed update: its stand-ins and the event behind the copies that read its masters.
@@ -168,6 +174,10 @@ class HostStepSchedule:
         self._part_of: dict[int, int] = {}
         self._armed: list[HostPart] = []
         self._view: Optimizer | None = None
+        #: The parts started this backward step before the clipping coefficient is known.
+        self._speculating = False
+        #: Their copies' buffers, kept from step to step (``speculation.CopyBuffers``).
+        self._copies: CopyBuffers = {}
 
     @property
     def mode(self) -> StepMode:
@@ -177,9 +187,18 @@ class HostStepSchedule:
         return StepMode.DURING_BACKWARD if self.started else StepMode.SERIAL
 
     # ------------------------------------------------------------------ during backward
-    def arm(self, parts: Sequence[HostPart], masters: MasterShards | None, eligible: bool = True) -> bool:
+    @property
+    def speculated(self) -> bool:
+        """Parts started during this backward before the clipping coefficient was known (see [Note: speculative
+        clipping] in ``speculation.py``)."""
+        return self._speculating and bool(self.started)
+
+    def arm(
+        self, parts: Sequence[HostPart], masters: MasterShards | None, eligible: bool = True, speculative: bool = False
+    ) -> bool:
         """A synchronising backward begins; False where nothing will start early (see [Note: the host step during
-        backward]). Refused where the parts of the previous backward were never stepped."""
+        backward]); ``speculative``: the step clips by the global norm, so parts start speculatively. Refused where
+        the parts of the previous backward were never stepped."""
         if self.started:
             raise RuntimeError(
                 f"The host stepped parts of {type(self.optimizer).__name__} during the last backward, but no "
@@ -199,6 +218,7 @@ class HostStepSchedule:
         self._part_of = {piece: k for k, part in enumerate(self._armed) for piece in part.pieces}
         self._waiting = {k: len(part.pieces) for k, part in enumerate(self._armed)}
         self._view = None
+        self._speculating = starts and speculative
         return starts
 
     def disarm(self) -> None:
@@ -224,10 +244,16 @@ class HostStepSchedule:
         if self._view is None:
             self._view = stepping_view(self.optimizer)
         view = self._view
+        speculated: list[Speculation] = []
+
+        def note() -> None:
+            speculated.append(Speculation.before_step(view, standins, self._copies))
+
+        before = note if self._speculating else None
         pending = self.worker.start(
-            lambda: step_on_host(view, standins, after=after, average=average, states=self.states)
+            lambda: step_on_host(view, standins, after=after, average=average, states=self.states, before=before)
         )
-        self.started.append(StartedPart(part, pending, sum(self._waiting.values())))
+        self.started.append(StartedPart(part, pending, sum(self._waiting.values()), speculated))
 
     def take(self) -> list[StartedPart]:
         """The parts started during the backward that just ended, for :meth:`send_back`; the schedule forgets them."""
@@ -245,14 +271,29 @@ class HostStepSchedule:
             stepped.update(each.part.indices)
         return stepped
 
+    def speculated_norms(self) -> dict[int, torch.Tensor]:
+        """``id(gradient)`` -> its 2-norm, for the gradients of the parts started speculatively, once they are done."""
+        self.wait_started()
+        return {key: norm for each in self.started for noted in each.speculated for key, norm in noted.norms.items()}
+
+    def undo_started(self) -> None:
+        """The clip fired: every part started speculatively is put back as it was before its step and forgotten, so
+        the step steps it again with the clipped gradients (see [Note: speculative clipping])."""
+        self.wait_started()
+        for each in reversed(self.started):
+            for noted in each.speculated:
+                noted.undo(self.optimizer)
+        self.started, self._speculating = [], False
+
     def wait_started(self) -> None:
         """Block until every part started so far has been stepped (before its gradients or masters are read)."""
         for each in self.started:
             each.pending.wait()
 
     def refuse(self, action: str) -> None:
-        """Raise where parts were stepped already, so ``action`` comes too late."""
-        if self.started:
+        """Raise where parts were stepped already, so ``action`` comes too late (a speculated part can be undone:
+        the caller asks :meth:`undo_started` instead)."""
+        if self.started and not self.speculated:
             raise RuntimeError(
                 f"Cannot {action}: with the optimizer offloaded, the host already stepped parts of "
                 f"{type(self.optimizer).__name__} during backward (see [Note: the host step during backward] in "

@@ -203,11 +203,11 @@ class ShardedOptimizer(OptimizerShell):
         standins.update(self._owner_standins())
         return standins
 
-    def step_during_backward(self) -> bool:
+    def step_during_backward(self, clipped: bool = False) -> bool:
         """See [Note: the host step during backward] in ``engine/offload/schedule.py``; False where the step waits
         for :meth:`step`."""
         self.take_back_writes()
-        return self.schedule.arm(self.parts, self.masters, eligible=not self.whole)
+        return self.schedule.arm(self.parts, self.masters, eligible=not self.whole, speculative=clipped)
 
     def bucket_landed(self, bucket: int) -> None:
         part = self.schedule.landed(bucket)

@@ -305,13 +305,13 @@ class ZeroDataParallel:
     def synchronizing(self) -> bool:
         return self.reducer.require_sync
 
-    def step_during_backward(self, optimizer: Optimizer) -> None:
+    def step_during_backward(self, optimizer: Optimizer, clipped: bool = False) -> None:
         """See [Note: the host step during backward] (``engine/offload/schedule.py``): the caller vouches that nothing
         after this backward changes the gradients or skips the step."""
         shards = self._optimizers.get(id(optimizer))
         if shards is None or not self._overlap_comm or not self.reducer.require_sync or self.delayed:
             return
-        if self.reducer.stages_on_landing and shards.step_during_backward():
+        if self.reducer.stages_on_landing and shards.step_during_backward(clipped):
             self.reducer.on_landed = shards.bucket_landed
 
     def post_backward(self) -> None:

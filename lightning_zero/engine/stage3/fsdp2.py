@@ -383,12 +383,12 @@ class FullyShardedEngine:
     def synchronizing(self) -> bool:
         return self._reducing
 
-    def step_during_backward(self, optimizer: Optimizer) -> None:
+    def step_during_backward(self, optimizer: Optimizer, clipped: bool = False) -> None:
         """See [Note: the host step during backward] (``engine/offload/schedule.py``)."""
         shards = self._optimizers.get(id(optimizer))
         if shards is None or self.finished is None or not self._reducing or self.masters is None:
             return
-        if shards.step_during_backward(self._heads):
+        if shards.step_during_backward(self._heads, clipped):
             self.finished.listen(shards.unit_finished)
 
     def post_backward(self) -> None:

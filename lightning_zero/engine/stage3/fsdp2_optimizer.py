@@ -272,7 +272,7 @@ class FullyShardedOptimizer(OptimizerShell):
     def _sitting_out(self) -> dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]:
         return {id(p): None for p in self._params()}
 
-    def step_during_backward(self, heads: Sequence[FSDPModule]) -> bool:
+    def step_during_backward(self, heads: Sequence[FSDPModule], clipped: bool = False) -> bool:
         """See [Note: the host step during backward] in ``engine/offload/schedule.py``; False where the step waits for
         :meth:`step`, as it must where a unit reduces in more than one collective."""
         self._take_back_writes()
@@ -286,7 +286,7 @@ class FullyShardedOptimizer(OptimizerShell):
         self.unit_parts = [part for part in parts if part.indices]
         eligible = not self.whole and one_group_each
         self._run_again = fsdp2_private.run_more_than_once(heads, self.engine.roots) if eligible else set()
-        return self.schedule.arm(self.unit_parts, self.engine.masters, eligible)
+        return self.schedule.arm(self.unit_parts, self.engine.masters, eligible, speculative=clipped)
 
     def unit_finished(self, position: int) -> None:
         part = self.schedule.landed(position)
