@@ -141,8 +141,10 @@ Standins = dict[int, tuple[torch.Tensor, torch.Tensor | None] | None]
 def hosted_params(
     optimizer: Optimizer, standins: Mapping[int, tuple[torch.Tensor, torch.Tensor | None] | None]
 ) -> Iterator[None]:
-    """For the duration of the block, ``optimizer.param_groups`` holds the stand-ins of :data:`Standins`."""
+    """For the duration of the block, ``optimizer.param_groups`` holds the stand-ins of :data:`Standins`. A stand-in
+    that is the parameter itself (stage 3's offloaded shards, stepped in place) keeps its gradient afterwards."""
     saved = [group["params"] for group in optimizer.param_groups]
+    given: list[torch.Tensor] = []
     try:
         for group in optimizer.param_groups:
             hosted = []
@@ -154,7 +156,9 @@ def hosted_params(
                 if standin is None:
                     continue
                 tensor, grad = standin
-                tensor.grad = grad
+                if tensor is not p:
+                    tensor.grad = grad
+                    given.append(tensor)
                 hosted.append(tensor)
             group["params"] = hosted
         give_standins_state(optimizer)
@@ -162,6 +166,5 @@ def hosted_params(
     finally:
         for group, params in zip(optimizer.param_groups, saved):
             group["params"] = params
-        for standin in standins.values():
-            if standin is not None:
-                standin[0].grad = None
+        for tensor in given:
+            tensor.grad = None

@@ -69,7 +69,7 @@ def test_offload_equals_the_same_run_without_offload(report, config, record_prop
     assert result["grad_diff_reference"] <= 1e-5
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, "3_params"])
 @pytest.mark.parametrize(("clip", "fired"), [("never", 0), ("always", 6), ("some", 2)])
 def test_clipped_parts_start_during_backward_and_end_bit_for_bit_as_the_serial_clipped_step(report, stage, clip, fired):
     """[Note: speculative clipping]: with `gradient_clip_val` the host steps parts during backward before the norm is
@@ -85,6 +85,14 @@ def test_clipped_parts_start_during_backward_and_end_bit_for_bit_as_the_serial_c
     # step counts (4 bytes a parameter, which the planner leaves out).
     counts = 4 * len(overlap["param_names"])
     assert overlap["copied_bytes"] == overlap["master_bytes"] + overlap["optimizer_host_bytes"] + counts
+
+
+def test_stage3_with_offloaded_parameters_steps_a_part_per_unit_during_backward_bit_for_bit(report):
+    """``offload_params``: each unit's host shards are stepped in place as FSDP2 finishes its gradients, without
+    clipping (as with it above), bit for bit the step after backward."""
+    result = report["clipped_during_backward"]["stage3_params_unclipped"]
+    assert result["overlap"]["parts_started"] == 3 * 6 and result["serial"]["parts_started"] == 0
+    assert result["param_diff_serial"] == 0.0
 
 
 def test_clipped_parts_with_bf16_state_are_put_back_bit_for_bit(report):

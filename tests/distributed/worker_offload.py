@@ -422,7 +422,8 @@ class StartProbe(L.Callback):
                 for _, copy, state in noted.saved
                 for tensor in [copy, *(v for v in (state or {}).values() if isinstance(v, torch.Tensor))]
             ]
-            self.copied_bytes = max(self.copied_bytes, sum(t.untyped_storage().nbytes() for t in copies))
+            copied = sum(_local(t).numel() * t.element_size() for t in copies)
+            self.copied_bytes = max(self.copied_bytes, copied)
             return known
 
         schedule.start, schedule.speculated_norms = counting_start, measuring_norms
@@ -439,7 +440,7 @@ def clipped_during_backward() -> dict:
     a clip between, firing on some steps. Clipping by value starts nothing early."""
     out = {}
     data = models.IndexedData()
-    for stage in (1, 2, 3):
+    for label, stage, offloaded in ((1, 1, {}), (2, 2, {}), (3, 3, {}), ("3_params", 3, {"offload_params": True})):
         pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
         cases = [
             ("never", NEVER_FIRES, "norm", {}),
@@ -451,13 +452,17 @@ def clipped_during_backward() -> dict:
                 ("value", 0.01, "value", {}),
                 ("some_bf16_states", SOME_FIRE, "norm", {"optimizer_state_dtype": "bf16"}),
             ]
+        if offloaded:  # the parameters themselves stepped during backward, without clipping too
+            cases += [("unclipped", None, None, {})]
         for name, clip, algorithm, settings in cases:
             finals, result = {}, {}
             for overlap in (True, False):
                 L.seed_everything(7)
                 probe = StartProbe()
                 t = trainer(
-                    ZeroStrategy(stage=stage, offload_optimizer=True, overlap_comm=overlap, **pieces, **settings),
+                    ZeroStrategy(
+                        stage=stage, offload_optimizer=True, overlap_comm=overlap, **pieces, **offloaded, **settings
+                    ),
                     max_steps=6,
                     accumulate_grad_batches=ACCUMULATE,
                     gradient_clip_val=clip,
@@ -479,7 +484,7 @@ def clipped_during_backward() -> dict:
                 }
             if RANK == 0:
                 result["param_diff_serial"] = max_diff(finals[True], finals[False])
-            out[f"stage{stage}_{name}"] = result
+            out[f"stage{label}_{name}"] = result
     return out
 
 

@@ -66,17 +66,23 @@ def step_on_host(
     kernel: bool = True,
     states: StateDtype | None = None,
     before: Callable[[], None] | None = None,
+    inner: Callable[[Optimizer], contextlib.AbstractContextManager[None]] | None = None,
     **kwargs: Any,
 ) -> object:
     """Step ``optimizer`` on ``standins`` (``optimizers.hosted_params``) once the copies behind ``after`` are done;
     ``average``: gradients to scale by a coefficient first; ``kernel``: choose the fused CPU kernel (off where the
     tensors are not on the host); ``states``: the dtype its state is held in between steps; ``before``: called with
-    the gradients final, before the step writes anything (``speculation.py``)."""
+    the gradients final, before the step writes anything (``speculation.py``); ``inner``: a re-hosting entered inside
+    the stand-ins' (stage 3's local shards, for parameters stepped in place on the host)."""
     if after is not None:
         after.synchronize()
     if average is not None and average[0] and average[1] != 1.0:
         torch._foreach_mul_(*average)
     if before is not None:
         before()
-    with hosted_params(optimizer, standins), host_kernel(optimizer, enabled=kernel):
+    with (
+        hosted_params(optimizer, standins),
+        inner(optimizer) if inner is not None else contextlib.nullcontext(),
+        host_kernel(optimizer, enabled=kernel),
+    ):
         return states.step(optimizer, **kwargs) if states is not None else optimizer.step(**kwargs)

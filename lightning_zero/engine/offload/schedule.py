@@ -43,8 +43,8 @@ the first, but only where the step's coefficient is known before backward ends, 
   and the step (``on_after_backward``, ``on_before_optimizer_step``), where ``clip_grad_norm_`` or an edit of
   ``.grad`` would come too late;
 * there is one backward a step, no delayed update, no hybrid replicas (their sums are added after the
-  reduction), no pipeline stages, every master on the host and an element-wise torch optimizer without step
-  hooks (``optimizers.steps_in_parts``);
+  reduction), no pipeline stages, everything the parts step on the host (every master, or stage 3's offloaded
+  parameters themselves) and an element-wise torch optimizer without step hooks (``optimizers.steps_in_parts``);
 * every parameter of the part has a gradient on this rank: whether one this rank produced none for was used on
   another rank is known only when backward ends (``GradientReducer._forget_gradients_no_rank_produced``,
   ``fsdp2_missing_grads.UnusedParameters``). At world size 1 FSDP2 copies where it would reduce
@@ -83,6 +83,7 @@ after its own copies' event.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Sequence
@@ -93,7 +94,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine.offload.host_step import step_on_host
-from lightning_zero.engine.offload.masters import MasterShards
 from lightning_zero.engine.offload.speculation import CopyBuffers, Speculation
 from lightning_zero.engine.offload.worker import HostStepWorker, PendingUpdate
 from lightning_zero.engine.optimizers import Standins, stepping_view, steps_in_parts
@@ -193,11 +193,10 @@ class HostStepSchedule:
         clipping] in ``speculation.py``)."""
         return self._speculating and bool(self.started)
 
-    def arm(
-        self, parts: Sequence[HostPart], masters: MasterShards | None, eligible: bool = True, speculative: bool = False
-    ) -> bool:
+    def arm(self, parts: Sequence[HostPart], on_host: bool, eligible: bool = True, speculative: bool = False) -> bool:
         """A synchronising backward begins; False where nothing will start early (see [Note: the host step during
-        backward]); ``speculative``: the step clips by the global norm, so parts start speculatively. Refused where
+        backward]); ``on_host``: every tensor the parts step is in host memory (masters, or stage 3's offloaded
+        parameters); ``speculative``: the step clips by the global norm, so parts start speculatively. Refused where
         the parts of the previous backward were never stepped."""
         if self.started:
             raise RuntimeError(
@@ -205,15 +204,7 @@ class HostStepSchedule:
                 "`optimizer.step()` followed it (an `optimizer_step` override that runs the closure and skips the "
                 "step?). Pass ZeroStrategy(overlap_comm=False) to keep the whole step for `optimizer.step()`."
             )
-        starts = (
-            eligible
-            and not self.delayed
-            and masters is not None
-            and masters.offloaded
-            and all(masters.on_host)
-            and len(parts) > 1
-            and steps_in_parts(self.optimizer)
-        )
+        starts = eligible and not self.delayed and on_host and len(parts) > 1 and steps_in_parts(self.optimizer)
         self._armed = list(parts) if starts else []
         self._part_of = {piece: k for k, part in enumerate(self._armed) for piece in part.pieces}
         self._waiting = {k: len(part.pieces) for k, part in enumerate(self._armed)}
@@ -238,9 +229,11 @@ class HostStepSchedule:
         standins: Standins,
         after: torch.Event | None,
         average: tuple[list[torch.Tensor], float] | None = None,
+        inner: Callable[[Optimizer], contextlib.AbstractContextManager[None]] | None = None,
     ) -> None:
-        """Step ``part`` in the worker once the copies behind ``after`` are done. The view of the optimizer is taken
-        when the first part starts, so every part steps with the same param groups."""
+        """Step ``part`` in the worker once the copies behind ``after`` are done (``inner``: see
+        ``host_step.step_on_host``). The view of the optimizer is taken when the first part starts, so every part
+        steps with the same param groups."""
         if self._view is None:
             self._view = stepping_view(self.optimizer)
         view = self._view
@@ -251,7 +244,9 @@ class HostStepSchedule:
 
         before = note if self._speculating else None
         pending = self.worker.start(
-            lambda: step_on_host(view, standins, after=after, average=average, states=self.states, before=before)
+            lambda: step_on_host(
+                view, standins, after=after, average=average, states=self.states, before=before, inner=inner
+            )
         )
         self.started.append(StartedPart(part, pending, sum(self._waiting.values()), speculated))
 

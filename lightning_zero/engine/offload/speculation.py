@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 #: ``id(tensor)`` -> the buffer its copy is written into, kept from step to step (a fresh allocation each step
@@ -62,7 +63,8 @@ class Speculation:
         """Called with the part's gradients final (averaged), before its step writes anything; the copies go into
         ``buffers``, which stay with the caller for the next step."""
         stepped = [standin for standin in standins.values() if standin is not None and standin[1] is not None]
-        grads = [grad for _, grad in stepped if grad is not None]
+        # A DTensor's norm would be a collective, in this thread: stage 3's clip takes those norms itself.
+        grads = [grad for _, grad in stepped if grad is not None and not isinstance(grad, DTensor)]
         norms = dict(zip(map(id, grads), torch._foreach_norm(grads, 2.0))) if grads else {}
         saved = []
         for tensor, _ in stepped:

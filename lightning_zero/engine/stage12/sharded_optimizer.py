@@ -207,7 +207,9 @@ class ShardedOptimizer(OptimizerShell):
         """See [Note: the host step during backward] in ``engine/offload/schedule.py``; False where the step waits
         for :meth:`step`."""
         self.take_back_writes()
-        return self.schedule.arm(self.parts, self.masters, eligible=not self.whole, speculative=clipped)
+        masters = self.masters
+        on_host = masters is not None and masters.offloaded and all(masters.on_host)
+        return self.schedule.arm(self.parts, on_host, eligible=not self.whole, speculative=clipped)
 
     def bucket_landed(self, bucket: int) -> None:
         part = self.schedule.landed(bucket)

@@ -33,10 +33,12 @@ consecutive ranks, so backward's all-gather runs inside that group.
 
 [Note: stage 3 offload]
 ``offload_params`` is FSDP2's ``CPUOffloadPolicy``: sharded parameters, their gradients and so the optimizer state live
-in host memory, and the user's optimizer steps the host shards directly. ``offload_optimizer`` alone keeps the sharded
-parameters on the device and re-hosts the optimizer on host copies of them (see ``engine/offload/``), as stages 1 and 2
-do, a run of parameters at a time (``FullyShardedOptimizer._step_in_parts``), each unit's run during backward where
-nothing after it changes the gradients (see [Note: the host step during backward] in ``engine/offload/schedule.py``).
+in host memory, and the user's optimizer steps the host shards directly, each unit's in place during backward as FSDP2
+finishes its gradients where nothing after backward changes them (``FullyShardedOptimizer._start_in_place``).
+``offload_optimizer`` alone keeps the sharded parameters on the device and re-hosts the optimizer on host copies of them
+(see ``engine/offload/``), as stages 1 and 2 do, a run of parameters at a time
+(``FullyShardedOptimizer._step_in_parts``), each unit's run during backward where nothing after it changes the gradients
+(see [Note: the host step during backward] in ``engine/offload/schedule.py``).
 """
 
 from __future__ import annotations
@@ -386,7 +388,9 @@ class FullyShardedEngine:
     def step_during_backward(self, optimizer: Optimizer, clipped: bool = False) -> None:
         """See [Note: the host step during backward] (``engine/offload/schedule.py``)."""
         shards = self._optimizers.get(id(optimizer))
-        if shards is None or self.finished is None or not self._reducing or self.masters is None:
+        if shards is None or self.finished is None or not self._reducing:
+            return
+        if self.masters is None and not self.params_on_host:
             return
         if shards.step_during_backward(self._heads, clipped):
             self.finished.listen(shards.unit_finished)

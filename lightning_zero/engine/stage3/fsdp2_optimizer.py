@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,8 @@ class FullyShardedOptimizer(OptimizerShell):
         self.unit_parts: list[HostPart] = []
         #: Each unit's trainable parameters, and whether every unit reduces in one collective.
         self._units: tuple[list[list[int]], bool] | None = None
+        #: The units' FSDP2 modules, by position, as the last backward's parts were armed.
+        self._heads: list[FSDPModule] = []
         #: Reduced again later in this backward, so their parts wait for :meth:`step`.
         self._run_again: set[int] = set()
         #: See [Note: parameters written between steps] (``engine/in_place_writes.py``); a DTensor's own version counts
@@ -199,6 +201,10 @@ class FullyShardedOptimizer(OptimizerShell):
         if self.whole:
             self._owners.gather(self.whole, self._rows, self._grad)
         early, parts = self.schedule.take(), self._host_parts()
+        if early and engine.masters is None:  # offload_params: parts stepped in place during backward
+            result = self._step_the_rest_in_place(early, **kwargs)
+            engine.zero_dim.share()
+            return result
         if early or parts:
             result = self._step_in_parts(parts or [sorted(self._hosted_indices())], early, **kwargs)
             engine.zero_dim.share()
@@ -219,6 +225,21 @@ class FullyShardedOptimizer(OptimizerShell):
         engine.zero_dim.share()
         self._mark_hosted()
         return result
+
+    def _step_the_rest_in_place(self, early: Sequence[StartedPart], **kwargs: Any) -> object:
+        """``offload_params``: the parts stepped during backward wrote the host shards already (FSDP2 copies them to
+        the device at the next all-gather); the rest step here, in one call."""
+        stepped = self.schedule.send_back(early, lambda part: None)
+        params = self.engine.params
+        done: Standins = {id(params[i]): None for i in stepped}
+        rest = [p for p in self._sharded_in_place() if self.engine.index[id(p)] not in stepped]
+        with (
+            self.hosting(),
+            hosted_params(self.optimizer, done),
+            stepping_local_shards(self.optimizer, rest),
+            host_kernel(self.optimizer),
+        ):
+            return self.schedule.states.step(self.optimizer, **kwargs)
 
     def _take_back_writes(self) -> None:
         if self.written is not None and self.engine.masters is not None:
@@ -281,27 +302,57 @@ class FullyShardedOptimizer(OptimizerShell):
             per_unit = [[index[id(p)] for p, _ in fsdp2_private.sharded_params(h) if id(p) in index] for h in heads]
             self._units = (per_unit, all(fsdp2_private.one_group(h) for h in heads))
         units, one_group_each = self._units
-        hosted = set(self._hosted_indices())
-        parts = (HostPart((k,), tuple(i for i in indices if i in hosted)) for k, indices in enumerate(units))
+        self._heads = list(heads)
+        engine, masters = self.engine, self.engine.masters
+        stepped = set(self._hosted_indices()) if masters is not None else set(self._in_place_indices())
+        parts = (HostPart((k,), tuple(i for i in indices if i in stepped)) for k, indices in enumerate(units))
         self.unit_parts = [part for part in parts if part.indices]
         eligible = not self.whole and one_group_each
-        self._run_again = fsdp2_private.run_more_than_once(heads, self.engine.roots) if eligible else set()
-        return self.schedule.arm(self.unit_parts, self.engine.masters, eligible, speculative=clipped)
+        self._run_again = fsdp2_private.run_more_than_once(heads, engine.roots) if eligible else set()
+        on_host = (masters is not None and masters.offloaded and all(masters.on_host)) or (
+            masters is None and engine.params_on_host
+        )
+        return self.schedule.arm(self.unit_parts, on_host, eligible, speculative=clipped)
 
     def unit_finished(self, position: int) -> None:
         part = self.schedule.landed(position)
         if part is None or position in self._run_again:
             return
-        engine, masters = self.engine, self._masters()
+        engine = self.engine
         indices = part.indices
         grads = [self._grad(i) for i in indices]
         if any(grad is None or not engine.unused.produced_here(engine.params[i]) for i, grad in zip(indices, grads)):
             return  # whether no rank used it is known when backward ends
+        if engine.masters is None:  # offload_params: the shards themselves, on the host
+            self._start_in_place(part, position)
+            return
+        masters = self._masters()
         if self.written is not None:  # written while gathered (the root through `training_step`)
             self.written.take_back(masters, indices, engine.params.__getitem__, self._rows)
         staged = masters.stage_gradients([(i, grad) for i, grad in zip(indices, grads) if grad is not None])
         standins = {**self._sitting_out(), **{id(engine.params[i]): (masters[i], g) for i, g in zip(indices, staged)}}
         self.schedule.start(part, standins, masters.gradient_copies_queued())
+
+    def _start_in_place(self, part: HostPart, position: int) -> None:
+        """``offload_params``: the unit's DTensor shards and their gradients are in host memory already (FSDP2's
+        ``CPUOffloadPolicy``), so the part steps them in place, on their local tensors ([Note: local-shard step]),
+        once FSDP2's copies of the gradients to the host are done."""
+        params = [cast(DTensor, self.engine.params[i]) for i in part.indices]
+        events = fsdp2_private.gradient_copy_events(self._heads[position])
+        standins: Standins = {**self._sitting_out(), **{id(p): (p, p.grad) for p in params}}
+
+        @contextlib.contextmanager
+        def local_shards(optimizer: Optimizer) -> Iterator[None]:
+            for event in events:
+                event.synchronize()
+            with stepping_local_shards(optimizer, params):
+                yield
+
+        self.schedule.start(part, standins, None, inner=local_shards)
+
+    def _in_place_indices(self) -> list[int]:
+        index = self.engine.index
+        return [index[id(p)] for p in self._sharded_in_place()]
 
     def _write_rows(self, i: int, rows: torch.Tensor) -> None:
         engine = self.engine

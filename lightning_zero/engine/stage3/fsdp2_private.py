@@ -340,6 +340,18 @@ def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
             yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
 
 
+def gradient_copy_events(unit: FSDPModule) -> list[torch.Event]:
+    """Under ``CPUOffloadPolicy`` with pinned memory, the events behind the copies that bring the unit's reduced
+    gradients to the host (``FSDPParam.grad_offload_event``, which FSDP2's own final callback waits for): a host step
+    of the unit's parameters during backward waits for them first."""
+    return [
+        event
+        for group in _groups_of(unit._get_fsdp_state())
+        for fsdp_param in group.fsdp_params
+        if (event := getattr(fsdp_param, "grad_offload_event", None)) is not None
+    ]
+
+
 def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
     """Call ``before(group)`` at the start of each of ``group``'s post-backwards: the last moment its unsharded
     gradients are in view.
