@@ -3,6 +3,7 @@ evaluate it, and export it back to a directory ``from_pretrained`` reads.
 
     python examples/hf_finetune.py                          # makes a small 'pretrained' Llama first
     python examples/hf_finetune.py --pretrained DIR --max-steps 100
+    python examples/hf_finetune.py --strategy zero2_offload --optimizer-state-dtype bf16 --max-steps 300
 
 Nothing is downloaded. Without ``--pretrained`` the script first pretrains a small Llama-style model
 (RMSNorm, rotary embeddings, SwiGLU) on one synthetic text for a few steps in one process and saves it with
@@ -37,6 +38,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # noqa: 
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from lightning_zero.checkpoint.consolidate import export_hf  # noqa: E402
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES  # noqa: E402
 from lightning_zero.demo import CharDataModule, LossReport  # noqa: E402
 
 
@@ -47,6 +49,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pretrain-steps", type=int, default=60)
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--strategy", default="zero3", choices=sorted(REGISTERED_STRATEGIES), help="a registered name")
+    p.add_argument("--optimizer-state-dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--gradient-clip-val", type=float, default=None)
     return p.parse_args()
 
 
@@ -127,9 +133,15 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy=ZeroStrategy(stage=3, init_weights=str(pretrained), activation_checkpointing=LlamaDecoderLayer),
+        strategy=ZeroStrategy(
+            **REGISTERED_STRATEGIES[args.strategy],
+            optimizer_state_dtype=args.optimizer_state_dtype,
+            init_weights=str(pretrained),
+            activation_checkpointing=LlamaDecoderLayer,
+        ),
         precision="bf16-mixed",
         max_steps=args.max_steps,
+        gradient_clip_val=args.gradient_clip_val,
         limit_val_batches=8,
         val_check_interval=args.max_steps,
         num_sanity_val_steps=0,
@@ -139,7 +151,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[LossReport(every=10)],
     )
-    module = CausalLM(str(pretrained))
+    module = CausalLM(str(pretrained), lr=args.lr)
     before = trainer.validate(module, datamodule=data, verbose=False)[0]["val_loss"]
     trainer.fit(module, datamodule=data)
     after = trainer.callback_metrics["val_loss"].item()
