@@ -6,18 +6,17 @@
     python benchmarks/bench_host_step.py --impls torch-fused --threads 15,16 --busy 1   # a core taken meanwhile
     python benchmarks/bench_host_step.py --impls torch-fused,torch-fused-bf16 --tile 65536,4194304
 
-With ``offload_optimizer`` the optimizer steps fp32 masters in host memory, and ``torch.optim.AdamW`` runs there
-with torch's fused CPU kernel when the user left the kernel to torch (``host_kernel`` in
-``engine/offload/host_step.py``): ``torch-fused`` is that, ``AdamW(fused=True)`` (built here directly: importing the package would cost each
-process Lightning's import). ``torch-foreach`` and ``torch-forloop`` are torch's other kernels, for reference;
-``deepspeed`` is ``DeepSpeedCPUAdam(adamw_mode=True)``, the step of DeepSpeed's ZeRO-Offload.
-``torch-fused-bf16`` is ``ZeroStrategy(optimizer_state_dtype="bf16")``'s step (``engine/state_dtype.py``): the same
-fused kernel on moments held in bf16 and widened to fp32 a tile (``--tile`` elements) at a time, 20 bytes per element
-to and from memory where a tile's fp32 copy stays in cache (param 4 + 4, gradient 4, two moments 2 + 2 each). It is OpenMP, so
-its thread count is fixed when the process starts: each size, thread count and implementation runs in a fresh
-process with ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set. All take lr 1e-3, betas (0.9, 0.999), eps 1e-8,
-weight decay 0.01, on GPT-like tensors (``--tensors``) whose gradients are set once; figures are medians over
-the measured steps.
+With ``offload_optimizer`` the optimizer steps fp32 masters in host memory, and ``torch.optim.AdamW`` runs there with
+torch's fused CPU kernel when the user left the kernel to torch (``host_kernel`` in ``engine/offload/host_step.py``):
+``torch-fused`` is that, ``AdamW(fused=True)`` (built here directly: importing the package would cost each process
+Lightning's import). ``torch-foreach`` and ``torch-forloop`` are torch's other kernels, for reference; ``deepspeed`` is
+``DeepSpeedCPUAdam(adamw_mode=True)``, the step of DeepSpeed's ZeRO-Offload. ``torch-fused-bf16`` is
+``ZeroStrategy(optimizer_state_dtype="bf16")``'s step (``engine/state_dtype.py``): the same fused kernel on moments held
+in bf16 and widened to fp32 a tile (``--tile`` elements) at a time, 20 bytes per element to and from memory where a
+tile's fp32 copy stays in cache (param 4 + 4, gradient 4, two moments 2 + 2 each). It is OpenMP, so its thread count is
+fixed when the process starts: each size, thread count and implementation runs in a fresh process with
+``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set. All take lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, on
+GPT-like tensors (``--tensors``) whose gradients are set once; figures are medians over the measured steps.
 
 An fp32 AdamW step moves 28 bytes per element (reads param, grad, exp_avg, exp_avg_sq; writes three of them),
 so it is bound by memory bandwidth. Each process also times ``dst.add_(src)`` over the same footprint (2 x size
