@@ -144,11 +144,12 @@ class OptimizerShards(Protocol):
     def speculated_norms(self) -> dict[int, torch.Tensor] | None:
         """Where parts of the step ran during backward before the clipping coefficient was known (see
         [Note: speculative clipping] in ``offload/speculation.py``): ``id(gradient)`` -> the 2-norm of each gradient
-        they read, for the global norm; else None."""
+        they read that the clip reads too (stages 1-2; empty where the clip reads other tensors), for the global norm;
+        else None."""
 
     def undo_speculation(self) -> None:
-        """The clip fired: put the parts stepped speculatively back, to be stepped again with the clipped
-        gradients."""
+        """The clip fired (or another change of the gradients comes): put the parts stepped speculatively back, to be
+        stepped again with the changed gradients."""
 
     def state_loaded(self) -> None:
         """A checkpoint wrote the optimizer's state (in the dtype it was saved in): hold it in this run's

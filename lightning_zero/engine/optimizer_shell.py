@@ -87,8 +87,11 @@ class OptimizerShell:
         return standins
 
     def local_gradients(self, for_change: bool = False) -> list[torch.Tensor]:
-        """``for_change``: the caller is about to change them, which parts stepped during backward forbid."""
+        """``for_change``: the caller is about to change them, which parts stepped during backward forbid; speculated
+        parts are put back instead, to be stepped after the change."""
         if for_change:
+            if self.schedule.speculated:
+                self.schedule.undo_started()
             self.schedule.refuse("change the gradients now")
         self.schedule.wait_started()
         return self._gradients()

@@ -12,7 +12,8 @@ whose moments are rounded after each step). Inexact by design: the rounding erro
 A tile is at most :data:`TILE_ELEMENTS` elements, so the fp32 copy alive during a step is a few MiB whatever the model;
 a parameter larger than a tile is stepped as flat slices of itself, each with a copy of its step count (every slice
 advances it alike). Stepping a few elements at a time is exact for torch's element-wise optimizers
-(``optimizers.steps_in_parts``); an optimizer with step hooks, or one stepping whole matrices, is widened whole.
+(``optimizers.steps_in_parts``); an optimizer with step hooks, or one stepping whole matrices, is widened whole, into
+a buffer freed after its step: bf16 state saves its memory between steps, and its step peaks at the fp32 state's size.
 """
 
 from __future__ import annotations
@@ -32,11 +33,21 @@ from lightning_zero.engine.optimizers import steps_in_parts
 STATE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 #: Elements of state widened at once: Adam's fp32 moments of one tile are 32 MiB.
 TILE_ELEMENTS = 2**22
+#: State tensors per element whose widening buffer is kept from step to step (Adam's 2, with room); a larger need
+#: (a whole model widened at once) gets a buffer for that step only.
+KEPT_SCRATCH_PER_TILE = 4
 
 
 def is_state_of(name: str, value: object, key: torch.Tensor) -> bool:
-    """Whether ``value`` is a per-element state tensor of the tensor ``key`` the optimizer steps (not a step count)."""
-    return name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == key.shape
+    """Whether ``value`` is a per-element state tensor of the tensor ``key`` the optimizer steps (not a step count; a
+    0-dim parameter's state cannot be told from scalar state such as NAdam's ``mu_product``, and stays as made)."""
+    return (
+        name != "step"
+        and isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dim() > 0
+        and value.shape == key.shape
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +99,8 @@ class StateDtype:
             for tile in self._tiles(optimizer):
                 standins: list[list[torch.Tensor]] = [[] for _ in groups]
                 widened = []
-                scratch = _Scratch(self._scratch, widening_needs(tile, optimizer.state))
+                needs = widening_needs(tile, optimizer.state)
+                scratch = _Scratch(self._scratch, needs, kept_up_to=KEPT_SCRATCH_PER_TILE * self.tile_elements)
                 for position, piece in tile:
                     standin, held = self._widen(optimizer, piece, before, scratch)
                     standins[position].append(standin)
@@ -230,12 +242,15 @@ class _Scratch:
         self,
         buffers: dict[tuple[int, torch.device, torch.dtype], torch.Tensor],
         need: dict[tuple[torch.device, torch.dtype], int],
+        kept_up_to: int,
     ) -> None:
         thread = threading.get_ident()
         self.buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         for (device, dtype), n in need.items():
             buffer = buffers.get((thread, device, dtype))
-            if buffer is None or buffer.numel() < n:
+            if n > kept_up_to:  # this step's only: kept, it would hold the fp32 state bf16 was to save
+                buffer = torch.empty(n, dtype=dtype, device=device)
+            elif buffer is None or buffer.numel() < n:
                 buffer = buffers[(thread, device, dtype)] = torch.empty(n, dtype=dtype, device=device)
             self.buffers[(device, dtype)] = buffer
         self.used: dict[tuple[torch.device, torch.dtype], int] = {}

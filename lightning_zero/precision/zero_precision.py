@@ -304,14 +304,14 @@ class ZeroPrecision(Precision):
         if self.finalize_gradients(optimizer):
             return  # the step is skipped on every rank anyway
         shards = self.engine.optimizer_shards(optimizer)
-        grads = shards.local_gradients(for_change=True)
         speculated = shards.speculated_norms()
+        grads = shards.local_gradients(for_change=speculated is None)
         total = global_grad_norm(grads, device=self._device, group=self.engine.norm_group, known=speculated)
         coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
         if speculated is not None:  # parts were stepped during backward: see [Note: speculative clipping]
             self.speculated_steps += 1
-            if not bool(coef < 1.0):
-                return  # a coefficient of 1 changes no bit: the parts stand
+            if bool(coef == 1.0):
+                return  # a coefficient of 1 changes no bit: the parts stand (a NaN norm scales them all, as serially)
             self.clips_fired += 1
             shards.undo_speculation()
         device_groups.scale_(grads, coef)  # partial offload: host and device gradients

@@ -660,7 +660,7 @@ class ZeroStrategy(ParallelStrategy):
         [Note: speculative clipping] in ``engine/offload/speculation.py``)."""
         trainer = trainer_of(module)
         if not (
-            bool(self.zero_config.offload_optimizer)
+            self.zero_config.optimizer_on_host
             and not self._accumulating
             and trainer is not None
             and module.automatic_optimization

@@ -102,6 +102,16 @@ def test_clipped_parts_with_bf16_state_are_put_back_bit_for_bit(report):
     assert result["param_diff_serial"] == 0.0
 
 
+def test_gradients_changed_by_hand_after_speculated_parts_put_them_back_bit_for_bit(report):
+    """An ``optimizer_step`` override clamps the gradients inside the closure after parts were stepped speculatively:
+    they are put back (Lightning's norm clip after it then finds nothing speculated) and stepped with the clamped
+    gradients, as the serial step does."""
+    result = report["clipped_during_backward"]["stage2_clamped_by_hand"]
+    assert result["overlap"]["parts_started"] >= 12 and result["serial"]["parts_started"] == 0
+    assert result["overlap"]["speculated_steps"] == 0
+    assert result["param_diff_serial"] == 0.0
+
+
 def test_clipping_by_value_keeps_the_step_for_after_backward(report):
     """Each element clipped on its own could run in the part; today it runs after backward, and nothing starts early."""
     result = report["clipped_during_backward"]["stage2_value"]

@@ -433,6 +433,19 @@ class StartProbe(L.Callback):
 NEVER_FIRES, ALWAYS_FIRES, SOME_FIRE = 1e6, 0.05, 2.0
 
 
+class ClampsByHandInTheClosure(models.Regression):
+    """Clamps the gradients by hand inside the closure (an ``optimizer_step`` override), where parts were stepped
+    speculatively and Lightning's clip by norm comes after: they are put back and stepped with the clamped gradients."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        def closure():
+            loss = optimizer_closure()
+            self.trainer.precision_plugin.clip_grad_by_value(optimizer, 0.01)
+            return loss
+
+        optimizer.step(closure=closure)
+
+
 def clipped_during_backward() -> dict:
     """Clipping by the global norm with the optimizer offloaded: the parts start during backward speculatively
     ([Note: speculative clipping]), against the same run keeping the whole step for ``optimizer.step()``
@@ -440,7 +453,14 @@ def clipped_during_backward() -> dict:
     a clip between, firing on some steps. Clipping by value starts nothing early."""
     out = {}
     data = models.IndexedData()
-    for label, stage, offloaded in ((1, 1, {}), (2, 2, {}), (3, 3, {}), ("3_params", 3, {"offload_params": True})):
+    # `offload_params=True` alone (the optimizer state on the host with the parameters) as a user writes it.
+    optimizer_only = {"offload_optimizer": True}
+    for label, stage, offloaded in (
+        (1, 1, optimizer_only),
+        (2, 2, optimizer_only),
+        (3, 3, optimizer_only),
+        ("3_params", 3, {"offload_params": True}),
+    ):
         pieces = dict(bucket_size_mb=0.001) if stage < 3 else dict(unit_size_mb=0)
         cases = [
             ("never", NEVER_FIRES, "norm", {}),
@@ -451,8 +471,9 @@ def clipped_during_backward() -> dict:
             cases += [
                 ("value", 0.01, "value", {}),
                 ("some_bf16_states", SOME_FIRE, "norm", {"optimizer_state_dtype": "bf16"}),
+                ("clamped_by_hand", NEVER_FIRES, "norm", {}),
             ]
-        if offloaded:  # the parameters themselves stepped during backward, without clipping too
+        if "offload_params" in offloaded:  # the parameters themselves stepped during backward, without clipping too
             cases += [("unclipped", None, None, {})]
         for name, clip, algorithm, settings in cases:
             finals, result = {}, {}
@@ -460,16 +481,15 @@ def clipped_during_backward() -> dict:
                 L.seed_everything(7)
                 probe = StartProbe()
                 t = trainer(
-                    ZeroStrategy(
-                        stage=stage, offload_optimizer=True, overlap_comm=overlap, **pieces, **offloaded, **settings
-                    ),
+                    ZeroStrategy(stage=stage, overlap_comm=overlap, **pieces, **offloaded, **settings),
                     max_steps=6,
                     accumulate_grad_batches=ACCUMULATE,
                     gradient_clip_val=clip,
                     gradient_clip_algorithm=algorithm,
                     callbacks=[probe],
                 )
-                t.fit(models.Regression(), models.loader(data, BATCH))
+                module = ClampsByHandInTheClosure() if name == "clamped_by_hand" else models.Regression()
+                t.fit(module, models.loader(data, BATCH))
                 finals[overlap] = t.strategy.full_state_dict()
                 precision = t.strategy.precision_plugin
                 result["overlap" if overlap else "serial"] = {

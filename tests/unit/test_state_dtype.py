@@ -21,7 +21,7 @@ def _emulated_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
     for entry in optimizer.state.values():
         for name, value in entry.items():
-            if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+            if name != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim():
                 value.copy_(value.to(torch.bfloat16))
 
 
@@ -49,7 +49,7 @@ def test_the_held_step_equals_rounding_after_every_step(cls, kwargs, tile):
     for a, b in zip(held, emulated):
         for name, value in optimizer.state[a].items():
             other = reference.state[b][name]
-            if name == "step":
+            if name == "step" or a.dim() == 0:  # a 0-dim parameter's state stays as made
                 assert torch.equal(torch.as_tensor(value), torch.as_tensor(other))
                 continue
             assert value.dtype == torch.bfloat16
@@ -99,6 +99,22 @@ def test_an_optimizer_with_step_hooks_is_widened_whole():
         states.step(optimizer)
     assert len(calls) == 3
     assert optimizer.state[p]["exp_avg"].dtype == torch.bfloat16
+    # Widened whole, the fp32 state is this step's only: kept, it would hold what bf16 was to save.
+    assert sum(buffer.numel() for buffer in states._scratch.values()) == 0
+
+
+def test_scalar_state_and_0_dim_parameters_keep_their_dtype():
+    """NAdam's ``mu_product`` is 0-dim like a 0-dim parameter: neither is narrowed."""
+    states = StateDtype("bf16")
+    params = [torch.randn(8), torch.randn(())]
+    optimizer = torch.optim.NAdam(params)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        states.step(optimizer)
+    assert optimizer.state[params[0]]["exp_avg"].dtype == torch.bfloat16
+    assert optimizer.state[params[0]]["mu_product"].dtype == torch.float32
+    assert optimizer.state[params[1]]["exp_avg"].dtype == torch.float32
 
 
 @pytest.mark.parametrize(("name", "dtype"), [("bf16", torch.bfloat16), ("fp32", torch.float32)])

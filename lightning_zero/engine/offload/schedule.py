@@ -55,7 +55,8 @@ when the first part started (:func:`~lightning_zero.engine.optimizers.stepping_v
 ``optimizer.step()`` on the training thread, in the order the parts started, because the collectives must keep one order
 on every rank. Once parts were stepped, anything that could still change the gradients or skip the step is refused:
 clipping by hand inside the closure (``OptimizerShards.local_gradients(for_change=True)``), and an ``optimizer_step``
-override that runs the closure but not ``optimizer.step()``.
+override that runs the closure but not ``optimizer.step()``; parts stepped speculatively are put back instead
+([Note: speculative clipping] in ``speculation.py``) and stepped after the change.
 
 [Note: the delayed update]
 Stages 1-2 (:attr:`StepMode.DELAYED`). ZeRO-Offload's delayed parameter update (DPU) trades one step of
@@ -176,8 +177,10 @@ class HostStepSchedule:
         self._view: Optimizer | None = None
         #: The parts started this backward step before the clipping coefficient is known.
         self._speculating = False
-        #: Their copies' buffers, kept from step to step (``speculation.CopyBuffers``).
-        self._copies: CopyBuffers = {}
+        #: Their copies' buffers, kept from step to step.
+        self._copies = CopyBuffers()
+        #: Whether the worker's gradient norms stand in for the clip's own (``Speculation.before_step``).
+        self._norms_here = True
 
     @property
     def mode(self) -> StepMode:
@@ -193,11 +196,19 @@ class HostStepSchedule:
         clipping] in ``speculation.py``)."""
         return self._speculating and bool(self.started)
 
-    def arm(self, parts: Sequence[HostPart], on_host: bool, eligible: bool = True, speculative: bool = False) -> bool:
+    def arm(
+        self,
+        parts: Sequence[HostPart],
+        on_host: bool,
+        eligible: bool = True,
+        speculative: bool = False,
+        norms_here: bool = True,
+    ) -> bool:
         """A synchronising backward begins; False where nothing will start early (see [Note: the host step during
         backward]); ``on_host``: every tensor the parts step is in host memory (masters, or stage 3's offloaded
-        parameters); ``speculative``: the step clips by the global norm, so parts start speculatively. Refused where
-        the parts of the previous backward were never stepped."""
+        parameters); ``speculative``: the step clips by the global norm, so parts start speculatively
+        (``norms_here``: see ``Speculation.before_step``). Refused where the parts of the previous backward were never
+        stepped."""
         if self.started:
             raise RuntimeError(
                 f"The host stepped parts of {type(self.optimizer).__name__} during the last backward, but no "
@@ -209,7 +220,8 @@ class HostStepSchedule:
         self._part_of = {piece: k for k, part in enumerate(self._armed) for piece in part.pieces}
         self._waiting = {k: len(part.pieces) for k, part in enumerate(self._armed)}
         self._view = None
-        self._speculating = starts and speculative
+        self._speculating, self._norms_here = starts and speculative, norms_here
+        self._copies.forget_unused()
         return starts
 
     def disarm(self) -> None:
@@ -240,7 +252,7 @@ class HostStepSchedule:
         speculated: list[Speculation] = []
 
         def note() -> None:
-            speculated.append(Speculation.before_step(view, standins, self._copies))
+            speculated.append(Speculation.before_step(view, standins, self._copies, take_norms=self._norms_here))
 
         before = note if self._speculating else None
         pending = self.worker.start(
@@ -286,9 +298,9 @@ class HostStepSchedule:
             each.pending.wait()
 
     def refuse(self, action: str) -> None:
-        """Raise where parts were stepped already, so ``action`` comes too late (a speculated part can be undone:
-        the caller asks :meth:`undo_started` instead)."""
-        if self.started and not self.speculated:
+        """Raise where parts were stepped already, so ``action`` comes too late (speculated parts the caller puts
+        back first, with :meth:`undo_started`)."""
+        if self.started:
             raise RuntimeError(
                 f"Cannot {action}: with the optimizer offloaded, the host already stepped parts of "
                 f"{type(self.optimizer).__name__} during backward (see [Note: the host step during backward] in "

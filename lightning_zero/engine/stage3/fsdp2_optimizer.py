@@ -312,7 +312,7 @@ class FullyShardedOptimizer(OptimizerShell):
         on_host = (masters is not None and masters.offloaded and all(masters.on_host)) or (
             masters is None and engine.params_on_host
         )
-        return self.schedule.arm(self.unit_parts, on_host, eligible, speculative=clipped)
+        return self.schedule.arm(self.unit_parts, on_host, eligible, speculative=clipped, norms_here=False)
 
     def unit_finished(self, position: int) -> None:
         part = self.schedule.landed(position)
@@ -339,6 +339,8 @@ class FullyShardedOptimizer(OptimizerShell):
         once FSDP2's copies of the gradients to the host are done."""
         params = [cast(DTensor, self.engine.params[i]) for i in part.indices]
         events = fsdp2_private.gradient_copy_events(self._heads[position])
+        if events is None:
+            return  # stepped by `step()`, with the rest
         standins: Standins = {**self._sitting_out(), **{id(p): (p, p.grad) for p in params}}
 
         @contextlib.contextmanager

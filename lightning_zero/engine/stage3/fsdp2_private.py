@@ -340,16 +340,15 @@ def sharded_params(unit: FSDPModule) -> Iterator[tuple[torch.Tensor, bool]]:
             yield fsdp_param.sharded_param, fsdp_param.offload_to_cpu
 
 
-def gradient_copy_events(unit: FSDPModule) -> list[torch.Event]:
+def gradient_copy_events(unit: FSDPModule) -> list[torch.Event] | None:
     """Under ``CPUOffloadPolicy`` with pinned memory, the events behind the copies that bring the unit's reduced
     gradients to the host (``FSDPParam.grad_offload_event``, which FSDP2's own final callback waits for): a host step
-    of the unit's parameters during backward waits for them first."""
-    return [
-        event
-        for group in _groups_of(unit._get_fsdp_state())
-        for fsdp_param in group.fsdp_params
-        if (event := getattr(fsdp_param, "grad_offload_event", None)) is not None
-    ]
+    of the unit's parameters during backward waits for them first. None where a torch release keeps them elsewhere:
+    the unit's step then waits for backward's end."""
+    params = [fsdp_param for group in _groups_of(unit._get_fsdp_state()) for fsdp_param in group.fsdp_params]
+    if any(fsdp_param.offload_to_cpu and not hasattr(fsdp_param, "grad_offload_event") for fsdp_param in params):
+        return None
+    return [event for fsdp_param in params if (event := getattr(fsdp_param, "grad_offload_event", None)) is not None]
 
 
 def watch_post_backward(group: Any, before: Callable[[Any], None]) -> None:
