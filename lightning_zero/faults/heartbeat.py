@@ -122,6 +122,17 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields and len(fields) > 19 else None
 
 
+def thread_schedules(pid: int | str = "self") -> dict[int, float] | None:
+    """Each thread's :func:`scheduled_seconds`, by thread id; None where the kernel does not say."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    seconds = {int(name): scheduled_seconds(pid, task=int(name)) for name in tasks}
+    found = {task: value for task, value in seconds.items() if value is not None}
+    return found or None
+
+
 def scheduled_seconds(pid: int | str = "self", task: int | None = None) -> float | None:
     """Seconds the threads of a process (``task``: that one thread of it) have spent on a CPU or runnable in a run
     queue waiting for one (the first two fields of ``/proc/PID/task/*/schedstat``); None where the kernel does not

@@ -24,7 +24,9 @@ watchdog thread can wait seconds for a core. So a gap between ticks longer than 
 pause only when the kernel says the watchdog thread neither ran nor waited runnable for most of it
 (:func:`heartbeat.scheduled_seconds` of that thread: the process's other threads may have worked or waited for a core
 just before it was stopped; where the kernel cannot say, no pause is claimed and the diagnosis says what the peers
-show), and only for ``2 * stale_after`` after it ended: the "meanwhile" of the diagnosis, not a stall at start-up
+show), nor did any other thread of the process (one that did held the interpreter's lock through a long call, a
+compile or an operator that keeps it, and the watchdog waited for the lock, asleep: a 19 s ``compile()`` left it 0.15
+s scheduled), and only for ``2 * stale_after`` after it ended: the "meanwhile" of the diagnosis, not a stall at start-up
 blamed for a peer's death an hour later. A peer on this host without heartbeat is judged the same way: silent but
 running or runnable is busy, not stale (``Peer.ran``); the collective's ``timeout`` still bounds the wait.
 
@@ -61,9 +63,25 @@ from lightning_zero.faults.heartbeat import (
     local_pid,
     scheduled_seconds,
     this_process,
+    thread_schedules,
 )
 from lightning_zero.faults.heartbeat_store import HeartbeatStore
 from lightning_zero.faults.signals import STOP_SIGNALS, StopSignal, WakeupPipe
+
+
+def paused_for(
+    gap: float, before: dict[int, float] | None, after: dict[int, float] | None, own: int | None, limits: Limits
+) -> float:
+    """``gap`` if the process could not run over it, else 0.0, from every thread's scheduled seconds before and after
+    (:func:`heartbeat.thread_schedules`; ``own``: the watchdog thread's id). See [Note: a pause, not a busy machine]."""
+    if gap <= limits.stale_after or before is None or after is None or own not in before or own not in after:
+        return 0.0  # short, or no evidence: the diagnosis says what the peers show instead
+    if after[own] - before[own] >= gap / 2:
+        return 0.0  # running or runnable for most of it: a busy machine
+    others = (seconds - before.get(task, 0.0) for task, seconds in after.items() if task != own)
+    if max(others, default=0.0) >= gap / 2:
+        return 0.0  # another thread ran meanwhile: it held the interpreter's lock the watchdog waited for
+    return gap
 
 
 class Watchdog:
@@ -104,7 +122,8 @@ class Watchdog:
         self._last_tick = time.monotonic()
         #: The watchdog thread's own id, whose schedule tells a pause (see the Note); set when it starts.
         self._thread_id: int | None = None
-        self._last_scheduled: float | None = None
+        #: Every thread's scheduled seconds at the last tick (see the Note).
+        self._last_threads: dict[int, float] | None = None
         # ((ops, seq, last mark), since)
         self._progress: tuple[tuple[int, int, Mark | None] | tuple[()], float] = ((), time.monotonic())
         self._beat = 0
@@ -177,24 +196,20 @@ class Watchdog:
         seconds, ended = self._pause
         return seconds if time.monotonic() - ended <= 2 * self.current_limits().stale_after else 0.0
 
-    def _pause_since_tick(self, now: float) -> tuple[float, float | None]:
-        """The time since the last tick if it was a pause, else 0.0; and the watchdog thread's scheduled seconds now.
+    def _pause_since_tick(self, now: float) -> tuple[float, dict[int, float] | None]:
+        """The time since the last tick if it was a pause, else 0.0; and every thread's scheduled seconds now.
 
         The watchdog thread's alone: it sleeps between ticks, so over a pause it gains next to nothing, and over a busy
         stretch it waits runnable for a core the whole overdue time. The sum over every thread of the process would
         also count the main thread's work and the other threads' waits just before the process was stopped, which on
-        a loaded machine reached half the gap and hid a SIGSTOP as a busy machine."""
-        scheduled = scheduled_seconds(task=self._thread_id) if self._thread_id is not None else None
-        gap = now - self._last_tick
-        if gap <= self.limits.stale_after or scheduled is None or self._last_scheduled is None:
-            return 0.0, scheduled  # short, or no evidence: the diagnosis says what the peers show instead
-        if scheduled - self._last_scheduled >= gap / 2:
-            return 0.0, scheduled  # running or runnable for most of it: a busy machine
-        return gap, scheduled
+        a loaded machine reached half the gap and hid a SIGSTOP as a busy machine; so each other thread counts alone,
+        where one that ran for most of the gap held the interpreter's lock the watchdog waited for."""
+        threads = thread_schedules()
+        return paused_for(now - self._last_tick, self._last_threads, threads, self._thread_id, self.limits), threads
 
     def _run(self) -> None:
         self._thread_id = threading.get_native_id()
-        self._last_tick, self._last_scheduled = time.monotonic(), scheduled_seconds(task=self._thread_id)
+        self._last_tick, self._last_threads = time.monotonic(), thread_schedules()
         while not self._stop:
             try:
                 ready, _, _ = select.select([self.pipe.read_fd], [], [], self.limits.tick)
@@ -207,10 +222,10 @@ class Watchdog:
                     if number in STOP_SIGNALS:
                         self._on_signal(number)
             now = time.monotonic()
-            pause, scheduled = self._pause_since_tick(now)
+            pause, threads = self._pause_since_tick(now)
             if pause:
                 self._pause = (pause, now)
-            self._last_tick, self._last_scheduled = now, scheduled
+            self._last_tick, self._last_threads = now, threads
             try:
                 self._tick(now)
             except Exception as error:  # noqa: BLE001 - never let the watchdog die silently
@@ -396,10 +411,12 @@ class Watchdog:
         elif self.decision is not None:
             failures.add_note(exception, me.placed(self.decision.text()))
         elif failures.is_communication_error(exception):
-            # A rank that could not run (SIGSTOP) is the cause of whatever its peers recorded meanwhile: say so first,
-            # whether or not their store is still there to read.
+            # A rank that could not run (SIGSTOP, or a host stalling it) is the cause of what its peers recorded
+            # about it meanwhile: say so first. A failure naming another rank (its own error) is not.
             paused = me.paused >= self.current_limits().stale_after
-            first = None if paused else self._first_failure(healthy, wait=self.limits.settle)
+            first = self._first_failure(healthy, wait=self.limits.settle)
+            if paused and first is not None and first.get("culprit") in (None, self.rank):
+                first = None
             if first is not None:
                 failures.brought_down_by(exception, first, self.rank)
                 failures.add_note(exception, f"This rank ({self.rank}) was {me.where()}.")

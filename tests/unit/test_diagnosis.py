@@ -1,5 +1,6 @@
 """The watchdog's decisions and messages, without processes: records in, a diagnosis (or none) out."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -16,7 +17,17 @@ from lightning_zero.faults.activity import Activity, category, classify
 from lightning_zero.faults.diagnosis import decide, exit_agreement, explain
 from lightning_zero.faults.diagnosis_types import Context, Limits
 from lightning_zero.faults.divergence import compare_marks
-from lightning_zero.faults.heartbeat import FAILED, FINISHED, Peer, Record, liveness, scheduled_seconds, this_process
+from lightning_zero.faults.heartbeat import (
+    FAILED,
+    FINISHED,
+    Peer,
+    Record,
+    liveness,
+    scheduled_seconds,
+    this_process,
+    thread_schedules,
+)
+from lightning_zero.faults.watchdog import paused_for
 from tests.unit.diagnosis_records import CONTEXT, LIMITS, computing, marks, peer, record, waiting
 
 
@@ -293,6 +304,35 @@ def test_a_sleeping_threads_schedule_is_its_own_not_its_busy_processs():
     assert None not in (thread_before, process_before, thread_after, process_after)
     assert process_after - process_before >= 0.4  # the worker: on a core or waiting for one, the whole time
     assert thread_after - thread_before <= 0.05  # the sleeper: neither
+
+
+def test_a_watchdog_kept_from_the_interpreter_lock_is_not_a_paused_process():
+    """A long call that holds the interpreter's lock (``compile()``, as an import without its ``.pyc`` runs) leaves
+    the watchdog thread waiting for the lock asleep, as little scheduled as under SIGSTOP; the thread holding it ran
+    meanwhile, so no pause is claimed. A thread that only sleeps is still a pause for the same schedules."""
+    ticks, started, stop = [], threading.Event(), threading.Event()
+
+    def watch():
+        own = threading.get_native_id()
+        before, start = thread_schedules(), time.monotonic()
+        started.set()
+        stop.wait()  # woken while the main thread still holds the lock: it runs again when the compile returns
+        ticks.append((own, before, thread_schedules(), time.monotonic() - start))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    started.wait()
+    time.sleep(0.05)
+    source = "\n".join(f"x{i} = ({i} + {i}) * {i}" for i in range(60_000))
+    stop.set()
+    compile(source, "big", "exec")
+    watcher.join()
+    own, before, after, gap = ticks[0]
+    limits = dataclasses.replace(LIMITS, stale_after=min(0.2, gap / 2))
+    assert after[own] - before[own] < gap / 2  # the watchdog's own schedule alone would read a pause
+    assert paused_for(gap, before, after, own, limits) == 0.0
+    asleep = {task: seconds for task, seconds in after.items() if task == own}
+    assert paused_for(gap, {own: before[own]}, asleep, own, limits) == gap
 
 
 def test_a_rank_that_was_paused_says_so():
