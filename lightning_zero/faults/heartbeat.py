@@ -122,15 +122,43 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields and len(fields) > 19 else None
 
 
+def disk_reads(pid: int | str = "self") -> tuple[int, int] | None:
+    """A process's major page faults and bytes read from storage so far (``/proc/PID/stat``, ``/proc/PID/io``): what
+    it waited for from disk, asleep but neither stopped nor hung, as a process loading its libraries does where the
+    page cache keeps little (``free`` shows none cached on this project's CI machines, whose imports then wait seconds
+    for the disk). None where the kernel does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            faults = int(f.read().rsplit(")", 1)[1].split()[9])  # majflt, the 12th field
+        with open(f"/proc/{pid}/io") as f:
+            read = next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return faults, read
+
+
 def thread_schedules(pid: int | str = "self") -> dict[int, float] | None:
-    """Each thread's :func:`scheduled_seconds`, by thread id; None where the kernel does not say."""
+    """Each thread's :func:`scheduled_seconds`, by thread id (a thread just started may read 0); None where the kernel
+    does not say."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    seconds = {int(name): scheduled_seconds(pid, task=int(name)) for name in tasks}
-    found = {task: value for task, value in seconds.items() if value is not None}
-    return found or None
+    nanoseconds = {int(name): _schedstat(pid, name) for name in tasks}
+    found = {task: value / 1e9 for task, value in nanoseconds.items() if value is not None}
+    return found if any(found.values()) else None
+
+
+@dataclass(frozen=True)
+class ProcessActivity:
+    """What a process did so far, as the kernel counts it: each thread's scheduled seconds and its disk reads."""
+
+    threads: dict[int, float] | None
+    disk: tuple[int, int] | None
+
+    @classmethod
+    def now(cls, pid: int | str = "self") -> ProcessActivity:
+        return cls(thread_schedules(pid), disk_reads(pid))
 
 
 def scheduled_seconds(pid: int | str = "self", task: int | None = None) -> float | None:
@@ -146,16 +174,19 @@ def scheduled_seconds(pid: int | str = "self", task: int | None = None) -> float
         tasks = [str(task)] if task is not None else os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    total, read = 0, False
-    for name in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{name}/schedstat") as f:
-                on_cpu, waiting = f.read().split()[:2]
-        except (OSError, ValueError):
-            continue  # a thread that ended meanwhile
-        total += int(on_cpu) + int(waiting)
-        read = True
-    return total / 1e9 if read and total > 0 else None
+    times = [value for value in (_schedstat(pid, name) for name in tasks) if value is not None]
+    total = sum(times)
+    return total / 1e9 if times and total > 0 else None
+
+
+def _schedstat(pid: int | str, task: int | str) -> int | None:
+    """A thread's nanoseconds on a CPU and runnable in a run queue; None for a thread that ended meanwhile."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+            on_cpu, waiting = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) + int(waiting)
 
 
 def local_pid(proc: str) -> int | None:

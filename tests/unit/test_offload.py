@@ -6,6 +6,7 @@ import torch
 from lightning_zero.engine.offload.host_step import host_kernel
 from lightning_zero.engine.offload.masters import MasterShards, should_pin
 from lightning_zero.engine.offload.schedule import HostPart, HostStepSchedule, StepMode
+from lightning_zero.engine.offload.speculation import CopyBuffers
 from lightning_zero.engine.offload.worker import HostStepWorker, host_step_threads
 
 
@@ -268,3 +269,16 @@ def test_every_mode_of_the_schedule_steps_through_the_one_host_step():
         assert torch.allclose(master, torch.full((4,), 0.8))
     finally:
         worker.close()
+
+
+def test_speculation_copy_buffers_are_reused_and_those_no_copy_used_are_freed():
+    """A tensor replaced (a loaded checkpoint's state) leaves no full-size copy behind once a step copied without it."""
+    buffers = CopyBuffers()
+    kept, replaced = torch.randn(1000), torch.randn(500)
+    first = buffers.copied(kept)
+    buffers.copied(replaced)
+    buffers.forget_unused()
+    assert buffers.nbytes() == 1500 * 4
+    assert buffers.copied(kept) is first and torch.equal(first, kept)
+    buffers.forget_unused()
+    assert buffers.nbytes() == 1000 * 4
