@@ -122,19 +122,19 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields and len(fields) > 19 else None
 
 
-def disk_reads(pid: int | str = "self") -> tuple[int, int] | None:
-    """A process's major page faults and bytes read from storage so far (``/proc/PID/stat``, ``/proc/PID/io``): what
-    it waited for from disk, asleep but neither stopped nor hung, as a process loading its libraries does where the
-    page cache keeps little (``free`` shows none cached on this project's CI machines, whose imports then wait seconds
-    for the disk). None where the kernel does not say."""
+def disk_io(pid: int | str = "self") -> tuple[int, int, int] | None:
+    """A process's major page faults and bytes read from and written to storage so far (``/proc/PID/stat``,
+    ``/proc/PID/io``): what it waited for from the disk, asleep but neither stopped nor hung, as a process loading its
+    libraries or writing a checkpoint does where the page cache keeps little (``free`` shows none cached on this
+    project's CI machines, whose imports then wait seconds for the disk). None where the kernel does not say."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             faults = int(f.read().rsplit(")", 1)[1].split()[9])  # majflt, the 12th field
         with open(f"/proc/{pid}/io") as f:
-            read = next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-    except (OSError, IndexError, ValueError, StopIteration):
+            counts = dict(line.split(":") for line in f)
+        return faults, int(counts["read_bytes"]), int(counts["write_bytes"])
+    except (OSError, IndexError, ValueError, KeyError):
         return None
-    return faults, read
 
 
 def thread_schedules(pid: int | str = "self") -> dict[int, float] | None:
@@ -147,18 +147,6 @@ def thread_schedules(pid: int | str = "self") -> dict[int, float] | None:
     nanoseconds = {int(name): _schedstat(pid, name) for name in tasks}
     found = {task: value / 1e9 for task, value in nanoseconds.items() if value is not None}
     return found if any(found.values()) else None
-
-
-@dataclass(frozen=True)
-class ProcessActivity:
-    """What a process did so far, as the kernel counts it: each thread's scheduled seconds and its disk reads."""
-
-    threads: dict[int, float] | None
-    disk: tuple[int, int] | None
-
-    @classmethod
-    def now(cls, pid: int | str = "self") -> ProcessActivity:
-        return cls(thread_schedules(pid), disk_reads(pid))
 
 
 def scheduled_seconds(pid: int | str = "self", task: int | None = None) -> float | None:

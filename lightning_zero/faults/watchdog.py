@@ -28,9 +28,9 @@ show), nor did any other thread of the process (one that did held the interprete
 compile or an operator that keeps it, and the watchdog waited for the lock, asleep: a 19 s ``compile()`` left it 0.15
 s scheduled), and only for ``2 * stale_after`` after it ended: the "meanwhile" of the diagnosis, not a stall at start-up
 blamed for a peer's death an hour later. A peer on this host without heartbeat is judged the same way: silent but
-running or runnable is busy, not stale (``Peer.ran``), and so is one still reading from the disk in the second half of
-its silence (:func:`heartbeat.disk_reads`: asleep on page faults, as a process loading its libraries is where the page
-cache keeps little, slow but neither stopped nor hung; reads before a SIGSTOP end with it); the collective's
+running or runnable is busy, not stale (``Peer.ran``), and so is one still reading or writing the disk in the second
+half of its silence (:func:`heartbeat.disk_io`: asleep on page faults or writes, as a process loading its libraries or
+writing a checkpoint is where the page cache keeps little, slow but neither stopped nor hung; a SIGSTOP ends them); the collective's
 ``timeout`` still bounds the wait.
 
 [Note: the exit agreement]
@@ -61,28 +61,25 @@ from lightning_zero.faults.heartbeat import (
     FINISHED,
     RUNNING,
     Peer,
-    ProcessActivity,
     Record,
-    disk_reads,
+    disk_io,
     liveness,
     local_pid,
     scheduled_seconds,
     this_process,
+    thread_schedules,
 )
 from lightning_zero.faults.heartbeat_store import HeartbeatStore
 from lightning_zero.faults.signals import STOP_SIGNALS, StopSignal, WakeupPipe
 
 
 def paused_for(
-    gap: float, before: ProcessActivity | None, after: ProcessActivity, own: int | None, limits: Limits
+    gap: float, was: dict[int, float] | None, now: dict[int, float] | None, own: int | None, limits: Limits
 ) -> float:
-    """``gap`` if the process could not run over it, else 0.0, from what it did before and after (``own``: the
-    watchdog thread's id). See [Note: a pause, not a busy machine]."""
-    if before is None or before.threads is None or after.threads is None:
-        return 0.0  # no evidence: the diagnosis says what the peers show instead
-    was, now = before.threads, after.threads
-    if gap <= limits.stale_after or own not in was or own not in now:
-        return 0.0
+    """``gap`` if the process could not run over it, else 0.0, from every thread's scheduled seconds before and after
+    (:func:`heartbeat.thread_schedules`; ``own``: the watchdog thread's id). See [Note: a pause, not a busy machine]."""
+    if gap <= limits.stale_after or was is None or now is None or own not in was or own not in now:
+        return 0.0  # short, or no evidence: the diagnosis says what the peers show instead
     if now[own] - was[own] >= gap / 2:
         return 0.0  # running or runnable for most of it: a busy machine
     others = (seconds - was.get(task, 0.0) for task, seconds in now.items() if task != own)
@@ -130,14 +127,14 @@ class Watchdog:
         #: The watchdog thread's own id, whose schedule tells a pause (see the Note); set when it starts.
         self._thread_id: int | None = None
         #: Every thread's scheduled seconds at the last tick (see the Note).
-        self._last_activity: ProcessActivity | None = None
+        self._last_threads: dict[int, float] | None = None
         # ((ops, seq, last mark), since)
         self._progress: tuple[tuple[int, int, Mark | None] | tuple[()], float] = ((), time.monotonic())
         self._beat = 0
         # rank -> (beat, snapshot time it was first seen, its process's scheduled seconds then)
         self._seen: dict[int, tuple[int, float, float | None]] = {}
-        # rank -> (its process's disk reads, snapshot time they last changed)
-        self._disk: dict[int, tuple[tuple[int, int] | None, float]] = {}
+        # rank -> (its process's disk traffic, snapshot time it last changed)
+        self._disk: dict[int, tuple[tuple[int, int, int] | None, float]] = {}
         self._blocked: tuple[tuple[str | None, int], float] | None = None  # a wait outside collectives.py: (key, since)
         self._stop = False
         self._main = threading.get_ident()
@@ -205,7 +202,7 @@ class Watchdog:
         seconds, ended = self._pause
         return seconds if time.monotonic() - ended <= 2 * self.current_limits().stale_after else 0.0
 
-    def _pause_since_tick(self, now: float) -> tuple[float, ProcessActivity]:
+    def _pause_since_tick(self, now: float) -> tuple[float, dict[int, float] | None]:
         """The time since the last tick if it was a pause, else 0.0; and every thread's scheduled seconds now.
 
         The watchdog thread's alone: it sleeps between ticks, so over a pause it gains next to nothing, and over a busy
@@ -213,12 +210,12 @@ class Watchdog:
         also count the main thread's work and the other threads' waits just before the process was stopped, which on
         a loaded machine reached half the gap and hid a SIGSTOP as a busy machine; so each other thread counts alone,
         where one that ran for most of the gap held the interpreter's lock the watchdog waited for."""
-        activity = ProcessActivity.now()
-        return paused_for(now - self._last_tick, self._last_activity, activity, self._thread_id, self.limits), activity
+        threads = thread_schedules()
+        return paused_for(now - self._last_tick, self._last_threads, threads, self._thread_id, self.limits), threads
 
     def _run(self) -> None:
         self._thread_id = threading.get_native_id()
-        self._last_tick, self._last_activity = time.monotonic(), ProcessActivity.now()
+        self._last_tick, self._last_threads = time.monotonic(), thread_schedules()
         while not self._stop:
             try:
                 ready, _, _ = select.select([self.pipe.read_fd], [], [], self.limits.tick)
@@ -231,10 +228,10 @@ class Watchdog:
                     if number in STOP_SIGNALS:
                         self._on_signal(number)
             now = time.monotonic()
-            pause, activity = self._pause_since_tick(now)
+            pause, threads = self._pause_since_tick(now)
             if pause:
                 self._pause = (pause, now)
-            self._last_tick, self._last_activity = now, activity
+            self._last_tick, self._last_threads = now, threads
             try:
                 self._tick(now)
             except Exception as error:  # noqa: BLE001 - never let the watchdog die silently
@@ -328,12 +325,12 @@ class Watchdog:
                 self._seen[rank] = seen = (record.beat, snapshot.taken_at, scheduled)
             age = max(0.0, snapshot.taken_at - seen[1])
             ran = None if scheduled is None or seen[2] is None else scheduled - seen[2]
-            disk = None if pid is None else disk_reads(pid)
+            disk = None if pid is None else disk_io(pid)
             last_disk = self._disk.get(rank)
             if last_disk is None or last_disk[0] != disk:
                 self._disk[rank] = last_disk = (disk, snapshot.taken_at)
             if disk is not None and age > 0 and snapshot.taken_at - last_disk[1] < age / 2 and last_disk[1] > seen[1]:
-                ran = age  # still reading from the disk: slow, not stopped or hung
+                ran = age  # still waiting on the disk: slow, not stopped or hung
             peers[rank] = Peer(record, age, state, ran)
         return self._with_black_boxes(peers)
 

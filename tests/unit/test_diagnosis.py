@@ -21,12 +21,12 @@ from lightning_zero.faults.heartbeat import (
     FAILED,
     FINISHED,
     Peer,
-    ProcessActivity,
     Record,
-    disk_reads,
+    disk_io,
     liveness,
     scheduled_seconds,
     this_process,
+    thread_schedules,
 )
 from lightning_zero.faults.watchdog import paused_for
 from tests.unit.diagnosis_records import CONTEXT, LIMITS, computing, marks, peer, record, waiting
@@ -315,10 +315,10 @@ def test_a_watchdog_kept_from_the_interpreter_lock_is_not_a_paused_process():
 
     def watch():
         own = threading.get_native_id()
-        before, start = ProcessActivity.now(), time.monotonic()
+        before, start = thread_schedules(), time.monotonic()
         started.set()
         stop.wait()  # woken while the main thread still holds the lock: it runs again when the compile returns
-        ticks.append((own, before, ProcessActivity.now(), time.monotonic() - start))
+        ticks.append((own, before, thread_schedules(), time.monotonic() - start))
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -330,17 +330,15 @@ def test_a_watchdog_kept_from_the_interpreter_lock_is_not_a_paused_process():
     watcher.join()
     own, before, after, gap = ticks[0]
     limits = dataclasses.replace(LIMITS, stale_after=min(0.2, gap / 2))
-    assert before.threads is not None and after.threads is not None
-    assert after.threads[own] - before.threads[own] < gap / 2  # the watchdog's own schedule alone reads a pause
+    assert after[own] - before[own] < gap / 2  # the watchdog's own schedule alone reads a pause
     assert paused_for(gap, before, after, own, limits) == 0.0
-    asleep = ProcessActivity({own: after.threads[own]}, before.disk)
-    assert paused_for(gap, ProcessActivity({own: before.threads[own]}, before.disk), asleep, own, limits) == gap
+    assert paused_for(gap, {own: before[own]}, {own: after[own]}, own, limits) == gap  # a sleeper, alone
 
 
-def test_a_read_from_the_disk_shows_in_the_disk_reads():
+def test_a_read_from_the_disk_shows_in_the_disk_io():
     """Reading a file out of the page cache (the page cache of CI machines here keeps little) counts in the disk reads
     that keep a silent peer still reading from the disk from being judged stale."""
-    before = disk_reads()
+    before = disk_io()
     path = f"/tmp/lz-disk-{os.getpid()}"
     with open(path, "wb") as f:
         f.write(os.urandom(1 << 20))
@@ -353,7 +351,7 @@ def test_a_read_from_the_disk_shows_in_the_disk_reads():
         os.close(fd)
     finally:
         os.unlink(path)
-    after = disk_reads()
+    after = disk_io()
     assert before is not None and after is not None and after != before
 
 
