@@ -18,19 +18,19 @@ ends (exit code 143), within a scheduler's usual 30 s before SIGKILL.
 
 [Note: a pause, not a busy machine]
 A rank whose own process could not run (stopped by SIGSTOP or a debugger, swapped out) while its peers gave up on it
-must say so, not blame the peers that ended meanwhile. The wall clock alone cannot tell that from a busy machine:
-with more runnable threads than cores (data loader workers, a second job, a test session starting processes) a
-watchdog thread can wait seconds for a core. So a gap between ticks longer than ``stale_after`` counts as a
-pause only when the kernel says the watchdog thread neither ran nor waited runnable for most of it
-(:func:`heartbeat.scheduled_seconds` of that thread: the process's other threads may have worked or waited for a core
-just before it was stopped; where the kernel cannot say, no pause is claimed and the diagnosis says what the peers
-show), nor did any other thread of the process (one that did held the interpreter's lock through a long call, a
-compile or an operator that keeps it, and the watchdog waited for the lock, asleep: a 19 s ``compile()`` left it 0.15
-s scheduled), and only for ``2 * stale_after`` after it ended: the "meanwhile" of the diagnosis, not a stall at start-up
-blamed for a peer's death an hour later. A peer on this host without heartbeat is judged the same way: silent but
-running or runnable is busy, not stale (``Peer.ran``), and so is one still reading or writing the disk in the second
-half of its silence (:func:`heartbeat.disk_io`: asleep on page faults or writes, as a process loading its libraries or
-writing a checkpoint is where the page cache keeps little, slow but neither stopped nor hung; a SIGSTOP ends them); the collective's
+must say so, not blame the peers that ended meanwhile. The wall clock alone cannot tell that from a busy machine: with
+more runnable threads than cores (data loader workers, a second job, a test session starting processes) a watchdog
+thread can wait seconds for a core. So a gap between ticks longer than ``stale_after`` counts as a pause only when the
+kernel says the watchdog thread neither ran nor waited runnable for most of it (:func:`heartbeat.scheduled_seconds` of
+that thread: the process's other threads may have worked or waited for a core just before it was stopped; where the
+kernel cannot say, no pause is claimed and the diagnosis says what the peers show), nor did any other thread of the
+process (one that did held the interpreter's lock through a long call, a compile or an operator that keeps it, and the
+watchdog waited for the lock, asleep: a 19 s ``compile()`` left it 0.15 s scheduled), and only for ``2 * stale_after``
+after it ended: the "meanwhile" of the diagnosis, not a stall at start-up blamed for a peer's death an hour later. A
+peer on this host without heartbeat is judged the same way: silent but running or runnable is busy, not stale
+(``Peer.ran``), and so is one still reading or writing the disk in the second half of its silence
+(:func:`heartbeat.disk_io`: asleep on page faults or writes, as a process loading its libraries or writing a checkpoint
+is where the page cache keeps little, slow but neither stopped nor hung; a SIGSTOP ends them); the collective's
 ``timeout`` still bounds the wait.
 
 [Note: the exit agreement]
