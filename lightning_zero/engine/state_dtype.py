@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -184,9 +184,8 @@ class StateDtype:
                     held[name] = value
                     entry[name] = scratch.widened(value, key.dtype)
             return key, held
-        assert key.grad is not None  # only pieces of tensors with a gradient are stepped
         standin = piece.of(key)
-        standin.grad = piece.of(key.grad)
+        standin.grad = piece.of(cast(torch.Tensor, key.grad))  # a sliced tensor has one (`_pieces`)
         if id(key) not in before:  # its first slice this step: None where the tensor had no state yet
             before[id(key)] = dict(entry) if entry else None
         found = before[id(key)]
