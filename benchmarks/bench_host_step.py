@@ -13,7 +13,10 @@ Lightning's import). ``torch-foreach`` and ``torch-forloop`` are torch's other k
 ``DeepSpeedCPUAdam(adamw_mode=True)``, the step of DeepSpeed's ZeRO-Offload. ``torch-fused-bf16`` is
 ``ZeroStrategy(optimizer_state_dtype="bf16")``'s step (``engine/state_dtype.py``): the same fused kernel on moments held
 in bf16 and widened to fp32 a tile (``--tile`` elements) at a time, 20 bytes per element to and from memory where a
-tile's fp32 copy stays in cache (param 4 + 4, gradient 4, two moments 2 + 2 each). It is OpenMP, so its thread count is
+tile's fp32 copy stays in cache (param 4 + 4, gradient 4, two moments 2 + 2 each). ``selective`` is selective updates'
+host step (``offload_update_interval=k``, ``engine/offload/selective.py``), run once every ``k`` steps: AdamW with a
+step count per column, torch's elementwise ops over tiles of rows, 36 bytes per element (the 28 of the step and the
+interval's mean, a pass over the gradient). It is OpenMP, so its thread count is
 fixed when the process starts: each size, thread count and implementation runs in a fresh process with
 ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set. All take lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, on
 GPT-like tensors (``--tensors``) whose gradients are set once; figures are medians over the measured steps.
@@ -47,11 +50,11 @@ from typing import Any
 
 import torch
 
-IMPLS = ("torch-fused", "torch-fused-bf16", "torch-foreach", "torch-forloop", "deepspeed")
+IMPLS = ("torch-fused", "torch-fused-bf16", "selective", "torch-foreach", "torch-forloop", "deepspeed")
 HYPER: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 BYTES_PER_ELEMENT = 28  # fp32 AdamW: 4 tensors read (16 B), 3 written (12 B)
 #: What each implementation must move per element; bf16 moments: param 4 + 4, gradient 4, moments 2 + 2 each.
-BYTES_BY_IMPL = {"torch-fused-bf16": 20}
+BYTES_BY_IMPL = {"torch-fused-bf16": 20, "selective": 36}
 INSTALL_HINT = "pip install --no-deps deepspeed, then its missing pure-Python requirements; see the docstring"
 
 
@@ -80,6 +83,31 @@ def make_optimizer(impl: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
     if impl.startswith("torch-fused"):  # what host_kernel makes of an AdamW whose kernel the user left to torch
         return torch.optim.AdamW(params, fused=True, **HYPER)
     return torch.optim.AdamW(params, foreach=impl == "torch-foreach", fused=False, **HYPER)
+
+
+def selective_host_step(params: list[torch.Tensor]) -> Any:
+    """Selective updates' host step (``engine/offload/selective.py``): AdamW with a step count per column, each
+    parameter's rows a tile at a time, over every column (the device's too); the interval's mean gradient is taken in
+    place first (one more pass over the gradient, 8 bytes an element)."""
+    from lightning_zero.engine.offload.selective import AdamHyper, step_columns
+
+    lr, (beta1, beta2) = HYPER["lr"], HYPER["betas"]
+    hyper = AdamHyper(lr, beta1, beta2, HYPER["eps"], HYPER["weight_decay"], decoupled=True)
+    work = []
+    for p in params:
+        columns = p.shape[1] if p.dim() >= 2 else 1
+        steps = torch.full((columns,), 10.0, dtype=torch.float64)  # some columns' counts: each its own
+        steps[::3] += 4
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        work.append((p, grad, torch.zeros_like(p), torch.zeros_like(p), *hyper.coefficients(steps)))
+
+    def step() -> None:
+        with torch.no_grad():
+            for p, grad, exp_avg, exp_avg_sq, step_size, correction in work:
+                grad.div_(1.0)
+                step_columns(hyper, p, grad, exp_avg, exp_avg_sq, step_size, correction)
+
+    return step
 
 
 def make_params(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
@@ -121,6 +149,8 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
 
         states = StateDtype("bf16", tile_elements=cell["tile"])
         step = lambda: states.step(opt)  # noqa: E731
+    if cell["impl"] == "selective":
+        step = selective_host_step(params)
     setup_s = time.perf_counter() - start  # DeepSpeed: loading (or JIT-building) its op
     ms = statistics.median(timed_ms(step, cell["steps"], cell["warmup"]))
     moved = BYTES_BY_IMPL.get(cell["impl"], BYTES_PER_ELEMENT)

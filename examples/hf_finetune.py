@@ -51,6 +51,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--strategy", default="zero3", choices=sorted(REGISTERED_STRATEGIES), help="a registered name")
     p.add_argument("--optimizer-state-dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--offload-update-interval", type=int, help="selective updates' k (with an offload strategy)")
+    p.add_argument("--offload-topk-ratio", type=float, help="selective updates' share of columns on the device")
+    p.add_argument("--offload-select-interval", type=int, help="selective updates' steps between choices")
+    p.add_argument(
+        "--offload-overlap-step", action=argparse.BooleanOptionalAction, help="selective updates' host step overlaps"
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--gradient-clip-val", type=float, default=None)
     return p.parse_args()
@@ -134,7 +140,19 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices,
         strategy=ZeroStrategy(
-            **REGISTERED_STRATEGIES[args.strategy],
+            **{
+                **REGISTERED_STRATEGIES[args.strategy],
+                **{
+                    name: getattr(args, name)
+                    for name in (
+                        "offload_update_interval",
+                        "offload_topk_ratio",
+                        "offload_select_interval",
+                        "offload_overlap_step",
+                    )
+                    if getattr(args, name) is not None
+                },
+            },
             optimizer_state_dtype=args.optimizer_state_dtype,
             init_weights=str(pretrained),
             activation_checkpointing=LlamaDecoderLayer,

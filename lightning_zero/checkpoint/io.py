@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import delayed_update, error_feedback
+from lightning_zero.checkpoint import delayed_update, error_feedback, selective_updates
 from lightning_zero.checkpoint.safe_load import dcp_load
 from lightning_zero.checkpoint.state_dicts import (
     CURRENT_MODEL_STATE,
@@ -136,6 +136,9 @@ def load(
     lagging = delayed_update.placeholder(saved_tensor_shapes(path, delayed_update.KEY), engine)
     if lagging is not None:
         state[delayed_update.KEY] = lagging
+    selective = selective_updates.placeholder(saved_tensor_shapes(path, selective_updates.KEY), engine)
+    if selective is not None:
+        state[selective_updates.KEY] = selective
     dcp_load(state, path, allow_partial_load=not strict)
     if average is not None and not with_current:  # no average saved: it starts from the weights, as they do
         dcp_load({"state_dict": average}, path, allow_partial_load=not strict)
@@ -144,6 +147,7 @@ def load(
     if engine is not None:
         engine.params_loaded()  # e.g. each rank loaded only its rows of the resident parameters
         delayed_update.restore(lagging, engine)  # after: the parameters forward computes with, one update behind
+        selective_updates.restore(selective, engine)  # after the optimizer's state: the device's columns come from it
     for i, optimizer in enumerate(optimizers):
         groups = checkpoint.get("optimizer_param_groups", [])
         if i < len(groups):

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.checkpoint import delayed_update, error_feedback
+from lightning_zero.checkpoint import delayed_update, error_feedback, selective_updates
 from lightning_zero.checkpoint.errors import on_every_rank, reraise, save_error
 from lightning_zero.checkpoint.files import (
     remove,
@@ -58,6 +58,8 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
         tensors[error_feedback.KEY] = checkpoint.pop(error_feedback.KEY)
     if delayed_update.KEY in checkpoint:  # the parameters one update behind (delayed_update.py)
         tensors[delayed_update.KEY] = checkpoint.pop(delayed_update.KEY)
+    if selective_updates.KEY in checkpoint:  # sums, columns and counts of selective updates (selective_updates.py)
+        tensors[selective_updates.KEY] = checkpoint.pop(selective_updates.KEY)
     for i, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
         tensors[f"optimizer_{i}"] = optim_state["state"]
         checkpoint.setdefault("optimizer_param_groups", []).append(optim_state["param_groups"])

@@ -31,6 +31,11 @@ ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Mo
 
 SUPPORTED_STAGES = (1, 2, 3)
 
+#: Selective updates' defaults: the share of columns stepped on the device (ZenFlow's published range is 5-10%), and
+#: how many update intervals pass between re-selections (each re-selection waits for the host step in flight).
+DEFAULT_TOPK_RATIO = 0.1
+SELECT_EVERY_INTERVALS = 4
+
 #: Every ``pipeline_schedule`` (``pipeline/schedule.py`` maps each to its ``torch.distributed.pipelining`` class).
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev")
 #: Several stages per rank, rank ``r`` of ``p`` running stages ``r, r + p, r + 2p, ...`` (``pipeline_virtual_stages``).
@@ -54,6 +59,8 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     "zero2_offload": dict(stage=2, offload_optimizer=True),
     # ZeRO-Offload's delayed parameter update: inexact by design (``engine/offload/schedule.py``).
     "zero2_offload_delay": dict(stage=2, offload_optimizer=True, offload_step_delay=1),
+    # ZenFlow's selective updates: inexact by design (``engine/offload/selective.py``).
+    "zero2_offload_selective": dict(stage=2, offload_optimizer=True, offload_update_interval=4),
     "zero3": dict(stage=3),
     "zero3_offload_optimizer": dict(stage=3, offload_optimizer=True),
     "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
@@ -106,6 +113,28 @@ class ZeroConfig:
     the state, rounding it back to nearest once (4 bytes a parameter fewer for Adam, 8 fewer moved by each host step).
     Inexact by design ([Note: bf16 optimizer states] in ``engine/state_dtype.py``, ``docs/optimizer_states.md``).
     DeepSpeed's ``bf16.bf16_optimizer_states``. ``"fp32"``: as the optimizer makes it."""
+
+    offload_update_interval: int = 1
+    """``k > 1``: selective updates (DeepSpeed ZenFlow's idea; stages 1-2, ``offload_optimizer=True``, Adam or AdamW).
+    Each step the ``offload_topk_ratio`` share of every matrix's columns with the largest gradient norms is stepped on
+    the device, with its optimizer state there; the other columns' gradients accumulate in host memory and the host
+    steps them every ``k`` steps in the background, landing on the device at a fixed step (``k`` steps later). Inexact
+    by design ([Note: selective updates] in ``engine/offload/selective.py``, ``docs/offload.md``); checkpoints and
+    resumes are exact. ``1``: every column every step, as the optimizer steps it."""
+
+    offload_topk_ratio: float | None = None
+    """The share of each matrix's columns stepped on the device every step when ``offload_update_interval > 1``, in
+    (0, 1); ``None``: 0.1. DeepSpeed's ``zenflow.topk_ratio``."""
+
+    offload_select_interval: int | None = None
+    """Steps between re-selections of the device columns when ``offload_update_interval > 1``, a multiple of it; each
+    re-selection waits for the host step in flight. ``None``: every 4 update intervals. DeepSpeed's
+    ``zenflow.select_interval``."""
+
+    offload_overlap_step: bool = True
+    """Selective updates' host step overlaps the device's next ``offload_update_interval`` steps and lands after them
+    (ZenFlow's ``overlap_step``); False: it lands at once, the step waiting for it, so no update is stale from the
+    landing and the host's time is spent once every ``offload_update_interval`` steps instead of hidden."""
 
     pin_memory: bool | None = None
     """Pin offloaded host memory for fast asynchronous copies. ``None``: pin when an accelerator exists (on a
@@ -322,6 +351,7 @@ class ZeroConfig:
         if not isinstance(self.pipeline_stages, int) or self.pipeline_stages < 1:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
         self._check_offload()
+        self._check_selective()
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
         check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
@@ -382,6 +412,53 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`offload_step_delay=1` is built for stages 1 and 2 without pipeline stages, not `{setting}`: use "
                 "stage=1 or 2 with offload_optimizer=True, or offload_step_delay=0."
+            )
+
+    def _check_selective(self) -> None:
+        """Selective updates' settings (see ``offload_update_interval``), normalised in place."""
+        interval = self.offload_update_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ZeroConfigError(f"`offload_update_interval` must be an integer >= 1, got {interval!r}.")
+        ratio, select = self.offload_topk_ratio, self.offload_select_interval
+        if interval == 1:
+            given = [
+                name for name in ("offload_topk_ratio", "offload_select_interval") if getattr(self, name) is not None
+            ]
+            given += [] if self.offload_overlap_step else ["offload_overlap_step"]
+            if given:
+                raise ZeroConfigError(
+                    f"`{given[0]}` applies to selective updates, which `offload_update_interval` > 1 switches on "
+                    f"(got offload_update_interval={interval}). Set offload_update_interval=k (e.g. 4), or drop "
+                    f"`{given[0]}`."
+                )
+            return
+        if ratio is None:
+            ratio = DEFAULT_TOPK_RATIO
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+            raise ZeroConfigError(f"`offload_topk_ratio` must be a share in (0, 1), got {ratio!r}.")
+        if select is None:
+            select = SELECT_EVERY_INTERVALS * interval
+        if isinstance(select, bool) or not isinstance(select, int) or select < interval or select % interval:
+            raise ZeroConfigError(
+                f"`offload_select_interval` must be a multiple of offload_update_interval={interval} (the columns "
+                f"change only between host steps), got {select!r}."
+            )
+        object.__setattr__(self, "offload_topk_ratio", float(ratio))
+        object.__setattr__(self, "offload_select_interval", select)
+        needs = {
+            "offload_optimizer=True": self.offload_optimizer is True,
+            "stage=1 or 2": self.stage in (1, 2),
+            "pipeline_stages=1": self.pipeline_stages == 1,
+            "offload_step_delay=0": not self.offload_step_delay,
+            "optimizer_state_dtype='fp32'": self.optimizer_state_dtype == "fp32",
+            "no gradient or parameter compression": self.gradient_compression is None
+            and self.param_compression is None,
+        }
+        missing = [need for need, met in needs.items() if not met]
+        if missing:
+            raise ZeroConfigError(
+                f"`offload_update_interval={interval}` (selective updates) needs {', '.join(needs)}; this config "
+                f"lacks: {', '.join(missing)}. Use offload_update_interval=1 for this configuration."
             )
 
     def _check_pipeline(self) -> None:

@@ -92,6 +92,7 @@ ZERO_KEYS = frozenset(
         "reduce_bucket_size",
         "overlap_comm",
         "cpu_offload",
+        "zenflow",
         *GATHER_16BIT_KEYS,
         *HYBRID_KEYS,
         *QUANTIZED_ZERO_KEYS,
@@ -277,6 +278,53 @@ def _zero_section(zero: Mapping[str, Any]) -> dict[str, Any]:
             raise ZeroConfigError("DeepSpeed config: `zero_optimization.overlap_comm` must be true or false.")
         out["overlap_comm"] = zero["overlap_comm"]
     out.update(_hybrid(zero))
+    out.update(_zenflow(zero.get("zenflow")))
+    return out
+
+
+#: ``zero_optimization.zenflow``'s keys that map onto selective updates (two with the only values ours has a
+#: counterpart for: the choice is by steps, and every step is selective).
+ZENFLOW_KEYS = frozenset(
+    {"topk_ratio", "update_interval", "select_interval", "select_strategy", "overlap_step", "full_warm_up_rounds"}
+)
+
+
+def _zenflow(spec: Any) -> dict[str, Any]:
+    """DeepSpeed ZenFlow -> selective updates: ``topk_ratio`` -> ``offload_topk_ratio``, ``update_interval`` ->
+    ``offload_update_interval``, ``select_interval`` -> ``offload_select_interval`` ("auto": ours, every 4 update
+    intervals), ``overlap_step`` -> ``offload_overlap_step``. ZenFlow's ``"auto"`` update interval adapts to measured
+    timings, so runs would not repeat: an integer is needed ([Note: selective updates] in
+    ``engine/offload/selective.py``)."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise ZeroConfigError(f"DeepSpeed config: `zero_optimization.zenflow` must be an object, got {spec!r}.")
+    _check_keys("zero_optimization.zenflow.", spec, ZENFLOW_KEYS)
+    interval = spec.get("update_interval", AUTO)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 2:
+        raise ZeroConfigError(
+            f"DeepSpeed config: `zero_optimization.zenflow.update_interval` must be an integer >= 2 here, got "
+            f"{interval!r}: ZenFlow's 'auto' adapts it to timings, which would make runs differ; selective updates "
+            "land the host's step at a fixed step index."
+        )
+    out: dict[str, Any] = {"offload_update_interval": interval}
+    if "topk_ratio" in spec:
+        out["offload_topk_ratio"] = _number("zero_optimization.zenflow.topk_ratio", spec["topk_ratio"], float, False)
+    select = spec.get("select_interval", AUTO)
+    if select != AUTO:
+        out["offload_select_interval"] = _number("zero_optimization.zenflow.select_interval", select, int, False)
+    overlap = spec.get("overlap_step", True)
+    if not isinstance(overlap, bool):
+        raise ZeroConfigError("DeepSpeed config: `zero_optimization.zenflow.overlap_step` must be true or false.")
+    if not overlap:
+        out["offload_overlap_step"] = False
+    fixed = {"select_strategy": ("auto", "step"), "full_warm_up_rounds": (0,)}
+    for key, allowed in fixed.items():
+        if key in spec and (type(spec[key]), spec[key]) not in {(type(value), value) for value in allowed}:
+            raise ZeroConfigError(
+                f"DeepSpeed config: `zero_optimization.zenflow.{key}={spec[key]!r}` is not supported; allowed: "
+                f"{list(allowed)} (columns are chosen by steps, and every step is selective)."
+            )
     return out
 
 

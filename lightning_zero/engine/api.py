@@ -214,6 +214,20 @@ class DelayedUpdate(Protocol):
 
 
 @runtime_checkable
+class SelectiveUpdateState(Protocol):
+    """``offload_update_interval > 1`` (stages 1-2): the interval's gradient sums, the chosen columns, their step counts
+    and the progress of the schedule ([Note: selective updates] in ``offload/selective.py``), by parameter name."""
+
+    def selective_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """By name: whole tensors, the same on every rank, and ``sums``, this rank's rows
+        (``checkpoint/selective_updates.py``)."""
+
+    def load_selective_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """After the optimizer's state was loaded: restore what :meth:`selective_state` gave (``sums`` as this rank's
+        rows)."""
+
+
+@runtime_checkable
 class ShardingEngine(Protocol):
     """What the strategy, precision plugin, checkpoints and accounting ask of an engine."""
 
@@ -269,6 +283,10 @@ class ShardingEngine(Protocol):
     def delayed_update(self) -> DelayedUpdate | None:
         """The parameters forward computes with lag the optimizer by one update (``offload_step_delay``); None
         where they never lag."""
+
+    @property
+    def selective_updates(self) -> SelectiveUpdateState | None:
+        """Selective updates' state beyond the optimizer's (``offload_update_interval > 1``); None without them."""
 
     @property
     def compression(self) -> CompressedComm | None:

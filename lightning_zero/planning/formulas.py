@@ -10,8 +10,9 @@ Stage 1 shards the optimizer's part, stage 2 the gradients too, stage 3 everythi
 between forward and backward (``P/k`` in the compute dtype, counted here since it is part of the peak) so
 that backward's all-gather stays in the node (``2P`` inter-node elements per rank instead of ``3P``). Offloading the
 optimizer moves its fp32 masters, their gradients and Adam's moments to host memory, 16P/N per rank (20P/N with
-the delayed update, whose host step reads one gradient shard while the next backward fills another); the device
-keeps what forward and backward compute with. ``optimizer_state_dtype="bf16"`` holds Adam's moments in 4 bytes instead of
+the delayed update, whose host step reads one gradient shard while the next backward fills another; 24P/N with
+selective updates' two interval sums, whose chosen share ``r`` of the columns also keeps its masters and moments on the
+device, 12rP/N); the device keeps what forward and backward compute with. ``optimizer_state_dtype="bf16"`` holds Adam's moments in 4 bytes instead of
 8, so every 16 above becomes 12 (Lightning's ``ddp`` keeps its own). Activations, buffers and temporary buffers
 are not model state and are not counted. Measured: tests/distributed holds stages 1-3 to these formulas within
 2% on a 1M-parameter model, tests/integration/test_monitor.py within 5% on a 30K-parameter one.
@@ -23,7 +24,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
+from lightning_zero.config.zero_config import DEFAULT_TOPK_RATIO, REGISTERED_STRATEGIES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 #: Bytes of Adam's two moments per parameter, by ``ZeroStrategy(optimizer_state_dtype=...)``.
@@ -61,6 +62,10 @@ class Choice:
     """``"node"``: hpZ's node-local parameter copy."""
     offload_step_delay: int = 0
     """1: ZeRO-Offload's delayed parameter update, which keeps a second fp32 gradient shard on the host."""
+    offload_update_interval: int = 1
+    """``k > 1``: selective updates, whose chosen columns keep fp32 masters and moments on the device and whose
+    interval sums take two fp32 gradient shards on the host."""
+    offload_topk_ratio: float = DEFAULT_TOPK_RATIO
 
     @property
     def across_nodes(self) -> bool:
@@ -71,7 +76,11 @@ class Choice:
     def offload(self) -> str:
         if self.offload_params:
             return "params+optimizer"
-        return ("optimizer, delayed" if self.offload_step_delay else "optimizer") if self.offload_optimizer else "-"
+        if not self.offload_optimizer:
+            return "-"
+        if self.offload_update_interval > 1:
+            return f"optimizer, selective k={self.offload_update_interval}"
+        return "optimizer, delayed" if self.offload_step_delay else "optimizer"
 
     def strategy(self) -> dict:
         """The strategy as a LightningCLI node (``class_path`` + ``init_args``)."""
@@ -87,6 +96,8 @@ class Choice:
                 args[key] = getattr(self, key)
         if self.offload_step_delay:
             args["offload_step_delay"] = self.offload_step_delay
+        if self.offload_update_interval > 1:
+            args["offload_update_interval"] = self.offload_update_interval
         return {"class_path": "lightning_zero.ZeroStrategy", "init_args": args}
 
 
@@ -104,6 +115,7 @@ _FASTEST_FIRST = (
     "zero1_offload",
     "zero2_offload",
     "zero2_offload_delay",
+    "zero2_offload_selective",
     "zero3_hsdp",
     "zero3_hpz",
     "zero3",
@@ -174,8 +186,11 @@ def model_state_split(
         return 0.0, total * p / n
     if choice.offload_optimizer:
         device = {1: (weight + grad) * p, 2: weight * p + grad * p / n, 3: 8 * p / n}[choice.stage]
-        # fp32 masters, their gradients and Adam's moments; the delayed update's second gradient shard
-        return device, (total + 4 * choice.offload_step_delay) * p / n
+        host = total + 4 * choice.offload_step_delay  # fp32 masters, their gradients and Adam's moments
+        if choice.offload_update_interval > 1:  # the chosen columns' masters and moments, the two interval sums
+            device += (4 + MOMENT_BYTES[optimizer_state_dtype]) * choice.offload_topk_ratio * p / n
+            host += 8
+        return device, host * p / n
     optimizer = total - weight - grad  # Adam's moments, plus the fp32 masters under mixed precision
     return {
         1: (weight + grad) * p + optimizer * p / n,

@@ -28,13 +28,16 @@ The peak is the larger.
 Host memory holds what offload puts there: ``r`` of the masters, their gradients and the optimizer state
 (``offload_optimizer=r``), and at stage 3 with ``offload_params`` the parameter and gradient shards too; with every
 master offloaded and clipping by the global norm, the copies of the masters and state that the parts stepped during
-backward keep until the clip is known ([Note: speculative clipping] in ``engine/offload/speculation.py``).
+backward keep until the clip is known ([Note: speculative clipping] in ``engine/offload/speculation.py``). Selective
+updates keep their chosen columns' fp32 masters and state on the device and two interval sums of the gradients on the
+host ([Note: selective updates] in ``engine/offload/selective.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from lightning_zero.config.zero_config import DEFAULT_TOPK_RATIO
 from lightning_zero.engine.stage3.fsdp2_units import merged_lengths
 from lightning_zero.engine.state_dtype import STATE_DTYPES, TILE_ELEMENTS
 from lightning_zero.planning.trace import StepTrace
@@ -57,6 +60,10 @@ class Configuration:
     """Stage 3: adjacent layers share one gathered unit up to this size (``ZeroStrategy(unit_size_mb=...)``)."""
     optimizer_state_dtype: str = "fp32"
     """``"bf16"``: the optimizer's per-element state held in 2 bytes (``engine/state_dtype.py``)."""
+    offload_update_interval: int = 1
+    """``k > 1``: selective updates (``engine/offload/selective.py``), with ``offload_topk_ratio`` of the columns on
+    the device."""
+    offload_topk_ratio: float = DEFAULT_TOPK_RATIO
 
     @property
     def name(self) -> str:
@@ -65,11 +72,17 @@ class Configuration:
         name = f"zero{self.stage}"
         if self.offload_params:
             return name + "_offload"
+        if self.offload_optimizer >= 1 and self.selective:
+            return name + f"_offload_selective{self.offload_update_interval}"
         if self.offload_optimizer >= 1:
             return name + ("_offload_optimizer" if self.stage == 3 else "_offload")
         if self.offload_optimizer > 0:
             return name + f"_offload{self.offload_optimizer:g}"
         return name
+
+    @property
+    def selective(self) -> bool:
+        return self.offload_update_interval > 1
 
     def strategy_args(self) -> dict:
         args: dict = {"stage": self.stage}
@@ -83,6 +96,10 @@ class Configuration:
             args["unit_size_mb"] = self.unit_size_mb
         if self.optimizer_state_dtype != "fp32":
             args["optimizer_state_dtype"] = self.optimizer_state_dtype
+        if self.selective:
+            args["offload_update_interval"] = self.offload_update_interval
+            if self.offload_topk_ratio != DEFAULT_TOPK_RATIO:
+                args["offload_topk_ratio"] = self.offload_topk_ratio
         return args
 
 
@@ -134,6 +151,9 @@ def predict(
     elif c.stage in (1, 2):
         static = {"parameters": weights, "optimizer state": (1 - r) * (state + masters) / n}
         host = r * (state + (masters or 4 * p) + 4 * p) / n  # state, master copies and their gradient buffers
+        if c.selective:  # the chosen columns' fp32 masters and state on the device; the host's two interval sums
+            static["optimizer state"] += c.offload_topk_ratio * (4 * p + state) / n
+            host += 8 * p / n
         if c.stage == 2:
             static["gradients"] = grad_size * p / n  # the reduced shard, kept across steps
             held = grad_size * p if accumulate > 1 else grad_size * bucket
@@ -199,7 +219,7 @@ def predict(
         breakdown["buffers"] = step_buffers
         breakdown["gradients"] = breakdown.get("gradients", 0) + grads_at_step
     by_kind = {kind: int(breakdown.get(kind, 0)) for kind in KINDS}
-    if clipped and c.offload_optimizer >= 1 and not c.offload_params and c.stage != 0:
+    if clipped and c.offload_optimizer >= 1 and not c.offload_params and c.stage != 0 and not c.selective:
         host += (4 * p + state) / n  # the speculated parts' copies of their masters and state
     return Prediction(c, trace, int(max(during, at_step)), int(host), by_kind)
 

@@ -18,7 +18,15 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import delayed_update, error_feedback, hf_export, io, state_dicts, write
+from lightning_zero.checkpoint import (
+    delayed_update,
+    error_feedback,
+    hf_export,
+    io,
+    selective_updates,
+    state_dicts,
+    write,
+)
 from lightning_zero.checkpoint.async_save import AsyncSaver, checkpoint_group
 from lightning_zero.checkpoint.error_feedback import warn_residuals_not_kept
 from lightning_zero.checkpoint.files import clean_directory, remove
@@ -92,6 +100,7 @@ class ShardedCheckpoints:
             checkpoint["hf_export"] = hf_model  # what `lightning-zero consolidate --hf` needs
         engine = sharded.engine
         delayed_update.add_to_checkpoint(checkpoint, engine, full=self.full)
+        selective_updates.add_to_checkpoint(checkpoint, engine, full=self.full)
         if self.full:
             warn_residuals_not_kept(engine)
             write.save_full(checkpoint, path)  # rank 0 writes; every rank raises if that failed
@@ -158,6 +167,7 @@ class ShardedCheckpoints:
             io.load_optimizer_state(unwrap(optimizer), state, module, sharded.engine, holding=sharded.holding)
         # A full file's parameters one update behind (a sharded directory's were loaded with it, in `io.load`).
         delayed_update.restore(checkpoint.get(delayed_update.KEY), sharded.engine)
+        selective_updates.restore(checkpoint.get(selective_updates.KEY), sharded.engine)
 
 
 def unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:

@@ -33,6 +33,7 @@ from lightning_zero.engine.comm.compression import CompressionSpec
 from lightning_zero.engine.comm.topology import Topology, data_parallel_groups
 from lightning_zero.engine.mixed_precision import PrecisionPolicy
 from lightning_zero.engine.offload.masters import should_pin
+from lightning_zero.engine.offload.selective import SelectiveSettings
 from lightning_zero.engine.row_major import dense_embedding_gradients, store_row_major
 from lightning_zero.engine.stage3.fsdp2 import FullyShardedEngine
 from lightning_zero.engine.stage3.fsdp2_units import select_units
@@ -186,6 +187,7 @@ def shard_model(
             compression=compression_spec(config),
             offload_step_delay=config.offload_step_delay,
             optimizer_state_dtype=config.optimizer_state_dtype,
+            selective=selective_settings(config),
         )
     if config.init_weights is not None:
         load_pretrained(
@@ -259,4 +261,20 @@ def compression_spec(config: ZeroConfig) -> CompressionSpec | None:
         block_size=config.quantization_block_size,
         error_feedback=config.error_feedback,
         inter_node_only=config.compression_scope == "inter_node",
+    )
+
+
+def selective_settings(config: ZeroConfig) -> SelectiveSettings | None:
+    """The engine's view of selective updates (``engine/offload/selective.py``); None with ``offload_update_interval=1``."""
+    if (
+        config.offload_update_interval == 1
+        or config.offload_topk_ratio is None
+        or config.offload_select_interval is None
+    ):
+        return None
+    return SelectiveSettings(
+        config.offload_update_interval,
+        config.offload_topk_ratio,
+        config.offload_select_interval,
+        config.offload_overlap_step,
     )

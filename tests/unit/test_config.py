@@ -109,3 +109,42 @@ def test_precision_plugin_is_converted_and_unsupported_values_listed():
 
 def test_public_names():
     assert set(lightning_zero.__all__) >= {"ZeroStrategy", "ZeroPrecision", "ZeroConfig"}
+
+
+def test_selective_updates_resolve_their_defaults():
+    """``offload_update_interval=k`` switches selective updates on, with 10% of the columns on the device and a new
+    choice every 4 intervals; ``k=1`` is every column every step, and the two others are then refused by name."""
+    config = ZeroStrategy(stage=2, offload_optimizer=True, offload_update_interval=4).zero_config
+    assert (config.offload_topk_ratio, config.offload_select_interval) == (0.1, 16)
+    assert ZeroStrategy(stage=1, offload_optimizer=True).zero_config.offload_update_interval == 1
+    with pytest.raises(ZeroConfigError, match="`offload_topk_ratio` applies to selective updates"):
+        ZeroStrategy(stage=2, offload_optimizer=True, offload_topk_ratio=0.05)
+    with pytest.raises(ZeroConfigError, match="`offload_overlap_step` applies to selective updates"):
+        ZeroStrategy(stage=2, offload_optimizer=True, offload_overlap_step=False)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(stage=2, offload_update_interval=4), "lacks: offload_optimizer=True"),
+        (dict(stage=2, offload_optimizer=0.5, offload_update_interval=4), "lacks: offload_optimizer=True"),
+        (dict(stage=3, offload_optimizer=True, offload_update_interval=4), "lacks: stage=1 or 2"),
+        (
+            dict(stage=2, offload_optimizer=True, offload_update_interval=4, offload_step_delay=1),
+            "offload_step_delay=0",
+        ),
+        (
+            dict(stage=2, offload_optimizer=True, offload_update_interval=4, optimizer_state_dtype="bf16"),
+            "optimizer_state_dtype='fp32'",
+        ),
+        (dict(stage=2, offload_optimizer=True, offload_update_interval=0), "integer >= 1"),
+        (
+            dict(stage=2, offload_optimizer=True, offload_update_interval=4, offload_topk_ratio=1.0),
+            r"share in \(0, 1\)",
+        ),
+        (dict(stage=2, offload_optimizer=True, offload_update_interval=4, offload_select_interval=6), "multiple of"),
+    ],
+)
+def test_selective_updates_refuse_what_they_cannot_run(settings, message):
+    with pytest.raises(ZeroConfigError, match=message):
+        ZeroStrategy(**settings)

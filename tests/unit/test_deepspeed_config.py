@@ -213,3 +213,31 @@ def test_bf16_optimizer_states_map_onto_optimizer_state_dtype():
     given_twice = {"bf16": {"enabled": True, "bf16_optimizer_states": False}}
     with pytest.raises(ZeroConfigError, match="optimizer_state_dtype"):
         ZeroStrategy(config=given_twice, optimizer_state_dtype="bf16")
+
+
+def test_zenflow_maps_onto_selective_updates():
+    """DeepSpeed's tutorial block, as written there, is selective updates; what they cannot repeat is refused by
+    key: an "auto" update interval (timing-driven, so runs differ), warm-up rounds, unknown keys."""
+    zenflow = {
+        "topk_ratio": 0.05,
+        "select_strategy": "auto",
+        "select_interval": "auto",
+        "update_interval": 4,
+        "full_warm_up_rounds": 0,
+        "overlap_step": True,
+    }
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": zenflow}}
+    expected = ZeroStrategy(stage=2, offload_optimizer=True, offload_update_interval=4, offload_topk_ratio=0.05)
+    assert ZeroStrategy(config=config).zero_config == expected.zero_config
+    synchronous = {**config["zero_optimization"], "zenflow": {**zenflow, "overlap_step": False}}
+    assert ZeroStrategy(config={"zero_optimization": synchronous}).zero_config.offload_overlap_step is False
+    for change, message in [
+        ({"update_interval": "auto"}, "update_interval` must be an integer >= 2"),
+        ({"overlap_step": "no"}, "overlap_step` must be true or false"),
+        ({"full_warm_up_rounds": 10}, "full_warm_up_rounds=10` is not supported"),
+        ({"select_strategy": "epoch"}, "select_strategy='epoch'` is not supported"),
+        ({"steps_per_epoch": 100}, "zenflow.steps_per_epoch` is not supported"),
+    ]:
+        block = {**config["zero_optimization"], "zenflow": {**zenflow, **change}}
+        with pytest.raises(ZeroConfigError, match=message):
+            ZeroStrategy(config={"zero_optimization": block})

@@ -46,6 +46,8 @@ BY_NAME = CHOICES_BY_NAME
         (1e9, 8, "zero3_offload", "bf16-mixed", 0, 2e9),
         # the delayed update: a second fp32 gradient shard on the host, 20P/N
         (1e9, 8, "zero2_offload_delay", "bf16-mixed", 2e9 + 2e9 / 8, 2.5e9),
+        # selective updates: 10% of the columns' masters and moments on the device, two interval sums on the host, 24P/N
+        (1e9, 8, "zero2_offload_selective", "bf16-mixed", 2e9 + 2e9 / 8 + 0.1 * 12e9 / 8, 3e9),
     ],
 )
 def test_formulas(params, world, choice, precision, device, host):
@@ -73,6 +75,9 @@ def test_the_delayed_update_has_a_row_and_is_never_the_pick():
     )
     picks = {fastest_fitting(rows, quarters * GIB / 4).choice.name for quarters in range(1, 100)}
     assert "zero2_offload" in picks and "zero2_offload_delay" not in picks
+    selective = rows[names.index("zero2_offload_selective")]
+    assert selective.choice.offload == "optimizer, selective k=4"
+    assert "zero2_offload_selective" not in picks  # more device memory than the exact offload before it
 
 
 def test_the_fastest_fitting_choice_and_memory_sizes():
@@ -254,6 +259,7 @@ def test_help_has_no_rest_markup():
         ("zero2_offload", "bf16-mixed", 2e9 + 2e9 / 8, 12e9 / 8),
         ("zero3_offload", "bf16-mixed", 0, 12e9 / 8),
         ("zero2_offload_delay", "bf16-mixed", 2e9 + 2e9 / 8, 16e9 / 8),
+        ("zero2_offload_selective", "bf16-mixed", 2e9 + 2e9 / 8 + 0.1 * 8e9 / 8, 20e9 / 8),
     ],
 )
 def test_formulas_with_bf16_optimizer_states(choice, precision, device, host):

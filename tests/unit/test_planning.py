@@ -460,3 +460,23 @@ def test_the_planner_pages_estimate_table_is_what_estimate_prints(capsys):
             shown_device, shown_host = devices[min(i, len(devices) - 1)], hosts[min(i, len(hosts) - 1)]
             printed_device, printed_host = printed[name][-3:-1]
             assert (float(shown_device), float(shown_host)) == (float(printed_device), float(printed_host)), name
+
+
+def test_selective_updates_count_their_device_columns_and_interval_sums():
+    """[Note: selective updates]: the chosen share of the columns keeps fp32 masters and Adam's moments on the device
+    (4 + 8 bytes an element), the host two fp32 interval sums of the gradients; nothing is speculated."""
+    trace = trace_step(lambda: GPTLightningModule(**TINY), _batch())
+    exact = Configuration(2, offload_optimizer=1.0)
+    chosen = Configuration(2, offload_optimizer=1.0, offload_update_interval=4, offload_topk_ratio=0.05)
+    plain, selective = predict(trace, exact, 2, clipped=True), predict(trace, chosen, 2, clipped=True)
+    device_columns = selective.breakdown["optimizer state"] - plain.breakdown["optimizer state"]
+    assert device_columns == pytest.approx(0.05 * (4 + 8) * trace.params / 2, abs=1)
+    speculated = (4 + 8) * trace.params / 2
+    assert selective.host_bytes - (plain.host_bytes - speculated) == pytest.approx(8 * trace.params / 2, abs=1)
+    assert chosen.name == "zero2_offload_selective4"
+    assert chosen.strategy_args() == {
+        "stage": 2,
+        "offload_optimizer": True,
+        "offload_update_interval": 4,
+        "offload_topk_ratio": 0.05,
+    }

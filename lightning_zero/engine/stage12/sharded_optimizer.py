@@ -38,6 +38,7 @@ from lightning_zero.engine.offload.schedule import (
     runs_behind_copies,
     split_in_parts,
 )
+from lightning_zero.engine.offload.selective import AdamHyper, SelectiveParam, SelectiveSettings, SelectiveUpdates
 from lightning_zero.engine.optimizer_shell import OptimizerShell
 from lightning_zero.engine.optimizers import Standins, has_step_hooks, hosted_params, steps_in_parts, steps_whole
 from lightning_zero.engine.owner_step import OwnerStepping
@@ -67,6 +68,7 @@ class ShardedOptimizer(OptimizerShell):
         kind: str = "elementwise",
         owners: OwnerStepping | None = None,
         written: InPlaceWrites | None = None,
+        selective: SelectiveSettings | None = None,
     ) -> None:
         super().__init__(optimizer, kind, schedule)
         #: See [Note: parameters written between steps] (``engine/in_place_writes.py``).
@@ -107,6 +109,9 @@ class ShardedOptimizer(OptimizerShell):
                 "masters: it needs an element-wise optimizer (torch's SGD, Adam, AdamW, ...) and every master on the "
                 "host (`offload_optimizer=True`). Use offload_step_delay=0 for this optimizer."
             )
+        #: See [Note: selective updates] in ``engine/offload/selective.py``.
+        self.selective: SelectiveUpdates | None = None
+        self._selective_settings = selective
         self.refresh()
 
     def refresh(self) -> None:
@@ -156,6 +161,42 @@ class ShardedOptimizer(OptimizerShell):
                 for run in runs
             ]
         self._members, self._untracked = members, untracked
+        if self._selective_settings is not None:
+            self._follow_selective(self._selective_settings)
+
+    def _follow_selective(self, settings: SelectiveSettings) -> None:
+        """Selective updates for this optimizer's parameters, new ones included (callbacks add param groups)."""
+        masters = self.masters
+        if masters is None or not masters.offloaded or not all(masters.on_host) or self.whole:
+            raise TypeError(
+                f"ZeroStrategy(offload_update_interval>1) needs every master of {type(self.optimizer).__name__} on the "
+                "host (offload_optimizer=True) and an element-wise optimizer (Adam, AdamW)."
+            )
+        if self.selective is None:
+            self.selective = SelectiveUpdates(
+                self.optimizer,
+                settings,
+                [],
+                self.schedule.worker,
+                group=self.group,
+                shard_of=self.shards.__getitem__,
+                resident_rows=self._resident_rows,
+                masters_into_resident=self._masters_into_resident,
+            )
+        for i in self.indices:
+            if i not in self.selective.params:
+                shape = torch.Size(self.layout.params[i].shape)
+                columns = SelectiveParam.columns_of(shape)
+                selectable = len(shape) >= 2
+                self.selective.params[i] = SelectiveParam(
+                    index=i,
+                    name=self.zero_params[i].name,
+                    columns=columns,
+                    selectable=selectable,
+                    device=self.params[i].device,
+                    column_steps=torch.zeros(columns, dtype=torch.float64),
+                    selected=torch.full((columns,), not selectable, dtype=torch.bool),
+                )
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
         if self.masters is None:
@@ -180,9 +221,20 @@ class ShardedOptimizer(OptimizerShell):
 
     def _discard(self) -> None:
         """A delayed update still lands, so the parameters a step computes with do not depend on which steps were
-        skipped."""
-        self.land()
+        skipped; a selective step is skipped whole (its host step lands at its own step)."""
+        if self.selective is None:
+            self.land()
         self.reducer.consume(self.indices)
+
+    def settle(self) -> None:
+        super().settle()
+        if self.selective is not None:
+            self.selective.write_back()
+
+    def state_loaded(self) -> None:
+        super().state_loaded()
+        if self.selective is not None:
+            self.selective.pull_all()
 
     @contextlib.contextmanager
     def hosting(self) -> Iterator[None]:
@@ -209,7 +261,8 @@ class ShardedOptimizer(OptimizerShell):
         self.take_back_writes()
         masters = self.masters
         on_host = masters is not None and masters.offloaded and all(masters.on_host)
-        return self.schedule.arm(self.parts, on_host, eligible=not self.whole, speculative=clipped)
+        eligible = not self.whole and self.selective is None
+        return self.schedule.arm(self.parts, on_host, eligible=eligible, speculative=clipped)
 
     def bucket_landed(self, bucket: int) -> None:
         part = self.schedule.landed(bucket)
@@ -234,6 +287,9 @@ class ShardedOptimizer(OptimizerShell):
         if mode is not StepMode.DURING_BACKWARD:  # else taken back before the backward that started them
             self.take_back_writes()
         self.reducer.finalize(self.indices)
+        if self.selective is not None:
+            self._step_selectively(self.selective)
+            return None
         if self.whole:
             self._owners.gather(self.whole, self.local_rows, self.reducer.local_grad)
         if mode is StepMode.DELAYED:
@@ -265,6 +321,29 @@ class ShardedOptimizer(OptimizerShell):
         self.reducer.consume(self.indices)
         return result
 
+    def _step_selectively(self, selective: SelectiveUpdates) -> None:
+        """See [Note: selective updates] in ``engine/offload/selective.py``."""
+        if self.masters is None:
+            raise RuntimeError("lightning_zero internal error: selective updates need host masters")
+        grads = self.masters.receive_gradients({i: self.reducer.local_grad(i) for i in self.indices})
+        hyper: dict[int, AdamHyper] = {}
+        for group in self.optimizer.param_groups:
+            settings = AdamHyper.of(self.optimizer, group)
+            hyper.update({i: settings for p in group["params"] if (i := self._index.get(id(p))) is not None})
+        selective.step(grads, hyper)
+        self.reducer.consume(self.indices)
+        self.all_gather_params(from_masters=False)
+
+    @property
+    def selective_pending(self) -> bool:
+        """A selective host step has not landed yet (the parameters forward computes with lag the masters)."""
+        return self.selective is not None and self.selective.lands_at is not None
+
+    def _masters_into_resident(self, indices: Sequence[int]) -> None:
+        if self.masters is not None:
+            with torch.no_grad():
+                self.masters.copy_all_into([(i, self._resident_rows(i).view(-1)) for i in indices])
+
     def _send(self, part: HostPart) -> None:
         self.all_gather_params(part.pieces, part.indices)
 
@@ -289,6 +368,10 @@ class ShardedOptimizer(OptimizerShell):
         """Collective: bring the delayed host step's rows to every rank's parameters, a part at a time (see
         [Note: the delayed update in parts]). Returns, for each part, an event behind the copies that read its
         masters."""
+        if self.selective is not None:
+            if self.selective.land():
+                self.all_gather_params(from_masters=False)
+            return []
         pending = self.schedule.take_pending()
         if pending is None:
             return []
@@ -317,7 +400,10 @@ class ShardedOptimizer(OptimizerShell):
     def _resident_rows(self, i: int) -> torch.Tensor:
         return self.zero_params[i].resident_rows()
 
-    def all_gather_params(self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None) -> None:
+    def all_gather_params(
+        self, buckets: Sequence[int] | None = None, indices: Sequence[int] | None = None, from_masters: bool = True
+    ) -> None:
+        """``from_masters=False``: the resident rows hold what to send already (selective updates write them)."""
         gathered = self.buckets if buckets is None else buckets
         indices = self.indices if indices is None else indices
         if self.written is not None and self.masters is not None:
@@ -333,7 +419,7 @@ class ShardedOptimizer(OptimizerShell):
                 gathered,
                 rank=self.rank,
                 group=self.group,
-                masters=self.masters,
+                masters=self.masters if from_masters else None,
                 indices=indices,
                 compression=self.reducer.compression,
                 row_views=self.row_views,

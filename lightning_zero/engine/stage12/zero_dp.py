@@ -24,6 +24,7 @@ from lightning_zero.engine.in_place_writes import InPlaceWrites
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.offload.masters import MasterShards
 from lightning_zero.engine.offload.schedule import HostStepSchedule
+from lightning_zero.engine.offload.selective import SelectiveSettings
 from lightning_zero.engine.offload.worker import HostStepWorker, PendingUpdate
 from lightning_zero.engine.optimizers import follow_zero_grad, optimizer_kind, shards_of, unfollow_zero_grad
 from lightning_zero.engine.owner_step import OwnerStepping
@@ -63,6 +64,7 @@ class ZeroDataParallel:
         compression: CompressionSpec | None = None,
         offload_step_delay: int = 0,
         optimizer_state_dtype: str = "fp32",
+        selective: SelectiveSettings | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel handles stages 1 and 2, got {stage}")
@@ -98,11 +100,14 @@ class ZeroDataParallel:
             cast_parameters(module, [p for _, p in named], policy)
         self._plan(named)
         #: See [Note: parameters written between steps] (not under the delayed update, whose parameters lag anyway).
-        self.written = InPlaceWrites() if self.masters is not None and not offload_step_delay else None
+        lagging = bool(offload_step_delay) or selective is not None
+        self.written = InPlaceWrites() if self.masters is not None and not lagging else None
         if self.written is not None:
             self.written.mark(self.params)
         #: See [Note: the delayed update] in ``engine/offload/schedule.py``.
         self.delayed = bool(offload_step_delay)
+        #: See [Note: selective updates] in ``engine/offload/selective.py``.
+        self.selective = selective
         #: See [Note: bf16 optimizer states] in ``engine/state_dtype.py``.
         self.optimizer_state_dtype = optimizer_state_dtype
         #: Where host steps run beside training (its thread starts with the first).
@@ -276,6 +281,7 @@ class ZeroDataParallel:
             kind=kind,
             owners=owners,
             written=self.written,
+            selective=self.selective,
         )
 
     def on_host(self, tensor: torch.Tensor) -> bool:
@@ -347,6 +353,9 @@ class ZeroDataParallel:
         if self.masters is not None:
             if self.delayed:
                 self.worker.wait()  # a delayed host step may be writing them
+            if self.selective is not None:  # the device's columns go back to the host masters first
+                for shards in self._optimizers.values():
+                    shards.settle()
             if self.written is not None:  # see [Note: parameters written between steps]
                 self.written.take_back(self.masters, [index], self.params.__getitem__, self._resident_rows)
         return self.zero_params[index].optimizer_rows()
@@ -357,24 +366,47 @@ class ZeroDataParallel:
     # ------------------------------------------------------------------ the delayed update (see offload/schedule.py)
     @property
     def delayed_update(self) -> ZeroDataParallel | None:
-        """This engine, under ``offload_step_delay`` (an ``api.DelayedUpdate``)."""
-        return self if self.delayed else None
+        """This engine, under ``offload_step_delay`` or selective updates (an ``api.DelayedUpdate``): both have host
+        steps whose rows reach the parameters forward computes with steps later."""
+        return self if self.delayed or self.selective is not None else None
 
     def lagging_rows(self) -> dict[str, torch.Tensor] | None:
-        if not any(o.schedule.pending is not None for o in self._optimizers.values()):
+        if not any(o.schedule.pending is not None or o.selective_pending for o in self._optimizers.values()):
             return None
         return {zp.name: zp.resident_rows() for zp in self.zero_params}
 
     def load_lagging_rows(self, rows: Mapping[str, torch.Tensor]) -> None:
-        if not self.delayed:
-            raise RuntimeError("parameters one update behind were loaded into a run without offload_step_delay")
+        if self.delayed_update is None:
+            raise RuntimeError(
+                "parameters one update behind were loaded into a run without offload_step_delay or selective updates"
+            )
         with torch.no_grad():
             for zp in self.zero_params:
                 if zp.name in rows:
                     zp.resident_rows().view(-1).copy_(rows[zp.name].reshape(-1))
         all_gather_params(self.layout, self.params, range(len(self.layout.buckets)), rank=self.rank, group=self.group)
         for optimizer in self._optimizers.values():
-            optimizer.schedule.pending = PendingUpdate()  # the masters hold it
+            if self.delayed:
+                optimizer.schedule.pending = PendingUpdate()  # the masters hold it
+            # selective updates: the pending step is restored with their state (``selective_state``)
+
+    # ------------------------------------------------------------------ selective updates (see offload/selective.py)
+    @property
+    def selective_updates(self) -> ZeroDataParallel | None:
+        """This engine, under selective updates (an ``api.SelectiveUpdateState``)."""
+        return self if self.selective is not None else None
+
+    def selective_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for shards in self._optimizers.values():
+            if shards.selective is not None:
+                state.update(shards.selective.state_by_name())
+        return state
+
+    def load_selective_state(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        for shards in self._optimizers.values():
+            if shards.selective is not None:
+                shards.selective.load_state_by_name(state)
 
     def land_updates(self) -> None:
         for optimizer in self._optimizers.values():
@@ -385,6 +417,9 @@ class ZeroDataParallel:
         self.land_updates()
         if not self.mixed or self.masters is None:
             return
+        if self.selective is not None:  # the device's columns go back to the host masters first
+            for shards in self._optimizers.values():
+                shards.settle()
         self._follow_new_storage()  # ``ModelPruning`` assigns at the end
         if self.written is not None:
             self.written.take_back(self.masters, range(len(self.params)), self.params.__getitem__, self._resident_rows)

@@ -442,6 +442,7 @@ class FullyShardedEngine:
         """FSDP2 keeps the sharded parameters at full precision and casts them per forward."""
 
     delayed_update = None  # ``offload_step_delay`` is a stage 1-2 setting
+    selective_updates = None  # so is ``offload_update_interval``
 
     @property
     def gathered_units(self) -> FullyShardedEngine:
