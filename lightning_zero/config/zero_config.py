@@ -32,7 +32,7 @@ ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Mo
 SUPPORTED_STAGES = (1, 2, 3)
 
 #: Selective updates' defaults: the share of columns stepped on the device (ZenFlow's published range is 5-10%), and
-#: how many update intervals pass between re-selections (each re-selection waits for the host step in flight).
+#: how many update intervals pass between choices of them.
 DEFAULT_TOPK_RATIO = 0.1
 SELECT_EVERY_INTERVALS = 4
 
@@ -118,17 +118,18 @@ class ZeroConfig:
     """``k > 1``: selective updates (DeepSpeed ZenFlow's idea; stages 1-2, ``offload_optimizer=True``, Adam or AdamW).
     Each step the ``offload_topk_ratio`` share of every matrix's columns with the largest gradient norms is stepped on
     the device, with its optimizer state there; the other columns' gradients accumulate in host memory and the host
-    steps them every ``k`` steps in the background, landing on the device at a fixed step (``k`` steps later). Inexact
-    by design ([Note: selective updates] in ``engine/offload/selective.py``, ``docs/offload.md``); checkpoints and
-    resumes are exact. ``1``: every column every step, as the optimizer steps it."""
+    steps them every ``k`` steps in the background, landing on the device at a fixed step (an interval later, or at
+    once: ``offload_overlap_step``). Inexact by design ([Note: selective updates] in ``engine/offload/selective.py``,
+    ``docs/offload.md``); checkpoints and resumes are exact. ``1``: every column every step, as the optimizer steps
+    it."""
 
     offload_topk_ratio: float | None = None
     """The share of each matrix's columns stepped on the device every step when ``offload_update_interval > 1``, in
     (0, 1); ``None``: 0.1. DeepSpeed's ``zenflow.topk_ratio``."""
 
     offload_select_interval: int | None = None
-    """Steps between re-selections of the device columns when ``offload_update_interval > 1``, a multiple of it; each
-    re-selection waits for the host step in flight. ``None``: every 4 update intervals. DeepSpeed's
+    """Steps between choices of the device's columns when ``offload_update_interval > 1``, a multiple of it (a choice is
+    made at an interval's last step, from its gradient's column norms). ``None``: every 4 update intervals. DeepSpeed's
     ``zenflow.select_interval``."""
 
     offload_overlap_step: bool = True

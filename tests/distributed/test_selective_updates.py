@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     env = {"LZ_SHARED_DIR": str(tmp_path_factory.mktemp("selective"))}
-    cases = ("exact", "edges", "checkpoint", "save_mid_interval")
+    cases = ("exact", "edges", "checkpoint", "save_mid_interval", "from_exact_steps")
     two = launch("tests.distributed.worker_selective", *cases, nprocs=2, env=env)
     one = launch("tests.distributed.worker_selective", "resume_in_other_world", nprocs=1, env=env)
     return {**two, **one}
@@ -75,3 +75,11 @@ def test_bf16_mixed_ends_with_the_masters_in_fp32(report):
     mixed = report["edges"]["mixed"]
     assert mixed["steps"] == 7 and mixed["dtypes"] == ["torch.float32"]
     assert mixed["seen_vs_masters"] == 0.0 and mixed["change"] > 1e-3
+
+
+def test_a_checkpoint_of_exact_steps_resumes_with_selective_updates_counting_on(report):
+    """4 exact steps, then 2 selective ones (one interval, its host step landed at the end of fit): columns on the
+    host took 1 more step, columns on the device 2, each on top of the 4 the optimizer's ``step`` counted."""
+    result = report["from_exact_steps"]
+    assert result["steps"] == 6 and result["finite"]
+    assert (result["fewest_column_steps"], result["most_column_steps"]) == (5.0, 6.0)

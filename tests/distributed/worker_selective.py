@@ -356,8 +356,30 @@ def edges() -> dict:
     return out
 
 
+def from_exact_steps(directory: Path) -> dict:
+    """A checkpoint of the exact offloaded step (4 steps) resumed with selective updates: each column's count goes on
+    from the optimizer's ``step``, so Adam's bias correction does not start over."""
+    L.seed_everything(7)
+    first = trainer(ZeroStrategy(stage=2, offload_optimizer=True), max_steps=4, **COMMON)
+    first.fit(models.Regression(), models.loader(DATA, 4))
+    path = first.strategy.broadcast(str(directory / "exact_steps"))
+    first.save_checkpoint(path)
+    L.seed_everything(7)
+    second = trainer(ZeroStrategy(stage=2, **selective(2, 2)), max_steps=6, **COMMON)
+    second.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=path)
+    state = second.strategy.engine.selective_state()
+    counts = torch.cat([entry["column_steps"] for entry in state.values()])
+    return {
+        "steps": second.global_step,
+        "fewest_column_steps": counts.min().item(),
+        "most_column_steps": counts.max().item(),
+        "finite": all(bool(torch.isfinite(v).all()) for v in second.strategy.full_state_dict().values()),
+    }
+
+
 CASES = {
     "exact": lambda _: exactness(),
+    "from_exact_steps": from_exact_steps,
     "edges": lambda _: edges(),
     "checkpoint": checkpoints,
     "save_mid_interval": save_mid_interval,

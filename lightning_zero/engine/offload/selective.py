@@ -250,6 +250,8 @@ class SelectiveUpdates:
         #: The host step in flight, and the step index it lands at.
         self.pending: PendingUpdate | None = None
         self.lands_at: int | None = None
+        #: The host masters and state hold every column (written back since the device's last change).
+        self._host_current = False
 
     # ------------------------------------------------------------------ state on the host
     def host_state(self, index: int) -> dict[str, torch.Tensor]:
@@ -274,6 +276,7 @@ class SelectiveUpdates:
         """One optimizer step: ``grads`` are this rank's final host gradients by index (None: none this step),
         ``hyper`` each parameter's group settings; the caller all-gathers the resident rows afterwards."""
         k, s = self.settings.update_interval, self.steps_taken
+        self._host_current = False
         if s == 0:
             self._continue_counts()
             self._choose(grads)
@@ -473,9 +476,13 @@ class SelectiveUpdates:
 
     def write_back(self) -> None:
         """Put the device's columns (and those leaving it) into the host masters and state, which then hold every
-        column (before anything reads the optimizer's state); the host step in flight is waited for first."""
+        column (before anything reads the optimizer's state); the host step in flight is waited for first. Once
+        per change of the device's columns: checkpoints ask for every parameter's rows."""
         if self.pending is not None:
             self.pending.wait()
+        if self._host_current:
+            return
+        self._host_current = True
         for param in self.params.values():
             for block in (param.chosen, param.leaving):
                 if block is not None:
