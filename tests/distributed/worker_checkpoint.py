@@ -81,6 +81,21 @@ def interrupted(
     return (*final_state(second), second.global_step)
 
 
+def resumed_pairs(directory: Path, pairs: list[tuple[str, int, int, str]], settings: dict) -> dict:
+    """:func:`interrupted` against :func:`straight` for each ``(name, save stage, resume stage, state_dict_type)``,
+    both runs with ``settings``."""
+    out: dict = {}
+    for name, save_stage, resume_stage, kind in pairs:
+        expected, expected_optim = straight(resume_stage, **settings)
+        got, got_optim, steps = interrupted(
+            save_stage, resume_stage, directory / name, kind, save_kwargs=settings, resume_kwargs=settings
+        )
+        out[name] = {"steps": steps}
+        if RANK == 0:
+            out[name].update(param_diff=max_diff(got, expected), optim_diff=optim_diff(got_optim, expected_optim))
+    return out
+
+
 def scheduled_accumulation(directory: Path) -> dict:
     """A ``GradientAccumulationScheduler`` (1 micro-batch in epoch 0, 3 from epoch 1): interrupted after the first
     window of epoch 1 (mid-epoch, step 7 of 10), resumed by a new Trainer, against the uninterrupted run. Lightning

@@ -15,7 +15,7 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint import state_dicts
 from lightning_zero.engine.state_dict import gather_full
 from tests.distributed import models
-from tests.distributed.worker_checkpoint import COMMON, DATA, interrupted, optim_diff, straight
+from tests.distributed.worker_checkpoint import COMMON, DATA, optim_diff, resumed_pairs
 from tests.distributed.worker_core import RANK, WORLD, max_diff, trainer
 from tests.launch import run_cases_with_directory
 
@@ -218,21 +218,12 @@ def checkpoints(directory: Path) -> dict:
     """One epoch (3 steps: mid-interval, the interval's sum filled, a host step in flight and columns that left the
     device waiting for it), a checkpoint, a new Trainer for the second epoch, against the uninterrupted run; the last
     resumes a stage-2 checkpoint at stage 1."""
-    out = {}
-    settings = selective(2, 2)
-    for name, save_stage, resume_stage, kind in (
+    pairs = [
         ("sharded_stage2", 2, 2, "sharded"),
         ("full_stage1", 1, 1, "full"),
         ("sharded_stage2_to_1", 2, 1, "sharded"),
-    ):
-        expected, expected_optim = straight(resume_stage, **settings)
-        got, got_optim, steps = interrupted(
-            save_stage, resume_stage, directory / name, kind, save_kwargs=settings, resume_kwargs=settings
-        )
-        out[name] = {"steps": steps}
-        if RANK == 0:
-            out[name].update(param_diff=max_diff(got, expected), optim_diff=optim_diff(got_optim, expected_optim))
-    return out
+    ]
+    return resumed_pairs(directory, pairs, selective(2, 2))
 
 
 def _selective_whole(t: L.Trainer) -> dict[str, torch.Tensor]:

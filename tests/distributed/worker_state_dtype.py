@@ -11,7 +11,7 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from tests.distributed import models
-from tests.distributed.worker_checkpoint import DATA, final_state, interrupted, optim_diff, straight
+from tests.distributed.worker_checkpoint import DATA, final_state, optim_diff, resumed_pairs
 from tests.distributed.worker_core import RANK, max_diff, trainer
 from tests.distributed.worker_offload import _optimizer_bytes
 from tests.launch import run_cases_with_directory
@@ -117,20 +117,13 @@ def exactness() -> dict:
 def checkpoints(directory: Path) -> dict:
     """Interrupted after one epoch and resumed, against the straight run; a bf16-state checkpoint loaded by an
     fp32-state run and the other way round."""
-    out = {}
     bf16 = {"optimizer_state_dtype": "bf16"}
-    for name, save_stage, resume_stage, kind in (
+    pairs = [
         ("sharded_stage2", 2, 2, "sharded"),
         ("full_stage3", 3, 3, "full"),
         ("sharded_stage2_to_3", 2, 3, "sharded"),
-    ):
-        expected, expected_optim = straight(resume_stage, **bf16)
-        got, got_optim, steps = interrupted(
-            save_stage, resume_stage, directory / name, kind, save_kwargs=bf16, resume_kwargs=bf16
-        )
-        out[name] = {"steps": steps}
-        if RANK == 0:
-            out[name].update(param_diff=max_diff(got, expected), optim_diff=optim_diff(got_optim, expected_optim))
+    ]
+    out = resumed_pairs(directory, pairs, bf16)
     for name, saved, resumed, kind in (
         ("bf16_into_fp32_sharded", bf16, {}, "sharded"),
         ("bf16_into_fp32_full", bf16, {}, "full"),
