@@ -78,7 +78,7 @@ def placeholder(
         out[record.name] = {
             "column_steps": torch.empty(columns, dtype=torch.float64),
             "selected": torch.empty(columns, dtype=torch.int8),
-            "progress": torch.empty(3, dtype=torch.int64),
+            "progress": torch.empty(saved_shapes[f"{record.name}.progress"], dtype=torch.int64),
             "sums": as_sharded(rows, record.shape, engine.mesh),
         }
     return out

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     env = {"LZ_SHARED_DIR": str(tmp_path_factory.mktemp("selective"))}
-    cases = ("exact", "edges", "checkpoint", "save_mid_interval", "from_exact_steps")
+    cases = ("exact", "edges", "checkpoint", "save_mid_interval", "from_exact_steps", "growth")
     two = launch("tests.distributed.worker_selective", *cases, nprocs=2, env=env)
     one = launch("tests.distributed.worker_selective", "resume_in_other_world", nprocs=1, env=env)
     return {**two, **one}
@@ -83,3 +83,21 @@ def test_a_checkpoint_of_exact_steps_resumes_with_selective_updates_counting_on(
     result = report["from_exact_steps"]
     assert result["steps"] == 6 and result["finite"]
     assert (result["fewest_column_steps"], result["most_column_steps"]) == (5.0, 6.0)
+
+
+def test_a_checkpoint_resumed_with_other_selective_settings_is_refused_by_name(report):
+    """Saved mid-interval with k=2, resumed with k=4: the interval's sums and the pending host step follow the saved
+    schedule, so the resume stops with both settings named."""
+    message = report["resume_in_other_world"]["other_settings"]
+    assert "offload_update_interval=2" in message and "offload_update_interval=4" in message
+    assert "Resume with the saved settings" in message
+
+
+def test_a_head_unfrozen_during_fit_joins_selective_updates_as_the_emulation_has_it(report):
+    """A head frozen at the start and unfrozen into a param group of its own at step 4 of 8: the layout grows with
+    the device's columns written back and the schedule carried over, the head's bias goes to the device and its
+    weight's columns to the host until the next choice; equal to the emulation doing the same in plain PyTorch."""
+    result = report["growth"]
+    assert result["steps"] == 8 and result["growths"] == 1
+    assert result["param_diff_emulation"] <= 1e-5
+    assert result["head_change"] > 1e-3

@@ -105,12 +105,10 @@ class SelectiveAdamWEmulation(torch.optim.AdamW):
             entry = self.columns[p]
             if p.dim() < 2:
                 continue
+            if p.grad is None:
+                continue  # no gradient this step: its choice stays
             columns = entry["selected"].numel()
-            norms = (
-                self._view(p.grad).double().square().sum(0)
-                if p.grad is not None
-                else torch.zeros(columns, dtype=torch.float64)
-            )
+            norms = self._view(p.grad).double().square().sum(0)
             order = torch.sort(norms, descending=True, stable=True).indices[: math.ceil(RATIO * columns)]
             entry["selected"] = torch.zeros(columns, dtype=torch.bool)
             entry["selected"][order] = True
@@ -306,6 +304,85 @@ def resume_in_other_world(directory: Path) -> dict:
                 "steps": t.global_step,
                 "finite": all(bool(torch.isfinite(v).all()) for v in t.strategy.full_state_dict().values()),
             }
+    L.seed_everything(7)
+    t = trainer(ZeroStrategy(stage=2, **selective(4, 4)), max_steps=6, **COMMON)
+    try:
+        t.fit(models.Regression(), models.loader(DATA, 4), ckpt_path=str(directory / "selective_sharded"))
+        out["other_settings"] = "resumed"
+    except ValueError as error:
+        out["other_settings"] = str(error)
+    return out
+
+
+class HeadUnfrozenAtEpochOne(models.Regression):
+    """A linear head beside the network, frozen when fit starts and unfrozen, in a param group of its own, when epoch
+    1 starts: the layout grows and a group joins after selective updates took steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(models.IN, models.OUT)
+        self.head.requires_grad_(False)
+
+    def forward(self, x):
+        return super().forward(x) + self.head(x)
+
+
+class UnfreezeHead(L.Callback):
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            unfreeze(pl_module, trainer.optimizers[0])
+
+
+def unfreeze(module, optimizer) -> None:
+    module.head.requires_grad_(True)
+    optimizer.add_param_group({"params": list(module.head.parameters()), "weight_decay": 0.1})
+
+
+GROWTH_STEPS, STEPS_PER_EPOCH = 8, 4  # IndexedData(64) on 2 ranks, batches of 4, 2 accumulated
+
+
+def growth() -> dict:
+    """The head joins at step 4 of 8 (k=2, columns chosen every interval), against the emulation doing the same in
+    plain PyTorch (the head frozen, so without gradients, until then)."""
+    data = models.IndexedData()
+    L.seed_everything(7)
+    module = HeadUnfrozenAtEpochOne()
+    initial = {k: v.clone() for k, v in module.state_dict().items()}
+    t = trainer(
+        ZeroStrategy(stage=2, state_dict_type="full", **selective(2, 2)),
+        max_steps=GROWTH_STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        callbacks=[UnfreezeHead()],
+    )
+    t.fit(module, models.loader(data, BATCH))
+    final = t.strategy.full_state_dict()
+    out: dict = {"steps": t.global_step, "growths": len(t.strategy.engine.growths)}
+    if RANK == 0:
+        reference = HeadUnfrozenAtEpochOne()
+        reference.load_state_dict(initial)
+        opt = SelectiveAdamWEmulation(models.param_groups(reference), 2, 2, True, lr=1e-2, betas=(0.9, 0.95))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        batches = models.global_microbatches(data, WORLD, BATCH, GROWTH_STEPS * ACCUMULATE)
+        for step in range(GROWTH_STEPS):
+            if step == STEPS_PER_EPOCH:
+                unfreeze(reference, opt)
+            opt.zero_grad()
+            for micro in range(ACCUMULATE):
+                loss = sum(reference.loss(x, y) for x, y in batches[step * ACCUMULATE + micro]) / WORLD / ACCUMULATE
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.grad is not None], CLIP)
+            opt.step()
+            sched.step()
+        opt.land()
+        emulated = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        out.update(
+            param_diff_emulation=max_diff(final, emulated),
+            head_change=max_diff(
+                {k: final[k] for k in final if k.startswith("head.")},
+                {k: initial[k] for k in final if k.startswith("head.")},
+            ),
+        )
     return out
 
 
@@ -371,6 +448,7 @@ def from_exact_steps(directory: Path) -> dict:
 CASES = {
     "exact": lambda _: exactness(),
     "from_exact_steps": from_exact_steps,
+    "growth": lambda _: growth(),
     "edges": lambda _: edges(),
     "checkpoint": checkpoints,
     "save_mid_interval": save_mid_interval,

@@ -29,15 +29,19 @@ optimizer of a run with ``offload_update_interval=k > 1``:
   the host when it lands: it is a host column from the next interval on;
 * each column counts its own steps, so Adam's bias correction stays right for a column that moves between the device
   (one step a step) and the host (one step per interval);
-* a parameter without a gradient in a step (an unused expert) sits that step out: no device step, nothing added; the
-  host steps it at the interval's end if some step of the interval gave it a gradient.
+* a parameter without a gradient in a step (an unused expert) sits that step out: no device step, nothing added, its
+  choice kept if the step chooses; the host steps it at the interval's end if some step of the interval gave it a
+  gradient.
 
 It is not the exact step: a host column steps once an interval, with the mean of ``k`` gradients taken with
 parameters up to ``2k`` steps old (``k`` without the overlap). ``docs/offload.md`` compares its convergence with the exact run. What is exact is
 its bookkeeping: the result equals a plain-PyTorch emulation of the same arithmetic
 (``tests/distributed/test_selective_updates.py``), and a checkpoint keeps the interval's sums, the chosen columns, the
 step counts and the rows of a host step in flight, by parameter name (``checkpoint/selective_updates.py``), so a
-resume continues the schedule exactly, at any world size.
+resume at the same world size continues bit for bit, and one at another continues the schedule from the same state
+(its column norms are then summed in another order, so near ties may choose other columns). Writes to the parameters
+between steps (``ModelPruning``, ``p.data`` edits) are not taken into the masters, as under the delayed update: the
+next landing or device step writes over them.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ class AdamHyper:
     def coefficients(self, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per column, from its step count (fp64): Adam's step size ``lr / (1 - beta1^t)`` and ``sqrt(1 - beta2^t)``,
         rounded to fp32 once."""
+        steps = steps.clamp(min=1)  # a column is counted before it steps; 0 is a device column's unused host copy
         step_size = self.lr / (1 - torch.pow(self.beta1, steps))
         return step_size.float(), (1 - torch.pow(self.beta2, steps)).sqrt().float()
 
@@ -106,7 +111,8 @@ class AdamHyper:
         bias_correction2_sqrt: torch.Tensor,
     ) -> None:
         """torch's single-tensor Adam/AdamW, in its order, with the bias corrections per column (broadcast over the
-        rows)."""
+        rows): its last ``param.addcdiv_(exp_avg, denom, value=-step_size)`` takes a scalar step size, so here the
+        step is ``param.sub_(exp_avg / denom * step_size)``, which rounds differently."""
         if self.weight_decay:
             if self.decoupled:
                 param.mul_(1 - self.lr * self.weight_decay)
@@ -195,8 +201,9 @@ class SelectiveParam:
     chosen: ColumnBlock | None = None
     """The selected columns, stepped on the device every step."""
     leaving: ColumnBlock | None = None
-    """Columns a choice took off the device while a host step that does not step them was in flight: they wait here,
-    unchanged, until it lands, then go to the host masters and state (see [Note: selective updates])."""
+    """Columns a choice took off the device just before a host step that does not step them started: they wait here,
+    unchanged, until it lands (it writes over their host copies), then go to the host masters and state (see [Note:
+    selective updates])."""
     previous: torch.Tensor | None = None
     """The selection before a choice made at this step (its host step steps the columns neither selects)."""
     sums: list[torch.Tensor | None] = dataclasses.field(default_factory=lambda: [None, None])
@@ -232,7 +239,7 @@ class SelectiveUpdates:
         group: dist.ProcessGroup | None,
         shard_of: Callable[[int], torch.Tensor],
         resident_rows: Callable[[int], torch.Tensor],
-        masters_into_resident: Callable[[Sequence[int]], None],
+        masters_into_resident: Callable[[Sequence[int]], torch.Event | None],
     ) -> None:
         check_optimizer(optimizer)
         self.optimizer = optimizer
@@ -240,11 +247,9 @@ class SelectiveUpdates:
         self.params = {p.index: p for p in params}
         self.worker = worker
         self.group = group
-        #: The host master of a parameter (the tensor the optimizer keys its state by), this rank's rows of the
-        #: parameter forward computes with, and the copy of host masters into those.
-        self._shard_of = shard_of
-        self._resident_rows = resident_rows
-        self._masters_into_resident = masters_into_resident
+        self.bind(shard_of, resident_rows, masters_into_resident)
+        #: What the next host step waits for before it writes the masters: the copies of them a landing queued.
+        self._copies: torch.Event | None = None
         #: Selective steps taken; where in its interval and selection the next one is.
         self.steps_taken = 0
         #: The host step in flight, and the step index it lands at.
@@ -252,6 +257,38 @@ class SelectiveUpdates:
         self.lands_at: int | None = None
         #: The host masters and state hold every column (written back since the device's last change).
         self._host_current = False
+
+    def bind(
+        self,
+        shard_of: Callable[[int], torch.Tensor],
+        resident_rows: Callable[[int], torch.Tensor],
+        masters_into_resident: Callable[[Sequence[int]], torch.Event | None],
+    ) -> None:
+        """The engine's view of its parameters, by index: the host master (the tensor the optimizer keys its state
+        by), this rank's rows of the parameter forward computes with, and the copy of host masters into those (the
+        event behind it, where it is asynchronous). Bound again when the layout grows (``rekey``)."""
+        self._shard_of = shard_of
+        self._resident_rows = resident_rows
+        self._masters_into_resident = masters_into_resident
+
+    def rekey(self, moved: Mapping[int, int]) -> SelectiveUpdates:
+        """The layout grew (parameters unfrozen during ``fit``): parameter ``i`` is now ``moved[i]``. The caller wrote
+        the device's columns back first (the host masters are the same tensors)."""
+        params: dict[int, SelectiveParam] = {}
+        for index, param in self.params.items():
+            if index in moved:
+                param.index = moved[index]
+                params[param.index] = param
+        self.params = params
+        return self
+
+    def adopt(self, param: SelectiveParam) -> None:
+        """A parameter that joins after the first step (a param group added during ``fit``): its columns start on the
+        host but for one of a parameter of fewer dimensions, which goes to the device; the next choice includes it."""
+        self.params[param.index] = param
+        if self.steps_taken:
+            self._pull(param)
+            param.previous = param.selected.clone()
 
     # ------------------------------------------------------------------ state on the host
     def host_state(self, index: int) -> dict[str, torch.Tensor]:
@@ -352,7 +389,11 @@ class SelectiveUpdates:
             step_size, correction = hyper[index].coefficients(param.column_steps.clone())
             work.append((self._shard_of(index), total, self.host_state(index), hyper[index], step_size, correction))
 
+        after, self._copies = self._copies, None
+
         def host_step() -> None:
+            if after is not None:  # the landing's copies of these masters to the device
+                after.synchronize()
             with torch.no_grad():
                 for shard, total, state, settings, step_size, correction in work:
                     mean = total.div_(k)
@@ -368,7 +409,7 @@ class SelectiveUpdates:
             return False
         self.pending.wait()
         self.pending, self.lands_at = None, None
-        self._masters_into_resident(list(self.params))
+        self._copies = self._masters_into_resident(list(self.params))
         for param in self.params.values():
             param.write_into(self._resident_rows(param.index))
             if param.leaving is not None:
@@ -399,9 +440,11 @@ class SelectiveUpdates:
         for param in selectable:
             column_norms = norms[offset : offset + param.columns]
             offset += param.columns
+            param.previous = param.selected.clone()
+            if grads.get(param.index) is None and bool(param.selected.any()):
+                continue  # no rank gave it a gradient this step: its choice stays
             count = min(param.columns, math.ceil(self.settings.topk_ratio * param.columns))
             order = torch.sort(column_norms, descending=True, stable=True).indices[:count]
-            param.previous = param.selected.clone()
             param.selected.zero_()
             param.selected[order] = True
 
@@ -476,8 +519,8 @@ class SelectiveUpdates:
 
     def write_back(self) -> None:
         """Put the device's columns (and those leaving it) into the host masters and state, which then hold every
-        column (before anything reads the optimizer's state); the host step in flight is waited for first. Once
-        per change of the device's columns: checkpoints ask for every parameter's rows."""
+        column (before anything reads the optimizer's state); the host step in flight is waited for first. Once per
+        step at most: checkpoints ask for every parameter's rows."""
         if self.pending is not None:
             self.pending.wait()
         if self._host_current:
@@ -511,10 +554,17 @@ class SelectiveUpdates:
             out[param.name] = {
                 "column_steps": param.column_steps.clone(),
                 "selected": param.selected.to(torch.int8),
-                "progress": torch.tensor([self.steps_taken, lands_at, int(filled)], dtype=torch.int64),
+                "progress": torch.tensor(
+                    [self.steps_taken, lands_at, int(filled), *self._schedule()], dtype=torch.int64
+                ),
                 "sums": total.clone() if total is not None else torch.zeros_like(self._shard_of(param.index)),
             }
         return out
+
+    def _schedule(self) -> tuple[int, int, int]:
+        """The settings the saved progress means something under."""
+        settings = self.settings
+        return settings.update_interval, settings.select_interval, int(settings.overlap_step)
 
     def load_state_by_name(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Restore what :meth:`state_by_name` gave (``sums``: this rank's rows), after the optimizer's state."""
@@ -522,7 +572,16 @@ class SelectiveUpdates:
             entry = state.get(param.name)
             if entry is None:
                 continue
-            steps_taken, lands_at, filled = (int(x) for x in entry["progress"].tolist())
+            steps_taken, lands_at, filled, *saved = (int(x) for x in entry["progress"].tolist())
+            if tuple(saved) != self._schedule():
+                names = ("offload_update_interval", "offload_select_interval", "offload_overlap_step")
+                raise ValueError(
+                    "This checkpoint was saved mid-schedule by selective updates with "
+                    + ", ".join(f"{n}={v}" for n, v in zip(names, saved))
+                    + "; this run has "
+                    + ", ".join(f"{n}={v}" for n, v in zip(names, self._schedule()))
+                    + ". Resume with the saved settings (the interval's sums and the pending host step follow them)."
+                )
             self.steps_taken, self.lands_at = steps_taken, None if lands_at < 0 else lands_at
             param.column_steps.copy_(entry["column_steps"])
             param.selected.copy_(entry["selected"].bool())

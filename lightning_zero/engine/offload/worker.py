@@ -1,5 +1,6 @@
 """The worker thread the offloaded host steps run in, beside training: the host step during backward (stages 1-3,
-exact) and the one-step delayed update (stages 1-2, not exact); when each runs is ``schedule.py``'s.
+exact), the one-step delayed update and selective updates' host step (stages 1-2, not exact); when each runs is
+``schedule.py``'s and ``selective.py``'s.
 
 [Note: host-step threads]
 A host step in the worker runs beside the training thread and autograd's device thread, either of which spins a core

@@ -69,6 +69,7 @@ class ShardedOptimizer(OptimizerShell):
         owners: OwnerStepping | None = None,
         written: InPlaceWrites | None = None,
         selective: SelectiveSettings | None = None,
+        carried: SelectiveUpdates | None = None,
     ) -> None:
         super().__init__(optimizer, kind, schedule)
         #: See [Note: parameters written between steps] (``engine/in_place_writes.py``).
@@ -110,7 +111,7 @@ class ShardedOptimizer(OptimizerShell):
                 "host (`offload_optimizer=True`). Use offload_step_delay=0 for this optimizer."
             )
         #: See [Note: selective updates] in ``engine/offload/selective.py``.
-        self.selective: SelectiveUpdates | None = None
+        self.selective = carried
         self._selective_settings = selective
         self.refresh()
 
@@ -183,19 +184,23 @@ class ShardedOptimizer(OptimizerShell):
                 resident_rows=self._resident_rows,
                 masters_into_resident=self._masters_into_resident,
             )
+        else:  # carried over a growth of the layout
+            self.selective.bind(self.shards.__getitem__, self._resident_rows, self._masters_into_resident)
         for i in self.indices:
             if i not in self.selective.params:
                 shape = torch.Size(self.layout.params[i].shape)
                 columns = SelectiveParam.columns_of(shape)
                 selectable = len(shape) >= 2
-                self.selective.params[i] = SelectiveParam(
-                    index=i,
-                    name=self.zero_params[i].name,
-                    columns=columns,
-                    selectable=selectable,
-                    device=self.params[i].device,
-                    column_steps=torch.zeros(columns, dtype=torch.float64),
-                    selected=torch.full((columns,), not selectable, dtype=torch.bool),
+                self.selective.adopt(
+                    SelectiveParam(
+                        index=i,
+                        name=self.zero_params[i].name,
+                        columns=columns,
+                        selectable=selectable,
+                        device=self.params[i].device,
+                        column_steps=torch.zeros(columns, dtype=torch.float64),
+                        selected=torch.full((columns,), not selectable, dtype=torch.bool),
+                    )
                 )
 
     def _whole_tensor(self, i: int) -> torch.Tensor:
@@ -339,10 +344,13 @@ class ShardedOptimizer(OptimizerShell):
         """A selective host step has not landed yet (the parameters forward computes with lag the masters)."""
         return self.selective is not None and self.selective.lands_at is not None
 
-    def _masters_into_resident(self, indices: Sequence[int]) -> None:
-        if self.masters is not None:
-            with torch.no_grad():
-                self.masters.copy_all_into([(i, self._resident_rows(i).view(-1)) for i in indices])
+    def _masters_into_resident(self, indices: Sequence[int]) -> torch.Event | None:
+        """The copy of host masters into the resident rows; the event behind it (None: synchronous)."""
+        if self.masters is None:
+            return None
+        with torch.no_grad():
+            self.masters.copy_all_into([(i, self._resident_rows(i).view(-1)) for i in indices])
+        return self.masters.copies_queued()
 
     def _send(self, part: HostPart) -> None:
         self.all_gather_params(part.pieces, part.indices)

@@ -24,7 +24,7 @@ from lightning_zero.engine.in_place_writes import InPlaceWrites
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.offload.masters import MasterShards
 from lightning_zero.engine.offload.schedule import HostStepSchedule
-from lightning_zero.engine.offload.selective import SelectiveSettings
+from lightning_zero.engine.offload.selective import SelectiveSettings, SelectiveUpdates
 from lightning_zero.engine.offload.worker import HostStepWorker, PendingUpdate
 from lightning_zero.engine.optimizers import follow_zero_grad, optimizer_kind, shards_of, unfollow_zero_grad
 from lightning_zero.engine.owner_step import OwnerStepping
@@ -99,7 +99,8 @@ class ZeroDataParallel:
         if policy is not None:
             cast_parameters(module, [p for _, p in named], policy)
         self._plan(named)
-        #: See [Note: parameters written between steps] (not under the delayed update, whose parameters lag anyway).
+        #: See [Note: parameters written between steps] (not under the delayed update or selective updates, whose
+        #: parameters lag anyway).
         lagging = bool(offload_step_delay) or selective is not None
         self.written = InPlaceWrites() if self.masters is not None and not lagging else None
         if self.written is not None:
@@ -170,6 +171,9 @@ class ZeroDataParallel:
         grown = [(n, p) for n, p in held.items() if p.requires_grad and id(p) not in known]
         _check_contiguous(grown)
         named = [(n, p) for n, p in held.items() if id(p) in known or p.requires_grad]
+        for handle in self._optimizers.values():
+            if handle.selective is not None:  # the device's columns into the host masters, which stay
+                handle.settle()
         if self.masters is not None:  # kept masters stay the same tensors: the optimizer keys its state by them
             rows = {id(p): local_rows(p.detach(), self.rank, self.world_size) for _, p in grown}
             self.masters.rebuild([known[id(p)] if id(p) in known else rows[id(p)] for _, p in named])
@@ -184,7 +188,10 @@ class ZeroDataParallel:
             moved = {i: index[id(p)] for i, p in enumerate(old.params) if id(p) in index}
             shards = {moved[i]: shard for i, shard in old.shards.items()}
             owners = old.owners.rekey(moved) if old.owners is not None else None
-            self._optimizers[key] = self._sharded_optimizer(old.optimizer, old.kind, shards, owners, old.schedule)
+            carried = old.selective.rekey(moved) if old.selective is not None else None
+            self._optimizers[key] = self._sharded_optimizer(
+                old.optimizer, old.kind, shards, owners, old.schedule, carried
+            )
         #: Reported by tests and the README.
         self.growths.append(
             {
@@ -263,6 +270,7 @@ class ZeroDataParallel:
         shards: dict[int, torch.Tensor] | None = None,
         owners: OwnerStepping | None = None,
         schedule: HostStepSchedule | None = None,
+        carried: SelectiveUpdates | None = None,
     ) -> ShardedOptimizer:
         return ShardedOptimizer(
             optimizer,
@@ -282,6 +290,7 @@ class ZeroDataParallel:
             owners=owners,
             written=self.written,
             selective=self.selective,
+            carried=carried,
         )
 
     def on_host(self, tensor: torch.Tensor) -> bool:
