@@ -441,8 +441,8 @@ class SelectiveUpdates:
             column_norms = norms[offset : offset + param.columns]
             offset += param.columns
             param.previous = param.selected.clone()
-            if grads.get(param.index) is None and bool(param.selected.any()):
-                continue  # no rank gave it a gradient this step: its choice stays
+            if grads.get(param.index) is None:
+                continue  # no rank gave it a gradient this step: its choice (none, at the first step) stays
             count = min(param.columns, math.ceil(self.settings.topk_ratio * param.columns))
             order = torch.sort(column_norms, descending=True, stable=True).indices[:count]
             param.selected.zero_()
