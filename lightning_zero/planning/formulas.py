@@ -12,9 +12,9 @@ that backward's all-gather stays in the node (``2P`` inter-node elements per ran
 optimizer moves its fp32 masters, their gradients and Adam's moments to host memory, 16P/N per rank (20P/N with
 the delayed update, whose host step reads one gradient shard while the next backward fills another; 24P/N with
 selective updates' two interval sums, whose chosen share ``r`` of the columns also keeps its masters and moments on the
-device, 12rP/N); the device keeps what forward and backward compute with. ``optimizer_state_dtype="bf16"`` holds Adam's moments in 4 bytes instead of
-8, so every 16 above becomes 12 (Lightning's ``ddp`` keeps its own). Activations, buffers and temporary buffers
-are not model state and are not counted. Measured: tests/distributed holds stages 1-3 to these formulas within
+device, 12rP/N); the device keeps what forward and backward compute with. ``optimizer_state_dtype="bf16"`` holds
+Adam's moments in 4 bytes instead of 8, so every 16 above becomes 12 (Lightning's ``ddp`` keeps its own).
+Activations, buffers and temporary buffers are not model state and are not counted. Measured: tests/distributed holds stages 1-3 to these formulas within
 2% on a 1M-parameter model, tests/integration/test_monitor.py within 5% on a 30K-parameter one.
 """
 
