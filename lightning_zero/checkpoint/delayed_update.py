@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from lightning_zero.checkpoint.state_dicts import as_sharded
+from lightning_zero.checkpoint.state_dicts import as_sharded, loaded_rows
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.shard import local_rows
@@ -72,11 +71,4 @@ def restore(lagging: Mapping[str, torch.Tensor] | None, engine: ShardingEngine |
     delayed = engine.delayed_update if engine is not None else None
     if engine is None or delayed is None or not lagging:
         return
-    delayed.load_lagging_rows(
-        {
-            name: tensor.to_local()
-            if isinstance(tensor, DTensor)
-            else local_rows(tensor, engine.rank, engine.world_size)
-            for name, tensor in lagging.items()
-        }
-    )
+    delayed.load_lagging_rows({name: loaded_rows(tensor, engine) for name, tensor in lagging.items()})

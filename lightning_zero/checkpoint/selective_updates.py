@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from lightning_zero.checkpoint.state_dicts import as_sharded
+from lightning_zero.checkpoint.state_dicts import as_sharded, loaded_rows
 from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.shard import local_rows
@@ -92,11 +91,7 @@ def restore(loaded: Mapping[str, Mapping[str, torch.Tensor]] | None, engine: Sha
         return
     selective.load_selective_state(
         {
-            name: {**{key: entry[key] for key in WHOLE}, "sums": _local(entry["sums"], engine)}
+            name: {**{key: entry[key] for key in WHOLE}, "sums": loaded_rows(entry["sums"], engine)}
             for name, entry in loaded.items()
         }
     )
-
-
-def _local(tensor: torch.Tensor, engine: ShardingEngine) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else local_rows(tensor, engine.rank, engine.world_size)

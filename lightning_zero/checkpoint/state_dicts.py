@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.api import Holding, ShardingEngine, ShardRecord
 from lightning_zero.engine.comm import collectives
+from lightning_zero.engine.shard import local_rows
 from lightning_zero.engine.state_dict import full_model_state_dict, full_optimizer_state_dict, gather_full
 from lightning_zero.torch_versions.dtensor import dtensor_over
 
@@ -74,6 +75,12 @@ def as_sharded(local: torch.Tensor, full_shape: torch.Size, mesh) -> torch.Tenso
         return whole_scalar(local, mesh) if local.dim() == 1 else local
     stride = torch.empty(full_shape, device="meta").stride()
     return dtensor_over(local, mesh, [Shard(0)], full_shape, stride)
+
+
+def loaded_rows(tensor: torch.Tensor, engine: ShardingEngine) -> torch.Tensor:
+    """This rank's rows of a loaded tensor, :func:`as_sharded`'s inverse: a sharded directory's DTensor rows, or a
+    full file's whole tensor cut to them."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else local_rows(tensor, engine.rank, engine.world_size)
 
 
 def whole_scalar(row: torch.Tensor, mesh) -> torch.Tensor:
