@@ -26,6 +26,7 @@ from lightning_zero.precision.zero_precision import ZeroPrecision
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy.early_checks import explain_unknown_zero_names
 from lightning_zero.strategy.zero_strategy import ZeroStrategy
+from lightning_zero.tiled_compute import tiled_cross_entropy, tiled_forward
 from lightning_zero.torch_versions import warn_if_untested
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "list_checkpoints",
     "load_from_checkpoint",
     "load_pretrained",
+    "tiled_cross_entropy",
+    "tiled_forward",
 ]
 __version__ = "0.1.0"
 

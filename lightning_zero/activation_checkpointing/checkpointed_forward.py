@@ -20,8 +20,10 @@ from collections.abc import Generator
 from types import TracebackType
 from typing import Any
 
+import torch
 from torch import nn
 
+from lightning_zero.activation_checkpointing.offload import ActivationOffload
 from lightning_zero.activation_checkpointing.recomputed_buffers import BufferUpdates, ForwardBuffers
 from lightning_zero.torch_versions.autograd import (
     DEFAULT_DETERMINISM_MODE,
@@ -32,10 +34,12 @@ from lightning_zero.torch_versions.autograd import (
 
 class _CheckpointedForward:
     """One module's checkpointing: the forward generator between its pre-hook and its hook, whether the hooks act
-    (not while the module's forward is being recomputed), and the buffers its forward updates."""
+    (not while the module's forward is being recomputed), the buffers its forward updates, and where its inputs
+    are kept (on the host with ``offload``: [Note: offloaded checkpoint inputs])."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, offload: ActivationOffload | None) -> None:
         self.active = True
+        self.offload = offload
         self.generator: Generator[None, None, None] | None = None
         self.buffers = BufferUpdates(module)
         self.forward: ForwardBuffers | None = None
@@ -46,11 +50,18 @@ class _CheckpointedForward:
         return contextlib.nullcontext(), _Recomputing(self, self.forward)
 
     def before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.active:
-            self.generator = checkpoint_without_reentrant_generator(
-                module, True, self.contexts, DEFAULT_DETERMINISM_MODE, False, True, *args, **kwargs
-            )
-            next(self.generator)
+        if not self.active:
+            return
+        function: Any = module
+        offloaded = (
+            self.offload.start(module, args, kwargs) if self.offload is not None and torch.is_grad_enabled() else None
+        )
+        if offloaded is not None:
+            function, args, kwargs = offloaded
+        self.generator = checkpoint_without_reentrant_generator(
+            function, True, self.contexts, DEFAULT_DETERMINISM_MODE, False, True, *args, **kwargs
+        )
+        next(self.generator)
 
     def after_forward(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         generator, self.generator = self.generator, None
@@ -87,13 +98,13 @@ class _Recomputing:
             self.buffers.__exit__(kind, error, trace)
 
 
-def checkpoint_forward(module: nn.Module) -> None:
-    """Checkpoint ``module``'s forward (see [Note: a recomputation per backward]); a module already checkpointed
-    with torch's composable ``checkpoint`` is left as it is."""
+def checkpoint_forward(module: nn.Module, offload: ActivationOffload | None = None) -> None:
+    """Checkpoint ``module``'s forward (see [Note: a recomputation per backward]), its inputs kept on the host when
+    ``offload`` is given; a module already checkpointed with torch's composable ``checkpoint`` is left as it is."""
     if checkpoint.state(module) is not None:
         return
     checkpoint(module)
     checkpoint.state(module).enable_hook = False
-    state = _CheckpointedForward(module)
+    state = _CheckpointedForward(module, offload)
     module.register_forward_pre_hook(state.before_forward, with_kwargs=True, prepend=True)
     module.register_forward_hook(state.after_forward, prepend=True, always_call=True)

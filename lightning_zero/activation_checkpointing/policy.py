@@ -9,8 +9,9 @@ dropout masks (and so results) are the same as without checkpointing.
 A policy is one of: a module class, several classes (or ``"package.module.Class"`` strings, as YAML gives
 them), a predicate ``module -> bool``, or a dict ``{"classes": [...], "every": k}`` that checkpoints every
 k-th matching module (a memory/speed trade-off). DeepSpeed's ``activation_checkpointing`` keys are accepted
-in the dict where they have a meaning here: ``partition_activations`` and ``cpu_checkpointing`` must be
-false (activations are neither partitioned nor offloaded), ``contiguous_memory_optimization``,
+in the dict where they have a meaning here: ``cpu_checkpointing: true`` keeps the checkpointed inputs in host
+memory (``offload_activations``, ``offload.py``); ``partition_activations`` must be false (DeepSpeed splits the
+checkpointed inputs across tensor-parallel ranks, which there are none of here), ``contiguous_memory_optimization``,
 ``synchronize_checkpoint_boundary`` and ``profile`` are CUDA-allocator and timing switches with no
 effect here and are ignored with a warning; ``number_checkpoints`` is refused (use ``every``).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,10 +37,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_zero.activation_checkpointing.checkpointed_forward import checkpoint_forward
+from lightning_zero.activation_checkpointing.offload import ActivationOffload
 from lightning_zero.hook_bypasses import bypassing_hooks
 
 _IGNORED_DEEPSPEED_KEYS = ("contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile")
-_FALSE_ONLY_DEEPSPEED_KEYS = ("partition_activations", "cpu_checkpointing")
+_OFFLOAD_KEY = "cpu_checkpointing"
+_PARTITION_KEY = "partition_activations"
+
+#: The host tier of each model whose checkpointed inputs are offloaded (see :func:`activation_offload`).
+_OFFLOADS: weakref.WeakKeyDictionary[nn.Module, ActivationOffload] = weakref.WeakKeyDictionary()
 
 
 class ActivationCheckpointingError(ValueError):
@@ -50,6 +57,8 @@ class CheckpointPolicy:
     predicate: Callable[[nn.Module], bool]
     every: int = 1
     description: str = ""
+    offload: bool = False
+    """The checkpointed inputs are kept in host memory ([Note: offloaded checkpoint inputs])."""
 
     def select(self, root: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every ``every``-th matching module in pre-order, skipping modules inside one already chosen."""
@@ -101,8 +110,16 @@ def _from_classes(classes: tuple[type[nn.Module], ...], every: int = 1) -> Check
     return CheckpointPolicy(lambda m: isinstance(m, classes), every, f"classes [{names}]{suffix}")
 
 
-def resolve_policy(spec: Any) -> CheckpointPolicy | None:
-    """Turn what the user passed into a policy (``None`` when checkpointing is off)."""
+def resolve_policy(spec: Any, offload: bool = False) -> CheckpointPolicy | None:
+    """Turn what the user passed into a policy (``None`` when checkpointing is off); ``offload``
+    (``offload_activations``) keeps the checkpointed inputs on the host, as a dict's ``cpu_checkpointing: true`` does."""
+    policy = _resolve(spec)
+    if policy is not None and offload and not policy.offload:
+        policy = dataclasses.replace(policy, offload=True, description=f"{policy.description}, offloaded")
+    return policy
+
+
+def _resolve(spec: Any) -> CheckpointPolicy | None:
     if spec is None or spec is False:
         return None
     if isinstance(spec, CheckpointPolicy):
@@ -122,7 +139,7 @@ def resolve_policy(spec: Any) -> CheckpointPolicy | None:
 
 
 def _from_dict(spec: dict[str, Any]) -> CheckpointPolicy:
-    allowed = {"classes", "every", *_IGNORED_DEEPSPEED_KEYS, *_FALSE_ONLY_DEEPSPEED_KEYS}
+    allowed = {"classes", "every", _OFFLOAD_KEY, _PARTITION_KEY, *_IGNORED_DEEPSPEED_KEYS}
     unknown = sorted(set(spec) - allowed)
     if "number_checkpoints" in unknown:
         raise ActivationCheckpointingError(
@@ -133,12 +150,17 @@ def _from_dict(spec: dict[str, Any]) -> CheckpointPolicy:
         raise ActivationCheckpointingError(
             f"activation_checkpointing: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}."
         )
-    for key in _FALSE_ONLY_DEEPSPEED_KEYS:
-        if spec.get(key):
-            raise ActivationCheckpointingError(
-                f"activation_checkpointing: {key}=True is not supported (activations are recomputed, not "
-                "partitioned across ranks or offloaded); set it to false."
-            )
+    if spec.get(_PARTITION_KEY):
+        raise ActivationCheckpointingError(
+            f"activation_checkpointing: {_PARTITION_KEY}=True is not supported: DeepSpeed splits the checkpointed "
+            "inputs across tensor-parallel ranks, and ZeroStrategy has no tensor parallelism. Set it to false; "
+            f"{_OFFLOAD_KEY}: true (or ZeroStrategy(offload_activations=True)) moves them to host memory instead."
+        )
+    offload = spec.get(_OFFLOAD_KEY, False)
+    if not isinstance(offload, bool):
+        raise ActivationCheckpointingError(
+            f"activation_checkpointing: {_OFFLOAD_KEY} must be true or false, got {offload!r}."
+        )
     for key in _IGNORED_DEEPSPEED_KEYS:
         if key in spec:
             rank_zero_warn(f"activation_checkpointing: {key!r} has no effect with ZeroStrategy and is ignored.")
@@ -148,22 +170,37 @@ def _from_dict(spec: dict[str, Any]) -> CheckpointPolicy:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ActivationCheckpointingError(f"activation_checkpointing: 'every' must be an integer >= 1, got {every!r}.")
     classes = spec["classes"]
-    return _from_classes(_classes([classes] if isinstance(classes, (str, type)) else classes), every)
+    policy = _from_classes(_classes([classes] if isinstance(classes, (str, type)) else classes), every)
+    return (
+        dataclasses.replace(policy, offload=True, description=f"{policy.description}, offloaded") if offload else policy
+    )
 
 
-def apply_activation_checkpointing(root: nn.Module, policy: CheckpointPolicy) -> list[str]:
-    """Checkpoint the modules ``policy`` selects (once: applying again to the same module is a no-op).
-    Returns their names; warns, naming the policy, when nothing matches."""
+def apply_activation_checkpointing(
+    root: nn.Module, policy: CheckpointPolicy, pin_memory: bool | None = None
+) -> list[str]:
+    """Checkpoint the modules ``policy`` selects (once: applying again to the same module is a no-op), their
+    inputs on the host if it offloads (pinned unless ``pin_memory`` is False). Returns their names; warns, naming
+    the policy, when nothing matches."""
     selected = policy.select(root)
     if not selected:
         rank_zero_warn(
             f"activation_checkpointing policy {policy.description} matched no module of "
             f"{type(root).__name__}; nothing is checkpointed."
         )
+    offload = None
+    if policy.offload:
+        offload = _OFFLOADS.setdefault(root, ActivationOffload(pin_memory))
     for _, module in selected:
-        checkpoint_forward(module)
+        checkpoint_forward(module, offload)
     _warn_about_hooks_bypassed(root, selected)
     return [name for name, _ in selected]
+
+
+def activation_offload(root: nn.Module) -> ActivationOffload | None:
+    """The host tier of ``root``'s checkpointed inputs (its :class:`OffloadStatistics` say what moved), or None
+    when they are not offloaded."""
+    return _OFFLOADS.get(root)
 
 
 def _warn_about_hooks_bypassed(root: nn.Module, selected: list[tuple[str, nn.Module]]) -> None:
@@ -213,9 +250,10 @@ class CachesBack:
             config.use_cache = True
 
 
-def caches_off_for_training(root: nn.Module, checkpointed: Iterable[str]) -> CachesBack:
+def caches_off_for_training(root: nn.Module, checkpointed: Iterable[str], announce: bool = True) -> CachesBack:
     """Turn ``use_cache`` off in every Hugging Face model holding one of the ``checkpointed`` modules (names in
-    ``root``; see [Note: caches under activation checkpointing]); returns what turns it back on after training."""
+    ``root``; see [Note: caches under activation checkpointing]), saying so unless not ``announce`` (the planner's
+    traces); returns what turns it back on after training."""
     names = list(checkpointed)
     holders = {name: m for name, m in root.named_modules() if _is_hf_model(m) and any(_within(c, name) for c in names)}
     configs = {id(m.config): m.config for m in holders.values() if getattr(m.config, "use_cache", False) is True}
@@ -223,6 +261,8 @@ def caches_off_for_training(root: nn.Module, checkpointed: Iterable[str]) -> Cac
         return CachesBack([])
     for config in configs.values():
         config.use_cache = False
+    if not announce:
+        return CachesBack(list(configs.values()))
     outermost = sorted(
         {
             type(m).__name__

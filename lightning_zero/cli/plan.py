@@ -29,6 +29,11 @@ from lightning_zero.planning.formulas import PRECISIONS, format_bytes, parse_byt
 PICK = "<- pick"
 
 
+def _checkpointing_cell(row: dict) -> str:
+    """``no``, ``yes``, or ``yes, host`` (the checkpointed inputs offloaded)."""
+    return ("yes, host" if row.get("offload_activations") else "yes") if row["checkpointing"] else "no"
+
+
 def format_rows(rows: list[dict], budget: float | None, host_budget: float | None, unit: tuple[str, float]) -> str:
     """The table in ``unit`` (one for the whole output); ``micro-batch`` is ``per micro-batch x accumulated``."""
     name, scale = unit
@@ -38,7 +43,7 @@ def format_rows(rows: list[dict], budget: float | None, host_budget: float | Non
     ]
     for r in rows:
         line = (
-            f"{r['configuration']:<28}{'yes' if r['checkpointing'] else 'no':>14}"
+            f"{r['configuration']:<28}{_checkpointing_cell(r):>14}"
             f"{str(r['micro_batch']) + ' x ' + str(r['accumulate']):>13}"
             f"{r['device_bytes'] / scale:>14.2f}{r['host_bytes'] / scale:>12.2f}"
         )
@@ -104,7 +109,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from lightning_zero.planning import NothingFits, Planner, describe, sources
     from lightning_zero.planning.output import write_generated, write_group_file
-    from lightning_zero.planning.plan import with_pick
+    from lightning_zero.planning.plan import activations_label, with_pick
 
     try:
         if args.config is not None:
@@ -144,6 +149,7 @@ def main(argv: Sequence[str]) -> int:
         backend=source.backend,
         optimizer_state_dtype=args.optimizer_state_dtype or source.optimizer_state_dtype,
         clipped=source.clipped,
+        tiled_compute=source.tiled_compute,
     )
     nodes = source.world_size // source.devices_per_host
     print(
@@ -183,7 +189,7 @@ def main(argv: Sequence[str]) -> int:
     unit = unit_for(memory, pick.prediction.device_bytes, host_bytes)
     summary = (
         f"Fastest that fits {format_bytes(memory, unit)} per device: {pick.configuration.name}"
-        f"{' with activation checkpointing' if pick.checkpointing else ''}, micro-batch {pick.micro_batch} x "
+        f"{' with' + activations_label(pick)[1:] if pick.checkpointing else ''}, micro-batch {pick.micro_batch} x "
         f"{pick.accumulate} accumulated, predicted peak {format_bytes(pick.prediction.device_bytes, unit)} per "
         f"device, {format_bytes(host_bytes, unit)} per host."
     )

@@ -145,6 +145,20 @@ class ZeroConfig:
     """Module classes, a predicate or a dict (``{"classes": [...], "every": k}``) whose forward is recomputed in
     backward instead of storing activations."""
 
+    offload_activations: bool = False
+    """Keep the inputs the ``activation_checkpointing`` modules save in host memory between forward and their
+    recomputation, fetched back one module ahead (DeepSpeed's ``cpu_checkpointing``): exact, and the device keeps
+    no block's hidden state across the step ([Note: offloaded checkpoint inputs] in
+    ``activation_checkpointing/offload.py``, ``docs/long-context.md``)."""
+
+    tiled_compute: bool | int = False
+    """Compute a Hugging Face causal LM's MLPs, and its LM head with the loss, in sequence tiles with recomputation,
+    so neither the MLP's ``[T, 4d]`` intermediate nor the ``[T, vocab]`` logits exist whole (ALST's TiledMLP and
+    tiled loss): exact up to the order of fp32 sums; a training step's output then has no ``logits`` ([Note: tiling
+    a Hugging Face causal LM] in ``tiled_compute/causal_lm.py``, ``docs/long-context.md``). ``True``: tiles of the
+    hidden size's positions for the MLPs and of 2**24 logits for the loss; an integer: that many positions a tile.
+    Other modules call ``lightning_zero.tiled_forward`` and ``tiled_cross_entropy`` themselves."""
+
     wrap_policy: ModulePolicy = None
     """Stage 3 only: the modules that become one all-gather unit. ``None`` picks every element of an
     ``nn.ModuleList`` (the transformer blocks of most models); the root module is always a unit."""
@@ -333,6 +347,7 @@ class ZeroConfig:
             "async_save",
             "auto_resume",
             "error_feedback",
+            "offload_activations",
         )
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):
@@ -353,6 +368,16 @@ class ZeroConfig:
             raise ZeroConfigError(f"`pipeline_stages` must be an integer >= 1, got {self.pipeline_stages!r}.")
         self._check_offload()
         self._check_selective()
+        tiles = self.tiled_compute
+        if not isinstance(tiles, bool) and (not isinstance(tiles, int) or tiles < 1):
+            raise ZeroConfigError(
+                f"`tiled_compute` must be True, False or a positive number of positions per tile, got {tiles!r}."
+            )
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ZeroConfigError(
+                "`offload_activations=True` moves the inputs activation checkpointing keeps to host memory: set "
+                "`activation_checkpointing=` too (e.g. activation_checkpointing=YourBlock)."
+            )
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ZeroConfigError(f"`microbatches` must be None or an integer >= 1, got {self.microbatches!r}.")
         check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)

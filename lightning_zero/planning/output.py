@@ -18,6 +18,10 @@ def strategy_node(pick: Candidate, checkpointing: Any) -> dict:
     args = pick.configuration.strategy_args()
     if pick.checkpointing and checkpointing is not None:
         args["activation_checkpointing"] = _class_path(checkpointing)
+        if pick.offloaded:
+            args["offload_activations"] = True
+    if pick.tiled_compute is not False:
+        args["tiled_compute"] = pick.tiled_compute
     return {"class_path": "lightning_zero.ZeroStrategy", "init_args": args}
 
 
@@ -62,6 +66,8 @@ def deepspeed_config(pick: Candidate, checkpointing: Any, world_size: int, preci
         out["fp16"] = {"enabled": True}
     if pick.checkpointing and checkpointing is not None:
         out["activation_checkpointing"] = {"classes": [_class_path(checkpointing)]}
+        if pick.offloaded:
+            out["activation_checkpointing"]["cpu_checkpointing"] = True
     return out
 
 

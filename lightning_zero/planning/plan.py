@@ -1,14 +1,18 @@
 """The planner: every configuration's predicted peak for this model and batch, and the fastest that fits.
 
-A *candidate* is a configuration (stage, offload share: ``predict.Configuration``), activation checkpointing on or
-off, and a micro-batch size that divides the per-device batch (``accumulate_grad_batches`` grows to keep the
-global batch). Each needs one traced step per (micro-batch, checkpointing) pair; traces are cached.
+A *candidate* is a configuration (stage, offload share: ``predict.Configuration``), activation checkpointing off, on,
+or on with the checkpointed inputs on the host (``offload_activations``), and a micro-batch size that divides the
+per-device batch (``accumulate_grad_batches`` grows to keep the global batch). Each needs one traced step per
+(micro-batch, checkpointing, offload) triple; traces are cached. ``tiled_compute`` is the user's (it takes the
+logits out of a training step's output), never the planner's: the traces run with it as given.
 
 Which is fastest is an estimate, stated here so it can be argued with: relative step time is
 
 * 1.0 for stages 1 and 2, 1.12 for stage 3 (measured on an H100 for a 1.34B GPT: benchmarks/results/2026-11-25-h100.md);
 * ``+ 2.74 r`` for a share ``r`` of the optimizer offloaded (stage 2 + full offload ran at 3.74x there);
 * ``x 4/3`` with activation checkpointing (one more forward of the checkpointed blocks);
+* ``x 1.05`` more with the checkpointed inputs offloaded (copies on their own stream, beside compute, one block ahead:
+  an estimate no GPU has measured yet);
 * ``x (1 + 0.1 log2(b / m))`` for micro-batch ``m`` of a per-device batch ``b`` (smaller kernels, more steps).
 
 Offload shares are chosen to fill the budget: the device peak is linear in the share, so the smallest share (in
@@ -32,6 +36,7 @@ from lightning_zero.torch_versions.tracing import tree_map_only
 STAGE_COST = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.12}
 OFFLOAD_COST = 2.74
 CHECKPOINTING_COST = 4 / 3
+ACTIVATION_OFFLOAD_COST = 1.05
 MICRO_BATCH_COST = 0.1
 #: The configurations the planner weighs, before offload shares are fitted to the budget.
 CONFIGURATIONS = (
@@ -55,6 +60,10 @@ class Candidate:
     checkpointing: bool
     micro_batch: int
     accumulate: int
+    offloaded: bool = False
+    """The checkpointed inputs are kept on the host (``offload_activations``)."""
+    tiled_compute: bool | int = False
+    """The user's ``tiled_compute``, which the traces ran with."""
 
     @property
     def configuration(self) -> Configuration:
@@ -67,6 +76,8 @@ class Candidate:
         time = STAGE_COST[c.stage] + OFFLOAD_COST * share
         if self.checkpointing:
             time *= CHECKPOINTING_COST
+        if self.offloaded:
+            time *= ACTIVATION_OFFLOAD_COST
         batch = self.micro_batch * self.accumulate
         return time * (1 + MICRO_BATCH_COST * math.log2(batch / self.micro_batch))
 
@@ -101,6 +112,7 @@ class Planner:
         backend: str = "nccl",
         optimizer_state_dtype: str = "fp32",
         clipped: bool = False,
+        tiled_compute: bool | int = False,
     ) -> None:
         self.build, self.batch, self.world_size, self.precision = build, batch, world_size, precision
         #: Every configuration holds the optimizer's state so (an inexact choice is the user's, never the plan's).
@@ -112,42 +124,55 @@ class Planner:
         self.accumulate = accumulate
         #: The policy activation checkpointing would use (None: the model offers none, and it is not weighed).
         self.checkpointing = checkpointing
+        #: ``ZeroStrategy(tiled_compute=...)`` as the run sets it: every trace runs with it.
+        self.tiled_compute = tiled_compute
         self.devices_per_host = devices_per_host or world_size
         self.bucket_size_mb = bucket_size_mb
         self.per_device = _batch_size(batch)
-        self._traces: dict[tuple[int, bool], StepTrace] = {}
+        self._traces: dict[tuple[int, bool, bool], StepTrace] = {}
 
-    def trace(self, micro_batch: int, checkpointing: bool) -> StepTrace:
-        key = (micro_batch, checkpointing)
+    def trace(self, micro_batch: int, checkpointing: bool, offloaded: bool = False) -> StepTrace:
+        key = (micro_batch, checkpointing, offloaded)
         if key not in self._traces:
             self._traces[key] = trace_step(
                 self.build,
                 _micro(self.batch, micro_batch),
                 precision=self.precision,
                 activation_checkpointing=self.checkpointing if checkpointing else None,
+                offload_activations=offloaded,
+                tiled_compute=self.tiled_compute,
             )
         return self._traces[key]
 
-    def candidate(self, configuration: Configuration, checkpointing: bool, micro_batch: int) -> Candidate:
+    def candidate(
+        self, configuration: Configuration, checkpointing: bool, micro_batch: int, offloaded: bool = False
+    ) -> Candidate:
         configuration = dataclasses.replace(
             configuration, bucket_size_mb=self.bucket_size_mb, optimizer_state_dtype=self.optimizer_state_dtype
         )
         accumulate = self.accumulate * self.per_device // micro_batch
         prediction = predict(
-            self.trace(micro_batch, checkpointing),
+            self.trace(micro_batch, checkpointing, offloaded),
             configuration,
             self.world_size,
             accumulate,
             backend=self.backend,
             clipped=self.clipped,
         )
-        return Candidate(prediction, checkpointing, micro_batch, accumulate)
+        return Candidate(prediction, checkpointing, micro_batch, accumulate, offloaded, self.tiled_compute)
 
     def table(self) -> list[Candidate]:
-        return [self.candidate(c, ac, self.per_device) for ac in self._checkpointing_choices() for c in CONFIGURATIONS]
+        """Every configuration with checkpointing off and on (the offloaded inputs' rows join only as a pick)."""
+        return [
+            self.candidate(c, ac, self.per_device, off)
+            for ac, off in self._checkpointing_choices()
+            for c in CONFIGURATIONS
+            if not off
+        ]
 
-    def _checkpointing_choices(self) -> tuple[bool, ...]:
-        return (False, True) if self.checkpointing is not None else (False,)
+    def _checkpointing_choices(self) -> tuple[tuple[bool, bool], ...]:
+        """(checkpointing, its inputs offloaded): off, on, on with offload, where the model offers a block."""
+        return ((False, False), (True, False), (True, True)) if self.checkpointing is not None else ((False, False),)
 
     def plan(self, memory_per_device: float | None = None, memory_per_host: float | None = None) -> Plan:
         """The table, and the fastest candidate that fits (None without a budget). Raises :class:`NothingFits`."""
@@ -156,8 +181,13 @@ class Planner:
             return Plan(table, None, None, memory_per_host)
         fitting = []
         for configuration in CONFIGURATIONS:
-            for checkpointing in self._checkpointing_choices():
-                found = self._fastest_fitting(configuration, checkpointing, memory_per_device, memory_per_host)
+            found = None
+            for checkpointing, offloaded in self._checkpointing_choices():
+                if offloaded and found is not None and found.micro_batch == self.per_device:
+                    continue  # checkpointing alone fits the whole batch: offloading its inputs only costs time
+                found = self._fastest_fitting(
+                    configuration, checkpointing, offloaded, memory_per_device, memory_per_host
+                )
                 if found is not None:
                     fitting.append(found)
         if not fitting:
@@ -165,31 +195,45 @@ class Planner:
         pick = min(fitting, key=lambda c: c.relative_time)
         return Plan(table, pick, memory_per_device, memory_per_host)
 
-    def _fastest_fitting(self, configuration: Configuration, checkpointing: bool, device: float, host: float | None):
+    def _fastest_fitting(
+        self, configuration: Configuration, checkpointing: bool, offloaded: bool, device: float, host: float | None
+    ):
         """Over the micro-batches that divide the per-device batch: the fastest that fits (the largest, unless a
         smaller one lets a smaller offload share fit)."""
         found = [
-            self._fill(configuration, checkpointing, micro, device, host)
+            self._fill(configuration, checkpointing, offloaded, micro, device, host)
             for micro in _divisors_descending(self.per_device)
         ]
         found = [candidate for candidate in found if candidate is not None]
         return min(found, key=lambda c: c.relative_time) if found else None
 
-    def _fill(self, configuration: Configuration, checkpointing: bool, micro: int, device: float, host: float | None):
+    def _fill(
+        self,
+        configuration: Configuration,
+        checkpointing: bool,
+        offloaded: bool,
+        micro: int,
+        device: float,
+        host: float | None,
+    ):
         """The candidate at this micro-batch, its offload share lowered to the least that fits (if offloading)."""
-        full = self.candidate(configuration, checkpointing, micro)
+        full = self.candidate(configuration, checkpointing, micro, offloaded)
         if not full.fits(device, host, self.devices_per_host):
             return None
         if configuration.offload_optimizer < 1 or configuration.offload_params:
             return full
-        none = self.candidate(dataclasses.replace(configuration, offload_optimizer=0.0), checkpointing, micro)
+        none = self.candidate(
+            dataclasses.replace(configuration, offload_optimizer=0.0), checkpointing, micro, offloaded
+        )
         if none.fits(device, host, self.devices_per_host):
             return None  # the configuration without offload fits too, and is faster: it is weighed on its own
         saved = none.prediction.device_bytes - full.prediction.device_bytes
         needed = none.prediction.device_bytes - device
         share = min(1.0, math.ceil(20 * needed / saved) / 20) if saved > 0 else 1.0
         while share < 1.0:
-            partial = self.candidate(dataclasses.replace(configuration, offload_optimizer=share), checkpointing, micro)
+            partial = self.candidate(
+                dataclasses.replace(configuration, offload_optimizer=share), checkpointing, micro, offloaded
+            )
             if partial.fits(device, host, self.devices_per_host):
                 return partial
             share = round(share + 0.05, 2)
@@ -199,7 +243,7 @@ class Planner:
 def _nothing_fits(planner: Planner, device: float, host: float | None) -> str:
     """The refusal: the least any candidate needs (micro-batch 1, every configuration) and what would help."""
     smallest = min(
-        (planner.candidate(c, ac, 1) for c in CONFIGURATIONS for ac in planner._checkpointing_choices()),
+        (planner.candidate(c, ac, 1, off) for c in CONFIGURATIONS for ac, off in planner._checkpointing_choices()),
         key=lambda c: c.prediction.device_bytes,
     )
     peak, host_peak = smallest.prediction.device_bytes, smallest.prediction.host_bytes * planner.devices_per_host
@@ -208,10 +252,17 @@ def _nothing_fits(planner: Planner, device: float, host: float | None) -> str:
         f"Nothing fits in {format_bytes(device, unit)} per device"
         + (f" and {format_bytes(host, unit)} per host" if host is not None else "")
         + f": the smallest predicted peak is {format_bytes(peak, unit)} per device "
-        f"({smallest.configuration.name}{', activation checkpointing' if smallest.checkpointing else ''}, micro-batch 1"
+        f"({smallest.configuration.name}{activations_label(smallest)}, micro-batch 1"
         f", {format_bytes(host_peak, unit)} per host). More devices (the "
         "sharded state divides by them), a larger device, or a smaller model would fit."
     )
+
+
+def activations_label(candidate: Candidate) -> str:
+    """How the candidate keeps its activations, for a sentence (empty when it keeps them all)."""
+    if not candidate.checkpointing:
+        return ""
+    return ", activation checkpointing" + (" (inputs on the host)" if candidate.offloaded else "")
 
 
 def _divisors_descending(n: int) -> list[int]:
@@ -250,12 +301,12 @@ def with_pick(plan: Plan) -> tuple[list[Candidate], int | None]:
 
 
 def _key(candidate: Candidate) -> tuple:
-    return candidate.configuration, candidate.checkpointing, candidate.micro_batch
+    return candidate.configuration, candidate.checkpointing, candidate.offloaded, candidate.micro_batch
 
 
 def _kind(candidate: Candidate) -> tuple:
     c = candidate.configuration
-    return c.stage, c.offload_params, c.offload_optimizer > 0, candidate.checkpointing
+    return c.stage, c.offload_params, c.offload_optimizer > 0, candidate.checkpointing, candidate.offloaded
 
 
 def describe(candidates: Sequence[Candidate], devices_per_host: int, pick: int | None = None) -> list[dict]:
@@ -264,6 +315,7 @@ def describe(candidates: Sequence[Candidate], devices_per_host: int, pick: int |
         {
             "configuration": c.configuration.name,
             "checkpointing": c.checkpointing,
+            "offload_activations": c.offloaded,
             "micro_batch": c.micro_batch,
             "accumulate": c.accumulate,
             "device_bytes": c.prediction.device_bytes,

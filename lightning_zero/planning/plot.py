@@ -41,7 +41,11 @@ def plot_plan(rows: list[dict], path: str | Path, title: str = "", limit: float 
             bottom += height
         if row["host_bytes"]:
             ax.bar(x + 0.18, row["host_bytes"] / scale, 0.36, color="white", edgecolor="#555555", hatch="//")
-        label = row["configuration"] + ("\n+ AC" if row["checkpointing"] else "")
+        label = (
+            row["configuration"]
+            + ("\n+ AC" if row["checkpointing"] else "")
+            + (" (host)" if row.get("offload_activations") else "")
+        )
         label += f"\n{row['micro_batch']} x {row['accumulate']}"
         if row.get("pick"):
             ax.bar(x - 0.18, bottom, 0.36, fill=False, edgecolor="black", linewidth=2.5)

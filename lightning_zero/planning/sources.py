@@ -73,6 +73,8 @@ class Source:
     """``ZeroStrategy(optimizer_state_dtype=...)`` of the planned run: the config's, else ``plan``'s flag."""
     clipped: bool = False
     """The config clips by the global norm (``trainer.gradient_clip_val``, algorithm ``norm``)."""
+    tiled_compute: bool | int = False
+    """``ZeroStrategy(tiled_compute=...)`` of the planned run (the config's)."""
 
 
 def from_config(
@@ -109,6 +111,7 @@ def from_config(
         backend="gloo" if trainer.get("accelerator") == "cpu" else "nccl",
         optimizer_state_dtype=str(init_args.get("optimizer_state_dtype") or "fp32"),
         clipped=bool(trainer.get("gradient_clip_val")) and trainer.get("gradient_clip_algorithm") in (None, "norm"),
+        tiled_compute=init_args.get("tiled_compute", False),
     )
 
 

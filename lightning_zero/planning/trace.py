@@ -27,10 +27,15 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_zero.activation_checkpointing import apply_activation_checkpointing, resolve_policy
+from lightning_zero.activation_checkpointing import (
+    apply_activation_checkpointing,
+    caches_off_for_training,
+    resolve_policy,
+)
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
 from lightning_zero.planning.measure import _TotalsOnly
+from lightning_zero.tiled_compute import apply_tiled_compute
 from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, tree_map_only
 
 #: The compute dtype of each Lightning precision the planner knows.
@@ -57,6 +62,10 @@ class StepTrace:
     batch_size: int
     precision: str
     checkpointing: bool
+    offloaded: bool = False
+    """The checkpointed inputs were offloaded (``offload_activations``): the traced device bytes leave them out."""
+    tiled: bool = False
+    """The step ran with ``tiled_compute`` (its tiles' intermediates, not the whole ones, are in the timeline)."""
     frozen_sharded: int = 0
     """Frozen parameter elements stage 3 shards (a fine-tuned model's base under low-rank adapters): held without
     gradient or optimizer state."""
@@ -115,21 +124,28 @@ def trace_step(
     *,
     precision: str = "32-true",
     activation_checkpointing: Any = None,
+    offload_activations: bool = False,
+    tiled_compute: bool | int = False,
 ) -> StepTrace:
     """Trace ``training_step`` + backward of ``build()`` on ``batch`` (real tensors, only their shapes and dtypes are
-    used); ``activation_checkpointing`` as ``ZeroStrategy`` takes it."""
+    used); ``activation_checkpointing``, ``offload_activations`` and ``tiled_compute`` as ``ZeroStrategy`` takes them.
+    Offloaded inputs go to the host outside the tracker, as on a run without an accelerator ([Note: offloaded
+    checkpoint inputs]): the timeline is what stays on the device."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision={precision!r} cannot be planned; choose one of {sorted(COMPUTE_DTYPES)}.")
     compute = COMPUTE_DTYPES[precision]
-    policy = resolve_policy(activation_checkpointing)
+    policy = resolve_policy(activation_checkpointing, offload_activations)
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         warnings.simplefilter("ignore")
         with FakeCopyMode(fake):
             module = build()
             if callable(getattr(module, "configure_model", None)):
                 module.configure_model()
+        if tiled_compute is not False:
+            apply_tiled_compute(module, None if tiled_compute is True else int(tiled_compute))
         if policy is not None:
-            apply_activation_checkpointing(module, policy)
+            # as the strategy trains: a Hugging Face model's cache off (it would hold every layer's keys and values)
+            caches_off_for_training(module, apply_activation_checkpointing(module, policy), announce=False)
         trainable = [p for p in module.parameters() if p.requires_grad]
         frozen = [p for p in module.parameters() if not p.requires_grad]
         policy_of_run = PrecisionPolicy(compute_dtype=compute, reduce_dtype=compute) if compute is not None else None
@@ -159,6 +175,8 @@ def trace_step(
         batch_size=_batch_size(batch),
         precision=precision,
         checkpointing=policy is not None,
+        offloaded=policy is not None and policy.offload,
+        tiled=tiled_compute is not False,
         frozen_sharded=sum(p.numel() for p in frozen if sharded_by_fsdp2(p)),
         frozen_bytes=frozen_bytes,
         whole_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if not sharded_by_fsdp2(p)),

@@ -44,6 +44,7 @@ from lightning_zero.engine.state_dict import gather_full
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.pretrained import load_pretrained
 from lightning_zero.strategy.compiling import compile_units
+from lightning_zero.tiled_compute import apply_tiled_compute
 
 
 def construction_device(config: ZeroConfig) -> contextlib.AbstractContextManager:
@@ -127,9 +128,12 @@ def shard_model(
     afterwards: list[Callable[[], None]] = []
     if fitting or config.shards_parameters:
         _in_the_shards_form(model, fitting, afterwards)
+    if fitting and config.tiled_compute is not False:
+        tile_size = None if config.tiled_compute is True else int(config.tiled_compute)
+        afterwards.append(apply_tiled_compute(model, tile_size))
     if checkpoint_policy is not None:
         # Before sharding: FSDP2 then re-gathers parameters for the recomputation like for any backward.
-        checkpointed = apply_activation_checkpointing(model, checkpoint_policy)
+        checkpointed = apply_activation_checkpointing(model, checkpoint_policy, config.pin_memory)
         if fitting:
             afterwards.append(caches_off_for_training(model, checkpointed))
     pin = should_pin(device, config.pin_memory) if config.optimizer_on_host else False

@@ -36,7 +36,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.activation_checkpointing import resolve_policy
+from lightning_zero.activation_checkpointing import ActivationOffload, activation_offload, resolve_policy
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
 from lightning_zero.config.zero_config import (
@@ -108,6 +108,8 @@ class ZeroStrategy(ParallelStrategy):
         offload_overlap_step: bool = True,
         pin_memory: bool | None = None,
         activation_checkpointing: Any = None,
+        offload_activations: bool = False,
+        tiled_compute: bool = False,
         wrap_policy: ModulePolicy = None,
         pipeline_stages: int = 1,
         microbatches: int | None = None,
@@ -155,7 +157,7 @@ class ZeroStrategy(ParallelStrategy):
             arguments = merge_strategy_arguments(self._deepspeed, arguments, defaults)
         self._zero_config = zero_config = ZeroConfig(**arguments)
         #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
-        self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing)
+        self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing, zero_config.offload_activations)
         self._num_nodes = 1
         self._processes = processes.DistributedProcesses(zero_config)  # process group, watchdog, exit agreement
         self._checkpoints = ShardedCheckpoints(zero_config)
@@ -191,6 +193,12 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def stage(self) -> int:
         return self.zero_config.stage
+
+    @property
+    def activation_offload(self) -> ActivationOffload | None:
+        """With ``offload_activations=True``, the host tier of the checkpointed inputs: its ``statistics`` say the
+        bytes moved each way and held on the host. None otherwise."""
+        return activation_offload(self.lightning_module) if self.lightning_module is not None else None
 
     @property
     @override

@@ -31,6 +31,7 @@ def two_ranks():
         "errors",
         "evaluated_after_fit",
         "routed_every_microbatch",
+        "1f1b_offloaded_activations",
         nprocs=2,
     )
 
@@ -113,6 +114,18 @@ def test_two_stages_one_replica_equal_plain_pytorch(two_ranks, case):
     assert two_ranks[case]["bounds"] == BOUNDS[case]  # 1f1b cuts by parameter count, interleaved 4 virtual stages
 
 
+def test_offloaded_activations_under_1f1b_equal_plain_pytorch(two_ranks):
+    """Every Linear checkpointed with its inputs on the host, 4 micro-batches in flight under 1F1B: each stage's
+    rank moves what its layers keep to the host and back (the first layer's input, the batch, needs no grad and
+    stays) and the run is plain PyTorch's. Some inputs go out and never come back: those of the forward the schedule
+    infers the stage's shapes with, which no backward differentiates; all are freed."""
+    result = two_ranks["1f1b_offloaded_activations"]
+    _check_exact(result, replicas=1)
+    for statistics in result["offloaded"]:
+        assert 0 < statistics["fetched_bytes"] <= statistics["offloaded_bytes"]
+        assert statistics["host_bytes"] == 0
+
+
 def test_an_expert_no_rank_uses_in_a_reduced_micro_batch_keeps_the_windows_earlier_gradient(two_ranks):
     """Stage 3, every micro-batch reduced: the window's first micro-batch routes a sample to an expert and its
     second routes none, so the second reduction gives that expert a zero gradient on every rank to take back
@@ -166,7 +179,7 @@ def test_pipeline_zero3_checkpoints_load_into_flat_runs_and_back(four_ranks):
 @pytest.mark.many_ranks
 def test_pipeline_zero3_composes_with_offload_checkpointing_and_mixed_precision(four_ranks):
     result = four_ranks["zero3_composed"]
-    for name in ("offload_optimizer", "activation_checkpointing"):
+    for name in ("offload_optimizer", "activation_checkpointing", "offload_activations"):
         assert result[name]["steps"] == 4 and result[name]["sharded"]
         assert result[name]["param_diff"] <= 1e-5, (name, result[name])
     assert result["bf16-mixed"]["param_diff"] < 0.05  # bf16 compute, fp32 masters: close, as at stages 1-2

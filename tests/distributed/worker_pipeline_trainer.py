@@ -148,6 +148,9 @@ def exactness(
         "layout": "v" if t.strategy.pipeline.layout.v_shape else "looped",
         "engine_world": t.strategy.engine.world_size,
         "sent": collectives.all_gather_objects(sent.per_batch),
+        "offloaded": collectives.all_gather_objects(
+            vars(t.strategy.activation_offload.statistics) if t.strategy.activation_offload is not None else None
+        ),
     }
 
 
@@ -282,7 +285,7 @@ def zero3_round_trip(directory: Path) -> dict:
 
 def zero3_composed() -> dict:
     """Pipeline x ZeRO-3 with what stage 3 composes with: offloaded optimizer (exact), activation checkpointing
-    of every Linear (exact), and bf16-mixed (close)."""
+    of every Linear, its inputs on the device or the host (exact), and bf16-mixed (close)."""
     from torch.distributed.tensor import DTensor
 
     expected = reference(STEPS_PER_EPOCH)[0]
@@ -290,6 +293,7 @@ def zero3_composed() -> dict:
     for name, kwargs, trainer_kwargs in (
         ("offload_optimizer", {"offload_optimizer": True}, {}),
         ("activation_checkpointing", {"activation_checkpointing": {nn.Linear}}, {}),
+        ("offload_activations", {"activation_checkpointing": {nn.Linear}, "offload_activations": True}, {}),
         ("bf16-mixed", {}, {"precision": "bf16-mixed"}),
     ):
         strategy = ZeroStrategy(stage=3, pipeline_stages=2, microbatches=4, **kwargs)
@@ -382,6 +386,10 @@ def cases() -> dict:
         "1f1b": lambda d: exactness(2, "1f1b", split="params", num_sanity_val_steps=2),
         "interleaved": lambda d: exactness(1, "interleaved_1f1b", microbatches=4),
         "gpipe_stage2": lambda d: exactness(2, "gpipe", split=["4"], microbatches=2),  # cut before the child "4"
+        # every Linear checkpointed, the inputs that require grad (all but the first layer's) on the host
+        "1f1b_offloaded_activations": lambda d: exactness(
+            1, "1f1b", strategy_kwargs={"activation_checkpointing": {nn.Linear}, "offload_activations": True}
+        ),
         # an expert used in a window's first micro-batch and by no rank in its second, each micro-batch reduced
         "routed_every_microbatch": lambda d: exactness(
             3, "gpipe", microbatches=2, routed=True, strategy_kwargs={"reduce_every_microbatch": True}

@@ -67,6 +67,61 @@ def test_stages_order_as_the_formulas_say_and_checkpointing_trims_activations():
     assert offloaded.host_bytes == pytest.approx(0.5 * (8 + 4 + 4) * plain.params / 2)  # state, masters, grads
 
 
+def test_offloaded_inputs_leave_the_device_and_the_planner_picks_them_when_they_alone_fit():
+    """A GPT whose checkpointed block inputs dominate (6 layers of (4, 512, 32)): offloaded, the traced peak drops by
+    the inputs of all but the two blocks backward holds (the one recomputing, the one fetched ahead); with a budget
+    between the two predictions the planner picks offload, written into the strategy's arguments."""
+    from lightning_zero.planning.output import strategy_node
+
+    def build():
+        return GPTLightningModule(vocab_size=32, block_size=512, n_layer=6, n_head=2, n_embd=32, dropout=0.0)
+
+    x = torch.randint(0, 32, (4, 512))
+    planner = Planner(build, (x, x), world_size=2, checkpointing=Block, backend="gloo")
+    block_input = x.numel() * 32 * 4
+    kept, offloaded = (planner.trace(4, True, off).activation_peak for off in (False, True))
+    assert kept - offloaded >= (6 - 2) * block_input, (kept, offloaded)
+    predicted = [planner.candidate(Configuration(2), True, 4, off).prediction.device_bytes for off in (False, True)]
+    pick = planner.plan(sum(predicted) / 2).pick
+    assert pick.checkpointing and pick.offloaded, pick
+    assert strategy_node(pick, Block)["init_args"]["offload_activations"] is True
+
+
+def test_tiled_compute_leaves_the_whole_logits_out_of_the_trace():
+    """A tiny HF Llama whose vocabulary's logits dominate (vocab 4096, 128 positions): traced with
+    ``tiled_compute`` (tiles of 16 positions), the peak drops by at least the logits and their gradient, less a
+    tile's of each."""
+    from tests.distributed.worker_long_context import CausalLM
+
+    x = torch.randint(0, 64, (2, 128))
+
+    def build():
+        return CausalLM("llama", vocab_size=4096, max_position_embeddings=128)
+
+    whole, tiles = (trace_step(build, (x, x), tiled_compute=t).activation_peak for t in (False, 16))
+    logits = x.numel() * 4096 * 4
+    assert whole - tiles >= 2 * logits * (1 - 16 / 128), (whole, tiles)
+
+
+def test_the_trace_turns_a_hugging_face_cache_off_under_checkpointing_as_training_does():
+    """The strategy trains a checkpointed Hugging Face model with ``use_cache=False``; the trace did not, and kept
+    every layer's keys and values (an 8-layer Llama at 1024 positions: +28.7% over the measured peak)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from tests.distributed.worker_long_context import CausalLM
+
+    x = torch.randint(0, 64, (2, 256))
+    peaks = [
+        trace_step(
+            lambda cache=cache: CausalLM("llama", max_position_embeddings=256, use_cache=cache),
+            (x, x),
+            activation_checkpointing=LlamaDecoderLayer,
+        ).activation_peak
+        for cache in (True, False)
+    ]
+    assert peaks[0] == peaks[1], peaks
+
+
 def test_bf16_optimizer_states_halve_the_state_the_plan_counts():
     """On the device the step also widens a tile of it to fp32 (here the whole shard: the model is one tile)."""
     trace = trace_step(lambda: GPTLightningModule(**TINY), _batch())
@@ -402,10 +457,10 @@ def test_the_planner_pages_budget_table_is_what_plan_prints(tmp_path, capsys, mo
     )
     traces, trace = {}, Planner.trace
 
-    def shared_trace(self, micro_batch, checkpointing):
-        if (micro_batch, checkpointing) not in traces:
-            traces[micro_batch, checkpointing] = trace(self, micro_batch, checkpointing)
-        return traces[micro_batch, checkpointing]
+    def shared_trace(self, micro_batch, checkpointing, offloaded=False):
+        if (micro_batch, checkpointing, offloaded) not in traces:
+            traces[micro_batch, checkpointing, offloaded] = trace(self, micro_batch, checkpointing, offloaded)
+        return traces[micro_batch, checkpointing, offloaded]
 
     monkeypatch.setattr(Planner, "trace", shared_trace)
     rows = markdown_table(page, "| `--memory-per-device` |")
