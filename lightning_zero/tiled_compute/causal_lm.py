@@ -7,7 +7,8 @@ through :func:`tiled_forward`. A mixture of experts held as ``mlp`` (one that ho
 beside its output and is left whole.
 
 The causal LM gets an instance ``forward`` too. When it is given ``labels`` with grad enabled (a training step), it
-calls its own forward without them, while its ``lm_head`` keeps its input and hands back a zero-stride placeholder
+calls its own forward without them (so a mixture of experts' load-balancing loss, which the model adds only given
+labels, is added here: ``router_aux_loss_coef`` times the output's ``aux_loss``), while its ``lm_head`` keeps its input and hands back a zero-stride placeholder
 instead of logits. The loss is then :func:`tiled_cross_entropy` of that input, as Hugging Face's ``ForCausalLMLoss``
 computes it: labels shifted left by one (or the ``shift_labels`` given), the mean over the positions that count, or
 the sum over ``num_items_in_batch`` when given. The output's ``loss`` is that loss and its ``logits`` is None: the
@@ -89,9 +90,15 @@ class TiledLoss:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind_partial(*args, **kwargs)
         labels = bound.arguments.get("labels")
-        if labels is None or not torch.is_grad_enabled() or bound.arguments.get("logits_to_keep", 0) not in (0, None):
-            return self.forward(*args, **kwargs)
         extra = bound.arguments.get("kwargs", {})
+        untiled = (
+            labels is None
+            or not torch.is_grad_enabled()
+            or bound.arguments.get("logits_to_keep", 0) not in (0, None)
+            or bound.arguments.get("return_dict", extra.get("return_dict")) is False  # a tuple: no loss to set
+        )
+        if untiled:
+            return self.forward(*args, **kwargs)
         num_items = extra.pop("num_items_in_batch", None)
         shift_labels = extra.pop("shift_labels", None)
         ignore_index = extra.pop("ignore_index", -100)
@@ -116,6 +123,9 @@ class TiledLoss:
         )
         if num_items is not None:
             loss = loss / num_items.to(loss.device) if isinstance(num_items, torch.Tensor) else loss / num_items
+        aux_loss = getattr(output, "aux_loss", None)
+        if aux_loss is not None:  # a mixture of experts' load balancing, which it adds to the loss given labels
+            loss = loss + self.model.router_aux_loss_coef * aux_loss.to(loss.device)
         output.loss = loss
         output.logits = None
         return output

@@ -131,6 +131,23 @@ def test_a_causal_lm_trains_without_logits_and_evaluates_with_them():
     assert not any("forward" in m.__dict__ for m in tiled.modules())
 
 
+def test_a_mixture_of_experts_keeps_its_load_balancing_loss():
+    """Mixtral with ``output_router_logits``: the model adds its routers' auxiliary loss to the loss given labels;
+    tiled, the loss is computed without them, and the auxiliary term is added back."""
+    torch.manual_seed(0)
+    settings = hf_models.tiny_config("mixtral")
+    settings.output_router_logits = True
+    whole = hf_models.model_class("mixtral")(settings)
+    tiled = copy.deepcopy(whole)
+    apply_tiled_compute(tiled, 5)
+    ids = torch.randint(0, hf_models.VOCAB, (2, hf_models.LENGTH), generator=torch.Generator().manual_seed(0))
+    expected, got = whole(input_ids=ids, labels=ids), tiled(input_ids=ids, labels=ids)
+    assert expected.aux_loss > 0
+    torch.testing.assert_close(got.loss, expected.loss)
+    as_tuple = tiled(input_ids=ids, labels=ids, return_dict=False)  # a tuple has no loss to set: run as written
+    torch.testing.assert_close(as_tuple[0], expected.loss)
+
+
 def test_a_head_whose_logits_are_transformed_stays_whole_and_its_mlps_are_tiled():
     model = llama(final_logit_softcapping=30.0)
     apply_tiled_compute(model, 5)
