@@ -114,9 +114,13 @@ def resolve_policy(spec: Any, offload: bool = False) -> CheckpointPolicy | None:
     """Turn what the user passed into a policy (``None`` when checkpointing is off); ``offload``
     (``offload_activations``) keeps the checkpointed inputs on the host, as a dict's ``cpu_checkpointing: true`` does."""
     policy = _resolve(spec)
-    if policy is not None and offload and not policy.offload:
-        policy = dataclasses.replace(policy, offload=True, description=f"{policy.description}, offloaded")
-    return policy
+    return _offloaded(policy) if policy is not None and offload else policy
+
+
+def _offloaded(policy: CheckpointPolicy) -> CheckpointPolicy:
+    if policy.offload:
+        return policy
+    return dataclasses.replace(policy, offload=True, description=f"{policy.description}, offloaded")
 
 
 def _resolve(spec: Any) -> CheckpointPolicy | None:
@@ -171,9 +175,7 @@ def _from_dict(spec: dict[str, Any]) -> CheckpointPolicy:
         raise ActivationCheckpointingError(f"activation_checkpointing: 'every' must be an integer >= 1, got {every!r}.")
     classes = spec["classes"]
     policy = _from_classes(_classes([classes] if isinstance(classes, (str, type)) else classes), every)
-    return (
-        dataclasses.replace(policy, offload=True, description=f"{policy.description}, offloaded") if offload else policy
-    )
+    return _offloaded(policy) if offload else policy
 
 
 def apply_activation_checkpointing(

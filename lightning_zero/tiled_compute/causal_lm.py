@@ -92,12 +92,11 @@ class TiledLoss:
         labels = bound.arguments.get("labels")
         extra = bound.arguments.get("kwargs", {})
         untiled = (
-            labels is None
-            or not torch.is_grad_enabled()
+            not torch.is_grad_enabled()
             or bound.arguments.get("logits_to_keep", 0) not in (0, None)
             or bound.arguments.get("return_dict", extra.get("return_dict")) is False  # a tuple: no loss to set
         )
-        if untiled:
+        if untiled or labels is None:
             return self.forward(*args, **kwargs)
         num_items = extra.pop("num_items_in_batch", None)
         shift_labels = extra.pop("shift_labels", None)
