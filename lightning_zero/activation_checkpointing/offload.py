@@ -5,7 +5,8 @@ recomputation.
 Under activation checkpointing a block keeps only its inputs, and at long sequences those are what is left on the
 device: one ``[B, T, d]`` hidden state per block, ``L`` of them alive at the end of forward. With offload, each input
 of a checkpointed forward that requires grad (the hidden states flowing from block to block; attention masks, rotary
-tables and position ids are the same tensors for every block, so moving them would free nothing) is copied to host
+tables and position ids are the same tensors for every block, so moving them would free nothing, and a tensor that
+requires grad and reaches every block, as T5's position bias does, is copied once, by the first) is copied to host
 memory (pinned where there is an accelerator) on a copy stream while the block computes, and torch's checkpoint keeps
 a :class:`HostCopy` in its place. When backward recomputes a block, the block takes its inputs back and starts
 fetching the inputs of the block that ran before it in forward, which backward recomputes next: the copy runs beside
@@ -92,7 +93,7 @@ class OffloadedCall:
 
     def offload(self, args: tuple[Any, ...], kwargs: dict[str, Any], owner: ActivationOffload) -> tuple[Any, Any]:
         def to_host(tensor: torch.Tensor) -> Any:
-            if not tensor.requires_grad:
+            if not tensor.requires_grad or owner.shared(tensor):
                 return tensor
             copy = HostCopy(tensor, owner)
             self.copies.append(copy)
@@ -119,6 +120,15 @@ class ActivationOffload:
         self.statistics = OffloadStatistics()
         self._last: weakref.ref[OffloadedCall] | None = None
         self._streams: dict[torch.device, torch.Stream] = {}
+        self._inputs: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def shared(self, tensor: torch.Tensor) -> bool:
+        """Whether an earlier checkpointed forward took this very tensor (T5's position bias, a decoder's encoder
+        states): every block holds it, so copies would free nothing; the first forward's copy is the only one."""
+        if self._inputs.get(id(tensor)) is tensor:
+            return True
+        self._inputs[id(tensor)] = tensor
+        return False
 
     def start(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -184,7 +184,8 @@ class Planner:
             found = None
             for checkpointing, offloaded in self._checkpointing_choices():
                 if offloaded and found is not None and found.micro_batch == self.per_device:
-                    continue  # checkpointing alone fits the whole batch: offloading its inputs only costs time
+                    if not found.configuration.offload_optimizer and not found.configuration.offload_params:
+                        continue  # checkpointing alone fits the whole batch unoffloaded: offloading more only costs
                 found = self._fastest_fitting(
                     configuration, checkpointing, offloaded, memory_per_device, memory_per_host
                 )

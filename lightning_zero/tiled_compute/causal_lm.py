@@ -14,8 +14,9 @@ computes it: labels shifted left by one (or the ``shift_labels`` given), the mea
 the sum over ``num_items_in_batch`` when given. The output's ``loss`` is that loss and its ``logits`` is None: the
 whole logits never exist. Without labels, or without grad (validation, generation), the model runs as written.
 
-A head whose logits are transformed after ``lm_head`` (``final_logit_softcapping``, ``logit_scale``) stays whole,
-with a message. Everything is undone after ``fit``, as activation checkpointing's wrapping is: no class or torch
+A head whose logits are transformed after ``lm_head`` (soft-capping, a scale), or whose loss is not Hugging Face's
+shifted ``ForCausalLMLoss`` (BART-style causal LMs take labels unshifted), stays whole, with a message: the model's
+``forward`` is read for it (``_head_left_whole``). Everything is undone after ``fit``, as activation checkpointing's wrapping is: no class or torch
 function is patched.
 """
 
@@ -33,8 +34,27 @@ from torch import nn
 
 from lightning_zero.tiled_compute.tiles import tiled_cross_entropy, tiled_forward
 
-#: Configuration entries that transform the logits after ``lm_head``: a head with one of them set stays whole.
-_TRANSFORMED_LOGITS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale", "logits_scaling")
+#: Words in a causal LM's ``forward`` that transform the logits after ``lm_head`` (soft-capping, scaling): a head
+#: whose forward holds one stays whole.
+_TRANSFORMED_LOGITS = ("softcap", "soft_cap", "logit_scale", "logits_scaling", "output_multiplier")
+
+
+def _head_left_whole(model: nn.Module) -> str | None:
+    """Why the head and loss of ``model`` cannot be tiled as Hugging Face's ``ForCausalLMLoss`` (None: they can).
+    Only a forward that computes its loss through ``self.loss_function`` with the shifted causal-LM loss, and does
+    nothing to the logits between ``lm_head`` and it, is tiled: BART-style causal LMs take labels unshifted, and
+    Gemma's and RecurrentGemma's cap their logits."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return "its forward's source cannot be read"
+    if "self.loss_function(" not in source:
+        return "it computes its loss itself, not through Hugging Face's loss_function"
+    loss = getattr(getattr(model, "loss_function", None), "__name__", None)
+    if loss != "ForCausalLMLoss":
+        return f"its loss is {loss}, not ForCausalLMLoss"
+    transformed = [word for word in _TRANSFORMED_LOGITS if word in source]
+    return f"its logits are transformed after lm_head ({transformed[0]})" if transformed else None
 
 
 def _is_causal_lm(module: nn.Module) -> bool:
@@ -124,10 +144,15 @@ class TiledLoss:
             loss = loss / num_items.to(loss.device) if isinstance(num_items, torch.Tensor) else loss / num_items
         aux_loss = getattr(output, "aux_loss", None)
         if aux_loss is not None:  # a mixture of experts' load balancing, which it adds to the loss given labels
-            loss = loss + self.model.router_aux_loss_coef * aux_loss.to(loss.device)
-        output.loss = loss
-        output.logits = None
-        return output
+            coefficient = getattr(self.model, "router_aux_loss_coef", getattr(self.model, "aux_loss_coef", None))
+            if coefficient is None:
+                raise RuntimeError(
+                    f"tiled_compute: {type(self.model).__name__} returned an auxiliary loss whose coefficient is "
+                    "neither `router_aux_loss_coef` nor `aux_loss_coef`; train it with tiled_compute=False."
+                )
+            loss = loss + coefficient * aux_loss.to(loss.device)
+        fields = {key: value for key, value in output.items() if key != "logits"}
+        return type(output)(**{**fields, "loss": loss})  # keyed and indexed as the library's: loss first, no logits
 
 
 @dataclasses.dataclass
@@ -162,11 +187,11 @@ def apply_tiled_compute(root: nn.Module, tile_size: int | None) -> TilingUndone:
             if name.rsplit(".", 1)[-1] == "mlp" and not hasattr(module, "experts") and "forward" not in module.__dict__:
                 module.forward = TiledMLP(module.forward, mlp_tile)
                 wrapped.append(module)
-        transformed = [key for key in _TRANSFORMED_LOGITS if getattr(model.config, key, None) not in (None, 1, 1.0)]
-        if transformed:
+        reason = _head_left_whole(model)
+        if reason is not None:
             rank_zero_info(
-                f"tiled_compute: {type(model).__name__}'s logits are transformed after lm_head ({transformed[0]}); "
-                "its head and loss are computed whole, its MLPs in tiles."
+                f"tiled_compute: {type(model).__name__}'s head and loss are computed whole ({reason}); its MLPs in "
+                "tiles."
             )
             continue
         lm_head = cast(nn.Linear, model.lm_head)  # a Linear: _is_causal_lm

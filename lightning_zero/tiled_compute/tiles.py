@@ -35,17 +35,21 @@ def tiled_forward(
     """``function(hidden, *args, **kwargs)`` computed ``tile_size`` positions of the sequence (``hidden``'s
     second-to-last dimension: ``[B, T, d]`` or ``[T, d]``) at a time, each tile recomputed in backward (see [Note:
     sequence tiles]). ``function`` must treat positions independently (an MLP, a projection); it returns one tensor
-    with the sequence in the same dimension. ``args`` and ``kwargs`` are passed whole to every tile."""
+    with the sequence in the same dimension. Tensor ``args`` with ``hidden``'s leading shape (a residual beside the
+    hidden states, as Bloom's MLP takes) are split with it; other ``args`` and ``kwargs`` go whole to every tile."""
     _check_tile_size(tile_size)
     if hidden.shape[-2] <= tile_size:
         return function(hidden, *args, **kwargs)
     outputs = []
     on_tile = _OnContiguousTile(function)
-    for tile in hidden.split(tile_size, dim=-2):
+    per_position = [isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[:-1] == hidden.shape[:-1] for a in args]
+    split = [a.split(tile_size, dim=-2) if tiled else None for a, tiled in zip(args, per_position)]
+    for index, tile in enumerate(hidden.split(tile_size, dim=-2)):
+        tile_args = tuple(parts[index] if parts is not None else a for a, parts in zip(args, split))
         if torch.is_grad_enabled():
-            output = checkpoint(on_tile, tile, *args, use_reentrant=False, **kwargs)
+            output = checkpoint(on_tile, tile, *tile_args, use_reentrant=False, **kwargs)
         else:
-            output = on_tile(tile, *args, **kwargs)
+            output = on_tile(tile, *tile_args, **kwargs)
         if not isinstance(output, torch.Tensor):
             name = getattr(function, "__qualname__", type(function).__name__)
             raise TypeError(

@@ -107,24 +107,27 @@ class Gated(nn.Module):
         super().__init__()
         self.linear = nn.Linear(8, 8)
 
-    def forward(self, *, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return hidden + torch.tanh(self.linear(hidden)) * mask
+    def forward(self, *, hidden: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return hidden + torch.tanh(self.linear(hidden) + bias) * mask
 
 
 def test_only_inputs_that_require_grad_move_and_keywords_count():
+    """Each block's hidden state moves; the mask (no grad) stays; a bias every block takes (as T5's position bias)
+    moves once, with the first block."""
     torch.manual_seed(0)
     blocks = nn.ModuleList(Gated() for _ in range(3))
     plain = copy.deepcopy(blocks)
     apply_activation_checkpointing(blocks, resolve_policy(Gated, offload=True))
     hidden, mask = torch.randn(2, 8, requires_grad=True), torch.ones(2, 8)
+    scale = torch.randn(8, requires_grad=True)
     for stack in (blocks, plain):
-        out = hidden
+        out, bias = hidden, scale * 2  # a tensor computed once a step, shared by the blocks
         for block in stack:
-            out = block(hidden=out, mask=mask)
+            out = block(hidden=out, mask=mask, bias=bias)
         out.sum().backward()
     for a, b in zip(blocks.parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad)
-    assert activation_offload(blocks).statistics.offloaded_bytes == 3 * hidden.numel() * 4  # the mask stays
+    assert activation_offload(blocks).statistics.offloaded_bytes == 3 * hidden.numel() * 4 + scale.numel() * 4
 
 
 def test_nothing_moves_without_grad():

@@ -45,6 +45,17 @@ def test_tiled_forward_gives_the_untiled_values_and_gradients():
         torch.testing.assert_close(b.grad, a.grad)
 
 
+def test_a_per_position_argument_is_split_with_the_hidden_states():
+    """Bloom's MLP takes the residual beside the hidden states: it is tiled with them."""
+    torch.manual_seed(0)
+    model = mlp()
+    x, residual = torch.randn(2, T, D), torch.randn(2, T, D)
+    scale = torch.randn(D)  # not per position: whole to every tile
+    expected = model(x) + residual * scale
+    got = tiled_forward(lambda h, r, s: model(h) + r * s, x, residual, scale, tile_size=TILE)
+    torch.testing.assert_close(got, expected)
+
+
 def test_tiled_forward_holds_one_tile_of_the_intermediate():
     """Untiled, forward keeps the ``[T, 4d]`` intermediate (twice: the first linear's output and GELU's) for
     backward; tiled, only the tiles' inputs (views of the input) and one tile's intermediate at a time."""
@@ -122,8 +133,9 @@ def test_a_causal_lm_trains_without_logits_and_evaluates_with_them():
     undo = apply_tiled_compute(tiled, 5)
     ids = torch.randint(0, hf_models.VOCAB, (2, hf_models.LENGTH), generator=torch.Generator().manual_seed(0))
     expected, got = whole(input_ids=ids, labels=ids), tiled(input_ids=ids, labels=ids)
-    assert got.logits is None
+    assert got.logits is None and "logits" not in got and list(got.keys())[0] == "loss"
     torch.testing.assert_close(got.loss, expected.loss)
+    torch.testing.assert_close(got[0], expected.loss)  # `model(**batch)[0]`, as scripts index it
     with torch.no_grad():
         evaluated = tiled(input_ids=ids, labels=ids)
     torch.testing.assert_close(evaluated.logits, expected.logits)  # without grad the model runs as written
@@ -148,11 +160,45 @@ def test_a_mixture_of_experts_keeps_its_load_balancing_loss():
     torch.testing.assert_close(as_tuple[0], expected.loss)
 
 
-def test_a_head_whose_logits_are_transformed_stays_whole_and_its_mlps_are_tiled():
-    model = llama(final_logit_softcapping=30.0)
+@pytest.mark.parametrize("kind", ["gemma2", "bart"])
+def test_a_head_whose_loss_is_not_the_shifted_one_stays_whole_and_its_mlps_are_tiled(kind):
+    """Gemma-2 caps its logits after lm_head; BART's causal LM takes its labels unshifted: their heads stay whole
+    (the loss as the model computes it), their MLPs are tiled where they are held as ``mlp``."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gemma2":
+        model = transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                max_position_embeddings=16,
+            )
+        )
+    else:
+        model = transformers.BartForCausalLM(
+            transformers.BartConfig(
+                vocab_size=64,
+                d_model=32,
+                decoder_layers=2,
+                decoder_attention_heads=4,
+                decoder_ffn_dim=64,
+                max_position_embeddings=16,
+                dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+            )
+        )
+    whole = copy.deepcopy(model)
     apply_tiled_compute(model, 5)
     assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
-    assert all("forward" in layer.mlp.__dict__ for layer in model.model.layers)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, whole(input_ids=ids, labels=ids).loss)
 
 
 def test_a_module_without_a_causal_lm_is_told_of_the_helpers():
