@@ -135,9 +135,10 @@ class ActivationOffload:
     ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None:
         """What torch's checkpoint should run and keep for this forward of ``module``: ``(function, args,
         kwargs)`` with the inputs offloaded, or None when nothing is (no input requires grad)."""
-        if not any(t.requires_grad for t in _tensors((args, kwargs))):
+        moving = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if not moving:
             return None
-        device = next(t.device for t in _tensors((args, kwargs)) if t.requires_grad)
+        device = moving[0].device
         last = self._last() if self._last is not None else None
         call = OffloadedCall(module, last)
         host_args, host_kwargs = call.offload(args, kwargs, self)
