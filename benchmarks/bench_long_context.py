@@ -11,10 +11,11 @@ is no allocator statistic). On a CPU the host is the device, so offloaded activa
 would hold them: their host copies are made outside the tracker ([Note: offloaded checkpoint inputs]) and their bytes
 moved are printed beside. The modes: ``checkpointing`` (each decoder layer), ``+offload`` (its inputs on the host),
 ``+tiles`` (checkpointing and ``tiled_compute=True``: the MLPs in tiles of the hidden size's positions, the head and
-the loss in tiles of 2**24 logits), ``all`` (the three). Sequence parallelism (``sequence_parallel_size``) is not
-built yet and has no column. The planner's prediction is ``Planner.candidate`` of the same run (its trace runs the
-same settings under fake tensors), and the last table is the longest of the lengths run that each mode fits in
-``--budget`` per rank, measured and predicted.
+the loss in tiles of 2**24 logits), ``all`` (the three), ``+sp2`` (checkpointing and ``sequence_parallel_size=2``: the
+2 ranks share each sequence, each holding half of it) and ``all+sp2``. Without sequence parallelism each rank trains
+its own sequence; with it both ranks train the same one (the data-parallel degree is 1). The planner's prediction is
+``Planner.candidate`` of the same run (its trace runs the same settings under fake tensors), and the last table is the
+longest of the lengths run that each mode fits in ``--budget`` per rank, measured and predicted.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ MODES = {
     "+offload": {"offload_activations": True},
     "+tiles": {"tiled_compute": True},
     "all": {"offload_activations": True, "tiled_compute": True},
+    "+sp2": {"sequence_parallel_size": 2},
+    "all+sp2": {"offload_activations": True, "tiled_compute": True, "sequence_parallel_size": 2},
 }
 MODEL = dict(
     vocab_size=16384,
@@ -141,6 +144,7 @@ def predict(length: int, mode: str) -> float:
         checkpointing=LlamaDecoderLayer,
         backend="gloo",
         tiled_compute=settings.get("tiled_compute", False),
+        sequence_parallel_size=settings.get("sequence_parallel_size", 1),
     )
     return planner.candidate(
         Configuration(2), True, 1, settings.get("offload_activations", False)

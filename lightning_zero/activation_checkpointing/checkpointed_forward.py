@@ -29,6 +29,7 @@ from lightning_zero.torch_versions.autograd import (
     DEFAULT_DETERMINISM_MODE,
     checkpoint,
     checkpoint_without_reentrant_generator,
+    current_function_modes,
 )
 
 
@@ -47,7 +48,7 @@ class _CheckpointedForward:
     def contexts(self) -> tuple[contextlib.nullcontext[None], _Recomputing]:
         """Called by torch's checkpoint as the forward begins."""
         self.forward = self.buffers.begin()
-        return contextlib.nullcontext(), _Recomputing(self, self.forward)
+        return contextlib.nullcontext(), _Recomputing(self, self.forward, current_function_modes())
 
     def before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.active:
@@ -77,22 +78,31 @@ class _CheckpointedForward:
 
 
 class _Recomputing:
-    """The recomputation's context: the hooks off while the module's forward runs again, as often as asked, and the
-    buffers that forward updated as it found them (see [Note: buffers under recomputation])."""
+    """The recomputation's context: the hooks off while the module's forward runs again, as often as asked, the
+    buffers that forward updated as it found them (see [Note: buffers under recomputation]), and the torch-function
+    modes the forward ran under (sequence parallelism's attention: ``sequence_parallel/attention.py``) entered again,
+    since backward runs without them."""
 
-    def __init__(self, state: _CheckpointedForward, buffers: ForwardBuffers | None) -> None:
+    def __init__(self, state: _CheckpointedForward, buffers: ForwardBuffers | None, modes: list[Any]) -> None:
         self.state = state
         self.buffers = buffers
         self.was_active = True
+        self.modes = modes
+        self.entered = contextlib.ExitStack()
 
     def __enter__(self) -> None:
         self.was_active, self.state.active = self.state.active, False
         if self.buffers is not None:
             self.buffers.__enter__()
+        entered = current_function_modes()
+        for mode in self.modes:
+            if not any(mode is other for other in entered):
+                self.entered.enter_context(mode)
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
+        self.entered.close()
         self.state.active = self.was_active
         if self.buffers is not None:
             self.buffers.__exit__(kind, error, trace)

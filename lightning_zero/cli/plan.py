@@ -20,6 +20,7 @@ at that size; the first line gives its shape and parameter count), and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -97,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("fp32", "bf16"),
         help="the optimizer's state as ZeroStrategy(optimizer_state_dtype=...) holds it (default: the config's, or fp32)",
     )
+    parser.add_argument(
+        "--sequence-parallel-size",
+        type=int,
+        help="ranks that share each sequence, as ZeroStrategy(sequence_parallel_size=...) (default: the config's, or 1)",
+    )
     parser.add_argument("--plot", type=Path, help="write stacked bars by kind (PNG)")
     parser.add_argument(
         "--output", type=Path, help="write the pick: a config group YAML, or (--params) .json (DeepSpeed-style) / .yaml"
@@ -111,6 +117,8 @@ def main(argv: Sequence[str]) -> int:
     from lightning_zero.planning.output import write_generated, write_group_file
     from lightning_zero.planning.plan import activations_label, with_pick
 
+    if args.sequence_parallel_size is not None and args.sequence_parallel_size < 1:
+        parser.error(f"--sequence-parallel-size must be 1 or more, got {args.sequence_parallel_size}")
     try:
         if args.config is not None:
             from lightning_zero.cli.command_line import CommandLine
@@ -121,6 +129,13 @@ def main(argv: Sequence[str]) -> int:
             source = sources.from_config(
                 config, args.devices, name=str(args.config), devices_per_node=args.devices_per_node
             )
+            if args.sequence_parallel_size is not None:
+                source = dataclasses.replace(source, sequence_parallel_size=args.sequence_parallel_size)
+            if source.world_size % source.sequence_parallel_size:
+                raise ValueError(
+                    f"sequence_parallel_size {source.sequence_parallel_size} must divide the {source.world_size} "
+                    "ranks planned (each sequence is shared by that many ranks)."
+                )
         else:
             if not args.devices or not args.batch_size:
                 parser.error("--params needs --devices and --batch-size")
@@ -131,6 +146,7 @@ def main(argv: Sequence[str]) -> int:
                 args.seq_len,
                 args.precision,
                 devices_per_node=args.devices_per_node,
+                sequence_parallel_size=args.sequence_parallel_size or 1,
             )
     except (OSError, ValueError) as err:
         parser.error(str(err))
@@ -150,13 +166,20 @@ def main(argv: Sequence[str]) -> int:
         optimizer_state_dtype=args.optimizer_state_dtype or source.optimizer_state_dtype,
         clipped=source.clipped,
         tiled_compute=source.tiled_compute,
+        sequence_parallel_size=source.sequence_parallel_size,
     )
     nodes = source.world_size // source.devices_per_host
     print(
         f"Plan for {source.description}; {source.world_size} rank(s) ({nodes} node(s) x {source.devices_per_host} "
         f"device(s)), {source.precision}"
         + (", bf16 optimizer states" if planner.optimizer_state_dtype == "bf16" else "")
-        + f", {planner.per_device * source.accumulate} samples per device per optimizer step:"
+        + f", {planner.per_device * source.accumulate} samples per device per optimizer step"
+        + (
+            f" (each shared by {source.sequence_parallel_size} ranks: sequence parallelism)"
+            if source.sequence_parallel_size > 1
+            else ""
+        )
+        + ":"
     )
     print(f"Memory per device: {format_bytes(memory)} ({memory_source}).")
     try:
@@ -166,6 +189,8 @@ def main(argv: Sequence[str]) -> int:
         print(format_rows(rows, memory, args.memory_per_host, _unit(rows)))
         print(f"lightning-zero plan: {err}")
         return 1
+    except ValueError as err:  # a setting the traced step refuses (e.g. heads a sequence-parallel group cannot split)
+        parser.error(str(err))
     candidates, picked = with_pick(plan)
     rows = describe(candidates, source.devices_per_host, picked)
     print(format_rows(rows, memory, args.memory_per_host, _unit(rows)))

@@ -159,6 +159,12 @@ class ZeroConfig:
     hidden size's positions for the MLPs and of 2**24 logits for the loss; an integer: that many positions a tile.
     Other modules call ``lightning_zero.tiled_forward`` and ``tiled_cross_entropy`` themselves."""
 
+    sequence_parallel_size: int = 1
+    """Ranks that share each sample (Ulysses sequence parallelism, DeepSpeed's ``sequence_parallel_size``): each holds
+    ``T / k`` of its positions, attention exchanges heads for positions with two all-to-alls, and ZeRO still shards
+    over every rank, so the data-parallel degree is ``world_size / k`` ([Note: Ulysses sequence parallelism] in
+    ``sequence_parallel/__init__.py``, ``docs/long-context.md``). 1: off."""
+
     wrap_policy: ModulePolicy = None
     """Stage 3 only: the modules that become one all-gather unit. ``None`` picks every element of an
     ``nn.ModuleList`` (the transformer blocks of most models); the root module is always a unit."""
@@ -373,6 +379,7 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`tiled_compute` must be True, False or a positive number of positions per tile, got {tiles!r}."
             )
+        self._check_sequence_parallel()
         if self.offload_activations and not self.activation_checkpointing:
             raise ZeroConfigError(
                 "`offload_activations=True` moves the inputs activation checkpointing keeps to host memory: set "
@@ -561,6 +568,25 @@ class ZeroConfig:
                 raise ZeroConfigError(
                     f"`{setting}={getattr(self, setting)!r}` is not supported with `pipeline_stages="
                     f"{self.pipeline_stages}`: {PIPELINE_HYBRID_REFUSAL}"
+                )
+
+    def _check_sequence_parallel(self) -> None:
+        size = self.sequence_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ZeroConfigError(f"`sequence_parallel_size` must be an integer >= 1 (1: off), got {size!r}.")
+        if size == 1:
+            return
+        refused = {
+            "pipeline_stages": self.pipeline_stages > 1,
+            "shard_size": self.shard_size is not None,
+            "secondary_shard_size": self.secondary_shard_size is not None,
+            "compile": self.compile is not False,
+        }
+        for setting, given in refused.items():
+            if given:
+                raise ZeroConfigError(
+                    f"`sequence_parallel_size={size}` cannot be combined with `{setting}={getattr(self, setting)!r}` "
+                    "yet: sequence parallelism shards ZeRO over every rank of a plain data-parallel world, eagerly."
                 )
 
     def group_sizes(self, world_size: int, node_size: int) -> tuple[int, int | None]:

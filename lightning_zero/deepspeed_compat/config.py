@@ -112,6 +112,7 @@ TOP_KEYS = frozenset(
         "train_micro_batch_size_per_gpu",
         "train_batch_size",
         "activation_checkpointing",
+        "sequence_parallel_size",
         "optimizer",
         "scheduler",
         "communication_data_type",
@@ -452,6 +453,8 @@ def parse_deepspeed_config(config: Mapping[str, Any] | str | Path) -> DeepSpeedS
     strategy.update(deepspeed_compression(compression, zero))  # with ZeRO++'s zero_quantized_* keys
     if "activation_checkpointing" in data:
         strategy["activation_checkpointing"] = dict(data["activation_checkpointing"])
+    if "sequence_parallel_size" in data:
+        strategy["sequence_parallel_size"] = data["sequence_parallel_size"]  # ZeroConfig checks the value
     precision, loss_scale = _precision(data)
     strategy.update(_state_dtype(data.get("bf16") or {}))
     reduce_dtype = data.get("communication_data_type")

@@ -187,7 +187,7 @@ def check_batch_sizes(
     if total not in (None, AUTO) and total != expected:
         raise ZeroConfigError(
             f"DeepSpeed config: `train_batch_size={total}` but batch {batch} x accumulation "
-            f"{trainer.accumulate_grad_batches} x {world_size} ranks = {expected}."
+            f"{trainer.accumulate_grad_batches} x {world_size} data-parallel replicas = {expected}."
         )
 
 

@@ -28,6 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import AttributeDict
 
+from lightning_zero.sequence_parallel import positions
+
 
 @dataclass
 class GPTConfig:
@@ -126,7 +128,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)  # (T,)
+        pos = positions(T, device=idx.device)  # (T,): this rank's part of the sequence under sequence parallelism
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
@@ -151,7 +153,7 @@ class Embeddings(nn.Module):
         self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)  # (T,)
+        pos = positions(idx.shape[1], device=idx.device)  # (T,)
         return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
 
 

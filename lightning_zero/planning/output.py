@@ -22,6 +22,8 @@ def strategy_node(pick: Candidate, checkpointing: Any) -> dict:
             args["offload_activations"] = True
     if pick.tiled_compute is not False:
         args["tiled_compute"] = pick.tiled_compute
+    if pick.sequence_parallel_size > 1:
+        args["sequence_parallel_size"] = pick.sequence_parallel_size
     return {"class_path": "lightning_zero.ZeroStrategy", "init_args": args}
 
 
@@ -55,7 +57,7 @@ def deepspeed_config(pick: Candidate, checkpointing: Any, world_size: int, preci
     if c.offload_params:
         zero["offload_param"] = {"device": "cpu"}
     out: dict = {
-        "train_batch_size": pick.micro_batch * pick.accumulate * world_size,
+        "train_batch_size": pick.micro_batch * pick.accumulate * world_size // pick.sequence_parallel_size,
         "train_micro_batch_size_per_gpu": pick.micro_batch,
         "gradient_accumulation_steps": pick.accumulate,
         "zero_optimization": zero,
@@ -64,6 +66,8 @@ def deepspeed_config(pick: Candidate, checkpointing: Any, world_size: int, preci
         out["bf16"] = {"enabled": True}
     elif precision.startswith("16"):
         out["fp16"] = {"enabled": True}
+    if pick.sequence_parallel_size > 1:
+        out["sequence_parallel_size"] = pick.sequence_parallel_size
     if pick.checkpointing and checkpointing is not None:
         out["activation_checkpointing"] = {"classes": [_class_path(checkpointing)]}
         if pick.offloaded:

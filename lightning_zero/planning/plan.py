@@ -4,7 +4,9 @@ A *candidate* is a configuration (stage, offload share: ``predict.Configuration`
 or on with the checkpointed inputs on the host (``offload_activations``), and a micro-batch size that divides the
 per-device batch (``accumulate_grad_batches`` grows to keep the global batch). Each needs one traced step per
 (micro-batch, checkpointing, offload) triple; traces are cached. ``tiled_compute`` is the user's (it takes the
-logits out of a training step's output), never the planner's: the traces run with it as given.
+logits out of a training step's output), never the planner's: the traces run with it as given. So is
+``sequence_parallel_size``, which sets how many ranks share a sample and so how many samples a step takes: the
+traces are one rank's ``T / k`` of each sequence, its attention over the whole sequence.
 
 Which is fastest is an estimate, stated here so it can be argued with: relative step time is
 
@@ -64,6 +66,8 @@ class Candidate:
     """The checkpointed inputs are kept on the host (``offload_activations``)."""
     tiled_compute: bool | int = False
     """The user's ``tiled_compute``, which the traces ran with."""
+    sequence_parallel_size: int = 1
+    """The user's ``sequence_parallel_size``, which the traces ran with."""
 
     @property
     def configuration(self) -> Configuration:
@@ -113,6 +117,7 @@ class Planner:
         optimizer_state_dtype: str = "fp32",
         clipped: bool = False,
         tiled_compute: bool | int = False,
+        sequence_parallel_size: int = 1,
     ) -> None:
         self.build, self.batch, self.world_size, self.precision = build, batch, world_size, precision
         #: Every configuration holds the optimizer's state so (an inexact choice is the user's, never the plan's).
@@ -126,6 +131,9 @@ class Planner:
         self.checkpointing = checkpointing
         #: ``ZeroStrategy(tiled_compute=...)`` as the run sets it: every trace runs with it.
         self.tiled_compute = tiled_compute
+        #: ``ZeroStrategy(sequence_parallel_size=...)`` as the run sets it: ``batch`` is a data-parallel replica's,
+        #: whole sequences, and every trace is one rank's part of them.
+        self.sequence_parallel_size = sequence_parallel_size
         self.devices_per_host = devices_per_host or world_size
         self.bucket_size_mb = bucket_size_mb
         self.per_device = _batch_size(batch)
@@ -141,6 +149,7 @@ class Planner:
                 activation_checkpointing=self.checkpointing if checkpointing else None,
                 offload_activations=offloaded,
                 tiled_compute=self.tiled_compute,
+                sequence_parallel_size=self.sequence_parallel_size,
             )
         return self._traces[key]
 
@@ -159,7 +168,15 @@ class Planner:
             backend=self.backend,
             clipped=self.clipped,
         )
-        return Candidate(prediction, checkpointing, micro_batch, accumulate, offloaded, self.tiled_compute)
+        return Candidate(
+            prediction,
+            checkpointing,
+            micro_batch,
+            accumulate,
+            offloaded,
+            self.tiled_compute,
+            self.sequence_parallel_size,
+        )
 
     def table(self) -> list[Candidate]:
         """Every configuration with checkpointing off and on (the offloaded inputs' rows join only as a pick)."""

@@ -75,6 +75,8 @@ class Source:
     """The config clips by the global norm (``trainer.gradient_clip_val``, algorithm ``norm``)."""
     tiled_compute: bool | int = False
     """``ZeroStrategy(tiled_compute=...)`` of the planned run (the config's)."""
+    sequence_parallel_size: int = 1
+    """``ZeroStrategy(sequence_parallel_size=...)`` of the planned run (the config's, or ``plan``'s flag)."""
 
 
 def from_config(
@@ -112,6 +114,7 @@ def from_config(
         optimizer_state_dtype=str(init_args.get("optimizer_state_dtype") or "fp32"),
         clipped=bool(trainer.get("gradient_clip_val")) and trainer.get("gradient_clip_algorithm") in (None, "norm"),
         tiled_compute=init_args.get("tiled_compute", False),
+        sequence_parallel_size=int(init_args.get("sequence_parallel_size") or 1),
     )
 
 
@@ -142,11 +145,12 @@ def gpt_parameters(layers: int, width: int, seq_len: int, vocab: int = VOCAB) ->
     return layers * per_block + (2 * vocab + seq_len + 2) * width
 
 
-def gpt_shape(params: float, seq_len: int = 2048, vocab: int = VOCAB) -> GPTShape:
+def gpt_shape(params: float, seq_len: int = 2048, vocab: int = VOCAB, heads_multiple: int = 1) -> GPTShape:
     """A GPT of ``params`` parameters (within :data:`SHAPE_TOLERANCE`), so that a plan is for the size asked: as
     deep as GPT-3's rows are at that size (log-linear between them), give or take a quarter, the width solved for
     the rest, a multiple of 64 (heads of 64) below 2048 and of 128 (heads of 128) from there, as most of GPT-3's
-    shapes are. A size out of :data:`MIN_PARAMS` .. :data:`MAX_PARAMS` is refused rather than planned as another."""
+    shapes are, with a number of heads that is a multiple of ``heads_multiple`` (a sequence-parallel group splits
+    them). A size out of :data:`MIN_PARAMS` .. :data:`MAX_PARAMS` is refused rather than planned as another."""
     from lightning_zero.demo.gpt import GPTConfig, count_parameters
 
     if not (math.isfinite(params) and MIN_PARAMS <= params <= MAX_PARAMS):
@@ -160,7 +164,8 @@ def gpt_shape(params: float, seq_len: int = 2048, vocab: int = VOCAB) -> GPTShap
         quadratic, linear = 12 * layers, 13 * layers + 2 * vocab + seq_len + 2
         exact_width = (math.sqrt(linear * linear + 4 * quadratic * params) - linear) / (2 * quadratic)
         head_width = 128 if exact_width >= 2048 else 64
-        for heads in {max(1, math.floor(exact_width / head_width)), math.ceil(exact_width / head_width)}:
+        groups = exact_width / head_width / heads_multiple
+        for heads in {max(1, math.floor(groups)) * heads_multiple, max(1, math.ceil(groups)) * heads_multiple}:
             count = gpt_parameters(layers, heads * head_width, seq_len, vocab)
             candidates.append((abs(count / params - 1), layers, heads * head_width, heads))
     close = [c for c in candidates if c[0] <= SHAPE_TOLERANCE]
@@ -192,19 +197,34 @@ def from_size(
     seq_len: int = 2048,
     precision: str = "bf16-mixed",
     devices_per_node: int | None = None,
+    sequence_parallel_size: int = 1,
 ) -> Source:
     """A GPT of ``params`` parameters (:func:`gpt_shape`), ``batch_size`` sequences per step over ``devices`` ranks
-    in all (on nodes of ``devices_per_node``, by default ``formulas.split_devices``'s)."""
+    in all (on nodes of ``devices_per_node``, by default ``formulas.split_devices``'s), each sequence shared by
+    ``sequence_parallel_size`` of them."""
     from lightning_zero.demo.gpt import Block, GPTLightningModule
 
-    if batch_size % devices:
+    if devices % sequence_parallel_size:
         raise ValueError(
-            f"--batch-size {batch_size} must be a multiple of --devices {devices} (a global batch split "
-            "evenly over the devices)."
+            f"--sequence-parallel-size {sequence_parallel_size} must divide --devices {devices} (each sequence is "
+            "shared by that many ranks)."
+        )
+    replicas = devices // sequence_parallel_size
+    if batch_size % replicas:
+        over = (
+            f"--devices {devices}"
+            if sequence_parallel_size == 1
+            else (
+                f"the {replicas} data-parallel replicas (--devices {devices} / --sequence-parallel-size "
+                f"{sequence_parallel_size})"
+            )
+        )
+        raise ValueError(
+            f"--batch-size {batch_size} must be a multiple of {over} (a global batch split evenly over them)."
         )
     per_node, _ = split_devices(devices, devices_per_node)
-    shape = gpt_shape(params, seq_len)
-    per_device = batch_size // devices
+    shape = gpt_shape(params, seq_len, heads_multiple=sequence_parallel_size)
+    per_device = batch_size // replicas
     tokens = torch.zeros(per_device, seq_len, dtype=torch.long)
     return Source(
         build=lambda: GPTLightningModule(
@@ -220,6 +240,7 @@ def from_size(
         devices_per_host=per_node,
         precision=precision,
         checkpointing=Block,
+        sequence_parallel_size=sequence_parallel_size,
         description=f"a GPT of {shape.params:,} parameters for --params {params:.4g} ({shape.layers} layers x "
         f"{shape.width} wide, {shape.heads} heads, vocabulary {VOCAB}, sequence {seq_len})",
     )

@@ -14,10 +14,15 @@ them at each use), stage 3 gathers them in the compute dtype.
 The module is built under ``FakeCopyMode`` as well: a constructor that deep-copies a tensor (torchmetrics copies
 every state's default, ``nn.TransformerEncoder`` its layer) would otherwise copy the whole fake mode with it, whose
 storage weak references then each get released twice, and the heap is corrupted a few traces later.
+
+With ``sequence_parallel_size=k`` the step is rank 0's of a group of ``k``: the batch is cut as the strategy cuts it
+(before it is faked: the cut reads values), a Hugging Face causal LM is wired as the strategy wires it, and attention
+runs through a group-less exchange that keeps the real one's shapes and allocations (``sequence_parallel/exchange.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable
@@ -35,6 +40,10 @@ from lightning_zero.activation_checkpointing import (
 from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_parameters
 from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
 from lightning_zero.planning.measure import _TotalsOnly
+from lightning_zero.sequence_parallel import SequenceParallel
+from lightning_zero.sequence_parallel.attention import AttentionInterception
+from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring
+from lightning_zero.sequence_parallel.parallel import activate
 from lightning_zero.tiled_compute import apply_tiled_compute
 from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, tree_map_only
 
@@ -66,6 +75,8 @@ class StepTrace:
     """The checkpointed inputs were offloaded (``offload_activations``): the traced device bytes leave them out."""
     tiled: bool = False
     """The step ran with ``tiled_compute`` (its tiles' intermediates, not the whole ones, are in the timeline)."""
+    sequence_parallel_size: int = 1
+    """The step held ``1 / sequence_parallel_size`` of each sequence (``batch_size`` counts whole sequences)."""
     frozen_sharded: int = 0
     """Frozen parameter elements stage 3 shards (a fine-tuned model's base under low-rank adapters): held without
     gradient or optimizer state."""
@@ -126,15 +137,20 @@ def trace_step(
     activation_checkpointing: Any = None,
     offload_activations: bool = False,
     tiled_compute: bool | int = False,
+    sequence_parallel_size: int = 1,
 ) -> StepTrace:
     """Trace ``training_step`` + backward of ``build()`` on ``batch`` (real tensors, only their shapes and dtypes are
-    used); ``activation_checkpointing``, ``offload_activations`` and ``tiled_compute`` as ``ZeroStrategy`` takes them.
+    used); ``activation_checkpointing``, ``offload_activations``, ``tiled_compute`` and ``sequence_parallel_size`` as
+    ``ZeroStrategy`` takes them.
     Offloaded inputs go to the host outside the tracker, as on a run without an accelerator ([Note: offloaded
     checkpoint inputs]): the timeline is what stays on the device."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision={precision!r} cannot be planned; choose one of {sorted(COMPUTE_DTYPES)}.")
     compute = COMPUTE_DTYPES[precision]
     policy = resolve_policy(activation_checkpointing, offload_activations)
+    sequence = SequenceParallel(sequence_parallel_size, 0, sequence_parallel_size, None)
+    if sequence_parallel_size > 1:
+        batch = sequence.split(batch)
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         warnings.simplefilter("ignore")
         with FakeCopyMode(fake):
@@ -155,15 +171,25 @@ def trace_step(
         frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)  # as built: stage 3's cast below is its own
         fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
         module.train()
-        timeline = _traced_step(module, fake_batch, compute)
-        stage3_timeline = None
-        if policy_of_run is not None:
-            before = [p.dtype for p in frozen]
-            cast_parameters(module, [p for p in frozen if sharded_by_fsdp2(p)], policy_of_run)
-            if [p.dtype for p in frozen] != before:
-                for p in trainable:
-                    p.grad = None
-                stage3_timeline = _traced_step(module, fake_batch, compute)
+        wiring = None
+        if sequence_parallel_size > 1:
+            sequence.shard = sequence.shard.mapped(fake.from_tensor) if sequence.shard is not None else None
+            wiring = SequenceParallelWiring(module, sequence_parallel_size)
+            activate(sequence)
+        try:
+            timeline = _traced_step(module, fake_batch, compute, sequence)
+            stage3_timeline = None
+            if policy_of_run is not None:
+                before = [p.dtype for p in frozen]
+                cast_parameters(module, [p for p in frozen if sharded_by_fsdp2(p)], policy_of_run)
+                if [p.dtype for p in frozen] != before:
+                    for p in trainable:
+                        p.grad = None
+                    stage3_timeline = _traced_step(module, fake_batch, compute, sequence)
+        finally:
+            if wiring is not None:
+                wiring.undo()
+                activate(None)
         units = _unit_elements(module)
         state = _state_elements(module)
     return StepTrace(
@@ -177,6 +203,7 @@ def trace_step(
         checkpointing=policy is not None,
         offloaded=policy is not None and policy.offload,
         tiled=tiled_compute is not False,
+        sequence_parallel_size=sequence_parallel_size,
         frozen_sharded=sum(p.numel() for p in frozen if sharded_by_fsdp2(p)),
         frozen_bytes=frozen_bytes,
         whole_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if not sharded_by_fsdp2(p)),
@@ -184,15 +211,21 @@ def trace_step(
     )
 
 
-def _traced_step(module: L.LightningModule, batch: Any, compute: torch.dtype | None) -> tuple[tuple[int, int], ...]:
+def _traced_step(
+    module: L.LightningModule, batch: Any, compute: torch.dtype | None, sequence: SequenceParallel
+) -> tuple[tuple[int, int], ...]:
     """The timeline of one ``training_step`` and backward of ``module`` as it holds its parameters now."""
     tracker = _Timeline(list(module.parameters()))
     tracker.track_external(module)
+    across = AttentionInterception(sequence) if sequence.size > 1 else contextlib.nullcontext()
     try:
         with tracker:
-            with torch.autocast(
-                "cpu", dtype=compute or torch.bfloat16, enabled=compute is not None, cache_enabled=False
-            ):  # as the precision plugin runs forward
+            with (
+                torch.autocast(
+                    "cpu", dtype=compute or torch.bfloat16, enabled=compute is not None, cache_enabled=False
+                ),
+                across,
+            ):  # as the precision plugin and the strategy run forward
                 loss = _loss(module.training_step(batch, 0))
             loss.backward()
     finally:

@@ -83,7 +83,9 @@ def _check_deepspeed_settings(strategy, function: Callable, args: tuple, kwargs:
     except (TypeError, ValueError):
         return
     if trainer.state.fn == TrainerFn.FITTING and isinstance(loader, DataLoader):
-        check_batch_sizes(settings, trainer, loader, world_size=strategy.num_nodes * strategy.num_processes)
+        ranks = strategy.num_nodes * strategy.num_processes
+        replicas = ranks // strategy.zero_config.sequence_parallel_size  # a sequence-parallel group shares each sample
+        check_batch_sizes(settings, trainer, loader, world_size=replicas)
 
 
 class ZeroScriptLauncher(_SubprocessScriptLauncher):

@@ -65,6 +65,10 @@ from lightning_zero.pipeline.split import pipeline_layout
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
 from lightning_zero.resume import ResumeState
 from lightning_zero.resume.rng import collect_rng_state
+from lightning_zero.sequence_parallel import SequenceParallel
+from lightning_zero.sequence_parallel.attention import AttentionInterception
+from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring
+from lightning_zero.sequence_parallel.parallel import activate
 from lightning_zero.strategy import processes
 from lightning_zero.strategy.averaging_checkpoints import average_to_load, keep_averages_in_checkpoints
 from lightning_zero.strategy.callback_support import may_change_gradients, refuse_unsupported_callbacks
@@ -110,6 +114,7 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing: Any = None,
         offload_activations: bool = False,
         tiled_compute: bool = False,
+        sequence_parallel_size: int = 1,
         wrap_policy: ModulePolicy = None,
         pipeline_stages: int = 1,
         microbatches: int | None = None,
@@ -165,6 +170,9 @@ class ZeroStrategy(ParallelStrategy):
         #: The last fit's sharding and module, while the trainer's optimizers are that fit's (``_states``).
         self._fitted: tuple[ShardedModel, torch.nn.Module] | None = None
         self._resume = ResumeState()  # auto-resume, exact mid-epoch resume, the SIGTERM checkpoint (resume/)
+        #: With ``sequence_parallel_size > 1`` (from ``setup``): this rank's group, the batch's cut, the wired models.
+        self._sequence: SequenceParallel | None = None
+        self._sequence_wiring: SequenceParallelWiring | None = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -243,6 +251,11 @@ class ZeroStrategy(ParallelStrategy):
         return self._sharded.engine
 
     @property
+    def sequence_parallel(self) -> SequenceParallel | None:
+        """This rank's sequence-parallel group (exists after ``setup`` when ``sequence_parallel_size > 1``)."""
+        return self._sequence
+
+    @property
     def pipeline(self) -> PipelineParallel | None:
         """This rank's pipeline stages (exists after ``setup`` when ``pipeline_stages > 1``)."""
         return self._sharded.pipeline
@@ -252,6 +265,8 @@ class ZeroStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         if self.pipeline is not None:
             return self.pipeline.sampler_kwargs(self.global_rank)
+        if (size := self.zero_config.sequence_parallel_size) > 1:  # a group's ranks read the same samples
+            return {"num_replicas": self.num_nodes * self.num_processes // size, "rank": self.global_rank // size}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -279,6 +294,11 @@ class ZeroStrategy(ParallelStrategy):
             pipeline_layout(config, self.num_nodes * self.num_processes)
         world_size = processes.cluster_world_size(environment, self.num_nodes, self.num_processes)
         config.group_sizes(world_size, self.num_processes)  # shard_size / hpZ fit the cluster
+        if world_size % config.sequence_parallel_size:
+            raise ZeroConfigError(
+                f"`sequence_parallel_size={config.sequence_parallel_size}` must divide the number of processes "
+                f"({world_size}): each sample is shared by that many ranks."
+            )
         if config.start_method == "popen":
             # Under torchrun/SLURM too (it then starts nothing): it resolves `ckpt_path` (auto-resume, "last").
             self._launcher = ZeroScriptLauncher(self, environment, self.num_processes, self.num_nodes)
@@ -341,6 +361,10 @@ class ZeroStrategy(ParallelStrategy):
         self._processes.failed = False
         RUNNING.add(self)
         precision = self.precision_plugin
+        if (size := self.zero_config.sequence_parallel_size) > 1:
+            self._sequence = SequenceParallel.across(size, self.global_rank, self.world_size, self.root_device.type)
+            self._sequence_wiring = SequenceParallelWiring(model, size)
+            activate(self._sequence)
         if fitting and self._layer_sync:
             model = self._layer_sync.apply(model)
         self.model = model = precision.convert_module(model)
@@ -402,6 +426,10 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         RUNNING.discard(self)
+        if self._sequence_wiring is not None:
+            self._sequence_wiring.undo()
+        self._sequence = self._sequence_wiring = None
+        activate(None)
         error = self._processes.finish()  # the exit agreement comes first (processes.py)
         self._checkpoints.close(agree=not self._processes.failed)
         trainer = trainer_of(self.lightning_module)
@@ -543,7 +571,8 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         if (trainer := trainer_of(self.lightning_module)) is not None:
-            check_batch_sizes(self._deepspeed, trainer)
+            replicas = trainer.world_size // self.zero_config.sequence_parallel_size  # a group shares each sample
+            check_batch_sizes(self._deepspeed, trainer, world_size=replicas)
         self._activate_fault_handling()
         self._resume.on_train_start(trainer)  # a resumed fit's RNG state, right before its first batch
 
@@ -582,13 +611,51 @@ class ZeroStrategy(ParallelStrategy):
             self._processes.faults.activate(trainer, self._sharded.shards_module_in_place)
 
     # ------------------------------------------------------------------ steps
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Under sequence parallelism each rank keeps its part of the sequence (``sequence_parallel/batch.py``)."""
+        if self._sequence is None:
+            return super().batch_to_device(batch, device, dataloader_idx)
+        self._sequence.check_same_batch(batch)  # before the move: a checksum read on the host
+        return self._sequence.split(super().batch_to_device(batch, device, dataloader_idx))
+
+    def _across_the_sequence(self) -> contextlib.AbstractContextManager:
+        """The step's forward runs attention over the group's whole sequence (a checkpointed block's recomputation
+        enters it again in backward: ``activation_checkpointing/checkpointed_forward.py``)."""
+        return AttentionInterception(self._sequence) if self._sequence is not None else contextlib.nullcontext()
+
     def _call_module(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Stage 3's root is the LightningModule itself: route the step through its ``__call__`` so FSDP2's
         root hooks (unshard, lazy init, reshard) run around it."""
         module = require(self.lightning_module, "lightning_module")
-        if self._sharded.shards_module_in_place:
-            return self._forward_redirection(module, module, method, *args, **kwargs)
-        return getattr(module, method)(*args, **kwargs)
+        with self._across_the_sequence():
+            if self._sharded.shards_module_in_place:
+                out = self._forward_redirection(module, module, method, *args, **kwargs)
+            else:
+                out = getattr(module, method)(*args, **kwargs)
+        if self._sequence is not None and method in ("training_step", "validation_step") and out is not None:
+            self._check_sequence_step(method, self._sequence)
+        return out
+
+    @staticmethod
+    def _check_sequence_step(method: str, sequence: SequenceParallel) -> None:
+        """A step that ran under sequence parallelism attended across the group and used global positions; the same
+        code runs on every rank, so every rank stops together."""
+        if not sequence.exchanges:
+            raise ZeroConfigError(
+                f"`sequence_parallel_size={sequence.size}`: no attention in the module's {method} went through "
+                "F.scaled_dot_product_attention or a Hugging Face model's attention interface, so it attended over "
+                "this rank's part of the sequence only. Compute attention with F.scaled_dot_product_attention on "
+                "(batch, heads, positions, head_dim) tensors."
+            )
+        if not sequence.positions_given:
+            raise ZeroConfigError(
+                f"`sequence_parallel_size={sequence.size}`: the module's {method} never asked for its positions, so "
+                f"every rank would use positions 0..{require(sequence.shard, 'shard').local_length - 1} for its part "
+                "of the sequence. Build them with `lightning_zero.sequence_parallel.positions(T_local, device)` "
+                "where the module calls `torch.arange(T)`. (Hugging Face causal LMs are handed theirs when called "
+                "as `model(...)`; a wrapper that calls `model.forward(...)`, as PEFT's LoraModel does, skips that.)"
+            )
 
     def _evaluation_step(self, split: str, method: str, context, args: tuple, kwargs: dict) -> Any:
         self._processes.faults.mark(split, args, kwargs)  # step marks: see engine/comm/flight.py

@@ -3,17 +3,23 @@ callback at the end of the running backward."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from types import FrameType
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch.distributed._composable import checkpoint
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils.checkpoint import _DEFAULT_DETERMINISM_MODE, _checkpoint_without_reentrant_generator
 
 __all__ = [
     "DEFAULT_DETERMINISM_MODE",
     "checkpoint",
     "checkpoint_without_reentrant_generator",
+    "current_function_modes",
     "current_graph_task_id",
+    "inside_reentrant_checkpoint",
     "queue_callback",
 ]
 
@@ -29,3 +35,24 @@ current_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_tas
 def queue_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward ends (as DDP and FSDP do); RuntimeError outside a backward."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def inside_reentrant_checkpoint() -> bool:
+    """The caller runs inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward (its
+    ``CheckpointFunction.forward`` is on the stack): that checkpoint recomputes in backward, outside any torch-function
+    mode, and nothing of it but this frame tells it from an ordinary ``no_grad`` block."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == torch_checkpoint.__file__ and getattr(code, "co_qualname", "").startswith(
+            "CheckpointFunction."
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def current_function_modes() -> list[TorchFunctionMode]:
+    """The torch-function modes entered now, outermost first: a checkpoint's recomputation runs in backward, where
+    the modes its forward ran under are not entered, so it enters them again."""
+    return [mode for mode in _get_current_function_mode_stack() if isinstance(mode, TorchFunctionMode)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -30,9 +32,17 @@ class IndexedData(Dataset):
         return x, y
 
 
-def global_microbatches(dataset: Dataset, world: int, batch: int, count: int) -> list[list[tuple]]:
+def _stacked_pairs(samples: list) -> tuple:
+    xs, ys = zip(*samples)
+    return torch.stack(xs), torch.stack(ys)
+
+
+def global_microbatches(
+    dataset: Dataset, world: int, batch: int, count: int, collate: Callable[[list], Any] = _stacked_pairs
+) -> list[list]:
     """The first ``count`` micro-batches of every rank as Lightning deals them: through a shuffling
-    DistributedSampler seeded with the global seed, reshuffled each epoch."""
+    DistributedSampler seeded with the global seed, reshuffled each epoch; each made by ``collate`` (by default an
+    ``(x, y)`` pair of stacked tensors)."""
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
     out, epoch = [], 0
     while len(out) < count:
@@ -44,8 +54,7 @@ def global_microbatches(dataset: Dataset, world: int, batch: int, count: int) ->
         for j in range(len(per_rank[0]) // batch):
             ranks = []
             for r in range(world):
-                xs, ys = zip(*(dataset[i] for i in per_rank[r][j * batch : (j + 1) * batch]))
-                ranks.append((torch.stack(xs), torch.stack(ys)))
+                ranks.append(collate([dataset[i] for i in per_rank[r][j * batch : (j + 1) * batch]]))
             out.append(ranks)
         epoch += 1
     return out[:count]

@@ -137,7 +137,12 @@ def test_a_setting_given_twice_with_different_values_is_an_error(strategy_kwargs
             4,
             "`train_micro_batch_size_per_gpu=8` but the training DataLoader",
         ),
-        ({"train_batch_size": 8}, {}, 2, "`train_batch_size=8` but batch 2 x accumulation 1 x 2 ranks = 4"),
+        (
+            {"train_batch_size": 8},
+            {},
+            2,
+            "`train_batch_size=8` but batch 2 x accumulation 1 x 2 data-parallel replicas = 4",
+        ),
     ],
 )
 def test_a_config_contradicting_the_trainer_or_its_dataloader_is_refused_before_any_process_starts(

@@ -305,6 +305,21 @@ def test_plan_for_a_size_writes_a_config_the_strategy_reads_back(tmp_path, suffi
         assert yaml.safe_load(out.read_text())["trainer"]["strategy"]["class_path"] == "lightning_zero.ZeroStrategy"
 
 
+def test_a_sequence_parallel_plan_traces_a_ranks_part_and_writes_the_size(tmp_path, capsys):
+    """``--sequence-parallel-size 2`` on 8 ranks: 4 replicas of 2 ranks, so each replica's micro-batch holds 2 of the 8
+    sequences; the GPT planned has heads a group of 2 can split; the DeepSpeed JSON carries the size and the global
+    batch, and reads back."""
+    out = tmp_path / "sp.json"
+    argv = ["--params", "125e6", "--devices", "8", "--batch-size", "8", "--seq-len", "512", "--memory-per-device"]
+    assert plan_main([*argv, "80GiB", "--sequence-parallel-size", "2", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    heads = int(re.search(r"(\d+) heads", printed).group(1))
+    assert heads % 2 == 0 and "2 samples per device per optimizer step (each shared by 2 ranks" in printed
+    config = json.loads(out.read_text())
+    assert config["sequence_parallel_size"] == 2 and config["train_batch_size"] == 8
+    assert ZeroStrategy(config=str(out)).zero_config.sequence_parallel_size == 2
+
+
 def test_the_default_memory_is_the_local_accelerators(monkeypatch):
     from types import SimpleNamespace
 
@@ -325,6 +340,12 @@ def test_plan_refuses_bad_requests(capsys):
     with pytest.raises(SystemExit):
         plan_main(["--params", "1e9", "--devices", "3", "--batch-size", "8"])
     assert "multiple of --devices" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(["--params", "1e9", "--devices", "4", "--batch-size", "8", "--sequence-parallel-size", "3"])
+    assert "--sequence-parallel-size 3 must divide --devices 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan_main(["--params", "1e9", "--devices", "4", "--batch-size", "8", "--sequence-parallel-size", "0"])
+    assert "--sequence-parallel-size must be 1 or more, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         plan_main(["--params", "1e9", "--devices", "12", "--batch-size", "24"])
     assert "--devices 12 is not a whole number of 8-device nodes: give --devices-per-node" in capsys.readouterr().err
