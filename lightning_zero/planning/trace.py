@@ -18,6 +18,14 @@ storage weak references then each get released twice, and the heap is corrupted 
 With ``sequence_parallel_size=k`` the step is rank 0's of a group of ``k``: the batch is cut as the strategy cuts it
 (before it is faked: the cut reads values), a Hugging Face causal LM is wired as the strategy wires it, and attention
 runs through a group-less exchange that keeps the real one's shapes and allocations (``sequence_parallel/exchange.py``).
+
+[Note: the causal mask under fake tensors]
+A Hugging Face model with sdpa attention builds no mask in a run whose batch has no padding and no packed positions:
+sdpa's ``is_causal`` does the masking. Under fake tensors ``transformers`` cannot read the values that tell it so and
+builds the ``[B, 1, T, T]`` boolean mask, which put the planner over by a margin growing with ``T^2`` (+64% at 8192
+positions with tiles, where the logits no longer hide it). So where the real batch has neither (read before it is
+faked), the trace gives each such model's config ``"lightning_zero_traced_sdpa"``: the library's sdpa attention with a
+mask function that builds nothing, as the run's skip. A sliding window, padding or packing keep the library's own.
 """
 
 from __future__ import annotations
@@ -41,12 +49,15 @@ from lightning_zero.engine.mixed_precision import PrecisionPolicy, cast_paramete
 from lightning_zero.engine.stage3.fsdp2_units import sharded_by_fsdp2
 from lightning_zero.planning.measure import _TotalsOnly
 from lightning_zero.sequence_parallel import SequenceParallel
-from lightning_zero.sequence_parallel.attention import AttentionInterception
-from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring
+from lightning_zero.sequence_parallel.attention import AttentionInterception, hf_no_mask
+from lightning_zero.sequence_parallel.batch import masked_rows
+from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring, attention_implementations, sliding_window
 from lightning_zero.sequence_parallel.parallel import activate
 from lightning_zero.tiled_compute import apply_tiled_compute
 from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, tree_map_only
 
+#: See [Note: the causal mask under fake tensors].
+TRACED_SDPA = "lightning_zero_traced_sdpa"
 #: The compute dtype of each Lightning precision the planner knows.
 COMPUTE_DTYPES = {"32-true": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -148,6 +159,7 @@ def trace_step(
         raise ValueError(f"precision={precision!r} cannot be planned; choose one of {sorted(COMPUTE_DTYPES)}.")
     compute = COMPUTE_DTYPES[precision]
     policy = resolve_policy(activation_checkpointing, offload_activations)
+    run_skips_mask = masked_rows(batch) is None
     sequence = SequenceParallel(sequence_parallel_size, 0, sequence_parallel_size, None)
     if sequence_parallel_size > 1:
         batch = sequence.split(batch)
@@ -176,6 +188,7 @@ def trace_step(
             sequence.shard = sequence.shard.mapped(fake.from_tensor) if sequence.shard is not None else None
             wiring = SequenceParallelWiring(module, sequence_parallel_size)
             activate(sequence)
+        masks_restored = _without_the_skipped_mask(module) if run_skips_mask else _nothing
         try:
             timeline = _traced_step(module, fake_batch, compute, sequence)
             stage3_timeline = None
@@ -187,6 +200,7 @@ def trace_step(
                         p.grad = None
                     stage3_timeline = _traced_step(module, fake_batch, compute, sequence)
         finally:
+            masks_restored()
             if wiring is not None:
                 wiring.undo()
                 activate(None)
@@ -209,6 +223,40 @@ def trace_step(
         whole_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if not sharded_by_fsdp2(p)),
         stage3_timeline=stage3_timeline,
     )
+
+
+def _nothing() -> None:
+    return None
+
+
+def _without_the_skipped_mask(module: nn.Module) -> Callable[[], None]:
+    """Each Hugging Face model with sdpa attention (and no sliding window) traced as :data:`TRACED_SDPA`; returns what
+    restores them (see [Note: the causal mask under fake tensors])."""
+    configs: dict[int, Any] = {}
+    for sub in module.modules():
+        config: Any = getattr(sub, "config", None)
+        if not type(config).__module__.startswith("transformers.") or id(config) in configs:
+            continue
+        if getattr(sub, "_supports_attention_backend", False) and config._attn_implementation == "sdpa":
+            if not sliding_window(config):
+                configs[id(config)] = config
+    if not configs:
+        return _nothing
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(TRACED_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(TRACED_SDPA, hf_no_mask)
+    before = {key: attention_implementations(config) for key, config in configs.items()}
+    for config in configs.values():
+        config._attn_implementation = TRACED_SDPA
+
+    def restore() -> None:
+        for key, config in configs.items():
+            config._attn_implementation = before[key]
+
+    return restore
 
 
 def _traced_step(

@@ -111,25 +111,39 @@ def batch_checksum(ids: torch.Tensor) -> int:
     return hash((tuple(ids.shape), int((flat * weights).sum()), int(flat.sum())))
 
 
+def masked_rows(batch: Any) -> str | None:
+    """What makes a dict batch's attention more than causal over each whole row: ``"padding"`` (an
+    ``attention_mask`` with zeros), ``"packed"`` (``position_ids`` that do not count ``0 .. T-1`` in every row), or
+    None. Read from the values: a batch, not a trace's fake copy."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
+        return "padding"
+    positions = batch.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() >= 1:
+        length = positions.shape[-1]
+        if not bool((positions.reshape(-1, length) == torch.arange(length, device=positions.device)).all()):
+            return "packed"
+    return None
+
+
 def _check_whole_rows(batch: Mapping, size: int, length: int) -> None:
     """Attention under sequence parallelism is causal over each whole row with no mask: padding, and samples packed
     into one row (``position_ids`` that restart), would attend to each other, so both are refused."""
-    mask = batch.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):
+    masked = masked_rows(batch)
+    if masked == "padding":
         raise ZeroConfigError(
             f"`sequence_parallel_size={size}`: the batch's `attention_mask` has zeros (padding). Attention under "
             "sequence parallelism is causal over the whole row with no mask, so padded positions would be attended "
             "to: give every row a whole sample cut to the batch's length (a multiple of the group size), and no mask."
         )
-    positions = batch.get("position_ids")
-    if isinstance(positions, torch.Tensor):
-        expected = torch.arange(length, device=positions.device)
-        if not bool((positions.reshape(-1, length) == expected).all()):
-            raise ZeroConfigError(
-                f"`sequence_parallel_size={size}`: the batch's `position_ids` do not count 0..{length - 1} in every "
-                "row (samples packed into one row, or an offset). Attention under sequence parallelism is causal over "
-                "the whole row with no mask, so packed samples would attend to each other: give one sample per row."
-            )
+    if masked == "packed":
+        raise ZeroConfigError(
+            f"`sequence_parallel_size={size}`: the batch's `position_ids` do not count 0..{length - 1} in every "
+            "row (samples packed into one row, or an offset). Attention under sequence parallelism is causal over "
+            "the whole row with no mask, so packed samples would attend to each other: give one sample per row."
+        )
 
 
 def split_batch(batch: Any, size: int, rank: int) -> tuple[Any, SequenceShard]:

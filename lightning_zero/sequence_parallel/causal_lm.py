@@ -45,11 +45,16 @@ def is_hf_causal_lm(module: nn.Module) -> bool:
     return getattr(getattr(module, "loss_function", None), "__name__", None) == "ForCausalLMLoss"
 
 
+def sliding_window(config: Any) -> bool:
+    """The model's attention is windowed in some layer (Mistral's, Gemma's, Qwen's when ``use_sliding_window``)."""
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return bool(sliding) or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+
+
 def _refusal(model: Any) -> str | None:
     config = model.config
     name = type(model).__name__
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    if sliding or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if sliding_window(config):
         return f"{name} uses sliding-window attention, which the sequence-parallel attention does not apply"
     if not getattr(model, "_supports_attention_backend", False):
         return (
@@ -154,7 +159,7 @@ class _WiredModel:
         self.model.config._attn_implementation = self.attention  # a dict: each sub-config's own, as it was
 
 
-def _attention_implementations(config: Any) -> dict[str, Any]:
+def attention_implementations(config: Any) -> dict[str, Any]:
     """The config's attention implementation and each sub-config's, in the form its setter takes back."""
     out = {"": config._attn_implementation}
     for key in getattr(config, "sub_configs", {}) or {}:
@@ -175,7 +180,7 @@ class SequenceParallelWiring:
         if found:
             register_with_transformers()
         for model in found:
-            wired = _WiredModel(model, _attention_implementations(model.config), [])
+            wired = _WiredModel(model, attention_implementations(model.config), [])
             model.config._attn_implementation = HF_ATTENTION
             wired.handles = [
                 model.register_forward_pre_hook(wired.before, with_kwargs=True),

@@ -122,6 +122,32 @@ def test_the_trace_turns_a_hugging_face_cache_off_under_checkpointing_as_trainin
     assert peaks[0] == peaks[1], peaks
 
 
+def test_the_trace_skips_the_causal_mask_where_the_run_skips_it():
+    """A Hugging Face Llama with sdpa attention builds no mask in a run without padding; under fake tensors
+    ``transformers`` builds the ``[B, 1, T, T]`` one all the same, so the trace gives it a mask function that builds
+    none ([Note: the causal mask under fake tensors]). With padding the run builds the mask, and so does the trace. The
+    model's attention implementation is its own again afterwards."""
+    from tests.distributed.worker_long_context import CausalLM
+
+    class DictBatches(CausalLM):
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch).loss
+
+    ids = torch.randint(0, 64, (2, 512))
+    padding = torch.ones_like(ids)
+    padding[0, -8:] = 0
+    built = []
+
+    def build():
+        built.append(DictBatches("llama", max_position_embeddings=512))
+        return built[-1]
+
+    skipped = trace_step(build, {"input_ids": ids, "labels": ids}).activation_peak
+    masked = trace_step(build, {"input_ids": ids, "labels": ids, "attention_mask": padding}).activation_peak
+    assert masked - skipped >= ids.shape[0] * 512 * 512, (skipped, masked)  # at least the boolean mask
+    assert {m.model.config._attn_implementation for m in built} == {"sdpa"}
+
+
 def test_bf16_optimizer_states_halve_the_state_the_plan_counts():
     """On the device the step also widens a tile of it to fp32 (here the whole shard: the model is one tile)."""
     trace = trace_step(lambda: GPTLightningModule(**TINY), _batch())
