@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from lightning_zero.activation_checkpointing import (
+    activation_offload,
     apply_activation_checkpointing,
     caches_off_for_training,
     resolve_policy,
@@ -88,6 +89,8 @@ class StepTrace:
     """The step ran with ``tiled_compute`` (its tiles' intermediates, not the whole ones, are in the timeline)."""
     sequence_parallel_size: int = 1
     """The step held ``1 / sequence_parallel_size`` of each sequence (``batch_size`` counts whole sequences)."""
+    offloaded_host_bytes: int = 0
+    """The most bytes of checkpointed inputs the step held in host memory at once (``offload_activations``)."""
     frozen_sharded: int = 0
     """Frozen parameter elements stage 3 shards (a fine-tuned model's base under low-rank adapters): held without
     gradient or optimizer state."""
@@ -204,6 +207,7 @@ def trace_step(
             if wiring is not None:
                 wiring.undo()
                 activate(None)
+        offload = activation_offload(module)
         units = _unit_elements(module)
         state = _state_elements(module)
     return StepTrace(
@@ -218,6 +222,7 @@ def trace_step(
         offloaded=policy is not None and policy.offload,
         tiled=tiled_compute is not False,
         sequence_parallel_size=sequence_parallel_size,
+        offloaded_host_bytes=offload.statistics.peak_host_bytes if offload is not None else 0,
         frozen_sharded=sum(p.numel() for p in frozen if sharded_by_fsdp2(p)),
         frozen_bytes=frozen_bytes,
         whole_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if not sharded_by_fsdp2(p)),

@@ -69,8 +69,9 @@ def test_stages_order_as_the_formulas_say_and_checkpointing_trims_activations():
 
 def test_offloaded_inputs_leave_the_device_and_the_planner_picks_them_when_they_alone_fit():
     """A GPT whose checkpointed block inputs dominate (6 layers of (4, 512, 32)): offloaded, the traced peak drops by
-    the inputs of all but the two blocks backward holds (the one recomputing, the one fetched ahead); with a budget
-    between the two predictions the planner picks offload, written into the strategy's arguments."""
+    the inputs of all but the two blocks backward holds (the one recomputing, the one fetched ahead), and the host
+    holds all 6 at the end of forward, which the prediction's host bytes count; with a budget between the two
+    predictions the planner picks offload, written into the strategy's arguments."""
     from lightning_zero.planning.output import strategy_node
 
     def build():
@@ -81,6 +82,9 @@ def test_offloaded_inputs_leave_the_device_and_the_planner_picks_them_when_they_
     block_input = x.numel() * 32 * 4
     kept, offloaded = (planner.trace(4, True, off).activation_peak for off in (False, True))
     assert kept - offloaded >= (6 - 2) * block_input, (kept, offloaded)
+    assert planner.trace(4, True, True).offloaded_host_bytes == 6 * block_input
+    host = [planner.candidate(Configuration(2), True, 4, off).prediction.host_bytes for off in (False, True)]
+    assert host == [0, 6 * block_input]
     predicted = [planner.candidate(Configuration(2), True, 4, off).prediction.device_bytes for off in (False, True)]
     pick = planner.plan(sum(predicted) / 2).pick
     assert pick.checkpointing and pick.offloaded, pick
