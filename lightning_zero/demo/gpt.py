@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch.utilities import AttributeDict
 
-from lightning_zero.sequence_parallel import positions
+from lightning_zero.sequence_parallel import positions, sequence_length
 
 
 @dataclass
@@ -126,8 +126,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids ``(B, T)`` to next-token logits ``(B, T, vocab_size)``."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if (length := sequence_length(T)) > self.config.block_size:  # the whole sequence's, under sequence parallelism
+            raise ValueError(f"sequence length {length} exceeds block_size {self.config.block_size}")
         pos = positions(T, device=idx.device)  # (T,): this rank's part of the sequence under sequence parallelism
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
         for block in self.blocks:

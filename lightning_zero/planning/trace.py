@@ -52,7 +52,7 @@ from lightning_zero.planning.measure import _TotalsOnly
 from lightning_zero.sequence_parallel import SequenceParallel
 from lightning_zero.sequence_parallel.attention import AttentionInterception, hf_no_mask
 from lightning_zero.sequence_parallel.batch import masked_rows
-from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring, attention_implementations, sliding_window
+from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring, other_than_causal_attention
 from lightning_zero.sequence_parallel.parallel import activate
 from lightning_zero.tiled_compute import apply_tiled_compute
 from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, tree_map_only
@@ -191,8 +191,10 @@ def trace_step(
             sequence.shard = sequence.shard.mapped(fake.from_tensor) if sequence.shard is not None else None
             wiring = SequenceParallelWiring(module, sequence_parallel_size)
             activate(sequence)
-        masks_restored = _without_the_skipped_mask(module) if run_skips_mask else _nothing
+        masks_restored = _nothing
         try:
+            if run_skips_mask:
+                masks_restored = _without_the_skipped_mask(module)
             timeline = _traced_step(module, fake_batch, compute, sequence)
             stage3_timeline = None
             if policy_of_run is not None:
@@ -235,16 +237,17 @@ def _nothing() -> None:
 
 
 def _without_the_skipped_mask(module: nn.Module) -> Callable[[], None]:
-    """Each Hugging Face model with sdpa attention (and no sliding window) traced as :data:`TRACED_SDPA`; returns what
-    restores them (see [Note: the causal mask under fake tensors])."""
+    """Each Hugging Face model with sdpa attention, causal over whole rows in every layer, traced as
+    :data:`TRACED_SDPA`; returns what restores them (see [Note: the causal mask under fake tensors]). A composite
+    config (sub-configs: a vision-language model's) keeps its own: its masks may hold more than causality."""
     configs: dict[int, Any] = {}
     for sub in module.modules():
         config: Any = getattr(sub, "config", None)
         if not type(config).__module__.startswith("transformers.") or id(config) in configs:
             continue
-        if getattr(sub, "_supports_attention_backend", False) and config._attn_implementation == "sdpa":
-            if not sliding_window(config):
-                configs[id(config)] = config
+        plain = not getattr(config, "sub_configs", None) and other_than_causal_attention(config) is None
+        if plain and getattr(sub, "_supports_attention_backend", False) and config._attn_implementation == "sdpa":
+            configs[id(config)] = config
     if not configs:
         return _nothing
     from transformers import AttentionInterface
@@ -253,13 +256,12 @@ def _without_the_skipped_mask(module: nn.Module) -> Callable[[], None]:
 
     AttentionInterface.register(TRACED_SDPA, sdpa_attention_forward)
     AttentionMaskInterface.register(TRACED_SDPA, hf_no_mask)
-    before = {key: attention_implementations(config) for key, config in configs.items()}
     for config in configs.values():
         config._attn_implementation = TRACED_SDPA
 
     def restore() -> None:
-        for key, config in configs.items():
-            config._attn_implementation = before[key]
+        for config in configs.values():
+            config._attn_implementation = "sdpa"
 
     return restore
 

@@ -13,9 +13,12 @@ the sample's loss, and ZeRO's average over all ``world_size`` ranks makes that t
 rank's loss is the same fraction of its group's (the mean over equally many positions, as the demo GPT's loss; or
 :func:`group_mean`, or the group-summed loss a Hugging Face causal LM returns here, ``causal_lm.py``).
 
-Positions: a Hugging Face causal LM is handed its global ``position_ids``; any other module asks :func:`positions`,
-and one that never does is stopped after its first training step with an error naming the helper, rather than
-training on positions ``0 .. T/k - 1`` on every rank.
+Positions: a Hugging Face causal LM is handed its global ``position_ids``; any other module asks :func:`positions`
+(and :func:`sequence_length` for the whole length), and one that never does is stopped after its first training
+step with an error naming the helper, rather than training on positions ``0 .. T/k - 1`` on every rank.
+
+Sequence parallelism is *active* (:func:`active`) only while the strategy runs a step's forward or its backward; the
+wired models and the helpers are plain outside, so a callback may run a model on one rank.
 """
 
 from lightning_zero.sequence_parallel.parallel import (
@@ -24,6 +27,7 @@ from lightning_zero.sequence_parallel.parallel import (
     group_mean,
     local_slice,
     positions,
+    sequence_length,
 )
 
-__all__ = ["SequenceParallel", "active", "group_mean", "local_slice", "positions"]
+__all__ = ["SequenceParallel", "active", "group_mean", "local_slice", "positions", "sequence_length"]

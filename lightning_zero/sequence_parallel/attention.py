@@ -32,6 +32,8 @@ from lightning_zero.torch_versions.autograd import inside_reentrant_checkpoint
 
 #: The name under which Hugging Face models find the sequence-parallel attention and its (absent) mask.
 HF_ATTENTION = "lightning_zero_ulysses"
+#: ``id(config)`` -> the attention implementation a wired model's config had, which it runs outside the steps.
+_ORIGINAL: dict[int, str] = {}
 #: Inside :func:`ulysses_attention`'s own attention call, which :class:`AttentionInterception` must let through (a
 #: Hugging Face model's attention reaches it through the interface while the interception is entered too).
 _ATTENDING: list[bool] = [False]
@@ -145,22 +147,53 @@ def hf_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Hugging Face's attention-interface signature; returns ``(B, T / k, H, D)`` as its implementations do. The
-    local mask is dropped: :func:`hf_no_mask` made none unless the model was handed a 4-D one."""
+    """Hugging Face's attention-interface signature; returns ``(B, T / k, H, D)`` as its implementations do. Inside a
+    step :func:`hf_no_mask` made no mask, so one given was handed to the model whole (4-D) and is refused; outside
+    the steps the model's own implementation runs, with the mask its own mask function made."""
     sequence = parallel.active()
     if sequence is None:
-        raise RuntimeError(
-            f"the model's attention implementation is {HF_ATTENTION!r}, which only runs inside a ZeroStrategy fit "
-            "with `sequence_parallel_size > 1`; set `model.config._attn_implementation` back to 'sdpa' to run it here."
+        own = _own_attention(module)
+        return own(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if attention_mask is not None:
+        raise ZeroConfigError(
+            f"`sequence_parallel_size={sequence.size}`: the model was handed an attention mask, which holds only this "
+            "rank's positions; under sequence parallelism attention is causal over the whole sequence with no mask."
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = ulysses_attention(query, key, value, sequence=sequence, dropout_p=dropout, is_causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
-def hf_no_mask(*args: Any, **kwargs: Any) -> None:
-    """The mask function of :data:`HF_ATTENTION`: attention is causal over the gathered sequence, no mask needed."""
-    return None
+def hf_no_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
+    """The mask function of :data:`HF_ATTENTION`: inside a step attention is causal over the gathered sequence, no
+    mask needed; outside the steps, the mask the model's own implementation would make. (The planner's trace uses it
+    for models it did not wire: always none.)"""
+    if parallel.active() is not None or id(config) not in _ORIGINAL:
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    own = _ORIGINAL[id(config)]
+    function = ALL_MASK_ATTENTION_FUNCTIONS[own] if own in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
+    return function(*args, config=config, **kwargs)
+
+
+def _own_attention(module: torch.nn.Module) -> Any:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    own = _ORIGINAL.get(id(getattr(module, "config", None)), "sdpa")
+    interface = AttentionInterface()
+    return interface[own] if own in interface else sdpa_attention_forward  # "eager" is each model's own function
+
+
+def remember_implementation(config: Any) -> None:
+    _ORIGINAL[id(config)] = config._attn_implementation
+
+
+def forget_implementation(config: Any) -> None:
+    _ORIGINAL.pop(id(config), None)
 
 
 def register_with_transformers() -> None:

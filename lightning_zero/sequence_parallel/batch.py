@@ -114,8 +114,17 @@ def batch_checksum(ids: torch.Tensor) -> int:
 def masked_rows(batch: Any) -> str | None:
     """What makes a dict batch's attention more than causal over each whole row: ``"padding"`` (an
     ``attention_mask`` with zeros), ``"packed"`` (``position_ids`` that do not count ``0 .. T-1`` in every row), or
-    None. Read from the values: a batch, not a trace's fake copy."""
+    None. Read from the values: a batch, not a trace's fake copy. In a tuple or list, a tensor shaped like the first
+    whose values are 0 and 1 with a 0 among them is taken for a padding mask (the planner then keeps the mask a run
+    would build; a tuple batch is never refused for it)."""
     if not isinstance(batch, Mapping):
+        ids = sequence_tensor(batch)
+        if ids is None or isinstance(batch, torch.Tensor):
+            return None
+        for value in list(batch)[1:]:
+            if isinstance(value, torch.Tensor) and value.shape == ids.shape and not value.is_floating_point():
+                if bool(((value == 0) | (value == 1)).all()) and not bool(value.bool().all()):
+                    return "padding"
         return None
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()):

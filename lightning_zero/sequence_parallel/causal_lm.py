@@ -15,8 +15,10 @@ instance, and unwired after ``fit``:
   every token of the batch. A mixture of experts' load-balancing term (``aux_loss``) is the mean of the ranks' terms,
   each over its own positions: close to, not equal to, the whole sequence's.
 
-Sliding-window attention and soft-capped attention logits are refused: the sequence-parallel attention is causal
-over the whole sequence through ``F.scaled_dot_product_attention``, which has neither.
+Sliding-window, chunked and soft-capped attention, and layers that mix positions otherwise (convolutions, state-space
+layers), are refused: the sequence-parallel attention is causal over the whole sequence through
+``F.scaled_dot_product_attention``, and everything else sees only a rank's own positions. Outside the strategy's steps
+(a callback generating text on one rank) the hooks do nothing and the attention is the model's own, mask included.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.sequence_parallel import parallel
-from lightning_zero.sequence_parallel.attention import HF_ATTENTION, register_with_transformers
+from lightning_zero.sequence_parallel.attention import (
+    HF_ATTENTION,
+    forget_implementation,
+    register_with_transformers,
+    remember_implementation,
+)
 from lightning_zero.sequence_parallel.exchange import group_sum
 
 
@@ -45,17 +52,26 @@ def is_hf_causal_lm(module: nn.Module) -> bool:
     return getattr(getattr(module, "loss_function", None), "__name__", None) == "ForCausalLMLoss"
 
 
-def sliding_window(config: Any) -> bool:
-    """The model's attention is windowed in some layer (Mistral's, Gemma's, Qwen's when ``use_sliding_window``)."""
-    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
-    return bool(sliding) or "sliding_attention" in (getattr(config, "layer_types", None) or ())
+def other_than_causal_attention(config: Any) -> str | None:
+    """What in the model mixes positions other than causal attention over the whole sequence, which is all the
+    sequence-parallel attention (and the planner's mask skip) can stand for: a sliding window (Mistral's, Gemma's,
+    Qwen's when ``use_sliding_window``), chunked attention (Llama 4's), or layers that are not attention at all
+    (convolutions, state-space or linear-attention layers: LFM2's, Granite's hybrids). None: there is nothing else."""
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return "chunked attention"
+    other = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"})
+    if "sliding_attention" in other:
+        return "sliding-window attention"
+    return f"layers of kind {other[0]!r}" if other else None
 
 
 def _refusal(model: Any) -> str | None:
     config = model.config
     name = type(model).__name__
-    if sliding_window(config):
-        return f"{name} uses sliding-window attention, which the sequence-parallel attention does not apply"
+    if (other := other_than_causal_attention(config)) is not None:
+        return f"{name} uses {other}, which the sequence-parallel attention does not apply across the group"
     if not getattr(model, "_supports_attention_backend", False):
         return (
             f"{name}'s attention does not go through transformers' attention interface (the class is not "
@@ -156,6 +172,7 @@ class _WiredModel:
     def undo(self) -> None:
         for handle in self.handles:
             handle.remove()
+        forget_implementation(self.model.config)
         self.model.config._attn_implementation = self.attention  # a dict: each sub-config's own, as it was
 
 
@@ -181,6 +198,7 @@ class SequenceParallelWiring:
             register_with_transformers()
         for model in found:
             wired = _WiredModel(model, attention_implementations(model.config), [])
+            remember_implementation(model.config)
             model.config._attn_implementation = HF_ATTENTION
             wired.handles = [
                 model.register_forward_pre_hook(wired.before, with_kwargs=True),

@@ -31,8 +31,16 @@ class SequenceParallel:
     """This rank's sequence-parallel group and the current batch's cut. ``group`` None: the planner's trace of rank 0
     of a group of ``size`` (``exchange.py`` keeps the shapes, not the numbers)."""
 
-    def __init__(self, size: int, rank: int, world_size: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        size: int,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device | None = None,
+    ) -> None:
         self.group = group
+        self.device = device or torch.device("cpu")  # where the group's collectives take their tensors
         self.size = size
         self.rank = rank % size  # within the group
         self.data_parallel_size = world_size // size
@@ -45,15 +53,15 @@ class SequenceParallel:
         self.exchanges = 0
 
     @classmethod
-    def across(cls, size: int, rank: int, world_size: int, device_type: str) -> SequenceParallel:
+    def across(cls, size: int, rank: int, world_size: int, device: torch.device) -> SequenceParallel:
         """The groups of ``size`` consecutive ranks (collective: every rank builds them at the same point)."""
         if world_size % size:
             raise ZeroConfigError(
                 f"`sequence_parallel_size={size}` must divide the number of processes ({world_size}): each "
                 f"sample is shared by {size} ranks."
             )
-        mesh = device_mesh(device_type, (world_size // size, size), ("data", "sequence"))
-        return cls(size, rank, world_size, mesh.get_group("sequence"))
+        mesh = device_mesh(device.type, (world_size // size, size), ("data", "sequence"))
+        return cls(size, rank, world_size, mesh.get_group("sequence"), device)
 
     def split(self, batch: Any) -> Any:
         """This rank's part of ``batch`` (``batch.py``); the cut is kept for the step."""
@@ -63,22 +71,25 @@ class SequenceParallel:
         return batch
 
     def check_same_batch(self, batch: Any) -> None:
-        """Every group's ranks were given the same batch (collective over all ranks, so all fail together): a
-        sampler made without ``trainer.distributed_sampler_kwargs``, or data randomised per rank, would have attention
-        mix the keys of different samples. Compares a checksum of the sequence tensor, read before it is moved."""
-        ids = sequence_tensor(batch)
-        mine = batch_checksum(ids) if ids is not None else -1
+        """The group's ranks were given the same batch: a sampler made without ``trainer.distributed_sampler_kwargs``,
+        or data randomised per rank, would have attention mix the keys of different samples. A checksum of the
+        sequence tensor (read before it is moved) is gathered over the group, whose ranks always see equally many
+        batches (groups may not: Lightning's predict sampler deals the replicas unequally)."""
         if self.group is None:
             return
-        sums = collectives.all_gather_objects((self.data_parallel_rank, mine))
-        for rank, (group, checksum) in enumerate(sums):
-            first = self.size * group
-            if checksum != sums[first][1]:
+        ids = sequence_tensor(batch)
+        mine = torch.tensor([batch_checksum(ids) if ids is not None else -1], dtype=torch.int64, device=self.device)
+        sums = torch.empty(self.size, dtype=torch.int64, device=self.device)
+        collectives.all_gather(sums, mine, group=self.group)
+        gathered = sums.tolist()
+        for index, checksum in enumerate(gathered):
+            if checksum != gathered[0]:
+                first = self.data_parallel_rank * self.size
                 raise ZeroConfigError(
-                    f"`sequence_parallel_size={self.size}`: ranks {first} and {rank} share each sample but were given "
-                    "different batches. Let Lightning make the sampler (or build your own DistributedSampler with "
-                    "`**trainer.distributed_sampler_kwargs`, which counts the data-parallel replicas), and seed any "
-                    "randomness in the data the same on the ranks of a group."
+                    f"`sequence_parallel_size={self.size}`: ranks {first} and {first + index} share each sample but "
+                    "were given different batches. Let Lightning make the sampler (or build your own "
+                    "DistributedSampler with `**trainer.distributed_sampler_kwargs`, which counts the data-parallel "
+                    "replicas), and seed any randomness in the data the same on the ranks of a group."
                 )
 
     def positions(self, local_length: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -116,6 +127,13 @@ def active() -> SequenceParallel | None:
 
 def activate(sequence: SequenceParallel | None) -> None:
     _ACTIVE[0] = sequence
+
+
+def sequence_length(local_length: int) -> int:
+    """The whole sequence's length for the ``local_length`` positions a module was given: ``k`` times it inside a
+    sequence-parallel step, itself otherwise (a module checks its position table against it)."""
+    sequence = active()
+    return local_length if sequence is None else local_length * sequence.size
 
 
 def positions(local_length: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -362,9 +362,8 @@ class ZeroStrategy(ParallelStrategy):
         RUNNING.add(self)
         precision = self.precision_plugin
         if (size := self.zero_config.sequence_parallel_size) > 1:
-            self._sequence = SequenceParallel.across(size, self.global_rank, self.world_size, self.root_device.type)
+            self._sequence = SequenceParallel.across(size, self.global_rank, self.world_size, self.root_device)
             self._sequence_wiring = SequenceParallelWiring(model, size)
-            activate(self._sequence)
         if fitting and self._layer_sync:
             model = self._layer_sync.apply(model)
         self.model = model = precision.convert_module(model)
@@ -619,10 +618,21 @@ class ZeroStrategy(ParallelStrategy):
         self._sequence.check_same_batch(batch)  # before the move: a checksum read on the host
         return self._sequence.split(super().batch_to_device(batch, device, dataloader_idx))
 
-    def _across_the_sequence(self) -> contextlib.AbstractContextManager:
-        """The step's forward runs attention over the group's whole sequence (a checkpointed block's recomputation
-        enters it again in backward: ``activation_checkpointing/checkpointed_forward.py``)."""
-        return AttentionInterception(self._sequence) if self._sequence is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _across_the_sequence(self, forward: bool = True) -> Generator[None, None, None]:
+        """Sequence parallelism active (a wired Hugging Face model's hooks and attention, the helpers) for a step's
+        forward or backward, and in forward the interception that runs ``F.scaled_dot_product_attention`` over the
+        group's whole sequence (a checkpointed block's recomputation enters it again in backward:
+        ``activation_checkpointing/checkpointed_forward.py``). Outside the steps the models are plain."""
+        if self._sequence is None:
+            yield
+            return
+        activate(self._sequence)
+        try:
+            with AttentionInterception(self._sequence) if forward else contextlib.nullcontext():
+                yield
+        finally:
+            activate(None)
 
     def _call_module(self, method: str, args: tuple, kwargs: dict) -> Any:
         """Stage 3's root is the LightningModule itself: route the step through its ``__call__`` so FSDP2's
@@ -633,8 +643,10 @@ class ZeroStrategy(ParallelStrategy):
                 out = self._forward_redirection(module, module, method, *args, **kwargs)
             else:
                 out = getattr(module, method)(*args, **kwargs)
-        if self._sequence is not None and method in ("training_step", "validation_step") and out is not None:
-            self._check_sequence_step(method, self._sequence)
+        sequence = self._sequence
+        if sequence is not None and method in ("training_step", "validation_step"):
+            if out is not None or sequence.exchanges:  # a step that returned nothing and attended nowhere skipped
+                self._check_sequence_step(method, sequence)
         return out
 
     @staticmethod
@@ -724,7 +736,8 @@ class ZeroStrategy(ParallelStrategy):
             follows = self._step_follows_backward(module) if self.engine is not None and optimizer is not None else None
             if self.engine is not None and optimizer is not None and follows is not None:
                 self.engine.step_during_backward(unwrap(optimizer), clipped=follows == "clipped")
-            self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+            with self._across_the_sequence(forward=False):  # recomputations of a Hugging Face model's attention
+                self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         if self.engine is not None:
             self.engine.post_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)

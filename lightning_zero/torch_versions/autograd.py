@@ -41,12 +41,10 @@ def inside_reentrant_checkpoint() -> bool:
     """The caller runs inside ``torch.utils.checkpoint(..., use_reentrant=True)``'s forward (its
     ``CheckpointFunction.forward`` is on the stack): that checkpoint recomputes in backward, outside any torch-function
     mode, and nothing of it but this frame tells it from an ordinary ``no_grad`` block."""
+    forward = torch_checkpoint.CheckpointFunction.forward.__code__
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        code = frame.f_code
-        if code.co_filename == torch_checkpoint.__file__ and getattr(code, "co_qualname", "").startswith(
-            "CheckpointFunction."
-        ):
+        if frame.f_code is forward:
             return True
         frame = frame.f_back
     return False

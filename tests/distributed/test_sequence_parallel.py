@@ -111,6 +111,21 @@ def test_what_sequence_parallelism_cannot_run_is_refused_by_name(two_ranks, case
         assert word in message, message
 
 
+def test_outside_the_steps_a_wired_model_runs_on_one_rank_as_itself(two_ranks):
+    """A callback on rank 0 alone runs the Hugging Face model on a whole sequence after a step: the model is plain
+    outside the strategy's steps, so it returns every position's logits and nothing waits for the other rank."""
+    assert two_ranks["two_ranks"]["rank_zero_forward_stage2"]["shape"] == [1, 12, 64]
+
+
+@pytest.mark.many_ranks
+def test_predict_with_unequal_batches_per_group_ends(four_ranks):
+    """Lightning's predict sampler deals 9 samples to 2 replicas as 5 and 4: each group compares its batches within
+    itself, so the group with one more batch does not wait for the other; each rank predicts its half of the
+    positions."""
+    result = four_ranks["predicted_stage2"]
+    assert result["batches"] == 5 and result["positions"] == [[1, 16]]
+
+
 def test_validation_under_sequence_parallelism_logs_the_whole_sequences_loss(two_ranks):
     """``trainer.validate`` after the fit, the batches cut the same way: the logged ``val_loss`` is single-process
     PyTorch's mean loss over the whole sequences with the same weights."""

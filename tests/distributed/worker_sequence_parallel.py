@@ -200,6 +200,36 @@ def validated(stage: int) -> dict:
     return {"val_loss": metrics[0]["val_loss"], "expected_val_loss": expected}
 
 
+class ForwardOnRankZero(L.Callback):
+    """After the first step, rank 0 alone runs the model on a whole sequence (as a callback that samples text does):
+    outside the steps the wired model is plain, so nothing waits for the other rank."""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 0 and trainer.global_rank == 0:
+            with torch.no_grad():
+                ids = torch.arange(hf_models.LENGTH)[None] % hf_models.VOCAB
+                self.shape = list(module.model(input_ids=ids).logits.shape)
+
+
+def rank_zero_forward(stage: int) -> dict:
+    L.seed_everything(5)
+    probe = ForwardOnRankZero()
+    strategy = ZeroStrategy(stage=stage, sequence_parallel_size=SIZE)
+    trainer(strategy, max_steps=2, limit_val_batches=0, callbacks=[probe]).fit(
+        CausalLM(), torch.utils.data.DataLoader(hf_samples(), batch_size=2)
+    )
+    return {"shape": getattr(probe, "shape", None)}
+
+
+def predicted(stage: int) -> dict:
+    """``trainer.predict`` over 9 samples: Lightning's predict sampler deals the 2 replicas 5 and 4, so the groups
+    see different numbers of batches (each group's ranks the same)."""
+    L.seed_everything(3)
+    strategy = ZeroStrategy(stage=stage, sequence_parallel_size=SIZE)
+    out = trainer(strategy).predict(gpt_module(), torch.utils.data.DataLoader(gpt_samples()[:9], batch_size=1))
+    return {"batches": len(out), "positions": [list(p.shape) for p in out][:1]}
+
+
 def everything(stage: int) -> dict:
     """Llama with its decoder layers checkpointed, their inputs offloaded and tiled compute, under sequence
     parallelism."""
@@ -296,12 +326,14 @@ CASES = {
         "gpt2_stage2": llama(2, "gpt2"),
         # Hugging Face's own gradient checkpointing (reentrant): its attention reaches the group through the interface
         "llama_own_checkpointing_stage2": llama(2, reentrant=True),
+        "rank_zero_forward_stage2": rank_zero_forward(2),
     },
     "four_ranks": lambda: {
         **{f"gpt_stage{s}": gpt(s) for s in (1, 2, 3)},
         **{f"llama_stage{s}": llama(s) for s in (1, 3)},
         # a group of 4 over 2 key/value heads: each is replicated for the 2 ranks whose query heads read it
         "llama_replicated_kv_stage2": llama(2, sequence_parallel_size=4),
+        "predicted_stage2": predicted(2),
         # DeepSpeed's batch sizes count the data-parallel replicas: 2 a micro-batch x 2 accumulated x 2 replicas
         "gpt_deepspeed_config": gpt(
             None,

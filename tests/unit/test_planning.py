@@ -135,7 +135,10 @@ def test_the_trace_skips_the_causal_mask_where_the_run_skips_it():
 
     class DictBatches(CausalLM):
         def training_step(self, batch, batch_idx):
-            return self.model(**batch).loss
+            if isinstance(batch, dict):
+                return self.model(**batch).loss
+            mask = batch[2] if len(batch) > 2 else None
+            return self.model(input_ids=batch[0], labels=batch[1], attention_mask=mask).loss
 
     ids = torch.randint(0, 64, (2, 512))
     padding = torch.ones_like(ids)
@@ -149,6 +152,9 @@ def test_the_trace_skips_the_causal_mask_where_the_run_skips_it():
     skipped = trace_step(build, {"input_ids": ids, "labels": ids}).activation_peak
     masked = trace_step(build, {"input_ids": ids, "labels": ids, "attention_mask": padding}).activation_peak
     assert masked - skipped >= ids.shape[0] * 512 * 512, (skipped, masked)  # at least the boolean mask
+    # a padding mask in a tuple batch (as the step hands it to the model) keeps the mask too
+    masked_tuple = trace_step(build, (ids, ids, padding)).activation_peak
+    assert masked_tuple - trace_step(build, (ids, ids)).activation_peak >= ids.shape[0] * 512 * 512
     assert {m.model.config._attn_implementation for m in built} == {"sdpa"}
 
 

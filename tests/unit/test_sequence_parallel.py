@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning_zero import ZeroConfigError, ZeroStrategy
 from lightning_zero.demo.gpt import Block, GPTLightningModule
 from lightning_zero.planning import trace_step
-from lightning_zero.sequence_parallel import SequenceParallel, group_mean, local_slice, positions
+from lightning_zero.sequence_parallel import SequenceParallel, group_mean, local_slice, positions, sequence_length
 from lightning_zero.sequence_parallel.attention import HF_ATTENTION, AttentionInterception
 from lightning_zero.sequence_parallel.batch import split_batch
 from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring
@@ -119,7 +119,7 @@ def test_the_sampler_counts_data_parallel_replicas():
 def test_outside_sequence_parallelism_the_helpers_change_nothing():
     """A module may call them always: a plain run gets ``arange`` positions, its own tensors and a plain mean."""
     activate(None)
-    assert torch.equal(positions(5), torch.arange(5))
+    assert torch.equal(positions(5), torch.arange(5)) and sequence_length(5) == 5
     x = torch.randn(2, 6)
     assert local_slice(x) is x
     assert group_mean(torch.tensor(6.0), 3).item() == 2.0
@@ -132,7 +132,7 @@ def test_a_helper_asked_outside_a_cut_batch_or_with_the_wrong_length_says_so():
         with pytest.raises(ZeroConfigError, match="before the strategy cut a batch"):
             positions(4)
         sequence.split((torch.zeros(1, 8, dtype=torch.long),))
-        assert torch.equal(positions(4), torch.arange(4)) and sequence.positions_given
+        assert torch.equal(positions(4), torch.arange(4)) and sequence.positions_given and sequence_length(4) == 8
         with pytest.raises(ZeroConfigError, match=r"positions\(8\): this rank holds 4 of the batch's 8"):
             positions(8)
         with pytest.raises(ZeroConfigError, match="6 positions along dim 1, not the batch's 8"):
@@ -155,12 +155,22 @@ def test_attention_given_a_mask_or_heads_a_group_cannot_split_is_refused():
 
 
 def test_a_hugging_face_causal_lm_is_wired_on_the_instance_and_given_back():
+    """Wired, the model is still itself outside the strategy's steps (a callback may run it on one rank): its own
+    attention and mask, the same logits, padding honoured."""
     model = hf_models.model_class("llama")(hf_models.tiny_config("llama"))
+    ids = torch.randint(0, hf_models.VOCAB, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
     before = model.config._attn_implementation
+    with torch.no_grad():
+        plain = [model(input_ids=ids).logits, model(input_ids=ids, attention_mask=mask).logits]
     wiring = SequenceParallelWiring(torch.nn.ModuleDict({"lm": model}), 2)
     assert [w.model for w in wiring.models] == [model]  # not its inner LlamaModel, which shares the config
     assert model.config._attn_implementation == HF_ATTENTION
     assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, plain[0])
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, plain[1])
     wiring.undo()
     assert model.config._attn_implementation == before
     assert not model._forward_pre_hooks and not model._forward_hooks
@@ -169,6 +179,19 @@ def test_a_hugging_face_causal_lm_is_wired_on_the_instance_and_given_back():
     bloom = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=16, n_layer=1, n_head=2))
     with pytest.raises(ZeroConfigError, match="BloomForCausalLM's attention does not go through transformers'"):
         SequenceParallelWiring(bloom, 2)
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    convolutions = Lfm2Config(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        layer_types=["conv", "full_attention"],
+    )
+    with pytest.raises(ZeroConfigError, match="Lfm2ForCausalLM uses layers of kind 'conv'"):
+        SequenceParallelWiring(Lfm2ForCausalLM(convolutions), 2)
     sliding = hf_models.tiny_config("mixtral")
     sliding.sliding_window = 4
     with pytest.raises(ZeroConfigError, match="MixtralForCausalLM uses sliding-window attention"):
