@@ -221,7 +221,7 @@ def predict(
     by_kind = {kind: int(breakdown.get(kind, 0)) for kind in KINDS}
     if clipped and c.offload_optimizer >= 1 and not c.offload_params and c.stage != 0 and not c.selective:
         host += (4 * p + state) / n  # the speculated parts' copies of their masters and state
-    host += trace.offloaded_host_bytes  # checkpointed inputs offloaded (``offload_activations``): a micro-batch's
+    host += trace.offloaded_host_bytes  # the most checkpointed inputs one micro-batch holds on the host at once
     return Prediction(c, trace, int(max(during, at_step)), int(host), by_kind)
 
 
