@@ -43,7 +43,6 @@ class SequenceParallel:
         self.device = device or torch.device("cpu")  # where the group's collectives take their tensors
         self.size = size
         self.rank = rank % size  # within the group
-        self.data_parallel_size = world_size // size
         self.data_parallel_rank = rank // size
         self.shard: SequenceShard | None = None
         #: The current batch's positions were asked for (:func:`positions`) or handed to a Hugging Face model.
@@ -51,6 +50,8 @@ class SequenceParallel:
         #: Attention calls exchanged across the group since the batch was cut (none: the module's attention is not
         #: one sequence parallelism reaches, and it attended over this rank's positions only).
         self.exchanges = 0
+        #: Batches of the running loop still to compare over the group (:meth:`check_same_batch`).
+        self.checks_left = 0
 
     @classmethod
     def across(cls, size: int, rank: int, world_size: int, device: torch.device) -> SequenceParallel:
@@ -70,13 +71,19 @@ class SequenceParallel:
         self.exchanges = 0
         return batch
 
+    def check_from_here(self, batches: int = 2) -> None:
+        """Compare the next ``batches`` batches (called as each loop starts, on every rank alike)."""
+        self.checks_left = batches
+
     def check_same_batch(self, batch: Any) -> None:
         """The group's ranks were given the same batch: a sampler made without ``trainer.distributed_sampler_kwargs``,
         or data randomised per rank, would have attention mix the keys of different samples. A checksum of the
         sequence tensor (read before it is moved) is gathered over the group, whose ranks always see equally many
-        batches (groups may not: Lightning's predict sampler deals the replicas unequally)."""
-        if self.group is None:
+        batches (groups may not: Lightning's predict sampler deals the replicas unequally). Only the first batches of
+        each loop: reading the result waits for the device, which every step would pay for; both causes show there."""
+        if self.group is None or self.checks_left <= 0:
             return
+        self.checks_left -= 1
         ids = sequence_tensor(batch)
         mine = torch.tensor([batch_checksum(ids) if ids is not None else -1], dtype=torch.int64, device=self.device)
         sums = torch.empty(self.size, dtype=torch.int64, device=self.device)

@@ -573,6 +573,8 @@ class ZeroStrategy(ParallelStrategy):
             replicas = trainer.world_size // self.zero_config.sequence_parallel_size  # a group shares each sample
             check_batch_sizes(self._deepspeed, trainer, world_size=replicas)
         self._activate_fault_handling()
+        if self._sequence is not None:
+            self._sequence.check_from_here()  # the first batches' samples compared over each group
         self._resume.on_train_start(trainer)  # a resumed fit's RNG state, right before its first batch
 
     @override
@@ -602,6 +604,8 @@ class ZeroStrategy(ParallelStrategy):
         self._activate_fault_handling()
         self._reshard()  # validation inside an accumulation window sees the sharded module
         self._sharded.sync_buffers()  # before evaluation, never per step: ranks may get different batch counts
+        if self._sequence is not None:
+            self._sequence.check_from_here()
 
     on_test_start = on_predict_start = on_validation_start
 

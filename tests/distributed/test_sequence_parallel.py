@@ -41,6 +41,7 @@ def _exact(result):
         "llama_shift_labels_stage2",
         "gpt2_stage2",
         "llama_own_checkpointing_stage2",
+        "gpt_group_mean_stage2",
     ],
 )
 def test_one_group_trains_as_single_process_on_whole_sequences(two_ranks, case):
@@ -49,7 +50,8 @@ def test_one_group_trains_as_single_process_on_whole_sequences(two_ranks, case):
     (Llama); also with the Llama's layers checkpointed, offloaded and tiled, and the GPT's blocks checkpointed and
     offloaded (their recomputation exchanges heads again in backward); a batch that also holds the user's shifted
     labels (``shift_labels``); GPT-2 (learned positions, handed its global ``position_ids``); the Llama under its own
-    (reentrant) gradient checkpointing. The sampler deals both ranks the same samples."""
+    (reentrant) gradient checkpointing; a GPT whose loss ``group_mean`` takes over tokens that count unequally on
+    the two ranks. The sampler deals both ranks the same samples."""
     result = two_ranks["two_ranks"][case]
     _exact(result)
     assert result["sampler"] == {"num_replicas": 1, "rank": 0}

@@ -12,12 +12,13 @@ import sys
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.demo import GPTLightningModule
 from lightning_zero.demo.gpt import Block
-from lightning_zero.sequence_parallel import positions
+from lightning_zero.sequence_parallel import group_mean, positions
 from tests.distributed import hf_models, models
 from tests.distributed.worker_core import RANK, WORLD, max_diff, run_scale, trainer
 from tests.launch import run_cases
@@ -55,6 +56,17 @@ class GPT(GPTLightningModule):
         optimizer = torch.optim.SGD(groups, lr=0.2, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class GroupMeanGPT(GPT):
+    """Its loss the mean over the tokens that count, through ``sequence_parallel.group_mean``: each rank's sum over
+    its positions and how many count there, which differ between the ranks (the masked positions lie in one half)."""
+
+    def _loss(self, batch):
+        x, y = batch
+        logits = self(x)
+        total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-100, reduction="sum")
+        return group_mean(total, (y != -100).sum())
 
 
 def gpt_module() -> GPT:
@@ -116,6 +128,25 @@ def compare(module: L.LightningModule, initial: dict, samples, batch, loss, t, f
         out["param_change"] = max_diff(expected, initial)
         out["losses"], out["expected_losses"] = losses, expected_losses
     return out
+
+
+def group_meaned(stage: int) -> dict:
+    """:class:`GroupMeanGPT` on targets whose first 8 positions of every other sample do not count (all in rank 0's
+    half), against single process's mean over the tokens that count."""
+    L.seed_everything(3)
+    module = GroupMeanGPT(vocab_size=GPT_VOCAB, block_size=GPT_SEQUENCE, n_layer=2, n_head=4, n_embd=16)
+    initial = copy.deepcopy(module.state_dict())
+    samples = [(x, y.clone()) for x, y in gpt_samples()]
+    for x, y in samples[::2]:
+        y[:8] = -100
+    t, final, losses = fit(module, samples, 2, stage)
+    reference = GPT(vocab_size=GPT_VOCAB, block_size=GPT_SEQUENCE, n_layer=2, n_head=4, n_embd=16)
+
+    def whole_mean(m, b):
+        logits = m(b[0])
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), b[1].reshape(-1), ignore_index=-100)
+
+    return compare(reference, initial, samples, 2, whole_mean, t, final, losses)
 
 
 def gpt(stage: int | None, **strategy_kwargs) -> dict:
@@ -327,6 +358,7 @@ CASES = {
         # Hugging Face's own gradient checkpointing (reentrant): its attention reaches the group through the interface
         "llama_own_checkpointing_stage2": llama(2, reentrant=True),
         "rank_zero_forward_stage2": rank_zero_forward(2),
+        "gpt_group_mean_stage2": group_meaned(2),
     },
     "four_ranks": lambda: {
         **{f"gpt_stage{s}": gpt(s) for s in (1, 2, 3)},

@@ -18,6 +18,7 @@ from lightning_zero.activation_checkpointing import (
 from lightning_zero.config import ZeroConfigError
 from lightning_zero.demo.gpt import GPT, Block, GPTConfig
 from lightning_zero.planning.accounting import saved_tensor_bytes
+from tests.unit.test_activation_checkpointing import loss_of
 
 CONFIG = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=4, n_embd=32, dropout=0.1)
 
@@ -35,11 +36,6 @@ def batch():
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.block_size), generator=g)
     return x, torch.roll(x, -1, dims=1)
-
-
-def loss_of(model, x, y):
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
 
 def gradients(model: nn.Module, seed: int = 5) -> dict[str, torch.Tensor]:
