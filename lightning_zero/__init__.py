@@ -3,11 +3,13 @@
 ``import lightning_zero`` registers the strategy names of ``lightning_zero.config.zero_config.REGISTERED_STRATEGIES``
 with Lightning (``zero1``, ``zero1_offload``, ``zero1_hsdp``, ``zero2``, ``zero2_offload``, ``zero2_offload_delay``,
 ``zero2_hsdp``, ``zero2_compressed``, ``zero3``, ``zero3_offload_optimizer``, ``zero3_offload``, ``zero3_hsdp``,
-``zero3_hpz``, ``zero3_compressed``), so ``Trainer(strategy="zero3")`` works, and makes an unknown ``zero…`` name
+``zero3_hpz``, ``zero3_compressed``), so ``Trainer(strategy="zero3")`` works, the same names with Lightning Fabric
+(``L.Fabric(strategy="zero3")``, ``lightning_zero.fabric``), and makes an unknown ``zero…`` name
 (``"zero4"``) answer with these names rather than Lightning's generic list (``strategy/early_checks.py``). A torch
 outside the tested range (2.11 through 2.14) gets a warning here ([Note: version adapters] in ``torch_versions/``).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.checkpoint import (
@@ -20,6 +22,7 @@ from lightning_zero.checkpoint import (
 from lightning_zero.checkpoint.module_loading import load_from_checkpoint
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.config.zero_config import ZeroConfig
+from lightning_zero.fabric import ZeroStrategy as FabricZeroStrategy
 from lightning_zero.observability.gradient_norms import grad_norm
 from lightning_zero.observability.monitor import ZeroMonitor
 from lightning_zero.precision.zero_precision import ZeroPrecision
@@ -50,5 +53,7 @@ __version__ = "0.1.0"
 
 if "zero1" not in StrategyRegistry:
     ZeroStrategy.register_strategies(StrategyRegistry)
+if "zero1" not in FABRIC_STRATEGY_REGISTRY:  # the same names for `L.Fabric(strategy=...)` (fabric/strategy.py)
+    FabricZeroStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 explain_unknown_zero_names(StrategyRegistry)
 warn_if_untested()

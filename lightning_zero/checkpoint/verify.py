@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_zero.checkpoint.files import temporaries_of
+from lightning_zero.checkpoint.layout import as_lightning
 
 MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.pt"
@@ -169,7 +170,8 @@ def verify_archive(path: Path, records: Iterable[str] | None = None) -> list[str
 
 
 def read_checkpoint_dict(file: Path, **kwargs) -> dict:
-    """A checkpoint's ``torch.save`` file (``meta.pt``, a full checkpoint), read without executing code; any
+    """A checkpoint's ``torch.save`` file (``meta.pt``, a full checkpoint), read without executing code, in Lightning's
+    layout (``layout.py``); any
     failure to parse it names the file (checksums catch damage first, this catches what they cannot: a file
     that was never a checkpoint)."""
     from lightning_zero.checkpoint.safe_load import load_weights_only  # it builds on this module's CheckpointError
@@ -184,7 +186,7 @@ def read_checkpoint_dict(file: Path, **kwargs) -> dict:
         ) from None
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{file} holds a {type(checkpoint).__name__}, not a checkpoint's dict.")
-    return checkpoint
+    return as_lightning(checkpoint)  # a full file a Fabric loop wrote under its own keys (layout.py)
 
 
 def saved_tensor_shapes(path: Path, prefix: str) -> dict[str, torch.Size | None]:

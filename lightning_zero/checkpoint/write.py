@@ -42,6 +42,7 @@ from lightning_zero.checkpoint.files import (
     temporary_path,
     write_durably,
 )
+from lightning_zero.checkpoint.layout import as_full_file
 from lightning_zero.checkpoint.state_dicts import CURRENT_MODEL_STATE
 from lightning_zero.checkpoint.verify import DCP_METADATA_FILE, MANIFEST_FILE, META_FILE, describe_files, manifest_text
 from lightning_zero.engine.comm import collectives
@@ -153,13 +154,14 @@ def publish(tmp: Path, path: Path, previous: bool, group=None, before_rename: Ca
 
 
 def save_full(checkpoint: dict[str, Any], path: Path) -> None:
-    """Collective: rank 0 writes ``checkpoint`` to one file at ``path``; every rank raises if it failed."""
+    """Collective: rank 0 writes ``checkpoint`` to one file at ``path`` (a Fabric loop's under its own keys:
+    ``layout.py``); every rank raises if it failed."""
     rank = collectives.rank()
     tmp, previous = collectives.broadcast_object((temporary_path(path), path.exists()))
 
     def write() -> None:
         if rank == 0:
-            write_full(checkpoint, path, tmp)
+            write_full(as_full_file(checkpoint), path, tmp)
 
     on_every_rank(write, lambda failures: save_error(path, failures, previous))
 

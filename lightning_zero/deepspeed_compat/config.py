@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_zero.config.choices import ZeroConfigError, closest
 from lightning_zero.config.compression import COMPRESSION_KEYS, QUANTIZED_ZERO_KEYS, deepspeed_compression
+from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.precision.loss_scaler import LossScaleConfig, LossScaleConfigError
 
 AUTO = "auto"
@@ -488,6 +489,21 @@ def _positive(name: str, value: Any) -> int | str | None:
 
 # ---------------------------------------------------------------------- optimizer and scheduler
 # ---------------------------------------------------------------------- applying to a run
+#: The strategy arguments that are :class:`ZeroConfig` fields (validated there, in one place), and their defaults.
+CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
+
+
+def strategy_settings(
+    arguments: Mapping[str, Any], config: Mapping[str, Any] | str | Path | None
+) -> tuple[ZeroConfig, DeepSpeedSettings | None]:
+    """A strategy's validated settings, the ``Trainer``'s or Fabric's: its keyword arguments completed by the DeepSpeed
+    config ``config`` (a dict or a JSON path, checked now), and what that config asks of the rest of the run."""
+    deepspeed = parse_deepspeed_config(config) if config is not None else None
+    if deepspeed is not None:
+        arguments = merge_strategy_arguments(deepspeed, arguments, CONFIG_DEFAULTS)
+    return ZeroConfig(**arguments), deepspeed
+
+
 def merge_strategy_arguments(
     settings: DeepSpeedSettings, given: Mapping[str, Any], defaults: Mapping[str, Any]
 ) -> dict:

@@ -97,6 +97,7 @@ def build_scheduler(spec: Mapping[str, Any], optimizer: Optimizer, *, total_step
 def precision_plugin_for(settings: DeepSpeedSettings | None, plugin):
     """The precision plugin a run uses: the config's ``fp16``/``bf16`` choice in place of Lightning's default,
     or ``plugin`` when the config does not say. Differing explicit choices are an error."""
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
     from lightning.pytorch.plugins.precision import Precision
 
     from lightning_zero.precision.zero_precision import PrecisionName, ZeroPrecision
@@ -109,7 +110,7 @@ def precision_plugin_for(settings: DeepSpeedSettings | None, plugin):
         if name != "16-mixed" or settings.loss_scale is None:
             return plugin
         wanted = name
-    default = type(plugin) is Precision and name == "32-true"
+    default = type(plugin) in (Precision, FabricPrecision) and name == "32-true"
     if isinstance(plugin, ZeroPrecision) and (name != wanted or settings.loss_scale or settings.reduce_dtype):
         raise ZeroConfigError(
             f"Precision is given both in the DeepSpeed config ({wanted!r}) and as a ZeroPrecision plugin ({name!r}); "

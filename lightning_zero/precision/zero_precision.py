@@ -30,6 +30,8 @@ from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import precision as fabric_precision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.core.optimizer import do_nothing_closure
@@ -224,10 +226,13 @@ class ZeroPrecision(Precision):
     def pre_backward(self, tensor: torch.Tensor, module: pl.LightningModule) -> torch.Tensor:  # type: ignore[override]
         # New gradients come: the last step's are final no longer. Kept until now, so that reading the step's gradients
         # after it (``lightning_zero.grad_norm`` in ``on_train_batch_end``) does not unscale them a second time.
+        return super().pre_backward(self.scale_loss(tensor), module)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Before a backward, in every front end: the last step's gradients are final no longer, and ``16-mixed``
+        multiplies the loss by its scale."""
         self._found_inf.clear()
-        if self.scaler is not None:
-            tensor = tensor * self.scaler.scale
-        return super().pre_backward(tensor, module)
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
     def finalize_gradients(self, optimizer: Optimizer) -> bool:
         """Average (and unscale) ``optimizer``'s gradient shards, once per step; returns whether any rank's
@@ -282,14 +287,21 @@ class ZeroPrecision(Precision):
         # without one (an `optimizer_step` override that ran `optimizer_closure()` itself) hands Lightning's
         # `do_nothing_closure` here, whose None says nothing about the backward that already ran.
         skipped_backward = model.automatic_optimization and closure_result is None and closure is not do_nothing_closure
-        found_inf = self.finalize_gradients(optimizer) if not skipped_backward else False
+        if not skipped_backward:
+            self.finalize_gradients(optimizer)  # before the hooks and clipping read the gradients
         self._after_closure(model, optimizer)
         if skipped_backward:
             # `training_step` returned None: Lightning skips the step; drop what was accumulated.
             self.engine.optimizer_shards(optimizer).discard_gradients()
             self._found_inf.pop(id(optimizer), None)
             return None
-        if found_inf:
+        return self.step_shards(optimizer, **kwargs)
+
+    def step_shards(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """The step after the last backward, in every front end: finalize the gradients (if clipping has not), then
+        step this rank's shards, or skip the step on every rank where ``16-mixed`` found an inf/NaN. Collective."""
+        optimizer = _unwrap(optimizer)
+        if self.finalize_gradients(optimizer):
             self.engine.optimizer_shards(optimizer).discard_gradients()  # parameters and optimizer state stay untouched
             self._end_step(optimizer, found_inf=True)
             return None
@@ -300,9 +312,14 @@ class ZeroPrecision(Precision):
     # ------------------------------------------------------------------ clipping
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        self.clip_by_global_norm(optimizer, clip_val)
+
+    def clip_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> torch.Tensor | None:
+        """Scale the gradient shards so that the global 2-norm over every rank's shards is at most ``clip_val``;
+        returns that norm before clipping (None where ``16-mixed`` skips the step anyway). Collective."""
         optimizer = _unwrap(optimizer)
         if self.finalize_gradients(optimizer):
-            return  # the step is skipped on every rank anyway
+            return None  # the step is skipped on every rank anyway
         shards = self.engine.optimizer_shards(optimizer)
         speculated = shards.speculated_norms()
         grads = shards.local_gradients(for_change=speculated is None)
@@ -311,10 +328,11 @@ class ZeroPrecision(Precision):
         if speculated is not None:  # parts were stepped during backward: see [Note: speculative clipping]
             self.speculated_steps += 1
             if bool(coef == 1.0):
-                return  # a coefficient of 1 changes no bit: the parts stand (a NaN norm scales them all, as serially)
+                return total  # a coefficient of 1 changes no bit: the parts stand (a NaN norm scales them all)
             self.clips_fired += 1
             shards.undo_speculation()
         device_groups.scale_(grads, coef)  # partial offload: host and device gradients
+        return total
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
@@ -336,17 +354,28 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict)
 
 
-def as_zero_precision(plugin: Precision | None) -> ZeroPrecision | None:
-    """Lightning hands a strategy the generic plugin for ``Trainer(precision=...)``; convert it (keeping a
-    ``GradScaler``'s settings), or say which precisions are supported."""
+#: The plugins ``Trainer(precision=...)`` and ``Fabric(precision=...)`` make for a strategy that names none of its own.
+_GENERIC_PLUGINS = (
+    Precision,
+    MixedPrecision,
+    HalfPrecision,
+    fabric_precision.Precision,
+    fabric_precision.MixedPrecision,
+    fabric_precision.HalfPrecision,
+)
+
+
+def as_zero_precision(plugin: FabricPrecision | None) -> ZeroPrecision | None:
+    """Lightning hands a strategy the generic plugin for ``Trainer(precision=...)`` or ``Fabric(precision=...)``;
+    convert it (keeping a ``GradScaler``'s settings), or say which precisions are supported."""
     if plugin is None or isinstance(plugin, ZeroPrecision):
         return plugin
     name = str(getattr(plugin, "precision", "32-true"))
     name = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(name, name)
-    if type(plugin) not in (Precision, MixedPrecision, HalfPrecision) or name not in SUPPORTED_PRECISION:
+    if type(plugin) not in _GENERIC_PLUGINS or name not in SUPPORTED_PRECISION:
         raise ZeroConfigError(
             f"ZeroStrategy does not support precision {name!r} ({type(plugin).__name__}); choose one of "
-            f"{SUPPORTED_PRECISION} via `Trainer(precision=...)` or `plugins=[ZeroPrecision(...)]`."
+            f"{SUPPORTED_PRECISION} via `precision=...` of the Trainer or Fabric, or `plugins=[ZeroPrecision(...)]`."
         )
     scaler = getattr(plugin, "scaler", None)
     precision = cast(PrecisionName, name)  # checked against SUPPORTED_PRECISION just above

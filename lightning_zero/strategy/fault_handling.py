@@ -98,17 +98,19 @@ class FaultHandling:
         )
         self.watchdog.start()
 
-    def activate(self, trainer: Any, gathers_in_forward: bool) -> None:
-        """The loops start (every ``on_*_start``; idempotent within a run). ``gathers_in_forward``: the engine
-        all-gathers parameters inside forward (stage 3), where ``generate()`` with per-rank lengths desyncs."""
+    def activate(self, module: Any, gathers_in_forward: bool, trainer: Any = None) -> None:
+        """The loops start (every ``on_*_start`` of a ``Trainer``, a Fabric module's setup; idempotent within a run).
+        ``gathers_in_forward``: the engine all-gathers parameters inside ``module``'s forward (stage 3), where
+        ``generate()`` with per-rank lengths desyncs. ``trainer``: its SIGTERM handler is replaced too."""
         if self.timeouts is None or self._active:
             return
         self._active = True
         self.timeouts.activate()
         RECORDER.on_mark = self.timeouts.refresh
-        if self.watchdog is not None and gathers_in_forward and _has_generate(trainer.lightning_module):
+        if self.watchdog is not None and gathers_in_forward and _has_generate(module):
             self.watchdog.context = dataclasses.replace(self.watchdog.context, generate_hint=True)
-        _replace_lightning_sigterm(trainer)
+        if trainer is not None:
+            _replace_lightning_sigterm(trainer)
 
     @staticmethod
     def mark(phase: str, args: tuple, kwargs: dict) -> None:

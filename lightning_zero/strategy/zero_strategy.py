@@ -11,7 +11,6 @@ loops, launchers) stays here.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from collections.abc import Generator, Mapping
 from datetime import timedelta
@@ -50,7 +49,7 @@ from lightning_zero.config.zero_config import (
     StateDictType,
     ZeroConfig,
 )
-from lightning_zero.deepspeed_compat.config import DeepSpeedSettings, merge_strategy_arguments, parse_deepspeed_config
+from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS, DeepSpeedSettings, strategy_settings
 from lightning_zero.deepspeed_compat.trainer import (
     apply_to_trainer,
     check_batch_sizes,
@@ -82,8 +81,6 @@ from lightning_zero.strategy.swa import average_sharded_weights, clear_scheduler
 
 #: The strategies set up in this process, for what is handed only a module (``gradient_norms.grad_norm``).
 RUNNING: weakref.WeakSet[ZeroStrategy] = weakref.WeakSet()
-#: The constructor arguments that are :class:`ZeroConfig` fields (validated there, in one place).
-_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ZeroConfig))
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -154,13 +151,10 @@ class ZeroStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        arguments = {name: value for name, value in locals().items() if name in _CONFIG_FIELDS}
-        #: A DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
-        self._deepspeed = parse_deepspeed_config(config) if config is not None else None
-        if self._deepspeed is not None:
-            defaults = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
-            arguments = merge_strategy_arguments(self._deepspeed, arguments, defaults)
-        self._zero_config = zero_config = ZeroConfig(**arguments)
+        arguments = {name: value for name, value in locals().items() if name in CONFIG_DEFAULTS}
+        #: ``self._deepspeed``: a DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
+        zero_config, self._deepspeed = strategy_settings(arguments, config)
+        self._zero_config = zero_config
         #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
         self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing, zero_config.offload_activations)
         self._num_nodes = 1
@@ -611,7 +605,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def _activate_fault_handling(self) -> None:
         if (trainer := trainer_of(self.lightning_module)) is not None:
-            self._processes.faults.activate(trainer, self._sharded.shards_module_in_place)
+            self._processes.faults.activate(trainer.lightning_module, self._sharded.shards_module_in_place, trainer)
 
     # ------------------------------------------------------------------ steps
     @override

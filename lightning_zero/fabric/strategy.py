@@ -1,0 +1,682 @@
+"""ZeroStrategy for Lightning Fabric: ``L.Fabric(strategy="zero3")`` over the same engine as the ``Trainer`` strategy.
+
+A Fabric loop calls the module, ``fabric.backward``, ``fabric.clip_gradients`` and ``optimizer.step()`` itself, so this
+strategy is the thin shell that maps those calls onto the collaborators the ``Trainer`` strategy holds too
+(``strategy/``): :class:`~lightning_zero.strategy.processes.DistributedProcesses` (the process group and the watchdog),
+``sharding.shard_model`` (the engine), :class:`~lightning_zero.precision.ZeroPrecision` (finalizing, clipping, loss
+scaling, the step) and :class:`~lightning_zero.strategy.checkpoints.ShardedCheckpoints` (the one checkpoint format,
+in the layout of ``checkpoint/layout.py``, so a ``Trainer`` resumes from what a Fabric loop saved and the other way
+round).
+
+What differs from the ``Trainer``: the loop owns clipping, so with ``offload_optimizer`` the offloaded step runs after
+backward (the serial path), never during it; the loop owns the data, so ``pipeline_stages`` and
+``sequence_parallel_size``, which take over the step's schedule and the batch, are ``Trainer``-only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import _Stateful
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from typing_extensions import override
+
+from lightning_zero.activation_checkpointing import resolve_policy
+from lightning_zero.checkpoint.io import AVERAGE_LOADED, load_optimizer_state
+from lightning_zero.checkpoint.layout import FABRIC_KEYS, LIGHTNING_ENTRIES, FabricKeys, as_full_file, reserved_keys
+from lightning_zero.config.choices import ZeroConfigError, closest
+from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ZeroConfig
+from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS, DeepSpeedSettings, strategy_settings
+from lightning_zero.deepspeed_compat.trainer import precision_plugin_for
+from lightning_zero.engine.api import ShardingEngine
+from lightning_zero.engine.comm import collectives
+from lightning_zero.faults.timeouts import extended_during
+from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
+from lightning_zero.resume.rng import collect_rng_state
+from lightning_zero.strategy import processes
+from lightning_zero.strategy.checkpoints import ShardedCheckpoints
+from lightning_zero.strategy.processes import require
+from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel, construction_device, shard_model
+
+#: Entries a checkpoint holds for the strategy itself, never handed back to the loop by ``fabric.load``.
+_INTERNAL_ENTRIES = (
+    *LIGHTNING_ENTRIES,
+    FABRIC_KEYS,
+    "rng_states",
+    "pytorch-lightning_version",
+    "hf_export",
+    "optimizer_param_groups",
+    AVERAGE_LOADED,
+)
+#: What a DeepSpeed config asks of the ``Trainer`` (the ``DeepSpeedSettings`` field, its key there), which a Fabric
+#: loop does itself.
+_LOOP_SETTINGS = {
+    "gradient_clip_val": ("gradient_clipping", "call `fabric.clip_gradients(model, optimizer, max_norm=...)`"),
+    "accumulate_grad_batches": (
+        "gradient_accumulation_steps",
+        "accumulate in the loop, under `fabric.no_backward_sync(model)`",
+    ),
+    "micro_batch_size": ("train_micro_batch_size_per_gpu", "set the DataLoader's `batch_size`"),
+    "train_batch_size": ("train_batch_size", "set the DataLoader's `batch_size`"),
+    "optimizer": ("optimizer", "build the optimizer in the loop and pass it to `fabric.setup`"),
+    "scheduler": ("scheduler", "build the scheduler in the loop"),
+}
+
+
+class ZeroStrategy(ParallelStrategy, _Sharded):
+    """ZeRO data parallelism for a Lightning Fabric loop: stage 1 shards optimizer state, stage 2 also gradients, stage
+    3 also parameters (over FSDP2), on the same engine as the ``Trainer`` strategy.
+
+    It takes the ``Trainer`` strategy's settings, by the same names (``offload_optimizer=``, ``config=`` for a
+    DeepSpeed JSON, ...): see :class:`lightning_zero.ZeroStrategy`. Every setting is validated here, on every rank,
+    before any process group exists. ``L.Fabric(strategy="zero3")`` (and the other registered names) builds one.
+    """
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        **settings: Any,
+    ) -> None:
+        config = settings.pop("config", None)
+        for name in settings:
+            if name not in CONFIG_DEFAULTS:
+                raise ZeroConfigError(
+                    f"lightning_zero.fabric.ZeroStrategy got an unknown setting `{name}`.{closest(name, CONFIG_DEFAULTS)} "
+                    "It takes the settings of lightning_zero.ZeroStrategy (docs/configuration.md)."
+                )
+        zero_config, self._deepspeed = strategy_settings({"stage": stage, **settings}, config)
+        _refuse_trainer_only(zero_config, self._deepspeed)
+        self._zero_config = zero_config
+        #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
+        self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing, zero_config.offload_activations)
+        self._num_nodes = 1
+        self._processes = processes.DistributedProcesses(zero_config)
+        self._checkpoints = ShardedCheckpoints(zero_config)
+        self._sharded: ShardedModel = NOT_SHARDED
+        self._module: nn.Module | None = None
+        self._optimizers: list[Optimizer] = []
+        #: ``id(parameter)`` -> its name, as the module held them before sharding (an optimizer built from those).
+        self._names_before_sharding: dict[int, str] = {}
+        #: A backward has run since the last step: the accumulation window is open.
+        self._window_open = False
+        #: Optimizer steps taken (the step a fault's diagnosis names).
+        self._steps = 0
+        #: ``sys.excepthook`` before this strategy chained its own in (``setup_environment``), back at ``teardown``.
+        self._previous_excepthook: Callable[..., Any] | None = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def zero_config(self) -> ZeroConfig:
+        """The validated settings."""
+        return self._zero_config
+
+    @zero_config.setter
+    def zero_config(self, zero_config: ZeroConfig) -> None:
+        """Other settings for the next save (e.g. ``state_dict_type``), for the collaborators too."""
+        self._zero_config = self._processes.zero_config = self._checkpoints.zero_config = zero_config
+
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def deepspeed_settings(self) -> DeepSpeedSettings | None:
+        """What ``config=`` asked for beyond the strategy's own arguments (its precision applies here)."""
+        return self._deepspeed
+
+    @property
+    def engine(self) -> ShardingEngine | None:
+        """The sharding engine (exists once the module is set up)."""
+        return self._sharded.engine
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return require(self.parallel_devices, "parallel_devices")[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    @override
+    def precision(self) -> ZeroPrecision:
+        plugin = self._precision
+        if not isinstance(plugin, ZeroPrecision):  # None until Fabric chooses: the setter converts every other
+            plugin = self._precision = ZeroPrecision()
+        return plugin
+
+    @precision.setter
+    @override
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = as_zero_precision(precision_plugin_for(getattr(self, "_deepspeed", None), precision))
+
+    # ------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        environment = require(self.cluster_environment, "cluster_environment")
+        world_size = processes.cluster_world_size(environment, self.num_nodes, self.num_processes)
+        self.zero_config.group_sizes(world_size, self.num_processes)  # shard_size / hpZ fit the cluster
+        if self.zero_config.start_method == "popen":  # `fabric run`, torchrun, or the script started once per device
+            self._launcher = _SubprocessScriptLauncher(environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _ReportingLauncher(self, start_method=self.zero_config.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        environment = require(self.cluster_environment, "cluster_environment")
+        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        environment.set_world_size(self.num_nodes * self.num_processes)
+        # Both functions carry the rank as an attribute Lightning sets at run time, undeclared.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self._processes.start(environment, self.root_device, self.global_rank, self.world_size, self.num_processes)
+        # A Fabric loop has no end nor failure the strategy hears of: stop the watchdog when the process exits, and
+        # hear of an error that ends a script (`fabric run`, torchrun) through the interpreter's hook for it.
+        atexit.register(self._processes.faults.stop)
+        if self._previous_excepthook is None:
+            self._previous_excepthook = sys.excepthook
+            sys.excepthook = self._excepthook
+        global _LAUNCHED
+        _LAUNCHED = self
+
+    def on_exception(self, exception: BaseException) -> None:
+        """An error ends this rank's loop: name the first failure on every rank (the watchdog's store), so the ranks
+        it brings down say which rank failed first and why, rather than only that a peer is gone."""
+        self._processes.on_exception(exception)
+
+    def _excepthook(self, kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        with contextlib.suppress(Exception):  # the report must reach the user whatever the store does
+            self.on_exception(value)
+        (self._previous_excepthook or sys.__excepthook__)(kind, value, traceback)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        processes.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return processes.broadcast(obj, src)
+
+    @override
+    def all_reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        """``fabric.all_reduce``: mean (the default), sum, max or min over the ranks."""
+        return processes.reduce(tensor, group, reduce_op, self.world_size)
+
+    # ------------------------------------------------------------------ module and optimizers
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """``fabric.init_module()``: at stage 3 with ``empty_init=True`` the module is built on the meta device and
+        materialised one unit at a time as it is sharded, so no rank ever holds it whole (``engine/stage3/materialize.py``:
+        the same values as an eager build for modules that initialise in ``reset_parameters``)."""
+        stack = contextlib.ExitStack()
+        if empty_init and self.zero_config.shards_parameters:
+            stack.enter_context(construction_device(self.zero_config))
+        else:
+            stack.enter_context(self.root_device)
+            stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_sharded_context(self) -> contextlib.AbstractContextManager:
+        return self.module_init_context(empty_init=True)
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        if not self.zero_config.shards_parameters:  # stage 3 places each rank's shards as it shards
+            module.to(self.root_device)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place (activation checkpointing, the engine, pretrained weights), as the ``Trainer``
+        strategy does in ``setup``. One module per strategy."""
+        if self._module is not None:
+            raise ZeroConfigError(
+                f"lightning_zero.fabric.ZeroStrategy shards one module per Fabric; {_name(self._module)} is set up "
+                f"already. Put {_name(module)} inside it, or use another Fabric for it."
+            )
+        self._names_before_sharding = {id(p): name for name, p in module.named_parameters()}
+        precision = self.precision
+        self._sharded = shard_model(
+            module,
+            self.zero_config,
+            policy=precision.policy(),
+            checkpoint_policy=self.checkpoint_policy,
+            fitting=True,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            node_size=self.num_processes,
+            device=self.root_device,
+            move_to_device=lambda: self.module_to_device(module),
+        )
+        self._module = module
+        precision.attach(self.engine, self.root_device)
+        self._checkpoints.open([], self.is_global_zero)
+        self._processes.faults.activate(module, self._sharded.shards_module_in_place)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Hand ``optimizer`` to the engine, which steps this rank's shards. An optimizer built before the module was
+        set up (``fabric.setup(model, optimizer)``) is given the sharded module's parameters by name."""
+        engine = self.engine
+        if engine is None:
+            raise ZeroConfigError(
+                "lightning_zero.fabric.ZeroStrategy: set up the module before its optimizer: "
+                "`model = fabric.setup_module(model)`, then `optimizer = fabric.setup_optimizers(optimizer)`, "
+                "or both at once with `model, optimizer = fabric.setup(model, optimizer)`."
+            )
+        self._give_sharded_parameters(optimizer)
+        config = self.zero_config
+        engine.wrap_optimizer(optimizer, config.elementwise_optimizers, config.matrix_optimizers)
+        if not config.optimizer_on_host:
+            _optimizers_to_device([optimizer], self.root_device)
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def _give_sharded_parameters(self, optimizer: Optimizer) -> None:
+        module = require(self._module, "module")
+        current = dict(module.named_parameters())
+        live = {id(p) for p in current.values()}
+        for group in optimizer.param_groups:
+            params = []
+            for p in group["params"]:
+                if id(p) in live:
+                    params.append(p)
+                    continue
+                name = self._names_before_sharding.get(id(p))
+                if name is None or name not in current:
+                    raise ZeroConfigError(
+                        f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not one of "
+                        f"{_name(module)}'s: build the optimizer from the module's parameters."
+                    )
+                if optimizer.state.get(p):
+                    raise ZeroConfigError(
+                        f"{type(optimizer).__name__} has state for `{name}` already: set it up with the module before "
+                        "its first step, or load its state after `fabric.setup` with `fabric.load`."
+                    )
+                params.append(current[name])
+            group["params"] = params
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        module = self.setup_module(module)
+        return module, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """The loss (scaled under ``16-mixed``) backward; the gradient reductions still in flight land before it
+        returns. A window's first backward first takes in parameters made trainable since the last step."""
+        engine = self.engine
+        if engine is not None and not self._window_open:
+            self._processes.faults.mark("train", (None, self._steps), {})  # the step a diagnosis names
+            engine.follow_trainability()
+            engine.discard_all_gradients()
+        self._window_open = True
+        self.precision.scale_loss(tensor).backward(*args, **kwargs)
+        if engine is not None:
+            engine.post_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step this rank's shards (skipped on every rank where ``16-mixed`` found an inf/NaN). Collective."""
+        self._window_open = False
+        self._steps += 1
+        return self.precision.step_shards(optimizer, **kwargs)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the global 2-norm over every rank's gradient shards; returns that norm before clipping (inf where
+        ``16-mixed`` found an inf/NaN: the step is skipped on every rank). Collective."""
+        if float(norm_type) != 2.0:
+            raise ZeroConfigError(
+                f"fabric.clip_gradients(norm_type={norm_type!r}): lightning_zero.fabric.ZeroStrategy clips by the "
+                "global 2-norm only (norm_type=2)."
+            )
+        total = self.precision.clip_by_global_norm(optimizer, float(max_norm))
+        if total is None:
+            return torch.tensor(float("inf"))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                f"The total norm of order 2.0 for gradients is non-finite ({float(total)}), so it cannot be clipped. "
+                "To disable this error, call `fabric.clip_gradients(..., error_if_nonfinite=False)`."
+            )
+        return total
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.clip_grad_by_value(optimizer, float(clip_val))
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The set-up module's unsharded ``state_dict`` on rank 0 (empty elsewhere), trainable parameters at the
+        precision the optimizer updates them in. Collective."""
+        self._reshard()
+        module = require(self._module, "a module set up with `fabric.setup`")
+        return self._checkpoints.full_model_state(module, self._sharded)
+
+    def _reshard(self) -> None:
+        engine = self._sharded.engine
+        if engine is not None and engine.gathered_units is not None:
+            engine.gathered_units.reshard()
+
+    def _entries(self, state: Mapping[str, Any]) -> tuple[str, nn.Module, FabricKeys]:
+        """The set-up module's key in a loop's dictionary, and the :class:`FabricKeys` of its objects."""
+        modules = [key for key, obj in state.items() if isinstance(obj, nn.Module)]
+        module = self._module
+        if module is None or len(modules) != 1 or state[modules[0]] is not module:
+            found = ", ".join(repr(k) for k in modules) or "none"
+            raise ZeroConfigError(
+                "lightning_zero.fabric.ZeroStrategy saves and loads a dictionary holding the module it set up (once, "
+                f"e.g. `{{'model': model, 'optimizer': optimizer}}`); its modules: {found}."
+            )
+        optimizers = [key for key, obj in state.items() if isinstance(obj, Optimizer)]
+        for key in optimizers:
+            if state[key] not in self._optimizers:
+                raise ZeroConfigError(f"`{key}`: an optimizer Fabric did not set up with this strategy.")
+        schedulers = [key for key, obj in state.items() if isinstance(obj, LRScheduler)]
+        if clashes := reserved_keys(list(state)):
+            raise ZeroConfigError(
+                f"The checkpoint entries {clashes} are reserved by the checkpoint format; rename them."
+            )
+        return modules[0], module, FabricKeys(modules[0], tuple(optimizers), tuple(schedulers))
+
+    @override
+    @extended_during("saving a checkpoint")  # rank 0 may write alone while the others wait (faults/timeouts.py)
+    def save_checkpoint(
+        self,
+        path: str | Path,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """``fabric.save``: the format the ``Trainer`` strategy writes (``checkpoint/layout.py``), sharded or full
+        (``state_dict_type``), atomically. ``filter``: per entry, which of its items to keep (the module's by parameter
+        name, as LitGPT saves LoRA weights alone); not for optimizers, whose state is keyed by the shards."""
+        if storage_options is not None:
+            raise TypeError("lightning_zero.fabric.ZeroStrategy.save_checkpoint(storage_options=...) is not supported.")
+        filter = filter or {}
+        target = Path(self.broadcast(str(path)))
+        key, module, keys = self._entries(state)
+        if refused := [k for k in filter if k in keys.optimizers]:
+            raise ZeroConfigError(f"fabric.save(filter=...) for the optimizer entries {refused} is not supported.")
+        self._reshard()
+        sharded = self._sharded
+        checkpoint: dict[str, Any] = {"pytorch-lightning_version": lightning.__version__, FABRIC_KEYS: keys.as_entry()}
+        checkpoint["state_dict"] = _kept(self._checkpoints.model_state(module, sharded), filter.get(key))
+        checkpoint["optimizer_states"] = [
+            self._checkpoints.optimizer_state(state[k], module, sharded) for k in keys.optimizers
+        ]
+        checkpoint["lr_schedulers"] = [state[k].state_dict() for k in keys.schedulers]
+        for name, obj in state.items():
+            if name not in (key, *keys.optimizers, *keys.schedulers):
+                value = obj.state_dict() if isinstance(obj, _Stateful) else obj
+                checkpoint[name] = _kept(value, filter.get(name)) if isinstance(value, dict) else value
+        if precision_state := self.precision.state_dict():  # the loss scale, where Lightning keeps it
+            checkpoint[type(self.precision).__qualname__] = precision_state
+        checkpoint["rng_states"] = collectives.all_gather_objects(collect_rng_state())
+        self._checkpoints.save(
+            checkpoint,
+            target,
+            module,
+            sharded,
+            lambda: self._checkpoints.full_model_state(module, sharded),
+            self.precision.compute_dtype,
+            self.is_global_zero,
+            self.barrier,
+        )
+
+    @override
+    def load_checkpoint(
+        self,
+        path: str | Path,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """``fabric.load``: a checkpoint either front end saved (sharded at any world size and stage, or full) into the
+        loop's objects, in place; returns the entries it did not restore. ``fabric.load_raw`` (a module or an
+        optimizer alone): a plain state dict file, or a checkpoint's module or first optimizer. Nothing is unpickled
+        but tensors and plain values (``weights_only=False`` is refused)."""
+        target = Path(self.broadcast(str(path)))
+        safe = weights_only is not False
+        if not state:
+            if target.is_dir():
+                raise ZeroConfigError(
+                    f"fabric.load({str(path)!r}) without objects to load into: a sharded checkpoint is read into the "
+                    "set-up module and optimizers (`fabric.load(path, {'model': model, 'optimizer': optimizer})`); "
+                    "`lightning-zero consolidate` writes it as one file."
+                )
+            checkpoint = self._checkpoints.load(target, nn.Module(), [], NOT_SHARDED, strict, safe, None)
+            return as_full_file(checkpoint)  # as the loop saved it
+        module = require(self._module, "a module set up with `fabric.setup`")
+        self._reshard()
+        if isinstance(state, nn.Module):
+            if state is not module:
+                raise ZeroConfigError("fabric.load_raw(path, module): the module must be the one Fabric set up.")
+            self._load_module_alone(target, strict, safe)
+            return {}
+        if isinstance(state, Optimizer):
+            if target.is_dir():
+                raise ZeroConfigError(
+                    "fabric.load_raw(path, optimizer) reads a file; load a sharded checkpoint with the module: "
+                    "`fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+                )
+            checkpoint = self._checkpoints.load(target, module, [], self._sharded, strict, safe, None)
+            optimizer_state = checkpoint["optimizer_states"][0] if "optimizer_states" in checkpoint else checkpoint
+            load_optimizer_state(state, optimizer_state, module, self._sharded.engine, holding=self._sharded.holding)
+            return {}
+        return self._load_into(target, state, strict, safe)
+
+    def _load_module_alone(self, path: Path, strict: bool, safe: bool) -> None:
+        module = require(self._module, "module")
+        checkpoint = self._checkpoints.load(path, module, [], self._sharded, strict, safe, None)
+        if path.is_file():  # a plain state dict, or a checkpoint's module entry
+            state_dict = checkpoint["state_dict"] if _is_checkpoint(checkpoint) else checkpoint
+            self._checkpoints.load_model_state(module, state_dict, self._sharded, strict)
+
+    def _load_into(self, path: Path, state: dict[str, Any], strict: bool, safe: bool) -> dict[str, Any]:
+        key, module, keys = self._entries(state)
+        optimizers = [state[k] for k in keys.optimizers]
+        sharded = self._sharded
+        checkpoint = self._checkpoints.load(path, module, optimizers, sharded, strict, safe, None)
+        if not _is_checkpoint(checkpoint):
+            raise ZeroConfigError(
+                f"{path} holds a plain state dict, not a checkpoint: load it with `fabric.load_raw(path, model)`."
+            )
+        saved_optimizers = checkpoint.get("optimizer_states", [])
+        missing = [k for k in keys.optimizers[len(saved_optimizers) :]]
+        missing += [k for k in keys.schedulers[len(checkpoint.get("lr_schedulers", [])) :]]
+        missing += [k for k in state if k not in (key, *keys.optimizers, *keys.schedulers) and k not in checkpoint]
+        if strict and missing:
+            raise KeyError(
+                f"The requested state contains the entries {missing} that the checkpoint at {path} does not hold. "
+                "To load what it holds, call `fabric.load(..., strict=False)`."
+            )
+        if path.is_file():  # a sharded directory was loaded in place; a full file's states are loaded from here
+            self._checkpoints.load_model_state(module, checkpoint["state_dict"], sharded, strict)
+            if optimizers and saved_optimizers:
+                self._checkpoints.load_optimizer_states(
+                    optimizers[: len(saved_optimizers)], checkpoint, module, sharded
+                )
+        for name, saved in zip(keys.schedulers, checkpoint.get("lr_schedulers", [])):
+            state[name].load_state_dict(saved)
+        if (precision_state := checkpoint.get(type(self.precision).__qualname__)) is not None:
+            self.precision.load_state_dict(precision_state)
+        remainder = {k: v for k, v in checkpoint.items() if k not in _INTERNAL_ENTRIES}
+        remainder.pop(type(self.precision).__qualname__, None)
+        for name, obj in state.items():
+            if name in (key, *keys.optimizers, *keys.schedulers) or name not in remainder:
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(remainder.pop(name))
+            else:
+                state[name] = remainder.pop(name)
+        return remainder
+
+    # ------------------------------------------------------------------ end
+    @override
+    def teardown(self) -> None:
+        """Optional in a Fabric loop (Fabric never calls it): the exit agreement with the other ranks, the module given
+        back at full precision, the engine's hooks removed."""
+        error = self._processes.finish()
+        self._checkpoints.close(agree=not self._processes.failed)
+        engine = self.engine
+        if engine is not None:
+            self._reshard()
+            if not self._processes.failed:
+                engine.restore_master_params()
+            engine.teardown()
+        self._sharded.after_fit()
+        self._sharded, self._module, self._optimizers = NOT_SHARDED, None, []
+        require(self.cluster_environment, "cluster_environment").teardown()
+        if self._previous_excepthook is not None:
+            sys.excepthook, self._previous_excepthook = self._previous_excepthook, None
+        super().teardown()
+        if error is not None:
+            raise error
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, kwargs in REGISTERED_STRATEGIES.items():
+            strategy_registry.register(name, cls, description=f"lightning_zero.fabric.ZeroStrategy({kwargs})", **kwargs)
+
+
+#: The strategy whose processes this one belongs to (set in ``setup_environment``), for a launched function's failure.
+_LAUNCHED: ZeroStrategy | None = None
+
+
+def _reporting(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a function Fabric launched in a spawned or forked process, reporting the error that ends it (the processes
+    torch starts catch it before the interpreter's hook would see it)."""
+    try:
+        return function(*args, **kwargs)
+    except BaseException as error:
+        if _LAUNCHED is not None:
+            with contextlib.suppress(Exception):
+                _LAUNCHED.on_exception(error)
+        raise
+
+
+class _ReportingLauncher(_MultiProcessingLauncher):
+    """Fabric's launcher for ``start_method="spawn"`` / ``"fork"``, reporting the error that ends a rank's function."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return super().launch(functools.partial(_reporting, function), *args, **kwargs)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: the micro-batches of an accumulation window before its last reduce no
+    gradients (the engine's ``no_sync``, as the ``Trainer``'s ``accumulate_grad_batches``)."""
+
+    def __init__(self, strategy: ZeroStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        engine = self._strategy.engine
+        if not enabled or engine is None or self._strategy.zero_config.reduce_every_microbatch:
+            return contextlib.nullcontext()
+        return engine.no_sync()
+
+
+def _refuse_trainer_only(config: ZeroConfig, deepspeed: DeepSpeedSettings | None) -> None:
+    """Settings a Fabric loop cannot take: they take over the step's schedule, the batch, or a part of the loop."""
+    if config.pipeline_stages > 1:
+        raise ZeroConfigError(
+            f"`pipeline_stages={config.pipeline_stages}` needs the Trainer: the pipeline schedule runs forward, loss "
+            "and backward together in `training_step`, where a Fabric loop calls them itself. Use "
+            "lightning_zero.ZeroStrategy with lightning.Trainer."
+        )
+    if config.sequence_parallel_size > 1:
+        raise ZeroConfigError(
+            f"`sequence_parallel_size={config.sequence_parallel_size}` needs the Trainer, which cuts each batch "
+            "before the step. Use lightning_zero.ZeroStrategy with lightning.Trainer."
+        )
+    if deepspeed is None:
+        return
+    for field, (key, instead) in _LOOP_SETTINGS.items():
+        value = getattr(deepspeed, field)
+        if value is not None and value != "auto":
+            raise ZeroConfigError(
+                f"DeepSpeed config: `{key}` is applied by the Trainer; in a Fabric loop {instead}, and remove it "
+                "from the config."
+            )
+
+
+def _name(module: nn.Module) -> str:
+    """The module's class as the user wrote it (stage 3 converts it in place to an ``FSDP``-prefixed subclass)."""
+    return type(module).__name__.removeprefix("FSDP") if isinstance(module, FSDPModule) else type(module).__name__
+
+
+def _kept(value: dict[str, Any], keep: Callable[[str, Any], bool] | None) -> dict[str, Any]:
+    return value if keep is None else {k: v for k, v in value.items() if keep(k, v)}
+
+
+def _is_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
+    """A checkpoint either front end wrote, rather than a plain state dict."""
+    return "state_dict" in checkpoint and ("pytorch-lightning_version" in checkpoint or FABRIC_KEYS in checkpoint)
