@@ -8,6 +8,8 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 install:
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[test]"
+	$(PIP) psutil docstring_parser
+	$(PIP) --no-deps "litgpt>=0.5"
 
 run: install  ## the main job: a small GPT trained with ZeRO-3 on 2 CPU processes (conf/gpt_zero3.yaml)
 	$(PYTHON) -m lightning_zero fit --config conf/gpt_zero3.yaml $(RUN_ARGS)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import inspect
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ from lightning_zero.strategy import processes
 from lightning_zero.strategy.checkpoints import ShardedCheckpoints
 from lightning_zero.strategy.processes import require
 from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel, construction_device, shard_model
+from lightning_zero.strategy.zero_strategy import ZeroStrategy as TrainerZeroStrategy
 
 #: Entries a checkpoint holds for the strategy itself, never handed back to the loop by ``fabric.load``.
 _INTERNAL_ENTRIES = (
@@ -129,8 +132,6 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         self._window_open = False
         #: Optimizer steps taken (the step a fault's diagnosis names).
         self._steps = 0
-        #: ``sys.excepthook`` before this strategy chained its own in (``setup_environment``), back at ``teardown``.
-        self._previous_excepthook: Callable[..., Any] | None = None
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -220,24 +221,30 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         # Both functions carry the rank as an attribute Lightning sets at run time, undeclared.
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._processes.start(environment, self.root_device, self.global_rank, self.world_size, self.num_processes)
-        # A Fabric loop has no end nor failure the strategy hears of: stop the watchdog when the process exits, and
-        # hear of an error that ends a script (`fabric run`, torchrun) through the interpreter's hook for it.
-        atexit.register(self._processes.faults.stop)
-        if self._previous_excepthook is None:
-            self._previous_excepthook = sys.excepthook
-            sys.excepthook = self._excepthook
+        # A Fabric loop has no end nor failure the strategy hears of: finish at the process's exit, and hear of an
+        # error that ends a script (`fabric run`, torchrun) through the interpreter's hook for it.
+        # Both hold the strategy weakly: a strategy (its module, its optimizer state) goes when the loop drops it.
         global _LAUNCHED
-        _LAUNCHED = self
+        _LAUNCHED = weakref.ref(self)
+        atexit.register(_finish_at_exit, _LAUNCHED)
+        if sys.excepthook is not _excepthook:
+            global _previous_excepthook
+            _previous_excepthook, sys.excepthook = sys.excepthook, _excepthook
 
     def on_exception(self, exception: BaseException) -> None:
         """An error ends this rank's loop: name the first failure on every rank (the watchdog's store), so the ranks
         it brings down say which rank failed first and why, rather than only that a peer is gone."""
         self._processes.on_exception(exception)
 
-    def _excepthook(self, kind: type[BaseException], value: BaseException, traceback: Any) -> None:
-        with contextlib.suppress(Exception):  # the report must reach the user whatever the store does
-            self.on_exception(value)
-        (self._previous_excepthook or sys.__excepthook__)(kind, value, traceback)
+    def finish_at_exit(self) -> None:
+        """The process exits without ``teardown``: an ``async_save`` in flight completes (every rank's loop ended,
+        so every rank is here), unless a rank failed; then the watchdog stops."""
+        if self._module is not None and not self._processes.failed:
+            try:
+                self._checkpoints.close(agree=True)
+            except Exception as error:  # noqa: BLE001 - at exit the message is all that can still reach the user
+                print(f"[lightning_zero] the last checkpoint was not completed: {error}", file=sys.stderr)
+        self._processes.faults.stop()
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -592,8 +599,6 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         self._sharded.after_fit()
         self._sharded, self._module, self._optimizers = NOT_SHARDED, None, []
         require(self.cluster_environment, "cluster_environment").teardown()
-        if self._previous_excepthook is not None:
-            sys.excepthook, self._previous_excepthook = self._previous_excepthook, None
         super().teardown()
         if error is not None:
             raise error
@@ -605,8 +610,28 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
             strategy_registry.register(name, cls, description=f"lightning_zero.fabric.ZeroStrategy({kwargs})", **kwargs)
 
 
-#: The strategy whose processes this one belongs to (set in ``setup_environment``), for a launched function's failure.
-_LAUNCHED: ZeroStrategy | None = None
+#: The strategy this process set up last (``setup_environment``), weakly, for the error that ends its loop.
+_LAUNCHED: weakref.ref[ZeroStrategy] | None = None
+#: ``sys.excepthook`` before :func:`_excepthook` was chained in front of it.
+_previous_excepthook: Callable[..., Any] | None = None
+
+
+def _report(error: BaseException) -> None:
+    strategy = _LAUNCHED() if _LAUNCHED is not None else None
+    if strategy is not None:
+        with contextlib.suppress(Exception):  # the error itself must reach the user whatever the store does
+            strategy.on_exception(error)
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+    """An error ends a script (``fabric run``, torchrun): report it, then print it as before."""
+    _report(value)
+    (_previous_excepthook or sys.__excepthook__)(kind, value, traceback)
+
+
+def _finish_at_exit(strategy: weakref.ref[ZeroStrategy]) -> None:
+    if (alive := strategy()) is not None:
+        alive.finish_at_exit()
 
 
 def _reporting(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -615,9 +640,7 @@ def _reporting(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return function(*args, **kwargs)
     except BaseException as error:
-        if _LAUNCHED is not None:
-            with contextlib.suppress(Exception):
-                _LAUNCHED.on_exception(error)
+        _report(error)
         raise
 
 
@@ -680,3 +703,17 @@ def _kept(value: dict[str, Any], keep: Callable[[str, Any], bool] | None) -> dic
 def _is_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
     """A checkpoint either front end wrote, rather than a plain state dict."""
     return "state_dict" in checkpoint and ("pytorch-lightning_version" in checkpoint or FABRIC_KEYS in checkpoint)
+
+
+def _constructor_signature() -> inspect.Signature:
+    """The constructor's signature as ``inspect.signature`` and ``help()`` show it: ``stage``, the ``Trainer``
+    strategy's settings with their types and defaults, then Fabric's own. The settings arrive as ``**settings`` and
+    :class:`ZeroConfig` checks them, so the two strategies' lists cannot drift apart."""
+    trainer = inspect.signature(TrainerZeroStrategy.__init__).parameters
+    own = inspect.signature(ZeroStrategy.__init__).parameters
+    shared = [p for name, p in trainer.items() if name != "stage" and (name in CONFIG_DEFAULTS or name == "config")]
+    fabric = [p for p in own.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return inspect.Signature([own["self"], trainer["stage"], *shared, *fabric])
+
+
+ZeroStrategy.__init__.__signature__ = _constructor_signature()  # type: ignore[attr-defined]

@@ -83,10 +83,12 @@ def test_full_fabric_checkpoint_is_a_plain_file_under_the_loops_keys(report):
     assert "state_dict" not in entries
 
 
-def test_trainer_resumes_from_a_fabric_checkpoint(report):
-    """A Fabric loop at stage 2 saves a sharded directory; a Trainer at stage 3 resumes from it and writes what it
-    loaded as a full file: the module's and the optimizer's tensors are the ones Fabric saved full."""
-    result = report["checkpoints"]["fabric_to_trainer"]
+@pytest.mark.parametrize("saved", ["fabric_to_trainer", "fabric_full_to_trainer"])
+def test_trainer_resumes_from_a_fabric_checkpoint(report, saved):
+    """A Fabric loop at stage 2 saves a sharded directory and a full file; a Trainer at stage 3 (stage 1 for the file)
+    resumes from it and writes what it loaded as a full file: the module's and the optimizer's tensors are the ones
+    Fabric saved."""
+    result = report["checkpoints"][saved]
     assert result["names"] and result["tensors"] > 10
     assert result["max_diff"] == 0.0
 
@@ -104,6 +106,12 @@ def test_fabric_load_restores_the_loops_entries_and_load_raw_reads_a_state_dict(
     assert "state_dict" not in result["restored_entries"]["remainder"]
     assert result["scheduler_epoch"] == 2
     assert result["raw_loaded"]
+
+
+def test_async_save_in_a_fabric_loop(report):
+    """Two saves in the background while the loop goes on; the last one loads into another stage bit for bit."""
+    result = report["checkpoints"]["async_save"]
+    assert result["step"] == 2 and result["diff"] == 0.0
 
 
 def test_killed_fabric_loop_resumes_to_the_uninterrupted_parameters(tmp_path):

@@ -321,6 +321,13 @@ def checkpoints(directory: Path) -> dict:
         callbacks=[SaveAtStart(directory / "trainer_from_fabric.ckpt")],
     )
     t.fit(module, models.loader(gpt_data(), BATCH), ckpt_path=directory / "fabric_sharded")
+    module = _trainer_module()  # and from the full file, under the loop's own keys
+    t = trainer(
+        lightning_zero.ZeroStrategy(stage=1, state_dict_type="full"),
+        max_steps=10,
+        callbacks=[SaveAtStart(directory / "trainer_from_fabric_full.ckpt")],
+    )
+    t.fit(module, models.loader(gpt_data(), BATCH), ckpt_path=directory / "fabric_full.ckpt")
     # A Trainer saves (sharded); Fabric at another stage loads it and writes it full.
     module = _trainer_module()
     t = trainer(lightning_zero.ZeroStrategy(stage=1), max_steps=2)
@@ -344,10 +351,28 @@ def checkpoints(directory: Path) -> dict:
     fabric.load_raw(raw, model)
     out["raw_loaded"] = all(bool((v == 0.5).all()) for v in fabric.strategy.full_state_dict().values())
     fabric.strategy.teardown()
+    # async_save: the loop goes on while the checkpoint is written; the next save (or teardown) waits for it.
+    fabric = fabric_for(ZeroStrategy(stage=2, async_save=True))
+    model, optimizer, scheduler = gpt_setup(fabric)
+    for step in range(2):
+        train_loop(fabric, model, optimizer, scheduler, steps[step : step + 1])
+        fabric.save(directory / f"async_{step}", {"model": model, "optimizer": optimizer, "step": step + 1})
+    saved = fabric.strategy.full_state_dict()
+    fabric.strategy.teardown()
+    fabric = fabric_for(ZeroStrategy(stage=3))
+    model, optimizer, scheduler = gpt_setup(fabric)
+    entries = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(directory / "async_1", entries)
+    loaded = fabric.strategy.full_state_dict()
+    out["async_save"] = {"step": entries["step"], "diff": max_diff(saved, loaded) if RANK == 0 else 0.0}
+    fabric.strategy.teardown()
     if RANK == 0:
         out["full_file_entries"] = full_entries
         out["trainer_remainder"] = sorted(remainder)
         out["fabric_to_trainer"] = _same_states(directory / "fabric_full.ckpt", directory / "trainer_from_fabric.ckpt")
+        out["fabric_full_to_trainer"] = _same_states(
+            directory / "fabric_full.ckpt", directory / "trainer_from_fabric_full.ckpt"
+        )
         out["trainer_to_fabric"] = _same_states(directory / "trainer_full.ckpt", directory / "fabric_from_trainer.ckpt")
     return out
 

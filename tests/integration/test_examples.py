@@ -42,6 +42,7 @@ EXAMPLES = {
     "hf_finetune": lambda root: run(
         sys.executable, "examples/hf_finetune.py", "--out", str(root), "--pretrain-steps", "30", "--max-steps", "20"
     ),
+    "fabric_litgpt": lambda root: fabric_litgpt_runs(root),
 }
 for _name, _run in EXAMPLES.items():
     background.register(f"example_{_name}", _run)
@@ -50,6 +51,21 @@ for _name, _run in EXAMPLES.items():
 @pytest.fixture(scope="module")
 def examples(runs) -> dict[str, background.Started]:
     return {name: runs.get(f"example_{name}") for name in EXAMPLES}
+
+
+def fabric_litgpt_runs(root: Path) -> tuple[str, str]:
+    """30 steps (a checkpoint at step 20), then a second run to step 40 that resumes from it."""
+    command = [sys.executable, "examples/fabric_litgpt.py", "--out", str(root), "--save-every", "20"]
+    return run(*command, "--max-steps", "30"), run(*command, "--max-steps", "40")
+
+
+def test_litgpt_in_a_fabric_loop_with_zero3_learns_and_resumes(examples):
+    pytest.importorskip("litgpt", reason="LitGPT is installed by `make install` (pip install --no-deps litgpt)")
+    first_run, resumed_run = examples["fabric_litgpt"].result()
+    first, last = loss_summary(first_run)
+    assert last < first - 1.0, (first, last)
+    assert "resumed from step 20" in resumed_run
+    assert "(20 steps, zero3)" in resumed_run
 
 
 def test_quickstart(examples):

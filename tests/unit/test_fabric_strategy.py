@@ -1,12 +1,15 @@
 """``lightning_zero.fabric.ZeroStrategy`` as ``L.Fabric`` builds it, without processes: the registered names, the
 precision it converts, and the settings it refuses before any process starts."""
 
+import inspect
+
 import lightning as L
 import pytest
 
 import lightning_zero
 from lightning_zero import ZeroConfigError, ZeroPrecision
 from lightning_zero.config.zero_config import REGISTERED_STRATEGIES
+from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS
 from lightning_zero.fabric import ZeroStrategy
 
 
@@ -65,3 +68,14 @@ def test_settings_a_fabric_loop_cannot_take_are_refused_when_built(settings, mes
     with pytest.raises(ZeroConfigError) as error:
         ZeroStrategy(**settings)
     assert message in str(error.value)
+
+
+def test_signature_shows_the_trainer_strategys_settings_typed():
+    """The settings arrive as ``**settings``; ``inspect.signature`` and ``help()`` show them as the Trainer strategy
+    declares them, with Fabric's own arguments after."""
+    fabric = inspect.signature(ZeroStrategy).parameters
+    trainer = inspect.signature(lightning_zero.ZeroStrategy).parameters
+    for name in (*CONFIG_DEFAULTS, "config"):
+        assert fabric[name] == trainer[name], name
+    assert list(fabric)[0] == "stage"
+    assert {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision"} <= set(fabric)
