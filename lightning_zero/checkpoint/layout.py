@@ -15,7 +15,7 @@ bring it back to Lightning's layout first (:func:`as_lightning`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +70,3 @@ def as_full_file(checkpoint: dict[str, Any]) -> dict[str, Any]:
     out.update(zip(keys.optimizers, checkpoint.get("optimizer_states", [])))
     out.update(zip(keys.schedulers, checkpoint.get("lr_schedulers", [])))
     return out
-
-
-def reserved_keys(names: Sequence[str]) -> list[str]:
-    """Which of a Fabric loop's entry ``names`` would collide with Lightning's layout or this format's own entries."""
-    return [name for name in names if name in (*LIGHTNING_ENTRIES, FABRIC_KEYS)]

@@ -46,8 +46,11 @@ from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
 from lightning_zero.activation_checkpointing import resolve_policy
+from lightning_zero.checkpoint import delayed_update, error_feedback, selective_updates
 from lightning_zero.checkpoint.io import AVERAGE_LOADED, load_optimizer_state
-from lightning_zero.checkpoint.layout import FABRIC_KEYS, LIGHTNING_ENTRIES, FabricKeys, as_full_file, reserved_keys
+from lightning_zero.checkpoint.layout import FABRIC_KEYS, LIGHTNING_ENTRIES, FabricKeys, as_full_file
+from lightning_zero.checkpoint.state_dicts import CURRENT_MODEL_STATE
+from lightning_zero.checkpoint.verify import META_FILE, check_complete, read_checkpoint_dict
 from lightning_zero.config.choices import ZeroConfigError, closest
 from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ZeroConfig
 from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS, DeepSpeedSettings, strategy_settings
@@ -56,7 +59,7 @@ from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.faults.timeouts import extended_during
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
-from lightning_zero.resume.rng import collect_rng_state
+from lightning_zero.resume.rng import collect_rng_state, restore_rng_state
 from lightning_zero.strategy import processes
 from lightning_zero.strategy.checkpoints import ShardedCheckpoints
 from lightning_zero.strategy.processes import require
@@ -72,6 +75,13 @@ _INTERNAL_ENTRIES = (
     "hf_export",
     "optimizer_param_groups",
     AVERAGE_LOADED,
+    CURRENT_MODEL_STATE,
+    delayed_update.KEY,
+    selective_updates.KEY,
+    error_feedback.KEY,
+    error_feedback.TABLE_KEY,
+    error_feedback.SIGNATURE_KEY,
+    ZeroPrecision.__qualname__,  # the loss scale, where Lightning keeps a precision plugin's state
 )
 #: What a DeepSpeed config asks of the ``Trainer`` (the ``DeepSpeedSettings`` field, its key there), which a Fabric
 #: loop does itself.
@@ -199,6 +209,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
+        if precision is not None and precision is self._precision:
+            return  # a Fabric handing back the plugin this strategy chose
         self._precision = as_zero_precision(precision_plugin_for(getattr(self, "_deepspeed", None), precision))
 
     # ------------------------------------------------------------------ processes
@@ -328,10 +340,38 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         self._give_sharded_parameters(optimizer)
         config = self.zero_config
         engine.wrap_optimizer(optimizer, config.elementwise_optimizers, config.matrix_optimizers)
+        self._hear_zero_grad(optimizer)
         if not config.optimizer_on_host:
             _optimizers_to_device([optimizer], self.root_device)
         self._optimizers.append(optimizer)
         return optimizer
+
+    def _hear_zero_grad(self, optimizer: Optimizer) -> None:
+        """``optimizer.zero_grad()`` drops what the engine holds of the gradients (its own ``zero_grad``, which
+        ``engine/optimizers.py`` puts on the instance) and closes the accumulation window, so the next backward starts
+        a new one, also where the loop skips a step (a non-finite norm). Fabric's wrapper looks ``zero_grad`` up on
+        the optimizer's class, never the instance: the class gets a subclass whose ``zero_grad`` calls the instance's.
+        """
+        engine_zero_grad = optimizer.zero_grad
+        strategy = weakref.ref(self)
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            engine_zero_grad(set_to_none)
+            if (alive := strategy()) is not None:
+                alive._window_open = False
+
+        optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+        base = type(optimizer)
+        if not getattr(base, "_lightning_zero_hears_zero_grad", False):
+            optimizer.__class__ = type(
+                base.__name__,
+                (base,),
+                {
+                    "zero_grad": _instance_zero_grad,
+                    "_lightning_zero_hears_zero_grad": True,
+                    "__module__": base.__module__,
+                },
+            )
 
     def _give_sharded_parameters(self, optimizer: Optimizer) -> None:
         module = require(self._module, "module")
@@ -384,7 +424,9 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         """Step this rank's shards (skipped on every rank where ``16-mixed`` found an inf/NaN). Collective."""
         self._window_open = False
         self._steps += 1
-        return self.precision.step_shards(optimizer, **kwargs)
+        result = self.precision.step_shards(optimizer, **kwargs)
+        self._sharded.sync_buffers()  # rank 0's buffers (BatchNorm statistics) on every rank, as DDP's forward does
+        return result
 
     @override
     def clip_gradients_norm(
@@ -444,7 +486,7 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
             if state[key] not in self._optimizers:
                 raise ZeroConfigError(f"`{key}`: an optimizer Fabric did not set up with this strategy.")
         schedulers = [key for key, obj in state.items() if isinstance(obj, LRScheduler)]
-        if clashes := reserved_keys(list(state)):
+        if clashes := [name for name in state if name in _INTERNAL_ENTRIES]:
             raise ZeroConfigError(
                 f"The checkpoint entries {clashes} are reserved by the checkpoint format; rename them."
             )
@@ -509,7 +551,7 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         but tensors and plain values (``weights_only=False`` is refused)."""
         target = Path(self.broadcast(str(path)))
         safe = weights_only is not False
-        if not state:
+        if state is None or (isinstance(state, dict) and not state):
             if target.is_dir():
                 raise ZeroConfigError(
                     f"fabric.load({str(path)!r}) without objects to load into: a sharded checkpoint is read into the "
@@ -545,35 +587,55 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
             self._checkpoints.load_model_state(module, state_dict, self._sharded, strict)
 
     def _load_into(self, path: Path, state: dict[str, Any], strict: bool, safe: bool) -> dict[str, Any]:
+        """The loop's objects from a checkpoint: by the keys it was saved under where a Fabric loop saved it, by
+        position in a ``Trainer``'s. What the loop asks for and the checkpoint lacks is found before anything loads."""
         key, module, keys = self._entries(state)
-        optimizers = [state[k] for k in keys.optimizers]
         sharded = self._sharded
-        checkpoint = self._checkpoints.load(path, module, optimizers, sharded, strict, safe, None)
-        if not _is_checkpoint(checkpoint):
+        if path.is_dir():
+            check_complete(path)
+            preview = read_checkpoint_dict(path / META_FILE)  # the entries but the tensors
+            saved_optimizers = len(preview.get("optimizer_param_groups", []))
+        else:
+            preview = self._checkpoints.load(path, module, [], sharded, strict, safe, None)  # reads, loads nothing
+            saved_optimizers = len(preview.get("optimizer_states", []))
+        if path.is_file() and not _is_checkpoint(preview):  # a directory is one
             raise ZeroConfigError(
                 f"{path} holds a plain state dict, not a checkpoint: load it with `fabric.load_raw(path, model)`."
             )
-        saved_optimizers = checkpoint.get("optimizer_states", [])
-        missing = [k for k in keys.optimizers[len(saved_optimizers) :]]
-        missing += [k for k in keys.schedulers[len(checkpoint.get("lr_schedulers", [])) :]]
-        missing += [k for k in state if k not in (key, *keys.optimizers, *keys.schedulers) and k not in checkpoint]
+        saved_schedulers = len(preview.get("lr_schedulers", []))
+        if FABRIC_KEYS in preview:
+            saved = FabricKeys.from_entry(preview[FABRIC_KEYS])
+        else:  # a Trainer's: its optimizers and schedulers in the loop's order
+            saved = FabricKeys(key, keys.optimizers[:saved_optimizers], keys.schedulers[:saved_schedulers])
+        order = [k for k in saved.optimizers if k in keys.optimizers]
+        if order != list(saved.optimizers[: len(order)]):
+            raise ZeroConfigError(
+                f"fabric.load: {path} holds the optimizers {list(saved.optimizers)} in this order; load all of them, "
+                f"or the first ones, under those keys (asked for: {list(keys.optimizers)})."
+            )
+        missing = [k for k in (*keys.optimizers, *keys.schedulers) if k not in (*saved.optimizers, *saved.schedulers)]
+        missing += [k for k in state if k not in (key, *keys.optimizers, *keys.schedulers) and k not in preview]
         if strict and missing:
             raise KeyError(
                 f"The requested state contains the entries {missing} that the checkpoint at {path} does not hold. "
                 "To load what it holds, call `fabric.load(..., strict=False)`."
             )
-        if path.is_file():  # a sharded directory was loaded in place; a full file's states are loaded from here
+        optimizers = [state[k] for k in order]
+        if path.is_dir():  # loaded in place
+            checkpoint = self._checkpoints.load(path, module, optimizers, sharded, strict, safe, None)
+        else:  # a full file's states are loaded from here
+            checkpoint = preview
             self._checkpoints.load_model_state(module, checkpoint["state_dict"], sharded, strict)
-            if optimizers and saved_optimizers:
-                self._checkpoints.load_optimizer_states(
-                    optimizers[: len(saved_optimizers)], checkpoint, module, sharded
-                )
-        for name, saved in zip(keys.schedulers, checkpoint.get("lr_schedulers", [])):
-            state[name].load_state_dict(saved)
+            if optimizers:
+                self._checkpoints.load_optimizer_states(optimizers, checkpoint, module, sharded)
+        for name in keys.schedulers:
+            if name in saved.schedulers:
+                state[name].load_state_dict(checkpoint["lr_schedulers"][saved.schedulers.index(name)])
         if (precision_state := checkpoint.get(type(self.precision).__qualname__)) is not None:
             self.precision.load_state_dict(precision_state)
+        if optimizers and (rng := checkpoint.get("rng_states")):  # resuming: this rank's draws go on as saved
+            restore_rng_state(rng[self.global_rank % len(rng)])
         remainder = {k: v for k, v in checkpoint.items() if k not in _INTERNAL_ENTRIES}
-        remainder.pop(type(self.precision).__qualname__, None)
         for name, obj in state.items():
             if name in (key, *keys.optimizers, *keys.schedulers) or name not in remainder:
                 continue
@@ -598,6 +660,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
             engine.teardown()
         self._sharded.after_fit()
         self._sharded, self._module, self._optimizers = NOT_SHARDED, None, []
+        self._names_before_sharding, self._window_open, self._steps = {}, False, 0
+        self.precision.attach(None)
         require(self.cluster_environment, "cluster_environment").teardown()
         super().teardown()
         if error is not None:
@@ -614,6 +678,16 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
 _LAUNCHED: weakref.ref[ZeroStrategy] | None = None
 #: ``sys.excepthook`` before :func:`_excepthook` was chained in front of it.
 _previous_excepthook: Callable[..., Any] | None = None
+
+
+def _instance_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
+    """``zero_grad`` as Fabric's optimizer wrapper calls it: the wrapped optimizer's own (see ``_hear_zero_grad``)."""
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    heard = inner.__dict__.get("zero_grad")
+    if heard is not None:
+        heard(set_to_none)
+    else:  # the engine let go of the optimizer (teardown)
+        super(type(inner), inner).zero_grad(set_to_none)
 
 
 def _report(error: BaseException) -> None:
@@ -640,7 +714,8 @@ def _reporting(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     try:
         return function(*args, **kwargs)
     except BaseException as error:
-        _report(error)
+        if not (isinstance(error, SystemExit) and error.code in (0, None)):  # a clean exit is no failure
+            _report(error)
         raise
 
 

@@ -138,6 +138,10 @@ class ZeroPrecision(Precision):
         self._engine: ShardingEngine | None = None
         #: Per optimizer (by id) with finalized gradients awaiting their step: whether any rank overflowed.
         self._found_inf: dict[int, bool] = {}
+        #: ``16-mixed``: the scale the last backward's loss was multiplied by (None before one), and whether a step of
+        #: that window has updated the scale since.
+        self._scaled_by: float | None = None
+        self._scale_updated = False
         #: Steps whose offloaded parts ran during backward before the clip was known, and in how many of them the clip
         #: fired and undid them ([Note: speculative clipping] in ``engine/offload/speculation.py``).
         self.speculated_steps = self.clips_fired = 0
@@ -232,7 +236,11 @@ class ZeroPrecision(Precision):
         """Before a backward, in every front end: the last step's gradients are final no longer, and ``16-mixed``
         multiplies the loss by its scale."""
         self._found_inf.clear()
-        return loss * self.scaler.scale if self.scaler is not None else loss
+        if self.scaler is None:
+            return loss
+        # Every optimizer of the coming step unscales by this scale, whatever an earlier optimizer's step made of it.
+        self._scaled_by, self._scale_updated = self.scaler.scale, False
+        return loss * self._scaled_by
 
     def finalize_gradients(self, optimizer: Optimizer) -> bool:
         """Average (and unscale) ``optimizer``'s gradient shards, once per step; returns whether any rank's
@@ -241,7 +249,7 @@ class ZeroPrecision(Precision):
         key = id(optimizer)
         if key in self._found_inf:
             return self._found_inf[key]
-        scale = self.scaler.scale if self.scaler is not None else 1.0
+        scale = (self._scaled_by or self.scaler.scale) if self.scaler is not None else 1.0
         self.engine.optimizer_shards(optimizer).finalize_gradients(1.0 / scale)
         found_inf = self._any_rank_found_inf(optimizer) if self.scaler is not None else False
         self._found_inf[key] = found_inf
@@ -266,8 +274,11 @@ class ZeroPrecision(Precision):
         return bool(flag.item() > 0)
 
     def _end_step(self, optimizer: Optimizer, found_inf: bool) -> None:
-        if self.scaler is None:
+        """One scale update per backward window, as ``GradScaler.update()``: a later optimizer of the same window
+        updates it again only to back off, where it found an inf/NaN the first did not."""
+        if self.scaler is None or (self._scale_updated and not found_inf):
             return
+        self._scale_updated = True
         before = self.scaler.scale
         after = self.scaler.update(found_inf)
         if found_inf:

@@ -29,6 +29,9 @@ EXACT = [
     "stage3_separate_setup",
     "stage2_without_no_backward_sync",
     "stage3_clip_value",
+    "stage1_zero_grad_without_step",
+    "stage2_zero_grad_without_step",
+    "stage3_zero_grad_without_step",
 ]
 
 
@@ -37,7 +40,7 @@ def test_fabric_loop_trains_as_single_process(report, case):
     """3 steps of 2 micro-batches accumulated under ``fabric.no_backward_sync`` (or without it: exact, only slower),
     ``fabric.clip_gradients`` by norm (by value in one case), SGD with two param groups and a warmup schedule; the
     module built under ``fabric.init_module(empty_init=True)`` (the meta device at stage 3), set up with its optimizer
-    or before it."""
+    or before it; ``optimizer.zero_grad()`` after a backward without a step drops its gradients."""
     result = report["exactness"][case]
     assert result["change"] > 100 * result["diff"]  # it trained
     assert result["diff"] <= DESIGN_FP32, result
@@ -109,14 +112,32 @@ def test_fabric_load_restores_the_loops_entries_and_load_raw_reads_a_state_dict(
 
 
 def test_async_save_in_a_fabric_loop(report):
-    """Two saves in the background while the loop goes on; the last one loads into another stage bit for bit."""
-    result = report["checkpoints"]["async_save"]
-    assert result["step"] == 2 and result["diff"] == 0.0
+    """Two saves in the background, the first written while the next step trains; each loads into another stage bit
+    for bit as it was when saved."""
+    for step, result in enumerate(report["checkpoints"]["async_save"]):
+        assert result["step"] == step + 1 and result["diff"] == 0.0
+
+
+def test_two_optimizers_load_by_their_keys(report):
+    result = report["checkpoints"]["optimizers_by_key"]
+    assert result["loaded"] == result["saved"] == [[0.2], [0.1]]
+    assert "load all of them, or the first ones" in result["subset"]
+
+
+def test_buffers_are_rank_zeros_after_a_step(report):
+    result = report["checkpoints"]["buffers"]
+    assert result["same_on_every_rank"] and result["moved"] > 0
+
+
+def test_fp16_with_two_optimizers_unscales_each_by_its_backwards_scale(report):
+    result = report["exactness"]["two_optimizers_fp16"]
+    assert result["diff"] == 0.0
+    assert result["scales"][0] == result["scales"][1] == 2.0**16 * 2**3  # grown once a step, not once an optimizer
 
 
 def test_killed_fabric_loop_resumes_to_the_uninterrupted_parameters(tmp_path):
     """Every rank SIGKILLed mid-step after the second step's checkpoint; a new launch loads the latest checkpoint and
-    trains on from the step it records."""
+    trains on from the step it records. The GPT has dropout: each rank's RNG state comes back with the checkpoint."""
     env = {"LZ_SHARED_DIR": str(tmp_path)}
     with pytest.raises(LaunchError):
         launch("tests.distributed.worker_fabric", "killed", env=env, fresh=True)

@@ -99,12 +99,12 @@ def train_loop(fabric, model, optimizer, scheduler, steps: list, *, sync_control
     return norms
 
 
-def gpt_setup(fabric, joint: bool = True):
+def gpt_setup(fabric, joint: bool = True, module_class=GPTLightningModule):
     """The demo GPT built under ``fabric.init_module(empty_init=True)`` (on the meta device at stage 3), set up with its
     optimizer (``joint``) or before it."""
     torch.manual_seed(0)
     with fabric.init_module(empty_init=True):
-        module = GPTLightningModule(**GPT_KWARGS)
+        module = module_class(**GPT_KWARGS)
     # As LitGPT's `initialize_weights` does where the strategy is not Fabric's FSDP: empty memory at stages 1-2 gets
     # its values here; on the meta device (stage 3) this does nothing, and sharding runs the same initialisers.
     for layer in module.modules():
@@ -127,11 +127,17 @@ def run_scale(optimizer, steps: int) -> dict:
     return {"lr": lr, "steps": steps}
 
 
-def exact_case(stage: int, offload: bool = False, joint: bool = True, **loop) -> dict:
+def exact_case(stage: int, offload: bool = False, joint: bool = True, discarded: bool = False, **loop) -> dict:
+    """``discarded``: first a backward whose gradients the loop drops with ``optimizer.zero_grad()`` without a step
+    (a skipped batch); the training after it must not see them."""
     fabric = fabric_for(ZeroStrategy(stage=stage, offload_optimizer=offload))
     model, optimizer, scheduler = gpt_setup(fabric, joint)
     initial = fabric.strategy.full_state_dict()
     steps = windows(STEPS, ACCUMULATE)
+    if discarded:
+        x, y = windows(STEPS + 1, 1)[STEPS][0][fabric.global_rank]
+        fabric.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * 10)
+        optimizer.zero_grad()
     train_loop(fabric, model, optimizer, scheduler, steps, **loop)
     final = fabric.strategy.full_state_dict()
     out = run_scale(optimizer, STEPS)
@@ -228,12 +234,46 @@ def exactness(directory: Path) -> dict:
     out["stage2_without_no_backward_sync"] = exact_case(2, sync_control=False)
     out["stage3_clip_value"] = exact_case(3, clip=None, clip_value=0.01)
     for stage in (1, 2, 3):
+        out[f"stage{stage}_zero_grad_without_step"] = exact_case(stage, discarded=True)
+    out["two_optimizers_fp16"] = two_optimizers_case()
+    for stage in (1, 2, 3):
         out[f"bf16_stage{stage}"] = mixed_case(stage, "bf16-mixed")
     out["fp16_stage2"] = mixed_case(2, "16-mixed")
     out["fp16_stage3"] = mixed_case(3, "16-mixed")
     out["overflow"] = overflow_case()
     out["bf16_true"] = bf16_true_case()
     return out
+
+
+def two_optimizers_case() -> dict:
+    """``16-mixed`` with the scale growing every step (``growth_interval=1``): the matrices and the vectors stepped by
+    two optimizers end bit for bit where one optimizer over both groups ends (each unscales by the scale its
+    backward used, and the scale moves once a step)."""
+    finals, scales = [], []
+    for split in (False, True):
+        plugin = ZeroPrecision("16-mixed", growth_interval=1)
+        fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=ZeroStrategy(stage=2), plugins=[plugin])
+        fabric.launch()
+        torch.manual_seed(0)
+        module = GPTLightningModule(**GPT_KWARGS)
+        model = fabric.setup_module(module)
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        vectors = [p for p in model.parameters() if p.dim() < 2]
+        if split:
+            optimizers = [torch.optim.SGD(matrices, lr=0.2), torch.optim.SGD(vectors, lr=0.1)]
+        else:
+            optimizers = [torch.optim.SGD([{"params": matrices, "lr": 0.2}, {"params": vectors, "lr": 0.1}])]
+        optimizers = [fabric.setup_optimizers(o) for o in optimizers]
+        for step in windows(STEPS, 1):
+            x, y = step[0][fabric.global_rank]
+            fabric.backward(F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()))
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+        finals.append(fabric.strategy.full_state_dict())
+        scales.append(plugin.loss_scale)
+        fabric.strategy.teardown()
+    return {"diff": max_diff(*finals) if RANK == 0 else 0.0, "scales": scales}
 
 
 def overflow_case() -> dict:
@@ -354,18 +394,23 @@ def checkpoints(directory: Path) -> dict:
     # async_save: the loop goes on while the checkpoint is written; the next save (or teardown) waits for it.
     fabric = fabric_for(ZeroStrategy(stage=2, async_save=True))
     model, optimizer, scheduler = gpt_setup(fabric)
-    for step in range(2):
+    saved = []
+    for step in range(2):  # the first save is written while the second step trains
         train_loop(fabric, model, optimizer, scheduler, steps[step : step + 1])
+        saved.append(fabric.strategy.full_state_dict())
         fabric.save(directory / f"async_{step}", {"model": model, "optimizer": optimizer, "step": step + 1})
-    saved = fabric.strategy.full_state_dict()
     fabric.strategy.teardown()
-    fabric = fabric_for(ZeroStrategy(stage=3))
-    model, optimizer, scheduler = gpt_setup(fabric)
-    entries = {"model": model, "optimizer": optimizer, "step": 0}
-    fabric.load(directory / "async_1", entries)
-    loaded = fabric.strategy.full_state_dict()
-    out["async_save"] = {"step": entries["step"], "diff": max_diff(saved, loaded) if RANK == 0 else 0.0}
-    fabric.strategy.teardown()
+    out["async_save"] = []
+    for step in range(2):
+        fabric = fabric_for(ZeroStrategy(stage=3))
+        model, optimizer, scheduler = gpt_setup(fabric)
+        entries = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(directory / f"async_{step}", entries)
+        loaded = fabric.strategy.full_state_dict()
+        out["async_save"].append({"step": entries["step"], "diff": max_diff(saved[step], loaded) if RANK == 0 else 0.0})
+        fabric.strategy.teardown()
+    out["optimizers_by_key"] = optimizers_by_key(directory)
+    out["buffers"] = buffers_case()
     if RANK == 0:
         out["full_file_entries"] = full_entries
         out["trainer_remainder"] = sorted(remainder)
@@ -375,6 +420,66 @@ def checkpoints(directory: Path) -> dict:
         )
         out["trainer_to_fabric"] = _same_states(directory / "trainer_full.ckpt", directory / "fabric_from_trainer.ckpt")
     return out
+
+
+def _two_optimizer_setup(fabric):
+    torch.manual_seed(0)
+    module = GPTLightningModule(**GPT_KWARGS)
+    model = fabric.setup_module(module)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    first = fabric.setup_optimizers(torch.optim.SGD(matrices, lr=0.2, momentum=0.9))
+    second = fabric.setup_optimizers(torch.optim.SGD(vectors, lr=0.1, momentum=0.5))
+    return model, first, second
+
+
+def optimizers_by_key(directory: Path) -> dict:
+    """Two optimizers saved as ``matrices`` and ``vectors`` load back by key from a dictionary listing them the
+    other way round, at another stage; a dictionary naming only the second is refused before anything loads."""
+    fabric = fabric_for(ZeroStrategy(stage=2))
+    model, first, second = _two_optimizer_setup(fabric)
+    x, y = windows(1, 1)[0][0][fabric.global_rank]
+    fabric.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+    first.step()
+    second.step()
+    fabric.save(directory / "two_optimizers", {"model": model, "matrices": first, "vectors": second})
+    rates = [[float(g["lr"]) for g in o.param_groups] for o in (first, second)]
+    fabric.strategy.teardown()
+    fabric = fabric_for(ZeroStrategy(stage=3))
+    model, first, second = _two_optimizer_setup(fabric)
+    for group in (*first.param_groups, *second.param_groups):
+        group["lr"] = 0.0  # the load must bring each optimizer its own hyperparameters
+    fabric.load(directory / "two_optimizers", {"model": model, "vectors": second, "matrices": first})
+    loaded = [[float(g["lr"]) for g in o.param_groups] for o in (first, second)]
+    refused = _error(lambda: fabric.load(directory / "two_optimizers", {"model": model, "vectors": second}))
+    fabric.strategy.teardown()
+    return {"saved": rates, "loaded": loaded, "subset": refused}
+
+
+class NormedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def buffers_case() -> dict:
+    """BatchNorm's running statistics, updated by each rank's own batch, are rank 0's on every rank after a step."""
+    fabric = fabric_for(ZeroStrategy(stage=2))
+    torch.manual_seed(0)
+    model = fabric.setup_module(NormedNet())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(fabric.global_rank)) * (1 + fabric.global_rank)
+    fabric.backward(model(x).pow(2).mean())
+    optimizer.step()
+    mean = model.blocks[1].running_mean.clone()
+    gathered = fabric.all_gather(mean)
+    fabric.strategy.teardown()
+    return {"same_on_every_rank": bool((gathered[0] == gathered[1]).all()), "moved": float(mean.abs().max())}
 
 
 def _same_states(a: Path, b: Path) -> dict:
@@ -395,10 +500,18 @@ def _same_states(a: Path, b: Path) -> dict:
 KILL_STEPS = 4
 
 
+class DropoutGPT(GPTLightningModule):
+    """The demo GPT with dropout: a resumed run draws the masks the uninterrupted one draws only if the checkpoint
+    brought back each rank's RNG state."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs, dropout=0.2)
+
+
 def _resumable_loop(fabric, directory: Path, stop_after: int | None) -> dict:
     """Save after every step; ``stop_after``: every rank is killed (SIGKILL) inside the next step, after its first
     forward."""
-    model, optimizer, scheduler = gpt_setup(fabric)
+    model, optimizer, scheduler = gpt_setup(fabric, module_class=DropoutGPT)
     steps = windows(KILL_STEPS, ACCUMULATE)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     latest = directory / "latest"
