@@ -391,8 +391,10 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
                     )
                 if optimizer.state.get(p):
                     raise ZeroConfigError(
-                        f"{type(optimizer).__name__} has state for `{name}` already: set it up with the module before "
-                        "its first step, or load its state after `fabric.setup` with `fabric.load`."
+                        f"{type(optimizer).__name__} has state for `{name}` already (some optimizers, such as Adagrad, "
+                        "make it when built): build it from the set-up module's parameters "
+                        "(`model = fabric.setup_module(model)`, then the optimizer), and load saved state with "
+                        "`fabric.load`."
                     )
                 params.append(current[name])
             group["params"] = params

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lightning_zero.checkpoint.layout import as_lightning
 from lightning_zero.checkpoint.safe_load import load_weights_only
 from lightning_zero.checkpoint.sharded_rows import ShardedWeights, is_sharded_directory
 from lightning_zero.checkpoint.verify import CheckpointError
@@ -102,6 +103,8 @@ class WeightsFile:
                 handle = safe_open(str(file), framework="pt", device="cpu")
             else:
                 state = load_weights_only(file, mmap=True)
+                if isinstance(state, dict):
+                    state = as_lightning(state)  # a Fabric loop's full file keeps the module under the loop's key
                 if isinstance(state, Mapping) and isinstance(state.get("state_dict"), Mapping):
                     state = state["state_dict"]  # a Lightning checkpoint
                 if not isinstance(state, Mapping):

@@ -118,6 +118,10 @@ def test_async_save_in_a_fabric_loop(report):
         assert result["step"] == step + 1 and result["diff"] == 0.0
 
 
+def test_init_weights_reads_a_fabric_full_file(report):
+    assert report["checkpoints"]["init_weights_from_fabric_file"] == 0.0
+
+
 def test_two_optimizers_load_by_their_keys(report):
     result = report["checkpoints"]["optimizers_by_key"]
     assert result["loaded"] == result["saved"] == [[0.2], [0.1]]

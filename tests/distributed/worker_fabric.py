@@ -349,6 +349,7 @@ def checkpoints(directory: Path) -> dict:
     model, optimizer, scheduler = gpt_setup(fabric)
     train_loop(fabric, model, optimizer, scheduler, steps[:2])
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2, "note": "fabric"}
+    shared = Path(fabric.broadcast(str(directory)))  # rank 0's directory: what a full file's rank 0 wrote is there
     fabric.save(directory / "fabric_sharded", state)
     fabric.strategy.zero_config = lightning_zero.ZeroConfig(stage=2, state_dict_type="full")
     fabric.save(directory / "fabric_full.ckpt", state)
@@ -409,6 +410,14 @@ def checkpoints(directory: Path) -> dict:
         loaded = fabric.strategy.full_state_dict()
         out["async_save"].append({"step": entries["step"], "diff": max_diff(saved[step], loaded) if RANK == 0 else 0.0})
         fabric.strategy.teardown()
+    # init_weights= reads a Fabric loop's full file (the module under the loop's key) row by row into stage 3's shards.
+    fabric = fabric_for(ZeroStrategy(stage=3, init_weights=shared / "fabric_full.ckpt"))
+    model, optimizer, scheduler = gpt_setup(fabric)
+    initial = fabric.strategy.full_state_dict()
+    fabric.strategy.teardown()
+    if RANK == 0:
+        saved_model = torch.load(directory / "fabric_full.ckpt", weights_only=True)["model"]
+        out["init_weights_from_fabric_file"] = max_diff(initial, saved_model)
     out["optimizers_by_key"] = optimizers_by_key(directory)
     out["buffers"] = buffers_case()
     if RANK == 0:

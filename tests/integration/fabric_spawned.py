@@ -34,6 +34,7 @@ def loop(fabric: L.Fabric, fail: bool) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach())))
+        fabric.print(f"step {step} loss {losses[-1]:.4f}")
     return {"losses": losses, "world_size": fabric.world_size, "stage": fabric.strategy.stage}
 
 
