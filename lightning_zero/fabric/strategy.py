@@ -136,8 +136,9 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         self._sharded: ShardedModel = NOT_SHARDED
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
-        #: ``id(parameter)`` -> its name, as the module held them before sharding (an optimizer built from those).
-        self._names_before_sharding: dict[int, str] = {}
+        #: ``id(parameter)`` -> the parameter (weakly) and its name, as the module held them before sharding (an
+        #: optimizer built from those).
+        self._names_before_sharding: dict[int, tuple[weakref.ref[Tensor], str]] = {}
         #: A backward has run since the last step: the accumulation window is open.
         self._window_open = False
         #: Optimizer steps taken (the step a fault's diagnosis names).
@@ -306,7 +307,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
                 f"lightning_zero.fabric.ZeroStrategy shards one module per Fabric; {_name(self._module)} is set up "
                 f"already. Put {_name(module)} inside it, or use another Fabric for it."
             )
-        self._names_before_sharding = {id(p): name for name, p in module.named_parameters()}
+        # Weakly: once sharding dropped them their ids may be reused by any new tensor.
+        self._names_before_sharding = {id(p): (weakref.ref(p), name) for name, p in module.named_parameters()}
         precision = self.precision
         self._sharded = shard_model(
             module,
@@ -383,7 +385,8 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
                 if id(p) in live:
                     params.append(p)
                     continue
-                name = self._names_before_sharding.get(id(p))
+                known = self._names_before_sharding.get(id(p))
+                name = known[1] if known is not None and known[0]() is p else None
                 if name is None or name not in current:
                     raise ZeroConfigError(
                         f"{type(optimizer).__name__} holds a parameter of shape {tuple(p.shape)} that is not one of "

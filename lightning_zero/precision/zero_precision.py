@@ -138,10 +138,10 @@ class ZeroPrecision(Precision):
         self._engine: ShardingEngine | None = None
         #: Per optimizer (by id) with finalized gradients awaiting their step: whether any rank overflowed.
         self._found_inf: dict[int, bool] = {}
-        #: ``16-mixed``: the scale the last backward's loss was multiplied by (None before one), and whether a step of
-        #: that window has updated the scale since.
+        #: ``16-mixed``: the scale the last backward's loss was multiplied by (None before one), whether a step of
+        #: that window has updated the scale since, and whether that update backed off.
         self._scaled_by: float | None = None
-        self._scale_updated = False
+        self._scale_updated = self._scale_backed_off = False
         #: Steps whose offloaded parts ran during backward before the clip was known, and in how many of them the clip
         #: fired and undid them ([Note: speculative clipping] in ``engine/offload/speculation.py``).
         self.speculated_steps = self.clips_fired = 0
@@ -239,7 +239,7 @@ class ZeroPrecision(Precision):
         if self.scaler is None:
             return loss
         # Every optimizer of the coming step unscales by this scale, whatever an earlier optimizer's step made of it.
-        self._scaled_by, self._scale_updated = self.scaler.scale, False
+        self._scaled_by, self._scale_updated, self._scale_backed_off = self.scaler.scale, False, False
         return loss * self._scaled_by
 
     def finalize_gradients(self, optimizer: Optimizer) -> bool:
@@ -275,10 +275,10 @@ class ZeroPrecision(Precision):
 
     def _end_step(self, optimizer: Optimizer, found_inf: bool) -> None:
         """One scale update per backward window, as ``GradScaler.update()``: a later optimizer of the same window
-        updates it again only to back off, where it found an inf/NaN the first did not."""
-        if self.scaler is None or (self._scale_updated and not found_inf):
+        updates it again only to back off, once, where it found an inf/NaN and no earlier one did."""
+        if self.scaler is None or (self._scale_updated and not (found_inf and not self._scale_backed_off)):
             return
-        self._scale_updated = True
+        self._scale_updated, self._scale_backed_off = True, found_inf
         before = self.scaler.scale
         after = self.scaler.update(found_inf)
         if found_inf:

@@ -136,7 +136,8 @@ def test_buffers_are_rank_zeros_after_a_step(report):
 def test_fp16_with_two_optimizers_unscales_each_by_its_backwards_scale(report):
     result = report["exactness"]["two_optimizers_fp16"]
     assert result["diff"] == 0.0
-    assert result["scales"][0] == result["scales"][1] == 2.0**16 * 2**3  # grown once a step, not once an optimizer
+    # grown once a step, not once an optimizer, then halved once by the step both optimizers skipped
+    assert result["scales"][0] == result["scales"][1] == 2.0**16 * 2**3 / 2
 
 
 def test_killed_fabric_loop_resumes_to_the_uninterrupted_parameters(tmp_path):
