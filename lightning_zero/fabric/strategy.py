@@ -358,8 +358,11 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         strategy = weakref.ref(self)
 
         def zero_grad(set_to_none: bool = True) -> None:
+            alive = strategy()
+            if alive is not None:  # a 16-mixed overflow the loop skipped the step for still backs the scale off
+                alive.precision.step_skipped(optimizer)
             engine_zero_grad(set_to_none)
-            if (alive := strategy()) is not None:
+            if alive is not None:
                 alive._window_open = False
 
         optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
@@ -636,10 +639,11 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         for name in keys.schedulers:
             if name in saved.schedulers:
                 state[name].load_state_dict(checkpoint["lr_schedulers"][saved.schedulers.index(name)])
-        if (precision_state := checkpoint.get(type(self.precision).__qualname__)) is not None:
-            self.precision.load_state_dict(precision_state)
-        if optimizers and (rng := checkpoint.get("rng_states")):  # resuming: this rank's draws go on as saved
-            restore_rng_state(rng[self.global_rank % len(rng)])
+        if optimizers:  # resuming training: the loss scale and this rank's draws go on as saved
+            if (precision_state := checkpoint.get(type(self.precision).__qualname__)) is not None:
+                self.precision.load_state_dict(precision_state)
+            if rng := checkpoint.get("rng_states"):
+                restore_rng_state(rng[self.global_rank % len(rng)])
         remainder = {k: v for k, v in checkpoint.items() if k not in _INTERNAL_ENTRIES}
         for name, obj in state.items():
             if name in (key, *keys.optimizers, *keys.schedulers) or name not in remainder:
@@ -688,10 +692,12 @@ _previous_excepthook: Callable[..., Any] | None = None
 def _instance_zero_grad(optimizer: Any, set_to_none: bool = True) -> None:
     """``zero_grad`` as Fabric's optimizer wrapper calls it: the wrapped optimizer's own (see ``_hear_zero_grad``)."""
     inner = getattr(optimizer, "_optimizer", optimizer)
-    heard = inner.__dict__.get("zero_grad")
+    # Through Fabric's wrapper: the instance's. Called on the optimizer itself it is the class's own `zero_grad` (the
+    # engine's instance `zero_grad` calls `type(optimizer).zero_grad`; a later run's engine wraps this one again).
+    heard = inner.__dict__.get("zero_grad") if inner is not optimizer else None
     if heard is not None:
         heard(set_to_none)
-    else:  # the engine let go of the optimizer (teardown)
+    else:
         super(type(inner), inner).zero_grad(set_to_none)
 
 

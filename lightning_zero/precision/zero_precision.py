@@ -287,6 +287,12 @@ class ZeroPrecision(Precision):
                 f"every rank and the loss scale is now {after:g} ({self.scaler.skipped_steps} skipped so far)."
             )
 
+    def step_skipped(self, optimizer: Optimizer) -> None:
+        """A loop drops the gradients of a step it does not take (``zero_grad`` after a non-finite norm): where
+        ``16-mixed`` found the overflow, the scale backs off as the skipped step would have backed it off."""
+        if self._found_inf.get(id(_unwrap(optimizer))):
+            self._end_step(_unwrap(optimizer), found_inf=True)
+
     # ------------------------------------------------------------------ step
     @override
     def optimizer_step(  # type: ignore[override]  # Lightning's own Precision narrows fabric's signature alike

@@ -198,6 +198,15 @@ def test_misuse_in_a_fabric_loop_fails_naming_the_fix(report, case):
     assert ERRORS[case] in report["errors"][case]
 
 
+def test_an_optimizer_set_up_again_after_teardown_trains(report):
+    assert report["errors"]["reused_optimizer"] == "trained twice"
+
+
+def test_a_step_the_loop_skips_for_an_overflow_backs_the_scale_off(report):
+    result = report["errors"]["loop_skips_overflow"]
+    assert result["after"] == result["before"] / 2
+
+
 def test_a_checkpoint_without_an_entry_loads_what_it_holds_when_not_strict(report):
     assert report["errors"]["load_missing_entry_not_strict"] == "no error"
 

@@ -134,9 +134,10 @@ def exact_case(stage: int, offload: bool = False, joint: bool = True, discarded:
     model, optimizer, scheduler = gpt_setup(fabric, joint)
     initial = fabric.strategy.full_state_dict()
     steps = windows(STEPS, ACCUMULATE)
-    if discarded:
+    if discarded:  # unreduced (under no_backward_sync): stage 3 holds them whole outside the shards
         x, y = windows(STEPS + 1, 1)[STEPS][0][fabric.global_rank]
-        fabric.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * 10)
+        with fabric.no_backward_sync(model):
+            fabric.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()) * 10)
         optimizer.zero_grad()
     train_loop(fabric, model, optimizer, scheduler, steps, **loop)
     final = fabric.strategy.full_state_dict()
@@ -687,6 +688,42 @@ def litgpt(directory: Path) -> dict:
     return out
 
 
+def reused_optimizer() -> str:
+    """A module and optimizer set up, torn down, and set up again in a new Fabric train there as before."""
+    torch.manual_seed(0)
+    module = GPTLightningModule(**GPT_KWARGS)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    x, y = windows(1, 1)[0][0][RANK]
+    for _ in range(2):
+        fabric = fabric_for(ZeroStrategy(stage=2))
+        model, wrapped = fabric.setup(module, optimizer)
+        fabric.backward(F.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+        wrapped.step()
+        wrapped.zero_grad()
+        fabric.strategy.teardown()
+    return "trained twice"
+
+
+def loop_skips_overflow() -> dict:
+    """``16-mixed``: the loop sees a non-finite norm and drops the gradients with ``zero_grad`` instead of stepping;
+    the scale backs off all the same."""
+    fabric = L.Fabric(
+        accelerator="cpu", devices=WORLD, strategy=ZeroStrategy(stage=2), plugins=[ZeroPrecision("16-mixed")]
+    )
+    fabric.launch()
+    model, optimizer, scheduler = gpt_setup(fabric)
+    x, y = windows(1, 1)[0][0][fabric.global_rank]
+    before = fabric.strategy.precision.loss_scale
+    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    fabric.backward(loss * (float("inf") if fabric.global_rank == 0 else 1.0))
+    norm = fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+    if not torch.isfinite(norm):
+        optimizer.zero_grad()
+    after = fabric.strategy.precision.loss_scale
+    fabric.strategy.teardown()
+    return {"before": before, "after": after}
+
+
 # ---------------------------------------------------------------------- errors
 def _error(call) -> str:
     try:
@@ -728,6 +765,8 @@ def errors(directory: Path) -> dict:
         lambda: fabric.load(directory / "errors_sharded", {"model": model, "optimizer": optimizer}, strict=False)
     )
     out["load_unsafe"] = _error(lambda: fabric.load(directory / "errors_sharded", {"model": model}, weights_only=False))
+    out["reused_optimizer"] = reused_optimizer()
+    out["loop_skips_overflow"] = loop_skips_overflow()
     rank = torch.tensor(float(fabric.global_rank + 1))
     out["all_reduce_mean"] = float(fabric.all_reduce(rank))
     out["all_reduce_sum"] = float(fabric.all_reduce(rank, reduce_op="sum"))

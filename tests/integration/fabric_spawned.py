@@ -1,8 +1,8 @@
 """A Fabric script launched as ``fabric.launch(fn)`` with ``start_method="spawn"`` (Fabric's ``ddp_spawn`` way), for
 tests/integration/test_fabric_launch.py: ``python -m tests.integration.fabric_spawned trains|fails OUT``.
 
-``trains``: 3 steps of the demo GPT at stage 3, rank 0's result written to OUT as JSON (what ``launch`` returns).
-``fails``: rank 1 raises inside the second step; rank 0 must stop naming rank 1's error, not wait.
+``trains``: 3 steps of the demo GPT at stage 3, rank 0's result (what ``launch`` returns) written to OUT as JSON.
+``fails``: the first step trains, then rank 1 raises inside the second; rank 0 must stop naming rank 1's error.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def loop(fabric: L.Fabric, fail: bool) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach())))
-        fabric.print(f"step {step} loss {losses[-1]:.4f}")
+        fabric.print(f"step {step} loss {losses[-1]:.4f}", flush=True)  # before rank 1's failure ends this process
     return {"losses": losses, "world_size": fabric.world_size, "stage": fabric.strategy.stage}
 
 
