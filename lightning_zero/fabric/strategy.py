@@ -45,7 +45,6 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
-from lightning_zero.activation_checkpointing import resolve_policy
 from lightning_zero.checkpoint import delayed_update, error_feedback, selective_updates
 from lightning_zero.checkpoint.io import AVERAGE_LOADED, load_optimizer_state
 from lightning_zero.checkpoint.layout import FABRIC_KEYS, LIGHTNING_ENTRIES, FabricKeys, as_full_file
@@ -55,15 +54,14 @@ from lightning_zero.config.choices import ZeroConfigError, closest
 from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ZeroConfig
 from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS, DeepSpeedSettings, strategy_settings
 from lightning_zero.deepspeed_compat.trainer import precision_plugin_for
-from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.faults.timeouts import extended_during
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
 from lightning_zero.resume.rng import collect_rng_state, restore_rng_state
 from lightning_zero.strategy import processes
-from lightning_zero.strategy.checkpoints import ShardedCheckpoints
+from lightning_zero.strategy.core import StrategyCore
 from lightning_zero.strategy.processes import require
-from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel, construction_device, shard_model
+from lightning_zero.strategy.sharding import NOT_SHARDED, construction_device, shard_model
 from lightning_zero.strategy.zero_strategy import ZeroStrategy as TrainerZeroStrategy
 
 #: Entries a checkpoint holds for the strategy itself, never handed back to the loop by ``fabric.load``.
@@ -98,7 +96,7 @@ _LOOP_SETTINGS = {
 }
 
 
-class ZeroStrategy(ParallelStrategy, _Sharded):
+class ZeroStrategy(StrategyCore, ParallelStrategy, _Sharded):
     """ZeRO data parallelism for a Lightning Fabric loop: stage 1 shards optimizer state, stage 2 also gradients, stage
     3 also parameters (over FSDP2), on the same engine as the ``Trainer`` strategy.
 
@@ -125,15 +123,10 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
                     f"lightning_zero.fabric.ZeroStrategy got an unknown setting `{name}`.{closest(name, CONFIG_DEFAULTS)} "
                     "It takes the settings of lightning_zero.ZeroStrategy (docs/configuration.md)."
                 )
-        zero_config, self._deepspeed = strategy_settings({"stage": stage, **settings}, config)
-        _refuse_trainer_only(zero_config, self._deepspeed)
-        self._zero_config = zero_config
-        #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
-        self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing, zero_config.offload_activations)
+        zero_config, deepspeed = strategy_settings({"stage": stage, **settings}, config)
+        _refuse_trainer_only(zero_config, deepspeed)
+        self._hold(zero_config, deepspeed)  # the settings and the collaborators (strategy/core.py)
         self._num_nodes = 1
-        self._processes = processes.DistributedProcesses(zero_config)
-        self._checkpoints = ShardedCheckpoints(zero_config)
-        self._sharded: ShardedModel = NOT_SHARDED
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
         #: ``id(parameter)`` -> the parameter (weakly) and its name, as the module held them before sharding (an
@@ -153,30 +146,6 @@ class ZeroStrategy(ParallelStrategy, _Sharded):
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def zero_config(self) -> ZeroConfig:
-        """The validated settings."""
-        return self._zero_config
-
-    @zero_config.setter
-    def zero_config(self, zero_config: ZeroConfig) -> None:
-        """Other settings for the next save (e.g. ``state_dict_type``), for the collaborators too."""
-        self._zero_config = self._processes.zero_config = self._checkpoints.zero_config = zero_config
-
-    @property
-    def stage(self) -> int:
-        return self.zero_config.stage
-
-    @property
-    def deepspeed_settings(self) -> DeepSpeedSettings | None:
-        """What ``config=`` asked for beyond the strategy's own arguments (its precision applies here)."""
-        return self._deepspeed
-
-    @property
-    def engine(self) -> ShardingEngine | None:
-        """The sharding engine (exists once the module is set up)."""
-        return self._sharded.engine
-
     @property
     @override
     def root_device(self) -> torch.device:

@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.activation_checkpointing import ActivationOffload, activation_offload, resolve_policy
+from lightning_zero.activation_checkpointing import ActivationOffload, activation_offload
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
 from lightning_zero.config.zero_config import (
@@ -47,16 +47,14 @@ from lightning_zero.config.zero_config import (
     ShardSize,
     StartMethod,
     StateDictType,
-    ZeroConfig,
 )
-from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS, DeepSpeedSettings, strategy_settings
+from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS, strategy_settings
 from lightning_zero.deepspeed_compat.trainer import (
     apply_to_trainer,
     check_batch_sizes,
     optimizers_from_config,
     precision_plugin_for,
 )
-from lightning_zero.engine.api import ShardingEngine
 from lightning_zero.engine.comm import collectives
 from lightning_zero.faults.timeouts import extended_during
 from lightning_zero.pipeline.parallel import PipelineParallel
@@ -71,7 +69,8 @@ from lightning_zero.sequence_parallel.parallel import activate
 from lightning_zero.strategy import processes
 from lightning_zero.strategy.averaging_checkpoints import average_to_load, keep_averages_in_checkpoints
 from lightning_zero.strategy.callback_support import may_change_gradients, refuse_unsupported_callbacks
-from lightning_zero.strategy.checkpoints import ShardedCheckpoints, unwrap
+from lightning_zero.strategy.checkpoints import unwrap
+from lightning_zero.strategy.core import StrategyCore
 from lightning_zero.strategy.evaluation_loops import evaluate_under_no_grad
 from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
 from lightning_zero.strategy.processes import require
@@ -83,7 +82,7 @@ from lightning_zero.strategy.swa import average_sharded_weights, clear_scheduler
 RUNNING: weakref.WeakSet[ZeroStrategy] = weakref.WeakSet()
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(StrategyCore, ParallelStrategy):
     """ZeRO data parallelism for any LightningModule.
 
     Stage 1 shards optimizer state, stage 2 also gradients, stage 3 also parameters (over FSDP2). Every
@@ -153,14 +152,8 @@ class ZeroStrategy(ParallelStrategy):
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name in CONFIG_DEFAULTS}
         #: ``self._deepspeed``: a DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
-        zero_config, self._deepspeed = strategy_settings(arguments, config)
-        self._zero_config = zero_config
-        #: The resolved ``activation_checkpointing`` (None: off); resolved here so a bad policy fails at once.
-        self.checkpoint_policy = resolve_policy(zero_config.activation_checkpointing, zero_config.offload_activations)
+        self._hold(*strategy_settings(arguments, config))  # the settings and the collaborators (core.py)
         self._num_nodes = 1
-        self._processes = processes.DistributedProcesses(zero_config)  # process group, watchdog, exit agreement
-        self._checkpoints = ShardedCheckpoints(zero_config)
-        self._sharded: ShardedModel = NOT_SHARDED  # engine, pipeline stages, what this rank holds (sharding.py)
         #: The last fit's sharding and module, while the trainer's optimizers are that fit's (``_states``).
         self._fitted: tuple[ShardedModel, torch.nn.Module] | None = None
         self._resume = ResumeState()  # auto-resume, exact mid-epoch resume, the SIGTERM checkpoint (resume/)
@@ -177,25 +170,6 @@ class ZeroStrategy(ParallelStrategy):
         self._forward_redirection = RootHeldRedirection(self)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def deepspeed_settings(self) -> DeepSpeedSettings | None:
-        """What ``config=`` asked for beyond the strategy's own arguments (precision, Trainer, optimizer)."""
-        return self._deepspeed
-
-    @property
-    def zero_config(self) -> ZeroConfig:
-        """The validated settings."""
-        return self._zero_config
-
-    @zero_config.setter
-    def zero_config(self, zero_config: ZeroConfig) -> None:
-        """Other settings for the next save or run (e.g. ``state_dict_type``), for the collaborators too."""
-        self._zero_config = self._processes.zero_config = self._checkpoints.zero_config = zero_config
-
-    @property
-    def stage(self) -> int:
-        return self.zero_config.stage
-
     @property
     def activation_offload(self) -> ActivationOffload | None:
         """With ``offload_activations=True``, the host tier of the checkpointed inputs: its ``statistics`` say the
@@ -238,11 +212,6 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def lightning_restore_optimizer(self) -> bool:
         return True
-
-    @property
-    def engine(self) -> ShardingEngine | None:
-        """The sharding engine (exists after ``setup``)."""
-        return self._sharded.engine
 
     @property
     def sequence_parallel(self) -> SequenceParallel | None:
