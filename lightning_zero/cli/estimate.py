@@ -20,13 +20,13 @@ from typing import Any
 import yaml
 
 from lightning_zero.cli.helptext import description_and_epilog
+from lightning_zero.config.memory_size import parse_bytes
 from lightning_zero.planning.formulas import (
     PRECISIONS,
     Estimate,
     estimate,
     fastest_fitting,
     format_bytes,
-    parse_bytes,
     split_devices,
     unit_for,
 )

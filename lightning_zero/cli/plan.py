@@ -25,36 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_zero.cli.helptext import description_and_epilog
-from lightning_zero.planning.formulas import PRECISIONS, format_bytes, parse_bytes, unit_for
-
-PICK = "<- pick"
-
-
-def _checkpointing_cell(row: dict) -> str:
-    """``no``, ``yes``, or ``yes, host`` (the checkpointed inputs offloaded)."""
-    return ("yes, host" if row.get("offload_activations") else "yes") if row["checkpointing"] else "no"
-
-
-def format_rows(rows: list[dict], budget: float | None, host_budget: float | None, unit: tuple[str, float]) -> str:
-    """The table in ``unit`` (one for the whole output); ``micro-batch`` is ``per micro-batch x accumulated``."""
-    name, scale = unit
-    lines = [
-        f"{'configuration':<28}{'checkpointing':>14}{'micro-batch':>13}{'device_' + name:>14}{'host_' + name:>12}"
-        + (f"{'fits':>6}" if budget is not None else "")
-    ]
-    for r in rows:
-        line = (
-            f"{r['configuration']:<28}{_checkpointing_cell(r):>14}"
-            f"{str(r['micro_batch']) + ' x ' + str(r['accumulate']):>13}"
-            f"{r['device_bytes'] / scale:>14.2f}{r['host_bytes'] / scale:>12.2f}"
-        )
-        if budget is not None:
-            fits = r["device_bytes"] <= budget and (host_budget is None or r["host_bytes"] <= host_budget)
-            line += f"{'yes' if fits else 'no':>6}"
-        if r.get("pick"):
-            line += f"  {PICK}"
-        lines.append(line)
-    return "\n".join(lines)
+from lightning_zero.config.memory_size import parse_bytes
+from lightning_zero.planning.formulas import PRECISIONS, format_bytes, unit_for
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +87,7 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from lightning_zero.planning import NothingFits, Planner, describe, sources
     from lightning_zero.planning.output import write_generated, write_group_file
-    from lightning_zero.planning.plan import activations_label, with_pick
+    from lightning_zero.planning.plan import PICK, activations_label, format_rows, with_pick
 
     if args.sequence_parallel_size is not None and args.sequence_parallel_size < 1:
         parser.error(f"--sequence-parallel-size must be 1 or more, got {args.sequence_parallel_size}")

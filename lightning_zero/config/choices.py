@@ -40,8 +40,9 @@ def check_choice(setting: str, value: Any, choices: Iterable[Any]) -> None:
             hint = f" Did you mean {spelled[0]!r} ({type(spelled[0]).__name__}, not {type(value).__name__})?"
         elif isinstance(value, str):
             hint = closest(value, [str(c) for c in choices])
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and all(type(c) is int for c in choices):
-            hint = f" Did you mean {min(choices, key=lambda c: abs(c - value))!r}?"
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and any(type(c) is int for c in choices):
+            numbers = [c for c in choices if type(c) is int]  # the nearest number (``stage`` also takes "auto")
+            hint = f" Did you mean {min(numbers, key=lambda c: abs(c - value))!r}?"
         else:
             hint = ""
         raise ZeroConfigError(f"`{setting}={value!r}` is not supported; choose one of {choices}.{hint}")

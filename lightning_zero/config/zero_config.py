@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_zero.config.choices import ZeroConfigError, check_choice, check_compile
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme, check_compression
+from lightning_zero.config.memory_size import parse_bytes
 
 StateDictType = Literal["sharded", "full"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -30,6 +31,9 @@ ShardSize = Union[int, Literal["node"], None]
 ModulePolicy = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[nn.Module], bool], None]
 
 SUPPORTED_STAGES = (1, 2, 3)
+#: ``stage``: a ZeRO stage, or ``"auto"`` (the planner chooses at setup).
+Stage = Union[int, Literal["auto"]]
+AUTO = "auto"
 
 #: Selective updates' defaults: the share of columns stepped on the device (ZenFlow's published range is 5-10%), and
 #: how many update intervals pass between choices of them.
@@ -72,6 +76,8 @@ REGISTERED_STRATEGIES: dict[str, dict[str, Any]] = {
     # Communication compression (ZeRO++ qgZ, and qwZ at stage 3) with error feedback on the gradients.
     "zero2_compressed": dict(stage=2, gradient_compression="int8", error_feedback=True),
     "zero3_compressed": dict(stage=3, gradient_compression="int8", error_feedback=True, param_compression="int8"),
+    # The planner chooses the stage, offload, checkpointing and micro-batch when fit starts (strategy/auto_choice.py).
+    "zero_auto": dict(stage="auto"),
 }
 
 
@@ -86,8 +92,19 @@ def virtual_stages(schedule: str, virtual: int | None) -> int:
 class ZeroConfig:
     """The settings of one ZeroStrategy, validated on construction."""
 
-    stage: int = 2
-    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters."""
+    stage: Stage = 2
+    """ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters. ``"auto"``: the planner chooses the
+    stage, the offload shares, activation checkpointing and the micro-batch when ``fit`` starts, within
+    ``device_memory`` (``strategy/auto_choice.py``); every other setting given is kept as a constraint."""
+
+    device_memory: int | str | None = None
+    """``stage="auto"``: the memory per device to fit (bytes, or text such as ``"70GiB"``). ``None``: the device's free
+    memory, the smallest over the ranks (on a CPU run: the host's available memory per rank)."""
+
+    memory_headroom: float = 0.1
+    """``stage="auto"``: the share of ``device_memory`` left free for what the prediction does not see (allocator
+    fragmentation, the framework's own buffers); a choice whose first steps measure more than its prediction by more
+    than this share is warned about."""
 
     offload_optimizer: bool | float = False
     """Keep master shards and optimizer state in host memory (ZeRO-Offload): gradient shards go to the host,
@@ -333,7 +350,8 @@ class ZeroConfig:
     ``ModelCheckpoint``'s directory when that is safe, for a resume or ``ckpt_path="last"``.)"""
 
     def __post_init__(self) -> None:
-        check_choice("stage", self.stage, SUPPORTED_STAGES)
+        check_choice("stage", self.stage, (*SUPPORTED_STAGES, AUTO))
+        self._check_auto()
         if self.init_weights is not None:
             if not isinstance(self.init_weights, (str, os.PathLike)) or not os.path.exists(self.init_weights):
                 raise ZeroConfigError(
@@ -419,6 +437,38 @@ class ZeroConfig:
                 raise ZeroConfigError(f"`{name}` must be a tuple of optimizer classes, got {classes!r}.")
             object.__setattr__(self, name, tuple(classes))
 
+    def _check_auto(self) -> None:
+        """``device_memory`` and ``memory_headroom`` (normalised in place), which only ``stage="auto"`` reads."""
+        memory: Any = self.device_memory
+        headroom = self.memory_headroom
+        if isinstance(memory, str):
+            try:
+                memory = parse_bytes(memory)
+            except ValueError as err:
+                raise ZeroConfigError(f"`device_memory`: {err}") from None
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0):
+            raise ZeroConfigError(
+                f"`device_memory` must be None, a positive number of bytes or a size such as '70GiB', got {memory!r}."
+            )
+        if memory is not None:
+            object.__setattr__(self, "device_memory", int(memory))
+        if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
+            raise ZeroConfigError(f"`memory_headroom` must be a share in [0, 1), got {headroom!r}.")
+        if self.stage == AUTO:
+            if self.pipeline_stages > 1:
+                raise ZeroConfigError(
+                    f"`stage='auto'` plans a data-parallel run, not `pipeline_stages={self.pipeline_stages}` (each "
+                    "pipeline stage holds part of the model and its own micro-batches). Name a stage (1, 2 or 3); "
+                    "`lightning-zero plan` predicts each one's memory."
+                )
+            return
+        for setting, given in (("device_memory", memory is not None), ("memory_headroom", headroom != 0.1)):
+            if given:
+                raise ZeroConfigError(
+                    f"`{setting}` is what `stage='auto'` fits its choice into; with `stage={self.stage}` nothing reads "
+                    f"it. Set stage='auto' (or Trainer(strategy='zero_auto')), or drop `{setting}`."
+                )
+
     def _check_offload(self) -> None:
         """The offload settings, normalised in place (``offload_optimizer=1`` is ``True``)."""
         ratio = self.offload_optimizer
@@ -426,7 +476,7 @@ class ZeroConfig:
             raise ZeroConfigError(f"`offload_optimizer` must be True, False or a share in (0, 1], got {ratio!r}.")
         if not isinstance(ratio, bool):
             object.__setattr__(self, "offload_optimizer", True if ratio == 1 else float(ratio))
-        if self.offload_params and self.stage != 3:
+        if self.offload_params and self.stage not in (3, AUTO):
             raise ZeroConfigError(
                 f"`offload_params=True` needs `stage=3` (got stage={self.stage}): only stage 3 shards parameters."
             )
@@ -440,7 +490,7 @@ class ZeroConfig:
                 f"`offload_step_delay=1` runs the optimizer step on the host while the next step computes: it needs "
                 f"`offload_optimizer=True` (every master on the host), got offload_optimizer={self.offload_optimizer!r}."
             )
-        if self.stage == 3 or self.pipeline_stages > 1:
+        if self.stage == 3 or self.pipeline_stages > 1:  # with stage="auto": a constraint on the choice
             setting = f"stage={self.stage}" if self.stage == 3 else f"pipeline_stages={self.pipeline_stages}"
             raise ZeroConfigError(
                 f"`offload_step_delay=1` is built for stages 1 and 2 without pipeline stages, not `{setting}`: use "
@@ -480,7 +530,7 @@ class ZeroConfig:
         object.__setattr__(self, "offload_select_interval", select)
         needs = {
             "offload_optimizer=True": self.offload_optimizer is True,
-            "stage=1 or 2": self.stage in (1, 2),
+            "stage=1 or 2": self.stage in (1, 2, AUTO),
             "pipeline_stages=1": self.pipeline_stages == 1,
             "offload_step_delay=0": not self.offload_step_delay,
             "optimizer_state_dtype='fp32'": self.optimizer_state_dtype == "fp32",
@@ -553,7 +603,7 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`{setting}` must be None, 'node' or a number of ranks (1 only in one process), got {value!r}."
             )
-        if self.secondary_shard_size is not None and self.stage != 3:
+        if self.secondary_shard_size is not None and self.stage not in (3, AUTO):
             raise ZeroConfigError(
                 f"`secondary_shard_size={self.secondary_shard_size!r}` (hpZ) needs `stage=3` (got stage={self.stage}): "
                 "stages 1-2 keep whole parameters on every rank, so there is no parameter gather to keep in a node."
@@ -643,6 +693,19 @@ class ZeroConfig:
     def compresses(self) -> bool:
         """Whether any collective travels compressed (``gradient_compression`` or ``param_compression`` set)."""
         return self.gradient_compression is not None or self.param_compression is not None
+
+    @property
+    def chosen(self) -> bool:
+        """Whether the stage is known: False for ``stage="auto"`` until the planner chooses, when ``fit`` starts (the
+        readers below then answer as no configuration has chosen anything yet: nothing sharded, nothing offloaded)."""
+        return self.stage != AUTO
+
+    @property
+    def chosen_stage(self) -> int:
+        """The stage, where it is known (what builds an engine reads)."""
+        if not isinstance(self.stage, int):
+            raise RuntimeError("lightning_zero internal error: stage='auto' is chosen before anything is sharded")
+        return self.stage
 
     @property
     def shards_parameters(self) -> bool:

@@ -51,7 +51,7 @@ from lightning_zero.checkpoint.layout import FABRIC_KEYS, LIGHTNING_ENTRIES, Fab
 from lightning_zero.checkpoint.state_dicts import CURRENT_MODEL_STATE
 from lightning_zero.checkpoint.verify import META_FILE, check_complete, read_checkpoint_dict
 from lightning_zero.config.choices import ZeroConfigError, closest
-from lightning_zero.config.zero_config import REGISTERED_STRATEGIES, ZeroConfig
+from lightning_zero.config.zero_config import AUTO, REGISTERED_STRATEGIES, ZeroConfig
 from lightning_zero.deepspeed_compat.config import CONFIG_DEFAULTS, DeepSpeedSettings, strategy_settings
 from lightning_zero.deepspeed_compat.trainer import precision_plugin_for
 from lightning_zero.engine.comm import collectives
@@ -649,6 +649,8 @@ class ZeroStrategy(StrategyCore, ParallelStrategy, _Sharded):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name, kwargs in REGISTERED_STRATEGIES.items():
+            if kwargs.get("stage") == AUTO:
+                continue  # the planner needs the Trainer (see `_refuse_trainer_only`)
             strategy_registry.register(name, cls, description=f"lightning_zero.fabric.ZeroStrategy({kwargs})", **kwargs)
 
 
@@ -724,6 +726,12 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
 
 def _refuse_trainer_only(config: ZeroConfig, deepspeed: DeepSpeedSettings | None) -> None:
     """Settings a Fabric loop cannot take: they take over the step's schedule, the batch, or a part of the loop."""
+    if not config.chosen:
+        raise ZeroConfigError(
+            "`stage='auto'` needs the Trainer: the planner traces the module's `training_step` on the train "
+            "DataLoader's first batch and splits each batch into micro-batches, and a Fabric loop owns both. Name a "
+            "stage (1, 2 or 3); `lightning-zero plan` predicts each one's memory and picks the fastest that fits."
+        )
     if config.pipeline_stages > 1:
         raise ZeroConfigError(
             f"`pipeline_stages={config.pipeline_stages}` needs the Trainer: the pipeline schedule runs forward, loss "

@@ -21,31 +21,15 @@ Activations, buffers and temporary buffers are not model state and are not count
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable
 
+from lightning_zero.config.memory_size import GIB
 from lightning_zero.config.zero_config import DEFAULT_TOPK_RATIO, REGISTERED_STRATEGIES
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 #: Bytes of Adam's two moments per parameter, by ``ZeroStrategy(optimizer_state_dtype=...)``.
 MOMENT_BYTES = {"fp32": 8, "bf16": 4}
 MIB = 2**20
-GIB = 2**30
-_UNITS = {
-    "b": 1,
-    "kb": 1e3,
-    "kib": 2**10,
-    "mb": 1e6,
-    "mib": 2**20,
-    "gb": 1e9,
-    "gib": GIB,
-    "g": GIB,
-    "tb": 1e12,
-    "tib": 2**40,
-    "t": 2**40,
-    "m": 2**20,
-    "k": 2**10,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,13 +246,3 @@ def format_bytes(value: float, unit: tuple[str, float] | None = None) -> str:
     """``value`` bytes in ``unit`` (from :func:`unit_for`; its own by default), two decimals: ``12.50 GiB``."""
     name, scale = unit or unit_for(value)
     return f"{value / scale:.2f} {name}"
-
-
-def parse_bytes(text: str) -> float:
-    """``80GiB``, ``80GB``, ``24000MiB``, ``1.5T``, ``4096B`` -> bytes (the unit is required)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*", text)
-    if match is None or match[2].lower() not in _UNITS:
-        raise ValueError(
-            f"cannot read {text!r} as a memory size; write a number and a unit, e.g. 80GiB, 80GB or 24000MiB."
-        )
-    return float(match[1]) * _UNITS[match[2].lower()]

@@ -32,7 +32,7 @@ import torch
 
 from lightning_zero.planning.formulas import format_bytes, unit_for
 from lightning_zero.planning.predict import Configuration, Prediction, predict
-from lightning_zero.planning.trace import StepTrace, trace_step
+from lightning_zero.planning.trace import StepTrace, on_the_line, trace_step
 from lightning_zero.torch_versions.tracing import tree_map_only
 
 STAGE_COST = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.12}
@@ -50,6 +50,22 @@ CONFIGURATIONS = (
     Configuration(3, offload_optimizer=1.0),
     Configuration(3, offload_optimizer=1.0, offload_params=True),
 )
+
+
+def relative_time(configuration: Configuration, checkpointing: bool, offloaded: bool, accumulate: int) -> float:
+    """The step-time estimate of the module docstring, relative to stage 1 at the whole batch (``accumulate``:
+    micro-batches per optimizer step)."""
+    share = 1.0 if configuration.offload_params else configuration.offload_optimizer
+    time = STAGE_COST[configuration.stage] + OFFLOAD_COST * share
+    if checkpointing:
+        time *= CHECKPOINTING_COST
+    if offloaded:
+        time *= ACTIVATION_OFFLOAD_COST
+    return time * (1 + MICRO_BATCH_COST * math.log2(accumulate))
+
+
+#: The offload shares the fill steps through (DeepSpeed's Twin-Flow ``ratio`` in twentieths).
+OFFLOAD_SHARE_STEP = 0.05
 
 
 class NothingFits(ValueError):
@@ -75,15 +91,7 @@ class Candidate:
 
     @property
     def relative_time(self) -> float:
-        c = self.configuration
-        share = 1.0 if c.offload_params else c.offload_optimizer
-        time = STAGE_COST[c.stage] + OFFLOAD_COST * share
-        if self.checkpointing:
-            time *= CHECKPOINTING_COST
-        if self.offloaded:
-            time *= ACTIVATION_OFFLOAD_COST
-        batch = self.micro_batch * self.accumulate
-        return time * (1 + MICRO_BATCH_COST * math.log2(batch / self.micro_batch))
+        return relative_time(self.configuration, self.checkpointing, self.offloaded, self.accumulate)
 
     def fits(self, device_bytes: float, host_bytes: float | None, devices_per_host: int) -> bool:
         p = self.prediction
@@ -97,6 +105,15 @@ class Plan:
     pick: Candidate | None
     memory_per_device: float | None
     memory_per_host: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    pick: Candidate
+    """The fastest candidate predicted to fit."""
+    weighed: list[tuple[Candidate, bool]]
+    """Every candidate the search weighed, fastest first, and whether it fits: the ones before the pick are why it
+    was picked (each faster, none fitting)."""
 
 
 class Planner:
@@ -113,6 +130,7 @@ class Planner:
         checkpointing: Any = None,
         devices_per_host: int | None = None,
         bucket_size_mb: float = 25.0,
+        unit_size_mb: float = 100.0,
         backend: str = "nccl",
         optimizer_state_dtype: str = "fp32",
         clipped: bool = False,
@@ -136,12 +154,25 @@ class Planner:
         self.sequence_parallel_size = sequence_parallel_size
         self.devices_per_host = devices_per_host or world_size
         self.bucket_size_mb = bucket_size_mb
+        #: ``ZeroStrategy(unit_size_mb=...)``: how many layers stage 3 gathers at once.
+        self.unit_size_mb = unit_size_mb
         self.per_device = _batch_size(batch)
         self._traces: dict[tuple[int, bool, bool], StepTrace] = {}
+        #: Optimizer-state elements per trainable element, from the first trace (one optimizer step, the same for all).
+        self._state_per_element: float | None = None
 
     def trace(self, micro_batch: int, checkpointing: bool, offloaded: bool = False) -> StepTrace:
+        """The traced step at ``micro_batch`` (cached). Past two traced micro-batches, the others are the line through
+        them ([Note: micro-batches on a line])."""
         key = (micro_batch, checkpointing, offloaded)
         if key not in self._traces:
+            anchors = self._anchors()
+            if micro_batch not in anchors and len(anchors) == 2:
+                high, low = (self.trace(anchor, checkpointing, offloaded) for anchor in anchors)
+                line = on_the_line(high, low, micro_batch)
+                if line is not None:
+                    self._traces[key] = line
+                    return line
             self._traces[key] = trace_step(
                 self.build,
                 _micro(self.batch, micro_batch),
@@ -150,14 +181,25 @@ class Planner:
                 offload_activations=offloaded,
                 tiled_compute=self.tiled_compute,
                 sequence_parallel_size=self.sequence_parallel_size,
+                state_per_element=self._state_per_element,
             )
+            self._state_per_element = self._traces[key].state_per_element  # the optimizer's, whatever the batch
         return self._traces[key]
+
+    def _anchors(self) -> tuple[int, ...]:
+        """The micro-batches traced for the line: the whole per-device batch and its largest proper divisor (none where
+        the batch has no more than two divisors: each is traced)."""
+        divisors = _divisors_descending(self.per_device)
+        return tuple(divisors[:2]) if len(divisors) > 2 else ()
 
     def candidate(
         self, configuration: Configuration, checkpointing: bool, micro_batch: int, offloaded: bool = False
     ) -> Candidate:
         configuration = dataclasses.replace(
-            configuration, bucket_size_mb=self.bucket_size_mb, optimizer_state_dtype=self.optimizer_state_dtype
+            configuration,
+            bucket_size_mb=self.bucket_size_mb,
+            unit_size_mb=self.unit_size_mb,
+            optimizer_state_dtype=self.optimizer_state_dtype,
         )
         accumulate = self.accumulate * self.per_device // micro_batch
         prediction = predict(
@@ -182,12 +224,12 @@ class Planner:
         """Every configuration with checkpointing off and on (the offloaded inputs' rows join only as a pick)."""
         return [
             self.candidate(c, ac, self.per_device, off)
-            for ac, off in self._checkpointing_choices()
+            for ac, off in self.checkpointing_choices()
             for c in CONFIGURATIONS
             if not off
         ]
 
-    def _checkpointing_choices(self) -> tuple[tuple[bool, bool], ...]:
+    def checkpointing_choices(self) -> tuple[tuple[bool, bool], ...]:
         """(checkpointing, its inputs offloaded): off, on, on with offload, where the model offers a block."""
         return ((False, False), (True, False), (True, True)) if self.checkpointing is not None else ((False, False),)
 
@@ -196,34 +238,54 @@ class Planner:
         table = self.table()
         if memory_per_device is None:
             return Plan(table, None, None, memory_per_host)
-        fitting = []
-        for configuration in CONFIGURATIONS:
-            found = None
-            for checkpointing, offloaded in self._checkpointing_choices():
-                if offloaded and found is not None and found.micro_batch == self.per_device:
-                    if not found.configuration.offload_optimizer and not found.configuration.offload_params:
-                        continue  # checkpointing alone fits the whole batch unoffloaded: offloading more only costs
-                found = self._fastest_fitting(
-                    configuration, checkpointing, offloaded, memory_per_device, memory_per_host
-                )
-                if found is not None:
-                    fitting.append(found)
-        if not fitting:
-            raise NothingFits(_nothing_fits(self, memory_per_device, memory_per_host))
-        pick = min(fitting, key=lambda c: c.relative_time)
-        return Plan(table, pick, memory_per_device, memory_per_host)
+        return Plan(table, self.search(memory_per_device, memory_per_host).pick, memory_per_device, memory_per_host)
 
-    def _fastest_fitting(
-        self, configuration: Configuration, checkpointing: bool, offloaded: bool, device: float, host: float | None
-    ):
-        """Over the micro-batches that divide the per-device batch: the fastest that fits (the largest, unless a
-        smaller one lets a smaller offload share fit)."""
-        found = [
-            self._fill(configuration, checkpointing, offloaded, micro, device, host)
-            for micro in _divisors_descending(self.per_device)
-        ]
-        found = [candidate for candidate in found if candidate is not None]
-        return min(found, key=lambda c: c.relative_time) if found else None
+    def search(
+        self,
+        memory_per_device: float,
+        memory_per_host: float | None = None,
+        *,
+        configurations: Sequence[Configuration] = CONFIGURATIONS,
+        checkpointing: Sequence[tuple[bool, bool]] | None = None,
+        micro_batches: Sequence[int] | None = None,
+        fill_shares: bool = True,
+    ) -> Search:
+        """The fastest candidate that fits, weighing the candidates fastest first and tracing only what they need.
+
+        Every (configuration, checkpointing, micro-batch) has a least relative time before any trace (an offloaded
+        configuration's at the least share the fill may choose); they are weighed in that order, and the search stops
+        at the first whose least time exceeds the best fitting one's. The pick is the one an exhaustive search makes
+        (ties go to the earlier configuration, checkpointing choice and micro-batch, in the orders given). Each
+        choice may be narrowed (``stage="auto"`` keeps the settings a user gave); ``fill_shares=False`` keeps each
+        configuration's offload share as it is (a share the user gave). Raises :class:`NothingFits`."""
+        choices = tuple(checkpointing) if checkpointing is not None else self.checkpointing_choices()
+        micros = list(micro_batches) if micro_batches is not None else _divisors_descending(self.per_device)
+        options = []
+        for ci, configuration in enumerate(configurations):
+            least = configuration
+            if fill_shares and configuration.offload_optimizer >= 1 and not configuration.offload_params:
+                least = dataclasses.replace(configuration, offload_optimizer=OFFLOAD_SHARE_STEP)  # the fill's least
+            for ki, (ck, off) in enumerate(choices):
+                for mi, micro in enumerate(micros):
+                    bound = relative_time(least, ck, off, self.accumulate * self.per_device // micro)
+                    options.append((bound, (ci, ki, mi), configuration, ck, off, micro))
+        options.sort(key=lambda option: option[:2])
+        weighed: list[tuple[Candidate, bool]] = []
+        fitting: list[tuple[float, tuple, Candidate]] = []
+        for bound, order, configuration, ck, off, micro in options:
+            if fitting and bound > min(fitting)[0]:
+                break
+            candidate, fits = self._fill(configuration, ck, off, micro, memory_per_device, memory_per_host, fill_shares)
+            if candidate is None:
+                continue  # the same without offload fits too, and is faster: weighed on its own
+            weighed.append((candidate, fits))
+            if fits:
+                fitting.append((candidate.relative_time, order, candidate))
+        if not fitting:
+            raise NothingFits(
+                _nothing_fits(self, memory_per_device, memory_per_host, configurations, choices, min(micros))
+            )
+        return Search(min(fitting, key=lambda f: f[:2])[2], weighed)
 
     def _fill(
         self,
@@ -233,46 +295,61 @@ class Planner:
         micro: int,
         device: float,
         host: float | None,
-    ):
-        """The candidate at this micro-batch, its offload share lowered to the least that fits (if offloading)."""
+        fill_shares: bool = True,
+    ) -> tuple[Candidate | None, bool]:
+        """The candidate at this micro-batch, its offload share lowered to the least that fits (if offloading), and
+        whether it fits; (None, True) where the configuration without offload fits too (it is weighed on its own)."""
         full = self.candidate(configuration, checkpointing, micro, offloaded)
         if not full.fits(device, host, self.devices_per_host):
-            return None
-        if configuration.offload_optimizer < 1 or configuration.offload_params:
-            return full
+            return full, False
+        if not fill_shares or configuration.offload_optimizer < 1 or configuration.offload_params:
+            return full, True
         none = self.candidate(
             dataclasses.replace(configuration, offload_optimizer=0.0), checkpointing, micro, offloaded
         )
         if none.fits(device, host, self.devices_per_host):
-            return None  # the configuration without offload fits too, and is faster: it is weighed on its own
+            return None, True
         saved = none.prediction.device_bytes - full.prediction.device_bytes
         needed = none.prediction.device_bytes - device
-        share = min(1.0, math.ceil(20 * needed / saved) / 20) if saved > 0 else 1.0
+        steps = round(1 / OFFLOAD_SHARE_STEP)
+        share = min(1.0, math.ceil(steps * needed / saved) / steps) if saved > 0 else 1.0
         while share < 1.0:
             partial = self.candidate(
                 dataclasses.replace(configuration, offload_optimizer=share), checkpointing, micro, offloaded
             )
             if partial.fits(device, host, self.devices_per_host):
-                return partial
-            share = round(share + 0.05, 2)
-        return full
+                return partial, True
+            share = round(share + OFFLOAD_SHARE_STEP, 2)
+        return full, True
 
 
-def _nothing_fits(planner: Planner, device: float, host: float | None) -> str:
-    """The refusal: the least any candidate needs (micro-batch 1, every configuration) and what would help."""
+def _nothing_fits(
+    planner: Planner,
+    device: float,
+    host: float | None,
+    configurations: Sequence[Configuration],
+    choices: Sequence[tuple[bool, bool]],
+    micro: int,
+) -> str:
+    """The refusal: the least any candidate needs (the smallest micro-batch, every configuration) and what would
+    help."""
     smallest = min(
-        (planner.candidate(c, ac, 1, off) for c in CONFIGURATIONS for ac, off in planner._checkpointing_choices()),
+        (planner.candidate(c, ac, micro, off) for c in configurations for ac, off in choices),
         key=lambda c: c.prediction.device_bytes,
     )
     peak, host_peak = smallest.prediction.device_bytes, smallest.prediction.host_bytes * planner.devices_per_host
-    unit = unit_for(device, host or 0.0, peak, host_peak)
+    over_device = peak > device or host is None
+    # One unit for the sentence; the host's budget is named only where it is what the smallest candidate misses.
+    unit = unit_for(device, peak, host_peak, *([] if over_device or host is None else [host]))
+    short = peak - device if over_device else host_peak - (host or 0.0)
     return (
         f"Nothing fits in {format_bytes(device, unit)} per device"
-        + (f" and {format_bytes(host, unit)} per host" if host is not None else "")
+        + ("" if over_device or host is None else f" and {format_bytes(host, unit)} per host")
         + f": the smallest predicted peak is {format_bytes(peak, unit)} per device "
-        f"({smallest.configuration.name}{activations_label(smallest)}, micro-batch 1"
-        f", {format_bytes(host_peak, unit)} per host). More devices (the "
-        "sharded state divides by them), a larger device, or a smaller model would fit."
+        f"({smallest.configuration.name}{activations_label(smallest)}, micro-batch {micro}"
+        f", {format_bytes(host_peak, unit)} per host), {format_bytes(short, unit)} too much "
+        f"{'per device' if over_device else 'per host'}. More devices (the sharded state divides by them), a larger "
+        "device, a smaller batch or a smaller model (fewer layers) would fit."
     )
 
 
@@ -343,3 +420,34 @@ def describe(candidates: Sequence[Candidate], devices_per_host: int, pick: int |
         }
         for i, c in enumerate(candidates)
     ]
+
+
+#: How the printed table marks the pick.
+PICK = "<- pick"
+
+
+def _checkpointing_cell(row: dict) -> str:
+    """``no``, ``yes``, or ``yes, host`` (the checkpointed inputs offloaded)."""
+    return ("yes, host" if row.get("offload_activations") else "yes") if row["checkpointing"] else "no"
+
+
+def format_rows(rows: list[dict], budget: float | None, host_budget: float | None, unit: tuple[str, float]) -> str:
+    """The table in ``unit`` (one for the whole output); ``micro-batch`` is ``per micro-batch x accumulated``."""
+    name, scale = unit
+    lines = [
+        f"{'configuration':<28}{'checkpointing':>14}{'micro-batch':>13}{'device_' + name:>14}{'host_' + name:>12}"
+        + (f"{'fits':>6}" if budget is not None else "")
+    ]
+    for r in rows:
+        line = (
+            f"{r['configuration']:<28}{_checkpointing_cell(r):>14}"
+            f"{str(r['micro_batch']) + ' x ' + str(r['accumulate']):>13}"
+            f"{r['device_bytes'] / scale:>14.2f}{r['host_bytes'] / scale:>12.2f}"
+        )
+        if budget is not None:
+            fits = r["device_bytes"] <= budget and (host_budget is None or r["host_bytes"] <= host_budget)
+            line += f"{'yes' if fits else 'no':>6}"
+        if r.get("pick"):
+            line += f"  {PICK}"
+        lines.append(line)
+    return "\n".join(lines)

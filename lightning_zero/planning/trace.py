@@ -152,12 +152,14 @@ def trace_step(
     offload_activations: bool = False,
     tiled_compute: bool | int = False,
     sequence_parallel_size: int = 1,
+    state_per_element: float | None = None,
 ) -> StepTrace:
     """Trace ``training_step`` + backward of ``build()`` on ``batch`` (real tensors, only their shapes and dtypes are
     used); ``activation_checkpointing``, ``offload_activations``, ``tiled_compute`` and ``sequence_parallel_size`` as
     ``ZeroStrategy`` takes them.
     Offloaded inputs go to the host outside the tracker, as on a run without an accelerator ([Note: offloaded
-    checkpoint inputs]): the timeline is what stays on the device."""
+    checkpoint inputs]): the timeline is what stays on the device. ``state_per_element``: the optimizer's, from an
+    earlier trace of the same module (its step under fake tensors costs as much as a third of a trace)."""
     if precision not in COMPUTE_DTYPES:
         raise ValueError(f"precision={precision!r} cannot be planned; choose one of {sorted(COMPUTE_DTYPES)}.")
     compute = COMPUTE_DTYPES[precision]
@@ -211,13 +213,15 @@ def trace_step(
                 activate(None)
         offload = activation_offload(module)
         units = _unit_elements(module)
-        state = _state_elements(module)
+        trainable_elements = max(1, sum(p.numel() for p in trainable))
+        if state_per_element is None:
+            state_per_element = _state_elements(module) / trainable_elements
     return StepTrace(
         params=sum(p.numel() for p in trainable),
         param_bytes=param_bytes,
         timeline=timeline,
         unit_elements=tuple(units),
-        state_per_element=state / max(1, sum(p.numel() for p in trainable)),
+        state_per_element=state_per_element,
         batch_size=_batch_size(batch),
         precision=precision,
         checkpointing=policy is not None,
@@ -229,6 +233,37 @@ def trace_step(
         frozen_bytes=frozen_bytes,
         whole_bytes=sum(p.numel() * p.element_size() for p in module.parameters() if not sharded_by_fsdp2(p)),
         stage3_timeline=stage3_timeline,
+    )
+
+
+def on_the_line(high: StepTrace, low: StepTrace, micro_batch: int) -> StepTrace | None:
+    """The step at ``micro_batch`` from the steps traced at two others, or None where their operations differ in
+    number (the module's code depends on the batch size).
+
+    [Note: micro-batches on a line]
+    The same code at another batch size runs the same operations, each on tensors whose batch dimension scales: so
+    every point of the timeline (bytes alive after each operation) is a line in the micro-batch, through the two
+    traced points, and the parameters, their gradients, the optimizer state and the layers are the same. One trace
+    per micro-batch the planner weighs costs a second or more for a billion-parameter model; two per checkpointing
+    choice give them all. ``tests/unit/test_planning.py`` compares lines with traces."""
+    if len(high.timeline) != len(low.timeline) or high.batch_size == low.batch_size:
+        return None
+
+    def at(a: int, b: int) -> int:
+        return round(b + (a - b) * (micro_batch - low.batch_size) / (high.batch_size - low.batch_size))
+
+    def line(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        return tuple((at(x[0], y[0]), x[1]) for x, y in zip(a, b))
+
+    stage3 = None
+    if high.stage3_timeline is not None and low.stage3_timeline is not None:
+        stage3 = line(high.stage3_timeline, low.stage3_timeline)
+    return dataclasses.replace(
+        high,
+        timeline=line(high.timeline, low.timeline),
+        stage3_timeline=stage3,
+        batch_size=micro_batch,
+        offloaded_host_bytes=max(0, at(high.offloaded_host_bytes, low.offloaded_host_bytes)),
     )
 
 

@@ -52,7 +52,8 @@ class StrategyCore:
         self._zero_config = self._processes.zero_config = self._checkpoints.zero_config = zero_config
 
     @property
-    def stage(self) -> int:
+    def stage(self) -> int | str:
+        """The ZeRO stage; ``"auto"`` until the planner chooses, when ``fit`` starts (``strategy/auto_choice.py``)."""
         return self.zero_config.stage
 
     @property

@@ -56,7 +56,20 @@ def _resolved(
         _check_deepspeed_settings(strategy, function, args, kwargs, trainer)
     args, kwargs, decision = resolve_ckpt_path(function, args, kwargs, trainer, strategy.zero_config.auto_resume)
     strategy._resume.decision = decision
+    if strategy._auto is not None:  # stage="auto" reuses the choice the checkpoint it resumes recorded
+        strategy._auto.ckpt_path = _ckpt_path_of(function, args, kwargs, trainer)
     return args, kwargs
+
+
+def _ckpt_path_of(function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer | None) -> str | None:
+    """The checkpoint the run will load: ``ckpt_path`` as resolved, else ``trainer.ckpt_path``."""
+    try:
+        given = inspect.signature(function).bind(*args, **kwargs).arguments.get("ckpt_path")
+    except TypeError:
+        given = None
+    if given is None and trainer is not None:
+        given = trainer.ckpt_path
+    return str(given) if given is not None else None
 
 
 def _check_ckpt_path(function: Callable, args: tuple, kwargs: dict, trainer: pl.Trainer) -> None:

@@ -178,7 +178,7 @@ def shard_model(
     elif fitting:
         engine = ZeroDataParallel(
             model,
-            stage=config.stage,
+            stage=config.chosen_stage,
             bucket_numel=config.bucket_numel,
             overlap_comm=config.overlap_comm,
             policy=policy,

@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.activation_checkpointing import ActivationOffload, activation_offload
+from lightning_zero.activation_checkpointing import ActivationOffload, activation_offload, resolve_policy
 from lightning_zero.config.choices import ZeroConfigError
 from lightning_zero.config.compression import Compression, CompressionScope, QuantizationScheme
 from lightning_zero.config.zero_config import (
@@ -45,6 +45,7 @@ from lightning_zero.config.zero_config import (
     PipelineSchedule,
     PipelineSplit,
     ShardSize,
+    Stage,
     StartMethod,
     StateDictType,
 )
@@ -59,6 +60,7 @@ from lightning_zero.engine.comm import collectives
 from lightning_zero.faults.timeouts import extended_during
 from lightning_zero.pipeline.parallel import PipelineParallel
 from lightning_zero.pipeline.split import pipeline_layout
+from lightning_zero.planning.auto import AutoChoice
 from lightning_zero.precision.zero_precision import ZeroPrecision, as_zero_precision
 from lightning_zero.resume import ResumeState
 from lightning_zero.resume.rng import collect_rng_state
@@ -67,12 +69,15 @@ from lightning_zero.sequence_parallel.attention import AttentionInterception
 from lightning_zero.sequence_parallel.causal_lm import SequenceParallelWiring
 from lightning_zero.sequence_parallel.parallel import activate
 from lightning_zero.strategy import processes
+from lightning_zero.strategy.auto_choice import CHECKPOINT_KEY as AUTO_CHECKPOINT_KEY
+from lightning_zero.strategy.auto_choice import AutoChoosing, FirstStepsPeak, records_given_arguments
 from lightning_zero.strategy.averaging_checkpoints import average_to_load, keep_averages_in_checkpoints
 from lightning_zero.strategy.callback_support import may_change_gradients, refuse_unsupported_callbacks
 from lightning_zero.strategy.checkpoints import unwrap
 from lightning_zero.strategy.core import StrategyCore
 from lightning_zero.strategy.evaluation_loops import evaluate_under_no_grad
 from lightning_zero.strategy.launcher import ZeroMultiProcessingLauncher, ZeroScriptLauncher
+from lightning_zero.strategy.micro_batches import SplitStep
 from lightning_zero.strategy.processes import require
 from lightning_zero.strategy.sharding import NOT_SHARDED, ShardedModel, construction_device, shard_model
 from lightning_zero.strategy.step_redirection import RootHeldRedirection
@@ -94,10 +99,13 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
     #: last backward was one, and left this rank's sums unreduced until the window's last micro-batch.
     _accumulating = partial_gradients = False
 
+    @records_given_arguments
     def __init__(
         self,
-        stage: int = 2,
+        stage: Stage = 2,
         *,
+        device_memory: int | str | None = None,
+        memory_headroom: float = 0.1,
         offload_optimizer: bool | float = False,
         offload_params: bool = False,
         offload_step_delay: int = 0,
@@ -153,6 +161,10 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         arguments = {name: value for name, value in locals().items() if name in CONFIG_DEFAULTS}
         #: ``self._deepspeed``: a DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
         self._hold(*strategy_settings(arguments, config))  # the settings and the collaborators (core.py)
+        #: ``stage="auto"``: the planner's choice, made when fit starts ([Note: when zero_auto chooses]).
+        self._auto = None if self.zero_config.chosen else AutoChoosing(self.zero_config, self._given(config))
+        self._first_steps: FirstStepsPeak | None = None
+        self._split_step: SplitStep | None = None  # a split batch's parts waiting for `backward`
         self._num_nodes = 1
         #: The last fit's sharding and module, while the trainer's optimizers are that fit's (``_states``).
         self._fitted: tuple[ShardedModel, torch.nn.Module] | None = None
@@ -169,7 +181,26 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         )
         self._forward_redirection = RootHeldRedirection(self)
 
+    def _given(self, config: dict | str | Path | None) -> set[str]:
+        """The settings given (the constructor's arguments, and what a DeepSpeed ``config`` sets)."""
+        given = set(getattr(self, "_given_arguments", ()))
+        if self._deepspeed is not None:
+            given |= set(self._deepspeed.strategy)
+        return given
+
     # ------------------------------------------------------------------ properties
+    @property
+    def auto_choice(self) -> AutoChoice | None:
+        """With ``stage="auto"``: what the planner chose (settings, micro-batch, predicted peak, the table it printed),
+        once ``fit`` has started; None otherwise."""
+        return self._auto.choice if self._auto is not None else None
+
+    @property
+    def auto_measured_peak(self) -> int | None:
+        """With ``stage="auto"``: the largest measured peak over the ranks of the first optimizer steps (see
+        :class:`~lightning_zero.strategy.auto_choice.FirstStepsPeak`), once measured."""
+        return max(self._first_steps.peaks) if self._first_steps is not None and self._first_steps.peaks else None
+
     @property
     def activation_offload(self) -> ActivationOffload | None:
         """With ``offload_activations=True``, the host tier of the checkpointed inputs: its ``statistics`` say the
@@ -308,11 +339,26 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Stage 3 builds ``configure_model`` on the meta device; shards are materialised one unit at a time."""
+        self._choose_if_auto()
         with construction_device(self.zero_config):
             yield
 
+    def _choose_if_auto(self) -> None:
+        """``stage="auto"``: choose (or take the choice made before) and hold it as the settings."""
+        if self._auto is None or self.zero_config.chosen:
+            return
+        module = require(self.lightning_module, "lightning_module")
+        trainer = trainer_of(module)
+        if self._auto.choice is None:
+            self._auto.choose(self, require(trainer, "trainer"), module)
+        self.zero_config = self._auto.chosen_config(module)
+        self.checkpoint_policy = resolve_policy(
+            self.zero_config.activation_checkpointing, self.zero_config.offload_activations
+        )
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._choose_if_auto()
         refuse_unsupported_callbacks(trainer, self.zero_config)
         self._resume.check_agreement()  # auto-resume: every rank loads the same checkpoint (collective)
         require(self.accelerator, "accelerator").setup(trainer)
@@ -360,6 +406,9 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
             self._checkpoints.open([Path(d) for d in directories if isinstance(d, (str, Path))], self.is_global_zero)
             self._fitted = (self._sharded, require(self.lightning_module, "lightning_module"))
             keep_averages_in_checkpoints(trainer, self._full_checkpoints, self._held, self.load_model_state_dict)
+            if self.auto_choice is not None and self._first_steps is None and trainer.global_step == 0:
+                self._first_steps = FirstStepsPeak(self.auto_choice)
+                trainer.callbacks.append(self._first_steps)  # type: ignore[attr-defined]  # Lightning's, undeclared
             sharded = self._sharded
             average_sharded_weights(
                 trainer,
@@ -388,6 +437,10 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
     @override
     def teardown(self) -> None:
         RUNNING.discard(self)
+        trainer = trainer_of(self.lightning_module)
+        callbacks = getattr(trainer, "callbacks", [])
+        if self._first_steps is not None and self._first_steps in callbacks:
+            callbacks.remove(self._first_steps)
         if self._sequence_wiring is not None:
             self._sequence_wiring.undo()
         self._sequence = self._sequence_wiring = None
@@ -474,6 +527,8 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint["rng_states"] = collectives.all_gather_objects(collect_rng_state())
         self._resume.on_save(checkpoint, trainer_of(self.lightning_module))  # what a resume replays (resume/state.py)
+        if self.auto_choice is not None:
+            checkpoint[AUTO_CHECKPOINT_KEY] = self.auto_choice.record()  # a resumed fit reuses it
         self._checkpoints.save(
             checkpoint,
             path,
@@ -649,6 +704,10 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         self._sharded.sync_buffers()  # as DDP's `broadcast_buffers=True`, before every training step
         with self.precision_plugin.train_step_context():
             if self.pipeline is None:
+                choice = self.auto_choice
+                if choice is not None and choice.splits > 1:  # [Note: a batch's parts in Lightning's order]
+                    self._split_step = SplitStep(self, choice, args, kwargs)
+                    return self._split_step.start()
                 return self._call_module("training_step", args, kwargs)
             # The schedule runs forward, loss and backward here; `backward` then hands the gradients on.
             scale = (
@@ -692,7 +751,14 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """As Lightning's, but the reduced gradient shards land before ``on_after_backward`` runs, so hooks
-        (and memory probes) see the state a step will use."""
+        (and memory probes) see the state a step will use. A batch ``stage="auto"`` splits runs its further parts
+        here ([Note: a batch's parts in Lightning's order])."""
+        split, self._split_step = self._split_step, None
+        if split is not None:
+            return split.finish(closure_loss, lambda loss: self._backward_one(loss, optimizer, *args, **kwargs))
+        return self._backward_one(closure_loss, optimizer, *args, **kwargs)
+
+    def _backward_one(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         module = require(self.lightning_module, "lightning_module")
         self.partial_gradients = self._accumulating
         self.pre_backward(closure_loss)

@@ -246,7 +246,7 @@ def test_override_errors_name_the_key_and_the_nearest_valid_one(override, messag
 def test_unknown_group_option_lists_the_options():
     with pytest.raises(
         CLIConfigError,
-        match=r"choose one of \['ddp', .*'zero3', 'zero3_compressed', 'zero3_hpz', 'zero3_hsdp', 'zero3_offload', 'zero3_offload_optimizer'\]\. Did you mean 'zero3'\?",
+        match=r"choose one of \['ddp', .*'zero3', 'zero3_compressed', 'zero3_hpz', 'zero3_hsdp', 'zero3_offload', 'zero3_offload_optimizer', 'zero_auto'\]\. Did you mean 'zero3'\?",
     ):
         composed("--config", str(CONF / "gpt_zero3.yaml"), "strategy=zero4")
 

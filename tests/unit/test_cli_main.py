@@ -142,7 +142,7 @@ def test_top_level_help_has_no_rest_markup(capsys):
         ("trainer.max_stpes=3", ["unknown key 'trainer.max_stpes'", "Did you mean 'trainer.max_steps'?"]),
         (
             "strategy.stage=7",
-            ["trainer.strategy", "`stage=7` is not supported; choose one of (1, 2, 3). Did you mean 3?"],
+            ["trainer.strategy", "`stage=7` is not supported; choose one of (1, 2, 3, 'auto'). Did you mean 3?"],
         ),
         ("strategy=zero4", ["strategy=zero4", "choose one of ['ddp',", "Did you mean 'zero3'?"]),
     ],

@@ -12,8 +12,8 @@ from lightning_zero import ZeroConfigError, ZeroPrecision, ZeroStrategy
 @pytest.mark.parametrize(
     ("kwargs", "needles"),
     [
-        (dict(stage=4), ["stage=4", "(1, 2, 3)"]),
-        (dict(stage="3"), ["stage='3'", "(1, 2, 3)", "Did you mean 3 (int, not str)?"]),
+        (dict(stage=4), ["stage=4", "(1, 2, 3, 'auto')", "Did you mean 3?"]),
+        (dict(stage="3"), ["stage='3'", "(1, 2, 3, 'auto')", "Did you mean 3 (int, not str)?"]),
         (dict(config=[1, 2]), ["`config`", "a dict or the path of its JSON file", "got list"]),
         (dict(bucket_size_mb=-1), ["bucket_size_mb", "positive"]),
         (dict(bucket_size_mb=0), ["bucket_size_mb", "positive"]),

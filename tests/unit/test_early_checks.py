@@ -25,7 +25,7 @@ from tests.distributed import models
 NAMES = (
     "zero1, zero1_hsdp, zero1_offload, zero2, zero2_compressed, zero2_hsdp, zero2_offload, zero2_offload_delay, "
     "zero2_offload_selective, "
-    "zero3, zero3_compressed, zero3_hpz, zero3_hsdp, zero3_offload, zero3_offload_optimizer"
+    "zero3, zero3_compressed, zero3_hpz, zero3_hsdp, zero3_offload, zero3_offload_optimizer, zero_auto"
 )
 
 

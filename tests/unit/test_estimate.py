@@ -12,6 +12,7 @@ import yaml
 
 from lightning_zero.cli.estimate import count_model_parameters
 from lightning_zero.cli.estimate import main as estimate_main
+from lightning_zero.config.memory_size import parse_bytes
 from lightning_zero.demo import GPTConfig, count_parameters
 from lightning_zero.planning.formulas import (
     CHOICES,
@@ -20,7 +21,6 @@ from lightning_zero.planning.formulas import (
     estimate,
     fastest_fitting,
     model_state_split,
-    parse_bytes,
 )
 from tests.launch import REPO
 
