@@ -195,12 +195,7 @@ class Planner:
     def candidate(
         self, configuration: Configuration, checkpointing: bool, micro_batch: int, offloaded: bool = False
     ) -> Candidate:
-        configuration = dataclasses.replace(
-            configuration,
-            bucket_size_mb=self.bucket_size_mb,
-            unit_size_mb=self.unit_size_mb,
-            optimizer_state_dtype=self.optimizer_state_dtype,
-        )
+        configuration = self._configured(configuration)
         accumulate = self.accumulate * self.per_device // micro_batch
         prediction = predict(
             self.trace(micro_batch, checkpointing, offloaded),
@@ -260,13 +255,18 @@ class Planner:
         configuration's offload share as it is (a share the user gave). Raises :class:`NothingFits`."""
         choices = tuple(checkpointing) if checkpointing is not None else self.checkpointing_choices()
         micros = list(micro_batches) if micro_batches is not None else _divisors_descending(self.per_device)
+        if not (configurations and choices and micros):
+            raise ValueError("the planner's search needs a configuration, a checkpointing choice and a micro-batch")
+        first = self.trace(micros[0], *choices[0])  # the fastest candidate's, needed first whatever the budget
+        bare = dataclasses.replace(first, timeline=((0, 0),), stage3_timeline=None, offloaded_host_bytes=0)
         options = []
         for ci, configuration in enumerate(configurations):
-            least = configuration
-            if fill_shares and configuration.offload_optimizer >= 1 and not configuration.offload_params:
-                least = dataclasses.replace(configuration, offload_optimizer=OFFLOAD_SHARE_STEP)  # the fill's least
-            for ki, (ck, off) in enumerate(choices):
-                for mi, micro in enumerate(micros):
+            for mi, micro in enumerate(micros):
+                share = self._least_share(bare, configuration, micro, memory_per_device, memory_per_host, fill_shares)
+                if share is None:
+                    continue  # its model state alone is over the budget: no trace needed to know it does not fit
+                least = dataclasses.replace(configuration, offload_optimizer=share)
+                for ki, (ck, off) in enumerate(choices):
                     bound = relative_time(least, ck, off, self.accumulate * self.per_device // micro)
                     options.append((bound, (ci, ki, mi), configuration, ck, off, micro))
         options.sort(key=lambda option: option[:2])
@@ -286,6 +286,48 @@ class Planner:
                 _nothing_fits(self, memory_per_device, memory_per_host, configurations, choices, min(micros))
             )
         return Search(min(fitting, key=lambda f: f[:2])[2], weighed)
+
+    def _least_share(
+        self, bare: StepTrace, configuration: Configuration, micro: int, device: float, host: float | None, fill: bool
+    ) -> float | None:
+        """The least offload share the fill could choose for ``configuration`` at ``micro``, by its peak without any
+        activation (model state, and the gradients and gathered units it holds whatever the step computes); None
+        where even that floor does not fit. Every traced step reaches the floor, so the share is a lower bound of the
+        fill's and a configuration over it can be skipped untraced: the pick stays the one every candidate weighed
+        would give. ``bare``: a trace (its parameters and layers are every trace's) without any activation."""
+        accumulate = self.accumulate * self.per_device // micro
+
+        def floor(share: float) -> Prediction:
+            offloaded = dataclasses.replace(configuration, offload_optimizer=share)
+            return predict(
+                bare,
+                self._configured(offloaded),
+                self.world_size,
+                accumulate,
+                backend=self.backend,
+                clipped=self.clipped,
+            )
+
+        def fits(prediction: Prediction) -> bool:
+            host_bytes = prediction.host_bytes * self.devices_per_host
+            return prediction.device_bytes <= device and (host is None or host_bytes <= host)
+
+        given = floor(configuration.offload_optimizer)
+        if not fits(given):
+            return None
+        if not fill or configuration.offload_optimizer < 1 or configuration.offload_params:
+            return configuration.offload_optimizer
+        steps = round(1 / OFFLOAD_SHARE_STEP)  # the fill's shares: 0.05, 0.1, ... 1.0
+        return next(share for share in (k / steps for k in range(1, steps + 1)) if fits(floor(share)))
+
+    def _configured(self, configuration: Configuration) -> Configuration:
+        """``configuration`` with this run's bucket, unit and optimizer-state settings."""
+        return dataclasses.replace(
+            configuration,
+            bucket_size_mb=self.bucket_size_mb,
+            unit_size_mb=self.unit_size_mb,
+            optimizer_state_dtype=self.optimizer_state_dtype,
+        )
 
     def _fill(
         self,
