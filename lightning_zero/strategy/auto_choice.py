@@ -50,8 +50,6 @@ from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, 
 
 #: Where a checkpoint records the choice.
 CHECKPOINT_KEY = "lightning_zero_auto"
-#: Optimizer steps whose peak is measured against the prediction.
-CHECKED_STEPS = 2
 
 
 P = ParamSpec("P")
@@ -279,30 +277,32 @@ def _recorded_choice(ckpt_path: str | None) -> Mapping[str, Any] | None:
 
 
 class FirstStepsPeak(pl.Callback):
-    """The measured peak of the first :data:`CHECKED_STEPS` optimizer steps beside the prediction: logged, and warned
-    about where it exceeds the prediction by more than the headroom.
+    """The measured peak of the fit's second optimizer step (its accumulation window, whole) beside the prediction:
+    logged, and warned about where it exceeds the prediction by more than the headroom. The second, since the first
+    makes the optimizer state and a first step's one-time buffers, which the prediction (a step in the steady state)
+    does not count; the planner's calibration measures the same window (``planning/measure.py``).
 
     On a GPU it is the device's ``max_memory_allocated``, against the predicted device peak. On a CPU device and host
-    are one memory: torch's ``MemTracker`` counts the run's live tensors (``planning/measure.py``), against the
-    predicted device peak plus what the choice puts on the host."""
+    are one memory: torch's ``MemTracker`` counts the run's live tensors, against the predicted device peak plus what
+    the choice puts on the host. Every rank opens and closes the window at the same optimizer steps, and the peaks
+    are gathered there."""
 
     def __init__(self, choice: AutoChoice) -> None:
         self.choice = choice
         #: Every rank's measured peak, once measured.
         self.peaks: list[int] = []
         self._tracker: MemTracker | None = None
-        self._last = -1
-
-    @property
-    def predicted(self) -> int:
-        return self.choice.predicted_device
+        self._first_step: int | None = None  # the fit's first optimizer step (a resumed fit's is not 0)
+        self._open = False
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.peaks or batch_idx != 0 or trainer.global_step != 0:
+        if self._first_step is None:
+            self._first_step = trainer.global_step
+        if self.peaks or self._open or trainer.global_step != self._first_step + 1:
             return
-        self._last = CHECKED_STEPS * trainer.accumulate_grad_batches - 1
+        self._open = True
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -316,15 +316,11 @@ class FirstStepsPeak(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.peaks or batch_idx != self._last:
-            return
-        self._finish(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.peaks and self._last >= 0:  # an epoch shorter than the steps checked
+        if self._open and self._first_step is not None and trainer.global_step == self._first_step + 2:
             self._finish(trainer)
 
     def _finish(self, trainer: pl.Trainer) -> None:
+        self._open = False
         device = trainer.strategy.root_device
         expected = self.choice.predicted_device
         if device.type == "cuda":
@@ -343,8 +339,8 @@ class FirstStepsPeak(pl.Callback):
         unit = unit_for(measured, expected)
         where = "per device" if device.type == "cuda" else "per rank (device and host: one memory on a CPU run)"
         line = (
-            f"zero_auto: measured peak {format_bytes(measured, unit)} {where} over the first {CHECKED_STEPS} "
-            f"optimizer steps; predicted {format_bytes(expected, unit)}"
+            f"zero_auto: measured peak {format_bytes(measured, unit)} {where} over the second optimizer step; "
+            f"predicted {format_bytes(expected, unit)}"
         )
         if trainer.logger is not None and trainer.is_global_zero:
             trainer.logger.log_metrics(
@@ -361,6 +357,7 @@ class FirstStepsPeak(pl.Callback):
             rank_zero_info(line + ".")
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._open = False
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None

@@ -197,7 +197,7 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
 
     @property
     def auto_measured_peak(self) -> int | None:
-        """With ``stage="auto"``: the largest measured peak over the ranks of the first optimizer steps (see
+        """With ``stage="auto"``: the largest measured peak over the ranks of the fit's second optimizer step (see
         :class:`~lightning_zero.strategy.auto_choice.FirstStepsPeak`), once measured."""
         return max(self._first_steps.peaks) if self._first_steps is not None and self._first_steps.peaks else None
 

@@ -97,7 +97,9 @@ def test_a_batch_it_cannot_split_is_kept_and_manual_optimization_is_refused(repo
 
 
 def test_the_first_steps_are_checked_against_the_prediction(report):
-    row = report["edges"]["no_headroom"]
-    assert row["measured"] > row["predicted"]
+    """A module that holds 16 MiB outside its training step: measured over the prediction by more than the 10%
+    headroom, a warning names both figures."""
+    row = report["edges"]["unforeseen"]
+    assert row["measured"] > 1.1 * row["predicted"]
     (warning,) = row["warnings"]
-    assert "measured peak" in warning and "predicted" in warning and "more than the 0% headroom" in warning
+    assert "measured peak" in warning and "predicted" in warning and "more than the 10% headroom" in warning
