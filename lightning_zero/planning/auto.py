@@ -4,12 +4,13 @@ The planner (``plan.py``) weighs stage x offload share x activation checkpointin
 picks the first predicted to fit the budget. Here that search is narrowed to what the user left open:
 
 * ``offload_optimizer`` given: every candidate offloads exactly that share (``False``: none);
-* ``offload_params`` given: only stage 3 with (or without) it;
+* ``offload_params`` given: with it, only stage 3 with it; without it, no candidate that offloads parameters;
 * ``activation_checkpointing`` given: on with that policy (``None``: off); else on or off, with the model's repeated
   block (the class of the first ``nn.ModuleList``'s layers) as the policy;
 * ``offload_activations`` given: the checkpointed inputs on the host (or never);
-* a batch the strategy cannot split (:func:`lightning_zero.planning.auto.splittable`) or manual optimization: the
-  micro-batch is the user's batch.
+* a batch the strategy cannot split (:func:`splittable`), or sequence parallelism (the batch is cut along the
+  sequence before the step): the micro-batch is the user's batch. (Manual optimization is refused before this:
+  ``strategy/auto_choice.py``.)
 
 Every other setting is kept as given, and a candidate those settings refuse (``offload_step_delay=1`` needs stage 1
 or 2 with the whole optimizer offloaded, say) is not weighed: each candidate is checked by building its
@@ -279,13 +280,14 @@ def _settings(pick: Candidate) -> dict[str, Any]:
 
 
 def _table(search: Search, budget: Budget, devices_per_host: int) -> str:
-    """The candidates weighed, fastest first, their predicted peaks, the pick and why."""
-    candidates = [candidate for candidate, _ in search.weighed]
+    """The candidates weighed, by their estimated step time, their predicted peaks, the pick and why."""
+    weighed = sorted(search.weighed, key=lambda row: row[0].relative_time)  # stable: the search's order on ties
+    candidates = [candidate for candidate, _ in weighed]
     pick = candidates.index(search.pick)
     rows = describe(candidates, devices_per_host, pick)
     unit = unit_for(*(r["device_bytes"] for r in rows), *(r["host_bytes"] for r in rows))  # the budget: its own
-    faster = sum(1 for candidate, fits in search.weighed[:pick] if not fits)
     chosen = search.pick
+    faster = sum(1 for candidate, fits in weighed if not fits and candidate.relative_time < chosen.relative_time)
     why = (
         f"the fastest predicted to fit {format_bytes(budget.device)} per device ({format_bytes(budget.memory)}, "
         f"{budget.source}, less {budget.headroom:.0%} headroom)"
@@ -293,7 +295,7 @@ def _table(search: Search, budget: Budget, devices_per_host: int) -> str:
     if faster:
         why += f"; the {faster} faster candidate{'s' if faster > 1 else ''} above need{'s' if faster == 1 else ''} more"
     return (
-        "zero_auto: the configurations weighed, fastest first\n"
+        "zero_auto: the configurations weighed, fastest first (by the planner's step-time estimate)\n"
         + format_rows(rows, budget.device, budget.host_limit, unit)
         + f"\nzero_auto chose {chosen.configuration.name}{activations_label(chosen)}, micro-batch "
         f"{chosen.micro_batch} x {chosen.accumulate}: {why}."

@@ -112,8 +112,8 @@ class Search:
     pick: Candidate
     """The fastest candidate predicted to fit."""
     weighed: list[tuple[Candidate, bool]]
-    """Every candidate the search weighed, fastest first, and whether it fits: the ones before the pick are why it
-    was picked (each faster, none fitting)."""
+    """Every candidate the search weighed, in the order weighed (by the least time each could take), and whether it
+    fits: none that fits is faster than the pick."""
 
 
 class Planner:
@@ -187,10 +187,10 @@ class Planner:
         return self._traces[key]
 
     def _anchors(self) -> tuple[int, ...]:
-        """The micro-batches traced for the line: the whole per-device batch and its largest proper divisor (none where
-        the batch has no more than two divisors: each is traced)."""
+        """The micro-batches traced for the line: the whole per-device batch and 1, so every other micro-batch lies
+        between them (none where the batch has no more than two divisors: each is traced)."""
         divisors = _divisors_descending(self.per_device)
-        return tuple(divisors[:2]) if len(divisors) > 2 else ()
+        return (divisors[0], divisors[-1]) if len(divisors) > 2 else ()
 
     def candidate(
         self, configuration: Configuration, checkpointing: bool, micro_batch: int, offloaded: bool = False

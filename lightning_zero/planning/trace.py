@@ -245,7 +245,10 @@ def on_the_line(high: StepTrace, low: StepTrace, micro_batch: int) -> StepTrace 
     every point of the timeline (bytes alive after each operation) is a line in the micro-batch, through the two
     traced points, and the parameters, their gradients, the optimizer state and the layers are the same. One trace
     per micro-batch the planner weighs costs a second or more for a billion-parameter model; two per checkpointing
-    choice give them all. ``tests/unit/test_planning.py`` compares lines with traces."""
+    choice (the whole batch and 1) give them all. The micro-batches weighed lie between the two, never beyond: a
+    term that grows faster than the batch (an in-batch similarity matrix, ``B x B``) lies under the chord between
+    two points, so there the line over-predicts rather than under (beyond them it would under-predict).
+    ``tests/unit/test_auto.py`` compares lines with traces."""
     if len(high.timeline) != len(low.timeline) or high.batch_size == low.batch_size:
         return None
 

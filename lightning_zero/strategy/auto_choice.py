@@ -46,7 +46,7 @@ from lightning_zero.planning.measure import _run_tensors, _TotalsOnly
 from lightning_zero.planning.plan import NothingFits, Planner
 from lightning_zero.planning.trace import COMPUTE_DTYPES
 from lightning_zero.resume.rng import collect_rng_state, restore_rng_state
-from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, MemTracker
+from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, MemTracker, tree_leaves
 
 #: Where a checkpoint records the choice.
 CHECKPOINT_KEY = "lightning_zero_auto"
@@ -113,6 +113,7 @@ class AutoChoosing:
         broadcasts it; every rank raises the same error where nothing fits."""
         budget = self._budget(strategy)
         payload: dict[str, Any] = {}
+        self._phase = "choose"  # what rank 0 was doing, for the error every rank raises
         if strategy.global_rank == 0:
             state = collect_rng_state()
             try:
@@ -122,9 +123,8 @@ class AutoChoosing:
             except Exception as err:  # the trace runs the user's code: every rank must hear of its failure
                 payload = {
                     "error": "ZeroConfigError",
-                    "message": f"zero_auto could not trace the module's training_step on the train DataLoader's first "
-                    f"batch ({type(err).__name__}: {err}). Name a stage by hand (`lightning-zero plan` predicts each "
-                    "one's memory).",
+                    "message": f"`stage='auto'` could not {self._phase} ({type(err).__name__}: {err}). Name a stage by "
+                    "hand (`lightning-zero plan` predicts each one's memory).",
                 }
             finally:
                 restore_rng_state(state)
@@ -140,12 +140,12 @@ class AutoChoosing:
     def _choice_on_rank_zero(
         self, strategy: Any, trainer: pl.Trainer, module: pl.LightningModule, budget: Budget
     ) -> dict[str, Any]:
-        recorded = _recorded_choice(self.ckpt_path) if trainer.state.fn == TrainerFn.FITTING else None
+        recorded = _recorded_choice(self.ckpt_path)
         if recorded is not None:
             choice = AutoChoice.from_record(recorded)
             return {
                 "choice": choice.record(),
-                "reused": f"resuming {self.ckpt_path}, with its choice: {choice.describe()}",
+                "reused": f"{self.ckpt_path} recorded its choice: {choice.describe()}",
             }
         if trainer.state.fn != TrainerFn.FITTING:
             raise ZeroConfigError(
@@ -153,6 +153,7 @@ class AutoChoosing:
                 "has no fit before it and no checkpoint that recorded a choice. Fit first, pass the fit's "
                 "checkpoint as `ckpt_path`, or name a stage."
             )
+        config = strategy.zero_config
         precision = strategy.precision_plugin.precision
         if precision not in COMPUTE_DTYPES:
             raise ZeroConfigError(
@@ -165,9 +166,11 @@ class AutoChoosing:
                 "backward of its loss); this module optimizes manually (its training_step calls the optimizers "
                 "itself), which a trace cannot follow. Name a stage (`lightning-zero plan` predicts each one's memory)."
             )
+        self._phase = "read the train DataLoader's first batch"
         batch = _sample_batch(trainer, module)
-        split = splittable(batch)
-        config = strategy.zero_config
+        # Under sequence parallelism the batch is cut along the sequence before the step: its parts would no longer
+        # be the labels the wiring matched (sequence_parallel/causal_lm.py), so it is kept whole.
+        split = splittable(batch) and config.sequence_parallel_size == 1
         given_policy = self.settings["activation_checkpointing"]
         planner = Planner(
             lambda: copy.deepcopy(module),
@@ -185,13 +188,17 @@ class AutoChoosing:
             tiled_compute=config.tiled_compute,
             sequence_parallel_size=config.sequence_parallel_size,
         )
+        self._phase = "trace the module's training_step (a copy, on fake tensors) on the train DataLoader's first batch"
         choice = choose(planner, budget, self.settings, self.given, split=split)
         table = choice.table
         if not split and planner.per_device > 1:
-            table += (
-                "\n(micro-batches smaller than the batch were not weighed: the batch is not a tensor, or a dict, list "
-                "or tuple of tensors sharing their first dimension, so the strategy cannot split it.)"
+            why = (
+                "each sample is shared by the ranks of a sequence-parallel group"
+                if config.sequence_parallel_size > 1
+                else "the batch is not a tensor, or a dict, list or tuple of tensors sharing their first dimension, "
+                "so the strategy cannot split it"
             )
+            table += f"\n(micro-batches smaller than the batch were not weighed: {why}.)"
         return {"choice": choice.record(), "table": table}
 
     def _budget(self, strategy: Any) -> Budget:
@@ -239,6 +246,8 @@ def _sample_batch(trainer: pl.Trainer, module: pl.LightningModule) -> Any:
             "train DataLoader."
         )
     loaders = source.dataloader()
+    generators = _generators(loaders)  # a loader's or sampler's own: drawing a batch advances them too
+    states = [generator.get_state() for generator in generators]
     combined = CombinedLoader(loaders, "max_size_cycle")
     iter(combined)
     try:
@@ -247,9 +256,27 @@ def _sample_batch(trainer: pl.Trainer, module: pl.LightningModule) -> Any:
         raise ZeroConfigError("`stage='auto'`: the train DataLoader gave no batch to trace a step on.") from None
     finally:
         combined.reset()
+        for generator, state in zip(generators, states):
+            generator.set_state(state)
     batch = module.on_before_batch_transfer(batch, 0)
     batch = module.transfer_batch_to_device(batch, torch.device("cpu"), 0)
     return module.on_after_batch_transfer(batch, 0)
+
+
+def _generators(loaders: Any) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of the DataLoaders in ``loaders`` (a loader, or a dict or list of them), their
+    samplers and batch samplers."""
+    found: list[torch.Generator] = []
+    for loader in tree_leaves(loaders):
+        for holder in (
+            loader,
+            getattr(loader, "sampler", None),
+            getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+        ):
+            generator = getattr(holder, "generator", None)
+            if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+                found.append(generator)
+    return found
 
 
 def _block_of(module: pl.LightningModule) -> type[torch.nn.Module] | None:
@@ -270,7 +297,7 @@ def _recorded_choice(ckpt_path: str | None) -> Mapping[str, Any] | None:
         return None
     path = Path(ckpt_path)
     try:
-        checkpoint = read_checkpoint_dict(path / META_FILE if path.is_dir() else path)
+        checkpoint = read_checkpoint_dict(path / META_FILE if path.is_dir() else path, mmap=path.is_file())
     except CheckpointError:
         return None  # the load itself reports what is wrong with it, in its place
     return checkpoint.get(CHECKPOINT_KEY)
@@ -356,8 +383,12 @@ class FirstStepsPeak(pl.Callback):
         else:
             rank_zero_info(line + ".")
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def close(self) -> None:
+        """Stop measuring (a run that ends, or fails, inside the window): the tracker's dispatch mode and hooks go."""
         self._open = False
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.close()

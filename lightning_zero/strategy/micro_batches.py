@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero.planning.auto import AutoChoice
+from lightning_zero.config.choices import ZeroConfigError
+from lightning_zero.planning.auto import AutoChoice, splittable
 from lightning_zero.torch_versions.tracing import tree_leaves, tree_map_only
 
 
@@ -59,42 +60,63 @@ class SplitStep:
     def __init__(self, strategy: Any, choice: AutoChoice, args: tuple, kwargs: dict) -> None:
         self.strategy, self.splits = strategy, choice.splits
         batch = args[0] if args else kwargs["batch"]
+        if not splittable(batch):
+            raise ZeroConfigError(
+                "`stage='auto'` chose to split each batch into micro-batches of "
+                f"{choice.micro_batch}, and this batch is not a tensor, or a dict, list or tuple of tensors sharing "
+                "their first dimension. Keep the batches of the fit the choice was made for, or name a stage."
+            )
         self.parts = split(batch, choice.micro_batch)
+        if len(self.parts) > self.splits:
+            raise ZeroConfigError(
+                f"`stage='auto'` chose micro-batches of {choice.micro_batch} for batches of {choice.batch} samples "
+                f"a rank, and this batch holds {tree_leaves(batch)[0].shape[0]}: its {len(self.parts)} parts would "
+                f"weigh more than one batch (and need memory the choice did not plan). Keep the batch size the choice "
+                "was made for, or name a stage."
+            )
         self.args, self.kwargs = args, kwargs
+        self.first_loss: torch.Tensor | None = None
 
-    def _step(self, part: Any) -> Any:
+    def _step(self, part: Any) -> tuple[Any, torch.Tensor]:
+        """The part's ``training_step``: its output and its loss."""
         args, kwargs = _with_batch(part, self.args, self.kwargs)
-        return self.strategy._call_module("training_step", args, kwargs)
+        output = self.strategy._call_module("training_step", args, kwargs)
+        loss = _loss(output)
+        if loss is None:  # as Lightning refuses a skipped step on several ranks: the ranks' parts must agree
+            raise RuntimeError(
+                "`training_step` returned no loss for a part of a batch that `stage='auto'` split into "
+                "micro-batches; skipping part of a step is not supported (the ranks would disagree on which "
+                "backward reduces). Return a loss for every batch, or name a stage."
+            )
+        return output, loss
 
     def start(self) -> Any:
-        """The first part's ``training_step`` that returns a loss (its output); the parts after it wait for
-        ``backward``. A part whose step returns None is skipped, as a skipped micro-batch."""
-        while self.parts:
-            output = self._step(self.parts.pop(0))
-            if _loss(output) is not None:
-                return output
-        return None
+        """The first part's ``training_step`` (its output); the parts after it wait for ``backward``."""
+        output, self.first_loss = self._step(self.parts.pop(0))
+        return output
 
-    def finish(self, closure_loss: torch.Tensor, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Backward of the first part (``closure_loss``: its loss as Lightning divided it), then each further part's
-        step and backward; the last part's backward is the step's final one."""
+    def finish(self, backward: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Backward of the first part, then each further part's step and backward; the last part's backward is the
+        step's final one. Each part's loss is divided once, by the splits times ``accumulate_grad_batches`` (as the
+        hand-written configuration divides it by its ``accumulate_grad_batches``, not in two roundings)."""
         strategy = self.strategy
         module = strategy.lightning_module
-        accumulate = module.trainer.accumulate_grad_batches
+        scale = self.splits * module.trainer.accumulate_grad_batches
+        first = self.first_loss
+        if first is None:
+            raise RuntimeError("lightning_zero internal error: a split step's backward before its first part")
         with self._non_final(last=not self.parts):
-            result = backward(closure_loss / self.splits)
+            result = backward(first / scale)
         while self.parts:
             part = self.parts.pop(0)
             previous, module._current_fx_name = module._current_fx_name, "training_step"  # `self.log` is allowed
             try:
                 with strategy.precision_plugin.train_step_context():
-                    loss = _loss(self._step(part))
+                    _, loss = self._step(part)
             finally:
                 module._current_fx_name = previous
-            if loss is None:
-                continue
             with self._non_final(last=not self.parts):
-                result = backward(loss / (self.splits * accumulate))
+                result = backward(loss / scale)
         return result
 
     def _non_final(self, last: bool) -> contextlib.AbstractContextManager:

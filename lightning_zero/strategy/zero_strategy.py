@@ -349,9 +349,10 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
             return
         module = require(self.lightning_module, "lightning_module")
         trainer = trainer_of(module)
-        if self._auto.choice is None:
-            self._auto.choose(self, require(trainer, "trainer"), module)
-        self.zero_config = self._auto.chosen_config(module)
+        with torch.device("cpu"):  # inside Lightning's `tensor_init_context` the default device is the accelerator
+            if self._auto.choice is None:
+                self._auto.choose(self, require(trainer, "trainer"), module)
+            self.zero_config = self._auto.chosen_config(module)
         self.checkpoint_policy = resolve_policy(
             self.zero_config.activation_checkpointing, self.zero_config.offload_activations
         )
@@ -437,10 +438,13 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
     @override
     def teardown(self) -> None:
         RUNNING.discard(self)
+        self._split_step = None
         trainer = trainer_of(self.lightning_module)
         callbacks = getattr(trainer, "callbacks", [])
-        if self._first_steps is not None and self._first_steps in callbacks:
-            callbacks.remove(self._first_steps)
+        if self._first_steps is not None:
+            self._first_steps.close()  # Lightning's callback teardown comes after this one: a run stopped early
+            if self._first_steps in callbacks:
+                callbacks.remove(self._first_steps)
         if self._sequence_wiring is not None:
             self._sequence_wiring.undo()
         self._sequence = self._sequence_wiring = None
@@ -704,8 +708,10 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         self._sharded.sync_buffers()  # as DDP's `broadcast_buffers=True`, before every training step
         with self.precision_plugin.train_step_context():
             if self.pipeline is None:
-                choice = self.auto_choice
-                if choice is not None and choice.splits > 1:  # [Note: a batch's parts in Lightning's order]
+                choice, module = self.auto_choice, require(self.lightning_module, "lightning_module")
+                self._split_step = None  # a batch whose step returned no loss left its parts: they are dropped
+                if choice is not None and choice.splits > 1 and module.automatic_optimization:
+                    # [Note: a batch's parts in Lightning's order]
                     self._split_step = SplitStep(self, choice, args, kwargs)
                     return self._split_step.start()
                 return self._call_module("training_step", args, kwargs)
@@ -754,8 +760,8 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         (and memory probes) see the state a step will use. A batch ``stage="auto"`` splits runs its further parts
         here ([Note: a batch's parts in Lightning's order])."""
         split, self._split_step = self._split_step, None
-        if split is not None:
-            return split.finish(closure_loss, lambda loss: self._backward_one(loss, optimizer, *args, **kwargs))
+        if split is not None:  # `closure_loss` is the first part's, as Lightning divided it: the part divides once
+            return split.finish(lambda loss: self._backward_one(loss, optimizer, *args, **kwargs))
         return self._backward_one(closure_loss, optimizer, *args, **kwargs)
 
     def _backward_one(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

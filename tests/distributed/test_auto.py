@@ -86,6 +86,7 @@ def test_a_resumed_fit_reuses_the_choice_its_checkpoint_recorded(report):
     assert row["resumed"] == row["first"] and row["resumed_stage"] == row["first"]["stage"] == 3
     assert row["fresh"] != row["first"]  # the resumed fit's own budget would have chosen otherwise
     assert row["resumed_step"] == 3
+    assert row["validated_stage"] == 3  # `validate(ckpt_path=...)` reads the choice the fit recorded
 
 
 def test_a_batch_it_cannot_split_is_kept_and_manual_optimization_is_refused(report):

@@ -203,7 +203,8 @@ def gpt_state(overrides: dict) -> dict:
 
 
 def resume(directory: Path) -> dict:
-    """A fit under a tight budget saves a checkpoint; a fit resumed from it under an ample one reuses its choice."""
+    """A fit under a tight budget saves a checkpoint; a fit resumed from it under an ample one reuses its choice, and so
+    does a ``validate`` of it."""
     t, _ = fit_auto(gpt, gpt_data, GPT_BATCH, steps=2, device_memory="40MiB", unit_size_mb=0)
     path = directory / "auto.ckpt"
     t.save_checkpoint(path)
@@ -212,7 +213,10 @@ def resume(directory: Path) -> dict:
     again = trainer(ZeroStrategy(stage="auto", device_memory="80MiB", unit_size_mb=0), max_steps=3, limit_val_batches=0)
     again.fit(gpt(), models.loader(gpt_data(), GPT_BATCH), ckpt_path=str(path))
     fresh, _ = fit_auto(gpt, gpt_data, GPT_BATCH, steps=1, device_memory="80MiB", unit_size_mb=0)
+    evaluating = trainer(ZeroStrategy(stage="auto", device_memory="80MiB", unit_size_mb=0), limit_val_batches=2)
+    evaluating.validate(gpt(), models.loader(gpt_data(), GPT_BATCH), ckpt_path=str(path))
     return {
+        "validated_stage": evaluating.strategy.stage,
         "first": first.settings,
         "resumed": again.strategy.auto_choice.settings,
         "resumed_stage": again.strategy.stage,

@@ -131,9 +131,35 @@ def test_nothing_weighed_before_the_pick_fits_faster():
     assert not any(fits and c.relative_time < pick.relative_time for c, fits in search.weighed)
 
 
+class Contrastive(L.LightningModule):
+    """An in-batch similarity loss: a ``B x B`` matrix, memory that grows faster than the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(64, 64)
+
+    def training_step(self, batch, batch_idx):
+        z = self.encoder(batch[0])
+        logits = z @ z.T  # (B, B)
+        return torch.nn.functional.cross_entropy(logits, torch.arange(len(z)))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_the_line_over_predicts_a_term_that_grows_faster_than_the_batch():
+    """The micro-batches weighed lie between the two traced ones, where a convex term is under the chord."""
+    batch = (torch.randn(512, 64),)
+    planner = Planner(Contrastive, batch, world_size=2, backend="gloo")
+    for micro in (256, 64, 8):
+        line = planner.trace(micro, False)
+        traced = trace_step(Contrastive, _first(batch, micro))
+        assert line.activation_peak >= traced.activation_peak, micro
+
+
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_a_micro_batch_on_the_line_through_two_traces_is_its_trace(model):
-    """[Note: micro-batches on a line]: the line through the traces at 8 and 4 samples gives the traced 2 and 1."""
+    """[Note: micro-batches on a line]: the line through the traces at 8 and 1 samples gives the traced 4 and 2."""
     if model == "gpt":
         build, batch = (lambda: GPTLightningModule(**GPT)), _tokens(8)
     else:
@@ -143,10 +169,10 @@ def test_a_micro_batch_on_the_line_through_two_traces_is_its_trace(model):
         tokens = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
         batch = (tokens, tokens)
     first = trace_step(build, batch)
-    anchors = {8: first, 4: trace_step(build, _first(batch, 4), state_per_element=first.state_per_element)}
-    for micro in (2, 1):
+    anchors = {8: first, 1: trace_step(build, _first(batch, 1), state_per_element=first.state_per_element)}
+    for micro in (4, 2):
         traced = trace_step(build, _first(batch, micro))
-        line = on_the_line(anchors[8], anchors[4], micro)
+        line = on_the_line(anchors[8], anchors[1], micro)
         assert line is not None
         assert line.timeline == traced.timeline and line.batch_size == micro
         assert line.state_per_element == traced.state_per_element
