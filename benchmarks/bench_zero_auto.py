@@ -208,7 +208,7 @@ def main() -> None:
     for row in rows:
         if row["part"] == "choice":
             print(
-                f"choice  {row['model']:<9} {row['budget']:<8} {row['seconds']:>6.2f} s  {row['traces']} traces  {row['choice']}"
+                f"choice  {row['model']:<9} {row['budget']:<8} {row['seconds']:>6.2f} s  {row['traces']} steps traced or on a line  {row['choice']}"
             )
         elif row["part"] == "plan":
             print(f"plan    {row['model']:<9} {row['tree']:<22} {row['seconds']:>6.2f} s")
