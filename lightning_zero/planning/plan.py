@@ -68,6 +68,10 @@ def relative_time(configuration: Configuration, checkpointing: bool, offloaded: 
 OFFLOAD_SHARE_STEP = 0.05
 
 
+class MicroBatchFails(Exception):
+    """The module's step fails at a micro-batch smaller than the batch: a candidate that cannot run."""
+
+
 class NothingFits(ValueError):
     """No configuration fits the budget; the message gives the smallest peak found and what would fit it."""
 
@@ -162,28 +166,40 @@ class Planner:
         self._state_per_element: float | None = None
 
     def trace(self, micro_batch: int, checkpointing: bool, offloaded: bool = False) -> StepTrace:
-        """The traced step at ``micro_batch`` (cached). Past two traced micro-batches, the others are the line through
-        them ([Note: micro-batches on a line])."""
+        """The traced step at ``micro_batch`` (cached). A micro-batch between the whole batch and 1 lies on the line
+        through those two
+        ([Note: micro-batches on a line]). Raises :class:`MicroBatchFails` where the module's step fails at a
+        micro-batch smaller than the batch (``BatchNorm1d`` at one sample): that micro-batch cannot run."""
         key = (micro_batch, checkpointing, offloaded)
         if key not in self._traces:
             anchors = self._anchors()
             if micro_batch not in anchors and len(anchors) == 2:
-                high, low = (self.trace(anchor, checkpointing, offloaded) for anchor in anchors)
-                line = on_the_line(high, low, micro_batch)
+                line: StepTrace | None = None
+                try:
+                    high, low = (self.trace(anchor, checkpointing, offloaded) for anchor in anchors)
+                    line = on_the_line(high, low, micro_batch)
+                except MicroBatchFails:
+                    pass  # the step fails at 1 sample: each micro-batch is traced on its own
                 if line is not None:
                     self._traces[key] = line
                     return line
-            self._traces[key] = trace_step(
-                self.build,
-                _micro(self.batch, micro_batch),
-                precision=self.precision,
-                activation_checkpointing=self.checkpointing if checkpointing else None,
-                offload_activations=offloaded,
-                tiled_compute=self.tiled_compute,
-                sequence_parallel_size=self.sequence_parallel_size,
-                state_per_element=self._state_per_element,
-            )
-            self._state_per_element = self._traces[key].state_per_element  # the optimizer's, whatever the batch
+            try:
+                traced = trace_step(
+                    self.build,
+                    _micro(self.batch, micro_batch),
+                    precision=self.precision,
+                    activation_checkpointing=self.checkpointing if checkpointing else None,
+                    offload_activations=offloaded,
+                    tiled_compute=self.tiled_compute,
+                    sequence_parallel_size=self.sequence_parallel_size,
+                    state_per_element=self._state_per_element,
+                )
+            except Exception as err:
+                if micro_batch == self.per_device:
+                    raise  # the step fails at the batch the run will give it: the user's to see
+                raise MicroBatchFails(f"the step fails at {micro_batch} samples: {type(err).__name__}: {err}") from err
+            self._traces[key] = traced
+            self._state_per_element = traced.state_per_element  # the optimizer's, whatever the batch
         return self._traces[key]
 
     def _anchors(self) -> tuple[int, ...]:
@@ -275,7 +291,12 @@ class Planner:
         for bound, order, configuration, ck, off, micro in options:
             if fitting and bound > min(fitting)[0]:
                 break
-            candidate, fits = self._fill(configuration, ck, off, micro, memory_per_device, memory_per_host, fill_shares)
+            try:
+                candidate, fits = self._fill(
+                    configuration, ck, off, micro, memory_per_device, memory_per_host, fill_shares
+                )
+            except MicroBatchFails:
+                continue  # the module's step cannot run at this micro-batch
             if candidate is None:
                 continue  # the same without offload fits too, and is faster: weighed on its own
             weighed.append((candidate, fits))
@@ -375,10 +396,15 @@ def _nothing_fits(
 ) -> str:
     """The refusal: the least any candidate needs (the smallest micro-batch, every configuration) and what would
     help."""
-    smallest = min(
-        (planner.candidate(c, ac, micro, off) for c in configurations for ac, off in choices),
-        key=lambda c: c.prediction.device_bytes,
-    )
+    candidates = []
+    for size in sorted({micro, planner.per_device}):  # the smallest micro-batch the step runs at
+        try:
+            candidates = [planner.candidate(c, ac, size, off) for c in configurations for ac, off in choices]
+        except MicroBatchFails:
+            continue
+        micro = size
+        break
+    smallest = min(candidates, key=lambda c: c.prediction.device_bytes)
     peak, host_peak = smallest.prediction.device_bytes, smallest.prediction.host_bytes * planner.devices_per_host
     over_device = peak > device or host is None
     # One unit for the sentence; the host's budget is named only where it is what the smallest candidate misses.

@@ -171,6 +171,7 @@ class AutoChoosing:
         # Under sequence parallelism the batch is cut along the sequence before the step: its parts would no longer
         # be the labels the wiring matched (sequence_parallel/causal_lm.py), so it is kept whole.
         split = splittable(batch) and config.sequence_parallel_size == 1
+        self._phase = "find the module's repeated block (a copy, on fake tensors)"
         given_policy = self.settings["activation_checkpointing"]
         planner = Planner(
             lambda: copy.deepcopy(module),

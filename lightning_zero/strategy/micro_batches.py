@@ -5,8 +5,8 @@ DataLoader gives, so the strategy splits each batch and accumulates over its par
 Lightning's automatic optimization runs ``training_step``, then ``zero_grad`` (at a window's first batch), then
 ``backward``. So ``training_step`` runs the first part's step only and returns its output; ``backward`` runs that
 part's backward, then each further part's ``training_step`` and backward. Every part but the last is a non-final
-micro-batch (no gradient communication), and each part's loss is divided by the number of splits (and, as Lightning
-divides it, by ``accumulate_grad_batches``). That is the hand-written configuration's step (the DataLoader's batch
+micro-batch (no gradient communication), and each part's loss is divided once, by the number of splits times
+``accumulate_grad_batches`` (the hand-written configuration's ``accumulate_grad_batches``). That is the hand-written configuration's step (the DataLoader's batch
 divided by the splits, ``accumulate_grad_batches`` multiplied by them) in its order: forward and backward of each
 micro-batch in turn, the hooks around each backward, then clipping and the optimizer step. So a parameter after ``N``
 steps is the hand-written configuration's. A batch with fewer samples (an epoch's last) gives fewer parts, each scaled

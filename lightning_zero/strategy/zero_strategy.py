@@ -709,8 +709,9 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         with self.precision_plugin.train_step_context():
             if self.pipeline is None:
                 choice, module = self.auto_choice, require(self.lightning_module, "lightning_module")
-                self._split_step = None  # a batch whose step returned no loss left its parts: they are dropped
-                if choice is not None and choice.splits > 1 and module.automatic_optimization:
+                self._split_step = None  # a step whose backward Lightning skipped (SWA's BatchNorm epoch) left it
+                split = module.automatic_optimization and self._sequence is None  # a resumed choice may not fit
+                if choice is not None and choice.splits > 1 and split:
                     # [Note: a batch's parts in Lightning's order]
                     self._split_step = SplitStep(self, choice, args, kwargs)
                     return self._split_step.start()

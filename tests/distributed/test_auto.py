@@ -19,7 +19,7 @@ BOUND = 0.10
 @pytest.fixture(scope="module")
 def report():
     """`make test`: the demo GPT's budgets, the split batch's exactness, resume and the edges (about 30 s)."""
-    env = {"LZ_CASES": "split"}
+    env = {"LZ_CASES": "split,split_by_three"}
     return launch("tests.distributed.worker_auto", "budgets", "exact", "resume", "edges", nprocs=2, env=env, fresh=True)
 
 
@@ -63,6 +63,7 @@ def test_the_choice_trains_as_the_same_configuration_written_by_hand(report):
     with accumulation, clipping, two parameter groups, warmup and dropout around it."""
     rows = report["exact"]
     assert rows["split"]["splits"] > 1 and rows["split"]["settings"]["stage"] in (1, 2)
+    assert rows["split_by_three"]["splits"] % 2 == 1  # a division that rounds unless done once
     check_exact(rows)
 
 

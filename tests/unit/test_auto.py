@@ -254,3 +254,31 @@ def test_repeated_block_is_the_first_module_lists_layer():
     module = GPTLightningModule(**GPT)
     assert repeated_block(module) is Block
     assert repeated_block(torch.nn.Linear(2, 2)) is None
+
+
+class Normalized(L.LightningModule):
+    """``BatchNorm1d`` on ``(B, C)``: its training step fails at one sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(8, 8000), torch.nn.BatchNorm1d(8000), torch.nn.ReLU())
+
+    def training_step(self, batch, batch_idx):
+        return self.layers(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_a_micro_batch_the_step_cannot_run_at_is_not_weighed():
+    """The line's anchor at 1 sample fails for ``BatchNorm1d``: the micro-batches between are traced on their own,
+    and 1 is no candidate, where the step runs at 4."""
+    from lightning_zero.planning.plan import MicroBatchFails
+    from lightning_zero.planning.predict import Configuration
+
+    planner = Planner(Normalized, (torch.randn(8, 8),), world_size=2, backend="gloo")
+    with pytest.raises(MicroBatchFails, match="at 1 samples"):
+        planner.trace(1, False)
+    whole, half = (planner.candidate(Configuration(1), False, m).prediction.device_bytes for m in (8, 4))
+    pick = planner.search((whole + half) / 2, configurations=[Configuration(1)]).pick
+    assert pick.micro_batch == 4 and (4, False, False) in planner._traces
