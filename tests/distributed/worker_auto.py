@@ -154,7 +154,7 @@ EXACT = {
     "split": (SPLIT, 16, 22, SPLIT_LOOP, {}),
     # 12 a rank, parts of 4 and 3 accumulated: neither a power of two (each part's loss divided once, as by hand), and
     # each epoch's last batch of 8 in two parts.
-    "split_by_three": (SPLIT, 12, 22, {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}, {}),
+    "split_by_three": (SPLIT, 12, 26, {"accumulate_grad_batches": 3, "gradient_clip_val": 0.5}, {}),
     "stage3_checkpointed": ({**GPT, "dropout": 0.1}, GPT_BATCH, 40, {"gradient_clip_val": 0.5}, {"unit_size_mb": 0}),
     "offloaded": (GPT, GPT_BATCH, 25, {"gradient_clip_val": 0.5}, {"unit_size_mb": 0}),
 }
