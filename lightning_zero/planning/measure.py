@@ -56,6 +56,44 @@ def _run_tensors(trainer: L.Trainer, module: L.LightningModule, batch: Any) -> l
     return [t._local_tensor if isinstance(t, DTensor) else t for t in held]
 
 
+class PeakWindow:
+    """The peak of the run's live tensor bytes between :meth:`open` and :meth:`close` (see the module docstring): on
+    CUDA the device's ``max_memory_allocated`` over the window, on a CPU ``MemTracker`` handed the run's tensors."""
+
+    def __init__(self) -> None:
+        self._tracker: MemTracker | None = None
+
+    def open(self, trainer: L.Trainer, module: L.LightningModule, batch: Any) -> None:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            return
+        tracker = _TotalsOnly()
+        tracker.track_external(*_run_tensors(trainer, module, batch))
+        tracker.__enter__()
+        self._tracker = tracker
+
+    def close(self, trainer: L.Trainer) -> int:
+        """The window's peak on this rank."""
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            return torch.cuda.max_memory_allocated(device)
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            raise RuntimeError("lightning_zero internal error: a peak window closed before it opened")
+        snapshot = tracker.get_tracker_snapshot("peak")
+        tracker.__exit__(None, None, None)
+        return sum(per_device.get("Total", 0) for per_device in snapshot.values())
+
+    def abandon(self) -> None:
+        """Stop measuring without a figure (a run that ends inside the window): the dispatch mode and hooks go."""
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+
+
 class PeakMemory(L.Callback):
     """Measure the peak of the run's live tensor bytes over training batches ``[first, first + count)`` (collective
     at the end: every rank's peak is gathered into ``peaks``); on CUDA the device's ``max_memory_allocated`` over
@@ -65,8 +103,7 @@ class PeakMemory(L.Callback):
     def __init__(self, first: int | None = None, count: int | None = None) -> None:
         self.first, self.count = first, count
         self.peaks: list[int] = []
-        self._tracker: MemTracker | None = None
-        self._peak = 0
+        self._window = PeakWindow()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         accumulate = trainer.accumulate_grad_batches
@@ -76,17 +113,8 @@ class PeakMemory(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if batch_idx != self.first:
-            return
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            return
-        tracker = _TotalsOnly()
-        tracker.track_external(*_run_tensors(trainer, pl_module, batch))
-        tracker.__enter__()
-        self._tracker = tracker
+        if batch_idx == self.first:
+            self._window.open(trainer, pl_module, batch)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -95,17 +123,5 @@ class PeakMemory(L.Callback):
             raise RuntimeError("PeakMemory: the window is set in on_train_start, before any batch.")
         if batch_idx != self.first + self.count - 1:
             return
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            tracker, self._tracker = self._tracker, None
-            if tracker is None:
-                raise RuntimeError("lightning_zero internal error: opened at the window's first batch")
-            snapshot = tracker.get_tracker_snapshot("peak")
-            tracker.__exit__(None, None, None)
-            peak = sum(per_device.get("Total", 0) for per_device in snapshot.values())
-        self._peak = peak
-        gathered = trainer.strategy.all_gather(torch.tensor([self._peak], dtype=torch.int64))
+        gathered = trainer.strategy.all_gather(torch.tensor([self._window.close(trainer)], dtype=torch.int64))
         self.peaks = [int(v) for v in gathered.reshape(-1).tolist()]

@@ -42,11 +42,11 @@ from lightning_zero.config.zero_config import ZeroConfig
 from lightning_zero.engine.comm import collectives
 from lightning_zero.planning.auto import AUTO_SETTINGS, AutoChoice, Budget, choose, repeated_block, splittable
 from lightning_zero.planning.formulas import format_bytes, unit_for
-from lightning_zero.planning.measure import _run_tensors, _TotalsOnly
+from lightning_zero.planning.measure import PeakWindow
 from lightning_zero.planning.plan import NothingFits, Planner
 from lightning_zero.planning.trace import COMPUTE_DTYPES
 from lightning_zero.resume.rng import collect_rng_state, restore_rng_state
-from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, MemTracker, tree_leaves
+from lightning_zero.torch_versions.tracing import FakeCopyMode, FakeTensorMode, tree_leaves
 
 #: Where a checkpoint records the choice.
 CHECKPOINT_KEY = "lightning_zero_auto"
@@ -319,7 +319,7 @@ class FirstStepsPeak(pl.Callback):
         self.choice = choice
         #: Every rank's measured peak, once measured.
         self.peaks: list[int] = []
-        self._tracker: MemTracker | None = None
+        self._window = PeakWindow()
         self._first_step: int | None = None  # the fit's first optimizer step (a resumed fit's is not 0)
         self._open = False
 
@@ -331,15 +331,7 @@ class FirstStepsPeak(pl.Callback):
         if self.peaks or self._open or trainer.global_step != self._first_step + 1:
             return
         self._open = True
-        device = trainer.strategy.root_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            return
-        tracker = _TotalsOnly()
-        tracker.track_external(*_run_tensors(trainer, pl_module, batch))
-        tracker.__enter__()
-        self._tracker = tracker
+        self._window.open(trainer, pl_module, batch)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -349,23 +341,13 @@ class FirstStepsPeak(pl.Callback):
 
     def _finish(self, trainer: pl.Trainer) -> None:
         self._open = False
-        device = trainer.strategy.root_device
-        expected = self.choice.predicted_device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            tracker, self._tracker = self._tracker, None
-            if tracker is None:
-                return
-            snapshot = tracker.get_tracker_snapshot("peak")
-            tracker.__exit__(None, None, None)
-            peak = sum(per_device.get("Total", 0) for per_device in snapshot.values())
-            expected += self.choice.predicted_host
+        cuda = trainer.strategy.root_device.type == "cuda"
+        peak = self._window.close(trainer)
+        expected = self.choice.predicted_device + (0 if cuda else self.choice.predicted_host)
         self.peaks = [int(p) for p in collectives.all_gather_objects(int(peak))]
         measured = max(self.peaks)
         unit = unit_for(measured, expected)
-        where = "per device" if device.type == "cuda" else "per rank (device and host: one memory on a CPU run)"
+        where = "per device" if cuda else "per rank (device and host: one memory on a CPU run)"
         line = (
             f"zero_auto: measured peak {format_bytes(measured, unit)} {where} over the second optimizer step; "
             f"predicted {format_bytes(expected, unit)}"
@@ -387,9 +369,7 @@ class FirstStepsPeak(pl.Callback):
     def close(self) -> None:
         """Stop measuring (a run that ends, or fails, inside the window): the tracker's dispatch mode and hooks go."""
         self._open = False
-        if self._tracker is not None:
-            self._tracker.__exit__(None, None, None)
-            self._tracker = None
+        self._window.abandon()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.close()
