@@ -215,7 +215,6 @@ def resume(directory: Path) -> dict:
     L.seed_everything(0)
     again = trainer(ZeroStrategy(stage="auto", device_memory="80MiB", unit_size_mb=0), max_steps=3, limit_val_batches=0)
     again.fit(gpt(), models.loader(gpt_data(), GPT_BATCH), ckpt_path=str(path))
-    fresh, _ = fit_auto(gpt, gpt_data, GPT_BATCH, steps=1, device_memory="80MiB", unit_size_mb=0)
     evaluating = trainer(ZeroStrategy(stage="auto", device_memory="80MiB", unit_size_mb=0), limit_val_batches=2)
     evaluating.validate(gpt(), models.loader(gpt_data(), GPT_BATCH), ckpt_path=str(path))
     return {
@@ -224,7 +223,6 @@ def resume(directory: Path) -> dict:
         "resumed": again.strategy.auto_choice.settings,
         "resumed_stage": again.strategy.stage,
         "resumed_step": again.global_step,
-        "fresh": fresh.strategy.auto_choice.settings,
     }
 
 
