@@ -103,8 +103,8 @@ class ZeroConfig:
 
     memory_headroom: float = 0.1
     """``stage="auto"``: the share of ``device_memory`` left free for what the prediction does not see (allocator
-    fragmentation, the framework's own buffers); a choice whose first steps measure more than its prediction by more
-    than this share is warned about."""
+    fragmentation, the framework's own buffers); a choice whose fit measures more than its prediction over its second
+    optimizer step, by more than this share, is warned about."""
 
     offload_optimizer: bool | float = False
     """Keep master shards and optimizer state in host memory (ZeRO-Offload): gradient shards go to the host,

@@ -162,7 +162,7 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         #: ``self._deepspeed``: a DeepSpeed-style config, checked now; its Trainer-level parts apply when a Trainer runs.
         self._hold(*strategy_settings(arguments, config))  # the settings and the collaborators (core.py)
         #: ``stage="auto"``: the planner's choice, made when fit starts ([Note: when zero_auto chooses]).
-        self._auto = None if self.zero_config.chosen else AutoChoosing(self.zero_config, self._given(config))
+        self._auto = None if self.zero_config.chosen else AutoChoosing(self.zero_config, self._given())
         self._first_steps: FirstStepsPeak | None = None
         self._split_step: SplitStep | None = None  # a split batch's parts waiting for `backward`
         self._num_nodes = 1
@@ -181,7 +181,7 @@ class ZeroStrategy(StrategyCore, ParallelStrategy):
         )
         self._forward_redirection = RootHeldRedirection(self)
 
-    def _given(self, config: dict | str | Path | None) -> set[str]:
+    def _given(self) -> set[str]:
         """The settings given (the constructor's arguments, and what a DeepSpeed ``config`` sets)."""
         given = set(getattr(self, "_given_arguments", ()))
         if self._deepspeed is not None:
