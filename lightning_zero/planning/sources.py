@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_zero.planning.auto import repeated_block
 from lightning_zero.planning.formulas import GIB, split_devices
 
 #: GPT-3's shapes (Brown et al., 2020, table 2.1): (parameters, layers, width, heads). ``--params`` plans a GPT
@@ -260,7 +261,4 @@ def _repeated_block(build: Callable[[], Any]) -> type[nn.Module] | None:
         module = build()
         if callable(getattr(module, "configure_model", None)):
             module.configure_model()
-    for sub in module.modules():
-        if isinstance(sub, nn.ModuleList) and len(sub):
-            return type(sub[0])
-    return None
+    return repeated_block(module)
